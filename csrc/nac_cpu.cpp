@@ -1,0 +1,451 @@
+// Fused CPU kernels of the NAC losses: forward (with the per-row gradients) and the keys' backward.
+//
+// Math (NAC_SPEC.md; per-element helpers and their derivation in nac_math.h):
+//   q_i = s * m_i * tanh(a_i)                    queries, (n, D)
+//   k_j = keys_j, or tanh(a_j) when keys=None    keys, (N, D)
+//   lse_i  = log sum_j exp(q_i . k_j)
+//   loss_i = lse_i - log N - bern_i + l2 ||z_i||^2
+//   forward also returns, when asked, d loss_i / d a_i and d loss_i / d r_i (row-local: they need
+//   only A_i = sum_j P_ij k_j, which the forward accumulates flash-attention style), so the
+//   backward of the rows is a scaling by the upstream gradient;
+//   nac_bwd_keys: d/dk_j sum_i g_i loss_i = sum_i g_i P_ij q_i, recomputing P from the saved lse.
+//
+// Never materialises the n x N logits: each worker holds one (BQ x BK) tile of them.  Tiles are
+// sized to stay in the 2 MiB L2 of this machine, where MKL's sgemm runs at ~166 GFLOP/s per thread
+// against ~87 GFLOP/s for the reference's 4096 x 4096 x 128 product that streams its 64 MiB result
+// to memory (measured 2026-11-22, 2-core Xeon, torch 2.14.1).  The GEMMs go through at::mm_out on
+// tile views (MKL), the softmax work through vectorised loops (fast_expf below).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "nac_math.h"
+
+namespace {
+
+constexpr int64_t kBQ = 128;  // query rows per tile
+constexpr int64_t kBK = 512;  // keys per tile: a 128 x 512 fp32 tile is 256 KiB
+
+// ---------------------------------------------------------------------------------------------
+// Row operations on a logits tile.  One build runs on any x86-64: the AVX-512 intrinsics path is
+// picked at load time where the CPU has it, else GCC's target_clones versions (AVX2 / baseline).
+// ---------------------------------------------------------------------------------------------
+
+// exp for x <= ~88 with ~2 ulp error (Cephes expf polynomial, Cody-Waite reduction), written so
+// GCC vectorises it; torch.exp ran at 0.5 G/s here, this runs in-cache at several G/s per core.
+static inline float fast_expf(float x) {
+  x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38 is still normal; the max row entry is 1
+  x = x > 88.0f ? 88.0f : x;
+  const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  float r = x - kf * 0.693359375f;
+  r = r + kf * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(kf) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define NAC_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define NAC_MULTIVERSION
+#endif
+
+constexpr int kLanes = 16;
+
+NAC_MULTIVERSION
+static float row_max_f(const float* __restrict x, int64_t n) {
+  float lanes[kLanes];
+  for (int l = 0; l < kLanes; ++l) lanes[l] = -std::numeric_limits<float>::infinity();
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] = x[c + l] > lanes[l] ? x[c + l] : lanes[l];
+  float m = lanes[0];
+  for (int l = 1; l < kLanes; ++l) m = lanes[l] > m ? lanes[l] : m;
+  for (; c < n; ++c) m = x[c] > m ? x[c] : m;
+  return m;
+}
+
+// x <- exp(x - shift) * mult, returns the sum of the exps (before mult).  Two simple loops: GCC
+// vectorises each (checked with -fopt-info-vec), but not the fused loop.
+NAC_MULTIVERSION
+static float exp_shift_f(float* __restrict x, int64_t n, float shift, float mult) {
+  for (int64_t c = 0; c < n; ++c) x[c] = fast_expf(x[c] - shift);
+  float lanes[kLanes] = {0};
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      lanes[l] += x[c + l];
+      x[c + l] *= mult;
+    }
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += lanes[l];
+  for (; c < n; ++c) {
+    s += x[c];
+    x[c] *= mult;
+  }
+  return s;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define NAC_AVX512_PATH 1
+
+// The AVX-512 path is written with intrinsics: vscalefps does the 2^k scaling (no integer
+// round trip) and masked loads handle row tails, so the whole softmax step of a tile row is one
+// pass of ~20 vector instructions per 16 logits.
+__attribute__((target("avx512f"))) static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, k);
+}
+
+__attribute__((target("avx512f"))) static float row_max_avx512(const float* x, int64_t n) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m = ninf;
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + c));
+  if (c < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - c)) - 1u);
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, mask, x + c));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+__attribute__((target("avx512f"))) static float exp_shift_avx512(float* x, int64_t n, float shift,
+                                                                 float mult) {
+  const __m512 sh = _mm512_set1_ps(shift), mu = _mm512_set1_ps(mult);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + c), sh));
+    sum = _mm512_add_ps(sum, e);
+    _mm512_storeu_ps(x + c, _mm512_mul_ps(e, mu));
+  }
+  if (c < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - c)) - 1u);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                          mask, x + c);
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(v, sh)));
+    sum = _mm512_add_ps(sum, e);
+    _mm512_mask_storeu_ps(x + c, mask, _mm512_mul_ps(e, mu));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+static const bool kHaveAvx512 = __builtin_cpu_supports("avx512f");
+#endif
+
+static double row_max(const double* x, int64_t n) {
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t c = 0; c < n; ++c) m = std::max(m, x[c]);
+  return m;
+}
+static float row_max(const float* x, int64_t n) {
+#ifdef NAC_AVX512_PATH
+  if (kHaveAvx512) return row_max_avx512(x, n);
+#endif
+  return row_max_f(x, n);
+}
+
+static double exp_shift(double* x, int64_t n, double shift, double mult) {
+  double s = 0.0;
+  for (int64_t c = 0; c < n; ++c) {
+    const double e = std::exp(x[c] - shift);
+    s += e;
+    x[c] = e * mult;
+  }
+  return s;
+}
+static float exp_shift(float* x, int64_t n, float shift, float mult) {
+#ifdef NAC_AVX512_PATH
+  if (kHaveAvx512) return exp_shift_avx512(x, n, shift, mult);
+#endif
+  return exp_shift_f(x, n, shift, mult);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared set-up: queries, keys, per-row constants.
+// ---------------------------------------------------------------------------------------------
+
+struct Operands {
+  at::Tensor z;     // (n, D) tanh(a)
+  at::Tensor q;     // (n, D) s * m * z
+  at::Tensor keys;  // (N, D), acc dtype, contiguous (z itself when keys=None)
+};
+
+template <typename acc_t>
+Operands make_operands(const at::Tensor& a, const at::Tensor& noise,
+                              const c10::optional<at::Tensor>& keys, double s) {
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+  const at::Tensor a_ = a.detach().to(acc).contiguous();
+  const at::Tensor m_ = noise.to(acc).contiguous();
+  const int64_t n = a.size(0), D = a.size(1);
+  Operands op;
+  op.z = at::empty({n, D}, a_.options());
+  op.q = at::empty({n, D}, a_.options());
+  const acc_t* pa = a_.data_ptr<acc_t>();
+  const acc_t* pm = m_.data_ptr<acc_t>();
+  acc_t* pz = op.z.data_ptr<acc_t>();
+  acc_t* pq = op.q.data_ptr<acc_t>();
+  const acc_t sc = static_cast<acc_t>(s);
+  at::parallel_for(0, n * D, 4096, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) {
+      pz[k] = nac::tanh_(pa[k]);
+      pq[k] = sc * pm[k] * pz[k];
+    }
+  });
+  op.keys = keys.has_value() ? keys->detach().to(acc).contiguous() : op.z;
+  return op;
+}
+
+// Split `total` items into `parts` contiguous ranges of whole tiles.
+static inline std::pair<int64_t, int64_t> tile_range(int64_t ntiles, int64_t parts, int64_t p) {
+  const int64_t per = ntiles / parts, rem = ntiles % parts;
+  const int64_t b = p * per + std::min(p, rem);
+  return {b, b + per + (p < rem ? 1 : 0)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward.
+// ---------------------------------------------------------------------------------------------
+
+template <typename acc_t>
+std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
+                                     const at::Tensor& noise, const c10::optional<at::Tensor>& keys,
+                                     double s, double l2, bool grad_rows) {
+  const int64_t n = a.size(0), D = a.size(1);
+  Operands op = make_operands<acc_t>(a, noise, keys, s);
+  const int64_t N = op.keys.size(0);
+  const auto opts = op.z.options();
+
+  // Work items: query blocks x key splits.  With fewer query blocks than threads (MQ: n = 512 is
+  // 4 blocks; n = 1 is one) the keys are split too and the partial softmax states merged, so every
+  // core has work.
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t qblocks = (n + kBQ - 1) / kBQ;
+  const int64_t ktiles = (N + kBK - 1) / kBK;
+  const int64_t nsplit = std::max<int64_t>(1, std::min(ktiles, (nthreads + qblocks - 1) / qblocks));
+  at::Tensor pm = at::empty({nsplit, n}, opts);                                   // running max
+  at::Tensor pl = at::empty({nsplit, n}, opts);                                   // running sum
+  at::Tensor pacc = grad_rows ? at::empty({nsplit, n, D}, opts) : at::Tensor();   // sum_j e_ij k_j
+
+  at::parallel_for(0, qblocks * nsplit, 1, [&](int64_t wb, int64_t we) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // OpenMP workers start without the TLS
+    at::Tensor tile = at::empty({kBQ, kBK}, opts);
+    acc_t* S = tile.data_ptr<acc_t>();
+    for (int64_t w = wb; w < we; ++w) {
+      const int64_t qb = w / nsplit, sp = w % nsplit;
+      const int64_t i0 = qb * kBQ, bq = std::min(kBQ, n - i0);
+      const auto kr = tile_range(ktiles, nsplit, sp);
+      acc_t* mrun = pm[sp].data_ptr<acc_t>() + i0;
+      acc_t* lrun = pl[sp].data_ptr<acc_t>() + i0;
+      for (int64_t i = 0; i < bq; ++i) {
+        mrun[i] = -std::numeric_limits<acc_t>::infinity();
+        lrun[i] = 0;
+      }
+      at::Tensor acc;
+      if (grad_rows) {
+        acc = pacc[sp].narrow(0, i0, bq);
+        acc.zero_();
+      }
+      const at::Tensor qI = op.q.narrow(0, i0, bq);
+      for (int64_t kt = kr.first; kt < kr.second; ++kt) {
+        const int64_t j0 = kt * kBK, bk = std::min(kBK, N - j0);
+        at::Tensor St = tile.narrow(0, 0, bq).narrow(1, 0, bk);  // row stride kBK
+        const at::Tensor kJ = op.keys.narrow(0, j0, bk);
+        at::mm_out(St, qI, kJ.t());
+        acc_t* accp = grad_rows ? acc.data_ptr<acc_t>() : nullptr;
+        for (int64_t i = 0; i < bq; ++i) {
+          acc_t* Si = S + i * kBK;
+          const acc_t mnew = std::max(mrun[i], row_max(Si, bk));
+          if (mnew > mrun[i] && lrun[i] > 0) {  // rescale the running state to the new max
+            const acc_t sc = std::exp(mrun[i] - mnew);
+            lrun[i] *= sc;
+            if (grad_rows)
+              for (int64_t d = 0; d < D; ++d) accp[i * D + d] *= sc;
+          }
+          mrun[i] = mnew;
+          lrun[i] += exp_shift(Si, bk, mnew, acc_t(1));
+        }
+        if (grad_rows) acc.addmm_(St, kJ);
+      }
+    }
+  });
+
+  // Merge the splits and finish every row: lse, loss, per-row gradients.
+  at::Tensor loss = at::empty({n}, opts), lse = at::empty({n}, opts);
+  at::Tensor ga = grad_rows ? at::empty({n, D}, opts) : at::empty({0}, opts);
+  at::Tensor gr = grad_rows ? at::empty({n, D}, opts) : at::empty({0}, opts);
+  const at::Tensor r_ = r.to(op.z.scalar_type()).contiguous();
+  const at::Tensor m_ = noise.to(op.z.scalar_type()).contiguous();
+  const acc_t* pz = op.z.data_ptr<acc_t>();
+  const acc_t* pr = r_.data_ptr<acc_t>();
+  const acc_t* pmn = m_.data_ptr<acc_t>();
+  const acc_t* pmax = pm.data_ptr<acc_t>();
+  const acc_t* psum = pl.data_ptr<acc_t>();
+  const acc_t* pac = grad_rows ? pacc.data_ptr<acc_t>() : nullptr;
+  acc_t* ploss = loss.data_ptr<acc_t>();
+  acc_t* plse = lse.data_ptr<acc_t>();
+  acc_t* pga = grad_rows ? ga.data_ptr<acc_t>() : nullptr;
+  acc_t* pgr = grad_rows ? gr.data_ptr<acc_t>() : nullptr;
+  const acc_t sc = static_cast<acc_t>(s), lam = static_cast<acc_t>(l2);
+  const acc_t logN = std::log(static_cast<acc_t>(N));
+  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+    std::vector<acc_t> w(nsplit);
+    for (int64_t i = b; i < e; ++i) {
+      acc_t M = -std::numeric_limits<acc_t>::infinity();
+      for (int64_t p = 0; p < nsplit; ++p) M = std::max(M, pmax[p * n + i]);
+      acc_t L = 0;
+      for (int64_t p = 0; p < nsplit; ++p) {
+        w[p] = psum[p * n + i] > 0 ? std::exp(pmax[p * n + i] - M) : acc_t(0);
+        L += w[p] * psum[p * n + i];
+      }
+      plse[i] = M + std::log(L);
+      acc_t bern2 = 0, zz = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t k = i * D + d;
+        const acc_t zt = pmn[k] * pz[k];
+        bern2 += nac::bern2_elem(zt, pr[k]);
+        zz += pz[k] * pz[k];
+        if (grad_rows) {
+          acc_t A = 0;
+          for (int64_t p = 0; p < nsplit; ++p) A += w[p] * pac[(p * n + i) * D + d];
+          pga[k] = nac::grad_a_elem(pmn[k], pz[k], sc * A / L, pr[k], lam);
+          pgr[k] = nac::grad_r_elem(zt, pr[k]);
+        }
+      }
+      ploss[i] = plse[i] - logN - acc_t(0.5) * bern2 + lam * zz;
+    }
+  });
+  return {loss, lse, ga, gr};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Keys' backward: dK_j = sum_i g_i P_ij q_i, P_ij = exp(q_i.k_j - lse_i).  Column-parallel over
+// key tiles (each key's gradient is written by one worker: deterministic, no atomics); with fewer
+// key tiles than threads the queries are split too and the partial sums added in a fixed order.
+// ---------------------------------------------------------------------------------------------
+
+template <typename acc_t>
+at::Tensor nac_bwd_keys_impl(const at::Tensor& a, const at::Tensor& noise,
+                             const c10::optional<at::Tensor>& keys, const at::Tensor& lse_in,
+                             const at::Tensor& g_in, double s) {
+  const int64_t n = a.size(0), D = a.size(1);
+  Operands op = make_operands<acc_t>(a, noise, keys, s);
+  const int64_t N = op.keys.size(0);
+  const auto opts = op.z.options();
+  const at::Tensor lse = lse_in.to(op.z.scalar_type()).contiguous();
+  const at::Tensor g = g_in.to(op.z.scalar_type()).contiguous();
+  const acc_t* plse = lse.data_ptr<acc_t>();
+  const acc_t* pg = g.data_ptr<acc_t>();
+
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t ktiles = (N + kBK - 1) / kBK, qblocks = (n + kBQ - 1) / kBQ;
+  const int64_t nsplit = std::max<int64_t>(1, std::min(qblocks, (nthreads + ktiles - 1) / ktiles));
+  at::Tensor part = at::zeros({nsplit, N, D}, opts);
+
+  at::parallel_for(0, ktiles * nsplit, 1, [&](int64_t wb, int64_t we) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // OpenMP workers start without the TLS
+    at::Tensor tile = at::empty({kBQ, kBK}, opts);
+    acc_t* S = tile.data_ptr<acc_t>();
+    for (int64_t w = wb; w < we; ++w) {
+      const int64_t kt = w / nsplit, sp = w % nsplit;
+      const int64_t j0 = kt * kBK, bk = std::min(kBK, N - j0);
+      const auto qr = tile_range(qblocks, nsplit, sp);
+      const at::Tensor kJ = op.keys.narrow(0, j0, bk);
+      at::Tensor dK = part[sp].narrow(0, j0, bk);
+      for (int64_t qb = qr.first; qb < qr.second; ++qb) {
+        const int64_t i0 = qb * kBQ, bq = std::min(kBQ, n - i0);
+        at::Tensor St = tile.narrow(0, 0, bq).narrow(1, 0, bk);
+        const at::Tensor qI = op.q.narrow(0, i0, bq);
+        at::mm_out(St, qI, kJ.t());
+        for (int64_t i = 0; i < bq; ++i) exp_shift(S + i * kBK, bk, plse[i0 + i], pg[i0 + i]);
+        dK.addmm_(St.t(), qI);
+      }
+    }
+  });
+  at::Tensor dK = part[0];
+  for (int64_t p = 1; p < nsplit; ++p) dK.add_(part[p]);
+  if (!keys.has_value()) dK.mul_(1 - op.z * op.z);  // keys = tanh(a): chain rule through tanh
+  return dK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Op entry points.  Argument checking with user-facing messages lives in nac_fast/loss.py; these
+// TORCH_CHECKs guard direct torch.ops calls.
+// ---------------------------------------------------------------------------------------------
+
+void check_common(const at::Tensor& a, const at::Tensor& noise, const c10::optional<at::Tensor>& keys) {
+  TORCH_CHECK(a.dim() == 2 && a.size(0) > 0 && a.size(1) > 0, "nac_fast: a must be a non-empty (n, D) matrix");
+  TORCH_CHECK(a.is_floating_point(), "nac_fast: a must be floating point");
+  TORCH_CHECK(noise.sizes() == a.sizes(), "nac_fast: noise must have a's shape");
+  if (keys.has_value()) {
+    TORCH_CHECK(keys->dim() == 2 && keys->size(0) > 0 && keys->size(1) == a.size(1),
+                "nac_fast: keys must be a non-empty (N, D) matrix with a's D");
+    TORCH_CHECK(keys->is_floating_point(), "nac_fast: keys must be floating point");
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> nac_fwd_cpu(
+    const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
+    const c10::optional<at::Tensor>& keys, double s, double l2, bool grad_rows) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal mm/add must not record graphs
+  check_common(a, noise, keys);
+  TORCH_CHECK(r.sizes() == a.sizes(), "nac_fast: r must have a's shape");
+  std::vector<at::Tensor> out = a.scalar_type() == at::kDouble
+      ? nac_fwd_impl<double>(a, r, noise, keys, s, l2, grad_rows)
+      : nac_fwd_impl<float>(a, r, noise, keys, s, l2, grad_rows);
+  return {out[0], out[1], out[2], out[3]};
+}
+
+at::Tensor nac_bwd_keys_cpu(const at::Tensor& a, const at::Tensor& noise,
+                            const c10::optional<at::Tensor>& keys, const at::Tensor& lse,
+                            const at::Tensor& g, double s) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_common(a, noise, keys);
+  TORCH_CHECK(lse.dim() == 1 && lse.size(0) == a.size(0), "nac_fast: lse must be (n,)");
+  TORCH_CHECK(g.dim() == 1 && g.size(0) == a.size(0), "nac_fast: g must be (n,)");
+  return a.scalar_type() == at::kDouble ? nac_bwd_keys_impl<double>(a, noise, keys, lse, g, s)
+                                        : nac_bwd_keys_impl<float>(a, noise, keys, lse, g, s);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nac_fast, m) {
+  // Returns (loss_rows (n,), lse (n,), d loss_i/d a_i (n, D), d loss_i/d r_i (n, D)) in the
+  // accumulation dtype (float32; float64 for float64 inputs); the gradients are empty (0,) unless
+  // grad_rows.
+  m.def("nac_fwd(Tensor a, Tensor r, Tensor noise, Tensor? keys, float s, float l2, bool grad_rows)"
+        " -> (Tensor, Tensor, Tensor, Tensor)");
+  // Returns d/dkeys sum_i g_i loss_i (N, D); with keys=None, d/da through the self keys tanh(a).
+  m.def("nac_bwd_keys(Tensor a, Tensor noise, Tensor? keys, Tensor lse, Tensor g, float s) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nac_fast, CPU, m) {
+  m.impl("nac_fwd", &nac_fwd_cpu);
+  m.impl("nac_bwd_keys", &nac_bwd_keys_cpu);
+}

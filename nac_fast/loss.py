@@ -1,0 +1,176 @@
+"""Public NAC loss API: argument checking, noise, backend choice.
+
+    nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto")
+    nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto")
+    nac_vi_loss(a, r, p, *, noise=None, reduction="mean")
+
+Every backend computes the same function (NAC_SPEC.md); `nac_fast.reference` is the oracle.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from . import _fused, reference
+from ._backends import available_backends, resolve_backend
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+# Finiteness and +-1 checks read the data, which costs a host sync on a GPU.  They are on by
+# default because a NaN that reaches the logsumexp silently poisons a whole training run; set
+# NAC_FAST_CHECK_INPUTS=0 (or nac_fast.loss.CHECK_VALUES = False) to skip them in a tuned loop.
+CHECK_VALUES = os.environ.get("NAC_FAST_CHECK_INPUTS", "1") != "0"
+
+
+def channel_scale(p: float) -> float:
+    """s = 1/2 log((1-p)/p), the scale of the symmetric channel's log-likelihood (s > 0)."""
+    return 0.5 * math.log((1.0 - p) / p)
+
+
+def _check_p(p) -> float:
+    if isinstance(p, torch.Tensor):
+        if p.numel() != 1:
+            raise TypeError(f"p must be a float in (0, 0.5), got a tensor of shape {tuple(p.shape)}")
+        p = p.item()
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"p must be a float in (0, 0.5), got {type(p).__name__}")
+    p = float(p)
+    if not (0.0 < p < 0.5):
+        raise ValueError(f"p must lie in the open interval (0, 0.5), got {p}")
+    return p
+
+
+def _check_matrix(name: str, t, *, d: int | None = None, rows: int | None = None,
+                  rows_of: str = "a") -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (rows, D), got shape {tuple(t.shape)}")
+    if t.shape[0] == 0 or t.shape[1] == 0:
+        raise ValueError(f"{name} must be non-empty, got shape {tuple(t.shape)}")
+    if d is not None and t.shape[1] != d:
+        raise ValueError(f"{name} must have D={d} columns like a, got shape {tuple(t.shape)}")
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError(f"{name} must have {rows} rows like {rows_of}, got shape {tuple(t.shape)}")
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if CHECK_VALUES and not _compiling() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # torch < 2.3
+        return False
+
+
+def draw_noise(shape, p: float, *, device=None, dtype=torch.float32,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """Channel noise m: each entry -1 with probability p, +1 otherwise, from torch's RNG
+    (so `torch.manual_seed` reproduces it)."""
+    p = _check_p(p)
+    u = torch.rand(shape, device=device, generator=generator)
+    return torch.where(u < p, -1.0, 1.0).to(dtype)
+
+
+def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):
+    """Validate the common arguments; returns (p, s, noise in a's dtype)."""
+    p = _check_p(p)
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    _check_matrix("a", a)
+    n, d = a.shape
+    _check_matrix(r_name, r, d=d, rows=n)
+    if r.dtype != a.dtype:
+        raise TypeError(f"{r_name} must have a's dtype {a.dtype}, got {r.dtype}")
+    tensors = [("a", a), (r_name, r)]
+    if keys is not None:
+        _check_matrix(keys_name, keys, d=d)
+        if keys.dtype != a.dtype:
+            raise TypeError(f"{keys_name} must have a's dtype {a.dtype}, got {keys.dtype}")
+        tensors.append((keys_name, keys))
+    if noise is not None:
+        if not isinstance(noise, torch.Tensor):
+            raise TypeError(f"noise must be a torch.Tensor of +-1, got {type(noise).__name__}")
+        if tuple(noise.shape) != (n, d):
+            raise ValueError(f"noise must have a's shape {(n, d)}, got {tuple(noise.shape)}")
+        if noise.dtype == torch.bool or noise.is_complex():
+            raise TypeError(f"noise must hold +-1 as a real number dtype, got {noise.dtype}")
+        tensors.append(("noise", noise))
+    for name, t in tensors[1:]:
+        if t.device != a.device:
+            raise ValueError(f"{name} is on {t.device} but a is on {a.device}; "
+                             "all inputs must be on one device")
+    for name, t in tensors:
+        if name != "noise":
+            _check_finite(name, t)
+    if noise is None:
+        noise = draw_noise((n, d), p, device=a.device, dtype=a.dtype)
+    else:
+        if CHECK_VALUES and not _compiling() and not bool(((noise == 1) | (noise == -1)).all()):
+            raise ValueError("noise must contain only -1 and +1")
+        noise = noise.to(a.dtype)
+    return p, channel_scale(p), noise
+
+
+def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"):
+    """In-batch NAC loss to minimise (NAC_SPEC.md, paper eq. `optimization_objective`, negated).
+
+    a: (n, D) projection-head pre-activations (tanh is applied inside).
+    r: (n, D) inference-network logits for the same rows.
+    p: bit-flip probability of the channel, 0 < p < 0.5.
+    keys: None = the batch's own clean codes tanh(a), self included; or (N, D) codes (e.g.
+        all-gathered from every rank) that receive gradient.
+    noise: None = drawn inside from torch's RNG; or an explicit (n, D) tensor of +-1.
+    reduction: "mean" (fp32 scalar), "sum", or "none" ((n,) per-row losses).
+    backend: "reference" | "cpu" | "triton" | "cuda" | "auto".
+    """
+    p, s, noise = _prepare(a, r, p, keys, noise, reduction)
+    impl = resolve_backend(backend, a)
+    if impl == "reference":
+        return reference.nac_loss_reference(a, r, noise, s, keys=keys, reduction=reduction)
+    return _fused.nac_fused(impl, a, r, noise, keys, s, 0.0, reduction)
+
+
+def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto"):
+    """NAC-MQ loss to minimise (paper eq. `momentum_objective`, negated, plus lambda ||z||^2).
+
+    queue: (M, D) momentum codes; a constant of the loss (pass it detached: no gradient reaches it).
+    r_hat: (n, D) logits of the momentum inference network (normally detached too).
+    l2: lambda of the ||z||^2 regulariser (0.1 in the paper).
+    """
+    if isinstance(queue, torch.Tensor) and queue.requires_grad:
+        raise ValueError("queue must not require grad (it is a buffer of momentum codes); "
+                         "pass queue.detach()")
+    if isinstance(l2, bool) or not isinstance(l2, (int, float)) or not math.isfinite(l2) or l2 < 0:
+        raise ValueError(f"l2 must be a finite float >= 0, got {l2!r}")
+    if queue is None:
+        raise TypeError("queue must be a torch.Tensor of shape (M, D), got None")
+    p, s, noise = _prepare(a, r_hat, p, queue, noise, reduction, r_name="r_hat",
+                           keys_name="queue")
+    impl = resolve_backend(backend, a)
+    if impl == "reference":
+        return reference.nac_mq_loss_reference(a, r_hat, queue, noise, s, l2=float(l2),
+                                               reduction=reduction)
+    return _fused.nac_fused(impl, a, r_hat, noise, queue, s, float(l2), reduction)
+
+
+def nac_vi_loss(a, r, p, *, noise=None, reduction="mean"):
+    """The online inference network's own term of NAC-MQ (NAC_SPEC.md):
+
+        vi_i = -1/2 sum_d [ sg(z~_id) r_id + log sig(r_id) + log sig(-r_id) ]
+
+    with z~ = m * tanh(a) detached: only r (the online inference net) is trained by it.  Pass the
+    same `noise` as to `nac_mq_loss` to use one channel sample per step.  It is O(nD) elementwise
+    work, so plain PyTorch on every device.
+    """
+    p, _, noise = _prepare(a, r, p, None, noise, reduction)
+    zt = (noise * torch.tanh(a.detach()))
+    rows = -reference.bernoulli_term(zt, r).to(reference._out_dtype(a.dtype))
+    return reference._reduce(rows, reduction)

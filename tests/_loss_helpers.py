@@ -1,0 +1,48 @@
+"""Helpers for the loss tests: float64 oracle, error measures, backend list."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+import nac_fast
+
+
+def fused_backends(device: str = "cpu") -> list[str]:
+    return [b for b in nac_fast.available_backends(device) if b != "reference"]
+
+
+def oracle_rows(a, r, noise, p, keys=None, l2=0.0) -> np.ndarray:
+    """NAC_SPEC.md transcribed in float64 numpy, independently of nac_fast.reference."""
+    a = a.detach().double().cpu().numpy()
+    r = r.detach().double().cpu().numpy()
+    m = noise.detach().double().cpu().numpy()
+    s = 0.5 * math.log((1 - p) / p)
+    z = np.tanh(a)
+    zt = m * z
+    k = z if keys is None else keys.detach().double().cpu().numpy()
+    logits = s * zt @ k.T
+    mx = logits.max(1, keepdims=True)
+    lse = (mx + np.log(np.exp(logits - mx).sum(1, keepdims=True)))[:, 0]
+    log_sig = -np.logaddexp(0.0, -r)       # log sigma(r)
+    log_sig_neg = -np.logaddexp(0.0, r)    # log sigma(-r)
+    bern = 0.5 * (zt * r + log_sig + log_sig_neg).sum(1)
+    return lse - math.log(k.shape[0]) - bern + l2 * (z * z).sum(1)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Norm-wise relative error ||x - ref|| / ||ref|| in float64."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    den = ref.norm().item()
+    return (x - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+def run_loss(fn, tensors: dict, weights=None, **kw):
+    """Evaluate fn(**tensors, **kw), backprop (weighted for reduction='none') and return
+    (value, {name: grad})."""
+    leaves = {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in tensors.items()}
+    out = fn(**leaves, **kw)
+    target = out if out.dim() == 0 else (out * weights.to(out.dtype)).sum()
+    target.backward()
+    return out.detach(), {k: v.grad for k, v in leaves.items() if v.requires_grad}

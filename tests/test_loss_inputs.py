@@ -1,0 +1,164 @@
+"""Bad input is a ValueError/TypeError naming the argument: never a crash, never a silent result."""
+import math
+
+import pytest
+import torch
+
+import nac_fast
+
+BACKENDS = nac_fast.available_backends("cpu")
+
+
+def _ok(n=4, D=3, N=5):
+    return torch.randn(n, D), torch.randn(n, D), torch.tanh(torch.randn(N, D))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("p,exc", [(0.0, ValueError), (0.5, ValueError), (-0.1, ValueError),
+                                   (1.0, ValueError), (math.nan, ValueError), (math.inf, ValueError),
+                                   ("0.1", TypeError), (True, TypeError), (None, TypeError),
+                                   (torch.tensor([0.1, 0.2]), TypeError)])
+def test_bad_p(backend, p, exc):
+    a, r, q = _ok()
+    with pytest.raises(exc, match="p must"):
+        nac_fast.nac_loss(a, r, p, backend=backend)
+    with pytest.raises(exc, match="p must"):
+        nac_fast.nac_mq_loss(a, r, q, p, backend=backend)
+
+
+def test_p_as_scalar_tensor_is_accepted():
+    a, r, _ = _ok()
+    noise = nac_fast.draw_noise(a.shape, 0.1)
+    assert torch.equal(nac_fast.nac_loss(a, r, torch.tensor(0.1), noise=noise),
+                       nac_fast.nac_loss(a, r, 0.1, noise=noise))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shape_mismatches(backend):
+    a, r, q = _ok()
+    with pytest.raises(ValueError, match="r must have 4 rows"):
+        nac_fast.nac_loss(a, r[:3], 0.1, backend=backend)
+    with pytest.raises(ValueError, match="r must have D=3"):
+        nac_fast.nac_loss(a, torch.randn(4, 2), 0.1, backend=backend)
+    with pytest.raises(ValueError, match="queue must have D=3"):
+        nac_fast.nac_mq_loss(a, r, torch.randn(5, 2), 0.1, backend=backend)
+    with pytest.raises(ValueError, match="r_hat must have 4 rows"):
+        nac_fast.nac_mq_loss(a, r[:2], q, 0.1, backend=backend)
+    with pytest.raises(ValueError, match="keys must have D=3"):
+        nac_fast.nac_loss(a, r, 0.1, keys=torch.randn(5, 4), backend=backend)
+    with pytest.raises(ValueError, match="noise must have a's shape"):
+        nac_fast.nac_loss(a, r, 0.1, noise=torch.ones(4, 2), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [torch.zeros(4, 3), torch.full((4, 3), 0.5), torch.full((4, 3), 2.0)])
+def test_noise_values_must_be_pm1(backend, bad):
+    a, r, _ = _ok()
+    with pytest.raises(ValueError, match="noise must contain only -1 and \\+1"):
+        nac_fast.nac_loss(a, r, 0.1, noise=bad, backend=backend)
+
+
+def test_noise_type_errors():
+    a, r, _ = _ok()
+    with pytest.raises(TypeError, match="noise"):
+        nac_fast.nac_loss(a, r, 0.1, noise=[[1.0] * 3] * 4)
+    with pytest.raises(TypeError, match="noise"):
+        nac_fast.nac_loss(a, r, 0.1, noise=torch.ones(4, 3, dtype=torch.bool))
+    # integer +-1 noise is fine
+    nac_fast.nac_loss(a, r, 0.1, noise=torch.ones(4, 3, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dtype_and_rank_errors(backend):
+    a, r, q = _ok()
+    with pytest.raises(TypeError, match="a must have a floating dtype"):
+        nac_fast.nac_loss(a.long(), r, 0.1, backend=backend)
+    with pytest.raises(TypeError, match="r must have a floating dtype"):
+        nac_fast.nac_loss(a, r.int(), 0.1, backend=backend)
+    with pytest.raises(TypeError, match="queue must have a floating dtype"):
+        nac_fast.nac_mq_loss(a, r, q.long(), 0.1, backend=backend)
+    with pytest.raises(TypeError, match="r must have a's dtype"):
+        nac_fast.nac_loss(a, r.double(), 0.1, backend=backend)
+    with pytest.raises(TypeError, match="a must be a torch.Tensor"):
+        nac_fast.nac_loss(a.numpy(), r, 0.1, backend=backend)
+    with pytest.raises(ValueError, match="a must be 2-D"):
+        nac_fast.nac_loss(a[0], r[0], 0.1, backend=backend)
+    with pytest.raises(ValueError, match="r must be 2-D"):
+        nac_fast.nac_loss(a, r[None], 0.1, backend=backend)
+    with pytest.raises(TypeError, match="queue must be a torch.Tensor"):
+        nac_fast.nac_mq_loss(a, r, None, 0.1, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_inputs(backend):
+    a, r, q = _ok()
+    with pytest.raises(ValueError, match="a must be non-empty"):
+        nac_fast.nac_loss(a[:0], r[:0], 0.1, backend=backend)
+    with pytest.raises(ValueError, match="queue must be non-empty"):
+        nac_fast.nac_mq_loss(a, r, q[:0], 0.1, backend=backend)
+    with pytest.raises(ValueError, match="a must be non-empty"):
+        nac_fast.nac_loss(a[:, :0], r[:, :0], 0.1, backend=backend)
+
+
+def test_mixed_devices():
+    a, r, q = _ok()
+    with pytest.raises(ValueError, match="r is on meta but a is on cpu"):
+        nac_fast.nac_loss(a, r.to("meta"), 0.1)
+    with pytest.raises(ValueError, match="queue is on meta"):
+        nac_fast.nac_mq_loss(a, r, q.to("meta"), 0.1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", ["a", "r", "keys"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_inputs(backend, which, value):
+    a, r, q = _ok()
+    t = {"a": a, "r": r, "keys": q}[which]
+    t[1, 2] = value
+    with pytest.raises(ValueError, match=f"{which} contains NaN or inf"):
+        nac_fast.nac_loss(a, r, 0.1, keys=q, backend=backend)
+    if which == "keys":
+        with pytest.raises(ValueError, match="queue contains NaN or inf"):
+            nac_fast.nac_mq_loss(a, r, q, 0.1, backend=backend)
+
+
+def test_reduction_backend_l2_queue_errors():
+    a, r, q = _ok()
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        nac_fast.nac_loss(a, r, 0.1, reduction="avg")
+    with pytest.raises(ValueError, match="backend must be one of .* available here"):
+        nac_fast.nac_loss(a, r, 0.1, backend="tpu")
+    with pytest.raises(ValueError, match="backend 'cuda' is not available for cpu tensors"):
+        nac_fast.nac_loss(a, r, 0.1, backend="cuda")
+    with pytest.raises(ValueError, match="l2 must be a finite float >= 0"):
+        nac_fast.nac_mq_loss(a, r, q, 0.1, l2=-1.0)
+    with pytest.raises(ValueError, match="l2 must be"):
+        nac_fast.nac_mq_loss(a, r, q, 0.1, l2=math.nan)
+    with pytest.raises(ValueError, match="queue must not require grad"):
+        nac_fast.nac_mq_loss(a, r, q.requires_grad_(), 0.1)
+    with pytest.raises(TypeError, match="device must be"):
+        nac_fast.available_backends(3)
+
+
+def test_direct_op_calls_are_checked():
+    """torch.ops entry points check shapes too (a RuntimeError, not a crash)."""
+    if "cpu" not in BACKENDS:
+        pytest.skip("no compiled extension")
+    a, r, _ = _ok()
+    with pytest.raises(RuntimeError, match="noise must have a's shape"):
+        torch.ops.nac_fast.nac_fwd(a, r, torch.ones(2, 2), None, 1.0, 0.0, False)
+    with pytest.raises(RuntimeError, match="keys must be a non-empty"):
+        torch.ops.nac_fast.nac_fwd(a, r, torch.ones(4, 3), torch.ones(0, 3), 1.0, 0.0, False)
+
+
+def test_vi_loss_checks_inputs():
+    a, r, _ = _ok()
+    with pytest.raises(ValueError, match="r must have 4 rows"):
+        nac_fast.nac_vi_loss(a, r[:1], 0.1)
+    with pytest.raises(ValueError, match="p must"):
+        nac_fast.nac_vi_loss(a, r, 0.7)
+
+
+def test_draw_noise_checks_p():
+    with pytest.raises(ValueError, match="p must"):
+        nac_fast.draw_noise((2, 2), 0.6)
