@@ -59,8 +59,12 @@ def _check_matrix(name: str, t, *, d: int | None = None, rows: int | None = None
 
 
 def _check_finite(name: str, t: torch.Tensor) -> None:
-    if CHECK_VALUES and not _compiling() and not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} contains NaN or inf")
+    # aminmax propagates NaN and exposes +-inf in one pass with no temporaries; torch.isfinite
+    # allocated 5 bytes per element (a 65536 x 128 queue: 40 MiB, 14x the fused kernel's peak).
+    if CHECK_VALUES and not _compiling() and t.device.type != "meta":
+        lo, hi = torch.aminmax(t.detach())
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            raise ValueError(f"{name} contains NaN or inf")
 
 
 def _compiling() -> bool:

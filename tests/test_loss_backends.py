@@ -16,6 +16,15 @@ import nac_fast
 from _loss_helpers import fused_backends, rel_err, run_loss
 
 BACKENDS = fused_backends("cpu")
+# The Triton interpreter (CI's way to run the Triton kernels) executes each tile step as numpy
+# calls: ~20 ms per 32 x 128 tile here, so the biggest shapes are left to the compiled backends.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cases(backends, shapes, limit=150_000):
+    return [pytest.param(b, *shape, id=f"{b}-" + "-".join(map(str, shape)))
+            for b in backends for shape in shapes
+            if not (b == "triton" and INTERPRETED and shape[0] * shape[1] > limit)]
 
 
 def test_compiled_extension_present_when_required():
@@ -78,28 +87,28 @@ GRID = [(n, N, D, P_VALUES[i % 3])
         if not (n == 1000 and N == 4099 and D == 256)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n,N,D,p", GRID[::2])
+@pytest.mark.parametrize("backend,n,N,D,p", _cases(BACKENDS, GRID[::2]))
 def test_keys_fp32_against_float64(backend, n, N, D, p):
     _check(backend, "keys", n, N, D, p, "mean" if D != 7 else "none", seed=n + N + D)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n,N,D,p", GRID[1::2])
+@pytest.mark.parametrize("backend,n,N,D,p", _cases(BACKENDS, GRID[1::2]))
 def test_mq_fp32_against_float64(backend, n, N, D, p):
     _check(backend, "mq", n, N, D, p, "sum" if D == 1 else "mean", seed=n * N + D)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n,D", list(itertools.product((1, 3, 97, 1000), (1, 7, 128, 256))))
+@pytest.mark.parametrize("backend,n,D", [
+    pytest.param(b, n, D, id=f"{b}-{n}-{D}") for b in BACKENDS
+    for n, D in itertools.product((1, 3, 97, 1000), (1, 7, 128, 256))
+    if not (b == "triton" and INTERPRETED and n * n > 150_000)])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_inbatch_fp32_against_float64(backend, n, D, reduction):
     _check(backend, "inbatch", n, n, D, P_VALUES[(n + D) % 3], reduction, seed=n * 31 + D)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,n,N,D", _cases(BACKENDS, [(97, 1031, 128), (256, 4099, 64),
+                                                            (33, 33, 7)], limit=300_000))
 @pytest.mark.parametrize("kind", ["inbatch", "keys", "mq"])
-@pytest.mark.parametrize("n,N,D", [(97, 1031, 128), (256, 4099, 64), (33, 33, 7)])
 def test_bf16_error_within_twice_the_bf16_reference(backend, kind, n, N, D):
     t, noise = _inputs(n, N, D, torch.bfloat16, seed=n + D, keys_given=kind != "inbatch", p=0.1)
     w = torch.randn(n, generator=torch.Generator().manual_seed(3))
@@ -180,6 +189,9 @@ def test_partial_requires_grad_and_no_grad(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_compile_matches_eager(backend):
+    if backend == "triton" and INTERPRETED:
+        pytest.skip("AOTAutograd runs a triton_op's launches on functional tensors, which the "
+                    "interpreter cannot read; bench/gpu_suite.sh runs this test on a GPU")
     a = torch.randn(40, 16, requires_grad=True)
     r = torch.randn(40, 16, requires_grad=True)
     noise = nac_fast.draw_noise((40, 16), 0.1)
