@@ -5,8 +5,8 @@ Same contract as the C++/CUDA ops (csrc/nac_cpu.cpp, csrc/nac_math.h):
     q_i = s m_i tanh(a_i)                       k_j = keys_j (or tanh(a_j) for the in-batch keys)
     lse_i  = log sum_j exp(q_i . k_j)
     loss_i = lse_i - log N - 1/2 sum_d [z~ r + log sig(r) + log sig(-r)] + l2 ||z_i||^2
-    fwd -> (loss_i, lse_i, d loss_i / d a_i, d loss_i / d r_i)
-    bwd_keys -> sum_i g_i P_ij q_i,  P_ij = exp(q_i . k_j - lse_i)
+    fwd -> (loss_i, lse_i, ga_i = d loss_i / d a_i through row i's own terms)
+    bwd -> gradients of sum_i g_i loss_i; keys: sum_i g_i P_ij q_i, P_ij = exp(q_i . k_j - lse_i)
 
 Kernels:
   _fwd_kernel      grid (query blocks, key splits): q tile in registers, loop over key tiles, online
@@ -14,9 +14,10 @@ Kernels:
                    wanted acc += P k in the same loop (flash-attention forward; keys need no
                    second pass for the rows' gradient).  Key splits keep every SM busy when there
                    are few query blocks (n = 8192 with 128-row blocks is 64 programs for 132 SMs).
-  _finish_kernel   merges the splits' (max, sum, acc) and writes loss, lse and the row gradients.
+  _finish_kernel   merges the splits' (max, sum, acc) and writes loss, lse and ga.
   _bwd_keys_kernel grid (key blocks, query splits): column-parallel, each program owns its keys'
                    gradient (no atomics; splits summed in a fixed order: deterministic).
+  _bwd_rows_kernel d/dr and d/da = g ga [+ dK (1 - z^2) for the self keys], elementwise.
 The logits never exist in memory: one (BLOCK_M x BLOCK_N) tile lives in registers.
 
 The interpreter (TRITON_INTERPRET=1, CPU tensors, what CI runs) has no tanh: tanh(x) is written
@@ -94,7 +95,7 @@ def _fwd_kernel(A, NOISE, K, PM, PL, PACC, n, N, D, stride_a, stride_k, scale2, 
 
 
 @triton.jit(do_not_specialize=["n"])
-def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, GR, n, D, stride_a, s, l2, log_n_keys,
+def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, n, D, stride_a, s, l2, log_n_keys,
                    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                    GRAD: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0)
@@ -134,9 +135,7 @@ def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, GR, n, D, stride_a,
     if GRAD:
         mean_key = acc / big_l[:, None]
         ga = (m * (s * mean_key - 0.5 * r) + 2.0 * l2 * z) * (1.0 - z * z)
-        gr = tl.sigmoid(r) - 0.5 * (1.0 + zt)
         tl.store(GA + rows[:, None] * D + cols[None, :], ga, mask=tile_mask)
-        tl.store(GR + rows[:, None] * D + cols[None, :], gr, mask=tile_mask)
 
 
 @triton.jit(do_not_specialize=["n", "N"])
@@ -170,6 +169,32 @@ def _bwd_keys_kernel(A, NOISE, K, LSE, G, PDK, n, N, D, stride_a, stride_k, scal
         dk += _dot(tl.trans(p.to(k.dtype)), (zt * s).to(k.dtype), PRECISION, ACC, UPCAST)
     tl.store(PDK + (sp * N + kc[:, None]) * BLOCK_D + cols[None, :], dk,
              mask=kmask[:, None] & dmask[None, :])
+
+
+@triton.jit(do_not_specialize=["n"])
+def _bwd_rows_kernel(A, R, NOISE, GA, G, DK, GRAD_A, GRAD_R, n, D, stride_a, stride_dk,
+                     NEED_A: tl.constexpr, NEED_R: tl.constexpr, SELF_KEYS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    # d/dr = g (sig(r) - (1 + z~)/2);  d/da = g ga [+ dK (1 - z^2) for the self keys tanh(a)]
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < n
+    tile_mask = rmask[:, None] & (cols < D)[None, :]
+    offs = rows[:, None] * stride_a + cols[None, :]
+    out = rows[:, None] * D + cols[None, :]
+    g = tl.load(G + rows, mask=rmask, other=0.0).to(ACC)
+    z = _tanh(tl.load(A + offs, mask=tile_mask, other=0.0).to(ACC))
+    if NEED_R:
+        r = tl.load(R + offs, mask=tile_mask, other=0.0).to(ACC)
+        zt = tl.load(NOISE + offs, mask=tile_mask, other=0.0).to(ACC) * z
+        tl.store(GRAD_R + out, g[:, None] * (tl.sigmoid(r) - 0.5 * (1.0 + zt)), mask=tile_mask)
+    if NEED_A:
+        ga = g[:, None] * tl.load(GA + out, mask=tile_mask, other=0.0)
+        if SELF_KEYS:
+            dk = tl.load(DK + rows[:, None] * stride_dk + cols[None, :], mask=tile_mask, other=0.0)
+            ga += dk * (1.0 - z * z)
+        tl.store(GRAD_A + out, ga, mask=tile_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +254,7 @@ def _keys_of(a, keys):
 @triton_op("nac_fast::nac_fwd_triton", mutates_args=())
 def nac_fwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
                    keys: Optional[torch.Tensor], s: float, l2: float,
-                   grad_rows: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   grad_rows: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a = a.contiguous()
     r = r.contiguous()
     noise = noise.to(a.dtype).contiguous()
@@ -253,21 +278,16 @@ def nac_fwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
     loss = torch.empty((n,), device=a.device, dtype=acc)
     lse = torch.empty((n,), device=a.device, dtype=acc)
     ga = torch.empty((n, D) if grad_rows else (0,), device=a.device, dtype=acc)
-    gr = torch.empty((n, D) if grad_rows else (0,), device=a.device, dtype=acc)
     fin_m = 32
     wrap_triton(_finish_kernel)[(triton.cdiv(n, fin_m),)](
-        a, r, noise, pm, pl, pacc, loss, lse, ga, gr, n, D, a.stride(0), s, l2, math.log(N),
+        a, r, noise, pm, pl, pacc, loss, lse, ga, n, D, a.stride(0), s, l2, math.log(N),
         SPLIT=split, BLOCK_M=fin_m, BLOCK_D=bd, GRAD=grad_rows, ACC=_tl_acc(a.dtype),
         num_warps=4)
-    return loss, lse, ga, gr
+    return loss, lse, ga
 
 
-@triton_op("nac_fast::nac_bwd_keys_triton", mutates_args=())
-def nac_bwd_keys_triton(a: torch.Tensor, noise: torch.Tensor, keys: Optional[torch.Tensor],
-                        lse: torch.Tensor, g: torch.Tensor, s: float) -> torch.Tensor:
-    a = a.contiguous()
-    noise = noise.to(a.dtype).contiguous()
-    k = _keys_of(a, keys).to(a.dtype).contiguous()
+def _keys_grad(a, noise, k, lse, g, s):
+    """sum_i g_i P_ij q_i (N x D, accumulation dtype) for the keys k."""
     n, D = a.shape
     N = k.shape[0]
     acc = _acc_dtype(a.dtype)
@@ -278,12 +298,39 @@ def nac_bwd_keys_triton(a: torch.Tensor, noise: torch.Tensor, keys: Optional[tor
     blocks_per_split = triton.cdiv(q_blocks, split)
     pdk = torch.empty((split, N, bd), device=a.device, dtype=acc)
     wrap_triton(_bwd_keys_kernel)[(k_blocks, split)](
-        a, noise, k, lse.to(acc).contiguous(), g.to(acc).contiguous(), pdk, n, N, D, a.stride(0),
-        k.stride(0), s * LOG2E, s, blocks_per_split,
+        a, noise, k, lse.to(acc).contiguous(), g, pdk, n, N, D, a.stride(0), k.stride(0),
+        s * LOG2E, s, blocks_per_split,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, ACC=_tl_acc(a.dtype), PRECISION=_precision(a.dtype),
         UPCAST=_upcast(a), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    dk = pdk.sum(0)[:, :D]  # fixed-order sum of the splits: deterministic
-    if keys is None:  # the self keys are tanh(a): chain rule through tanh
-        z = torch.tanh(a.to(acc))
-        dk = dk * (1 - z * z)
-    return dk.contiguous()
+    return (pdk[0] if split == 1 else pdk.sum(0))[:, :D]  # fixed-order sum: deterministic
+
+
+@triton_op("nac_fast::nac_bwd_triton", mutates_args=())
+def nac_bwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
+                   keys: Optional[torch.Tensor], lse: torch.Tensor, ga: torch.Tensor,
+                   g: torch.Tensor, s: float, need_a: bool, need_r: bool,
+                   need_keys: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    a = a.contiguous()
+    r = r.contiguous()
+    noise = noise.to(a.dtype).contiguous()
+    n, D = a.shape
+    acc = _acc_dtype(a.dtype)
+    g = g.to(acc).contiguous()
+    def empty():  # outputs must not alias each other: one fresh (0,) tensor each
+        return torch.empty((0,), device=a.device, dtype=acc)
+
+    self_keys = keys is None
+    dk = empty()
+    if (need_a and self_keys) or (need_keys and not self_keys):
+        k = _keys_of(a, keys).to(a.dtype).contiguous()
+        dk = _keys_grad(a, noise, k, lse, g, s)
+    grad_a = torch.empty((n, D), device=a.device, dtype=acc) if need_a else empty()
+    grad_r = torch.empty((n, D), device=a.device, dtype=acc) if need_r else empty()
+    if need_a or need_r:
+        bd = max(16, triton.next_power_of_2(D))
+        wrap_triton(_bwd_rows_kernel)[(triton.cdiv(n, 32),)](
+            a, r, noise, ga, g, dk, grad_a, grad_r, n, D, a.stride(0),
+            dk.stride(0) if dk.dim() == 2 else 0, NEED_A=need_a, NEED_R=need_r,
+            SELF_KEYS=self_keys, BLOCK_M=32, BLOCK_D=bd, ACC=_tl_acc(a.dtype), num_warps=4)
+    grad_k = dk.contiguous() if need_keys and not self_keys else empty()
+    return grad_a, grad_r, grad_k

@@ -2,14 +2,16 @@
 
 Every fused backend provides two ops with one contract (csrc/nac_cpu.cpp documents the math):
 
-    fwd(a, r, noise, keys?, s, l2, grad_rows) -> (loss_rows, lse, dloss_i/da_i, dloss_i/dr_i)
-    bwd_keys(a, noise, keys?, lse, g, s)      -> d/dkeys sum_i g_i loss_i   (d/da via tanh if keys=None)
+    fwd(a, r, noise, keys?, s, l2, grad_rows) -> (loss_rows, lse, ga)
+        ga = d loss_i / d a_i through row i's own query, Bernoulli and l2 terms
+    bwd(a, r, noise, keys?, lse, ga, g, s, need_a, need_r, need_keys) -> (d/da, d/dr, d/dkeys)
+        of sum_i g_i loss_i; with keys=None d/da includes the path through the self keys
 
-The forward already returns the row-local gradients (they need only the softmax-weighted mean key,
-which the forward accumulates anyway, flash-attention style), so their backward is a scaling by the
-upstream gradient g; only the keys' gradient needs a second pass over the tiles, from the saved lse.
-Ops are registered with torch.library (fake implementations included), so autograd and
-torch.compile both see them.
+The forward returns ga because it needs only the softmax-weighted mean key, which it accumulates
+anyway (flash-attention style); the backward then scales it by g and makes one pass over the tiles
+for the keys' gradient from the saved lse.  d/dr is elementwise and done in the backward, so only
+ga (n x D) is held between the passes.  Ops are registered with torch.library (fake
+implementations included), so autograd and torch.compile both see them.
 """
 from __future__ import annotations
 
@@ -20,76 +22,72 @@ from ._backends import extension
 _OPS: dict[str, tuple] = {}
 
 
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _fake_fwd(a, r, noise, keys, s, l2, grad_rows):
-    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
     n, d = a.shape
-    rows = a.new_empty((n,), dtype=acc)
-    grad_shape = (n, d) if grad_rows else (0,)
-    return rows, a.new_empty((n,), dtype=acc), a.new_empty(grad_shape, dtype=acc), \
-        a.new_empty(grad_shape, dtype=acc)
+    acc = _acc(a.dtype)
+    return a.new_empty((n,), dtype=acc), a.new_empty((n,), dtype=acc), \
+        a.new_empty((n, d) if grad_rows else (0,), dtype=acc)
 
 
-def _fake_bwd_keys(a, noise, keys, lse, g, s):
-    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
-    return a.new_empty((a.shape if keys is None else keys.shape), dtype=acc)
+def _fake_bwd(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys):
+    acc = _acc(a.dtype)
+    kshape = a.shape if keys is None else keys.shape
+    return (a.new_empty(a.shape if need_a else (0,), dtype=acc),
+            a.new_empty(a.shape if need_r else (0,), dtype=acc),
+            a.new_empty(kshape if need_keys and keys is not None else (0,), dtype=acc))
 
 
-def _register(name: str, fwd, bwd_keys) -> None:
+def _register(name: str, fwd, bwd) -> None:
     """Attach fake impls and the autograd formula to one backend's op pair (once)."""
     # Explicit fakes for every backend, triton_op included: tracing a Triton launch with fake
     # tensors fails under TRITON_INTERPRET=1 (it reads data pointers), and the kernels are the
     # whole computation anyway, so the compiled graph treats them as opaque ops.
     torch.library.register_fake(fwd)(_fake_fwd)
-    torch.library.register_fake(bwd_keys)(_fake_bwd_keys)
+    torch.library.register_fake(bwd)(_fake_bwd)
 
     def setup_context(ctx, inputs, output):
         a, r, noise, keys, s, l2, grad_rows = inputs
-        _, lse, ga, gr = output
+        _, lse, ga = output
         ctx.s = s
         ctx.self_keys = keys is None
         ctx.dtypes = (a.dtype, r.dtype, None if keys is None else keys.dtype)
-        ctx.save_for_backward(a, noise, keys if keys is not None else a.new_empty(0), lse, ga, gr)
+        ctx.save_for_backward(a, r, noise, keys if keys is not None else a.new_empty(0), lse, ga)
 
-    def backward(ctx, g_rows, _g_lse, _g_ga, _g_gr):
-        a, noise, keys, lse, ga, gr = ctx.saved_tensors
+    def backward(ctx, g_rows, _g_lse, _g_ga):
+        a, r, noise, keys, lse, ga = ctx.saved_tensors
         keys = None if ctx.self_keys else keys
         need_a, need_r, _, need_k = ctx.needs_input_grad[:4]
-        g = g_rows.contiguous()
-        grad_a = grad_r = grad_k = None
-        if need_a:
-            grad_a = ga * g[:, None]
-        if need_r:
-            grad_r = (gr * g[:, None]).to(ctx.dtypes[1])
-        if (need_a and keys is None) or need_k:
-            dk = bwd_keys(a, noise, keys, lse, g, ctx.s)
-            if keys is None:
-                grad_a = grad_a + dk
-            else:
-                grad_k = dk.to(ctx.dtypes[2])
-        if grad_a is not None:
-            grad_a = grad_a.to(ctx.dtypes[0])
-        return grad_a, grad_r, None, grad_k, None, None, None
+        grad_a, grad_r, grad_k = bwd(a, r, noise, keys, lse, ga, g_rows.contiguous(), ctx.s,
+                                     bool(need_a), bool(need_r), bool(need_k and keys is not None))
+        return (grad_a.to(ctx.dtypes[0]) if need_a else None,
+                grad_r.to(ctx.dtypes[1]) if need_r else None, None,
+                grad_k.to(ctx.dtypes[2]) if need_k and keys is not None else None,
+                None, None, None)
 
     torch.library.register_autograd(fwd, backward, setup_context=setup_context)
-    _OPS[name] = (fwd, bwd_keys)
+    _OPS[name] = (fwd, bwd)
 
 
 def _ops(backend: str):
     if backend not in _OPS and backend == "triton":
         from .kernels import nac_triton
-        _register("triton", nac_triton.nac_fwd_triton, nac_triton.nac_bwd_keys_triton)
+        _register("triton", nac_triton.nac_fwd_triton, nac_triton.nac_bwd_triton)
     return _OPS[backend]
 
 
 if extension() is not None:  # one op, two dispatch keys (CPU kernel here, CUDA kernel if built)
-    _register("cpu", torch.ops.nac_fast.nac_fwd.default, torch.ops.nac_fast.nac_bwd_keys.default)
+    _register("cpu", torch.ops.nac_fast.nac_fwd.default, torch.ops.nac_fast.nac_bwd.default)
     _OPS["cuda"] = _OPS["cpu"]
 
 
 def nac_fused(backend, a, r, noise, keys, s, l2, reduction):
     fwd, _ = _ops(backend)
-    grad_rows = torch.is_grad_enabled() and (a.requires_grad or r.requires_grad)
-    rows, _, _, _ = fwd(a, r, noise, keys, float(s), float(l2), bool(grad_rows))
+    grad_rows = torch.is_grad_enabled() and a.requires_grad  # ga is only needed for d/da
+    rows, _, _ = fwd(a, r, noise, keys, float(s), float(l2), bool(grad_rows))
     if reduction == "mean":
         return rows.mean()
     if reduction == "sum":
