@@ -15,10 +15,12 @@ import nac_fast
 
 from _loss_helpers import fused_backends, rel_err, run_loss
 
-BACKENDS = fused_backends("cpu")
+# bench/gpu_suite.sh runs this file with NAC_FAST_TEST_DEVICE=cuda (Triton and CUDA backends).
+DEVICE = os.environ.get("NAC_FAST_TEST_DEVICE", "cpu")
+BACKENDS = fused_backends(DEVICE)
 # The Triton interpreter (CI's way to run the Triton kernels) executes each tile step as numpy
 # calls: ~20 ms per 32 x 128 tile here, so the biggest shapes are left to the compiled backends.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and DEVICE == "cpu"
 
 
 def _cases(backends, shapes, limit=150_000):
@@ -33,6 +35,8 @@ def test_compiled_extension_present_when_required():
     if os.environ.get("NAC_FAST_REQUIRE_EXT") != "1":
         pytest.skip("NAC_FAST_REQUIRE_EXT is not set")
     assert "cpu" in nac_fast.available_backends("cpu")
+    if torch.cuda.is_available():  # GPU suite: the CUDA kernels must have been built too
+        assert "cuda" in nac_fast.available_backends("cuda")
 
 
 pytestmark = pytest.mark.skipif(not BACKENDS, reason="no fused backend in this install")
@@ -47,8 +51,8 @@ def _inputs(n, N, D, dtype, seed, keys_given, p):
     if keys_given:
         t["keys"] = torch.tanh(torch.randn(N, D, generator=g) * 1.5)
     noise = nac_fast.draw_noise((n, D), p, generator=g)
-    t = {k: v.to(dtype).requires_grad_() for k, v in t.items()}
-    return t, noise.to(dtype)
+    t = {k: v.to(DEVICE, dtype).requires_grad_() for k, v in t.items()}
+    return t, noise.to(DEVICE, dtype)
 
 
 def _loss_fn(kind):
@@ -65,7 +69,7 @@ def _loss_fn(kind):
 def _check(backend, kind, n, N, D, p, reduction, seed):
     keys_given = kind != "inbatch"
     t, noise = _inputs(n, N, D, torch.float32, seed, keys_given, p)
-    w = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1))
+    w = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE)
     fn = _loss_fn(kind)
     kw = dict(p=p, noise=noise, reduction=reduction)
     v64, g64 = run_loss(fn, {k: x.double().detach().requires_grad_() for k, x in t.items()}, w,
@@ -111,7 +115,7 @@ def test_inbatch_fp32_against_float64(backend, n, D, reduction):
 @pytest.mark.parametrize("kind", ["inbatch", "keys", "mq"])
 def test_bf16_error_within_twice_the_bf16_reference(backend, kind, n, N, D):
     t, noise = _inputs(n, N, D, torch.bfloat16, seed=n + D, keys_given=kind != "inbatch", p=0.1)
-    w = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     fn = _loss_fn(kind)
     kw = dict(p=0.1, reduction="none")
     exact = {k: x.detach().double().requires_grad_() for k, x in t.items()}
@@ -132,10 +136,10 @@ def test_bf16_error_within_twice_the_bf16_reference(backend, kind, n, N, D):
 def test_gradcheck_float64(backend, case, reduction):
     g = torch.Generator().manual_seed(5)
     n, N, D = 6, 9, 4
-    a = torch.randn(n, D, dtype=torch.float64, generator=g, requires_grad=True)
-    r = torch.randn(n, D, dtype=torch.float64, generator=g, requires_grad=True)
-    keys = torch.tanh(torch.randn(N, D, dtype=torch.float64, generator=g)).requires_grad_()
-    noise = nac_fast.draw_noise((n, D), 0.3, dtype=torch.float64, generator=g)
+    a = torch.randn(n, D, dtype=torch.float64, generator=g).to(DEVICE).requires_grad_()
+    r = torch.randn(n, D, dtype=torch.float64, generator=g).to(DEVICE).requires_grad_()
+    keys = torch.tanh(torch.randn(N, D, dtype=torch.float64, generator=g)).to(DEVICE).requires_grad_()
+    noise = nac_fast.draw_noise((n, D), 0.3, dtype=torch.float64, generator=g).to(DEVICE)
     kw = dict(noise=noise, reduction=reduction, backend=backend)
     if case == "inbatch":
         assert torch.autograd.gradcheck(lambda a, r: nac_fast.nac_loss(a, r, 0.3, **kw), (a, r))
@@ -149,8 +153,8 @@ def test_gradcheck_float64(backend, case, reduction):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_drawn_noise_reproducible_and_equal_to_reference(backend):
-    a, r = torch.randn(50, 32), torch.randn(50, 32)
-    q = torch.tanh(torch.randn(300, 32))
+    a, r = torch.randn(50, 32, device=DEVICE), torch.randn(50, 32, device=DEVICE)
+    q = torch.tanh(torch.randn(300, 32, device=DEVICE))
     torch.manual_seed(11)
     ref = nac_fast.nac_mq_loss(a, r, q, 0.1, backend="reference")
     torch.manual_seed(11)
@@ -174,9 +178,9 @@ def test_backward_is_deterministic(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_partial_requires_grad_and_no_grad(backend):
-    a, r = torch.randn(20, 8), torch.randn(20, 8)
-    keys = torch.tanh(torch.randn(30, 8)).requires_grad_()
-    noise = nac_fast.draw_noise((20, 8), 0.1)
+    a, r = torch.randn(20, 8, device=DEVICE), torch.randn(20, 8, device=DEVICE)
+    keys = torch.tanh(torch.randn(30, 8, device=DEVICE)).requires_grad_()
+    noise = nac_fast.draw_noise((20, 8), 0.1, device=DEVICE)
     loss = nac_fast.nac_loss(a, r, 0.1, keys=keys, noise=noise, backend=backend)
     loss.backward()  # only the keys need a gradient
     ref_keys = keys.detach().clone().requires_grad_()
@@ -189,12 +193,12 @@ def test_partial_requires_grad_and_no_grad(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_compile_matches_eager(backend):
-    if backend == "triton" and INTERPRETED:
+    if backend == "triton" and INTERPRETED and DEVICE == "cpu":
         pytest.skip("AOTAutograd runs a triton_op's launches on functional tensors, which the "
                     "interpreter cannot read; bench/gpu_suite.sh runs this test on a GPU")
-    a = torch.randn(40, 16, requires_grad=True)
-    r = torch.randn(40, 16, requires_grad=True)
-    noise = nac_fast.draw_noise((40, 16), 0.1)
+    a = torch.randn(40, 16, device=DEVICE, requires_grad=True)
+    r = torch.randn(40, 16, device=DEVICE, requires_grad=True)
+    noise = nac_fast.draw_noise((40, 16), 0.1, device=DEVICE)
 
     def step(a, r):
         return nac_fast.nac_loss(a * 1.5, r, 0.1, noise=noise, backend=backend)
