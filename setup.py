@@ -70,7 +70,7 @@ def extensions():
     if cu and _want_cuda(torch):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         nvcc = ["-O3", "--use_fast_math", "-lineinfo", "-DNAC_FAST_WITH_CUDA",
-                "--expt-relaxed-constexpr", "-std=c++17"]
+                "--expt-relaxed-constexpr"]
         ext = CUDAExtension("nac_fast._C", cpp + cu,
                             extra_compile_args={"cxx": cxx + ["-DNAC_FAST_WITH_CUDA"], "nvcc": nvcc},
                             **{**common, "include_dirs": common["include_dirs"] + _cuda_include_dirs()})

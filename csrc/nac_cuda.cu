@@ -1,0 +1,528 @@
+// CUDA kernels of the NAC losses: the CUDA dispatch key of the ops nac_fast::nac_fwd and
+// nac_fast::nac_bwd (schemas and the CPU kernel in nac_cpu.cpp; per-element math shared through
+// nac_math.h, so what CI checks on the CPU is the math these kernels run).
+//
+//   q_i = s m_i tanh(a_i),  k_j = keys_j or tanh(a_j)
+//   lse_i = log sum_j exp(q_i . k_j);  loss_i = lse_i - log N - bern_i + l2 ||z_i||^2
+//   fwd: flash-style online logsumexp over key tiles, with acc_i = sum_j e_ij k_j when the rows'
+//        gradient is wanted; grid (query tiles, key splits) so small batches still fill the GPU;
+//        a finish kernel merges the splits and writes loss, lse and ga (nac_math.h).
+//   bwd: keys' gradient column-parallel (grid (key tiles, query splits); each program owns its
+//        keys: no atomics, splits summed in a fixed order, deterministic), then an elementwise
+//        kernel for d/dr and d/da = g ga [+ dK (1 - z^2)].
+//
+// This is the portable SIMT version: fp32 (fp64 for fp64 inputs) FMAs from shared-memory tiles,
+// inputs of any float dtype converted on load.  The logits never leave registers/shared memory.
+// Tensor-core variants are the GPU suite's next step (bench/gpu_suite.sh measures this one).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <ATen/Dispatch.h>
+#include <ATen/AccumulateType.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "nac_math.h"
+
+namespace {
+
+constexpr int kThreads = 256;  // 16 x 16
+constexpr int kDChunk = 32;    // D columns staged in shared memory at a time
+
+template <typename acc_t> struct Tile;
+template <> struct Tile<float> { static constexpr int kT = 64; };   // 64 x 64 logits per block
+template <> struct Tile<double> { static constexpr int kT = 32; };  // keeps fp64 smem < 48 KiB
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t neg_inf() { return -std::numeric_limits<acc_t>::infinity(); }
+
+// Reduce over the 16 threads of a half-warp that share a row group (lanes differ in bits 0-3).
+template <typename acc_t>
+__device__ __forceinline__ acc_t half_warp_max(acc_t v) {
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o, 16));
+  return v;
+}
+template <typename acc_t>
+__device__ __forceinline__ acc_t half_warp_sum(acc_t v) {
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o, 16);
+  return v;
+}
+
+// q = s m tanh(a) and z = tanh(a) in the accumulation dtype (O(nD) prologue).
+template <typename scalar_t, typename acc_t>
+__global__ void prologue_kernel(const scalar_t* __restrict__ a, const scalar_t* __restrict__ noise,
+                                acc_t* __restrict__ q, acc_t* __restrict__ z, int64_t total,
+                                acc_t s) {
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const acc_t zz = nac::tanh_(static_cast<acc_t>(a[k]));
+    z[k] = zz;
+    q[k] = s * static_cast<acc_t>(noise[k]) * zz;
+  }
+}
+
+// S tile (T x T) = Q[rows] . K[cols]^T, accumulated over D in chunks through shared memory.
+// Thread (ty, tx) holds rows ty + 16 u and columns tx + 16 v, u, v < T/16.
+template <typename key_t, typename acc_t, int T>
+__device__ __forceinline__ void score_tile(const acc_t* __restrict__ Q, const key_t* __restrict__ K,
+                                           int64_t i0, int64_t n, int64_t j0, int64_t jend,
+                                           int D, acc_t (*Qs)[kDChunk + 1],
+                                           acc_t (*Ks)[kDChunk + 1], acc_t (&S)[T / 16][T / 16]) {
+  constexpr int R = T / 16;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll
+  for (int u = 0; u < R; ++u)
+#pragma unroll
+    for (int v = 0; v < R; ++v) S[u][v] = 0;
+  for (int d0 = 0; d0 < D; d0 += kDChunk) {
+    for (int e = threadIdx.x; e < T * kDChunk; e += kThreads) {
+      const int rr = e / kDChunk, dd = e % kDChunk;
+      const bool din = d0 + dd < D;
+      Qs[rr][dd] = (din && i0 + rr < n) ? Q[(i0 + rr) * D + d0 + dd] : acc_t(0);
+      Ks[rr][dd] = (din && j0 + rr < jend) ? static_cast<acc_t>(K[(j0 + rr) * D + d0 + dd])
+                                           : acc_t(0);
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int dd = 0; dd < kDChunk; ++dd) {
+      acc_t qv[R], kv[R];
+#pragma unroll
+      for (int u = 0; u < R; ++u) qv[u] = Qs[ty + 16 * u][dd];
+#pragma unroll
+      for (int v = 0; v < R; ++v) kv[v] = Ks[tx + 16 * v][dd];
+#pragma unroll
+      for (int u = 0; u < R; ++u)
+#pragma unroll
+        for (int v = 0; v < R; ++v) S[u][v] += qv[u] * kv[v];
+    }
+    __syncthreads();
+  }
+}
+
+// Forward: per (query tile, key split) the online softmax state (m, l) and acc = sum e k.
+template <typename key_t, typename acc_t, int DPAD>
+__global__ void __launch_bounds__(kThreads)
+fwd_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K, acc_t* __restrict__ pm,
+           acc_t* __restrict__ pl, acc_t* __restrict__ pacc, int64_t n, int64_t N, int D,
+           int64_t tiles_per_split, bool grad) {
+  constexpr int T = Tile<acc_t>::kT, R = T / 16, C = DPAD / 16;
+  __shared__ acc_t Qs[T][kDChunk + 1];
+  __shared__ acc_t Ks[T][kDChunk + 1];
+  __shared__ acc_t Ps[T][T + 1];
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int64_t i0 = int64_t(blockIdx.x) * T, sp = blockIdx.y;
+  const int64_t jstart = sp * tiles_per_split * T;
+  const int64_t jend = N < jstart + tiles_per_split * T ? N : jstart + tiles_per_split * T;
+
+  acc_t m_run[R], l_run[R], acc[R][C];
+#pragma unroll
+  for (int u = 0; u < R; ++u) {
+    m_run[u] = neg_inf<acc_t>();
+    l_run[u] = 0;
+#pragma unroll
+    for (int c = 0; c < C; ++c) acc[u][c] = 0;
+  }
+  acc_t S[R][R];
+  for (int64_t j0 = jstart; j0 < jend; j0 += T) {
+    score_tile<key_t, acc_t, T>(Q, K, i0, n, j0, jend, D, Qs, Ks, S);
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+      acc_t mx = neg_inf<acc_t>();
+#pragma unroll
+      for (int v = 0; v < R; ++v)
+        if (j0 + tx + 16 * v < jend) mx = max(mx, S[u][v]);
+      mx = half_warp_max(mx);
+      const acc_t m_new = max(m_run[u], mx);
+      const acc_t alpha = l_run[u] > 0 ? nac::exp_(m_run[u] - m_new) : acc_t(0);
+      acc_t sum = 0;
+#pragma unroll
+      for (int v = 0; v < R; ++v) {
+        const acc_t p = (j0 + tx + 16 * v < jend) ? nac::exp_(S[u][v] - m_new) : acc_t(0);
+        Ps[ty + 16 * u][tx + 16 * v] = p;
+        sum += p;
+      }
+      l_run[u] = l_run[u] * alpha + half_warp_sum(sum);
+      m_run[u] = m_new;
+#pragma unroll
+      for (int c = 0; c < C; ++c) acc[u][c] *= alpha;
+    }
+    if (grad) {
+      // acc[rows, D] += P[rows, keys] . K[keys, D], D staged in chunks (Ks reused).  Unrolled
+      // so that acc's column index is a compile-time constant (registers, not local memory).
+#pragma unroll
+      for (int d0 = 0; d0 < DPAD; d0 += kDChunk) {
+        __syncthreads();  // Ps written; Ks free
+        for (int e = threadIdx.x; e < T * kDChunk; e += kThreads) {
+          const int rr = e / kDChunk, dd = e % kDChunk;
+          Ks[rr][dd] = (d0 + dd < D && j0 + rr < jend)
+                           ? static_cast<acc_t>(K[(j0 + rr) * D + d0 + dd]) : acc_t(0);
+        }
+        __syncthreads();
+        // thread owns columns tx and tx + 16 of this chunk: c = d0/16 + {0, 1}
+#pragma unroll
+        for (int h = 0; h < kDChunk / 16; ++h) {
+          const int c = d0 / 16 + h;
+          if (c >= C) break;
+#pragma unroll 8
+          for (int j = 0; j < T; ++j) {
+            const acc_t kv = Ks[j][tx + 16 * h];
+#pragma unroll
+            for (int u = 0; u < R; ++u) acc[u][c] += Ps[ty + 16 * u][j] * kv;
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int u = 0; u < R; ++u) {
+    const int64_t i = i0 + ty + 16 * u;
+    if (i >= n) continue;
+    if (tx == 0) {
+      pm[sp * n + i] = m_run[u];
+      pl[sp * n + i] = l_run[u];
+    }
+    if (grad) {
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        const int d = tx + 16 * c;
+        if (d < D) pacc[(sp * n + i) * D + d] = acc[u][c];
+      }
+    }
+  }
+}
+
+// One block per row: merge the splits, then loss, lse and ga (nac_math.h).
+template <typename scalar_t, typename acc_t>
+__global__ void finish_kernel(const scalar_t* __restrict__ a, const scalar_t* __restrict__ r,
+                              const scalar_t* __restrict__ noise, const acc_t* __restrict__ pm,
+                              const acc_t* __restrict__ pl, const acc_t* __restrict__ pacc,
+                              acc_t* __restrict__ loss, acc_t* __restrict__ lse,
+                              acc_t* __restrict__ ga, int64_t n, int D, int nsplit, acc_t s,
+                              acc_t l2, acc_t log_n_keys, bool grad) {
+  const int64_t i = blockIdx.x;
+  __shared__ acc_t red[2][32];
+  acc_t M = neg_inf<acc_t>();
+  for (int p = 0; p < nsplit; ++p) M = max(M, pm[p * n + i]);
+  acc_t L = 0;
+  for (int p = 0; p < nsplit; ++p)
+    if (pl[p * n + i] > 0) L += nac::exp_(pm[p * n + i] - M) * pl[p * n + i];
+  const acc_t lse_i = M + log(L);
+  acc_t bern2 = 0, zz = 0;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    const int64_t k = i * D + d;
+    const acc_t z = nac::tanh_(static_cast<acc_t>(a[k]));
+    const acc_t m = static_cast<acc_t>(noise[k]);
+    const acc_t rv = static_cast<acc_t>(r[k]);
+    bern2 += nac::bern2_elem(m * z, rv);
+    zz += z * z;
+    if (grad) {
+      acc_t A = 0;
+      for (int p = 0; p < nsplit; ++p)
+        if (pl[p * n + i] > 0) A += nac::exp_(pm[p * n + i] - M) * pacc[(p * n + i) * D + d];
+      ga[k] = nac::grad_a_elem(m, z, s * A / L, rv, l2);
+    }
+  }
+  // block reduction of (bern2, zz)
+  for (int o = 16; o > 0; o >>= 1) {
+    bern2 += __shfl_xor_sync(0xffffffffu, bern2, o);
+    zz += __shfl_xor_sync(0xffffffffu, zz, o);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+  if (lane == 0) {
+    red[0][warp] = bern2;
+    red[1][warp] = zz;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    acc_t b = 0, q = 0;
+    for (int w = 0; w < nwarps; ++w) {
+      b += red[0][w];
+      q += red[1][w];
+    }
+    lse[i] = lse_i;
+    loss[i] = lse_i - log_n_keys - acc_t(0.5) * b + l2 * q;
+  }
+}
+
+// Keys' gradient: per (key tile, query split) dK[keys, D] = sum_i g_i P_ij q_i.
+template <typename key_t, typename acc_t, int DPAD>
+__global__ void __launch_bounds__(kThreads)
+bwd_keys_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K,
+                const acc_t* __restrict__ lse, const acc_t* __restrict__ g,
+                acc_t* __restrict__ pdk, int64_t n, int64_t N, int D, int64_t blocks_per_split) {
+  constexpr int T = Tile<acc_t>::kT, R = T / 16, C = DPAD / 16;
+  __shared__ acc_t Qs[T][kDChunk + 1];
+  __shared__ acc_t Ks[T][kDChunk + 1];
+  __shared__ acc_t Ps[T][T + 1];
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int64_t j0 = int64_t(blockIdx.x) * T, sp = blockIdx.y;
+  const int64_t istart = sp * blocks_per_split * T;
+  const int64_t iend = n < istart + blocks_per_split * T ? n : istart + blocks_per_split * T;
+  const int64_t jend = N < j0 + T ? N : j0 + T;
+  acc_t dk[R][C];  // keys ty + 16 u, columns tx + 16 c
+#pragma unroll
+  for (int u = 0; u < R; ++u)
+#pragma unroll
+    for (int c = 0; c < C; ++c) dk[u][c] = 0;
+  acc_t S[R][R];
+  for (int64_t i0 = istart; i0 < iend; i0 += T) {
+    score_tile<key_t, acc_t, T>(Q, K, i0, iend, j0, jend, D, Qs, Ks, S);  // rows: queries
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+      const int64_t i = i0 + ty + 16 * u;
+      const acc_t li = i < iend ? lse[i] : acc_t(0), gi = i < iend ? g[i] : acc_t(0);
+#pragma unroll
+      for (int v = 0; v < R; ++v) {
+        const bool ok = i < iend && j0 + tx + 16 * v < jend;
+        Ps[ty + 16 * u][tx + 16 * v] = ok ? nac::exp_(S[u][v] - li) * gi : acc_t(0);
+      }
+    }
+#pragma unroll
+    for (int d0 = 0; d0 < DPAD; d0 += kDChunk) {
+      __syncthreads();
+      for (int e = threadIdx.x; e < T * kDChunk; e += kThreads) {
+        const int rr = e / kDChunk, dd = e % kDChunk;
+        Qs[rr][dd] = (d0 + dd < D && i0 + rr < iend) ? Q[(i0 + rr) * D + d0 + dd] : acc_t(0);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int h = 0; h < kDChunk / 16; ++h) {
+        const int c = d0 / 16 + h;
+        if (c >= C) break;
+#pragma unroll 8
+        for (int ii = 0; ii < T; ++ii) {
+          const acc_t qv = Qs[ii][tx + 16 * h];
+#pragma unroll
+          for (int u = 0; u < R; ++u) dk[u][c] += Ps[ii][ty + 16 * u] * qv;
+        }
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int u = 0; u < R; ++u) {
+    const int64_t j = j0 + ty + 16 * u;
+    if (j >= jend) continue;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int d = tx + 16 * c;
+      if (d < D) pdk[(sp * N + j) * D + d] = dk[u][c];
+    }
+  }
+}
+
+// d/dr = g (sig(r) - (1 + z~)/2);  d/da = g ga [+ dK (1 - z^2) for the self keys].
+template <typename scalar_t, typename acc_t>
+__global__ void bwd_rows_kernel(const scalar_t* __restrict__ a, const scalar_t* __restrict__ r,
+                                const scalar_t* __restrict__ noise, const acc_t* __restrict__ ga,
+                                const acc_t* __restrict__ g, const acc_t* __restrict__ dk,
+                                acc_t* __restrict__ grad_a, acc_t* __restrict__ grad_r, int64_t n,
+                                int D, bool need_a, bool need_r, bool self_keys) {
+  const int64_t total = n * D;
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const acc_t gi = g[k / D];
+    const acc_t z = nac::tanh_(static_cast<acc_t>(a[k]));
+    if (need_r)
+      grad_r[k] = gi * nac::grad_r_elem(static_cast<acc_t>(noise[k]) * z,
+                                        static_cast<acc_t>(r[k]));
+    if (need_a) grad_a[k] = gi * ga[k] + (self_keys ? dk[k] * (acc_t(1) - z * z) : acc_t(0));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+// ---------------------------------------------------------------------------------------------
+
+int blocks_for(int64_t total, int threads = 256) {
+  return static_cast<int>(std::min<int64_t>((total + threads - 1) / threads, 65535));
+}
+
+int64_t split_for(int64_t programs, int64_t tiles) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int64_t want = (2 * sms + programs - 1) / programs, split = 1;
+  while (split * 2 <= std::min<int64_t>({want, tiles, 64})) split *= 2;
+  return split;
+}
+
+#define NAC_DISPATCH_DPAD(D, ...)                                              \
+  [&] {                                                                        \
+    if ((D) <= 32) { constexpr int DPAD = 32; return __VA_ARGS__(); }          \
+    if ((D) <= 64) { constexpr int DPAD = 64; return __VA_ARGS__(); }          \
+    if ((D) <= 128) { constexpr int DPAD = 128; return __VA_ARGS__(); }        \
+    constexpr int DPAD = 256; return __VA_ARGS__();                            \
+  }()
+
+struct Prep {
+  at::Tensor q, z, keys;  // q, z: acc dtype; keys: input dtype, contiguous (z when self keys)
+};
+
+template <typename scalar_t, typename acc_t>
+Prep prologue(const at::Tensor& a, const at::Tensor& noise, const c10::optional<at::Tensor>& keys,
+              double s) {
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+  Prep p;
+  p.q = at::empty(a.sizes(), a.options().dtype(acc));
+  p.z = at::empty(a.sizes(), a.options().dtype(acc));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  prologue_kernel<scalar_t, acc_t><<<blocks_for(a.numel()), 256, 0, stream>>>(
+      a.data_ptr<scalar_t>(), noise.data_ptr<scalar_t>(), p.q.data_ptr<acc_t>(),
+      p.z.data_ptr<acc_t>(), a.numel(), static_cast<acc_t>(s));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  p.keys = keys.has_value() ? keys->detach().to(a.scalar_type()).contiguous() : at::Tensor();
+  return p;
+}
+
+template <typename scalar_t, typename acc_t>
+std::vector<at::Tensor> fwd_impl(const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
+                                 const c10::optional<at::Tensor>& keys, double s, double l2,
+                                 bool grad) {
+  const int64_t n = a.size(0);
+  const int D = static_cast<int>(a.size(1));
+  const Prep p = prologue<scalar_t, acc_t>(a, noise, keys, s);
+  const bool self_keys = !keys.has_value();
+  const int64_t N = self_keys ? n : p.keys.size(0);
+  constexpr int T = Tile<acc_t>::kT;
+  const int64_t qtiles = (n + T - 1) / T, ktiles = (N + T - 1) / T;
+  const int64_t nsplit = split_for(qtiles, ktiles);
+  const int64_t tiles_per_split = (ktiles + nsplit - 1) / nsplit;
+  const auto opts = p.q.options();
+  at::Tensor pm = at::empty({nsplit, n}, opts), pl = at::empty({nsplit, n}, opts);
+  at::Tensor pacc = grad ? at::empty({nsplit, n, D}, opts) : at::empty({1}, opts);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const dim3 grid(static_cast<unsigned>(qtiles), static_cast<unsigned>(nsplit));
+  NAC_DISPATCH_DPAD(D, [&] {
+    if (self_keys)
+      fwd_kernel<acc_t, acc_t, DPAD><<<grid, kThreads, 0, stream>>>(
+          p.q.data_ptr<acc_t>(), p.z.data_ptr<acc_t>(), pm.data_ptr<acc_t>(),
+          pl.data_ptr<acc_t>(), pacc.data_ptr<acc_t>(), n, N, D, tiles_per_split, grad);
+    else
+      fwd_kernel<scalar_t, acc_t, DPAD><<<grid, kThreads, 0, stream>>>(
+          p.q.data_ptr<acc_t>(), p.keys.data_ptr<scalar_t>(), pm.data_ptr<acc_t>(),
+          pl.data_ptr<acc_t>(), pacc.data_ptr<acc_t>(), n, N, D, tiles_per_split, grad);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  at::Tensor loss = at::empty({n}, opts), lse = at::empty({n}, opts);
+  at::Tensor ga = grad ? at::empty({n, D}, opts) : at::empty({0}, opts);
+  finish_kernel<scalar_t, acc_t><<<static_cast<unsigned>(n), 128, 0, stream>>>(
+      a.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), noise.data_ptr<scalar_t>(),
+      pm.data_ptr<acc_t>(), pl.data_ptr<acc_t>(), pacc.data_ptr<acc_t>(), loss.data_ptr<acc_t>(),
+      lse.data_ptr<acc_t>(), grad ? ga.data_ptr<acc_t>() : nullptr, n, D,
+      static_cast<int>(nsplit), static_cast<acc_t>(s), static_cast<acc_t>(l2),
+      static_cast<acc_t>(std::log(static_cast<double>(N))), grad);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {loss, lse, ga};
+}
+
+template <typename scalar_t, typename acc_t>
+std::vector<at::Tensor> bwd_impl(const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
+                                 const c10::optional<at::Tensor>& keys, const at::Tensor& lse_in,
+                                 const at::Tensor& ga_in, const at::Tensor& g_in, double s,
+                                 bool need_a, bool need_r, bool need_keys) {
+  const int64_t n = a.size(0);
+  const int D = static_cast<int>(a.size(1));
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+  const auto opts = a.options().dtype(acc);
+  const at::Tensor g = g_in.detach().to(acc).contiguous();
+  const bool self_keys = !keys.has_value();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor dk = at::empty({0}, opts);
+  if ((need_a && self_keys) || (need_keys && !self_keys)) {
+    const Prep p = prologue<scalar_t, acc_t>(a, noise, keys, s);
+    const at::Tensor lse = lse_in.detach().to(acc).contiguous();
+    const int64_t N = self_keys ? n : p.keys.size(0);
+    constexpr int T = Tile<acc_t>::kT;
+    const int64_t ktiles = (N + T - 1) / T, qtiles = (n + T - 1) / T;
+    const int64_t nsplit = split_for(ktiles, qtiles);
+    const int64_t per = (qtiles + nsplit - 1) / nsplit;
+    at::Tensor pdk = at::empty({nsplit, N, D}, opts);
+    const dim3 grid(static_cast<unsigned>(ktiles), static_cast<unsigned>(nsplit));
+    NAC_DISPATCH_DPAD(D, [&] {
+      if (self_keys)
+        bwd_keys_kernel<acc_t, acc_t, DPAD><<<grid, kThreads, 0, stream>>>(
+            p.q.data_ptr<acc_t>(), p.z.data_ptr<acc_t>(), lse.data_ptr<acc_t>(),
+            g.data_ptr<acc_t>(), pdk.data_ptr<acc_t>(), n, N, D, per);
+      else
+        bwd_keys_kernel<scalar_t, acc_t, DPAD><<<grid, kThreads, 0, stream>>>(
+            p.q.data_ptr<acc_t>(), p.keys.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
+            g.data_ptr<acc_t>(), pdk.data_ptr<acc_t>(), n, N, D, per);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    dk = nsplit == 1 ? pdk[0] : pdk.sum(0);  // fixed-order sum of the splits: deterministic
+  }
+  at::Tensor grad_a = need_a ? at::empty({n, D}, opts) : at::empty({0}, opts);
+  at::Tensor grad_r = need_r ? at::empty({n, D}, opts) : at::empty({0}, opts);
+  if (need_a || need_r) {
+    const at::Tensor ga = need_a ? ga_in.detach().to(acc).contiguous() : at::empty({0}, opts);
+    bwd_rows_kernel<scalar_t, acc_t><<<blocks_for(n * D), 256, 0, stream>>>(
+        a.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), noise.data_ptr<scalar_t>(),
+        need_a ? ga.data_ptr<acc_t>() : nullptr, g.data_ptr<acc_t>(),
+        (need_a && self_keys) ? dk.data_ptr<acc_t>() : nullptr,
+        need_a ? grad_a.data_ptr<acc_t>() : nullptr, need_r ? grad_r.data_ptr<acc_t>() : nullptr,
+        n, D, need_a, need_r, self_keys);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  at::Tensor grad_k = (need_keys && !self_keys) ? dk : at::empty({0}, opts);
+  return {grad_a, grad_r, grad_k};
+}
+
+void check_cuda_inputs(const at::Tensor& a, const at::Tensor& noise,
+                       const c10::optional<at::Tensor>& keys) {
+  TORCH_CHECK(a.dim() == 2 && a.size(0) > 0 && a.size(1) > 0,
+              "nac_fast: a must be a non-empty (n, D) matrix");
+  TORCH_CHECK(a.size(1) <= 256, "nac_fast cuda backend: D <= 256 (got ", a.size(1),
+              "); use backend='triton' for wider codes");
+  TORCH_CHECK(noise.sizes() == a.sizes(), "nac_fast: noise must have a's shape");
+  if (keys.has_value())
+    TORCH_CHECK(keys->dim() == 2 && keys->size(0) > 0 && keys->size(1) == a.size(1),
+                "nac_fast: keys must be a non-empty (N, D) matrix with a's D");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_fwd_cuda(
+    const at::Tensor& a_in, const at::Tensor& r_in, const at::Tensor& noise_in,
+    const c10::optional<at::Tensor>& keys, double s, double l2, bool grad_rows) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_cuda_inputs(a_in, noise_in, keys);
+  const c10::cuda::CUDAGuard guard(a_in.device());
+  const at::Tensor a = a_in.detach().contiguous();
+  const at::Tensor r = r_in.detach().to(a.scalar_type()).contiguous();
+  const at::Tensor noise = noise_in.detach().to(a.scalar_type()).contiguous();
+  std::vector<at::Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "nac_fwd", [&] {
+    using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;  // double for double, else float
+    out = fwd_impl<scalar_t, acc_t>(a, r, noise, keys, s, l2, grad_rows);
+  });
+  return {out[0], out[1], out[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_bwd_cuda(
+    const at::Tensor& a_in, const at::Tensor& r_in, const at::Tensor& noise_in,
+    const c10::optional<at::Tensor>& keys, const at::Tensor& lse, const at::Tensor& ga,
+    const at::Tensor& g, double s, bool need_a, bool need_r, bool need_keys) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_cuda_inputs(a_in, noise_in, keys);
+  const c10::cuda::CUDAGuard guard(a_in.device());
+  const at::Tensor a = a_in.detach().contiguous();
+  const at::Tensor r = r_in.detach().to(a.scalar_type()).contiguous();
+  const at::Tensor noise = noise_in.detach().to(a.scalar_type()).contiguous();
+  std::vector<at::Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "nac_bwd", [&] {
+    using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
+    out = bwd_impl<scalar_t, acc_t>(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys);
+  });
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nac_fast, CUDA, m) {
+  m.impl("nac_fwd", &nac_fwd_cuda);
+  m.impl("nac_bwd", &nac_bwd_cuda);
+}

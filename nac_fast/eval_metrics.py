@@ -1,0 +1,258 @@
+"""Evaluation metrics on given (cached) feature tensors: kNN classification and a linear probe.
+
+    from nac_fast.eval_metrics import knn_accuracy, linear_probe
+    acc = knn_accuracy(train_h, train_y, test_h, test_y, k=200, temperature=0.1)
+    res = linear_probe(train_h, train_y, test_h, test_y)   # lr searched on a held-out split
+    res.test_accuracy, res.best_lr, res.val_accuracy
+
+Protocols (NAC_SPEC.md "Evaluation protocols", issue 6):
+
+* kNN: cosine similarity between L2-normalised features, the k = 200 most similar training
+  items vote with weight exp(similarity / temperature) (the weighted kNN of Wu et al. 2018 used
+  by SimCLR/MoCo-style evaluations); the class with the largest total weight wins, ties going to
+  the lower class index.
+* Linear probe: a linear classifier on frozen features, SGD with Nesterov momentum 0.9, cosine
+  learning-rate schedule (per step) over 100 epochs, no regularisation (no weight decay, no
+  augmentation: the features are fixed), learning rate searched in {0.01, 0.1, 1, 10} on a
+  held-out split of the training set; the chosen rate is then retrained on the whole training
+  set and its test top-1 reported.
+
+Both work on any device the tensors live on; memory stays bounded by chunking the test set.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["knn_predict", "knn_accuracy", "train_linear_probe", "accuracy", "linear_probe",
+           "LinearProbeResult", "retrieval_split"]
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------
+
+def _features(name: str, x, rows: int | None = None, dim: int | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    if x.dim() != 2 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{name} must be a non-empty 2-D (n, d) tensor, got shape "
+                         f"{tuple(x.shape)}")
+    if rows is not None and x.shape[0] != rows:
+        raise ValueError(f"{name} has {x.shape[0]} rows, expected {rows}")
+    if dim is not None and x.shape[1] != dim:
+        raise ValueError(f"{name} has {x.shape[1]} columns but the training features have {dim}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or inf")
+    return x.detach()
+
+
+def _labels(name: str, y, rows: int) -> torch.Tensor:
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer class ids, got {y.dtype}")
+    if y.dim() != 1 or y.shape[0] != rows:
+        raise ValueError(f"{name} must have shape ({rows},) to match the features, got "
+                         f"{tuple(y.shape)}")
+    if bool((y < 0).any()):
+        raise ValueError(f"{name} must be non-negative class ids")
+    return y.detach().to(torch.int64)
+
+
+def _num_classes(num_classes, *labels: torch.Tensor) -> int:
+    top = max(int(y.max()) for y in labels) + 1
+    if num_classes is None:
+        return top
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < top:
+        raise ValueError(f"num_classes must be an int >= {top} (largest label + 1), got "
+                         f"{num_classes!r}")
+    return num_classes
+
+
+# --------------------------------------------------------------------------------------------
+# kNN
+# --------------------------------------------------------------------------------------------
+
+def knn_predict(train_features, train_labels, test_features, *, k: int = 200,
+                temperature: float = 0.1, num_classes: int | None = None,
+                chunk_size: int = 1024) -> torch.Tensor:
+    """Weighted kNN predictions (int64, one per test row); see the module docstring.
+
+    ``k`` must be in [1, n_train].  Similarity matrices are built ``chunk_size`` test rows at a
+    time (chunk_size x n_train floats)."""
+    tr = _features("train_features", train_features)
+    ytr = _labels("train_labels", train_labels, tr.shape[0])
+    te = _features("test_features", test_features, dim=tr.shape[1])
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    if not 1 <= k <= tr.shape[0]:
+        raise ValueError(f"k must be in [1, {tr.shape[0]}] (the training set size), got {k}")
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    C = _num_classes(num_classes, ytr)
+    trn = F.normalize(tr.float(), dim=1)
+    out = []
+    for s in range(0, te.shape[0], chunk_size):
+        sim = F.normalize(te[s:s + chunk_size].float(), dim=1) @ trn.T
+        top_sim, top_idx = sim.topk(k, dim=1)
+        votes = torch.zeros(sim.shape[0], C, dtype=torch.float64, device=sim.device)
+        # Weights in float64: exp(1/0.1) ~ 2e4 per vote, summed over 200 votes, stays exact
+        # enough that near-ties are decided by the weights, not by rounding.
+        votes.scatter_add_(1, ytr[top_idx], torch.exp(top_sim.double() / temperature))
+        out.append(votes.argmax(1))  # first maximum: ties go to the lower class index
+    return torch.cat(out)
+
+
+def accuracy(pred: torch.Tensor, labels: torch.Tensor) -> float:
+    """Top-1 accuracy in [0, 1]."""
+    if pred.shape != labels.shape:
+        raise ValueError(f"pred {tuple(pred.shape)} and labels {tuple(labels.shape)} differ")
+    return float((pred == labels.to(pred.device)).double().mean())
+
+
+def knn_accuracy(train_features, train_labels, test_features, test_labels, **kw) -> float:
+    """Top-1 accuracy of :func:`knn_predict` on the test set."""
+    te = _features("test_features", test_features)
+    yte = _labels("test_labels", test_labels, te.shape[0])
+    return accuracy(knn_predict(train_features, train_labels, te, **kw), yte)
+
+
+# --------------------------------------------------------------------------------------------
+# Linear probe
+# --------------------------------------------------------------------------------------------
+
+def train_linear_probe(features, labels, *, num_classes: int | None = None, lr: float = 0.1,
+                       epochs: int = 100, batch_size: int = 256, momentum: float = 0.9,
+                       seed: int = 0) -> torch.nn.Linear:
+    """A linear classifier trained on fixed features: SGD, Nesterov momentum, cosine schedule
+    stepped per iteration, cross-entropy, no weight decay.  Deterministic for a given seed."""
+    x = _features("features", features)
+    y = _labels("labels", labels, x.shape[0])
+    if not (isinstance(lr, (int, float)) and lr > 0):
+        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    for name, v in (("epochs", epochs), ("batch_size", batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    C = _num_classes(num_classes, y)
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(x.shape[1], C).to(x.device)
+    with torch.no_grad():  # default init drawn from our generator, so the seed fixes everything
+        bound = 1.0 / math.sqrt(x.shape[1])
+        model.weight.copy_(torch.empty_like(model.weight, device="cpu").uniform_(
+            -bound, bound, generator=gen))
+        model.bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=True,
+                          weight_decay=0.0)
+    n = x.shape[0]
+    steps_per_epoch = math.ceil(n / batch_size)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * steps_per_epoch)
+    xf = x.float()
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=gen).to(x.device)
+        for s in range(0, n, batch_size):
+            idx = perm[s:s + batch_size]
+            loss = F.cross_entropy(model(xf[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    return model.eval()
+
+
+def _predict(model: torch.nn.Linear, x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(x[s:s + chunk].float()).argmax(1)
+                          for s in range(0, x.shape[0], chunk)])
+
+
+@dataclasses.dataclass
+class LinearProbeResult:
+    test_accuracy: float
+    best_lr: float
+    val_accuracy: dict  # lr -> held-out accuracy
+    model: torch.nn.Linear
+
+
+def linear_probe(train_features, train_labels, test_features, test_labels, *,
+                 lrs=(0.01, 0.1, 1.0, 10.0), val_fraction: float = 0.1, epochs: int = 100,
+                 batch_size: int = 256, seed: int = 0) -> LinearProbeResult:
+    """The paper's linear evaluation on cached features (see the module docstring).
+
+    The held-out split is a seeded random ``val_fraction`` of the training rows; the best rate
+    (highest held-out accuracy, the smaller rate on a tie) is retrained on all training rows."""
+    tr = _features("train_features", train_features)
+    ytr = _labels("train_labels", train_labels, tr.shape[0])
+    te = _features("test_features", test_features, dim=tr.shape[1])
+    yte = _labels("test_labels", test_labels, te.shape[0])
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    lrs = tuple(lrs)
+    if not lrs:
+        raise ValueError("lrs must name at least one learning rate")
+    n_val = max(1, int(round(val_fraction * tr.shape[0])))
+    if n_val >= tr.shape[0]:
+        raise ValueError(f"the training set ({tr.shape[0]} rows) is too small to hold out "
+                         f"{n_val} rows for the learning-rate search")
+    C = _num_classes(None, ytr, yte)
+    perm = torch.randperm(tr.shape[0], generator=torch.Generator().manual_seed(seed)).to(tr.device)
+    val_idx, fit_idx = perm[:n_val], perm[n_val:]
+    val_acc = {}
+    for lr in lrs:
+        m = train_linear_probe(tr[fit_idx], ytr[fit_idx], num_classes=C, lr=lr, epochs=epochs,
+                               batch_size=batch_size, seed=seed)
+        val_acc[lr] = accuracy(_predict(m, tr[val_idx]), ytr[val_idx])
+    best = min(lrs, key=lambda lr: (-val_acc[lr], lr))
+    model = train_linear_probe(tr, ytr, num_classes=C, lr=best, epochs=epochs,
+                               batch_size=batch_size, seed=seed)
+    return LinearProbeResult(accuracy(_predict(model, te), yte), best, val_acc, model)
+
+
+# --------------------------------------------------------------------------------------------
+# Hash-retrieval protocol split
+# --------------------------------------------------------------------------------------------
+
+def retrieval_split(labels, *, queries_per_class: int = 1000, train_per_class: int | None = 500,
+                    seed: int = 0) -> dict:
+    """The paper's CIFAR-10 hash-retrieval split (NAC_SPEC.md "Evaluation protocols"):
+    ``queries_per_class`` random items of each class are the queries, all other items the gallery
+    (the hash table), and ``train_per_class`` random gallery items of each class train the encoder
+    (None: no training subset).  Deterministic for a seed.
+
+    Returns int64 index tensors ``{"query", "gallery", "train"}``, each sorted ascending (so the
+    gallery keeps the data set's order, which fixes the tie order of the Hamming ranking)."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool \
+            or labels.dim() != 1 or labels.numel() == 0:
+        raise ValueError(f"labels must be non-empty 1-D integer class ids, got {labels.dtype} "
+                         f"of shape {tuple(labels.shape)}")
+    for name, v in (("queries_per_class", queries_per_class), ("train_per_class", train_per_class)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    y = labels.detach().cpu().to(torch.int64)
+    gen = torch.Generator().manual_seed(seed)
+    query, train = [], []
+    for c in torch.unique(y).tolist():
+        idx = torch.nonzero(y == c).flatten()
+        need = queries_per_class + (train_per_class or 0)
+        if idx.numel() < need:
+            raise ValueError(f"class {c} has {idx.numel()} items, fewer than queries_per_class + "
+                             f"train_per_class = {need}")
+        idx = idx[torch.randperm(idx.numel(), generator=gen)]
+        query.append(idx[:queries_per_class])
+        if train_per_class:
+            train.append(idx[queries_per_class:queries_per_class + train_per_class])
+    q = torch.sort(torch.cat(query)).values
+    is_query = torch.zeros(y.numel(), dtype=torch.bool)
+    is_query[q] = True
+    g = torch.nonzero(~is_query).flatten()
+    t = torch.sort(torch.cat(train)).values if train else torch.zeros(0, dtype=torch.int64)
+    return {"query": q, "gallery": g, "train": t}

@@ -1,0 +1,447 @@
+"""Tests of nac_fast.hashing: the Hamming engine (C++ kernel and torch reference) against
+brute-force numpy oracles written from the definitions, plus expressivity statistics."""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from nac_fast import hashing as H
+
+BIT_COUNTS = [1, 7, 64, 65, 128, 200]
+
+
+# ------------------------------------------------------------------------------------------
+# Fixtures and oracles
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def cpu_kernel():
+    """The compiled hamming ops of nac_fast._C.  CI sets NAC_FAST_REQUIRE_EXT=1, so there a
+    missing kernel fails instead of skipping."""
+    if not H._cpu_kernel_available():
+        if os.environ.get("NAC_FAST_REQUIRE_EXT") == "1":
+            pytest.fail("nac_fast._C lacks the hamming ops (csrc/hamming.cpp not built)")
+        pytest.skip("hamming C++ kernel unavailable: build with pip install --no-build-isolation -e .")
+    return torch.ops.nac_fast
+
+
+@pytest.fixture(params=["reference", "cpu"])
+def backend(request):
+    if request.param == "cpu":
+        request.getfixturevalue("cpu_kernel")
+    return request.param
+
+
+def simd_levels(ops):
+    return list(range(int(ops.hamming_simd_level()) + 1))
+
+
+def rand_pm1(rng, n, d):
+    return torch.from_numpy(rng.choice([-1.0, 1.0], size=(n, d)).astype(np.float32))
+
+
+def np_hamming(q: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Number of positions where the +-1 codes differ."""
+    return (q[:, None, :] != g[None, :, :]).sum(-1)
+
+
+def np_relevant(ql, gl, i, j) -> bool:
+    if ql.ndim == 1:
+        return bool(ql[i] == gl[j])
+    return bool(np.any((ql[i] > 0) & (gl[j] > 0)))
+
+
+def np_average_precision(q, ql, g, gl):
+    """From the definition: rank the gallery by (Hamming distance, gallery index); AP = mean over
+    relevant items of (#relevant at or before it) / rank; NaN when there is none."""
+    d = np_hamming(q, g)
+    out = []
+    for i in range(q.shape[0]):
+        order = sorted(range(g.shape[0]), key=lambda j: (d[i, j], j))
+        hits, total = 0, 0.0
+        for r, j in enumerate(order, start=1):
+            if np_relevant(ql, gl, i, j):
+                hits += 1
+                total += hits / r
+        out.append(total / hits if hits else math.nan)
+    return np.array(out)
+
+
+def np_map(ap: np.ndarray) -> float:
+    ok = ~np.isnan(ap)
+    return float(ap[ok].mean()) if ok.any() else math.nan
+
+
+# ------------------------------------------------------------------------------------------
+# Packing
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", BIT_COUNTS)
+def test_pack_round_trip(bits):
+    rng = np.random.default_rng(bits)
+    codes = rand_pm1(rng, 37, bits)
+    p = H.pack_codes(codes)
+    assert p.nbits == bits and p.words.dtype == torch.int64
+    assert p.words.shape == (37, (bits + 63) // 64)
+    assert torch.equal(H.unpack_codes(p), codes)
+    # 0/1 and bool forms pack to the same words
+    zo = (codes > 0).to(torch.int64)
+    assert torch.equal(H.pack_codes(zo, zero_one=True).words, p.words)
+    assert torch.equal(H.pack_codes(codes > 0).words, p.words)
+    assert torch.equal(H.unpack_codes(p, zero_one=True, dtype=torch.int64), zo)
+    assert torch.equal(H.unpack_codes(p, dtype=torch.bool), codes > 0)
+    # the torch-ops packer (used for tensors on other devices) gives the same words
+    assert torch.equal(H._pack_bits_torch(codes > 0), p.words)
+    assert torch.equal(H._pack_bits_torch((codes > 0).T.contiguous().T), p.words)  # strided
+
+
+def test_pack_layout():
+    """Bit j -> bit j % 64 of word j // 64; +1 sets the bit; padding stays 0."""
+    codes = -torch.ones(2, 130)
+    codes[0, 65] = 1
+    codes[1, 0] = 1
+    codes[1, 63] = 1
+    codes[1, 129] = 1
+    w = H.pack_codes(codes).words
+    assert w[0].tolist() == [0, 2, 0]
+    assert w[1].tolist() == [1 - 2 ** 63, 0, 2]  # bits 0 and 63 of word 0 (int64 view)
+
+
+# ------------------------------------------------------------------------------------------
+# Distances, top-k, ranking
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", BIT_COUNTS)
+def test_popcount_kernel_matches_unpacked(cpu_kernel, bits):
+    rng = np.random.default_rng(100 + bits)
+    # G = 2 blocks of 2048 + a tail that is not a multiple of 8 or 32
+    q, g = rand_pm1(rng, 5, bits), rand_pm1(rng, 2048 + 2048 + 37, bits)
+    want = np_hamming(q.numpy(), g.numpy())
+    qw, gw = H.pack_codes(q).words, H.pack_codes(g).words
+    for simd in simd_levels(cpu_kernel):
+        got = cpu_kernel.hamming_cdist(qw, gw, simd)
+        assert got.dtype == torch.int32
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=f"simd={simd}")
+
+
+@pytest.mark.parametrize("bits", BIT_COUNTS)
+def test_hamming_distance_backends(backend, bits):
+    rng = np.random.default_rng(200 + bits)
+    q, g = rand_pm1(rng, 9, bits), rand_pm1(rng, 51, bits)
+    got = H.hamming_distance(q, g, backend=backend)
+    np.testing.assert_array_equal(got.numpy(), np_hamming(q.numpy(), g.numpy()))
+
+
+@pytest.mark.parametrize("bits", [1, 7, 65, 128])
+def test_topk_matches_stable_full_sort(backend, bits):
+    rng = np.random.default_rng(300 + bits)
+    q, g = rand_pm1(rng, 13, bits), rand_pm1(rng, 257, bits)
+    d = np_hamming(q.numpy(), g.numpy())
+    order = np.argsort(d, axis=1, kind="stable")
+    for k in (1, 5, 100, 257):
+        dist, idx = H.topk(q, g, k, backend=backend)
+        assert dist.dtype == torch.int32 and idx.dtype == torch.int64 and idx.shape == (13, k)
+        np.testing.assert_array_equal(idx.numpy(), order[:, :k], err_msg=f"k={k}")
+        np.testing.assert_array_equal(dist.numpy(), np.take_along_axis(d, order[:, :k], 1))
+    dist, idx = H.rank(q, g, backend=backend)
+    np.testing.assert_array_equal(idx.numpy(), order)
+
+
+def test_topk_all_simd_levels_agree(cpu_kernel):
+    rng = np.random.default_rng(7)
+    q, g = rand_pm1(rng, 6, 128), rand_pm1(rng, 4100, 128)
+    qw, gw = H.pack_codes(q).words, H.pack_codes(g).words
+    order = np.argsort(np_hamming(q.numpy(), g.numpy()), axis=1, kind="stable")
+    for simd in simd_levels(cpu_kernel):
+        _, idx = cpu_kernel.hamming_topk(qw, gw, 50, simd)
+        np.testing.assert_array_equal(idx.numpy(), order[:, :50], err_msg=f"simd={simd}")
+
+
+@pytest.mark.parametrize("bits", [128, 200])
+def test_ranking_equals_faiss(cpu_kernel, bits):
+    faiss = pytest.importorskip("faiss")
+    rng = np.random.default_rng(400 + bits)
+    # 2000 copies of 40 codes -> many ties, so the tie order matters; 1000 random codes give
+    # distances that occur once in a row
+    base = rand_pm1(rng, 40, bits)
+    q = base[torch.from_numpy(rng.integers(0, 40, 30))]
+    g = torch.cat([base[torch.from_numpy(rng.integers(0, 40, 2000))], rand_pm1(rng, 1000, bits)])
+    g = g[torch.from_numpy(rng.permutation(3000))]
+    qp, gp = H.pack_codes(q), H.pack_codes(g)
+    index = faiss.IndexBinaryFlat(qp.words.shape[1] * 64)  # padding bits are 0 on both sides
+    index.add(gp.words.numpy().view(np.uint8))
+    fd, fi = index.search(qp.words.numpy().view(np.uint8), 3000)
+    dist, idx = H.rank(qp, gp, backend="cpu")
+    np.testing.assert_array_equal(dist.numpy(), fd)
+    # faiss orders equal distances its own way: sort its indices within each distance group
+    fi_stable = np.take_along_axis(fi, np.lexsort((fi, fd), axis=1), 1)
+    np.testing.assert_array_equal(idx.numpy(), fi_stable)
+    unique = np.array([[np.count_nonzero(r == v) == 1 for v in r] for r in fd])
+    assert unique.any()
+    np.testing.assert_array_equal(idx.numpy()[unique], fi[unique])
+
+
+# ------------------------------------------------------------------------------------------
+# Average precision / mAP
+# ------------------------------------------------------------------------------------------
+
+def check_ap(backend, q, ql, g, gl, **kw):
+    ap, nrel = H.average_precision(q, ql, g, gl, backend=backend, **kw)
+    to_np = (lambda t: t.numpy()) if not kw.get("zero_one") else (lambda t: t.numpy() * 2 - 1)
+    want = np_average_precision(to_np(q), ql.numpy(), to_np(g), gl.numpy())
+    assert ap.dtype == torch.float64 and nrel.dtype == torch.int64
+    np.testing.assert_array_equal(np.isnan(ap.numpy()), np.isnan(want))
+    np.testing.assert_allclose(ap.numpy(), want, rtol=1e-12, atol=0, equal_nan=True)
+    m, used = H.mean_average_precision(q, ql, g, gl, backend=backend, return_num_queries=True, **kw)
+    assert used == int((~np.isnan(want)).sum())
+    if used:
+        assert m == pytest.approx(np_map(want), rel=1e-12)
+    else:
+        assert math.isnan(m)
+    return ap
+
+
+@pytest.mark.parametrize("bits", BIT_COUNTS)
+def test_map_random_single_label(backend, bits):
+    rng = np.random.default_rng(500 + bits)
+    for trial in range(3):
+        nq, ng = int(rng.integers(1, 25)), int(rng.integers(1, 120))
+        q, g = rand_pm1(rng, nq, bits), rand_pm1(rng, ng, bits)
+        # class 5 exists only among queries -> some queries have no relevant item
+        ql = torch.from_numpy(rng.integers(0, 6, nq))
+        gl = torch.from_numpy(rng.integers(0, 5, ng))
+        check_ap(backend, q, ql, g, gl)
+
+
+@pytest.mark.parametrize("bits", [7, 65, 128])
+def test_map_random_multi_label(backend, bits):
+    rng = np.random.default_rng(600 + bits)
+    for L in (3, 70):  # 70 labels -> 2 packed label words
+        nq, ng = 17, 90
+        q, g = rand_pm1(rng, nq, bits), rand_pm1(rng, ng, bits)
+        ql = torch.from_numpy((rng.random((nq, L)) < 0.1).astype(np.int64))
+        gl = torch.from_numpy((rng.random((ng, L)) < 0.1).astype(np.int64))
+        ql[0] = 0  # a query with no label: no relevant item
+        ap = check_ap(backend, q, ql, g, gl)
+        assert torch.isnan(ap[0])
+        check_ap(backend, q, ql.bool(), g, gl.to(torch.float32))  # bool / float multi-hot
+
+
+def test_map_heavy_ties(backend):
+    """1-bit and few-distinct-code cases: almost everything ties, so AP depends on the
+    gallery-index tie order."""
+    rng = np.random.default_rng(9)
+    for bits in (1, 2, 7):
+        base = rand_pm1(rng, 3, bits)
+        q = base[torch.from_numpy(rng.integers(0, 3, 11))]
+        g = base[torch.from_numpy(rng.integers(0, 3, 300))]
+        check_ap(backend, q, torch.from_numpy(rng.integers(0, 3, 11)), g,
+                 torch.from_numpy(rng.integers(0, 3, 300)))
+
+
+def test_map_ties_by_gallery_index_hand_example(backend):
+    g = torch.ones(4, 8)  # all gallery codes equal -> one tie group ranked by index
+    q = torch.ones(1, 8)
+    ap, _ = H.average_precision(q, torch.tensor([1]), g, torch.tensor([0, 1, 0, 1]), backend=backend)
+    assert ap.item() == pytest.approx((1 / 2 + 2 / 4) / 2)
+    ap, _ = H.average_precision(q, torch.tensor([1]), g, torch.tensor([1, 1, 0, 0]), backend=backend)
+    assert ap.item() == 1.0
+
+
+def test_hamming_not_zero_one_dot_product(backend):
+    """The authors' bug: with {0,1} dot products, 1111 and 1000 tie for query 1000 and the tie
+    puts the wrong item first.  In Hamming distance 1000 is at 0 and 1111 at 3."""
+    q = torch.tensor([[1, 0, 0, 0]])
+    g = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    assert (q @ g.T).tolist() == [[1, 1]]  # equal {0,1} dot products
+    m = H.mean_average_precision(q, torch.tensor([0]), g, torch.tensor([1, 0]), zero_one=True,
+                                 backend=backend)
+    assert m == 1.0  # the {0,1}-dot ranking would give 1/2
+
+
+def test_map_one_query_one_item(backend):
+    q, g = torch.ones(1, 128), -torch.ones(1, 128)
+    assert H.mean_average_precision(q, torch.tensor([3]), g, torch.tensor([3]), backend=backend) == 1.0
+    m, used = H.mean_average_precision(q, torch.tensor([3]), g, torch.tensor([4]), backend=backend,
+                                       return_num_queries=True)
+    assert math.isnan(m) and used == 0
+
+
+def test_map_skips_queries_without_relevant_items(backend):
+    rng = np.random.default_rng(11)
+    q, g = rand_pm1(rng, 6, 16), rand_pm1(rng, 40, 16)
+    gl = torch.from_numpy(rng.integers(0, 2, 40))
+    ql = torch.tensor([0, 1, 7, 0, 9, 1])  # classes 7 and 9 are not in the gallery
+    ap, nrel = H.average_precision(q, ql, g, gl, backend=backend)
+    assert torch.isnan(ap[[2, 4]]).all() and (nrel[[2, 4]] == 0).all()
+    m, used = H.mean_average_precision(q, ql, g, gl, backend=backend, return_num_queries=True)
+    assert used == 4
+    assert m == pytest.approx(ap[[0, 1, 3, 5]].mean().item(), rel=1e-12)
+
+
+def test_map_packed_input_and_large_gallery(backend):
+    """PackedCodes input; gallery larger than one kernel block (2048); bits 65 -> 2 words."""
+    rng = np.random.default_rng(12)
+    q, g = rand_pm1(rng, 4, 65), rand_pm1(rng, 2500, 65)
+    ql = torch.from_numpy(rng.integers(0, 10, 4))
+    gl = torch.from_numpy(rng.integers(0, 10, 2500))
+    want = np_average_precision(q.numpy(), ql.numpy(), g.numpy(), gl.numpy())
+    ap, _ = H.average_precision(H.pack_codes(q), ql, H.pack_codes(g), gl, backend=backend)
+    np.testing.assert_allclose(ap.numpy(), want, rtol=1e-12)
+
+
+def test_ap_all_simd_levels_and_reference_agree(cpu_kernel):
+    """Every kernel level against the reference, with sparse relevance (10 classes: the AVX-512
+    per-relevant-item path) and dense relevance (2 classes, multi-label: its branch-free path),
+    gallery sizes off the 64-item and 2048-item boundaries."""
+    rng = np.random.default_rng(13)
+    cases = [(64, 3000, 10, None), (128, 3000, 2, None), (200, 2101, 10, None),
+             (128, 2500, None, 5), (65, 700, None, 70)]
+    for bits, ng, classes, L in cases:
+        q, g = rand_pm1(rng, 40, bits), rand_pm1(rng, ng, bits)
+        if classes:
+            ql = torch.from_numpy(rng.integers(0, classes, 40))
+            gl = torch.from_numpy(rng.integers(0, classes, ng))
+        else:
+            ql = torch.from_numpy(rng.random((40, L)) < 0.3)
+            gl = torch.from_numpy(rng.random((ng, L)) < 0.3)
+        ref, ref_n = H.average_precision(q, ql, g, gl, backend="reference")
+        qw, gw = H.pack_codes(q).words, H.pack_codes(g).words
+        if L:
+            ql, gl = H.pack_codes(ql, zero_one=True).words, H.pack_codes(gl, zero_one=True).words
+        for simd in simd_levels(cpu_kernel):
+            ap, n = cpu_kernel.hamming_average_precision(qw, gw, ql, gl, simd)
+            np.testing.assert_allclose(ap.numpy(), ref.numpy(), rtol=1e-12,
+                                       err_msg=f"simd={simd} case={bits, ng, classes, L}")
+            assert torch.equal(n, ref_n)
+
+
+# ------------------------------------------------------------------------------------------
+# Bad inputs
+# ------------------------------------------------------------------------------------------
+
+def _ok():
+    q, g = torch.ones(3, 16), -torch.ones(5, 16)
+    return q, torch.tensor([0, 1, 2]), g, torch.tensor([0, 1, 2, 0, 1])
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda a: (a[0][:, :8], *a[1:]), ValueError, "bits"),
+    (lambda a: (a[0], a[1][:2], *a[2:]), ValueError, "query_labels"),
+    (lambda a: (*a[:3], a[3][:, None].expand(5, 3)), ValueError, "gallery_labels"),
+    (lambda a: (*a[:3], torch.zeros(5, 2, 2, dtype=torch.long)), ValueError, "gallery_labels"),
+    (lambda a: (a[0][:0], a[1][:0], *a[2:]), ValueError, "query_codes is empty"),
+    (lambda a: (*a[:2], a[2][:0], a[3][:0]), ValueError, "gallery_codes is empty"),
+    (lambda a: (a[0] * 2, *a[1:]), ValueError, "query_codes must contain only -1 and \\+1"),
+    (lambda a: (*a[:2], (a[2] > 0).float(), a[3]), ValueError, "zero_one=True"),
+    (lambda a: (a[0].to(torch.complex64), *a[1:]), TypeError, "query_codes"),
+    (lambda a: (a[0].numpy(), *a[1:]), TypeError, "query_codes"),
+    (lambda a: (a[0], a[1].float(), *a[2:]), TypeError, "query_labels"),
+    (lambda a: (a[0][0], *a[1:]), ValueError, "query_codes must be 2-D"),
+    (lambda a: (a[0], a[1], a[2], torch.zeros(5, 3)), ValueError, "both"),
+    (lambda a: (a[0], torch.zeros(3, 4), a[2], torch.zeros(5, 3)), ValueError, "same L"),
+    (lambda a: (a[0], torch.full((3, 4), 2), a[2], torch.zeros(5, 4)), ValueError, "0 and 1"),
+])
+def test_bad_inputs(backend, mutate, exc, match):
+    args = mutate(_ok())
+    with pytest.raises(exc, match=match):
+        H.mean_average_precision(*args, backend=backend)
+
+
+def test_bad_inputs_other_functions(backend):
+    q, g = torch.ones(3, 16), -torch.ones(5, 16)
+    with pytest.raises(ValueError, match="k must be"):
+        H.topk(q, g, 6, backend=backend)
+    with pytest.raises(ValueError, match="k must be"):
+        H.topk(q, g, 0, backend=backend)
+    with pytest.raises(TypeError, match="k must be an int"):
+        H.topk(q, g, 2.0, backend=backend)
+    with pytest.raises(ValueError, match="gallery_codes must contain only 0 and 1"):
+        H.hamming_distance(q.clamp(min=0), g, zero_one=True, backend=backend)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        H.hamming_distance(q, g, backend="gpu")
+    with pytest.raises(ValueError, match="nbits"):
+        H.hamming_distance(H.PackedCodes(H.pack_codes(q).words, 80), g, backend=backend)
+    bad = H.pack_codes(torch.ones(3, 10)).words | (1 << 20)  # a padding bit set
+    with pytest.raises(ValueError, match="padding bits"):
+        H.hamming_distance(H.PackedCodes(bad, 10), torch.ones(2, 10), backend=backend)
+    with pytest.raises(TypeError, match="words must be int64"):
+        H.unpack_codes(H.PackedCodes(torch.zeros(2, 1, dtype=torch.int32), 10))
+    with pytest.raises(TypeError, match="packed must be PackedCodes"):
+        H.unpack_codes(torch.zeros(2, 1, dtype=torch.int64))
+
+
+def test_kernel_rejects_bad_simd_and_words(cpu_kernel):
+    qw = H.pack_codes(torch.ones(2, 64)).words
+    with pytest.raises(RuntimeError, match="simd"):
+        cpu_kernel.hamming_cdist(qw, qw, 5)
+    with pytest.raises(RuntimeError, match="words per code"):
+        cpu_kernel.hamming_cdist(qw, H.pack_codes(torch.ones(2, 65)).words)
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu_kernel.hamming_cdist(qw.int(), qw)
+
+
+# ------------------------------------------------------------------------------------------
+# Expressivity statistics
+# ------------------------------------------------------------------------------------------
+
+def np_code_stats(c: np.ndarray):
+    n = c.shape[0]
+    distinct = len({tuple(r) for r in c.tolist()})
+    pair = [np.count_nonzero(c[i] != c[j]) for i, j in itertools.permutations(range(n), 2)]
+    return distinct, (float(np.mean(pair)) if pair else math.nan), (c > 0).mean(0)
+
+
+@pytest.mark.parametrize("bits", [1, 7, 65, 128])
+def test_code_statistics_matches_brute_force(bits):
+    rng = np.random.default_rng(700 + bits)
+    base = rand_pm1(rng, 12, bits)
+    codes = base[torch.from_numpy(rng.integers(0, 12, 60))]  # duplicates on purpose
+    distinct, mph, bal = np_code_stats(codes.numpy())
+    for x in (codes, codes > 0, H.pack_codes(codes), (codes > 0).int()):
+        kw = {"zero_one": True} if isinstance(x, torch.Tensor) and x.dtype == torch.int32 else {}
+        s = H.code_statistics(x, **kw)
+        assert (s.num_codes, s.num_bits, s.num_distinct) == (60, bits, distinct)
+        assert s.fraction_distinct == distinct / 60
+        assert s.mean_pairwise_hamming == pytest.approx(mph, rel=1e-12)
+        assert s.normalized_mean_pairwise_hamming == pytest.approx(mph / bits, rel=1e-12)
+        np.testing.assert_allclose(s.bit_balance.numpy(), bal, rtol=1e-12)
+        assert s.balance_mean_abs_deviation == pytest.approx(np.abs(bal - 0.5).mean())
+        assert s.balance_min == bal.min() and s.balance_max == bal.max()
+
+
+def test_code_statistics_sign_of_preactivations():
+    a = torch.tensor([[0.3, -2.0, 0.0], [0.0, 1.0, -0.1], [5.0, -1.0, 0.0]], requires_grad=True)
+    s = H.code_statistics(a)  # sgn with 0 -> +1: rows +-+, ++-, +-+
+    assert s.num_distinct == 2
+    np.testing.assert_allclose(s.bit_balance.numpy(), [1.0, 1 / 3, 2 / 3])
+    # pairs (0,1),(0,2),(1,2) have distances 2, 0, 2 -> mean 4/3
+    assert s.mean_pairwise_hamming == pytest.approx(4 / 3)
+    ent = lambda p: 0.0 if p in (0, 1) else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
+    assert s.bit_entropy_mean == pytest.approx((ent(1.0) + 2 * ent(1 / 3)) / 3)
+    d = s.as_dict()
+    assert "bit_balance" not in d and d["num_distinct"] == 2
+
+
+def test_code_statistics_edge_cases():
+    s = H.code_statistics(torch.ones(1, 4))
+    assert s.num_distinct == 1 and math.isnan(s.mean_pairwise_hamming)
+    with pytest.raises(ValueError, match="non-empty"):
+        H.code_statistics(torch.ones(0, 4))
+    with pytest.raises(ValueError, match="2-D"):
+        H.code_statistics(torch.ones(4))
+    with pytest.raises(ValueError, match="NaN"):
+        H.code_statistics(torch.tensor([[float("nan"), 1.0]]))
+    with pytest.raises(TypeError, match="codes"):
+        H.code_statistics([[1, -1]])
+
+
+def test_reference_popcount_edge_words():
+    words = torch.tensor([0, -1, 1, -(2 ** 63), 2 ** 63 - 1, 0x5555555555555555, -0x5555555555555556])
+    want = [bin(w & 0xFFFFFFFFFFFFFFFF).count("1") for w in words.tolist()]
+    assert H._ref_popcount64(words).tolist() == want == [0, 64, 1, 1, 63, 32, 32]
