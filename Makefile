@@ -1,0 +1,46 @@
+# nac_fast: the two commands a newcomer needs on a fresh machine (see README.md).
+#   make train   set up, then train NAC on the embedded Fashion-MNIST (torchrun, 2 CPU processes)
+#   make test    set up, then run the test suite
+# Setup is idempotent: a stamp in the venv records it; it re-runs when setup.py or csrc/ change.
+
+PYTHON     ?= python3
+VENV       ?= .venv
+BIN        := $(VENV)/bin
+# What this machine's pip serves (CUDA 13.0 wheels); any torch>=2.4 works with the package.
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+PY_DEPS    ?= numpy ninja pytest pytest-benchmark matplotlib tqdm
+FMNIST_DIR := /usr/share/datasets/fashion-mnist
+STAMP      := $(VENV)/.nac_fast_setup
+ARGS       ?=
+NPROC      ?= 2
+export MAX_JOBS ?= 2
+
+.PHONY: setup data test train bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py $(wildcard csrc/*) Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC) $(PY_DEPS)
+	$(BIN)/python -m pip install -q --no-build-isolation -e .
+	@touch $(STAMP)
+
+# Fashion-MNIST (real data, 60k/10k 28x28) from Debian's package: the embedded default data set.
+data:
+	@if [ ! -f $(FMNIST_DIR)/train-images-idx3-ubyte.gz ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; \
+	  else echo "Fashion-MNIST missing: run 'sudo apt-get install dataset-fashion-mnist'"; exit 1; fi; \
+	fi
+
+test: setup data
+	NAC_FAST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests
+
+train: setup data
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
+
+bench: setup
+	$(BIN)/python bench/bench_loss.py $(ARGS)
+
+clean:
+	rm -rf build *.egg-info nac_fast/_C*.so
