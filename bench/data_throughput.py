@@ -1,0 +1,121 @@
+"""Throughput of the two-view pretraining pipeline alone (no model).
+
+    python bench/data_throughput.py --data DIR --loader dali-cpu|dali-gpu|torchvision \
+        --size 224 --batch 64 --batches 20
+    python bench/data_throughput.py --data /tmp/jpegs --make-jpegs 640 ...   # synthesise first
+
+Counts images (each with its two views) delivered per second on the requested device, after
+--warmup batches (pipeline build, worker start-up and the first epoch's file-cache misses are not
+measured).  Also reports the CPU time the pipeline burnt per image (this process, its threads and
+its worker processes): on a shared machine the wall-clock rate depends on the neighbours' load,
+the CPU time much less.  The last line printed is one JSON object with `images_per_s`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from nac_fast.data import LOADERS, build_pretrain_loader, dali_available  # noqa: E402
+from nac_fast.data.synthetic import write_jpeg_folder  # noqa: E402
+
+
+def _tree_cpu_seconds() -> float:
+    """user+sys seconds of this process, its reaped children, and its live descendants (the
+    DataLoader workers, read from /proc) so far."""
+    import resource
+    tick = os.sysconf("SC_CLK_TCK")
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    todo, seen = [os.getpid()], set()
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            kids = []
+        for k in kids:
+            if k in seen:
+                continue
+            seen.add(k)
+            todo.append(k)
+            try:
+                with open(f"/proc/{k}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick     # utime, stime
+            except (OSError, IndexError, ValueError):
+                pass
+    return total
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="ImageFolder root, CIFAR dir or 'fashion-mnist'")
+    ap.add_argument("--loader", default="auto", choices=LOADERS)
+    ap.add_argument("--size", type=int, default=None, help="view size (default: natural size)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batches", type=int, default=20, help="measured batches")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                    help="DataLoader workers (torchvision) / DALI threads")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--channels-last", action="store_true")
+    ap.add_argument("--recipe", default="auto", choices=["auto", "small", "imagenet"])
+    ap.add_argument("--make-jpegs", type=int, default=0, metavar="N",
+                    help="first write N synthetic 256-500 px JPEGs (8 classes) to DATA if it is missing")
+    a = ap.parse_args(argv)
+    for name in ("batch", "batches"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} must be >= 1")
+
+    if a.make_jpegs and not os.path.isdir(a.data):
+        write_jpeg_folder(a.data, num_classes=8, per_class=-(-a.make_jpegs // 8))
+    warnings.simplefilter("once")
+    loader = build_pretrain_loader(a.data, batch_size=a.batch, image_size=a.size, loader=a.loader,
+                                   num_workers=a.workers, device=a.device, channels_last=a.channels_last,
+                                   dtype=getattr(torch, a.dtype), recipe=a.recipe)
+    sync = torch.cuda.synchronize if torch.device(a.device).type == "cuda" else (lambda: None)
+
+    def batches():
+        epoch = 0
+        while True:
+            loader.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    it = batches()
+    for _ in range(a.warmup):
+        v1, v2 = next(it)
+    sync()
+    c0, t0 = _tree_cpu_seconds(), time.perf_counter()
+    for _ in range(a.batches):
+        v1, v2 = next(it)
+    sync()
+    dt = time.perf_counter() - t0
+    cpu = _tree_cpu_seconds() - c0
+    n = a.batches * a.batch
+    print(json.dumps({
+        "loader": getattr(loader, "kind", a.loader), "data": a.data, "num_images": loader.num_images,
+        "size": loader.image_size, "batch": a.batch, "batches": a.batches, "workers": a.workers,
+        "device": a.device, "dtype": a.dtype, "recipe": loader.recipe.name,
+        "view_shape": list(v1.shape), "seconds": round(dt, 3),
+        "images_per_s": round(n / dt, 1), "views_per_s": round(2 * n / dt, 1),
+        "cpu_ms_per_image": round(1e3 * cpu / n, 2), "load_avg_1m": os.getloadavg()[0],
+        "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+        "dali": dali_available(), "host": platform.node(),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Data pipeline for NAC pretraining: two independently augmented views of every image.
+
+    from nac_fast.data import build_pretrain_loader, build_eval_loader
+    loader = build_pretrain_loader("fashion-mnist", batch_size=256, rank=rank, world_size=world)
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)                 # or set_epoch(epoch, start_batch=k) to resume
+        for view1, view2 in loader:             # (B, C, H, W) normalised, on `device`
+            ...
+
+Sources (`data`):
+  "fashion-mnist" (default, embedded: Debian package path or $NAC_FASHION_MNIST_DIR), or a
+  directory holding the IDX files / a torchvision FashionMNIST root;
+  a CIFAR-10 python-batches directory;
+  an ImageFolder root (train/ and val/ of class folders; a root of class folders is its own
+  train split).
+Loaders (`loader`):
+  "torchvision": in-memory sources use batched tensor ops (memory.py); ImageFolders decode and
+      crop with PIL in DataLoader workers and do the colour ops batched (folder.py);
+  "dali-cpu" / "dali-gpu": ImageFolders only, NVIDIA DALI (dali.py);
+  "auto": in-memory -> torchvision; ImageFolder -> dali-gpu if DALI and CUDA are there, dali-cpu
+      if DALI is there, else torchvision.
+Every loader draws the same augmentation parameters from (seed, epoch, image index, view), shards
+by global rank with equal batch counts (drop_last), and yields the same batch format.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import cifar, fashion_mnist
+from .augment import Recipe, make_recipe
+from .memory import InMemorySource, TensorEvalLoader, TensorPretrainLoader
+
+LOADERS = ("auto", "torchvision", "dali-cpu", "dali-gpu")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+__all__ = ["build_pretrain_loader", "build_eval_loader", "resolve_source", "dali_available",
+           "make_recipe", "Recipe", "LOADERS"]
+
+
+def dali_available() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_source(data, split: str = "train"):
+    """An InMemorySource, or an ImageFolder split (folder.FolderSource), for `data`."""
+    if not isinstance(data, (str, os.PathLike)):
+        raise TypeError(f"data must be a name or a path, got {type(data).__name__}")
+    data = os.fspath(data)
+    if data.lower() in ("fashion-mnist", "fashion_mnist", "fashionmnist"):
+        return fashion_mnist.load(None, split)
+    if data.lower() in ("cifar10", "cifar-10"):
+        raise ValueError(f"data: CIFAR-10 is not embedded; {cifar.HOW_TO_GET}")
+    if not os.path.isdir(data):
+        raise FileNotFoundError(
+            f"data: {data!r} is neither 'fashion-mnist' nor an existing directory (an ImageFolder "
+            f"root with train/ and val/, a CIFAR-10 python-batches dir, or Fashion-MNIST IDX files)")
+    if fashion_mnist.find_dir(data) is not None:
+        return fashion_mnist.load(data, split)
+    if cifar.find_dir(data) is not None:
+        return cifar.load(data, split)
+    from . import folder
+    return folder.FolderSource.from_root(data, split)
+
+
+def _check_common(batch_size, image_size, num_workers, dtype, channels_last):
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if image_size is not None and (not isinstance(image_size, int) or image_size < 8):
+        raise ValueError(f"image_size must be None or an int >= 8, got {image_size!r}")
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype!r}")
+    if not isinstance(channels_last, bool):
+        raise TypeError(f"channels_last must be a bool, got {channels_last!r}")
+
+
+def _pick_loader(loader, source, device):
+    if loader not in LOADERS:
+        raise ValueError(f"loader must be one of {LOADERS}, got {loader!r}")
+    if isinstance(source, InMemorySource):
+        if loader.startswith("dali"):
+            raise ValueError(f"loader={loader!r} reads ImageFolders of JPEG/PNG files; {source.name} is "
+                             "an in-memory array: use loader='auto' or 'torchvision'")
+        return "torchvision"
+    if loader != "auto":
+        if loader.startswith("dali") and not dali_available():
+            raise ValueError(f"loader={loader!r} needs NVIDIA DALI: pip install nvidia-dali-cuda130 "
+                             "(nvidia-dali-cuda120 for CUDA 12 drivers), or use loader='torchvision'")
+        return loader
+    if not dali_available():
+        return "torchvision"
+    return "dali-gpu" if torch.device(device).type == "cuda" else "dali-cpu"
+
+
+def build_pretrain_loader(data="fashion-mnist", batch_size=256, rank=0, world_size=1, seed=0,
+                          image_size=None, loader="auto", num_workers=0, device="cpu",
+                          channels_last=False, dtype=torch.float32, recipe="auto", scale=None,
+                          on_bad_file="warn"):
+    """Two-view pretraining loader; see the module docstring.
+
+    Yields (view1, view2), each (batch_size, C, image_size, image_size) normalised `dtype` on
+    `device` (channels_last memory format if asked; DALI's NHWC output is returned as that view
+    without a copy).  len() = batches per epoch for this rank.  set_epoch(epoch, start_batch=0).
+    recipe: "small" | "imagenet" | "auto" (imagenet at >= 96 px); scale: crop area range, default
+    (0.08, 1).  on_bad_file (ImageFolders): "warn" skips an undecodable file with one warning
+    naming it, "error" raises.
+    """
+    _check_common(batch_size, image_size, num_workers, dtype, channels_last)
+    source = resolve_source(data, "train")
+    size = image_size if image_size is not None else source.natural_size
+    rec = make_recipe(recipe, size, scale)
+    kind = _pick_loader(loader, source, device)
+    if isinstance(source, InMemorySource):
+        return TensorPretrainLoader(source, batch_size, rank, world_size, seed, size, rec, device,
+                                    channels_last, dtype)
+    if kind == "torchvision":
+        from .folder import FolderPretrainLoader
+        return FolderPretrainLoader(source, batch_size, rank, world_size, seed, size, rec, device,
+                                    channels_last, dtype, num_workers, on_bad_file)
+    from .dali import DaliPretrainLoader
+    return DaliPretrainLoader(source, batch_size, rank, world_size, seed, size, rec, device,
+                              channels_last, dtype, num_workers, on_bad_file, gpu=kind == "dali-gpu")
+
+
+def build_eval_loader(data="fashion-mnist", split="train", batch_size=256, rank=0, world_size=1,
+                      image_size=None, num_workers=0, device="cpu", channels_last=False,
+                      dtype=torch.float32, on_bad_file="warn"):
+    """(images, labels) batches in a fixed order, one centred view: in-memory sources are resized
+    whole to image_size (identity at the natural size); ImageFolders are resized to
+    image_size/0.875 on the short side and centre-cropped (224 <- 256).  Rank r gets every
+    world_size-th image (disjoint, covering the split; the last batch may be smaller)."""
+    _check_common(batch_size, image_size, num_workers, dtype, channels_last)
+    if split not in ("train", "test", "val"):
+        raise ValueError(f"split must be 'train' or 'test' ('val' is an alias), got {split!r}")
+    source = resolve_source(data, "test" if split == "val" else split)
+    size = image_size if image_size is not None else source.natural_size
+    if isinstance(source, InMemorySource):
+        return TensorEvalLoader(source, batch_size, rank, world_size, size, device, channels_last, dtype)
+    from .folder import FolderEvalLoader
+    return FolderEvalLoader(source, batch_size, rank, world_size, size, device, channels_last, dtype,
+                            num_workers, on_bad_file)

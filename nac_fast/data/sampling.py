@@ -1,0 +1,115 @@
+"""Epoch order, sharding by global rank, and counter-based per-sample randomness.
+
+Why counter-based: every random number a view needs is a pure function of
+(seed, epoch, dataset index, view, slot).  Nothing depends on the number of workers, the batch
+size, the world size, or on how many batches were produced before, so `set_epoch(e, start_batch=k)`
+resumes an interrupted epoch bit-exactly and the DALI and torchvision loaders can be fed the very
+same augmentation parameters.
+"""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on a uint64 array (wraps modulo 2**64, which numpy defines)."""
+    x = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
+    x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
+    x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
+    return x ^ (x >> np.uint64(31))
+
+
+def hash_key(*parts) -> np.ndarray:
+    """Chain-hash integer parts (scalars or equal-length arrays) into uint64 keys."""
+    with np.errstate(over="ignore"):
+        h = np.zeros((), dtype=np.uint64)
+        for p in parts:
+            p = np.asarray(p).astype(np.int64).astype(np.uint64)
+            h = _mix(h ^ p)
+        return h
+
+
+def uniform(seed: int, epoch: int, index: np.ndarray, stream: int, n: int) -> np.ndarray:
+    """(len(index), n) float64 uniforms in [0, 1) for dataset `index`es; `stream` separates uses
+    (view 1 / view 2 / eval) so the two views of one image are independent."""
+    index = np.asarray(index, dtype=np.int64)
+    slots = np.arange(n, dtype=np.int64)
+    base = hash_key(seed, epoch, stream)
+    h = hash_key(base, index[:, None], slots[None, :])
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def epoch_permutation(num_images: int, seed: int, epoch: int) -> np.ndarray:
+    """The epoch's global order; identical on every rank."""
+    key = int(hash_key(seed, epoch, 0x5EED))
+    return np.random.Generator(np.random.PCG64(key)).permutation(num_images)
+
+
+class ShardedOrder:
+    """Which dataset indices rank `rank` sees in each batch of an epoch.
+
+    Global batch k is perm[k*B*W:(k+1)*B*W]; rank r takes its r-th slice of B.  Shards are
+    disjoint, together they cover the epoch (minus the < B*W remainder dropped so every rank runs
+    the same number of steps — a rank with one step more would hang the collectives).
+    """
+
+    def __init__(self, num_images: int, batch_size: int, rank: int, world_size: int, seed: int):
+        for name, v in (("batch_size", batch_size), ("world_size", world_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self.num_images, self.batch_size, self.rank, self.world_size, self.seed = (
+            num_images, batch_size, rank, world_size, seed)
+        self.num_batches = num_images // (batch_size * world_size)
+        if self.num_batches == 0:
+            raise ValueError(
+                f"batch_size={batch_size} x world_size={world_size} exceeds the {num_images} "
+                "images of the data set: an epoch would have no batch")
+
+    def rank_indices(self, epoch: int, start_batch: int = 0) -> np.ndarray:
+        """(num_batches - start_batch, B) dataset indices of this rank, in batch order."""
+        return self.all_rank_indices(epoch, start_batch)[self.rank]
+
+    def all_rank_indices(self, epoch: int, start_batch: int = 0) -> np.ndarray:
+        """(W, num_batches - start_batch, B): every rank's remaining batches."""
+        B, W, n = self.batch_size, self.world_size, self.num_batches
+        if not isinstance(start_batch, int) or not 0 <= start_batch <= n:
+            raise ValueError(f"start_batch must be an int in [0, {n}], got {start_batch!r}")
+        perm = epoch_permutation(self.num_images, self.seed, epoch)[: n * B * W]
+        return perm.reshape(n, W, B).transpose(1, 0, 2)[:, start_batch:]
+
+
+class EpochLoaderMixin:
+    """The epoch contract shared by every pretraining loader; needs `self.order` (ShardedOrder).
+
+    len() is the fixed number of batches per epoch for this rank; set_epoch(epoch, start_batch)
+    picks the epoch's order and augmentations and where the next iteration starts (it stays in
+    force until the next set_epoch)."""
+
+    epoch = 0
+    start_batch = 0
+
+    def __len__(self) -> int:
+        return self.order.num_batches
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        try:
+            epoch, start_batch = operator.index(epoch), operator.index(start_batch)
+        except TypeError:
+            raise TypeError(f"epoch and start_batch must be ints, got {epoch!r}, {start_batch!r}") from None
+        if epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        if not 0 <= start_batch <= len(self):
+            raise ValueError(f"start_batch must be an int in [0, {len(self)}], got {start_batch!r}")
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def batch_indices(self) -> np.ndarray:
+        """(remaining batches, B) dataset indices this rank sees in the current epoch."""
+        return self.order.rank_indices(self.epoch, self.start_batch)

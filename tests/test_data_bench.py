@@ -1,0 +1,37 @@
+"""The data benchmark and the augmentation-grid scripts run and print/write what they promise."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from nac_fast.data import fashion_mnist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args):
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_throughput_bench_prints_json_last(tmp_path):
+    data = str(tmp_path / "jpegs")
+    out = _run("bench/data_throughput.py", "--data", data, "--make-jpegs", "16", "--loader",
+               "torchvision", "--size", "64", "--batch", "4", "--batches", "3", "--warmup", "1",
+               "--workers", "0")
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["loader"] == "torchvision" and res["view_shape"] == [4, 3, 64, 64]
+    assert res["images_per_s"] > 0 and res["cpu_ms_per_image"] > 0 and res["num_images"] == 16
+
+
+@pytest.mark.skipif(fashion_mnist.find_dir() is None, reason="Fashion-MNIST not installed")
+def test_show_augmentations_writes_a_grid(tmp_path):
+    png = str(tmp_path / "grid.png")
+    out = _run("bench/show_augmentations.py", "--num", "3", "--out", png)
+    assert "3 rows" in out
+    w, h = Image.open(png).size
+    assert (w, h) == (3 * 28 + 4 * 2, 3 * 28 + 4 * 2)      # 3x3 tiles of 28 px, 2 px padding

@@ -1,0 +1,139 @@
+"""ImageFolder sources and the torchvision (PIL worker) loader, on synthetic JPEG folders."""
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from nac_fast.data import build_eval_loader, build_pretrain_loader
+from nac_fast.data.folder import IMAGENET_MEAN, IMAGENET_STD
+from nac_fast.data.synthetic import write_jpeg_folder
+
+S = 48       # small views keep the suite fast; the code path is the one used at 224
+
+
+def _denorm(x):
+    m = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    s = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    return x.float() * s + m
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    r = str(tmp_path_factory.mktemp("imagefolder"))
+    write_jpeg_folder(os.path.join(r, "train"), num_classes=3, per_class=8, size_range=(60, 110))
+    write_jpeg_folder(os.path.join(r, "val"), num_classes=3, per_class=3, size_range=(60, 110), seed=1)
+    return r
+
+
+def _tv(root, **kw):
+    kw.setdefault("batch_size", 4)
+    kw.setdefault("image_size", S)
+    return build_pretrain_loader(root, loader="torchvision", **kw)
+
+
+def test_batch_format_and_views(root):
+    ld = _tv(root, seed=1)
+    assert (ld.num_images, ld.in_channels, ld.num_classes, len(ld)) == (24, 3, 3, 6)
+    assert ld.kind == "torchvision" and ld.recipe.name == "small"     # auto: < 96 px
+    v1, v2 = next(iter(ld))
+    for v in (v1, v2):
+        assert v.shape == (4, 3, S, S) and v.dtype == torch.float32 and v.is_contiguous()
+        d = _denorm(v)
+        assert d.min() >= -1e-4 and d.max() <= 1 + 1e-4 and d.std() > 0.05
+    assert ((v1 - v2).abs().flatten(1).amax(1) > 1e-2).all()
+    assert build_pretrain_loader(root, loader="torchvision", batch_size=2).image_size == 224
+
+
+def test_workers_do_not_change_the_batches(root):
+    a = _tv(root, seed=2, num_workers=0, recipe="imagenet")
+    b = _tv(root, seed=2, num_workers=2, recipe="imagenet", channels_last=True, dtype=torch.bfloat16)
+    a.set_epoch(3)
+    b.set_epoch(3)
+    for (x1, x2), (y1, y2) in zip(a, b):
+        assert y1.dtype == torch.bfloat16 and y1.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(y1.float(), x1, atol=0.05, rtol=0.01)   # bf16 rounding only
+        torch.testing.assert_close(y2.float(), x2, atol=0.05, rtol=0.01)
+
+
+def test_shards_and_resume(root):
+    r0, r1 = _tv(root, rank=0, world_size=2, batch_size=5), _tv(root, rank=1, world_size=2, batch_size=5)
+    assert len(r0) == len(r1) == 24 // 10
+    i0, i1 = r0.batch_indices(), r1.batch_indices()
+    assert not set(i0.ravel()) & set(i1.ravel()) and len(set(i0.ravel()) | set(i1.ravel())) == 20
+    full = list(r1)
+    r1.set_epoch(0, start_batch=1)
+    resumed = list(r1)
+    assert len(resumed) == 1
+    assert torch.equal(resumed[0][0], full[1][0]) and torch.equal(resumed[0][1], full[1][1])
+
+
+def test_eval_loader(root):
+    ev = build_eval_loader(root, split="test", batch_size=4, image_size=S)
+    batches = list(ev)
+    assert [len(y) for _, y in batches] == [4, 4, 1]
+    x, y = batches[0]
+    assert x.shape == (4, 3, S, S) and y.tolist() == [0, 0, 0, 1]
+    again = next(iter(build_eval_loader(root, split="val", batch_size=4, image_size=S)))
+    assert torch.equal(again[0], x)
+    tr = build_eval_loader(root, split="train", batch_size=100, rank=1, world_size=2, image_size=S)
+    assert tr.num_images == 12 and next(iter(tr))[1].tolist() == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def _bad_folder(tmp_path):
+    r = str(tmp_path / "data")
+    write_jpeg_folder(r, num_classes=2, per_class=6, size_range=(60, 90))
+    notes = os.path.join(r, "class_00", "notes.txt")
+    garbage = os.path.join(r, "class_01", "garbage.jpg")
+    open(notes, "w").write("not an image")
+    open(garbage, "wb").write(b"\x00" * 100)
+    good = open(os.path.join(r, "class_01", "00000.jpg"), "rb").read()
+    trunc = os.path.join(r, "class_01", "00003_truncated.jpg")
+    open(trunc, "wb").write(good[: len(good) // 4])
+    return r, notes, garbage, trunc
+
+
+def test_corrupt_files_warn_once_and_are_skipped(tmp_path):
+    r, notes, garbage, trunc = _bad_folder(tmp_path)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ld = _tv(r, batch_size=13)
+    msgs = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and notes in msgs[0] and garbage in msgs[0]
+    assert ld.num_images == 13                    # 12 good + the truncated one (its header is fine)
+    for epoch in range(2):
+        ld.set_epoch(epoch)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            batches = list(ld)
+        msgs = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
+        assert len(batches) == 1 and batches[0][0].shape == (13, 3, S, S)
+        assert msgs == ([f"nac_fast.data: skipping 1 undecodable files: {trunc}"] if epoch == 0 else [])
+
+
+def test_corrupt_files_error_by_flag(tmp_path):
+    r, notes, garbage, trunc = _bad_folder(tmp_path)
+    with pytest.raises(ValueError, match="garbage.jpg"):
+        _tv(r, on_bad_file="error")
+    with pytest.raises(ValueError, match="on_bad_file"):
+        _tv(r, on_bad_file="ignore")
+
+
+def test_layout_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data"):
+        _tv(str(tmp_path / "missing"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no class folders"):
+        _tv(str(empty))
+    r = str(tmp_path / "withempty")
+    write_jpeg_folder(os.path.join(r, "train"), num_classes=2, per_class=3, size_range=(40, 60))
+    os.makedirs(os.path.join(r, "train", "zz_empty"))
+    with pytest.raises(ValueError, match="zz_empty"):
+        _tv(r)
+    bare = str(tmp_path / "bare")
+    write_jpeg_folder(bare, num_classes=2, per_class=3, size_range=(40, 60))
+    with pytest.raises(FileNotFoundError, match="val"):
+        build_eval_loader(bare, split="test")
+    assert np.array_equal(_tv(bare, batch_size=2).source.labels, [0, 0, 0, 1, 1, 1])
