@@ -8,7 +8,8 @@ VENV       ?= .venv
 BIN        := $(VENV)/bin
 # What this machine's pip serves (CUDA 13.0 wheels); any torch>=2.4 works with the package.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-PY_DEPS    ?= numpy ninja pytest pytest-benchmark matplotlib tqdm
+# faiss-cpu: the Hamming engine is checked against FAISS; DALI: the dali-cpu loader runs in CI.
+PY_DEPS    ?= numpy ninja pytest pytest-benchmark matplotlib tqdm faiss-cpu nvidia-dali-cuda130
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
 STAMP      := $(VENV)/.nac_fast_setup
 ARGS       ?=

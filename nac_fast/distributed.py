@@ -1,0 +1,187 @@
+"""Distributed helpers: process group from torchrun's environment, all-gather with gradient,
+MoCo's batch shuffle for the momentum branch's BatchNorm, SyncBN conversion.
+
+All functions are no-ops (identity) when torch.distributed is not initialised, so the same
+training code runs in one process.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {v!r}") from None
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
+    """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+
+    device: "auto" (cuda:LOCAL_RANK when CUDA is present, else cpu), "cpu" or "cuda".
+    One process without WORLD_SIZE (plain `python train.py`) gets rank 0 of 1 and no process group.
+    The backend is NCCL for CUDA and gloo for CPU.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                **({"device_id": dev} if use_cuda else {}))
+    return DistInfo(rank, world, local_rank, dev)
+
+
+def is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_dist() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_dist() else 0
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """all_gather whose backward hands each rank the SUM over ranks of the gradient of its slice.
+
+    Every rank's loss reads the gathered keys, so the gradient of the global objective with
+    respect to rank r's rows is the sum of all ranks' contributions; DDP then averages parameter
+    gradients over ranks, which together with a per-rank mean equals the gradient of the mean over
+    the global batch (tests/test_train_ddp.py checks this against one process).  gloo has no
+    reduce_scatter, so the backward is an all_reduce of the whole gradient and a slice.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        ws = dist.get_world_size()
+        out = [torch.empty_like(x) for _ in range(ws)]
+        dist.all_gather(out, x.contiguous())
+        ctx.rank, ctx.n = dist.get_rank(), x.shape[0]
+        return torch.cat(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
+
+
+def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate x (same shape on every rank) from all ranks in rank order, differentiably."""
+    if not is_dist():
+        return x
+    return _AllGatherWithGrad.apply(x)
+
+
+@torch.no_grad()
+def all_gather_nograd(x: torch.Tensor) -> torch.Tensor:
+    if not is_dist():
+        return x
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, x.contiguous())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def batch_shuffle(x: torch.Tensor, generator: torch.Generator | None = None):
+    """MoCo's batch shuffle: gather the global batch, permute it, give each rank a slice.
+
+    Returns (x_local_shuffled, idx_unshuffle).  The permutation is drawn on rank 0 (from
+    `generator` or torch's global RNG, so a restored RNG state reproduces it) and broadcast.
+    With BN computed per rank, the momentum encoder's batch statistics then mix samples of other
+    ranks, so a query cannot find its positive key through shared BN statistics (MoCo, sec. 3.3).
+    In one process this is the identity: there is no other rank to mix with.
+    """
+    if not is_dist():
+        return x, None
+    rk = dist.get_rank()
+    x_all = all_gather_nograd(x)
+    n_all = x_all.shape[0]
+    perm = torch.randperm(n_all, generator=generator).to(x.device) if rk == 0 else \
+        torch.empty(n_all, dtype=torch.long, device=x.device)
+    dist.broadcast(perm, src=0)
+    idx_unshuffle = torch.argsort(perm)
+    n = x.shape[0]
+    return x_all[perm[rk * n:(rk + 1) * n]], idx_unshuffle
+
+
+@torch.no_grad()
+def batch_unshuffle(y: torch.Tensor, idx_unshuffle: torch.Tensor | None) -> torch.Tensor:
+    """Undo `batch_shuffle` on outputs: row i of the result belongs to this rank's input row i."""
+    if idx_unshuffle is None:
+        return y
+    y_all = all_gather_nograd(y)
+    n, rk = y.shape[0], dist.get_rank()
+    return y_all[idx_unshuffle[rk * n:(rk + 1) * n]]
+
+
+def convert_sync_bn(model: nn.Module) -> nn.Module:
+    """BatchNorm -> SyncBatchNorm (statistics over the global batch) when running distributed."""
+    if not is_dist():
+        return model
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    if not is_dist():
+        return t
+    t = t.detach().clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t / dist.get_world_size()
+
+
+def barrier():
+    if is_dist():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    if not is_dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj) -> list:
+    """The list of `obj` from every rank (on every rank)."""
+    if not is_dist():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,95 @@
+"""LARS (You et al. 2017) as the NAC recipe needs it, on torch._foreach ops.
+
+Per parameter p with gradient g, in a group that is not excluded:
+    g' = g + wd * p
+    q  = trust_coefficient * ||p|| / ||g'||   if ||p|| > 0 and ||g'|| > 0, else 1
+    v  = momentum * v + q * g'
+    p  = p - lr * v
+In an excluded group (BatchNorm parameters and biases) g' = g and q = 1: no weight decay and no
+trust ratio, i.e. plain SGD with momentum.  The authors' LARS uses q = 0 for a zero-norm
+parameter, so BN betas and biases initialised to 0 never move (NAC_SPEC.md, bug 3); here they do.
+
+`param_groups_for_lars(model, weight_decay)` builds the two groups.  timm.optim.Lars is not used:
+it is not a dependency of this package, and its exclusion rules depend on how the groups are set.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.optim import Optimizer
+
+_NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+
+
+def param_groups_for_lars(model: nn.Module, weight_decay: float = 1e-6) -> list[dict]:
+    """[{params: weights, lars_exclude: False}, {params: BN params and biases, excluded}].
+
+    A parameter is excluded when it belongs to a normalisation layer or is named `bias`; each
+    parameter is listed once even when shared between modules.
+    """
+    seen, decay, exclude = set(), [], []
+    for mod in model.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            if isinstance(mod, _NORM_TYPES) or name == "bias" or p.ndim <= 1:
+                exclude.append(p)
+            else:
+                decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "lars_exclude": False}]
+    if exclude:
+        groups.append({"params": exclude, "weight_decay": 0.0, "lars_exclude": True})
+    return groups
+
+
+class LARS(Optimizer):
+    """Layer-wise adaptive rate scaling with momentum (see the module docstring for the update)."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 1e-6,
+                 trust_coefficient: float = 0.001):
+        for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay),
+                        ("trust_coefficient", trust_coefficient)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{name} must be a float >= 0, got {v!r}")
+        if momentum >= 1:
+            raise ValueError(f"momentum must be < 1, got {momentum}")
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                        trust_coefficient=trust_coefficient, lars_exclude=False)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            if group["lars_exclude"]:
+                updates = grads
+            else:
+                wd = group["weight_decay"]
+                updates = torch._foreach_add(grads, params, alpha=wd) if wd else \
+                    [g.clone() for g in grads]
+                p_norm = torch._foreach_norm(params)
+                u_norm = torch._foreach_norm(updates)
+                tc = group["trust_coefficient"]
+                # q = tc*||p||/||u|| only where both norms are positive, else 1; computed on the
+                # device without a host sync per parameter.
+                trust = [torch.where((pn > 0) & (un > 0), tc * pn / un.clamp_min(1e-38),
+                                     torch.ones_like(pn)) for pn, un in zip(p_norm, u_norm)]
+                torch._foreach_mul_(updates, trust)
+            bufs = []
+            for p, u in zip(params, updates):
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                bufs.append(state["momentum_buffer"])
+            torch._foreach_mul_(bufs, group["momentum"])
+            torch._foreach_add_(bufs, updates)
+            torch._foreach_add_(params, bufs, alpha=-group["lr"])
+        return loss

@@ -1,0 +1,92 @@
+"""Momentum (EMA) model and the code queue of NAC-MQ (NAC_SPEC.md, "NAC with momentum queue").
+
+    ema_update_(momentum_model, online_model, decay)   # after optimizer.step()
+    queue = CodeQueue(size=M, dim=D); queue.enqueue(keys)   # before the loss
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+
+def make_momentum_copy(model: nn.Module) -> nn.Module:
+    """A deep copy that never receives gradients (its parameters are an EMA of `model`'s)."""
+    mom = copy.deepcopy(model)
+    for p in mom.parameters():
+        p.requires_grad_(False)
+    return mom
+
+
+@torch.no_grad()
+def ema_update_(momentum_model: nn.Module, online_model: nn.Module, decay: float) -> None:
+    """theta_m <- decay * theta_m + (1 - decay) * theta for every parameter.
+
+    Buffers (BatchNorm running statistics) are not averaged: as in MoCo, the momentum model's BN
+    layers keep the statistics of the batches it sees itself.  `online_model` may be wrapped in
+    DistributedDataParallel or torch.compile; parameters are matched by order.
+    """
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
+        raise ValueError(f"decay must be a float in [0, 1], got {decay!r}")
+    online_model = unwrap(online_model)
+    mp = list(momentum_model.parameters())
+    op = list(online_model.parameters())
+    if len(mp) != len(op):
+        raise ValueError(f"momentum model has {len(mp)} parameters, online model {len(op)}")
+    # lerp: m + (1-decay)*(o - m) == decay*m + (1-decay)*o, one fused kernel per dtype/device.
+    torch._foreach_lerp_(mp, [p.detach() for p in op], 1.0 - decay)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DistributedDataParallel and/or torch.compile wrappers."""
+    while True:
+        if hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+class CodeQueue:
+    """FIFO of the M most recent momentum codes, a ring buffer with a write pointer.
+
+    Starts as zeros: an empty slot adds exp(0) = 1 to every query's partition sum and no gradient,
+    so it is neutral until real codes overwrite it (after M / (2 x global batch) steps).
+    Enqueue writes at the pointer and wraps around the end of the buffer.
+    """
+
+    def __init__(self, size: int, dim: int, device=None, dtype=torch.float32):
+        for name, v in (("size", size), ("dim", dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"queue {name} must be a positive int, got {v!r}")
+        self.codes = torch.zeros(size, dim, device=device, dtype=dtype)
+        self.ptr = 0
+
+    @property
+    def size(self) -> int:
+        return self.codes.shape[0]
+
+    @torch.no_grad()
+    def enqueue(self, keys: torch.Tensor) -> None:
+        if keys.dim() != 2 or keys.shape[1] != self.codes.shape[1]:
+            raise ValueError(f"keys must have shape (n, {self.codes.shape[1]}), "
+                             f"got {tuple(keys.shape)}")
+        n = keys.shape[0]
+        if n > self.size:
+            raise ValueError(f"cannot enqueue {n} keys into a queue of size {self.size}")
+        idx = (self.ptr + torch.arange(n, device=self.codes.device)) % self.size
+        self.codes.index_copy_(0, idx, keys.detach().to(self.codes.dtype))
+        self.ptr = (self.ptr + n) % self.size
+
+    def state_dict(self) -> dict:
+        return {"codes": self.codes.detach().cpu().clone(), "ptr": self.ptr}
+
+    def load_state_dict(self, state: dict) -> None:
+        codes = state["codes"]
+        if tuple(codes.shape) != tuple(self.codes.shape):
+            raise ValueError(f"queue in the checkpoint has shape {tuple(codes.shape)}, this run "
+                             f"expects {tuple(self.codes.shape)} (--queue-size must match)")
+        self.codes.copy_(codes)
+        self.ptr = int(state["ptr"])

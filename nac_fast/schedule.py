@@ -1,0 +1,31 @@
+"""Per-step learning-rate schedule: linear warm-up, then cosine decay to 0 (NAC_SPEC.md recipe)."""
+from __future__ import annotations
+
+import math
+
+
+class WarmupCosine:
+    """Multiplier of the base lr at optimizer step `step` (0-based), for LambdaLR.
+
+    Steps 0..warmup-1 ramp linearly (step+1)/warmup, so the first update already uses a small
+    non-zero lr; the remaining steps follow 0.5*(1+cos(pi*t)) with t going from 0 to 1 over
+    [warmup, total).  A plain class, not a lambda, so LambdaLR.state_dict() records it.
+    """
+
+    def __init__(self, warmup_steps: int, total_steps: int):
+        for name, v in (("warmup_steps", warmup_steps), ("total_steps", total_steps)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        if warmup_steps > total_steps:
+            raise ValueError(f"warmup_steps ({warmup_steps}) must not exceed total_steps "
+                             f"({total_steps})")
+        self.warmup_steps, self.total_steps = warmup_steps, total_steps
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        t = min(1.0, (step - self.warmup_steps) / span)
+        return 0.5 * (1.0 + math.cos(math.pi * t))

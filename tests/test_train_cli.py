@@ -1,0 +1,165 @@
+"""train.py flag checks (clear errors before any work), models, and the per-method losses."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # train.py lives at the repository root
+import train  # noqa: E402
+from nac_fast.methods import code_stats, nac_step, simclr_step
+from nac_fast.models import build_model, swap_halves
+
+
+def _fails(argv, capsys, match, monkeypatch=None, world=None):
+    if world is not None:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err, err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--bogus"], "unrecognized arguments"),
+    (["--method", "moco"], "invalid choice"),
+    (["--arch", "vgg"], "invalid choice"),
+    (["--p", "0.5"], "--p must lie in (0, 0.5)"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--method", "nac-mq", "--batch-size", "64", "--queue-size", "100"],
+     "--queue-size 100 must be a multiple of the global batch 64"),
+    (["--method", "nac-mq", "--batch-size", "64", "--queue-size", "64"],
+     "must hold at least the two views"),
+    (["--momentum", "1.0"], "--momentum (EMA decay) must lie in [0, 1)"),
+    (["--sync-bn"], "--sync-bn needs several processes"),
+    (["--amp", "fp16", "--device", "cpu"], "--amp fp16 needs a GPU"),
+    (["--data", "/nonexistent/imagenet"], "no such file or directory"),
+    (["--data", "synthetic:16", "--batch-size", "32"], "larger than the data set (16 images)"),
+    (["--data", "synthetic:64", "--batch-size", "32", "--epochs", "1", "--warmup-epochs", "3"],
+     "longer than the run"),
+])
+def test_bad_flags(argv, match, capsys, tmp_path):
+    _fails(argv + ["--out", str(tmp_path)], capsys, match)
+    assert not (tmp_path / "last.pt").exists()
+
+
+def test_batch_not_divisible_by_world(capsys, monkeypatch, tmp_path):
+    _fails(["--batch-size", "33", "--out", str(tmp_path)], capsys,
+           "not divisible by the world size 2", monkeypatch, world=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="SyncBN works on GPUs")
+def test_sync_bn_needs_cuda(capsys, monkeypatch, tmp_path):
+    _fails(["--sync-bn", "--out", str(tmp_path)], capsys, "--sync-bn needs CUDA", monkeypatch,
+           world=2)
+
+
+def test_missing_fashion_mnist_says_how_to_get_it(capsys, monkeypatch, tmp_path):
+    from nac_fast.data import fashion_mnist
+    monkeypatch.setattr(fashion_mnist, "DEBIAN_DIR", str(tmp_path / "none"))
+    monkeypatch.delenv("NAC_FASHION_MNIST_DIR", raising=False)
+    _fails(["--out", str(tmp_path)], capsys, "apt-get install dataset-fashion-mnist")
+
+
+def test_empty_data_dir(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--data", str(tmp_path / "empty"), "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    assert "--data" in capsys.readouterr().err
+
+
+def test_resume_without_checkpoint_file(capsys, tmp_path):
+    _fails(["--data", "synthetic:64", "--batch-size", "32", "--image-size", "8",
+            "--out", str(tmp_path), "--resume", str(tmp_path / "nope.pt")], capsys,
+           "no such checkpoint")
+
+
+def test_model_stems_and_dims():
+    m = build_model("resnet-tiny", in_channels=1, image_size=28, code_dim=16)
+    conv1 = m.encoder.net.conv1
+    assert conv1.kernel_size == (3, 3) and conv1.stride == (1, 1) and conv1.in_channels == 1
+    assert isinstance(m.encoder.net.maxpool, torch.nn.Identity)
+    h, a, r = m(torch.randn(4, 1, 28, 28))
+    assert h.shape == (4, 128) and a.shape == (4, 16) and r.shape == (4, 16)
+    big = build_model("resnet18", in_channels=3, image_size=224)
+    assert big.encoder.net.conv1.kernel_size == (7, 7) and big.encoder.net.conv1.stride == (2, 2)
+    assert not isinstance(big.encoder.net.maxpool, torch.nn.Identity)
+    assert build_model("resnet50", 3, 32).feature_dim == 2048
+    assert build_model("resnet18-small", 1, 32).feature_dim == 256
+    assert build_model("resnet-tiny", 1, 28, inference_net=False).infer is None
+    with pytest.raises(ValueError, match="arch"):
+        build_model("resnet7", 3, 32)
+    with pytest.raises(ValueError, match="in_channels"):
+        build_model("resnet18", 0, 32)
+
+
+def test_cross_pathway_and_scaling():
+    torch.manual_seed(0)
+    m = build_model("resnet-tiny", 1, 8, code_dim=8).eval()
+    x = torch.randn(6, 1, 8, 8)
+    h, a, r = m(x)
+    # r of view-1 rows comes from h of view 2 and vice versa
+    torch.testing.assert_close(r, m.infer(swap_halves(h)) / math.sqrt(8))
+    torch.testing.assert_close(a, m.head(h) / math.sqrt(8))
+    u = build_model("resnet-tiny", 1, 8, code_dim=8, scale_codes=False)
+    assert u.scale == 1.0
+
+
+def test_code_stats_hand_example():
+    a = torch.tensor([[1.0, 1.0, -1.0, 2.0],
+                      [1.0, 1.0, -1.0, 2.0],
+                      [-1.0, 1.0, 1.0, -2.0]])
+    st = code_stats(a)
+    assert st["distinct_frac"] == pytest.approx(2 / 3)
+    # distances: d01 = 0, d02 = 3, d12 = 3 -> mean over ordered pairs i != j = 12/6
+    assert st["mean_hamming"] == pytest.approx(2.0)
+    # q = [2/3, 1, 1/3, 2/3] -> |2q-1| = [1/3, 1, 1/3, 1/3] -> 1 - 0.5 = 0.5
+    assert st["bit_balance"] == pytest.approx(0.5)
+    assert st["code_sat"] == pytest.approx(float(torch.tanh(a).abs().mean()))
+
+
+def test_simclr_matches_nt_xent_formula():
+    torch.manual_seed(0)
+    m = build_model("resnet-tiny", 1, 8, code_dim=8, inference_net=False).eval()
+    x = torch.randn(6, 1, 8, 8)
+    loss, a = simclr_step(m, x, tau=0.5)
+    u = F.normalize(a.detach(), dim=1)
+    n, k = 6, 3
+    total = 0.0
+    for i in range(n):
+        pos = (i + k) % n
+        den = sum(math.exp(float(u[i] @ u[j]) / 0.5) for j in range(n) if j != i)
+        total += -(float(u[i] @ u[pos]) / 0.5 - math.log(den))
+    assert float(loss.detach()) == pytest.approx(total / n, rel=1e-5)
+
+
+def test_nac_step_equals_loss_on_own_codes():
+    import nac_fast
+    torch.manual_seed(0)
+    m = build_model("resnet-tiny", 1, 8, code_dim=8).eval()
+    x = torch.randn(6, 1, 8, 8)
+    noise = nac_fast.draw_noise((6, 8), 0.1)
+    loss, a = nac_step(m, x, 0.1, noise=noise)
+    _, a2, r2 = m(x)
+    ref = nac_fast.nac_loss(a2, r2, 0.1, noise=noise, backend="reference")
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_imagefolder_defaults_and_run(tmp_path):
+    from nac_fast.data.synthetic import write_jpeg_folder
+    root = tmp_path / "imnet"
+    write_jpeg_folder(str(root / "train"), num_classes=2, per_class=8, size_range=(40, 60))
+    a = train.build_parser().parse_args(["--data", str(root)])
+    train.resolve_defaults(a)
+    assert (a.batch_size, a.epochs) == (512, 200)        # the paper's ImageNet recipe
+    out = tmp_path / "o"
+    assert train.main(["--data", str(root), "--image-size", "32", "--batch-size", "8",
+                       "--max-steps", "2", "--loader", "torchvision", "--workers", "0",
+                       "--no-progress", "--out", str(out)]) == 0
+    cfg = __import__("json").loads((out / "config.json").read_text())
+    assert cfg["in_channels"] == 3 and cfg["image_size"] == 32 and cfg["num_images"] == 16

@@ -1,0 +1,110 @@
+"""LARS: BN/bias exclusions, zero-norm parameters move, a hand-computed update, validation."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nac_fast.lars import LARS, param_groups_for_lars
+
+
+def _hand_lars(w, g, buf, lr, mom, wd, tc, exclude):
+    """The update of the NAC_SPEC recipe written out with Python floats."""
+    w, g = [float(v) for v in w], [float(v) for v in g]
+    if exclude:
+        u = g
+    else:
+        u = [gi + wd * wi for gi, wi in zip(g, w)]
+        pn = math.sqrt(sum(v * v for v in w))
+        un = math.sqrt(sum(v * v for v in u))
+        q = tc * pn / un if pn > 0 and un > 0 else 1.0
+        u = [q * v for v in u]
+    buf = [mom * b + v for b, v in zip(buf, u)]
+    return [wi - lr * b for wi, b in zip(w, buf)], buf
+
+
+def test_groups_exclude_bn_and_bias():
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2),
+                      nn.LayerNorm(2))
+    groups = param_groups_for_lars(m, weight_decay=1e-6)
+    decay = {id(p) for p in groups[0]["params"]}
+    excl = {id(p) for p in groups[1]["params"]}
+    assert groups[0]["lars_exclude"] is False and groups[0]["weight_decay"] == 1e-6
+    assert groups[1]["lars_exclude"] is True and groups[1]["weight_decay"] == 0.0
+    assert decay == {id(m[0].weight), id(m[3].weight)}
+    assert excl == {id(m[0].bias), id(m[1].weight), id(m[1].bias), id(m[3].bias),
+                    id(m[4].weight), id(m[4].bias)}
+
+
+def test_matches_hand_computation_two_steps():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(5, dtype=torch.float64).view(5, 1))
+    b = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    lr, mom, wd, tc = 0.7, 0.9, 0.01, 0.001
+    opt = LARS([{"params": [w], "weight_decay": wd, "lars_exclude": False},
+                {"params": [b], "weight_decay": 0.0, "lars_exclude": True}],
+               lr=lr, momentum=mom, weight_decay=wd, trust_coefficient=tc)
+    hw, hb = w.detach().flatten().tolist(), b.detach().tolist()
+    bw, bb = [0.0] * 5, [0.0] * 3
+    for step in range(2):
+        gw, gb = torch.randn(5, 1, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+        w.grad, b.grad = gw.clone(), gb.clone()
+        opt.step()
+        hw, bw = _hand_lars(hw, gw.flatten(), bw, lr, mom, wd, tc, exclude=False)
+        hb, bb = _hand_lars(hb, gb, bb, lr, mom, wd, tc, exclude=True)
+        torch.testing.assert_close(w.detach().flatten(), torch.tensor(hw, dtype=torch.float64),
+                                   rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(b.detach(), torch.tensor(hb, dtype=torch.float64),
+                                   rtol=1e-12, atol=1e-14)
+
+
+def test_excluded_group_is_plain_sgd_momentum_without_decay():
+    b = nn.Parameter(torch.full((4,), 3.0))
+    opt = LARS([{"params": [b], "weight_decay": 0.5, "lars_exclude": True}], lr=0.1,
+               weight_decay=0.5)
+    b.grad = torch.ones(4)
+    opt.step()
+    # no trust ratio (0.001*||b||/||g|| would shrink the step) and no weight decay
+    torch.testing.assert_close(b.detach(), torch.full((4,), 3.0 - 0.1))
+
+
+def test_zero_norm_parameters_move():
+    # The authors' LARS has trust ratio 0 for ||p|| = 0: zero-initialised weights never move.
+    w = nn.Parameter(torch.zeros(3, 2))
+    bias = nn.Parameter(torch.zeros(2))
+    opt = LARS([{"params": [w], "lars_exclude": False},
+                {"params": [bias], "lars_exclude": True, "weight_decay": 0.0}], lr=0.5)
+    w.grad = torch.full((3, 2), 2.0)
+    bias.grad = torch.full((2,), -1.0)
+    opt.step()
+    torch.testing.assert_close(w.detach(), torch.full((3, 2), -1.0))   # trust ratio 1
+    torch.testing.assert_close(bias.detach(), torch.full((2,), 0.5))
+
+
+def test_zero_grad_moves_by_trust_scaled_weight_decay():
+    w = nn.Parameter(torch.full((2, 2), 2.0))
+    opt = LARS([{"params": [w], "lars_exclude": False}], lr=1.0, weight_decay=0.1)
+    w.grad = torch.zeros(2, 2)
+    opt.step()
+    # u = 0 + 0.1*w = 0.2, ||u|| > 0 so q = 0.001*||w||/||u|| = 0.001*4/0.4 = 0.01
+    torch.testing.assert_close(w.detach(), torch.full((2, 2), 2.0 - 0.01 * 0.2))
+
+
+def test_params_without_grad_are_skipped_and_state_round_trips():
+    a, b = nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(2, 2))
+    opt = LARS([a, b], lr=0.1)
+    a.grad = torch.ones(2, 2)
+    opt.step()
+    assert torch.equal(b.detach(), torch.ones(2, 2))
+    opt2 = LARS([a, b], lr=0.1)
+    opt2.load_state_dict(opt.state_dict())
+    assert torch.equal(opt2.state[a]["momentum_buffer"], opt.state[a]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("kw", [{"lr": -1.0}, {"lr": 0.1, "momentum": 1.0},
+                                {"lr": 0.1, "weight_decay": -1e-6},
+                                {"lr": 0.1, "trust_coefficient": float("nan")},
+                                {"lr": True}])
+def test_bad_hyperparameters(kw):
+    with pytest.raises(ValueError):
+        LARS([nn.Parameter(torch.ones(1))], **kw)

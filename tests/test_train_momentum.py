@@ -1,0 +1,86 @@
+"""EMA of the momentum model, the code queue's wrap-around, and the lr schedule."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nac_fast.momentum import CodeQueue, ema_update_, make_momentum_copy, unwrap
+from nac_fast.schedule import WarmupCosine
+
+
+def test_ema_update_all_parameters_not_buffers():
+    torch.manual_seed(0)
+    online = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    mom = make_momentum_copy(online)
+    assert all(not p.requires_grad for p in mom.parameters())
+    with torch.no_grad():
+        for p in online.parameters():
+            p.add_(torch.randn_like(p))
+        online[1].running_mean.fill_(5.0)
+    before = [p.clone() for p in mom.parameters()]
+    ema_update_(mom, online, 0.9)
+    for b, m, o in zip(before, mom.parameters(), online.parameters()):
+        torch.testing.assert_close(m, 0.9 * b + 0.1 * o.detach())
+    assert torch.equal(mom[1].running_mean, torch.zeros(4))  # buffers are the momentum model's own
+    ema_update_(mom, online, 0.0)  # decay 0 copies
+    for m, o in zip(mom.parameters(), online.parameters()):
+        torch.testing.assert_close(m, o.detach())
+
+
+def test_ema_through_wrappers_and_bad_decay():
+    online = nn.Linear(2, 2)
+    mom = make_momentum_copy(online)
+
+    class Wrap(nn.Module):  # stands in for DDP's .module
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+    assert unwrap(Wrap(online)) is online
+    before = mom.weight.detach().clone()
+    with torch.no_grad():
+        online.weight.fill_(1.0)
+    ema_update_(mom, Wrap(online), 0.5)
+    torch.testing.assert_close(mom.weight, 0.5 * before + 0.5)
+    with pytest.raises(ValueError):
+        ema_update_(mom, online, 1.5)
+    with pytest.raises(ValueError):
+        ema_update_(mom, nn.Linear(3, 3, bias=False), 0.5)
+
+
+def test_queue_enqueue_and_wrap_around():
+    q = CodeQueue(6, 2)
+    assert torch.equal(q.codes, torch.zeros(6, 2)) and q.ptr == 0
+    k1 = torch.arange(8.0).view(4, 2)
+    q.enqueue(k1)
+    assert q.ptr == 4
+    assert torch.equal(q.codes[:4], k1) and torch.equal(q.codes[4:], torch.zeros(2, 2))
+    k2 = 100 + torch.arange(8.0).view(4, 2)
+    q.enqueue(k2)                       # rows 4,5 then wraps to 0,1
+    assert q.ptr == 2
+    assert torch.equal(q.codes[4:], k2[:2]) and torch.equal(q.codes[:2], k2[2:])
+    assert torch.equal(q.codes[2:4], k1[2:])
+    q2 = CodeQueue(6, 2)
+    q2.load_state_dict(q.state_dict())
+    assert q2.ptr == 2 and torch.equal(q2.codes, q.codes)
+    with pytest.raises(ValueError):
+        q.enqueue(torch.zeros(7, 2))
+    with pytest.raises(ValueError):
+        q.enqueue(torch.zeros(2, 3))
+    with pytest.raises(ValueError):
+        CodeQueue(4, 2).load_state_dict(q.state_dict())
+    with pytest.raises(ValueError):
+        CodeQueue(0, 2)
+
+
+def test_warmup_cosine():
+    f = WarmupCosine(4, 14)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0
+    assert math.isclose(f(9), 0.5)           # halfway through the cosine
+    assert f(14) == 0.0 and f(100) == 0.0
+    assert WarmupCosine(0, 10)(0) == 1.0
+    with pytest.raises(ValueError):
+        WarmupCosine(11, 10)
+    with pytest.raises(ValueError):
+        WarmupCosine(0, 0)

@@ -1,0 +1,188 @@
+"""Checkpoints: atomic writes, exact resume (same logged losses as an uninterrupted run),
+SIGKILL loses at most one save interval, non-finite loss stops with the last good checkpoint,
+and the end-to-end `torchrun --nproc_per_node=2 train.py` run."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # train.py lives at the repository root
+import train  # noqa: E402
+from nac_fast.checkpoint import load_checkpoint, load_model, save_atomic  # noqa: E402
+
+
+def _log(out):
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _losses(out):
+    return [(r["step"], r["loss"]) for r in _log(out)]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def test_save_atomic_keeps_old_file_on_failure(tmp_path):
+    p = tmp_path / "ck.pt"
+    save_atomic({"step": 1}, str(p))
+    assert torch.load(p)["step"] == 1
+    with pytest.raises(Exception):
+        save_atomic({"step": 2, "bad": lambda: 0}, str(p))   # unpicklable: torch.save fails
+    assert torch.load(p)["step"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["ck.pt"]          # no temp file left behind
+
+
+MQ = ["--data", "synthetic:128", "--image-size", "8", "--batch-size", "32", "--max-steps", "7",
+      "--method", "nac-mq", "--queue-size", "96", "--log-every", "1", "--save-every", "2",
+      "--no-progress"]
+
+
+def test_resume_equals_uninterrupted_nac_mq_across_epochs(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert train.main(MQ + ["--out", a]) == 0
+    assert train.main(MQ + ["--out", b, "--stop-at-step", "5"]) == 0   # epoch 1, batch 1
+    assert load_checkpoint(os.path.join(b, "last.pt"))["step"] == 5
+    assert train.main(MQ + ["--out", b, "--resume"]) == 0
+    assert _losses(a) == _losses(b)                  # bit-identical, step for step
+    assert [s for s, _ in _losses(b)] == list(range(1, 8))
+    ca, cb = (load_checkpoint(os.path.join(d, "last.pt")) for d in (a, b))
+    for k in ca["model"]:
+        assert torch.equal(ca["model"][k], cb["model"][k]), k
+    assert torch.equal(ca["queue"]["codes"], cb["queue"]["codes"])
+    assert ca["queue"]["ptr"] == cb["queue"]["ptr"] == (7 * 64) % 96
+
+
+def test_resume_mid_epoch_on_fashion_mnist(tmp_path):
+    args = ["--batch-size", "32", "--max-steps", "4", "--log-every", "1", "--save-every", "100",
+            "--no-progress"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert train.main(args + ["--out", a]) == 0
+    assert train.main(args + ["--out", b, "--stop-at-step", "2"]) == 0
+    assert train.main(args + ["--out", b, "--resume", os.path.join(b, "last.pt")]) == 0
+    assert _losses(a) == _losses(b)
+    rec = _log(a)[-1]
+    for key in ("step", "epoch", "loss", "lr", "img_per_s", "data_wait", "distinct_frac",
+                "mean_hamming", "bit_balance"):
+        assert key in rec
+
+
+def test_resume_rejects_other_config(tmp_path, capsys):
+    out = str(tmp_path / "c")
+    assert train.main(MQ + ["--out", out, "--max-steps", "2"]) == 0
+    with pytest.raises(SystemExit):
+        train.main(MQ + ["--out", out, "--batch-size", "64", "--queue-size", "128", "--resume"])
+    assert "checkpoint has batch_size=32" in capsys.readouterr().err
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    calls = {"n": 0}
+    real = train.nac_step
+
+    def poisoned(*a, **k):
+        loss, z = real(*a, **k)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] == 3 else loss), z
+
+    monkeypatch.setattr(train, "nac_step", poisoned)
+    out = str(tmp_path / "nan")
+    status = train.main(["--data", "synthetic:256", "--image-size", "8", "--batch-size", "32",
+                         "--max-steps", "6", "--save-every", "2", "--log-every", "1",
+                         "--no-progress", "--out", out])
+    assert status != 0
+    assert "non-finite loss (nan) at step 3" in capsys.readouterr().err
+    assert load_checkpoint(os.path.join(out, "last.pt"))["step"] == 2
+    assert [r["step"] for r in _log(out)] == [1, 2]
+
+
+def test_sigkill_loses_at_most_one_save_interval(tmp_path):
+    out = str(tmp_path / "k")
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data", "synthetic:512",
+           "--image-size", "8", "--batch-size", "32", "--max-steps", "30", "--save-every", "4",
+           "--log-every", "1", "--no-progress", "--out", out]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = os.path.join(out, "log.jsonl")
+    deadline = time.time() + 120
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(log) and len(open(log).readlines()) >= 10:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed = _losses(out)
+    last_logged = killed[-1][0]
+    ck = load_checkpoint(os.path.join(out, "last.pt"))["step"]
+    assert ck % 4 == 0 and 0 <= last_logged - ck <= 4
+    # resumed in a fresh process with the same thread count (CPU kernels' float sums depend on it)
+    r = subprocess.run(cmd + ["--resume"], env=_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = _losses(out)[len(killed):]
+    assert after[0][0] == ck + 1 and after[-1][0] == 30
+    # the steps the killed run had done after its checkpoint are recomputed identically
+    redo = dict(after)
+    for s, v in killed:
+        if s > ck:
+            assert redo[s] == v, s
+    assert load_checkpoint(os.path.join(out, "last.pt"))["step"] == 30
+
+
+def _torchrun(args, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+           os.path.join(ROOT, "train.py")] + args
+    r = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def test_torchrun_two_processes_end_to_end(tmp_path):
+    out = str(tmp_path / "e2e")
+    r = _torchrun(["--max-steps", "3", "--batch-size", "64", "--log-every", "1", "--no-progress",
+                   "--out", out])
+    assert "world=2" in r.stdout and "done: step 3/3" in r.stdout
+    log = _log(out)
+    assert [x["step"] for x in log] == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(x["loss"])) for x in log)
+    ck = load_checkpoint(os.path.join(out, "last.pt"))
+    assert ck["step"] == 3 and ck["config"]["world_size"] == 2 and len(ck["rng"]) == 2
+    # evaluation-ready: the checkpoint rebuilds the model, which codes real test images
+    from nac_fast.data import build_eval_loader
+    model = load_model(os.path.join(out, "last.pt"))
+    images, labels = next(iter(build_eval_loader("fashion-mnist", "test", batch_size=16)))
+    with torch.no_grad():
+        h, a = model.encode(images)
+    assert h.shape == (16, 128) and a.shape == (16, 128) and torch.isfinite(a).all()
+
+
+def test_torchrun_nac_mq_resume_exact_under_ddp(tmp_path):
+    base = ["--method", "nac-mq", "--data", "synthetic:256", "--image-size", "8",
+            "--batch-size", "32", "--queue-size", "128", "--max-steps", "4", "--log-every", "1",
+            "--save-every", "100", "--no-progress"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    _torchrun(base + ["--out", a])
+    _torchrun(base + ["--out", b, "--stop-at-step", "2"])
+    _torchrun(base + ["--out", b, "--resume"])
+    assert _losses(a) == _losses(b)
