@@ -63,7 +63,8 @@ def extensions():
         return [], {}
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cu = sorted(glob.glob(os.path.join("csrc", "*.cu")))
-    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast"]
+    # -fno-trapping-math lets GCC if-convert the selects of nac_math.h (torch builds with it too).
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
     if _flag("NAC_FAST_NATIVE"):
         cxx.append("-march=native")
     common = dict(include_dirs=[os.path.join(ROOT, "csrc")], extra_link_args=["-fopenmp"])

@@ -38,27 +38,6 @@ constexpr int64_t kBK = 512;  // keys per tile: a 128 x 512 fp32 tile is 256 KiB
 // picked at load time where the CPU has it, else GCC's target_clones versions (AVX2 / baseline).
 // ---------------------------------------------------------------------------------------------
 
-// exp for x <= ~88 with ~2 ulp error (Cephes expf polynomial, Cody-Waite reduction), written so
-// GCC vectorises it; torch.exp ran at 0.5 G/s here, this runs in-cache at several G/s per core.
-static inline float fast_expf(float x) {
-  x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38 is still normal; the max row entry is 1
-  x = x > 88.0f ? 88.0f : x;
-  const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
-  float r = x - kf * 0.693359375f;
-  r = r + kf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(kf) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define NAC_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -84,7 +63,7 @@ static float row_max_f(const float* __restrict x, int64_t n) {
 // vectorises each (checked with -fopt-info-vec), but not the fused loop.
 NAC_MULTIVERSION
 static float exp_shift_f(float* __restrict x, int64_t n, float shift, float mult) {
-  for (int64_t c = 0; c < n; ++c) x[c] = fast_expf(x[c] - shift);
+  for (int64_t c = 0; c < n; ++c) x[c] = nac::exp_(x[c] - shift);
   float lanes[kLanes] = {0};
   int64_t c = 0;
   for (; c + kLanes <= n; c += kLanes)
@@ -189,6 +168,64 @@ static float exp_shift(float* x, int64_t n, float shift, float mult) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Elementwise row work (O(nD)), in float compiled per ISA so the nac_math.h formulas vectorise.
+// ---------------------------------------------------------------------------------------------
+
+NAC_MULTIVERSION
+static void tanh_array(const float* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) y[k] = nac::tanh_(x[k]);
+}
+static void tanh_array(const double* x, double* y, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) y[k] = nac::tanh_(x[k]);
+}
+
+// One finished row: returns 2 * bern_i and ||z_i||^2; writes ga = d loss_i / d a_i (through the
+// row's own terms) from A = sum_j e_ij k_j scaled by a_scale = s / sum_j e_ij.
+template <typename T>
+static inline void finish_row_impl(const T* __restrict z, const T* __restrict m,
+                                   const T* __restrict r, const T* __restrict A, T a_scale, T lam,
+                                   T* __restrict ga, int64_t D, T* bern2_out, T* zz_out) {
+  T bern2 = 0, zz = 0;
+#pragma omp simd reduction(+ : bern2, zz)
+  for (int64_t d = 0; d < D; ++d) {
+    bern2 += nac::bern2_elem(m[d] * z[d], r[d]);
+    zz += z[d] * z[d];
+  }
+  if (ga != nullptr) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) ga[d] = nac::grad_a_elem(m[d], z[d], a_scale * A[d], r[d], lam);
+  }
+  *bern2_out = bern2;
+  *zz_out = zz;
+}
+NAC_MULTIVERSION
+static void finish_row(const float* z, const float* m, const float* r, const float* A,
+                       float a_scale, float lam, float* ga, int64_t D, float* b, float* q) {
+  finish_row_impl(z, m, r, A, a_scale, lam, ga, D, b, q);
+}
+static void finish_row(const double* z, const double* m, const double* r, const double* A,
+                       double a_scale, double lam, double* ga, int64_t D, double* b, double* q) {
+  finish_row_impl(z, m, r, A, a_scale, lam, ga, D, b, q);
+}
+
+// out = g * d loss_i / d r_i for one row.
+template <typename T>
+static inline void grad_r_row_impl(const T* __restrict z, const T* __restrict m,
+                                   const T* __restrict r, T g, T* __restrict out, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) out[d] = g * nac::grad_r_elem(m[d] * z[d], r[d]);
+}
+NAC_MULTIVERSION
+static void grad_r_row(const float* z, const float* m, const float* r, float g, float* out,
+                       int64_t D) {
+  grad_r_row_impl(z, m, r, g, out, D);
+}
+static void grad_r_row(const double* z, const double* m, const double* r, double g, double* out,
+                       int64_t D) {
+  grad_r_row_impl(z, m, r, g, out, D);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Shared set-up.  Extra memory is kept to z = tanh(a) (n x D) and the outputs: the queries
 // q = s m z of a block are formed per work item (BQ x D), and the row-gradient accumulator is the
 // output buffer itself.  Measured with the profiler: in-batch 4096 x 128 fwd+bwd peaks at ~1/20 of
@@ -212,8 +249,8 @@ Operands make_operands(const at::Tensor& a, const at::Tensor& noise,
   op.z = at::empty_like(op.a);
   const acc_t* pa = op.a.data_ptr<acc_t>();
   acc_t* pz = op.z.data_ptr<acc_t>();
-  at::parallel_for(0, op.a.numel(), 4096, [&](int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; ++k) pz[k] = nac::tanh_(pa[k]);
+  at::parallel_for(0, op.a.numel(), 16384, [&](int64_t b, int64_t e) {
+    tanh_array(pa + b, pz + b, e - b);
   });
   op.keys = keys.has_value() ? keys->detach().to(acc).contiguous() : op.z;
   return op;
@@ -323,7 +360,7 @@ std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
   acc_t* pga = grad_rows ? ga.data_ptr<acc_t>() : nullptr;
   const acc_t logN = std::log(static_cast<acc_t>(N));
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
-    std::vector<acc_t> w(nsplit);
+    std::vector<acc_t> w(nsplit), arow(grad_rows ? D : 0);
     for (int64_t i = b; i < e; ++i) {
       acc_t M = -std::numeric_limits<acc_t>::infinity();
       for (int64_t p = 0; p < nsplit; ++p) M = std::max(M, pmax[p * n + i]);
@@ -333,18 +370,14 @@ std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
         L += w[p] * psum[p * n + i];
       }
       plse[i] = M + std::log(L);
-      acc_t bern2 = 0, zz = 0;
-      for (int64_t d = 0; d < D; ++d) {
-        const int64_t k = i * D + d;
-        const acc_t zt = pmn[k] * pz[k];
-        bern2 += nac::bern2_elem(zt, pr[k]);
-        zz += pz[k] * pz[k];
-        if (grad_rows) {
-          acc_t A = 0;  // read before pga[k] is written: unsplit, pac aliases pga
-          for (int64_t p = 0; p < nsplit; ++p) A += w[p] * pac[(p * n + i) * D + d];
-          pga[k] = nac::grad_a_elem(pmn[k], pz[k], sc * A / L, pr[k], lam);
-        }
+      if (grad_rows) {  // A_i = sum_p w_p acc_p, into a row buffer (unsplit, acc aliases ga)
+        for (int64_t d = 0; d < D; ++d) arow[d] = w[0] * pac[i * D + d];
+        for (int64_t p = 1; p < nsplit; ++p)
+          for (int64_t d = 0; d < D; ++d) arow[d] += w[p] * pac[(p * n + i) * D + d];
       }
+      acc_t bern2, zz;
+      finish_row(pz + i * D, pmn + i * D, pr + i * D, grad_rows ? arow.data() : nullptr, sc / L,
+                 lam, grad_rows ? pga + i * D : nullptr, D, &bern2, &zz);
       ploss[i] = plse[i] - logN - acc_t(0.5) * bern2 + lam * zz;
     }
   });
@@ -428,10 +461,7 @@ std::vector<at::Tensor> nac_bwd_impl(const at::Tensor& a, const at::Tensor& r,
     acc_t* po = grad_r.data_ptr<acc_t>();
     at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i)
-        for (int64_t d = 0; d < D; ++d) {
-          const int64_t k = i * D + d;
-          po[k] = pg[i] * nac::grad_r_elem(pm[k] * pz[k], pr[k]);
-        }
+        grad_r_row(pz + i * D, pm + i * D, pr + i * D, pg[i], po + i * D, D);
     });
   }
   const bool self_keys = !keys.has_value();

@@ -13,6 +13,8 @@
 #pragma once
 
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 
 #if defined(__CUDACC__)
 #define NAC_HD __host__ __device__ __forceinline__
@@ -22,14 +24,84 @@
 
 namespace nac {
 
-NAC_HD float tanh_(float x) { return tanhf(x); }
+// Primitives.  Device code and double use the math library.  Host float uses the vectorisable
+// versions below: no libm calls, so GCC vectorises the elementwise loops that call them (libm's
+// scalar tanhf/log1pf/expf made the CPU kernel's O(nD) work 50x slower than torch's vectorised
+// tanh: ~1 ms vs 18 us for 512 x 128 on one core).  Accuracy: a few ulp (Cephes polynomials),
+// far inside the 1e-5 / 1e-4 budgets the tests check against float64.
 NAC_HD double tanh_(double x) { return tanh(x); }
-NAC_HD float exp_(float x) { return expf(x); }
 NAC_HD double exp_(double x) { return exp(x); }
-NAC_HD float log1p_(float x) { return log1pf(x); }
 NAC_HD double log1p_(double x) { return log1p(x); }
 NAC_HD float abs_(float x) { return fabsf(x); }
 NAC_HD double abs_(double x) { return fabs(x); }
+
+#if defined(__CUDA_ARCH__)
+NAC_HD float tanh_(float x) { return tanhf(x); }
+NAC_HD float exp_(float x) { return expf(x); }
+NAC_HD float log1p_(float x) { return log1pf(x); }
+#else
+inline float bits_to_float(int32_t b) { float f; memcpy(&f, &b, sizeof f); return f; }
+inline int32_t float_to_bits(float f) { int32_t b; memcpy(&b, &f, sizeof b); return b; }
+
+// exp(x), |rel err| < 2 ulp for x in [-87, 88] (clamped outside): Cody-Waite reduction by ln 2,
+// Cephes degree-6 polynomial, 2^k built in the exponent bits.
+inline float exp_(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return (p * r * r + r + 1.0f) * bits_to_float((static_cast<int32_t>(k) + 127) << 23);
+}
+
+// log(x) for normal x > 0 (Cephes logf).
+inline float log_(float x) {
+  const int32_t b = float_to_bits(x);
+  float e = static_cast<float>(((b >> 23) & 0xff) - 126);
+  float m = bits_to_float((b & 0x807fffff) | 0x3f000000);  // mantissa in [0.5, 1)
+  const bool low = m < 0.707106781186547524f;
+  e = low ? e - 1.0f : e;
+  m = low ? m + m - 1.0f : m - 1.0f;
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z - 2.12194440e-4f * e - 0.5f * z;
+  return m + y + 0.693359375f * e;
+}
+
+// log(1 + x) for x >= 0, accurate for small x too (Goldberg: log(u) * x / (u - 1), u = 1 + x).
+inline float log1p_(float x) {
+  const float u = 1.0f + x;
+  const float d = u - 1.0f;
+  return d == 0.0f ? x : log_(u) * (x / d);
+}
+
+// tanh: Cephes odd polynomial for |x| < 0.625, else 1 - 2 / (exp(2|x|) + 1), sign restored.
+inline float tanh_(float x) {
+  const float ax = x < 0 ? -x : x;
+  const float z = x * x;
+  float p = -5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const float small = p * z * x + x;
+  const float big = 1.0f - 2.0f / (exp_(2.0f * ax) + 1.0f);
+  return ax < 0.625f ? small : (x < 0 ? -big : big);
+}
+#endif
 
 // log sig(r) + log sig(-r) = -|r| - 2 log1p(exp(-|r|)): stable for any |r|.
 template <typename T>
@@ -42,7 +114,8 @@ NAC_HD T log_sigmoid_pair(T r) {
 template <typename T>
 NAC_HD T sigmoid(T r) {
   const T e = exp_(-abs_(r));
-  return r >= T(0) ? T(1) / (T(1) + e) : e / (T(1) + e);
+  const T inv = T(1) / (T(1) + e);
+  return r >= T(0) ? inv : e * inv;
 }
 
 // One element's share of 2 * bern_i: z~ r + log sig(r) + log sig(-r).
