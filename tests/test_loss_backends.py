@@ -211,3 +211,32 @@ def test_torch_compile_matches_eager(backend):
     assert torch.allclose(out, eager, rtol=1e-6)
     assert torch.allclose(ca, ga, rtol=1e-5, atol=1e-7)
     assert torch.allclose(cr, gr, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("a_scale,r_scale", [(1e-4, 1e-3), (1e-2, 30.0), (20.0, 1.0), (3.0, 80.0)])
+def test_fp32_extreme_scales_against_float64(backend, a_scale, r_scale):
+    """Codes near 0 (the start of training, with the 1/sqrt(D) head scaling), saturated codes, and
+    large inference logits: the regions where tanh, log1p(exp(-|r|)) and sigmoid are delicate.
+    Near 0 the keys' gradient is a sum of tiny terms that cancel, so fp32 itself loses digits there:
+    the budget is 1e-5 / 1e-4 or 2x the fp32 reference's own error, whichever is larger."""
+    g = torch.Generator().manual_seed(17)
+    n, N, D = 67, 300, 128
+    t = {"a": torch.randn(n, D, generator=g) * a_scale, "r": torch.randn(n, D, generator=g) * r_scale,
+         "keys": torch.tanh(torch.randn(N, D, generator=g) * a_scale)}
+    noise = nac_fast.draw_noise((n, D), 0.1, generator=g).to(DEVICE)
+    t = {k: v.to(DEVICE).requires_grad_() for k, v in t.items()}
+    w = torch.randn(n, generator=g).to(DEVICE)
+    for keys in (True, False):
+        tt = t if keys else {k: v for k, v in t.items() if k != "keys"}
+        fn = _loss_fn("keys" if keys else "inbatch")
+        kw = dict(p=0.1, reduction="none")
+        v64, g64 = run_loss(fn, {k: x.detach().double().requires_grad_() for k, x in tt.items()},
+                            w, backend="reference", noise=noise.double(), **kw)
+        v32, g32 = run_loss(fn, tt, w, backend="reference", noise=noise, **kw)
+        v, gg = run_loss(fn, tt, w, backend=backend, noise=noise, **kw)
+        assert rel_err(v, v64) <= max(1e-5, 2 * rel_err(v32, v64))
+        for name in g64:
+            budget = max(1e-4, 2 * rel_err(g32[name], g64[name]))
+            assert rel_err(gg[name], g64[name]) <= budget, (name, keys, rel_err(gg[name], g64[name]),
+                                                            rel_err(g32[name], g64[name]))
