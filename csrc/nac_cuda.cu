@@ -54,6 +54,25 @@ __device__ __forceinline__ acc_t half_warp_sum(acc_t v) {
   return v;
 }
 
+// Store a register tile v[u][c] (rows row0 + ty + 16 u < row_end, columns tx + 16 c < D) to
+// out[(out_row0 + row) * D + column].
+template <typename acc_t, int R, int C>
+__device__ __forceinline__ void store_tile(acc_t* __restrict__ out, const acc_t (&v)[R][C],
+                                           int64_t row0, int64_t row_end, int64_t out_row0,
+                                           int D) {
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll
+  for (int u = 0; u < R; ++u) {
+    const int64_t row = row0 + ty + 16 * u;
+    if (row >= row_end) continue;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int d = tx + 16 * c;
+      if (d < D) out[(out_row0 + row) * D + d] = v[u][c];
+    }
+  }
+}
+
 // q = s m tanh(a) and z = tanh(a) in the accumulation dtype (O(nD) prologue).
 template <typename scalar_t, typename acc_t>
 __global__ void prologue_kernel(const scalar_t* __restrict__ a, const scalar_t* __restrict__ noise,
@@ -183,19 +202,12 @@ fwd_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K, acc_t* __re
 #pragma unroll
   for (int u = 0; u < R; ++u) {
     const int64_t i = i0 + ty + 16 * u;
-    if (i >= n) continue;
-    if (tx == 0) {
+    if (i < n && tx == 0) {
       pm[sp * n + i] = m_run[u];
       pl[sp * n + i] = l_run[u];
     }
-    if (grad) {
-#pragma unroll
-      for (int c = 0; c < C; ++c) {
-        const int d = tx + 16 * c;
-        if (d < D) pacc[(sp * n + i) * D + d] = acc[u][c];
-      }
-    }
   }
+  if (grad) store_tile(pacc, acc, i0, n, sp * n, D);
 }
 
 // One block per row: merge the splits, then loss, lse and ga (nac_math.h).
@@ -306,16 +318,7 @@ bwd_keys_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K,
     }
     __syncthreads();
   }
-#pragma unroll
-  for (int u = 0; u < R; ++u) {
-    const int64_t j = j0 + ty + 16 * u;
-    if (j >= jend) continue;
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int d = tx + 16 * c;
-      if (d < D) pdk[(sp * N + j) * D + d] = dk[u][c];
-    }
-  }
+  store_tile(pdk, dk, j0, jend, sp * N, D);
 }
 
 // d/dr = g (sig(r) - (1 + z~)/2);  d/da = g ga [+ dK (1 - z^2) for the self keys].

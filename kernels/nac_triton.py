@@ -264,6 +264,20 @@ def _keys_of(a, keys):
     return torch.tanh(a) if keys is None else keys
 
 
+def _plan(a, N, split_keys: bool):
+    """Block sizes, grid extents and the split of the inner dimension for a launch over `a`'s rows
+    and N keys: split_keys splits the keys (forward), else the queries (keys' backward)."""
+    n, D = a.shape
+    cfg = _config(a.device, D)
+    q_blocks, k_blocks = triton.cdiv(n, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"])
+    outer, inner = (q_blocks, k_blocks) if split_keys else (k_blocks, q_blocks)
+    split = _split(outer, inner, a.device)
+    launch = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
+                  ACC=_tl_acc(a.dtype), PRECISION=_precision(a.dtype), UPCAST=_upcast(a),
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return launch, outer, split, triton.cdiv(inner, split)
+
+
 @triton_op("nac_fast::nac_fwd_triton", mutates_args=())
 def nac_fwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
                    keys: Optional[torch.Tensor], s: float, l2: float,
@@ -275,19 +289,14 @@ def nac_fwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
     n, D = a.shape
     N = k.shape[0]
     acc = _acc_dtype(a.dtype)
-    cfg = _config(a.device, D)
-    bm, bn, bd = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
-    q_blocks, k_tiles = triton.cdiv(n, bm), triton.cdiv(N, bn)
-    split = _split(q_blocks, k_tiles, a.device)
-    tiles_per_split = triton.cdiv(k_tiles, split)
+    launch, q_blocks, split, tiles_per_split = _plan(a, N, split_keys=True)
+    bd = launch["BLOCK_D"]
     pm = torch.empty((split, n), device=a.device, dtype=acc)
     pl = torch.empty((split, n), device=a.device, dtype=acc)
     pacc = torch.empty((split, n, bd) if grad_rows else (1,), device=a.device, dtype=acc)
     wrap_triton(_fwd_kernel)[(q_blocks, split)](
         a, noise, k, pm, pl, pacc, n, N, D, a.stride(0), k.stride(0), s * LOG2E, tiles_per_split,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, GRAD=grad_rows, ACC=_tl_acc(a.dtype),
-        PRECISION=_precision(a.dtype), UPCAST=_upcast(a), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        GRAD=grad_rows, **launch)
     loss = torch.empty((n,), device=a.device, dtype=acc)
     lse = torch.empty((n,), device=a.device, dtype=acc)
     ga = torch.empty((n, D) if grad_rows else (0,), device=a.device, dtype=acc)
@@ -304,17 +313,11 @@ def _keys_grad(a, noise, k, lse, g, s):
     n, D = a.shape
     N = k.shape[0]
     acc = _acc_dtype(a.dtype)
-    cfg = _config(a.device, D)
-    bm, bn, bd = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
-    k_blocks, q_blocks = triton.cdiv(N, bn), triton.cdiv(n, bm)
-    split = _split(k_blocks, q_blocks, a.device)
-    blocks_per_split = triton.cdiv(q_blocks, split)
-    pdk = torch.empty((split, N, bd), device=a.device, dtype=acc)
+    launch, k_blocks, split, blocks_per_split = _plan(a, N, split_keys=False)
+    pdk = torch.empty((split, N, launch["BLOCK_D"]), device=a.device, dtype=acc)
     wrap_triton(_bwd_keys_kernel)[(k_blocks, split)](
         a, noise, k, lse.to(acc).contiguous(), g, pdk, n, N, D, a.stride(0), k.stride(0),
-        s * LOG2E, s, blocks_per_split,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, ACC=_tl_acc(a.dtype), PRECISION=_precision(a.dtype),
-        UPCAST=_upcast(a), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        s * LOG2E, s, blocks_per_split, **launch)
     return (pdk[0] if split == 1 else pdk.sum(0))[:, :D]  # fixed-order sum: deterministic
 
 
@@ -329,6 +332,7 @@ def nac_bwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
     n, D = a.shape
     acc = _acc_dtype(a.dtype)
     g = g.to(acc).contiguous()
+
     def empty():  # outputs must not alias each other: one fresh (0,) tensor each
         return torch.empty((0,), device=a.device, dtype=acc)
 
