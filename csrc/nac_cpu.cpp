@@ -83,8 +83,9 @@ static float exp_shift_f(float* __restrict x, int64_t n, float shift, float mult
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define NAC_AVX512_PATH 1
-// GCC 12's avx512fintrin.h trips -Wmaybe-uninitialized inside the masked-load intrinsics.
+// GCC 12's avx512fintrin.h trips -W(maybe-)uninitialized inside its reduce/mask intrinsics.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 // The AVX-512 path is written with intrinsics: vscalefps does the 2^k scaling (no integer
 // round trip) and masked loads handle row tails, so the whole softmax step of a tile row is one
