@@ -66,6 +66,14 @@ def _dot(x, y, PRECISION: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr)
     return tl.dot(x, y, input_precision=PRECISION, out_dtype=ACC)
 
 
+@triton.jit
+def _sigmoid(r):
+    # nac_math.h's stable form: exp(-|r|) never overflows (tl.sigmoid(r) evaluates exp(-r)).
+    e = tl.exp(-tl.abs(r))
+    inv = 1.0 / (1.0 + e)
+    return tl.where(r >= 0, inv, e * inv)
+
+
 @triton.jit(do_not_specialize=["n", "N"])
 def _fwd_kernel(A, NOISE, K, PM, PL, PACC, n, N, D, stride_a, stride_k, scale2, tiles_per_split,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -201,7 +209,7 @@ def _bwd_rows_kernel(A, R, NOISE, GA, G, DK, GRAD_A, GRAD_R, n, D, stride_a, str
     if NEED_R:
         r = tl.load(R + offs, mask=tile_mask, other=0.0).to(ACC)
         zt = tl.load(NOISE + offs, mask=tile_mask, other=0.0).to(ACC) * z
-        tl.store(GRAD_R + out, g[:, None] * (tl.sigmoid(r) - 0.5 * (1.0 + zt)), mask=tile_mask)
+        tl.store(GRAD_R + out, g[:, None] * (_sigmoid(r) - 0.5 * (1.0 + zt)), mask=tile_mask)
     if NEED_A:
         ga = g[:, None] * tl.load(GA + out, mask=tile_mask, other=0.0)
         if SELF_KEYS:
