@@ -240,3 +240,22 @@ def test_fp32_extreme_scales_against_float64(backend, a_scale, r_scale):
             budget = max(1e-4, 2 * rel_err(g32[name], g64[name]))
             assert rel_err(gg[name], g64[name]) <= budget, (name, keys, rel_err(gg[name], g64[name]),
                                                             rel_err(g32[name], g64[name]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_and_mixed_noise_dtype(backend):
+    """Views (transposes, strided slices) and integer noise give the same loss and gradients as
+    contiguous copies."""
+    g = torch.Generator().manual_seed(23)
+    a = torch.randn(32, 40, generator=g).to(DEVICE).t().requires_grad_()       # (40, 32) view
+    r = torch.randn(80, 32, generator=g).to(DEVICE)[::2].requires_grad_()      # strided rows
+    keys = torch.tanh(torch.randn(32, 90, generator=g)).to(DEVICE).t().requires_grad_()
+    noise = nac_fast.draw_noise((40, 32), 0.2, generator=g).to(DEVICE).to(torch.int8)
+    out = nac_fast.nac_loss(a, r, 0.2, keys=keys, noise=noise, backend=backend)
+    out.backward()
+    ref = [t.detach().contiguous().requires_grad_() for t in (a, r, keys)]
+    want = nac_fast.nac_loss(*ref[:2], 0.2, keys=ref[2], noise=noise.float(), backend="reference")
+    want.backward()
+    assert rel_err(out, want) <= 1e-5
+    for got, exp in zip((a, r, keys), ref):
+        assert rel_err(got.grad, exp.grad) <= 1e-4
