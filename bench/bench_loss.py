@@ -155,8 +155,10 @@ def main(argv=None):
                   host=socket.gethostname(), device=device_name(args.device),
                   torch=torch.__version__, commit=commit(), threads=torch.get_num_threads())
 
-    cases = [("inbatch", n, n) for n in map(int, args.inbatch.split(",")) if args.inbatch] + \
-            [("mq", args.mq_n, m) for m in map(int, args.queue.split(",")) if args.queue]
+    def sizes(text):  # "" means none of that kind
+        return [int(x) for x in text.split(",") if x.strip()]
+    cases = [("inbatch", n, n) for n in sizes(args.inbatch)] + \
+            [("mq", args.mq_n, m) for m in sizes(args.queue)]
     compiled_ref = None
     if args.compile_reference:
         from nac_fast import reference
