@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import distributed as nd
+from .hashing import code_statistics
 from .loss import draw_noise, nac_loss, nac_mq_loss, nac_vi_loss
 from .models import swap_halves
 
@@ -84,20 +85,15 @@ def simclr_step(model, x, tau=0.5):
 
 @torch.no_grad()
 def code_stats(a: torch.Tensor) -> dict:
-    """Expressivity of the batch's hash codes c = sgn(a) (a > 0 -> +1, else -1):
+    """Expressivity of the batch's hash codes c = sgn(a) (nac_fast.hashing's convention, 0 -> +1),
+    from nac_fast.hashing.code_statistics (exact, O(nD)):
     distinct_frac  number of distinct codes / rows (1.0 = every row has its own code),
     mean_hamming   mean Hamming distance over pairs i != j (D/2 for random codes),
     bit_balance    1 - mean_d |2 q_d - 1|, q_d = fraction of +1 in bit d (1 = every bit 50/50,
                    0 = every bit constant),
     code_sat       mean |tanh(a)|: how saturated the relaxed code is (1 = binary)."""
-    c = a.detach().float() > 0
-    n, d = c.shape
-    distinct = torch.unique(c, dim=0).shape[0] / n
-    pm = c.float() * 2 - 1
-    ham = (d - pm @ pm.t()) / 2  # Hamming distance from the +-1 dot product; diagonal is 0
-    mean_ham = float(ham.sum() / max(1, n * (n - 1)))
-    q = c.float().mean(0)
-    balance = float(1 - (2 * q - 1).abs().mean())
-    sat = float(torch.tanh(a.detach().float()).abs().mean())
-    return {"distinct_frac": distinct, "mean_hamming": mean_ham, "bit_balance": balance,
-            "code_sat": sat}
+    a = a.detach().float()
+    st = code_statistics(a)
+    return {"distinct_frac": st.fraction_distinct, "mean_hamming": st.mean_pairwise_hamming,
+            "bit_balance": 1.0 - 2.0 * st.balance_mean_abs_deviation,
+            "code_sat": float(torch.tanh(a).abs().mean())}
