@@ -1,0 +1,430 @@
+"""Evaluate a trained NAC / NAC-MQ / SimCLR checkpoint (NAC_SPEC.md "Evaluation protocols", issue 6).
+
+    python -m nac_fast.eval --checkpoint runs/default/last.pt --data fashion-mnist --out runs/eval
+    python -m nac_fast.eval --checkpoint CKPT --data fashion-mnist --out DIR \\
+        --tasks linear,hash,knn,expressivity --bits 16,32,64,128 --linear-epochs 100
+    python -m nac_fast.eval --checkpoint CKPT --out DIR --limit-train 5000 --limit-test 1000 \\
+        --linear-epochs 10                                   # a quick CPU look
+    python -m nac_fast.eval --checkpoint CKPT --out DIR --tasks hash --hash-protocol paper \\
+        --queries-per-class 1000                             # the paper's CIFAR-10-style split
+
+What it does:
+  1. Loads the frozen model (``--which online|momentum``) in eval mode and, under torch.no_grad,
+     extracts for every image of the train and test splits (one centred view, deterministic
+     order) the encoder features h and the projection-head pre-activations a.  They are cached
+     in ``DIR/features_{train,test}.pt`` ({"h", "a", "labels", "meta"}); a later run with the
+     same checkpoint file (path, size, mtime), --which, data, limit and image size reuses them
+     (the report says so under "features"), anything else recomputes them.
+  2. Runs the tasks on the cached tensors:
+     - linear: linear probe on h (SGD Nesterov 0.9, cosine, no regularisation, lr searched in
+       {0.01, 0.1, 1, 10} on a held-out 10% of the training split, the best rate retrained on
+       the whole split): test top-1 and the chosen lr.
+     - knn: cosine kNN on h, k = 200 (capped at the training-set size), temperature 0.1: top-1.
+     - hash: codes c = sgn(a) (0 -> +1), mAP@all with Hamming ranking, ties by gallery index.
+       "standard" protocol: gallery = train-split codes, queries = test-split codes.
+       "paper" protocol: train and test splits pooled, --queries-per-class random items of each
+       class are the queries and all the others the gallery (eval_metrics.retrieval_split; the
+       paper also trains the encoder on 500 gallery images per class, which is a property of
+       the training run, not checked here).
+       Bit counts: the model's D by default; for every k < D named in --bits the figure is the
+       mAP of the first k bits of the same D-bit code (a k-bit PREFIX of one D-bit model, NOT a
+       separately trained k-bit model as in the paper's tables).
+     - expressivity: hashing.code_statistics of the test-split codes (distinct codes, fraction
+       distinct, mean pairwise Hamming distance, bit balance), for D and every prefix in --bits.
+  3. Writes DIR/report.json (checkpoint, data, split sizes, training config, every task's
+     numbers, timings) and DIR/report.md (a markdown table), and prints the table.
+
+--limit-train / --limit-test N evaluate on N images of the split, an evenly strided subset
+(every (n // N)-th image, the first N of those) so that class-sorted folders keep all classes.
+Bad arguments (missing checkpoint, unknown task, bits outside [1, D], bad limits, data that does
+not match the checkpoint) stop with a usage error (exit status 2) before any feature extraction.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from .checkpoint import load_checkpoint, load_model, save_atomic
+from .data import build_eval_loader
+from .eval_metrics import knn_accuracy, linear_probe, retrieval_split
+from .hashing import code_statistics, mean_average_precision
+
+TASKS = ("linear", "hash", "knn", "expressivity")
+FEATURE_FILE = "features_{}.pt"
+# Bump when the cached tensors' meaning changes, so stale caches are recomputed, never misread.
+CACHE_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+def _int_list(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return out
+
+
+def _task_list(s: str) -> list[str]:
+    out = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [t for t in out if t not in TASKS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"unknown task(s) {bad or s!r}; choose from "
+                                         f"{','.join(TASKS)}")
+    return list(dict.fromkeys(out))  # de-duplicated, order kept
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m nac_fast.eval",
+                                 description="Evaluate a NAC checkpoint: linear probe, hash "
+                                 "retrieval mAP, kNN, code expressivity.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 allow_abbrev=False)
+    a = ap.add_argument
+    a("--checkpoint", required=True, help="train.py checkpoint (e.g. runs/default/last.pt)")
+    a("--data", default=None, help="fashion-mnist | CIFAR-10 dir | ImageFolder root; default: "
+      "the data set recorded in the checkpoint")
+    a("--out", required=True, help="output directory (feature cache, report.json, report.md)")
+    a("--tasks", type=_task_list, default=list(TASKS), help="comma-separated subset of "
+      + ",".join(TASKS))
+    a("--bits", type=_int_list, default=None, help="comma-separated code lengths for hash and "
+      "expressivity; k < D means the first k bits of the D-bit code; default: D")
+    a("--linear-epochs", type=int, default=100, help="linear-probe epochs (paper: 100)")
+    a("--linear-batch-size", type=int, default=256, help="linear-probe SGD batch size")
+    a("--knn-k", type=int, default=200, help="kNN neighbours (capped at the train-set size)")
+    a("--knn-temperature", type=float, default=0.1, help="kNN vote temperature")
+    a("--limit-train", type=int, default=None, help="use N images of the train split")
+    a("--limit-test", type=int, default=None, help="use N images of the test split")
+    a("--batch-size", type=int, default=256, help="feature-extraction batch size")
+    a("--which", default="online", choices=("online", "momentum"),
+      help="which model of the checkpoint (momentum: NAC-MQ's EMA model)")
+    a("--hash-protocol", default="standard", choices=("standard", "paper"),
+      help="standard: queries = test split, gallery = train split; paper: pooled splits, "
+      "--queries-per-class queries per class, the rest the gallery")
+    a("--queries-per-class", type=int, default=1000, help="queries per class (paper protocol)")
+    a("--seed", type=int, default=0, help="seed of the linear probe and the paper split")
+    a("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    return ap
+
+
+def check_args(args) -> None:
+    """Checks that need neither the checkpoint nor the data; raises ValueError naming the flag."""
+    for flag in ("linear_epochs", "linear_batch_size", "knn_k", "batch_size", "queries_per_class"):
+        v = getattr(args, flag)
+        if v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    for flag in ("limit_train", "limit_test"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if args.limit_train is not None and "linear" in args.tasks and args.limit_train < 2:
+        raise ValueError("--limit-train must be >= 2 for the linear probe (it holds out a "
+                         "validation split for the lr search)")
+    if not (args.knn_temperature > 0 and math.isfinite(args.knn_temperature)):
+        raise ValueError(f"--knn-temperature must be a positive number, got {args.knn_temperature}")
+    if args.bits is not None and min(args.bits) < 1:
+        raise ValueError(f"--bits values must be >= 1, got {args.bits}")
+    if not os.path.exists(args.checkpoint):
+        raise FileNotFoundError(f"--checkpoint {args.checkpoint!r}: no such file")
+    if not os.path.isfile(args.checkpoint):
+        raise ValueError(f"--checkpoint {args.checkpoint!r} is not a file")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+
+
+# --------------------------------------------------------------------------------------------
+# Feature extraction with a cache
+# --------------------------------------------------------------------------------------------
+
+def _subset_loader(data, split, limit, batch_size, image_size, device):
+    """(loader, n_used, n_split): an evenly strided subset via the loader's rank/world-size
+    sharding (rank 0 of world W takes images 0, W, 2W, ...), so no private loader API is needed;
+    with W = n // limit rank 0 holds >= limit images and we stop after the first `limit`."""
+    full = build_eval_loader(data, split=split, batch_size=batch_size, image_size=image_size,
+                             device=device)
+    n = full.num_images
+    if limit is None or limit >= n:
+        if limit is not None and limit > n:
+            raise ValueError(f"--limit-{split} {limit} exceeds the {split} split's {n} images")
+        return full, n, n
+    stride = n // limit
+    sub = build_eval_loader(data, split=split, batch_size=batch_size, rank=0, world_size=stride,
+                            image_size=image_size, device=device)
+    return sub, limit, n
+
+
+def _cache_meta(args, data, split, limit, image_size) -> dict:
+    st = os.stat(args.checkpoint)
+    return {"version": CACHE_VERSION, "checkpoint": os.path.abspath(args.checkpoint),
+            "checkpoint_size": st.st_size, "checkpoint_mtime_ns": st.st_mtime_ns,
+            "which": args.which, "data": str(data), "split": split, "limit": limit,
+            "image_size": image_size}
+
+
+def extract_features(model, loader, n_used, device, progress, desc) -> dict:
+    """{"h", "a", "labels"} (CPU, float32 / int64) for the first n_used images of loader."""
+    from tqdm.auto import tqdm
+    hs, as_, ys = [], [], []
+    got = 0
+    with torch.no_grad(), tqdm(total=n_used, desc=desc, unit="img", disable=not progress,
+                               file=sys.stderr) as bar:
+        for x, y in loader:
+            take = min(x.shape[0], n_used - got)
+            x, y = x[:take].to(device, non_blocking=True), y[:take]
+            h, a = model.encode(x)  # h = f(x), a = g(h) (scaled pre-activations; sgn unchanged)
+            hs.append(h.float().cpu())
+            as_.append(a.float().cpu())
+            ys.append(y.cpu().to(torch.int64))
+            got += take
+            bar.update(take)
+            if got >= n_used:
+                break
+    return {"h": torch.cat(hs), "a": torch.cat(as_), "labels": torch.cat(ys)}
+
+
+def load_or_extract(args, model, data, split, limit, image_size, device, model_device):
+    """Cached features for a split if their meta matches this run, else extract and save."""
+    meta = _cache_meta(args, data, split, limit, image_size)
+    path = os.path.join(args.out, FEATURE_FILE.format(split))
+    if os.path.isfile(path):
+        try:
+            cached = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception:  # a corrupt or foreign file is recomputed, not trusted
+            cached = None
+        if isinstance(cached, dict) and cached.get("meta") == meta:
+            return cached, True, 0.0, path
+    loader, n_used, _ = _subset_loader(data, split, limit, args.batch_size, image_size, device)
+    t0 = time.perf_counter()
+    feats = extract_features(model(), loader, n_used, model_device, args.progress,
+                             f"features {split}")
+    dt = time.perf_counter() - t0
+    feats["meta"] = meta
+    save_atomic(feats, path)
+    return feats, False, dt, path
+
+
+# --------------------------------------------------------------------------------------------
+# Tasks
+# --------------------------------------------------------------------------------------------
+
+def sign_codes(a: torch.Tensor) -> torch.Tensor:
+    """c = sgn(a) with 0 -> +1, as int8 +-1 (the convention of hashing.code_statistics)."""
+    return torch.where(a >= 0, 1, -1).to(torch.int8)
+
+
+def _finite(x):
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def run_hash(args, tr, te, bits) -> dict:
+    if args.hash_protocol == "standard":
+        qa, ql, ga, gl = te["a"], te["labels"], tr["a"], tr["labels"]
+        split = {"queries": "test split", "gallery": "train split"}
+    else:
+        pool_a = torch.cat([tr["a"], te["a"]])
+        pool_y = torch.cat([tr["labels"], te["labels"]])
+        try:
+            idx = retrieval_split(pool_y, queries_per_class=args.queries_per_class,
+                                  train_per_class=None, seed=args.seed)
+        except ValueError as exc:  # class sizes are only known once the labels are loaded
+            raise ValueError(f"--queries-per-class {args.queries_per_class}: too many for the "
+                             f"{pool_y.numel()} pooled images ({exc}); lower it or raise the "
+                             "limits") from exc
+        qa, ql = pool_a[idx["query"]], pool_y[idx["query"]]
+        ga, gl = pool_a[idx["gallery"]], pool_y[idx["gallery"]]
+        split = {"queries": f"{args.queries_per_class} per class of train+test (seed "
+                 f"{args.seed})", "gallery": "the rest of train+test"}
+    qc, gc = sign_codes(qa), sign_codes(ga)
+    out = {"protocol": args.hash_protocol, **split, "num_queries": int(qc.shape[0]),
+           "num_gallery": int(gc.shape[0]), "code_bits": int(qc.shape[1]),
+           "note": "k < code_bits: mAP of the first k bits of the code_bits-bit code (a prefix "
+                   "of one model), not a separately trained k-bit model", "map": {},
+           "queries_used": {}}
+    for k in bits:
+        m, used = mean_average_precision(qc[:, :k].contiguous(), ql, gc[:, :k].contiguous(), gl,
+                                         return_num_queries=True)
+        out["map"][str(k)] = _finite(m)
+        out["queries_used"][str(k)] = used
+    return out
+
+
+def run_expressivity(te, bits) -> dict:
+    codes = sign_codes(te["a"])
+    return {"split": "test", "stats": {str(k): {key: _finite(v) for key, v in
+                                                code_statistics(codes[:, :k]).as_dict().items()}
+                                       for k in bits}}
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+def _fmt(v, pct=False):
+    if v is None:
+        return "n/a"
+    if pct:
+        return f"{100 * v:.2f}%"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def markdown_table(report: dict) -> str:
+    r = report["results"]
+    rows = []
+    if "linear" in r:
+        x = r["linear"]
+        rows.append(("linear probe (h)", "test top-1", _fmt(x["test_top1"], True),
+                     f"lr {x['best_lr']:g}, {x['epochs']} epochs"))
+    if "knn" in r:
+        x = r["knn"]
+        rows.append(("kNN (h)", "test top-1", _fmt(x["test_top1"], True),
+                     f"k={x['k']}, T={x['temperature']:g}"))
+    if "hash" in r:
+        x = r["hash"]
+        for k, m in x["map"].items():
+            kind = "full code" if int(k) == x["code_bits"] else f"prefix of {x['code_bits']}-bit"
+            rows.append((f"hash {k} bits", "mAP@all", _fmt(m, True),
+                         f"{x['protocol']}, {x['num_queries']} q x {x['num_gallery']} g, {kind}"))
+    if "expressivity" in r:
+        for k, s in r["expressivity"]["stats"].items():
+            rows.append((f"codes {k} bits", "distinct",
+                         f"{s['num_distinct']}/{s['num_codes']} "
+                         f"({_fmt(s['fraction_distinct'], True)})",
+                         f"mean Hamming {_fmt(s['mean_pairwise_hamming'])} "
+                         f"({_fmt(s['normalized_mean_pairwise_hamming'])} of D), bit balance "
+                         f"|p-0.5| {_fmt(s['balance_mean_abs_deviation'])}, "
+                         f"entropy {_fmt(s['bit_entropy_mean'])}"))
+    sizes = report["splits"]
+    head = (f"Evaluation of `{report['checkpoint']}` ({report['which']} model, "
+            f"{report['config'].get('method')} / {report['config'].get('arch')}, step "
+            f"{report['step']}) on {report['data']}: train {sizes['train']['used']} of "
+            f"{sizes['train']['total']}, test {sizes['test']['used']} of {sizes['test']['total']} "
+            f"images.\n\n")
+    lines = ["| task | metric | value | details |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return head + "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+        ck = load_checkpoint(args.checkpoint)
+        cfg = ck.get("config") if isinstance(ck, dict) else None
+        if not isinstance(cfg, dict) or "code_dim" not in cfg:
+            raise ValueError(f"--checkpoint {args.checkpoint!r} is not a train.py checkpoint "
+                             "(no config)")
+        if args.which == "momentum" and ck.get("momentum_model") is None:
+            raise ValueError(f"--which momentum: the checkpoint has no momentum model (method "
+                             f"{cfg.get('method')})")
+        D = int(cfg["code_dim"])
+        bits = sorted(set(args.bits if args.bits is not None else [D]))
+        if max(bits) > D:
+            raise ValueError(f"--bits {args.bits}: the model's codes have D={D} bits; values "
+                             f"must lie in [1, {D}]")
+        data = args.data if args.data is not None else cfg.get("data")
+        if not isinstance(data, str) or data.startswith("synthetic"):
+            raise ValueError(f"--data: the checkpoint was trained on {data!r}; name a real data "
+                             "set to evaluate on")
+        image_size = int(cfg["image_size"])
+        # Build the loaders now (cheap: no images decoded) so data errors and limits beyond the
+        # split size are reported before any feature extraction.
+        sizes = {}
+        for split, limit in (("train", args.limit_train), ("test", args.limit_test)):
+            ld, used, total = _subset_loader(data, split, limit, args.batch_size, image_size, "cpu")
+            if ld.in_channels != cfg["in_channels"]:
+                raise ValueError(f"--data {data!r} has {ld.in_channels}-channel images, the "
+                                 f"checkpoint's model takes {cfg['in_channels']}")
+            sizes[split] = {"used": used, "total": total}
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        parser.error(str(exc))  # exit status 2, before any work
+
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    os.makedirs(args.out, exist_ok=True)
+    timings = {}
+    t_start = time.perf_counter()
+
+    _model = []
+
+    def model():  # loaded only when some split's features are not cached
+        if not _model:
+            t0 = time.perf_counter()
+            _model.append(load_model(args.checkpoint, args.which).to(device).eval())
+            timings["load_model_s"] = time.perf_counter() - t0
+        return _model[0]
+
+    feats, feat_info = {}, {}
+    for split, limit in (("train", args.limit_train), ("test", args.limit_test)):
+        f, cached, dt, path = load_or_extract(args, model, data, split, limit, image_size,
+                                              "cpu", device)
+        feats[split] = f
+        feat_info[split] = {"path": path, "cached": cached, "h_dim": int(f["h"].shape[1]),
+                            "a_dim": int(f["a"].shape[1])}
+        timings[f"features_{split}_s"] = dt
+    tr, te = feats["train"], feats["test"]
+
+    results = {}
+    for task in args.tasks:
+        t0 = time.perf_counter()
+        if task == "linear":
+            # The probe runs where the features fit best: the eval device (GPU if any).
+            res = linear_probe(tr["h"].to(device), tr["labels"].to(device), te["h"].to(device),
+                               te["labels"].to(device), epochs=args.linear_epochs,
+                               batch_size=args.linear_batch_size, seed=args.seed)
+            results["linear"] = {"test_top1": res.test_accuracy, "best_lr": res.best_lr,
+                                 "val_top1": {str(k): v for k, v in res.val_accuracy.items()},
+                                 "epochs": args.linear_epochs, "val_fraction": 0.1,
+                                 "features": "h (encoder, head dropped)"}
+        elif task == "knn":
+            k = min(args.knn_k, int(tr["h"].shape[0]))
+            acc = knn_accuracy(tr["h"].to(device), tr["labels"].to(device), te["h"].to(device),
+                               te["labels"].to(device), k=k, temperature=args.knn_temperature)
+            results["knn"] = {"test_top1": acc, "k": k, "temperature": args.knn_temperature,
+                              "features": "h (encoder)"}
+        elif task == "hash":
+            try:
+                results["hash"] = run_hash(args, tr, te, bits)
+            except ValueError as exc:
+                if not str(exc).startswith("--queries-per-class"):
+                    raise
+                parser.error(str(exc))  # the features stay cached: a rerun is cheap
+        elif task == "expressivity":
+            results["expressivity"] = run_expressivity(te, bits)
+        timings[f"{task}_s"] = time.perf_counter() - t0
+    timings["total_s"] = time.perf_counter() - t_start
+
+    report = {"checkpoint": os.path.abspath(args.checkpoint), "which": args.which,
+              "step": ck.get("step"), "data": data, "image_size": image_size,
+              "device": str(device), "seed": args.seed, "tasks": args.tasks, "bits": bits,
+              "splits": sizes, "features": feat_info, "config": cfg, "results": results,
+              "timings": timings, "command": "python -m nac_fast.eval " + " ".join(
+                  sys.argv[1:] if argv is None else argv)}
+    with open(os.path.join(args.out, "report.json"), "w") as fh:
+        json.dump(report, fh, indent=1, default=str)
+    table = markdown_table(report)
+    with open(os.path.join(args.out, "report.md"), "w") as fh:
+        fh.write(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

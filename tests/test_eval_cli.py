@@ -1,0 +1,167 @@
+"""python -m nac_fast.eval on a real (tiny) train.py checkpoint: report contents, feature cache,
+prefix-bit mAP, expressivity recomputation, and clear errors for bad arguments.  CPU only."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # train.py lives at the repository root
+import train  # noqa: E402
+from nac_fast import eval as nac_eval  # noqa: E402
+from nac_fast.hashing import code_statistics, mean_average_precision  # noqa: E402
+
+D = 32  # a small code so that --bits can name prefixes and an out-of-range value
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train")
+    assert train.main(["--max-steps", "2", "--batch-size", "64", "--code-dim", str(D),
+                       "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    return str(out / "last.pt")
+
+
+BASE = ["--data", "fashion-mnist", "--limit-train", "600", "--limit-test", "200",
+        "--linear-epochs", "3", "--device", "cpu", "--no-progress"]
+
+
+@pytest.fixture(scope="session")
+def evaluated(ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    argv = ["--checkpoint", ckpt, "--out", str(out), "--bits", f"8,16,{D}"] + BASE
+    assert nac_eval.main(argv) == 0
+    with open(out / "report.json") as f:
+        return out, json.load(f), argv
+
+
+def test_report_fields_and_ranges(evaluated, ckpt):
+    out, rep, _ = evaluated
+    assert rep["checkpoint"] == os.path.abspath(ckpt) and rep["data"] == "fashion-mnist"
+    assert rep["splits"] == {"train": {"used": 600, "total": 60000},
+                             "test": {"used": 200, "total": 10000}}
+    assert rep["config"]["code_dim"] == D and rep["bits"] == [8, 16, D]
+    r = rep["results"]
+    assert set(r) == {"linear", "hash", "knn", "expressivity"}
+    assert 0.0 <= r["linear"]["test_top1"] <= 1.0
+    assert r["linear"]["best_lr"] in (0.01, 0.1, 1.0, 10.0)
+    assert 0.0 <= r["knn"]["test_top1"] <= 1.0 and r["knn"]["k"] == 200
+    h = r["hash"]
+    assert h["protocol"] == "standard" and (h["num_queries"], h["num_gallery"]) == (200, 600)
+    assert set(h["map"]) == {"8", "16", str(D)}
+    assert all(0.0 <= m <= 1.0 for m in h["map"].values())
+    assert "prefix" in h["note"]
+    for key in ("features_train_s", "features_test_s", "linear_s", "hash_s", "total_s"):
+        assert rep["timings"][key] >= 0
+    md = (out / "report.md").read_text()
+    assert "| task | metric | value | details |" in md and "mAP@all" in md
+
+
+def test_cached_features_match_report(evaluated):
+    out, rep, _ = evaluated
+    tr = torch.load(out / "features_train.pt", weights_only=False)
+    te = torch.load(out / "features_test.pt", weights_only=False)
+    assert tr["h"].shape == (600, rep["features"]["train"]["h_dim"])
+    assert tr["a"].shape == (600, D) and te["a"].shape == (200, D)
+    assert te["labels"].dtype == torch.int64
+    # strided subset of Fashion-MNIST test: all 10 classes present
+    assert te["labels"].unique().numel() == 10
+    qc = torch.where(te["a"] >= 0, 1, -1)
+    gc = torch.where(tr["a"] >= 0, 1, -1)
+    for k in (8, 16, D):
+        # a k-bit figure is exactly the mAP of the first k bits of the D-bit code
+        m = mean_average_precision(qc[:, :k].contiguous(), te["labels"],
+                                   gc[:, :k].contiguous(), tr["labels"])
+        assert rep["results"]["hash"]["map"][str(k)] == pytest.approx(m, abs=1e-12)
+        s = code_statistics(te["a"][:, :k]).as_dict()
+        got = rep["results"]["expressivity"]["stats"][str(k)]
+        assert got["num_distinct"] == s["num_distinct"] and got["num_bits"] == k
+        assert got["mean_pairwise_hamming"] == pytest.approx(s["mean_pairwise_hamming"])
+        assert 1 <= got["num_distinct"] <= 200
+        assert got["fraction_distinct"] == pytest.approx(got["num_distinct"] / 200)
+
+
+def test_features_reused_on_second_run(evaluated, ckpt, tmp_path):
+    out, rep1, argv = evaluated
+    assert not rep1["features"]["train"]["cached"]
+    mtimes = {s: os.stat(out / f"features_{s}.pt").st_mtime_ns for s in ("train", "test")}
+    assert nac_eval.main(argv + ["--tasks", "knn,hash"]) == 0
+    rep2 = json.loads((out / "report.json").read_text())
+    assert rep2["features"]["train"]["cached"] and rep2["features"]["test"]["cached"]
+    assert rep2["timings"]["features_train_s"] == 0.0 and "load_model_s" not in rep2["timings"]
+    for s in ("train", "test"):
+        assert os.stat(out / f"features_{s}.pt").st_mtime_ns == mtimes[s]
+    assert set(rep2["results"]) == {"knn", "hash"}
+    assert rep2["results"]["hash"]["map"] == rep1["results"]["hash"]["map"]
+    assert rep2["results"]["knn"] == rep1["results"]["knn"]
+    # a different limit invalidates the cache (its meta no longer matches)
+    other = tmp_path / "o"
+    assert nac_eval.main(["--checkpoint", ckpt, "--out", str(other), "--tasks", "expressivity",
+                          "--limit-train", "300", "--limit-test", "100", "--no-progress"]) == 0
+    (other / "features_test.pt").touch()
+    assert nac_eval.main(["--checkpoint", ckpt, "--out", str(other), "--tasks", "expressivity",
+                          "--limit-train", "300", "--limit-test", "120", "--no-progress"]) == 0
+    rep3 = json.loads((other / "report.json").read_text())
+    assert rep3["features"]["train"]["cached"] and not rep3["features"]["test"]["cached"]
+    assert rep3["results"]["expressivity"]["stats"][str(D)]["num_codes"] == 120
+    assert rep3["bits"] == [D]  # default: the model's full code only
+
+
+def test_paper_protocol(ckpt, tmp_path, capsys):
+    assert nac_eval.main(["--checkpoint", ckpt, "--out", str(tmp_path), "--tasks", "hash",
+                          "--hash-protocol", "paper", "--queries-per-class", "10",
+                          "--limit-train", "600", "--limit-test", "200", "--no-progress"]) == 0
+    h = json.loads((tmp_path / "report.json").read_text())["results"]["hash"]
+    assert h["protocol"] == "paper"
+    assert (h["num_queries"], h["num_gallery"]) == (100, 700)
+    assert 0.0 <= h["map"][str(D)] <= 1.0
+    # more queries per class than some class has: a usage error naming the flag
+    with pytest.raises(SystemExit) as e:
+        nac_eval.main(["--checkpoint", ckpt, "--out", str(tmp_path), "--tasks", "hash",
+                       "--hash-protocol", "paper", "--queries-per-class", "500",
+                       "--limit-train", "600", "--limit-test", "200", "--no-progress"])
+    assert e.value.code == 2
+    assert "--queries-per-class 500: too many" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--tasks", "linear,bogus"], "unknown task"),
+    (["--bits", "16,64"], "--bits [16, 64]: the model's codes have D=32 bits"),
+    (["--bits", "0,16"], "--bits values must be >= 1"),
+    (["--limit-train", "0"], "--limit-train must be >= 1"),
+    (["--limit-test", "-5"], "--limit-test must be >= 1"),
+    (["--limit-test", "20000"], "--limit-test 20000 exceeds the test split's 10000 images"),
+    (["--linear-epochs", "0"], "--linear-epochs must be >= 1"),
+    (["--which", "momentum"], "--which momentum: the checkpoint has no momentum model"),
+    (["--data", "/nonexistent/data"], "'/nonexistent/data' is neither"),
+])
+def test_bad_arguments(ckpt, tmp_path, capsys, extra, match):
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as e:
+        nac_eval.main(["--checkpoint", ckpt, "--out", str(out), "--no-progress"] + extra)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err.split("error:", 1)[1], err  # in the message, not just the usage line
+    assert not out.exists()  # the error came before any work
+
+
+def test_missing_checkpoint(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        nac_eval.main(["--checkpoint", str(tmp_path / "nope.pt"), "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.split("error:", 1)[1]
+    assert "--checkpoint" in err and "no such file" in err
+    with pytest.raises(SystemExit):
+        nac_eval.main(["--out", str(tmp_path / "o")])  # --checkpoint is required
+    assert "--checkpoint" in capsys.readouterr().err.split("error:", 1)[1]
+
+
+def test_help_subprocess():
+    p = subprocess.run([sys.executable, "-m", "nac_fast.eval", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    for flag in ("--checkpoint", "--tasks", "--bits", "--hash-protocol", "--limit-train"):
+        assert flag in p.stdout
