@@ -26,6 +26,7 @@ CHECK_VALUES = os.environ.get("NAC_FAST_CHECK_INPUTS", "1") != "0"
 
 def channel_scale(p: float) -> float:
     """s = 1/2 log((1-p)/p), the scale of the symmetric channel's log-likelihood (s > 0)."""
+    p = _check_p(p)
     return 0.5 * math.log((1.0 - p) / p)
 
 

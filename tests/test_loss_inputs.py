@@ -159,6 +159,10 @@ def test_vi_loss_checks_inputs():
         nac_fast.nac_vi_loss(a, r, 0.7)
 
 
-def test_draw_noise_checks_p():
+def test_draw_noise_and_channel_scale_check_p():
     with pytest.raises(ValueError, match="p must"):
         nac_fast.draw_noise((2, 2), 0.6)
+    for bad in (0.0, 0.5, 0.7):
+        with pytest.raises(ValueError, match="p must"):
+            nac_fast.channel_scale(bad)
+    assert nac_fast.channel_scale(0.1) == pytest.approx(0.5 * math.log(9.0))
