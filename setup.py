@@ -10,6 +10,8 @@ Environment:
     NAC_FAST_SKIP_CUDA=1      never build the CUDA kernels
     NAC_FAST_FORCE_CUDA=1     build them even without a visible GPU (fail if impossible)
     NAC_FAST_SKIP_EXT=1       build no extension at all (reference + Triton backends only)
+    CUDA_HOME                 the toolkit (nvcc + libcudart); default: torch's guess if usable,
+                              else /usr/local/cuda; none usable -> CPU kernels only
     TORCH_CUDA_ARCH_LIST      CUDA archs, default "8.0;9.0" (A100, H100/H200)
     MAX_JOBS                  parallel compile jobs (ninja)
     NAC_FAST_NATIVE=1         add -march=native (the default build runs on any x86-64 and picks
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 import sys
 
 from setuptools import setup
@@ -38,17 +39,40 @@ def _cuda_include_dirs():
     return [d for d in glob.glob(os.path.join(site, "nvidia", "cu1*", "include")) if os.path.isdir(d)]
 
 
+def _valid_cuda_home(path) -> bool:
+    """A toolkit we can build and link with: nvcc and libcudart under `path`."""
+    if not path or not os.path.exists(os.path.join(path, "bin", "nvcc")):
+        return False
+    return any(glob.glob(os.path.join(path, sub, "libcudart.so*"))
+               for sub in ("lib64", "lib", os.path.join("targets", "*", "lib")))
+
+
+def _cuda_home():
+    """The CUDA toolkit to build with, or None.  torch's own guess is not enough: with nvcc on the
+    PATH at /usr/local/bin it picks CUDA_HOME=/usr/local, which has no libcudart, and the link
+    fails (seen on this project's machines); /usr/local/cuda is the real toolkit there."""
+    from torch.utils import cpp_extension
+    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), cpp_extension.CUDA_HOME,
+                 "/usr/local/cuda"):
+        if _valid_cuda_home(cand):
+            return cand
+    return None
+
+
 def _want_cuda(torch) -> bool:
     if _flag("NAC_FAST_SKIP_CUDA"):
         return False
-    from torch.utils.cpp_extension import CUDA_HOME
-    possible = torch.version.cuda is not None and CUDA_HOME is not None and (
-        shutil.which("nvcc") is not None or os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")))
-    if _flag("NAC_FAST_FORCE_CUDA"):
-        if not possible:
-            sys.exit("NAC_FAST_FORCE_CUDA=1 but nvcc or a CUDA build of torch is missing")
-        return True
-    return possible
+    home = _cuda_home() if torch.version.cuda is not None else None
+    if home is None:
+        if _flag("NAC_FAST_FORCE_CUDA"):
+            sys.exit("NAC_FAST_FORCE_CUDA=1 but no usable CUDA toolkit (nvcc + libcudart; set "
+                     "CUDA_HOME) or no CUDA build of torch")
+        print("nac_fast: no usable CUDA toolkit; building the CPU kernels only", file=sys.stderr)
+        return False
+    from torch.utils import cpp_extension
+    os.environ["CUDA_HOME"] = home
+    cpp_extension.CUDA_HOME = home  # read by CUDAExtension for the include and library paths
+    return True
 
 
 def extensions():
