@@ -166,3 +166,26 @@ def test_draw_noise_and_channel_scale_check_p():
         with pytest.raises(ValueError, match="p must"):
             nac_fast.channel_scale(bad)
     assert nac_fast.channel_scale(0.1) == pytest.approx(0.5 * math.log(9.0))
+
+
+def test_works_without_compiled_extension_with_one_warning():
+    """Without nac_fast._C the package imports, warns once (not per call) and runs 'auto' on the
+    reference backend.  Run in a fresh interpreter where importing the extension fails."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import sys, warnings\n"
+        "sys.modules['nac_fast._C'] = None  # makes 'from . import _C' raise ImportError\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import torch, nac_fast\n"
+        "    a, r = torch.randn(6, 4, requires_grad=True), torch.randn(6, 4)\n"
+        "    for _ in range(3):\n"
+        "        nac_fast.nac_loss(a, r, 0.1).backward()\n"
+        "    mine = [x for x in w if 'compiled extension not available' in str(x.message)]\n"
+        "print(len(mine), nac_fast.available_backends('cpu'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1 ['reference']"
