@@ -26,6 +26,7 @@
 #include <limits>
 #include <vector>
 
+#include "nac_checks.h"
 #include "nac_math.h"
 
 namespace {
@@ -504,23 +505,11 @@ std::vector<at::Tensor> nac_bwd_impl(const at::Tensor& a, const at::Tensor& r,
 // TORCH_CHECKs guard direct torch.ops calls.
 // ---------------------------------------------------------------------------------------------
 
-void check_common(const at::Tensor& a, const at::Tensor& noise, const c10::optional<at::Tensor>& keys) {
-  TORCH_CHECK(a.dim() == 2 && a.size(0) > 0 && a.size(1) > 0, "nac_fast: a must be a non-empty (n, D) matrix");
-  TORCH_CHECK(a.is_floating_point(), "nac_fast: a must be floating point");
-  TORCH_CHECK(noise.sizes() == a.sizes(), "nac_fast: noise must have a's shape");
-  if (keys.has_value()) {
-    TORCH_CHECK(keys->dim() == 2 && keys->size(0) > 0 && keys->size(1) == a.size(1),
-                "nac_fast: keys must be a non-empty (N, D) matrix with a's D");
-    TORCH_CHECK(keys->is_floating_point(), "nac_fast: keys must be floating point");
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_fwd_cpu(
     const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
     const c10::optional<at::Tensor>& keys, double s, double l2, bool grad_rows) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal mm/add must not record graphs
-  check_common(a, noise, keys);
-  TORCH_CHECK(r.sizes() == a.sizes(), "nac_fast: r must have a's shape");
+  nac::check_fwd_args(a, r, noise, keys);
   std::vector<at::Tensor> out = a.scalar_type() == at::kDouble
       ? nac_fwd_impl<double>(a, r, noise, keys, s, l2, grad_rows)
       : nac_fwd_impl<float>(a, r, noise, keys, s, l2, grad_rows);
@@ -532,10 +521,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_bwd_cpu(
     const c10::optional<at::Tensor>& keys, const at::Tensor& lse, const at::Tensor& ga,
     const at::Tensor& g, double s, bool need_a, bool need_r, bool need_keys) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_common(a, noise, keys);
-  TORCH_CHECK(r.sizes() == a.sizes(), "nac_fast: r must have a's shape");
-  TORCH_CHECK(lse.dim() == 1 && lse.size(0) == a.size(0), "nac_fast: lse must be (n,)");
-  TORCH_CHECK(g.dim() == 1 && g.size(0) == a.size(0), "nac_fast: g must be (n,)");
+  nac::check_bwd_args(a, r, noise, keys, lse, g);
   std::vector<at::Tensor> out = a.scalar_type() == at::kDouble
       ? nac_bwd_impl<double>(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys)
       : nac_bwd_impl<float>(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys);

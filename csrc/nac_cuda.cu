@@ -26,6 +26,7 @@
 #include <cmath>
 #include <limits>
 
+#include "nac_checks.h"
 #include "nac_math.h"
 
 namespace {
@@ -476,23 +477,17 @@ std::vector<at::Tensor> bwd_impl(const at::Tensor& a, const at::Tensor& r, const
   return {grad_a, grad_r, grad_k};
 }
 
-void check_cuda_inputs(const at::Tensor& a, const at::Tensor& noise,
-                       const c10::optional<at::Tensor>& keys) {
-  TORCH_CHECK(a.dim() == 2 && a.size(0) > 0 && a.size(1) > 0,
-              "nac_fast: a must be a non-empty (n, D) matrix");
+void check_cuda_width(const at::Tensor& a) {
   TORCH_CHECK(a.size(1) <= 256, "nac_fast cuda backend: D <= 256 (got ", a.size(1),
               "); use backend='triton' for wider codes");
-  TORCH_CHECK(noise.sizes() == a.sizes(), "nac_fast: noise must have a's shape");
-  if (keys.has_value())
-    TORCH_CHECK(keys->dim() == 2 && keys->size(0) > 0 && keys->size(1) == a.size(1),
-                "nac_fast: keys must be a non-empty (N, D) matrix with a's D");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_fwd_cuda(
     const at::Tensor& a_in, const at::Tensor& r_in, const at::Tensor& noise_in,
     const c10::optional<at::Tensor>& keys, double s, double l2, bool grad_rows) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_cuda_inputs(a_in, noise_in, keys);
+  nac::check_fwd_args(a_in, r_in, noise_in, keys);
+  check_cuda_width(a_in);
   const c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.detach().contiguous();
   const at::Tensor r = r_in.detach().to(a.scalar_type()).contiguous();
@@ -510,7 +505,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_bwd_cuda(
     const c10::optional<at::Tensor>& keys, const at::Tensor& lse, const at::Tensor& ga,
     const at::Tensor& g, double s, bool need_a, bool need_r, bool need_keys) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_cuda_inputs(a_in, noise_in, keys);
+  nac::check_bwd_args(a_in, r_in, noise_in, keys, lse, g);
+  check_cuda_width(a_in);
   const c10::cuda::CUDAGuard guard(a_in.device());
   const at::Tensor a = a_in.detach().contiguous();
   const at::Tensor r = r_in.detach().to(a.scalar_type()).contiguous();

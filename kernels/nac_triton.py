@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from nac_fast.reference import acc_dtype
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -222,10 +224,6 @@ def _bwd_rows_kernel(A, R, NOISE, GA, G, DK, GRAD_A, GRAD_R, n, D, stride_a, str
 # Launch configuration
 # ---------------------------------------------------------------------------------------------
 
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _tl_acc(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
@@ -296,7 +294,7 @@ def nac_fwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
     k = _keys_of(a, keys).to(a.dtype).contiguous()
     n, D = a.shape
     N = k.shape[0]
-    acc = _acc_dtype(a.dtype)
+    acc = acc_dtype(a.dtype)
     launch, q_blocks, split, tiles_per_split = _plan(a, N, split_keys=True)
     bd = launch["BLOCK_D"]
     pm = torch.empty((split, n), device=a.device, dtype=acc)
@@ -320,7 +318,7 @@ def _keys_grad(a, noise, k, lse, g, s):
     """sum_i g_i P_ij q_i (N x D, accumulation dtype) for the keys k."""
     n, D = a.shape
     N = k.shape[0]
-    acc = _acc_dtype(a.dtype)
+    acc = acc_dtype(a.dtype)
     launch, k_blocks, split, blocks_per_split = _plan(a, N, split_keys=False)
     pdk = torch.empty((split, N, launch["BLOCK_D"]), device=a.device, dtype=acc)
     wrap_triton(_bwd_keys_kernel)[(k_blocks, split)](
@@ -338,7 +336,7 @@ def nac_bwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
     r = r.contiguous()
     noise = noise.to(a.dtype).contiguous()
     n, D = a.shape
-    acc = _acc_dtype(a.dtype)
+    acc = acc_dtype(a.dtype)
     g = g.to(acc).contiguous()
 
     def empty():  # outputs must not alias each other: one fresh (0,) tensor each
@@ -352,7 +350,7 @@ def nac_bwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
     grad_a = torch.empty((n, D), device=a.device, dtype=acc) if need_a else empty()
     grad_r = torch.empty((n, D), device=a.device, dtype=acc) if need_r else empty()
     if need_a or need_r:
-        bd = max(16, triton.next_power_of_2(D))
+        bd = _config(a.device, D)["BLOCK_D"]
         wrap_triton(_bwd_rows_kernel)[(triton.cdiv(n, 32),)](
             a, r, noise, ga, g, dk, grad_a, grad_r, n, D, a.stride(0),
             dk.stride(0) if dk.dim() == 2 else 0, NEED_A=need_a, NEED_R=need_r,

@@ -18,23 +18,20 @@ from __future__ import annotations
 import torch
 
 from ._backends import extension
+from .reference import acc_dtype, reduce_rows
 
 _OPS: dict[str, tuple] = {}
 
 
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _fake_fwd(a, r, noise, keys, s, l2, grad_rows):
     n, d = a.shape
-    acc = _acc(a.dtype)
+    acc = acc_dtype(a.dtype)
     return a.new_empty((n,), dtype=acc), a.new_empty((n,), dtype=acc), \
         a.new_empty((n, d) if grad_rows else (0,), dtype=acc)
 
 
 def _fake_bwd(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys):
-    acc = _acc(a.dtype)
+    acc = acc_dtype(a.dtype)
     kshape = a.shape if keys is None else keys.shape
     return (a.new_empty(a.shape if need_a else (0,), dtype=acc),
             a.new_empty(a.shape if need_r else (0,), dtype=acc),
@@ -88,8 +85,4 @@ def nac_fused(backend, a, r, noise, keys, s, l2, reduction):
     fwd, _ = _ops(backend)
     grad_rows = torch.is_grad_enabled() and a.requires_grad  # ga is only needed for d/da
     rows, _, _ = fwd(a, r, noise, keys, float(s), float(l2), bool(grad_rows))
-    if reduction == "mean":
-        return rows.mean()
-    if reduction == "sum":
-        return rows.sum()
-    return rows
+    return reduce_rows(rows, reduction)

@@ -26,7 +26,10 @@ CHECK_VALUES = os.environ.get("NAC_FAST_CHECK_INPUTS", "1") != "0"
 
 def channel_scale(p: float) -> float:
     """s = 1/2 log((1-p)/p), the scale of the symmetric channel's log-likelihood (s > 0)."""
-    p = _check_p(p)
+    return _scale(_check_p(p))
+
+
+def _scale(p: float) -> float:  # p already checked
     return 0.5 * math.log((1.0 - p) / p)
 
 
@@ -79,7 +82,10 @@ def draw_noise(shape, p: float, *, device=None, dtype=torch.float32,
                generator: torch.Generator | None = None) -> torch.Tensor:
     """Channel noise m: each entry -1 with probability p, +1 otherwise, from torch's RNG
     (so `torch.manual_seed` reproduces it)."""
-    p = _check_p(p)
+    return _draw(shape, _check_p(p), device=device, dtype=dtype, generator=generator)
+
+
+def _draw(shape, p: float, *, device=None, dtype=torch.float32, generator=None):  # p checked
     u = torch.rand(shape, device=device, generator=generator)
     return torch.where(u < p, -1.0, 1.0).to(dtype)
 
@@ -116,12 +122,12 @@ def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):
         if name != "noise":
             _check_finite(name, t)
     if noise is None:
-        noise = draw_noise((n, d), p, device=a.device, dtype=a.dtype)
+        noise = _draw((n, d), p, device=a.device, dtype=a.dtype)
     else:
         if CHECK_VALUES and not _compiling() and not bool(((noise == 1) | (noise == -1)).all()):
             raise ValueError("noise must contain only -1 and +1")
         noise = noise.to(a.dtype)
-    return p, channel_scale(p), noise
+    return p, _scale(p), noise
 
 
 def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"):
@@ -177,5 +183,5 @@ def nac_vi_loss(a, r, p, *, noise=None, reduction="mean"):
     """
     p, _, noise = _prepare(a, r, p, None, noise, reduction)
     zt = (noise * torch.tanh(a.detach()))
-    rows = -reference.bernoulli_term(zt, r).to(reference._out_dtype(a.dtype))
-    return reference._reduce(rows, reduction)
+    rows = -reference.bernoulli_term(zt, r).to(reference.acc_dtype(a.dtype))
+    return reference.reduce_rows(rows, reduction)

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 
-def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The losses' output and accumulation dtype for inputs of `dtype`, on every backend."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -38,7 +39,7 @@ def bernoulli_term(z_noisy: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return 0.5 * (z_noisy * r + F.logsigmoid(r) + F.logsigmoid(-r)).sum(1)
 
 
-def _reduce(rows: torch.Tensor, reduction: str) -> torch.Tensor:
+def reduce_rows(rows: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "mean":
         return rows.mean()
     if reduction == "sum":
@@ -60,10 +61,10 @@ def nac_rows_reference(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor, s:
 
 
 def nac_loss_reference(a, r, noise, s, keys=None, reduction="mean"):
-    rows = nac_rows_reference(a, r, noise, s, keys=keys).to(_out_dtype(a.dtype))
-    return _reduce(rows, reduction)
+    rows = nac_rows_reference(a, r, noise, s, keys=keys).to(acc_dtype(a.dtype))
+    return reduce_rows(rows, reduction)
 
 
 def nac_mq_loss_reference(a, r_hat, queue, noise, s, l2=0.1, reduction="mean"):
-    rows = nac_rows_reference(a, r_hat, noise, s, keys=queue, l2=l2).to(_out_dtype(a.dtype))
-    return _reduce(rows, reduction)
+    rows = nac_rows_reference(a, r_hat, noise, s, keys=queue, l2=l2).to(acc_dtype(a.dtype))
+    return reduce_rows(rows, reduction)
