@@ -57,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--arch", default="resnet-tiny", choices=sorted(ARCHS),
       help="encoder; resnet-tiny/resnet18-small are CPU-sized")
     a("--method", default="nac", choices=METHODS, help="objective")
-    a("--p", type=float, default=0.1, help="bit-flip probability of the channel, in (0, 0.5)")
+    # torchrun reads "--p" as an abbreviation of its own --print-completion, so under torchrun
+    # write --flip-prob (or put "--" before the script's flags)
+    a("--p", "--flip-prob", dest="p", type=float, default=0.1,
+      help="bit-flip probability of the channel, in (0, 0.5); under torchrun use --flip-prob")
     a("--epochs", type=int, default=None, help="default: 200 for an ImageFolder root with "
       "train/ (the paper's ImageNet recipe), else 2 (the CPU demo on Fashion-MNIST)")
     a("--max-steps", type=int, default=None, help="total optimizer steps (overrides --epochs; "

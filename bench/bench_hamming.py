@@ -152,6 +152,8 @@ def main(argv=None):
                     help="queries for the torch reference row (it is ~30x slower); 0 = skip")
     ap.add_argument("--faiss-heap-queries", type=int, default=500,
                     help="queries for FAISS's default heap path (slow at k=G); 0 = skip")
+    ap.add_argument("--gpu", action="store_true", help="also time the triton and torch-reference "
+                    "backends on CUDA tensors (rows marked cuda; GPU peak memory in the note)")
     ap.add_argument("--no-faiss", action="store_true")
     ap.add_argument("--no-rank", action="store_true", help="skip the nac_fast full-ranking row")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -251,6 +253,35 @@ def main(argv=None):
         if abs(m - m_cpu) > 1e-9:
             sys.exit(f"reference and cpu backends disagree: {m} vs {m_cpu}")
 
+    gpu_summary = {}
+    if args.gpu:
+        if not torch.cuda.is_available():
+            sys.exit("--gpu: no CUDA device visible")
+        dev = torch.device("cuda")
+        qd, qld, gd, gld = (t.to(dev) for t in (qc, ql, gc, gl))
+
+        def on_gpu(backend, nq):
+            def fn():
+                m = H.mean_average_precision(qd[:nq], qld[:nq], gd, gld, backend=backend)
+                torch.cuda.synchronize()
+                return m
+            fn()  # warm-up: Triton compiles on the first call
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            stats, m = timed(fn, args.repeats)
+            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+            return stats, m, peak
+
+        for backend, nq in (("triton", Q), ("reference", Q)):
+            stats, m, peak = on_gpu(backend, nq)
+            want = nac_map if nq == Q else None
+            add(f"nac_fast {backend} mAP@all (cuda)", nq, stats, m,
+                f"{torch.cuda.get_device_name()}; GPU peak +{peak:.1f} MiB")
+            if want is not None and abs(m - want) > 1e-9:
+                sys.exit(f"{backend} on cuda disagrees with the cpu backend: {m} vs {want}")
+            gpu_summary[f"{backend}_cuda_median_s"] = stats["median_s"]
+            gpu_summary[f"{backend}_cuda_peak_mib"] = round(peak, 1)
+
     if faiss_map is not None and abs(faiss_map - nac_map) > 1e-9:
         print(f"  note: mAP from the FAISS ranking differs by {faiss_map - nac_map:.3g} "
               "(its tie order is not by gallery index)")
@@ -281,6 +312,7 @@ def main(argv=None):
     if torch_stats:
         summary.update(torch_ref_queries=min(args.torch_queries, Q),
                        torch_ref_s=torch_stats["median_s"])
+    summary.update(gpu_summary)
     print(json.dumps(summary))
 
 

@@ -32,8 +32,9 @@ $PY -c "import nac_fast; print('backends on cuda:', nac_fast.available_backends(
 
 echo "== tests on the GPU"
 # NAC_FAST_TEST_DEVICE=cuda makes the loss tests put their tensors on the GPU.
+# test_hashing's "triton" backend runs on CUDA tensors here (compiled, not interpreted).
 NAC_FAST_TEST_DEVICE=cuda $PY -m pytest -q -x tests/test_loss_backends.py tests/test_loss_reference.py \
-  -p no:cacheprovider --junitxml="$RES/pytest_gpu.xml" 2>&1 | tail -25
+  tests/test_hashing.py -p no:cacheprovider --junitxml="$RES/pytest_gpu.xml" 2>&1 | tail -25
 
 echo "== benchmarks"
 if [ "${QUICK:-0}" = 1 ]; then
@@ -45,6 +46,8 @@ else
   $PY bench/bench_loss.py --device cuda --inbatch "" --queue 65536,262144 --mq-n 8192 \
       --compile-reference --csv "$RES/loss_gpu.csv"
 fi
+$PY bench/bench_hamming.py --gpu --no-rank --faiss-heap-queries 0 --torch-queries 0 \
+    --csv "$RES/hamming_gpu.csv" 2>&1 | tail -12
 $PY bench/plot_bench.py "$RES/loss_gpu.csv" --out "$RES" || true
 if [ -n "${OUT:-}" ]; then cp "$RES"/*.csv "$RES"/*.png "$RES"/*.log "$RES"/*.xml "$OUT"/ 2>/dev/null; fi
 echo "== results in $RES"

@@ -23,8 +23,11 @@ Backends (``backend=``): ``"cpu"`` is the compiled kernel ``torch.ops.nac_fast.h
 ``nac_fast._C`` (csrc/hamming.cpp: packed words, AVX-512 VPOPCNTDQ chosen at run time, AP from
 distance buckets in O(G) memory per thread, no Q x G matrix); ``"reference"`` is plain PyTorch,
 runs on any device (CUDA tensors included) and works in query chunks of bounded memory.
-``"auto"`` picks ``"cpu"`` for CPU tensors when the extension is built, else ``"reference"``.
-A GPU kernel would be added as another backend chosen by ``_resolve_backend`` for CUDA tensors.
+``"triton"`` (kernels/hamming_triton.py) runs on CUDA tensors (and on CPU tensors under
+``TRITON_INTERPRET=1``, which is how CI tests it): distances tile by tile, AP by a per-query
+counting sort over the D + 1 distances, codes of at most 1023 bits.  ``"auto"`` picks ``"cpu"``
+for CPU tensors when the extension is built, ``"triton"`` for CUDA tensors when Triton imports,
+else ``"reference"``.
 Measured (bench/bench_hamming.py, 2-core AVX-512 Xeon, 10,000 x 50,000 x 128 bits, mAP@all):
 see bench/results/hamming_cpu.csv.
 """
@@ -46,7 +49,7 @@ __all__ = [
     "available_backends",
 ]
 
-_BACKENDS = ("auto", "cpu", "reference")
+_BACKENDS = ("auto", "cpu", "triton", "reference")
 # The C++ kernel stores distances as uint16; 1023 words is the most that fits.
 MAX_BITS = 1023 * 64
 # The reference backend works on this many (query, gallery) pairs at a time (int64/float64
@@ -81,26 +84,51 @@ def _cpu_kernel_available() -> bool:
     return all(hasattr(ns, op) for op in _OPS)
 
 
+_TRITON_MOD = []
+
+
+def _triton_kernels():
+    """kernels/hamming_triton.py, or None when Triton does not import."""
+    if not _TRITON_MOD:
+        try:
+            from .kernels import hamming_triton
+        except Exception:  # pragma: no cover - depends on the install
+            hamming_triton = None
+        _TRITON_MOD.append(hamming_triton)
+    return _TRITON_MOD[0]
+
+
 def available_backends(device: str | torch.device = "cpu") -> list[str]:
     """Backends that can run for tensors on ``device``."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    dev = torch.device(device).type
     out = ["reference"]
-    if torch.device(device).type == "cpu" and _cpu_kernel_available():
+    if dev == "cpu" and _cpu_kernel_available():
         out.append("cpu")
+    if ((dev == "cuda" and torch.cuda.is_available())
+            or (dev == "cpu" and _backends.triton_interpreted())) and _triton_kernels() is not None:
+        out.append("triton")
     return out
 
 
-def _resolve_backend(backend, device: torch.device) -> str:
+def _resolve_backend(backend, device: torch.device, nbits: int | None = None) -> str:
     if not isinstance(backend, str) or backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     avail = available_backends(device)
     if backend == "auto":
-        # A GPU kernel would be chosen here for device.type == "cuda"; until then the reference
-        # backend runs there in torch ops (chunked, no host round trip).
+        if device.type == "cuda":
+            if "triton" in avail and (nbits is None or nbits <= _triton_kernels().MAX_BITS):
+                return "triton"
+            return "reference"  # torch ops, chunked, no host round trip
         return "cpu" if "cpu" in avail else "reference"
     if backend not in avail:
         raise ValueError(f"backend {backend!r} is not available for {device.type} tensors here; "
                          f"available: {avail} (the 'cpu' backend needs the compiled extension "
-                         "nac_fast._C)")
+                         "nac_fast._C; 'triton' needs CUDA tensors, or TRITON_INTERPRET=1)")
+    if backend == "triton" and nbits is not None and nbits > _triton_kernels().MAX_BITS:
+        raise ValueError(f"backend 'triton' handles codes of at most "
+                         f"{_triton_kernels().MAX_BITS} bits, got {nbits}; use 'reference'")
     return backend
 
 
@@ -320,6 +348,21 @@ def _ref_topk(qw, gw, k: int):
     return torch.cat(dists), torch.cat(idxs)
 
 
+def _triton_topk(qw, gw, k: int):
+    """Distances from the Triton kernel, then one top-k per query chunk on the composite key
+    distance * G + index: exact, and equal distances come out in gallery-index order."""
+    G = gw.shape[0]
+    dists, idxs = [], []
+    step = max(1, (1 << 26) // max(1, G))  # int32 + int64 key: ~0.75 GiB per chunk at most
+    ar = torch.arange(G, device=gw.device, dtype=torch.int64)
+    for s in range(0, qw.shape[0], step):
+        key = _triton_kernels().cdist(qw[s:s + step], gw).to(torch.int64) * G + ar
+        kk = torch.topk(key, k, dim=1, largest=False, sorted=True).values
+        dists.append(torch.div(kk, G, rounding_mode="floor").to(torch.int32))
+        idxs.append(kk % G)
+    return torch.cat(dists), torch.cat(idxs)
+
+
 def _ref_relevance(ql: torch.Tensor, gl: torch.Tensor) -> torch.Tensor:
     if ql.dim() == 1:
         return ql[:, None] == gl[None, :]
@@ -358,6 +401,8 @@ def hamming_distance(query_codes, gallery_codes, *, zero_one: bool = False,
     be = _resolve_backend(backend, q.words.device)
     if be == "cpu":
         return torch.ops.nac_fast.hamming_cdist(q.words, g.words)
+    if be == "triton":
+        return _triton_kernels().cdist(q.words, g.words)
     return _ref_cdist(q.words, g.words)
 
 
@@ -376,6 +421,8 @@ def topk(query_codes, gallery_codes, k: int, *, zero_one: bool = False, backend:
     be = _resolve_backend(backend, q.words.device)
     if be == "cpu":
         return torch.ops.nac_fast.hamming_topk(q.words, g.words, k)
+    if be == "triton":
+        return _triton_topk(q.words, g.words, k)
     return _ref_topk(q.words, g.words, k)
 
 
@@ -427,11 +474,15 @@ def average_precision(query_codes, query_labels, gallery_codes, gallery_labels, 
                          "must both be (n,) class ids or both (n, L) multi-hot with the same L")
     if ql.device != q.words.device or gl.device != q.words.device:
         raise ValueError("labels must be on the same device as the codes")
-    be = _resolve_backend(backend, q.words.device)
+    be = _resolve_backend(backend, q.words.device, q.nbits)
     if be == "cpu":
         if ql.dim() == 2:  # multi-hot -> packed words, relevance = (q & g) != 0
             ql, gl = _pack_bits(ql), _pack_bits(gl)
         return torch.ops.nac_fast.hamming_average_precision(q.words, g.words, ql, gl)
+    if be == "triton":
+        if ql.dim() == 2:
+            ql, gl = _pack_bits_torch(ql), _pack_bits_torch(gl)
+        return _triton_kernels().average_precision(q.words, g.words, ql, gl, q.nbits)
     return _ref_average_precision(q.words, g.words, ql, gl)
 
 

@@ -30,10 +30,12 @@ def cpu_kernel():
     return torch.ops.nac_fast
 
 
-@pytest.fixture(params=["reference", "cpu"])
+@pytest.fixture(params=["reference", "cpu", "triton"])
 def backend(request):
     if request.param == "cpu":
         request.getfixturevalue("cpu_kernel")
+    if request.param == "triton" and "triton" not in H.available_backends("cpu"):
+        pytest.skip("the Triton Hamming kernels run on CPU tensors only under TRITON_INTERPRET=1")
     return request.param
 
 
@@ -445,3 +447,63 @@ def test_reference_popcount_edge_words():
     words = torch.tensor([0, -1, 1, -(2 ** 63), 2 ** 63 - 1, 0x5555555555555555, -0x5555555555555556])
     want = [bin(w & 0xFFFFFFFFFFFFFFFF).count("1") for w in words.tolist()]
     assert H._ref_popcount64(words).tolist() == want == [0, 64, 1, 1, 63, 32, 32]
+
+
+# ------------------------------------------------------------------------------------------
+# The Triton kernels on the device they are for (bench/gpu_suite.sh: CUDA tensors; CI: CPU
+# tensors under TRITON_INTERPRET=1, where the backend fixture above also runs every test)
+# ------------------------------------------------------------------------------------------
+
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def triton_device():
+    if "triton" not in H.available_backends(TRITON_DEVICE):
+        pytest.skip(f"no Triton Hamming backend for {TRITON_DEVICE} tensors (needs a GPU or "
+                    "TRITON_INTERPRET=1)")
+    return torch.device(TRITON_DEVICE)
+
+
+@pytest.mark.parametrize("bits,ng,classes,L", [(1, 97, 3, None), (64, 1031, 10, None),
+                                               (128, 1031, 2, None), (200, 300, None, 5),
+                                               (65, 97, None, 70)])
+def test_triton_backend_on_its_device(triton_device, bits, ng, classes, L):
+    """Distances, top-k and AP of backend='triton' on its device equal the reference's; awkward
+    gallery sizes (not multiples of the tiles), 1 to 4 words, single- and multi-label."""
+    rng = np.random.default_rng(bits * 7 + ng)
+    nq = 3 if triton_device.type == "cpu" else 64
+    q, g = rand_pm1(rng, nq, bits), rand_pm1(rng, ng, bits)
+    if classes:
+        ql, gl = (torch.from_numpy(rng.integers(0, classes, n)) for n in (nq, ng))
+    else:
+        ql, gl = (torch.from_numpy(rng.random((n, L)) < 0.3) for n in (nq, ng))
+    dev = triton_device
+    want_d = H.hamming_distance(q, g, backend="reference")
+    got_d = H.hamming_distance(q.to(dev), g.to(dev), backend="triton")
+    assert got_d.device.type == dev.type and torch.equal(got_d.cpu(), want_d)
+    k = min(ng, 50)
+    wd, wi = H.topk(q, g, k, backend="reference")
+    gd, gi = H.topk(q.to(dev), g.to(dev), k, backend="triton")
+    assert torch.equal(gd.cpu(), wd) and torch.equal(gi.cpu(), wi)
+    want_ap, want_n = H.average_precision(q, ql, g, gl, backend="reference")
+    ap, n = H.average_precision(q.to(dev), ql.to(dev), g.to(dev), gl.to(dev), backend="triton")
+    assert torch.equal(n.cpu(), want_n)
+    np.testing.assert_allclose(ap.cpu().numpy(), want_ap.numpy(), rtol=1e-12)
+
+
+def test_triton_backend_limits(triton_device):
+    rng = np.random.default_rng(5)
+    q, g = rand_pm1(rng, 2, 1100).to(triton_device), rand_pm1(rng, 5, 1100).to(triton_device)
+    lab = (torch.zeros(2, dtype=torch.int64, device=triton_device),
+           torch.zeros(5, dtype=torch.int64, device=triton_device))
+    with pytest.raises(ValueError, match="at most 1023 bits"):
+        H.average_precision(q, lab[0], g, lab[1], backend="triton")
+    # distances have no such limit
+    assert torch.equal(H.hamming_distance(q, g, backend="triton").cpu(),
+                       H.hamming_distance(q.cpu(), g.cpu(), backend="reference"))
+
+
+def test_available_backends_bad_device():
+    with pytest.raises(TypeError, match="device"):
+        H.available_backends(3)

@@ -163,3 +163,19 @@ def test_imagefolder_defaults_and_run(tmp_path):
                        "--no-progress", "--out", str(out)]) == 0
     cfg = __import__("json").loads((out / "config.json").read_text())
     assert cfg["in_channels"] == 3 and cfg["image_size"] == 32 and cfg["num_images"] == 16
+
+
+def test_flags_reach_train_py_through_torchrun():
+    """torchrun parses its own flags by prefix even after the script name: a train.py flag that
+    is a prefix of a torchrun flag is taken by torchrun (torch 2.14: "--p" -> ambiguous with
+    --print-completion).  Only --p may clash, and its alias --flip-prob must get through."""
+    from torch.distributed.run import get_args_parser
+    runner = [s for a in get_args_parser()._actions for s in a.option_strings]
+    ours = [s for a in train.build_parser()._actions for s in a.option_strings if s != "-h"]
+    clash = sorted(o for o in ours if any(t.startswith(o) for t in runner))
+    assert set(clash) <= {"--p", "--help"}, clash
+    ns = get_args_parser().parse_args(["--standalone", "--nproc_per_node=2", "train.py",
+                                       "--flip-prob", "0.3", "--method", "nac-mq"])
+    assert ns.training_script == "train.py"
+    assert ns.training_script_args == ["--flip-prob", "0.3", "--method", "nac-mq"]
+    assert train.build_parser().parse_args(ns.training_script_args).p == 0.3
