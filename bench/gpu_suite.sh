@@ -34,7 +34,7 @@ echo "== tests on the GPU"
 # NAC_FAST_TEST_DEVICE=cuda makes the loss tests put their tensors on the GPU.
 # test_hashing's "triton" backend runs on CUDA tensors here (compiled, not interpreted).
 NAC_FAST_TEST_DEVICE=cuda $PY -m pytest -q -x tests/test_loss_backends.py tests/test_loss_reference.py \
-  tests/test_hashing.py -p no:cacheprovider --junitxml="$RES/pytest_gpu.xml" 2>&1 | tail -25
+  tests/test_hashing.py tests/test_noise.py -p no:cacheprovider --junitxml="$RES/pytest_gpu.xml" 2>&1 | tail -25
 
 echo "== benchmarks"
 if [ "${QUICK:-0}" = 1 ]; then

@@ -22,6 +22,14 @@ inline void check_fwd_args(const at::Tensor& a, const at::Tensor& r, const at::T
   }
 }
 
+inline void check_noise_args(const at::Tensor& like, const at::Tensor& seed, double p) {
+  TORCH_CHECK(like.is_floating_point(), "nac_fast: nac_noise's like must be floating point");
+  TORCH_CHECK(seed.numel() == 1 && seed.scalar_type() == at::kLong,
+              "nac_fast: nac_noise's seed must be a one-element int64 tensor");
+  TORCH_CHECK(seed.device() == like.device(), "nac_fast: nac_noise's seed must be on like's device");
+  TORCH_CHECK(p > 0.0 && p < 0.5, "nac_fast: nac_noise's p must lie in (0, 0.5)");
+}
+
 inline void check_bwd_args(const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
                            const c10::optional<at::Tensor>& keys, const at::Tensor& lse,
                            const at::Tensor& g) {

@@ -519,9 +519,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_bwd_cuda(
   return {out[0], out[1], out[2]};
 }
 
+// nac_fast::nac_noise (schema and CPU version: nac_noise.cpp): one thread per element, the seed
+// read from device memory so the caller never waits for the host.
+__global__ void noise_kernel(float* __restrict__ out, const int64_t* __restrict__ seed, float p,
+                             int64_t numel) {
+  const uint64_t s = static_cast<uint64_t>(*seed);
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < numel;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    out[i] = nac::noise_sign(s, static_cast<uint64_t>(i), p);
+  }
+}
+
+at::Tensor nac_noise_cuda(const at::Tensor& like, const at::Tensor& seed, double p) {
+  nac::check_noise_args(like, seed, p);
+  const c10::cuda::CUDAGuard guard(like.device());
+  at::Tensor out = at::empty(like.sizes(), like.options().dtype(at::kFloat)
+                                               .memory_format(at::MemoryFormat::Contiguous));
+  const int64_t numel = out.numel();
+  if (numel > 0) {
+    const int threads = 256;
+    const int64_t blocks = std::min<int64_t>((numel + threads - 1) / threads, 65535);
+    noise_kernel<<<blocks, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        out.data_ptr<float>(), seed.data_ptr<int64_t>(), static_cast<float>(p), numel);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return like.scalar_type() == at::kFloat ? out : out.to(like.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nac_fast, CUDA, m) {
   m.impl("nac_fwd", &nac_fwd_cuda);
   m.impl("nac_bwd", &nac_bwd_cuda);
+  m.impl("nac_noise", &nac_noise_cuda);
 }

@@ -136,4 +136,43 @@ NAC_HD T grad_a_elem(T m, T z, T sA, T r, T l2) {
   return (m * (sA - T(0.5) * r) + T(2) * l2 * z) * (T(1) - z * z);
 }
 
+// ---- Channel noise drawn from a seed: Philox4x32-10 (Salmon et al., SC'11; Random123) ----
+// Element e of the flattened (n, D) noise uses counter (e mod 2^32, e / 2^32, 0, 0) and key
+// (seed mod 2^32, seed / 2^32); the first output word becomes a uniform float exactly as Triton's
+// tl.rand does (uint_to_uniform_float), and m = -1 where u < p.  The same function is written in
+// kernels/nac_noise_triton.py and in torch ops (nac_fast/reference.py: philox_noise), so every
+// backend draws the same noise from the same seed; tests check them against each other and
+// against Random123's known-answer vector.
+NAC_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
+  return (uint32_t)(((uint64_t)a * (uint64_t)b) >> 32);
+}
+
+NAC_HD uint32_t philox_first_word(uint64_t counter, uint64_t seed) {
+  uint32_t c0 = (uint32_t)counter, c1 = (uint32_t)(counter >> 32), c2 = 0u, c3 = 0u;
+  uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    const uint32_t n0 = mulhi32(0xCD9E8D57u, c2) ^ c1 ^ k0;
+    const uint32_t n2 = mulhi32(0xD2511F53u, c0) ^ c3 ^ k1;
+    c1 = 0xCD9E8D57u * c2;
+    c3 = 0xD2511F53u * c0;
+    c0 = n0;
+    c2 = n2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+// A uint32 -> float in [0, 1), Triton's uint_to_uniform_float: the word as int32, ~x when
+// negative, times 4.6566127342e-10f (the largest scale with INT32_MAX * scale < 1 in float).
+NAC_HD float uniform_from_word(uint32_t w) {
+  int32_t i = (int32_t)w;
+  if (i < 0) i = ~i;
+  return (float)i * 4.6566127342e-10f;
+}
+
+NAC_HD float noise_sign(uint64_t seed, uint64_t element, float p) {
+  return uniform_from_word(philox_first_word(element, seed)) < p ? -1.0f : 1.0f;
+}
+
 }  // namespace nac

@@ -79,6 +79,10 @@ def _ops(backend: str):
 if extension() is not None:  # one op, two dispatch keys (CPU kernel here, CUDA kernel if built)
     _register("cpu", torch.ops.nac_fast.nac_fwd.default, torch.ops.nac_fast.nac_bwd.default)
     _OPS["cuda"] = _OPS["cpu"]
+    if hasattr(torch.ops.nac_fast, "nac_noise"):
+        @torch.library.register_fake("nac_fast::nac_noise")
+        def _fake_noise(like, seed, p):
+            return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
 def nac_fused(backend, a, r, noise, keys, s, l2, reduction):

@@ -80,14 +80,61 @@ def _compiling() -> bool:
 
 def draw_noise(shape, p: float, *, device=None, dtype=torch.float32,
                generator: torch.Generator | None = None) -> torch.Tensor:
-    """Channel noise m: each entry -1 with probability p, +1 otherwise, from torch's RNG
-    (so `torch.manual_seed` reproduces it)."""
+    """Channel noise m: each entry -1 with probability p, +1 otherwise.
+
+    A 64-bit seed is drawn from torch's RNG (``generator``, else the default generator of
+    ``device``), so ``torch.manual_seed`` reproduces it; the noise is then Philox4x32-10 of
+    (seed, element index) (:func:`noise_from_seed`), computed by the fused kernel of the device
+    when there is one.  Every backend computes the same bits from the same seed."""
     return _draw(shape, _check_p(p), device=device, dtype=dtype, generator=generator)
 
 
 def _draw(shape, p: float, *, device=None, dtype=torch.float32, generator=None):  # p checked
-    u = torch.rand(shape, device=device, generator=generator)
-    return torch.where(u < p, -1.0, 1.0).to(dtype)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    gdev = generator.device if generator is not None else device
+    seed = torch.randint(0, 2 ** 63 - 1, (1,), device=gdev, generator=generator)
+    like_dtype = dtype if dtype.is_floating_point else torch.float32
+    m = noise_from_seed(torch.empty(shape, device=device, dtype=like_dtype), seed.to(device), p)
+    return m if m.dtype == dtype else m.to(dtype)
+
+
+_NOISE_BACKENDS = ("auto", "reference", "cpu", "triton", "cuda")
+
+
+def noise_from_seed(like: torch.Tensor, seed: torch.Tensor, p: float, *,
+                    backend: str = "auto") -> torch.Tensor:
+    """The channel noise for ``seed``: a tensor of like's shape, (floating) dtype and device whose
+    flattened element e is -1 if uniform(Philox4x32-10(counter e, key seed)) < p, else +1.
+
+    ``seed``: a one-element int64 tensor (on like's device: a GPU never waits for the host).
+    ``backend``: "auto" (the device's fused kernel, else the reference) or one of "reference"
+    (torch ops, nac_fast.reference.philox_noise), "cpu"/"cuda" (the compiled op
+    nac_fast::nac_noise, csrc/nac_noise.cpp / nac_cuda.cu), "triton"
+    (kernels/nac_noise_triton.py).  All give the same bits."""
+    if not isinstance(like, torch.Tensor) or not like.is_floating_point():
+        raise TypeError("like must be a floating-point torch.Tensor")
+    if not isinstance(seed, torch.Tensor) or seed.numel() != 1 or seed.dtype != torch.int64:
+        raise TypeError("seed must be a one-element int64 torch.Tensor")
+    if seed.device != like.device:
+        raise ValueError(f"seed is on {seed.device} but like is on {like.device}")
+    p = _check_p(p)
+    if not isinstance(backend, str) or backend not in _NOISE_BACKENDS:
+        raise ValueError(f"backend must be one of {_NOISE_BACKENDS}, got {backend!r}")
+    avail = available_backends(like.device)
+    if backend == "auto":
+        order = ("triton", "cuda") if like.device.type == "cuda" else ("cpu",)
+        backend = next((b for b in order if b in avail), "reference")
+    elif backend not in avail:
+        raise ValueError(f"backend {backend!r} is not available for {like.device.type} tensors "
+                         f"here; available: {avail}")
+    if backend == "reference":
+        return reference.philox_noise(like, seed, p)
+    if backend == "triton":
+        from .kernels.nac_noise_triton import nac_noise_triton
+        return nac_noise_triton(like, seed, p)
+    return torch.ops.nac_fast.nac_noise(like, seed, p)
 
 
 def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):

@@ -68,3 +68,55 @@ def nac_loss_reference(a, r, noise, s, keys=None, reduction="mean"):
 def nac_mq_loss_reference(a, r_hat, queue, noise, s, l2=0.1, reduction="mean"):
     rows = nac_rows_reference(a, r_hat, noise, s, keys=queue, l2=l2).to(acc_dtype(a.dtype))
     return reduce_rows(rows, reduction)
+
+
+# ---- channel noise from a seed (the reference of the nac_noise ops) ----------------------------
+# Philox4x32-10 (Salmon et al., SC'11): the same function as csrc/nac_math.h (noise_sign) and
+# kernels/nac_noise_triton.py, written in int64 torch ops with every intermediate below 2^63, so it
+# is exact on every device.  Element e of the flattened noise: counter (e mod 2^32, e >> 32, 0, 0),
+# key (seed mod 2^32, seed >> 32), first output word -> uniform float as Triton's tl.rand.
+_PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo32(x: torch.Tensor, m: int):
+    """(hi, lo) 32-bit words of x * m for x in [0, 2^32), m < 2^32, without 64-bit overflow:
+    m = mh 2^16 + ml, so x*ml and x*mh stay below 2^48."""
+    mh, ml = m >> 16, m & 0xFFFF
+    t = x * ml
+    u = x * mh
+    hi = (u + (t >> 16)) >> 16
+    lo = (((u & 0xFFFF) << 16) + t) & _MASK32
+    return hi & _MASK32, lo
+
+
+def philox_first_word(counter: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """First output word (int64 in [0, 2^32)) of Philox4x32-10 for int64 counters >= 0 and a
+    one-element int64 seed (any value; its two's-complement bits are the key)."""
+    c0, c1 = counter & _MASK32, (counter >> 32) & _MASK32
+    c2 = c3 = torch.zeros_like(counter)
+    seed = seed.reshape(())
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(c0, _PHILOX_M0)
+        hi1, lo1 = _mulhilo32(c2, _PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _PHILOX_W0) & _MASK32, (k1 + _PHILOX_W1) & _MASK32
+    return c0
+
+
+def philox_uniform(word: torch.Tensor) -> torch.Tensor:
+    """Triton's uint_to_uniform_float: the word read as int32, ~x if negative, times
+    4.6566127342e-10 in float32 -> [0, 1)."""
+    v = torch.where(word >= 2 ** 31, _MASK32 - word, word)  # ~int32(w) for the negative ones
+    return v.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32,
+                                              device=word.device)
+
+
+def philox_noise(like: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """Channel noise of like's shape, dtype and device: -1 where the element's uniform < p."""
+    e = torch.arange(like.numel(), device=like.device, dtype=torch.int64).reshape(like.shape)
+    u = philox_uniform(philox_first_word(e, seed.to(like.device, torch.int64)))
+    return torch.where(u < torch.tensor(p, dtype=torch.float32, device=like.device), -1.0,
+                       1.0).to(like.dtype)

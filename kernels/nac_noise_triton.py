@@ -1,0 +1,65 @@
+"""Triton kernel of the NAC channel noise drawn from a seed (op nac_fast::nac_noise_triton).
+
+    m_e = -1 if uniform(Philox4x32-10(counter = (e mod 2^32, e >> 32, 0, 0),
+                                      key = (seed mod 2^32, seed >> 32)).word0) < p else +1
+
+for element e of the flattened output, with Triton's uint_to_uniform_float as the uniform.  The
+same function as csrc/nac_math.h (noise_sign: the CPU and CUDA ops nac_fast::nac_noise) and
+nac_fast/reference.py (philox_noise), written out here rather than calling tl.rand so that the
+bits are ours and do not change with Triton's version; tests check all of them bit for bit (and
+against Random123's known-answer vector).  The seed is read from device memory: drawing it with
+torch.randint on the GPU keeps the host out of the loop.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+
+@triton.jit
+def _philox_first_word(c0, c1, k0, k1):
+    # uint32 blocks; products wrap mod 2^32 (unsigned), umulhi gives the high word
+    c2 = c0 * 0
+    c3 = c0 * 0
+    for _ in tl.static_range(10):
+        n0 = tl.umulhi(c2, 0xCD9E8D57) ^ c1 ^ k0
+        n2 = tl.umulhi(c0, 0xD2511F53) ^ c3 ^ k1
+        c1 = tl.mul(c2, 0xCD9E8D57, sanitize_overflow=False)
+        c3 = tl.mul(c0, 0xD2511F53, sanitize_overflow=False)
+        c0 = n0
+        c2 = n2
+        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+    return c0
+
+
+@triton.jit
+def _noise_kernel(out_ptr, seed_ptr, p, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    seed = tl.load(seed_ptr)  # int64
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = (offs & 0xFFFFFFFF).to(tl.uint32)
+    c1 = ((offs >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    w = _philox_first_word(c0, c1, k0, k1).to(tl.int32, bitcast=True)
+    u = tl.where(w < 0, ~w, w).to(tl.float32) * 4.6566127342e-10
+    tl.store(out_ptr + offs, tl.where(u < p, -1.0, 1.0), mask=mask)
+
+
+@triton_op("nac_fast::nac_noise_triton", mutates_args=())
+def nac_noise_triton(like: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    out = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+    n = out.numel()
+    if n:
+        BLOCK = 1024
+        wrap_triton(_noise_kernel)[(triton.cdiv(n, BLOCK),)](
+            out, seed.reshape(1).to(torch.int64), float(p), n, BLOCK=BLOCK)
+    return out if like.dtype == torch.float32 else out.to(like.dtype)
+
+
+@nac_noise_triton.register_fake
+def _(like, seed, p):
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
