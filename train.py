@@ -3,9 +3,11 @@
 One process (CPU or one GPU):
     python train.py                                   # Fashion-MNIST, CPU-sized defaults
     python train.py --method nac-mq --max-steps 200 --out runs/mq
+    python train.py --p 0.4 --out runs/hash           # the paper's p for hashing
 
 Several processes on one machine (DDP; gloo on CPU, NCCL on GPUs):
     torchrun --nproc_per_node=2 train.py              # the default run: 2 CPU processes
+    torchrun --nproc_per_node=2 train.py --flip-prob 0.4   # torchrun takes "--p" for its own flag
     torchrun --nproc_per_node=8 train.py --data /path/imagenet --arch resnet50 --method nac-mq
 
 Several machines: run the same command on every node with torchrun's rendezvous flags, e.g.

@@ -90,6 +90,16 @@ def _tile_dist_rel(q_ptr, g_ptr, ql_ptr, gl_ptr, qrow, rg, mg, W, LW, MULTI: tl.
 
 
 @triton.jit
+def _tile_onehot(q_ptr, g_ptr, ql_ptr, gl_ptr, qrow, g0, G, bins, W, LW, MULTI: tl.constexpr,
+                 BLOCK_G: tl.constexpr):
+    """(one-hot of each tile item's distance over the bins (BLOCK_G x NB int32, all zero past the
+    gallery's end), relevance) for the gallery tile starting at g0."""
+    rg = g0 + tl.arange(0, BLOCK_G)
+    d, rel = _tile_dist_rel(q_ptr, g_ptr, ql_ptr, gl_ptr, qrow, rg, rg < G, W, LW, MULTI)
+    return (d[:, None] == bins[None, :]).to(tl.int32), rel
+
+
+@triton.jit
 def _ap_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, ap_ptr, nrel_ptr, G, W, LW,
                MULTI: tl.constexpr, NB: tl.constexpr, BLOCK_G: tl.constexpr):
     qrow = tl.program_id(0).to(tl.int64)
@@ -98,10 +108,8 @@ def _ap_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, ap_ptr, nrel_ptr, G, W, LW,
     rcnt = tl.zeros((NB,), dtype=tl.int32)
     # pass 1: per-distance counts of all and of relevant items
     for g0 in range(0, G, BLOCK_G):
-        rg = g0 + tl.arange(0, BLOCK_G)
-        mg = rg < G
-        d, rel = _tile_dist_rel(q_ptr, g_ptr, ql_ptr, gl_ptr, qrow, rg, mg, W, LW, MULTI)
-        oh = (d[:, None] == bins[None, :]).to(tl.int32)
+        oh, rel = _tile_onehot(q_ptr, g_ptr, ql_ptr, gl_ptr, qrow, g0, G, bins, W, LW, MULTI,
+                               BLOCK_G)
         cnt += tl.sum(oh, axis=0)
         rcnt += tl.sum(oh * rel.to(tl.int32)[:, None], axis=0)
     R = tl.sum(rcnt, axis=0)
@@ -111,10 +119,8 @@ def _ap_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, ap_ptr, nrel_ptr, G, W, LW,
     psum = tl.zeros((BLOCK_G,), dtype=tl.float64)
     # pass 2: rank and hits of every relevant item, in gallery order
     for g0 in range(0, G, BLOCK_G):
-        rg = g0 + tl.arange(0, BLOCK_G)
-        mg = rg < G
-        d, rel = _tile_dist_rel(q_ptr, g_ptr, ql_ptr, gl_ptr, qrow, rg, mg, W, LW, MULTI)
-        oh = (d[:, None] == bins[None, :]).to(tl.int32)
+        oh, rel = _tile_onehot(q_ptr, g_ptr, ql_ptr, gl_ptr, qrow, g0, G, bins, W, LW, MULTI,
+                               BLOCK_G)
         roh = oh * rel.to(tl.int32)[:, None]
         # inclusive count of same-distance (relevant) items up to each row of the tile
         rank = tl.sum(oh * (tl.cumsum(oh, axis=0) + seen[None, :]), axis=1)
