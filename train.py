@@ -73,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--warmup-epochs", type=float, default=None,
       help="linear warm-up length; default 10 epochs (paper) capped at 10%% of the run")
     a("--wd", type=float, default=1e-6, help="weight decay (not on BN parameters and biases)")
-    a("--queue-size", type=int, default=None, help="NAC-MQ queue length M; default 50000 "
-      "(<=64 px images) or 65536, rounded down to a multiple of the global batch")
+    a("--queue-size", type=int, default=None, help="NAC-MQ queue length M; default 65536 "
+      "(ImageNet recipe, rounded down to a multiple of the global batch) or 16 x batch (the short "
+      "CPU demo: keys at most 8 steps old; the paper's 50000 there collapses the codes, see "
+      "docs/results.md); the paper's CIFAR-10 run used 50000 with batch 1000")
     a("--momentum", type=float, default=None, help="EMA decay of the momentum model; default "
       "0.99 (<=64 px images) or 0.999")
     a("--l2", type=float, default=0.1, help="lambda of NAC-MQ's lambda*||z||^2")
@@ -111,6 +113,7 @@ def resolve_defaults(args) -> None:
     """Recipe-dependent defaults: an ImageFolder root (train/ inside) gets the paper's ImageNet
     recipe (batch 512, 200 epochs); anything else the short CPU demo (batch 256, 2 epochs)."""
     imagenet = os.path.isdir(os.path.join(args.data, "train"))
+    args.recipe = "imagenet" if imagenet else "demo"
     if args.batch_size is None:
         args.batch_size = 512 if imagenet else 256
     if args.epochs is None:
@@ -242,7 +245,13 @@ def train(args, di, parser) -> int:
     decay = args.momentum if args.momentum is not None else (0.99 if small else 0.999)
     queue_size = args.queue_size
     if args.method == "nac-mq" and queue_size is None:
-        queue_size = ((50000 if small else 65536) // args.batch_size) * args.batch_size
+        # Each step enqueues 2B keys, so keys are up to M / 2B steps old.  The paper's queues are
+        # old by 25 (CIFAR: 50000, B = 1000) or 64 steps (ImageNet) out of 50,000 or more; in a
+        # 700-step demo the 50000 queue (97 steps) let the whole batch drift away from the stale
+        # queue mean together and every image got the same code (measured: mean Hamming distance
+        # 23 -> 0.5 bits by step 240, docs/results.md).  16 x B keeps keys 8 steps old.
+        queue_size = ((65536 // args.batch_size) * args.batch_size if args.recipe == "imagenet"
+                      else 16 * args.batch_size)
         queue_size = max(queue_size, 2 * args.batch_size)
     cfg = dict(vars(args), world_size=di.world_size, lr=lr, momentum=decay, amp=amp,
                queue_size=queue_size, channels_last=channels_last, image_size=image_size,
