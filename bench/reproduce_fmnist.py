@@ -3,6 +3,7 @@
     python bench/reproduce_fmnist.py                        # everything, ~50 min on 2 cores
     python bench/reproduce_fmnist.py --doc docs/results.md  # ... and write the results page
     python bench/reproduce_fmnist.py --dry-run              # print the commands only
+    python bench/reproduce_fmnist.py --doc docs/results.md --notes docs/results_notes.md
 
 Trains, with the same encoder (resnet-tiny), epochs, batch, augmentations and seed:
   nac      in-batch NAC, p = 0.1 (the paper's linear-evaluation setting)
@@ -61,6 +62,8 @@ def build_parser():
     a("--bn-batches", type=int, default=50, help="training batches that set the random-init "
       "encoder's BatchNorm statistics")
     a("--doc", default=None, help="also write the results page here (e.g. docs/results.md)")
+    a("--notes", default=None, help="a markdown file appended to the page (hand-written "
+      "reading of the figures)")
     a("--dry-run", action="store_true", help="print the commands, run nothing")
     return ap
 
@@ -321,6 +324,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         methods, sweep = check_args(args)
+        if args.notes is not None and not os.path.isfile(args.notes):
+            raise ValueError(f"--notes {args.notes!r}: no such file")
     except ValueError as exc:
         ap.error(str(exc))
     runs = plan(args, methods, sweep)
@@ -370,6 +375,9 @@ def main(argv=None) -> int:
         json.dump({"meta": meta, "args": vars(args), "runs": rows, "commands": cmds,
                    "seconds": timings}, f, indent=1)
     md = markdown(args, runs, rows, cmds, timings, meta)
+    if args.notes:
+        with open(args.notes) as f:
+            md += "\n" + f.read()
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(md)
     have_plot = plot(rows, os.path.join(args.out, "p_sweep.png"))
