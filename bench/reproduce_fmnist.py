@@ -19,7 +19,7 @@ Every step is a subprocess with the exact command recorded in OUT/summary.json; 
 output exists (OUT/<run>/last.pt with the planned step count, OUT/<run>/eval/report.json) is
 skipped, so an interrupted reproduction continues where it stopped.  Writes OUT/summary.json,
 OUT/results.md and OUT/p_sweep.png; --doc PATH also writes the markdown there (with the plot
-beside it).
+and summary.json, as results_summary.json, beside it).
 """
 from __future__ import annotations
 
@@ -183,6 +183,15 @@ def show(cmd) -> str:
     return " ".join("python" if c == sys.executable else shlex.quote(c) for c in cmd)
 
 
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.strip()
+    except OSError:
+        out = ""
+    return out or "unknown"
+
+
 def run_cmd(cmd, log_path, dry) -> float:
     print("$ " + show(cmd), flush=True)
     if dry:
@@ -330,20 +339,21 @@ def main(argv=None) -> int:
         ap.error(str(exc))
     runs = plan(args, methods, sweep)
     os.makedirs(args.out, exist_ok=True)
-    cmds, timings = {}, {}
-    t_all = time.perf_counter()
+    cmds, timings, commits = {}, {}, set()
     trained = [r for r in runs if r["method"] != "random"]
     for run in runs:
         d = os.path.join(args.out, run["name"])
         os.makedirs(d, exist_ok=True)
         ck = os.path.join(d, "last.pt")
         t0 = time.perf_counter()
+        ran = False
         if run["method"] == "random":
             cmds[run["name"]] = [f"# random init: bench/reproduce_fmnist.py builds the model (seed {args.seed}) "
                                  f"and sets BN statistics from {args.bn_batches} batches"]
             if not args.dry_run and not os.path.isfile(ck):
                 random_init_checkpoint(args, os.path.join(args.out, trained[0]["name"], "last.pt"),
                                        d)
+                ran = True
         else:
             tc = train_cmd(args, run)
             cmds[run["name"]] = [show(tc)]
@@ -351,26 +361,32 @@ def main(argv=None) -> int:
                 if os.path.isfile(ck) and not args.dry_run:
                     os.remove(ck)  # a different plan: start over
                 run_cmd(tc, os.path.join(d, "train.txt"), args.dry_run)
+                ran = True
         ec = eval_cmd(args, run)
         cmds[run["name"]].append(show(ec))
         if args.dry_run or not os.path.isfile(os.path.join(d, "eval", "report.json")):
             run_cmd(ec, os.path.join(d, "eval.txt"), args.dry_run)
-        timings[run["name"]] = time.perf_counter() - t0
+            ran = True
+        tfile = os.path.join(d, "seconds.json")
+        if not args.dry_run:
+            if ran or not os.path.isfile(tfile):
+                with open(tfile, "w") as f:  # kept, so a later call that skips it still reports it
+                    json.dump({"seconds": time.perf_counter() - t0, "commit": git_commit()}, f)
+            with open(tfile) as f:
+                rec = json.load(f)
+            timings[run["name"]] = rec["seconds"]
+            commits.add(rec.get("commit", "unknown"))
     if args.dry_run:
         return 0
 
     import torch
     rows = collect(args, runs)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    commit = ", ".join(sorted(commits))  # of the runs (a later call may only collect)
     meta = {"command": "python bench/reproduce_fmnist.py " + " ".join(
                 shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
             "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "commit": commit,
-            "total_min": (time.perf_counter() - t_all) / 60}
+            "total_min": sum(timings.values()) / 60}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump({"meta": meta, "args": vars(args), "runs": rows, "commands": cmds,
                    "seconds": timings}, f, indent=1)
@@ -385,9 +401,11 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.doc)), exist_ok=True)
         with open(args.doc, "w") as f:
             f.write(md)
+        ddir = os.path.dirname(os.path.abspath(args.doc))
+        shutil.copy(os.path.join(args.out, "summary.json"),
+                    os.path.join(ddir, "results_summary.json"))  # the figures, machine-readable
         if have_plot:
-            shutil.copy(os.path.join(args.out, "p_sweep.png"),
-                        os.path.join(os.path.dirname(os.path.abspath(args.doc)), "p_sweep.png"))
+            shutil.copy(os.path.join(args.out, "p_sweep.png"), os.path.join(ddir, "p_sweep.png"))
     print(md)
     return 0
 
