@@ -86,7 +86,14 @@ def draw_noise(shape, p: float, *, device=None, dtype=torch.float32,
     ``device``), so ``torch.manual_seed`` reproduces it; the noise is then Philox4x32-10 of
     (seed, element index) (:func:`noise_from_seed`), computed by the fused kernel of the device
     when there is one.  Every backend computes the same bits from the same seed."""
-    return _draw(shape, _check_p(p), device=device, dtype=dtype, generator=generator)
+    if isinstance(shape, int):
+        shape = (shape,)
+    if (not isinstance(shape, (tuple, list, torch.Size))
+            or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in shape)):
+        raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    return _draw(tuple(shape), _check_p(p), device=device, dtype=dtype, generator=generator)
 
 
 def _draw(shape, p: float, *, device=None, dtype=torch.float32, generator=None):  # p checked

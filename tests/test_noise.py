@@ -112,6 +112,12 @@ def test_noise_from_seed_bad_inputs():
         noise_from_seed(like, s, 0.5)
     with pytest.raises(ValueError, match="backend"):
         noise_from_seed(like, s, 0.1, backend="gpu")
+    with pytest.raises(ValueError, match="shape"):
+        nac_fast.draw_noise((3, -1), 0.1)
+    with pytest.raises(ValueError, match="shape"):
+        nac_fast.draw_noise("ab", 0.1)
+    with pytest.raises(TypeError, match="dtype"):
+        nac_fast.draw_noise((2, 2), 0.1, dtype="float32")
     with pytest.raises(TypeError, match="generator"):
         nac_fast.draw_noise((2, 2), 0.1, generator=3)
     if torch.cuda.is_available():
