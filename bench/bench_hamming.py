@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -42,6 +41,8 @@ try:
 except ImportError:  # running from a checkout that is not installed
     sys.path.insert(0, ROOT)
     from nac_fast import hashing as H
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_loss import commit  # noqa: E402  (the bench scripts' one git-commit helper)
 
 CSV_PATH = os.path.join(ROOT, "bench", "results", "hamming_cpu.csv")
 CSV_FIELDS = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method",
@@ -113,14 +114,6 @@ def timed(fn, repeats: int):
     t = np.array(times)
     return {"median_s": float(np.median(t)), "p20_s": float(np.percentile(t, 20)),
             "p80_s": float(np.percentile(t, 80)), "peak_rss_mb": peak, "repeats": repeats}, out
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except Exception:
-        return "none"
 
 
 def cpu_name() -> str:
@@ -289,7 +282,7 @@ def main(argv=None):
     meta = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": socket.gethostname(), "cpu": cpu_name(), "threads": args.threads,
             "torch": torch.__version__, "faiss": getattr(faiss, "__version__", "") if faiss else "",
-            "git_commit": git_commit(), "gallery": G, "bits": D}
+            "git_commit": commit(), "gallery": G, "bits": D}
     if args.csv:
         os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
         new = not os.path.exists(args.csv)

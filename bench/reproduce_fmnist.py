@@ -35,6 +35,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, when imported
+
+from bench_loss import commit  # noqa: E402  (the bench scripts' one git-commit helper)
 
 MAIN = ("nac", "nac-mq", "simclr", "random")
 BITS = (16, 32, 64, 128)
@@ -181,15 +184,6 @@ def random_init_checkpoint(args, template_ckpt: str, out_dir: str) -> dict:
 
 def show(cmd) -> str:
     return " ".join("python" if c == sys.executable else shlex.quote(c) for c in cmd)
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True).stdout.strip()
-    except OSError:
-        out = ""
-    return out or "unknown"
 
 
 def run_cmd(cmd, log_path, dry) -> float:
@@ -371,7 +365,7 @@ def main(argv=None) -> int:
         if not args.dry_run:
             if ran or not os.path.isfile(tfile):
                 with open(tfile, "w") as f:  # kept, so a later call that skips it still reports it
-                    json.dump({"seconds": time.perf_counter() - t0, "commit": git_commit()}, f)
+                    json.dump({"seconds": time.perf_counter() - t0, "commit": commit()}, f)
             with open(tfile) as f:
                 rec = json.load(f)
             timings[run["name"]] = rec["seconds"]
@@ -381,11 +375,11 @@ def main(argv=None) -> int:
 
     import torch
     rows = collect(args, runs)
-    commit = ", ".join(sorted(commits))  # of the runs (a later call may only collect)
+    run_commits = ", ".join(sorted(commits))  # of the runs (a later call may only collect)
     meta = {"command": "python bench/reproduce_fmnist.py " + " ".join(
                 shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
             "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "commit": commit,
+            "cpus": os.cpu_count(), "torch": torch.__version__, "commit": run_commits,
             "total_min": sum(timings.values()) / 60}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump({"meta": meta, "args": vars(args), "runs": rows, "commands": cmds,

@@ -36,6 +36,13 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def triton_runs_on(device_type: str) -> bool:
+    """Triton kernels run on CUDA tensors with a GPU, on CPU tensors under the interpreter
+    ("any": either).  Import availability is checked separately."""
+    return ((torch.cuda.is_available() and device_type in ("any", "cuda"))
+            or (triton_interpreted() and device_type in ("any", "cpu")))
+
+
 _TRITON_OK: bool | None = None
 
 
@@ -55,11 +62,9 @@ def _available(device_type: str) -> tuple:
     out = ["reference"]
     if _C is not None and device_type in ("any", "cpu") and hasattr(torch.ops.nac_fast, "nac_fwd"):
         out.append("cpu")
-    gpu = torch.cuda.is_available()
-    if ((gpu and device_type in ("any", "cuda"))
-            or (triton_interpreted() and device_type in ("any", "cpu"))) and triton_importable():
+    if triton_runs_on(device_type) and triton_importable():
         out.append("triton")
-    if gpu and device_type in ("any", "cuda") and cuda_extension_built():
+    if torch.cuda.is_available() and device_type in ("any", "cuda") and cuda_extension_built():
         out.append("cuda")
     return tuple(out)
 

@@ -106,8 +106,7 @@ def available_backends(device: str | torch.device = "cpu") -> list[str]:
     out = ["reference"]
     if dev == "cpu" and _cpu_kernel_available():
         out.append("cpu")
-    if ((dev == "cuda" and torch.cuda.is_available())
-            or (dev == "cpu" and _backends.triton_interpreted())) and _triton_kernels() is not None:
+    if dev in ("cpu", "cuda") and _backends.triton_runs_on(dev) and _triton_kernels() is not None:
         out.append("triton")
     return out
 

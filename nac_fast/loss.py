@@ -14,7 +14,7 @@ import os
 import torch
 
 from . import _fused, reference
-from ._backends import available_backends, resolve_backend
+from ._backends import resolve_backend
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -107,9 +107,6 @@ def _draw(shape, p: float, *, device=None, dtype=torch.float32, generator=None):
     return m if m.dtype == dtype else m.to(dtype)
 
 
-_NOISE_BACKENDS = ("auto", "reference", "cpu", "triton", "cuda")
-
-
 def noise_from_seed(like: torch.Tensor, seed: torch.Tensor, p: float, *,
                     backend: str = "auto") -> torch.Tensor:
     """The channel noise for ``seed``: a tensor of like's shape, (floating) dtype and device whose
@@ -127,15 +124,7 @@ def noise_from_seed(like: torch.Tensor, seed: torch.Tensor, p: float, *,
     if seed.device != like.device:
         raise ValueError(f"seed is on {seed.device} but like is on {like.device}")
     p = _check_p(p)
-    if not isinstance(backend, str) or backend not in _NOISE_BACKENDS:
-        raise ValueError(f"backend must be one of {_NOISE_BACKENDS}, got {backend!r}")
-    avail = available_backends(like.device)
-    if backend == "auto":
-        order = ("triton", "cuda") if like.device.type == "cuda" else ("cpu",)
-        backend = next((b for b in order if b in avail), "reference")
-    elif backend not in avail:
-        raise ValueError(f"backend {backend!r} is not available for {like.device.type} tensors "
-                         f"here; available: {avail}")
+    backend = resolve_backend(backend, like)  # the losses' choice: every backend has this op
     if backend == "reference":
         return reference.philox_noise(like, seed, p)
     if backend == "triton":
