@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, cdiv, run
+
 # Bins of the per-distance counters are a power of two >= D + 1; beyond this the one-hot tile no
 # longer fits in registers and nac_fast.hashing falls back to the reference backend.
 MAX_BITS = 1023
@@ -138,16 +140,32 @@ def _num_bins(nbits: int) -> int:
     return triton.next_power_of_2(nbits + 1)
 
 
-def cdist(qw: torch.Tensor, gw: torch.Tensor) -> torch.Tensor:
-    """(Q, G) int32 Hamming distances of packed codes (int64 words, same word count)."""
+CDIST_BLOCKS = (32, 64)      # (queries, gallery items) per program
+AP_TILE_ELEMS = 8192         # one-hot tile of BLOCK_G x NB int32 in registers
+
+
+def cdist_plan(qw: torch.Tensor, gw: torch.Tensor, out: torch.Tensor):
     Q, W = qw.shape
     G = gw.shape[0]
-    out = torch.empty((Q, G), dtype=torch.int32, device=qw.device)
-    if Q == 0 or G == 0:
-        return out
-    BQ, BG = 32, 64
-    _cdist_kernel[(triton.cdiv(Q, BQ), triton.cdiv(G, BG))](
-        qw.contiguous(), gw.contiguous(), out, Q, G, W, BLOCK_Q=BQ, BLOCK_G=BG)
+    BQ, BG = CDIST_BLOCKS
+    return [Launch(_cdist_kernel, (cdiv(Q, BQ), cdiv(G, BG)), (qw, gw, out, Q, G, W),
+                   dict(BLOCK_Q=BQ, BLOCK_G=BG), 4, 1, "hamming_cdist")]
+
+
+def ap_plan(qw, gw, ql, gl, nbits: int, ap: torch.Tensor, nrel: torch.Tensor):
+    Q, W = qw.shape
+    G = gw.shape[0]
+    multi = ql.dim() == 2
+    NB = _num_bins(nbits)
+    return [Launch(_ap_kernel, (Q,), (qw, gw, ql, gl, ap, nrel, G, W, ql.shape[1] if multi else 1),
+                   dict(MULTI=multi, NB=NB, BLOCK_G=max(16, AP_TILE_ELEMS // NB)), 4, 1,
+                   "hamming_ap")]
+
+
+def cdist(qw: torch.Tensor, gw: torch.Tensor) -> torch.Tensor:
+    """(Q, G) int32 Hamming distances of packed codes (int64 words, same word count)."""
+    out = torch.empty((qw.shape[0], gw.shape[0]), dtype=torch.int32, device=qw.device)
+    run(cdist_plan(qw.contiguous(), gw.contiguous(), out))
     return out
 
 
@@ -157,17 +175,9 @@ def average_precision(qw, gw, ql, gl, nbits: int):
     if nbits > MAX_BITS:
         raise ValueError(f"the Triton AP kernel handles codes of at most {MAX_BITS} bits, got "
                          f"{nbits}")
-    Q, W = qw.shape
-    G = gw.shape[0]
+    Q = qw.shape[0]
     ap = torch.empty(Q, dtype=torch.float64, device=qw.device)
     nrel = torch.empty(Q, dtype=torch.int64, device=qw.device)
-    if Q == 0:
-        return ap, nrel
-    multi = ql.dim() == 2
-    LW = ql.shape[1] if multi else 1
-    NB = _num_bins(nbits)
-    # one-hot tile of BLOCK_G x NB int32 in registers: keep it at 8K elements
-    BG = max(16, 8192 // NB)
-    _ap_kernel[(Q,)](qw.contiguous(), gw.contiguous(), ql.contiguous(), gl.contiguous(), ap, nrel,
-                     G, W, LW, MULTI=multi, NB=NB, BLOCK_G=BG)
+    run(ap_plan(qw.contiguous(), gw.contiguous(), ql.contiguous(), gl.contiguous(), nbits, ap,
+                nrel))
     return ap, nrel

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
+
+from .launch import Launch, cdiv, run
 
 
 @triton.jit
@@ -35,7 +37,7 @@ def _philox_first_word(c0, c1, k0, k1):
     return c0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _noise_kernel(out_ptr, seed_ptr, p, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -49,14 +51,21 @@ def _noise_kernel(out_ptr, seed_ptr, p, numel, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, tl.where(u < p, -1.0, 1.0), mask=mask)
 
 
+BLOCK = 1024
+
+
+def noise_plan(out: torch.Tensor, seed: torch.Tensor, p: float):
+    """The launch that fills the float32 tensor `out` (any shape, contiguous) with the noise of
+    `seed` (a one-element int64 tensor on out's device)."""
+    n = out.numel()
+    return [Launch(_noise_kernel, (cdiv(n, BLOCK),), (out, seed, float(p), n),
+                   dict(BLOCK=BLOCK), 4, 1, "noise")]
+
+
 @triton_op("nac_fast::nac_noise_triton", mutates_args=())
 def nac_noise_triton(like: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
     out = torch.empty(like.shape, dtype=torch.float32, device=like.device)
-    n = out.numel()
-    if n:
-        BLOCK = 1024
-        wrap_triton(_noise_kernel)[(triton.cdiv(n, BLOCK),)](
-            out, seed.reshape(1).to(torch.int64), float(p), n, BLOCK=BLOCK)
+    run(noise_plan(out, seed.reshape(1).to(torch.int64), p))
     return out if like.dtype == torch.float32 else out.to(like.dtype)
 
 

@@ -5,20 +5,31 @@ Same contract as the C++/CUDA ops (csrc/nac_cpu.cpp, csrc/nac_math.h):
     q_i = s m_i tanh(a_i)                       k_j = keys_j (or tanh(a_j) for the in-batch keys)
     lse_i  = log sum_j exp(q_i . k_j)
     loss_i = lse_i - log N - 1/2 sum_d [z~ r + log sig(r) + log sig(-r)] + l2 ||z_i||^2
-    fwd -> (loss_i, lse_i, ga_i = d loss_i / d a_i through row i's own terms)
+    fwd -> (loss_i, lse2_i = lse_i / ln 2, ga_i = d loss_i / d a_i through row i's own terms)
     bwd -> gradients of sum_i g_i loss_i; keys: sum_i g_i P_ij q_i, P_ij = exp(q_i . k_j - lse_i)
 
-Kernels:
-  _fwd_kernel      grid (query blocks, key splits): q tile in registers, loop over key tiles, online
-                   logsumexp in base 2 (s * log2(e) folded into q, exp2), and when gradients are
-                   wanted acc += P k in the same loop (flash-attention forward; keys need no
-                   second pass for the rows' gradient).  Key splits keep every SM busy when there
-                   are few query blocks (n = 8192 with 128-row blocks is 64 programs for 132 SMs).
-  _finish_kernel   merges the splits' (max, sum, acc) and writes loss, lse and ga.
-  _bwd_keys_kernel grid (key blocks, query splits): column-parallel, each program owns its keys'
-                   gradient (no atomics; splits summed in a fixed order: deterministic).
-  _bwd_rows_kernel d/dr and d/da = g ga [+ dK (1 - z^2) for the self keys], elementwise.
+Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIGS`):
+  _prologue_kernel  O(nD), once per call: Q = s log2(e) m tanh(a) in the compute dtype (log2
+                    units, so the loops use exp2) and, for the in-batch keys, K = tanh(a).  The
+                    inner loops below are matrix products plus exp2: no tanh per tile.
+  _fwd_kernel       grid (query blocks, key splits): Q tile resident, loop over key tiles,
+                    S = Q K^T on tensor cores (bf16/fp16; fp32 through tf32x3 by default), online
+                    logsumexp, and when gradients are wanted acc += P K in the same loop
+                    (flash-attention forward).  Key splits keep every SM busy when there are few
+                    query blocks.
+  _finish_kernel    merges the splits' (max, sum, acc) with a run-time loop and writes loss, the
+                    logsumexp in base 2 (what the backward's exp2 reads back, with no round trip
+                    through ln: that cost ~3e-6 in the keys' gradient) and ga.
+  _bwd_keys_kernel  grid (key blocks, query splits): each program owns its keys, S^T = K Q^T,
+                    P^T = exp2(S^T - lse) g, dK += P^T Q; no atomics, splits summed in a fixed
+                    order: deterministic.
+  _bwd_rows_kernel  d/dr and d/da = g ga [+ dK (1 - z^2) for the self keys], elementwise.
 The logits never exist in memory: one (BLOCK_M x BLOCK_N) tile lives in registers.
+
+Precision (README "Precision"): bf16/fp16 inputs multiply on tensor cores with fp32 accumulation;
+max, logsumexp, the Bernoulli term and every reduction are fp32.  fp32 inputs use tf32x3 (three
+TF32 products, fp32-level accuracy on tensor cores) unless NAC_FAST_FP32_DOT=ieee (exact FMA) or
+=tf32.  fp64 is the correctness path (FMA, fp64 throughout).
 
 The interpreter (TRITON_INTERPRET=1, CPU tensors, what CI runs) has no tanh: _tanh below is the
 same polynomial/exp formula as csrc/nac_math.h, on the GPU too, so CI checks the math the GPU runs.
@@ -32,9 +43,12 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from nac_fast.reference import acc_dtype
+
+from .launch import (Config, Launch, Target, buffer, cdiv, next_pow2, pick, run, split_count,
+                     target_of)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -46,7 +60,8 @@ def _tanh(x):
     # 1 - 2 / (exp(2|x|) + 1) above.  2 sigmoid(2x) - 1 alone loses all relative precision near 0
     # (measured: 5e-4 relative error in the keys' gradient for codes of size 1e-4).
     ax = tl.abs(x)
-    big = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(ax, 40.0)) + 1.0)
+    # where, not tl.minimum: minimum(NaN, 40) is 40 on the GPU (minnum), turning a NaN into +1
+    big = 1.0 - 2.0 / (tl.exp(2.0 * tl.where(ax > 40.0, 40.0, ax)) + 1.0)
     if x.dtype == tl.float64:  # float64 keeps ~1e-12 relative near 0 with the exp form alone
         return tl.where(x < 0, -big, big)
     z = x * x
@@ -59,13 +74,41 @@ def _tanh(x):
 
 
 @triton.jit
-def _dot(x, y, PRECISION: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr):
-    # Triton 3.8's interpreter multiplies bf16 tiles as raw bits (measured: errors of 1e10 on a
-    # 16x16 product), so there the bf16 operands are widened to fp32 first.  bf16 x bf16 products
-    # are exact in fp32, so this is the tensor cores' arithmetic up to the order of the fp32 sums.
+def _round_tf32(x):
+    # fp32 -> the nearest TF32 value (10 explicit mantissa bits), ties away from zero, kept in
+    # fp32 (what cvt.rna.tf32.f32 gives): add half a unit of the 13 dropped bits to the magnitude
+    # (the sign is a separate bit), then clear them.  Plain integer ops: the interpreter runs it.
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot(x, y, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Accumulates in fp32 (fp64 for fp64 operands).  Triton 3.8's interpreter multiplies bf16
+    # tiles as raw bits (measured: errors of 1e10 on a 16x16 product), so there the operands are
+    # widened to fp32 first: bf16 x bf16 products are exact in fp32, so this is the tensor cores'
+    # arithmetic up to the order of the fp32 sums.
+    # fp32 operands: the TF32 splits are made here, in the operands' own layout, and each product
+    # is a "tf32" dot of values that TF32 holds exactly: x y ~ xb yb + xb ys + xs yb (tf32x3, the
+    # dropped xs ys is ~2^-22 relative), or xb yb alone (tf32).  Triton's own tf32x3 splits inside
+    # the dot-operand layout, which holds whole split tiles in registers and spilled at every D
+    # (bench/compile_check.py); and written out like this the interpreter computes exactly what
+    # the tensor cores do, so CI measures the GPU's fp32 error, not an exact product.
     if UPCAST:
-        return tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision="ieee", out_dtype=ACC)
-    return tl.dot(x, y, input_precision=PRECISION, out_dtype=ACC)
+        return tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision="ieee")
+    if x.dtype == tl.float64:
+        return tl.dot(x, y, input_precision="ieee", out_dtype=tl.float64)
+    if x.dtype == tl.float32:
+        if PRECISION == "ieee":
+            return tl.dot(x, y, input_precision="ieee")
+        xb = _round_tf32(x)
+        yb = _round_tf32(y)
+        out = tl.dot(xb, yb, input_precision="tf32")
+        if PRECISION == "tf32x3":
+            out = tl.dot(xb, _round_tf32(y - yb), out, input_precision="tf32")
+            out = tl.dot(_round_tf32(x - xb), yb, out, input_precision="tf32")
+        return out
+    return tl.dot(x, y, out_dtype=tl.float32)
 
 
 @triton.jit
@@ -76,8 +119,25 @@ def _sigmoid(r):
     return tl.where(r >= 0, inv, e * inv)
 
 
-@triton.jit(do_not_specialize=["n", "N"])
-def _fwd_kernel(A, NOISE, K, PM, PL, PACC, n, N, D, stride_a, stride_k, scale2, tiles_per_split,
+# docs: the per-row quantities below are NAC_SPEC.md's lse_i, bern_i and loss_i.
+@triton.jit(do_not_specialize=["n", "write_k"])
+def _prologue_kernel(A, NOISE, Q, K, n, D, stride_a, stride_m, scale2, write_k,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n)[:, None] & (cols < D)[None, :]
+    rows64 = rows.to(tl.int64)
+    a = tl.load(A + rows64[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(ACC)
+    m = tl.load(NOISE + rows64[:, None] * stride_m + cols[None, :], mask=mask, other=0.0).to(ACC)
+    z = _tanh(a)
+    out = rows64[:, None] * D + cols[None, :]
+    tl.store(Q + out, (m * z * scale2).to(Q.dtype.element_ty), mask=mask)
+    if write_k != 0:
+        tl.store(K + out, z.to(K.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n", "N", "tiles_per_split"])
+def _fwd_kernel(Q, K, PM, PL, PACC, n, N, D, stride_k, tiles_per_split,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 GRAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr):
@@ -87,10 +147,9 @@ def _fwd_kernel(A, NOISE, K, PM, PL, PACC, n, N, D, stride_a, stride_k, scale2, 
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < n
     dmask = cols < D
-    tile_mask = rmask[:, None] & dmask[None, :]
-    a = tl.load(A + rows[:, None] * stride_a + cols[None, :], mask=tile_mask, other=0.0).to(ACC)
-    m = tl.load(NOISE + rows[:, None] * stride_a + cols[None, :], mask=tile_mask, other=0.0).to(ACC)
-    q = (m * _tanh(a) * scale2).to(K.dtype.element_ty)  # log2 units: exp2 below
+    rows64 = rows.to(tl.int64)
+    q = tl.load(Q + rows64[:, None] * D + cols[None, :], mask=rmask[:, None] & dmask[None, :],
+                other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
@@ -100,70 +159,74 @@ def _fwd_kernel(A, NOISE, K, PM, PL, PACC, n, N, D, stride_a, stride_k, scale2, 
     for j0 in range(start, end, BLOCK_N):
         kc = j0 + tl.arange(0, BLOCK_N)
         kmask = kc < end
-        k = tl.load(K + kc[:, None] * stride_k + cols[None, :],
+        k = tl.load(K + kc.to(tl.int64)[:, None] * stride_k + cols[None, :],
                     mask=kmask[:, None] & dmask[None, :], other=0.0)
-        s = _dot(q, tl.trans(k), PRECISION, ACC, UPCAST)
+        s = _dot(q, tl.trans(k), PRECISION, UPCAST)
         s = tl.where(kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if GRAD:
-            acc = acc * alpha[:, None] + _dot(p.to(k.dtype), k, PRECISION, ACC, UPCAST)
+            acc = acc * alpha[:, None] + _dot(p.to(k.dtype), k, PRECISION, UPCAST)
         m_i = m_new
-    tl.store(PM + sp * n + rows, m_i, mask=rmask)
-    tl.store(PL + sp * n + rows, l_i, mask=rmask)
+    part = sp.to(tl.int64) * n + rows64
+    tl.store(PM + part, m_i, mask=rmask)
+    tl.store(PL + part, l_i, mask=rmask)
     if GRAD:
-        tl.store(PACC + (sp * n + rows[:, None]) * BLOCK_D + cols[None, :], acc, mask=tile_mask)
+        tl.store(PACC + part[:, None] * D + cols[None, :], acc,
+                 mask=rmask[:, None] & dmask[None, :])
 
 
-@triton.jit(do_not_specialize=["n"])
-def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, n, D, stride_a, s, l2, log_n_keys,
-                   SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                   GRAD: tl.constexpr, ACC: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+@triton.jit(do_not_specialize=["n", "split", "grad"])
+def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, n, D, stride_a, stride_r, stride_m,
+                   split, grad, s, l2, log_n_keys,
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < n
-    dmask = cols < D
-    tile_mask = rmask[:, None] & dmask[None, :]
-    offs = rows[:, None] * stride_a + cols[None, :]
-    a = tl.load(A + offs, mask=tile_mask, other=0.0).to(ACC)
-    r = tl.load(R + offs, mask=tile_mask, other=0.0).to(ACC)
-    m = tl.load(NOISE + offs, mask=tile_mask, other=0.0).to(ACC)
+    tile_mask = rmask[:, None] & (cols < D)[None, :]
+    rows64 = rows.to(tl.int64)
+    a = tl.load(A + rows64[:, None] * stride_a + cols[None, :], mask=tile_mask, other=0.0).to(ACC)
+    r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=tile_mask, other=0.0).to(ACC)
+    m = tl.load(NOISE + rows64[:, None] * stride_m + cols[None, :], mask=tile_mask,
+                other=0.0).to(ACC)
     z = _tanh(a)
     zt = m * z
 
+    # merge the key splits: a run-time loop (a static one unrolls up to 64 copies)
     mx = tl.full([BLOCK_M], float("-inf"), ACC)
-    for sp in tl.static_range(SPLIT):
-        mx = tl.maximum(mx, tl.load(PM + sp * n + rows, mask=rmask, other=float("-inf")))
+    for sp in range(0, split):
+        mx = tl.maximum(mx, tl.load(PM + sp * n + rows64, mask=rmask, other=float("-inf")))
     big_l = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
-    for sp in tl.static_range(SPLIT):
-        l_s = tl.load(PL + sp * n + rows, mask=rmask, other=0.0)
-        w = tl.where(l_s > 0, tl.exp2(tl.load(PM + sp * n + rows, mask=rmask, other=0.0) - mx), 0.0)
+    for sp in range(0, split):
+        part = sp * n + rows64
+        l_s = tl.load(PL + part, mask=rmask, other=0.0)
+        # an empty split (l_s = 0) weighs nothing; a NaN one poisons the row
+        w = tl.where(l_s != 0, tl.exp2(tl.load(PM + part, mask=rmask, other=0.0) - mx), 0.0)
         big_l += w * l_s
-        if GRAD:
-            acc += w[:, None] * tl.load(PACC + (sp * n + rows[:, None]) * BLOCK_D + cols[None, :],
-                                        mask=tile_mask, other=0.0)
+        if grad != 0:
+            acc += w[:, None] * tl.load(PACC + part[:, None] * D + cols[None, :], mask=tile_mask,
+                                        other=0.0)
     big_l = tl.where(rmask, big_l, 1.0)
-    lse = (mx + tl.log2(big_l)) * 0.6931471805599453
+    lse2 = mx + tl.log2(big_l)  # base 2, saved as is: a round trip through ln would cost ~1e-6
+    lse = lse2 * 0.6931471805599453
     ar = tl.abs(r)
-    log_sig_pair = -ar - 2.0 * tl.log(1.0 + tl.exp(-ar))
+    log_sig_pair = -ar - 2.0 * tl.log(1.0 + tl.exp(-ar))  # log sig(r) + log sig(-r)
     bern2 = tl.sum(tl.where(tile_mask, zt * r + log_sig_pair, 0.0), 1)
     zz = tl.sum(z * z, 1)
     loss = lse - log_n_keys - 0.5 * bern2 + l2 * zz
-    tl.store(LOSS + rows, loss, mask=rmask)
-    tl.store(LSE + rows, lse, mask=rmask)
-    if GRAD:
+    tl.store(LOSS + rows64, loss, mask=rmask)
+    tl.store(LSE + rows64, lse2, mask=rmask)
+    if grad != 0:
         mean_key = acc / big_l[:, None]
         ga = (m * (s * mean_key - 0.5 * r) + 2.0 * l2 * z) * (1.0 - z * z)
-        tl.store(GA + rows[:, None] * D + cols[None, :], ga, mask=tile_mask)
+        tl.store(GA + rows64[:, None] * D + cols[None, :], ga, mask=tile_mask)
 
 
-@triton.jit(do_not_specialize=["n", "N"])
-def _bwd_keys_kernel(A, NOISE, K, LSE, G, PDK, n, N, D, stride_a, stride_k, scale2, s,
-                     blocks_per_split,
+@triton.jit(do_not_specialize=["n", "N", "blocks_per_split"])
+def _bwd_keys_kernel(Q, K, LSE, G, PDK, n, N, D, stride_k, blocks_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -172,7 +235,8 @@ def _bwd_keys_kernel(A, NOISE, K, LSE, G, PDK, n, N, D, stride_a, stride_k, scal
     cols = tl.arange(0, BLOCK_D)
     kmask = kc < N
     dmask = cols < D
-    k = tl.load(K + kc[:, None] * stride_k + cols[None, :], mask=kmask[:, None] & dmask[None, :],
+    kc64 = kc.to(tl.int64)
+    k = tl.load(K + kc64[:, None] * stride_k + cols[None, :], mask=kmask[:, None] & dmask[None, :],
                 other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     start = sp * blocks_per_split * BLOCK_M
@@ -180,151 +244,247 @@ def _bwd_keys_kernel(A, NOISE, K, LSE, G, PDK, n, N, D, stride_a, stride_k, scal
     for i0 in range(start, end, BLOCK_M):
         rows = i0 + tl.arange(0, BLOCK_M)
         rmask = rows < end
-        tile_mask = rmask[:, None] & dmask[None, :]
-        a = tl.load(A + rows[:, None] * stride_a + cols[None, :], mask=tile_mask, other=0.0).to(ACC)
-        m = tl.load(NOISE + rows[:, None] * stride_a + cols[None, :], mask=tile_mask,
-                    other=0.0).to(ACC)
-        zt = m * _tanh(a)
-        lse2 = tl.load(LSE + rows, mask=rmask, other=float("inf")).to(ACC) * 1.4426950408889634
-        g = tl.load(G + rows, mask=rmask, other=0.0).to(ACC)
-        sc = _dot((zt * scale2).to(k.dtype), tl.trans(k), PRECISION, ACC, UPCAST)
-        p = tl.exp2(sc - lse2[:, None]) * g[:, None]
-        dk += _dot(tl.trans(p.to(k.dtype)), (zt * s).to(k.dtype), PRECISION, ACC, UPCAST)
-    tl.store(PDK + (sp * N + kc[:, None]) * BLOCK_D + cols[None, :], dk,
-             mask=kmask[:, None] & dmask[None, :])
+        rows64 = rows.to(tl.int64)
+        q = tl.load(Q + rows64[:, None] * D + cols[None, :], mask=rmask[:, None] & dmask[None, :],
+                    other=0.0)
+        lse2 = tl.load(LSE + rows64, mask=rmask, other=float("inf")).to(ACC)  # base 2
+        g = tl.load(G + rows64, mask=rmask, other=0.0).to(ACC)
+        st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
+        pt = tl.exp2(st - lse2[None, :]) * g[None, :]
+        dk += _dot(pt.to(q.dtype), q, PRECISION, UPCAST)               # P^T Q (log2 units)
+    tl.store(PDK + (sp.to(tl.int64) * N + kc64[:, None]) * D + cols[None, :],
+             dk * 0.6931471805599453, mask=kmask[:, None] & dmask[None, :])
 
 
-@triton.jit(do_not_specialize=["n"])
-def _bwd_rows_kernel(A, R, NOISE, GA, G, DK, GRAD_A, GRAD_R, n, D, stride_a, stride_dk,
-                     NEED_A: tl.constexpr, NEED_R: tl.constexpr, SELF_KEYS: tl.constexpr,
+@triton.jit(do_not_specialize=["n", "need_a", "need_r", "self_keys", "split"])
+def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, n, D, stride_a, stride_r, stride_m,
+                     need_a, need_r, self_keys, split,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
-    # d/dr = g (sig(r) - (1 + z~)/2);  d/da = g ga [+ dK (1 - z^2) for the self keys tanh(a)]
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    # d/dr = g (sig(r) - (1 + z~)/2);  d/da = g ga [+ dK (1 - z^2) for the self keys tanh(a)],
+    # dK summed over the keys' backward's query splits in a fixed order (deterministic)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < n
     tile_mask = rmask[:, None] & (cols < D)[None, :]
-    offs = rows[:, None] * stride_a + cols[None, :]
-    out = rows[:, None] * D + cols[None, :]
-    g = tl.load(G + rows, mask=rmask, other=0.0).to(ACC)
-    z = _tanh(tl.load(A + offs, mask=tile_mask, other=0.0).to(ACC))
-    if NEED_R:
-        r = tl.load(R + offs, mask=tile_mask, other=0.0).to(ACC)
-        zt = tl.load(NOISE + offs, mask=tile_mask, other=0.0).to(ACC) * z
+    rows64 = rows.to(tl.int64)
+    out = rows64[:, None] * D + cols[None, :]
+    g = tl.load(G + rows64, mask=rmask, other=0.0).to(ACC)
+    z = _tanh(tl.load(A + rows64[:, None] * stride_a + cols[None, :], mask=tile_mask,
+                      other=0.0).to(ACC))
+    if need_r != 0:
+        r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=tile_mask,
+                    other=0.0).to(ACC)
+        zt = tl.load(NOISE + rows64[:, None] * stride_m + cols[None, :], mask=tile_mask,
+                     other=0.0).to(ACC) * z
         tl.store(GRAD_R + out, g[:, None] * (_sigmoid(r) - 0.5 * (1.0 + zt)), mask=tile_mask)
-    if NEED_A:
+    if need_a != 0:
         ga = g[:, None] * tl.load(GA + out, mask=tile_mask, other=0.0)
-        if SELF_KEYS:
-            dk = tl.load(DK + rows[:, None] * stride_dk + cols[None, :], mask=tile_mask, other=0.0)
+        if self_keys != 0:
+            dk = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+            for sp in range(0, split):
+                dk += tl.load(PDK + sp * n * D + out, mask=tile_mask, other=0.0)
             ga += dk * (1.0 - z * z)
         tl.store(GRAD_A + out, ga, mask=tile_mask)
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch configuration
+# Launch configurations: one table, read by the launchers below and by bench/compile_check.py.
 # ---------------------------------------------------------------------------------------------
+
+def _family(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "16", torch.float16: "16", torch.float32: "32",
+            torch.float64: "64"}[dtype]
+
+
+def block_d(D: int) -> int:
+    return max(16, next_pow2(D))
+
+
+# (kernel, dtype family, BLOCK_D) -> candidates, best first (the first whose shared-memory estimate
+# fits the target wins).  fwd: BLOCK_M query rows per program, BLOCK_N keys per loop step;
+# bwd_keys: BLOCK_N keys per program, BLOCK_M query rows per loop step.  Chosen with
+# bench/compile_check.py (sm_80 and sm_90: shared memory, registers, spills); see its CSV.
+_C = Config
+CONFIGS = {
+    # ---- bf16 / fp16: tensor cores (HGMMA on sm_90 where BLOCK_M >= 64), fp32 accumulators
+    ("fwd", "16", 16): [_C(128, 64, 4, 3)], ("fwd", "16", 32): [_C(128, 64, 4, 3)],
+    ("fwd", "16", 64): [_C(128, 64, 4, 3)], ("fwd", "16", 128): [_C(128, 64, 8, 2)],
+    ("fwd", "16", 256): [_C(64, 64, 8, 2)], ("fwd", "16", 512): [_C(32, 32, 8, 2)],
+    ("bwd_keys", "16", 16): [_C(64, 128, 4, 3)], ("bwd_keys", "16", 32): [_C(64, 128, 4, 3)],
+    ("bwd_keys", "16", 64): [_C(64, 128, 4, 3)], ("bwd_keys", "16", 128): [_C(64, 128, 8, 2)],
+    ("bwd_keys", "16", 256): [_C(64, 64, 8, 2)], ("bwd_keys", "16", 512): [_C(32, 32, 8, 2)],
+    # ---- fp32, D <= 128: tf32x3 (TF32 splits in registers, three tensor-core products)
+    ("fwd", "32", 16): [_C(64, 64, 8, 2)], ("fwd", "32", 32): [_C(64, 64, 8, 2)],
+    ("fwd", "32", 64): [_C(32, 64, 8, 2)], ("fwd", "32", 128): [_C(32, 32, 8, 2)],
+    ("bwd_keys", "32", 16): [_C(64, 64, 8, 2)], ("bwd_keys", "32", 32): [_C(64, 64, 8, 2)],
+    ("bwd_keys", "32", 64): [_C(64, 32, 8, 2)], ("bwd_keys", "32", 128): [_C(64, 32, 8, 2)],
+    # ---- fp32, D > 128: exact FMA (every tf32x3 tiling spilled there)
+    ("fwd", "32", 256): [_C(16, 16, 8, 2)], ("fwd", "32", 512): [_C(16, 16, 8, 2)],
+    ("bwd_keys", "32", 256): [_C(32, 16, 8, 2)], ("bwd_keys", "32", 512): [_C(16, 16, 8, 2)],
+    # ---- fp64: the correctness path (DMMA / FMA, fp64 throughout)
+    ("fwd", "64", 16): [_C(32, 32, 8, 2)], ("fwd", "64", 32): [_C(32, 32, 8, 2)],
+    ("fwd", "64", 64): [_C(16, 32, 8, 2)], ("fwd", "64", 128): [_C(32, 32, 8, 2)],
+    ("fwd", "64", 256): [_C(16, 16, 8, 2)], ("fwd", "64", 512): [_C(16, 16, 8, 2)],
+    ("bwd_keys", "64", 16): [_C(32, 32, 8, 2)], ("bwd_keys", "64", 32): [_C(32, 32, 8, 2)],
+    ("bwd_keys", "64", 64): [_C(32, 32, 8, 2)], ("bwd_keys", "64", 128): [_C(16, 16, 8, 2)],
+    ("bwd_keys", "64", 256): [_C(32, 32, 8, 2), _C(16, 16, 8, 2)],
+    ("bwd_keys", "64", 512): [_C(16, 16, 8, 2)],
+}
+_INTERP = {"fwd": _C(32, 128), "bwd_keys": _C(32, 128)}  # wide numpy steps under the interpreter
+MAX_D = 512
+TF32_MAX_D = 128  # fp32 above this runs exact FMA products (see CONFIGS)
+
+
+def _rows_block(D: int, dtype: torch.dtype) -> int:
+    """Rows per program of the row-wise kernels (prologue, finish, bwd_rows): tiles of 4096
+    elements (1024 in fp64, whose 8-byte values spilled at 4096)."""
+    elems = 1024 if dtype == torch.float64 else 4096
+    return max(1, min(64, elems // block_d(D)))
+
+
+def smem_estimate(kernel: str, cfg: Config, dtype: torch.dtype, D: int) -> int:
+    """Shared memory a configuration needs, in bytes: `num_stages` buffers of the streamed tile,
+    plus the resident tile on the 16-bit and TF32 paths, which stage it in shared memory too (the
+    fp64 and exact-fp32 products keep it in registers).  An upper bound of what Triton allocated
+    in every configuration bench/compile_check.py measured, which checks the compiled figure."""
+    es = torch.empty((), dtype=dtype).element_size()
+    resident, streamed = ((cfg.BLOCK_M, cfg.BLOCK_N) if kernel == "fwd" else
+                          (cfg.BLOCK_N, cfg.BLOCK_M))
+    if dtype == torch.float64 or (dtype == torch.float32 and fp32_precision(D) == "ieee"):
+        resident = 0
+    return es * block_d(D) * (resident + cfg.num_stages * streamed) + 4096
+
+
+def config(kernel: str, dtype: torch.dtype, D: int, target: Target) -> Config:
+    if D > MAX_D:
+        raise ValueError(f"the Triton NAC kernels handle D <= {MAX_D} code bits, got D={D}; "
+                         "use backend='reference' or 'cpu'")
+    return pick(CONFIGS[(kernel, _family(dtype), block_d(D))], target,
+                lambda c: smem_estimate(kernel, c, dtype, D), _INTERP[kernel])
+
+
+def fp32_precision(D: int) -> str:
+    """How fp32 products run at code width D: NAC_FAST_FP32_DOT = tf32x3 (default), ieee or tf32;
+    above TF32_MAX_D always ieee."""
+    mode = os.environ.get("NAC_FAST_FP32_DOT", "tf32x3")
+    if mode not in ("tf32x3", "ieee", "tf32"):
+        raise ValueError(f"NAC_FAST_FP32_DOT must be tf32x3, ieee or tf32, got {mode!r}")
+    return mode if block_d(D) <= TF32_MAX_D else "ieee"
+
+
+def _dot_consts(dtype: torch.dtype, D: int, device: torch.device) -> dict:
+    return dict(PRECISION=fp32_precision(D) if dtype == torch.float32 else "ieee",
+                UPCAST=device.type == "cpu" and dtype in (torch.bfloat16, torch.float16))
+
 
 def _tl_acc(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _precision(dtype):
-    # fp32 inputs: exact IEEE products by default (TF32 would cost ~3e-4 relative error, over the
-    # 1e-5 budget of the tests); NAC_FAST_TF32=1 opts in.
-    if dtype == torch.float32 and os.environ.get("NAC_FAST_TF32", "0") == "1":
-        return "tf32"
-    return "ieee"
+# ---------------------------------------------------------------------------------------------
+# Plans: the launches of one call, built from (possibly meta) tensors.
+# ---------------------------------------------------------------------------------------------
 
-
-def _config(device: torch.device, D: int):
-    """Block sizes.  GPU: 128-row query blocks (the queue is re-read once per 128 queries);
-    interpreter: bigger key tiles, because each loop iteration is a numpy call."""
-    block_d = max(16, triton.next_power_of_2(D))
-    if device.type == "cuda":
-        block_n = 64 if block_d <= 128 else 32
-        return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_D=block_d, num_warps=4, num_stages=1)
-
-
-def _upcast(a: torch.Tensor) -> bool:
-    return a.device.type == "cpu" and a.dtype == torch.bfloat16  # interpreter only, see _dot
-
-
-def _num_programs_target(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return int(os.environ.get("NAC_FAST_TRITON_CPU_PROGRAMS", "4"))  # exercises the splits in CI
-
-
-def _split(n_blocks: int, n_tiles: int, device) -> int:
-    """How many ways to split the other dimension so ~2 programs per SM exist; a power of two
-    (the finish kernel is specialised on it), at most the number of tiles."""
-    want = max(1, -(-_num_programs_target(device) // n_blocks))
-    split = 1
-    while split * 2 <= min(want, n_tiles, 64):
-        split *= 2
-    return split
-
-
-def _keys_of(a, keys):
-    return torch.tanh(a) if keys is None else keys
-
-
-def _plan(a, N, split_keys: bool):
-    """Block sizes, grid extents and the split of the inner dimension for a launch over `a`'s rows
-    and N keys: split_keys splits the keys (forward), else the queries (keys' backward)."""
+def _prologue(a, noise, keys, s, target, launches):
+    """Q (log2 units) and, for the in-batch keys, K = tanh(a): (n, D) in a's dtype."""
     n, D = a.shape
-    cfg = _config(a.device, D)
-    q_blocks, k_blocks = triton.cdiv(n, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"])
-    outer, inner = (q_blocks, k_blocks) if split_keys else (k_blocks, q_blocks)
-    split = _split(outer, inner, a.device)
-    launch = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-                  ACC=_tl_acc(a.dtype), PRECISION=_precision(a.dtype), UPCAST=_upcast(a),
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return launch, outer, split, triton.cdiv(inner, split)
+    q = buffer((n, D), a.dtype, a)
+    k = buffer((n, D), a.dtype, a) if keys is None else keys
+    bm = _rows_block(D, a.dtype)
+    launches.append(Launch(_prologue_kernel, (cdiv(n, bm),),
+                           (a, noise, q, k, n, D, a.stride(0), noise.stride(0), s * LOG2E,
+                            int(keys is None)),
+                           dict(BLOCK_M=bm, BLOCK_D=block_d(D),
+                                ACC=_tl_acc(a.dtype)), 4, 1, "prologue"))
+    return q, k
+
+
+def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Target):
+    """(launches, (loss, lse, ga)) of one forward call.  a, r, noise: (n, D) with unit column
+    stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column stride."""
+    n, D = a.shape
+    launches: list = []
+    q, k = _prologue(a, noise, keys, s, target, launches)
+    N = k.shape[0]
+    acc = acc_dtype(a.dtype)
+    cfg = config("fwd", a.dtype, D, target)
+    q_blocks, k_tiles = cdiv(n, cfg.BLOCK_M), cdiv(N, cfg.BLOCK_N)
+    split = split_count(q_blocks, k_tiles, target)
+    pm, pl = buffer((split, n), acc, a), buffer((split, n), acc, a)
+    pacc = buffer((split, n, D) if grad_rows else (1,), acc, a)
+    bd = block_d(D)
+    launches.append(Launch(_fwd_kernel, (q_blocks, split),
+                           (q, k, pm, pl, pacc, n, N, D, k.stride(0), cdiv(k_tiles, split)),
+                           dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd,
+                                GRAD=bool(grad_rows), ACC=_tl_acc(a.dtype),
+                                **_dot_consts(a.dtype, D, a.device)),
+                           cfg.num_warps, cfg.num_stages, "fwd"))
+    loss, lse = buffer((n,), acc, a), buffer((n,), acc, a)
+    ga = buffer((n, D) if grad_rows else (0,), acc, a)
+    bm = _rows_block(D, a.dtype)
+    launches.append(Launch(_finish_kernel, (cdiv(n, bm),),
+                           (a, r, noise, pm, pl, pacc, loss, lse, ga, n, D, a.stride(0),
+                            r.stride(0), noise.stride(0), split, int(grad_rows), float(s),
+                            float(l2), math.log(N)),
+                           dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype)), 4, 1, "finish"))
+    return launches, (loss, lse, ga)
+
+
+def bwd_plan(a, r, noise, keys, lse, ga, g, s: float, need_a: bool, need_r: bool,
+             need_keys: bool, target: Target):
+    """(launches, (grad_a, grad_r, pdk)) of one backward call.  pdk: None, or the keys'
+    gradient per query split (split, N, D); the caller sums the splits (fixed order)."""
+    n, D = a.shape
+    acc = acc_dtype(a.dtype)
+    launches: list = []
+    self_keys = keys is None
+    pdk = None
+    if (need_a and self_keys) or (need_keys and not self_keys):
+        q, k = _prologue(a, noise, keys, s, target, launches)
+        N = k.shape[0]
+        cfg = config("bwd_keys", a.dtype, D, target)
+        k_blocks, q_blocks = cdiv(N, cfg.BLOCK_N), cdiv(n, cfg.BLOCK_M)
+        split = split_count(k_blocks, q_blocks, target)
+        pdk = buffer((split, N, D), acc, a)
+        launches.append(Launch(_bwd_keys_kernel, (k_blocks, split),
+                               (q, k, lse, g, pdk, n, N, D, k.stride(0), cdiv(q_blocks, split)),
+                               dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d(D),
+                                    ACC=_tl_acc(a.dtype), **_dot_consts(a.dtype, D, a.device)),
+                               cfg.num_warps, cfg.num_stages, "bwd_keys"))
+    grad_a = buffer((n, D) if need_a else (0,), acc, a)
+    grad_r = buffer((n, D) if need_r else (0,), acc, a)
+    if need_a or need_r:
+        bm = _rows_block(D, a.dtype)
+        self_dk = need_a and self_keys
+        launches.append(Launch(
+            _bwd_rows_kernel, (cdiv(n, bm),),
+            (a, r, noise, ga, g, pdk if self_dk else grad_a, grad_a, grad_r, n, D, a.stride(0),
+             r.stride(0), noise.stride(0), int(need_a), int(need_r), int(self_dk),
+             pdk.shape[0] if self_dk else 0),
+            dict(BLOCK_M=bm, BLOCK_D=block_d(D), ACC=_tl_acc(a.dtype)), 4, 1, "bwd_rows"))
+    return launches, (grad_a, grad_r, pdk)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops
+# ---------------------------------------------------------------------------------------------
+
+def _rows_operand(t, dtype):
+    """t in `dtype` with unit column stride (rows may be strided)."""
+    t = t.to(dtype)
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 @triton_op("nac_fast::nac_fwd_triton", mutates_args=())
 def nac_fwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
                    keys: Optional[torch.Tensor], s: float, l2: float,
                    grad_rows: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    a = a.contiguous()
-    r = r.contiguous()
-    noise = noise.to(a.dtype).contiguous()
-    k = _keys_of(a, keys).to(a.dtype).contiguous()
-    n, D = a.shape
-    N = k.shape[0]
-    acc = acc_dtype(a.dtype)
-    launch, q_blocks, split, tiles_per_split = _plan(a, N, split_keys=True)
-    bd = launch["BLOCK_D"]
-    pm = torch.empty((split, n), device=a.device, dtype=acc)
-    pl = torch.empty((split, n), device=a.device, dtype=acc)
-    pacc = torch.empty((split, n, bd) if grad_rows else (1,), device=a.device, dtype=acc)
-    wrap_triton(_fwd_kernel)[(q_blocks, split)](
-        a, noise, k, pm, pl, pacc, n, N, D, a.stride(0), k.stride(0), s * LOG2E, tiles_per_split,
-        GRAD=grad_rows, **launch)
-    loss = torch.empty((n,), device=a.device, dtype=acc)
-    lse = torch.empty((n,), device=a.device, dtype=acc)
-    ga = torch.empty((n, D) if grad_rows else (0,), device=a.device, dtype=acc)
-    fin_m = 32
-    wrap_triton(_finish_kernel)[(triton.cdiv(n, fin_m),)](
-        a, r, noise, pm, pl, pacc, loss, lse, ga, n, D, a.stride(0), s, l2, math.log(N),
-        SPLIT=split, BLOCK_M=fin_m, BLOCK_D=bd, GRAD=grad_rows, ACC=_tl_acc(a.dtype),
-        num_warps=4)
-    return loss, lse, ga
-
-
-def _keys_grad(a, noise, k, lse, g, s):
-    """sum_i g_i P_ij q_i (N x D, accumulation dtype) for the keys k."""
-    n, D = a.shape
-    N = k.shape[0]
-    acc = acc_dtype(a.dtype)
-    launch, k_blocks, split, blocks_per_split = _plan(a, N, split_keys=False)
-    pdk = torch.empty((split, N, launch["BLOCK_D"]), device=a.device, dtype=acc)
-    wrap_triton(_bwd_keys_kernel)[(k_blocks, split)](
-        a, noise, k, lse.to(acc).contiguous(), g, pdk, n, N, D, a.stride(0), k.stride(0),
-        s * LOG2E, s, blocks_per_split, **launch)
-    return (pdk[0] if split == 1 else pdk.sum(0))[:, :D]  # fixed-order sum: deterministic
+    a = _rows_operand(a, a.dtype)
+    launches, out = fwd_plan(a, _rows_operand(r, a.dtype), _rows_operand(noise, a.dtype),
+                             None if keys is None else _rows_operand(keys, a.dtype), s, l2,
+                             grad_rows, target_of(a.device))
+    run(launches)
+    return out
 
 
 @triton_op("nac_fast::nac_bwd_triton", mutates_args=())
@@ -332,28 +492,16 @@ def nac_bwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
                    keys: Optional[torch.Tensor], lse: torch.Tensor, ga: torch.Tensor,
                    g: torch.Tensor, s: float, need_a: bool, need_r: bool,
                    need_keys: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    a = a.contiguous()
-    r = r.contiguous()
-    noise = noise.to(a.dtype).contiguous()
-    n, D = a.shape
+    a = _rows_operand(a, a.dtype)
     acc = acc_dtype(a.dtype)
-    g = g.to(acc).contiguous()
-
-    def empty():  # outputs must not alias each other: one fresh (0,) tensor each
-        return torch.empty((0,), device=a.device, dtype=acc)
-
-    self_keys = keys is None
-    dk = empty()
-    if (need_a and self_keys) or (need_keys and not self_keys):
-        k = _keys_of(a, keys).to(a.dtype).contiguous()
-        dk = _keys_grad(a, noise, k, lse, g, s)
-    grad_a = torch.empty((n, D), device=a.device, dtype=acc) if need_a else empty()
-    grad_r = torch.empty((n, D), device=a.device, dtype=acc) if need_r else empty()
-    if need_a or need_r:
-        bd = _config(a.device, D)["BLOCK_D"]
-        wrap_triton(_bwd_rows_kernel)[(triton.cdiv(n, 32),)](
-            a, r, noise, ga, g, dk, grad_a, grad_r, n, D, a.stride(0),
-            dk.stride(0) if dk.dim() == 2 else 0, NEED_A=need_a, NEED_R=need_r,
-            SELF_KEYS=self_keys, BLOCK_M=32, BLOCK_D=bd, ACC=_tl_acc(a.dtype), num_warps=4)
-    grad_k = dk.contiguous() if need_keys and not self_keys else empty()
-    return grad_a, grad_r, grad_k
+    launches, (grad_a, grad_r, pdk) = bwd_plan(
+        a, _rows_operand(r, a.dtype), _rows_operand(noise, a.dtype),
+        None if keys is None else _rows_operand(keys, a.dtype), lse.to(acc).contiguous(),
+        ga.to(acc).contiguous(), g.to(acc).contiguous(), s, need_a, need_r, need_keys,
+        target_of(a.device))
+    run(launches)
+    empty = lambda: torch.empty((0,), device=a.device, dtype=acc)  # noqa: E731  (no aliasing)
+    grad_k = empty()
+    if need_keys and keys is not None:  # the query splits summed in a fixed order
+        grad_k = pdk[0] if pdk.shape[0] == 1 else pdk.sum(0)
+    return (grad_a if need_a else empty(), grad_r if need_r else empty(), grad_k)

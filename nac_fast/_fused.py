@@ -7,6 +7,8 @@ Every fused backend provides two ops with one contract (csrc/nac_cpu.cpp documen
     bwd(a, r, noise, keys?, lse, ga, g, s, need_a, need_r, need_keys) -> (d/da, d/dr, d/dkeys)
         of sum_i g_i loss_i; with keys=None d/da includes the path through the self keys
 
+lse is the per-row logsumexp in the units of the backend's own backward (natural log for cpu and
+cuda; base 2 for triton, whose loops run in exp2): only that backend's backward reads it.
 The forward returns ga because it needs only the softmax-weighted mean key, which it accumulates
 anyway (flash-attention style); the backward then scales it by g and makes one pass over the tiles
 for the keys' gradient from the saved lse.  d/dr is elementwise and done in the backward, so only

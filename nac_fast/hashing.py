@@ -84,18 +84,10 @@ def _cpu_kernel_available() -> bool:
     return all(hasattr(ns, op) for op in _OPS)
 
 
-_TRITON_MOD = []
-
-
 def _triton_kernels():
-    """kernels/hamming_triton.py, or None when Triton does not import."""
-    if not _TRITON_MOD:
-        try:
-            from .kernels import hamming_triton
-        except Exception:  # pragma: no cover - depends on the install
-            hamming_triton = None
-        _TRITON_MOD.append(hamming_triton)
-    return _TRITON_MOD[0]
+    """kernels/hamming_triton.py (the Triton backend's import status is nac_fast._backends')."""
+    from .kernels import hamming_triton
+    return hamming_triton
 
 
 def available_backends(device: str | torch.device = "cpu") -> list[str]:
@@ -106,7 +98,7 @@ def available_backends(device: str | torch.device = "cpu") -> list[str]:
     out = ["reference"]
     if dev == "cpu" and _cpu_kernel_available():
         out.append("cpu")
-    if dev in ("cpu", "cuda") and _backends.triton_runs_on(dev) and _triton_kernels() is not None:
+    if dev in ("cpu", "cuda") and _backends.triton_runs_on(dev) and _backends.triton_importable():
         out.append("triton")
     return out
 

@@ -1,15 +1,23 @@
 """Helpers for the loss tests: float64 oracle, error measures, backend list."""
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import numpy as np
 import torch
 
 import nac_fast
+from nac_fast import _backends
 
 
 def fused_backends(device: str = "cpu") -> list[str]:
+    """The fused backends to test on `device`.  Where Triton is installed and would run, its
+    backend must be there: a failed import is an error here, never a silent skip."""
+    why = nac_fast.available_backends(device, reasons=True)
+    if (importlib.util.find_spec("triton") is not None and _backends.triton_runs_on(device)
+            and why["triton"] is not None):
+        raise RuntimeError(f"triton is installed but the Triton backend is off: {why['triton']}")
     return [b for b in nac_fast.available_backends(device) if b != "reference"]
 
 

@@ -1,0 +1,361 @@
+"""Compile-only GPU check, run on a CPU: every Triton kernel configuration the launchers can
+choose, compiled for sm_80 and sm_90, with its shared memory, registers, spills and tensor-core
+instructions; plus the CUDA kernels' resource usage (nvcc).
+
+    python bench/compile_check.py --csv bench/results/compile_check.csv     # what CI runs
+    python bench/compile_check.py --archs 90 --dtypes bfloat16 --D 128       # one slice
+
+The Triton part builds each op's launch plan (kernels/launch.py) from meta tensors for each
+target, exactly as the op builds it for real tensors on that GPU, so the check covers the
+configurations the launchers pick and nothing else.  Each distinct launch (kernel, specialised
+signature, constexprs, warps, stages, arch) is compiled once with ``triton.compile`` in a pool of
+processes; ``ptxas -v`` (Triton's own, with Triton's flags) reports registers and spills, Triton's
+metadata the shared memory, and ``cuobjdump -sass`` the matrix instructions (HGMMA/HMMA).
+
+It fails (exit 1, a line per problem) when
+  - a kernel's shared memory exceeds the arch's opt-in limit (sm_80 163 KB, sm_90 227 KB);
+  - a bf16/fp16 or tf32-family (tf32, tf32x3) configuration spills registers;
+  - the bf16/fp16/tf32-family matrix kernels (fwd, bwd_keys) have no tensor-core instruction;
+  - one kernel takes more than --max-compile-s (20 s) to compile;
+  - a CUDA kernel of a 16-bit path spills, or any CUDA kernel's shared memory exceeds the limit.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import csv
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real (the tests' conftest sets it)
+
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+DS = (16, 64, 128, 256, 512)
+MODES = ("inbatch", "queue")
+FP32_MODES = ("tf32x3", "tf32", "ieee")  # NAC_FAST_FP32_DOT: the default first
+FIELDS = ["kernel", "arch", "dtype", "D", "modes", "precision", "blocks", "warps", "stages",
+          "smem_bytes", "smem_estimate", "smem_limit", "registers", "spill_store_bytes",
+          "spill_load_bytes", "mma_instr", "mma_count", "compile_s", "problems"]
+MATRIX_KERNELS = ("fwd", "bwd_keys")
+
+
+def _triton_bin(tool: str) -> str:
+    import triton
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+    if not os.path.exists(path):
+        raise RuntimeError(f"{tool} not found in Triton's wheel ({path})")
+    return path
+
+
+def _signature(launch):
+    """The specialised signature, constexprs and divisibility attributes of a launch, as
+    Triton's JIT derives them from the arguments (kernels are launched with 16-byte aligned
+    tensors: fresh allocations or rows of contiguous ones)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import MockTensor, native_specialize_impl
+    import torch
+
+    fn = launch.kernel
+    sig, consts, attrs = {}, dict(launch.constexprs), {}
+    runtime = [p for p in fn.params if not p.is_constexpr]
+    if len(runtime) != len(launch.args):
+        raise RuntimeError(f"{fn.__name__}: {len(launch.args)} arguments for {len(runtime)} "
+                           "runtime parameters")
+    for p, arg in zip(runtime, launch.args):
+        if isinstance(arg, torch.Tensor):
+            arg = MockTensor(arg.dtype)
+        ty, key = native_specialize_impl(BaseBackend, arg, False, not p.do_not_specialize,
+                                         not p.do_not_specialize_on_alignment)
+        if ty == "constexpr":
+            consts[p.name] = key
+        else:
+            sig[p.name] = ty
+            if key == "D":
+                attrs[(p.num,)] = [["tt.divisibility", 16]]
+    for name in consts:
+        sig[name] = "constexpr"
+    return sig, consts, attrs
+
+
+def _key(launch, arch):
+    sig, consts, attrs = _signature(launch)
+    return (launch.kernel.__name__, arch, tuple(sorted(sig.items())),
+            tuple(sorted((k, str(v)) for k, v in consts.items())),
+            tuple(sorted(attrs)), launch.num_warps, launch.num_stages)
+
+
+def _fp32_modes(dtypes, fp32_modes):
+    """(dtype name, NAC_FAST_FP32_DOT value or None) pairs: fp32 once per product mode."""
+    for dname in dtypes:
+        for mode in (fp32_modes if dname == "float32" else (None,)):
+            yield dname, mode
+
+
+def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
+    """(case, launch) for every launch of every op at every case of the grid on `target`."""
+    import torch
+    from nac_fast.kernels import hamming_triton, nac_noise_triton, nac_triton
+
+    meta = dict(device="meta")
+    n, N = 8192, 65536
+    for dname, fp32_mode in _fp32_modes(dtypes, fp32_modes):
+        dtype = getattr(torch, dname)
+        if fp32_mode:
+            os.environ["NAC_FAST_FP32_DOT"] = fp32_mode
+        else:
+            os.environ.pop("NAC_FAST_FP32_DOT", None)
+        for D in ds:
+            a = torch.empty((n, D), dtype=dtype, **meta)
+            r, noise = torch.empty_like(a), torch.empty_like(a)
+            acc = torch.float64 if dtype == torch.float64 else torch.float32
+            lse, g = torch.empty(n, dtype=acc, **meta), torch.empty(n, dtype=acc, **meta)
+            for mode in modes:
+                keys = None if mode == "inbatch" else torch.empty((N, D), dtype=dtype, **meta)
+                case = dict(dtype=dname, D=D, mode=mode)
+                for grad in (True, False):
+                    launches, (_, _, ga) = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, grad,
+                                                               target)
+                    for L in launches:
+                        yield case, L
+                # the backward with everything needed (training: a, r; gathered keys: keys too)
+                ga = torch.empty((n, D), dtype=acc, **meta)
+                launches, _ = nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, 1.1, True, True,
+                                                  keys is not None, target)
+                for L in launches:
+                    yield case, L
+    os.environ.pop("NAC_FAST_FP32_DOT", None)
+    out = torch.empty((4096, 128), dtype=torch.float32, **meta)
+    seed = torch.empty(1, dtype=torch.int64, **meta)
+    for L in nac_noise_triton.noise_plan(out, seed, 0.1):
+        yield dict(dtype="float32", D="", mode=""), L
+    for bits in ds:
+        W = -(-bits // 64)
+        qw = torch.empty((1000, W), dtype=torch.int64, **meta)
+        gw = torch.empty((50000, W), dtype=torch.int64, **meta)
+        dist = torch.empty((1000, 50000), dtype=torch.int32, **meta)
+        ap = torch.empty(1000, dtype=torch.float64, **meta)
+        nrel = torch.empty(1000, dtype=torch.int64, **meta)
+        case = dict(dtype="int64", D=bits, mode="")
+        for L in hamming_triton.cdist_plan(qw, gw, dist):
+            yield case, L
+        for multi in (False, True):
+            ql = torch.empty((1000, 1) if multi else (1000,), dtype=torch.int64, **meta)
+            gl = torch.empty((50000, 1) if multi else (50000,), dtype=torch.int64, **meta)
+            for L in hamming_triton.ap_plan(qw, gw, ql, gl, bits, ap, nrel):
+                yield case, L
+
+
+def _compile_one(job):
+    """Worker: compile one launch for one arch; returns measured figures."""
+    module, kernel_name, arch, sig, consts, attrs, warps, stages = job
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    mod = importlib.import_module(module)
+    fn = getattr(mod, kernel_name)
+    t0 = time.perf_counter()
+    compiled = triton.compile(ASTSource(fn, sig, consts, attrs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    dt = time.perf_counter() - t0
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        log = subprocess.run([_triton_bin("ptxas"), "-lineinfo", "-v", "--regAllocOptLevel=2",
+                              f"--gpu-name={gpu}", ptx, "-o", os.path.join(tmp, "v.cubin")],
+                             capture_output=True, text=True)
+        if log.returncode:
+            raise RuntimeError(f"ptxas failed on {kernel_name}: {log.stderr[-2000:]}")
+        sass = subprocess.run([_triton_bin("cuobjdump"), "-sass", cubin], capture_output=True,
+                              text=True).stdout
+    regs = re.search(r"Used (\d+) registers", log.stderr)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.stderr)
+    mma = {m: len(re.findall(rf"\b{m}\b", sass)) for m in ("HGMMA", "HMMA", "DMMA")}
+    used = [m for m, c in mma.items() if c]
+    return dict(registers=int(regs.group(1)) if regs else -1,
+                spill_store_bytes=int(spill.group(1)) if spill else 0,
+                spill_load_bytes=int(spill.group(2)) if spill else 0,
+                smem_bytes=int(compiled.metadata.shared),
+                mma_instr="+".join(used), mma_count=sum(mma.values()), compile_s=round(dt, 2))
+
+
+def _job(launch, arch):
+    sig, consts, attrs = _signature(launch)
+    return (launch.kernel.__module__, launch.kernel.__name__, arch, sig, consts, attrs,
+            launch.num_warps, launch.num_stages)
+
+
+def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_MODES):
+    from nac_fast.kernels import launch as KL
+    from nac_fast.kernels import nac_triton
+
+    targets = {t.arch: t for t in KL.CHECKED_TARGETS}
+    unique: dict = {}
+    for arch in archs:
+        target = targets[arch]
+        for case, L in _plans(target, dtypes, ds, modes, fp32_modes):
+            k = _key(L, arch)
+            if k not in unique:
+                unique[k] = dict(launch=L, arch=arch, cases=[])
+            unique[k]["cases"].append(case)
+    print(f"compile check: {len(unique)} distinct Triton launches for archs {archs}", flush=True)
+    rows = []
+    t0 = time.perf_counter()
+    with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
+        futs = {pool.submit(_compile_one, _job(u["launch"], u["arch"])): u
+                for u in unique.values()}
+        for fut in cf.as_completed(futs):
+            u = futs[fut]
+            L, arch, cases = u["launch"], u["arch"], u["cases"]
+            target = targets[arch]
+            tag = L.tag
+            c = L.constexprs
+            dtype = cases[0]["dtype"]
+            D = cases[0]["D"]
+            prec = c.get("PRECISION", "")
+            if tag in MATRIX_KERNELS and dtype == "float64":
+                prec = "ieee-fp64"
+            row = dict(kernel=tag, arch=arch, dtype=dtype, D=D,
+                       modes="+".join(sorted({x["mode"] for x in cases if x["mode"]})),
+                       precision=prec,
+                       blocks="x".join(str(c[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D",
+                                                            "BLOCK_Q", "BLOCK_G", "NB", "BLOCK")
+                                       if k in c),
+                       warps=L.num_warps, stages=L.num_stages, smem_limit=target.smem,
+                       smem_estimate=(nac_triton.smem_estimate(
+                           tag, nac_triton.config(tag, _torch_dtype(dtype), D, target),
+                           _torch_dtype(dtype), D) if tag in MATRIX_KERNELS else ""))
+            try:
+                row.update(fut.result())
+            except Exception as exc:  # noqa: BLE001 - a failed compile is a finding
+                row.update(registers=-1, spill_store_bytes=-1, spill_load_bytes=-1, smem_bytes=-1,
+                           mma_instr="", mma_count=0, compile_s=-1)
+                row["problems"] = f"compile failed: {str(exc).splitlines()[0][:300]}"
+                rows.append(row)
+                continue
+            row["problems"] = "; ".join(_triton_problems(row, max_compile_s))
+            rows.append(row)
+    print(f"compile check: Triton part took {time.perf_counter() - t0:.0f} s", flush=True)
+    return rows
+
+
+def _torch_dtype(name):
+    import torch
+    return getattr(torch, name)
+
+
+def _triton_problems(row, max_compile_s):
+    out = []
+    if row["smem_bytes"] > row["smem_limit"]:
+        out.append(f"shared memory {row['smem_bytes']} B > {row['smem_limit']} B")
+    low = row["dtype"] in ("bfloat16", "float16") or row["precision"] in ("tf32", "tf32x3")
+    if low and (row["spill_store_bytes"] or row["spill_load_bytes"]):
+        out.append(f"spills {row['spill_store_bytes']} B stores / {row['spill_load_bytes']} B "
+                   "loads on a 16-bit/tf32 path")
+    if low and row["kernel"] in MATRIX_KERNELS and not row["mma_count"]:
+        out.append("no tensor-core instruction (HGMMA/HMMA) in a 16-bit/tf32 matrix kernel")
+    if row["compile_s"] > max_compile_s:
+        out.append(f"compile took {row['compile_s']} s > {max_compile_s} s")
+    return out
+
+
+def cuda_rows(archs, jobs):
+    """The .cu file's kernels (bench/cuda_resources.py), or [] with a note if it cannot run."""
+    try:
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        import cuda_resources
+    except ImportError:
+        print("compile check: bench/cuda_resources.py missing; CUDA kernels not checked")
+        return []
+    rows = cuda_resources.cuda_resource_rows(archs=tuple(archs), jobs=jobs)
+    problems = cuda_resources.problems(rows)
+    out = []
+    for r in rows:
+        mine = [p for p in problems if p.startswith(f"{r['kernel']} ") and f"sm_{r['arch']}" in p]
+        out.append(dict(kernel="cuda:" + r["kernel"], arch=r["arch"], dtype=r["dtype"], D=r["D"],
+                        modes="", precision="", blocks="", warps="", stages="",
+                        smem_bytes=r["smem_bytes"], smem_estimate="", smem_limit="",
+                        registers=r["registers"], spill_store_bytes=r["spill_store_bytes"],
+                        spill_load_bytes=r["spill_load_bytes"], mma_instr="", mma_count="",
+                        compile_s=r["compile_s"], problems="; ".join(mine)))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--csv", default=None, help="write every row here")
+    ap.add_argument("--archs", default="80,90")
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--D", default=",".join(map(str, DS)))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--fp32-modes", default=",".join(FP32_MODES),
+                    help="NAC_FAST_FP32_DOT values to check for fp32 (tf32x3 is the default)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--max-compile-s", type=float, default=20.0)
+    ap.add_argument("--no-cuda", action="store_true", help="skip the .cu file's check")
+    ap.add_argument("--keep-cache", action="store_true",
+                    help="reuse Triton's cache (default: a fresh one, so compile times are real)")
+    args = ap.parse_args(argv)
+    archs = [int(x) for x in args.archs.split(",")]
+    for a in archs:
+        if a not in (80, 90):
+            ap.error(f"--archs: only 80 and 90 are checked, got {a}")
+    tmp_cache = None
+    if not args.keep_cache:
+        tmp_cache = tempfile.mkdtemp(prefix="nac_triton_cache_")
+        os.environ["TRITON_CACHE_DIR"] = tmp_cache
+    t0 = time.perf_counter()
+    try:
+        rows = triton_rows(archs, args.dtypes.split(","), [int(x) for x in args.D.split(",")],
+                           args.modes.split(","), args.jobs, args.max_compile_s,
+                           args.fp32_modes.split(","))
+        if not args.no_cuda:
+            rows += cuda_rows(archs, args.jobs)
+    finally:
+        if tmp_cache:
+            shutil.rmtree(tmp_cache, ignore_errors=True)
+    rows.sort(key=lambda r: (str(r["kernel"]), r["arch"], str(r["dtype"]), str(r["D"])))
+    if args.csv:
+        os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+    _print_table(rows)
+    bad = [r for r in rows if r["problems"]]
+    print(f"compile check: {len(rows)} rows, {len(bad)} with problems, "
+          f"{time.perf_counter() - t0:.0f} s in all")
+    for r in bad:
+        print(f"PROBLEM {r['kernel']} sm_{r['arch']} {r['dtype']} D={r['D']} {r['blocks']} "
+              f"w{r['warps']} s{r['stages']}: {r['problems']}")
+    return 1 if bad else 0
+
+
+def _print_table(rows):
+    print(f"{'kernel':22s} {'arch':>4s} {'dtype':9s} {'D':>4s} {'blocks':14s} {'w':>2s} {'s':>2s} "
+          f"{'smem':>7s} {'regs':>4s} {'spill':>6s} {'mma':12s} {'sec':>5s}")
+    for r in rows:
+        print(f"{str(r['kernel']):22s} {r['arch']:>4} {str(r['dtype']):9s} {str(r['D']):>4s} "
+              f"{str(r['blocks']):14s} {str(r['warps']):>2s} {str(r['stages']):>2s} "
+              f"{r['smem_bytes']:>7} {r['registers']:>4} {r['spill_store_bytes']:>6} "
+              f"{str(r['mma_instr']) + ':' + str(r['mma_count']):12s} {r['compile_s']:>5}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
