@@ -24,13 +24,15 @@
 #   all          build test bench train
 #
 # Every stage is sized for < 8 min on one H100 and runs under a time limit (NAC_FAST_STAGE_TIMEOUT,
-# default 540 s; the whole command stops starting stages after NAC_FAST_SUITE_DEADLINE, default
-# 570 s, so it ends, with its results packed, inside the device tool's 600 s).  A stage that needs
+# default 540 s), and no stage runs past NAC_FAST_SUITE_DEADLINE seconds after the command started
+# (0 = none; default 560 when $OUT is set, i.e. under the device tool, so the command ends with
+# its results packed inside the tool's 600 s: lower it with a lower timeout_s; else none).  A stage that needs
 # the extension and finds it unbuilt (a fresh machine) runs the build first, inside its own time.
 # Exit status: 0 only if every stage asked for passed.  Last lines: one per stage,
 #   SUITE <stage> PASS|FAIL|SKIPPED <seconds>s <detail>
 #
-# Results: bench/results/<gpu>_<date>/ (NAC_FAST_SUITE_RESULTS overrides), and when $OUT is set
+# Results: bench/results/<gpu>_<date>[_$NAC_FAST_SUITE_TAG]/ (NAC_FAST_SUITE_RESULTS overrides; a tag
+# keeps the folders of several device calls apart when they are unpacked), and when $OUT is set
 # (device tool) up to 8 files there: suite_results.tar.gz (the whole folder) plus
 # suite_summary.txt, summary.json, summary.md, loss_gpu.csv, hamming_gpu.csv, train.json,
 # train_kernels_top15.txt when they exist.  Uses the machine's own python3 (PYTHON overrides) and
@@ -301,7 +303,12 @@ EOF
   echo "SUITE preflight FAIL no usable python/torch/GPU ($PY)"
   exit 2
 fi
-RES=${NAC_FAST_SUITE_RESULTS:-$ROOT/bench/results/${NAME}_$(date -u +%Y-%m-%d)}
+TAG=${NAC_FAST_SUITE_TAG:-}
+if [ -n "$TAG" ] && ! [[ "$TAG" =~ ^[A-Za-z0-9._-]+$ ]]; then
+  echo "NAC_FAST_SUITE_TAG must be letters, digits, '.', '_' or '-', got '$TAG'" >&2
+  exit 2
+fi
+RES=${NAC_FAST_SUITE_RESULTS:-$ROOT/bench/results/${NAME}_$(date -u +%Y-%m-%d)${TAG:+_$TAG}}
 mkdir -p "$RES" || exit 2
 RES=$(cd "$RES" && pwd)
 export RES PY CPU_MODE
@@ -366,8 +373,8 @@ package_out() {
 SUMMARY=("$VERSIONS_LINE")
 { echo "$VERSIONS_LINE"; } > "$RES/suite_summary.txt"
 STAGE_TIMEOUT=${NAC_FAST_STAGE_TIMEOUT:-540}
-DEADLINE=${NAC_FAST_SUITE_DEADLINE:-570}
-START=$SECONDS
+if [ -n "${OUT:-}" ]; then DEADLINE=${NAC_FAST_SUITE_DEADLINE:-560}; else DEADLINE=${NAC_FAST_SUITE_DEADLINE:-0}; fi
+START=0  # the deadline counts from the command's start (bash's SECONDS)
 fail=0
 build_failed=0
 for stage in "${REQ[@]}"; do
@@ -392,7 +399,7 @@ for stage in "${REQ[@]}"; do
     rc=${PIPESTATUS[0]}
     dt=$((SECONDS - t0))
     d=$(cat "$RES/.detail_$stage" 2>/dev/null || true)
-    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then d="timed out after ${limit}s; $d"; fi
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then d="timed out after ${limit}s${d:+; $d}"; fi
     if [ "$rc" = 0 ]; then verdict=PASS; else verdict=FAIL; fail=1; fi
     [ "$rc" = 0 ] || d="${d:-exit status $rc}"
     line="SUITE $stage $verdict ${dt}s $d"

@@ -229,11 +229,13 @@ def goal_checks(summary):
     if t is None:
         lines.append((False, "MISS training throughput: no train.json"))
     else:
-        ok = t["img_per_s"] >= GOAL_TRAIN_IMG_S
+        goal_cfg = (t["arch"], t["method"]) == ("resnet50", "nac-mq")
+        ok = goal_cfg and t["img_per_s"] >= GOAL_TRAIN_IMG_S
         lines.append((ok, f"{'PASS' if ok else 'MISS'} training {t['arch']} {t['method']} batch "
                           f"{t['batch_per_gpu']}/GPU: {t['img_per_s']:.0f} img/s per GPU, data "
                           f"wait {100 * t['data_wait_frac']:.1f}% (goal >= {GOAL_TRAIN_IMG_S:g} "
-                          "img/s per H100)"))
+                          "img/s per H100"
+                          f"{'' if goal_cfg else ', for resnet50 nac-mq: not this config'})"))
     return lines
 
 
