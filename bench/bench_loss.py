@@ -3,6 +3,7 @@
     python bench/bench_loss.py                          # paper shapes, fp32 + bf16, this device
     python bench/bench_loss.py --quick                  # one small shape per kind (smoke run)
     python bench/bench_loss.py --device cuda --compile-reference   # GPU: also torch.compile(ref)
+    python bench/bench_loss.py --quick --compile-reference --compile-backend aot_eager   # CPU check
     python bench/plot_bench.py bench/results/loss_cpu.csv          # PNG plots of the CSV
 
 Shapes (issue #2): in-batch n = N in {1000, 2048, 4096}; queue n = 512 with M in {16384, 65536,
@@ -12,6 +13,21 @@ the profiler's allocation events, GPU: max_memory_allocated), GFLOP/s of the use
 (forward 2nND, backward 2nND per gradient product: in-batch 6nND in all, MQ 4nND) and the ratio to
 the reference's time and memory.  Every row is appended to a CSV with host, device, torch version,
 commit and timestamp; a table is printed and, last, one JSON line with the rows.
+
+--compile-reference adds a "compiled-reference" row: torch.compile(reference, dynamic=False,
+fullgraph=True) built afresh for EVERY (shape, dtype) after torch._dynamo.reset(), so no case runs
+past dynamo's recompile limit (8) and falls back to eager.  The compiler backend (default inductor;
+aot_eager is a cheap one for CPU checks) is wrapped to count the graphs it compiles and the calls
+into them: a row whose case compiled other than exactly one graph, or whose steps did not all run
+the compiled graph, is recorded as failed ("not compiled: ...").  compile_s is the first call's time
+(tracing + compiling + one step).
+
+On a GPU that bench/roofline.py knows (H100 SXM, H200) each row gets bound_s (the time floor of
+the problem on that chip: max of matrix, exp and memory time of our algorithm), its limiter and
+pct_of_bound = bound_s / median_s x 100.  Columns added after the first version are appended at the
+end of FIELDS; appending to a CSV with an older header rewrites it with the new header (old rows
+keep their values, new columns empty).  Any failed row (error, out of memory, not compiled) is
+written with status "failed: ..." and makes the script exit with status 1.
 """
 from __future__ import annotations
 
@@ -31,16 +47,24 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import nac_fast  # noqa: E402
+import roofline  # noqa: E402
 
 INBATCH = [1000, 2048, 4096]
 QUEUE = [16384, 65536, 262144]
 FIELDS = ["timestamp", "host", "device", "torch", "commit", "threads", "kind", "n", "N", "D",
           "dtype", "backend", "median_s", "p20_s", "p80_s", "peak_extra_mib", "gflops",
-          "time_ratio_to_ref", "mem_ratio_to_ref", "reps"]
+          "time_ratio_to_ref", "mem_ratio_to_ref", "reps",
+          # added for the GPU suite (kept at the end: older CSVs stay readable)
+          "triton", "pct_of_bound", "bound_s", "bound_limiter", "compile_backend",
+          "compiled_graphs", "compile_s", "check_inputs", "status"]
 
 
 def commit() -> str:
+    """NAC_FAST_COMMIT if set (the GPU machine gets a copy of the tree without .git), else git."""
+    if os.environ.get("NAC_FAST_COMMIT"):
+        return os.environ["NAC_FAST_COMMIT"]
     try:
         return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                                        stderr=subprocess.DEVNULL, text=True).strip()
@@ -63,13 +87,28 @@ def device_name(device: str) -> str:
     return f"{name} x{os.cpu_count()}"
 
 
-def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None):
+def _inputs(kind, n, N, D, dtype, device):
     g = torch.Generator(device="cpu").manual_seed(n + N)
     a = (torch.randn(n, D, generator=g) * 1.5).to(device, dtype).requires_grad_()
     r = torch.randn(n, D, generator=g).to(device, dtype).requires_grad_()
     noise = nac_fast.draw_noise((n, D), 0.1, generator=g).to(device, dtype)
     queue = torch.tanh(torch.randn(N, D, generator=g)).to(device, dtype) if kind == "mq" else None
+    return a, r, noise, queue
 
+
+def reference_fn(a, r, noise, queue):
+    """The function torch.compile compiles: the plain reference (no argument checks)."""
+    from nac_fast import reference
+    s = nac_fast.channel_scale(0.1)
+    if queue is None:
+        return reference.nac_loss_reference(a, r, noise, s)
+    return reference.nac_mq_loss_reference(a, r, queue, noise, s)
+
+
+def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None):
+    """One forward+backward of `backend` ("reference", "cpu", "triton", "cuda") at the shape, or
+    of `compiled_ref` (a compiled reference_fn) when given."""
+    a, r, noise, queue = _inputs(kind, n, N, D, dtype, device)
     if compiled_ref is not None:
         def step():
             a.grad = r.grad = None
@@ -83,6 +122,36 @@ def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None):
             a.grad = r.grad = None
             nac_fast.nac_loss(a, r, 0.1, noise=noise, backend=backend).backward()
     return step
+
+
+class CountingBackend:
+    """A torch.compile backend that compiles with `name` (inductor, aot_eager, ...) and counts the
+    graphs it compiles and the calls into them, so a caller can tell compiled runs from eager."""
+
+    def __init__(self, name: str):
+        from torch._dynamo.backends.registry import lookup_backend
+        self.name = name
+        self.inner = lookup_backend(name)
+        self.graphs = 0
+        self.calls = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        compiled = self.inner(gm, example_inputs)
+
+        def run(*args, **kwargs):
+            self.calls += 1
+            return compiled(*args, **kwargs)
+        if getattr(compiled, "_boxed_call", False):  # keep the calling convention dynamo expects
+            run._boxed_call = True
+        return run
+
+
+def compile_reference(backend_name: str):
+    """A fresh torch.compile of reference_fn for one case (dynamo state reset first)."""
+    torch._dynamo.reset()
+    counter = CountingBackend(backend_name)
+    return torch.compile(reference_fn, backend=counter, dynamic=False, fullgraph=True), counter
 
 
 def peak_extra_bytes(step, device) -> int:
@@ -106,9 +175,14 @@ def peak_extra_bytes(step, device) -> int:
 
 
 def time_step(step, device, reps: int, min_time: float):
+    """(median, p20, p80, timed reps, first call's seconds).  The first call is the warm-up (it
+    compiles); at least `reps` timed calls, more up to 10 x reps while under min_time seconds."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
     step()
-    sync()  # warm-up (also compiles)
+    sync()
+    first = time.perf_counter() - t0
     times = []
     t_start = time.perf_counter()
     while len(times) < reps or (time.perf_counter() - t_start < min_time and len(times) < 10 * reps):
@@ -117,7 +191,52 @@ def time_step(step, device, reps: int, min_time: float):
         sync()
         times.append(time.perf_counter() - t0)
     q = statistics.quantiles(times, n=5) if len(times) >= 5 else [min(times)] * 4
-    return statistics.median(times), q[0], q[3], len(times)
+    return statistics.median(times), q[0], q[3], len(times), first
+
+
+def read_csv_rows(path):
+    """(header, rows) of an existing CSV, ([], []) if there is none."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return [], []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        return list(reader.fieldnames or []), rows
+
+
+def append_rows(path, rows, fields=FIELDS):
+    """Append rows; a CSV with another header is rewritten first with fields (+ its own extra
+    columns), so its old rows keep their values and the columns stay aligned."""
+    header, old = read_csv_rows(path)
+    if header and header != list(fields):
+        cols = list(fields) + [c for c in header if c not in fields]
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=cols)
+            w.writeheader()
+            w.writerows(old)
+        fields = cols
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        if not header:
+            w.writeheader()
+        w.writerows(rows)
+
+
+def roofline_bound(device, dev_name, kind, n, N, D, dtype):
+    """roofline.bound(...) for this case, or None off a GPU roofline knows."""
+    if device != "cuda" or not roofline.known_gpu(dev_name):
+        return None
+    fp32_mode = "tf32" if os.environ.get("NAC_FAST_TF32", "0") == "1" else "ieee"
+    return roofline.bound("queue" if kind == "mq" else "inbatch", n, N, D, str(dtype)[6:],
+                          dev_name, fp32_mode=fp32_mode)
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+        return triton.__version__
+    except Exception:
+        return ""
 
 
 def main(argv=None):
@@ -133,6 +252,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds of timing per case")
     ap.add_argument("--compile-reference", action="store_true", help="also torch.compile(reference)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of the compiled-reference rows (default inductor; "
+                    "aot_eager is cheap, for CPU checks of the per-case compilation)")
     ap.add_argument("--quick", action="store_true", help="one small shape per kind, fp32 only")
     ap.add_argument("--csv", default=None, help="CSV to append to (default bench/results/loss_<device>.csv)")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
@@ -141,7 +263,11 @@ def main(argv=None):
         ap.error("--device cuda but no GPU is visible")
     if args.quick:
         args.inbatch, args.queue, args.dtypes, args.reps, args.min_time = "256", "4096", "float32", 3, 0.1
-    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    dtypes = []
+    for d in args.dtypes.split(","):
+        if not isinstance(getattr(torch, d, None), torch.dtype):
+            ap.error(f"--dtypes: {d!r} is not a torch dtype")
+        dtypes.append(getattr(torch, d))
     avail = nac_fast.available_backends(args.device)
     backends = args.backends.split(",") if args.backends else avail
     for b in backends:
@@ -149,69 +275,97 @@ def main(argv=None):
             ap.error(f"backend {b!r} is not available on {args.device}: {avail}")
     if "reference" not in backends:
         backends = ["reference"] + backends
+    if args.compile_reference:
+        try:
+            CountingBackend(args.compile_backend)
+        except Exception as exc:
+            ap.error(f"--compile-backend {args.compile_backend!r}: {exc}")
     csv_path = args.csv or os.path.join(ROOT, "bench", "results", f"loss_{args.device}.csv")
-    os.makedirs(os.path.dirname(csv_path), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
+    dev_name = device_name(args.device)
+    from nac_fast import loss as _loss_mod
     common = dict(timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                  host=socket.gethostname(), device=device_name(args.device),
-                  torch=torch.__version__, commit=commit(), threads=torch.get_num_threads())
+                  host=socket.gethostname(), device=dev_name,
+                  torch=torch.__version__, commit=commit(), threads=torch.get_num_threads(),
+                  triton=_triton_version(), check_inputs=int(bool(_loss_mod.CHECK_VALUES)))
 
     def sizes(text):  # "" means none of that kind
         return [int(x) for x in text.split(",") if x.strip()]
     cases = [("inbatch", n, n) for n in sizes(args.inbatch)] + \
             [("mq", args.mq_n, m) for m in sizes(args.queue)]
-    compiled_ref = None
-    if args.compile_reference:
-        from nac_fast import reference
 
-        def ref_fn(a, r, noise, queue):
-            s = nac_fast.channel_scale(0.1)
-            if queue is None:
-                return reference.nac_loss_reference(a, r, noise, s)
-            return reference.nac_mq_loss_reference(a, r, queue, noise, s)
-        compiled_ref = torch.compile(ref_fn, dynamic=False)
-
-    rows = []
+    rows, failed = [], 0
     print(f"{'kind':8s} {'n':>6s} {'N':>7s} {'dtype':9s} {'backend':18s} {'median ms':>10s} "
-          f"{'p20':>8s} {'p80':>8s} {'peak MiB':>9s} {'GFLOP/s':>8s} {'x ref':>6s} {'mem/ref':>8s}")
+          f"{'p20':>8s} {'p80':>8s} {'peak MiB':>9s} {'GFLOP/s':>8s} {'x ref':>6s} {'mem/ref':>8s} "
+          f"{'%bound':>7s}")
     for kind, n, N in cases:
         flops = (6 if kind == "inbatch" else 4) * n * N * args.D
         for dtype in dtypes:
             ref_t = ref_mem = None
-            variants = [(b, None) for b in backends]
-            if compiled_ref is not None:
-                variants.insert(1, ("compiled-reference", compiled_ref))
-            for b, cref in variants:
-                step = make_step(kind, n, N, args.D, dtype, args.device,
-                                 "reference" if cref is not None else b, cref)
+            bnd = roofline_bound(args.device, dev_name, kind, n, N, args.D, dtype)
+            variants = list(backends)
+            if args.compile_reference:
+                variants.insert(1, "compiled-reference")
+            for b in variants:
+                base = dict(common, kind=kind, n=n, N=N, D=args.D, dtype=str(dtype)[6:], backend=b,
+                            bound_s="" if bnd is None else f"{bnd['bound_s']:.9f}",
+                            bound_limiter="" if bnd is None else bnd["limiter"])
+                counter = None
                 try:
-                    med, p20, p80, reps = time_step(step, args.device, args.reps, args.min_time)
+                    if b == "compiled-reference":
+                        cref, counter = compile_reference(args.compile_backend)
+                        step = make_step(kind, n, N, args.D, dtype, args.device, "reference", cref)
+                        base.update(compile_backend=args.compile_backend)
+                    else:
+                        step = make_step(kind, n, N, args.D, dtype, args.device, b)
+                    med, p20, p80, reps, first = time_step(step, args.device, args.reps,
+                                                           args.min_time)
                     mem = None if args.no_memory else peak_extra_bytes(step, args.device)
-                except (RuntimeError, ValueError) as exc:  # e.g. out of memory at 262144
-                    print(f"{kind:8s} {n:6d} {N:7d} {str(dtype)[6:]:9s} {b:18s} failed: {exc}")
+                    if counter is not None:
+                        calls_wanted = 1 + reps + (0 if args.no_memory else 1)
+                        base.update(compiled_graphs=counter.graphs, compile_s=f"{first:.3f}")
+                        if counter.graphs != 1 or counter.calls != calls_wanted:
+                            raise RuntimeError(
+                                f"not compiled: {counter.graphs} graphs compiled (want 1), "
+                                f"{counter.calls} of {calls_wanted} steps ran the compiled graph")
+                except Exception as exc:  # OOM, compile error, not compiled: a failed row
+                    failed += 1
+                    msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+                    print(f"{kind:8s} {n:6d} {N:7d} {str(dtype)[6:]:9s} {b:18s} FAILED {msg}",
+                          flush=True)
+                    rows.append(dict(base, status=f"failed: {msg}"))
+                    step = None
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
                     continue
+                finally:
+                    if b == "compiled-reference":
+                        torch._dynamo.reset()
                 if b == "reference":
                     ref_t, ref_mem = med, mem
-                row = dict(common, kind=kind, n=n, N=N, D=args.D, dtype=str(dtype)[6:], backend=b,
-                           median_s=f"{med:.6f}", p20_s=f"{p20:.6f}", p80_s=f"{p80:.6f}",
+                pct = "" if bnd is None else f"{roofline.pct_of_bound(bnd['bound_s'], med):.2f}"
+                row = dict(base, median_s=f"{med:.6f}", p20_s=f"{p20:.6f}", p80_s=f"{p80:.6f}",
                            peak_extra_mib="" if mem is None else f"{mem / 2**20:.2f}",
                            gflops=f"{flops / med / 1e9:.1f}",
                            time_ratio_to_ref="" if ref_t is None else f"{med / ref_t:.3f}",
                            mem_ratio_to_ref="" if not ref_mem or mem is None else f"{mem / ref_mem:.4f}",
-                           reps=reps)
+                           reps=reps, pct_of_bound=pct, status="ok")
                 rows.append(row)
-                print(f"{kind:8s} {n:6d} {N:7d} {row['dtype']:9s} {b:18s} {med * 1e3:10.2f} "
-                      f"{p20 * 1e3:8.2f} {p80 * 1e3:8.2f} {row['peak_extra_mib']:>9s} "
-                      f"{row['gflops']:>8s} {row['time_ratio_to_ref']:>6s} {row['mem_ratio_to_ref']:>8s}",
-                      flush=True)
-    new = not os.path.exists(csv_path)
-    with open(csv_path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+                print(f"{kind:8s} {n:6d} {N:7d} {row['dtype']:9s} {b:18s} {med * 1e3:10.3f} "
+                      f"{p20 * 1e3:8.3f} {p80 * 1e3:8.3f} {row['peak_extra_mib']:>9s} "
+                      f"{row['gflops']:>8s} {row['time_ratio_to_ref']:>6s} "
+                      f"{row['mem_ratio_to_ref']:>8s} {pct:>7s}", flush=True)
+                del step
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+    append_rows(csv_path, rows)
     print(f"appended {len(rows)} rows to {csv_path}")
     print(json.dumps({"rows": rows}))
+    if failed:
+        print(f"{failed} row(s) FAILED", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

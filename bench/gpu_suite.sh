@@ -1,53 +1,416 @@
 #!/usr/bin/env bash
-# The GPU suite: one command that, on a machine with an NVIDIA GPU, builds the extension with the
-# CUDA kernels, runs the GPU tests (Triton and CUDA backends on CUDA tensors) and the GPU
-# benchmarks, and writes everything under bench/results/<gpu>_<date>/ (and $OUT when set, for the
-# device tool, which brings back at most 8 files).
+# The GPU suite, in stages, for a lent H100/H200 reached one shell command at a time:
 #
-#   bash bench/gpu_suite.sh              # full: build, tests, benchmarks
-#   QUICK=1 bash bench/gpu_suite.sh      # tests + one small benchmark shape
+#   bash bench/gpu_suite.sh STAGE...        STAGE: build test bench-quick bench train | all
 #
-# It uses the python3 that holds torch on that machine (no network there: nothing is installed).
+#   build        python setup.py build_ext --inplace with the CUDA kernels (NAC_FAST_FORCE_CUDA=1,
+#                TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16), then from the source tree (PYTHONPATH =
+#                repo root): nac_fast.kernels.nac_triton imports and available_backends('cuda')
+#                holds 'triton' and 'cuda'.  A build failure is fatal: no later stage runs.
+#   test         pytest with NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1 of the loss, noise,
+#                hashing and input tests, JUnit XML; fails on any failure or error, on a skipped
+#                triton/cuda test, and unless tests of both backends passed (gpu_summary.py
+#                --check-junit).
+#   bench-quick  bench_loss.py, bf16 fwd+bwd, in-batch 8192 and queue 8192 x 65536 (D = 128), every
+#                backend + per-shape torch.compile of the reference; then gpu_summary.py.
+#   bench        bench_loss.py, bf16 and fp32, in-batch n in {1024, 4096, 8192, 16384}, queue
+#                n = 8192 with N in {65536, 262144}; eager / torch.compile / triton / cuda, median
+#                and p20/p80, peak memory, % of the roofline bound (bench/roofline.py); then
+#                bench_hamming.py --gpu, plot_bench.py and gpu_summary.py.
+#   train        train_throughput.py: ResNet-50, NAC-MQ, bf16 autocast, channels-last, batch 256
+#                (one GPU), synthetic images made on the GPU; img/s and data-wait after warm-up,
+#                the top-15 CUDA kernels of one step, and the loss forward+backward under
+#                torch.cuda.set_sync_debug_mode("error") (PASS/FAIL with the offending op).
+#   all          build test bench train
+#
+# Every stage is sized for < 8 min on one H100 and runs under a time limit (NAC_FAST_STAGE_TIMEOUT,
+# default 540 s), and no stage runs past NAC_FAST_SUITE_DEADLINE seconds after the command started
+# (0 = none; default 560 when $OUT is set, i.e. under the device tool, so the command ends with
+# its results packed inside the tool's 600 s: lower it with a lower timeout_s; else none).  A stage that needs
+# the extension and finds it unbuilt (a fresh machine) runs the build first, inside its own time.
+# Exit status: 0 only if every stage asked for passed.  Last lines: one per stage,
+#   SUITE <stage> PASS|FAIL|SKIPPED <seconds>s <detail>
+#
+# Results: bench/results/<gpu>_<date>[_$NAC_FAST_SUITE_TAG]/ (NAC_FAST_SUITE_RESULTS overrides; a tag
+# keeps the folders of several device calls apart when they are unpacked), and when $OUT is set
+# (device tool) up to 8 files there: suite_results.tar.gz (the whole folder) plus
+# suite_summary.txt, summary.json, summary.md, loss_gpu.csv, hamming_gpu.csv, train.json,
+# train_kernels_top15.txt when they exist.  Uses the machine's own python3 (PYTHON overrides) and
+# packages: nothing is installed, nothing downloaded.  NAC_FAST_COMMIT=<sha> records the commit
+# when the tree has no .git (the device machine's copy).
+#
+# NAC_FAST_SUITE_CPU=1: the same stages on a machine without a GPU, for CI and for checking the
+# plumbing: build builds no extension (NAC_FAST_SKIP_EXT=1: seconds; the CPU kernels are CI's own
+# `pip install -e .`) and checks, under TRITON_INTERPRET=1, that nac_fast.kernels.nac_triton
+# imports from the source tree and 'triton' is in available_backends('cpu'); the other stages run
+# toy sizes on the CPU (aot_eager for torch.compile, resnet-tiny) and prove nothing about speed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
-$PY -c "import torch; assert torch.cuda.is_available(), 'no GPU visible'" || exit 2
-GPU=$($PY -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
-STAMP=$(date -u +%Y-%m-%d)
-RES=bench/results/${GPU}_${STAMP}
-mkdir -p "$RES"
-LOG="$RES/suite.log"
-exec > >(tee -a "$LOG") 2>&1
-echo "== $GPU $STAMP torch $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)')"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv || true
+CPU_MODE=${NAC_FAST_SUITE_CPU:-0}
+STAGES=(build test bench-quick bench train)
 
-echo "== build (CUDA kernels, sm_90)"
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
-export NAC_FAST_FORCE_CUDA=1
-t0=$(date +%s)
-$PY setup.py build_ext --inplace > "$RES/build.log" 2>&1 || { tail -40 "$RES/build.log"; echo BUILD FAILED; }
-echo "build took $(( $(date +%s) - t0 )) s"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-$PY -c "import nac_fast; print('backends on cuda:', nac_fast.available_backends('cuda'))"
+usage() {
+  sed -n '2,24p' "$ROOT/bench/gpu_suite.sh" | sed 's/^# \{0,1\}//' >&2
+  echo "usage: bash bench/gpu_suite.sh STAGE...   (STAGE: ${STAGES[*]} all)" >&2
+}
 
-echo "== tests on the GPU"
-# NAC_FAST_TEST_DEVICE=cuda makes the loss tests put their tensors on the GPU.
-# test_hashing's "triton" backend runs on CUDA tensors here (compiled, not interpreted).
-NAC_FAST_TEST_DEVICE=cuda $PY -m pytest -q -x tests/test_loss_backends.py tests/test_loss_reference.py \
-  tests/test_hashing.py tests/test_noise.py -p no:cacheprovider --junitxml="$RES/pytest_gpu.xml" 2>&1 | tail -25
+detail() { echo "$*" > "$RES/.detail_$STAGE"; }
 
-echo "== benchmarks"
-if [ "${QUICK:-0}" = 1 ]; then
-  $PY bench/bench_loss.py --device cuda --inbatch 4096 --queue 65536 --mq-n 8192 --dtypes bfloat16 \
-      --compile-reference --csv "$RES/loss_gpu.csv"
-else
-  $PY bench/bench_loss.py --device cuda --inbatch 1024,4096,8192,16384 --queue 65536,262144 \
-      --mq-n 512 --compile-reference --csv "$RES/loss_gpu.csv"
-  $PY bench/bench_loss.py --device cuda --inbatch "" --queue 65536,262144 --mq-n 8192 \
-      --compile-reference --csv "$RES/loss_gpu.csv"
+# ---------------------------------------------------------------------------------------------
+# stages (run in a child bash: bash gpu_suite.sh --run-stage NAME, with set -e)
+# ---------------------------------------------------------------------------------------------
+
+import_check() {
+  SUITE_ROOT="$ROOT" $PY - <<'EOF'
+import importlib, os, sys
+root = os.path.realpath(os.environ["SUITE_ROOT"])
+cpu = os.environ.get("NAC_FAST_SUITE_CPU", "0") == "1"
+# Import from the source tree alone, as on the GPU machine (nothing installed there): drop the
+# finders of a setuptools editable install (pip install -e .), which map nac_fast.kernels to
+# kernels/ through setup.py's package_dir and would hide a tree that cannot import it.
+sys.meta_path = [f for f in sys.meta_path
+                 if "__editable__" not in (getattr(f, "__module__", "") or "")
+                 and "__editable__" not in (getattr(type(f), "__module__", "") or "")]
+import nac_fast
+where = os.path.dirname(os.path.realpath(nac_fast.__file__))
+if where != os.path.join(root, "nac_fast"):
+    sys.exit(f"import check: nac_fast was imported from {where}, not from this tree {root}")
+importlib.import_module("nac_fast.kernels.nac_triton")
+dev = "cpu" if cpu else "cuda"
+got = nac_fast.available_backends(dev)
+want = ["triton"] if cpu else ["triton", "cuda"]
+missing = [b for b in want if b not in got]
+print(f"import check: nac_fast from {where}; nac_fast.kernels.nac_triton imports; "
+      f"available_backends({dev!r}) = {got}")
+if missing:
+    sys.exit(f"import check: available_backends({dev!r}) lacks {missing}")
+if not cpu:
+    ext = nac_fast._backends.extension()
+    if ext is None or not ext.built_with_cuda():
+        sys.exit("import check: nac_fast._C is missing or was built without CUDA")
+EOF
+}
+
+stage_build() {
+  local log="$RES/build_ext.log"
+  if [ "$CPU_MODE" = 1 ]; then
+    export NAC_FAST_SKIP_EXT=1 TRITON_INTERPRET=1
+    unset NAC_FAST_FORCE_CUDA
+  else
+    export NAC_FAST_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+    unset NAC_FAST_SKIP_CUDA NAC_FAST_SKIP_EXT
+  fi
+  echo "== build: NAC_FAST_FORCE_CUDA=${NAC_FAST_FORCE_CUDA:-} NAC_FAST_SKIP_EXT=${NAC_FAST_SKIP_EXT:-}" \
+       "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} MAX_JOBS=${MAX_JOBS:-} $PY setup.py build_ext --inplace"
+  local t0=$SECONDS
+  if ! $PY setup.py build_ext --inplace > "$log" 2>&1; then
+    tail -n 60 "$log"
+    detail "setup.py build_ext failed after $((SECONDS - t0))s (tail above; build_ext.log)"
+    return 1
+  fi
+  local tb=$((SECONDS - t0))
+  echo "build_ext took $tb s (log: build_ext.log)"
+  if ! import_check; then
+    detail "build_ext ${tb}s, but the import check failed"
+    return 1
+  fi
+  detail "build_ext ${tb}s; import check ok"
+}
+
+ensure_built() {
+  if [ "$CPU_MODE" = 1 ]; then
+    export TRITON_INTERPRET=1
+    return 0
+  fi
+  if $PY -c "import sys, nac_fast; sys.exit(0 if nac_fast._backends.cuda_extension_built() and \
+'triton' in nac_fast.available_backends('cuda') else 1)" 2>/dev/null; then
+    return 0
+  fi
+  echo "== the CUDA extension is not built on this machine: running the build stage first"
+  local t0=$SECONDS
+  stage_build || { echo "build failed"; return 1; }
+  BUILT_FIRST="built first in $((SECONDS - t0))s; "
+}
+
+run_summary() {
+  local commit_arg=()
+  [ -n "${NAC_FAST_COMMIT:-}" ] && commit_arg=(--commit "$NAC_FAST_COMMIT")
+  $PY bench/gpu_summary.py "$RES" --out "$RES/summary.json" --markdown "$RES/summary.md" \
+      --status-file "$RES/.goals" "${commit_arg[@]}"
+}
+
+bench_detail() {  # $1 = bench_loss rc
+  local goals
+  goals=$(cat "$RES/.goals" 2>/dev/null || echo "no summary")
+  if [ "$1" != 0 ]; then
+    echo "bench_loss FAILED (rows failed or crashed: see $STAGE.log); $goals"
+  else
+    echo "$goals"
+  fi
+}
+
+stage_test() {
+  BUILT_FIRST=""
+  ensure_built || { detail "build failed"; return 1; }
+  local files require rc=0
+  if [ "$CPU_MODE" = 1 ]; then
+    export NAC_FAST_TEST_DEVICE=cpu  # plumbing only: one quick file, no backend required
+    files=(tests/test_noise.py)
+    require=""
+  else
+    export NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1
+    files=(tests/test_loss_backends.py tests/test_loss_reference.py tests/test_hashing.py
+           tests/test_noise.py tests/test_loss_inputs.py)
+    require=triton,cuda
+  fi
+  rm -f "$RES/pytest_gpu.xml"
+  echo "== NAC_FAST_TEST_DEVICE=$NAC_FAST_TEST_DEVICE pytest ${files[*]}"
+  $PY -m pytest -q -rfEs -p no:cacheprovider --junitxml="$RES/pytest_gpu.xml" "${files[@]}" || rc=$?
+  echo "pytest exit status $rc"
+  $PY bench/gpu_summary.py --check-junit "$RES/pytest_gpu.xml" --require-passed "$require" \
+      --status-file "$RES/.junit" || rc=1
+  detail "${BUILT_FIRST}$(cat "$RES/.junit" 2>/dev/null || echo 'no JUnit verdict')"
+  return $rc
+}
+
+stage_bench_quick() {
+  BUILT_FIRST=""
+  ensure_built || { detail "build failed"; return 1; }
+  local rc=0
+  if [ "$CPU_MODE" = 1 ]; then
+    $PY bench/bench_loss.py --device cpu --inbatch 64 --queue 256 --mq-n 32 --dtypes bfloat16 \
+        --compile-reference --compile-backend aot_eager --reps 3 --min-time 0 \
+        --csv "$RES/loss_gpu.csv" || rc=$?
+  else
+    $PY bench/bench_loss.py --device cuda --inbatch 8192 --queue 65536 --mq-n 8192 \
+        --dtypes bfloat16 --compile-reference --reps 20 --min-time 0.5 \
+        --csv "$RES/loss_gpu.csv" || rc=$?
+  fi
+  local brc=$rc
+  run_summary || rc=1
+  detail "${BUILT_FIRST}$(bench_detail $brc)"
+  return $rc
+}
+
+stage_bench() {
+  BUILT_FIRST=""
+  ensure_built || { detail "build failed"; return 1; }
+  local rc=0 hrc=0 prc=0
+  # Budget (H100, estimated): 12 cases x 4 rows x (>= 10 timed steps or 0.25 s) ~ 1 min, 12
+  # inductor compiles ~ 10-20 s each, Hamming ~ 1 min.
+  if [ "$CPU_MODE" = 1 ]; then
+    $PY bench/bench_loss.py --device cpu --inbatch 64,128 --queue 256 --mq-n 32 \
+        --dtypes bfloat16,float32 --compile-reference --compile-backend aot_eager --reps 2 \
+        --min-time 0 --csv "$RES/loss_gpu.csv" || rc=$?
+    $PY bench/bench_hamming.py --queries 200 --gallery 1000 --repeats 1 --no-faiss --no-rank \
+        --torch-queries 0 --faiss-heap-queries 0 --csv "$RES/hamming_gpu.csv" || hrc=$?
+  else
+    $PY bench/bench_loss.py --device cuda --inbatch 1024,4096,8192,16384 --queue 65536,262144 \
+        --mq-n 8192 --dtypes bfloat16,float32 --compile-reference --reps 10 --min-time 0.25 \
+        --csv "$RES/loss_gpu.csv" || rc=$?
+    $PY bench/bench_hamming.py --gpu --no-faiss --no-rank --torch-queries 0 \
+        --faiss-heap-queries 0 --repeats 3 --csv "$RES/hamming_gpu.csv" || hrc=$?
+  fi
+  local brc=$rc
+  [ -f "$RES/loss_gpu.csv" ] && { $PY bench/plot_bench.py "$RES/loss_gpu.csv" --out "$RES" || prc=$?; }
+  run_summary || rc=1
+  [ $hrc = 0 ] || rc=1
+  [ $prc = 0 ] || rc=1
+  local extra=""
+  [ $hrc = 0 ] || extra="; bench_hamming FAILED"
+  [ $prc = 0 ] || extra="$extra; plot_bench FAILED"
+  detail "${BUILT_FIRST}$(bench_detail $brc)$extra"
+  return $rc
+}
+
+stage_train() {
+  BUILT_FIRST=""
+  ensure_built || { detail "build failed"; return 1; }
+  local rc=0
+  rm -f "$RES/train.json"
+  if [ "$CPU_MODE" = 1 ]; then
+    $PY bench/train_throughput.py --data synthetic-device:256 --arch resnet-tiny --method nac-mq \
+        --batch-size 32 --image-size 16 --amp off --queue-size 128 --warmup 1 --steps 2 \
+        --profile-out "$RES/train_kernels_top15.txt" --sync-check --json-out "$RES/train.json" || rc=$?
+  else
+    $PY bench/train_throughput.py --data synthetic-device:1281167 --arch resnet50 \
+        --method nac-mq --batch-size 256 --image-size 224 --amp bf16 --channels-last \
+        --queue-size 65536 --warmup 10 --steps 30 \
+        --profile-out "$RES/train_kernels_top15.txt" --sync-check --json-out "$RES/train.json" || rc=$?
+  fi
+  local trc=$rc
+  run_summary || rc=1
+  local d
+  d=$($PY - "$RES/train.json" <<'EOF' 2>/dev/null || echo "no train.json"
+import json, sys
+r = json.load(open(sys.argv[1]))
+s = f"{r['img_per_s']:.0f} img/s ({r['device']}), data wait {100 * r['data_wait']:.1f}%"
+s += f", profile {r.get('profile', 'not run')}, sync check {r.get('sync_check', 'not run')}"
+if r.get("sync_offender"):
+    s += f" ({r['sync_offender'][:120]})"
+print(s)
+EOF
+)
+  [ $trc = 0 ] || d="train_throughput exit status $trc; $d"
+  detail "${BUILT_FIRST}$d"
+  return $rc
+}
+
+if [ "${1:-}" = "--run-stage" ]; then  # internal: one stage, in this child process
+  STAGE=$2
+  set -e
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  "stage_${STAGE//-/_}"
+  exit $?
 fi
-$PY bench/bench_hamming.py --gpu --no-rank --faiss-heap-queries 0 --torch-queries 0 \
-    --csv "$RES/hamming_gpu.csv" 2>&1 | tail -12
-$PY bench/plot_bench.py "$RES/loss_gpu.csv" --out "$RES" || true
-if [ -n "${OUT:-}" ]; then cp "$RES"/*.csv "$RES"/*.png "$RES"/*.log "$RES"/*.xml "$OUT"/ 2>/dev/null; fi
-echo "== results in $RES"
+
+# ---------------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------------
+
+[ $# -ge 1 ] || { usage; exit 2; }
+REQ=()
+for a in "$@"; do
+  case "$a" in
+    all) REQ+=(build test bench train) ;;
+    build|test|bench-quick|bench|train) REQ+=("$a") ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu_suite.sh: unknown stage '$a'" >&2; usage; exit 2 ;;
+  esac
+done
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NAC_FAST_SUITE_CPU="$CPU_MODE"
+if [ -z "${NAC_FAST_COMMIT:-}" ]; then
+  NAC_FAST_COMMIT=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || true)
+  [ -n "$NAC_FAST_COMMIT" ] && export NAC_FAST_COMMIT
+fi
+if [ "$CPU_MODE" = 1 ]; then export TRITON_INTERPRET=1; fi
+
+if ! NAME=$($PY - <<'EOF'
+import os, re, sys
+import torch
+if os.environ.get("NAC_FAST_SUITE_CPU", "0") == "1":
+    print("cpu")
+elif not torch.cuda.is_available():
+    sys.exit("no GPU visible to torch (NAC_FAST_SUITE_CPU=1 runs the suite's CPU mode)")
+else:
+    print(re.sub(r"[^A-Za-z0-9.-]+", "-", torch.cuda.get_device_name(0)).strip("-"))
+EOF
+); then
+  echo "SUITE preflight FAIL no usable python/torch/GPU ($PY)"
+  exit 2
+fi
+TAG=${NAC_FAST_SUITE_TAG:-}
+if [ -n "$TAG" ] && ! [[ "$TAG" =~ ^[A-Za-z0-9._-]+$ ]]; then
+  echo "NAC_FAST_SUITE_TAG must be letters, digits, '.', '_' or '-', got '$TAG'" >&2
+  exit 2
+fi
+RES=${NAC_FAST_SUITE_RESULTS:-$ROOT/bench/results/${NAME}_$(date -u +%Y-%m-%d)${TAG:+_$TAG}}
+mkdir -p "$RES" || exit 2
+RES=$(cd "$RES" && pwd)
+export RES PY CPU_MODE
+
+# ---- versions
+$PY - "$RES/versions.json" <<'EOF'
+import datetime, json, os, platform, shutil, subprocess, sys
+import torch
+info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "commit": os.environ.get("NAC_FAST_COMMIT") or "unknown",
+        "python": platform.python_version(), "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda or "none"}
+try:
+    import triton
+    info["triton"] = triton.__version__
+except Exception as exc:  # reported, not fatal here: the build stage checks what it needs
+    info["triton"] = f"not importable ({type(exc).__name__})"
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=torch.cuda.get_device_name(0), capability=f"{p.major}.{p.minor}",
+                sms=p.multi_processor_count, gpu_memory_gib=round(p.total_memory / 2**30, 1))
+else:
+    info["gpu"] = "none (CPU mode)"
+def run(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception:
+        return ""
+smi = run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.max.sm,power.limit",
+           "--format=csv,noheader"]) if shutil.which("nvidia-smi") else ""
+info["driver"] = smi.split(",")[0].strip() if smi else "unknown"
+info["nvidia_smi"] = smi
+nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+info["nvcc"] = (run([nvcc, "--version"]).splitlines() or [""])[-1] if nvcc else "not found"
+info["cpus"] = os.cpu_count()
+json.dump(info, open(sys.argv[1], "w"), indent=1)
+print("== versions: " + "; ".join(f"{k} {v}" for k, v in info.items()))
+EOF
+VERSIONS_LINE=$($PY -c "import json,sys; d=json.load(open(sys.argv[1])); print('versions: gpu %s, driver %s, torch %s (CUDA %s), triton %s, %s, python %s, commit %s' % (d['gpu'], d['driver'], d['torch'], d['cuda_runtime'], d['triton'], d['nvcc'], d['python'], d['commit']))" "$RES/versions.json" 2>/dev/null || echo "versions: unknown")
+echo "== results: $RES"
+
+package_out() {
+  [ -n "${OUT:-}" ] || return 0
+  mkdir -p "$OUT"
+  local parent base
+  parent=$(dirname "$RES"); base=$(basename "$RES")
+  tar -czf "$OUT/suite_results.tar.gz" -C "$parent" "$base" 2>/dev/null
+  if [ "$(stat -c %s "$OUT/suite_results.tar.gz" 2>/dev/null || echo 0)" -gt 15728640 ]; then
+    echo "suite_results.tar.gz over 15 MiB: packing it again without PNGs and build_ext.log"
+    tar -czf "$OUT/suite_results.tar.gz" -C "$parent" --exclude='*.png' --exclude=build_ext.log "$base"
+  fi
+  local f
+  for f in suite_summary.txt summary.json summary.md loss_gpu.csv hamming_gpu.csv train.json \
+           train_kernels_top15.txt; do
+    [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/$f"
+  done
+  local n
+  n=$(find "$OUT" -maxdepth 3 -type f | wc -l)
+  [ "$n" -le 8 ] || echo "WARNING: $n files under \$OUT (the device tool brings back 8)"
+}
+
+SUMMARY=("$VERSIONS_LINE")
+{ echo "$VERSIONS_LINE"; } > "$RES/suite_summary.txt"
+STAGE_TIMEOUT=${NAC_FAST_STAGE_TIMEOUT:-540}
+if [ -n "${OUT:-}" ]; then DEADLINE=${NAC_FAST_SUITE_DEADLINE:-560}; else DEADLINE=${NAC_FAST_SUITE_DEADLINE:-0}; fi
+START=0  # the deadline counts from the command's start (bash's SECONDS)
+fail=0
+build_failed=0
+for stage in "${REQ[@]}"; do
+  left=$((DEADLINE - (SECONDS - START)))
+  if [ "$build_failed" = 1 ]; then
+    line="SUITE $stage SKIPPED 0s build failed"
+    fail=1
+  elif [ "$DEADLINE" -gt 0 ] && [ "$left" -lt 30 ]; then
+    line="SUITE $stage SKIPPED 0s suite deadline (${DEADLINE}s) reached"
+    fail=1
+  else
+    limit=$STAGE_TIMEOUT
+    if [ "$DEADLINE" -gt 0 ] && [ "$left" -lt "$limit" ]; then limit=$left; fi
+    rm -f "$RES/.detail_$stage"
+    echo "== stage $stage (limit ${limit}s)"
+    t0=$SECONDS
+    if command -v timeout > /dev/null; then
+      timeout -k 15 "$limit" bash "$ROOT/bench/gpu_suite.sh" --run-stage "$stage" 2>&1 | tee "$RES/$stage.log"
+    else
+      bash "$ROOT/bench/gpu_suite.sh" --run-stage "$stage" 2>&1 | tee "$RES/$stage.log"
+    fi
+    rc=${PIPESTATUS[0]}
+    dt=$((SECONDS - t0))
+    d=$(cat "$RES/.detail_$stage" 2>/dev/null || true)
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then d="timed out after ${limit}s${d:+; $d}"; fi
+    if [ "$rc" = 0 ]; then verdict=PASS; else verdict=FAIL; fail=1; fi
+    [ "$rc" = 0 ] || d="${d:-exit status $rc}"
+    line="SUITE $stage $verdict ${dt}s $d"
+    if [ "$stage" = build ] && [ "$rc" != 0 ]; then build_failed=1; fi
+  fi
+  SUMMARY+=("$line")
+  echo "$line" >> "$RES/suite_summary.txt"
+  package_out
+done
+
+echo
+echo "== results in $RES${OUT:+ (and \$OUT)}"
+for line in "${SUMMARY[@]}"; do echo "$line"; done
+exit $fail

@@ -1,5 +1,7 @@
 """Draw PNG plots of a bench_loss.py CSV: time and peak extra memory against size, one line per
-backend, one panel per (kind, dtype).  Uses each (device, backend, kind, dtype, n, N)'s newest row.
+backend, one panel per (kind, dtype).  Uses each (device, backend, kind, dtype, n, N)'s newest row
+that succeeded (rows with a "status" other than "ok", i.e. failed cases, are left out; CSVs from
+before the status column count every row).
 
     python bench/plot_bench.py bench/results/loss_cpu.csv [--out bench/results]
 """
@@ -18,7 +20,11 @@ def load(path):
         raise SystemExit(f"{path} has no rows")
     latest = OrderedDict()
     for row in rows:  # rows are appended in time order: the last one of a key wins
+        if (row.get("status") or "ok") != "ok" or not row.get("median_s"):
+            continue
         latest[(row["device"], row["backend"], row["kind"], row["dtype"], row["n"], row["N"])] = row
+    if not latest:
+        raise SystemExit(f"{path} has no successful rows")
     return list(latest.values())
 
 

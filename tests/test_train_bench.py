@@ -49,3 +49,83 @@ def test_plot_train_log(tmp_path):
     (run / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="not a JSON line"):
         plot_train_log.read_log(str(run / "bad.jsonl"))
+
+
+def test_train_throughput_device_data_profile_and_sync_check(tmp_path):
+    """The GPU suite's train stage at toy size on the CPU: synthetic-device data, the one-step
+    profile table (operators on a CPU run) and the sync check (n/a without a GPU)."""
+    prof, out = tmp_path / "kernels.txt", tmp_path / "train.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_throughput.py"),
+                        "--data", "synthetic-device:256", "--image-size", "8", "--batch-size", "16",
+                        "--method", "nac-mq", "--queue-size", "64", "--steps", "1",
+                        "--warmup", "1", "--profile-out", str(prof), "--sync-check",
+                        "--json-out", str(out)], env=_env(), capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res == json.loads(out.read_text())
+    assert res["data"] == "synthetic-device:256" and res["img_per_s"] > 0
+    assert res["profile"] == "ok" and res["sync_check"] == "n/a (no CUDA device)"
+    text = prof.read_text()
+    assert "top operators by self CPU time" in text and "aten::" in text
+
+
+def test_device_synthetic_loader_is_deterministic_and_resumes():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        from train_throughput import DeviceSyntheticPairLoader
+    finally:
+        sys.path.pop(0)
+    import torch
+    ld = DeviceSyntheticPairLoader(64, 8, image_size=6, pool=5, channels_last=True)
+    assert len(ld) == 8 and ld.num_images == 64 and ld.in_channels == 3
+    ld.set_epoch(1)
+    full = list(ld)
+    assert len(full) == 8
+    v1, v2 = full[0]
+    assert v1.shape == (8, 3, 6, 6) and v1.is_contiguous(memory_format=torch.channels_last)
+    assert not torch.equal(v1, v2)
+    ld.set_epoch(1, start_batch=5)
+    resumed = list(ld)
+    assert len(resumed) == 3
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(resumed, full[5:]))
+    ld.set_epoch(2)
+    assert not torch.equal(next(iter(ld))[0], full[0][0])
+    with pytest.raises(ValueError, match="pool"):
+        DeviceSyntheticPairLoader(64, 8, pool=0)
+
+
+@pytest.mark.parametrize("syncs", [False, True])
+def test_sync_check_verdict_and_offender(monkeypatch, syncs):
+    """train_throughput.sync_check's logic with torch.cuda's sync-debug switch faked (no GPU
+    here): a loss whose backward synchronises gives FAIL, its message and frame; else PASS."""
+    import types
+    import warnings
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import train_throughput as tt
+    finally:
+        sys.path.pop(0)
+    mode = {"m": "default"}
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.update(m=m))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    class Loss:
+        def backward(self):
+            if syncs and mode["m"] == "warn":
+                warnings.warn("called a synchronizing CUDA operation")
+            if syncs and mode["m"] == "error":
+                raise RuntimeError("called a synchronizing CUDA operation")
+
+    opt = types.SimpleNamespace(zero_grad=lambda set_to_none=True: None)
+    res = tt.sync_check(lambda x: (Loss(), None), opt, None, torch.device("cuda"))
+    assert mode["m"] == "default"  # switched back
+    if syncs:
+        assert res["sync_check"] == "FAIL" and res["sync_warning_count"] == 1
+        assert res["sync_offender"] == "called a synchronizing CUDA operation"
+        assert "test_train_bench.py" in res["sync_warnings"][0]
+        assert any("in backward" in f for f in res["sync_offender_frames"])
+    else:
+        assert res["sync_check"] == "PASS" and res["sync_warning_count"] == 0

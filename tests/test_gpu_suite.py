@@ -1,0 +1,311 @@
+"""The GPU suite's CPU-checkable parts: roofline numbers, the summary writer and its goal checks,
+the JUnit skip detector, gpu_suite.sh's argument handling, and bench_loss.py's per-shape
+torch.compile (one compiled graph per case, detected when it is not)."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import bench_loss  # noqa: E402
+import gpu_summary  # noqa: E402
+import roofline  # noqa: E402
+
+H100 = "NVIDIA H100 80GB HBM3"
+EXP_RATE = 16 * 132 * 1.98e9  # MUFU ex2: 16 per clock per SM
+
+
+# ---- roofline ---------------------------------------------------------------------------------
+
+def test_roofline_inbatch_8192_bf16_h100_by_hand():
+    b = roofline.bound("inbatch", 8192, 8192, 128, "bfloat16", H100)
+    # 4 products of 2 n N D: forward scores + P k, backward scores + P^T q
+    assert b["products"] == 4
+    assert b["matrix_flops"] == 4 * 2 * 8192 * 8192 * 128 == 68_719_476_736
+    assert b["matrix_s"] == pytest.approx(68_719_476_736 / 798e12)          # 86.1 us
+    assert b["exps"] == 2 * 8192 * 8192
+    assert b["exp_s"] == pytest.approx(134_217_728 / EXP_RATE)                # 32.1 us
+    # a, r, noise in; grad a, grad r out (bf16), plus the fp32 loss
+    assert b["bytes"] == 5 * 8192 * 128 * 2 + 4
+    assert b["memory_s"] == pytest.approx((5 * 8192 * 128 * 2 + 4) / 3.0e12)
+    assert b["bound_s"] == pytest.approx(86.1e-6, rel=1e-3)
+    assert b["limiter"] == "matrix" and b["gpu"] == "H100"
+    assert roofline.pct_of_bound(b["bound_s"], 2 * b["bound_s"]) == pytest.approx(50.0)
+
+
+def test_roofline_queue_fp32_modes_and_h200():
+    n, N, D = 8192, 65536, 128
+    q = roofline.bound("queue", n, N, D, "bfloat16", "NVIDIA H200")
+    assert q["products"] == 2 and q["exps"] == n * N          # the queue gets no gradient
+    assert q["matrix_s"] == pytest.approx(2 * 2 * n * N * D / 788e12)
+    assert q["bytes"] == (3 * n * D + N * D + 2 * n * D) * 2 + 4
+    assert q["memory_s"] == pytest.approx(q["bytes"] / 4.3e12)
+    assert roofline.bound("mq", n, N, D, "bf16", "H200")["bound_s"] == q["bound_s"]
+    fma = 128 * 2 * 132 * 1.98e9
+    ieee = roofline.bound("queue", n, N, D, "float32", H100)
+    assert ieee["matrix_s"] == pytest.approx(2 * 2 * n * N * D / fma)
+    assert ieee["bytes"] == (3 * n * D + N * D + 2 * n * D) * 4 + 4
+    x3 = roofline.bound("queue", n, N, D, "float32", H100, fp32_mode="tf32x3")
+    assert x3["matrix_s"] == pytest.approx(3 * 2 * 2 * n * N * D / 494.7e12)
+    keys = roofline.bound("queue", n, N, D, "bfloat16", H100, keys_grad=True)
+    assert keys["products"] == 4 and keys["exps"] == 2 * n * N
+    sheet = roofline.bound("inbatch", 4096, 4096, 128, "bfloat16", H100, ceilings_from="datasheet")
+    assert sheet["matrix_s"] == pytest.approx(4 * 2 * 4096 * 4096 * 128 / 989.4e12)
+    assert sheet["memory_s"] == pytest.approx(sheet["bytes"] / 3.35e12)
+
+
+def test_roofline_rejects_bad_input():
+    with pytest.raises(ValueError, match="gpu_name"):
+        roofline.bound("inbatch", 8, 8, 128, "bfloat16", "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match="gpu_name"):
+        roofline.resolve_gpu("NVIDIA H100 PCIe")
+    with pytest.raises(ValueError, match="kind"):
+        roofline.bound("keys", 8, 8, 128, "bfloat16", H100)
+    with pytest.raises(ValueError, match="N must equal n"):
+        roofline.bound("inbatch", 8, 16, 128, "bfloat16", H100)
+    with pytest.raises(ValueError, match="dtype"):
+        roofline.bound("inbatch", 8, 8, 128, "float16", H100)
+    with pytest.raises(ValueError, match="fp32_mode"):
+        roofline.bound("inbatch", 8, 8, 128, "float32", H100, fp32_mode="fast")
+    with pytest.raises(ValueError, match="measured_s"):
+        roofline.pct_of_bound(1.0, 0.0)
+    assert roofline.known_gpu("NVIDIA H200") and not roofline.known_gpu("cpu")
+
+
+# ---- summary writer ---------------------------------------------------------------------------
+
+def _row(kind, n, N, dtype, backend, ms, mib, **kw):
+    base = {f: "" for f in bench_loss.FIELDS}
+    base.update(timestamp="2026-11-23T10:00:00+00:00", host="gpu", device=H100,
+                torch="2.11.0+cu130", commit="abc1234", threads=16, kind=kind, n=n, N=N, D=128,
+                dtype=dtype, backend=backend, median_s=f"{ms / 1e3:.6f}", p20_s=f"{0.95 * ms / 1e3:.6f}",
+                p80_s=f"{1.05 * ms / 1e3:.6f}",
+                peak_extra_mib=f"{mib:.2f}", reps=10, triton="3.6.0", status="ok")
+    base.update(kw)
+    return base
+
+
+def _write_results(tmp_path):
+    res = tmp_path / "NVIDIA-H100-80GB-HBM3_2026-11-23"
+    res.mkdir()
+    b_in = roofline.bound("inbatch", 8192, 8192, 128, "bfloat16", H100)["bound_s"] * 1e3
+    rows = [
+        # in-batch 8192 bf16: triton 0.15 ms (fastest; 5.1x / 2.2x / 57% of bound; memory 1/40)
+        _row("inbatch", 8192, 8192, "bfloat16", "reference", 0.77, 800.0),
+        _row("inbatch", 8192, 8192, "bfloat16", "compiled-reference", 0.33, 400.0),
+        _row("inbatch", 8192, 8192, "bfloat16", "triton", 0.15, 20.0,
+             pct_of_bound=f"{100 * b_in / 0.15:.2f}"),
+        _row("inbatch", 8192, 8192, "bfloat16", "cuda", 3.0, 20.0),
+        # queue 8192 x 65536 bf16: triton 1.0 ms: 4x eager (MISS), compile row failed (MISS),
+        # pct_of_bound recomputed from the roofline (the column is empty)
+        _row("mq", 8192, 65536, "bfloat16", "reference", 4.0, 3000.0),
+        _row("mq", 8192, 65536, "bfloat16", "compiled-reference", 2.0, 1500.0),
+        _row("mq", 8192, 65536, "bfloat16", "triton", 1.0, 100.0),
+        _row("mq", 8192, 65536, "bfloat16", "compiled-reference", 0.0, 0.0, median_s="",
+             peak_extra_mib="", status="failed: RuntimeError: not compiled: 0 graphs"),
+    ]
+    bench_loss.append_rows(str(res / "loss_gpu.csv"), rows)
+    (res / "train.json").write_text(json.dumps({
+        "arch": "resnet50", "method": "nac-mq", "batch_size": 256, "world_size": 1,
+        "device": H100, "img_per_s": 1234.4, "data_wait": 0.0031, "step_ms": 207.4}) + "\n")
+    (res / "versions.json").write_text(json.dumps({
+        "gpu": H100, "date": "2026-11-23", "commit": "abc1234", "torch": "2.11.0+cu130",
+        "triton": "3.6.0"}))
+    return res, b_in
+
+
+def test_summary_schema_values_and_goal_checks(tmp_path, capsys):
+    res, b_in = _write_results(tmp_path)
+    out = tmp_path / "summary.json"
+    md = tmp_path / "summary.md"
+    assert gpu_summary.main([str(res), "--out", str(out), "--markdown", str(md)]) == 0
+    s = json.loads(out.read_text())
+    assert list(s) == ["gpu", "date", "commit", "torch", "triton", "loss", "train"]
+    assert (s["gpu"], s["date"], s["commit"], s["torch"], s["triton"]) == \
+        (H100, "2026-11-23", "abc1234", "2.11.0+cu130", "3.6.0")
+    keys = ["kind", "n", "N", "D", "dtype", "backend", "fused_ms", "eager_ms", "compile_ms",
+            "fused_peak_mb", "eager_peak_mb", "pct_of_bound"]
+    assert all(list(e) == keys for e in s["loss"])
+    by = {(e["kind"], e["backend"]): e for e in s["loss"]}
+    assert set(by) == {("inbatch", "triton"), ("inbatch", "cuda"), ("queue", "triton")}
+    t = by[("inbatch", "triton")]
+    assert (t["n"], t["N"], t["D"], t["dtype"]) == (8192, 8192, 128, "bfloat16")
+    assert (t["fused_ms"], t["eager_ms"], t["compile_ms"]) == (0.15, 0.77, 0.33)
+    assert (t["fused_peak_mb"], t["eager_peak_mb"]) == (20.0, 800.0)
+    assert t["pct_of_bound"] == pytest.approx(100 * b_in / 0.15, abs=0.01)
+    q = by[("queue", "triton")]
+    assert q["compile_ms"] is None  # the newest compiled row failed: no stale figure
+    b_q = roofline.bound("queue", 8192, 65536, 128, "bfloat16", H100)["bound_s"]
+    assert q["pct_of_bound"] == pytest.approx(100 * b_q / 1.0e-3, abs=0.01)
+    assert s["train"] == {"arch": "resnet50", "method": "nac-mq", "batch_per_gpu": 256,
+                          "img_per_s": 1234.4, "data_wait_frac": 0.0031}
+
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln[:5] in ("PASS ", "MISS ")]
+    assert len(lines) == 9
+    inb = [ln for ln in lines if ln.startswith(("PASS inbatch", "MISS inbatch"))]
+    assert len(inb) == 4 and all(ln.startswith("PASS") for ln in inb), inb
+    assert "[triton, fastest fused" in inb[0] and "5.13x" in inb[0]
+    qs = {ln.split(": ")[0].split("] ")[1]: ln[:4] for ln in lines if "queue" in ln}
+    assert qs == {"speed vs eager": "MISS", "speed vs torch.compile": "MISS",
+                  "roofline": "MISS", "memory": "PASS"}  # 344.5 us / 1 ms = 34% of bound
+    assert lines[-1].startswith("MISS training resnet50 nac-mq batch 256/GPU: 1234 img/s")
+    text = md.read_text()
+    assert "| in-batch 8192 | bfloat16 | triton | 0.150 | 0.770 | 0.330 | 5.1 | 2.2 |" in text
+    assert "n/a" in text  # the queue's missing compile figure
+    # --require-goals turns a MISS into exit status 3
+    assert gpu_summary.main([str(res), "--out", str(out), "--require-goals"]) == 3
+
+
+def test_summary_rejects_mixed_devices_and_empty_input(tmp_path):
+    res, _ = _write_results(tmp_path)
+    bench_loss.append_rows(str(res / "loss_gpu.csv"),
+                           [_row("inbatch", 1024, 1024, "bfloat16", "triton", 0.05, 1.0,
+                                 device="NVIDIA H200")])
+    assert gpu_summary.main([str(res), "--out", str(tmp_path / "s.json")]) == 2
+    assert gpu_summary.main([str(res), "--out", str(tmp_path / "s.json"), "--device", "H100"]) == 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert gpu_summary.main([str(empty), "--out", str(tmp_path / "e.json")]) == 2
+
+
+def test_append_rows_migrates_an_old_header(tmp_path):
+    old = ["timestamp", "host", "device", "torch", "commit", "threads", "kind", "n", "N", "D",
+           "dtype", "backend", "median_s", "p20_s", "p80_s", "peak_extra_mib", "gflops",
+           "time_ratio_to_ref", "mem_ratio_to_ref", "reps"]
+    path = tmp_path / "loss.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=old)
+        w.writeheader()
+        w.writerow({k: "" for k in old} | {"kind": "inbatch", "n": 8, "N": 8, "D": 128,
+                                           "backend": "cpu", "median_s": "0.001"})
+    bench_loss.append_rows(str(path), [_row("mq", 8, 16, "float32", "triton", 1.0, 1.0)])
+    with open(path, newline="") as f:
+        r = csv.DictReader(f)
+        rows = list(r)
+    assert r.fieldnames == bench_loss.FIELDS
+    assert rows[0]["median_s"] == "0.001" and rows[0]["status"] == ""
+    assert rows[1]["kind"] == "mq" and rows[1]["status"] == "ok"
+
+
+def test_plot_bench_reads_new_csv_and_skips_failed_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    import plot_bench
+    res, _ = _write_results(tmp_path)
+    rows = plot_bench.load(str(res / "loss_gpu.csv"))
+    assert all(r["status"] == "ok" for r in rows)
+    assert not any(r["backend"] == "compiled-reference" and r["kind"] == "mq" and
+                   r["median_s"] == "" for r in rows)
+    plot_bench.main([str(res / "loss_gpu.csv"), "--out", str(tmp_path / "png")])
+    assert (tmp_path / "png" / "loss_gpu_time.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- JUnit skip detector ----------------------------------------------------------------------
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="0" failures="0" skipped="3" tests="6">
+<testcase classname="tests.test_loss_backends" name="test_values[triton-inbatch-97-97-128]" time="0.1"/>
+<testcase classname="tests.test_loss_backends" name="test_values[cuda-inbatch-97-97-128]" time="0.1"/>
+<testcase classname="tests.test_hashing" name="test_distances[triton-64]" time="0.0">
+  <skipped type="pytest.skip" message="the Triton Hamming kernels run on CPU tensors only under TRITON_INTERPRET=1">skip</skipped></testcase>
+<testcase classname="tests.test_hashing" name="test_faiss_agrees" time="0.0">
+  <skipped type="pytest.skip" message="could not import 'faiss': No module named 'faiss'">skip</skipped></testcase>
+<testcase classname="tests.test_loss_backends" name="test_torch_compile_matches_eager[triton]" time="0.0">
+  %s</testcase>
+<testcase classname="tests.test_noise" name="test_philox_known_answer" time="0.0"/>
+</testsuite></testsuites>
+"""
+
+
+def test_junit_detector_flags_a_skipped_triton_test(tmp_path):
+    bad = tmp_path / "bad.xml"
+    bad.write_text(JUNIT % '<skipped type="pytest.skip" message="AOTAutograd runs a triton_op ...">s</skipped>')
+    res = gpu_summary.check_junit(str(bad), ["triton", "cuda"])
+    assert not res["ok"]
+    assert res["skipped"] == 3 and res["passed"] == 3
+    assert [v for v in res["violations"] if "test_torch_compile_matches_eager[triton]" in v]
+    assert len(res["violations"]) == 1  # the hashing CPU-tensor skip and faiss are allowed
+    assert len(res["allowed_skips"]) == 1
+    assert gpu_summary.main(["--check-junit", str(bad), "--require-passed", "triton,cuda",
+                             "--status-file", str(tmp_path / "st")]) == 1
+    assert (tmp_path / "st").read_text().startswith("0 failed, 3 passed, 3 skipped (1 not allowed)")
+
+    good = tmp_path / "good.xml"
+    good.write_text(JUNIT % "")
+    assert gpu_summary.check_junit(str(good), ["triton", "cuda"])["ok"]
+    # a backend with no passed test, a failure, an unreadable file: all fail
+    assert not gpu_summary.check_junit(str(good), ["cpu"])["ok"]
+    failed = tmp_path / "failed.xml"
+    failed.write_text(JUNIT % '<failure message="assert 1 == 2">x</failure>')
+    r = gpu_summary.check_junit(str(failed))
+    assert not r["ok"] and r["failed"] == 1
+    empty_param = tmp_path / "empty.xml"
+    empty_param.write_text(JUNIT.replace("name=\"test_philox_known_answer\" time=\"0.0\"/>",
+                                         "name=\"test_grad[backend0]\"><skipped message=\"got empty "
+                                         "parameter set ['backend']\">s</skipped></testcase>") % "")
+    assert not gpu_summary.check_junit(str(empty_param))["ok"]
+    assert not gpu_summary.check_junit(str(tmp_path / "missing.xml"))["ok"]
+
+
+# ---- gpu_suite.sh -----------------------------------------------------------------------------
+
+def test_gpu_suite_rejects_unknown_stage_with_usage():
+    for argv in (["bogus"], [], ["build", "bogus"]):
+        r = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_suite.sh"), *argv],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, argv
+        assert "usage: bash bench/gpu_suite.sh STAGE..." in r.stderr
+        assert "SUITE" not in r.stdout  # nothing ran
+
+
+# ---- bench_loss: torch.compile per shape --------------------------------------------------------
+
+def _bench_argv(csv_path):
+    return ["--device", "cpu", "--backends", "reference", "--inbatch", "16,24", "--queue", "40",
+            "--mq-n", "8", "--D", "16", "--dtypes", "float32", "--reps", "1", "--min-time", "0",
+            "--no-memory", "--compile-reference", "--compile-backend", "aot_eager",
+            "--csv", str(csv_path)]
+
+
+def test_bench_loss_compiles_every_shape(tmp_path):
+    path = tmp_path / "loss.csv"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_loss.py"),
+                        *_bench_argv(path)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    comp = [x for x in rows if x["backend"] == "compiled-reference"]
+    assert [(x["kind"], x["n"], x["N"]) for x in comp] == \
+        [("inbatch", "16", "16"), ("inbatch", "24", "24"), ("mq", "8", "40")]
+    assert all(x["compiled_graphs"] == "1" and x["status"] == "ok" and
+               x["compile_backend"] == "aot_eager" and float(x["compile_s"]) > 0 for x in comp)
+    assert all(x["pct_of_bound"] == "" for x in rows)  # no known GPU on a CPU run
+
+
+def test_bench_loss_fails_a_row_that_is_not_compiled(tmp_path, monkeypatch):
+    """The old behaviour (one compiled function for every case) is caught: the second case's
+    counter sees a second graph, its row is written as failed and the exit status is 1."""
+    shared = {}
+
+    def one_for_all(name):
+        if "fn" not in shared:
+            import torch
+            counter = bench_loss.CountingBackend(name)
+            shared["fn"] = (torch.compile(bench_loss.reference_fn, backend=counter,
+                                          dynamic=False, fullgraph=True), counter)
+        return shared["fn"]
+
+    monkeypatch.setattr(bench_loss, "compile_reference", one_for_all)
+    path = tmp_path / "loss.csv"
+    argv = _bench_argv(path)
+    argv[argv.index("--queue") + 1] = ""
+    assert bench_loss.main(argv) == 1
+    with open(path, newline="") as f:
+        comp = [x for x in csv.DictReader(f) if x["backend"] == "compiled-reference"]
+    assert comp[0]["status"] == "ok"
+    assert comp[1]["status"].startswith("failed: RuntimeError: not compiled: 2 graphs compiled")
