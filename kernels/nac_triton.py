@@ -46,7 +46,8 @@ def _tanh(x):
     # 1 - 2 / (exp(2|x|) + 1) above.  2 sigmoid(2x) - 1 alone loses all relative precision near 0
     # (measured: 5e-4 relative error in the keys' gradient for codes of size 1e-4).
     ax = tl.abs(x)
-    big = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(ax, 40.0)) + 1.0)
+    # where, not tl.minimum: minimum(NaN, 40) is 40 on the GPU (minnum), which turned a NaN into +1
+    big = 1.0 - 2.0 / (tl.exp(2.0 * tl.where(ax > 40.0, 40.0, ax)) + 1.0)
     if x.dtype == tl.float64:  # float64 keeps ~1e-12 relative near 0 with the exp form alone
         return tl.where(x < 0, -big, big)
     z = x * x
@@ -141,7 +142,9 @@ def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, n, D, stride_a, s, 
     acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     for sp in tl.static_range(SPLIT):
         l_s = tl.load(PL + sp * n + rows, mask=rmask, other=0.0)
-        w = tl.where(l_s > 0, tl.exp2(tl.load(PM + sp * n + rows, mask=rmask, other=0.0) - mx), 0.0)
+        # != 0, not > 0: a split whose sum is NaN must poison the row, not drop out of it
+        w = tl.where(l_s != 0, tl.exp2(tl.load(PM + sp * n + rows, mask=rmask, other=0.0) - mx),
+                     0.0)
         big_l += w * l_s
         if GRAD:
             acc += w[:, None] * tl.load(PACC + (sp * n + rows[:, None]) * BLOCK_D + cols[None, :],
