@@ -23,7 +23,11 @@ CPU demo (batch 256, 2 epochs).
 --batch-size is GLOBAL (images per optimizer step over all processes); each of the W processes
 takes batch/W.  Resume an interrupted run with the same command plus --resume (latest checkpoint
 in --out) or --resume PATH.  Outputs in --out: last.pt (checkpoint), log.jsonl (one JSON line per
---log-every steps), config.json.  Plot the log: python bench/plot_train_log.py OUT/log.jsonl.
+--log-every steps: that step's loss, loss_avg over the steps since the previous line, lr, img/s,
+code statistics), config.json.  Plot the log: python bench/plot_train_log.py OUT/log.jsonl.
+A training step never waits for the GPU (no host sync): the loss is read at log points and
+before every checkpoint save.  A non-finite loss stops the run there (exit status 3), naming the
+first step whose loss was non-finite; no checkpoint is written after that step.
 Evaluate: nac_fast.checkpoint.load_model(OUT/last.pt) returns the trained NACModel.
 """
 from __future__ import annotations
@@ -36,14 +40,17 @@ import math
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
+from nac_fast import available_backends
 from nac_fast import distributed as nd
 from nac_fast.checkpoint import (capture_rng_state, load_checkpoint, resolve_resume,
                                  restore_rng_state, save_atomic, LAST)
 from nac_fast.lars import LARS, param_groups_for_lars
-from nac_fast.methods import METHODS, code_stats, nac_mq_step, nac_step, simclr_step
+from nac_fast.methods import (METHODS, code_stats, nac_mq_step, nac_step, simclr_step,
+                              step_value_checks)
 from nac_fast.models import ARCHS, build_model
 from nac_fast.momentum import CodeQueue, ema_update_, make_momentum_copy
 from nac_fast.schedule import WarmupCosine
@@ -89,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--channels-last", action=argparse.BooleanOptionalAction, default=True,
       help="NHWC memory format (faster convolutions on GPU and, measured, on CPU too)")
     a("--compile", action="store_true", help="torch.compile the online model")
+    a("--loss-backend", default="auto", choices=("auto", "reference", "cpu", "triton", "cuda"),
+      help="NAC loss backend (nac_fast.nac_loss's backend); auto = cpu on CPU, triton then cuda "
+      "on GPU")
     a("--sync-bn", action="store_true", help="SyncBatchNorm in the online model (DDP)")
     a("--no-shuffle-bn", dest="shuffle_bn", action="store_false",
       help="disable MoCo's batch shuffle for the momentum branch (NAC-MQ, DDP)")
@@ -193,6 +203,91 @@ def build_loader(args, dist_info, channels_last):
         raise ValueError(f"--data {args.data!r}: {exc}") from exc
 
 
+def train_step(st, x):
+    """One optimizer step on this rank's batch x (both views, on the device): the method's loss
+    forward (under autocast) and backward, the LARS update, the lr schedule and the EMA of the
+    momentum model.  Returns (loss, a), detached device tensors.
+
+    No host sync: the loss-input value checks are off here (`step_value_checks`; the caller
+    checks the loss, which NaN/inf inputs reach), scalars stay Python numbers, and nothing reads
+    device data (tests/test_sync_free.py runs this function under a dispatch mode that fails on
+    any host read).  The only exception is fp16 AMP: GradScaler.step reads its inf flag."""
+    with step_value_checks(), st.autocast:
+        if st.method == "nac":
+            loss, a = nac_step(st.net, x, st.p, backend=st.loss_backend)
+        elif st.method == "nac-mq":
+            loss, a = nac_mq_step(st.net, st.mom_model, st.queue, x, st.p, st.l2,
+                                  shuffle_bn=st.shuffle_bn, backend=st.loss_backend)
+        else:
+            loss, a = simclr_step(st.net, x, st.tau)
+    st.optimizer.zero_grad(set_to_none=True)
+    st.scaler.scale(loss).backward()
+    st.scaler.step(st.optimizer)
+    st.scaler.update()
+    st.sched.step()
+    if st.mom_model is not None:
+        ema_update_(st.mom_model, st.model, st.decay)  # after the optimizer step
+    return loss.detach(), a.detach()
+
+
+class LossWatch:
+    """What the loop needs from the per-step losses, kept on the device so that a step never
+    waits for the host to read its loss.
+
+    update(loss) (every step, device ops only) counts steps in a device tensor, records the FIRST
+    step whose loss is non-finite and that loss (torch.where), and sums the window's losses.
+    first_non_finite() and read_window() read them (a host sync and, with several processes, a
+    collective: every rank calls them at the same steps): at log points and before saves."""
+
+    NONE = 2 ** 62  # "no non-finite loss yet" (larger than any step: the ranks' MIN is the first)
+
+    def __init__(self, step: int, device):
+        self.step = torch.tensor(step, dtype=torch.int64, device=device)
+        self.first_bad = torch.tensor(self.NONE, dtype=torch.int64, device=device)
+        self.bad_value = torch.zeros((), dtype=torch.float32, device=device)
+        self.win_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.win_n = 0
+        self.first = None
+
+    def update(self, loss: torch.Tensor) -> None:
+        loss = loss.detach().float()
+        self.step += 1
+        new = torch.isfinite(loss).logical_not_() & (self.first_bad == self.NONE)
+        self.first_bad = torch.where(new, self.step, self.first_bad)
+        self.bad_value = torch.where(new, loss, self.bad_value)
+        self.win_sum += loss
+        self.win_n += 1
+        if self.first is None:
+            self.first = loss
+
+    def first_non_finite(self):
+        """(step, global loss at that step) of the first non-finite loss on any rank, or None.
+        The value is the mean over the ranks whose loss went non-finite at that step (others count
+        0): nan or +-inf like the mean over all ranks."""
+        fb = self.first_bad.clone()
+        if nd.is_dist():
+            torch.distributed.all_reduce(fb, op=torch.distributed.ReduceOp.MIN)
+        fb_step = int(fb)
+        if fb_step == self.NONE:
+            return None
+        v = torch.where(self.first_bad == fb, self.bad_value, torch.zeros_like(self.bad_value))
+        return fb_step, float(nd.all_reduce_mean(v))
+
+    def read_window(self, loss: torch.Tensor):
+        """(this step's loss, mean loss since the last read), both averaged over the ranks, as
+        Python floats; starts a new window."""
+        vals = nd.all_reduce_mean(torch.stack([loss.detach().float(),
+                                               self.win_sum / max(self.win_n, 1)]))
+        self.win_sum.zero_()
+        self.win_n = 0
+        loss_g, loss_avg = vals.tolist()
+        return loss_g, loss_avg
+
+    def first_loss(self):
+        """The first step's loss of this process, averaged over the ranks (None without steps)."""
+        return None if self.first is None else float(nd.all_reduce_mean(self.first))
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -219,6 +314,11 @@ def train(args, di, parser) -> int:
     amp = {"auto": "bf16" if cuda else "off"}.get(args.amp, args.amp)
     if amp == "fp16" and not cuda:
         parser.error("--amp fp16 needs a GPU (use bf16 or off on CPU)")
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    if args.loss_backend != "auto" and args.loss_backend not in available_backends(di.device):
+        parser.error(f"--loss-backend {args.loss_backend} is not available for "
+                     f"{di.device.type} tensors in this install; available: "
+                     f"{available_backends(di.device)}")
 
     # ---- data; inconsistencies with the data set are reported before any training
     try:
@@ -267,7 +367,10 @@ def train(args, di, parser) -> int:
     mom_model = queue = None
     if args.method == "nac-mq":
         mom_model = make_momentum_copy(model)  # before SyncBN: the key branch uses shuffle BN
-        queue = CodeQueue(queue_size, args.code_dim, device=di.device)
+        # codes stored in the loss's dtype (bf16 under the GPU's default AMP): the loss reads the
+        # queue as it is, with no per-step conversion of M x D elements
+        queue = CodeQueue(queue_size, args.code_dim, device=di.device,
+                          dtype=amp_dtype or torch.float32)
     # From here on each rank draws its own channel noise (the loader seeds itself)
     torch.manual_seed(args.seed * 1000 + 1 + di.rank)
     if args.sync_bn:
@@ -358,6 +461,13 @@ def train(args, di, parser) -> int:
     net.train()
     if mom_model is not None:
         mom_model.train()
+    st = SimpleNamespace(method=args.method, p=args.p, l2=args.l2, tau=args.tau,
+                         shuffle_bn=args.shuffle_bn, loss_backend=args.loss_backend, net=net,
+                         model=model, mom_model=mom_model, queue=queue, decay=decay,
+                         optimizer=optimizer, scaler=scaler, sched=sched, autocast=autocast)
+    # The step never reads device data on the host (tests/test_sync_free.py): the loss values are
+    # kept on the device and read at log points and before every checkpoint save.
+    watch = LossWatch(step, di.device)
     while step < stop and status == 0:
         loader.set_epoch(step // steps_per_epoch, start_batch=step % steps_per_epoch)
         it = iter(loader)
@@ -368,58 +478,61 @@ def train(args, di, parser) -> int:
             except StopIteration:
                 break
             win_wait += time.perf_counter() - t0
-            x = torch.cat([v1, v2]).to(di.device, non_blocking=True)
+            # each view to the device first: cat of (pinned) host tensors would make one pageable
+            # tensor, whose copy blocks the host
+            x = torch.cat([v1.to(di.device, non_blocking=True),
+                           v2.to(di.device, non_blocking=True)])
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
-            with autocast:
-                if args.method == "nac":
-                    loss, a = nac_step(net, x, args.p)
-                elif args.method == "nac-mq":
-                    loss, a = nac_mq_step(net, mom_model, queue, x, args.p, args.l2,
-                                          shuffle_bn=args.shuffle_bn)
-                else:
-                    loss, a = simclr_step(net, x, args.tau)
-            loss_g = float(nd.all_reduce_mean(loss.detach()))  # same value on every rank
-            if not math.isfinite(loss_g):
-                # stop before the update: the weights (and last.pt, untouched) stay good
-                if main_rank:
-                    print(f"\nnon-finite loss ({loss_g}) at step {step + 1}; stopping. Last good "
-                          f"checkpoint kept: {ckpt_path if os.path.exists(ckpt_path) else 'none'}",
-                          file=sys.stderr)
-                status = 3
-                break
             lr_now = optimizer.param_groups[0]["lr"]  # the lr this update uses
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            sched.step()
-            if mom_model is not None:
-                ema_update_(mom_model, model, decay)  # after the optimizer step
+            loss, a = train_step(st, x)
+            watch.update(loss)
             step += 1
             win_img += args.batch_size
-            first_loss = loss_g if first_loss is None else first_loss
-            last_loss = loss_g
             if bar is not None:
                 bar.update(1)
-            if main_rank and (step % args.log_every == 0 or step == stop):
+            log_due = step % args.log_every == 0 or step == stop
+            save_due = step % args.save_every == 0 or step == stop
+            if not (log_due or save_due):
+                continue
+            # Checked here, so no checkpoint is ever written after a non-finite loss.  Steps after
+            # the first non-finite loss up to here did update the weights in memory (the step does
+            # not wait to read the loss); they are never saved.
+            bad = watch.first_non_finite()
+            if bad is not None:
+                bad_step, bad_value = bad
+                if main_rank:
+                    later = f" (found at step {step})" if bad_step != step else ""
+                    print(f"\nnon-finite loss ({bad_value}) at step {bad_step}{later}; stopping. "
+                          f"Last good checkpoint kept: "
+                          f"{ckpt_path if os.path.exists(ckpt_path) else 'none'}", file=sys.stderr)
+                status = 3
+                break
+            if log_due:
+                loss_g, loss_avg = watch.read_window(loss)  # same values on every rank
+                last_loss = loss_g
+                # after the read, which waited for the window's device work: dt is its real time
                 dt = time.perf_counter() - win_t
-                rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "loss": loss_g,
-                       "elapsed_s": round(time.perf_counter() - t_start, 3),
-                       "lr": lr_now,
-                       "img_per_s": win_img / dt, "data_wait": win_wait / dt,
-                       **code_stats(a.detach()[: a.shape[0] // 2])}
-                log_f.write(json.dumps(rec) + "\n")
-                log_f.flush()
-                if bar is not None:
-                    bar.set_postfix(loss=f"{loss_g:.4f}", lr=f"{rec['lr']:.3g}",
-                                    img_s=f"{rec['img_per_s']:.0f}",
-                                    wait=f"{100 * rec['data_wait']:.0f}%")
+                if main_rank:
+                    rec = {"step": step, "epoch": (step - 1) // steps_per_epoch, "loss": loss_g,
+                           "loss_avg": loss_avg,
+                           "elapsed_s": round(time.perf_counter() - t_start, 3),
+                           "lr": lr_now,
+                           "img_per_s": win_img / dt, "data_wait": win_wait / dt,
+                           **code_stats(a[: a.shape[0] // 2])}
+                    log_f.write(json.dumps(rec) + "\n")
+                    log_f.flush()
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{loss_g:.4f}", lr=f"{rec['lr']:.3g}",
+                                        img_s=f"{rec['img_per_s']:.0f}",
+                                        wait=f"{100 * rec['data_wait']:.0f}%")
                 win_t, win_wait, win_img = time.perf_counter(), 0.0, 0
-            if step % args.save_every == 0 or step == stop:
+            if save_due:
                 t_save = time.perf_counter()
                 save(step)
                 win_t += time.perf_counter() - t_save  # img/s measures training, not saving
+    if status == 0:
+        first_loss = watch.first_loss()
     if bar is not None:
         bar.close()
     if log_f is not None:

@@ -92,7 +92,8 @@ static float exp_shift_f(float* __restrict x, int64_t n, float shift, float mult
 // round trip) and masked loads handle row tails, so the whole softmax step of a tile row is one
 // pass of ~20 vector instructions per 16 logits.
 __attribute__((target("avx512f"))) static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  // operands in this order: vmaxps returns its second operand when one is NaN, so NaN stays NaN
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
@@ -380,7 +381,8 @@ std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
       for (int64_t p = 0; p < nsplit; ++p) M = std::max(M, pmax[p * n + i]);
       acc_t L = 0;
       for (int64_t p = 0; p < nsplit; ++p) {
-        w[p] = psum[p * n + i] > 0 ? std::exp(pmax[p * n + i] - M) : acc_t(0);
+        // != 0, not > 0: a split whose sum is NaN must poison the row, not drop out of it
+        w[p] = psum[p * n + i] != 0 ? std::exp(pmax[p * n + i] - M) : acc_t(0);
         L += w[p] * psum[p * n + i];
       }
       plse[i] = M + std::log(L);

@@ -224,8 +224,8 @@ __global__ void finish_kernel(const scalar_t* __restrict__ a, const scalar_t* __
   acc_t M = neg_inf<acc_t>();
   for (int p = 0; p < nsplit; ++p) M = max(M, pm[p * n + i]);
   acc_t L = 0;
-  for (int p = 0; p < nsplit; ++p)
-    if (pl[p * n + i] > 0) L += nac::exp_(pm[p * n + i] - M) * pl[p * n + i];
+  for (int p = 0; p < nsplit; ++p)  // != 0, not > 0: a NaN split poisons the row (no drop)
+    if (pl[p * n + i] != 0) L += nac::exp_(pm[p * n + i] - M) * pl[p * n + i];
   const acc_t lse_i = M + log(L);
   acc_t bern2 = 0, zz = 0;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
@@ -238,7 +238,7 @@ __global__ void finish_kernel(const scalar_t* __restrict__ a, const scalar_t* __
     if (grad) {
       acc_t A = 0;
       for (int p = 0; p < nsplit; ++p)
-        if (pl[p * n + i] > 0) A += nac::exp_(pm[p * n + i] - M) * pacc[(p * n + i) * D + d];
+        if (pl[p * n + i] != 0) A += nac::exp_(pm[p * n + i] - M) * pacc[(p * n + i) * D + d];
       ga[k] = nac::grad_a_elem(m, z, s * A / L, rv, l2);
     }
   }

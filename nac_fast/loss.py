@@ -5,9 +5,15 @@
     nac_vi_loss(a, r, p, *, noise=None, reduction="mean")
 
 Every backend computes the same function (NAC_SPEC.md); `nac_fast.reference` is the oracle.
+
+Host syncs: p, s and l2 stay Python numbers (pass p as a float: a tensor p is read with .item()),
+the noise seed is drawn on the inputs' device, and the data-reading value checks follow the policy
+CHECK_VALUES below (default "auto": CPU tensors only).  With it, a loss call on GPU tensors never
+waits for the device; tests/test_sync_free.py proves it for the training steps.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -18,10 +24,61 @@ from ._backends import resolve_backend
 
 _REDUCTIONS = ("mean", "sum", "none")
 
-# Finiteness and +-1 checks read the data, which costs a host sync on a GPU.  They are on by
-# default because a NaN that reaches the logsumexp silently poisons a whole training run; set
-# NAC_FAST_CHECK_INPUTS=0 (or nac_fast.loss.CHECK_VALUES = False) to skip them in a tuned loop.
-CHECK_VALUES = os.environ.get("NAC_FAST_CHECK_INPUTS", "1") != "0"
+# ---- value checks ---------------------------------------------------------------------------
+# Shape, dtype and device checks read only metadata and always run.  The value checks (NaN/inf in
+# a, r, keys/queue; noise entries +-1) read the data: on a CPU tensor that is free of host syncs,
+# on a GPU tensor each one is a device-to-host copy that stalls the host until the GPU has caught
+# up.  Policy, CHECK_VALUES (from the environment variable NAC_FAST_CHECK_INPUTS at import):
+#   "auto" (NAC_FAST_CHECK_INPUTS unset, "" or "auto")  check CPU tensors, skip every other device
+#   True   (NAC_FAST_CHECK_INPUTS=1)                    check every device (a host sync per input
+#                                                       on a GPU: for debugging)
+#   False  (NAC_FAST_CHECK_INPUTS=0)                    never check values
+# Unchecked, NaN and inf propagate to the loss (tests/test_sync_free.py checks every backend): a NaN
+# anywhere (a, r, keys, queue, noise) gives a NaN loss, +-inf in r a non-finite loss, +-inf in the
+# keys a non-finite loss or gradient; +-inf in a is a legitimate limit (tanh(+-inf) = +-1), not an
+# error.  Noise that is not +-1 goes into the formula unchecked.  train.py turns the checks off in
+# its training step (nac_fast.methods.step_value_checks) and checks the loss itself instead.
+_CHECK_ENV = "NAC_FAST_CHECK_INPUTS"
+
+
+def _parse_check_values(v: str):
+    key = v.strip().lower()
+    if key in ("", "auto"):
+        return "auto"
+    if key in ("1", "true", "on", "yes"):
+        return True
+    if key in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"environment variable {_CHECK_ENV} must be 0, 1 or auto, got {v!r}")
+
+
+CHECK_VALUES = _parse_check_values(os.environ.get(_CHECK_ENV, "auto"))
+
+
+def value_checks_on(device) -> bool:
+    """Whether the data-reading checks (NaN/inf, noise +-1) run for tensors on `device` under the
+    current policy CHECK_VALUES (True, False or "auto": CPU only).  Never while torch.compile
+    traces, never on the meta device (no data)."""
+    mode = CHECK_VALUES
+    if mode is not True and mode is not False and mode != "auto":
+        raise ValueError(f"nac_fast.loss.CHECK_VALUES must be True, False or 'auto', got {mode!r}")
+    dev = torch.device(device).type
+    if mode is False or dev == "meta" or _compiling():
+        return False
+    return mode is True or dev == "cpu"
+
+
+@contextlib.contextmanager
+def value_checks(mode):
+    """Set CHECK_VALUES (True, False or "auto") inside a with-block and restore it after."""
+    global CHECK_VALUES
+    if mode is not True and mode is not False and mode != "auto":
+        raise ValueError(f"mode must be True, False or 'auto', got {mode!r}")
+    old, CHECK_VALUES = CHECK_VALUES, mode
+    try:
+        yield
+    finally:
+        CHECK_VALUES = old
 
 
 def channel_scale(p: float) -> float:
@@ -65,7 +122,7 @@ def _check_matrix(name: str, t, *, d: int | None = None, rows: int | None = None
 def _check_finite(name: str, t: torch.Tensor) -> None:
     # aminmax propagates NaN and exposes +-inf in one pass with no temporaries; torch.isfinite
     # allocated 5 bytes per element (a 65536 x 128 queue: 40 MiB, 14x the fused kernel's peak).
-    if CHECK_VALUES and not _compiling() and t.device.type != "meta":
+    if value_checks_on(t.device):
         lo, hi = torch.aminmax(t.detach())
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
             raise ValueError(f"{name} contains NaN or inf")
@@ -167,7 +224,7 @@ def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):
     if noise is None:
         noise = _draw((n, d), p, device=a.device, dtype=a.dtype)
     else:
-        if CHECK_VALUES and not _compiling() and not bool(((noise == 1) | (noise == -1)).all()):
+        if value_checks_on(noise.device) and not bool(((noise == 1) | (noise == -1)).all()):
             raise ValueError("noise must contain only -1 and +1")
         noise = noise.to(a.dtype)
     return p, _scale(p), noise
@@ -222,9 +279,20 @@ def nac_vi_loss(a, r, p, *, noise=None, reduction="mean"):
 
     with z~ = m * tanh(a) detached: only r (the online inference net) is trained by it.  Pass the
     same `noise` as to `nac_mq_loss` to use one channel sample per step.  It is O(nD) elementwise
-    work, so plain PyTorch on every device.
+    work, so plain PyTorch on every device, computed in float32 (float64 for float64 inputs)
+    whatever the input dtype and autocast state, like the fused losses: bf16/fp16 a and r are
+    widened first and r's gradient is cast back to r's dtype.
     """
     p, _, noise = _prepare(a, r, p, None, noise, reduction)
-    zt = (noise * torch.tanh(a.detach()))
-    rows = -reference.bernoulli_term(zt, r).to(reference.acc_dtype(a.dtype))
+    acc = reference.acc_dtype(a.dtype)
+    with _autocast_off(a.device.type):
+        zt = noise.to(acc) * torch.tanh(a.detach().to(acc))
+        rows = -reference.bernoulli_term(zt, r.to(acc))
     return reference.reduce_rows(rows, reduction)
+
+
+def _autocast_off(device_type: str):
+    """A context that disables autocast on `device_type` if it is on there (else a no-op)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

@@ -54,13 +54,21 @@ class CodeQueue:
 
     Starts as zeros: an empty slot adds exp(0) = 1 to every query's partition sum and no gradient,
     so it is neutral until real codes overwrite it (after M / (2 x global batch) steps).
-    Enqueue writes at the pointer and wraps around the end of the buffer.
+    Enqueue writes at the pointer and wraps around the end of the buffer (one index_copy_, no
+    host sync: the pointer is a Python int).
+
+    dtype: the codes' storage dtype.  Store them in the loss's compute dtype (the autocast dtype
+    under AMP, bf16 on GPU: half the memory and no per-step conversion of the whole queue); codes
+    are tanh values in [-1, 1], so bf16 keeps 8 significant bits of each.  Checkpoints hold the
+    codes in this dtype and load into a queue of any floating dtype (converted on load).
     """
 
     def __init__(self, size: int, dim: int, device=None, dtype=torch.float32):
         for name, v in (("size", size), ("dim", dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"queue {name} must be a positive int, got {v!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"queue dtype must be a floating torch.dtype, got {dtype!r}")
         self.codes = torch.zeros(size, dim, device=device, dtype=dtype)
         self.ptr = 0
 
@@ -84,9 +92,13 @@ class CodeQueue:
         return {"codes": self.codes.detach().cpu().clone(), "ptr": self.ptr}
 
     def load_state_dict(self, state: dict) -> None:
+        """Codes of any floating dtype (e.g. a float32 queue into a bf16 one, or back): copied
+        into this queue's dtype and device."""
         codes = state["codes"]
         if tuple(codes.shape) != tuple(self.codes.shape):
             raise ValueError(f"queue in the checkpoint has shape {tuple(codes.shape)}, this run "
                              f"expects {tuple(self.codes.shape)} (--queue-size must match)")
+        if not codes.is_floating_point():
+            raise TypeError(f"queue codes in the checkpoint must be floating, got {codes.dtype}")
         self.codes.copy_(codes)
         self.ptr = int(state["ptr"])

@@ -1,0 +1,364 @@
+"""No host sync in a training step, proven on the CPU.
+
+A GPU runs ahead of the host only while the host never reads device data.  This suite runs
+train.py's step (train.train_step: the method's loss forward and backward, LARS, lr schedule,
+EMA and queue) under `NoHostReads`, a TorchDispatchMode that fails on every op that makes the
+host read tensor data: item/bool/float of a tensor (aten._local_scalar_dense, aten.is_nonzero),
+nonzero, masked_select, unique, equal, allclose, boolean-mask indexing, repeat_interleave without
+output_size, and any copy of a non-CPU tensor to the CPU.  The CPU step runs the same Python as
+the GPU step (the loss-input value checks are off in both: nac_fast.methods.step_value_checks),
+so what passes here has no sync from Python code on a GPU either; the GPU suite repeats it there
+with torch.cuda.set_sync_debug_mode("error"), which also sees inside the compiled CUDA ops.
+
+Also here: the mode does catch host reads (so the step tests cannot pass vacuously), NaN/inf
+inputs reach the loss on every CPU backend with the value checks off (the policy that lets the
+step skip them), and a non-finite loss stops train.py naming its first step, with no checkpoint
+written after it.
+"""
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+from torch._library.custom_ops import OPDEFS
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import nac_fast
+from nac_fast import loss as nloss
+from nac_fast.methods import nac_mq_step, nac_step, step_value_checks
+from nac_fast.models import build_model
+from nac_fast.momentum import CodeQueue, make_momentum_copy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # train.py lives at the repository root
+import train  # noqa: E402
+from nac_fast.checkpoint import load_checkpoint  # noqa: E402
+
+aten = torch.ops.aten
+BACKENDS = nac_fast.available_backends("cpu")  # reference, cpu (extension), triton (interpreter)
+
+# ops whose result the host must read (or whose output shape depends on data)
+_HOST_READS = {
+    aten._local_scalar_dense, aten.is_nonzero, aten.item, aten.nonzero, aten.masked_select,
+    aten.unique_consecutive, aten._unique, aten._unique2, aten.unique_dim, aten.equal,
+    aten.allclose, aten.bincount, aten.histc,
+}
+
+
+class HostRead(AssertionError):
+    pass
+
+
+def _is_cpu(dev) -> bool:
+    return dev is not None and torch.device(dev).type == "cpu"
+
+
+def _host_read(func, args, kwargs):
+    """Why `func(*args, **kwargs)` reads device data on the host, or None."""
+    packet = func.overloadpacket
+    if packet in _HOST_READS:
+        return str(func)
+    if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
+        idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in idx):
+            return f"{func} with a boolean mask (nonzero inside)"
+    if packet is aten.repeat_interleave and func is aten.repeat_interleave.Tensor \
+            and kwargs.get("output_size") is None:
+        return f"{func} without output_size"
+    # copies of a non-CPU tensor to the CPU
+    if packet is aten._to_copy and isinstance(args[0], torch.Tensor) \
+            and args[0].device.type != "cpu" and _is_cpu(kwargs.get("device")):
+        return f"{func}: {args[0].device} -> cpu"
+    if packet in (aten.copy_, aten._copy_from, aten._copy_from_and_resize):
+        dst, src = (args[0], args[1]) if packet is aten.copy_ else (args[1], args[0])
+        if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) \
+                and src.device.type != "cpu" and dst.device.type == "cpu":
+            return f"{func}: {src.device} -> cpu"
+    return None
+
+
+def _python_body(func):
+    """The Python implementation of a custom op of this package (the Triton ops are triton_ops:
+    Python that allocates, converts and launches), or None (aten ops; the compiled C++ ops)."""
+    name = func._schema.name
+    if not name.startswith("nac_fast::"):
+        return None
+    opdef = OPDEFS.get(name)
+    return None if opdef is None else opdef._init_fn
+
+
+class NoHostReads(TorchDispatchMode):
+    """Fails (HostRead) on any op that reads tensor data on the host; records every op it saw.
+
+    A dispatch mode sees a custom op as one call; for this package's Python-implemented ops (the
+    Triton backend's) it runs their body under itself, so their host-side code is checked too.
+    The compiled C++ ops are opaque here: their CUDA versions never read device data on the host
+    (csrc/nac_cuda.cu reads the noise seed in the kernel), which the GPU suite's
+    set_sync_debug_mode("error") stage checks on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        why = _host_read(func, args, kwargs)
+        if why is not None:
+            raise HostRead(f"host sync: {why}")
+        self.ops.append(str(func.overloadpacket))
+        body = _python_body(func)
+        if body is not None:
+            with self:  # the mode is off inside __torch_dispatch__: back on for the body
+                return body(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+# ---- the mode catches what it must --------------------------------------------------------------
+
+@pytest.mark.parametrize("read", [
+    lambda t: float(t.sum()), lambda t: bool(t[0] > 0), lambda t: t.sum().item(),
+    lambda t: int(t.argmax()), lambda t: t.nonzero(), lambda t: t[t > 0],
+    lambda t: t.masked_select(t > 0), lambda t: torch.unique(t), lambda t: torch.equal(t, t),
+    lambda t: torch.allclose(t, t), lambda t: t.repeat_interleave(t.long().abs()),
+    lambda t: torch.empty(3, device="meta").to("cpu"),
+], ids=["float", "bool", "item", "int", "nonzero", "bool-index", "masked_select", "unique",
+        "equal", "allclose", "repeat_interleave", "non-cpu-to-cpu"])
+def test_mode_catches_host_reads(read):
+    t = torch.randn(6)
+    with pytest.raises(HostRead, match="host sync"):
+        with NoHostReads():
+            read(t)
+
+
+def test_mode_sees_inside_this_packages_python_ops():
+    """The Triton ops are Python bodies behind one custom op: the mode runs them under itself."""
+    @torch.library.custom_op("nac_fast::_test_reads_host", mutates_args=())
+    def reads_host(x: torch.Tensor) -> torch.Tensor:
+        return x * x.sum().item()
+
+    with pytest.raises(HostRead, match="host sync: aten.(item|_local_scalar_dense)"):
+        with NoHostReads():
+            reads_host(torch.randn(3))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_noise_from_seed_is_sync_free(backend):
+    like = torch.empty(5, 7)
+    with NoHostReads() as mode:
+        seed = torch.randint(0, 2 ** 62, (1,))
+        nloss.noise_from_seed(like, seed, 0.1, backend=backend)
+    assert {"cpu": "nac_fast.nac_noise", "triton": "nac_fast.nac_noise_triton",
+            "reference": "aten.bitwise_xor"}[backend] in mode.ops, mode.ops
+
+
+def test_mode_catches_the_value_checks_of_a_cpu_loss_call():
+    """With the default policy ("auto") a CPU loss call checks values, which reads data: the mode
+    sees inside the loss, so the step tests below are not vacuous."""
+    a, r = torch.randn(8, 4), torch.randn(8, 4)
+    with nloss.value_checks("auto"), pytest.raises(HostRead, match="_local_scalar_dense"):
+        with NoHostReads():
+            nac_fast.nac_loss(a, r, 0.1)
+    with step_value_checks(), NoHostReads() as mode:
+        nac_fast.nac_loss(a, r, 0.1)
+    assert "aten.tanh" in mode.ops or any("nac_fwd" in o for o in mode.ops)
+
+
+# ---- one training step, as train.py runs it ------------------------------------------------------
+
+def _loss_ops(backend):
+    """Op names that show the loss of `backend` ran under the mode (forward and backward)."""
+    return {"cpu": ("nac_fast.nac_fwd", "nac_fast.nac_bwd"),
+            "triton": ("nac_fast.nac_fwd_triton", "nac_fast.nac_bwd_triton"),
+            "reference": ("aten.logsumexp",)}[backend]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", ["nac", "nac-mq"])
+def test_loss_forward_backward_of_a_step_is_sync_free(backend, method):
+    """nac_step / nac_mq_step (+ its VI term) forward and backward under the step's checks: what
+    the GPU suite wraps in torch.cuda.set_sync_debug_mode("error")."""
+    torch.manual_seed(0)
+    model = build_model("resnet-tiny", 1, 8, 16)
+    x = torch.randn(16, 1, 8, 8)
+    with step_value_checks(), NoHostReads() as mode:
+        if method == "nac":
+            loss, _ = nac_step(model, x, 0.1, backend=backend)
+        else:
+            mom, queue = make_momentum_copy(model), CodeQueue(48, 16)
+            loss, _ = nac_mq_step(model, mom, queue, x, 0.1, 0.1, backend=backend)
+        loss.backward()
+    for op in _loss_ops(backend):
+        assert op in mode.ops, (op, sorted(set(mode.ops)))
+    assert "aten.convolution_backward" in mode.ops  # the whole backward ran under the mode
+    assert math.isfinite(loss.item())
+
+
+def _run(argv, monkeypatch, wrap=None):
+    if wrap is not None:
+        real = train.train_step
+        monkeypatch.setattr(train, "train_step", lambda st, x: wrap(real, st, x))
+    return train.main(argv)
+
+
+SMALL = ["--data", "synthetic:64", "--image-size", "8", "--batch-size", "16", "--code-dim", "16",
+         "--no-progress"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", ["nac", "nac-mq", "simclr"])
+def test_train_py_step_is_sync_free(backend, method, monkeypatch, tmp_path):
+    """train.py's own step (loss forward and backward, LARS, schedule, EMA, enqueue) and its
+    per-step loss bookkeeping (LossWatch.update) under the mode, for every loss backend: the
+    training loop reaches the model, the loss and the optimizer only through train.train_step."""
+    if method == "simclr" and backend != BACKENDS[0]:
+        pytest.skip("SimCLR does not use the NAC loss backends")
+    seen = []
+
+    def wrap(real, st, x):
+        with NoHostReads() as mode:
+            out = real(st, x)
+        seen.append(mode.ops)
+        return out
+
+    real_update = train.LossWatch.update
+
+    def update(self, loss):  # the loop's per-step bookkeeping of the loss, on the device
+        with NoHostReads() as mode:
+            real_update(self, loss)
+        seen_update.append(mode.ops)
+
+    seen_update = []
+    monkeypatch.setattr(train.LossWatch, "update", update)
+    argv = SMALL + ["--method", method, "--loss-backend", backend, "--max-steps", "3",
+                    "--log-every", "2", "--save-every", "100", "--queue-size", "32",
+                    "--out", str(tmp_path / "run")]
+    assert _run(argv, monkeypatch, wrap) == 0
+    assert len(seen) == len(seen_update) == 3
+    assert "aten.where" in seen_update[0]
+    ops = set(seen[0])
+    if method != "simclr":
+        for op in _loss_ops(backend):
+            assert op in ops, (op, sorted(ops))
+    assert "aten._foreach_norm" in ops            # LARS ran under the mode
+    if method == "nac-mq":
+        assert "aten._foreach_lerp_" in ops       # EMA
+        assert "aten.index_copy_" in ops          # CodeQueue.enqueue
+
+
+# ---- NaN/inf reach the loss with the value checks off --------------------------------------------
+
+def _inputs(n=6, D=5, N=7):
+    g = torch.Generator().manual_seed(1)
+    a, r = torch.randn(n, D, generator=g), torch.randn(n, D, generator=g)
+    keys = torch.tanh(torch.randn(N, D, generator=g))
+    noise = nac_fast.draw_noise((n, D), 0.1, generator=g)
+    return a, r, keys, noise
+
+
+def _losses(backend, a, r, keys, noise):
+    with nloss.value_checks(False):
+        return {"in-batch": nac_fast.nac_loss(a, r, 0.1, noise=noise, backend=backend),
+                "keys": nac_fast.nac_loss(a, r, 0.1, keys=keys, noise=noise, backend=backend),
+                "mq": nac_fast.nac_mq_loss(a, r, keys, 0.1, noise=noise, backend=backend),
+                "vi": nac_fast.nac_vi_loss(a, r, 0.1, noise=noise)}
+
+
+@pytest.fixture
+def four_threads():
+    """The fused CPU kernel splits the keys over threads (and Triton over programs) when there
+    are few query blocks: with 1100 keys both merge several splits, the path where a NaN in one
+    split could be dropped."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", ["a", "r", "keys", "noise"])
+@pytest.mark.parametrize("N", [7, 1100])
+def test_nan_input_gives_nan_loss_with_checks_off(backend, which, N, four_threads):
+    a, r, keys, noise = _inputs(N=N)
+    {"a": a, "r": r, "keys": keys, "noise": noise}[which][2 if which != "keys" else N - 1, 3] = \
+        math.nan
+    for kind, v in _losses(backend, a, r, keys, noise).items():
+        if which == "keys" and kind in ("in-batch", "vi"):
+            assert math.isfinite(v.item()), kind            # these do not read the keys
+        else:
+            assert math.isnan(v.item()), (kind, v)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("value", [math.inf, -math.inf])
+@pytest.mark.parametrize("N", [7, 1100])
+def test_inf_input_reaches_the_loss_with_checks_off(backend, value, N, four_threads):
+    """+-inf in r: a non-finite loss.  +-inf in a key: rows whose logit with that key is +inf get
+    an infinite log-sum-exp (non-finite loss); rows where it is -inf drop the key (exp = 0), a
+    finite loss whose gradient (0 * inf) is NaN.  +-inf in a is not an error: tanh(+-inf) = +-1,
+    the loss is the finite limit (checked against a = +-30, where tanh is +-1 in float32)."""
+    a, r, keys, noise = _inputs(N=N)
+    r_bad = r.clone()
+    r_bad[2, 3] = value
+    for kind, v in _losses(backend, a, r_bad, keys, noise).items():
+        assert not math.isfinite(v.item()), (kind, v)
+    # a key entry +-inf in a column where the queries' signs are mixed: some logit is +inf
+    zt = noise * torch.tanh(a)
+    assert (zt[:, 3] > 0).any() and (zt[:, 3] < 0).any()
+    k_bad = keys.clone()
+    k_bad[N - 1, 3] = value  # the last key: the last split of the multi-split kernels
+    for kind in ("keys", "mq"):
+        assert not math.isfinite(_losses(backend, a, r, k_bad, noise)[kind].item()), kind
+    # all queries' logits with the bad key -inf: finite loss, NaN gradient for a
+    a_pos, m_pos = a.abs() + 0.1, torch.ones_like(noise)
+    k_neg = keys.clone()
+    k_neg[N - 1, 3] = -math.inf
+    a_leaf = a_pos.clone().requires_grad_()
+    with nloss.value_checks(False):
+        v = nac_fast.nac_loss(a_leaf, r, 0.1, keys=k_neg, noise=m_pos, backend=backend)
+        v.backward()
+    assert math.isfinite(v.item()) and not torch.isfinite(a_leaf.grad).all()
+    # a = +-inf is tanh's limit
+    a_inf, a_big = a.clone(), a.clone()
+    a_inf[2, 3], a_big[2, 3] = value, math.copysign(30.0, value)
+    got, lim = _losses(backend, a_inf, r, keys, noise), _losses(backend, a_big, r, keys, noise)
+    for kind in got:
+        assert math.isfinite(got[kind].item()), kind
+        torch.testing.assert_close(got[kind], lim[kind], rtol=1e-6, atol=1e-6)
+
+
+# ---- a non-finite loss stops train.py at the next check -----------------------------------------
+
+@pytest.mark.parametrize("bad,log_every,save_every,found,ckpt,logged", [
+    (5, 3, 4, 6, 4, [3]),       # found at the log point 6; last checkpoint 4
+    (5, 100, 3, 6, 3, []),      # found before the save at 6 (none at 6); last checkpoint 3
+    (4, 2, 2, 4, 2, [2]),       # found at once (log and save point): the checkpoint of step 2
+    (3, 10, 10, 7, None, []),   # found at the end (step 7 == --max-steps): no checkpoint at all
+])
+def test_non_finite_loss_names_first_step_and_no_checkpoint_after(bad, log_every, save_every,
+                                                                   found, ckpt, logged,
+                                                                   monkeypatch, tmp_path, capsys):
+    calls = {"n": 0}
+    real = train.nac_step
+
+    def poisoned(*a, **k):
+        loss, z = real(*a, **k)
+        calls["n"] += 1
+        return (loss + math.inf if calls["n"] == bad else loss), z
+
+    monkeypatch.setattr(train, "nac_step", poisoned)
+    out = tmp_path / "run"
+    argv = SMALL + ["--max-steps", "7", "--log-every", str(log_every), "--save-every",
+                    str(save_every), "--out", str(out)]
+    assert train.main(argv) == 3
+    err = capsys.readouterr().err
+    later = f" (found at step {found})" if found != bad else ""
+    assert f"non-finite loss (inf) at step {bad}{later}; stopping." in err, err
+    assert calls["n"] == found                   # stopped at the check, no step after it
+    if ckpt is None:
+        assert not (out / "last.pt").exists() and "kept: none" in err
+    else:
+        assert load_checkpoint(str(out / "last.pt"))["step"] == ckpt < bad
+    steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert steps == logged
