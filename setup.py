@@ -20,6 +20,7 @@ Environment:
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import sys
 
@@ -32,31 +33,24 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "0") not in ("", "0", "false", "False")
 
 
-def _cuda_include_dirs():
-    """cuBLAS/cuSPARSE headers of the CUDA 13 pip wheels live in site-packages/nvidia/cu13."""
-    import torch
-    site = os.path.dirname(os.path.dirname(torch.__file__))
-    return [d for d in glob.glob(os.path.join(site, "nvidia", "cu1*", "include")) if os.path.isdir(d)]
+def load_build_flags():
+    """csrc/build_flags.py: the compiler flags and toolkit discovery, shared with
+    bench/cuda_resources.py (loaded by path: csrc/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("nac_build_flags",
+                                                  os.path.join(ROOT, "csrc", "build_flags.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def _valid_cuda_home(path) -> bool:
-    """A toolkit we can build and link with: nvcc and libcudart under `path`."""
-    if not path or not os.path.exists(os.path.join(path, "bin", "nvcc")):
-        return False
-    return any(glob.glob(os.path.join(path, sub, "libcudart.so*"))
-               for sub in ("lib64", "lib", os.path.join("targets", "*", "lib")))
+FLAGS = load_build_flags()
 
 
 def _cuda_home():
-    """The CUDA toolkit to build with, or None.  torch's own guess is not enough: with nvcc on the
-    PATH at /usr/local/bin it picks CUDA_HOME=/usr/local, which has no libcudart, and the link
-    fails (seen on this project's machines); /usr/local/cuda is the real toolkit there."""
+    """The CUDA toolkit to build with, or None (FLAGS.find_cuda_home says why torch's guess is
+    not taken as is)."""
     from torch.utils import cpp_extension
-    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), cpp_extension.CUDA_HOME,
-                 "/usr/local/cuda"):
-        if _valid_cuda_home(cand):
-            return cand
-    return None
+    return FLAGS.find_cuda_home(cpp_extension.CUDA_HOME)
 
 
 def _want_cuda(torch) -> bool:
@@ -87,20 +81,18 @@ def extensions():
         return [], {}
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cu = sorted(glob.glob(os.path.join("csrc", "*.cu")))
-    # -fno-trapping-math lets GCC if-convert the selects of nac_math.h (torch builds with it too).
-    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
-    if _flag("NAC_FAST_NATIVE"):
-        cxx.append("-march=native")
+    cxx = list(FLAGS.CXX_FLAGS) + (FLAGS.NATIVE_CXX_FLAGS if _flag("NAC_FAST_NATIVE") else [])
     common = dict(include_dirs=[os.path.join(ROOT, "csrc")], extra_link_args=["-fopenmp"])
     if cu and _want_cuda(torch):
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-        nvcc = ["-O3", "--use_fast_math", "-lineinfo", "-DNAC_FAST_WITH_CUDA",
-                "--expt-relaxed-constexpr"]
-        ext = CUDAExtension("nac_fast._C", cpp + cu,
-                            extra_compile_args={"cxx": cxx + ["-DNAC_FAST_WITH_CUDA"], "nvcc": nvcc},
-                            **{**common, "include_dirs": common["include_dirs"] + _cuda_include_dirs()})
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", FLAGS.DEFAULT_CUDA_ARCHS)
+        # No --use_fast_math (csrc/build_flags.py: precision note).
+        ext = CUDAExtension(FLAGS.EXTENSION_NAME, cpp + cu,
+                            extra_compile_args={"cxx": cxx + [FLAGS.CUDA_DEFINE],
+                                                "nvcc": list(FLAGS.NVCC_FLAGS)},
+                            **{**common, "include_dirs": common["include_dirs"]
+                               + FLAGS.cuda_wheel_include_dirs(torch.__file__)})
     else:
-        ext = CppExtension("nac_fast._C", cpp, extra_compile_args={"cxx": cxx}, **common)
+        ext = CppExtension(FLAGS.EXTENSION_NAME, cpp, extra_compile_args={"cxx": cxx}, **common)
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 

@@ -523,7 +523,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_bwd_cpu(
     const c10::optional<at::Tensor>& keys, const at::Tensor& lse, const at::Tensor& ga,
     const at::Tensor& g, double s, bool need_a, bool need_r, bool need_keys) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  nac::check_bwd_args(a, r, noise, keys, lse, g);
+  nac::check_bwd_args(a, r, noise, keys, lse, ga, g, need_a);
   std::vector<at::Tensor> out = a.scalar_type() == at::kDouble
       ? nac_bwd_impl<double>(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys)
       : nac_bwd_impl<float>(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys);

@@ -125,9 +125,18 @@ __device__ __forceinline__ void score_tile(const acc_t* __restrict__ Q, const ke
   }
 }
 
+// Blocks per SM the forward kernel promises ptxas (__launch_bounds__' second argument), i.e. a
+// budget of 65536 / (kThreads * blocks) registers per thread: 128, and 255 for DPAD = 256.
+// Without it ptxas aims at the occupancy the static shared memory allows (33.5 KiB per block
+// for fp32), caps the registers at 48-128 and spilled on sm_80 and sm_90 for DPAD = 32 and 256
+// (every dtype; fp32 and fp64 at other widths too).  bench/cuda_resources.py reports registers
+// and spills per instantiation; its problems() flags any spill on a bf16/fp16/fp32 path.
+template <int DPAD>
+constexpr int fwd_min_blocks() { return DPAD >= 256 ? 1 : 2; }
+
 // Forward: per (query tile, key split) the online softmax state (m, l) and acc = sum e k.
 template <typename key_t, typename acc_t, int DPAD>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, fwd_min_blocks<DPAD>())
 fwd_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K, acc_t* __restrict__ pm,
            acc_t* __restrict__ pl, acc_t* __restrict__ pacc, int64_t n, int64_t N, int D,
            int64_t tiles_per_split, bool grad) {
@@ -477,9 +486,13 @@ std::vector<at::Tensor> bwd_impl(const at::Tensor& a, const at::Tensor& r, const
   return {grad_a, grad_r, grad_k};
 }
 
-void check_cuda_width(const at::Tensor& a) {
+// Limits of this kernel beyond the shared checks (nac_checks.h): D <= 256 (the DPAD variants) and
+// n < 2^31 (finish_kernel's grid has one block per row).
+void check_cuda_limits(const at::Tensor& a) {
   TORCH_CHECK(a.size(1) <= 256, "nac_fast cuda backend: D <= 256 (got ", a.size(1),
               "); use backend='triton' for wider codes");
+  TORCH_CHECK(a.size(0) <= std::numeric_limits<int32_t>::max(),
+              "nac_fast cuda backend: a must have fewer than 2^31 rows, got ", a.size(0));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_fwd_cuda(
@@ -487,8 +500,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_fwd_cuda(
     const c10::optional<at::Tensor>& keys, double s, double l2, bool grad_rows) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   nac::check_fwd_args(a_in, r_in, noise_in, keys);
-  check_cuda_width(a_in);
+  check_cuda_limits(a_in);
   const c10::cuda::CUDAGuard guard(a_in.device());
+  // Strided inputs are made contiguous here (and lse, ga, g in bwd_impl), not rejected.
   const at::Tensor a = a_in.detach().contiguous();
   const at::Tensor r = r_in.detach().to(a.scalar_type()).contiguous();
   const at::Tensor noise = noise_in.detach().to(a.scalar_type()).contiguous();
@@ -505,9 +519,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_bwd_cuda(
     const c10::optional<at::Tensor>& keys, const at::Tensor& lse, const at::Tensor& ga,
     const at::Tensor& g, double s, bool need_a, bool need_r, bool need_keys) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  nac::check_bwd_args(a_in, r_in, noise_in, keys, lse, g);
-  check_cuda_width(a_in);
+  nac::check_bwd_args(a_in, r_in, noise_in, keys, lse, ga, g, need_a);
+  check_cuda_limits(a_in);
   const c10::cuda::CUDAGuard guard(a_in.device());
+  // Strided inputs are made contiguous here (and lse, ga, g in bwd_impl), not rejected.
   const at::Tensor a = a_in.detach().contiguous();
   const at::Tensor r = r_in.detach().to(a.scalar_type()).contiguous();
   const at::Tensor noise = noise_in.detach().to(a.scalar_type()).contiguous();

@@ -1,0 +1,353 @@
+"""Per-kernel resources of csrc/nac_cuda.cu as ptxas reports them: registers, spills, static
+shared memory and stack frame, per target arch, with no GPU needed.
+
+    python bench/cuda_resources.py --csv results/cuda_resources.csv [--archs 80,90] [--jobs 2]
+
+Each arch is one device-only nvcc compile (-cubin: no host compile, no link) with the flags and
+include paths of the real build (csrc/build_flags.py, which setup.py uses too) plus
+-Xptxas -v; the archs run as parallel nvcc processes.  Mangled names are demangled (cu++filt
+from the toolkit when present, else libstdc++'s abi::__cxa_demangle) into a readable kernel name
+with its template arguments, from which come the input dtype (bf16/fp16/fp32/fp64) and D (the
+DPAD template value).
+
+Library use (bench/compile_check.py): cuda_resource_rows() -> rows, problems(rows) -> messages.
+Importing this module has no side effects; cuda_resource_rows raises RuntimeError with the
+reason when nvcc or torch is missing, for the caller to turn into a skip.
+
+The CLI prints the table, writes the CSV, prints each problem, and exits 1 when there is one.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import csv
+import ctypes
+import ctypes.util
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCE = os.path.join(ROOT, "csrc", "nac_cuda.cu")
+
+FIELDS = ("kernel", "arch", "dtype", "D", "registers", "spill_store_bytes", "spill_load_bytes",
+          "smem_bytes", "stack_bytes", "compile_s")
+
+# Static __shared__ memory per block: 48 KiB on every arch.  More needs dynamic shared memory and
+# the cudaFuncAttributeMaxDynamicSharedMemorySize opt-in (sm_80: 163 KiB, sm_90: 227 KiB); the
+# NAC kernels use static shared memory only, so 48 KiB is the limit that applies.
+STATIC_SMEM_LIMIT = {80: 48 * 1024, 86: 48 * 1024, 89: 48 * 1024, 90: 48 * 1024}
+# Spills are a problem on the bf16/fp16 instantiations and on the fp32 ones, which 16-bit inputs
+# run too: with keys=None the keys are tanh(a) in fp32, i.e. fwd_kernel<float, float, D> and
+# bwd_keys_kernel<float, float, D>.  fp64 (tests, references) may spill.
+NO_SPILL_DTYPES = ("bf16", "fp16", "fp32")
+
+
+def _build_flags():
+    spec = importlib.util.spec_from_file_location("nac_build_flags",
+                                                  os.path.join(ROOT, "csrc", "build_flags.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---------------------------------------------------------------------------------------------
+# ptxas report parsing
+# ---------------------------------------------------------------------------------------------
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for 'sm_(\d+)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(text: str) -> list:
+    """ptxas -v output -> one dict per entry function (kernel), in report order: mangled, arch,
+    registers, spill_store_bytes, spill_load_bytes, smem_bytes (static), stack_bytes.  Non-entry
+    functions ptxas lists (non-inlined device functions) are left out."""
+    rows, props, current, pending = [], {}, None, None
+    for line in text.splitlines():
+        m = _ENTRY.search(line)
+        if m:
+            current = {"mangled": m.group(1), "arch": int(m.group(2))}
+            rows.append(current)
+            continue
+        m = _PROPS.search(line)
+        if m:
+            pending = m.group(1)
+            continue
+        m = _FRAME.search(line)
+        if m and pending is not None:
+            props[pending] = tuple(int(x) for x in m.groups())
+            pending = None
+            continue
+        m = _USED.search(line)
+        if m and current is not None:
+            s = _SMEM.search(line)
+            current["registers"] = int(m.group(1))
+            current["smem_bytes"] = int(s.group(1)) if s else 0
+    for r in rows:
+        if "registers" not in r or r["mangled"] not in props:
+            raise ValueError(f"incomplete ptxas report for {r['mangled']} (sm_{r['arch']})")
+        r["stack_bytes"], r["spill_store_bytes"], r["spill_load_bytes"] = props[r["mangled"]]
+    return rows
+
+
+def _cxa_demangle(name: str) -> str:
+    lib = ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6")
+    fn = lib.__cxa_demangle
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    status = ctypes.c_int()
+    ptr = fn(name.encode(), None, None, ctypes.byref(status))
+    if status.value != 0 or not ptr:
+        return name
+    try:
+        return ctypes.string_at(ptr).decode()
+    finally:
+        ctypes.CDLL(None).free(ctypes.c_void_p(ptr))
+
+
+def demangle(names, cuda_home=None) -> dict:
+    """{mangled: demangled}: one cu++filt call when the toolkit has it, else __cxa_demangle."""
+    names = list(dict.fromkeys(names))
+    tool = os.path.join(cuda_home, "bin", "cu++filt") if cuda_home else None
+    if tool and os.path.exists(tool) and names:
+        out = subprocess.run([tool], input="\n".join(names) + "\n", capture_output=True,
+                             text=True, check=True).stdout.splitlines()
+        if len(out) == len(names):
+            return dict(zip(names, out))
+    return {n: _cxa_demangle(n) for n in names}
+
+
+def _split_top(s: str) -> list:
+    """Split a template argument list at its top-level commas."""
+    out, depth, cur = [], 0, ""
+    for ch in s:
+        if ch in "<([":
+            depth += 1
+        elif ch in ">)]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def describe(demangled: str) -> tuple:
+    """'void (anonymous namespace)::fwd_kernel<c10::BFloat16, float, 64>(float const*, ...)'
+    -> ('fwd_kernel<c10::BFloat16, float, 64>', 'bf16', '64').  dtype: the input dtype of the
+    instantiation (bf16/fp16 when a template argument is c10::BFloat16/c10::Half, else fp64 or
+    fp32 from double/float; '' when none, e.g. noise_kernel); D: the first integer template
+    argument (DPAD), '' when none."""
+    s = demangled.strip()
+    if s.startswith("void "):
+        s = s[5:]
+    if s.endswith(")"):  # drop the parameter list: the last top-level (...) group
+        depth = 0
+        for k in range(len(s) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(s[k], 0)
+            if depth == 0:
+                s = s[:k]
+                break
+    s = s.replace("(anonymous namespace)::", "")
+    args = []
+    if s.endswith(">"):
+        args = _split_top(s[s.index("<") + 1:-1])
+    dtype = ""
+    for key, tag in (("BFloat16", "bf16"), ("Half", "fp16"), ("double", "fp64"),
+                     ("float", "fp32")):
+        if any(re.search(rf"\b{key}\b", a) for a in args):
+            dtype = tag
+            break
+    D = next((re.sub(r"[uUlL]+$", "", a) for a in args if re.fullmatch(r"-?\d+[uUlL]*", a)), "")
+    return s, dtype, D
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling
+# ---------------------------------------------------------------------------------------------
+
+def nvcc_command(arch: int, out_path: str) -> tuple:
+    """(nvcc argv, cuda_home) of the device-only compile of csrc/nac_cuda.cu for sm_<arch>, with
+    the build's flags and include paths.  RuntimeError when nvcc or torch is missing."""
+    bf = _build_flags()
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as exc:
+        raise RuntimeError(f"torch is not importable ({exc}): the .cu file includes ATen") from exc
+    home = bf.find_cuda_home(cpp_extension.CUDA_HOME)
+    if home is None:
+        nvcc_on_path = shutil.which("nvcc")
+        raise RuntimeError("no CUDA toolkit (nvcc + libcudart) found: set CUDA_HOME"
+                           + (f" (nvcc on PATH at {nvcc_on_path} has no toolkit around it)"
+                              if nvcc_on_path else ""))
+    includes = [bf.csrc_dir()] + bf.cuda_wheel_include_dirs(torch.__file__) + \
+        cpp_extension.include_paths() + [os.path.join(home, "include")]
+    argv = [os.path.join(home, "bin", "nvcc"), "-cubin", f"-arch=sm_{arch}", "-Xptxas", "-v",
+            *bf.torch_nvcc_flags(torch.__version__), *bf.NVCC_FLAGS,
+            *[f"-I{d}" for d in includes], SOURCE, "-o", out_path]
+    return argv, home
+
+
+def _compile_arch(arch: int) -> tuple:
+    with tempfile.TemporaryDirectory(prefix="nac_res_") as tmp:
+        argv, home = nvcc_command(arch, os.path.join(tmp, f"nac_cuda_sm{arch}.cubin"))
+        t0 = time.perf_counter()
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        secs = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed for sm_{arch} (exit {proc.returncode}):\n"
+                           + (proc.stdout + proc.stderr)[-4000:])
+    return parse_ptxas(proc.stdout + "\n" + proc.stderr), secs, home
+
+
+def cuda_resource_rows(archs=(80, 90), jobs=2) -> list:
+    """Compile csrc/nac_cuda.cu for each arch (up to `jobs` nvcc processes at once) and return
+    one row per (kernel instantiation, arch) with FIELDS as keys, sorted by arch then kernel.
+    RuntimeError when the toolkit or torch is missing or nvcc fails."""
+    archs = [int(a) for a in archs]
+    if not archs:
+        raise ValueError("archs must name at least one arch, e.g. (80, 90)")
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(jobs, len(archs))) as pool:
+        results = list(pool.map(_compile_arch, archs))
+    names = demangle([r["mangled"] for rows, _, _ in results for r in rows], results[0][2])
+    out = []
+    for arch, (rows, secs, _) in zip(archs, results):
+        for r in rows:
+            kernel, dtype, D = describe(names[r["mangled"]])
+            out.append({"kernel": kernel, "arch": arch, "dtype": dtype, "D": D,
+                        "registers": r["registers"],
+                        "spill_store_bytes": r["spill_store_bytes"],
+                        "spill_load_bytes": r["spill_load_bytes"],
+                        "smem_bytes": r["smem_bytes"], "stack_bytes": r["stack_bytes"],
+                        "compile_s": round(secs, 2)})
+    out.sort(key=lambda r: (r["arch"], r["kernel"]))
+    return out
+
+
+def problems(rows) -> list:
+    """Resource problems: spills on a bf16/fp16/fp32 path (NO_SPILL_DTYPES says why fp32), static
+    shared memory over the 48 KiB per-block limit."""
+    msgs = []
+    for r in rows:
+        where = f"sm_{r['arch']} {r['kernel']}"
+        if r["dtype"] in NO_SPILL_DTYPES and (r["spill_store_bytes"] or r["spill_load_bytes"]):
+            msgs.append(f"{where} ({r['dtype']}) spills: {r['spill_store_bytes']} B stores, "
+                        f"{r['spill_load_bytes']} B loads")
+        limit = STATIC_SMEM_LIMIT.get(int(r["arch"]), 48 * 1024)
+        if r["smem_bytes"] > limit:
+            msgs.append(f"{where} uses {r['smem_bytes']} B of static shared memory, over the "
+                        f"{limit} B per-block limit")
+    return msgs
+
+
+# ---------------------------------------------------------------------------------------------
+# SASS of a built library: which MUFU (special-function unit) instructions the kernels use
+# ---------------------------------------------------------------------------------------------
+
+def find_cuobjdump():
+    """cuobjdump: Triton's wheel ships one (triton/backends/nvidia/bin), else the toolkit's, else
+    PATH; None when there is none."""
+    spec = importlib.util.find_spec("triton")
+    cands = []
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            cands.append(os.path.join(loc, "backends", "nvidia", "bin", "cuobjdump"))
+    home = _build_flags().find_cuda_home()
+    if home:
+        cands.append(os.path.join(home, "bin", "cuobjdump"))
+    cands.append(shutil.which("cuobjdump") or "")
+    return next((c for c in cands if c and os.access(c, os.X_OK)), None)
+
+
+_SASS_ARCH = re.compile(r"code for sm_(\d+)")
+_SASS_FUNC = re.compile(r"Function : (\S+)")
+_MUFU = re.compile(r"\bMUFU\.([A-Z0-9]+)")
+
+
+def parse_sass_mufu(text: str) -> dict:
+    """cuobjdump --dump-sass output -> {(arch, mangled function): {MUFU op: count}}, every
+    function listed (with {} when it has no MUFU instruction)."""
+    counts, arch, func = {}, None, None
+    for line in text.splitlines():
+        m = _SASS_ARCH.search(line)
+        if m:
+            arch, func = int(m.group(1)), None
+            continue
+        m = _SASS_FUNC.search(line)
+        if m:
+            func = m.group(1)
+            counts.setdefault((arch, func), {})
+            continue
+        if func is not None:
+            for op in _MUFU.findall(line):
+                c = counts[(arch, func)]
+                c[op] = c.get(op, 0) + 1
+    return counts
+
+
+def sass_mufu_counts(library: str, cuobjdump=None) -> dict:
+    """MUFU counts per (arch, function) of the NAC kernels (csrc/nac_cuda.cu's, whose mangled
+    names carry its anonymous namespace 'nac_cuda_cu') in a built library."""
+    tool = cuobjdump or find_cuobjdump()
+    if tool is None:
+        raise RuntimeError("no cuobjdump found (Triton's wheel ships one in "
+                           "triton/backends/nvidia/bin; or set CUDA_HOME to a full toolkit)")
+    proc = subprocess.run([tool, "--dump-sass", library], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tool} --dump-sass {library} failed: {proc.stderr[-2000:]}")
+    return {k: v for k, v in parse_sass_mufu(proc.stdout).items() if "nac_cuda_cu" in k[1]}
+
+
+def _table(rows) -> str:
+    cols = ("arch", "kernel", "dtype", "D", "registers", "spill_store_bytes", "spill_load_bytes",
+            "smem_bytes", "stack_bytes")
+    heads = ("arch", "kernel", "dtype", "D", "regs", "spill st", "spill ld", "smem", "stack")
+    cells = [[str(r[c]) for c in cols] for r in rows]
+    width = [max(len(h), *(len(c[k]) for c in cells)) for k, h in enumerate(heads)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(heads, width))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in cells]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--csv", required=True, help="output CSV path")
+    ap.add_argument("--archs", default="80,90", help="comma-separated SM numbers (default 80,90)")
+    ap.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes (default 2)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    rows = cuda_resource_rows(tuple(int(a) for a in args.archs.split(",")), args.jobs)
+    total = time.perf_counter() - t0
+    print(_table(rows))
+    per_arch = {r["arch"]: r["compile_s"] for r in rows}
+    print("nvcc per arch (s): " + ", ".join(f"sm_{a} {s}" for a, s in per_arch.items())
+          + f"; total {total:.1f} s with jobs={args.jobs}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+    with open(args.csv, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {args.csv} ({len(rows)} rows)")
+    found = problems(rows)
+    for msg in found:
+        print("PROBLEM: " + msg)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
