@@ -345,14 +345,15 @@ def _rows_block(D: int, dtype: torch.dtype) -> int:
 def smem_estimate(kernel: str, cfg: Config, dtype: torch.dtype, D: int) -> int:
     """Shared memory a configuration needs, in bytes: `num_stages` buffers of the streamed tile,
     plus the resident tile on the 16-bit and TF32 paths, which stage it in shared memory too (the
-    fp64 and exact-fp32 products keep it in registers).  An upper bound of what Triton allocated
-    in every configuration bench/compile_check.py measured, which checks the compiled figure."""
+    fp64 and exact-fp32 products keep it in registers), plus 16 KB for the probability tiles and
+    layout conversions.  tests/test_compile_check.py checks that it bounds what Triton allocated
+    in every configuration; the compile check holds the compiled figure against the limit."""
     es = torch.empty((), dtype=dtype).element_size()
     resident, streamed = ((cfg.BLOCK_M, cfg.BLOCK_N) if kernel == "fwd" else
                           (cfg.BLOCK_N, cfg.BLOCK_M))
     if dtype == torch.float64 or (dtype == torch.float32 and fp32_precision(D) == "ieee"):
         resident = 0
-    return es * block_d(D) * (resident + cfg.num_stages * streamed) + 4096
+    return es * block_d(D) * (resident + cfg.num_stages * streamed) + 16384
 
 
 def config(kernel: str, dtype: torch.dtype, D: int, target: Target) -> Config:

@@ -142,3 +142,17 @@ def test_triton_backend_present_where_triton_is_installed():
     backend must be there: a broken import fails here instead of skipping every Triton test."""
     why = nac_fast.available_backends("cpu", reasons=True)["triton"]
     assert why is None, why
+
+
+def test_gpu_suite_build_stage_import_path(tmp_path):
+    """The GPU suite's build stage, in its CPU mode (NAC_FAST_SUITE_CPU=1), on a copy of the tree:
+    the same source-tree import check the GPU machine runs after `build_ext --inplace`."""
+    tree = _copy_tree(str(tmp_path / "src"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env.update(NAC_FAST_SUITE_CPU="1", NAC_FAST_SUITE_RESULTS=str(tmp_path / "res"),
+               PYTHON=sys.executable)
+    out = subprocess.run(["bash", os.path.join(tree, "bench", "gpu_suite.sh"), "build"],
+                         cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert any(line.startswith("SUITE build PASS") for line in out.stdout.splitlines()), \
+        out.stdout[-4000:]

@@ -1,0 +1,112 @@
+"""The compile-only GPU check (bench/compile_check.py): every Triton kernel configuration the
+launchers can choose, compiled for sm_80 and sm_90 on this CPU, fits shared memory, does not spill
+on the 16-bit and TF32 paths and uses tensor cores there; the CUDA kernels likewise (nvcc).  It
+runs once here (a few minutes), in a child process without TRITON_INTERPRET."""
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import compile_check as CC  # noqa: E402
+
+NAC_KERNELS = ("prologue", "fwd", "finish", "bwd_keys", "bwd_rows")
+
+
+@pytest.fixture(scope="module")
+def check_rows(tmp_path_factory):
+    out_csv = tmp_path_factory.mktemp("cc") / "compile_check.csv"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "compile_check.py"),
+                           "--csv", str(out_csv), "--jobs", str(max(2, os.cpu_count() or 2))],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    print(proc.stdout[-4000:])
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    with open(out_csv) as f:
+        return list(csv.DictReader(f))
+
+
+def test_every_configuration_compiles_within_limits(check_rows):
+    bad = [r for r in check_rows if r["problems"]]
+    assert not bad, bad
+
+
+def test_the_grid_is_covered(check_rows):
+    seen = {(r["kernel"], r["arch"], r["dtype"], r["D"]) for r in check_rows}
+    for arch in ("80", "90"):
+        for dtype in CC.DTYPES:
+            for D in map(str, CC.DS):
+                for k in NAC_KERNELS:
+                    assert (k, arch, dtype, D) in seen, (k, arch, dtype, D)
+        for k in ("noise", "hamming_cdist", "hamming_ap"):
+            assert any(r["kernel"] == k and r["arch"] == arch for r in check_rows), (k, arch)
+        # both modes, and fp32's three product modes, were planned
+        fwd = [r for r in check_rows if r["kernel"] == "fwd" and r["arch"] == arch]
+        assert {m for r in fwd for m in r["modes"].split("+")} == {"inbatch", "queue"}
+        assert {r["precision"] for r in fwd if r["dtype"] == "float32"} == {"tf32x3", "tf32",
+                                                                            "ieee"}
+
+
+def test_smem_estimate_bounds_the_compiled_figure(check_rows):
+    """The launchers prune configurations by nac_triton.smem_estimate: it must not undercount."""
+    rows = [r for r in check_rows if r["smem_estimate"]]
+    assert rows
+    for r in rows:
+        assert int(r["smem_bytes"]) <= int(r["smem_estimate"]), r
+
+
+def test_matrix_kernels_use_tensor_cores(check_rows):
+    for r in check_rows:
+        if r["kernel"] in ("fwd", "bwd_keys") and (r["dtype"] in ("bfloat16", "float16")
+                                                   or r["precision"] in ("tf32", "tf32x3")):
+            assert int(r["mma_count"]) > 0 and r["mma_instr"], r
+    # Hopper's warpgroup MMA on the headline shape (bf16, D = 128)
+    hopper = [r for r in check_rows if r["kernel"] in ("fwd", "bwd_keys") and r["arch"] == "90"
+              and r["dtype"] == "bfloat16" and r["D"] == "128"]
+    assert hopper and all("HGMMA" in r["mma_instr"] for r in hopper), hopper
+
+
+def test_cuda_kernels_checked_when_nvcc_is_present(check_rows):
+    cuda = [r for r in check_rows if r["kernel"].startswith("cuda:")]
+    try:
+        sys.path.insert(0, os.path.join(ROOT, "csrc"))
+        import build_flags
+        have_nvcc = build_flags.find_cuda_home() is not None
+    except Exception:  # noqa: BLE001 - no toolkit helper: judged by nvcc on PATH below
+        have_nvcc = os.path.exists("/usr/local/cuda/bin/nvcc")
+    if not have_nvcc:
+        pytest.skip("no CUDA toolkit here: the .cu file is not compiled")
+    assert {r["arch"] for r in cuda} == {"80", "90"}
+    for r in cuda:
+        if r["dtype"] in ("bfloat16", "float16"):
+            assert r["spill_store_bytes"] == "0" and r["spill_load_bytes"] == "0", r
+
+
+def _row(**kw):
+    base = dict(kernel="fwd", arch=90, dtype="bfloat16", D=128, precision="ieee",
+                smem_bytes=1000, smem_limit=2000, spill_store_bytes=0, spill_load_bytes=0,
+                mma_count=4, compile_s=1.0)
+    base.update(kw)
+    return base
+
+
+@pytest.mark.parametrize("row,expect", [
+    (_row(), None),
+    (_row(smem_bytes=3000), "shared memory"),
+    (_row(spill_store_bytes=8), "spills"),
+    (_row(dtype="float32", precision="tf32x3", spill_load_bytes=4), "spills"),
+    (_row(dtype="float32", precision="ieee", spill_store_bytes=64), None),  # FMA path: reported
+    (_row(dtype="float64", precision="ieee-fp64", spill_store_bytes=64), None),
+    (_row(mma_count=0), "tensor-core"),
+    (_row(kernel="finish", mma_count=0), None),
+    (_row(compile_s=25.0), "compile took"),
+])
+def test_problem_rules(row, expect):
+    got = CC._triton_problems(row, 20.0)
+    if expect is None:
+        assert got == []
+    else:
+        assert any(expect in p for p in got), got
