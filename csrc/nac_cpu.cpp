@@ -26,6 +26,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "nac_checks.h"
 #include "nac_math.h"
 
@@ -213,28 +217,30 @@ static void finish_row(const double* z, const double* m, const double* r, const 
   finish_row_impl(z, m, r, A, a_scale, lam, ga, D, b, q);
 }
 
-// out = g * d loss_i / d r_i for one row.
+// In place: zio holds z_i on entry and g * d loss_i / d r_i on return (the backward keeps z in
+// the d/dr output buffer, so d/dr costs no memory of its own).
 template <typename T>
-static inline void grad_r_row_impl(const T* __restrict z, const T* __restrict m,
-                                   const T* __restrict r, T g, T* __restrict out, int64_t D) {
+static inline void grad_r_row_inplace_impl(T* __restrict zio, const T* __restrict m,
+                                           const T* __restrict r, T g, int64_t D) {
 #pragma omp simd
-  for (int64_t d = 0; d < D; ++d) out[d] = g * nac::grad_r_elem(m[d] * z[d], r[d]);
+  for (int64_t d = 0; d < D; ++d) zio[d] = g * nac::grad_r_elem(m[d] * zio[d], r[d]);
 }
 NAC_MULTIVERSION
-static void grad_r_row(const float* z, const float* m, const float* r, float g, float* out,
-                       int64_t D) {
-  grad_r_row_impl(z, m, r, g, out, D);
+static void grad_r_row_inplace(float* zio, const float* m, const float* r, float g, int64_t D) {
+  grad_r_row_inplace_impl(zio, m, r, g, D);
 }
-static void grad_r_row(const double* z, const double* m, const double* r, double g, double* out,
-                       int64_t D) {
-  grad_r_row_impl(z, m, r, g, out, D);
+static void grad_r_row_inplace(double* zio, const double* m, const double* r, double g,
+                               int64_t D) {
+  grad_r_row_inplace_impl(zio, m, r, g, D);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shared set-up.  Extra memory is kept to z = tanh(a) (n x D) and the outputs: the queries
-// q = s m z of a block are formed per work item (BQ x D), and the row-gradient accumulator is the
-// output buffer itself.  Measured with the profiler: in-batch 4096 x 128 fwd+bwd peaks at ~1/20 of
-// the reference's 264 MiB.
+// Shared set-up.  Extra memory is kept to the outputs, z = tanh(a) (n x D) and one workspace per
+// worker: the queries q = s m z of a block are formed per work item (BQ x D), the row-gradient
+// accumulator is the forward's ga output itself, and the backward keeps z in its d/dr output.
+// The forward's z and the workspaces are OS scratch (os_scratch below), returned at once.  In-batch
+// 4096 x 128 fp32 fwd+bwd, 2 threads: ~8 MiB of process RSS above the inputs (6 MiB of it the
+// saved ga and the two gradients) against the reference's ~283 MiB (bench/cpu_memory.py).
 // ---------------------------------------------------------------------------------------------
 
 struct Operands {
@@ -242,26 +248,70 @@ struct Operands {
   at::Tensor m;     // (n, D) noise, acc dtype, contiguous
   at::Tensor z;     // (n, D) tanh(a)
   at::Tensor keys;  // (N, D) contiguous: z itself when keys=None; given keys in their own dtype
-  // A key tile in the accumulation dtype: a view of `keys`, or (bf16/fp16 keys) `buf` filled from
-  // it.  Converting tile by tile keeps extra memory at one tile per worker: a whole-queue fp32 copy
-  // was 32 MiB for a 65536 x 128 bf16 queue (measured), 26x the fp32 path's peak.
-  at::Tensor key_tile(int64_t j0, int64_t bk, at::Tensor& buf) const {
+  bool convert_keys() const { return keys.scalar_type() != z.scalar_type(); }
+  // A key tile in the accumulation dtype: a view of `keys`, or (bf16/fp16 keys) the worker's
+  // (kBK, D) `buf` filled from it.  Converting tile by tile keeps extra memory at one tile per
+  // worker: a whole-queue fp32 copy was 32 MiB for a 65536 x 128 bf16 queue (measured), 26x the
+  // fp32 path's peak.
+  at::Tensor key_tile(int64_t j0, int64_t bk, const at::Tensor& buf) const {
     const at::Tensor k = keys.narrow(0, j0, bk);
-    if (k.scalar_type() == z.scalar_type()) return k;
-    if (!buf.defined()) buf = at::empty({0, keys.size(1)}, z.options());
-    buf.resize_({bk, keys.size(1)});
-    return buf.copy_(k);
+    if (!convert_keys()) return k;
+    return buf.narrow(0, 0, bk).copy_(k);
   }
 };
 
+// A scratch tensor whose pages come straight from the OS and go back to it when the tensor dies.
+// The ops' temporaries (the forward's z, each worker's workspace) are taken so.  From malloc,
+// glibc keeps a freed chunk in its heap once its mmap threshold has grown (any freed 2 MiB tensor
+// makes it grow), small allocations split it, and the backward's outputs then took fresh pages:
+// the forward's 2 MiB z stayed resident through the backward at 4096 x 128 fp32 (traced with
+// bench/cpu_memory.py's protocol).  One mmap with MAP_POPULATE costs microseconds, nothing next
+// to a pass; below 64 KiB the heap's recycling is the better deal.
+static at::Tensor os_scratch(at::IntArrayRef sizes, const at::TensorOptions& opts) {
+#if defined(__linux__)
+  int64_t numel = 1;
+  for (const int64_t s : sizes) numel *= s;
+  const size_t bytes = static_cast<size_t>(numel) * opts.dtype().itemsize();
+  if (bytes >= (size_t{64} << 10)) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);  // one call, no page faults
+    TORCH_CHECK(p != MAP_FAILED, "nac_fast: mmap of ", bytes, " bytes of scratch failed");
+    // Tell the profiler, as the CPU allocator does, so profiler-based memory counts
+    // (bench/bench_loss.py) still see the scratch.
+    const c10::Device cpu(c10::DeviceType::CPU);
+    const auto nb = static_cast<int64_t>(bytes);
+    if (c10::memoryProfilingEnabled()) c10::reportMemoryUsageToProfiler(p, nb, 0, 0, cpu);
+    return at::from_blob(p, sizes, [bytes, nb, cpu](void* q) {
+      munmap(q, bytes);
+      if (c10::memoryProfilingEnabled()) c10::reportMemoryUsageToProfiler(q, -nb, 0, 0, cpu);
+    }, opts);
+  }
+#endif
+  return at::empty(sizes, opts);
+}
+
+// One worker's buffers, in one scratch block: the logits tile (kBQ x kBK, row stride kBK), the
+// queries of a block (kBQ x D) and, for bf16/fp16 keys, a converted key tile (kBK x D).
+struct Workspace {
+  at::Tensor block, tile, qbuf, kbuf;
+  Workspace(const Operands& op, int64_t D) {
+    const int64_t kn = op.convert_keys() ? kBK * D : 0;
+    block = os_scratch({kBQ * kBK + kBQ * D + kn}, op.z.options());
+    tile = block.narrow(0, 0, kBQ * kBK).view({kBQ, kBK});
+    qbuf = block.narrow(0, kBQ * kBK, kBQ * D).view({kBQ, D});
+    if (kn) kbuf = block.narrow(0, kBQ * kBK + kBQ * D, kn).view({kBK, D});
+  }
+};
+
+// z goes into `zbuf` when given (an (n, D) contiguous acc-dtype buffer the caller will reuse).
 template <typename acc_t>
 Operands make_operands(const at::Tensor& a, const at::Tensor& noise,
-                       const c10::optional<at::Tensor>& keys) {
+                       const c10::optional<at::Tensor>& keys, at::Tensor zbuf = at::Tensor()) {
   const auto acc = c10::CppTypeToScalarType<acc_t>::value;
   Operands op;
   op.a = a.detach().to(acc).contiguous();
   op.m = noise.detach().to(acc).contiguous();
-  op.z = at::empty_like(op.a);
+  op.z = zbuf.defined() ? zbuf : at::empty_like(op.a);
   const acc_t* pa = op.a.data_ptr<acc_t>();
   acc_t* pz = op.z.data_ptr<acc_t>();
   at::parallel_for(0, op.a.numel(), 16384, [&](int64_t b, int64_t e) {
@@ -296,7 +346,9 @@ std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
                                      const at::Tensor& noise, const c10::optional<at::Tensor>& keys,
                                      double s, double l2, bool grad_rows) {
   const int64_t n = a.size(0), D = a.size(1);
-  const Operands op = make_operands<acc_t>(a, noise, keys);
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+  const Operands op =
+      make_operands<acc_t>(a, noise, keys, os_scratch({n, D}, a.options().dtype(acc)));
   const int64_t N = op.keys.size(0);
   const auto opts = op.z.options();
   const acc_t sc = static_cast<acc_t>(s), lam = static_cast<acc_t>(l2);
@@ -317,8 +369,8 @@ std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
 
   at::parallel_for(0, qblocks * nsplit, 1, [&](int64_t wb, int64_t we) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // OpenMP workers start without the TLS
-    at::Tensor tile = at::empty({kBQ, kBK}, opts);
-    at::Tensor qbuf = at::empty({kBQ, D}, opts), kbuf;
+    const Workspace ws(op, D);
+    const at::Tensor &tile = ws.tile, &qbuf = ws.qbuf, &kbuf = ws.kbuf;
     acc_t* S = tile.data_ptr<acc_t>();
     for (int64_t w = wb; w < we; ++w) {
       const int64_t qb = w / nsplit, sp = w % nsplit;
@@ -421,8 +473,8 @@ at::Tensor keys_backward(const Operands& op, const c10::optional<at::Tensor>& ke
 
   at::parallel_for(0, ktiles * nsplit, 1, [&](int64_t wb, int64_t we) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    at::Tensor tile = at::empty({kBQ, kBK}, opts);
-    at::Tensor qbuf = at::empty({kBQ, D}, opts), kbuf;
+    const Workspace ws(op, D);
+    const at::Tensor &tile = ws.tile, &qbuf = ws.qbuf, &kbuf = ws.kbuf;
     acc_t* S = tile.data_ptr<acc_t>();
     for (int64_t w = wb; w < we; ++w) {
       const int64_t kt = w / nsplit, sp = w % nsplit;
@@ -462,24 +514,17 @@ std::vector<at::Tensor> nac_bwd_impl(const at::Tensor& a, const at::Tensor& r,
                                      const at::Tensor& g_in, double s, bool need_a, bool need_r,
                                      bool need_keys) {
   const int64_t n = a.size(0), D = a.size(1);
-  const Operands op = make_operands<acc_t>(a, noise, keys);
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+  // z = tanh(a) lives in the d/dr output until d/dr is due (last), so the backward's memory is
+  // its outputs plus one key tile per worker.
+  at::Tensor grad_r = need_r ? at::empty({n, D}, a.options().dtype(acc))
+                             : at::empty({0}, a.options().dtype(acc));
+  const Operands op = make_operands<acc_t>(a, noise, keys, need_r ? grad_r : at::Tensor());
   const auto opts = op.z.options();
   const at::Tensor g = g_in.detach().to(op.z.scalar_type()).contiguous();
   const acc_t* pg = g.data_ptr<acc_t>();
-  const acc_t* pz = op.z.data_ptr<acc_t>();
   const acc_t* pm = op.m.data_ptr<acc_t>();
-  at::Tensor grad_a = at::empty({0}, opts), grad_r = at::empty({0}, opts);
-  at::Tensor grad_k = at::empty({0}, opts);
-  if (need_r) {
-    const at::Tensor r_ = r.detach().to(op.z.scalar_type()).contiguous();
-    const acc_t* pr = r_.data_ptr<acc_t>();
-    grad_r = at::empty({n, D}, opts);
-    acc_t* po = grad_r.data_ptr<acc_t>();
-    at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i)
-        grad_r_row(pz + i * D, pm + i * D, pr + i * D, pg[i], po + i * D, D);
-    });
-  }
+  at::Tensor grad_a = at::empty({0}, opts), grad_k = at::empty({0}, opts);
   const bool self_keys = !keys.has_value();
   at::Tensor dk;
   if ((need_a && self_keys) || (need_keys && !self_keys)) {
@@ -499,6 +544,15 @@ std::vector<at::Tensor> nac_bwd_impl(const at::Tensor& a, const at::Tensor& r,
     });
   }
   if (need_keys && !self_keys) grad_k = dk;
+  if (need_r) {  // last: overwrites z
+    const at::Tensor r_ = r.detach().to(op.z.scalar_type()).contiguous();
+    const acc_t* pr = r_.data_ptr<acc_t>();
+    acc_t* po = grad_r.data_ptr<acc_t>();
+    at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i)
+        grad_r_row_inplace(po + i * D, pm + i * D, pr + i * D, pg[i], D);
+    });
+  }
   return {grad_a, grad_r, grad_k};
 }
 
