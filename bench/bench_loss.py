@@ -226,7 +226,8 @@ def roofline_bound(device, dev_name, kind, n, N, D, dtype):
     """roofline.bound(...) for this case, or None off a GPU roofline knows."""
     if device != "cuda" or not roofline.known_gpu(dev_name):
         return None
-    fp32_mode = "tf32" if os.environ.get("NAC_FAST_TF32", "0") == "1" else "ieee"
+    from nac_fast.kernels.nac_triton import fp32_precision  # the mode the kernels run (env)
+    fp32_mode = fp32_precision(D)
     return roofline.bound("queue" if kind == "mq" else "inbatch", n, N, D, str(dtype)[6:],
                           dev_name, fp32_mode=fp32_mode)
 

@@ -27,9 +27,10 @@ a and r (n x D each; of the keys too when they get one), in the input dtype, plu
 in bf16 at N = 65536, stays in the 50/60 MB L2, so the HBM floor is what counts.)
 
 Rates:
-  matrix    bf16: tensor cores.  fp32 with the kernels' default ("ieee"): FMA units, 128 lanes x
-            2 FLOP x SMs x clock; "tf32": one tf32 tensor-core product (NAC_FAST_TF32=1);
-            "tf32x3": three tf32 products per product (the split-precision fp32 emulation).
+  matrix    bf16: tensor cores.  fp32 with the kernels' default ("tf32x3", D <= 128): three tf32
+            tensor-core products per product (the split-precision fp32 the kernels run);
+            "ieee" (NAC_FAST_FP32_DOT=ieee, and every D > 128): FMA units, 128 lanes x 2 FLOP x
+            SMs x clock; "tf32" (NAC_FAST_FP32_DOT=tf32): one tf32 tensor-core product.
   exp       MUFU ex2: 16 per clock per SM x SMs x clock (exp2 is what the kernels call).
   memory    HBM bandwidth.
 "measured" ceilings are the ones the device tool measured on this workplace's machines (bf16
@@ -156,11 +157,11 @@ def work(kind: str, n: int, N: int, D: int, dtype: str, *, keys_grad: bool | Non
 
 
 def bound(kind: str, n: int, N: int, D: int, dtype: str, gpu_name: str, *,
-          fp32_mode: str = "ieee", ceilings_from: str = "measured",
+          fp32_mode: str = "tf32x3", ceilings_from: str = "measured",
           keys_grad: bool | None = None) -> dict:
     """The time floor of one forward+backward: max(matrix, exp, memory) time, with the work and
-    the rates used.  fp32_mode applies to float32 inputs only ('ieee': FMA units, the kernels'
-    default; 'tf32'; 'tf32x3')."""
+    the rates used.  fp32_mode applies to float32 inputs only ('tf32x3': the kernels' default at
+    D <= 128; 'ieee': FMA units, their mode above; 'tf32')."""
     if fp32_mode not in FP32_MODES:
         raise ValueError(f"fp32_mode must be one of {FP32_MODES}, got {fp32_mode!r}")
     w = work(kind, n, N, D, dtype, keys_grad=keys_grad)
@@ -194,7 +195,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", default="H100,H200", help="comma list of GPU names")
     ap.add_argument("--ceilings", default="measured", choices=("measured", "datasheet"))
-    ap.add_argument("--fp32", default="ieee", choices=FP32_MODES, help="fp32 matrix mode")
+    ap.add_argument("--fp32", default="tf32x3", choices=FP32_MODES, help="fp32 matrix mode")
     ap.add_argument("--D", type=int, default=128)
     args = ap.parse_args(argv)
     print(f"{'gpu':5s} {'kind':8s} {'n':>6s} {'N':>7s} {'dtype':9s} {'GFLOP':>8s} {'Mexp':>7s} "
