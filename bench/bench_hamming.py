@@ -1,4 +1,4 @@
-"""Benchmark of the Hamming engine (nac_fast.hashing) against FAISS and the torch fallback.
+"""Benchmark of the Hamming engine (nac_fast.ops.hamming) against FAISS and the torch fallback.
 
     python bench/bench_hamming.py                      # paper-size protocol: 10,000 x 50,000 x 128
     python bench/bench_hamming.py --queries 1000 --gallery 5000 --repeats 1   # a quick look

@@ -26,7 +26,7 @@ one FRESH Python process, so no allocator state carries over between cases.  In 
 
 So the extra includes what the step leaves behind, a.grad and r.grad (2 x n x D in the
 accumulation dtype: 4 MiB at 4096 x 128 fp32), for both backends alike, and the input checks of
-nac_fast.loss (on unless NAC_FAST_CHECK_INPUTS=0, which the children inherit).  The table gives
+nac_fast.ops.loss (on unless NAC_FAST_CHECK_INPUTS=0, which the children inherit).  The table gives
 the median and min-max over --runs processes per backend (run in turn: cpu, reference, cpu, ...),
 ratio = median(backend) / median(reference) and ratio_worst = max(backend) / min(reference).  One
 row per backend is appended to the CSV (default bench/results/cpu_memory.csv).
@@ -115,7 +115,7 @@ def measure_once(backend: str, n: int, D: int, dtype: str, threads: int, warmup_
     if a.grad is None or r.grad is None:
         raise RuntimeError("the step left no gradient")
     return {"baseline": base * 1024, "extra": (peak - base) * 1024,
-            "input_checks": bool(nac_fast.loss.CHECK_VALUES)}
+            "input_checks": bool(nac_fast.ops.loss.CHECK_VALUES)}
 
 
 def run_child(backend: str, n: int, D: int, dtype: str, threads: int, warmup_n: int,

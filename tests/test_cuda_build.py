@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from nac_fast._backends import cuda_extension_built, extension
+from nac_fast.ops.dispatch import cuda_extension_built, extension
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""Tests of nac_fast.hashing: the Hamming engine (C++ kernel and torch reference) against
+"""Tests of nac_fast.ops.hamming: the Hamming engine (C++ kernel and torch reference) against
 brute-force numpy oracles written from the definitions, plus expressivity statistics."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from nac_fast import hashing as H
+from nac_fast.ops import hamming as H
 
 BIT_COUNTS = [1, 7, 64, 65, 128, 200]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nac_fast
-from nac_fast import reference
+from nac_fast.ops import reference
 
 from _loss_helpers import oracle_rows, rel_err
 

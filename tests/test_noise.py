@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import nac_fast
-from nac_fast import reference as R
-from nac_fast.loss import noise_from_seed
+from nac_fast.ops import reference as R
+from nac_fast.ops.noise import noise_from_seed
 
 DEVICE = os.environ.get("NAC_FAST_TEST_DEVICE", "cpu")
 SHAPES = [(1, 1), (3, 5), (97, 128), (1031, 3), (4099, 1)]

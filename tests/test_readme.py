@@ -44,11 +44,36 @@ def test_make_targets_parse(cmd):
     assert out.returncode == 0, out.stderr
 
 
+def _subsection(title: str) -> str:
+    text = open(README).read()
+    m = re.search(rf"### {re.escape(title)}\n(.*?)(?=\n##|\Z)", text, re.S)
+    assert m, f"README has no subsection {title!r}"
+    return m.group(1)
+
+
 def test_readme_api_example_runs():
-    (code,) = _fenced(_section("The loss API"), "python")
+    (code,) = _fenced(_section("The loss API").split("### ")[0], "python")
     env = {}
     exec(compile(code, "README.md", "exec"), env)
     assert env["loss"].dim() == 0 and env["a"].grad is not None
+    assert env["r"].grad is not None                      # the VI term reached r
+    assert int(env["queue"].ptr) == 1024 and "codes" in env["queue"].state_dict()
+
+
+def test_readme_training_loop_example_runs():
+    """The "use the loss in your own training loop" example trains (every module's weights move,
+    the loss is finite) and gives +-1 codes."""
+    import torch
+    (code,) = _fenced(_subsection("Use the loss in your own training loop"), "python")
+    setup, loop = code.split("for step", 1)
+    torch.manual_seed(0)
+    env = {}
+    exec(compile(setup, "README.md", "exec"), env)
+    before = [p.detach().clone() for p in env["params"]]
+    exec(compile("for step" + loop, "README.md", "exec"), env)
+    assert torch.isfinite(env["loss"]) and env["loss"].dim() == 0
+    assert all(not torch.equal(b, p) for b, p in zip(before, env["params"]))
+    assert env["codes"].shape == (64, 64) and set(env["codes"].unique().tolist()) <= {-1.0, 1.0}
 
 
 @pytest.mark.skipif(not os.path.exists(STAMP),

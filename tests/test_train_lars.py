@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nac_fast.lars import LARS, param_groups_for_lars
+from nac_fast.train.lars import LARS, param_groups_for_lars
 
 
 def _hand_lars(w, g, buf, lr, mom, wd, tc, exclude):
