@@ -17,7 +17,8 @@ It fails (exit 1, a line per problem) when
   - a bf16/fp16 or tf32-family (tf32, tf32x3) configuration spills registers;
   - the bf16/fp16/tf32-family matrix kernels (fwd, bwd_keys) have no tensor-core instruction;
   - one kernel takes more than --max-compile-s (20 s) to compile;
-  - a CUDA kernel of a 16-bit path spills, or any CUDA kernel's shared memory exceeds the limit.
+  - a CUDA kernel of a 16-bit path spills, any CUDA kernel's shared memory exceeds the limit, or
+    a bf16/fp16 CUDA matrix kernel has no HMMA/HGMMA (bench/cuda_resources.py's problems()).
 """
 from __future__ import annotations
 
@@ -274,8 +275,8 @@ def _triton_problems(row, max_compile_s):
 
 
 def cuda_rows(archs, jobs):
-    """The .cu file's kernels (bench/cuda_resources.py: nvcc --resource-usage per arch), or []
-    with the reason printed when there is no CUDA toolkit here."""
+    """The .cu files' kernels (bench/cuda_resources.py: nvcc's resource report and the HMMA
+    count per arch), or [] with the reason printed when there is no CUDA toolkit here."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import cuda_resources
     t0 = time.perf_counter()
@@ -289,7 +290,8 @@ def cuda_rows(archs, jobs):
                  modes="", precision="", blocks="", warps="", stages="",
                  smem_bytes=r["smem_bytes"], smem_estimate="", smem_limit="",
                  registers=r["registers"], spill_store_bytes=r["spill_store_bytes"],
-                 spill_load_bytes=r["spill_load_bytes"], mma_instr="", mma_count="",
+                 spill_load_bytes=r["spill_load_bytes"], mma_instr=r["mma_instr"],
+                 mma_count=r["mma_count"],
                  compile_s=r["compile_s"], problems="; ".join(cuda_resources.problems([r])))
             for r in rows]
 

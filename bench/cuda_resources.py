@@ -1,18 +1,19 @@
-"""Per-kernel resources of csrc/nac_cuda.cu as ptxas reports them: registers, spills, static
-shared memory and stack frame, per target arch, with no GPU needed.
+"""Per-kernel resources of the CUDA kernels (csrc/*.cu: nac_cuda.cu, nac_cuda_mma.cu) as ptxas
+reports them: registers, spills, static shared memory and stack frame, plus the tensor-core
+instructions in the SASS (HMMA/HGMMA count), per target arch, with no GPU needed.
 
     python bench/cuda_resources.py --csv results/cuda_resources.csv [--archs 80,90] [--jobs 2]
 
-Each arch is one device-only nvcc compile (-cubin: no host compile, no link) with the flags and
-include paths of the real build (csrc/build_flags.py, which setup.py uses too) plus
--Xptxas -v; the archs run as parallel nvcc processes.  Mangled names are demangled (cu++filt
-from the toolkit when present, else libstdc++'s abi::__cxa_demangle) into a readable kernel name
-with its template arguments, from which come the input dtype (bf16/fp16/fp32/fp64) and D (the
-DPAD template value).
+Each (source, arch) is one device-only nvcc compile (-cubin: no host compile, no link) with the
+flags and include paths of the real build (csrc/build_flags.py, which setup.py uses too) plus
+-Xptxas -v, run as parallel nvcc processes; cuobjdump --dump-sass of each cubin gives the matrix
+instructions per kernel.  Mangled names are demangled (cu++filt from the toolkit when present,
+else libstdc++'s abi::__cxa_demangle) into a readable kernel name with its template arguments,
+from which come the input dtype (bf16/fp16/fp32/fp64) and D (the DPAD template value).
 
 Library use (bench/compile_check.py): cuda_resource_rows() -> rows, problems(rows) -> messages.
 Importing this module has no side effects; cuda_resource_rows raises RuntimeError with the
-reason when nvcc or torch is missing, for the caller to turn into a skip.
+reason when nvcc, cuobjdump or torch is missing, for the caller to turn into a skip.
 
 The CLI prints the table, writes the CSV, prints each problem, and exits 1 when there is one.
 """
@@ -23,6 +24,7 @@ import concurrent.futures
 import csv
 import ctypes
 import ctypes.util
+import glob
 import importlib.util
 import os
 import re
@@ -33,19 +35,23 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCE = os.path.join(ROOT, "csrc", "nac_cuda.cu")
+SOURCES = tuple(sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cu"))))
 
 FIELDS = ("kernel", "arch", "dtype", "D", "registers", "spill_store_bytes", "spill_load_bytes",
-          "smem_bytes", "stack_bytes", "compile_s")
+          "smem_bytes", "stack_bytes", "mma_instr", "mma_count", "source", "compile_s")
 
 # Static __shared__ memory per block: 48 KiB on every arch.  More needs dynamic shared memory and
 # the cudaFuncAttributeMaxDynamicSharedMemorySize opt-in (sm_80: 163 KiB, sm_90: 227 KiB); the
-# NAC kernels use static shared memory only, so 48 KiB is the limit that applies.
+# NAC kernels use static shared memory only (the tensor-core kernels: 17-39 KiB, checked by a
+# static_assert too), so 48 KiB is the limit that applies.
 STATIC_SMEM_LIMIT = {80: 48 * 1024, 86: 48 * 1024, 89: 48 * 1024, 90: 48 * 1024}
-# Spills are a problem on the bf16/fp16 instantiations and on the fp32 ones, which 16-bit inputs
-# run too: with keys=None the keys are tanh(a) in fp32, i.e. fwd_kernel<float, float, D> and
-# bwd_keys_kernel<float, float, D>.  fp64 (tests, references) may spill.
+# Spills are a problem on the bf16/fp16 and fp32 instantiations; fp64 (tests, references) may
+# spill.
 NO_SPILL_DTYPES = ("bf16", "fp16", "fp32")
+# The matrix kernels (the n x N products): a bf16/fp16 instantiation of one without a tensor-core
+# instruction is a problem (the 16-bit path fell back to scalar FMAs).
+MATRIX_KERNEL = re.compile(r"^(fwd|bwd_keys)\w*_kernel\b")
+MMA_OPS = ("HGMMA", "HMMA")
 
 
 def _build_flags():
@@ -165,8 +171,8 @@ def describe(demangled: str) -> tuple:
     if s.endswith(">"):
         args = _split_top(s[s.index("<") + 1:-1])
     dtype = ""
-    for key, tag in (("BFloat16", "bf16"), ("Half", "fp16"), ("double", "fp64"),
-                     ("float", "fp32")):
+    for key, tag in (("BFloat16", "bf16"), ("__nv_bfloat16", "bf16"), ("Half", "fp16"),
+                     ("__half", "fp16"), ("double", "fp64"), ("float", "fp32")):
         if any(re.search(rf"\b{key}\b", a) for a in args):
             dtype = tag
             break
@@ -178,9 +184,10 @@ def describe(demangled: str) -> tuple:
 # Compiling
 # ---------------------------------------------------------------------------------------------
 
-def nvcc_command(arch: int, out_path: str) -> tuple:
-    """(nvcc argv, cuda_home) of the device-only compile of csrc/nac_cuda.cu for sm_<arch>, with
-    the build's flags and include paths.  RuntimeError when nvcc or torch is missing."""
+def nvcc_command(arch: int, out_path: str, source: str = SOURCES[0]) -> tuple:
+    """(nvcc argv, cuda_home) of the device-only compile of `source` (a csrc/*.cu file) for
+    sm_<arch>, with the build's flags and include paths.  RuntimeError when nvcc or torch is
+    missing."""
     bf = _build_flags()
     try:
         import torch
@@ -197,51 +204,77 @@ def nvcc_command(arch: int, out_path: str) -> tuple:
         cpp_extension.include_paths() + [os.path.join(home, "include")]
     argv = [os.path.join(home, "bin", "nvcc"), "-cubin", f"-arch=sm_{arch}", "-Xptxas", "-v",
             *bf.torch_nvcc_flags(torch.__version__), *bf.NVCC_FLAGS,
-            *[f"-I{d}" for d in includes], SOURCE, "-o", out_path]
+            *[f"-I{d}" for d in includes], source, "-o", out_path]
     return argv, home
 
 
-def _compile_arch(arch: int) -> tuple:
+def _compile(job) -> tuple:
+    """One (source, arch): nvcc -cubin with ptxas' report, then the cubin's SASS.  Returns
+    (ptxas rows, {mangled: {op: count}}, seconds, cuda_home)."""
+    source, arch, tool = job
     with tempfile.TemporaryDirectory(prefix="nac_res_") as tmp:
-        argv, home = nvcc_command(arch, os.path.join(tmp, f"nac_cuda_sm{arch}.cubin"))
+        cubin = os.path.join(tmp, f"{os.path.basename(source)}_sm{arch}.cubin")
+        argv, home = nvcc_command(arch, cubin, source)
         t0 = time.perf_counter()
         proc = subprocess.run(argv, capture_output=True, text=True)
         secs = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed for sm_{arch} (exit {proc.returncode}):\n"
-                           + (proc.stdout + proc.stderr)[-4000:])
-    return parse_ptxas(proc.stdout + "\n" + proc.stderr), secs, home
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {os.path.basename(source)} for sm_{arch} "
+                               f"(exit {proc.returncode}):\n"
+                               + (proc.stdout + proc.stderr)[-4000:])
+        sass = subprocess.run([tool, "--dump-sass", cubin], capture_output=True, text=True)
+        if sass.returncode != 0:
+            raise RuntimeError(f"{tool} --dump-sass failed: {sass.stderr[-2000:]}")
+    ops = {f: c for (_, f), c in parse_sass_counts(sass.stdout).items()}
+    return parse_ptxas(proc.stdout + "\n" + proc.stderr), ops, secs, home
 
 
-def cuda_resource_rows(archs=(80, 90), jobs=2) -> list:
-    """Compile csrc/nac_cuda.cu for each arch (up to `jobs` nvcc processes at once) and return
+def cuda_resource_rows(archs=(80, 90), jobs=2, sources=SOURCES) -> list:
+    """Compile each csrc/*.cu file for each arch (up to `jobs` nvcc processes at once) and return
     one row per (kernel instantiation, arch) with FIELDS as keys, sorted by arch then kernel.
-    RuntimeError when the toolkit or torch is missing or nvcc fails."""
+    RuntimeError when the toolkit, cuobjdump or torch is missing or nvcc fails."""
     archs = [int(a) for a in archs]
     if not archs:
         raise ValueError("archs must name at least one arch, e.g. (80, 90)")
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(jobs, len(archs))) as pool:
-        results = list(pool.map(_compile_arch, archs))
-    names = demangle([r["mangled"] for rows, _, _ in results for r in rows], results[0][2])
+    if not sources:
+        raise RuntimeError(f"no CUDA source (csrc/*.cu) under {ROOT}")
+    nvcc_command(archs[0], os.devnull, sources[0])  # no toolkit or torch: RuntimeError here
+    tool = find_cuobjdump()
+    if tool is None:
+        raise RuntimeError("no cuobjdump found to count the tensor-core instructions (Triton's "
+                           "wheel ships one in triton/backends/nvidia/bin)")
+    jobs_list = [(src, arch, tool) for arch in archs for src in sources]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(jobs, len(jobs_list))) as pool:
+        results = list(pool.map(_compile, jobs_list))
+    names = demangle([r["mangled"] for rows, _, _, _ in results for r in rows], results[0][3])
     out = []
-    for arch, (rows, secs, _) in zip(archs, results):
+    for (src, arch, _), (rows, ops, secs, _) in zip(jobs_list, results):
         for r in rows:
             kernel, dtype, D = describe(names[r["mangled"]])
+            counts = ops.get(r["mangled"], {})
+            used = [m for m in MMA_OPS if counts.get(m)]
             out.append({"kernel": kernel, "arch": arch, "dtype": dtype, "D": D,
                         "registers": r["registers"],
                         "spill_store_bytes": r["spill_store_bytes"],
                         "spill_load_bytes": r["spill_load_bytes"],
                         "smem_bytes": r["smem_bytes"], "stack_bytes": r["stack_bytes"],
-                        "compile_s": round(secs, 2)})
+                        "mma_instr": "+".join(used),
+                        "mma_count": sum(counts.get(m, 0) for m in MMA_OPS),
+                        "source": os.path.basename(src), "compile_s": round(secs, 2)})
     out.sort(key=lambda r: (r["arch"], r["kernel"]))
     return out
 
 
+def is_matrix_kernel_16bit(row) -> bool:
+    """A bf16/fp16 instantiation of a matrix kernel (fwd*, bwd_keys*): it must use tensor cores."""
+    return row["dtype"] in ("bf16", "fp16") and bool(MATRIX_KERNEL.match(row["kernel"]))
+
+
 def problems(rows) -> list:
-    """Resource problems: spills on a bf16/fp16/fp32 path (NO_SPILL_DTYPES says why fp32), static
-    shared memory over the 48 KiB per-block limit."""
+    """Resource problems: spills on a bf16/fp16/fp32 path, static shared memory over the 48 KiB
+    per-block limit, a bf16/fp16 matrix kernel without HMMA/HGMMA in its SASS."""
     msgs = []
     for r in rows:
         where = f"sm_{r['arch']} {r['kernel']}"
@@ -252,6 +285,9 @@ def problems(rows) -> list:
         if r["smem_bytes"] > limit:
             msgs.append(f"{where} uses {r['smem_bytes']} B of static shared memory, over the "
                         f"{limit} B per-block limit")
+        if is_matrix_kernel_16bit(r) and not int(r.get("mma_count") or 0):
+            msgs.append(f"{where} ({r['dtype']}) has no tensor-core instruction (HMMA/HGMMA) "
+                        "in its SASS")
     return msgs
 
 
@@ -276,12 +312,16 @@ def find_cuobjdump():
 
 _SASS_ARCH = re.compile(r"code for sm_(\d+)")
 _SASS_FUNC = re.compile(r"Function : (\S+)")
-_MUFU = re.compile(r"\bMUFU\.([A-Z0-9]+)")
+# MUFU.<op> (special-function unit) and the matrix instructions, by opcode
+_SASS_OP = re.compile(r"\b(MUFU\.[A-Z0-9]+|HGMMA|HMMA|DMMA)\b")
+# The anonymous namespaces of csrc/nac_cuda.cu and csrc/nac_cuda_mma.cu in mangled names
+# ("..._11_nac_cuda_cu_...", "..._15_nac_cuda_mma_cu_...")
+_NAC_CU = re.compile(r"_nac_cuda\w*?_cu_")
 
 
-def parse_sass_mufu(text: str) -> dict:
-    """cuobjdump --dump-sass output -> {(arch, mangled function): {MUFU op: count}}, every
-    function listed (with {} when it has no MUFU instruction)."""
+def parse_sass_counts(text: str) -> dict:
+    """cuobjdump --dump-sass output -> {(arch, mangled function): {op: count}} with op one of
+    "MUFU.<op>", "HMMA", "HGMMA", "DMMA"; every function listed ({} when it has none)."""
     counts, arch, func = {}, None, None
     for line in text.splitlines():
         m = _SASS_ARCH.search(line)
@@ -294,15 +334,20 @@ def parse_sass_mufu(text: str) -> dict:
             counts.setdefault((arch, func), {})
             continue
         if func is not None:
-            for op in _MUFU.findall(line):
+            for op in _SASS_OP.findall(line):
                 c = counts[(arch, func)]
                 c[op] = c.get(op, 0) + 1
     return counts
 
 
-def sass_mufu_counts(library: str, cuobjdump=None) -> dict:
-    """MUFU counts per (arch, function) of the NAC kernels (csrc/nac_cuda.cu's, whose mangled
-    names carry its anonymous namespace 'nac_cuda_cu') in a built library."""
+def parse_sass_mufu(text: str) -> dict:
+    """cuobjdump --dump-sass output -> {(arch, mangled function): {MUFU op: count}}, every
+    function listed (with {} when it has no MUFU instruction)."""
+    return {k: {op[5:]: n for op, n in c.items() if op.startswith("MUFU.")}
+            for k, c in parse_sass_counts(text).items()}
+
+
+def _library_sass(library: str, cuobjdump=None) -> str:
     tool = cuobjdump or find_cuobjdump()
     if tool is None:
         raise RuntimeError("no cuobjdump found (Triton's wheel ships one in "
@@ -310,13 +355,68 @@ def sass_mufu_counts(library: str, cuobjdump=None) -> dict:
     proc = subprocess.run([tool, "--dump-sass", library], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{tool} --dump-sass {library} failed: {proc.stderr[-2000:]}")
-    return {k: v for k, v in parse_sass_mufu(proc.stdout).items() if "nac_cuda_cu" in k[1]}
+    return proc.stdout
+
+
+def sass_mufu_counts(library: str, cuobjdump=None) -> dict:
+    """MUFU counts per (arch, function) of the NAC kernels (csrc/nac_cuda*.cu's, whose mangled
+    names carry their anonymous namespace, e.g. 'nac_cuda_cu') in a built library."""
+    return {k: v for k, v in parse_sass_mufu(_library_sass(library, cuobjdump)).items()
+            if _NAC_CU.search(k[1])}
+
+
+def sass_op_counts(library: str, cuobjdump=None) -> dict:
+    """{(arch, mangled function): {op: count}} (parse_sass_counts) of the NAC kernels in a built
+    library."""
+    return {k: v for k, v in parse_sass_counts(_library_sass(library, cuobjdump)).items()
+            if _NAC_CU.search(k[1])}
+
+
+_RES_FUNC = re.compile(r"Function (\S+):")
+_RES_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def parse_resource_usage(text: str) -> dict:
+    """cuobjdump --dump-resource-usage output -> {(arch, mangled function): {"REG", "STACK",
+    "SHARED", "LOCAL"}} (SHARED: static shared memory, including what the arch reserves per
+    block; LOCAL: per-thread local memory, where spills go)."""
+    out, arch, func = {}, None, None
+    for line in text.splitlines():
+        m = re.search(r"arch = sm_(\d+)", line)
+        if m:
+            arch = int(m.group(1))
+            continue
+        m = _RES_FUNC.search(line)
+        if m:
+            func = m.group(1)
+            continue
+        m = _RES_USAGE.search(line)
+        if m and func is not None:
+            out[(arch, func)] = dict(zip(("REG", "STACK", "SHARED", "LOCAL"),
+                                         (int(x) for x in m.groups())))
+            func = None
+    return out
+
+
+def library_resource_usage(library: str, cuobjdump=None) -> dict:
+    """parse_resource_usage of the NAC kernels in a built library (one cuobjdump call)."""
+    tool = cuobjdump or find_cuobjdump()
+    if tool is None:
+        raise RuntimeError("no cuobjdump found (Triton's wheel ships one in "
+                           "triton/backends/nvidia/bin; or set CUDA_HOME to a full toolkit)")
+    proc = subprocess.run([tool, "--dump-resource-usage", library], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tool} --dump-resource-usage {library} failed: "
+                           f"{proc.stderr[-2000:]}")
+    return {k: v for k, v in parse_resource_usage(proc.stdout).items() if _NAC_CU.search(k[1])}
 
 
 def _table(rows) -> str:
     cols = ("arch", "kernel", "dtype", "D", "registers", "spill_store_bytes", "spill_load_bytes",
-            "smem_bytes", "stack_bytes")
-    heads = ("arch", "kernel", "dtype", "D", "regs", "spill st", "spill ld", "smem", "stack")
+            "smem_bytes", "stack_bytes", "mma_instr", "mma_count")
+    heads = ("arch", "kernel", "dtype", "D", "regs", "spill st", "spill ld", "smem", "stack",
+             "mma", "mma n")
     cells = [[str(r[c]) for c in cols] for r in rows]
     width = [max(len(h), *(len(c[k]) for c in cells)) for k, h in enumerate(heads)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(heads, width))]
@@ -334,8 +434,9 @@ def main(argv=None) -> int:
     rows = cuda_resource_rows(tuple(int(a) for a in args.archs.split(",")), args.jobs)
     total = time.perf_counter() - t0
     print(_table(rows))
-    per_arch = {r["arch"]: r["compile_s"] for r in rows}
-    print("nvcc per arch (s): " + ", ".join(f"sm_{a} {s}" for a, s in per_arch.items())
+    per_job = {(r["source"], r["arch"]): r["compile_s"] for r in rows}
+    print("nvcc per source and arch (s): "
+          + ", ".join(f"{src} sm_{a} {s}" for (src, a), s in per_job.items())
           + f"; total {total:.1f} s with jobs={args.jobs}")
     os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
     with open(args.csv, "w", newline="") as f:

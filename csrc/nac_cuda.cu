@@ -1,19 +1,18 @@
 // CUDA kernels of the NAC losses: the CUDA dispatch key of the ops nac_fast::nac_fwd and
 // nac_fast::nac_bwd (schemas and the CPU kernel in nac_cpu.cpp; per-element math shared through
-// nac_math.h, so what CI checks on the CPU is the math these kernels run).
+// nac_math.h, so what CI checks on the CPU is the math these kernels run).  The function is
+// docs/math.md [M:rows]; the passes and what is saved between them [M:passes]; the forward's
+// online logsumexp and split merge [M:lse-online]; ga [M:ga]; the keys' gradient [M:grad-keys];
+// d/da [M:grad-a].  lse is saved in natural log (the op's contract, shared with the CPU kernel).
 //
-//   q_i = s m_i tanh(a_i),  k_j = keys_j or tanh(a_j)
-//   lse_i = log sum_j exp(q_i . k_j);  loss_i = lse_i - log N - bern_i + l2 ||z_i||^2
-//   fwd: flash-style online logsumexp over key tiles, with acc_i = sum_j e_ij k_j when the rows'
-//        gradient is wanted; grid (query tiles, key splits) so small batches still fill the GPU;
-//        a finish kernel merges the splits and writes loss, lse and ga (nac_math.h).
-//   bwd: keys' gradient column-parallel (grid (key tiles, query splits); each program owns its
-//        keys: no atomics, splits summed in a fixed order, deterministic), then an elementwise
-//        kernel for d/dr and d/da = g ga [+ dK (1 - z^2)].
-//
-// This is the portable SIMT version: fp32 (fp64 for fp64 inputs) FMAs from shared-memory tiles,
-// inputs of any float dtype converted on load.  The logits never leave registers/shared memory.
-// Tensor-core variants are the GPU suite's next step (bench/gpu_suite.sh measures this one).
+// Two paths, one plan (grid (resident tiles, splits) so small batches still fill the GPU; key
+// splits merged by finish_kernel; keys' gradient column-parallel, no atomics, query splits summed
+// in a fixed order: deterministic; then bwd_rows_kernel, elementwise):
+//   - bf16/fp16: tensor cores (mma.sync, fp32 accumulation), nac_cuda_mma.cu through
+//     nac_cuda_mma.h: codes in the input dtype, loops in base 2 as kernels/nac_triton.py; the
+//     finish converts lse to natural log and the keys' backward reads it back.
+//   - fp32/fp64: the portable SIMT kernels below, fp32 (fp64) FMAs from shared-memory tiles, the
+//     natural base throughout.  The logits never leave registers/shared memory.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -24,9 +23,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "nac_checks.h"
+#include "nac_cuda_mma.h"
 #include "nac_math.h"
 
 namespace {
@@ -220,8 +222,16 @@ fwd_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K, acc_t* __re
   if (grad) store_tile(pacc, acc, i0, n, sp * n, D);
 }
 
-// One block per row: merge the splits, then loss, lse and ga (nac_math.h).
-template <typename scalar_t, typename acc_t>
+// exp of a split's max offset: natural base (SIMT partials) or base 2 (tensor-core partials).
+template <bool kLog2, typename acc_t>
+__device__ __forceinline__ acc_t split_weight(acc_t x) {
+  if constexpr (kLog2) return exp2(x);
+  else return nac::exp_(x);
+}
+
+// One block per row: merge the splits [M:lse-online], then loss, lse (natural log) and ga [M:ga]
+// (nac_math.h).  kLog2: the partials' max is in log2 units (the tensor-core path).
+template <typename scalar_t, typename acc_t, bool kLog2>
 __global__ void finish_kernel(const scalar_t* __restrict__ a, const scalar_t* __restrict__ r,
                               const scalar_t* __restrict__ noise, const acc_t* __restrict__ pm,
                               const acc_t* __restrict__ pl, const acc_t* __restrict__ pacc,
@@ -234,8 +244,8 @@ __global__ void finish_kernel(const scalar_t* __restrict__ a, const scalar_t* __
   for (int p = 0; p < nsplit; ++p) M = max(M, pm[p * n + i]);
   acc_t L = 0;
   for (int p = 0; p < nsplit; ++p)  // != 0, not > 0: a NaN split poisons the row (no drop)
-    if (pl[p * n + i] != 0) L += nac::exp_(pm[p * n + i] - M) * pl[p * n + i];
-  const acc_t lse_i = M + log(L);
+    if (pl[p * n + i] != 0) L += split_weight<kLog2>(pm[p * n + i] - M) * pl[p * n + i];
+  const acc_t lse_i = kLog2 ? (M + log2(L)) * acc_t(0.6931471805599453) : M + log(L);
   acc_t bern2 = 0, zz = 0;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     const int64_t k = i * D + d;
@@ -247,7 +257,8 @@ __global__ void finish_kernel(const scalar_t* __restrict__ a, const scalar_t* __
     if (grad) {
       acc_t A = 0;
       for (int p = 0; p < nsplit; ++p)
-        if (pl[p * n + i] != 0) A += nac::exp_(pm[p * n + i] - M) * pacc[(p * n + i) * D + d];
+        if (pl[p * n + i] != 0)
+          A += split_weight<kLog2>(pm[p * n + i] - M) * pacc[(p * n + i) * D + d];
       ga[k] = nac::grad_a_elem(m, z, s * A / L, rv, l2);
     }
   }
@@ -373,6 +384,8 @@ int64_t split_for(int64_t programs, int64_t tiles) {
     constexpr int DPAD = 256; return __VA_ARGS__();                            \
   }()
 
+// ---- fp32/fp64: the SIMT kernels -------------------------------------------------------------
+
 struct Prep {
   at::Tensor q, z, keys;  // q, z: acc dtype; keys: input dtype, contiguous (z when self keys)
 };
@@ -393,10 +406,15 @@ Prep prologue(const at::Tensor& a, const at::Tensor& noise, const c10::optional<
   return p;
 }
 
+// The forward's per-split partials (max, sum, acc) [M:lse-online], read by finish_kernel.
+struct Partials {
+  at::Tensor pm, pl, pacc;
+  int64_t N, nsplit;
+};
+
 template <typename scalar_t, typename acc_t>
-std::vector<at::Tensor> fwd_impl(const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
-                                 const c10::optional<at::Tensor>& keys, double s, double l2,
-                                 bool grad) {
+Partials fwd_partials_simt(const at::Tensor& a, const at::Tensor& noise,
+                           const c10::optional<at::Tensor>& keys, double s, bool grad) {
   const int64_t n = a.size(0);
   const int D = static_cast<int>(a.size(1));
   const Prep p = prologue<scalar_t, acc_t>(a, noise, keys, s);
@@ -407,29 +425,167 @@ std::vector<at::Tensor> fwd_impl(const at::Tensor& a, const at::Tensor& r, const
   const int64_t nsplit = split_for(qtiles, ktiles);
   const int64_t tiles_per_split = (ktiles + nsplit - 1) / nsplit;
   const auto opts = p.q.options();
-  at::Tensor pm = at::empty({nsplit, n}, opts), pl = at::empty({nsplit, n}, opts);
-  at::Tensor pacc = grad ? at::empty({nsplit, n, D}, opts) : at::empty({1}, opts);
+  Partials out{at::empty({nsplit, n}, opts), at::empty({nsplit, n}, opts),
+               grad ? at::empty({nsplit, n, D}, opts) : at::empty({1}, opts), N, nsplit};
   auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>(qtiles), static_cast<unsigned>(nsplit));
   NAC_DISPATCH_DPAD(D, [&] {
-    if (self_keys)
-      fwd_kernel<acc_t, acc_t, DPAD><<<grid, kThreads, 0, stream>>>(
-          p.q.data_ptr<acc_t>(), p.z.data_ptr<acc_t>(), pm.data_ptr<acc_t>(),
-          pl.data_ptr<acc_t>(), pacc.data_ptr<acc_t>(), n, N, D, tiles_per_split, grad);
-    else
-      fwd_kernel<scalar_t, acc_t, DPAD><<<grid, kThreads, 0, stream>>>(
-          p.q.data_ptr<acc_t>(), p.keys.data_ptr<scalar_t>(), pm.data_ptr<acc_t>(),
-          pl.data_ptr<acc_t>(), pacc.data_ptr<acc_t>(), n, N, D, tiles_per_split, grad);
+    // scalar_t == acc_t here (fp32/fp64): queue keys and self keys share one instantiation
+    const acc_t* kp = self_keys ? p.z.data_ptr<acc_t>() : p.keys.data_ptr<acc_t>();
+    fwd_kernel<acc_t, acc_t, DPAD><<<grid, kThreads, 0, stream>>>(
+        p.q.data_ptr<acc_t>(), kp, out.pm.data_ptr<acc_t>(), out.pl.data_ptr<acc_t>(),
+        out.pacc.data_ptr<acc_t>(), n, N, D, tiles_per_split, grad);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+  return out;
+}
+
+// dK [M:grad-keys] (natural units, acc dtype), the query splits summed in a fixed order.
+template <typename scalar_t, typename acc_t>
+at::Tensor keys_grad_simt(const at::Tensor& a, const at::Tensor& noise,
+                          const c10::optional<at::Tensor>& keys, const at::Tensor& lse,
+                          const at::Tensor& g, double s) {
+  const int64_t n = a.size(0);
+  const int D = static_cast<int>(a.size(1));
+  const Prep p = prologue<scalar_t, acc_t>(a, noise, keys, s);
+  const bool self_keys = !keys.has_value();
+  const int64_t N = self_keys ? n : p.keys.size(0);
+  constexpr int T = Tile<acc_t>::kT;
+  const int64_t ktiles = (N + T - 1) / T, qtiles = (n + T - 1) / T;
+  const int64_t nsplit = split_for(ktiles, qtiles);
+  const int64_t per = (qtiles + nsplit - 1) / nsplit;
+  at::Tensor pdk = at::empty({nsplit, N, D}, p.q.options());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const dim3 grid(static_cast<unsigned>(ktiles), static_cast<unsigned>(nsplit));
+  NAC_DISPATCH_DPAD(D, [&] {
+    const acc_t* kp = self_keys ? p.z.data_ptr<acc_t>() : p.keys.data_ptr<acc_t>();
+    bwd_keys_kernel<acc_t, acc_t, DPAD><<<grid, kThreads, 0, stream>>>(
+        p.q.data_ptr<acc_t>(), kp, lse.data_ptr<acc_t>(), g.data_ptr<acc_t>(),
+        pdk.data_ptr<acc_t>(), n, N, D, per);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return nsplit == 1 ? pdk[0] : pdk.sum(0);  // fixed-order sum of the splits: deterministic
+}
+
+// ---- bf16/fp16: the tensor-core kernels (nac_cuda_mma.cu) ----------------------------------
+
+template <typename scalar_t>
+constexpr bool is_16bit() {
+  return std::is_same<scalar_t, at::BFloat16>::value || std::is_same<scalar_t, at::Half>::value;
+}
+
+int dpad_for(int64_t D) { return D <= 32 ? 32 : D <= 64 ? 64 : D <= 128 ? 128 : 256; }
+
+// Q2 = s log2(e) m tanh(a) (n, dpad) and the keys as an mma operand: K = tanh(a) (n, dpad) for
+// the self keys; the given keys in a's dtype, read in place when D % 8 == 0 and the base is
+// 16-byte aligned (cp.async copies 16 bytes), else copied into a zero-padded (N, dpad) buffer.
+struct MmaPrep {
+  at::Tensor q, k;
+  nac_mma::Operand qop, kop;
+  nac_mma::Dtype dt;
+  int dpad;
+};
+
+template <typename scalar_t>
+MmaPrep mma_prologue(const at::Tensor& a, const at::Tensor& noise,
+                     const c10::optional<at::Tensor>& keys, double s) {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(prop->major >= 8, "nac_fast cuda backend: bf16/fp16 inputs run on tensor cores "
+              "(mma.sync, cp.async) and need compute capability 8.0 or newer; this GPU is ",
+              prop->major, ".", prop->minor, ". Use float32 inputs or backend='triton'");
+  const int64_t n = a.size(0), D = a.size(1);
+  MmaPrep p;
+  p.dt = std::is_same<scalar_t, at::BFloat16>::value ? nac_mma::Dtype::kBF16
+                                                     : nac_mma::Dtype::kF16;
+  p.dpad = dpad_for(D);
+  p.q = at::empty({n, p.dpad}, a.options());
+  const bool self_keys = !keys.has_value();
+  if (self_keys) p.k = at::empty({n, p.dpad}, a.options());
+  nac_mma::prologue(p.dt, a.data_ptr(), noise.data_ptr(), p.q.data_ptr(),
+                    self_keys ? p.k.data_ptr() : nullptr, n, static_cast<int>(D), p.dpad,
+                    static_cast<float>(s * 1.4426950408889634), at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  p.qop = {p.q.data_ptr(), n, p.dpad, p.dpad / 8};
+  if (self_keys) {
+    p.kop = {p.k.data_ptr(), n, p.dpad, p.dpad / 8};
+  } else {
+    at::Tensor kk = keys->detach().to(a.scalar_type()).contiguous();
+    const int64_t N = kk.size(0);
+    if (D % 8 == 0 && reinterpret_cast<uintptr_t>(kk.data_ptr()) % 16 == 0) {
+      p.k = kk;
+      p.kop = {p.k.data_ptr(), N, D, static_cast<int>(D / 8)};
+    } else {
+      p.k = at::zeros({N, p.dpad}, a.options());
+      p.k.narrow(1, 0, D).copy_(kk);
+      p.kop = {p.k.data_ptr(), N, p.dpad, p.dpad / 8};
+    }
+  }
+  return p;
+}
+
+template <typename scalar_t>
+Partials fwd_partials_mma(const at::Tensor& a, const at::Tensor& noise,
+                          const c10::optional<at::Tensor>& keys, double s, bool grad) {
+  const int64_t n = a.size(0);
+  const int D = static_cast<int>(a.size(1));
+  const MmaPrep p = mma_prologue<scalar_t>(a, noise, keys, s);
+  const int64_t N = p.kop.rows;
+  const nac_mma::Tiles t = nac_mma::tiles(p.dpad);
+  const int64_t qtiles = (n + t.resident - 1) / t.resident, ktiles = (N + t.stream - 1) / t.stream;
+  const int64_t nsplit = split_for(qtiles, ktiles);
+  const int64_t tiles_per_split = (ktiles + nsplit - 1) / nsplit;
+  const auto opts = a.options().dtype(at::kFloat);
+  Partials out{at::empty({nsplit, n}, opts), at::empty({nsplit, n}, opts),
+               grad ? at::empty({nsplit, n, D}, opts) : at::empty({1}, opts), N, nsplit};
+  nac_mma::fwd(p.dt, p.dpad, p.qop, p.kop, out.pm.data_ptr<float>(), out.pl.data_ptr<float>(),
+               out.pacc.data_ptr<float>(), D, tiles_per_split, static_cast<int>(nsplit), grad,
+               at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+template <typename scalar_t>
+at::Tensor keys_grad_mma(const at::Tensor& a, const at::Tensor& noise,
+                         const c10::optional<at::Tensor>& keys, const at::Tensor& lse,
+                         const at::Tensor& g, double s) {
+  const int64_t n = a.size(0);
+  const int D = static_cast<int>(a.size(1));
+  const MmaPrep p = mma_prologue<scalar_t>(a, noise, keys, s);
+  const int64_t N = p.kop.rows;
+  const nac_mma::Tiles t = nac_mma::tiles(p.dpad);
+  const int64_t ktiles = (N + t.resident - 1) / t.resident, qtiles = (n + t.stream - 1) / t.stream;
+  const int64_t nsplit = split_for(ktiles, qtiles);
+  const int64_t per = (qtiles + nsplit - 1) / nsplit;
+  at::Tensor pdk = at::empty({nsplit, N, D}, a.options().dtype(at::kFloat));
+  nac_mma::bwd_keys(p.dt, p.dpad, p.qop, p.kop, lse.data_ptr<float>(), g.data_ptr<float>(),
+                    pdk.data_ptr<float>(), D, per, static_cast<int>(nsplit),
+                    at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return nsplit == 1 ? pdk[0] : pdk.sum(0);  // fixed-order sum of the splits: deterministic
+}
+
+// ---- The ops' two halves, either path ------------------------------------------------------
+
+template <typename scalar_t, typename acc_t>
+std::vector<at::Tensor> fwd_impl(const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
+                                 const c10::optional<at::Tensor>& keys, double s, double l2,
+                                 bool grad) {
+  constexpr bool kMma = is_16bit<scalar_t>();
+  const int64_t n = a.size(0);
+  const int D = static_cast<int>(a.size(1));
+  Partials p;
+  if constexpr (kMma) p = fwd_partials_mma<scalar_t>(a, noise, keys, s, grad);
+  else p = fwd_partials_simt<scalar_t, acc_t>(a, noise, keys, s, grad);
+  const auto opts = a.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
   at::Tensor loss = at::empty({n}, opts), lse = at::empty({n}, opts);
   at::Tensor ga = grad ? at::empty({n, D}, opts) : at::empty({0}, opts);
-  finish_kernel<scalar_t, acc_t><<<static_cast<unsigned>(n), 128, 0, stream>>>(
+  finish_kernel<scalar_t, acc_t, kMma><<<static_cast<unsigned>(n), 128, 0,
+                                         at::cuda::getCurrentCUDAStream()>>>(
       a.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), noise.data_ptr<scalar_t>(),
-      pm.data_ptr<acc_t>(), pl.data_ptr<acc_t>(), pacc.data_ptr<acc_t>(), loss.data_ptr<acc_t>(),
-      lse.data_ptr<acc_t>(), grad ? ga.data_ptr<acc_t>() : nullptr, n, D,
-      static_cast<int>(nsplit), static_cast<acc_t>(s), static_cast<acc_t>(l2),
-      static_cast<acc_t>(std::log(static_cast<double>(N))), grad);
+      p.pm.data_ptr<acc_t>(), p.pl.data_ptr<acc_t>(), p.pacc.data_ptr<acc_t>(),
+      loss.data_ptr<acc_t>(), lse.data_ptr<acc_t>(), grad ? ga.data_ptr<acc_t>() : nullptr, n, D,
+      static_cast<int>(p.nsplit), static_cast<acc_t>(s), static_cast<acc_t>(l2),
+      static_cast<acc_t>(std::log(static_cast<double>(p.N))), grad);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {loss, lse, ga};
 }
@@ -448,27 +604,9 @@ std::vector<at::Tensor> bwd_impl(const at::Tensor& a, const at::Tensor& r, const
   auto stream = at::cuda::getCurrentCUDAStream();
   at::Tensor dk = at::empty({0}, opts);
   if ((need_a && self_keys) || (need_keys && !self_keys)) {
-    const Prep p = prologue<scalar_t, acc_t>(a, noise, keys, s);
     const at::Tensor lse = lse_in.detach().to(acc).contiguous();
-    const int64_t N = self_keys ? n : p.keys.size(0);
-    constexpr int T = Tile<acc_t>::kT;
-    const int64_t ktiles = (N + T - 1) / T, qtiles = (n + T - 1) / T;
-    const int64_t nsplit = split_for(ktiles, qtiles);
-    const int64_t per = (qtiles + nsplit - 1) / nsplit;
-    at::Tensor pdk = at::empty({nsplit, N, D}, opts);
-    const dim3 grid(static_cast<unsigned>(ktiles), static_cast<unsigned>(nsplit));
-    NAC_DISPATCH_DPAD(D, [&] {
-      if (self_keys)
-        bwd_keys_kernel<acc_t, acc_t, DPAD><<<grid, kThreads, 0, stream>>>(
-            p.q.data_ptr<acc_t>(), p.z.data_ptr<acc_t>(), lse.data_ptr<acc_t>(),
-            g.data_ptr<acc_t>(), pdk.data_ptr<acc_t>(), n, N, D, per);
-      else
-        bwd_keys_kernel<scalar_t, acc_t, DPAD><<<grid, kThreads, 0, stream>>>(
-            p.q.data_ptr<acc_t>(), p.keys.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
-            g.data_ptr<acc_t>(), pdk.data_ptr<acc_t>(), n, N, D, per);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-    dk = nsplit == 1 ? pdk[0] : pdk.sum(0);  // fixed-order sum of the splits: deterministic
+    if constexpr (is_16bit<scalar_t>()) dk = keys_grad_mma<scalar_t>(a, noise, keys, lse, g, s);
+    else dk = keys_grad_simt<scalar_t, acc_t>(a, noise, keys, lse, g, s);
   }
   at::Tensor grad_a = need_a ? at::empty({n, D}, opts) : at::empty({0}, opts);
   at::Tensor grad_r = need_r ? at::empty({n, D}, opts) : at::empty({0}, opts);

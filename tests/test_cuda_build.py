@@ -1,18 +1,24 @@
 """The CUDA build and the ops' argument checks, without compiling or running CUDA code.
 
-(a) the built library's SASS has no MUFU.TANH (the --use_fast_math tanh, rel. error ~2^-11) in
-    the NAC kernels, when the extension was built with CUDA;
-(b) bench/cuda_resources.py's parsers (ptxas report, demangled names, SASS) on canned samples;
+(a) the built library, when the extension was built with CUDA (cuobjdump, no GPU needed):
+    its SASS has no MUFU.TANH (the --use_fast_math tanh, rel. error ~2^-11) in the NAC kernels;
+    it has code for every arch the build targets (sm_80 and sm_90 by default); its bf16/fp16
+    matrix kernels (the tensor-core kernels of csrc/nac_cuda_mma.cu) run HMMA/HGMMA; no
+    bf16/fp16/fp32 NAC kernel uses local memory (spills) and none needs more than 48 KB of
+    static shared memory;
+(b) bench/cuda_resources.py's parsers (ptxas report, demangled names, SASS, resource usage) and
+    its problem rules on canned samples;
 (c) the argument checks of csrc/nac_checks.h, shared by the CPU and CUDA kernels, through the CPU
     kernel: every bad tensor argument of nac_fwd / nac_bwd / nac_noise is a RuntimeError naming
     it.  Device mismatches are checked with a 'meta' tensor and a redispatch to the CPU kernel
     (the dispatcher alone would route a meta argument to the fake implementation).
 
-Compiling csrc/nac_cuda.cu (ptxas' resource report) is bench/compile_check.py's job, once per CI
-run.
+Compiling csrc/*.cu with ptxas' report (registers, spills, shared memory, HMMA count per
+kernel and arch) is bench/compile_check.py's job, once per CI run (tests/test_compile_check.py).
 """
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
@@ -53,6 +59,63 @@ def test_built_sass_has_no_fast_math_tanh():
         assert any("fwd_kernel" in f for a, f in counts if a == arch), f"no fwd_kernel for sm_{arch}"
     bad = sorted(f"sm_{a} {f}: {c['TANH']}" for (a, f), c in counts.items() if c.get("TANH"))
     assert not bad, "MUFU.TANH (fast-math tanhf) in: " + "; ".join(bad)
+
+
+def _cuobjdump():
+    tool = res.find_cuobjdump()
+    if tool is None:
+        pytest.fail("the extension has CUDA kernels but no cuobjdump was found to check them")
+    return tool
+
+
+def _built_archs() -> set:
+    """The archs the build targeted: TORCH_CUDA_ARCH_LIST as setup.py reads it (default 8.0;9.0)."""
+    bf = res._build_flags()
+    spec = os.environ.get("TORCH_CUDA_ARCH_LIST", bf.DEFAULT_CUDA_ARCHS)
+    found = (re.match(r"\s*(\d+)\.(\d+)", a) for a in re.split(r"[;, ]+", spec))
+    return {10 * int(m.group(1)) + int(m.group(2)) for m in found if m}
+
+
+@pytest.mark.skipif(not cuda_extension_built(), reason="extension built without CUDA kernels")
+def test_built_library_runs_tensor_cores_on_the_16bit_paths():
+    """Every bf16/fp16 matrix kernel (fwd/bwd_keys, 4 code widths) of every built arch has
+    HMMA/HGMMA instructions, and every targeted arch (sm_80, sm_90 by default) is in the
+    library."""
+    counts = res.sass_op_counts(extension().__file__, _cuobjdump())
+    names = res.demangle([f for _, f in counts])
+    rows = {}
+    for (arch, f), c in counts.items():
+        kernel, dtype, D = res.describe(names[f])
+        rows[(arch, kernel)] = dict(kernel=kernel, dtype=dtype, D=D, arch=arch,
+                                    mma_count=sum(c.get(m, 0) for m in res.MMA_OPS))
+    archs = {a for a, _ in rows}
+    assert _built_archs() <= archs, (sorted(_built_archs()), sorted(archs))
+    for arch in archs:
+        mma = [r for (a, _), r in rows.items() if a == arch and res.is_matrix_kernel_16bit(r)]
+        # fwd + bwd_keys, bf16 + fp16, D in 32/64/128/256
+        assert len(mma) == 16, (arch, sorted(r["kernel"] for r in mma))
+        assert {r["D"] for r in mma} == {"32", "64", "128", "256"}
+        empty = [r["kernel"] for r in mma if not r["mma_count"]]
+        assert not empty, f"sm_{arch}: no HMMA/HGMMA in " + ", ".join(empty)
+
+
+@pytest.mark.skipif(not cuda_extension_built(), reason="extension built without CUDA kernels")
+def test_built_library_has_no_spills_and_fits_static_shared_memory():
+    """cuobjdump's resource usage of the built kernels: no local memory (where spills go) on the
+    bf16/fp16/fp32 paths; static shared memory within 48 KB (the per-block limit without the
+    dynamic opt-in; cuobjdump adds the 1 KB the arch reserves per block on sm_90)."""
+    usage = res.library_resource_usage(extension().__file__, _cuobjdump())
+    assert usage, "no NAC kernel in the resource usage of " + extension().__file__
+    names = res.demangle([f for _, f in usage])
+    spills, smem = [], []
+    for (arch, f), u in usage.items():
+        kernel, dtype, _ = res.describe(names[f])
+        if dtype in res.NO_SPILL_DTYPES and (u["LOCAL"] or u["STACK"]):
+            spills.append(f"sm_{arch} {kernel}: LOCAL {u['LOCAL']} STACK {u['STACK']}")
+        if u["SHARED"] > 48 * 1024 + 1024:
+            smem.append(f"sm_{arch} {kernel}: {u['SHARED']} B")
+    assert not spills, "spills: " + "; ".join(spills)
+    assert not smem, "static shared memory over 48 KB: " + "; ".join(smem)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +181,8 @@ def test_demangle_and_describe():
 def _row(kernel, dtype, arch=80, spill=0, smem=33536):
     return {"kernel": kernel, "arch": arch, "dtype": dtype, "D": "64", "registers": 96,
             "spill_store_bytes": spill, "spill_load_bytes": spill, "smem_bytes": smem,
-            "stack_bytes": 0, "compile_s": 1.0}
+            "stack_bytes": 0, "mma_instr": "HMMA", "mma_count": 64, "source": "nac_cuda.cu",
+            "compile_s": 1.0}
 
 
 def test_problems():
@@ -155,6 +219,86 @@ def test_parse_sass_mufu_sample():
                       (90, FWD_BF16): {"TANH": 1}}
 
 
+MMA_BF16 = ("_ZN48_GLOBAL__N__0f8b71d6_15_nac_cuda_mma_cu_a3e11ec714fwd_mma_kernelI13__nv_bfloat16"
+            "Li128EEEvN7nac_mma7OperandES3_PfS4_S4_ilb")
+MMA_HALF = ("_ZN48_GLOBAL__N__0f8b71d6_15_nac_cuda_mma_cu_a3e11ec719bwd_keys_mma_kernelI6__half"
+            "Li256EEEvN7nac_mma7OperandES3_PKfS5_Pfil")
+
+
+def test_parse_sass_counts_sample():
+    sass = f"""
+	code for sm_90
+		Function : {MMA_BF16}
+        /*5010*/                   HMMA.16816.F32.BF16 R216, R32.reuse, R8, RZ ;
+        /*5020*/                   HMMA.16816.F32.BF16 R8, R32, R10, RZ ;
+        /*5030*/                   MUFU.EX2 R5, R4 ;
+		Function : {MMA_HALF}
+        /*0100*/                   HGMMA.64x64x16.F32 R24, gdesc[UR4], RZ ;
+        /*0110*/                   HMMA.16816.F32 R8, R32, R10, RZ ;
+		Function : {NOISE}
+        /*0000*/                   IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;
+"""
+    counts = res.parse_sass_counts(sass)
+    assert counts == {(90, MMA_BF16): {"HMMA": 2, "MUFU.EX2": 1},
+                      (90, MMA_HALF): {"HGMMA": 1, "HMMA": 1}, (90, NOISE): {}}
+    assert res.parse_sass_mufu(sass)[(90, MMA_BF16)] == {"EX2": 1}
+    # both .cu files' anonymous namespaces are NAC kernels; a library's other kernels are not
+    assert res._NAC_CU.search(MMA_BF16) and res._NAC_CU.search(FWD_BF16)
+    assert not res._NAC_CU.search("_ZN2at6native29vectorized_elementwise_kernelILi4EEEviT0_")
+
+
+def test_describe_tensor_core_kernels():
+    names = res.demangle([MMA_BF16, MMA_HALF])
+    assert res.describe(names[MMA_BF16]) == ("fwd_mma_kernel<__nv_bfloat16, 128>", "bf16", "128")
+    assert res.describe(names[MMA_HALF]) == ("bwd_keys_mma_kernel<__half, 256>", "fp16", "256")
+
+
+def test_parse_resource_usage_sample():
+    text = f"""
+Fatbin elf code:
+================
+arch = sm_80
+code version = [1,7]
+host = linux
+compile_size = 64bit
+
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function {MMA_BF16}:
+  REG:197 STACK:0 SHARED:34816 LOCAL:0 CONSTANT[0]:632 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function {MMA_HALF}:
+  REG:255 STACK:8 SHARED:34304 LOCAL:4 CONSTANT[0]:632 TEXTURE:0 SURFACE:0 SAMPLER:0
+
+Fatbin elf code:
+================
+arch = sm_90
+ Function {MMA_BF16}:
+  REG:192 STACK:0 SHARED:35840 LOCAL:0 CONSTANT[0]:632 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+    got = res.parse_resource_usage(text)
+    assert got == {(80, MMA_BF16): dict(REG=197, STACK=0, SHARED=34816, LOCAL=0),
+                   (80, MMA_HALF): dict(REG=255, STACK=8, SHARED=34304, LOCAL=4),
+                   (90, MMA_BF16): dict(REG=192, STACK=0, SHARED=35840, LOCAL=0)}
+
+
+def test_problems_flag_a_16bit_matrix_kernel_without_tensor_cores():
+    def row(kernel, dtype, mma):
+        return {**_row(kernel, dtype), "mma_instr": "HMMA" if mma else "", "mma_count": mma}
+    rows = [row("fwd_mma_kernel<__nv_bfloat16, 128>", "bf16", 128),       # tensor cores: fine
+            row("bwd_keys_mma_kernel<__half, 64>", "fp16", 0),            # problem
+            row("fwd_kernel<c10::BFloat16, float, 64>", "bf16", 0),      # SIMT on 16-bit: problem
+            row("fwd_kernel<float, float, 64>", "fp32", 0),              # fp32 SIMT: allowed
+            row("prologue_mma_kernel<__half>", "fp16", 0),               # not a matrix kernel
+            row("finish_kernel<c10::Half, float, true>", "fp16", 0)]
+    found = res.problems(rows)
+    assert found == [
+        "sm_80 bwd_keys_mma_kernel<__half, 64> (fp16) has no tensor-core instruction (HMMA/HGMMA)"
+        " in its SASS",
+        "sm_80 fwd_kernel<c10::BFloat16, float, 64> (bf16) has no tensor-core instruction "
+        "(HMMA/HGMMA) in its SASS"], found
+
+
 def test_nvcc_command_uses_the_build_flags():
     """The resource report compiles with setup.py's flags (one definition: csrc/build_flags.py)
     and without --use_fast_math; building the command compiles nothing."""
@@ -168,6 +312,9 @@ def test_nvcc_command_uses_the_build_flags():
         assert flag in argv
     assert "-cubin" in argv and "-arch=sm_80" in argv and "--use_fast_math" not in argv
     assert "-I" + bf.csrc_dir() in argv
+    # every CUDA source is compiled by the report: the SIMT kernels and the tensor-core ones
+    assert {os.path.basename(p) for p in res.SOURCES} >= {"nac_cuda.cu", "nac_cuda_mma.cu"}
+    assert res.nvcc_command(90, "/tmp/x.cubin", res.SOURCES[-1])[0][-3] == res.SOURCES[-1]
 
 
 def test_cuda_resource_rows_without_toolkit_is_a_runtime_error(monkeypatch):
