@@ -37,10 +37,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 try:
-    from nac_fast import hashing as H
+    from nac_fast.ops import hamming as H
 except ImportError:  # running from a checkout that is not installed
     sys.path.insert(0, ROOT)
-    from nac_fast import hashing as H
+    from nac_fast.ops import hamming as H
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loss import commit  # noqa: E402  (the bench scripts' one git-commit helper)
 
