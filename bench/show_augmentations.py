@@ -17,8 +17,8 @@ from PIL import ImageOps  # noqa: E402
 from torchvision.utils import save_image  # noqa: E402
 
 from nac_fast.data import LOADERS, build_pretrain_loader  # noqa: E402
-from nac_fast.data.folder import load_rgb  # noqa: E402
-from nac_fast.data.memory import InMemorySource  # noqa: E402
+from nac_fast.data.sources.imagefolder import load_rgb  # noqa: E402
+from nac_fast.data.sources import InMemorySource  # noqa: E402
 
 
 def _unnormalise(x, mean, std):

@@ -7,7 +7,7 @@ import sys
 import pytest
 from PIL import Image
 
-from nac_fast.data import fashion_mnist
+from nac_fast.data.sources import fashion_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
