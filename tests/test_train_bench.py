@@ -1,4 +1,4 @@
-"""bench/train_throughput.py prints one JSON line last; bench/plot_train_log.py writes a PNG."""
+"""bench/train_throughput.py prints one JSON line last; scripts/plot_train_log.py writes a PNG."""
 import json
 import os
 import subprocess
@@ -37,7 +37,7 @@ def test_plot_train_log(tmp_path):
              "bit_balance": 0.9, "code_sat": 0.05} for s in (1, 2, 3)]
     recs.append(dict(recs[-1], loss=1.0))  # a resumed run repeats step 3: the last one counts
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
         import plot_train_log
     finally:
