@@ -1,5 +1,5 @@
-"""The README's commands are real (NAC_SPEC.md: "every command in this project's README is run by
-a test"): CI runs `make test` (this suite); here the README's main-job command runs a short
+"""The README's commands are real (docs/math.md [M:bug4]: "every command in the README is run by a
+test"): CI runs `make test` (this suite); here the README's main-job command runs a short
 training, the Makefile targets parse, and the API example executes."""
 import os
 import re

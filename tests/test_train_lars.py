@@ -9,7 +9,7 @@ from nac_fast.train.lars import LARS, param_groups_for_lars
 
 
 def _hand_lars(w, g, buf, lr, mom, wd, tc, exclude):
-    """The update of the NAC_SPEC recipe written out with Python floats."""
+    """The update of docs/math.md [M:lars] written out with Python floats."""
     w, g = [float(v) for v in w], [float(v) for v in g]
     if exclude:
         u = g
