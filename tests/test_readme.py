@@ -105,3 +105,10 @@ def test_readme_main_job_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "last.pt").exists()
     assert (out / "log.jsonl").read_text().strip()
+    # the README's run: two processes (torchrun, NPROC=2) on Fashion-MNIST, every step logged
+    import json
+    import math
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in log)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["world_size"] == 2 and cfg["data"] == "fashion-mnist"
