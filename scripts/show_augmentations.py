@@ -1,7 +1,7 @@
 """Write a PNG grid (one row per image: original | view 1 | view 2) to eyeball the augmentations.
 
-    python bench/show_augmentations.py --data fashion-mnist --out /tmp/aug.png
-    python bench/show_augmentations.py --data DIR --loader dali-cpu --size 224 --out /tmp/aug.png
+    python scripts/show_augmentations.py --data fashion-mnist --out /tmp/aug.png
+    python scripts/show_augmentations.py --data DIR --loader dali-cpu --size 224 --out /tmp/aug.png
 """
 from __future__ import annotations
 
