@@ -24,8 +24,9 @@
 //     P T: the S accumulators become P's A fragments in registers (C -> A reuse: the m16n8 C
 //     layout of two adjacent n-tiles is the m16k16 A layout), T through ldmatrix.trans.
 //   - row max and sum: each row lives in one quad (4 lanes), reduced by two xor-shuffles.
-//   DPAD 32/64: kStream 128; 128: 64; 256: 32.  Shared memory 20-37 KB, static (< 48 KB: no
-//   opt-in attribute needed).  Registers: bench/cuda_resources.py (no spills on sm_80/sm_90).
+//   DPAD 32/64: kStream 128; 128: 64; 256: 16.  Shared memory 16.5-38 KB, static (< 48 KB: no
+//   opt-in attribute needed).  Registers: bench/cuda_resources.py (136-255, no spills on
+//   sm_80/sm_90; DPAD 256 is at the 255 limit: a change there must re-check the spills).
 //
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"), with
 // lane = 4 g + t (g = groupID 0..7, t = threadID_in_group 0..3); each .b32 register holds two
@@ -37,6 +38,11 @@
 // ldmatrix.m8n8.x4: lanes 8i..8i+7 give the row addresses of 8 x 8 matrix i; register i of
 // lane (4 g + t) receives (row g, cols 2t, 2t+1) of matrix i, or with .trans (rows 2t, 2t+1;
 // col g).  The address helpers below say which 8 x 8 blocks make each fragment.
+// Checked on the CPU: tests/test_cuda_mma_layout.py reads the index expressions of the helpers
+// and kernels below out of this file and runs them on a one-warp emulation of ldmatrix/mma.sync
+// built from the PTX tables (tile products = numpy matmuls, one warp's forward and keys'
+// backward = the float64 formulas); editing an index expression here fails that test until it
+// has been re-derived there.
 //
 // Why inline PTX and not CUTLASS/CuTe (nvidia-cutlass on PyPI, header-only):
 //   - build dependency: none here (nvcc alone); CUTLASS would be a pinned header package whose

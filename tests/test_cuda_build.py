@@ -11,7 +11,13 @@
 (c) the argument checks of csrc/nac_checks.h, shared by the CPU and CUDA kernels, through the CPU
     kernel: every bad tensor argument of nac_fwd / nac_bwd / nac_noise is a RuntimeError naming
     it.  Device mismatches are checked with a 'meta' tensor and a redispatch to the CPU kernel
-    (the dispatcher alone would route a meta argument to the fake implementation).
+    (the dispatcher alone would route a meta argument to the fake implementation);
+(d) the 'cuda' backend stays experimental until its tensor-core kernels have passed on a GPU
+    (tests/test_cuda_mma_gpu.py): backend="auto" on CUDA tensors picks Triton, never it; the host
+    refuses bf16/fp16 below compute capability 8.0 before any launch.
+
+The tensor-core kernels' fragment and ldmatrix index math is emulated on the CPU in
+tests/test_cuda_mma_layout.py.
 
 Compiling csrc/*.cu with ptxas' report (registers, spills, shared memory, HMMA count per
 kernel and arch) is bench/compile_check.py's job, once per CI run (tests/test_compile_check.py).
@@ -527,3 +533,45 @@ def test_noise_rejects_seed_on_another_device():
     with pytest.raises(RuntimeError, match="nac_fast: nac_noise's seed must be on like's device"):
         torch.ops.nac_fast.nac_noise.default.redispatch(
             CPU_KEYS, torch.zeros(3, 2), torch.empty(1, dtype=torch.int64, **META), 0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) the 'cuda' backend is experimental: backend="auto" does not pick it; the host refuses the
+#     tensor-core path below compute capability 8.0
+# ---------------------------------------------------------------------------------------------
+
+class _OnDevice:
+    """Stands for a tensor on `device` (resolve_backend reads t.device only): no GPU needed."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+
+@pytest.mark.parametrize("op", ["nac", "noise"])
+def test_auto_on_cuda_tensors_picks_triton_not_the_experimental_cuda_backend(monkeypatch, op):
+    from nac_fast.ops import dispatch
+    assert "cuda" in dispatch.EXPERIMENTAL  # until the GPU suite has passed csrc/nac_cuda_mma.cu
+    t = _OnDevice("cuda")
+    monkeypatch.setattr(dispatch, "_available", lambda dt, op="nac": ("reference", "triton", "cuda"))
+    assert dispatch.resolve_backend("auto", t, op) == "triton"
+    assert dispatch.resolve_backend("cuda", t, op) == "cuda"  # by name it still runs
+    monkeypatch.setattr(dispatch, "_available", lambda dt, op="nac": ("reference", "cuda"))
+    assert dispatch.resolve_backend("auto", t, op) == "reference"  # no Triton: not cuda either
+    monkeypatch.setattr(dispatch, "EXPERIMENTAL", ())
+    assert dispatch.resolve_backend("auto", t, op) == "cuda"  # the rule once it has passed
+
+
+def test_host_refuses_the_tensor_core_path_below_sm80():
+    """bf16/fp16 inputs on a GPU below compute capability 8.0 (no bf16 mma.sync, no cp.async)
+    stop with an error naming the capability and the way out, before any launch; the matrix
+    kernels built for such an arch are a trap, never silently wrong numbers."""
+    with open(os.path.join(ROOT, "csrc", "nac_cuda.cu")) as fh:
+        host = fh.read()
+    start = host.index("MmaPrep mma_prologue(")
+    body = host[start:host.index("\n}\n", start)]
+    check = body.index("TORCH_CHECK(prop->major >= 8")
+    assert check < body.index("nac_mma::prologue(")
+    assert "compute capability 8.0 or newer" in body and "backend='triton'" in body
+    with open(os.path.join(ROOT, "csrc", "nac_cuda_mma.cu")) as fh:
+        dev = fh.read()
+    assert "__CUDA_ARCH__ < 800" in dev and dev.count("__trap();") == 2
