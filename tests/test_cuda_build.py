@@ -552,7 +552,8 @@ def test_auto_on_cuda_tensors_picks_triton_not_the_experimental_cuda_backend(mon
     from nac_fast.ops import dispatch
     assert "cuda" in dispatch.EXPERIMENTAL  # until the GPU suite has passed csrc/nac_cuda_mma.cu
     t = _OnDevice("cuda")
-    monkeypatch.setattr(dispatch, "_available", lambda dt, op="nac": ("reference", "triton", "cuda"))
+    monkeypatch.setattr(dispatch, "_available",
+                        lambda dt, op="nac": ("reference", "triton", "cuda"))
     assert dispatch.resolve_backend("auto", t, op) == "triton"
     assert dispatch.resolve_backend("cuda", t, op) == "cuda"  # by name it still runs
     monkeypatch.setattr(dispatch, "_available", lambda dt, op="nac": ("reference", "cuda"))

@@ -21,8 +21,9 @@ with P taken straight from S's accumulators (the C -> A register reuse of accumu
 warp's whole forward (online base-2 logsumexp over several key tiles with a partial last tile,
 [M:lse-online]; acc = sum_j 2^(S2_ij - m) k_j, [M:ga]) and the keys' backward [M:grad-keys],
 for every code width (DPAD 32, 64, 128, 256) and D not a multiple of 8 or 16.  Also: the padded
-shared-memory rows make each ldmatrix phase (8 rows of 16 bytes) conflict-free, and the block's
-cp.async copies cover the tile exactly once.
+shared-memory rows make each ldmatrix phase (8 rows of 16 bytes) conflict-free, the block's
+cp.async copies cover the tile exactly once, and the grid (blocks x warps x 16 rows; the host's
+split plan and each split's [start, end) and tile count) covers every row once.
 
 What this cannot check (needs a GPU): the PTX wrappers' register constraints and asm semantics
 beyond the tables, cp.async/barrier ordering, and the numerics of ex2.approx.
@@ -71,6 +72,10 @@ def kernel_expr(where: str, snippet: str):
     py = py.replace("||", "or").replace("const int64_t ", "").replace("const int ", "")
     # C's `(cond) ? x : y` (one level, as the kernel writes it) -> Python's conditional
     py = re.sub(r"(\([^()]*\))\s*\?\s*(\w+)\s*:\s*(\w+)", r"(\2 if \1 else \3)", py)
+    if " ? " in py and " : " in py:  # a whole-snippet `cond ? x : y`
+        cond, rest = py.split(" ? ", 1)
+        x, y = rest.rsplit(" : ", 1)
+        py = f"(({x}) if ({cond}) else ({y}))"
     try:
         code = compile(py, f"<{where}>", "eval")
     except SyntaxError:  # a statement: checked for presence only
@@ -212,7 +217,8 @@ def emu_load_tile(rows: np.ndarray, row0: int, rows_end: int, chunks: int, C: di
 
 def emu_score_tile(a: np.ndarray, buf: np.ndarray, C: dict, dtype: str) -> np.ndarray:
     """score_tile: s[lane, nt, e] = (this warp's 16 rows) . (the tile's rows)^T."""
-    base_of = kernel_expr("score_tile", "((lane & 7) + 8 * (lane >> 4)) * C::kLd + 8 * ((lane >> 3) & 1)")
+    base_of = kernel_expr("score_tile",
+                          "((lane & 7) + 8 * (lane >> 4)) * C::kLd + 8 * ((lane >> 3) & 1)")
     off_of = kernel_expr("score_tile", "16 * j * C::kLd + 16 * kk")
     kernel_expr("score_tile", "ldmatrix_x4(b, base + 2 * (16 * j * C::kLd + 16 * kk));")
     kernel_expr("score_tile", "Mma<T>::run(s[2 * j], a[kk], b[0], b[1]);")
@@ -436,7 +442,8 @@ def test_forward_warp_online_logsumexp(dpad, D, dtype):
             assert abs(got_lse - lse2[i]) < 1e-9 * max(1, abs(lse2[i]))
             for c in range(D):
                 # P rounded to 16 bits before P K: relative error <= 2^-8 (bf16) per term
-                tol = (2 ** -8 if dtype == "bf16" else 2 ** -11) * (np.abs(P[i]) @ np.abs(K[jstart:jend, c]))
+                unit = 2 ** -8 if dtype == "bf16" else 2 ** -11
+                tol = unit * (np.abs(P[i]) @ np.abs(K[jstart:jend, c]))
                 assert abs(got[(r, c)] / l_tot[lane, h] - ga[i, c]) <= tol + 1e-12, (r, c)
 
 
@@ -498,3 +505,53 @@ def test_bank_conflict_check_catches_unpadded_rows():
 def test_kernel_expr_fails_on_a_changed_expression():
     with pytest.raises(AssertionError, match="index math changed"):
         kernel_expr("score_tile", "16 * j * C::kLd + 8 * kk")
+
+
+def _plan(rows, tiles_stream, stream, programs, sms=132):
+    """nac_cuda.cu's split_for and tiles_per_split for `rows` streamed rows (host side)."""
+    with open(os.path.join(ROOT, "csrc", "nac_cuda.cu")) as fh:
+        host = fh.read()
+    assert "while (split * 2 <= std::min<int64_t>({want, tiles, 64})) split *= 2;" in host
+    assert "const int64_t tiles_per_split = (ktiles + nsplit - 1) / nsplit;" in host  # fwd
+    assert "const int64_t per = (qtiles + nsplit - 1) / nsplit;" in host  # keys' backward
+    want, split = -(-2 * sms // programs), 1
+    while split * 2 <= min(want, tiles_stream, 64):
+        split *= 2
+    return split, -(-tiles_stream // split)
+
+
+@pytest.mark.parametrize("dpad", DPADS)
+@pytest.mark.parametrize("n,N", [(1, 1), (97, 4099), (1000, 131), (8192, 65536), (129, 128)])
+@pytest.mark.parametrize("kernel", ["fwd_mma_kernel", "bwd_keys_mma_kernel"])
+def test_grid_covers_every_row_and_splits_partition_the_stream(kernel, n, N, dpad):
+    """Each resident row belongs to exactly one (block, warp); the splits' [start, end) ranges
+    partition the streamed rows, each split's tiles cover its range (empty splits: 0 tiles)."""
+    C = cfg(dpad)
+    fwd = kernel == "fwd_mma_kernel"
+    res_rows, st_rows = (n, N) if fwd else (N, n)
+    kernel_expr(kernel, "= int64_t(blockIdx.x) * kResident + 16 * warp;")  # row0 / key0 below
+    assert "constexpr int kResident = 16 * kWarps;" in SRC
+    s, e = ("jstart", "jend") if fwd else ("istart", "iend")
+    total = "N" if fwd else "n"
+    start_of = kernel_expr(kernel, "sp * tiles_per_split * C::kStream")
+    kernel_expr(kernel, f"{e} = std::min<int64_t>({total}, {s} + tiles_per_split * C::kStream);")
+    ntiles_of = kernel_expr(kernel, f"{e} > {s} ? ({e} - {s} + C::kStream - 1) / C::kStream : 0")
+    blocks = -(-res_rows // 128)
+    seen = np.zeros(res_rows, int)
+    for bx in range(blocks):
+        for warp in range(8):
+            row0 = bx * 128 + 16 * warp
+            for r in range(row0, min(row0 + 16, res_rows)):
+                seen[r] += 1
+    assert (seen == 1).all()
+    tiles = -(-st_rows // C["kStream"])
+    nsplit, per = _plan(st_rows, tiles, C["kStream"], blocks)
+    covered = np.zeros(st_rows, int)
+    for sp in range(nsplit):
+        start = start_of(sp=sp, tiles_per_split=per, **C)
+        end = min(st_rows, start + per * C["kStream"])
+        nt = ntiles_of(**{s: start, e: end}, **C)
+        length = max(end - start, 0)
+        assert nt * C["kStream"] >= length and (nt - 1) * C["kStream"] < max(length, 1)
+        covered[start:end] += 1
+    assert (covered == 1).all()
