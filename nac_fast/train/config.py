@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="bit-flip probability of the channel, in (0, 0.5); under torchrun use --flip-prob")
     a("--epochs", type=int, default=None, help="epochs (recipe: 200 ImageNet, 2 demo)")
     a("--max-steps", type=int, default=None, help="total optimizer steps (overrides --epochs; "
-      "the lr schedule spans this many steps)")
+      "the lr schedule spans this many steps). With --resume, a total larger than the "
+      "checkpoint's extends the run: training continues exactly from the checkpoint and the "
+      "cosine is restretched to end at the new total (the lr jumps up to the value a run "
+      "planned with this total has at that step; the warm-up stays the checkpoint's)")
     a("--batch-size", type=int, default=None, help="GLOBAL batch (images per step, all ranks; "
       "recipe: 512 ImageNet, 256 demo)")
     a("--lr", type=float, default=None, help="base LARS lr; default 0.075*sqrt(batch)")
@@ -86,10 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default="auto", choices=("auto", "cpu", "cuda"))
     a("--out", default="runs/default", help="output directory (checkpoints, logs)")
     a("--resume", nargs="?", const="auto", default=None,
-      help="resume from the latest checkpoint in --out, or from the given path")
+      help="resume from the newest good checkpoint in --out (last.pt, else prev.pt), or from "
+      "the given file or directory. Under torchrun --max-restarts=K a restarted worker group "
+      "resumes from --out's newest checkpoint by itself")
     a("--seed", type=int, default=0)
     a("--log-every", type=int, default=10)
-    a("--save-every", type=int, default=200)
+    a("--save-every", type=int, default=200, help="checkpoint every this many steps (and at the "
+      "end) to OUT/last.pt, the previous one kept as OUT/prev.pt; a crash loses at most this "
+      "many steps")
     a("--tensorboard", action="store_true",
       help="also log to OUT/tensorboard (torch.utils.tensorboard; needs the tensorboard package)")
     a("--stop-at-step", type=int, default=None, help="save and exit after this step although the "
