@@ -11,7 +11,10 @@
 5. damaged checkpoints: clear errors naming the file; automatic resume falls back to prev.pt;
    the rotation touches nothing but last.pt / prev.pt;
 6. a failed save (disk full, unwritable --out) leaves the previous checkpoint intact and stops
-   every rank with status 4.
+   every rank with status 4;
+7. bad data (--on-bad-file, a data set smaller than one global batch, DALI sharding by global
+   rank) is tested in tests/test_data_bad.py;
+and the README's "Fault tolerance" commands use the launcher flags tested here.
 
 The kills in 1 and 2 come from a test-only wrapper script (written here, never part of train.py):
 it replaces train.train_step by one that SIGKILLs global rank 1 once, before a given step.
@@ -37,6 +40,16 @@ from nac_fast.train import checkpoint as ckpt_mod  # noqa: E402
 from nac_fast.train import run as run_mod  # noqa: E402
 from nac_fast.train.checkpoint import load_checkpoint, load_model, save_atomic  # noqa: E402
 from nac_fast.train.schedule import WarmupCosine  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """In-process runs on one intra-op thread, like the torchrun ones (OMP_NUM_THREADS=1): on a
+    busy shared CPU the tiny model's ops otherwise wait on thread hand-offs (~20x slower here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _log(out):
@@ -454,6 +467,22 @@ def test_save_atomic_failures_keep_the_old_file(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["last.pt", "prev.pt"]
 
 
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
+                    reason="root writes to a read-only (mode 555) directory")
+def test_read_only_out_keeps_the_old_file(tmp_path):
+    d = tmp_path / "out"
+    p, prev = str(d / "last.pt"), str(d / "prev.pt")
+    save_atomic({"step": 1}, p)
+    before = _sha(p)
+    os.chmod(d, 0o555)
+    try:
+        with pytest.raises(PermissionError):
+            save_atomic({"step": 2}, p, previous=prev)
+    finally:
+        os.chmod(d, 0o755)
+    assert _sha(p) == before and sorted(os.listdir(d)) == ["last.pt"]
+
+
 def test_disk_full_during_save_stops_with_intact_checkpoint(mq_reference, tmp_path, monkeypatch,
                                                             capsys):
     _clear_elastic_env(monkeypatch)
@@ -482,3 +511,27 @@ def test_disk_full_during_save_stops_with_intact_checkpoint(mq_reference, tmp_pa
     assert train.main(args + ["--resume"]) == 0
     assert _losses(out) == _losses(mq_reference)
     _same_state(out, mq_reference)
+
+
+# ---- the README's commands ----------------------------------------------------------------------
+
+def test_readme_fault_tolerance_commands_are_the_tested_ones():
+    """The README's 'Fault tolerance' torchrun commands use the launcher flags that the tests
+    above run (1, 2) and train.py flags that parse."""
+    import re
+
+    from nac_fast.train.config import parse
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = re.search(r"### Fault tolerance\n(.*?)(?=\n##)", text, re.S).group(1)
+    (block,) = re.findall(r"```text\n(.*?)```", section, re.S)
+    cmds = [c.strip() for c in re.sub(r"\\\n\s*", "", block).splitlines()
+            if c.strip().startswith("torchrun")]
+    assert len(cmds) == 2
+    tested = open(__file__).read().split("# ---- the README's commands")[0]  # tests 1, 2
+    for cmd in cmds:
+        launcher, train_args = cmd.split(" train.py ")
+        for flag in re.findall(r"(--[\w-]+)=", launcher):
+            assert f"{flag}=" in tested, flag
+        args = parse(train_args.split() + ["--out", "x"])
+        assert args.resume is None                     # restarts resume without --resume
+    assert "--max-restarts=" in cmds[0] and "--rdzv_backend=c10d" in cmds[1]
