@@ -34,7 +34,7 @@ def test_plot_train_log(tmp_path):
     run.mkdir()
     recs = [{"step": s, "epoch": 0, "loss": 88.7 - 0.01 * s, "lr": 0.1 * s, "img_per_s": 100.0,
              "data_wait": 0.01, "distinct_frac": 1.0, "mean_hamming": 60.0 + s,
-             "bit_balance": 0.9, "code_sat": 0.05} for s in (1, 2, 3)]
+             "balance_score": 0.9, "code_sat": 0.05} for s in (1, 2, 3)]
     recs.append(dict(recs[-1], loss=1.0))  # a resumed run repeats step 3: the last one counts
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     sys.path.insert(0, os.path.join(ROOT, "bench"))
