@@ -1,6 +1,6 @@
 """Small-scale reproduction of the paper's tables on Fashion-MNIST (issue 6), on CPU.
 
-    python bench/reproduce_fmnist.py                        # everything, ~50 min on 2 cores
+    python bench/reproduce_fmnist.py                        # everything (duration: bench/results/notes.md)
     python bench/reproduce_fmnist.py --doc docs/results.md  # ... and write the results page
     python bench/reproduce_fmnist.py --dry-run              # print the commands only
     python bench/reproduce_fmnist.py --doc docs/results.md --notes docs/results_notes.md
