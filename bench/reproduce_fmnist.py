@@ -1,6 +1,6 @@
 """Small-scale reproduction of the paper's tables on Fashion-MNIST (issue 6), on CPU.
 
-    python bench/reproduce_fmnist.py                        # everything, ~50 min on 2 cores
+    python bench/reproduce_fmnist.py                        # everything (duration: bench/results/notes.md)
     python bench/reproduce_fmnist.py --doc docs/results.md  # ... and write the results page
     python bench/reproduce_fmnist.py --dry-run              # print the commands only
     python bench/reproduce_fmnist.py --doc docs/results.md --notes docs/results_notes.md
@@ -231,7 +231,9 @@ def collect(args, runs) -> dict:
                          for b, s in res["expressivity"]["stats"].items()},
             "hamming": {int(b): s["normalized_mean_pairwise_hamming"]
                         for b, s in res["expressivity"]["stats"].items()},
-            "balance_dev": {int(b): s["balance_mean_abs_deviation"]
+            # reports written before the rename name balance_dev balance_mean_abs_deviation
+            "balance_dev": {int(b): s["balance_dev"] if "balance_dev" in s
+                            else s["balance_mean_abs_deviation"]
                             for b, s in res["expressivity"]["stats"].items()},
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
         }
