@@ -1,4 +1,4 @@
-"""bench/reproduce_fmnist.py (issue 6's small-scale reproduction) end to end at toy size: it trains,
+"""scripts/reproduce_fmnist.py (issue 6's small-scale reproduction) end to end at toy size: it trains,
 evaluates, makes the random-init baseline, writes the summary and the page, skips finished steps
 when run again, and rejects bad flags before any work."""
 import json
@@ -9,8 +9,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "bench", "reproduce_fmnist.py")
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+SCRIPT = os.path.join(ROOT, "scripts", "reproduce_fmnist.py")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import reproduce_fmnist as R  # noqa: E402
 
 TOY = ["--max-steps", "1", "--nproc", "1", "--batch-size", "32", "--limit-train", "256",

@@ -1,0 +1,591 @@
+"""Small-scale reproduction on Fashion-MNIST (issues 6 and 16), on CPU, over seeds, resumable.
+
+    python scripts/reproduce_fmnist.py --grid main --seeds 0,1,2            # the main table
+    python scripts/reproduce_fmnist.py --grid ablation --seeds 0,1,2 --max-steps 234 --nproc 1 \\
+        --linear-epochs 10                                                   # the head ablation
+    python scripts/reproduce_fmnist.py --grid psweep --seeds 0,1,2 --max-steps 234 --nproc 1 \\
+        --linear-epochs 10                                                   # flip probability
+    python scripts/reproduce_fmnist.py --grid long --epochs 20 --curve-steps 234,702,1404,2340
+    python scripts/reproduce_fmnist.py --doc docs/results.md --notes docs/results_notes.md
+    python scripts/reproduce_fmnist.py --grid main --dry-run                # commands only
+
+A grid is a set of named variants: a method and the train.py flags that the variant adds to
+`--config configs/fashion_mnist_paper.toml` (the authors' heads), so each name says exactly what
+it changes; `recipe` variants use the default recipe, configs/fashion_mnist.toml, instead.  Every
+variant is trained once per seed with the same encoder (resnet-tiny), batch, budget and
+augmentations, then evaluated with `python -m nac_fast.eval` on the full splits (linear probe,
+kNN, hash mAP@all at 16/32/64/128 bits, expressivity; gallery = the 60k training images,
+queries = the 10k test images).  `random` is the untrained encoder, its BatchNorm statistics set
+from 50 training batches.
+
+One JSON line per finished run goes to OUT/<grid>/results.jsonl: the figures, the held-out mean
+|tanh a| (from the evaluation's cached test features), the training log's learning statistics
+(code_mag, r_mag, r_slope, loss_excess: their trace and last values), whether train.py warned of
+collapsed codes, the commands and the wall time.  A run whose line exists (same variant, seed
+and budget) is skipped, so an interrupted grid continues where it stopped; a failed run is
+reported and the others go on.
+
+--curve-steps S1,S2,...: the runs of the --curve-seeds are trained in pieces (train.py
+--stop-at-step, then --resume, which continues exactly) and evaluated at each of those steps
+(hash and expressivity), for figures against the step.
+
+--doc PATH writes the results page from every OUT/*/results.jsonl (mean +- std over the seeds),
+with the curves (curves.png) and the machine-readable summary (results_summary.json) beside it
+and --notes appended.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+BITS = (16, 32, 64, 128)
+PAPER_RECIPE = os.path.join("configs", "fashion_mnist_paper.toml")
+WARNING = "warning: the codes are collapsing"
+
+# The ingredients of the head ablation (train.py flags; nac_fast/train/models.py NACModel).
+HB = ["--head-bn", "--a-gain", "3"]             # end-BN of the code head, fixed gain 3
+IB = ["--infer-bn", "--r-gain", "auto"]         # end-BN of the inference net, gain 2(1-2p) x 3
+COPY = ["--infer-init", "copy"]                 # the inference net starts as a copy of the head
+LEARN = ["--learn-gain"]                        # the gains are learnable (per bit)
+FULL = HB + IB + COPY                           # all three: the default recipe's heads
+WARM = ["--infer-warmup-steps", "50"]           # 50 steps that train only the inference net
+PERVIEW = ["--bn-per-view"]                     # one BatchNorm pass per view (the authors')
+
+
+def _grid_main() -> dict:
+    return {"nac:recipe": ("nac", [], "recipe"), "nac:paper": ("nac", [], "paper"),
+            "nac-mq:recipe": ("nac-mq", [], "recipe"), "nac-mq:paper": ("nac-mq", [], "paper"),
+            "simclr": ("simclr", [], "paper"), "random": ("random", [], "paper")}
+
+
+def _grid_ablation() -> dict:
+    v = {}
+    for m in ("nac", "nac-mq"):
+        v[f"{m}:paper"] = (m, [], "paper")
+        v[f"{m}:full"] = (m, FULL, "paper")
+        v[f"{m}:full-headbn"] = (m, IB + COPY + ["--a-gain", "3"], "paper")
+        v[f"{m}:full-inferbn"] = (m, HB + COPY + ["--r-gain", "auto"], "paper")
+        v[f"{m}:full-copy"] = (m, HB + IB, "paper")
+        v[f"{m}:full+learngain"] = (m, FULL + LEARN, "paper")
+    v.update({
+        "nac:paper+headbn": ("nac", HB, "paper"),
+        "nac:paper+inferbn": ("nac", IB, "paper"),
+        "nac:paper+copy": ("nac", COPY + ["--r-gain", "auto"], "paper"),
+        "nac:full-gains": ("nac", ["--head-bn", "--infer-bn"] + COPY, "paper"),
+        "nac:paper+warmup": ("nac", WARM, "paper"),
+        "nac:full-copy+warmup": ("nac", HB + IB + WARM, "paper"),
+        "nac:paper+perview": ("nac", PERVIEW, "paper"),
+        "nac:full+perview": ("nac", FULL + PERVIEW, "paper"),
+        "simclr": ("simclr", [], "paper"),
+    })
+    return v
+
+
+def _grid_psweep() -> dict:
+    v = {}
+    for p in ("0.05", "0.1", "0.2", "0.4"):
+        v[f"nac:full:p{p}"] = ("nac", FULL + ["--flip-prob", p], "paper")
+    return v
+
+
+def _grid_long() -> dict:
+    return {"nac:recipe": ("nac", [], "recipe"), "simclr": ("simclr", [], "paper")}
+
+
+GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "psweep": _grid_psweep,
+         "long": _grid_long}
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = ap.add_argument
+    a("--grid", default=None, choices=sorted(GRIDS), help="the variants to run")
+    a("--only", default="", help="comma-separated variant names of the grid ('' = all)")
+    a("--out", default="runs/repro", help="output root; a grid writes OUT/<grid>/")
+    a("--seeds", default="0", help="comma-separated training (and evaluation) seeds")
+    a("--epochs", type=int, default=3, help="training epochs")
+    a("--max-steps", type=int, default=None, help="optimizer steps instead of --epochs")
+    a("--batch-size", type=int, default=256, help="global batch (images)")
+    a("--nproc", type=int, default=2, help="training processes (torchrun) per run")
+    a("--arch", default="resnet-tiny", help="encoder of every run")
+    a("--data", default="fashion-mnist", help="training/evaluation data (train.py --data)")
+    a("--linear-epochs", type=int, default=100, help="linear-probe epochs (paper: 100)")
+    a("--limit-train", type=int, default=None, help="evaluation train images (tests)")
+    a("--limit-test", type=int, default=None, help="evaluation test images (tests)")
+    a("--bn-batches", type=int, default=50, help="training batches that set the random-init "
+      "encoder's BatchNorm statistics")
+    a("--curve-steps", default="", help="comma-separated steps at which to evaluate hashing")
+    a("--curve-seeds", default="0", help="the seeds whose runs get --curve-steps")
+    a("--log-every", type=int, default=10, help="train.py --log-every")
+    a("--doc", default=None, help="write the results page here (from every OUT/*/results.jsonl)")
+    a("--notes", default=None, help="a markdown file appended to the page")
+    a("--dry-run", action="store_true", help="print the commands, run nothing")
+    return ap
+
+
+def _ints(s: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {s!r}") from None
+
+
+def check_args(args):
+    """(variants, seeds, curve steps, curve seeds); ValueError naming the flag."""
+    if args.grid is None and args.doc is None:
+        raise ValueError("give --grid (run a grid) or --doc (write the page), or both")
+    seeds = _ints(args.seeds, "--seeds")
+    if not seeds:
+        raise ValueError("--seeds needs at least one seed")
+    curve, curve_seeds = _ints(args.curve_steps, "--curve-steps"), _ints(args.curve_seeds,
+                                                                          "--curve-seeds")
+    if any(s < 1 for s in curve) or curve != sorted(set(curve)):
+        raise ValueError(f"--curve-steps must be increasing steps >= 1, got {args.curve_steps!r}")
+    for flag in ("epochs", "batch_size", "nproc", "linear_epochs", "bn_batches", "log_every"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("max_steps", "limit_train", "limit_test"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if args.notes is not None and not os.path.isfile(args.notes):
+        raise ValueError(f"--notes {args.notes!r}: no such file")
+    variants = GRIDS[args.grid]() if args.grid else {}
+    only = [v for v in args.only.split(",") if v]
+    bad = [v for v in only if v not in variants]
+    if bad:
+        raise ValueError(f"--only: {bad} are not variants of grid {args.grid} "
+                         f"(its variants: {', '.join(variants)})")
+    if only:
+        variants = {k: v for k, v in variants.items() if k in only}
+    return variants, seeds, curve, curve_seeds
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:  # a copy of the tree without .git
+        return "unknown"
+
+
+def budget_tag(args) -> str:
+    b = f"{args.max_steps} steps" if args.max_steps else f"{args.epochs} epochs"
+    return f"{b}, {args.nproc} proc, batch {args.batch_size}, {args.arch}"
+
+
+def run_dir(args, variant: str, seed: int) -> str:
+    return os.path.join(args.out, args.grid, variant.replace(":", "_"), f"seed{seed}")
+
+
+def train_cmd(args, method, flags, recipe, seed, out, extra=()) -> list:
+    cmd = ["train.py"] + (["--config", PAPER_RECIPE] if recipe == "paper" else [])
+    cmd += ["--data", args.data, "--arch", args.arch, "--method", method, "--batch-size",
+            str(args.batch_size), "--seed", str(seed), "--out", out, "--no-progress",
+            "--log-every", str(args.log_every), "--save-every", "1000000"]
+    cmd += ["--max-steps", str(args.max_steps)] if args.max_steps else ["--epochs",
+                                                                       str(args.epochs)]
+    cmd += list(flags) + list(extra)  # torchrun takes "--p": the grids write --flip-prob
+    if args.nproc == 1:
+        return [sys.executable] + cmd
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={args.nproc}"] + cmd
+
+
+def eval_cmd(args, ckpt, out, seed, tasks="linear,knn,hash,expressivity") -> list:
+    cmd = [sys.executable, "-m", "nac_fast.eval", "--checkpoint", ckpt, "--data", args.data,
+           "--out", out, "--no-progress", "--tasks", tasks, "--bits", ",".join(map(str, BITS)),
+           "--linear-epochs", str(args.linear_epochs), "--seed", str(seed)]
+    if args.limit_train:
+        cmd += ["--limit-train", str(args.limit_train)]
+    if args.limit_test:
+        cmd += ["--limit-test", str(args.limit_test)]
+    return cmd
+
+
+def show(cmd) -> str:
+    return " ".join("python" if c == sys.executable else shlex.quote(c) for c in cmd)
+
+
+def run_cmd(cmd, log_path, dry) -> None:
+    print("$ " + show(cmd), flush=True)
+    if dry:
+        return
+    with open(log_path, "a") as log:
+        rc = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if rc != 0:
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"command failed (exit {rc}), log {log_path}:\n{tail}")
+
+
+def random_init_checkpoint(args, template_ckpt: str, out_dir: str, seed: int) -> dict:
+    """A checkpoint of the *initialised* model (seed) with the configuration of a trained
+    run, its BatchNorm running statistics averaged over --bn-batches training batches (train-mode
+    forward passes, no gradient, no weight change): eval-mode BN with the init statistics (mean 0,
+    var 1) would scale the features arbitrarily and make the baseline weaker than it is."""
+    import torch
+    from nac_fast.train.checkpoint import load_checkpoint, save_atomic
+    from nac_fast.data import build_eval_loader
+    from nac_fast.train.models import build_model, model_kwargs_from_config
+
+    cfg = dict(load_checkpoint(template_ckpt)["config"])
+    cfg.update(method="random-init", epochs=0, max_steps=0, total_steps=0, out=out_dir)
+    torch.manual_seed(seed)
+    model = build_model(**dict(model_kwargs_from_config(cfg), inference_net=True))
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.reset_running_stats()
+            m.momentum = None  # cumulative average over the calibration batches
+    model.train()
+    loader = build_eval_loader(args.data, split="train", batch_size=args.batch_size,
+                               image_size=cfg["image_size"])
+    with torch.no_grad():
+        for i, (x, _) in enumerate(loader):
+            if i == args.bn_batches:
+                break
+            model.encode(x)
+    path = os.path.join(out_dir, "last.pt")
+    save_atomic({"model": model.state_dict(), "momentum_model": None, "step": 0, "epoch": 0,
+                 "config": cfg}, path)
+    return cfg
+
+
+def heldout_code_mag(eval_dir: str):
+    """Mean |tanh a| over the test split's codes (the evaluation's feature cache)."""
+    import torch
+    path = os.path.join(eval_dir, "features_test.pt")
+    if not os.path.isfile(path):
+        return None
+    a = torch.load(path, map_location="cpu", weights_only=True)["a"]
+    return float(torch.tanh(a.double()).abs().mean())
+
+
+def eval_figures(eval_dir: str) -> dict:
+    with open(os.path.join(eval_dir, "report.json")) as f:
+        r = json.load(f)
+    res, out = r["results"], {"step": r["step"]}
+    if "linear" in res:
+        out["linear_top1"] = res["linear"]["test_top1"]
+        out["linear_lr"] = res["linear"]["best_lr"]
+    if "knn" in res:
+        out["knn_top1"] = res["knn"]["test_top1"]
+    if "hash" in res:
+        out["map"] = {str(b): v for b, v in res["hash"]["map"].items()}
+    if "expressivity" in res:
+        st = res["expressivity"]["stats"][str(BITS[-1])]
+        out["distinct128"] = st["fraction_distinct"]
+        out["hamming128"] = st["normalized_mean_pairwise_hamming"]
+        out["balance_dev128"] = st["balance_mean_abs_deviation"]
+    out["heldout_code_mag"] = heldout_code_mag(eval_dir)
+    return out
+
+
+LOG_KEYS = ("loss", "code_mag", "r_mag", "r_slope", "loss_excess", "mean_hamming",
+            "distinct_frac", "bit_balance")
+
+
+def log_summary(d: str) -> dict:
+    """The training log's trace of the learning statistics, its last values, and whether
+    train.py warned of collapsed codes."""
+    path = os.path.join(d, "log.jsonl")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    trace = [{k: r[k] for k in ("step",) + LOG_KEYS if r.get(k) is not None} for r in recs]
+    tpath = os.path.join(d, "train.txt")
+    warned = False
+    if os.path.isfile(tpath):
+        with open(tpath) as f:
+            warned = WARNING in f.read()
+    return {"loss_first": recs[0]["loss"] if recs else None, "last": trace[-1] if trace else {},
+            "trace": trace, "collapse_warning": warned}
+
+
+def do_run(args, name, method, flags, recipe, seed, curve) -> dict:
+    d = run_dir(args, name, seed)
+    os.makedirs(d, exist_ok=True)
+    if not args.dry_run:
+        for stale in ("train.txt", "eval.txt"):  # of an interrupted attempt
+            if os.path.isfile(os.path.join(d, stale)):
+                os.remove(os.path.join(d, stale))
+    ckpt, cmds, points = os.path.join(d, "last.pt"), [], []
+    t0 = time.perf_counter()
+    if method == "random":
+        tmpl = os.path.join(d, "template")
+        tc = train_cmd(args, "nac", flags, recipe, seed, tmpl, ["--max-steps", "1"])
+        cmds += [show(tc), f"# random init: the model of seed {seed}, BN statistics from "
+                           f"{args.bn_batches} training batches (scripts/reproduce_fmnist.py)"]
+        run_cmd(tc, os.path.join(d, "train.txt"), args.dry_run)
+        if not args.dry_run:
+            random_init_checkpoint(args, os.path.join(tmpl, "last.pt"), d, seed)
+    else:
+        for i, stop in enumerate([s for s in curve] + [None]):
+            extra = (["--stop-at-step", str(stop)] if stop else []) + (["--resume"] if i else [])
+            tc = train_cmd(args, method, flags, recipe, seed, d, extra)
+            cmds.append(show(tc))
+            run_cmd(tc, os.path.join(d, "train.txt"), args.dry_run)
+            if stop:
+                ed = os.path.join(d, f"eval_step{stop}")
+                ec = eval_cmd(args, ckpt, ed, seed, "hash,expressivity")
+                cmds.append(show(ec))
+                run_cmd(ec, os.path.join(d, "eval.txt"), args.dry_run)
+                if not args.dry_run:
+                    points.append(eval_figures(ed))
+    t_train = time.perf_counter() - t0
+    ed = os.path.join(d, "eval")
+    ec = eval_cmd(args, ckpt, ed, seed)
+    cmds.append(show(ec))
+    run_cmd(ec, os.path.join(d, "eval.txt"), args.dry_run)
+    if args.dry_run:
+        return {}
+    fig = eval_figures(ed)
+    if curve:
+        points.append({k: fig.get(k) for k in ("step", "map", "distinct128", "hamming128",
+                                               "heldout_code_mag")})
+    return {"grid": args.grid, "variant": name, "method": method, "recipe": recipe,
+            "flags": flags, "seed": seed, "budget": budget_tag(args), **fig,
+            **log_summary(d), "curve": points, "commands": cmds,
+            "seconds_train": round(t_train, 1),
+            "seconds_total": round(time.perf_counter() - t0, 1)}
+
+
+def load_rows(path: str) -> list:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_grid(args, variants, seeds, curve, curve_seeds) -> int:
+    gdir = os.path.join(args.out, args.grid)
+    os.makedirs(gdir, exist_ok=True)
+    results = os.path.join(gdir, "results.jsonl")
+    done = {(r["variant"], r["seed"], r["budget"]) for r in load_rows(results)}
+    failed = []
+    for seed in seeds:  # seed-major: a partial grid has every variant at the first seeds
+        for name, (method, flags, recipe) in variants.items():
+            if (name, seed, budget_tag(args)) in done and not args.dry_run:
+                continue
+            print(f"== {args.grid} {name} seed {seed} ({budget_tag(args)})", flush=True)
+            try:
+                row = do_run(args, name, method, flags, recipe, seed,
+                             curve if seed in curve_seeds else [])
+            except RuntimeError as exc:  # the other runs are independent: go on
+                print(str(exc), file=sys.stderr, flush=True)
+                failed.append(f"{name} seed {seed}")
+                continue
+            if row:
+                row["commit"] = commit()
+                with open(results, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                last = row.get("last", {})
+                print(f"   mAP@128 {row.get('map', {}).get('128')}  linear "
+                      f"{row.get('linear_top1')}  kNN {row.get('knn_top1')}  code_mag "
+                      f"{last.get('code_mag')}  r_slope {last.get('r_slope')}  "
+                      f"({row['seconds_total']:.0f} s)", flush=True)
+    if failed:
+        print("failed: " + "; ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- the page --------------------------------------------------------------------------------
+
+def mean_std(vals):
+    vals = [v for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return None, None, 0
+    m = sum(vals) / len(vals)
+    s = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+    return m, s, len(vals)
+
+
+def fmt(vals, scale=100.0, digits=1) -> str:
+    m, s, n = mean_std(vals)
+    if m is None:
+        return "-"
+    if n == 1:
+        return f"{scale * m:.{digits}f}"
+    return f"{scale * m:.{digits}f} ± {scale * s:.{digits}f}"
+
+
+def groups_of(rows: list) -> dict:
+    """{(budget, variant): [rows]} in the order first seen."""
+    g = {}
+    for r in rows:
+        g.setdefault((r["budget"], r["variant"]), []).append(r)
+    return g
+
+
+def describe(r) -> str:
+    if r["method"] == "random":
+        return "untrained encoder"
+    base = "default recipe" if r["recipe"] == "recipe" else "paper heads"
+    return base + (" + `" + " ".join(r["flags"]) + "`" if r["flags"] else "")
+
+
+def results_table(rows: list) -> list:
+    L = ["| variant | runs as | seeds | mAP@all 128 b % | 64 b % | 16 b % | linear top-1 % | "
+         "kNN top-1 % | distinct codes 128 b % | held-out mean abs(tanh a) | log: code_mag | "
+         "r_slope | loss_excess | collapse warning |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    budget = None
+    for (b, name), g in groups_of(rows).items():
+        if b != budget:
+            budget = b
+            L.append(f"| *{b}* | | | | | | | | | | | | | |")
+        last = [x.get("last", {}) for x in g]
+        trained = g[0]["method"] != "random"
+        L.append(
+            f"| {name} | {describe(g[0])} | {len(g)} | "
+            f"{fmt([x.get('map', {}).get('128') for x in g])} | "
+            f"{fmt([x.get('map', {}).get('64') for x in g])} | "
+            f"{fmt([x.get('map', {}).get('16') for x in g])} | "
+            f"{fmt([x.get('linear_top1') for x in g])} | {fmt([x.get('knn_top1') for x in g])} | "
+            f"{fmt([x.get('distinct128') for x in g], 100, 0)} | "
+            f"{fmt([x.get('heldout_code_mag') for x in g], 1, 3)} | "
+            + (f"{fmt([v.get('code_mag') for v in last], 1, 3)} | "
+               f"{fmt([v.get('r_slope') for v in last], 1, 2)} | "
+               f"{fmt([v.get('loss_excess') for v in last], 1, 2)} | "
+               f"{sum(bool(x.get('collapse_warning')) for x in g)}/{len(g)} |"
+               if trained else "- | - | - | - |"))
+    return L
+
+
+def plot_curves(all_rows: dict, path: str) -> bool:
+    """code_mag (training log) and hash mAP (evaluated checkpoints) against the step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [(g, rows) for g, rows in all_rows.items() if g in ("main", "long") and rows]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 3.8 * len(panels)), squeeze=False)
+    for (grid, rows), (ax0, ax1) in zip(panels, axes):
+        colours = {}
+        for r in rows:
+            if r["method"] == "random" or r["method"] == "simclr" and not r.get("curve"):
+                continue
+            c = colours.setdefault(r["variant"], f"C{len(colours)}")
+            tr = [t for t in r.get("trace", []) if "code_mag" in t]
+            if r["method"] != "simclr" and tr:
+                ax0.plot([t["step"] for t in tr], [t["code_mag"] for t in tr], color=c, lw=1,
+                         alpha=0.8, label=r["variant"] if r["seed"] == min(
+                             x["seed"] for x in rows if x["variant"] == r["variant"]) else None)
+            if r.get("curve"):
+                pts = [p for p in r["curve"] if p.get("map")]
+                ax1.plot([p["step"] for p in pts], [100 * p["map"]["128"] for p in pts], "o-",
+                         color=c, label=f"{r['variant']} (seed {r['seed']})")
+        ax0.set(xlabel="step", ylabel="mean |tanh a| (training batch)", yscale="log",
+                title=f"{grid}: code magnitude")
+        ax1.set(xlabel="step", ylabel="128-bit mAP@all (%)", title=f"{grid}: hash retrieval")
+        for ax in (ax0, ax1):
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_page(args) -> int:
+    import torch
+    all_rows = {}
+    for g in GRIDS:
+        rows = load_rows(os.path.join(args.out, g, "results.jsonl"))
+        if rows:
+            all_rows[g] = rows
+    if not all_rows:
+        raise SystemExit(f"no results under {args.out}/*/results.jsonl")
+    titles = {"main": "Main table", "ablation": "Ablation of the head options",
+              "psweep": "Flip probability p (default recipe's heads, in-batch NAC)",
+              "long": "Longer run"}
+    commits = sorted({r.get("commit", "unknown") for rows in all_rows.values() for r in rows})
+    mins = sum(r.get("seconds_total", 0) for rows in all_rows.values() for r in rows) / 60
+    L = ["# Small-scale reproduction on Fashion-MNIST", "",
+         f"Generated by `python scripts/reproduce_fmnist.py --doc {args.doc}"
+         + (f" --notes {args.notes}" if args.notes else "") + f"` on {time.strftime('%Y-%m-%d')} "
+         f"from the runs of the grids below ({platform.node()}, {os.cpu_count()} CPUs shared with "
+         f"other jobs, torch {torch.__version__}, commits {', '.join(commits)}; "
+         f"{mins:.0f} min of runs in all).", "",
+         "Every run: encoder `resnet-tiny`, global batch 256, the same augmentations "
+         "(train.py's Fashion-MNIST recipe); each figure is the mean ± sample std over the seeds "
+         "(`seeds` runs, seeds 0, 1, 2, ...). Evaluation: `python -m nac_fast.eval` on the full "
+         "splits (gallery = the 60k training images, queries = the 10k test images, relevant = "
+         "same class, Hamming ranking with ties by gallery index); k-bit figures are the first k "
+         "bits of the 128-bit code. `held-out mean abs(tanh a)` is over the test images' codes; "
+         "the `log:` columns are the training log's last record (view-1 rows of one batch): "
+         "`code_mag` = mean abs(tanh a), `r_slope` = least-squares slope of r on tanh a (one "
+         "intercept per bit), `loss_excess` = loss minus its zero-code value (D ln 2 for NAC, "
+         "2 D ln 2 for NAC-MQ's loss + vi, ln(2B-1) for SimCLR). `runs as`: the flags over "
+         "`configs/fashion_mnist_paper.toml` (*paper heads*) or the default recipe "
+         "`configs/fashion_mnist.toml`.", ""]
+    for g in GRIDS:
+        if g not in all_rows:
+            continue
+        L += [f"## {titles[g]}", ""] + results_table(all_rows[g]) + [""]
+    have_plot = plot_curves(all_rows, os.path.join(os.path.dirname(os.path.abspath(args.doc)),
+                                                   "curves.png"))
+    if have_plot:
+        L += ["## Curves", "", "![code magnitude and mAP against the step](curves.png)", ""]
+    L += ["## Commands", "", "One line per run as it was run (`python` is the environment's "
+          "interpreter); every run's line in `runs/repro/<grid>/results.jsonl` (and "
+          "`results_summary.json` beside this page) has its commands and wall time.", "",
+          "```text"]
+    for g, rows in all_rows.items():
+        args_seen = set()
+        for r in rows:
+            for c in r["commands"]:
+                key = c.replace(f"--seed {r['seed']}", "--seed S").replace(
+                    f"seed{r['seed']}", "seedS")
+                if key not in args_seen:
+                    args_seen.add(key)
+                    L.append(key)
+    L += ["```", "", "`S` is the seed (0, 1, 2, ...).", ""]
+    md = "\n".join(L)
+    if args.notes:
+        with open(args.notes) as f:
+            md += "\n" + f.read()
+    with open(args.doc, "w") as f:
+        f.write(md)
+    summary = {g: [{k: v for k, v in r.items() if k != "trace"} for r in rows]
+               for g, rows in all_rows.items()}
+    with open(os.path.join(os.path.dirname(os.path.abspath(args.doc)), "results_summary.json"),
+              "w") as f:
+        json.dump(summary, f, indent=1)
+    print(md)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        variants, seeds, curve, curve_seeds = check_args(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+    status = 0
+    if args.grid:
+        status = run_grid(args, variants, seeds, curve, curve_seeds)
+    if args.doc and not args.dry_run:
+        write_page(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
