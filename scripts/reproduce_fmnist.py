@@ -70,26 +70,35 @@ def _grid_main() -> dict:
 
 
 def _grid_ablation() -> dict:
-    v = {}
-    for m in ("nac", "nac-mq"):
-        v[f"{m}:paper"] = (m, [], "paper")
-        v[f"{m}:full"] = (m, FULL, "paper")
-        v[f"{m}:full-headbn"] = (m, IB + COPY + ["--a-gain", "3"], "paper")
-        v[f"{m}:full-inferbn"] = (m, HB + COPY + ["--r-gain", "auto"], "paper")
-        v[f"{m}:full-copy"] = (m, HB + IB, "paper")
-        v[f"{m}:full+learngain"] = (m, FULL + LEARN, "paper")
-    v.update({
+    """Each ingredient alone (paper + x), all together (full), each one left out (full - x),
+    fixed against learnable gains, and the fixes the probe did not try (the inference net's
+    warm-up, per-view BatchNorm); NAC-MQ with the main ones; SimCLR at the same budget."""
+    v = {
+        "nac:paper": ("nac", [], "paper"),
         "nac:paper+headbn": ("nac", HB, "paper"),
         "nac:paper+inferbn": ("nac", IB, "paper"),
         "nac:paper+copy": ("nac", COPY + ["--r-gain", "auto"], "paper"),
-        "nac:full-gains": ("nac", ["--head-bn", "--infer-bn"] + COPY, "paper"),
+        "nac:full": ("nac", FULL, "paper"),
+        "nac:full-headbn": ("nac", IB + COPY + ["--a-gain", "3"], "paper"),
+        "nac:full-inferbn": ("nac", HB + COPY + ["--r-gain", "auto"], "paper"),
+        "nac:full-copy": ("nac", HB + IB, "paper"),
+        "nac:full+learngain": ("nac", FULL + LEARN, "paper"),
         "nac:paper+warmup": ("nac", WARM, "paper"),
         "nac:full-copy+warmup": ("nac", HB + IB + WARM, "paper"),
-        "nac:paper+perview": ("nac", PERVIEW, "paper"),
         "nac:full+perview": ("nac", FULL + PERVIEW, "paper"),
+        "nac-mq:paper": ("nac-mq", [], "paper"),
+        "nac-mq:full": ("nac-mq", FULL, "paper"),
+        "nac-mq:full-copy": ("nac-mq", HB + IB, "paper"),
+        "nac-mq:full+learngain": ("nac-mq", FULL + LEARN, "paper"),
         "simclr": ("simclr", [], "paper"),
-    })
+    }
     return v
+
+
+def _grid_explore() -> dict:
+    """The size of the fixed code gain (mean |tanh a| ~ 0.07 a_gain / 1) around the default."""
+    return {f"nac:full:again{g}": ("nac", IB + COPY + ["--head-bn", "--a-gain", g], "paper")
+            for g in ("1.5", "2", "4", "6")}
 
 
 def _grid_psweep() -> dict:
@@ -103,8 +112,8 @@ def _grid_long() -> dict:
     return {"nac:recipe": ("nac", [], "recipe"), "simclr": ("simclr", [], "paper")}
 
 
-GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "psweep": _grid_psweep,
-         "long": _grid_long}
+GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,
+         "psweep": _grid_psweep, "long": _grid_long}
 
 
 def build_parser():
@@ -128,6 +137,8 @@ def build_parser():
       "encoder's BatchNorm statistics")
     a("--curve-steps", default="", help="comma-separated steps at which to evaluate hashing")
     a("--curve-seeds", default="0", help="the seeds whose runs get --curve-steps")
+    a("--curve-limit", default="", help="TRAIN,TEST: evaluate the curve's points on this many "
+      "train (gallery) and test (query) images (strided subsets; '' = the full splits)")
     a("--log-every", type=int, default=10, help="train.py --log-every")
     a("--doc", default=None, help="write the results page here (from every OUT/*/results.jsonl)")
     a("--notes", default=None, help="a markdown file appended to the page")
@@ -160,6 +171,11 @@ def check_args(args):
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    lim = _ints(args.curve_limit, "--curve-limit")
+    if lim and (len(lim) != 2 or min(lim) < 1):
+        raise ValueError(f"--curve-limit must be TRAIN,TEST (two counts >= 1), got "
+                         f"{args.curve_limit!r}")
+    args.curve_limits = tuple(lim) if lim else None
     if args.notes is not None and not os.path.isfile(args.notes):
         raise ValueError(f"--notes {args.notes!r}: no such file")
     variants = GRIDS[args.grid]() if args.grid else {}
@@ -195,8 +211,9 @@ def train_cmd(args, method, flags, recipe, seed, out, extra=()) -> list:
     cmd += ["--data", args.data, "--arch", args.arch, "--method", method, "--batch-size",
             str(args.batch_size), "--seed", str(seed), "--out", out, "--no-progress",
             "--log-every", str(args.log_every), "--save-every", "1000000"]
-    cmd += ["--max-steps", str(args.max_steps)] if args.max_steps else ["--epochs",
-                                                                       str(args.epochs)]
+    if "--max-steps" not in extra:
+        cmd += ["--max-steps", str(args.max_steps)] if args.max_steps else ["--epochs",
+                                                                           str(args.epochs)]
     cmd += list(flags) + list(extra)  # torchrun takes "--p": the grids write --flip-prob
     if args.nproc == 1:
         return [sys.executable] + cmd
@@ -204,14 +221,15 @@ def train_cmd(args, method, flags, recipe, seed, out, extra=()) -> list:
             f"--nproc_per_node={args.nproc}"] + cmd
 
 
-def eval_cmd(args, ckpt, out, seed, tasks="linear,knn,hash,expressivity") -> list:
+def eval_cmd(args, ckpt, out, seed, tasks="linear,knn,hash,expressivity", limits=None) -> list:
     cmd = [sys.executable, "-m", "nac_fast.eval", "--checkpoint", ckpt, "--data", args.data,
            "--out", out, "--no-progress", "--tasks", tasks, "--bits", ",".join(map(str, BITS)),
            "--linear-epochs", str(args.linear_epochs), "--seed", str(seed)]
-    if args.limit_train:
-        cmd += ["--limit-train", str(args.limit_train)]
-    if args.limit_test:
-        cmd += ["--limit-test", str(args.limit_test)]
+    lt, ls = limits if limits else (args.limit_train, args.limit_test)
+    if lt:
+        cmd += ["--limit-train", str(lt)]
+    if ls:
+        cmd += ["--limit-test", str(ls)]
     return cmd
 
 
@@ -340,7 +358,7 @@ def do_run(args, name, method, flags, recipe, seed, curve) -> dict:
             run_cmd(tc, os.path.join(d, "train.txt"), args.dry_run)
             if stop:
                 ed = os.path.join(d, f"eval_step{stop}")
-                ec = eval_cmd(args, ckpt, ed, seed, "hash,expressivity")
+                ec = eval_cmd(args, ckpt, ed, seed, "hash,expressivity", args.curve_limits)
                 cmds.append(show(ec))
                 run_cmd(ec, os.path.join(d, "eval.txt"), args.dry_run)
                 if not args.dry_run:
@@ -353,9 +371,15 @@ def do_run(args, name, method, flags, recipe, seed, curve) -> dict:
     if args.dry_run:
         return {}
     fig = eval_figures(ed)
+    for e in [ed] + [os.path.join(d, f"eval_step{s}") for s in curve]:
+        for split in ("train", "test"):  # the feature caches (70 MB a run): figures are taken
+            f = os.path.join(e, f"features_{split}.pt")
+            if os.path.isfile(f):
+                os.remove(f)
     if curve:
         points.append({k: fig.get(k) for k in ("step", "map", "distinct128", "hamming128",
                                                "heldout_code_mag")})
+        points[-1]["full_splits"] = True  # the others: --curve-limit's subsets
     return {"grid": args.grid, "variant": name, "method": method, "recipe": recipe,
             "flags": flags, "seed": seed, "budget": budget_tag(args), **fig,
             **log_summary(d), "curve": points, "commands": cmds,
@@ -513,6 +537,7 @@ def write_page(args) -> int:
     if not all_rows:
         raise SystemExit(f"no results under {args.out}/*/results.jsonl")
     titles = {"main": "Main table", "ablation": "Ablation of the head options",
+              "explore": "The code gain",
               "psweep": "Flip probability p (default recipe's heads, in-batch NAC)",
               "long": "Longer run"}
     commits = sorted({r.get("commit", "unknown") for rows in all_rows.values() for r in rows})
