@@ -108,7 +108,7 @@ setup(
     python_requires=">=3.9",
     packages=["nac_fast", "nac_fast.kernels"] + sorted(
         "nac_fast." + os.path.relpath(os.path.dirname(p), "nac_fast").replace(os.sep, ".")
-        for p in glob.glob("nac_fast/*/__init__.py")),
+        for p in glob.glob("nac_fast/*/**/__init__.py", recursive=True)),
     package_dir={"nac_fast": "nac_fast", "nac_fast.kernels": "kernels"},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={

@@ -17,8 +17,8 @@ one FRESH Python process, so no allocator state carries over between cases.  In 
   3. create the inputs at the measured shape (a, r with requires_grad; the +-1 noise), gc;
   4. malloc_trim(0): free heap pages go back to the OS, so the step cannot draw on free memory
      that the warm-up or the set-up happened to leave in the heap (how much that is depends on
-     the warm-up, not on the backend: without the trim, one build of the fused op measured
-     7.2 MiB after a 256-row warm-up and 3.9 MiB after a 1024-row one);
+     the warm-up, not on the backend: without the trim the measured extra of the fused op
+     changed with the warm-up size; figures in bench/results/notes.md);
   5. reset the kernel's RSS high-water mark to the current RSS (write "5" to
      /proc/self/clear_refs, Linux >= 4.0) and read baseline = VmRSS;
   6. one `nac_loss(a, r, 0.1, noise=noise, backend=B).backward()`;

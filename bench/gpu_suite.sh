@@ -199,8 +199,7 @@ stage_bench() {
   BUILT_FIRST=""
   ensure_built || { detail "build failed"; return 1; }
   local rc=0 hrc=0 prc=0
-  # Budget (H100, estimated): 12 cases x 4 rows x (>= 10 timed steps or 0.25 s) ~ 1 min, 12
-  # inductor compiles ~ 10-20 s each, Hamming ~ 1 min.
+  # Sized to fit one stage's time limit on an H100 (the estimate: bench/results/notes.md).
   if [ "$CPU_MODE" = 1 ]; then
     $PY bench/bench_loss.py --device cpu --inbatch 64,128 --queue 256 --mq-n 32 \
         --dtypes bfloat16,float32 --compile-reference --compile-backend aot_eager --reps 2 \

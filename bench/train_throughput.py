@@ -53,7 +53,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from nac_fast.data.synthetic_pairs import SyntheticPairLoader  # noqa: E402
+from nac_fast.data.sources.synthetic_pairs import SyntheticPairLoader  # noqa: E402
 
 
 class DeviceSyntheticPairLoader(SyntheticPairLoader):

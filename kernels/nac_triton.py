@@ -105,12 +105,10 @@ def _dot(x, y, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         yb = _round_tf32(y)
         out = tl.dot(xb, yb, input_precision="tf32")
         if PRECISION == "tf32x3":
-            # the small parts are 0 where the value is its own TF32 rounding: +-inf included
-            # (inf - inf would make a NaN of an input the exact product treats as inf)
-            ys = tl.where(y == yb, 0.0, _round_tf32(y - yb))
-            xs = tl.where(x == xb, 0.0, _round_tf32(x - xb))
-            out = tl.dot(xb, ys, out, input_precision="tf32")
-            out = tl.dot(xs, yb, out, input_precision="tf32")
+            # an infinite operand's small part is inf - inf = NaN: with tf32x3 an infinite key
+            # gives a NaN logit, not +-inf (a select here spilled registers: compile check)
+            out = tl.dot(xb, _round_tf32(y - yb), out, input_precision="tf32")
+            out = tl.dot(_round_tf32(x - xb), yb, out, input_precision="tf32")
         return out
     return tl.dot(x, y, out_dtype=tl.float32)
 

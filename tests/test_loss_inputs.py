@@ -64,8 +64,13 @@ def test_noise_type_errors():
         nac_fast.nac_loss(a, r, 0.1, noise=[[1.0] * 3] * 4)
     with pytest.raises(TypeError, match="noise"):
         nac_fast.nac_loss(a, r, 0.1, noise=torch.ones(4, 3, dtype=torch.bool))
-    # integer +-1 noise is fine
+    # integer +-1 noise is fine: the loss of the same float noise, flips included
     nac_fast.nac_loss(a, r, 0.1, noise=torch.ones(4, 3, dtype=torch.int8))
+    m = nac_fast.draw_noise((4, 3), 0.3, generator=torch.Generator().manual_seed(2))
+    assert (m == -1).any() and (m == 1).any()
+    for dtype in (torch.int8, torch.int32, torch.int64):
+        assert torch.equal(nac_fast.nac_loss(a, r, 0.1, noise=m.to(dtype)),
+                           nac_fast.nac_loss(a, r, 0.1, noise=m)), dtype
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,5 +1,5 @@
-"""The reference loss against a float64 transcription of NAC_SPEC.md, its gradients (gradcheck),
-the channel noise, and the paper's central claim in miniature."""
+"""The reference loss against a float64 transcription of docs/math.md [M:rows], its gradients
+(gradcheck), the channel noise, and the paper's central claim in miniature."""
 import math
 
 import numpy as np

@@ -202,3 +202,12 @@ def test_compile_flag_trains_like_eager(tmp_path):
     for (_, x), (_, y) in zip(le, lc):
         assert abs(x - y) <= 1e-4 * abs(x), (le, lc)
     assert load_model(os.path.join(c, "last.pt")) is not None
+    # load_model gives the checkpoint's weights (not a fresh model), in eval mode, and they are
+    # the eager run's within float reassociation (no "_orig_mod." keys from the compiled wrapper)
+    mc, me = load_model(os.path.join(c, "last.pt")), load_model(os.path.join(e, "last.pt"))
+    saved = load_checkpoint(os.path.join(c, "last.pt"))["model"]
+    got = mc.state_dict()
+    assert not mc.training and set(got) == set(saved) == set(me.state_dict())
+    for k, v in got.items():
+        assert torch.equal(v, saved[k]), k
+        torch.testing.assert_close(v, me.state_dict()[k], rtol=1e-3, atol=1e-5, msg=k)

@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="disable MoCo's batch shuffle for the momentum branch (NAC-MQ, DDP)")
     a("--image-size", type=int, default=None, help="crop size; default the data's native size")
     a("--loader", default="auto", choices=("auto", "torchvision", "dali-cpu", "dali-gpu"))
+    a("--on-bad-file", default="warn", choices=("warn", "error"),
+      help="an ImageFolder file that cannot be read: warn = skip it (named in one warning, "
+      "replaced by the next readable image, counted in the loader's skipped_files), error = "
+      "stop with an error naming it")
     a("--workers", type=int, default=None, help="data workers per rank; default: "
       "0 on CPU, else min(8, cpus per rank - 1)")
     a("--device", default="auto", choices=("auto", "cpu", "cuda"))

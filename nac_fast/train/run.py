@@ -60,7 +60,7 @@ class TrainState:
 def build_loader(args, di, channels_last: bool):
     per_rank = args.batch_size // di.world_size
     if args.data.startswith("synthetic"):
-        from ..data.synthetic_pairs import SyntheticPairLoader
+        from ..data.sources.synthetic_pairs import SyntheticPairLoader
         n = int(args.data.split(":", 1)[1]) if ":" in args.data else 4096
         return SyntheticPairLoader(n, per_rank, di.rank, di.world_size, args.seed,
                                    image_size=args.image_size or 32, device=di.device,
@@ -82,7 +82,8 @@ def build_loader(args, di, channels_last: bool):
                                      world_size=di.world_size, seed=args.seed,
                                      image_size=args.image_size, loader=args.loader,
                                      num_workers=workers, device=str(di.device),
-                                     channels_last=channels_last, dtype=torch.float32)
+                                     channels_last=channels_last, dtype=torch.float32,
+                                     on_bad_file=args.on_bad_file)
     except (FileNotFoundError, ValueError) as exc:
         # nac_fast.data's messages say how to get the data (e.g. the Debian package)
         raise ValueError(f"--data {args.data!r}: {exc}") from exc
