@@ -1,18 +1,22 @@
 """Small-scale reproduction on Fashion-MNIST (issues 6 and 16), on CPU, over seeds, resumable.
 
-    python scripts/reproduce_fmnist.py --grid main --seeds 0,1,2            # the main table
-    python scripts/reproduce_fmnist.py --grid ablation --seeds 0,1,2 --max-steps 234 --nproc 1 \\
-        --linear-epochs 10                                                   # the head ablation
-    python scripts/reproduce_fmnist.py --grid psweep --seeds 0,1,2 --max-steps 234 --nproc 1 \\
-        --linear-epochs 10                                                   # flip probability
+    python scripts/reproduce_fmnist.py --grid all --dry-run       # the plan and its estimated cost
+    python scripts/reproduce_fmnist.py --grid all --doc docs/results.md --notes docs/results_notes.md
+    python scripts/reproduce_fmnist.py --grid main --seeds 0,1,2  # one grid (main, ablation, psweep)
     python scripts/reproduce_fmnist.py --grid long --epochs 20 --curve-steps 234,702,1404,2340
-    python scripts/reproduce_fmnist.py --doc docs/results.md --notes docs/results_notes.md
-    python scripts/reproduce_fmnist.py --grid main --dry-run                # commands only
+    python scripts/reproduce_fmnist.py --doc docs/results.md --notes docs/results_notes.md  # page
 
-A grid is a set of named variants: a method and the train.py flags that the variant adds to
-`--config configs/fashion_mnist_paper.toml` (the authors' heads), so each name says exactly what
-it changes; `recipe` variants use the default recipe, configs/fashion_mnist.toml, instead.  Every
-variant is trained once per seed with the same encoder (resnet-tiny), batch, budget and
+`--grid all` runs the grids main (NAC, NAC-MQ with the paper's heads and with the candidate
+'learning' heads, SimCLR, random init), ablation (each head ingredient alone, all together, each
+left out, for NAC and NAC-MQ, and SimCLR) and psweep (p in {0.05, 0.1, 0.2, 0.4}), every variant
+for every seed (default 0, 1, 2) at one budget: SimCLR gets the same epochs, batch, encoder and
+augmentations as NAC (equal compute).
+
+A grid is a set of named variants: a method and the train.py flags that the variant adds to a
+recipe: `paper` = `--config configs/fashion_mnist_paper.toml` (the authors' heads, also what the
+default recipe trains), `learning` = `--config configs/fashion_mnist_learning.toml` (the candidate
+heads: the paper recipe plus --head-bn --a-gain 3 --infer-bn --r-gain auto --infer-init copy), so
+each name says exactly what it changes.  Every variant is trained once per seed with the same encoder (resnet-tiny), batch, budget and
 augmentations, then evaluated with `python -m nac_fast.eval` on the full splits (linear probe,
 kNN, hash mAP@all at 16/32/64/128 bits, expressivity; gallery = the 60k training images,
 queries = the 10k test images).  `random` is the untrained encoder, its BatchNorm statistics set
@@ -50,7 +54,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 BITS = (16, 32, 64, 128)
-PAPER_RECIPE = os.path.join("configs", "fashion_mnist_paper.toml")
+# recipe name -> train.py --config (None: train.py's default recipe, configs/fashion_mnist.toml)
+RECIPES = {"paper": os.path.join("configs", "fashion_mnist_paper.toml"),
+           "learning": os.path.join("configs", "fashion_mnist_learning.toml"),
+           "default": None}
 WARNING = "warning: the codes are collapsing"
 
 # The ingredients of the head ablation (train.py flags; nac_fast/train/models.py NACModel).
@@ -58,14 +65,15 @@ HB = ["--head-bn", "--a-gain", "3"]             # end-BN of the code head, fixed
 IB = ["--infer-bn", "--r-gain", "auto"]         # end-BN of the inference net, gain 2(1-2p) x 3
 COPY = ["--infer-init", "copy"]                 # the inference net starts as a copy of the head
 LEARN = ["--learn-gain"]                        # the gains are learnable (per bit)
-FULL = HB + IB + COPY                           # all three: the default recipe's heads
+FULL = HB + IB + COPY                           # all three: the 'learning' recipe's heads
 WARM = ["--infer-warmup-steps", "50"]           # 50 steps that train only the inference net
 PERVIEW = ["--bn-per-view"]                     # one BatchNorm pass per view (the authors')
 
 
 def _grid_main() -> dict:
-    return {"nac:recipe": ("nac", [], "recipe"), "nac:paper": ("nac", [], "paper"),
-            "nac-mq:recipe": ("nac-mq", [], "recipe"), "nac-mq:paper": ("nac-mq", [], "paper"),
+    return {"nac:paper": ("nac", [], "paper"), "nac:learning": ("nac", [], "learning"),
+            "nac-mq:paper": ("nac-mq", [], "paper"),
+            "nac-mq:learning": ("nac-mq", [], "learning"),
             "simclr": ("simclr", [], "paper"), "random": ("random", [], "paper")}
 
 
@@ -109,21 +117,24 @@ def _grid_psweep() -> dict:
 
 
 def _grid_long() -> dict:
-    return {"nac:recipe": ("nac", [], "recipe"), "simclr": ("simclr", [], "paper")}
+    return {"nac:paper": ("nac", [], "paper"), "nac:learning": ("nac", [], "learning"),
+            "simclr": ("simclr", [], "paper")}
 
 
 GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,
          "psweep": _grid_psweep, "long": _grid_long}
+ALL = ("main", "ablation", "psweep")  # --grid all: the grids of the issue, one budget, in order
 
 
 def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = ap.add_argument
-    a("--grid", default=None, choices=sorted(GRIDS), help="the variants to run")
-    a("--only", default="", help="comma-separated variant names of the grid ('' = all)")
+    a("--grid", default=None, choices=sorted(GRIDS) + ["all"],
+      help="the variants to run; all = " + " + ".join(ALL))
+    a("--only", default="", help="comma-separated variant names of the grid(s) ('' = all)")
     a("--out", default="runs/repro", help="output root; a grid writes OUT/<grid>/")
-    a("--seeds", default="0", help="comma-separated training (and evaluation) seeds")
+    a("--seeds", default="0,1,2", help="comma-separated training (and evaluation) seeds")
     a("--epochs", type=int, default=3, help="training epochs")
     a("--max-steps", type=int, default=None, help="optimizer steps instead of --epochs")
     a("--batch-size", type=int, default=256, help="global batch (images)")
@@ -142,7 +153,8 @@ def build_parser():
     a("--log-every", type=int, default=10, help="train.py --log-every")
     a("--doc", default=None, help="write the results page here (from every OUT/*/results.jsonl)")
     a("--notes", default=None, help="a markdown file appended to the page")
-    a("--dry-run", action="store_true", help="print the commands, run nothing")
+    a("--dry-run", action="store_true", help="print the plan (the runs still to do, their "
+      "commands) and its estimated cost; run nothing")
     return ap
 
 
@@ -178,15 +190,18 @@ def check_args(args):
     args.curve_limits = tuple(lim) if lim else None
     if args.notes is not None and not os.path.isfile(args.notes):
         raise ValueError(f"--notes {args.notes!r}: no such file")
-    variants = GRIDS[args.grid]() if args.grid else {}
+    grids = ALL if args.grid == "all" else (args.grid,) if args.grid else ()
+    per_grid = {g: GRIDS[g]() for g in grids}
     only = [v for v in args.only.split(",") if v]
-    bad = [v for v in only if v not in variants]
+    bad = [v for v in only if not any(v in vs for vs in per_grid.values())]
     if bad:
+        names = sorted({k for vs in per_grid.values() for k in vs})
         raise ValueError(f"--only: {bad} are not variants of grid {args.grid} "
-                         f"(its variants: {', '.join(variants)})")
+                         f"(its variants: {', '.join(names)})")
     if only:
-        variants = {k: v for k, v in variants.items() if k in only}
-    return variants, seeds, curve, curve_seeds
+        per_grid = {g: {k: v for k, v in vs.items() if k in only} for g, vs in per_grid.items()}
+        per_grid = {g: vs for g, vs in per_grid.items() if vs}
+    return per_grid, seeds, curve, curve_seeds
 
 
 def commit() -> str:
@@ -207,7 +222,7 @@ def run_dir(args, variant: str, seed: int) -> str:
 
 
 def train_cmd(args, method, flags, recipe, seed, out, extra=()) -> list:
-    cmd = ["train.py"] + (["--config", PAPER_RECIPE] if recipe == "paper" else [])
+    cmd = ["train.py"] + (["--config", RECIPES[recipe]] if RECIPES[recipe] else [])
     cmd += ["--data", args.data, "--arch", args.arch, "--method", method, "--batch-size",
             str(args.batch_size), "--seed", str(seed), "--out", out, "--no-progress",
             "--log-every", str(args.log_every), "--save-every", "1000000"]
@@ -335,8 +350,8 @@ def log_summary(d: str) -> dict:
 
 def do_run(args, name, method, flags, recipe, seed, curve) -> dict:
     d = run_dir(args, name, seed)
-    os.makedirs(d, exist_ok=True)
     if not args.dry_run:
+        os.makedirs(d, exist_ok=True)
         for stale in ("train.txt", "eval.txt"):  # of an interrupted attempt
             if os.path.isfile(os.path.join(d, stale)):
                 os.remove(os.path.join(d, stale))
@@ -394,26 +409,129 @@ def load_rows(path: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run_grid(args, variants, seeds, curve, curve_seeds) -> int:
+# ---- the cost model (--dry-run) ----------------------------------------------------------------
+# Seconds on this project's machine (2 CPU cores, shared with other jobs while measured), from the
+# logs of earlier runs; read the totals as +-50%, more when the cores are busier.
+#   train  0.8 s per optimizer step of 256 images (2 processes): runs/repro logs of resnet-tiny,
+#          NAC 0.5-1.0 s/step, SimCLR 0.83 s/step; NAC-MQ x 1.3 for the momentum network's
+#          forward pass (a forward is about a third of a forward + backward; not measured)
+#   eval   features 4.5 ms per image (report.json timings: 100 s for 20000 train images, 15 s
+#          for 5000 test images); linear probe 0.5 s per epoch of one fit on 60000 features
+#          (metrics.linear_probe, 1 thread; it makes 5 fits: 4 learning rates + the final one);
+#          kNN, hash and expressivity ~10 s
+#   each process launch (torchrun, data loading) ~15 s
+TRAIN_IMAGES, TEST_IMAGES = 60000, 10000
+COST = dict(step_s_per_image=0.8 / 256, mq_factor=1.3, feature_s=0.0045,
+            linear_epoch_s=0.5, linear_fits=5, eval_fixed_s=10.0, launch_s=15.0)
+
+
+def estimate_seconds(args, method: str, curve) -> tuple[float, float]:
+    """(training, evaluation) seconds of one run of the grid: the cost model above."""
+    c = COST
+    lt = args.limit_train or TRAIN_IMAGES
+    ls = args.limit_test or TEST_IMAGES
+
+    def evaluation(n_train, n_test, linear):
+        s = c["launch_s"] + c["eval_fixed_s"] + (n_train + n_test) * c["feature_s"]
+        if linear:
+            s += c["linear_fits"] * args.linear_epochs * c["linear_epoch_s"] * n_train / TRAIN_IMAGES
+        return s
+
+    if method == "random":  # a 1-step template run, then --bn-batches forward passes
+        train = c["launch_s"] + 256 * c["step_s_per_image"] + (
+            args.bn_batches * args.batch_size * c["step_s_per_image"] / 3)
+        return train, evaluation(lt, ls, True)
+    steps = args.max_steps or args.epochs * (TRAIN_IMAGES // args.batch_size)
+    train = steps * args.batch_size * c["step_s_per_image"] * (
+        c["mq_factor"] if method == "nac-mq" else 1.0) + c["launch_s"] * (1 + len(curve))
+    cl = args.curve_limits or (lt, ls)
+    ev = evaluation(lt, ls, True) + len(curve) * evaluation(cl[0], cl[1], False)
+    return train, ev
+
+
+# train.py settings that do not change what a run trains (where it writes, how it logs)
+NOT_TRAINING = ("out", "config", "recipe", "description", "progress", "log_every", "save_every",
+                "stop_at_step", "resume", "tensorboard")
+
+
+def signature(args, method, flags, recipe, seed) -> str | None:
+    """What a run trains, as train.py resolves it (recipe file + flags, nac_fast.train.config.parse)
+    plus the budget: two variants with the same signature (e.g. main's nac:learning and the
+    ablation's nac:full, or the same nac:paper in two grids) are one run, trained once.  None for
+    the random-init baseline (never shared)."""
+    if method == "random":
+        return None
+    from nac_fast.train.config import parse
+    cmd = train_cmd(args, method, flags, recipe, seed, "OUT")
+    argv = cmd[cmd.index("train.py") + 1:]
+    if "--config" in argv:
+        i = argv.index("--config") + 1
+        argv[i] = os.path.join(ROOT, argv[i])
+    cfg = {k: v for k, v in sorted(vars(parse(argv)).items()) if k not in NOT_TRAINING}
+    return json.dumps([budget_tag(args), cfg], sort_keys=True, default=str)
+
+
+def reusable_rows(args) -> dict:
+    """{signature: row} of the finished runs of every grid under --out."""
+    out = {}
+    for g in GRIDS:
+        for r in load_rows(os.path.join(args.out, g, "results.jsonl")):
+            if r.get("signature") and not r.get("reused_from"):
+                out.setdefault(r["signature"], r)
+    return out
+
+
+def hours(s: float) -> str:
+    return f"{s / 3600:.1f} h"
+
+
+def run_grid(args, variants, seeds, curve, curve_seeds, planned=None) -> tuple[int, list]:
+    """Runs (or, with --dry-run, lists) the grid's runs that are not done yet; returns (status,
+    plan), plan = [(variant, seed, train_s, eval_s)] of the runs still to do (their estimates).
+    A run whose signature (what it trains) matches a finished run of any grid under --out, with
+    no curve to evaluate, copies that run's line instead of training again; `planned` (a set,
+    shared over the grids of one call) lets a dry run count such a run once."""
+    planned = set() if planned is None else planned
     gdir = os.path.join(args.out, args.grid)
-    os.makedirs(gdir, exist_ok=True)
+    if not args.dry_run:
+        os.makedirs(gdir, exist_ok=True)
     results = os.path.join(gdir, "results.jsonl")
     done = {(r["variant"], r["seed"], r["budget"]) for r in load_rows(results)}
-    failed = []
+    failed, plan = [], []
     for seed in seeds:  # seed-major: a partial grid has every variant at the first seeds
         for name, (method, flags, recipe) in variants.items():
-            if (name, seed, budget_tag(args)) in done and not args.dry_run:
+            if (name, seed, budget_tag(args)) in done:
+                if args.dry_run:
+                    print(f"== {args.grid} {name} seed {seed}: done ({results})", flush=True)
                 continue
-            print(f"== {args.grid} {name} seed {seed} ({budget_tag(args)})", flush=True)
+            c = curve if seed in curve_seeds else []
+            sig = signature(args, method, flags, recipe, seed)
+            same = reusable_rows(args).get(sig) if sig and not c else None
+            if same is not None or (args.dry_run and sig in planned and not c):
+                src = (f"{same['grid']} {same['variant']}" if same is not None else
+                       "a run planned above")
+                print(f"== {args.grid} {name} seed {seed}: the same run as {src} (reused)",
+                      flush=True)
+                if same is not None and not args.dry_run:
+                    row = dict(same, grid=args.grid, variant=name, flags=flags, recipe=recipe,
+                               reused_from=f"{same['grid']}/{same['variant']}")
+                    with open(results, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                continue
+            if sig:
+                planned.add(sig)
+            t_tr, t_ev = estimate_seconds(args, method, c)
+            plan.append((name, seed, t_tr, t_ev))
+            print(f"== {args.grid} {name} seed {seed} ({budget_tag(args)}; estimated "
+                  f"{(t_tr + t_ev) / 60:.0f} min)", flush=True)
             try:
-                row = do_run(args, name, method, flags, recipe, seed,
-                             curve if seed in curve_seeds else [])
+                row = do_run(args, name, method, flags, recipe, seed, c)
             except RuntimeError as exc:  # the other runs are independent: go on
                 print(str(exc), file=sys.stderr, flush=True)
-                failed.append(f"{name} seed {seed}")
+                failed.append(f"{args.grid} {name} seed {seed}")
                 continue
             if row:
-                row["commit"] = commit()
+                row["commit"], row["signature"] = commit(), sig
                 with open(results, "a") as f:
                     f.write(json.dumps(row) + "\n")
                 last = row.get("last", {})
@@ -423,8 +541,23 @@ def run_grid(args, variants, seeds, curve, curve_seeds) -> int:
                       f"({row['seconds_total']:.0f} s)", flush=True)
     if failed:
         print("failed: " + "; ".join(failed), file=sys.stderr)
-        return 1
-    return 0
+        return 1, plan
+    return 0, plan
+
+
+def print_plan(plans: dict) -> float:
+    """The dry run's summary: runs to do per grid and their estimated cost; returns the total s."""
+    total = 0.0
+    print("\nplan (runs not done yet; estimated wall time on 2 CPU cores, +-50%):")
+    for g, plan in plans.items():
+        tr, ev = sum(p[2] for p in plan), sum(p[3] for p in plan)
+        total += tr + ev
+        print(f"  {g:9s} {len(plan):3d} runs  train {hours(tr)}  eval {hours(ev)}  "
+              f"total {hours(tr + ev)}")
+    n = sum(len(p) for p in plans.values())
+    print(f"  all       {n:3d} runs  estimated {hours(total)} of wall time, {hours(2 * total)} of "
+          f"CPU-core time (2 cores busy)")
+    return total
 
 
 # ---- the page --------------------------------------------------------------------------------
@@ -458,7 +591,8 @@ def groups_of(rows: list) -> dict:
 def describe(r) -> str:
     if r["method"] == "random":
         return "untrained encoder"
-    base = "default recipe" if r["recipe"] == "recipe" else "paper heads"
+    base = {"paper": "paper heads", "learning": "learning recipe (candidate)",
+            "default": "default recipe"}.get(r["recipe"], r["recipe"])
     return base + (" + `" + " ".join(r["flags"]) + "`" if r["flags"] else "")
 
 
@@ -538,7 +672,7 @@ def write_page(args) -> int:
         raise SystemExit(f"no results under {args.out}/*/results.jsonl")
     titles = {"main": "Main table", "ablation": "Ablation of the head options",
               "explore": "The code gain",
-              "psweep": "Flip probability p (default recipe's heads, in-batch NAC)",
+              "psweep": "Flip probability p ('learning' heads, in-batch NAC)",
               "long": "Longer run"}
     commits = sorted({r.get("commit", "unknown") for rows in all_rows.values() for r in rows})
     mins = sum(r.get("seconds_total", 0) for rows in all_rows.values() for r in rows) / 60
@@ -558,8 +692,8 @@ def write_page(args) -> int:
          "`code_mag` = mean abs(tanh a), `r_slope` = least-squares slope of r on tanh a (one "
          "intercept per bit), `loss_excess` = loss minus its zero-code value (D ln 2 for NAC, "
          "2 D ln 2 for NAC-MQ's loss + vi, ln(2B-1) for SimCLR). `runs as`: the flags over "
-         "`configs/fashion_mnist_paper.toml` (*paper heads*) or the default recipe "
-         "`configs/fashion_mnist.toml`.", ""]
+         "`configs/fashion_mnist_paper.toml` (*paper heads*) or the candidate recipe "
+         "`configs/fashion_mnist_learning.toml` (*learning recipe*).", ""]
     for g in GRIDS:
         if g not in all_rows:
             continue
@@ -601,12 +735,16 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
-        variants, seeds, curve, curve_seeds = check_args(args)
+        per_grid, seeds, curve, curve_seeds = check_args(args)
     except ValueError as exc:
         ap.error(str(exc))
-    status = 0
-    if args.grid:
-        status = run_grid(args, variants, seeds, curve, curve_seeds)
+    status, plans, planned = 0, {}, set()
+    for g, variants in per_grid.items():
+        gargs = argparse.Namespace(**dict(vars(args), grid=g))
+        st, plans[g] = run_grid(gargs, variants, seeds, curve, curve_seeds, planned)
+        status = max(status, st)
+    if args.dry_run and per_grid:
+        print_plan(plans)
     if args.doc and not args.dry_run:
         write_page(args)
     return status

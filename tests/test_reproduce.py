@@ -14,7 +14,7 @@ SCRIPT = os.path.join(ROOT, "scripts", "reproduce_fmnist.py")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import reproduce_fmnist as R  # noqa: E402
 
-TOY = ["--nproc", "1", "--batch-size", "32", "--limit-train", "256", "--limit-test", "128",
+TOY = ["--seeds", "0", "--nproc", "1", "--batch-size", "32", "--limit-train", "256", "--limit-test", "128",
        "--linear-epochs", "1", "--bn-batches", "2", "--log-every", "1"]
 
 
@@ -27,23 +27,82 @@ def _fmnist_available():
         return False
 
 
-def test_dry_run_commands():
+def test_dry_run_commands(tmp_path):
+    dry = str(tmp_path / "dry")
     out = subprocess.run([sys.executable, SCRIPT, "--grid", "main", "--dry-run", "--seeds", "0,1",
-                          "--out", "/tmp/nac-dry"], capture_output=True, text=True, cwd=ROOT,
+                          "--out", dry], capture_output=True, text=True, cwd=ROOT,
                          check=True).stdout
     train_cmds = [ln for ln in out.splitlines() if ln.startswith("$") and "train.py" in ln]
     # nac and nac-mq with both recipes, simclr, and random's 1-step template, for 2 seeds
     assert len(train_cmds) == 2 * 6
     assert all("--nproc_per_node=2" in c for c in train_cmds)
     paper = [c for c in train_cmds if "--config configs/fashion_mnist_paper.toml" in c]
-    assert len(paper) == 2 * 4  # the recipe variants run the default recipe (no --config)
+    learning = [c for c in train_cmds if "--config configs/fashion_mnist_learning.toml" in c]
+    assert len(paper) == 2 * 4 and len(learning) == 2 * 2
     assert sum("--seed 1 " in c for c in train_cmds) == 6
     assert out.count("nac_fast.eval") == 2 * 6
     abl = subprocess.run([sys.executable, SCRIPT, "--grid", "ablation", "--dry-run", "--only",
-                          "nac:full,nac:paper+copy", "--out", "/tmp/nac-dry"],
+                          "nac:full,nac:paper+copy", "--seeds", "0", "--out", dry],
                          capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert "--head-bn --a-gain 3 --infer-bn --r-gain auto --infer-init copy" in abl
     assert "--infer-init copy --r-gain auto" in abl and abl.count("train.py") == 2
+    assert not os.path.exists(dry)  # a dry run writes nothing
+
+
+def _plan(out):
+    """The dry run's summary lines {grid: (runs, total hours)}."""
+    plan = {}
+    for ln in out.splitlines():
+        parts = ln.split()
+        if len(parts) > 2 and parts[0] in ("main", "ablation", "psweep", "all") and \
+                parts[2] == "runs":
+            plan[parts[0]] = (int(parts[1]), float(parts[-2] if parts[0] != "all" else parts[4]))
+    return plan
+
+
+def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
+    out_dir = tmp_path / "repro"
+    argv = [sys.executable, SCRIPT, "--grid", "all", "--dry-run", "--out", str(out_dir)]
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    plan = _plan(out)
+    # 3 seeds (the default); main 6 variants; ablation 17 of which 5 are main's runs (nac:paper,
+    # nac:full = nac:learning, nac-mq:paper, nac-mq:full = nac-mq:learning, simclr); psweep 4 of
+    # which p = 0.1 is the ablation's nac:full: trained once, counted once
+    assert plan["main"][0] == 3 * 6 and plan["ablation"][0] == 3 * 12 and plan["psweep"][0] == 3 * 3
+    assert plan["all"][0] == 3 * 21
+    assert out.count("(reused)") == 3 * 6
+    for g in ("ablation", "psweep"):  # SimCLR, every ablation ingredient, every p are planned
+        assert g in out
+    for v in ("ablation simclr", "nac-mq:full-copy", "nac:full:p0.05", "nac:full:p0.2",
+              "nac:full:p0.4", "nac:paper+headbn", "nac:paper+inferbn", "nac:paper+copy"):
+        assert v in out
+    # the estimate is the cost model's sum over the planned runs
+    args = R.build_parser().parse_args(["--grid", "all"])
+    per_grid, seeds, curve, _ = R.check_args(args)
+    want = 0.0
+    for g, variants in per_grid.items():
+        for name, (method, flags, recipe) in variants.items():
+            if g == "main" or (g == "ablation" and name not in (
+                    "nac:paper", "nac:full", "nac-mq:paper", "nac-mq:full", "simclr")) or (
+                    g == "psweep" and name != "nac:full:p0.1"):
+                want += len(seeds) * sum(R.estimate_seconds(args, method, []))
+    assert plan["all"][1] == pytest.approx(want / 3600, abs=0.051)
+    assert 10 < plan["all"][1] < 40  # hours: 3 epochs + the full evaluation, 2 cores
+    # resumable: a finished run is not planned again (nor its duplicates in the later grids)
+    (out_dir / "main").mkdir(parents=True)
+    sig = R.signature(args, "simclr", [], "paper", 0)
+    row = {"grid": "main", "variant": "simclr", "seed": 0, "budget": R.budget_tag(args),
+           "signature": sig}
+    (out_dir / "main" / "results.jsonl").write_text(json.dumps(row) + "\n")
+    out2 = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    plan2 = _plan(out2)
+    assert plan2["main"][0] == 3 * 6 - 1 and plan2["all"][0] == 3 * 21 - 1
+    assert "== main simclr seed 0: done" in out2
+    assert "== ablation simclr seed 0: the same run as main simclr (reused)" in out2
+    # a shorter budget is another run: nothing done, a smaller estimate
+    out3 = subprocess.run(argv + ["--max-steps", "50", "--linear-epochs", "10", "--seeds", "0"],
+                          capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert _plan(out3)["all"][0] == 21 and _plan(out3)["all"][1] < plan["all"][1] / 3
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -68,11 +127,11 @@ def test_toy_grid_end_to_end(tmp_path):
     doc.parent.mkdir()
     notes = tmp_path / "notes.md"
     notes.write_text("## Reading\n\nhand-written line\n")
-    argv = TOY + ["--out", str(out), "--grid", "main", "--only", "nac:recipe,random",
+    argv = TOY + ["--out", str(out), "--grid", "main", "--only", "nac:learning,random",
                   "--max-steps", "2", "--curve-steps", "1", "--curve-limit", "128,64"]
     assert R.main(argv) == 0
     rows = [json.loads(x) for x in (out / "main" / "results.jsonl").read_text().splitlines()]
-    assert [r["variant"] for r in rows] == ["nac:recipe", "random"]
+    assert [r["variant"] for r in rows] == ["nac:learning", "random"]
     nac, rnd = rows
     assert nac["step"] == 2 and rnd["step"] == 0
     assert [p["step"] for p in nac["curve"]] == [1, 2]
@@ -84,11 +143,11 @@ def test_toy_grid_end_to_end(tmp_path):
     assert not nac["collapse_warning"]
     assert not list((out / "main").rglob("features_*.pt"))  # caches removed once read
     # a second call finds both runs done: no training, no evaluation; then the page
-    mtime = os.path.getmtime(out / "main" / "nac_recipe" / "seed0" / "last.pt")
+    mtime = os.path.getmtime(out / "main" / "nac_learning" / "seed0" / "last.pt")
     assert R.main(argv + ["--doc", str(doc), "--notes", str(notes)]) == 0
-    assert os.path.getmtime(out / "main" / "nac_recipe" / "seed0" / "last.pt") == mtime
+    assert os.path.getmtime(out / "main" / "nac_learning" / "seed0" / "last.pt") == mtime
     page = doc.read_text()
-    assert "| nac:recipe | default recipe | 1 |" in page and "| random | untrained encoder |" in page
+    assert "| nac:learning | learning recipe (candidate) | 1 |" in page and "| random | untrained encoder |" in page
     assert "hand-written line" in page and (doc.parent / "curves.png").stat().st_size > 1000
     summary = json.loads((doc.parent / "results_summary.json").read_text())
-    assert [r["variant"] for r in summary["main"]] == ["nac:recipe", "random"]
+    assert [r["variant"] for r in summary["main"]] == ["nac:learning", "random"]

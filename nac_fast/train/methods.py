@@ -159,11 +159,11 @@ def code_stats(a: torch.Tensor) -> dict:
             "code_sat": float(torch.tanh(a).abs().mean())}
 
 
-# ---- what the training log records about learning (docs/results.md "Instrumentation") --------
+# ---- what the training log records about learning (docs/math.md [M:z0], [M:floor]) ----------
 
 def zero_code_loss(method: str, code_dim: int, global_batch: int) -> float:
     """The logged loss's zero-code value Z: its minimum over the inference logits when every
-    code is zero (docs/math.md [M:z0]).
+    code is zero (docs/math.md [M:z0], which derives both NAC values).
 
       nac      D ln 2      at z = 0 every similarity logit is 0, lse - log N = 0 exactly, and the
                            Bernoulli part is sum_d log(2 cosh(r_d / 2)) >= D ln 2 (= at r = 0)
@@ -215,8 +215,8 @@ def learning_stats(a: torch.Tensor, r, loss: float | None = None,
     return out
 
 
-COLLAPSE_HINT = ("the default recipe (configs/fashion_mnist.toml: --head-bn --infer-bn "
-                 "--a-gain 3 --r-gain auto --infer-init copy) learns at this budget")
+COLLAPSE_HINT = ("the candidate recipe configs/fashion_mnist_learning.toml (--head-bn --infer-bn "
+                 "--a-gain 3 --r-gain auto --infer-init copy) keeps the codes from shrinking")
 
 
 def collapse_warning(step: int, after_step: int, stats: dict, threshold: float,

@@ -103,18 +103,20 @@ def swap_halves(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[k:], t[:k]])
 
 
-# The two head designs (docs/results.md measures both; README "Small-scale reproduction"):
-#   paper   Linear-ReLU-Linear heads, a and r divided by sqrt(D): the authors' code
-#   bn      BatchNorm1d(affine=False) at the end of both heads, fixed output gains (a: 3, the
-#           loss floor's optimum |tanh a| ~ 0.2; r: 2(1 - 2p) x 3, the small-code optimum
-#           r ~ 2(1 - 2p) z), the inference network initialised as a copy of the code head
+# The two head designs (scripts/reproduce_fmnist.py --grid ablation measures them, ingredient by
+# ingredient; no result yet):
+#   paper     Linear-ReLU-Linear heads, a and r divided by sqrt(D): the authors' code, the flag
+#             defaults and the default recipe (configs/fashion_mnist.toml, _paper.toml)
+#   learning  the candidate (configs/fashion_mnist_learning.toml): BatchNorm1d(affine=False) at
+#             the end of both heads, fixed output gains (a: 3, near the loss floor's optimum
+#             |tanh a| ~ 0.2; r: 2(1 - 2p) x 3, the small-code optimum r ~ 2(1 - 2p) z), the
+#             inference network initialised as a copy of the code head
 INFER_INITS = ("independent", "copy")
 A_GAIN_BN = 3.0
 
 
 def resolve_r_gain(r_gain, a_gain: float, p: float) -> float:
-    """The inference logits' gain: a number, or "auto" = 2 (1 - 2p) a_gain (docs/results.md:
-    at small codes the Bernoulli term's optimal logits are r = 2 atanh((1 - 2p) z) ~ 2 (1 - 2p) z,
+    """The inference logits' gain: a number, or "auto" = 2 (1 - 2p) a_gain (at small codes the Bernoulli term's optimal logits are r = 2 atanh((1 - 2p) z) ~ 2 (1 - 2p) z,
     docs/math.md [M:floor]; with both heads batch-normalised, r = 2 (1 - 2p) a has that slope)."""
     if isinstance(r_gain, str):
         if r_gain != "auto":
