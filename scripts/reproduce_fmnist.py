@@ -321,13 +321,14 @@ def eval_figures(eval_dir: str) -> dict:
         st = res["expressivity"]["stats"][str(BITS[-1])]
         out["distinct128"] = st["fraction_distinct"]
         out["hamming128"] = st["normalized_mean_pairwise_hamming"]
-        out["balance_dev128"] = st["balance_mean_abs_deviation"]
+        # reports written before the rename call balance_dev balance_mean_abs_deviation
+        out["balance_dev128"] = st.get("balance_dev", st.get("balance_mean_abs_deviation"))
     out["heldout_code_mag"] = heldout_code_mag(eval_dir)
     return out
 
 
 LOG_KEYS = ("loss", "code_mag", "r_mag", "r_slope", "loss_excess", "mean_hamming",
-            "distinct_frac", "bit_balance")
+            "distinct_frac", "balance_score", "bit_balance")  # bit_balance: logs before the rename
 
 
 def log_summary(d: str) -> dict:

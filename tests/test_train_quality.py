@@ -223,7 +223,7 @@ def test_log_records_the_statistics_and_warns_once_on_collapse(tmp_path, capsys,
     recs = _log(out)
     assert [r["step"] for r in recs] == [1, 2, 3] and len(seen) == 3
     for rec, (a, r) in zip(recs, seen):
-        assert {"code_mag", "r_mag", "r_slope", "loss_excess", "bit_balance"} <= set(rec)
+        assert {"code_mag", "r_mag", "r_slope", "loss_excess", "balance_score"} <= set(rec)
         assert rec["loss_excess"] == pytest.approx(rec["loss"] - D * math.log(2), abs=1e-9)
         assert rec["code_mag"] < 0.01
         # the logged figures are those of the step's view-1 rows (one per image of the batch)
@@ -231,7 +231,7 @@ def test_log_records_the_statistics_and_warns_once_on_collapse(tmp_path, capsys,
         assert rec["code_mag"] == pytest.approx(float(torch.tanh(a).abs().mean()), rel=1e-9)
         assert rec["r_mag"] == pytest.approx(float(r.abs().mean()), rel=1e-9)
         assert rec["r_slope"] == pytest.approx(_lstsq_slope(torch.tanh(a), r), rel=1e-6)
-        assert 0.0 <= rec["bit_balance"] <= 1.0
+        assert 0.0 <= rec["balance_score"] <= 1.0
 
 
 def test_learning_recipe_does_not_warn(tmp_path, capsys):
@@ -291,7 +291,7 @@ def test_tensorboard_gets_the_learning_statistics(tmp_path, monkeypatch):
                         types.SimpleNamespace(SummaryWriter=Writer))
     log = RunLog(str(tmp_path), True, tensorboard=True)
     rec = {"step": 7, "loss": 88.0, "code_mag": 0.2, "r_mag": 0.3, "r_slope": 1.5,
-           "loss_excess": -0.7, "bit_balance": 0.9, "distinct_frac": 1.0}
+           "loss_excess": -0.7, "balance_score": 0.9, "distinct_frac": 1.0}
     log.write(rec)
     log.write(dict(rec, step=8, r_slope=None))  # None (constant codes) is left out
     log.close()

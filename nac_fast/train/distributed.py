@@ -102,7 +102,8 @@ class _AllGatherWithGrad(torch.autograd.Function):
 
 
 def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate x (same shape on every rank) from all ranks in rank order, differentiably."""
+    """Concatenate x (same shape on every rank) from all ranks in rank order, differentiably (the
+    in-batch keys of the global batch, docs/math.md [M:inbatch])."""
     if not is_dist():
         return x
     return _AllGatherWithGrad.apply(x)

@@ -3,7 +3,7 @@
     loss, a = nac_step(model, x, p)                                   # in-batch NAC
     loss, a = nac_mq_step(model, momentum_model, queue, x, p, l2)     # NAC-MQ
     loss, a = simclr_step(model, x, tau=0.5)                          # SimCLR NT-Xent baseline
-    code_stats(a) -> {"distinct_frac", "mean_hamming", "bit_balance", "code_sat"}
+    code_stats(a) -> {"distinct_frac", "mean_hamming", "balance_score", "code_sat"}
     learning_stats(a, r, loss, zero_code_loss(method, D, batch)) -> {"code_mag", "r_mag",
                                                                      "r_slope", "loss_excess"}
     collapse_warning(...)                                             # the one-line warning
@@ -69,7 +69,7 @@ def step_value_checks():
 
 
 def nac_step(model, x, p, noise=None, backend="auto", *, out=None, freeze_codes=False):
-    """In-batch NAC (NAC_SPEC.md eq. `optimization_objective`), cross-pathway r.
+    """In-batch NAC (docs/math.md [M:inbatch]), cross-pathway r.
 
     Queries are this rank's 2K rows; keys are the clean codes of the GLOBAL batch, all-gathered
     with gradient (so every rank's rows receive the gradient they get in one big process).
@@ -93,7 +93,7 @@ def nac_step(model, x, p, noise=None, backend="auto", *, out=None, freeze_codes=
 
 def nac_mq_step(model, momentum_model, queue, x, p, l2, noise=None, shuffle_bn=True,
                 backend="auto", *, out=None, freeze_codes=False):
-    """NAC-MQ (NAC_SPEC.md eq. `momentum_objective`) plus the online inference net's VI term.
+    """NAC-MQ (docs/math.md [M:mq]) plus the online inference net's VI term [M:vi].
 
     The momentum model (EMA of encoder, head and inference net; updated by the caller after the
     optimizer step) gives the keys v = tanh(a_m) of both views and r_hat = phi_m(h_m of the other
@@ -145,17 +145,17 @@ def simclr_step(model, x, tau=0.5):
 
 @torch.no_grad()
 def code_stats(a: torch.Tensor) -> dict:
-    """Expressivity of the batch's hash codes c = sgn(a) (nac_fast.ops.hamming's convention, 0 -> +1),
-    from nac_fast.ops.hamming.code_statistics (exact, O(nD)):
-    distinct_frac  number of distinct codes / rows (1.0 = every row has its own code),
-    mean_hamming   mean Hamming distance over pairs i != j (D/2 for random codes),
-    bit_balance    1 - mean_d |2 q_d - 1|, q_d = fraction of +1 in bit d (1 = every bit 50/50,
-                   0 = every bit constant),
-    code_sat       mean |tanh(a)|: how saturated the relaxed code is (1 = binary)."""
+    """The training log's code statistics of the batch's hash codes c = sgn(a) (docs/math.md
+    [M:code]), from nac_fast.ops.hamming.code_statistics (exact, O(nD)):
+    distinct_frac  fraction_distinct, [M:distinct] (1.0 = every row has its own code)
+    mean_hamming   mean_pairwise_hamming, [M:mean-hamming] (D/2 for random codes)
+    balance_score  1 - 2 balance_dev, [M:balance-score] (1 = every bit 50/50, 0 = every bit
+                   constant; logs written before the rename call it bit_balance)
+    code_sat       [M:code-sat] (1 = binary codes)."""
     a = a.detach().float()
     st = code_statistics(a)
     return {"distinct_frac": st.fraction_distinct, "mean_hamming": st.mean_pairwise_hamming,
-            "bit_balance": 1.0 - 2.0 * st.balance_mean_abs_deviation,
+            "balance_score": 1.0 - 2.0 * st.balance_dev,
             "code_sat": float(torch.tanh(a).abs().mean())}
 
 

@@ -1,4 +1,4 @@
-"""Encoders, projection head and inference network for NAC (NAC_SPEC.md, "Notation").
+"""Encoders, projection head and inference network for NAC (docs/math.md [M:notation], [M:relax]).
 
     model = build_model("resnet18", in_channels=1, image_size=28, code_dim=128, inference_net=True)
     h, a, r = model(torch.cat([view1, view2]))    # r: cross-pathway inference logits (see forward)
@@ -92,7 +92,8 @@ class ResNetEncoder(nn.Module):
 
 
 def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
-    """Linear(d,d) -> ReLU -> Linear(d,D): the spec's projection head g and inference net phi."""
+    """Linear(d,d) -> ReLU -> Linear(d,D): the projection head g and the inference net phi of
+    docs/math.md [M:notation]."""
     return nn.Sequential(nn.Linear(d_in, d_hidden), nn.ReLU(inplace=True),
                          nn.Linear(d_hidden, d_out))
 
@@ -163,13 +164,12 @@ def head(d: int, code_dim: int, bn: bool) -> nn.Sequential:
 class NACModel(nn.Module):
     """Encoder f, projection head g and (optionally) inference network phi.
 
-    forward(x) with x = cat([view1, view2]) (2K rows) returns (h, a, r):
-      h = f(x), a = g(h) (pre-activations; the code is tanh(a), the hash code sgn(a)),
-      r = phi(h of the *other* view) for every row, i.e. phi(swap_halves(h)): the cross pathway
-          that keeps the inference net from reading the code it has to predict.  r is None when
-          the model has no inference network (SimCLR) or `with_r=False`.
-    `detach_r_input=True` feeds phi sg(h) (NAC-MQ's separately trained online inference net).
-    Both a and r are divided by sqrt(D) when `scale_codes` (the authors' initial-scale choice).
+    forward(x) with x = cat([view1, view2]) (2K rows) returns (h, a, r) of docs/math.md
+    [M:notation]: r = phi(swap_halves(h)), the cross pathway of [M:inbatch].  r is None when the
+    model has no inference network (SimCLR) or `with_r=False`.
+    `detach_r_input=True` feeds phi sg(h) (NAC-MQ's separately trained online inference net,
+    [M:vi]).
+    `scale_codes`: a and r divided by sqrt(D), [M:relax].
 
     Head options (all off / 1 by default: the authors' heads):
       head_bn, infer_bn   BatchNorm1d(D, affine=False) at the end of g, of phi
