@@ -146,6 +146,13 @@ def test_toy_grid_end_to_end(tmp_path):
     mtime = os.path.getmtime(out / "main" / "nac_learning" / "seed0" / "last.pt")
     assert R.main(argv + ["--doc", str(doc), "--notes", str(notes)]) == 0
     assert os.path.getmtime(out / "main" / "nac_learning" / "seed0" / "last.pt") == mtime
+    # the ablation's nac:full trains what main's nac:learning trained: its line is copied, no run
+    abl = TOY + ["--out", str(out), "--grid", "ablation", "--only", "nac:full", "--max-steps", "2"]
+    assert R.main(abl) == 0
+    (row,) = [json.loads(x) for x in (out / "ablation" / "results.jsonl").read_text().splitlines()]
+    assert row["reused_from"] == "main/nac:learning" and row["variant"] == "nac:full"
+    assert row["map"] == nac["map"] and row["grid"] == "ablation"
+    assert not (out / "ablation" / "nac_full").exists()
     page = doc.read_text()
     assert "| nac:learning | learning recipe (candidate) | 1 |" in page and "| random | untrained encoder |" in page
     assert "hand-written line" in page and (doc.parent / "curves.png").stat().st_size > 1000
