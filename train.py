@@ -27,7 +27,7 @@ import torch
 
 from nac_fast.train import distributed as nd
 from nac_fast.train.config import build_parser, parse
-from nac_fast.train.methods import code_stats
+from nac_fast.train.methods import code_stats, collapse_warning, learning_stats, zero_code_loss
 from nac_fast.train.monitor import LossWatch, RunLog
 from nac_fast.train.run import (RunStopped, build, print_main, save, start, stop_non_finite,
                                 train_step)
@@ -68,6 +68,8 @@ def train(st) -> int:
     if st.mom_model is not None:
         st.mom_model.train()
     status, last_loss, step, spe = 0, None, st.step, run.steps_per_epoch
+    zero_loss = zero_code_loss(args.method, args.code_dim, args.batch_size)
+    warned = args.method == "simclr"  # the collapse warning (once): NAC's codes only
     win_t, win_wait, win_img, t_start = time.perf_counter(), 0.0, 0, time.perf_counter()
     while step < stop and status == 0:
         st.loader.set_epoch(step // spe, start_batch=step % spe)
@@ -101,10 +103,20 @@ def train(st) -> int:
             if log_due or step == stop:
                 last_loss, loss_avg = watch.read_window(loss)  # waits for the window's work
                 dt = time.perf_counter() - win_t
-                log.write({"step": step, "epoch": (step - 1) // spe, "loss": last_loss,
-                           "loss_avg": loss_avg, "elapsed_s": round(time.perf_counter() - t_start, 3),
-                           "lr": lr_now, "img_per_s": win_img / dt, "data_wait": win_wait / dt,
-                           **(code_stats(a[: a.shape[0] // 2]) if di.is_main else {})})
+                rec = {"step": step, "epoch": (step - 1) // spe, "loss": last_loss,
+                       "loss_avg": loss_avg, "elapsed_s": round(time.perf_counter() - t_start, 3),
+                       "lr": lr_now, "img_per_s": win_img / dt, "data_wait": win_wait / dt}
+                if di.is_main:  # statistics of this rank's view-1 rows (a host read: log points)
+                    k = a.shape[0] // 2
+                    rec.update(code_stats(a[:k]))
+                    rec.update(learning_stats(a[:k], None if st.last_r is None else st.last_r[:k],
+                                              last_loss, zero_loss))
+                log.write(rec)
+                warning = None if warned else collapse_warning(step, run.warmup_steps, rec,
+                                                               args.collapse_warn)
+                if warning:
+                    print(warning, file=sys.stderr, flush=True)
+                    warned = True
                 win_t, win_wait, win_img = time.perf_counter(), 0.0, 0
             if save_due or step == stop:
                 t_save = time.perf_counter()

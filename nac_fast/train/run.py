@@ -33,7 +33,7 @@ from .checkpoint import (CONFIG, LAST, PREV, STATE_KEYS, capture_rng_state, load
 from .config import Run, resolve_run
 from .lars import LARS, param_groups_for_lars
 from .methods import nac_mq_step, nac_step, simclr_step, step_value_checks
-from .models import build_model
+from .models import build_model, model_kwargs_from_config
 from .momentum import CodeQueue, ema_update_, make_momentum_copy
 from .schedule import WarmupCosine
 
@@ -75,6 +75,7 @@ class TrainState:
     saved: tuple | None = None       # (path, step): the newest good checkpoint of this run
     rotate: bool = False             # OUT/last.pt is a good checkpoint of this run: keep it as
                                      # prev.pt at the next save (else the save replaces it)
+    last_r: Any = None               # the last step's inference logits (detached), for the log
 
     @property
     def ckpt_path(self) -> str:
@@ -137,8 +138,7 @@ def build(args, di) -> TrainState:
                num_images=loader.num_images)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.amp)
 
-    model = build_model(args.arch, loader.in_channels, loader.image_size, args.code_dim,
-                        inference_net=args.method != "simclr", scale_codes=args.scale_codes)
+    model = build_model(**model_kwargs_from_config(cfg))  # with the head options (models.py)
     model.to(di.device)
     if args.channels_last:
         model.to(memory_format=torch.channels_last)
@@ -187,14 +187,20 @@ def train_step(st: TrainState, x: torch.Tensor):
     device data (tests/test_sync_free.py runs this function under a dispatch mode that fails on
     any host read).  The only exception is fp16 AMP: GradScaler.step reads its inf flag."""
     a_ = st.args
+    # r for the log's statistics (st.last_r); the inference net's warm-up: sched.last_epoch is
+    # the number of optimizer steps taken (a Python int, restored on resume)
+    out, frozen = {}, st.sched.last_epoch < a_.infer_warmup_steps
     with step_value_checks(), st.autocast:
         if a_.method == "nac":
-            loss, a = nac_step(st.net, x, a_.p, backend=a_.loss_backend)
+            loss, a = nac_step(st.net, x, a_.p, backend=a_.loss_backend, out=out,
+                               freeze_codes=frozen)
         elif a_.method == "nac-mq":
             loss, a = nac_mq_step(st.net, st.mom_model, st.queue, x, a_.p, a_.l2,
-                                  shuffle_bn=a_.shuffle_bn, backend=a_.loss_backend)
+                                  shuffle_bn=a_.shuffle_bn, backend=a_.loss_backend, out=out,
+                                  freeze_codes=frozen)
         else:
             loss, a = simclr_step(st.net, x, a_.tau)
+    st.last_r = out.get("r")
     st.optimizer.zero_grad(set_to_none=True)
     st.scaler.scale(loss).backward()
     st.scaler.step(st.optimizer)
