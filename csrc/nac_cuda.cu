@@ -3,7 +3,8 @@
 // nac_math.h, so what CI checks on the CPU is the math these kernels run).  The function is
 // docs/math.md [M:rows]; the passes and what is saved between them [M:passes]; the forward's
 // online logsumexp and split merge [M:lse-online]; ga [M:ga]; the keys' gradient [M:grad-keys];
-// d/da [M:grad-a].  lse is saved in natural log (the op's contract, shared with the CPU kernel).
+// d/dr [M:grad-r] and d/da [M:grad-a].  lse is saved in natural log (the op's contract, shared
+// with the CPU kernel).
 //
 // Two paths, one plan (grid (resident tiles, splits) so small batches still fill the GPU; key
 // splits merged by finish_kernel; keys' gradient column-parallel, no atomics, query splits summed
@@ -284,7 +285,7 @@ __global__ void finish_kernel(const scalar_t* __restrict__ a, const scalar_t* __
   }
 }
 
-// Keys' gradient: per (key tile, query split) dK[keys, D] = sum_i g_i P_ij q_i.
+// Keys' gradient, docs/math.md [M:grad-keys]: per (key tile, query split), the split's share of dK.
 template <typename key_t, typename acc_t, int DPAD>
 __global__ void __launch_bounds__(kThreads)
 bwd_keys_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K,
@@ -342,7 +343,7 @@ bwd_keys_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K,
   store_tile(pdk, dk, j0, jend, sp * N, D);
 }
 
-// d/dr = g (sig(r) - (1 + z~)/2);  d/da = g ga [+ dK (1 - z^2) for the self keys].
+// d/dr = g times [M:grad-r]; d/da as in docs/math.md [M:grad-a] (+ [M:grad-self-keys]).
 template <typename scalar_t, typename acc_t>
 __global__ void bwd_rows_kernel(const scalar_t* __restrict__ a, const scalar_t* __restrict__ r,
                                 const scalar_t* __restrict__ noise, const acc_t* __restrict__ ga,
