@@ -163,7 +163,7 @@ stage_test() {
   else
     export NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1
     files=(tests/test_loss_backends.py tests/test_loss_reference.py tests/test_hashing.py
-           tests/test_noise.py tests/test_loss_inputs.py)
+           tests/test_noise.py tests/test_loss_inputs.py tests/test_cuda_mma_gpu.py)
     require=triton,cuda
   fi
   rm -f "$RES/pytest_gpu.xml"

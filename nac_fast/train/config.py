@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="NHWC memory format (faster convolutions on GPU and, measured, on CPU too)")
     a("--compile", action="store_true", help="torch.compile the online model")
     a("--loss-backend", default="auto", choices=("auto", "reference", "cpu", "triton", "cuda"),
-      help="NAC loss backend (nac_fast.nac_loss's backend); auto = cpu on CPU, triton then cuda "
-      "on GPU")
+      help="NAC loss backend (nac_fast.nac_loss's backend); auto = cpu on CPU, triton on GPU "
+      "(cuda, the experimental tensor-core backend, only when named)")
     a("--sync-bn", action="store_true", help="SyncBatchNorm in the online model (DDP)")
     a("--no-shuffle-bn", dest="shuffle_bn", action="store_false",
       help="disable MoCo's batch shuffle for the momentum branch (NAC-MQ, DDP)")
