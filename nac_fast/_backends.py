@@ -10,12 +10,24 @@ import machinery.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 
 import torch
 
 BACKENDS = ("reference", "cpu", "triton", "cuda")
+
+
+def _build_note(name: str):
+    """What setup.py recorded in nac_fast/_build_info.py (generated at build time) under `name`,
+    or None: the true reason the extension is missing, the torch it was compiled against."""
+    try:
+        info = importlib.import_module(__name__.split(".")[0] + "._build_info")
+    except ImportError:
+        return None
+    return getattr(info, name, None)
+
 
 try:
     from . import _C  # noqa: F401  (loading it registers the torch.ops.nac_fast ops)
@@ -24,10 +36,13 @@ except ImportError as _exc:  # pragma: no cover - depends on the install
     _C = None
     import importlib.util as _ilu
     if _ilu.find_spec(f"{__package__}._C") is None:  # Python's own message blames a circular import
-        _C_ERROR = (f"not built: no {__package__}/_C*.so next to {os.path.dirname(__file__)}"
-                    "/__init__.py")
+        _C_ERROR = _build_note("EXTENSION") or (
+            f"not built: no {__package__}/_C*.so next to {os.path.dirname(__file__)}/__init__.py")
     else:
         _C_ERROR = f"{type(_exc).__name__}: {_exc}"
+        if _build_note("TORCH") not in (None, torch.__version__):
+            _C_ERROR += (f"; it was compiled against torch {_build_note('TORCH')}, this is torch "
+                         f"{torch.__version__}: rebuild it")
     warnings.warn(f"nac_fast: compiled extension not available ({_C_ERROR}); the fused 'cpu' and "
                   "'cuda' backends are off, 'reference' (and 'triton' on GPU) still work. Build it "
                   "with: pip install --no-build-isolation -e .", RuntimeWarning, stacklevel=2)
@@ -104,8 +119,9 @@ def _reason(backend: str, device_type: str) -> str | None:
         if _C is None:
             return f"the compiled extension nac_fast._C did not load ({_C_ERROR})"
         if not cuda_extension_built():
-            return ("nac_fast._C was built without the CUDA kernels (no nvcc / CUDA torch at "
-                    "build time; NAC_FAST_FORCE_CUDA=1 makes that an error)")
+            return ("nac_fast._C was built without the CUDA kernels ("
+                    + (_build_note("CUDA") or "no nvcc / CUDA torch at build time")
+                    + "; NAC_FAST_FORCE_CUDA=1 makes that an error)")
         return None
     raise ValueError(f"unknown backend {backend!r}")
 
