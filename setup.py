@@ -265,6 +265,7 @@ def packages():
     found = ["nac_fast"] + [f"nac_fast.{p}" for p in find_packages(os.path.join(ROOT, "nac_fast"))]
     found += ["nac_fast.kernels"] + [f"nac_fast.kernels.{p}"
                                      for p in find_packages(os.path.join(ROOT, "kernels"))]
+    found += ["nac_fast.configs"]  # configs/*.toml, package data (no modules)
     return sorted(found)
 
 
@@ -279,7 +280,10 @@ ext_modules, cmdclass = extensions()
 
 setup(
     packages=packages(),
-    package_dir={"nac_fast": "nac_fast", "nac_fast.kernels": "kernels"},
+    package_dir={"nac_fast": "nac_fast", "nac_fast.kernels": "kernels",
+                 "nac_fast.configs": "configs"},
+    # the training recipes (nac_fast.train.config reads them from nac_fast/configs in a wheel)
+    package_data={"nac_fast.configs": ["*.toml"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     zip_safe=False,

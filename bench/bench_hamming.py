@@ -1,4 +1,4 @@
-"""Benchmark of the Hamming engine (nac_fast.hashing) against FAISS and the torch fallback.
+"""Benchmark of the Hamming engine (nac_fast.ops.hamming) against FAISS and the torch fallback.
 
     python bench/bench_hamming.py                      # paper-size protocol: 10,000 x 50,000 x 128
     python bench/bench_hamming.py --queries 1000 --gallery 5000 --repeats 1   # a quick look
@@ -6,9 +6,9 @@
 Synthetic CIFAR-10-like codes: 10 class prototypes (random +-1), each code is its class
 prototype with every bit flipped with probability --flip, labels uniform.  Rows measured:
 
-  nac_fast cpu   mAP@all         hashing.mean_average_precision(backend="cpu") from +-1 float codes
+  nac_fast cpu   mAP@all         hamming.mean_average_precision(backend="cpu") from +-1 float codes
                                  (packing and argument checks included)
-  nac_fast cpu   full ranking    hashing.rank in query chunks: the same output as FAISS's search
+  nac_fast cpu   full ranking    hamming.rank in query chunks: the same output as FAISS's search
   faiss          full ranking    IndexBinaryFlat.search(k=G) in query chunks, use_heap=False (its
                                  counting-sort path; the default heap path is the next row)
   faiss heap     full ranking    the default use_heap=True path, on --faiss-heap-queries queries
@@ -37,10 +37,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 try:
-    from nac_fast import hashing as H
+    from nac_fast.ops import hamming as H
 except ImportError:  # running from a checkout that is not installed
     sys.path.insert(0, ROOT)
-    from nac_fast import hashing as H
+    from nac_fast.ops import hamming as H
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loss import commit  # noqa: E402  (the bench scripts' one git-commit helper)
 
@@ -137,12 +137,13 @@ def main(argv=None):
                     "class prototype (0.3 gives mAP ~0.5 at 128 bits)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of the nac_fast mAP row")
     ap.add_argument("--slow-repeats", type=int, default=1,
-                    help="runs of the full-ranking and FAISS rows (~10-60 s each at paper size "
-                    "on a shared 2-core machine)")
+                    help="runs of the full-ranking and FAISS rows (the slow rows at paper size; "
+                    "bench/results/notes.md)")
     ap.add_argument("--chunk", type=int, default=500, help="queries per ranking call (bounds the "
                     "Q x G ranking memory: 12 bytes per pair)")
     ap.add_argument("--torch-queries", type=int, default=1000,
-                    help="queries for the torch reference row (it is ~30x slower); 0 = skip")
+                    help="queries for the torch reference row (much slower than the cpu "
+                    "rows); 0 = skip")
     ap.add_argument("--faiss-heap-queries", type=int, default=500,
                     help="queries for FAISS's default heap path (slow at k=G); 0 = skip")
     ap.add_argument("--gpu", action="store_true", help="also time the triton and torch-reference "
@@ -156,8 +157,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    if not H._cpu_kernel_available():
-        sys.exit("the nac_fast hamming C++ kernel is not available (build nac_fast._C)")
+    why = H.dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
+    if why is not None:
+        sys.exit(f"the nac_fast hamming C++ kernel is not available: {why}")
     faiss = None
     if not args.no_faiss:
         try:

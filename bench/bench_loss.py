@@ -98,7 +98,7 @@ def _inputs(kind, n, N, D, dtype, device):
 
 def reference_fn(a, r, noise, queue):
     """The function torch.compile compiles: the plain reference (no argument checks)."""
-    from nac_fast import reference
+    from nac_fast.ops import reference
     s = nac_fast.channel_scale(0.1)
     if queue is None:
         return reference.nac_loss_reference(a, r, noise, s)
@@ -284,7 +284,7 @@ def main(argv=None):
     csv_path = args.csv or os.path.join(ROOT, "bench", "results", f"loss_{args.device}.csv")
     os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
     dev_name = device_name(args.device)
-    from nac_fast import loss as _loss_mod
+    from nac_fast.ops import loss as _loss_mod
     common = dict(timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                   host=socket.gethostname(), device=dev_name,
                   torch=torch.__version__, commit=commit(), threads=torch.get_num_threads(),

@@ -34,7 +34,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-os.environ.pop("TRITON_INTERPRET", None)  # compile for real (the tests' conftest sets it)
 
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 DS = (16, 64, 128, 256, 512)
@@ -311,6 +310,9 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-cache", action="store_true",
                     help="reuse Triton's cache (default: a fresh one, so compile times are real)")
     args = ap.parse_args(argv)
+    # compile for real (the tests' conftest sets the interpreter); before triton is imported, and
+    # only here: importing this module (the tests do) must not change the caller's environment
+    os.environ.pop("TRITON_INTERPRET", None)
     archs = [int(x) for x in args.archs.split(",")]
     for a in archs:
         if a not in (80, 90):

@@ -17,8 +17,8 @@ one FRESH Python process, so no allocator state carries over between cases.  In 
   3. create the inputs at the measured shape (a, r with requires_grad; the +-1 noise), gc;
   4. malloc_trim(0): free heap pages go back to the OS, so the step cannot draw on free memory
      that the warm-up or the set-up happened to leave in the heap (how much that is depends on
-     the warm-up, not on the backend: without the trim, one build of the fused op measured
-     7.2 MiB after a 256-row warm-up and 3.9 MiB after a 1024-row one);
+     the warm-up, not on the backend: without the trim the measured extra of the fused op
+     changed with the warm-up size; figures in bench/results/notes.md);
   5. reset the kernel's RSS high-water mark to the current RSS (write "5" to
      /proc/self/clear_refs, Linux >= 4.0) and read baseline = VmRSS;
   6. one `nac_loss(a, r, 0.1, noise=noise, backend=B).backward()`;
@@ -26,7 +26,7 @@ one FRESH Python process, so no allocator state carries over between cases.  In 
 
 So the extra includes what the step leaves behind, a.grad and r.grad (2 x n x D in the
 accumulation dtype: 4 MiB at 4096 x 128 fp32), for both backends alike, and the input checks of
-nac_fast.loss (on unless NAC_FAST_CHECK_INPUTS=0, which the children inherit).  The table gives
+nac_fast.ops.loss (on unless NAC_FAST_CHECK_INPUTS=0, which the children inherit).  The table gives
 the median and min-max over --runs processes per backend (run in turn: cpu, reference, cpu, ...),
 ratio = median(backend) / median(reference) and ratio_worst = max(backend) / min(reference).  One
 row per backend is appended to the CSV (default bench/results/cpu_memory.csv).
@@ -115,7 +115,7 @@ def measure_once(backend: str, n: int, D: int, dtype: str, threads: int, warmup_
     if a.grad is None or r.grad is None:
         raise RuntimeError("the step left no gradient")
     return {"baseline": base * 1024, "extra": (peak - base) * 1024,
-            "input_checks": bool(nac_fast.loss.CHECK_VALUES)}
+            "input_checks": bool(nac_fast.ops.loss.CHECK_VALUES)}
 
 
 def run_child(backend: str, n: int, D: int, dtype: str, threads: int, warmup_n: int,

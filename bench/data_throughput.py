@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from nac_fast.data import LOADERS, build_pretrain_loader, dali_available  # noqa: E402
-from nac_fast.data.synthetic import write_jpeg_folder  # noqa: E402
+from nac_fast.data.sources.synthetic import write_jpeg_folder  # noqa: E402
 
 
 def _tree_cpu_seconds() -> float:

@@ -88,7 +88,7 @@ print(f"import check: nac_fast from {where}; nac_fast.kernels.nac_triton imports
 if missing:
     sys.exit(f"import check: available_backends({dev!r}) lacks {missing}")
 if not cpu:
-    ext = nac_fast._backends.extension()
+    ext = nac_fast.ops.dispatch.extension()
     if ext is None or not ext.built_with_cuda():
         sys.exit("import check: nac_fast._C is missing or was built without CUDA")
 EOF
@@ -125,7 +125,7 @@ ensure_built() {
     export TRITON_INTERPRET=1
     return 0
   fi
-  if $PY -c "import sys, nac_fast; sys.exit(0 if nac_fast._backends.cuda_extension_built() and \
+  if $PY -c "import sys, nac_fast; sys.exit(0 if nac_fast.ops.dispatch.cuda_extension_built() and \
 'triton' in nac_fast.available_backends('cuda') else 1)" 2>/dev/null; then
     return 0
   fi
@@ -199,8 +199,7 @@ stage_bench() {
   BUILT_FIRST=""
   ensure_built || { detail "build failed"; return 1; }
   local rc=0 hrc=0 prc=0
-  # Budget (H100, estimated): 12 cases x 4 rows x (>= 10 timed steps or 0.25 s) ~ 1 min, 12
-  # inductor compiles ~ 10-20 s each, Hamming ~ 1 min.
+  # Sized to fit one stage's time limit on an H100 (the estimate: bench/results/notes.md).
   if [ "$CPU_MODE" = 1 ]; then
     $PY bench/bench_loss.py --device cpu --inbatch 64,128 --queue 256 --mq-n 32 \
         --dtypes bfloat16,float32 --compile-reference --compile-backend aot_eager --reps 2 \

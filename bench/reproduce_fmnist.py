@@ -156,9 +156,9 @@ def random_init_checkpoint(args, template_ckpt: str, out_dir: str) -> dict:
     forward passes, no gradient, no weight change): eval-mode BN with the init statistics (mean 0,
     var 1) would scale the features arbitrarily and make the baseline weaker than it is."""
     import torch
-    from nac_fast.checkpoint import load_checkpoint, save_atomic
+    from nac_fast.train.checkpoint import load_checkpoint, save_atomic
     from nac_fast.data import build_eval_loader
-    from nac_fast.models import build_model, model_kwargs_from_config
+    from nac_fast.train.models import build_model, model_kwargs_from_config
 
     cfg = dict(load_checkpoint(template_ckpt)["config"])
     cfg.update(method="random-init", epochs=0, max_steps=0, total_steps=0, out=out_dir)
@@ -203,7 +203,7 @@ def run_cmd(cmd, log_path, dry) -> float:
 def planned_steps_done(ckpt: str, args) -> bool:
     if not os.path.isfile(ckpt):
         return False
-    from nac_fast.checkpoint import load_checkpoint
+    from nac_fast.train.checkpoint import load_checkpoint
     ck = load_checkpoint(ckpt)
     return ck.get("step") == ck["config"]["total_steps"] and (
         args.max_steps is None or ck["config"]["total_steps"] == args.max_steps) and (

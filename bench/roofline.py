@@ -49,7 +49,7 @@ import re
 
 # ---- the chips --------------------------------------------------------------------------------
 # Datasheet values: NVIDIA H100 / H200 SXM datasheets (dense, no sparsity).  Measured values:
-# /work/.library/device/KINDS.md (nvidia-h100-x1, 2026-11-13; nvidia-h200, 2026-10-28 and -11-04).
+# bench/gpu_notes.md "Rates" (the device tool's H100 and H200 machines).
 GPUS = {
     "H100": {
         "label": "H100 SXM5 80GB", "sms": 132, "clock_ghz": 1.98,

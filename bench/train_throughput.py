@@ -53,7 +53,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from nac_fast.synthetic import SyntheticPairLoader  # noqa: E402
+from nac_fast.data.sources.synthetic_pairs import SyntheticPairLoader  # noqa: E402
 
 
 class DeviceSyntheticPairLoader(SyntheticPairLoader):
@@ -111,10 +111,10 @@ def _device_loader_factory(num_images):
 
 def _harness(args, device):
     """(full_step, loss_fwd, x): a fresh model/optimizer of the run's config on `device`."""
-    from nac_fast.lars import LARS, param_groups_for_lars
-    from nac_fast.methods import nac_mq_step, nac_step, simclr_step
-    from nac_fast.models import build_model
-    from nac_fast.momentum import CodeQueue, ema_update_, make_momentum_copy
+    from nac_fast.train.lars import LARS, param_groups_for_lars
+    from nac_fast.train.methods import nac_mq_step, nac_step, simclr_step
+    from nac_fast.train.models import build_model
+    from nac_fast.train.momentum import CodeQueue, ema_update_, make_momentum_copy
 
     cuda = device.type == "cuda"
     torch.manual_seed(0)
@@ -295,13 +295,14 @@ def main(argv=None):
         ap.error("--steps and --warmup must be >= 1")
 
     import train
+    from nac_fast.train import run as run_mod
     data = args.data
     if data == "synthetic-device" or data.startswith("synthetic-device:"):
         try:
             n_img = int(data.split(":", 1)[1]) if ":" in data else 65536
         except ValueError:
             ap.error(f"--data {data!r}: expected synthetic-device[:N] with an int N")
-        train.build_loader = _device_loader_factory(n_img)  # train.py calls it by module name
+        run_mod.build_loader = _device_loader_factory(n_img)  # run.build calls it by name
     out = tempfile.mkdtemp(prefix="nac_tp_")
     total = args.warmup + args.steps
     targv = ["--data", data, "--arch", args.arch, "--method", args.method,

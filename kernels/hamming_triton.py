@@ -1,6 +1,6 @@
-"""Triton kernels of the Hamming retrieval engine (nac_fast.hashing, backend="triton").
+"""Triton kernels of the Hamming retrieval engine (nac_fast.ops.hamming, backend="triton").
 
-Codes are packed in int64 words (nac_fast.hashing.PackedCodes: bit j of a code is bit j % 64 of
+Codes are packed in int64 words (nac_fast.ops.hamming.PackedCodes: bit j of a code is bit j % 64 of
 word j // 64); the Hamming distance of two codes is sum_w popcount(q_w XOR g_w).
 
     hamming_cdist(q, g)             (Q, G) int32 distances             grid (Q tiles, G tiles)
@@ -21,7 +21,7 @@ size Q x G exists.  The sums are float64, like the reference and the C++ kernel.
 
 The popcount is SWAR on the two 32-bit halves of each word (every intermediate non-negative), the
 form the interpreter (TRITON_INTERPRET=1, what CI runs on CPU tensors) can execute; the reference
-backend of nac_fast.hashing uses the same formula in torch ops.
+backend of nac_fast.ops.hamming uses the same formula in torch ops.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import triton.language as tl
 from .launch import Launch, cdiv, run
 
 # Bins of the per-distance counters are a power of two >= D + 1; beyond this the one-hot tile no
-# longer fits in registers and nac_fast.hashing falls back to the reference backend.
+# longer fits in registers and nac_fast.ops.hamming falls back to the reference backend.
 MAX_BITS = 1023
 
 

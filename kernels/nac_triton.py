@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from nac_fast.reference import acc_dtype
+from nac_fast.ops.reference import acc_dtype
 
 from .launch import (Config, Launch, Target, buffer, cdiv, next_pow2, pick, run, split_count,
                      target_of)
@@ -105,6 +105,8 @@ def _dot(x, y, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         yb = _round_tf32(y)
         out = tl.dot(xb, yb, input_precision="tf32")
         if PRECISION == "tf32x3":
+            # an infinite operand's small part is inf - inf = NaN: with tf32x3 an infinite key
+            # gives a NaN logit, not +-inf (a select here spilled registers: compile check)
             out = tl.dot(xb, _round_tf32(y - yb), out, input_precision="tf32")
             out = tl.dot(_round_tf32(x - xb), yb, out, input_precision="tf32")
         return out

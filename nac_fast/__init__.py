@@ -1,13 +1,19 @@
 """nac_fast: fused, tested Neural Activation Coding (Park et al., ICML 2021) losses and tools.
 
     import nac_fast
-    loss = nac_fast.nac_loss(a, r, p=0.1)                      # in-batch NAC
-    loss = nac_fast.nac_mq_loss(a, r_hat, queue, p=0.1)        # NAC with a momentum queue
+    criterion = nac_fast.NACLoss(p=0.1)                        # in-batch NAC (nn.Module)
+    loss = criterion(a, r)
+    mq = nac_fast.NACMQLoss(p=0.1, l2=0.1)                     # NAC with a momentum queue
+    queue = nac_fast.CodeQueue(65536, 128)                     # nn.Module with buffers
+    loss = nac_fast.nac_loss(a, r, p=0.1)                      # the functional forms
     nac_fast.available_backends()                              # ['reference', 'cpu', ...]
 
-Modules: nac_fast.hashing (Hamming engine, mAP, code statistics), nac_fast.eval_metrics (kNN,
-linear probe), nac_fast.data (two-view loaders), nac_fast.models / lars / momentum / distributed /
-checkpoint (what train.py is built from).
+The math: docs/math.md.  Layout (imports point down: ops <- train <- train.py, ops <- eval):
+    nac_fast.ops     the ops' Python side: dispatch, reference, noise, the NAC loss op and its
+                     API, the Hamming engine (kernels in csrc/ and kernels/)
+    nac_fast.data    two-view loaders: source -> order/sharding -> decode/augment -> batches
+    nac_fast.train   models, methods, momentum + CodeQueue, LARS, schedule, checkpoints, DDP
+    nac_fast.eval    linear probe, kNN, retrieval protocols; `python -m nac_fast.eval`
 """
 import importlib.util as _ilu
 import os as _os
@@ -34,10 +40,12 @@ def _kernels_from_source_tree() -> None:
 
 _kernels_from_source_tree()
 
-from ._backends import available_backends  # noqa: E402
-from .loss import channel_scale, draw_noise, nac_loss, nac_mq_loss, nac_vi_loss  # noqa: E402
+from .ops.dispatch import available_backends  # noqa: E402
+from .ops.loss import NACLoss, NACMQLoss, nac_loss, nac_mq_loss, nac_vi_loss  # noqa: E402
+from .ops.noise import channel_scale, draw_noise  # noqa: E402
+from .train.momentum import CodeQueue  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["available_backends", "channel_scale", "draw_noise", "nac_loss", "nac_mq_loss",
-           "nac_vi_loss", "__version__"]
+__all__ = ["CodeQueue", "NACLoss", "NACMQLoss", "available_backends", "channel_scale",
+           "draw_noise", "nac_loss", "nac_mq_loss", "nac_vi_loss", "__version__"]

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import nac_fast
-from nac_fast import _backends
+from nac_fast.ops import dispatch as _backends
 
 
 def fused_backends(device: str = "cpu") -> list[str]:
@@ -22,7 +22,7 @@ def fused_backends(device: str = "cpu") -> list[str]:
 
 
 def oracle_rows(a, r, noise, p, keys=None, l2=0.0) -> np.ndarray:
-    """NAC_SPEC.md transcribed in float64 numpy, independently of nac_fast.reference."""
+    """docs/math.md [M:rows] in float64 numpy, written independently of nac_fast.ops.reference."""
     a = a.detach().double().cpu().numpy()
     r = r.detach().double().cpu().numpy()
     m = noise.detach().double().cpu().numpy()

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from nac_fast._backends import cuda_extension_built, extension
+from nac_fast.ops.dispatch import cuda_extension_built, extension
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -313,7 +313,11 @@ def test_accumulation_dtype_of_lse_and_ga(dtype, acc):
                      noise=torch.ones(N_, D_, dtype=dtype))
     _, lse, ga = _fwd(args)
     assert lse.dtype == acc and ga.dtype == acc
-    _bwd({**args, "lse": lse, "ga": ga, "g": torch.rand(N_, dtype=dtype)})  # g is converted
+    g = torch.rand(N_, dtype=dtype)
+    got = _bwd({**args, "lse": lse, "ga": ga, "g": g})  # g is converted to the accumulation dtype
+    want = _bwd({**args, "lse": lse, "ga": ga, "g": g.to(acc)})
+    for x, y in zip(got, want):
+        assert x.dtype == y.dtype and torch.equal(x, y)
     with pytest.raises(RuntimeError, match="lse must have the accumulation dtype"):
         _bwd({**args, "lse": lse.to(dtype if dtype != torch.float64 else torch.float32), "ga": ga,
               "g": torch.rand(N_)})

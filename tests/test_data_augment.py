@@ -5,7 +5,7 @@ import torch
 import torchvision.transforms.functional as TF
 
 from nac_fast.data import augment as A
-from nac_fast.data.sampling import ShardedOrder, uniform
+from nac_fast.data.order import ShardedOrder, uniform
 
 
 def test_uniforms_are_counter_based():

@@ -7,7 +7,7 @@ import sys
 import pytest
 from PIL import Image
 
-from nac_fast.data import fashion_mnist
+from nac_fast.data.sources import fashion_mnist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +31,7 @@ def test_throughput_bench_prints_json_last(tmp_path):
 @pytest.mark.skipif(fashion_mnist.find_dir() is None, reason="Fashion-MNIST not installed")
 def test_show_augmentations_writes_a_grid(tmp_path):
     png = str(tmp_path / "grid.png")
-    out = _run("bench/show_augmentations.py", "--num", "3", "--out", png)
+    out = _run("scripts/show_augmentations.py", "--num", "3", "--out", png)
     assert "3 rows" in out
     w, h = Image.open(png).size
     assert (w, h) == (3 * 28 + 4 * 2, 3 * 28 + 4 * 2)      # 3x3 tiles of 28 px, 2 px padding

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("nvidia.dali")
 
 from nac_fast.data import Recipe, build_pretrain_loader  # noqa: E402
-from nac_fast.data.synthetic import write_jpeg_folder  # noqa: E402
+from nac_fast.data.sources.synthetic import write_jpeg_folder  # noqa: E402
 
 S = 48
 

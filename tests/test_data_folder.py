@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from nac_fast.data import build_eval_loader, build_pretrain_loader
-from nac_fast.data.folder import IMAGENET_MEAN, IMAGENET_STD
-from nac_fast.data.synthetic import write_jpeg_folder
+from nac_fast.data.sources.imagefolder import IMAGENET_MEAN, IMAGENET_STD
+from nac_fast.data.sources.synthetic import write_jpeg_folder
 
 S = 48       # small views keep the suite fast; the code path is the one used at 224
 

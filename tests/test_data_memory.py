@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from nac_fast.data import build_eval_loader, build_pretrain_loader, fashion_mnist
+from nac_fast.data import build_eval_loader, build_pretrain_loader
+from nac_fast.data.sources import fashion_mnist
 from nac_fast.data.augment import Recipe
 
 FMNIST = fashion_mnist.find_dir()

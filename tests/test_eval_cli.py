@@ -11,8 +11,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py lives at the repository root
 import train  # noqa: E402
-from nac_fast import eval as nac_eval  # noqa: E402
-from nac_fast.hashing import code_statistics, mean_average_precision  # noqa: E402
+from nac_fast.eval import cli as nac_eval  # noqa: E402
+from nac_fast.ops.hamming import code_statistics, mean_average_precision  # noqa: E402
 
 D = 32  # a small code so that --bits can name prefixes and an out-of-range value
 
@@ -56,6 +56,9 @@ def test_report_fields_and_ranges(evaluated, ckpt):
     assert "prefix" in h["note"]
     for key in ("features_train_s", "features_test_s", "linear_s", "hash_s", "total_s"):
         assert rep["timings"][key] >= 0
+    # the total covers the feature extraction and every task, one after the other
+    parts = [v for k, v in rep["timings"].items() if k not in ("total_s", "load_model_s")]
+    assert len(parts) == 6 and rep["timings"]["total_s"] >= sum(parts)
     md = (out / "report.md").read_text()
     assert "| task | metric | value | details |" in md and "mAP@all" in md
 
@@ -82,6 +85,21 @@ def test_cached_features_match_report(evaluated):
         assert got["mean_pairwise_hamming"] == pytest.approx(s["mean_pairwise_hamming"])
         assert 1 <= got["num_distinct"] <= 200
         assert got["fraction_distinct"] == pytest.approx(got["num_distinct"] / 200)
+    # kNN: recomputed from the cached encoder features h, written out from the definition
+    # (docs/math.md [M:knn]: cosine similarity, k = 200, votes exp(sim / 0.1))
+    trn = torch.nn.functional.normalize(tr["h"].float(), dim=1)
+    sim = torch.nn.functional.normalize(te["h"].float(), dim=1) @ trn.T
+    top, idx = sim.topk(200, dim=1)
+    votes = torch.zeros(200, 10, dtype=torch.float64).scatter_add_(
+        1, tr["labels"][idx], torch.exp(top.double() / 0.1))
+    knn = (votes.argmax(1) == te["labels"]).double().mean().item()
+    assert rep["results"]["knn"]["test_top1"] == pytest.approx(knn, abs=1e-12)
+    # linear probe: the cached h with the command's epochs and seed give the reported figures
+    from nac_fast.eval.metrics import linear_probe
+    lp = linear_probe(tr["h"], tr["labels"], te["h"], te["labels"], epochs=3, batch_size=256,
+                      seed=0)
+    assert rep["results"]["linear"]["test_top1"] == lp.test_accuracy
+    assert rep["results"]["linear"]["best_lr"] == lp.best_lr
 
 
 def test_features_reused_on_second_run(evaluated, ckpt, tmp_path):
@@ -118,6 +136,17 @@ def test_paper_protocol(ckpt, tmp_path, capsys):
     assert h["protocol"] == "paper"
     assert (h["num_queries"], h["num_gallery"]) == (100, 700)
     assert 0.0 <= h["map"][str(D)] <= 1.0
+    # docs/math.md [M:hash-split]: train and test pooled, 10 queries per class (seed 0), the
+    # rest the gallery: the mAP of that split of the cached codes
+    from nac_fast.eval.metrics import retrieval_split
+    tr, te = (torch.load(tmp_path / f"features_{s}.pt", weights_only=False)
+              for s in ("train", "test"))
+    a = torch.cat([tr["a"], te["a"]])
+    y = torch.cat([tr["labels"], te["labels"]])
+    sp = retrieval_split(y, queries_per_class=10, train_per_class=None, seed=0)
+    c = torch.where(a >= 0, 1, -1)
+    m = mean_average_precision(c[sp["query"]], y[sp["query"]], c[sp["gallery"]], y[sp["gallery"]])
+    assert h["map"][str(D)] == pytest.approx(m, abs=1e-12)
     # more queries per class than some class has: a usage error naming the flag
     with pytest.raises(SystemExit) as e:
         nac_eval.main(["--checkpoint", ckpt, "--out", str(tmp_path), "--tasks", "hash",

@@ -1,11 +1,11 @@
-"""Tests of nac_fast.eval_metrics (kNN and linear probe) on synthetic features."""
+"""Tests of nac_fast.eval.metrics (kNN and linear probe) on synthetic features."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from nac_fast import eval_metrics as E
+from nac_fast.eval import metrics as E
 
 
 def blobs(n_per_class: int, classes: int, dim: int, spread: float, seed: int):

@@ -47,10 +47,10 @@ def test_roofline_queue_fp32_modes_and_h200():
     assert q["memory_s"] == pytest.approx(q["bytes"] / 4.3e12)
     assert roofline.bound("mq", n, N, D, "bf16", "H200")["bound_s"] == q["bound_s"]
     fma = 128 * 2 * 132 * 1.98e9
-    ieee = roofline.bound("queue", n, N, D, "float32", H100)
+    ieee = roofline.bound("queue", n, N, D, "float32", H100, fp32_mode="ieee")
     assert ieee["matrix_s"] == pytest.approx(2 * 2 * n * N * D / fma)
     assert ieee["bytes"] == (3 * n * D + N * D + 2 * n * D) * 4 + 4
-    x3 = roofline.bound("queue", n, N, D, "float32", H100, fp32_mode="tf32x3")
+    x3 = roofline.bound("queue", n, N, D, "float32", H100)  # the kernels' default, tf32x3
     assert x3["matrix_s"] == pytest.approx(3 * 2 * 2 * n * N * D / 494.7e12)
     keys = roofline.bound("queue", n, N, D, "bfloat16", H100, keys_grad=True)
     assert keys["products"] == 4 and keys["exps"] == 2 * n * N

@@ -1,4 +1,4 @@
-"""Tests of nac_fast.hashing: the Hamming engine (C++ kernel and torch reference) against
+"""Tests of nac_fast.ops.hamming: the Hamming engine (C++ kernel and torch reference) against
 brute-force numpy oracles written from the definitions, plus expressivity statistics."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from nac_fast import hashing as H
+from nac_fast.ops import hamming as H
 
 BIT_COUNTS = [1, 7, 64, 65, 128, 200]
 
@@ -23,10 +23,12 @@ BIT_COUNTS = [1, 7, 64, 65, 128, 200]
 def cpu_kernel():
     """The compiled hamming ops of nac_fast._C.  CI sets NAC_FAST_REQUIRE_EXT=1, so there a
     missing kernel fails instead of skipping."""
-    if not H._cpu_kernel_available():
+    why = H.dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
+    if why is not None:
         if os.environ.get("NAC_FAST_REQUIRE_EXT") == "1":
-            pytest.fail("nac_fast._C lacks the hamming ops (csrc/hamming.cpp not built)")
-        pytest.skip("hamming C++ kernel unavailable: build with pip install --no-build-isolation -e .")
+            pytest.fail(f"the hamming C++ kernel is not available: {why}")
+        pytest.skip(f"hamming C++ kernel unavailable ({why}): build with pip install "
+                    "--no-build-isolation -e .")
     return torch.ops.nac_fast
 
 
@@ -192,11 +194,19 @@ def test_ranking_equals_faiss(cpu_kernel, bits):
 # Average precision / mAP
 # ------------------------------------------------------------------------------------------
 
+def np_num_relevant(ql, gl) -> np.ndarray:
+    """Per query, the number of relevant gallery items (same class, or a shared label)."""
+    if ql.ndim == 1:
+        return (ql[:, None] == gl[None, :]).sum(1)
+    return ((ql[:, None, :] > 0) & (gl[None, :, :] > 0)).any(-1).sum(1)
+
+
 def check_ap(backend, q, ql, g, gl, **kw):
     ap, nrel = H.average_precision(q, ql, g, gl, backend=backend, **kw)
     to_np = (lambda t: t.numpy()) if not kw.get("zero_one") else (lambda t: t.numpy() * 2 - 1)
     want = np_average_precision(to_np(q), ql.numpy(), to_np(g), gl.numpy())
     assert ap.dtype == torch.float64 and nrel.dtype == torch.int64
+    np.testing.assert_array_equal(nrel.numpy(), np_num_relevant(ql.numpy(), gl.numpy()))
     np.testing.assert_array_equal(np.isnan(ap.numpy()), np.isnan(want))
     np.testing.assert_allclose(ap.numpy(), want, rtol=1e-12, atol=0, equal_nan=True)
     m, used = H.mean_average_precision(q, ql, g, gl, backend=backend, return_num_queries=True, **kw)

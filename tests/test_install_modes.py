@@ -57,7 +57,10 @@ def _copy_tree(dst):
 
 def _child(code, paths, cwd, expect, pkg, site_dirs=(), extra_env=None):
     prelude = (f"import os, sys, site\nsys.path[:0] = {list(paths)!r}\nsys.path.append({SITE!r})\n"
-               + "".join(f"site.addsitedir({d!r})\n" for d in site_dirs)
+               # first on the path, so that its .pth files import their own modules (an editable
+               # install's finder module has the same name as this checkout's)
+               + "".join(f"sys.path.insert(0, {d!r}); site.addsitedir({d!r})\n"
+                         for d in site_dirs)
                + f"EXPECT = {expect!r}\nPKG = {pkg!r}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
     env.update(TRITON_INTERPRET="1", **(extra_env or {}))

@@ -64,8 +64,13 @@ def test_noise_type_errors():
         nac_fast.nac_loss(a, r, 0.1, noise=[[1.0] * 3] * 4)
     with pytest.raises(TypeError, match="noise"):
         nac_fast.nac_loss(a, r, 0.1, noise=torch.ones(4, 3, dtype=torch.bool))
-    # integer +-1 noise is fine
+    # integer +-1 noise is fine: the loss of the same float noise, flips included
     nac_fast.nac_loss(a, r, 0.1, noise=torch.ones(4, 3, dtype=torch.int8))
+    m = nac_fast.draw_noise((4, 3), 0.3, generator=torch.Generator().manual_seed(2))
+    assert (m == -1).any() and (m == 1).any()
+    for dtype in (torch.int8, torch.int32, torch.int64):
+        assert torch.equal(nac_fast.nac_loss(a, r, 0.1, noise=m.to(dtype)),
+                           nac_fast.nac_loss(a, r, 0.1, noise=m)), dtype
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -191,23 +196,23 @@ def test_works_without_compiled_extension_with_one_warning():
     assert out.stdout.strip().splitlines()[-1] == "1 ['reference']"
 
 
-# ---- value-check policy (nac_fast.loss.CHECK_VALUES, NAC_FAST_CHECK_INPUTS) ---------------------
+# ---- value-check policy (nac_fast.ops.loss.CHECK_VALUES, NAC_FAST_CHECK_INPUTS) ---------------------
 
 @pytest.mark.parametrize("env,mode", [("", "auto"), ("auto", "auto"), (" AUTO ", "auto"),
                                       ("1", True), ("true", True), ("on", True),
                                       ("0", False), ("false", False), ("off", False)])
 def test_check_inputs_env_values(env, mode):
-    got = nac_fast.loss._parse_check_values(env)
+    got = nac_fast.ops.loss._parse_check_values(env)
     assert got == mode and type(got) is type(mode)
 
 
 def test_check_inputs_env_bad_value_names_the_variable():
     with pytest.raises(ValueError, match="NAC_FAST_CHECK_INPUTS must be 0, 1 or auto"):
-        nac_fast.loss._parse_check_values("2")
+        nac_fast.ops.loss._parse_check_values("2")
 
 
 def test_value_checks_policy_by_device():
-    from nac_fast.loss import value_checks, value_checks_on
+    from nac_fast.ops.loss import value_checks, value_checks_on
     on = {}
     for mode in ("auto", True, False):
         with value_checks(mode):
@@ -215,13 +220,13 @@ def test_value_checks_policy_by_device():
     assert on["auto"] == {"cpu": True, "cuda": False, "meta": False}   # no host sync on a GPU
     assert on[True] == {"cpu": True, "cuda": True, "meta": False}
     assert on[False] == {"cpu": False, "cuda": False, "meta": False}
-    assert nac_fast.loss.CHECK_VALUES == "auto"                         # restored
+    assert nac_fast.ops.loss.CHECK_VALUES == "auto"                         # restored
 
 
 def test_check_values_off_skips_value_checks_but_not_metadata_checks():
     a, r, q = _ok()
     a[0, 0] = math.nan
-    with nac_fast.loss.value_checks(False):
+    with nac_fast.ops.loss.value_checks(False):
         assert math.isnan(nac_fast.nac_loss(a, r, 0.1, keys=q).item())   # NaN reaches the loss
         nac_fast.nac_loss(a, r, 0.1, noise=torch.full((4, 3), 2.0))      # unchecked noise
         with pytest.raises(ValueError, match="r must have 4 rows"):
@@ -235,23 +240,23 @@ def test_check_values_off_skips_value_checks_but_not_metadata_checks():
 def test_check_values_global_switch_and_bad_values(monkeypatch):
     a, r, _ = _ok()
     a[0, 0] = math.inf
-    monkeypatch.setattr(nac_fast.loss, "CHECK_VALUES", False)   # the documented switch
+    monkeypatch.setattr(nac_fast.ops.loss, "CHECK_VALUES", False)   # the documented switch
     nac_fast.nac_loss(a, r, 0.1)
-    monkeypatch.setattr(nac_fast.loss, "CHECK_VALUES", True)
+    monkeypatch.setattr(nac_fast.ops.loss, "CHECK_VALUES", True)
     with pytest.raises(ValueError, match="a contains NaN or inf"):
         nac_fast.nac_loss(a, r, 0.1)
-    monkeypatch.setattr(nac_fast.loss, "CHECK_VALUES", "yes")
+    monkeypatch.setattr(nac_fast.ops.loss, "CHECK_VALUES", "yes")
     with pytest.raises(ValueError, match="CHECK_VALUES must be True, False or 'auto'"):
         nac_fast.nac_loss(a, r, 0.1)
     with pytest.raises(ValueError, match="mode must be True, False or 'auto'"):
-        with nac_fast.loss.value_checks(1):
+        with nac_fast.ops.loss.value_checks(1):
             pass
 
 
 def test_step_value_checks_follow_the_policy(monkeypatch):
-    from nac_fast.methods import step_value_checks
+    from nac_fast.train.methods import step_value_checks
     for outer, inner in (("auto", False), (False, False), (True, True)):
-        monkeypatch.setattr(nac_fast.loss, "CHECK_VALUES", outer)
+        monkeypatch.setattr(nac_fast.ops.loss, "CHECK_VALUES", outer)
         with step_value_checks():
-            assert nac_fast.loss.CHECK_VALUES is inner
-        assert nac_fast.loss.CHECK_VALUES == outer
+            assert nac_fast.ops.loss.CHECK_VALUES is inner
+        assert nac_fast.ops.loss.CHECK_VALUES == outer

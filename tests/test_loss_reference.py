@@ -1,5 +1,5 @@
-"""The reference loss against a float64 transcription of NAC_SPEC.md, its gradients (gradcheck),
-the channel noise, and the paper's central claim in miniature."""
+"""The reference loss against a float64 transcription of docs/math.md [M:rows], its gradients
+(gradcheck), the channel noise, and the paper's central claim in miniature."""
 import math
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nac_fast
-from nac_fast import reference
+from nac_fast.ops import reference
 
 from _loss_helpers import oracle_rows, rel_err
 

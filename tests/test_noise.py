@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import nac_fast
-from nac_fast import reference as R
-from nac_fast.loss import noise_from_seed
+from nac_fast.ops import reference as R
+from nac_fast.ops.noise import noise_from_seed
 
 DEVICE = os.environ.get("NAC_FAST_TEST_DEVICE", "cpu")
 SHAPES = [(1, 1), (3, 5), (97, 128), (1031, 3), (4099, 1)]
@@ -98,6 +98,11 @@ def test_draw_noise_reproducible_under_manual_seed():
     assert torch.equal(nac_fast.draw_noise((9, 4), 0.2, generator=g1),
                        nac_fast.draw_noise((9, 4), 0.2, generator=g2))
     assert nac_fast.draw_noise((3, 2), 0.2, dtype=torch.int8).dtype == torch.int8
+    # an integer dtype holds the same +-1 draw as float32 (same generator state)
+    i8 = nac_fast.draw_noise((30, 20), 0.2, dtype=torch.int8,
+                             generator=torch.Generator().manual_seed(4))
+    f32 = nac_fast.draw_noise((30, 20), 0.2, generator=torch.Generator().manual_seed(4))
+    assert (f32 == -1).any() and torch.equal(i8.float(), f32)
 
 
 def test_noise_from_seed_bad_inputs():

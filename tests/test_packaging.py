@@ -10,10 +10,12 @@ the import-time warning noticed.  pyproject.toml's [build-system] makes every pi
 PEP 517/660 hooks, which honour --no-build-isolation, and setup.py fails with the reason when the
 extension cannot be built.
 
-Cost (CPU-only extension, NAC_FAST_SKIP_CUDA=1): two extension builds (one per pip/isolation
-case) and two torch installs (the oldest-pip venv, the isolated build environment), a few minutes;
-both torches are the version this interpreter runs, from the configured index, so no other torch
-is downloaded.  Figures: the pack branch's report.
+Cost (CPU-only extension, NAC_FAST_SKIP_CUDA=1): the metadata tests take seconds; the install
+tests one extension build with the oldest pip (about 80 s of CPU, 1.5-4 min of wall time on a
+shared 2-core machine), plus venv set-ups and two cheap failing builds.  The build-isolation test
+(a second build and a torch install in pip's throw-away build environment) runs only with
+NAC_FAST_TEST_ISOLATED_BUILD=1.  Both torches are the version this interpreter runs, from the
+configured index, so no other torch is downloaded.
 """
 import os
 import re
@@ -127,6 +129,132 @@ def _pip_version(py):
     return _run([py, "-m", "pip", "--version"], cwd=os.path.dirname(py))[1].split()[1]
 
 
+# --- metadata against the tree (no build) -----------------------------------------------------
+
+def _pyproject():
+    import tomllib  # the suite runs on Python >= 3.11 (the Makefile's venv)
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def _name(req):
+    return re.match(r"[A-Za-z0-9_.\-]+", req).group().lower().replace("_", "-")
+
+
+IMPORT_NAMES = {"pillow": "PIL", "scikit-learn": "sklearn", "faiss-cpu": "faiss",
+                "nvidia-dali-cuda130": "nvidia.dali", "pytest-benchmark": "pytest_benchmark"}
+
+
+def _third_party_imports():
+    """Top-level modules that nac_fast/ and kernels/ import, less the standard library and
+    nac_fast itself."""
+    import ast
+    found = {}
+    for top in ("nac_fast", "kernels"):
+        for d, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [x for x in dirs if x != "__pycache__"]
+            for f in files:
+                if not f.endswith(".py") or f == "_build_info.py":
+                    continue
+                tree = ast.parse(open(os.path.join(d, f)).read())
+                for node in ast.walk(tree):
+                    names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                             [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                             and node.level == 0 else [])
+                    for n in names:
+                        mod = n.split(".")[0]
+                        if mod not in sys.stdlib_module_names and mod not in ("nac_fast",
+                                                                              "kernels"):
+                            found.setdefault(mod, os.path.relpath(os.path.join(d, f), ROOT))
+    return found
+
+
+def test_dependencies_are_the_real_ones():
+    proj = _pyproject()["project"]
+    deps = {_name(r) for r in proj["dependencies"]}
+    assert {"torch", "torchvision", "numpy", "pillow", "tqdm"} <= deps, deps
+    assert "torch>=2.4" in proj["dependencies"], proj["dependencies"]  # never pinned newer
+    extras = proj["optional-dependencies"]
+    # every third-party module the package imports is a dependency or in an extra (triton comes
+    # with torch's Linux wheels and has its own extra)
+    declared = {IMPORT_NAMES.get(n, n).split(".")[0].lower()
+                for n in deps | {_name(r) for rs in extras.values() for r in rs}}
+    missing = {m: where for m, where in _third_party_imports().items()
+               if m.lower() not in declared}
+    assert not missing, missing
+    # the dependencies (whose markers hold here) are importable in this environment
+    for r in proj["dependencies"]:
+        if ";" in r and "python_version < '3.11'" in r and sys.version_info >= (3, 11):
+            continue
+        importlib_import(IMPORT_NAMES.get(_name(r), _name(r)))
+
+
+def importlib_import(name):
+    import importlib
+    importlib.import_module(name)
+
+
+def test_extras():
+    extras = {k: {_name(r) for r in v}
+              for k, v in _pyproject()["project"]["optional-dependencies"].items()}
+    assert {"dali", "eval", "dev"} <= set(extras), extras
+    assert "scikit-learn" in extras["eval"] and "faiss-cpu" not in extras["eval"], extras["eval"]
+    assert "faiss-cpu" in extras["bench"], extras
+    assert {"pytest", "tensorboard", "ninja"} <= extras["dev"], extras["dev"]
+    assert any(n.startswith("nvidia-dali") for n in extras["dali"]), extras["dali"]
+    # make setup installs the tools of [dev] (and [eval]) itself: the Makefile's PY_DEPS
+    make = open(os.path.join(ROOT, "Makefile")).read()
+    py_deps = re.search(r"^PY_DEPS\s*\?=\s*((?:.*\\\n)*.*)$", make, re.M).group(1)
+    listed = {_name(w.strip('"')) for w in py_deps.replace("\\\n", " ").split()}
+    assert (extras["dev"] | extras["eval"]) <= listed, (extras["dev"] | extras["eval"]) - listed
+    assert "tensorboard" in listed
+
+
+def test_build_system():
+    bs = _pyproject()["build-system"]
+    names = {_name(r) for r in bs["requires"]}
+    assert {"setuptools", "wheel", "torch", "ninja"} <= names, names
+    assert bs["build-backend"] == "setuptools.build_meta"
+
+
+def test_license_is_mit():
+    text = open(os.path.join(ROOT, "LICENSE")).read()
+    assert text.startswith("MIT License") and "WITHOUT WARRANTY OF ANY KIND" in text, text[:200]
+    assert "license" in _pyproject()["project"]["dynamic"]
+    assert re.search(r'"license_expression": "MIT"', open(os.path.join(ROOT, "setup.py")).read())
+
+
+def test_setup_packages_cover_every_subpackage(tmp_path):
+    """setup.py's packages and package_dir, read from setup() in a copy of the tree: every folder
+    with an __init__.py under nac_fast/ and kernels/ is a package, configs/*.toml is data."""
+    tree = _copy_tree(str(tmp_path / "src"))
+    code = ("import json, setuptools\nseen = {}\nsetuptools.setup = lambda **kw: seen.update(kw)\n"
+            "exec(compile(open('setup.py').read(), 'setup.py', 'exec'), {'__file__': "
+            "__import__('os').path.abspath('setup.py'), '__name__': '__main__'})\n"
+            "print('SETUP-KW', json.dumps({k: seen[k] for k in ('packages', 'package_dir', "
+            "'package_data')}))\n")
+    import json
+    out = _run([sys.executable, "-c", code], cwd=tree, env=_env(NAC_FAST_SKIP_EXT="1"))[1]
+    got = json.loads(out.split("SETUP-KW", 1)[1].splitlines()[0])
+    want = set()
+    for top, pkg in (("nac_fast", "nac_fast"), ("kernels", "nac_fast.kernels")):
+        for d, dirs, files in os.walk(os.path.join(tree, top)):
+            dirs[:] = [x for x in dirs if x != "__pycache__"]
+            if "__init__.py" in files:
+                rel = os.path.relpath(d, os.path.join(tree, top))
+                want.add(pkg if rel == "." else pkg + "." + rel.replace(os.sep, "."))
+    assert {"nac_fast.ops", "nac_fast.train", "nac_fast.eval", "nac_fast.data",
+            "nac_fast.data.loaders", "nac_fast.data.sources", "nac_fast.kernels"} <= want, want
+    assert want <= set(got["packages"]), sorted(want - set(got["packages"]))
+    assert got["package_dir"]["nac_fast.kernels"] == "kernels", got["package_dir"]
+    assert got["package_dir"]["nac_fast.configs"] == "configs", got["package_dir"]
+    assert got["package_data"]["nac_fast.configs"] == ["*.toml"], got["package_data"]
+    manifest = open(os.path.join(ROOT, "MANIFEST.in")).read()  # the sdist has the C++/CUDA sources
+    assert "recursive-include csrc" in manifest and "*.h" in manifest, manifest
+
+
+# --- installs ----------------------------------------------------------------------------------
+
 @pytest.fixture(scope="module")
 def old_pip_venv(tmp_path_factory):
     """pip 23.2.1, the newest setuptools and ninja in the venv; torch (and numpy) are this
@@ -161,6 +289,9 @@ def test_oldest_pip_editable_no_build_isolation_builds_the_extension(old_pip_ven
     assert "BUILT" in out, out
 
 
+@pytest.mark.skipif(os.environ.get("NAC_FAST_TEST_ISOLATED_BUILD", "0") in ("", "0"),
+                    reason="a second extension build and a torch install in pip's isolated "
+                           "build environment (~3-5 min): NAC_FAST_TEST_ISOLATED_BUILD=1 runs it")
 def test_current_pip_build_isolation_builds_the_extension(new_pip_venv, tmp_path):
     """pip's default (build isolation, the build requirements of pyproject.toml installed in a
     throw-away environment) with the current pip, torch pinned by --build-constraint to the torch
@@ -234,6 +365,8 @@ def test_skip_ext_installs_without_it_and_says_why(old_pip_venv, tmp_path):
             rel = os.path.relpath(d, os.path.join(tree, top))
             want |= {os.path.normpath(os.path.join(dest, rel, f)) for f in files
                      if f.endswith(".py")}
+    want |= {f"nac_fast/configs/{f}" for f in os.listdir(os.path.join(tree, "configs"))
+             if f.endswith(".toml")}
     assert "nac_fast/_build_info.py" in want and "nac_fast/kernels/__init__.py" in want, want
     assert want <= have, sorted(want - have)
     target = str(tmp_path / "site")

@@ -1,5 +1,5 @@
-"""The README's commands are real (NAC_SPEC.md: "every command in this project's README is run by
-a test"): CI runs `make test` (this suite); here the README's main-job command runs a short
+"""The README's commands are real (docs/math.md [M:bug4]: "every command in the README is run by a
+test"): CI runs `make test` (this suite); here the README's main-job command runs a short
 training, the Makefile targets parse, and the API example executes."""
 import os
 import re
@@ -42,13 +42,55 @@ def test_ci_runs_the_readme_test_command():
 def test_make_targets_parse(cmd):
     out = subprocess.run(cmd.split() + ["-n"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+    # the dry run shows the command the README promises (Makefile header, README "Two commands")
+    want = {"make train": ".venv/bin/torchrun --standalone --nproc_per_node=2 train.py",
+            "make test": ".venv/bin/python -m pytest -q tests"}[cmd]
+    assert want in out.stdout.splitlines()[-1], out.stdout
+
+
+def _subsection(title: str) -> str:
+    text = open(README).read()
+    m = re.search(rf"### {re.escape(title)}\n(.*?)(?=\n##|\Z)", text, re.S)
+    assert m, f"README has no subsection {title!r}"
+    return m.group(1)
 
 
 def test_readme_api_example_runs():
-    (code,) = _fenced(_section("The loss API"), "python")
+    (code,) = _fenced(_section("The loss API").split("### ")[0], "python")
     env = {}
     exec(compile(code, "README.md", "exec"), env)
     assert env["loss"].dim() == 0 and env["a"].grad is not None
+    assert env["r"].grad is not None
+    assert int(env["queue"].ptr) == 1024 and "codes" in env["queue"].state_dict()
+    # The NAC-MQ line's loss reaches r only through the VI term (r_hat = r.detach()), whose
+    # gradient is (sig(r) - (1 + m tanh(a)) / 2) / n [M:vi] with the channel's +-1 sample m:
+    # recover m from the gradient and check it is a +-1 channel sample of flip rate p = 0.1.
+    import math
+    import torch
+    a, r = env["a"].detach(), env["r"].detach()
+    (g,) = torch.autograd.grad(env["loss"], env["r"])
+    z = torch.tanh(a)
+    m = (2 * (torch.sigmoid(r) - a.shape[0] * g) - 1) / z
+    m = m[z.abs() > 0.1]
+    assert torch.allclose(m.abs(), torch.ones_like(m), atol=1e-3), (m.abs() - 1).abs().max()
+    flips = (m < 0).double().mean().item()
+    assert abs(flips - 0.1) <= 4 * math.sqrt(0.1 * 0.9 / m.numel()), flips
+
+
+def test_readme_training_loop_example_runs():
+    """The "use the loss in your own training loop" example trains (every module's weights move,
+    the loss is finite) and gives +-1 codes."""
+    import torch
+    (code,) = _fenced(_subsection("Use the loss in your own training loop"), "python")
+    setup, loop = code.split("for step", 1)
+    torch.manual_seed(0)
+    env = {}
+    exec(compile(setup, "README.md", "exec"), env)
+    before = [p.detach().clone() for p in env["params"]]
+    exec(compile("for step" + loop, "README.md", "exec"), env)
+    assert torch.isfinite(env["loss"]) and env["loss"].dim() == 0
+    assert all(not torch.equal(b, p) for b, p in zip(before, env["params"]))
+    assert env["codes"].shape == (64, 64) and set(env["codes"].unique().tolist()) <= {-1.0, 1.0}
 
 
 @pytest.mark.skipif(not os.path.exists(STAMP),
@@ -63,3 +105,10 @@ def test_readme_main_job_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "last.pt").exists()
     assert (out / "log.jsonl").read_text().strip()
+    # the README's run: two processes (torchrun, NPROC=2) on Fashion-MNIST, every step logged
+    import json
+    import math
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in log)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["world_size"] == 2 and cfg["data"] == "fashion-mnist"

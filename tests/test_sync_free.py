@@ -6,7 +6,7 @@ EMA and queue) under `NoHostReads`, a TorchDispatchMode that fails on every op t
 host read tensor data: item/bool/float of a tensor (aten._local_scalar_dense, aten.is_nonzero),
 nonzero, masked_select, unique, equal, allclose, boolean-mask indexing, repeat_interleave without
 output_size, and any copy of a non-CPU tensor to the CPU.  The CPU step runs the same Python as
-the GPU step (the loss-input value checks are off in both: nac_fast.methods.step_value_checks),
+the GPU step (the loss-input value checks are off in both: nac_fast.train.methods.step_value_checks),
 so what passes here has no sync from Python code on a GPU either; the GPU suite repeats it there
 with torch.cuda.set_sync_debug_mode("error"), which also sees inside the compiled CUDA ops.
 
@@ -26,15 +26,17 @@ from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nac_fast
-from nac_fast import loss as nloss
-from nac_fast.methods import nac_mq_step, nac_step, step_value_checks
-from nac_fast.models import build_model
-from nac_fast.momentum import CodeQueue, make_momentum_copy
+from nac_fast.ops import loss as nloss
+from nac_fast.ops.noise import noise_from_seed
+from nac_fast.train.methods import nac_mq_step, nac_step, step_value_checks
+from nac_fast.train.models import build_model
+from nac_fast.train.momentum import CodeQueue, make_momentum_copy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py lives at the repository root
 import train  # noqa: E402
-from nac_fast.checkpoint import load_checkpoint  # noqa: E402
+from nac_fast.train import run as run_mod  # noqa: E402  (train.py's step: run.train_step)
+from nac_fast.train.checkpoint import load_checkpoint  # noqa: E402
 
 aten = torch.ops.aten
 BACKENDS = nac_fast.available_backends("cpu")  # reference, cpu (extension), triton (interpreter)
@@ -148,7 +150,7 @@ def test_noise_from_seed_is_sync_free(backend):
     like = torch.empty(5, 7)
     with NoHostReads() as mode:
         seed = torch.randint(0, 2 ** 62, (1,))
-        nloss.noise_from_seed(like, seed, 0.1, backend=backend)
+        noise_from_seed(like, seed, 0.1, backend=backend)
     assert {"cpu": "nac_fast.nac_noise", "triton": "nac_fast.nac_noise_triton",
             "reference": "aten.bitwise_xor"}[backend] in mode.ops, mode.ops
 
@@ -290,6 +292,24 @@ def test_nan_input_gives_nan_loss_with_checks_off(backend, which, N, four_thread
             assert math.isnan(v.item()), (kind, v)
 
 
+class _env:
+    """Set an environment variable for a block (the Triton kernels read NAC_FAST_FP32_DOT per
+    call)."""
+
+    def __init__(self, name, value):
+        self.name, self.value = name, value
+
+    def __enter__(self):
+        self.old = os.environ.get(self.name)
+        os.environ[self.name] = self.value
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.old
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("value", [math.inf, -math.inf])
 @pytest.mark.parametrize("N", [7, 1100])
@@ -310,15 +330,21 @@ def test_inf_input_reaches_the_loss_with_checks_off(backend, value, N, four_thre
     k_bad[N - 1, 3] = value  # the last key: the last split of the multi-split kernels
     for kind in ("keys", "mq"):
         assert not math.isfinite(_losses(backend, a, r, k_bad, noise)[kind].item()), kind
-    # all queries' logits with the bad key -inf: finite loss, NaN gradient for a
+    # all queries' logits with the bad key -inf: with exact products, a finite loss and a NaN
+    # gradient for a; the Triton kernels' default fp32 products (tf32x3) add the query's small
+    # TF32 part times the -inf, which is NaN: a non-finite loss (README "Precision")
     a_pos, m_pos = a.abs() + 0.1, torch.ones_like(noise)
     k_neg = keys.clone()
     k_neg[N - 1, 3] = -math.inf
-    a_leaf = a_pos.clone().requires_grad_()
-    with nloss.value_checks(False):
-        v = nac_fast.nac_loss(a_leaf, r, 0.1, keys=k_neg, noise=m_pos, backend=backend)
-        v.backward()
-    assert math.isfinite(v.item()) and not torch.isfinite(a_leaf.grad).all()
+    for fp32_dot in (("ieee", "tf32x3") if backend == "triton" else ("ieee",)):
+        a_leaf = a_pos.clone().requires_grad_()
+        with nloss.value_checks(False), _env("NAC_FAST_FP32_DOT", fp32_dot):
+            v = nac_fast.nac_loss(a_leaf, r, 0.1, keys=k_neg, noise=m_pos, backend=backend)
+            v.backward()
+        if fp32_dot == "ieee":
+            assert math.isfinite(v.item()) and not torch.isfinite(a_leaf.grad).all()
+        else:
+            assert not math.isfinite(v.item())
     # a = +-inf is tanh's limit
     a_inf, a_big = a.clone(), a.clone()
     a_inf[2, 3], a_big[2, 3] = value, math.copysign(30.0, value)
@@ -340,14 +366,14 @@ def test_non_finite_loss_names_first_step_and_no_checkpoint_after(bad, log_every
                                                                    found, ckpt, logged,
                                                                    monkeypatch, tmp_path, capsys):
     calls = {"n": 0}
-    real = train.nac_step
+    real = run_mod.nac_step
 
     def poisoned(*a, **k):
         loss, z = real(*a, **k)
         calls["n"] += 1
         return (loss + math.inf if calls["n"] == bad else loss), z
 
-    monkeypatch.setattr(train, "nac_step", poisoned)
+    monkeypatch.setattr(run_mod, "nac_step", poisoned)
     out = tmp_path / "run"
     argv = SMALL + ["--max-steps", "7", "--log-every", str(log_every), "--save-every",
                     str(save_every), "--out", str(out)]

@@ -15,16 +15,17 @@ import pytest
 import torch
 
 import nac_fast
-from nac_fast import methods, reference
-from nac_fast.models import build_model
-from nac_fast.momentum import CodeQueue, make_momentum_copy
+from nac_fast.train import methods
+from nac_fast.ops import reference
+from nac_fast.train.models import build_model
+from nac_fast.train.momentum import CodeQueue, make_momentum_copy
 
 from _loss_helpers import rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import train  # noqa: E402
-from nac_fast.checkpoint import load_checkpoint  # noqa: E402
+from nac_fast.train.checkpoint import load_checkpoint  # noqa: E402
 
 BACKENDS = nac_fast.available_backends("cpu")
 P, L2, D, K = 0.1, 0.1, 16, 8

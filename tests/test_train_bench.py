@@ -1,4 +1,4 @@
-"""bench/train_throughput.py prints one JSON line last; bench/plot_train_log.py writes a PNG."""
+"""bench/train_throughput.py prints one JSON line last; scripts/plot_train_log.py writes a PNG."""
 import json
 import os
 import subprocess
@@ -28,6 +28,51 @@ def test_train_throughput_prints_json_last():
     assert 0 <= res["data_wait"] < 1 and res["world_size"] == 1
 
 
+@pytest.mark.parametrize("steps,total,windows", [(4, 6, 2), (3, 6, 2)])
+def test_train_throughput_aggregates_the_log_exactly(monkeypatch, capsys, steps, total, windows):
+    """The figures come from train.py's log: its first record (the warm-up window) is dropped and
+    the measured windows are combined as total images / total time (the harmonic mean of the
+    windows' rates, not their mean), with the data wait weighted by each window's time.  train.py
+    is replaced by a stand-in that writes a known log; --steps is rounded up to whole windows."""
+    import types
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import train_throughput as tt
+    finally:
+        sys.path.pop(0)
+    seen = {}
+    rates, waits = [100.0, 300.0], [0.1, 0.5]
+
+    def fake_main(argv):
+        seen["argv"] = argv
+        out = argv[argv.index("--out") + 1]
+        recs = [{"step": 2, "img_per_s": 1.0, "data_wait": 0.9}]  # warm-up: must not count
+        recs += [{"step": 2 * (i + 2), "img_per_s": v, "data_wait": w}
+                 for i, (v, w) in enumerate(zip(rates, waits))]
+        with open(os.path.join(out, "log.jsonl"), "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in recs))
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump({"world_size": 1, "image_size": 8, "amp": "off", "channels_last": False,
+                       "device": "cpu"}, f)
+        return 0
+
+    monkeypatch.setitem(sys.modules, "train", types.SimpleNamespace(main=fake_main))
+    monkeypatch.delenv("RANK", raising=False)
+    tt.main(["--data", "synthetic:64", "--batch-size", "8", "--warmup", "2",
+             "--steps", str(steps)])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    argv = seen["argv"]
+    assert argv[argv.index("--max-steps") + 1] == str(total)
+    assert argv[argv.index("--log-every") + 1] == "2"
+    # two windows of 2 steps x 8 images: 16/100 s + 16/300 s for 32 images
+    secs = 16 / 100 + 16 / 300
+    assert res["measured_steps"] == 2 * windows == 4
+    assert res["img_per_s"] == round(32 / secs, 1) == 150.0
+    assert res["data_wait"] == round((0.1 * 16 / 100 + 0.5 * 16 / 300) / secs, 4) == 0.2
+    assert res["step_ms"] == round(1000 * secs / 4, 1) == 53.3
+    assert (res["world_size"], res["image_size"], res["device"]) == (1, 8, "cpu")
+
+
 def test_plot_train_log(tmp_path):
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
@@ -37,7 +82,7 @@ def test_plot_train_log(tmp_path):
              "bit_balance": 0.9, "code_sat": 0.05} for s in (1, 2, 3)]
     recs.append(dict(recs[-1], loss=1.0))  # a resumed run repeats step 3: the last one counts
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
         import plot_train_log
     finally:

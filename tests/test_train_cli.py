@@ -10,8 +10,8 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py lives at the repository root
 import train  # noqa: E402
-from nac_fast.methods import code_stats, nac_step, simclr_step
-from nac_fast.models import build_model, swap_halves
+from nac_fast.train.methods import code_stats, nac_step, simclr_step
+from nac_fast.train.models import build_model, swap_halves
 
 
 def _fails(argv, capsys, match, monkeypatch=None, world=None):
@@ -59,7 +59,7 @@ def test_sync_bn_needs_cuda(capsys, monkeypatch, tmp_path):
 
 
 def test_missing_fashion_mnist_says_how_to_get_it(capsys, monkeypatch, tmp_path):
-    from nac_fast.data import fashion_mnist
+    from nac_fast.data.sources import fashion_mnist
     monkeypatch.setattr(fashion_mnist, "DEBIAN_DIR", str(tmp_path / "none"))
     monkeypatch.delenv("NAC_FASHION_MNIST_DIR", raising=False)
     _fails(["--out", str(tmp_path)], capsys, "apt-get install dataset-fashion-mnist")
@@ -151,11 +151,11 @@ def test_nac_step_equals_loss_on_own_codes():
 
 
 def test_imagefolder_defaults_and_run(tmp_path):
-    from nac_fast.data.synthetic import write_jpeg_folder
+    from nac_fast.data.sources.synthetic import write_jpeg_folder
     root = tmp_path / "imnet"
     write_jpeg_folder(str(root / "train"), num_classes=2, per_class=8, size_range=(40, 60))
-    a = train.build_parser().parse_args(["--data", str(root)])
-    train.resolve_defaults(a)
+    from nac_fast.train.config import parse
+    a = parse(["--data", str(root)])
     assert (a.batch_size, a.epochs) == (512, 200)        # the paper's ImageNet recipe
     out = tmp_path / "o"
     assert train.main(["--data", str(root), "--image-size", "32", "--batch-size", "8",

@@ -14,10 +14,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from nac_fast import distributed as nd
-from nac_fast.methods import nac_mq_step, nac_step, simclr_step
-from nac_fast.models import build_model
-from nac_fast.momentum import CodeQueue, make_momentum_copy
+from nac_fast.train import distributed as nd
+from nac_fast.train.methods import nac_mq_step, nac_step, simclr_step
+from nac_fast.train.models import build_model
+from nac_fast.train.momentum import CodeQueue, make_momentum_copy
 
 WORLD, K, D, P = 2, 6, 16, 0.2   # K images per rank, 2K rows per rank
 

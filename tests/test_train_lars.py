@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nac_fast.lars import LARS, param_groups_for_lars
+from nac_fast.train.lars import LARS, param_groups_for_lars
 
 
 def _hand_lars(w, g, buf, lr, mom, wd, tc, exclude):
-    """The update of the NAC_SPEC recipe written out with Python floats."""
+    """The update of docs/math.md [M:lars] written out with Python floats."""
     w, g = [float(v) for v in w], [float(v) for v in g]
     if exclude:
         u = g
@@ -96,6 +96,9 @@ def test_params_without_grad_are_skipped_and_state_round_trips():
     a.grad = torch.ones(2, 2)
     opt.step()
     assert torch.equal(b.detach(), torch.ones(2, 2))
+    # a took the step of the defaults (momentum 0.9, weight decay 1e-6, trust coefficient 0.001)
+    want, _ = _hand_lars([1.0] * 4, [1.0] * 4, [0.0] * 4, 0.1, 0.9, 1e-6, 0.001, exclude=False)
+    torch.testing.assert_close(a.detach().flatten(), torch.tensor(want))
     opt2 = LARS([a, b], lr=0.1)
     opt2.load_state_dict(opt.state_dict())
     assert torch.equal(opt2.state[a]["momentum_buffer"], opt.state[a]["momentum_buffer"])

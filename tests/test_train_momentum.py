@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nac_fast.momentum import CodeQueue, ema_update_, make_momentum_copy, unwrap
-from nac_fast.schedule import WarmupCosine
+from nac_fast.train.momentum import CodeQueue, ema_update_, make_momentum_copy, unwrap
+from nac_fast.train.schedule import WarmupCosine
 
 
 def test_ema_update_all_parameters_not_buffers():

@@ -15,7 +15,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py lives at the repository root
 import train  # noqa: E402
-from nac_fast.checkpoint import load_checkpoint, load_model, save_atomic  # noqa: E402
+from nac_fast.train import run as run_mod  # noqa: E402  (train.py's step: run.train_step)
+from nac_fast.train.checkpoint import load_checkpoint, load_model, save_atomic  # noqa: E402
 
 
 def _log(out):
@@ -94,14 +95,14 @@ def test_resume_rejects_other_config(tmp_path, capsys):
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     calls = {"n": 0}
-    real = train.nac_step
+    real = run_mod.nac_step
 
     def poisoned(*a, **k):
         loss, z = real(*a, **k)
         calls["n"] += 1
         return (loss * float("nan") if calls["n"] == 3 else loss), z
 
-    monkeypatch.setattr(train, "nac_step", poisoned)
+    monkeypatch.setattr(run_mod, "nac_step", poisoned)
     out = str(tmp_path / "nan")
     status = train.main(["--data", "synthetic:256", "--image-size", "8", "--batch-size", "32",
                          "--max-steps", "6", "--save-every", "2", "--log-every", "1",
@@ -201,3 +202,12 @@ def test_compile_flag_trains_like_eager(tmp_path):
     for (_, x), (_, y) in zip(le, lc):
         assert abs(x - y) <= 1e-4 * abs(x), (le, lc)
     assert load_model(os.path.join(c, "last.pt")) is not None
+    # load_model gives the checkpoint's weights (not a fresh model), in eval mode, and they are
+    # the eager run's within float reassociation (no "_orig_mod." keys from the compiled wrapper)
+    mc, me = load_model(os.path.join(c, "last.pt")), load_model(os.path.join(e, "last.pt"))
+    saved = load_checkpoint(os.path.join(c, "last.pt"))["model"]
+    got = mc.state_dict()
+    assert not mc.training and set(got) == set(saved) == set(me.state_dict())
+    for k, v in got.items():
+        assert torch.equal(v, saved[k]), k
+        torch.testing.assert_close(v, me.state_dict()[k], rtol=1e-3, atol=1e-5, msg=k)

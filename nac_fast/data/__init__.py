@@ -7,6 +7,16 @@
         for view1, view2 in loader:             # (B, C, H, W) normalised, on `device`
             ...
 
+One straight line; each stage imports only the stages before it:
+
+    sources/   what the images are: Fashion-MNIST, CIFAR-10, ImageFolder file lists (+ the
+               bad-file policy), synthetic data for tests and benchmarks
+    order.py   which images, in which batch, on which (global) rank; exact resume; the per-view
+               random numbers, a function of (seed, epoch, image index, view)
+    augment.py the recipe and its tensor, PIL and DALI implementations
+    loaders/   batches: tensor (in-memory), folder (PIL workers), dali (CPU/GPU pipelines)
+    here       build_pretrain_loader / build_eval_loader choose the source and the loader
+
 Sources (`data`):
   "fashion-mnist" (default, embedded: Debian package path or $NAC_FASHION_MNIST_DIR), or a
   directory holding the IDX files / a torchvision FashionMNIST root;
@@ -14,23 +24,24 @@ Sources (`data`):
   an ImageFolder root (train/ and val/ of class folders; a root of class folders is its own
   train split).
 Loaders (`loader`):
-  "torchvision": in-memory sources use batched tensor ops (memory.py); ImageFolders decode and
-      crop with PIL in DataLoader workers and do the colour ops batched (folder.py);
-  "dali-cpu" / "dali-gpu": ImageFolders only, NVIDIA DALI (dali.py);
+  "torchvision": in-memory sources use batched tensor ops (loaders/tensor.py); ImageFolders decode
+      and crop with PIL in DataLoader workers and do the colour ops batched (loaders/folder.py);
+  "dali-cpu" / "dali-gpu": ImageFolders only, NVIDIA DALI (loaders/dali.py);
   "auto": in-memory -> torchvision; ImageFolder -> dali-gpu if DALI and CUDA are there, dali-cpu
       if DALI is there, else torchvision.
 Every loader draws the same augmentation parameters from (seed, epoch, image index, view), shards
-by global rank with equal batch counts (drop_last), and yields the same batch format.
+by global rank with equal batch counts (drop_last), and yields the same batch format.  Bad
+ImageFolder files follow `on_bad_file` (sources/imagefolder.py): "warn" skips and counts them
+(loader.skipped_files), "error" stops naming them.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import cifar, fashion_mnist
 from .augment import Recipe, make_recipe
-from .memory import InMemorySource, TensorEvalLoader, TensorPretrainLoader
+from .loaders.tensor import TensorEvalLoader, TensorPretrainLoader
+from .sources import InMemorySource, resolve_source
+from .sources.imagefolder import check_policy
 
 LOADERS = ("auto", "torchvision", "dali-cpu", "dali-gpu")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -47,28 +58,7 @@ def dali_available() -> bool:
     return True
 
 
-def resolve_source(data, split: str = "train"):
-    """An InMemorySource, or an ImageFolder split (folder.FolderSource), for `data`."""
-    if not isinstance(data, (str, os.PathLike)):
-        raise TypeError(f"data must be a name or a path, got {type(data).__name__}")
-    data = os.fspath(data)
-    if data.lower() in ("fashion-mnist", "fashion_mnist", "fashionmnist"):
-        return fashion_mnist.load(None, split)
-    if data.lower() in ("cifar10", "cifar-10"):
-        raise ValueError(f"data: CIFAR-10 is not embedded; {cifar.HOW_TO_GET}")
-    if not os.path.isdir(data):
-        raise FileNotFoundError(
-            f"data: {data!r} is neither 'fashion-mnist' nor an existing directory (an ImageFolder "
-            f"root with train/ and val/, a CIFAR-10 python-batches dir, or Fashion-MNIST IDX files)")
-    if fashion_mnist.find_dir(data) is not None:
-        return fashion_mnist.load(data, split)
-    if cifar.find_dir(data) is not None:
-        return cifar.load(data, split)
-    from . import folder
-    return folder.FolderSource.from_root(data, split)
-
-
-def _check_common(batch_size, image_size, num_workers, dtype, channels_last):
+def _check_common(batch_size, image_size, num_workers, dtype, channels_last, on_bad_file):
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if image_size is not None and (not isinstance(image_size, int) or image_size < 8):
@@ -79,6 +69,7 @@ def _check_common(batch_size, image_size, num_workers, dtype, channels_last):
         raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype!r}")
     if not isinstance(channels_last, bool):
         raise TypeError(f"channels_last must be a bool, got {channels_last!r}")
+    check_policy(on_bad_file)          # in-memory sources have no files, but the same check
 
 
 def _pick_loader(loader, source, device):
@@ -108,11 +99,13 @@ def build_pretrain_loader(data="fashion-mnist", batch_size=256, rank=0, world_si
     Yields (view1, view2), each (batch_size, C, image_size, image_size) normalised `dtype` on
     `device` (channels_last memory format if asked; DALI's NHWC output is returned as that view
     without a copy).  len() = batches per epoch for this rank.  set_epoch(epoch, start_batch=0).
+    rank/world_size: the GLOBAL rank and the number of processes; batch_size is per rank.
     recipe: "small" | "imagenet" | "auto" (imagenet at >= 96 px); scale: crop area range, default
-    (0.08, 1).  on_bad_file (ImageFolders): "warn" skips an undecodable file with one warning
-    naming it, "error" raises.
+    (0.08, 1).  on_bad_file (ImageFolders): "warn" skips an unreadable file (counted in
+    loader.skipped_files, named in one warning), "error" raises naming it.  ValueError when
+    batch_size x world_size exceeds the data set (an epoch would have no batch).
     """
-    _check_common(batch_size, image_size, num_workers, dtype, channels_last)
+    _check_common(batch_size, image_size, num_workers, dtype, channels_last, on_bad_file)
     source = resolve_source(data, "train")
     size = image_size if image_size is not None else source.natural_size
     rec = make_recipe(recipe, size, scale)
@@ -121,10 +114,10 @@ def build_pretrain_loader(data="fashion-mnist", batch_size=256, rank=0, world_si
         return TensorPretrainLoader(source, batch_size, rank, world_size, seed, size, rec, device,
                                     channels_last, dtype)
     if kind == "torchvision":
-        from .folder import FolderPretrainLoader
+        from .loaders.folder import FolderPretrainLoader
         return FolderPretrainLoader(source, batch_size, rank, world_size, seed, size, rec, device,
                                     channels_last, dtype, num_workers, on_bad_file)
-    from .dali import DaliPretrainLoader
+    from .loaders.dali import DaliPretrainLoader
     return DaliPretrainLoader(source, batch_size, rank, world_size, seed, size, rec, device,
                               channels_last, dtype, num_workers, on_bad_file, gpu=kind == "dali-gpu")
 
@@ -135,14 +128,16 @@ def build_eval_loader(data="fashion-mnist", split="train", batch_size=256, rank=
     """(images, labels) batches in a fixed order, one centred view: in-memory sources are resized
     whole to image_size (identity at the natural size); ImageFolders are resized to
     image_size/0.875 on the short side and centre-cropped (224 <- 256).  Rank r gets every
-    world_size-th image (disjoint, covering the split; the last batch may be smaller)."""
-    _check_common(batch_size, image_size, num_workers, dtype, channels_last)
+    world_size-th image (disjoint, covering the split; the last batch may be smaller).
+    on_bad_file as for build_pretrain_loader (a skipped file's place is taken by the next
+    decodable file, with its label)."""
+    _check_common(batch_size, image_size, num_workers, dtype, channels_last, on_bad_file)
     if split not in ("train", "test", "val"):
         raise ValueError(f"split must be 'train' or 'test' ('val' is an alias), got {split!r}")
     source = resolve_source(data, "test" if split == "val" else split)
     size = image_size if image_size is not None else source.natural_size
     if isinstance(source, InMemorySource):
         return TensorEvalLoader(source, batch_size, rank, world_size, size, device, channels_last, dtype)
-    from .folder import FolderEvalLoader
+    from .loaders.folder import FolderEvalLoader
     return FolderEvalLoader(source, batch_size, rank, world_size, size, device, channels_last, dtype,
                             num_workers, on_bad_file)

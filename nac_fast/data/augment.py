@@ -1,11 +1,19 @@
-"""The two-view augmentation recipe: parameters, crop windows, and batched tensor ops.
+"""Stage 3 of the data path: what a view does to an image.  The recipe, its per-view parameters,
+and its three implementations (batched tensors, PIL, DALI), side by side.
 
-One recipe, three executors.  `view_params` turns counter-based uniforms (sampling.uniform) into
+sources -> order -> AUGMENT -> loaders.  Imports only order (for the counter-based uniforms).
+
+One recipe, three executors.  `view_params` turns counter-based uniforms (order.uniform) into
 per-sample parameters; the in-memory tensor loader, the torchvision ImageFolder loader and the DALI
 pipelines all consume exactly these parameters, so they agree on which crop, flip, jitter factors,
-grayscale and blur each (seed, epoch, image, view) gets.
+grayscale and blur each (seed, epoch, image, view) gets:
+  tensor (in-memory sources; the colour stage of the ImageFolder loader): resized_crop_flip,
+      colour_blur, normalize -> augment_batch; eval view center_resize;
+  PIL (ImageFolder decode workers): pil_crop_flip_views; eval view pil_center_crop;
+  DALI (ImageFolder, inside the pipeline graph): dali_param_batch feeds dali_views.
 
-Semantics (NAC paper, Experimental Details, = SimCLR/MoCo-v2 augmentations):
+Semantics (docs/math.md [M:recipe], the NAC paper's Experimental Details = SimCLR/MoCo-v2
+augmentations; each image gives the two views of [M:notation]):
   random resized crop, area scale (0.08, 1) (configurable), aspect ratio (3/4, 4/3); torchvision's
       algorithm (10 attempts, then a whole-image fallback) but with sub-pixel windows (no rounding:
       DALI's resize takes float ROIs, PIL's resize takes a float box, grid_sample is continuous);
@@ -18,6 +26,14 @@ Semantics (NAC paper, Experimental Details, = SimCLR/MoCo-v2 augmentations):
   grayscale p=0.2 (a no-op for 1-channel images);
   Gaussian blur p=0.5, sigma in [0.1, 2], kernel ~10% of the view (23 px at 224): "imagenet"
       recipe only; the "small" recipe (CIFAR, Fashion-MNIST) has none, as in the paper.
+Deviation of the DALI executor: DALI's hue rotates in the YIQ linear model, torchvision shifts HSV
+hue exactly; over the full recipe the views differ by 0.10-0.19 (mean |diff|, normalised units, at
+224-48 px) against ~0.007 with hue off, where the DALI and torchvision loaders agree to ~1 uint8
+level (tested).
+Eval views (no augmentation: the fixed features of docs/math.md [M:linear-probe], [M:knn]):
+in-memory images resized whole, ImageFolder images resized to size/0.875 on the short side and
+centre-cropped (224 <- 256).
+Timings of these implementations on the development machine: bench/results/data_timings.md.
 """
 from __future__ import annotations
 
@@ -27,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .sampling import uniform
+from .order import uniform
 
 CROP_ATTEMPTS = 10          # torchvision RandomResizedCrop tries 10 windows before falling back
 _GRAY = (0.299, 0.587, 0.114)   # ITU-R 601 luma, torchvision's rgb_to_grayscale weights
@@ -142,9 +158,9 @@ def crop_windows(params: dict, height, width, ratio_range) -> np.ndarray:
 class one_cpu_thread:
     """Run CPU tensor ops single-threaded, then restore the caller's thread count.
 
-    Why: the batches are small (Fashion-MNIST, batch 512: 14 ms of CPU for both views) and with
-    2 intra-op threads on a busy 2-core host the threads spin at every op's barrier: measured
-    here under load 6, 160 ms/batch with 2 threads vs 30 ms with 1.  A no-op on other devices.
+    Why: the batches are small (a few ms of one core for both views of a Fashion-MNIST batch) and
+    with several intra-op threads on a busy host the threads spin at every op's barrier (measured
+    on the 2-core development machine: bench/results/data_timings.md).  A no-op on other devices.
     """
 
     def __init__(self, device):
@@ -172,8 +188,8 @@ def _t(a, device, dtype=torch.float32):
 
 def resized_crop_flip(images: torch.Tensor, windows, flip, size: int) -> torch.Tensor:
     """Batched crop + bilinear resize + flip of same-sized float images (B,C,H,W) via one
-    grid_sample: ~1 ms for 512 Fashion-MNIST views on one core, versus ~40 ms for a per-sample
-    torchvision RandomResizedCrop loop (measured on this 2-core machine)."""
+    grid_sample, instead of a per-sample torchvision RandomResizedCrop loop (far slower:
+    bench/results/data_timings.md)."""
     B, _, H, W = images.shape
     win = _t(windows, images.device)
     fl = _t(flip, images.device)
@@ -198,7 +214,7 @@ def _shift_hue(x: torch.Tensor, hue: torch.Tensor) -> torch.Tensor:
     """torchvision's adjust_hue (RGB -> HSV, h += hue mod 1, -> RGB) for per-sample `hue` (B,),
     with the closed-form HSV->RGB  c_n = V - (V - min) * clamp(min(k, 4 - k), 0, 1),
     k = (n + 6h) mod 6, n = 5, 3, 1 for R, G, B: ~10 whole-tensor ops instead of torchvision's
-    ~40 (6x faster here: the torchvision-loader colour stage was dominated by hue)."""
+    ~40 (hue dominated the torchvision loader's colour stage; bench/results/data_timings.md)."""
     maxc, arg = x.max(dim=1, keepdim=True)
     minc = x.amin(dim=1, keepdim=True)
     cr = maxc - minc
@@ -295,3 +311,139 @@ def center_resize(images_u8: torch.Tensor, size: int) -> torch.Tensor:
         x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
     return x
 
+
+
+# --------------------------------------------------------------------------------------------
+# PIL (ImageFolder loader workers: decode, crop and flip per image; the colour stage is batched).
+# PIL is imported in the functions: the in-memory path runs without Pillow installed.
+# --------------------------------------------------------------------------------------------
+def to_uint8_chw(img) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
+
+
+def pil_crop_flip_views(img, recipe: Recipe, seed: int, epoch: int, index: int, size: int):
+    """Both views' crop and flip of one decoded PIL image: PIL resize with a float box (the window
+    of crop_windows, antialiased), then the flip.  Two uint8 (C, size, size) tensors."""
+    from PIL import Image
+    views = []
+    for view in (0, 1):
+        p = view_params(recipe, seed, epoch, np.array([index]), view)
+        x0, y0, w, h = crop_windows(p, img.height, img.width, recipe.ratio)[0].tolist()
+        v = img.resize((size, size), Image.BILINEAR, box=(x0, y0, x0 + w, y0 + h))
+        if p["flip"][0]:
+            v = v.transpose(Image.FLIP_LEFT_RIGHT)
+        views.append(to_uint8_chw(v))
+    return views[0], views[1]
+
+
+def pil_center_crop(img, size: int) -> torch.Tensor:
+    """Eval view of one decoded PIL image: short side resized to size/0.875, centre crop; uint8
+    CHW."""
+    from PIL import Image
+    short = round(size / 0.875)          # 256 -> 224, the ImageNet convention
+    scale = short / min(img.width, img.height)
+    w, h = max(size, round(img.width * scale)), max(size, round(img.height * scale))
+    img = img.resize((w, h), Image.BILINEAR)
+    left, top = (w - size) // 2, (h - size) // 2
+    return to_uint8_chw(img.crop((left, top, left + size, top + size)))
+
+
+# --------------------------------------------------------------------------------------------
+# DALI (inside the ImageFolder pipeline graph; `dali` is the nvidia.dali module, imported by the
+# DALI loader only)
+# --------------------------------------------------------------------------------------------
+DALI_PARAMS = ("area", "ratio", "ux", "uy", "flip", "brightness", "contrast", "saturation", "hue",
+               "jitter", "gray", "sigma", "window")
+
+
+def dali_param_batch(recipe: Recipe, seed: int, epoch: int, idx, view: int, size: int) -> list:
+    """External-source arrays for one view of one batch: for each name in DALI_PARAMS, a list of
+    one numpy array per sample (float32; the flags bool, the blur window int32)."""
+    p = view_params(recipe, seed, epoch, idx, view)
+    p["jitter"] = ((p["brightness"] != 1) | (p["contrast"] != 1) | (p["saturation"] != 1)
+                   | (p["hue"] != 0))
+    p["hue"] = p["hue"] * np.float32(360.0)                 # DALI takes degrees
+    p["flip"] = p["flip"].astype(np.float32)
+    p["window"] = np.minimum(2 * np.ceil(3 * p["sigma"]) + 1,
+                             recipe.blur_kernel(size)).astype(np.int32)
+    return [[np.ascontiguousarray(p[k][i]).reshape(np.shape(p[k][i]) or (1,))
+             for i in range(len(idx))] for k in DALI_PARAMS]
+
+
+def dali_views(dali, images, hw, params, recipe: Recipe, size: int, mean, std, out_dtype,
+               nhwc: bool, gpu: bool, arithmetic_contrast: bool) -> list:
+    """The two views of decoded `images` as DALI graph nodes (call inside a pipeline_def with
+    enable_conditionals=True).  hw: the images' (H, W) as FLOAT nodes; params: the 2 x
+    len(DALI_PARAMS) external-source nodes of dali_param_batch (view 0, then view 1).
+
+    The crop window (torchvision's 10-attempt RandomResizedCrop, as crop_windows) is evaluated in
+    the graph because the image size is only known there; resize with a float ROI (flip = reversed
+    x ROI), brightness and contrast about the view's grayscale mean (torchvision's contrast), hue
+    and saturation in one fn.hsv, grayscale as a second (saturation 0 = luma, exact in DALI's YIQ
+    colour model), Gaussian blur (imagenet recipe), and normalise to NHWC (channels-last: what the
+    model eats without a transpose) or NCHW float16/float32.  arithmetic_contrast: the GPU graph's
+    contrast by arithmetic (forced on the CPU by a test)."""
+    fn, types, dmath = dali.fn, dali.types, dali.math
+    rmin, rmax = (float(v) for v in recipe.ratio)
+    order = np.arange(CROP_ATTEMPTS, 0, -1, dtype=np.float32)    # attempt k scores K - k
+    H, W = hw[0], hw[1]
+
+    def on_dev(x):            # a per-sample CPU scalar as an operand of GPU image arithmetic
+        return x.gpu() if gpu else x
+
+    outs = []
+    n = len(DALI_PARAMS)
+    for view in (0, 1):
+        (area, ratio, ux, uy, flip, bright, contr, sat, hue, jitter, gray, sigma,
+         window) = params[n * view:n * view + n]
+        blur = sigma > 0
+        # torchvision RandomResizedCrop: first fitting attempt, else clamped whole image
+        a = H * W * area
+        w = dmath.sqrt(a * ratio)
+        h = dmath.sqrt(a / ratio)
+        valid = (w <= W) & (h <= H)
+        score = valid * types.Constant(order)
+        best = fn.reductions.max(score)
+        first = (score == best) & valid
+        anyv = best > 0
+        wc = anyv * fn.reductions.sum(w * first) + (1 - anyv) * dmath.min(W, H * rmax)
+        hc = anyv * fn.reductions.sum(h * first) + (1 - anyv) * dmath.min(H, W / rmin)
+        y0 = uy[0] * (H - hc)
+        x0 = ux[0] * (W - wc)
+        f = flip[0]
+        roi_start = fn.stack(y0, x0 + f * wc)
+        roi_end = fn.stack(y0 + hc, x0 + (1 - f) * wc)
+        v = fn.resize(images, size=[size, size], roi_start=roi_start, roi_end=roi_end,
+                      interp_type=types.INTERP_LINEAR, antialias=True)
+        # Conditionals (per-sample `if`): the 20% of views without jitter, the 80% without
+        # grayscale and the 50% without blur skip those ops; fn.hsv is the costliest CPU op
+        # here (one hsv pass for the jitter, not two: bench/results/data_timings.md).
+        if jitter[0]:
+            # torchvision: brightness, clamp, then contrast toward the grayscale mean of the
+            # brightened view (that clamp matters for bright images: without it the p99
+            # difference to torchvision was 0.25 normalised units, with it ~1 uint8 level)
+            v = fn.brightness_contrast(v, brightness=bright[0])
+            m = fn.reductions.mean(fn.cast(v, dtype=types.FLOAT), axes=[0, 1])
+            gray_mean = 0.299 * m[0] + 0.587 * m[1] + 0.114 * m[2]
+            if arithmetic_contrast:
+                # on the GPU the mean is a GPU value, and argument inputs (contrast_center)
+                # must live on the CPU: blend by arithmetic there
+                c = on_dev(contr[0])
+                v = fn.cast(dmath.clamp(c * v + (1.0 - c) * gray_mean, 0.0, 255.0),
+                            dtype=types.UINT8)          # cast rounds to nearest
+            else:   # cheaper on the CPU than the arithmetic (bench/results/data_timings.md)
+                v = fn.brightness_contrast(v, contrast=contr[0], contrast_center=gray_mean)
+            v = fn.hsv(v, hue=hue[0], saturation=sat[0])
+        if gray[0]:
+            # its own op, after the jitter's clamp to [0, 255] as in torchvision (folding it
+            # into the jitter's saturation left 0.12 p99 differences); saturation 0 = luma
+            v = fn.hsv(v, saturation=0.0)
+        if blur[0]:
+            # window min(torchvision's ~10% kernel, 2*ceil(3 sigma)+1): 3..13 taps at 224 px
+            # instead of 23; the dropped taps weigh < 0.3%
+            v = fn.gaussian_blur(v, sigma=sigma[0], window_size=window[0])
+        v = fn.crop_mirror_normalize(
+            v, dtype=out_dtype, output_layout="HWC" if nhwc else "CHW",
+            mean=[255.0 * x for x in mean], std=[255.0 * x for x in std])
+        outs.append(v)
+    return outs

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import torch
 
-from .memory import InMemorySource
+from .in_memory import InMemorySource
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 HOW_TO_GET = ("extract cifar-10-python.tar.gz (https://www.cs.toronto.edu/~kriz/cifar.html) and pass "

@@ -12,6 +12,8 @@ import torch
 
 
 class SyntheticPairLoader:
+    skipped_files = ()          # generated images: nothing to skip (the loaders' interface)
+
     def __init__(self, num_images=4096, batch_size=64, rank=0, world_size=1, seed=0,
                  image_size=32, in_channels=3, device="cpu", channels_last=False,
                  dtype=torch.float32):

@@ -1,6 +1,6 @@
 """Evaluation metrics on given (cached) feature tensors: kNN classification and a linear probe.
 
-    from nac_fast.eval_metrics import knn_accuracy, linear_probe
+    from nac_fast.eval.metrics import knn_accuracy, linear_probe
     acc = knn_accuracy(train_h, train_y, test_h, test_y, k=200, temperature=0.1)
     res = linear_probe(train_h, train_y, test_h, test_y)   # lr searched on a held-out split
     res.test_accuracy, res.best_lr, res.val_accuracy

@@ -50,10 +50,10 @@ import time
 
 import torch
 
-from .checkpoint import load_checkpoint, load_model, save_atomic
-from .data import build_eval_loader
-from .eval_metrics import knn_accuracy, linear_probe, retrieval_split
-from .hashing import code_statistics, mean_average_precision
+from ..train.checkpoint import load_checkpoint, load_model, save_atomic
+from ..data import build_eval_loader
+from .metrics import knn_accuracy, linear_probe, retrieval_split
+from ..ops.hamming import code_statistics, mean_average_precision
 
 TASKS = ("linear", "hash", "knn", "expressivity")
 FEATURE_FILE = "features_{}.pt"
@@ -199,7 +199,7 @@ def load_or_extract(args, model, data, split, limit, image_size, device, model_d
     path = os.path.join(args.out, FEATURE_FILE.format(split))
     if os.path.isfile(path):
         try:
-            cached = torch.load(path, map_location="cpu", weights_only=False)
+            cached = torch.load(path, map_location="cpu", weights_only=True)
         except Exception:  # a corrupt or foreign file is recomputed, not trusted
             cached = None
         if isinstance(cached, dict) and cached.get("meta") == meta:
@@ -424,7 +424,3 @@ def main(argv=None) -> int:
         fh.write(table)
     print(table)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

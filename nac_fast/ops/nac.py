@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backends import extension
+from .dispatch import extension
 from .reference import acc_dtype, reduce_rows
 
 _OPS: dict[str, tuple] = {}
@@ -78,7 +78,7 @@ def _register(name: str, fwd, bwd) -> None:
 
 def _ops(backend: str):
     if backend not in _OPS and backend == "triton":
-        from .kernels import nac_triton
+        from ..kernels import nac_triton
         _register("triton", nac_triton.nac_fwd_triton, nac_triton.nac_bwd_triton)
     return _OPS[backend]
 

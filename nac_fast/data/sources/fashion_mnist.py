@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import torch
 
-from .memory import InMemorySource
+from .in_memory import InMemorySource
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 MEAN, STD = (0.2860,), (0.3530,)        # per-pixel statistics of the 60k training images
@@ -73,7 +73,7 @@ def load(data=None, split="train") -> InMemorySource:
         where = repr(data) if data is not None else f"$NAC_FASHION_MNIST_DIR or {DEBIAN_DIR}"
         raise FileNotFoundError(f"data: no Fashion-MNIST IDX files found in {where}; {HOW_TO_GET}")
     key = (os.path.realpath(d), split)
-    if key not in _cache:        # decompressing the 26 MB train set takes ~0.3 s: do it once
+    if key not in _cache:        # decompress the 26 MB train set once per process
         pre = _PREFIX[split]
         img_p = _idx_path(d, f"{pre}-images-idx3-ubyte")
         lab_p = _idx_path(d, f"{pre}-labels-idx1-ubyte")

@@ -1,7 +1,7 @@
 """Write a PNG grid (one row per image: original | view 1 | view 2) to eyeball the augmentations.
 
-    python bench/show_augmentations.py --data fashion-mnist --out /tmp/aug.png
-    python bench/show_augmentations.py --data DIR --loader dali-cpu --size 224 --out /tmp/aug.png
+    python scripts/show_augmentations.py --data fashion-mnist --out /tmp/aug.png
+    python scripts/show_augmentations.py --data DIR --loader dali-cpu --size 224 --out /tmp/aug.png
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from PIL import ImageOps  # noqa: E402
 from torchvision.utils import save_image  # noqa: E402
 
 from nac_fast.data import LOADERS, build_pretrain_loader  # noqa: E402
-from nac_fast.data.folder import load_rgb  # noqa: E402
-from nac_fast.data.memory import InMemorySource  # noqa: E402
+from nac_fast.data.sources.imagefolder import load_rgb  # noqa: E402
+from nac_fast.data.sources import InMemorySource  # noqa: E402
 
 
 def _unnormalise(x, mean, std):

@@ -49,35 +49,50 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-class CodeQueue:
-    """FIFO of the M most recent momentum codes, a ring buffer with a write pointer.
+class CodeQueue(nn.Module):
+    """FIFO of the M most recent momentum codes (docs/math.md [M:mq]): a ring buffer with a write
+    pointer, both registered buffers, so state_dict(), .to() and DDP's buffer broadcast work as
+    for any module.
+
+        queue = CodeQueue(65536, 128, device="cuda", dtype=torch.bfloat16)
+        queue.enqueue(keys)          # (n, D) momentum codes, before the loss
+        queue.codes                  # (M, D), the loss's negatives
 
     Starts as zeros: an empty slot adds exp(0) = 1 to every query's partition sum and no gradient,
     so it is neutral until real codes overwrite it (after M / (2 x global batch) steps).
-    Enqueue writes at the pointer and wraps around the end of the buffer (one index_copy_, no
-    host sync: the pointer is a Python int).
+    Enqueue writes at the pointer and wraps around the end of the buffer: one index_copy_ and
+    the pointer kept on the device, so it never waits for the host.
 
     dtype: the codes' storage dtype.  Store them in the loss's compute dtype (the autocast dtype
     under AMP, bf16 on GPU: half the memory and no per-step conversion of the whole queue); codes
-    are tanh values in [-1, 1], so bf16 keeps 8 significant bits of each.  Checkpoints hold the
-    codes in this dtype and load into a queue of any floating dtype (converted on load).
+    are tanh values in [-1, 1], so bf16 keeps 8 significant bits of each.  A state dict's codes of
+    any floating dtype load into a queue of any floating dtype (converted on load).
     """
 
-    def __init__(self, size: int, dim: int, device=None, dtype=torch.float32):
+    codes: torch.Tensor
+    ptr: torch.Tensor
+
+    def __init__(self, size: int, dim: int, device=None, dtype: torch.dtype = torch.float32):
+        super().__init__()
         for name, v in (("size", size), ("dim", dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"queue {name} must be a positive int, got {v!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"queue dtype must be a floating torch.dtype, got {dtype!r}")
-        self.codes = torch.zeros(size, dim, device=device, dtype=dtype)
-        self.ptr = 0
+        self.register_buffer("codes", torch.zeros(size, dim, device=device, dtype=dtype))
+        self.register_buffer("ptr", torch.zeros((), device=device, dtype=torch.long))
 
     @property
     def size(self) -> int:
         return self.codes.shape[0]
 
+    def extra_repr(self) -> str:
+        return f"size={self.size}, dim={self.codes.shape[1]}, dtype={self.codes.dtype}"
+
     @torch.no_grad()
     def enqueue(self, keys: torch.Tensor) -> None:
+        if not isinstance(keys, torch.Tensor):
+            raise TypeError(f"keys must be a torch.Tensor, got {type(keys).__name__}")
         if keys.dim() != 2 or keys.shape[1] != self.codes.shape[1]:
             raise ValueError(f"keys must have shape (n, {self.codes.shape[1]}), "
                              f"got {tuple(keys.shape)}")
@@ -86,19 +101,19 @@ class CodeQueue:
             raise ValueError(f"cannot enqueue {n} keys into a queue of size {self.size}")
         idx = (self.ptr + torch.arange(n, device=self.codes.device)) % self.size
         self.codes.index_copy_(0, idx, keys.detach().to(self.codes.dtype))
-        self.ptr = (self.ptr + n) % self.size
+        self.ptr.add_(n).remainder_(self.size)
 
-    def state_dict(self) -> dict:
-        return {"codes": self.codes.detach().cpu().clone(), "ptr": self.ptr}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Codes of any floating dtype (e.g. a float32 queue into a bf16 one, or back): copied
-        into this queue's dtype and device."""
-        codes = state["codes"]
-        if tuple(codes.shape) != tuple(self.codes.shape):
-            raise ValueError(f"queue in the checkpoint has shape {tuple(codes.shape)}, this run "
-                             f"expects {tuple(self.codes.shape)} (--queue-size must match)")
-        if not codes.is_floating_point():
-            raise TypeError(f"queue codes in the checkpoint must be floating, got {codes.dtype}")
-        self.codes.copy_(codes)
-        self.ptr = int(state["ptr"])
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        codes = state_dict.get(prefix + "codes")
+        if codes is not None:
+            if tuple(codes.shape) != tuple(self.codes.shape):
+                raise ValueError(f"queue in the checkpoint has shape {tuple(codes.shape)}, this "
+                                 f"run expects {tuple(self.codes.shape)} (--queue-size must match)")
+            if not codes.is_floating_point():
+                raise TypeError(f"queue codes in the checkpoint must be floating, got {codes.dtype}")
+        ptr = state_dict.get(prefix + "ptr")
+        if ptr is not None and not isinstance(ptr, torch.Tensor):  # checkpoints before 0.2: an int
+            state_dict[prefix + "ptr"] = torch.tensor(int(ptr), dtype=torch.long)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)

@@ -1,7 +1,7 @@
 """Where can the in-batch NAC loss go?  Its value for idealised codes of a given magnitude.
 
-    python bench/nac_loss_floor.py                       # batch 256 images, D = 128, p = 0.1
-    python bench/nac_loss_floor.py --images 1000 --p 0.4
+    python scripts/nac_loss_floor.py                     # batch 256 images, D = 128, p = 0.1
+    python scripts/nac_loss_floor.py --images 1000 --p 0.4
 
 A newcomer who watches `train.py` sees the NAC loss start at D ln 2 (88.72 for D = 128) and
 move by tenths.  This script shows why: it evaluates the loss exactly as nac_fast.nac_loss
@@ -11,12 +11,13 @@ inference logits r an encoder could learn (the log-odds of the bit as seen throu
 r = log((1 + (1-2p) z) / (1 - (1 - 2p) z))).  Rows: the magnitude t, the contrastive part
 mean(lse - log n), the Bernoulli part -mean(bern), and the loss.
 
-At t = 0 the loss is D ln 2 whatever the encoder.  As t grows the Bernoulli term gains up to
-D (ln 2 - H(p)) but the self-similarity in the denominator, s z~_i . z_i ~ s t^2 D (1 - 2p),
-soon costs more than log n: for batch 256, D = 128, p = 0.1 the minimum is ~87.5 near t = 0.2,
-about 1.2 below the start, and fully saturated codes (t = 1) score ~149.  So a loss that moves
-from 88.72 towards 87.5 is the whole available range at this batch size, not a stalled run;
-judge training by the evaluation (linear probe, hash mAP) and the code statistics in the log.
+At t = 0 the loss is D ln 2 whatever the encoder (docs/math.md [M:z0]).  As t grows the
+Bernoulli term gains up to D (ln 2 - H(p)) but the self-similarity in the denominator,
+s z~_i . z_i ~ s t^2 D (1 - 2p), soon costs more than log n (docs/math.md [M:floor]): for batch
+256, D = 128, p = 0.1 the minimum is ~87.5 near t = 0.2, about 1.2 below the start, and fully
+saturated codes (t = 1) score ~149.  So a loss that moves from 88.72 towards 87.5 is the whole
+available range at this batch size, not a stalled run; judge training by the evaluation (linear
+probe, hash mAP) and the code statistics in the log.
 """
 from __future__ import annotations
 

@@ -1,4 +1,16 @@
-"""Epoch order, sharding by global rank, and counter-based per-sample randomness.
+"""Stage 2 of the data path: which images, in which batch, on which rank, and the randomness
+each view draws.
+
+sources -> ORDER -> augment -> loaders.  Imports nothing from nac_fast.data.
+
+  * epoch_permutation: the epoch's global order, a function of (seed, epoch) only, the same on
+    every rank;
+  * ShardedOrder: global batch k = perm[k*B*W:(k+1)*B*W], rank r (the GLOBAL rank) takes its r-th
+    slice of B, the < B*W remainder is dropped so every rank runs the same number of steps;
+  * EpochLoaderMixin: the epoch contract of every pretraining loader, len() and
+    set_epoch(epoch, start_batch) (exact resume: batch k of an epoch is the same whether the epoch
+    ran from 0 or restarted at k);
+  * uniform: the per-view random numbers, counter-based.
 
 Why counter-based: every random number a view needs is a pure function of
 (seed, epoch, dataset index, view, slot).  Nothing depends on the number of workers, the batch
@@ -70,8 +82,9 @@ class ShardedOrder:
         self.num_batches = num_images // (batch_size * world_size)
         if self.num_batches == 0:
             raise ValueError(
-                f"batch_size={batch_size} x world_size={world_size} exceeds the {num_images} "
-                "images of the data set: an epoch would have no batch")
+                f"batch_size={batch_size} per rank x world_size={world_size} = a global batch of "
+                f"{batch_size * world_size} images (train.py --batch-size) exceeds the "
+                f"{num_images} images of the data set: an epoch would have no batch")
 
     def rank_indices(self, epoch: int, start_batch: int = 0) -> np.ndarray:
         """(num_batches - start_batch, B) dataset indices of this rank, in batch order."""

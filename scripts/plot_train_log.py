@@ -1,7 +1,7 @@
 """Turn train.py's JSON-lines log into PNG curves.
 
-    python bench/plot_train_log.py runs/default/log.jsonl [--out runs/default/curves.png]
-    python bench/plot_train_log.py runs/nac/log.jsonl runs/simclr/log.jsonl --out cmp.png
+    python scripts/plot_train_log.py runs/default/log.jsonl [--out runs/default/curves.png]
+    python scripts/plot_train_log.py runs/nac/log.jsonl runs/simclr/log.jsonl --out cmp.png
 
 One panel per logged quantity (loss, lr, img/s, data wait, distinct codes, mean Hamming
 distance, bit balance, code saturation) against the step; several logs are overlaid, labelled

@@ -2,6 +2,7 @@
 
     save_atomic(state, path)      # temp file in the same directory, fsync, rename, fsync the dir
     latest_checkpoint(out_dir)    # out_dir/last.pt or None
+    ck = load_checkpoint(path)    # weights_only: tensors, numbers, strings, containers
     model = load_model(path)      # NACModel with the trained (online or momentum) weights
 
 A crash at any moment leaves either the previous checkpoint or the new one, never a torn file:
@@ -69,7 +70,11 @@ def resolve_resume(resume: str, out_dir: str) -> str | None:
 
 
 def capture_rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+    """Every RNG a run draws from, as tensors and Python ints only (what weights_only loads)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
              "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()  # this process's current device
@@ -78,16 +83,40 @@ def capture_rng_state() -> dict:
 
 def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    npst = state["numpy"]
+    if isinstance(npst, dict):
+        np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"],
+                             npst["has_gauss"], npst["cached"]))
+    else:  # a checkpoint written before 0.2: numpy's own tuple
+        np.random.set_state(npst)
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _numpy_globals() -> list:
+    """The numpy types a checkpoint written before 0.2 pickled (its numpy RNG state), allowed
+    for weights_only loading; nothing else outside torch's own allow-list."""
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core
+    out = [core.multiarray._reconstruct, np.ndarray, np.dtype]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        out.append(dtypes.UInt32DType)
+    return out
+
+
 def load_checkpoint(path: str, map_location="cpu") -> dict:
-    # weights_only=False: the checkpoint holds numpy/python RNG states and the config dict,
-    # written by this code; only load checkpoints you trust.
-    return torch.load(path, map_location=map_location, weights_only=False)
+    """A train.py checkpoint, loaded with weights_only=True: tensors, numbers, strings and
+    containers only (no code runs from the file).  A file that is not one raises ValueError
+    naming it."""
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {path!r}: no such file")
+    with torch.serialization.safe_globals(_numpy_globals()):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as exc:  # truncated, corrupt, or not a checkpoint of ours
+            raise ValueError(f"checkpoint {path!r} cannot be read: {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
 
 
 def load_model(path: str, which: str = "online", map_location="cpu"):

@@ -3,8 +3,9 @@
     nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto")
     nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto")
     nac_vi_loss(a, r, p, *, noise=None, reduction="mean")
+    NACLoss(p, ...)(a, r), NACMQLoss(p, l2=...)(a, r_hat, queue, r=...)     # nn.Module criteria
 
-Every backend computes the same function (NAC_SPEC.md); `nac_fast.reference` is the oracle.
+Every backend computes the same function (NAC_SPEC.md); `nac_fast.ops.reference` is the oracle.
 
 Host syncs: p, s and l2 stay Python numbers (pass p as a float: a tensor p is read with .item()),
 the noise seed is drawn on the inputs' device, and the data-reading value checks follow the policy
@@ -18,9 +19,12 @@ import math
 import os
 
 import torch
+import torch.nn as nn
 
-from . import _fused, reference
-from ._backends import resolve_backend
+from . import nac as _nac
+from . import reference
+from .dispatch import BACKENDS, resolve_backend
+from .noise import _draw, _scale, check_p, draw_noise
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -37,7 +41,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 # anywhere (a, r, keys, queue, noise) gives a NaN loss, +-inf in r a non-finite loss, +-inf in the
 # keys a non-finite loss or gradient; +-inf in a is a legitimate limit (tanh(+-inf) = +-1), not an
 # error.  Noise that is not +-1 goes into the formula unchecked.  train.py turns the checks off in
-# its training step (nac_fast.methods.step_value_checks) and checks the loss itself instead.
+# its training step (nac_fast.train.methods.step_value_checks) and checks the loss itself instead.
 _CHECK_ENV = "NAC_FAST_CHECK_INPUTS"
 
 
@@ -61,7 +65,7 @@ def value_checks_on(device) -> bool:
     traces, never on the meta device (no data)."""
     mode = CHECK_VALUES
     if mode is not True and mode is not False and mode != "auto":
-        raise ValueError(f"nac_fast.loss.CHECK_VALUES must be True, False or 'auto', got {mode!r}")
+        raise ValueError(f"nac_fast.ops.loss.CHECK_VALUES must be True, False or 'auto', got {mode!r}")
     dev = torch.device(device).type
     if mode is False or dev == "meta" or _compiling():
         return False
@@ -79,28 +83,6 @@ def value_checks(mode):
         yield
     finally:
         CHECK_VALUES = old
-
-
-def channel_scale(p: float) -> float:
-    """s = 1/2 log((1-p)/p), the scale of the symmetric channel's log-likelihood (s > 0)."""
-    return _scale(_check_p(p))
-
-
-def _scale(p: float) -> float:  # p already checked
-    return 0.5 * math.log((1.0 - p) / p)
-
-
-def _check_p(p) -> float:
-    if isinstance(p, torch.Tensor):
-        if p.numel() != 1:
-            raise TypeError(f"p must be a float in (0, 0.5), got a tensor of shape {tuple(p.shape)}")
-        p = p.item()
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
-        raise TypeError(f"p must be a float in (0, 0.5), got {type(p).__name__}")
-    p = float(p)
-    if not (0.0 < p < 0.5):
-        raise ValueError(f"p must lie in the open interval (0, 0.5), got {p}")
-    return p
 
 
 def _check_matrix(name: str, t, *, d: int | None = None, rows: int | None = None,
@@ -135,64 +117,9 @@ def _compiling() -> bool:
         return False
 
 
-def draw_noise(shape, p: float, *, device=None, dtype=torch.float32,
-               generator: torch.Generator | None = None) -> torch.Tensor:
-    """Channel noise m: each entry -1 with probability p, +1 otherwise.
-
-    A 64-bit seed is drawn from torch's RNG (``generator``, else the default generator of
-    ``device``), so ``torch.manual_seed`` reproduces it; the noise is then Philox4x32-10 of
-    (seed, element index) (:func:`noise_from_seed`), computed by the fused kernel of the device
-    when there is one.  Every backend computes the same bits from the same seed."""
-    if isinstance(shape, int):
-        shape = (shape,)
-    if (not isinstance(shape, (tuple, list, torch.Size))
-            or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in shape)):
-        raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-    return _draw(tuple(shape), _check_p(p), device=device, dtype=dtype, generator=generator)
-
-
-def _draw(shape, p: float, *, device=None, dtype=torch.float32, generator=None):  # p checked
-    device = torch.device("cpu") if device is None else torch.device(device)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    gdev = generator.device if generator is not None else device
-    seed = torch.randint(0, 2 ** 63 - 1, (1,), device=gdev, generator=generator)
-    like_dtype = dtype if dtype.is_floating_point else torch.float32
-    m = noise_from_seed(torch.empty(shape, device=device, dtype=like_dtype), seed.to(device), p)
-    return m if m.dtype == dtype else m.to(dtype)
-
-
-def noise_from_seed(like: torch.Tensor, seed: torch.Tensor, p: float, *,
-                    backend: str = "auto") -> torch.Tensor:
-    """The channel noise for ``seed``: a tensor of like's shape, (floating) dtype and device whose
-    flattened element e is -1 if uniform(Philox4x32-10(counter e, key seed)) < p, else +1.
-
-    ``seed``: a one-element int64 tensor (on like's device: a GPU never waits for the host).
-    ``backend``: "auto" (the device's fused kernel, else the reference) or one of "reference"
-    (torch ops, nac_fast.reference.philox_noise), "cpu"/"cuda" (the compiled op
-    nac_fast::nac_noise, csrc/nac_noise.cpp / nac_cuda.cu), "triton"
-    (kernels/nac_noise_triton.py).  All give the same bits."""
-    if not isinstance(like, torch.Tensor) or not like.is_floating_point():
-        raise TypeError("like must be a floating-point torch.Tensor")
-    if not isinstance(seed, torch.Tensor) or seed.numel() != 1 or seed.dtype != torch.int64:
-        raise TypeError("seed must be a one-element int64 torch.Tensor")
-    if seed.device != like.device:
-        raise ValueError(f"seed is on {seed.device} but like is on {like.device}")
-    p = _check_p(p)
-    backend = resolve_backend(backend, like)  # the losses' choice: every backend has this op
-    if backend == "reference":
-        return reference.philox_noise(like, seed, p)
-    if backend == "triton":
-        from .kernels.nac_noise_triton import nac_noise_triton
-        return nac_noise_triton(like, seed, p)
-    return torch.ops.nac_fast.nac_noise(like, seed, p)
-
-
 def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):
     """Validate the common arguments; returns (p, s, noise in a's dtype)."""
-    p = _check_p(p)
+    p = check_p(p)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     _check_matrix("a", a)
@@ -246,7 +173,7 @@ def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"
     impl = resolve_backend(backend, a)
     if impl == "reference":
         return reference.nac_loss_reference(a, r, noise, s, keys=keys, reduction=reduction)
-    return _fused.nac_fused(impl, a, r, noise, keys, s, 0.0, reduction)
+    return _nac.nac_fused(impl, a, r, noise, keys, s, 0.0, reduction)
 
 
 def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto"):
@@ -269,7 +196,7 @@ def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", bac
     if impl == "reference":
         return reference.nac_mq_loss_reference(a, r_hat, queue, noise, s, l2=float(l2),
                                                reduction=reduction)
-    return _fused.nac_fused(impl, a, r_hat, noise, queue, s, float(l2), reduction)
+    return _nac.nac_fused(impl, a, r_hat, noise, queue, s, float(l2), reduction)
 
 
 def nac_vi_loss(a, r, p, *, noise=None, reduction="mean"):
@@ -296,3 +223,86 @@ def _autocast_off(device_type: str):
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+# ---- criteria (nn.Module API, lightly/MoCo style) -------------------------------------------
+
+def _check_reduction(reduction) -> str:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    return reduction
+
+
+class NACLoss(nn.Module):
+    """In-batch NAC as a criterion (docs/math.md [M:inbatch]).
+
+        criterion = nac_fast.NACLoss(p=0.1)
+        loss = criterion(a, r)                 # a: head pre-activations, r: the other view's logits
+        loss = criterion(a, r, keys=gathered)  # negatives from every rank, with gradient
+
+    p: the channel's flip probability in (0, 0.5); reduction: "mean" | "sum" | "none";
+    backend: "auto" | "reference" | "cpu" | "triton" | "cuda" (nac_fast.available_backends()).
+    forward(a, r, keys=None, noise=None) is nac_loss with these settings.
+    """
+
+    def __init__(self, p: float = 0.1, *, reduction: str = "mean", backend: str = "auto"):
+        super().__init__()
+        self.p = check_p(p)
+        self.reduction = _check_reduction(reduction)
+        self.backend = _check_backend_name(backend)
+
+    def forward(self, a: torch.Tensor, r: torch.Tensor, keys: torch.Tensor | None = None,
+                noise: torch.Tensor | None = None) -> torch.Tensor:
+        return nac_loss(a, r, self.p, keys=keys, noise=noise, reduction=self.reduction,
+                        backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, reduction={self.reduction!r}, backend={self.backend!r}"
+
+
+class NACMQLoss(nn.Module):
+    """NAC with a momentum queue as a criterion (docs/math.md [M:mq], [M:vi]).
+
+        criterion = nac_fast.NACMQLoss(p=0.1, l2=0.1)
+        queue.enqueue(momentum_keys)                         # nac_fast.CodeQueue, before the loss
+        loss = criterion(a, r_hat, queue, r=r_online)        # MQ term + the VI term, one noise
+
+    queue: a (M, D) tensor of momentum codes or a CodeQueue (its codes; no gradient reaches
+    them).  r_hat: the momentum inference network's logits.  r: optional logits of the online
+    inference network on detached inputs; when given, its VI term (nac_vi_loss) is added with the
+    same channel sample.  l2: lambda of lambda ||z||^2 (0.1 in the paper).
+    """
+
+    def __init__(self, p: float = 0.1, *, l2: float = 0.1, reduction: str = "mean",
+                 backend: str = "auto"):
+        super().__init__()
+        self.p = check_p(p)
+        if isinstance(l2, bool) or not isinstance(l2, (int, float)) or not math.isfinite(l2) \
+                or l2 < 0:
+            raise ValueError(f"l2 must be a finite float >= 0, got {l2!r}")
+        self.l2 = float(l2)
+        self.reduction = _check_reduction(reduction)
+        self.backend = _check_backend_name(backend)
+
+    def forward(self, a: torch.Tensor, r_hat: torch.Tensor, queue,
+                r: torch.Tensor | None = None,
+                noise: torch.Tensor | None = None) -> torch.Tensor:
+        codes = getattr(queue, "codes", queue)
+        if r is not None and noise is None:
+            noise = draw_noise(a.shape, self.p, device=a.device, dtype=a.dtype)
+        loss = nac_mq_loss(a, r_hat, codes, self.p, l2=self.l2, noise=noise,
+                           reduction=self.reduction, backend=self.backend)
+        if r is not None:
+            loss = loss + nac_vi_loss(a, r, self.p, noise=noise, reduction=self.reduction)
+        return loss
+
+    def extra_repr(self) -> str:
+        return (f"p={self.p}, l2={self.l2}, reduction={self.reduction!r}, "
+                f"backend={self.backend!r}")
+
+
+def _check_backend_name(backend) -> str:
+    names = BACKENDS + ("auto",)
+    if not isinstance(backend, str) or backend not in names:
+        raise ValueError(f"backend must be one of {names}, got {backend!r}")
+    return backend

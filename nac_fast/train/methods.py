@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from . import distributed as nd
-from . import loss as _loss
-from .hashing import code_statistics
-from .loss import draw_noise, nac_loss, nac_mq_loss, nac_vi_loss
+from ..ops import loss as _loss
+from ..ops.hamming import code_statistics
+from ..ops.loss import nac_loss, nac_mq_loss, nac_vi_loss
+from ..ops.noise import draw_noise
 from .models import swap_halves
 
 METHODS = ("nac", "nac-mq", "simclr")
@@ -56,7 +57,7 @@ def loss_dtype(t: torch.Tensor) -> torch.dtype:
 
 def step_value_checks():
     """The loss-input value checks of a training step, as train.py runs it: a context manager
-    that turns the data-reading checks (NaN/inf, noise +-1; nac_fast.loss.CHECK_VALUES) off, since
+    that turns the data-reading checks (NaN/inf, noise +-1; nac_fast.ops.loss.CHECK_VALUES) off, since
     train.py checks the loss itself (NaN and inf inputs reach it) without a host sync per step.
     NAC_FAST_CHECK_INPUTS=1 (CHECK_VALUES True) keeps them on, on every device."""
     return _loss.value_checks(True if _loss.CHECK_VALUES is True else False)
@@ -126,8 +127,8 @@ def simclr_step(model, x, tau=0.5):
 
 @torch.no_grad()
 def code_stats(a: torch.Tensor) -> dict:
-    """Expressivity of the batch's hash codes c = sgn(a) (nac_fast.hashing's convention, 0 -> +1),
-    from nac_fast.hashing.code_statistics (exact, O(nD)):
+    """Expressivity of the batch's hash codes c = sgn(a) (nac_fast.ops.hamming's convention, 0 -> +1),
+    from nac_fast.ops.hamming.code_statistics (exact, O(nD)):
     distinct_frac  number of distinct codes / rows (1.0 = every row has its own code),
     mean_hamming   mean Hamming distance over pairs i != j (D/2 for random codes),
     bit_balance    1 - mean_d |2 q_d - 1|, q_d = fraction of +1 in bit d (1 = every bit 50/50,

@@ -1,6 +1,6 @@
 """Hamming-space retrieval and code statistics for NAC's binary codes c = sgn(a).
 
-    import nac_fast.hashing as H
+    import nac_fast.ops.hamming as H
     m = H.mean_average_precision(query_codes, query_labels, gallery_codes, gallery_labels)
     d, idx = H.topk(query_codes, gallery_codes, k=100)       # nearest first, ties by gallery index
     d, idx = H.rank(query_codes, gallery_codes)              # the full ranking (Q x G)
@@ -41,7 +41,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import _backends
+from . import dispatch
 
 __all__ = [
     "PackedCodes", "CodeStatistics", "pack_codes", "unpack_codes", "hamming_distance", "topk",
@@ -49,7 +49,6 @@ __all__ = [
     "available_backends",
 ]
 
-_BACKENDS = ("auto", "cpu", "triton", "reference")
 # The C++ kernel stores distances as uint16; 1023 words is the most that fits.
 MAX_BITS = 1023 * 64
 # The reference backend works on this many (query, gallery) pairs at a time (int64/float64
@@ -74,53 +73,27 @@ class PackedCodes(NamedTuple):
 # Backend choice
 # --------------------------------------------------------------------------------------------
 
-_OPS = ("hamming_cdist", "hamming_topk", "hamming_average_precision")
-
-
-def _cpu_kernel_available() -> bool:
-    # The ops are registered by importing nac_fast._C (built from csrc/hamming.cpp by setup.py).
-    _backends.extension()
-    ns = torch.ops.nac_fast
-    return all(hasattr(ns, op) for op in _OPS)
-
-
 def _triton_kernels():
-    """kernels/hamming_triton.py (the Triton backend's import status is nac_fast._backends')."""
-    from .kernels import hamming_triton
+    """kernels/hamming_triton.py (whether it imports: nac_fast.ops.dispatch)."""
+    from ..kernels import hamming_triton
     return hamming_triton
 
 
 def available_backends(device: str | torch.device = "cpu") -> list[str]:
-    """Backends that can run for tensors on ``device``."""
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-    dev = torch.device(device).type
-    out = ["reference"]
-    if dev == "cpu" and _cpu_kernel_available():
-        out.append("cpu")
-    if dev in ("cpu", "cuda") and _backends.triton_runs_on(dev) and _backends.triton_importable():
-        out.append("triton")
-    return out
+    """Backends of the Hamming engine that can run for tensors on ``device``."""
+    return dispatch.available_backends(device, op="hamming")
 
 
-def _resolve_backend(backend, device: torch.device, nbits: int | None = None) -> str:
-    if not isinstance(backend, str) or backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    avail = available_backends(device)
-    if backend == "auto":
-        if device.type == "cuda":
-            if "triton" in avail and (nbits is None or nbits <= _triton_kernels().MAX_BITS):
-                return "triton"
+def _resolve_backend(backend, words: torch.Tensor, nbits: int | None = None) -> str:
+    """The dispatcher's choice for the packed words' device; codes wider than the Triton
+    kernels' limit go to the reference under "auto" and are refused by an explicit "triton"."""
+    be = dispatch.resolve_backend(backend, words, op="hamming")
+    if be == "triton" and nbits is not None and nbits > _triton_kernels().MAX_BITS:
+        if backend == "auto":
             return "reference"  # torch ops, chunked, no host round trip
-        return "cpu" if "cpu" in avail else "reference"
-    if backend not in avail:
-        raise ValueError(f"backend {backend!r} is not available for {device.type} tensors here; "
-                         f"available: {avail} (the 'cpu' backend needs the compiled extension "
-                         "nac_fast._C; 'triton' needs CUDA tensors, or TRITON_INTERPRET=1)")
-    if backend == "triton" and nbits is not None and nbits > _triton_kernels().MAX_BITS:
         raise ValueError(f"backend 'triton' handles codes of at most "
                          f"{_triton_kernels().MAX_BITS} bits, got {nbits}; use 'reference'")
-    return backend
+    return be
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,7 +362,7 @@ def hamming_distance(query_codes, gallery_codes, *, zero_one: bool = False,
     This materialises Q x G integers: meant for small sets and tests.  Use :func:`topk` or
     :func:`mean_average_precision` on large ones."""
     q, g = _pair(query_codes, gallery_codes, zero_one)
-    be = _resolve_backend(backend, q.words.device)
+    be = _resolve_backend(backend, q.words)
     if be == "cpu":
         return torch.ops.nac_fast.hamming_cdist(q.words, g.words)
     if be == "triton":
@@ -409,7 +382,7 @@ def topk(query_codes, gallery_codes, k: int, *, zero_one: bool = False, backend:
         raise TypeError(f"k must be an int, got {type(k).__name__}")
     if not 1 <= k <= G:
         raise ValueError(f"k must be in [1, {G}] (the gallery size), got {k}")
-    be = _resolve_backend(backend, q.words.device)
+    be = _resolve_backend(backend, q.words)
     if be == "cpu":
         return torch.ops.nac_fast.hamming_topk(q.words, g.words, k)
     if be == "triton":
@@ -465,7 +438,7 @@ def average_precision(query_codes, query_labels, gallery_codes, gallery_labels, 
                          "must both be (n,) class ids or both (n, L) multi-hot with the same L")
     if ql.device != q.words.device or gl.device != q.words.device:
         raise ValueError("labels must be on the same device as the codes")
-    be = _resolve_backend(backend, q.words.device, q.nbits)
+    be = _resolve_backend(backend, q.words, q.nbits)
     if be == "cpu":
         if ql.dim() == 2:  # multi-hot -> packed words, relevance = (q & g) != 0
             ql, gl = _pack_bits(ql), _pack_bits(gl)

@@ -1,40 +1,30 @@
-"""Loaders for data sets that fit in memory as one uint8 array (Fashion-MNIST, CIFAR-10).
+"""Loaders for data sets held in memory as one uint8 tensor (Fashion-MNIST, CIFAR-10).
+
+sources -> order -> augment -> LOADERS.  A batch: ShardedOrder gives this rank's dataset indices,
+one index gather takes their images, augment_batch makes each view with batched tensor ops
+(grid_sample crop + flip, colour, normalise).
 
 Why no DataLoader: the whole array is a few tens of MB, so a batch is one index gather plus a
-handful of batched tensor ops (grid_sample crop, colour, normalise) in the training process itself
-— on the training device when that is a GPU.  For Fashion-MNIST, batch 512, both views take
-~10-14 ms of one CPU core here (~40k two-view images/s), far more than a CPU-trained encoder
-consumes, with no worker processes to start or to compete with the training for the 2 cores.
+handful of batched tensor ops in the training process itself (on the training device when that
+is a GPU): no worker processes to start or to compete with the training for the CPU cores, and
+on one CPU core far more two-view images per second than a CPU-trained encoder consumes
+(bench/results/data_timings.md).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .augment import Recipe, augment_batch, center_resize, normalize, one_cpu_thread
-from .sampling import EpochLoaderMixin, ShardedOrder
-
-
-@dataclass
-class InMemorySource:
-    name: str
-    images: torch.Tensor        # (N, C, H, W) uint8
-    labels: torch.Tensor        # (N,) int64
-    mean: tuple
-    std: tuple
-    num_classes: int
-
-    @property
-    def natural_size(self) -> int:
-        return int(self.images.shape[-1])
+from ..augment import Recipe, augment_batch, center_resize, normalize, one_cpu_thread
+from ..order import EpochLoaderMixin, ShardedOrder
+from ..sources.in_memory import InMemorySource
 
 
 class TensorPretrainLoader(EpochLoaderMixin):
     """Two-view pretraining batches from an InMemorySource (see nac_fast.data for the contract)."""
 
     kind = "tensor"
+    skipped_files = ()          # nothing to skip: the arrays were checked when they were read
 
     def __init__(self, source: InMemorySource, batch_size: int, rank: int, world_size: int, seed: int,
                  image_size: int, recipe: Recipe, device, channels_last: bool, dtype):
@@ -68,6 +58,7 @@ class TensorEvalLoader:
     natural size); rank r takes indices r, r+W, ... so ranks are disjoint and cover the split."""
 
     kind = "tensor"
+    skipped_files = ()
 
     def __init__(self, source: InMemorySource, batch_size: int, rank: int, world_size: int,
                  image_size: int, device, channels_last: bool, dtype):

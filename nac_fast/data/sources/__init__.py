@@ -1,0 +1,45 @@
+"""Stage 1 of the data path: what the images are.
+
+sources -> order -> augment -> loaders.  Imports nothing else from nac_fast.data.
+
+  fashion_mnist   Fashion-MNIST IDX files (the embedded default: Debian package
+                  dataset-fashion-mnist, $NAC_FASHION_MNIST_DIR, or a directory), in memory
+  cifar           CIFAR-10 python batches, in memory
+  in_memory       InMemorySource: what those two load into (one uint8 tensor + labels)
+  imagefolder     FolderSource: an ImageFolder's file list and labels; PIL decoding; the bad-file
+                  policy shared by the ImageFolder loaders
+  synthetic       write_jpeg_folder: JPEG ImageFolders for tests and benchmarks
+  synthetic_pairs SyntheticPairLoader: generated two-view batches (`--data synthetic[:N]`), a
+                  source that is its own loader (it needs no order, augment or loader stage)
+
+resolve_source(data, split) picks the source for a `data` argument.
+"""
+from __future__ import annotations
+
+import os
+
+from . import cifar, fashion_mnist
+from .imagefolder import FolderSource
+from .in_memory import InMemorySource
+
+__all__ = ["resolve_source", "InMemorySource", "FolderSource"]
+
+
+def resolve_source(data, split: str = "train"):
+    """An InMemorySource, or an ImageFolder split (FolderSource), for `data`."""
+    if not isinstance(data, (str, os.PathLike)):
+        raise TypeError(f"data must be a name or a path, got {type(data).__name__}")
+    data = os.fspath(data)
+    if data.lower() in ("fashion-mnist", "fashion_mnist", "fashionmnist"):
+        return fashion_mnist.load(None, split)
+    if data.lower() in ("cifar10", "cifar-10"):
+        raise ValueError(f"data: CIFAR-10 is not embedded; {cifar.HOW_TO_GET}")
+    if not os.path.isdir(data):
+        raise FileNotFoundError(
+            f"data: {data!r} is neither 'fashion-mnist' nor an existing directory (an ImageFolder "
+            f"root with train/ and val/, a CIFAR-10 python-batches dir, or Fashion-MNIST IDX files)")
+    if fashion_mnist.find_dir(data) is not None:
+        return fashion_mnist.load(data, split)
+    if cifar.find_dir(data) is not None:
+        return cifar.load(data, split)
+    return FolderSource.from_root(data, split)

@@ -1,0 +1,163 @@
+"""ImageFolder sources (ImageNet layout): the file list, how a file becomes an image, and what
+happens to a file that does not.
+
+Layout: root/train/<class>/<image> and root/val/<class>/<image>; a root made of class folders is
+its own train split.  The scan validates every file's magic bytes once (16 bytes read, threaded),
+so DALI's decoders never meet a non-image.
+
+Bad files, one policy for every ImageFolder loader (`on_bad_file`, train.py --on-bad-file):
+  "warn" (default): skip the file and count it.  A file that fails the scan (not an image, or a
+      corrupt header) is left out of the data set; a file that passes the scan but fails to
+      decode later (e.g. a truncated JPEG) is replaced, wherever the epoch order puts it, by the
+      next decodable file of the data set (so every batch stays full and every rank runs the same
+      number of steps).  Each skipped file is named in one RuntimeWarning per process and listed
+      in the loader's `skipped_files`.
+  "error": stop with a ValueError naming the file(s): at loader construction for the scan, at the
+      batch that meets the file for a decode failure.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+HOW_TO_GET = ("pass data=<root> with train/<class>/*.JPEG and val/<class>/*.JPEG (ImageNet: "
+              "download ILSVRC2012 from image-net.org and sort val/ into class folders)")
+BAD_FILE_POLICIES = ("warn", "error")
+_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"BM", b"II*\x00", b"MM\x00*")
+_scan_cache: dict = {}
+_warned: set = set()          # files already named in a warning by this process
+
+
+def _is_image_header(head: bytes) -> bool:
+    return head.startswith(_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
+
+
+def _read_head(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read(16)
+    except OSError:
+        return b""
+
+
+@dataclass
+class FolderSource:
+    name: str
+    root: str
+    files: list           # absolute paths, class-major, sorted
+    labels: np.ndarray    # (N,) int64
+    classes: list
+    bad_files: list       # dropped at scan time
+    mean: tuple = IMAGENET_MEAN
+    std: tuple = IMAGENET_STD
+    natural_size: int = 224
+    in_channels: int = 3
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @classmethod
+    def from_root(cls, root, split="train"):
+        root = os.path.abspath(root)
+        if os.path.isdir(os.path.join(root, "train")):
+            sub = "train" if split == "train" else next(
+                (s for s in ("val", "test") if os.path.isdir(os.path.join(root, s))), None)
+            if sub is None:
+                raise FileNotFoundError(f"data: {root} has train/ but no val/ (or test/) for the "
+                                        f"{split!r} split; {HOW_TO_GET}")
+            d = os.path.join(root, sub)
+        elif split == "train":
+            d = root
+        else:
+            raise FileNotFoundError(f"data: {root} is a bare folder of classes, it has no val/ "
+                                    f"for the {split!r} split; {HOW_TO_GET}")
+        key = (os.path.realpath(d),)
+        if key not in _scan_cache:
+            _scan_cache[key] = cls._scan(d)
+        return _scan_cache[key]
+
+    @classmethod
+    def _scan(cls, d):
+        classes = sorted(e.name for e in os.scandir(d) if e.is_dir() and not e.name.startswith("."))
+        if not classes:
+            raise ValueError(f"data: {d} contains no class folders; {HOW_TO_GET}")
+        files, labels, odd = [], [], []
+        for k, c in enumerate(classes):
+            entries = sorted(e.path for e in os.scandir(os.path.join(d, c))
+                             if e.is_file() and not e.name.startswith("."))
+            imgs = [p for p in entries if p.lower().endswith(IMAGE_EXTENSIONS)]
+            odd += [p for p in entries if not p.lower().endswith(IMAGE_EXTENSIONS)]
+            if not imgs:
+                raise ValueError(f"data: class folder {os.path.join(d, c)} holds no images "
+                                 f"({', '.join(IMAGE_EXTENSIONS)}); remove it or add images")
+            files += imgs
+            labels += [k] * len(imgs)
+        # header check: 16 bytes per file, threads because it is I/O-bound (ImageNet: 1.28M files)
+        with ThreadPoolExecutor(16) as ex:
+            ok = [_is_image_header(h) for h in ex.map(_read_head, files, chunksize=256)]
+        bad = odd + [p for p, good in zip(files, ok) if not good]
+        keep = np.flatnonzero(ok)
+        return cls(name=os.path.basename(os.path.dirname(d.rstrip("/"))) or d, root=d,
+                   files=[files[i] for i in keep], labels=np.asarray(labels, np.int64)[keep],
+                   classes=classes, bad_files=bad)
+
+
+def check_policy(on_bad_file):
+    if on_bad_file not in BAD_FILE_POLICIES:
+        raise ValueError(f"on_bad_file must be one of {BAD_FILE_POLICIES}, got {on_bad_file!r}")
+
+
+class BadFiles:
+    """One loader's bad-file policy (see the module docstring) and the files it skipped."""
+
+    def __init__(self, on_bad_file):
+        check_policy(on_bad_file)
+        self.policy = on_bad_file
+        self.skipped: list = []           # distinct paths, in the order they were met
+
+    def report(self, paths, why):
+        """Skip `paths` ("warn": count them, one warning naming the ones this process has not
+        named yet) or raise naming them ("error")."""
+        new = [p for p in dict.fromkeys(paths) if p not in self.skipped]
+        if not new:
+            return
+        if self.policy == "error":
+            raise ValueError(f"data: {why}: {_names(new)} (on_bad_file='warn', train.py "
+                             "--on-bad-file warn, skips and counts them)")
+        self.skipped += new
+        unwarned = [p for p in new if p not in _warned]
+        if unwarned:
+            _warned.update(unwarned)
+            warnings.warn(f"nac_fast.data: skipping {len(unwarned)} {why}: {_names(unwarned)}",
+                          RuntimeWarning, stacklevel=3)
+
+
+def _names(paths):
+    return ", ".join(paths[:20]) + (f" and {len(paths) - 20} more" if len(paths) > 20 else "")
+
+
+def load_rgb(path):
+    """A file as an RGB PIL image (PIL imported here: only the ImageFolder loaders need it)."""
+    from PIL import Image
+    with Image.open(path) as im:
+        return im.convert("RGB")
+
+
+def decode_or_next(files, i):
+    """(image, j, bad): file i decoded, or if it fails the next decodable file j (cyclically);
+    `bad` lists the indices that failed on the way.  The one substitution rule of every loader."""
+    bad = []
+    for k in range(len(files)):
+        j = (i + k) % len(files)
+        try:
+            return load_rgb(files[j]), j, bad
+        except Exception:          # PIL raises OSError, SyntaxError, ValueError... on bad data
+            bad.append(j)
+    raise ValueError(f"data: none of the {len(files)} files could be decoded")

@@ -1,0 +1,10 @@
+"""The NAC ops: the Python side of every kernel, one file per op (docs/math.md).
+
+    dispatch.py   the one backend dispatcher (reference / cpu / triton / cuda) of every op
+    reference.py  plain PyTorch: the oracle, fallback and baseline of the fused ops
+    noise.py      the channel: scale s and the seeded Philox noise        kernels: csrc/nac_noise.cpp, nac_cuda.cu, kernels/nac_noise_triton.py
+    nac.py        the fused NAC loss op: torch.library registration, autograd, fake impls
+                                                                           kernels: csrc/nac_cpu.cpp, nac_cuda.cu, kernels/nac_triton.py
+    loss.py       the public losses: nac_loss / nac_mq_loss / nac_vi_loss and NACLoss / NACMQLoss
+    hamming.py    the Hamming retrieval engine and code statistics      kernels: csrc/hamming.cpp, kernels/hamming_triton.py
+"""

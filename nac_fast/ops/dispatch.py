@@ -1,0 +1,189 @@
+"""The one backend dispatcher of nac_fast's ops: which backends this install can run for each op,
+why the others cannot, and the choice behind backend="auto".
+
+    available_backends(device=None, op="nac")              # ['reference', 'cpu', ...]
+    available_backends(device, op="hamming", reasons=True)  # {backend: None or why not}
+    resolve_backend(backend, tensor, op="nac")               # what runs for this tensor
+
+Ops and their backends:
+    "nac"      the fused NAC losses: reference, cpu (csrc/nac_cpu.cpp), triton
+               (kernels/nac_triton.py), cuda (csrc/nac_cuda.cu)
+    "noise"    the channel noise from a seed: reference, cpu, triton, cuda
+    "hamming"  the Hamming retrieval engine: reference, cpu (csrc/hamming.cpp), triton
+               (kernels/hamming_triton.py)
+
+The compiled extension `nac_fast._C` is optional: without it the package works on the reference
+backend (and Triton on GPU) and warns once, at import.  The Triton kernels are the subpackage
+`nac_fast.kernels` (the top-level kernels/ folder of the source tree); when they fail to import
+where they would run, that warns once with the exception and `reasons=True` gives it.  Every
+answer is settled once per process (functools.cache, the package's one caching idiom) and read
+through `torch._dynamo.assume_constant_result`, so `torch.compile` sees constants.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import warnings
+
+import torch
+
+BACKENDS = ("reference", "cpu", "triton", "cuda")
+OPS = {  # op -> (backends, the torch.ops.nac_fast op the compiled backends register)
+    "nac": (BACKENDS, "nac_fwd"),
+    "noise": (BACKENDS, "nac_noise"),
+    "hamming": (("reference", "cpu", "triton"), "hamming_cdist"),
+}
+_TRITON_MODULES = ("nac_triton", "nac_noise_triton", "hamming_triton")
+
+
+def _build_note(name: str):
+    """What setup.py recorded in nac_fast/_build_info.py (generated at build time) under `name`,
+    or None: the true reason the extension is missing, the torch it was compiled against."""
+    try:
+        info = importlib.import_module("nac_fast._build_info")
+    except ImportError:
+        return None
+    return getattr(info, name, None)
+
+
+try:
+    from .. import _C  # noqa: F401  (loading it registers the torch.ops.nac_fast ops)
+    _C_ERROR = None
+except ImportError as _exc:  # pragma: no cover - depends on the install
+    _C = None
+    if importlib.util.find_spec("nac_fast._C") is None:  # Python's message blames a circular import
+        _C_ERROR = _build_note("EXTENSION") or (
+            "not built: no nac_fast/_C*.so in "
+            f"{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}")
+    else:
+        _C_ERROR = f"{type(_exc).__name__}: {_exc}"
+        if _build_note("TORCH") not in (None, torch.__version__):
+            _C_ERROR += (f"; it was compiled against torch {_build_note('TORCH')}, this is torch "
+                         f"{torch.__version__}: rebuild it")
+    warnings.warn(f"nac_fast: compiled extension not available ({_C_ERROR}); the fused 'cpu' and "
+                  "'cuda' backends are off, 'reference' (and 'triton' on GPU) still work. Build it "
+                  "with: pip install --no-build-isolation -e .", RuntimeWarning, stacklevel=2)
+
+
+def extension():
+    """The compiled extension module, or None when it is not built."""
+    return _C
+
+
+def cuda_extension_built() -> bool:
+    return _C is not None and bool(_C.built_with_cuda())
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_runs_on(device_type: str) -> bool:
+    """Triton kernels run on CUDA tensors with a GPU, on CPU tensors under the interpreter
+    ("any": either).  Import availability is checked separately."""
+    return ((torch.cuda.is_available() and device_type in ("any", "cuda"))
+            or (triton_interpreted() and device_type in ("any", "cpu")))
+
+
+@functools.cache
+def triton_import_error() -> str | None:
+    """None when the Triton kernels (nac_fast.kernels.*) import; else the exception, as text.
+    Tried once per process; a failure warns once."""
+    for name in _TRITON_MODULES:
+        try:
+            importlib.import_module(f"nac_fast.kernels.{name}")
+        except Exception as exc:  # any failure: a missing triton, a broken install, a bug
+            err = f"importing nac_fast.kernels.{name} failed: {type(exc).__name__}: {exc}"
+            warnings.warn(f"nac_fast: the Triton backend is off: {err}", RuntimeWarning,
+                          stacklevel=2)
+            return err
+    return None
+
+
+def triton_importable() -> bool:
+    return triton_import_error() is None
+
+
+def _check_op(op) -> None:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {tuple(OPS)}, got {op!r}")
+
+
+def _reason(backend: str, device_type: str, op: str) -> str | None:
+    """Why `backend` cannot run `op` on `device_type` ("cpu", "cuda", "any") here, or None."""
+    backends, compiled_op = OPS[op]
+    if backend not in backends:
+        return f"op {op!r} has no {backend!r} backend (its backends: {list(backends)})"
+    if backend == "reference":
+        return None
+    if backend == "triton":
+        if not triton_runs_on(device_type):
+            return ("Triton needs CUDA tensors and a visible GPU, or CPU tensors with "
+                    "TRITON_INTERPRET=1 set before triton is imported")
+        return triton_import_error()
+    if backend == "cpu" and device_type not in ("any", "cpu"):
+        return "the 'cpu' backend runs on CPU tensors only"
+    if backend == "cuda":
+        if device_type not in ("any", "cuda"):
+            return "the 'cuda' backend runs on CUDA tensors only"
+        if not torch.cuda.is_available():
+            return "no CUDA GPU is visible"
+    if _C is None:
+        return f"the compiled extension nac_fast._C did not load ({_C_ERROR})"
+    if not hasattr(torch.ops.nac_fast, compiled_op):
+        return f"nac_fast._C loaded but registered no nac_fast::{compiled_op} op"
+    if backend == "cuda" and not cuda_extension_built():
+        return ("nac_fast._C was built without the CUDA kernels ("
+                + (_build_note("CUDA") or "no nvcc / CUDA torch at build time")
+                + "; NAC_FAST_FORCE_CUDA=1 makes that an error)")
+    return None
+
+
+@torch._dynamo.assume_constant_result
+def _available(device_type: str, op: str = "nac") -> tuple:
+    return _available_cached(device_type, op)
+
+
+@functools.cache
+def _available_cached(device_type: str, op: str) -> tuple:
+    return tuple(b for b in OPS[op][0] if _reason(b, device_type, op) is None)
+
+
+def _device_type(device) -> str:
+    if device is None:
+        return "any"
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    return torch.device(device).type
+
+
+def available_backends(device: str | torch.device | None = None, *, op: str = "nac",
+                       reasons: bool = False) -> list[str] | dict[str, str | None]:
+    """Backends of `op` usable on `device` ("cpu", "cuda", ...); None = on any device of this
+    machine.  reasons=True: a dict of every backend of the op -> None if usable, else why not."""
+    dt = _device_type(device)
+    _check_op(op)
+    if reasons:
+        return {b: _reason(b, dt, op) for b in OPS[op][0]}
+    return list(_available(dt, op))
+
+
+def resolve_backend(backend, t: torch.Tensor, op: str = "nac") -> str:
+    """Map the user's `backend` to the implementation of `op` that runs for tensor `t`.  "auto":
+    the fused kernel of t's device (CPU: cpu; GPU: triton, then cuda), else the reference."""
+    _check_op(op)
+    names = OPS[op][0] + ("auto",)
+    if not isinstance(backend, str) or backend not in names:
+        raise ValueError(f"backend must be one of {names}, got {backend!r}; available here: "
+                         f"{available_backends(op=op)}")
+    avail = _available(t.device.type, op)
+    if backend == "auto":
+        order = ("triton", "cuda") if t.device.type == "cuda" else ("cpu",)
+        return next((b for b in order if b in avail), "reference")
+    if backend not in avail:
+        raise ValueError(f"backend {backend!r} is not available for {t.device.type} tensors in "
+                         f"this install ({_reason(backend, t.device.type, op)}); available: "
+                         f"{list(avail)}")
+    return backend

@@ -1,0 +1,97 @@
+"""The NAC channel: its scale s and its noise m, drawn from a seed (docs/math.md [M:channel],
+[M:scale], [M:philox]).
+
+    s = channel_scale(p)                         # 1/2 log((1 - p) / p)
+    m = draw_noise((n, D), p)                    # +-1, -1 with probability p; seeded by torch's RNG
+    m = noise_from_seed(like, seed, p)           # the same bits on every backend
+
+The noise is Philox4x32-10 of (seed, element index): the compiled op nac_fast::nac_noise
+(csrc/nac_noise.cpp, csrc/nac_cuda.cu), the Triton kernel (kernels/nac_noise_triton.py) and the
+torch reference (nac_fast.ops.reference.philox_noise) compute the same bits, tested bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import reference
+from .dispatch import resolve_backend
+
+
+def channel_scale(p: float) -> float:
+    """s = 1/2 log((1-p)/p), the scale of the symmetric channel's log-likelihood (s > 0)."""
+    return _scale(check_p(p))
+
+
+def _scale(p: float) -> float:  # p already checked
+    return 0.5 * math.log((1.0 - p) / p)
+
+
+def check_p(p) -> float:
+    """p as a float in (0, 0.5), or ValueError/TypeError naming p."""
+    if isinstance(p, torch.Tensor):
+        if p.numel() != 1:
+            raise TypeError(f"p must be a float in (0, 0.5), got a tensor of shape {tuple(p.shape)}")
+        p = p.item()
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"p must be a float in (0, 0.5), got {type(p).__name__}")
+    p = float(p)
+    if not (0.0 < p < 0.5):
+        raise ValueError(f"p must lie in the open interval (0, 0.5), got {p}")
+    return p
+
+
+def draw_noise(shape, p: float, *, device=None, dtype=torch.float32,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """Channel noise m: each entry -1 with probability p, +1 otherwise.
+
+    A 64-bit seed is drawn from torch's RNG (``generator``, else the default generator of
+    ``device``), so ``torch.manual_seed`` reproduces it; the noise is then Philox4x32-10 of
+    (seed, element index) (:func:`noise_from_seed`), computed by the fused kernel of the device
+    when there is one.  Every backend computes the same bits from the same seed."""
+    if isinstance(shape, int):
+        shape = (shape,)
+    if (not isinstance(shape, (tuple, list, torch.Size))
+            or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in shape)):
+        raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    return _draw(tuple(shape), check_p(p), device=device, dtype=dtype, generator=generator)
+
+
+def _draw(shape, p: float, *, device=None, dtype=torch.float32, generator=None):  # p checked
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    gdev = generator.device if generator is not None else device
+    seed = torch.randint(0, 2 ** 63 - 1, (1,), device=gdev, generator=generator)
+    like_dtype = dtype if dtype.is_floating_point else torch.float32
+    m = noise_from_seed(torch.empty(shape, device=device, dtype=like_dtype), seed.to(device), p)
+    return m if m.dtype == dtype else m.to(dtype)
+
+
+def noise_from_seed(like: torch.Tensor, seed: torch.Tensor, p: float, *,
+                    backend: str = "auto") -> torch.Tensor:
+    """The channel noise for ``seed``: a tensor of like's shape, (floating) dtype and device whose
+    flattened element e is -1 if uniform(Philox4x32-10(counter e, key seed)) < p, else +1.
+
+    ``seed``: a one-element int64 tensor (on like's device: a GPU never waits for the host).
+    ``backend``: "auto" (the device's fused kernel, else the reference) or one of "reference"
+    (torch ops, nac_fast.ops.reference.philox_noise), "cpu"/"cuda" (the compiled op
+    nac_fast::nac_noise, csrc/nac_noise.cpp / nac_cuda.cu), "triton"
+    (kernels/nac_noise_triton.py).  All give the same bits."""
+    if not isinstance(like, torch.Tensor) or not like.is_floating_point():
+        raise TypeError("like must be a floating-point torch.Tensor")
+    if not isinstance(seed, torch.Tensor) or seed.numel() != 1 or seed.dtype != torch.int64:
+        raise TypeError("seed must be a one-element int64 torch.Tensor")
+    if seed.device != like.device:
+        raise ValueError(f"seed is on {seed.device} but like is on {like.device}")
+    p = check_p(p)
+    backend = resolve_backend(backend, like, op="noise")
+    if backend == "reference":
+        return reference.philox_noise(like, seed, p)
+    if backend == "triton":
+        from ..kernels.nac_noise_triton import nac_noise_triton
+        return nac_noise_triton(like, seed, p)
+    return torch.ops.nac_fast.nac_noise(like, seed, p)

@@ -1,0 +1,44 @@
+"""scripts/: the tools that are not benchmarks.  nac_loss_floor.py's figures are the ones
+docs/math.md [M:z0] and [M:floor] (and the README) quote."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import nac_loss_floor  # noqa: E402
+
+
+@pytest.mark.parametrize("images,D,p", [(4, 16, 0.1), (256, 128, 0.1), (3, 7, 0.4)])
+def test_loss_at_zero_is_d_ln_2(images, D, p):
+    """[M:z0]: at z = 0 every logit is 0, so lse - log n = 0, and r = 0 makes -bern = D ln 2."""
+    c, b, total = nac_loss_floor.loss_at(0.0, images, D, p, torch.Generator().manual_seed(0))
+    assert c == pytest.approx(0.0, abs=1e-12)
+    assert b == pytest.approx(D * math.log(2), rel=1e-12)
+    assert total == pytest.approx(D * math.log(2), rel=1e-12)
+
+
+def test_floor_figures_quoted_in_the_docs(capsys):
+    """[M:floor] for batch 256, D = 128, p = 0.1: the minimum is ~87.5 near t = 0.2, about 1.2
+    below D ln 2 = 88.72, and saturated codes (t = 1) score ~149."""
+    g = torch.Generator().manual_seed(0)
+    at = {t: nac_loss_floor.loss_at(t, 256, 128, 0.1, g)[2] for t in (0.15, 0.2, 0.25, 1.0)}
+    assert at[0.2] == pytest.approx(87.5, abs=0.1)
+    assert at[0.2] < min(at[0.15], at[0.25])
+    assert 128 * math.log(2) - at[0.2] == pytest.approx(1.2, abs=0.1)
+    assert at[1.0] == pytest.approx(149, abs=1.0)
+    nac_loss_floor.main(["--images", "8", "--dim", "16", "--magnitudes", "0,0.5"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith(f"D ln 2 = {16 * math.log(2):.3f}")
+    assert out[-1].startswith("lowest: ") and len(out) == 5
+
+
+@pytest.mark.parametrize("argv", [["--p", "0.5"], ["--images", "0"], ["--magnitudes", "0,2"],
+                                  ["--magnitudes", "a"]])
+def test_bad_flags(argv):
+    with pytest.raises(SystemExit) as e:
+        nac_loss_floor.main(argv)
+    assert e.value.code == 2
