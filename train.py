@@ -11,25 +11,26 @@ Several machines: the same command on every node plus torchrun's rendezvous flag
 Recipes are TOML files of flag values (configs/; nac_fast/train/config.py resolves them): an
 ImageFolder root gets configs/imagenet.toml, other data configs/fashion_mnist.toml, and any flag
 on the command line overrides the recipe.  --batch-size is GLOBAL (all processes).  Outputs in
---out: last.pt (checkpoint), log.jsonl (and tensorboard/ with --tensorboard), config.json.
-Resume with the same command plus --resume.  Evaluate: python -m nac_fast.eval --checkpoint
-OUT/last.pt.  The objectives: docs/math.md; the parts: nac_fast/train/.
+--out: last.pt and prev.pt (the newest checkpoint and the one before), log.jsonl (and
+tensorboard/ with --tensorboard), config.json.  Resume with the same command plus --resume
+(a larger --max-steps extends the run); under torchrun --max-restarts=K a restarted worker group
+resumes by itself.  Exit status: 0 done, 2 bad flags or checkpoint, 3 non-finite loss, 4 a
+checkpoint could not be written (README "Fault tolerance").  Evaluate: python -m nac_fast.eval
+--checkpoint OUT/last.pt.  The objectives: docs/math.md; the parts: nac_fast/train/.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 
 import torch
 
 from nac_fast.train import distributed as nd
-from nac_fast.train.checkpoint import resolve_resume
 from nac_fast.train.config import build_parser, parse
-from nac_fast.train.methods import code_stats
+from nac_fast.train.methods import code_stats, collapse_warning, learning_stats, zero_code_loss
 from nac_fast.train.monitor import LossWatch, RunLog
-from nac_fast.train.run import build, resume, save, train_step
+from nac_fast.train.run import (RunStopped, build, print_main, save, start, stop_non_finite,
+                                train_step)
 
 
 def main(argv=None) -> int:
@@ -39,31 +40,20 @@ def main(argv=None) -> int:
     try:
         try:
             st = build(args, di)
-            path = resolve_resume(args.resume, args.out) if args.resume else None
-            if path:
-                ck = resume(st, path)
+            start(st)  # --resume, or by itself in a restarted torchrun worker group
         except ValueError as exc:
             parser.error(str(exc))
-        if path:
-            print_main(di, f"resumed from {path} at step {st.step} (epoch {ck['epoch']}, "
-                           f"batch {ck['batch']})")
-        return train(st, resumed=bool(path))
+        except RunStopped as exc:
+            print_main(di, exc, file=sys.stderr)
+            return exc.status
+        return train(st)
     finally:
         if nd.is_dist():
             torch.distributed.destroy_process_group()
 
 
-def print_main(di, *a, **k):
-    if di.is_main:
-        print(*a, **k)
-
-
-def train(st, resumed: bool) -> int:
+def train(st) -> int:
     args, di, run = st.args, st.di, st.run
-    if di.is_main:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "config.json"), "w") as f:
-            json.dump(st.cfg, f, indent=1, default=str)
     print_main(di, f"NAC pretraining: method={args.method} arch={args.arch} data={args.data} "
                    f"({st.loader.num_images} images, {st.loader.image_size}px, "
                    f"{st.loader.in_channels} ch) recipe={args.recipe} world={di.world_size} "
@@ -71,13 +61,15 @@ def train(st, resumed: bool) -> int:
                    f"steps={run.total_steps} ({run.steps_per_epoch}/epoch, warm-up "
                    f"{run.warmup_steps}) amp={run.amp}")
     stop = min(run.total_steps, args.stop_at_step or run.total_steps)
-    log = RunLog(args.out, di.is_main, tensorboard=args.tensorboard, append=resumed,
+    log = RunLog(args.out, di.is_main, tensorboard=args.tensorboard, append=bool(st.resumed_from),
                  progress_total=run.total_steps if args.progress else None, initial=st.step)
     watch = LossWatch(st.step, di.device)  # the loss stays on the device between log points
     st.net.train()
     if st.mom_model is not None:
         st.mom_model.train()
     status, last_loss, step, spe = 0, None, st.step, run.steps_per_epoch
+    zero_loss = zero_code_loss(args.method, args.code_dim, args.batch_size)
+    warned = args.method == "simclr"  # the collapse warning (once): NAC's codes only
     win_t, win_wait, win_img, t_start = time.perf_counter(), 0.0, 0, time.perf_counter()
     while step < stop and status == 0:
         st.loader.set_epoch(step // spe, start_batch=step % spe)
@@ -106,24 +98,32 @@ def train(st, resumed: bool) -> int:
             # to here did update the weights in memory: the step never waits to read its loss).
             bad = watch.first_non_finite()
             if bad is not None:
-                later = f" (found at step {step})" if bad[0] != step else ""
-                kept = st.ckpt_path if os.path.exists(st.ckpt_path) else "none"
-                print_main(di, f"\nnon-finite loss ({bad[1]}) at step {bad[0]}{later}; stopping. "
-                               f"Last good checkpoint kept: {kept}", file=sys.stderr)
-                status = 3
+                status = stop_non_finite(st, bad, step)
                 break
             if log_due or step == stop:
                 last_loss, loss_avg = watch.read_window(loss)  # waits for the window's work
                 dt = time.perf_counter() - win_t
-                log.write({"step": step, "epoch": (step - 1) // spe, "loss": last_loss,
-                           "loss_avg": loss_avg, "elapsed_s": round(time.perf_counter() - t_start, 3),
-                           "lr": lr_now, "img_per_s": win_img / dt, "data_wait": win_wait / dt,
-                           **(code_stats(a[: a.shape[0] // 2]) if di.is_main else {})})
+                rec = {"step": step, "epoch": (step - 1) // spe, "loss": last_loss,
+                       "loss_avg": loss_avg, "elapsed_s": round(time.perf_counter() - t_start, 3),
+                       "lr": lr_now, "img_per_s": win_img / dt, "data_wait": win_wait / dt}
+                if di.is_main:  # statistics of this rank's view-1 rows (a host read: log points)
+                    k = a.shape[0] // 2
+                    rec.update(code_stats(a[:k]))
+                    rec.update(learning_stats(a[:k], None if st.last_r is None else st.last_r[:k],
+                                              last_loss, zero_loss))
+                log.write(rec)
+                warning = None if warned else collapse_warning(step, run.warmup_steps, rec,
+                                                               args.collapse_warn)
+                if warning:
+                    print(warning, file=sys.stderr, flush=True)
+                    warned = True
                 win_t, win_wait, win_img = time.perf_counter(), 0.0, 0
             if save_due or step == stop:
                 t_save = time.perf_counter()
-                save(st, step)
+                status = save(st, step)  # 0, or 4 on every rank when it could not be written
                 win_t += time.perf_counter() - t_save  # img/s measures training, not saving
+                if status:
+                    break
     first_loss = watch.first_loss() if status == 0 else None
     log.close()
     if status == 0:

@@ -1,24 +1,18 @@
-// Hamming engine of nac_fast: exact Hamming distances, top-k / full ranking and retrieval average
-// precision (AP over the whole ranking, ties broken by gallery index) on packed binary codes.
+// Hamming engine of nac_fast (CPU): exact Hamming distances [M:hamming], top-k / full ranking with
+// ties by gallery index [M:rank], and retrieval AP over the whole ranking [M:ap] by counting sort
+// [M:ap-count], on packed binary codes (labels: docs/math.md).
 //
-// Codes arrive packed by nac_fast.hashing.pack_codes: (n, W) int64, bit j of a code is bit j % 64
-// of word j / 64, a set bit means +1, padding bits are 0 (so they never add to a distance).
+// Codes arrive packed by nac_fast.ops.hamming.pack_codes (PackedCodes, [M:hamming]): (n, W) int64,
+// padding bits 0 (so they never add to a distance).
 //
-// Why this is fast without a Q x G matrix: a distance takes only W*64+1 values.  For one query we
-// compute the G distances block by block (AVX-512 VPOPCNTDQ when the CPU has it, chosen at run
-// time; the build itself targets plain x86-64), and during one pass in gallery-index order keep a
-// per-distance count.  Sorting by (distance, gallery index) is a counting sort, so the rank of
-// item j at distance d is (#items at distance < d) + (#items at distance d before j) + 1; the
-// second term is the running count at the moment we meet j.  We record (d, running count) for the
-// relevant items only, and after the pass turn counts into prefix sums: AP is exact, in O(G) time
-// and O(G) memory per thread, with no sort and no float matrix.
+// For one query the G distances are computed block by block (AVX-512 VPOPCNTDQ when the CPU has
+// it, chosen at run time; the build itself targets plain x86-64), and one pass in gallery-index
+// order keeps a per-distance count and records (d, running count) for the relevant items only;
+// the counts become prefix sums after the pass [M:ap-count].  AP is exact, in O(G) time and O(G)
+// memory per thread, with no sort and no float Q x G matrix.
 //
-// Measured on this project's 2-core AVX-512 Xeon (shared with other jobs), one thread, 400
-// queries x 50,000 random 128-bit codes, 10 classes: AP costs 1.09 ns per (query, item) at
-// simd level 2, 2.03 at level 1, 4.34 at level 0 (before the AVX-512 relevance masks and the
-// per-relevant-item positions of accumulate_avx512, level 2 measured 1.65).  The paper-size
-// protocol (10,000 x 50,000 x 128) on 2 threads: see bench/bench_hamming.py and
-// bench/results/hamming_cpu.csv.
+// Timings per simd level and of the paper-size protocol: bench/results/cpu_micro.md ("Hamming
+// engine") and bench/results/hamming_cpu.csv (python bench/bench_hamming.py).
 //
 // Ops (schemas below, CPU kernels only; a GPU kernel can register under the CUDA key later):
 //   hamming_cdist(query, gallery, simd)                               -> int32 (Q, G)
@@ -171,7 +165,8 @@ DistFn pick_dist(int64_t simd) {
 void check_codes(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "hamming: ", name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kLong, "hamming: ", name,
-              " must be packed int64 words (nac_fast.hashing.pack_codes), got ", t.scalar_type());
+              " must be packed int64 words (nac_fast.ops.hamming.pack_codes), got ",
+              t.scalar_type());
   TORCH_CHECK(t.dim() == 2, "hamming: ", name, " must be 2-D (n, words), got ", t.dim(), "-D");
   TORCH_CHECK(t.size(1) >= 1, "hamming: ", name, " must have at least one word per code");
   // Distances are stored as uint16: at most 65535 bits, i.e. 1023 words.
@@ -190,7 +185,8 @@ void check_pair(const at::Tensor& q, const at::Tensor& g) {
 at::Tensor word_major(const at::Tensor& g) { return g.t().contiguous(); }
 
 int64_t grain_for(int64_t G) {
-  // Enough queries per task that a task costs >~ 1e5 pair evaluations (~50 us here).
+  // Enough queries per task that a task costs >~ 1e5 pair evaluations, so at::parallel_for's
+  // per-task overhead is negligible next to the work.
   return std::max<int64_t>(1, 100000 / std::max<int64_t>(G, 1));
 }
 
@@ -284,9 +280,9 @@ std::tuple<at::Tensor, at::Tensor> hamming_topk_cpu(const at::Tensor& query_in,
 // Average precision over the whole ranking
 // ---------------------------------------------------------------------------------------------
 
-// Relevance of gallery items [j0, j0+n) to one query: portable, as 0/1 bytes (with relevance
-// bits the scalar path measured 2.66 instead of 2.09 ns/item); AVX-512, as a bit mask (bit j % 64
-// of word j / 64, bits past n are 0), 8 items per compare.
+// Relevance of gallery items [j0, j0+n) to one query [M:relevance]: portable, as 0/1 bytes (the
+// scalar path was slower with relevance bits: bench/results/cpu_micro.md); AVX-512, as a bit mask
+// (bit j % 64 of word j / 64, bits past n are 0), 8 items per compare.
 struct SingleLabel {  // class ids: relevant = same class
   const int64_t* gl;
   const int64_t* ql;
@@ -358,8 +354,7 @@ struct MultiLabel {  // packed multi-hot words: relevant = shares at least one l
 // before it) to rec_d / rec_p.  Returns the new number of records.
 //
 // Portable version.  Branch-free: the record is always written and kept only when the item is
-// relevant (a branch mispredicts on ~10%-relevant CIFAR-10-like data: 1.45 vs 0.86 ns/item in a
-// standalone microbenchmark on this Xeon).
+// relevant (a branch mispredicts on ~10%-relevant CIFAR-10-like data; bench/results/cpu_micro.md).
 int64_t accumulate_scalar(const uint16_t* d, const uint8_t* r, int64_t n, uint32_t* cnt,
                           uint16_t* rec_d, uint32_t* rec_p, int64_t nrel) {
   for (int64_t j = 0; j < n; ++j) {
@@ -375,10 +370,10 @@ int64_t accumulate_scalar(const uint16_t* d, const uint8_t* r, int64_t n, uint32
 
 #if NAC_HAMMING_X86
 // AVX-512 version, per 64 items: when few are relevant (<= 16), update the histogram with a
-// tight loop (0.3 ns/item) and find each relevant item's position as cnt[x] at the chunk start
-// plus the items of distance x before it in the chunk (two 32-lane compares and a popcount);
-// otherwise fall back to the branch-free loop.  Microbenchmark, 10% relevant: 0.52 vs 0.86
-// ns/item.  d must be readable for 64 items from every multiple of 64 below n (the block
+// tight loop and find each relevant item's position as cnt[x] at the chunk start plus the items
+// of distance x before it in the chunk (two 32-lane compares and a popcount); otherwise fall back
+// to the branch-free loop (timings: bench/results/cpu_micro.md).  d must be readable for 64 items
+// from every multiple of 64 below n (the block
 // buffer is kBlock long, a multiple of 64; lanes at or past n are masked out of the count).
 __attribute__((target("avx512f,avx512bw,popcnt"))) int64_t accumulate_avx512(
     const uint16_t* d, const u64* m, int64_t n, uint32_t* cnt, uint16_t* rec_d, uint32_t* rec_p,
@@ -464,9 +459,9 @@ void ap_loop(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t W, Dist
         rs += relcnt[x];
         relcnt[x] = 0;  // reused below as "relevant items of distance x seen so far"
       }
-      // Relevant item r at distance x with position p in its bucket: rank = before[x] + p + 1,
-      // relevant items ranked at or before it = relbefore[x] + (its index among bucket x's
-      // relevant items) + 1; records are in gallery order, the same order as within the bucket.
+      // rank and hits of docs/math.md [M:ap-count]: before[x] and relbefore[x] are the sums over
+      // distances e < x, rec_p[r] + 1 and seen count within bucket x; records are in gallery
+      // order, the same order as within the bucket.
       double sum = 0.0;
       for (int64_t r = 0; r < nrel; ++r) {
         const uint16_t x = rec_d[r];

@@ -2,7 +2,7 @@
 // registers them (nac_cpu.cpp, nac_noise.cpp, nac_cuda.cu), so a direct torch.ops call with a bad
 // argument is a RuntimeError naming that argument ("nac_fast: lse must be ..."), never an
 // out-of-bounds read or memory read as the wrong type.  User-facing ValueError/TypeError messages
-// for the public functions live in nac_fast/loss.py, which checks before it calls these ops.
+// for the public functions live in nac_fast/ops/loss.py, which checks before it calls these ops.
 //
 // What every kernel may then assume:
 //   device      every tensor argument is on a's device (CUDA: the same CUDA device, so the

@@ -1,20 +1,12 @@
-// Fused CPU kernels of the NAC losses: forward (with the rows' d/da) and backward.
-//
-// Math (NAC_SPEC.md; per-element helpers and their derivation in nac_math.h):
-//   q_i = s * m_i * tanh(a_i)                    queries, (n, D)
-//   k_j = keys_j, or tanh(a_j) when keys=None    keys, (N, D)
-//   lse_i  = log sum_j exp(q_i . k_j)
-//   loss_i = lse_i - log N - bern_i + l2 ||z_i||^2
-//   nac_fwd also returns, when asked, d loss_i / d a_i through the row's own query, Bernoulli and
-//   l2 terms: it needs only A_i = sum_j P_ij k_j, which the forward accumulates flash-attention
-//   style, so the backward of that part is a scaling by the upstream gradient g_i;
-//   nac_bwd: d/dr (elementwise), d/dk_j sum_i g_i loss_i = sum_i g_i P_ij q_i (recomputing P from
-//   the saved lse, tile by tile), and d/da = g * (the forward's part) [+ the self keys' part].
+// Fused CPU kernels of the NAC losses (docs/math.md [M:rows], [M:passes]): nac_fwd (loss rows,
+// lse and, when asked, ga [M:ga], by the online logsumexp [M:lse-online]) and nac_bwd (d/dr
+// [M:grad-r], the keys' tile pass [M:grad-keys], [M:grad-self-keys], and d/da [M:grad-a]).
+// Per-element helpers: nac_math.h.
 //
 // Never materialises the n x N logits: each worker holds one (BQ x BK) tile of them.  Tiles are
-// sized to stay in the 2 MiB L2 of this machine, where MKL's sgemm runs at ~166 GFLOP/s per thread
-// against ~87 GFLOP/s for the reference's 4096 x 4096 x 128 product that streams its 64 MiB result
-// to memory (measured 2026-11-22, 2-core Xeon, torch 2.14.1).  The GEMMs go through at::mm_out on
+// sized to stay in a core's L2 cache (a 128 x 512 fp32 tile is 256 KiB), where MKL's sgemm runs
+// well above the rate of the reference's n x N product, which streams its whole result to memory
+// (figures: bench/results/cpu_micro.md, "GEMM in L2 tiles").  The GEMMs go through at::mm_out on
 // tile views (MKL), the softmax work through vectorised loops (fast_expf below).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -188,8 +180,8 @@ static void tanh_array(const double* x, double* y, int64_t n) {
   for (int64_t k = 0; k < n; ++k) y[k] = nac::tanh_(x[k]);
 }
 
-// One finished row: returns 2 * bern_i and ||z_i||^2; writes ga = d loss_i / d a_i (through the
-// row's own terms) from A = sum_j e_ij k_j scaled by a_scale = s / sum_j e_ij.
+// One finished row: returns 2 * bern_i and ||z_i||^2; writes ga [M:ga] from A = sum_j e_ij k_j
+// scaled by a_scale = s / sum_j e_ij (sA of [M:grad-query]).
 template <typename T>
 static inline void finish_row_impl(const T* __restrict z, const T* __restrict m,
                                    const T* __restrict r, const T* __restrict A, T a_scale, T lam,
@@ -238,9 +230,8 @@ static void grad_r_row_inplace(double* zio, const double* m, const double* r, do
 // Shared set-up.  Extra memory is kept to the outputs, z = tanh(a) (n x D) and one workspace per
 // worker: the queries q = s m z of a block are formed per work item (BQ x D), the row-gradient
 // accumulator is the forward's ga output itself, and the backward keeps z in its d/dr output.
-// The forward's z and the workspaces are OS scratch (os_scratch below), returned at once.  In-batch
-// 4096 x 128 fp32 fwd+bwd, 2 threads: ~8 MiB of process RSS above the inputs (6 MiB of it the
-// saved ga and the two gradients) against the reference's ~283 MiB (bench/cpu_memory.py).
+// The forward's z and the workspaces are OS scratch (os_scratch below), returned at once.  Peak
+// RSS against the reference: python bench/cpu_memory.py, bench/results/cpu_memory.csv.
 // ---------------------------------------------------------------------------------------------
 
 struct Operands {
@@ -251,8 +242,8 @@ struct Operands {
   bool convert_keys() const { return keys.scalar_type() != z.scalar_type(); }
   // A key tile in the accumulation dtype: a view of `keys`, or (bf16/fp16 keys) the worker's
   // (kBK, D) `buf` filled from it.  Converting tile by tile keeps extra memory at one tile per
-  // worker: a whole-queue fp32 copy was 32 MiB for a 65536 x 128 bf16 queue (measured), 26x the
-  // fp32 path's peak.
+  // worker: a whole-queue fp32 copy would be M x D x 4 bytes (32 MiB for a 65536 x 128 queue),
+  // many times the fp32 path's peak.
   at::Tensor key_tile(int64_t j0, int64_t bk, const at::Tensor& buf) const {
     const at::Tensor k = keys.narrow(0, j0, bk);
     if (!convert_keys()) return k;
@@ -453,8 +444,8 @@ std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Keys' backward: dK_j = sum_i g_i P_ij q_i, P_ij = exp(q_i.k_j - lse_i).  Column-parallel over
-// key tiles (each key's gradient is written by one worker: deterministic, no atomics); with fewer
+// Keys' backward, docs/math.md [M:grad-keys] (P recomputed from the saved lse).  Column-parallel
+// over key tiles (each key's gradient is written by one worker: deterministic, no atomics); with fewer
 // key tiles than threads the queries are split too and the partial sums added in a fixed order.
 // ---------------------------------------------------------------------------------------------
 
@@ -506,7 +497,7 @@ at::Tensor keys_backward(const Operands& op, const c10::optional<at::Tensor>& ke
 }
 
 // The whole backward: d/dr (elementwise, from nac_math.h), d/dkeys (the tile pass above) and
-// d/da = g * (row part saved by the forward) [+ the self keys' part, accumulated in place].
+// d/da as in docs/math.md [M:grad-a] (the self keys' part accumulated in place).
 template <typename acc_t>
 std::vector<at::Tensor> nac_bwd_impl(const at::Tensor& a, const at::Tensor& r,
                                      const at::Tensor& noise, const c10::optional<at::Tensor>& keys,
@@ -557,8 +548,8 @@ std::vector<at::Tensor> nac_bwd_impl(const at::Tensor& a, const at::Tensor& r,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Op entry points.  Argument checking with user-facing messages lives in nac_fast/loss.py; these
-// TORCH_CHECKs guard direct torch.ops calls.
+// Op entry points.  Argument checking with user-facing messages lives in nac_fast/ops/loss.py;
+// these TORCH_CHECKs guard direct torch.ops calls.
 // ---------------------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_fwd_cpu(
@@ -587,8 +578,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_bwd_cpu(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nac_fast, m) {
-  // (loss_rows (n,), lse (n,), d loss_i / d a_i through the query, Bernoulli and l2 terms (n, D);
-  // empty (0,) unless grad_rows), in the accumulation dtype (float32; float64 for float64 inputs).
+  // The fwd/bwd contract of docs/math.md [M:passes].  fwd: (loss_rows (n,), lse (n,), ga (n, D)
+  // [M:ga], empty (0,) unless grad_rows), in the accumulation dtype (float32; float64 for float64
+  // inputs).
   m.def("nac_fwd(Tensor a, Tensor r, Tensor noise, Tensor? keys, float s, float l2, bool grad_rows)"
         " -> (Tensor, Tensor, Tensor)");
   // Gradients of sum_i g_i loss_i: (d/da, d/dr, d/dkeys), each empty (0,) unless asked for; with

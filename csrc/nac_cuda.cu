@@ -2,14 +2,13 @@
 // nac_fast::nac_bwd (schemas and the CPU kernel in nac_cpu.cpp; per-element math shared through
 // nac_math.h, so what CI checks on the CPU is the math these kernels run).
 //
-//   q_i = s m_i tanh(a_i),  k_j = keys_j or tanh(a_j)
-//   lse_i = log sum_j exp(q_i . k_j);  loss_i = lse_i - log N - bern_i + l2 ||z_i||^2
-//   fwd: flash-style online logsumexp over key tiles, with acc_i = sum_j e_ij k_j when the rows'
-//        gradient is wanted; grid (query tiles, key splits) so small batches still fill the GPU;
-//        a finish kernel merges the splits and writes loss, lse and ga (nac_math.h).
-//   bwd: keys' gradient column-parallel (grid (key tiles, query splits); each program owns its
-//        keys: no atomics, splits summed in a fixed order, deterministic), then an elementwise
-//        kernel for d/dr and d/da = g ga [+ dK (1 - z^2)].
+// The function: docs/math.md [M:rows]; the fwd/bwd contract: [M:passes].
+//   fwd: online logsumexp over key tiles [M:lse-online], accumulating A_i when the rows' gradient
+//        is wanted; grid (query tiles, key splits) so small batches still fill the GPU; a finish
+//        kernel merges the splits and writes loss, lse and ga [M:ga] (nac_math.h).
+//   bwd: keys' gradient [M:grad-keys] column-parallel (grid (key tiles, query splits); each
+//        program owns its keys: no atomics, splits summed in a fixed order, deterministic), then
+//        an elementwise kernel for d/dr [M:grad-r] and d/da [M:grad-a].
 //
 // This is the portable SIMT version: fp32 (fp64 for fp64 inputs) FMAs from shared-memory tiles,
 // inputs of any float dtype converted on load.  The logits never leave registers/shared memory.
@@ -273,7 +272,7 @@ __global__ void finish_kernel(const scalar_t* __restrict__ a, const scalar_t* __
   }
 }
 
-// Keys' gradient: per (key tile, query split) dK[keys, D] = sum_i g_i P_ij q_i.
+// Keys' gradient, docs/math.md [M:grad-keys]: per (key tile, query split), the split's share of dK.
 template <typename key_t, typename acc_t, int DPAD>
 __global__ void __launch_bounds__(kThreads)
 bwd_keys_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K,
@@ -331,7 +330,7 @@ bwd_keys_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K,
   store_tile(pdk, dk, j0, jend, sp * N, D);
 }
 
-// d/dr = g (sig(r) - (1 + z~)/2);  d/da = g ga [+ dK (1 - z^2) for the self keys].
+// d/dr = g times [M:grad-r]; d/da as in docs/math.md [M:grad-a] (+ [M:grad-self-keys]).
 template <typename scalar_t, typename acc_t>
 __global__ void bwd_rows_kernel(const scalar_t* __restrict__ a, const scalar_t* __restrict__ r,
                                 const scalar_t* __restrict__ noise, const acc_t* __restrict__ ga,

@@ -1,15 +1,9 @@
 // Per-element math of the NAC losses, shared by the CPU kernel (nac_cpu.cpp) and the CUDA kernel
 // (nac_cuda.cu) so that what CI runs on the CPU is the math the GPU runs.
 //
-// Notation (NAC_SPEC.md; paper eq. `optimization_objective`, `momentum_objective`):
-//   z = tanh(a), z~ = m * z (m = +-1 channel noise), q = s * z~ with s = 1/2 log((1-p)/p)
-//   loss_i = lse_i - log N - bern_i + l2 * ||z_i||^2
-//   lse_i  = log sum_j exp(q_i . k_j)
-//   bern_i = 1/2 sum_d [ z~_id r_id + log sig(r_id) + log sig(-r_id) ]
-// Gradients of loss_i (P_ij = exp(q_i.k_j - lse_i), A_i = sum_j P_ij k_j):
-//   d/dr_id  = sig(r_id) - (1 + z~_id)/2           (BCE against soft targets (1+z~)/2)
-//   d/da_id  = [ m_id (s A_id - r_id/2) + 2 l2 z_id ] (1 - z_id^2)
-//   d/dk_j   = sum_i P_ij q_i                          (times (1 - z_j^2) for the self keys z)
+// The function: docs/math.md [M:rows]; the gradients: [M:grad-query], [M:ga], [M:grad-r],
+// [M:grad-keys], [M:grad-self-keys]; the stable per-element forms: [M:stable]; the noise:
+// [M:philox].  Notation as in docs/math.md [M:notation].
 #pragma once
 
 #include <math.h>
@@ -26,9 +20,9 @@ namespace nac {
 
 // Primitives.  Device code and double use the math library.  Host float uses the vectorisable
 // versions below: no libm calls, so GCC vectorises the elementwise loops that call them (libm's
-// scalar tanhf/log1pf/expf made the CPU kernel's O(nD) work 50x slower than torch's vectorised
-// tanh: ~1 ms vs 18 us for 512 x 128 on one core).  Accuracy: a few ulp (Cephes polynomials),
-// far inside the 1e-5 / 1e-4 budgets the tests check against float64.
+// scalar tanhf/log1pf/expf calls keep those loops scalar: bench/results/cpu_micro.md).  Accuracy:
+// a few ulp (Cephes polynomials), far inside the 1e-5 / 1e-4 budgets the tests check against
+// float64.
 NAC_HD double tanh_(double x) { return tanh(x); }
 NAC_HD double exp_(double x) { return exp(x); }
 NAC_HD double log1p_(double x) { return log1p(x); }
@@ -88,7 +82,7 @@ inline float log1p_(float x) {
   return d == 0.0f ? x : log_(u) * (x / d);
 }
 
-// tanh: Cephes odd polynomial for |x| < 0.625, else 1 - 2 / (exp(2|x|) + 1), sign restored.
+// tanh as in docs/math.md [M:stable]: Cephes odd polynomial for |x| < 0.625, else the exp form.
 inline float tanh_(float x) {
   const float ax = x < 0 ? -x : x;
   const float z = x * x;
@@ -103,14 +97,14 @@ inline float tanh_(float x) {
 }
 #endif
 
-// log sig(r) + log sig(-r) = -|r| - 2 log1p(exp(-|r|)): stable for any |r|.
+// log sig(r) + log sig(-r), in the form of docs/math.md [M:stable] that is stable for any |r|.
 template <typename T>
 NAC_HD T log_sigmoid_pair(T r) {
   const T ar = abs_(r);
   return -ar - T(2) * log1p_(exp_(-ar));
 }
 
-// Numerically stable logistic sigmoid.
+// Numerically stable logistic sigmoid (docs/math.md [M:stable]).
 template <typename T>
 NAC_HD T sigmoid(T r) {
   const T e = exp_(-abs_(r));
@@ -118,31 +112,28 @@ NAC_HD T sigmoid(T r) {
   return r >= T(0) ? inv : e * inv;
 }
 
-// One element's share of 2 * bern_i: z~ r + log sig(r) + log sig(-r).
+// One element's share of 2 * bern_i (docs/math.md [M:bern]).
 template <typename T>
 NAC_HD T bern2_elem(T zt, T r) {
   return zt * r + log_sigmoid_pair(r);
 }
 
-// d loss_i / d r_id.
+// d loss_i / d r_id, docs/math.md [M:grad-r].
 template <typename T>
 NAC_HD T grad_r_elem(T zt, T r) {
   return sigmoid(r) - T(0.5) * (T(1) + zt);
 }
 
-// d loss_i / d a_id given sA = s * A_id (the softmax-weighted mean key, times s).
+// ga_id of docs/math.md [M:ga], given sA = s * A_id (the softmax-weighted mean key, times s).
 template <typename T>
 NAC_HD T grad_a_elem(T m, T z, T sA, T r, T l2) {
   return (m * (sA - T(0.5) * r) + T(2) * l2 * z) * (T(1) - z * z);
 }
 
-// ---- Channel noise drawn from a seed: Philox4x32-10 (Salmon et al., SC'11; Random123) ----
-// Element e of the flattened (n, D) noise uses counter (e mod 2^32, e / 2^32, 0, 0) and key
-// (seed mod 2^32, seed / 2^32); the first output word becomes a uniform float exactly as Triton's
-// tl.rand does (uint_to_uniform_float), and m = -1 where u < p.  The same function is written in
-// kernels/nac_noise_triton.py and in torch ops (nac_fast/reference.py: philox_noise), so every
-// backend draws the same noise from the same seed; tests check them against each other and
-// against Random123's known-answer vector.
+// ---- Channel noise drawn from a seed: Philox4x32-10, docs/math.md [M:philox] ----
+// The same function is written in kernels/nac_noise_triton.py and in torch ops
+// (nac_fast/ops/reference.py: philox_noise), so every backend draws the same noise from the same
+// seed; tests check them against each other and against Random123's known-answer vector.
 NAC_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
   return (uint32_t)(((uint64_t)a * (uint64_t)b) >> 32);
 }
@@ -163,8 +154,8 @@ NAC_HD uint32_t philox_first_word(uint64_t counter, uint64_t seed) {
   return c0;
 }
 
-// A uint32 -> float in [0, 1), Triton's uint_to_uniform_float: the word as int32, ~x when
-// negative, times 4.6566127342e-10f (the largest scale with INT32_MAX * scale < 1 in float).
+// A uint32 -> float in [0, 1), Triton's uint_to_uniform_float ([M:philox]); 4.6566127342e-10f is
+// the largest scale with INT32_MAX * scale < 1 in float.
 NAC_HD float uniform_from_word(uint32_t w) {
   int32_t i = (int32_t)w;
   if (i < 0) i = ~i;

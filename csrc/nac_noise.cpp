@@ -1,12 +1,12 @@
 // nac_fast::nac_noise(Tensor like, Tensor seed, float p) -> Tensor
 //
-// The NAC channel noise m (NAC_SPEC.md: m_id = -1 with probability p, +1 otherwise), drawn from a
-// seed with the counter-based Philox4x32-10 of nac_math.h: element e of the flattened output is
+// The NAC channel noise m (docs/math.md [M:channel]), drawn from a seed with the counter-based
+// Philox4x32-10 of docs/math.md [M:philox] (nac_math.h): element e of the flattened output is
 // noise_sign(seed, e, p).  Output: like's shape, dtype and device.  `seed` is a one-element int64
 // tensor on like's device (drawn by torch.randint, so torch.manual_seed reproduces the noise and
 // a GPU caller never syncs with the host to read it).  The CPU implementation is here, the CUDA
 // one in nac_cuda.cu, the Triton one in kernels/nac_noise_triton.py and the torch reference in
-// nac_fast/reference.py; all four give bit-identical noise.
+// nac_fast/ops/reference.py; all four give bit-identical noise.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -1,23 +1,18 @@
 """Triton kernels of the Hamming retrieval engine (nac_fast.ops.hamming, backend="triton").
 
-Codes are packed in int64 words (nac_fast.ops.hamming.PackedCodes: bit j of a code is bit j % 64 of
-word j // 64); the Hamming distance of two codes is sum_w popcount(q_w XOR g_w).
+Codes are packed in int64 words (nac_fast.ops.hamming.PackedCodes); distances are popcounts of
+XORed words, docs/math.md [M:hamming].
 
     hamming_cdist(q, g)             (Q, G) int32 distances             grid (Q tiles, G tiles)
-    hamming_average_precision(...)  per-query AP over the full ranking, ties by gallery index
+    hamming_average_precision(...)  per-query AP over the full ranking [M:ap], ties by gallery
+                                    index [M:rank]
 
-AP without sorting (the same algorithm as csrc/hamming.cpp).  A code of D bits has only D + 1
-possible distances, so the ranking is a counting sort: with c[d] (items at distance d) and
-r[d] (relevant items at distance d), an item at distance d and gallery index i has
-
-    rank = sum_{e<d} c[e] + #{items at distance d with index <= i}
-    hits = sum_{e<d} r[e] + #{relevant items at distance d with index <= i}
-    AP   = (1/R) sum over relevant items of hits / rank,          R = sum_d r[d]
-
-One program owns one query and makes two passes over the gallery in index order: pass 1 counts
-c and r; pass 2 walks the tiles again carrying per-distance counters, and gets the within-tile
-order of equal distances from a cumulative sum over a one-hot (tile x bins) matrix.  Nothing of
-size Q x G exists.  The sums are float64, like the reference and the C++ kernel.
+AP without sorting, by counting sort over the D + 1 distances, docs/math.md [M:ap-count] (the
+same algorithm as csrc/hamming.cpp).  One program owns one query and makes two passes over the
+gallery in index order: pass 1 counts the items and the relevant items per distance; pass 2 walks
+the tiles again carrying per-distance counters, and gets the within-tile order of equal distances
+from a cumulative sum over a one-hot (tile x bins) matrix.  Nothing of size Q x G exists.  The
+sums are float64, like the reference and the C++ kernel.
 
 The popcount is SWAR on the two 32-bit halves of each word (every intermediate non-negative), the
 form the interpreter (TRITON_INTERPRET=1, what CI runs on CPU tensors) can execute; the reference

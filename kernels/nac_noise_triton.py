@@ -1,11 +1,7 @@
-"""Triton kernel of the NAC channel noise drawn from a seed (op nac_fast::nac_noise_triton).
-
-    m_e = -1 if uniform(Philox4x32-10(counter = (e mod 2^32, e >> 32, 0, 0),
-                                      key = (seed mod 2^32, seed >> 32)).word0) < p else +1
-
-for element e of the flattened output, with Triton's uint_to_uniform_float as the uniform.  The
+"""Triton kernel of the NAC channel noise drawn from a seed (op nac_fast::nac_noise_triton): the
+Philox4x32-10 noise of docs/math.md [M:philox], element e = the flattened output's index.  The
 same function as csrc/nac_math.h (noise_sign: the CPU and CUDA ops nac_fast::nac_noise) and
-nac_fast/reference.py (philox_noise), written out here rather than calling tl.rand so that the
+nac_fast/ops/reference.py (philox_noise), written out here rather than calling tl.rand so that the
 bits are ours and do not change with Triton's version; tests check all of them bit for bit (and
 against Random123's known-answer vector).  The seed is read from device memory: drawing it with
 torch.randint on the GPU keeps the host out of the loop.

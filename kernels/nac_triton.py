@@ -1,12 +1,9 @@
 """Triton kernels of the NAC losses (backend="triton"), installed as `nac_fast.kernels.nac_triton`.
 
-Same contract as the C++/CUDA ops (csrc/nac_cpu.cpp, csrc/nac_math.h):
-
-    q_i = s m_i tanh(a_i)                       k_j = keys_j (or tanh(a_j) for the in-batch keys)
-    lse_i  = log sum_j exp(q_i . k_j)
-    loss_i = lse_i - log N - 1/2 sum_d [z~ r + log sig(r) + log sig(-r)] + l2 ||z_i||^2
-    fwd -> (loss_i, lse2_i = lse_i / ln 2, ga_i = d loss_i / d a_i through row i's own terms)
-    bwd -> gradients of sum_i g_i loss_i; keys: sum_i g_i P_ij q_i, P_ij = exp(q_i . k_j - lse_i)
+Same function and contract as the C++/CUDA ops (csrc/nac_cpu.cpp, csrc/nac_math.h): the rows of
+docs/math.md [M:rows], the fwd/bwd pair of [M:passes] (fwd -> loss_i, lse2_i = lse_i / ln 2, ga_i
+[M:ga]; bwd -> the gradients of sum_i g_i loss_i, keys' part [M:grad-keys]), the loops in base 2
+[M:lse-online].
 
 Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIGS`):
   _prologue_kernel  O(nD), once per call: Q = s log2(e) m tanh(a) in the compute dtype (log2
@@ -23,7 +20,7 @@ Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIG
   _bwd_keys_kernel  grid (key blocks, query splits): each program owns its keys, S^T = K Q^T,
                     P^T = exp2(S^T - lse) g, dK += P^T Q; no atomics, splits summed in a fixed
                     order: deterministic.
-  _bwd_rows_kernel  d/dr and d/da = g ga [+ dK (1 - z^2) for the self keys], elementwise.
+  _bwd_rows_kernel  d/dr [M:grad-r] and d/da [M:grad-a], elementwise.
 The logits never exist in memory: one (BLOCK_M x BLOCK_N) tile lives in registers.
 
 Precision (README "Precision"): bf16/fp16 inputs multiply on tensor cores with fp32 accumulation;
@@ -56,8 +53,9 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def _tanh(x):
-    # The nac_math.h formula (the interpreter has no tanh): Cephes' odd polynomial below 0.625,
-    # 1 - 2 / (exp(2|x|) + 1) above.  2 sigmoid(2x) - 1 alone loses all relative precision near 0
+    # The nac_math.h formula, docs/math.md [M:stable] (the interpreter has no tanh): Cephes' odd
+    # polynomial below 0.625, 1 - 2 / (exp(2|x|) + 1) above.  2 sigmoid(2x) - 1 alone loses all
+    # relative precision near 0
     # (measured: 5e-4 relative error in the keys' gradient for codes of size 1e-4).
     ax = tl.abs(x)
     # where, not tl.minimum: minimum(NaN, 40) is 40 on the GPU (minnum), turning a NaN into +1
@@ -115,13 +113,14 @@ def _dot(x, y, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _sigmoid(r):
-    # nac_math.h's stable form: exp(-|r|) never overflows (tl.sigmoid(r) evaluates exp(-r)).
+    # nac_math.h's stable form [M:stable]: exp(-|r|) never overflows (tl.sigmoid(r) evaluates
+    # exp(-r)).
     e = tl.exp(-tl.abs(r))
     inv = 1.0 / (1.0 + e)
     return tl.where(r >= 0, inv, e * inv)
 
 
-# docs: the per-row quantities below are NAC_SPEC.md's lse_i, bern_i and loss_i.
+# The per-row quantities below (lse_i, bern_i, loss_i) are those of docs/math.md [M:rows], [M:bern].
 @triton.jit(do_not_specialize=["n", "write_k"])
 def _prologue_kernel(A, NOISE, Q, K, n, D, stride_a, stride_m, scale2, write_k,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
@@ -262,8 +261,8 @@ def _bwd_keys_kernel(Q, K, LSE, G, PDK, n, N, D, stride_k, blocks_per_split,
 def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, n, D, stride_a, stride_r, stride_m,
                      need_a, need_r, self_keys, split,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
-    # d/dr = g (sig(r) - (1 + z~)/2);  d/da = g ga [+ dK (1 - z^2) for the self keys tanh(a)],
-    # dK summed over the keys' backward's query splits in a fixed order (deterministic)
+    # d/dr = g times docs/math.md [M:grad-r]; d/da as in [M:grad-a] (+ [M:grad-self-keys]), dK
+    # summed over the keys' backward's query splits in a fixed order (deterministic)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < n

@@ -3,21 +3,17 @@
     python scripts/nac_loss_floor.py                     # batch 256 images, D = 128, p = 0.1
     python scripts/nac_loss_floor.py --images 1000 --p 0.4
 
-A newcomer who watches `train.py` sees the NAC loss start at D ln 2 (88.72 for D = 128) and
+A newcomer who watches `train.py` sees the NAC loss start near D ln 2 (88.72 for D = 128) and
 move by tenths.  This script shows why: it evaluates the loss exactly as nac_fast.nac_loss
-computes it (reference backend) for an ideal encoder whose K images have distinct random sign
-patterns, both views of an image the same code z = t * sign (|z| = t in every bit), and the best
-inference logits r an encoder could learn (the log-odds of the bit as seen through the channel,
-r = log((1 + (1-2p) z) / (1 - (1 - 2p) z))).  Rows: the magnitude t, the contrastive part
-mean(lse - log n), the Bernoulli part -mean(bern), and the loss.
+computes it (reference backend) for the ideal encoder of docs/math.md [M:floor] (K images with
+distinct random sign patterns, both views the same code z = t * sign, the best inference logits r
+for that code).  Rows: the magnitude t, the contrastive part mean(lse - log n), the Bernoulli part
+-mean(bern), and the loss.
 
-At t = 0 the loss is D ln 2 whatever the encoder (docs/math.md [M:z0]).  As t grows the
-Bernoulli term gains up to D (ln 2 - H(p)) but the self-similarity in the denominator,
-s z~_i . z_i ~ s t^2 D (1 - 2p), soon costs more than log n (docs/math.md [M:floor]): for batch
-256, D = 128, p = 0.1 the minimum is ~87.5 near t = 0.2, about 1.2 below the start, and fully
-saturated codes (t = 1) score ~149.  So a loss that moves from 88.72 towards 87.5 is the whole
-available range at this batch size, not a stalled run; judge training by the evaluation (linear
-probe, hash mAP) and the code statistics in the log.
+At t = 0 the best r is 0 and the loss is D ln 2 ([M:z0]); why larger t first lowers it and then
+raises it, and the table this script prints for its defaults: [M:floor].  The whole range below
+the start is about 1.2 at batch 256: a loss that moves from 88.72 towards 87.5 is not a stalled
+run; judge training by the evaluation (linear probe, hash mAP) and the code statistics in the log.
 """
 from __future__ import annotations
 

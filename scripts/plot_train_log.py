@@ -4,9 +4,10 @@
     python scripts/plot_train_log.py runs/nac/log.jsonl runs/simclr/log.jsonl --out cmp.png
 
 One panel per logged quantity (loss, lr, img/s, data wait, distinct codes, mean Hamming
-distance, bit balance, code saturation) against the step; several logs are overlaid, labelled
+distance, balance score, code saturation) against the step; several logs are overlaid, labelled
 by their directory.  A resumed run's log repeats the steps after its checkpoint: the last record
-of each step is plotted.
+of each step is plotted.  Logs written before 'bit_balance' was renamed 'balance_score' (the same
+quantity, docs/math.md [M:balance-score]) are read with the key renamed.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import argparse
 import json
 import os
 
-KEYS = ("loss", "lr", "img_per_s", "data_wait", "distinct_frac", "mean_hamming", "bit_balance",
+KEYS = ("loss", "lr", "img_per_s", "data_wait", "distinct_frac", "mean_hamming", "balance_score",
         "code_sat")
+OLD_KEYS = {"bit_balance": "balance_score"}  # key in older logs -> key now
 
 
 def read_log(path: str) -> list[dict]:
@@ -31,6 +33,9 @@ def read_log(path: str) -> list[dict]:
                 raise ValueError(f"{path}:{i}: not a JSON line ({exc})") from None
             if "step" not in rec:
                 raise ValueError(f"{path}:{i}: record has no 'step'")
+            for old, new in OLD_KEYS.items():
+                if old in rec and new not in rec:
+                    rec[new] = rec.pop(old)
             by_step[rec["step"]] = rec
     if not by_step:
         raise ValueError(f"{path}: empty log")

@@ -1,7 +1,7 @@
 """The compile-only GPU check (bench/compile_check.py): every Triton kernel configuration the
 launchers can choose, compiled for sm_80 and sm_90 on this CPU, fits shared memory, does not spill
 on the 16-bit and TF32 paths and uses tensor cores there; the CUDA kernels likewise (nvcc).  It
-runs once here (a few minutes), in a child process without TRITON_INTERPRET."""
+runs once per test session (duration: bench/results/notes.md), in a child process without TRITON_INTERPRET."""
 import csv
 import os
 import subprocess

@@ -422,22 +422,25 @@ def test_code_statistics_matches_brute_force(bits):
         assert s.fraction_distinct == distinct / 60
         assert s.mean_pairwise_hamming == pytest.approx(mph, rel=1e-12)
         assert s.normalized_mean_pairwise_hamming == pytest.approx(mph / bits, rel=1e-12)
-        np.testing.assert_allclose(s.bit_balance.numpy(), bal, rtol=1e-12)
-        assert s.balance_mean_abs_deviation == pytest.approx(np.abs(bal - 0.5).mean())
-        assert s.balance_min == bal.min() and s.balance_max == bal.max()
+        np.testing.assert_allclose(s.bit_freq.numpy(), bal, rtol=1e-12)
+        assert s.balance_dev == pytest.approx(np.abs(bal - 0.5).mean())
+        assert s.bit_freq_min == bal.min() and s.bit_freq_max == bal.max()
+        # the names before the rename ([M:stats]) still read the same values
+        assert s.bit_balance is s.bit_freq and s.balance_mean_abs_deviation == s.balance_dev
+        assert (s.balance_min, s.balance_max) == (s.bit_freq_min, s.bit_freq_max)
 
 
 def test_code_statistics_sign_of_preactivations():
     a = torch.tensor([[0.3, -2.0, 0.0], [0.0, 1.0, -0.1], [5.0, -1.0, 0.0]], requires_grad=True)
     s = H.code_statistics(a)  # sgn with 0 -> +1: rows +-+, ++-, +-+
     assert s.num_distinct == 2
-    np.testing.assert_allclose(s.bit_balance.numpy(), [1.0, 1 / 3, 2 / 3])
+    np.testing.assert_allclose(s.bit_freq.numpy(), [1.0, 1 / 3, 2 / 3])
     # pairs (0,1),(0,2),(1,2) have distances 2, 0, 2 -> mean 4/3
     assert s.mean_pairwise_hamming == pytest.approx(4 / 3)
     ent = lambda p: 0.0 if p in (0, 1) else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
     assert s.bit_entropy_mean == pytest.approx((ent(1.0) + 2 * ent(1 / 3)) / 3)
     d = s.as_dict()
-    assert "bit_balance" not in d and d["num_distinct"] == 2
+    assert "bit_freq" not in d and d["num_distinct"] == 2
 
 
 def test_code_statistics_edge_cases():

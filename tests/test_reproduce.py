@@ -1,6 +1,7 @@
-"""bench/reproduce_fmnist.py (issue 6's small-scale reproduction) end to end at toy size: it trains,
-evaluates, makes the random-init baseline, writes the summary and the page, skips finished steps
-when run again, and rejects bad flags before any work."""
+"""scripts/reproduce_fmnist.py (the small-scale reproduction, issues 6 and 16) end to end at toy
+size: it trains and evaluates every variant over seeds, makes the random-init baseline, records
+one line per run, evaluates the curve's steps, writes the page, skips finished runs when run
+again, and rejects bad flags before any work."""
 import json
 import os
 import subprocess
@@ -9,12 +10,12 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "bench", "reproduce_fmnist.py")
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+SCRIPT = os.path.join(ROOT, "scripts", "reproduce_fmnist.py")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import reproduce_fmnist as R  # noqa: E402
 
-TOY = ["--max-steps", "1", "--nproc", "1", "--batch-size", "32", "--limit-train", "256",
-       "--limit-test", "128", "--linear-epochs", "1", "--bn-batches", "2"]
+TOY = ["--seeds", "0", "--nproc", "1", "--batch-size", "32", "--limit-train", "256", "--limit-test", "128",
+       "--linear-epochs", "1", "--bn-batches", "2", "--log-every", "1"]
 
 
 def _fmnist_available():
@@ -26,25 +27,91 @@ def _fmnist_available():
         return False
 
 
-def test_dry_run_commands():
-    out = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--out", "/tmp/nac-dry"],
-                         capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    train_cmds = [ln for ln in out.splitlines() if "train.py" in ln]
-    # nac, nac-mq, simclr + 4 more sweep values (p = 0.1 is shared with the main table)
-    assert len(train_cmds) == 7
+def test_dry_run_commands(tmp_path):
+    dry = str(tmp_path / "dry")
+    out = subprocess.run([sys.executable, SCRIPT, "--grid", "main", "--dry-run", "--seeds", "0,1",
+                          "--out", dry], capture_output=True, text=True, cwd=ROOT,
+                         check=True).stdout
+    train_cmds = [ln for ln in out.splitlines() if ln.startswith("$") and "train.py" in ln]
+    # nac and nac-mq with both recipes, simclr, and random's 1-step template, for 2 seeds
+    assert len(train_cmds) == 2 * 6
     assert all("--nproc_per_node=2" in c for c in train_cmds)
-    # torchrun would swallow "--p"; the script must use the alias
-    assert not any(" --p " in c for c in train_cmds)
-    assert sum("--flip-prob" in c for c in train_cmds) == 6  # all but simclr
-    assert out.count("nac_fast.eval") == 8  # random init is evaluated too
+    paper = [c for c in train_cmds if "--config configs/fashion_mnist_paper.toml" in c]
+    learning = [c for c in train_cmds if "--config configs/fashion_mnist_learning.toml" in c]
+    assert len(paper) == 2 * 4 and len(learning) == 2 * 2
+    assert sum("--seed 1 " in c for c in train_cmds) == 6
+    assert out.count("nac_fast.eval") == 2 * 6
+    abl = subprocess.run([sys.executable, SCRIPT, "--grid", "ablation", "--dry-run", "--only",
+                          "nac:full,nac:paper+copy", "--seeds", "0", "--out", dry],
+                         capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert "--head-bn --a-gain 3 --infer-bn --r-gain auto --infer-init copy" in abl
+    assert "--infer-init copy --r-gain auto" in abl and abl.count("train.py") == 2
+    assert not os.path.exists(dry)  # a dry run writes nothing
+
+
+def _plan(out):
+    """The dry run's summary lines {grid: (runs, total hours)}."""
+    plan = {}
+    for ln in out.splitlines():
+        parts = ln.split()
+        if len(parts) > 2 and parts[0] in ("main", "ablation", "psweep", "all") and \
+                parts[2] == "runs":
+            plan[parts[0]] = (int(parts[1]), float(parts[-2] if parts[0] != "all" else parts[4]))
+    return plan
+
+
+def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
+    out_dir = tmp_path / "repro"
+    argv = [sys.executable, SCRIPT, "--grid", "all", "--dry-run", "--out", str(out_dir)]
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    plan = _plan(out)
+    # 3 seeds (the default); main 6 variants; ablation 17 of which 5 are main's runs (nac:paper,
+    # nac:full = nac:learning, nac-mq:paper, nac-mq:full = nac-mq:learning, simclr); psweep 4 of
+    # which p = 0.1 is the ablation's nac:full: trained once, counted once
+    assert plan["main"][0] == 3 * 6 and plan["ablation"][0] == 3 * 12 and plan["psweep"][0] == 3 * 3
+    assert plan["all"][0] == 3 * 21
+    assert out.count("(reused)") == 3 * 6
+    for g in ("ablation", "psweep"):  # SimCLR, every ablation ingredient, every p are planned
+        assert g in out
+    for v in ("ablation simclr", "nac-mq:full-copy", "nac:full:p0.05", "nac:full:p0.2",
+              "nac:full:p0.4", "nac:paper+headbn", "nac:paper+inferbn", "nac:paper+copy"):
+        assert v in out
+    # the estimate is the cost model's sum over the planned runs
+    args = R.build_parser().parse_args(["--grid", "all"])
+    per_grid, seeds, curve, _ = R.check_args(args)
+    want = 0.0
+    for g, variants in per_grid.items():
+        for name, (method, flags, recipe) in variants.items():
+            if g == "main" or (g == "ablation" and name not in (
+                    "nac:paper", "nac:full", "nac-mq:paper", "nac-mq:full", "simclr")) or (
+                    g == "psweep" and name != "nac:full:p0.1"):
+                want += len(seeds) * sum(R.estimate_seconds(args, method, []))
+    assert plan["all"][1] == pytest.approx(want / 3600, abs=0.051)
+    assert 10 < plan["all"][1] < 40  # hours: 3 epochs + the full evaluation, 2 cores
+    # resumable: a finished run is not planned again (nor its duplicates in the later grids)
+    (out_dir / "main").mkdir(parents=True)
+    sig = R.signature(args, "simclr", [], "paper", 0)
+    row = {"grid": "main", "variant": "simclr", "seed": 0, "budget": R.budget_tag(args),
+           "signature": sig}
+    (out_dir / "main" / "results.jsonl").write_text(json.dumps(row) + "\n")
+    out2 = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    plan2 = _plan(out2)
+    assert plan2["main"][0] == 3 * 6 - 1 and plan2["all"][0] == 3 * 21 - 1
+    assert "== main simclr seed 0: done" in out2
+    assert "== ablation simclr seed 0: the same run as main simclr (reused)" in out2
+    # a shorter budget is another run: nothing done, a smaller estimate
+    out3 = subprocess.run(argv + ["--max-steps", "50", "--linear-epochs", "10", "--seeds", "0"],
+                          capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert _plan(out3)["all"][0] == 21 and _plan(out3)["all"][1] < plan["all"][1] / 3
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--methods", "nac,moco"], "--methods must be a non-empty subset"),
-    (["--p-sweep", "0.1,0.7"], "every p must lie in (0, 0.5)"),
-    (["--p-sweep", "x"], "comma-separated numbers"),
-    (["--epochs", "0"], "--epochs must be >= 1"),
-    (["--methods", "random", "--p-sweep", ""], "needs a trained run"),
+    (["--grid", "main", "--only", "nac:moco"], "are not variants of grid main"),
+    (["--grid", "main", "--seeds", "x"], "comma-separated integers"),
+    (["--grid", "main", "--epochs", "0"], "--epochs must be >= 1"),
+    (["--grid", "main", "--curve-steps", "5,3"], "increasing steps"),
+    (["--grid", "main", "--curve-limit", "100"], "TRAIN,TEST"),
+    ([], "give --grid"),
 ])
 def test_bad_flags(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
@@ -53,24 +120,41 @@ def test_bad_flags(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
-def test_toy_reproduction_end_to_end(tmp_path):
+def test_toy_grid_end_to_end(tmp_path):
     if not _fmnist_available():
         pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
     out, doc = tmp_path / "repro", tmp_path / "docs" / "results.md"
+    doc.parent.mkdir()
     notes = tmp_path / "notes.md"
     notes.write_text("## Reading\n\nhand-written line\n")
-    argv = TOY + ["--out", str(out), "--methods", "nac,random", "--p-sweep", "0.1,0.3",
-                  "--doc", str(doc), "--notes", str(notes)]
+    argv = TOY + ["--out", str(out), "--grid", "main", "--only", "nac:learning,random",
+                  "--max-steps", "2", "--curve-steps", "1", "--curve-limit", "128,64"]
     assert R.main(argv) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["runs"]) == {"nac_p01", "nac_p03", "random"}
-    for name, row in summary["runs"].items():
-        assert 0.0 <= row["linear_top1"] <= 1.0 and set(row["map"]) == {"16", "32", "64", "128"}
-    assert summary["runs"]["random"]["step"] == 0 and summary["runs"]["nac_p01"]["step"] == 1
+    rows = [json.loads(x) for x in (out / "main" / "results.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["nac:learning", "random"]
+    nac, rnd = rows
+    assert nac["step"] == 2 and rnd["step"] == 0
+    assert [p["step"] for p in nac["curve"]] == [1, 2]
+    assert 0.0 <= nac["map"]["128"] <= 1.0 and set(nac["map"]) == {"16", "32", "64", "128"}
+    assert {"code_mag", "r_slope", "loss_excess"} <= set(nac["last"])
+    # eval-mode BN: 2 steps leave the running variance near its initial 1, so the held-out codes
+    # are smaller than the training batch's (~0.2); real runs converge within ~50 steps
+    assert 0 < nac["heldout_code_mag"] < nac["last"]["code_mag"]
+    assert not nac["collapse_warning"]
+    assert not list((out / "main").rglob("features_*.pt"))  # caches removed once read
+    # a second call finds both runs done: no training, no evaluation; then the page
+    mtime = os.path.getmtime(out / "main" / "nac_learning" / "seed0" / "last.pt")
+    assert R.main(argv + ["--doc", str(doc), "--notes", str(notes)]) == 0
+    assert os.path.getmtime(out / "main" / "nac_learning" / "seed0" / "last.pt") == mtime
+    # the ablation's nac:full trains what main's nac:learning trained: its line is copied, no run
+    abl = TOY + ["--out", str(out), "--grid", "ablation", "--only", "nac:full", "--max-steps", "2"]
+    assert R.main(abl) == 0
+    (row,) = [json.loads(x) for x in (out / "ablation" / "results.jsonl").read_text().splitlines()]
+    assert row["reused_from"] == "main/nac:learning" and row["variant"] == "nac:full"
+    assert row["map"] == nac["map"] and row["grid"] == "ablation"
+    assert not (out / "ablation" / "nac_full").exists()
     page = doc.read_text()
-    assert "| nac | 0.1 |" in page and "| random | - |" in page
-    assert "hand-written line" in page and (doc.parent / "p_sweep.png").stat().st_size > 1000
-    # a second run finds everything done: no training, no evaluation
-    mtime = os.path.getmtime(out / "nac_p01" / "last.pt")
-    assert R.main(argv) == 0
-    assert os.path.getmtime(out / "nac_p01" / "last.pt") == mtime
+    assert "| nac:learning | learning recipe (candidate) | 1 |" in page and "| random | untrained encoder |" in page
+    assert "hand-written line" in page and (doc.parent / "curves.png").stat().st_size > 1000
+    summary = json.loads((doc.parent / "results_summary.json").read_text())
+    assert [r["variant"] for r in summary["main"]] == ["nac:learning", "random"]

@@ -79,7 +79,7 @@ def test_plot_train_log(tmp_path):
     run.mkdir()
     recs = [{"step": s, "epoch": 0, "loss": 88.7 - 0.01 * s, "lr": 0.1 * s, "img_per_s": 100.0,
              "data_wait": 0.01, "distinct_frac": 1.0, "mean_hamming": 60.0 + s,
-             "bit_balance": 0.9, "code_sat": 0.05} for s in (1, 2, 3)]
+             "balance_score": 0.9, "code_sat": 0.05} for s in (1, 2, 3)]
     recs.append(dict(recs[-1], loss=1.0))  # a resumed run repeats step 3: the last one counts
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -91,6 +91,9 @@ def test_plot_train_log(tmp_path):
     out = tmp_path / "c.png"
     plot_train_log.main([str(run / "log.jsonl"), "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a log written before the rename ([M:balance-score]) is read with its key renamed
+    (run / "old.jsonl").write_text(json.dumps({"step": 1, "bit_balance": 0.7}) + "\n")
+    assert plot_train_log.read_log(str(run / "old.jsonl")) == [{"step": 1, "balance_score": 0.7}]
     (run / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="not a JSON line"):
         plot_train_log.read_log(str(run / "bad.jsonl"))

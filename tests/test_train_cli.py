@@ -119,7 +119,7 @@ def test_code_stats_hand_example():
     # distances: d01 = 0, d02 = 3, d12 = 3 -> mean over ordered pairs i != j = 12/6
     assert st["mean_hamming"] == pytest.approx(2.0)
     # q = [2/3, 1, 1/3, 2/3] -> |2q-1| = [1/3, 1, 1/3, 1/3] -> 1 - 0.5 = 0.5
-    assert st["bit_balance"] == pytest.approx(0.5)
+    assert st["balance_score"] == pytest.approx(0.5)
     assert st["code_sat"] == pytest.approx(float(torch.tanh(a).abs().mean()))
 
 

@@ -81,7 +81,7 @@ def test_resume_mid_epoch_on_fashion_mnist(tmp_path):
     assert _losses(a) == _losses(b)
     rec = _log(a)[-1]
     for key in ("step", "epoch", "loss", "lr", "img_per_s", "data_wait", "distinct_frac",
-                "mean_hamming", "bit_balance"):
+                "mean_hamming", "balance_score"):
         assert key in rec
 
 

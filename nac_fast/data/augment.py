@@ -158,9 +158,8 @@ def crop_windows(params: dict, height, width, ratio_range) -> np.ndarray:
 class one_cpu_thread:
     """Run CPU tensor ops single-threaded, then restore the caller's thread count.
 
-    Why: the batches are small (a few ms of one core for both views of a Fashion-MNIST batch) and
-    with several intra-op threads on a busy host the threads spin at every op's barrier (measured
-    on the 2-core development machine: bench/results/data_timings.md).  A no-op on other devices.
+    Why: the batches are small and with several intra-op threads on a busy host the threads spin
+    at every op's barrier (figures: bench/results/data_timings.md).  A no-op on other devices.
     """
 
     def __init__(self, device):

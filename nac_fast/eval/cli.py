@@ -1,4 +1,5 @@
-"""Evaluate a trained NAC / NAC-MQ / SimCLR checkpoint (NAC_SPEC.md "Evaluation protocols", issue 6).
+"""Evaluate a trained NAC / NAC-MQ / SimCLR checkpoint (docs/math.md [M:linear-probe], [M:knn],
+[M:hash-split], [M:stats]).
 
     python -m nac_fast.eval --checkpoint runs/default/last.pt --data fashion-mnist --out runs/eval
     python -m nac_fast.eval --checkpoint CKPT --data fashion-mnist --out DIR \\
@@ -16,21 +17,18 @@ What it does:
      same checkpoint file (path, size, mtime), --which, data, limit and image size reuses them
      (the report says so under "features"), anything else recomputes them.
   2. Runs the tasks on the cached tensors:
-     - linear: linear probe on h (SGD Nesterov 0.9, cosine, no regularisation, lr searched in
-       {0.01, 0.1, 1, 10} on a held-out 10% of the training split, the best rate retrained on
-       the whole split): test top-1 and the chosen lr.
-     - knn: cosine kNN on h, k = 200 (capped at the training-set size), temperature 0.1: top-1.
-     - hash: codes c = sgn(a) (0 -> +1), mAP@all with Hamming ranking, ties by gallery index.
-       "standard" protocol: gallery = train-split codes, queries = test-split codes.
-       "paper" protocol: train and test splits pooled, --queries-per-class random items of each
-       class are the queries and all the others the gallery (eval_metrics.retrieval_split; the
-       paper also trains the encoder on 500 gallery images per class, which is a property of
-       the training run, not checked here).
+     - linear: linear probe on h [M:linear-probe] (held-out 10% of the training split for the
+       lr search): test top-1 and the chosen lr.
+     - knn: cosine kNN on h [M:knn] (k capped at the training-set size): top-1.
+     - hash: codes c = sgn(a) [M:code], mAP@all with Hamming ranking [M:ap], under the
+       "standard" or "paper" protocol of [M:hash-split] (paper: metrics.retrieval_split; its
+       500 training images per class are a property of the training run, not checked here).
        Bit counts: the model's D by default; for every k < D named in --bits the figure is the
        mAP of the first k bits of the same D-bit code (a k-bit PREFIX of one D-bit model, NOT a
-       separately trained k-bit model as in the paper's tables).
-     - expressivity: hashing.code_statistics of the test-split codes (distinct codes, fraction
-       distinct, mean pairwise Hamming distance, bit balance), for D and every prefix in --bits.
+       separately trained k-bit model as in the paper's tables) [M:prefix].
+     - expressivity: ops.hamming.code_statistics of the test-split codes [M:stats] (distinct
+       codes, mean pairwise Hamming distance, balance_dev, bit entropy), for D and every prefix
+       in --bits; the report's keys are CodeStatistics' field names.
   3. Writes DIR/report.json (checkpoint, data, split sizes, training config, every task's
      numbers, timings) and DIR/report.md (a markdown table), and prints the table.
 
@@ -219,7 +217,7 @@ def load_or_extract(args, model, data, split, limit, image_size, device, model_d
 # --------------------------------------------------------------------------------------------
 
 def sign_codes(a: torch.Tensor) -> torch.Tensor:
-    """c = sgn(a) with 0 -> +1, as int8 +-1 (the convention of hashing.code_statistics)."""
+    """c = sgn(a) with 0 -> +1 (docs/math.md [M:code]), as int8 +-1."""
     return torch.where(a >= 0, 1, -1).to(torch.int8)
 
 
@@ -301,8 +299,8 @@ def markdown_table(report: dict) -> str:
                          f"{s['num_distinct']}/{s['num_codes']} "
                          f"({_fmt(s['fraction_distinct'], True)})",
                          f"mean Hamming {_fmt(s['mean_pairwise_hamming'])} "
-                         f"({_fmt(s['normalized_mean_pairwise_hamming'])} of D), bit balance "
-                         f"|p-0.5| {_fmt(s['balance_mean_abs_deviation'])}, "
+                         f"({_fmt(s['normalized_mean_pairwise_hamming'])} of D), balance_dev "
+                         f"mean|f-0.5| {_fmt(s['balance_dev'])}, "
                          f"entropy {_fmt(s['bit_entropy_mean'])}"))
     sizes = report["splits"]
     head = (f"Evaluation of `{report['checkpoint']}` ({report['which']} model, "

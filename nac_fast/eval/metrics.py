@@ -5,17 +5,11 @@
     res = linear_probe(train_h, train_y, test_h, test_y)   # lr searched on a held-out split
     res.test_accuracy, res.best_lr, res.val_accuracy
 
-Protocols (NAC_SPEC.md "Evaluation protocols", issue 6):
+Protocols (docs/math.md):
 
-* kNN: cosine similarity between L2-normalised features, the k = 200 most similar training
-  items vote with weight exp(similarity / temperature) (the weighted kNN of Wu et al. 2018 used
-  by SimCLR/MoCo-style evaluations); the class with the largest total weight wins, ties going to
-  the lower class index.
-* Linear probe: a linear classifier on frozen features, SGD with Nesterov momentum 0.9, cosine
-  learning-rate schedule (per step) over 100 epochs, no regularisation (no weight decay, no
-  augmentation: the features are fixed), learning rate searched in {0.01, 0.1, 1, 10} on a
-  held-out split of the training set; the chosen rate is then retrained on the whole training
-  set and its test top-1 reported.
+* kNN: docs/math.md [M:knn] (the weighted kNN of Wu et al. 2018 used by SimCLR/MoCo-style
+  evaluations).
+* Linear probe: docs/math.md [M:linear-probe], on frozen features.
 
 Both work on any device the tensors live on; memory stays bounded by chunking the test set.
 """
@@ -221,10 +215,10 @@ def linear_probe(train_features, train_labels, test_features, test_labels, *,
 
 def retrieval_split(labels, *, queries_per_class: int = 1000, train_per_class: int | None = 500,
                     seed: int = 0) -> dict:
-    """The paper's CIFAR-10 hash-retrieval split (NAC_SPEC.md "Evaluation protocols"):
-    ``queries_per_class`` random items of each class are the queries, all other items the gallery
-    (the hash table), and ``train_per_class`` random gallery items of each class train the encoder
-    (None: no training subset).  Deterministic for a seed.
+    """The paper's CIFAR-10 hash-retrieval split ("paper" protocol of docs/math.md
+    [M:hash-split]): ``queries_per_class`` random items of each class are the queries, all other
+    items the gallery (the hash table), and ``train_per_class`` random gallery items of each class
+    train the encoder (None: no training subset).  Deterministic for a seed.
 
     Returns int64 index tensors ``{"query", "gallery", "train"}``, each sorted ascending (so the
     gallery keeps the data set's order, which fixes the tie order of the Hamming ranking)."""

@@ -1,4 +1,4 @@
-"""Hamming-space retrieval and code statistics for NAC's binary codes c = sgn(a).
+"""Hamming-space retrieval and code statistics for NAC's binary codes (docs/math.md [M:code]).
 
     import nac_fast.ops.hamming as H
     m = H.mean_average_precision(query_codes, query_labels, gallery_codes, gallery_labels)
@@ -7,17 +7,15 @@
     packed = H.pack_codes(codes)                             # (n, ceil(D/64)) int64 words + nbits
     stats = H.code_statistics(a)                             # expressivity: distinct codes, ...
 
-Conventions (NAC_SPEC.md, "What the authors' code gets wrong", item 2):
+Conventions (docs/math.md):
 
 * Codes are +-1 tensors (any real or integer dtype; bool means False = -1, True = +1), or 0/1
-  tensors when ``zero_one=True`` (1 = +1, 0 = -1), or a :class:`PackedCodes`.
-* The gallery is ranked by **Hamming distance** (equivalently by the +-1 dot product,
-  d = (D - <q, g>) / 2), ties broken by gallery index (stable).  The authors' code ranks by the
-  dot product of {0,1} codes, which favours codes with many 1-bits; this module does not.
-* Relevance: single-label (n,) integer class ids -> same class; multi-label (n, L) multi-hot
-  (0/1 or bool) -> shares at least one label.
-* AP of a query = (1/R) * sum over its R relevant gallery items of
-  (#relevant items ranked at or before it) / (its rank), over the whole ranking (mAP@all).
+  tensors when ``zero_one=True`` (1 = +1, 0 = -1), or a :class:`PackedCodes` [M:hamming].
+* The gallery is ranked by **Hamming distance**, ties broken by gallery index [M:rank]; not by
+  the dot product of {0,1} codes as in the authors' code [M:bug2].
+* Relevance: same class, or shares a label for (n, L) multi-hot labels [M:relevance].
+* AP over the whole ranking (mAP@all), queries with no relevant item skipped [M:ap].
+* Code statistics [M:stats]: the fields of :class:`CodeStatistics` are named as in docs/math.md.
 
 Backends (``backend=``): ``"cpu"`` is the compiled kernel ``torch.ops.nac_fast.hamming_*`` of
 ``nac_fast._C`` (csrc/hamming.cpp: packed words, AVX-512 VPOPCNTDQ chosen at run time, AP from
@@ -28,8 +26,8 @@ runs on any device (CUDA tensors included) and works in query chunks of bounded 
 counting sort over the D + 1 distances, codes of at most 1023 bits.  ``"auto"`` picks ``"cpu"``
 for CPU tensors when the extension is built, ``"triton"`` for CUDA tensors when Triton imports,
 else ``"reference"``.
-Measured (bench/bench_hamming.py, 2-core AVX-512 Xeon, 10,000 x 50,000 x 128 bits, mAP@all):
-see bench/results/hamming_cpu.csv.
+Timings: ``python bench/bench_hamming.py`` (10,000 x 50,000 x 128 bits, mAP@all), results in
+bench/results/hamming_cpu.csv.
 """
 from __future__ import annotations
 
@@ -52,9 +50,9 @@ __all__ = [
 # The C++ kernel stores distances as uint16; 1023 words is the most that fits.
 MAX_BITS = 1023 * 64
 # The reference backend works on this many (query, gallery) pairs at a time (int64/float64
-# temporaries of ~8 bytes each: ~8 MiB per temporary), so memory stays bounded for any Q.
-# Measured at 1000 x 50,000 x 128: peak RSS growth 50-75 MB with 2^20 pairs, but 190-1085 MB
-# (allocator fragmentation, run to run) with 2^22, at the same speed within this machine's noise.
+# temporaries of ~8 bytes each: ~8 MiB per temporary), so memory stays bounded for any Q.  Larger
+# chunks were no faster; the peak RSS varies widely from run to run with the allocator's
+# fragmentation (bench/results/cpu_micro.md, "Reference chunk size").
 _REF_PAIRS_PER_CHUNK = 1 << 20
 
 
@@ -140,8 +138,8 @@ def _is_integer(dtype: torch.dtype) -> bool:
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """(n, D) bool -> (n, ceil(D/64)) int64 words (layout of PackedCodes).
 
-    CPU tensors go through numpy.packbits: 2.7 ms for 50,000 x 128 bits here against 18-24 ms
-    for the torch versions (timed on this 2-core machine while shared)."""
+    CPU tensors go through numpy.packbits, several times faster than the torch version
+    (bench/results/cpu_micro.md, "Code statistics")."""
     n, d = bits.shape
     nw = (d + 63) // 64
     if n == 0:  # (numpy gives a zero-size array stride 0, which torch cannot view as int64)
@@ -172,16 +170,16 @@ def _pack_bits_torch(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _bit_counts(bits: torch.Tensor) -> torch.Tensor:
-    """Number of set bits per column, int64 (numpy on CPU: 9 ms against 80 ms for
-    torch's bool column sum on 50,000 x 128, same shared machine)."""
+    """Number of set bits per column, int64 (numpy on CPU: several times faster than torch's bool
+    column sum, bench/results/cpu_micro.md)."""
     if bits.device.type == "cpu":
         return torch.from_numpy(bits.numpy().sum(0, dtype=np.int64))
     return bits.sum(0, dtype=torch.int64)
 
 
 def _num_distinct_rows(words: torch.Tensor) -> int:
-    """Distinct rows of an int64 matrix by successive stable sorts on each column (LSD order):
-    9 ms for 50,000 x 2 words against 70 ms for torch.unique(dim=0)."""
+    """Distinct rows of an int64 matrix by successive stable sorts on each column (LSD order),
+    faster than torch.unique(dim=0) (bench/results/cpu_micro.md)."""
     order = torch.argsort(words[:, -1], stable=True)
     for c in range(words.shape[1] - 2, -1, -1):
         order = order[torch.argsort(words[order, c], stable=True)]
@@ -453,13 +451,13 @@ def average_precision(query_codes, query_labels, gallery_codes, gallery_labels, 
 def mean_average_precision(query_codes, query_labels, gallery_codes, gallery_labels, *,
                            zero_one: bool = False, backend: str = "auto",
                            return_num_queries: bool = False):
-    """mAP@all of Hamming-ranking retrieval, as in the paper's hashing tables (NAC_SPEC.md).
+    """mAP@all of Hamming-ranking retrieval, as in the paper's hashing tables (docs/math.md [M:ap]).
 
     query_codes (Q, D), gallery_codes (G, D): +-1 codes (bool: True = +1), or 0/1 with
     ``zero_one=True``, or :class:`PackedCodes`.  query_labels / gallery_labels: (n,) integer
     class ids (relevant = same class) or (n, L) 0/1 multi-hot (relevant = shares a label).
     Each query ranks the whole gallery by Hamming distance, ties broken by gallery index
-    (stable), and its AP is (1/R) sum over its R relevant items of precision at that item's rank.
+    [M:rank], and its AP is the precision averaged over its R relevant items [M:ap].
 
     Queries with no relevant gallery item (R = 0) have no AP and are **skipped**: the mean is over
     the other queries.  With ``return_num_queries=True`` the result is ``(map, num_used)``.  If
@@ -483,13 +481,17 @@ def mean_average_precision(query_codes, query_labels, gallery_codes, gallery_lab
 
 @dataclasses.dataclass(frozen=True)
 class CodeStatistics:
-    """Expressivity of a set of n binary codes of D bits (the paper's central claim).
+    """Expressivity of a set of n binary codes of D bits (the paper's central claim), each field
+    named and defined as in docs/math.md [M:stats]:
 
-    ``mean_pairwise_hamming`` is exact over all ordered pairs i != j (NaN when n < 2), computed
-    from per-bit counts k_b of +1: sum_b 2 k_b (n - k_b) / (n (n - 1)), in O(nD).
-    ``bit_balance`` is the (D,) fraction of +1 per bit; the summaries are its mean absolute
-    deviation from 1/2, its min and max, and the mean binary entropy (bits) of the per-bit
-    frequencies (1 = perfectly balanced bits)."""
+    num_distinct, fraction_distinct                 [M:distinct]
+    mean_pairwise_hamming (NaN when n < 2),
+    normalized_mean_pairwise_hamming (/ num_bits)   [M:mean-hamming], exact, O(nD)
+    bit_freq: the (D,) fraction of +1 per bit;
+    bit_freq_min, bit_freq_max: its min and max     [M:bit-freq]
+    balance_dev: mean_b |bit_freq_b - 1/2|          [M:balance-dev]  (0 = every bit balanced)
+    bit_entropy_mean                                [M:bit-entropy]  (1 = every bit balanced)
+    """
 
     num_codes: int
     num_bits: int
@@ -497,28 +499,48 @@ class CodeStatistics:
     fraction_distinct: float
     mean_pairwise_hamming: float
     normalized_mean_pairwise_hamming: float  # / num_bits; 0.5 for independent balanced bits
-    bit_balance: torch.Tensor
-    balance_mean_abs_deviation: float
-    balance_min: float
-    balance_max: float
+    bit_freq: torch.Tensor
+    balance_dev: float
+    bit_freq_min: float
+    bit_freq_max: float
     bit_entropy_mean: float
 
     def as_dict(self) -> dict:
         """Scalar statistics only (for a training logger / JSON report)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "bit_balance"}
+                if f.name != "bit_freq"}
+
+    # Names before the rename of docs/math.md [M:stats] (read-only, not in as_dict()).
+    @property
+    def bit_balance(self) -> torch.Tensor:
+        """Old name of bit_freq [M:bit-freq]."""
+        return self.bit_freq
+
+    @property
+    def balance_mean_abs_deviation(self) -> float:
+        """Old name of balance_dev [M:balance-dev]."""
+        return self.balance_dev
+
+    @property
+    def balance_min(self) -> float:
+        """Old name of bit_freq_min [M:bit-freq]."""
+        return self.bit_freq_min
+
+    @property
+    def balance_max(self) -> float:
+        """Old name of bit_freq_max [M:bit-freq]."""
+        return self.bit_freq_max
 
 
 def code_statistics(codes, *, zero_one: bool = False) -> CodeStatistics:
-    """Expressivity statistics of (n, D) codes: distinct codes, mean pairwise Hamming distance,
-    per-bit balance.
+    """Expressivity statistics of (n, D) codes (:class:`CodeStatistics`, docs/math.md [M:stats]).
 
     ``codes`` may be pre-activations a or codes: the code is sgn(a) with **0 mapped to +1**
-    (so +-1 codes are unchanged); bool means True = +1; with ``zero_one=True`` values must be 0/1
-    (1 = +1); a :class:`PackedCodes` is used as is.  Gradients are not tracked.  Cost: one
-    comparison and one column sum, plus ceil(D/64) stable sorts of the packed rows for the
-    distinct count: ~5 ms for a 1000 x 128 batch, ~30 ms for 50,000 x 128 on one core of the
-    shared 2-core machine, so it is cheap enough for a training logger.
+    (so +-1 codes are unchanged, [M:code]); bool means True = +1; with ``zero_one=True`` values
+    must be 0/1 (1 = +1); a :class:`PackedCodes` is used as is.  Gradients are not tracked.
+    Cost: one comparison and one column sum, plus ceil(D/64) stable sorts of the packed rows for
+    the distinct count, all O(nD): cheap enough for a training logger (timings:
+    bench/results/cpu_micro.md, "Code statistics").
     """
     with torch.no_grad():
         if isinstance(codes, PackedCodes):
@@ -558,9 +580,9 @@ def code_statistics(codes, *, zero_one: bool = False) -> CodeStatistics:
             fraction_distinct=distinct / n,
             mean_pairwise_hamming=mph,
             normalized_mean_pairwise_hamming=mph / d,
-            bit_balance=frac.cpu(),
-            balance_mean_abs_deviation=float((frac - 0.5).abs().mean()),
-            balance_min=float(frac.min()),
-            balance_max=float(frac.max()),
+            bit_freq=frac.cpu(),
+            balance_dev=float((frac - 0.5).abs().mean()),
+            bit_freq_min=float(frac.min()),
+            bit_freq_max=float(frac.max()),
             bit_entropy_mean=float(ent.mean()),
         )

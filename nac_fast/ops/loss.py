@@ -5,7 +5,8 @@
     nac_vi_loss(a, r, p, *, noise=None, reduction="mean")
     NACLoss(p, ...)(a, r), NACMQLoss(p, l2=...)(a, r_hat, queue, r=...)     # nn.Module criteria
 
-Every backend computes the same function (NAC_SPEC.md); `nac_fast.ops.reference` is the oracle.
+Every backend computes the same function, docs/math.md [M:rows]; `nac_fast.ops.reference` is the
+oracle.
 
 Host syncs: p, s and l2 stay Python numbers (pass p as a float: a tensor p is read with .item()),
 the noise seed is drawn on the inputs' device, and the data-reading value checks follow the policy
@@ -158,7 +159,7 @@ def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):
 
 
 def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"):
-    """In-batch NAC loss to minimise (NAC_SPEC.md, paper eq. `optimization_objective`, negated).
+    """In-batch NAC loss to minimise (docs/math.md [M:inbatch]).
 
     a: (n, D) projection-head pre-activations (tanh is applied inside).
     r: (n, D) inference-network logits for the same rows.
@@ -177,7 +178,7 @@ def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"
 
 
 def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto"):
-    """NAC-MQ loss to minimise (paper eq. `momentum_objective`, negated, plus lambda ||z||^2).
+    """NAC-MQ loss to minimise (docs/math.md [M:mq]; s multiplies the similarity, [M:mq-scale]).
 
     queue: (M, D) momentum codes; a constant of the loss (pass it detached: no gradient reaches it).
     r_hat: (n, D) logits of the momentum inference network (normally detached too).
@@ -200,11 +201,9 @@ def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", bac
 
 
 def nac_vi_loss(a, r, p, *, noise=None, reduction="mean"):
-    """The online inference network's own term of NAC-MQ (NAC_SPEC.md):
+    """The online inference network's own term of NAC-MQ (docs/math.md [M:vi]).
 
-        vi_i = -1/2 sum_d [ sg(z~_id) r_id + log sig(r_id) + log sig(-r_id) ]
-
-    with z~ = m * tanh(a) detached: only r (the online inference net) is trained by it.  Pass the
+    z~ = m * tanh(a) is detached: only r (the online inference net) is trained by it.  Pass the
     same `noise` as to `nac_mq_loss` to use one channel sample per step.  It is O(nD) elementwise
     work, so plain PyTorch on every device, computed in float32 (float64 for float64 inputs)
     whatever the input dtype and autocast state, like the fused losses: bf16/fp16 a and r are

@@ -1,19 +1,11 @@
-"""Autograd and torch.compile glue for the fused backends.
+"""Autograd and torch.compile glue for the fused backends of the NAC losses.
 
-Every fused backend provides two ops with one contract (csrc/nac_cpu.cpp documents the math):
-
-    fwd(a, r, noise, keys?, s, l2, grad_rows) -> (loss_rows, lse, ga)
-        ga = d loss_i / d a_i through row i's own query, Bernoulli and l2 terms
-    bwd(a, r, noise, keys?, lse, ga, g, s, need_a, need_r, need_keys) -> (d/da, d/dr, d/dkeys)
-        of sum_i g_i loss_i; with keys=None d/da includes the path through the self keys
-
-lse is the per-row logsumexp in the units of the backend's own backward (natural log for cpu and
-cuda; base 2 for triton, whose loops run in exp2): only that backend's backward reads it.
-The forward returns ga because it needs only the softmax-weighted mean key, which it accumulates
-anyway (flash-attention style); the backward then scales it by g and makes one pass over the tiles
-for the keys' gradient from the saved lse.  d/dr is elementwise and done in the backward, so only
-ga (n x D) is held between the passes.  Ops are registered with torch.library (fake
-implementations included), so autograd and torch.compile both see them.
+Every fused backend (cpu, cuda, triton) provides the two ops fwd and bwd of docs/math.md
+[M:passes]: the forward returns the rows' losses, lse and ga [M:ga] (row i's own gradient, only
+when a needs one); the backward assembles d/da, d/dr and d/dkeys [M:grad-a] from them.  lse is in
+the units of the backend's own backward (base 2 for triton, [M:lse-online]): only that backend's
+backward reads it.  Ops are registered with torch.library (fake implementations included), so
+autograd and torch.compile both see them.
 """
 from __future__ import annotations
 

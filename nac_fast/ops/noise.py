@@ -1,11 +1,11 @@
 """The NAC channel: its scale s and its noise m, drawn from a seed (docs/math.md [M:channel],
-[M:scale], [M:philox]).
+[M:philox]).
 
-    s = channel_scale(p)                         # 1/2 log((1 - p) / p)
-    m = draw_noise((n, D), p)                    # +-1, -1 with probability p; seeded by torch's RNG
+    s = channel_scale(p)                         # the channel scale s
+    m = draw_noise((n, D), p)                    # +-1 noise; seeded by torch's RNG
     m = noise_from_seed(like, seed, p)           # the same bits on every backend
 
-The noise is Philox4x32-10 of (seed, element index): the compiled op nac_fast::nac_noise
+The noise is Philox4x32-10 of (seed, element index) [M:philox]: the compiled op nac_fast::nac_noise
 (csrc/nac_noise.cpp, csrc/nac_cuda.cu), the Triton kernel (kernels/nac_noise_triton.py) and the
 torch reference (nac_fast.ops.reference.philox_noise) compute the same bits, tested bit for bit.
 """
@@ -20,7 +20,7 @@ from .dispatch import resolve_backend
 
 
 def channel_scale(p: float) -> float:
-    """s = 1/2 log((1-p)/p), the scale of the symmetric channel's log-likelihood (s > 0)."""
+    """The scale s > 0 of the symmetric channel's log-likelihood (docs/math.md [M:channel])."""
     return _scale(check_p(p))
 
 
@@ -44,12 +44,12 @@ def check_p(p) -> float:
 
 def draw_noise(shape, p: float, *, device=None, dtype=torch.float32,
                generator: torch.Generator | None = None) -> torch.Tensor:
-    """Channel noise m: each entry -1 with probability p, +1 otherwise.
+    """Channel noise m of docs/math.md [M:channel], drawn as in [M:philox].
 
     A 64-bit seed is drawn from torch's RNG (``generator``, else the default generator of
-    ``device``), so ``torch.manual_seed`` reproduces it; the noise is then Philox4x32-10 of
-    (seed, element index) (:func:`noise_from_seed`), computed by the fused kernel of the device
-    when there is one.  Every backend computes the same bits from the same seed."""
+    ``device``), so ``torch.manual_seed`` reproduces it; the noise is then
+    :func:`noise_from_seed`, computed by the fused kernel of the device when there is one.  Every
+    backend computes the same bits from the same seed."""
     if isinstance(shape, int):
         shape = (shape,)
     if (not isinstance(shape, (tuple, list, torch.Size))
@@ -73,8 +73,8 @@ def _draw(shape, p: float, *, device=None, dtype=torch.float32, generator=None):
 
 def noise_from_seed(like: torch.Tensor, seed: torch.Tensor, p: float, *,
                     backend: str = "auto") -> torch.Tensor:
-    """The channel noise for ``seed``: a tensor of like's shape, (floating) dtype and device whose
-    flattened element e is -1 if uniform(Philox4x32-10(counter e, key seed)) < p, else +1.
+    """The channel noise for ``seed``: a tensor of like's shape, (floating) dtype and device, the
+    Philox4x32-10 noise of docs/math.md [M:philox] (element e = the row-major index).
 
     ``seed``: a one-element int64 tensor (on like's device: a GPU never waits for the host).
     ``backend``: "auto" (the device's fused kernel, else the reference) or one of "reference"

@@ -1,17 +1,10 @@
-"""Plain-PyTorch reference of the NAC losses (NAC_SPEC.md; paper eq. `optimization_objective`
-and `momentum_objective`).
+"""Plain-PyTorch reference of the NAC losses: the per-row function docs/math.md [M:rows], for the
+in-batch loss [M:inbatch] and NAC-MQ [M:mq], and the Philox channel noise [M:philox].
 
 This module is three things at once (Apple CCE's pattern): the test oracle every fused backend is
 compared against, the fallback that runs on any device and dtype (float64 included, so
 ``torch.autograd.gradcheck`` works), and the baseline of the microbenchmarks.  It materialises the
 n x N logits; the fused kernels never do.
-
-Per query row i, with z = tanh(a), z~ = m * z (m = +-1 channel noise), s = 1/2 log((1-p)/p):
-
-    lse_i  = log sum_j exp(s * z~_i . k_j)          k = keys (in-batch: the n clean codes z,
-                                                     self and partner included; MQ: the queue)
-    bern_i = 1/2 sum_d [ z~_id r_id + log sig(r_id) + log sig(-r_id) ]
-    loss_i = lse_i - log N - bern_i + l2 * ||z_i||^2      (l2 = 0 in-batch, lambda for NAC-MQ)
 
 All computation happens in the input dtype, so the reference run in bf16 is the yardstick for the
 "error <= 2x the same-dtype reference" tolerance.  The result is float32 (float64 for float64
@@ -31,11 +24,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def bernoulli_term(z_noisy: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """bern_i = 1/2 sum_d [z~_id r_id + log sig(r_id) + log sig(-r_id)], shape (n,).
-
-    It is minus the binary cross-entropy of logits r against soft targets (1 + z~)/2, which is how
-    it is written here (exact and numerically stable for large |r|).
-    """
+    """The Bernoulli term bern_i of docs/math.md [M:bern], shape (n,), written with log-sigmoids
+    (exact and numerically stable for large |r|)."""
     return 0.5 * (z_noisy * r + F.logsigmoid(r) + F.logsigmoid(-r)).sum(1)
 
 
@@ -71,10 +61,9 @@ def nac_mq_loss_reference(a, r_hat, queue, noise, s, l2=0.1, reduction="mean"):
 
 
 # ---- channel noise from a seed (the reference of the nac_noise ops) ----------------------------
-# Philox4x32-10 (Salmon et al., SC'11): the same function as csrc/nac_math.h (noise_sign) and
+# Philox4x32-10, docs/math.md [M:philox]: the same function as csrc/nac_math.h (noise_sign) and
 # kernels/nac_noise_triton.py, written in int64 torch ops with every intermediate below 2^63, so it
-# is exact on every device.  Element e of the flattened noise: counter (e mod 2^32, e >> 32, 0, 0),
-# key (seed mod 2^32, seed >> 32), first output word -> uniform float as Triton's tl.rand.
+# is exact on every device.
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 _MASK32 = 0xFFFFFFFF
@@ -107,15 +96,14 @@ def philox_first_word(counter: torch.Tensor, seed: torch.Tensor) -> torch.Tensor
 
 
 def philox_uniform(word: torch.Tensor) -> torch.Tensor:
-    """Triton's uint_to_uniform_float: the word read as int32, ~x if negative, times
-    4.6566127342e-10 in float32 -> [0, 1)."""
+    """Triton's uint_to_uniform_float, the word -> uniform step of docs/math.md [M:philox]."""
     v = torch.where(word >= 2 ** 31, _MASK32 - word, word)  # ~int32(w) for the negative ones
     return v.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32,
                                               device=word.device)
 
 
 def philox_noise(like: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
-    """Channel noise of like's shape, dtype and device: -1 where the element's uniform < p."""
+    """Channel noise of like's shape, dtype and device (docs/math.md [M:philox])."""
     e = torch.arange(like.numel(), device=like.device, dtype=torch.int64).reshape(like.shape)
     u = philox_uniform(philox_first_word(e, seed.to(like.device, torch.int64)))
     return torch.where(u < torch.tensor(p, dtype=torch.float32, device=like.device), -1.0,

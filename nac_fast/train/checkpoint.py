@@ -1,16 +1,22 @@
-"""Atomic training checkpoints, RNG state capture, and loading a trained model for evaluation.
+"""Training checkpoints: atomic writes with a rotation of two, choosing the checkpoint to resume
+from, RNG state capture, and loading a trained model for evaluation.
 
-    save_atomic(state, path)      # temp file in the same directory, fsync, rename, fsync the dir
-    latest_checkpoint(out_dir)    # out_dir/last.pt or None
-    ck = load_checkpoint(path)    # weights_only: tensors, numbers, strings, containers
-    model = load_model(path)      # NACModel with the trained (online or momentum) weights
+    save_atomic(state, path, previous=None)   # temp file, fsync, rename, fsync the dir
+    path, ck, notes = pick_checkpoint(out)    # the newest good one: out/last.pt, else out/prev.pt
+    ck = load_checkpoint(path)                # weights_only: tensors, numbers, strings, containers
+    model = load_model(path)                  # NACModel with the trained (online or momentum) weights
 
-A crash at any moment leaves either the previous checkpoint or the new one, never a torn file:
-os.replace is atomic within a file system, and the fsyncs make the data durable before the name
-points at it.
+A run keeps two checkpoints in --out: last.pt (the newest) and prev.pt (the one before).  A crash
+at any moment leaves complete files under both names, never a torn one: the new checkpoint is
+written to a temp file and fsynced, prev.pt becomes a hard link to the current last.pt (a rename
+where the file system has no hard links), and only then does os.replace give the new file the
+name last.pt.  So a failed write (disk full, read-only directory) leaves last.pt as it was, and
+a checkpoint that is damaged later (a truncated copy, bad storage) still has prev.pt behind it.
 """
 from __future__ import annotations
 
+import glob
+import json
 import os
 import random
 import tempfile
@@ -18,20 +24,99 @@ import tempfile
 import numpy as np
 import torch
 
-LAST = "last.pt"
+LAST = "last.pt"    # the newest checkpoint
+PREV = "prev.pt"    # the one before it (rotation: see the module docstring)
+CONFIG = "config.json"
+# What every train.py checkpoint holds; resume needs all of them, evaluation the first two.
+MODEL_KEYS = ("model", "config")
+STATE_KEYS = MODEL_KEYS + ("optimizer", "scheduler", "scaler", "step", "rng")
+_TMP = ".tmp-"      # prefix of save_atomic's temp files
 
 
-def save_atomic(state: dict, path: str) -> None:
+def save_atomic(state: dict, path: str, previous: str | None = None) -> None:
+    """Write `state` to `path` so that `path` is always a complete file (old or new).
+
+    previous: a path in the same directory that takes over the file now at `path` (if any) just
+    before the new one replaces it: the rotation last.pt -> prev.pt.  Any failure (a full disk,
+    an unwritable directory, an unpicklable state) raises, leaves no temp file behind, and leaves
+    `path` and `previous` unchanged, except when only the final rename failed: then `previous`
+    holds the file `path` still holds (or, on a file system without hard links, the file `path`
+    held, `path` being absent)."""
     path = os.path.abspath(path)
     d = os.path.dirname(path)
     os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + ".", dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=_TMP + os.path.basename(path) + ".", dir=d)
+    link = tmp + ".prev"
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         # mkstemp creates the file 0600; give it the mode a plain open() would have
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        if previous is not None and os.path.isfile(path):
+            try:
+                os.link(path, link)             # previous and path: the same file for a moment
+            except OSError:                     # no hard links here: path is absent until the
+                os.replace(path, previous)      # next line (pick_checkpoint falls back then)
+            else:
+                os.replace(link, previous)
+                if os.path.lexists(link):       # previous was this very file already: rename
+                    os.unlink(link)             # of a file onto itself does nothing
+        os.replace(tmp, path)
+    except BaseException:
+        for t in (tmp, link):
+            try:
+                os.unlink(t)
+            except FileNotFoundError:
+                pass
+        raise
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # make the renames themselves durable
+    finally:
+        os.close(dfd)
+
+
+def remove_stale_temp_files(out_dir: str) -> list:
+    """Delete the temp files a killed save_atomic left for last.pt / prev.pt in out_dir (a kill
+    during a save leaves a partial file of up to a checkpoint's size).  Call before any save of
+    the run starts; returns the removed paths."""
+    gone = []
+    for name in (LAST, PREV):
+        for p in glob.glob(os.path.join(glob.escape(out_dir), _TMP + name + ".*")):
+            try:
+                os.unlink(p)
+                gone.append(p)
+            except FileNotFoundError:
+                pass
+    return gone
+
+
+def latest_checkpoint(out_dir: str) -> str | None:
+    """out_dir/last.pt if it exists (unchecked; pick_checkpoint checks and falls back)."""
+    p = os.path.join(out_dir, LAST)
+    return p if os.path.isfile(p) else None
+
+
+def read_json(path: str):
+    """A small JSON file of ours (config.json, non_finite.json) or None if absent or unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json_atomic(obj, path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=_TMP + os.path.basename(path) + ".", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, default=str)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
@@ -42,31 +127,35 @@ def save_atomic(state: dict, path: str) -> None:
         except FileNotFoundError:
             pass
         raise
-    dfd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(dfd)  # make the rename itself durable
-    finally:
-        os.close(dfd)
 
 
-def latest_checkpoint(out_dir: str) -> str | None:
-    p = os.path.join(out_dir, LAST)
-    return p if os.path.isfile(p) else None
+def pick_checkpoint(directory: str, run_id: str | None = None):
+    """The checkpoint to resume from in `directory`: last.pt if it loads as a complete train.py
+    checkpoint, else prev.pt.  run_id (the run that owns the directory, from its config.json):
+    a checkpoint recorded as another run's is skipped.
 
-
-def resolve_resume(resume: str, out_dir: str) -> str | None:
-    """--resume value -> checkpoint path. 'auto'/'latest' = out_dir/last.pt if present (None if
-    not: a fresh start); anything else must be an existing file or a directory holding last.pt."""
-    if resume in ("auto", "latest"):
-        return latest_checkpoint(out_dir)
-    if os.path.isdir(resume):
-        p = latest_checkpoint(resume)
-        if p is None:
-            raise ValueError(f"--resume {resume!r}: directory has no {LAST}")
-        return p
-    if not os.path.isfile(resume):
-        raise ValueError(f"--resume {resume!r}: no such checkpoint file")
-    return resume
+    Returns (path, checkpoint, notes): (None, None, notes) when there is none to resume (a fresh
+    start); notes say what was skipped and why.  Raises ValueError, naming the files, when a
+    checkpoint exists but none can be used (a damaged last.pt and no good prev.pt of the run)."""
+    damaged, notes = [], []
+    for name in (LAST, PREV):
+        p = os.path.join(directory, name)
+        if not os.path.lexists(p):
+            continue
+        try:
+            ck = load_checkpoint(p, require=STATE_KEYS)
+        except ValueError as exc:
+            damaged.append(str(exc))
+            continue
+        rid = ck["config"].get("run_id")
+        if run_id and rid and rid != run_id:
+            notes.append(f"{p} is a checkpoint of another run (run_id {rid}; {CONFIG}: "
+                         f"{run_id}): not resumed")
+            continue
+        return p, ck, damaged + notes
+    if damaged:
+        raise ValueError(f"no usable checkpoint in {directory!r}: " + "; ".join(damaged + notes))
+    return None, None, notes
 
 
 def capture_rng_state() -> dict:
@@ -105,18 +194,38 @@ def _numpy_globals() -> list:
     return out
 
 
-def load_checkpoint(path: str, map_location="cpu") -> dict:
+def load_checkpoint(path: str, map_location="cpu", require=MODEL_KEYS) -> dict:
     """A train.py checkpoint, loaded with weights_only=True: tensors, numbers, strings and
-    containers only (no code runs from the file).  A file that is not one raises ValueError
+    containers only (no code runs from the file).  A file that is missing, unreadable, empty,
+    truncated or corrupt, or that is not a dict with the keys `require`, raises ValueError
     naming it."""
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise ValueError(f"checkpoint {path!r}: no such file")
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {path!r} is not a regular file")
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise ValueError(f"checkpoint {path!r} cannot be read: {exc}") from exc
+    if size == 0:
+        raise ValueError(f"checkpoint {path!r} is empty (0 bytes): a write that never finished")
     with torch.serialization.safe_globals(_numpy_globals()):
         try:
-            return torch.load(path, map_location=map_location, weights_only=True)
-        except Exception as exc:  # truncated, corrupt, or not a checkpoint of ours
-            raise ValueError(f"checkpoint {path!r} cannot be read: {type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+            ck = torch.load(path, map_location=map_location, weights_only=True)
+        except (PermissionError, FileNotFoundError, IsADirectoryError) as exc:
+            raise ValueError(f"checkpoint {path!r} cannot be read: {exc}") from exc
+        except Exception as exc:  # truncated, corrupt, or not a file of torch.save
+            msg = str(exc).splitlines()[0] if str(exc) else ""
+            raise ValueError(f"checkpoint {path!r} ({size} bytes) is truncated, corrupt or not a "
+                             f"checkpoint: {type(exc).__name__}: {msg}") from exc
+    if not isinstance(ck, dict):
+        raise ValueError(f"checkpoint {path!r} holds a {type(ck).__name__}, not a train.py "
+                         "checkpoint (a dict)")
+    missing = [k for k in require if k not in ck]
+    if missing:
+        raise ValueError(f"checkpoint {path!r} is not a train.py checkpoint: it has no "
+                         f"{', '.join(missing)} (keys: {sorted(map(str, ck))[:8]})")
+    return ck
 
 
 def load_model(path: str, which: str = "online", map_location="cpu"):

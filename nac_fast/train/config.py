@@ -26,7 +26,20 @@ from dataclasses import dataclass
 import torch
 
 from .methods import METHODS
-from .models import ARCHS
+from .models import ARCHS, INFER_INITS
+
+
+def _gain(v):
+    """--r-gain: a number > 0 or 'auto'."""
+    if isinstance(v, str) and v.strip() == "auto":
+        return "auto"
+    try:
+        g = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number > 0 or 'auto', got {v!r}") from None
+    if not g > 0:
+        raise ValueError(f"expected a number > 0 or 'auto', got {v!r}")
+    return g
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nac_fast/
 # The checkout's configs/ (source tree, editable install), else the copy a wheel ships as
@@ -55,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="bit-flip probability of the channel, in (0, 0.5); under torchrun use --flip-prob")
     a("--epochs", type=int, default=None, help="epochs (recipe: 200 ImageNet, 2 demo)")
     a("--max-steps", type=int, default=None, help="total optimizer steps (overrides --epochs; "
-      "the lr schedule spans this many steps)")
+      "the lr schedule spans this many steps). With --resume, a total larger than the "
+      "checkpoint's extends the run: training continues exactly from the checkpoint and the "
+      "cosine is restretched to end at the new total (the lr jumps up to the value a run "
+      "planned with this total has at that step; the warm-up stays the checkpoint's)")
     a("--batch-size", type=int, default=None, help="GLOBAL batch (images per step, all ranks; "
       "recipe: 512 ImageNet, 256 demo)")
     a("--lr", type=float, default=None, help="base LARS lr; default 0.075*sqrt(batch)")
@@ -72,6 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
     a("--code-dim", type=int, default=128, help="code bits D")
     a("--no-scale-codes", dest="scale_codes", action="store_false",
       help="do not divide a and r by sqrt(D) (the authors' initial scale)")
+    # Head options (nac_fast/train/models.py NACModel; reproduce_fmnist.py's ablation). The flag
+    # defaults are the authors' heads; configs/fashion_mnist_learning.toml is the candidate.
+    bool_flag = dict(action=argparse.BooleanOptionalAction, default=False)
+    a("--head-bn", **bool_flag, help="BatchNorm1d(affine=False) at the end of the code head g")
+    a("--infer-bn", **bool_flag, help="BatchNorm1d(affine=False) at the end of the inference "
+      "network phi")
+    a("--a-gain", type=float, default=1.0, help="gain of the codes: a = g(h) * gain / sqrt(D)")
+    a("--r-gain", type=_gain, default=1.0, help="gain of the inference logits: r = phi(h') * "
+      "gain / sqrt(D); 'auto' = 2(1-2p) * --a-gain (the small-code optimum r ~ 2(1-2p) z)")
+    a("--learn-gain", **bool_flag, help="the gains are learnable per-bit parameters (initialised "
+      "to --a-gain, --r-gain) instead of fixed numbers")
+    a("--infer-init", default="independent", choices=INFER_INITS,
+      help="initialise the inference network independently or as a copy of the code head")
+    a("--bn-per-view", **bool_flag, help="one encoder/head pass per view (BatchNorm statistics "
+      "per view, as the authors' two forward passes) instead of one pass over both views")
+    a("--infer-warmup-steps", type=int, default=0, help="for this many first steps the NAC loss "
+      "trains only the inference network (codes and its input detached)")
+    a("--collapse-warn", type=float, default=0.05, help="warn once when the logged mean "
+      "|tanh a| is below this after the lr warm-up (0: never)")
     a("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"),
       help="autocast dtype; auto = bf16 on GPU, off (fp32) on CPU")
     a("--channels-last", action=argparse.BooleanOptionalAction, default=True,
@@ -94,10 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default="auto", choices=("auto", "cpu", "cuda"))
     a("--out", default="runs/default", help="output directory (checkpoints, logs)")
     a("--resume", nargs="?", const="auto", default=None,
-      help="resume from the latest checkpoint in --out, or from the given path")
+      help="resume from the newest good checkpoint in --out (last.pt, else prev.pt), or from "
+      "the given file or directory. Under torchrun --max-restarts=K a restarted worker group "
+      "resumes from --out's newest checkpoint by itself")
     a("--seed", type=int, default=0)
     a("--log-every", type=int, default=10)
-    a("--save-every", type=int, default=200)
+    a("--save-every", type=int, default=200, help="checkpoint every this many steps (and at the "
+      "end) to OUT/last.pt, the previous one kept as OUT/prev.pt; a crash loses at most this "
+      "many steps")
     a("--tensorboard", action="store_true",
       help="also log to OUT/tensorboard (torch.utils.tensorboard; needs the tensorboard package)")
     a("--stop-at-step", type=int, default=None, help="save and exit after this step although the "
@@ -214,6 +253,14 @@ def check_args(args, world: int) -> None:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
     if args.warmup_epochs is not None and args.warmup_epochs < 0:
         raise ValueError(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
+    if not args.a_gain > 0:
+        raise ValueError(f"--a-gain must be > 0, got {args.a_gain}")
+    if args.infer_warmup_steps < 0 or args.collapse_warn < 0:
+        raise ValueError("--infer-warmup-steps and --collapse-warn must be >= 0")
+    for flag in ("head_bn", "infer_bn", "learn_gain", "bn_per_view", "scale_codes"):
+        if not isinstance(getattr(args, flag), bool):
+            raise ValueError(f"--{flag.replace('_', '-')} must be true or false, got "
+                             f"{getattr(args, flag)!r}")
     if args.wd < 0 or args.l2 < 0 or not args.tau > 0:
         raise ValueError("--wd and --l2 must be >= 0 and --tau > 0")
     if args.momentum is not None and not 0.0 <= args.momentum < 1.0:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -58,10 +60,51 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
     else:
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                **({"device_id": dev} if use_cuda else {}))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        kw = {"device_id": dev} if use_cuda else {}
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's store outlives a failed worker group, keys and all: a restarted group
+            # that used it as is could read the dead group's addresses (pytorch/pytorch#135712)
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  world, is_master=False, timeout=timeout)
+            ns = fresh_namespace(store, rank, world, timeout_s)
+            kw.update(store=dist.PrefixStore(f"nac_fast/{ns}/", store), rank=rank,
+                      world_size=world)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout, **kw)
     return DistInfo(rank, world, local_rank, dev)
+
+
+def fresh_namespace(store, rank: int, world: int, timeout_s: float) -> str:
+    """A key prefix that all `world` processes agree on and that no earlier worker group used in
+    `store`, with no counter that every process would have to share (torchrun's restart count
+    is per node).  Rank 0 posts a fresh challenge; every other rank answers the challenge it read
+    with its own fresh nonce and waits for rank 0 to acknowledge that nonce, which only the
+    current rank 0 can do; a rank that read an earlier group's challenge gets no acknowledgement
+    and reads again."""
+    nonce = uuid.uuid4().hex
+    if rank == 0:
+        store.set("nac_fast/challenge", nonce)
+        for r in range(1, world):
+            key = f"nac_fast/{nonce}/answer/{r}"
+            store.wait([key], datetime.timedelta(seconds=timeout_s))
+            store.set(f"nac_fast/{nonce}/ack/{r}/{store.get(key).decode()}", "1")
+        return nonce
+    deadline = time.monotonic() + timeout_s
+    while True:
+        challenge = store.get("nac_fast/challenge").decode()  # waits for the first one
+        store.set(f"nac_fast/{challenge}/answer/{rank}", nonce)
+        try:
+            store.wait([f"nac_fast/{challenge}/ack/{rank}/{nonce}"], datetime.timedelta(seconds=1))
+            return challenge
+        except (RuntimeError, TimeoutError):  # DistStoreError: an earlier group's challenge
+            if time.monotonic() > deadline:
+                raise
+
+
+def restart_count() -> int:
+    """How many times torchrun (--max-restarts) has restarted this worker group: 0 in the first
+    attempt and outside torchrun."""
+    return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
 def is_dist() -> bool:
@@ -102,7 +145,8 @@ class _AllGatherWithGrad(torch.autograd.Function):
 
 
 def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate x (same shape on every rank) from all ranks in rank order, differentiably."""
+    """Concatenate x (same shape on every rank) from all ranks in rank order, differentiably (the
+    in-batch keys of the global batch, docs/math.md [M:inbatch])."""
     if not is_dist():
         return x
     return _AllGatherWithGrad.apply(x)

@@ -1,13 +1,7 @@
-"""LARS (You et al. 2017) as the NAC recipe needs it, on torch._foreach ops.
-
-Per parameter p with gradient g, in a group that is not excluded:
-    g' = g + wd * p
-    q  = trust_coefficient * ||p|| / ||g'||   if ||p|| > 0 and ||g'|| > 0, else 1
-    v  = momentum * v + q * g'
-    p  = p - lr * v
-In an excluded group (BatchNorm parameters and biases) g' = g and q = 1: no weight decay and no
-trust ratio, i.e. plain SGD with momentum.  The authors' LARS uses q = 0 for a zero-norm
-parameter, so BN betas and biases initialised to 0 never move (NAC_SPEC.md, bug 3); here they do.
+"""LARS (You et al. 2017) as the NAC recipe needs it, on torch._foreach ops: the update of
+docs/math.md [M:lars].  Excluded group (BatchNorm parameters and biases): plain SGD with momentum,
+no weight decay, no trust ratio; a zero norm gives trust ratio 1, so parameters initialised to 0
+move, unlike in the authors' LARS [M:bug3].
 
 `param_groups_for_lars(model, weight_decay)` builds the two groups.  timm.optim.Lars is not used:
 it is not a dependency of this package, and its exclusion rules depend on how the groups are set.

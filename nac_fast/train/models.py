@@ -1,4 +1,4 @@
-"""Encoders, projection head and inference network for NAC (NAC_SPEC.md, "Notation").
+"""Encoders, projection head and inference network for NAC (docs/math.md [M:notation], [M:relax]).
 
     model = build_model("resnet18", in_channels=1, image_size=28, code_dim=128, inference_net=True)
     h, a, r = model(torch.cat([view1, view2]))    # r: cross-pathway inference logits (see forward)
@@ -92,7 +92,8 @@ class ResNetEncoder(nn.Module):
 
 
 def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
-    """Linear(d,d) -> ReLU -> Linear(d,D): the spec's projection head g and inference net phi."""
+    """Linear(d,d) -> ReLU -> Linear(d,D): the projection head g and the inference net phi of
+    docs/math.md [M:notation]."""
     return nn.Sequential(nn.Linear(d_in, d_hidden), nn.ReLU(inplace=True),
                          nn.Linear(d_hidden, d_out))
 
@@ -103,60 +104,172 @@ def swap_halves(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[k:], t[:k]])
 
 
+# The two head designs (scripts/reproduce_fmnist.py --grid ablation measures them, ingredient by
+# ingredient; no result yet):
+#   paper     Linear-ReLU-Linear heads, a and r divided by sqrt(D): the authors' code, the flag
+#             defaults and the default recipe (configs/fashion_mnist.toml, _paper.toml)
+#   learning  the candidate (configs/fashion_mnist_learning.toml): BatchNorm1d(affine=False) at
+#             the end of both heads, fixed output gains (a: 3, near the loss floor's optimum
+#             |tanh a| ~ 0.2; r: 2(1 - 2p) x 3, the small-code optimum r ~ 2(1 - 2p) z), the
+#             inference network initialised as a copy of the code head
+INFER_INITS = ("independent", "copy")
+A_GAIN_BN = 3.0
+
+
+def resolve_r_gain(r_gain, a_gain: float, p: float) -> float:
+    """The inference logits' gain: a number, or "auto" = 2 (1 - 2p) a_gain (at small codes the Bernoulli term's optimal logits are r = 2 atanh((1 - 2p) z) ~ 2 (1 - 2p) z,
+    docs/math.md [M:floor]; with both heads batch-normalised, r = 2 (1 - 2p) a has that slope)."""
+    if isinstance(r_gain, str):
+        if r_gain != "auto":
+            raise ValueError(f"r_gain must be a number > 0 or 'auto', got {r_gain!r}")
+        if not 0.0 < p < 0.5:
+            raise ValueError(f"p must lie in (0, 0.5) to resolve r_gain='auto', got {p!r}")
+        return 2.0 * (1.0 - 2.0 * p) * float(a_gain)
+    if isinstance(r_gain, bool) or not isinstance(r_gain, (int, float)) or not r_gain > 0:
+        raise ValueError(f"r_gain must be a number > 0 or 'auto', got {r_gain!r}")
+    return float(r_gain)
+
+
+class Gain(nn.Module):
+    """y = x * g: g a fixed number (no parameter) or, when `learnable`, a per-bit (D,) parameter
+    initialised to that number (LARS treats it like a BatchNorm weight: no trust ratio, no weight
+    decay)."""
+
+    def __init__(self, value: float, dim: int, learnable: bool = False):
+        super().__init__()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"gain must be a number > 0, got {value!r}")
+        self.value, self.learnable = float(value), bool(learnable)
+        self.weight = nn.Parameter(torch.full((dim,), float(value))) if learnable else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return x if self.value == 1.0 else x * self.value
+        return x * self.weight.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"value={self.value:g}, learnable={self.learnable}"
+
+
+def head(d: int, code_dim: int, bn: bool) -> nn.Sequential:
+    """mlp(d, d, D), followed by BatchNorm1d(D, affine=False) when `bn` (every output unit then has
+    mean 0 and variance 1 over the batch: the codes cannot shrink to zero, and each bit is
+    balanced in training)."""
+    net = mlp(d, d, code_dim)
+    if bn:
+        net.append(nn.BatchNorm1d(code_dim, affine=False))
+    return net
+
+
 class NACModel(nn.Module):
     """Encoder f, projection head g and (optionally) inference network phi.
 
-    forward(x) with x = cat([view1, view2]) (2K rows) returns (h, a, r):
-      h = f(x), a = g(h) (pre-activations; the code is tanh(a), the hash code sgn(a)),
-      r = phi(h of the *other* view) for every row, i.e. phi(swap_halves(h)): the cross pathway
-          that keeps the inference net from reading the code it has to predict.  r is None when
-          the model has no inference network (SimCLR) or `with_r=False`.
-    `detach_r_input=True` feeds phi sg(h) (NAC-MQ's separately trained online inference net).
-    Both a and r are divided by sqrt(D) when `scale_codes` (the authors' initial-scale choice).
+    forward(x) with x = cat([view1, view2]) (2K rows) returns (h, a, r) of docs/math.md
+    [M:notation]: r = phi(swap_halves(h)), the cross pathway of [M:inbatch].  r is None when the
+    model has no inference network (SimCLR) or `with_r=False`.
+    `detach_r_input=True` feeds phi sg(h) (NAC-MQ's separately trained online inference net,
+    [M:vi]).
+    `scale_codes`: a and r divided by sqrt(D), [M:relax].
+
+    Head options (all off / 1 by default: the authors' heads):
+      head_bn, infer_bn   BatchNorm1d(D, affine=False) at the end of g, of phi
+      a_gain, r_gain      output gains: a = g(h) a_gain / sqrt(D), r = phi(h') r_gain / sqrt(D)
+                          (r_gain may be "auto" = 2 (1 - 2p) a_gain, which needs p)
+      learn_gain          the gains are per-bit parameters initialised to a_gain, r_gain
+      infer_init          "independent" (own random init) or "copy" (phi starts as a copy of g's
+                          weights, so r starts as (r_gain / a_gain) x the partner's a)
+      bn_per_view         forward() runs the encoder and heads on each view separately, so every
+                          BatchNorm normalises over one view's images (the authors' two forward
+                          passes); encode() (momentum branch, evaluation) runs one pass.
     """
 
     def __init__(self, arch="resnet18", in_channels=3, image_size=224, code_dim=128,
-                 inference_net=True, scale_codes=True):
+                 inference_net=True, scale_codes=True, *, head_bn=False, infer_bn=False,
+                 a_gain=1.0, r_gain=1.0, learn_gain=False, infer_init="independent",
+                 bn_per_view=False, p=None):
         super().__init__()
         if isinstance(code_dim, bool) or not isinstance(code_dim, int) or code_dim < 1:
             raise ValueError(f"code_dim must be a positive int, got {code_dim!r}")
+        if infer_init not in INFER_INITS:
+            raise ValueError(f"infer_init must be one of {INFER_INITS}, got {infer_init!r}")
+        for name, v in (("head_bn", head_bn), ("infer_bn", infer_bn), ("learn_gain", learn_gain),
+                        ("bn_per_view", bn_per_view), ("scale_codes", scale_codes)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be a bool, got {v!r}")
+        r_gain = resolve_r_gain(r_gain, a_gain, p) if r_gain == "auto" else r_gain
         self.encoder = ResNetEncoder(arch, in_channels, image_size)
         d = self.encoder.out_dim
-        self.head = mlp(d, d, code_dim)
-        self.infer = mlp(d, d, code_dim) if inference_net else None
+        self.head = head(d, code_dim, head_bn)
+        self.infer = head(d, code_dim, infer_bn) if inference_net else None
+        if self.infer is not None and infer_init == "copy":
+            with torch.no_grad():
+                for i in (0, 2):  # the two Linear layers (a BatchNorm(affine=False) has no weights)
+                    self.infer[i].weight.copy_(self.head[i].weight)
+                    self.infer[i].bias.copy_(self.head[i].bias)
         self.code_dim = code_dim
         self.scale = 1.0 / math.sqrt(code_dim) if scale_codes else 1.0
+        self.a_gain = Gain(a_gain, code_dim, learn_gain)
+        self.r_gain = Gain(r_gain, code_dim, learn_gain) if inference_net else None
+        self.bn_per_view = bn_per_view
+        self.options = dict(head_bn=head_bn, infer_bn=infer_bn, a_gain=float(a_gain),
+                            r_gain=float(r_gain), learn_gain=learn_gain, infer_init=infer_init,
+                            bn_per_view=bn_per_view)
 
     @property
     def feature_dim(self) -> int:
         return self.encoder.out_dim
 
+    def _codes(self, h):
+        return self.a_gain(self.head(h)) * self.scale
+
     def encode(self, x):
         """(h, a) without the inference network (momentum branch before un-shuffling)."""
         h = self.encoder(x)
-        return h, self.head(h) * self.scale
+        return h, self._codes(h)
 
     def infer_logits(self, h):
         if self.infer is None:
             raise RuntimeError("this model was built without an inference network")
-        return self.infer(h) * self.scale
+        return self.r_gain(self.infer(h)) * self.scale
+
+    def _views(self, fn, t):
+        """fn over the whole batch, or over each view's half when bn_per_view."""
+        if not self.bn_per_view:
+            return fn(t)
+        k = t.shape[0] // 2
+        if t.shape[0] != 2 * k:
+            raise ValueError(f"bn_per_view needs an even number of rows (two views), got "
+                             f"{t.shape[0]}")
+        return torch.cat([fn(t[:k]), fn(t[k:])])
 
     def forward(self, x, with_r: bool = True, detach_r_input: bool = False):
-        h, a = self.encode(x)
+        h = self._views(self.encoder, x)
+        a = self._views(self._codes, h)
         r = None
         if with_r and self.infer is not None:
             hr = swap_halves(h)
-            r = self.infer_logits(hr.detach() if detach_r_input else hr)
+            r = self._views(self.infer_logits, hr.detach() if detach_r_input else hr)
         return h, a, r
 
 
 def build_model(arch="resnet18", in_channels=3, image_size=224, code_dim=128, inference_net=True,
-                scale_codes=True) -> NACModel:
-    return NACModel(arch, in_channels, image_size, code_dim, inference_net, scale_codes)
+                scale_codes=True, **options) -> NACModel:
+    """NACModel; `options` are its keyword-only head options (NACModel's docstring)."""
+    return NACModel(arch, in_channels, image_size, code_dim, inference_net, scale_codes,
+                    **options)
+
+
+# The head options recorded in a run's config (train.py flags), with the authors' values for
+# checkpoints written before the options existed.
+HEAD_OPTION_DEFAULTS = dict(head_bn=False, infer_bn=False, a_gain=1.0, r_gain=1.0,
+                            learn_gain=False, infer_init="independent", bn_per_view=False)
 
 
 def model_kwargs_from_config(cfg: dict) -> dict:
-    """The build_model arguments recorded in a training checkpoint's config."""
+    """The build_model arguments recorded in a training checkpoint's config (or train.py's
+    flags, as a dict, plus in_channels and image_size)."""
+    opts = {k: cfg.get(k, v) for k, v in HEAD_OPTION_DEFAULTS.items()}
+    opts["r_gain"] = resolve_r_gain(opts["r_gain"], opts["a_gain"], cfg.get("p"))
     return dict(arch=cfg["arch"], in_channels=cfg["in_channels"], image_size=cfg["image_size"],
                 code_dim=cfg["code_dim"], inference_net=cfg["method"] != "simclr",
-                scale_codes=cfg["scale_codes"])
+                scale_codes=cfg["scale_codes"], **opts)

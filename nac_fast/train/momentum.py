@@ -1,4 +1,4 @@
-"""Momentum (EMA) model and the code queue of NAC-MQ (NAC_SPEC.md, "NAC with momentum queue").
+"""Momentum (EMA) model and the code queue of NAC-MQ (docs/math.md [M:mq], [M:ema]).
 
     ema_update_(momentum_model, online_model, decay)   # after optimizer.step()
     queue = CodeQueue(size=M, dim=D); queue.enqueue(keys)   # before the loss
@@ -21,7 +21,7 @@ def make_momentum_copy(model: nn.Module) -> nn.Module:
 
 @torch.no_grad()
 def ema_update_(momentum_model: nn.Module, online_model: nn.Module, decay: float) -> None:
-    """theta_m <- decay * theta_m + (1 - decay) * theta for every parameter.
+    """The EMA update of docs/math.md [M:ema], for every parameter.
 
     Buffers (BatchNorm running statistics) are not averaged: as in MoCo, the momentum model's BN
     layers keep the statistics of the batches it sees itself.  `online_model` may be wrapped in
@@ -58,10 +58,9 @@ class CodeQueue(nn.Module):
         queue.enqueue(keys)          # (n, D) momentum codes, before the loss
         queue.codes                  # (M, D), the loss's negatives
 
-    Starts as zeros: an empty slot adds exp(0) = 1 to every query's partition sum and no gradient,
-    so it is neutral until real codes overwrite it (after M / (2 x global batch) steps).
-    Enqueue writes at the pointer and wraps around the end of the buffer: one index_copy_ and
-    the pointer kept on the device, so it never waits for the host.
+    Starts as zeros (neutral, [M:mq]) until real codes overwrite it, after M / (2 x global batch)
+    steps.  Enqueue writes at the pointer and wraps around the end of the buffer: one index_copy_
+    and the pointer kept on the device, so it never waits for the host.
 
     dtype: the codes' storage dtype.  Store them in the loss's compute dtype (the autocast dtype
     under AMP, bf16 on GPU: half the memory and no per-step conversion of the whole queue); codes

@@ -1,15 +1,14 @@
-"""Per-step learning-rate schedule: linear warm-up, then cosine decay to 0 (NAC_SPEC.md recipe)."""
+"""Per-step learning-rate schedule: linear warm-up, then cosine decay to 0 (docs/math.md
+[M:schedule])."""
 from __future__ import annotations
 
 import math
 
 
 class WarmupCosine:
-    """Multiplier of the base lr at optimizer step `step` (0-based), for LambdaLR.
-
-    Steps 0..warmup-1 ramp linearly (step+1)/warmup, so the first update already uses a small
-    non-zero lr; the remaining steps follow 0.5*(1+cos(pi*t)) with t going from 0 to 1 over
-    [warmup, total).  A plain class, not a lambda, so LambdaLR.state_dict() records it.
+    """Multiplier of the base lr at optimizer step `step` (0-based), for LambdaLR: lr(step) /
+    base_lr of docs/math.md [M:schedule] (the first update already uses a small non-zero lr).
+    A plain class, not a lambda, so LambdaLR.state_dict() records it.
     """
 
     def __init__(self, warmup_steps: int, total_steps: int):

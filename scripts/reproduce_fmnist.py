@@ -1,0 +1,755 @@
+"""Small-scale reproduction on Fashion-MNIST (issues 6 and 16), on CPU, over seeds, resumable.
+
+    python scripts/reproduce_fmnist.py --grid all --dry-run       # the plan and its estimated cost
+    python scripts/reproduce_fmnist.py --grid all --doc docs/results.md --notes docs/results_notes.md
+    python scripts/reproduce_fmnist.py --grid main --seeds 0,1,2  # one grid (main, ablation, psweep)
+    python scripts/reproduce_fmnist.py --grid long --epochs 20 --curve-steps 234,702,1404,2340
+    python scripts/reproduce_fmnist.py --doc docs/results.md --notes docs/results_notes.md  # page
+
+`--grid all` runs the grids main (NAC, NAC-MQ with the paper's heads and with the candidate
+'learning' heads, SimCLR, random init), ablation (each head ingredient alone, all together, each
+left out, for NAC and NAC-MQ, and SimCLR) and psweep (p in {0.05, 0.1, 0.2, 0.4}), every variant
+for every seed (default 0, 1, 2) at one budget: SimCLR gets the same epochs, batch, encoder and
+augmentations as NAC (equal compute).
+
+A grid is a set of named variants: a method and the train.py flags that the variant adds to a
+recipe: `paper` = `--config configs/fashion_mnist_paper.toml` (the authors' heads, also what the
+default recipe trains), `learning` = `--config configs/fashion_mnist_learning.toml` (the candidate
+heads: the paper recipe plus --head-bn --a-gain 3 --infer-bn --r-gain auto --infer-init copy), so
+each name says exactly what it changes.  Every variant is trained once per seed with the same encoder (resnet-tiny), batch, budget and
+augmentations, then evaluated with `python -m nac_fast.eval` on the full splits (linear probe,
+kNN, hash mAP@all at 16/32/64/128 bits, expressivity; gallery = the 60k training images,
+queries = the 10k test images).  `random` is the untrained encoder, its BatchNorm statistics set
+from 50 training batches.
+
+One JSON line per finished run goes to OUT/<grid>/results.jsonl: the figures, the held-out mean
+|tanh a| (from the evaluation's cached test features), the training log's learning statistics
+(code_mag, r_mag, r_slope, loss_excess: their trace and last values), whether train.py warned of
+collapsed codes, the commands and the wall time.  A run whose line exists (same variant, seed
+and budget) is skipped, so an interrupted grid continues where it stopped; a failed run is
+reported and the others go on.
+
+--curve-steps S1,S2,...: the runs of the --curve-seeds are trained in pieces (train.py
+--stop-at-step, then --resume, which continues exactly) and evaluated at each of those steps
+(hash and expressivity), for figures against the step.
+
+--doc PATH writes the results page from every OUT/*/results.jsonl (mean +- std over the seeds),
+with the curves (curves.png) and the machine-readable summary (results_summary.json) beside it
+and --notes appended.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+BITS = (16, 32, 64, 128)
+# recipe name -> train.py --config (None: train.py's default recipe, configs/fashion_mnist.toml)
+RECIPES = {"paper": os.path.join("configs", "fashion_mnist_paper.toml"),
+           "learning": os.path.join("configs", "fashion_mnist_learning.toml"),
+           "default": None}
+WARNING = "warning: the codes are collapsing"
+
+# The ingredients of the head ablation (train.py flags; nac_fast/train/models.py NACModel).
+HB = ["--head-bn", "--a-gain", "3"]             # end-BN of the code head, fixed gain 3
+IB = ["--infer-bn", "--r-gain", "auto"]         # end-BN of the inference net, gain 2(1-2p) x 3
+COPY = ["--infer-init", "copy"]                 # the inference net starts as a copy of the head
+LEARN = ["--learn-gain"]                        # the gains are learnable (per bit)
+FULL = HB + IB + COPY                           # all three: the 'learning' recipe's heads
+WARM = ["--infer-warmup-steps", "50"]           # 50 steps that train only the inference net
+PERVIEW = ["--bn-per-view"]                     # one BatchNorm pass per view (the authors')
+
+
+def _grid_main() -> dict:
+    return {"nac:paper": ("nac", [], "paper"), "nac:learning": ("nac", [], "learning"),
+            "nac-mq:paper": ("nac-mq", [], "paper"),
+            "nac-mq:learning": ("nac-mq", [], "learning"),
+            "simclr": ("simclr", [], "paper"), "random": ("random", [], "paper")}
+
+
+def _grid_ablation() -> dict:
+    """Each ingredient alone (paper + x), all together (full), each one left out (full - x),
+    fixed against learnable gains, and the fixes the probe did not try (the inference net's
+    warm-up, per-view BatchNorm); NAC-MQ with the main ones; SimCLR at the same budget."""
+    v = {
+        "nac:paper": ("nac", [], "paper"),
+        "nac:paper+headbn": ("nac", HB, "paper"),
+        "nac:paper+inferbn": ("nac", IB, "paper"),
+        "nac:paper+copy": ("nac", COPY + ["--r-gain", "auto"], "paper"),
+        "nac:full": ("nac", FULL, "paper"),
+        "nac:full-headbn": ("nac", IB + COPY + ["--a-gain", "3"], "paper"),
+        "nac:full-inferbn": ("nac", HB + COPY + ["--r-gain", "auto"], "paper"),
+        "nac:full-copy": ("nac", HB + IB, "paper"),
+        "nac:full+learngain": ("nac", FULL + LEARN, "paper"),
+        "nac:paper+warmup": ("nac", WARM, "paper"),
+        "nac:full-copy+warmup": ("nac", HB + IB + WARM, "paper"),
+        "nac:full+perview": ("nac", FULL + PERVIEW, "paper"),
+        "nac-mq:paper": ("nac-mq", [], "paper"),
+        "nac-mq:full": ("nac-mq", FULL, "paper"),
+        "nac-mq:full-copy": ("nac-mq", HB + IB, "paper"),
+        "nac-mq:full+learngain": ("nac-mq", FULL + LEARN, "paper"),
+        "simclr": ("simclr", [], "paper"),
+    }
+    return v
+
+
+def _grid_explore() -> dict:
+    """The size of the fixed code gain (mean |tanh a| ~ 0.07 a_gain / 1) around the default."""
+    return {f"nac:full:again{g}": ("nac", IB + COPY + ["--head-bn", "--a-gain", g], "paper")
+            for g in ("1.5", "2", "4", "6")}
+
+
+def _grid_psweep() -> dict:
+    v = {}
+    for p in ("0.05", "0.1", "0.2", "0.4"):
+        v[f"nac:full:p{p}"] = ("nac", FULL + ["--flip-prob", p], "paper")
+    return v
+
+
+def _grid_long() -> dict:
+    return {"nac:paper": ("nac", [], "paper"), "nac:learning": ("nac", [], "learning"),
+            "simclr": ("simclr", [], "paper")}
+
+
+GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,
+         "psweep": _grid_psweep, "long": _grid_long}
+ALL = ("main", "ablation", "psweep")  # --grid all: the grids of the issue, one budget, in order
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = ap.add_argument
+    a("--grid", default=None, choices=sorted(GRIDS) + ["all"],
+      help="the variants to run; all = " + " + ".join(ALL))
+    a("--only", default="", help="comma-separated variant names of the grid(s) ('' = all)")
+    a("--out", default="runs/repro", help="output root; a grid writes OUT/<grid>/")
+    a("--seeds", default="0,1,2", help="comma-separated training (and evaluation) seeds")
+    a("--epochs", type=int, default=3, help="training epochs")
+    a("--max-steps", type=int, default=None, help="optimizer steps instead of --epochs")
+    a("--batch-size", type=int, default=256, help="global batch (images)")
+    a("--nproc", type=int, default=2, help="training processes (torchrun) per run")
+    a("--arch", default="resnet-tiny", help="encoder of every run")
+    a("--data", default="fashion-mnist", help="training/evaluation data (train.py --data)")
+    a("--linear-epochs", type=int, default=100, help="linear-probe epochs (paper: 100)")
+    a("--limit-train", type=int, default=None, help="evaluation train images (tests)")
+    a("--limit-test", type=int, default=None, help="evaluation test images (tests)")
+    a("--bn-batches", type=int, default=50, help="training batches that set the random-init "
+      "encoder's BatchNorm statistics")
+    a("--curve-steps", default="", help="comma-separated steps at which to evaluate hashing")
+    a("--curve-seeds", default="0", help="the seeds whose runs get --curve-steps")
+    a("--curve-limit", default="", help="TRAIN,TEST: evaluate the curve's points on this many "
+      "train (gallery) and test (query) images (strided subsets; '' = the full splits)")
+    a("--log-every", type=int, default=10, help="train.py --log-every")
+    a("--doc", default=None, help="write the results page here (from every OUT/*/results.jsonl)")
+    a("--notes", default=None, help="a markdown file appended to the page")
+    a("--dry-run", action="store_true", help="print the plan (the runs still to do, their "
+      "commands) and its estimated cost; run nothing")
+    return ap
+
+
+def _ints(s: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {s!r}") from None
+
+
+def check_args(args):
+    """(variants, seeds, curve steps, curve seeds); ValueError naming the flag."""
+    if args.grid is None and args.doc is None:
+        raise ValueError("give --grid (run a grid) or --doc (write the page), or both")
+    seeds = _ints(args.seeds, "--seeds")
+    if not seeds:
+        raise ValueError("--seeds needs at least one seed")
+    curve, curve_seeds = _ints(args.curve_steps, "--curve-steps"), _ints(args.curve_seeds,
+                                                                          "--curve-seeds")
+    if any(s < 1 for s in curve) or curve != sorted(set(curve)):
+        raise ValueError(f"--curve-steps must be increasing steps >= 1, got {args.curve_steps!r}")
+    for flag in ("epochs", "batch_size", "nproc", "linear_epochs", "bn_batches", "log_every"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("max_steps", "limit_train", "limit_test"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    lim = _ints(args.curve_limit, "--curve-limit")
+    if lim and (len(lim) != 2 or min(lim) < 1):
+        raise ValueError(f"--curve-limit must be TRAIN,TEST (two counts >= 1), got "
+                         f"{args.curve_limit!r}")
+    args.curve_limits = tuple(lim) if lim else None
+    if args.notes is not None and not os.path.isfile(args.notes):
+        raise ValueError(f"--notes {args.notes!r}: no such file")
+    grids = ALL if args.grid == "all" else (args.grid,) if args.grid else ()
+    per_grid = {g: GRIDS[g]() for g in grids}
+    only = [v for v in args.only.split(",") if v]
+    bad = [v for v in only if not any(v in vs for vs in per_grid.values())]
+    if bad:
+        names = sorted({k for vs in per_grid.values() for k in vs})
+        raise ValueError(f"--only: {bad} are not variants of grid {args.grid} "
+                         f"(its variants: {', '.join(names)})")
+    if only:
+        per_grid = {g: {k: v for k, v in vs.items() if k in only} for g, vs in per_grid.items()}
+        per_grid = {g: vs for g, vs in per_grid.items() if vs}
+    return per_grid, seeds, curve, curve_seeds
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:  # a copy of the tree without .git
+        return "unknown"
+
+
+def budget_tag(args) -> str:
+    b = f"{args.max_steps} steps" if args.max_steps else f"{args.epochs} epochs"
+    return f"{b}, {args.nproc} proc, batch {args.batch_size}, {args.arch}"
+
+
+def run_dir(args, variant: str, seed: int) -> str:
+    return os.path.join(args.out, args.grid, variant.replace(":", "_"), f"seed{seed}")
+
+
+def train_cmd(args, method, flags, recipe, seed, out, extra=()) -> list:
+    cmd = ["train.py"] + (["--config", RECIPES[recipe]] if RECIPES[recipe] else [])
+    cmd += ["--data", args.data, "--arch", args.arch, "--method", method, "--batch-size",
+            str(args.batch_size), "--seed", str(seed), "--out", out, "--no-progress",
+            "--log-every", str(args.log_every), "--save-every", "1000000"]
+    if "--max-steps" not in extra:
+        cmd += ["--max-steps", str(args.max_steps)] if args.max_steps else ["--epochs",
+                                                                           str(args.epochs)]
+    cmd += list(flags) + list(extra)  # torchrun takes "--p": the grids write --flip-prob
+    if args.nproc == 1:
+        return [sys.executable] + cmd
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={args.nproc}"] + cmd
+
+
+def eval_cmd(args, ckpt, out, seed, tasks="linear,knn,hash,expressivity", limits=None) -> list:
+    cmd = [sys.executable, "-m", "nac_fast.eval", "--checkpoint", ckpt, "--data", args.data,
+           "--out", out, "--no-progress", "--tasks", tasks, "--bits", ",".join(map(str, BITS)),
+           "--linear-epochs", str(args.linear_epochs), "--seed", str(seed)]
+    lt, ls = limits if limits else (args.limit_train, args.limit_test)
+    if lt:
+        cmd += ["--limit-train", str(lt)]
+    if ls:
+        cmd += ["--limit-test", str(ls)]
+    return cmd
+
+
+def show(cmd) -> str:
+    return " ".join("python" if c == sys.executable else shlex.quote(c) for c in cmd)
+
+
+def run_cmd(cmd, log_path, dry) -> None:
+    print("$ " + show(cmd), flush=True)
+    if dry:
+        return
+    with open(log_path, "a") as log:
+        rc = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if rc != 0:
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"command failed (exit {rc}), log {log_path}:\n{tail}")
+
+
+def random_init_checkpoint(args, template_ckpt: str, out_dir: str, seed: int) -> dict:
+    """A checkpoint of the *initialised* model (seed) with the configuration of a trained
+    run, its BatchNorm running statistics averaged over --bn-batches training batches (train-mode
+    forward passes, no gradient, no weight change): eval-mode BN with the init statistics (mean 0,
+    var 1) would scale the features arbitrarily and make the baseline weaker than it is."""
+    import torch
+    from nac_fast.train.checkpoint import load_checkpoint, save_atomic
+    from nac_fast.data import build_eval_loader
+    from nac_fast.train.models import build_model, model_kwargs_from_config
+
+    cfg = dict(load_checkpoint(template_ckpt)["config"])
+    cfg.update(method="random-init", epochs=0, max_steps=0, total_steps=0, out=out_dir)
+    torch.manual_seed(seed)
+    model = build_model(**dict(model_kwargs_from_config(cfg), inference_net=True))
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.reset_running_stats()
+            m.momentum = None  # cumulative average over the calibration batches
+    model.train()
+    loader = build_eval_loader(args.data, split="train", batch_size=args.batch_size,
+                               image_size=cfg["image_size"])
+    with torch.no_grad():
+        for i, (x, _) in enumerate(loader):
+            if i == args.bn_batches:
+                break
+            model.encode(x)
+    path = os.path.join(out_dir, "last.pt")
+    save_atomic({"model": model.state_dict(), "momentum_model": None, "step": 0, "epoch": 0,
+                 "config": cfg}, path)
+    return cfg
+
+
+def heldout_code_mag(eval_dir: str):
+    """Mean |tanh a| over the test split's codes (the evaluation's feature cache)."""
+    import torch
+    path = os.path.join(eval_dir, "features_test.pt")
+    if not os.path.isfile(path):
+        return None
+    a = torch.load(path, map_location="cpu", weights_only=True)["a"]
+    return float(torch.tanh(a.double()).abs().mean())
+
+
+def eval_figures(eval_dir: str) -> dict:
+    with open(os.path.join(eval_dir, "report.json")) as f:
+        r = json.load(f)
+    res, out = r["results"], {"step": r["step"]}
+    if "linear" in res:
+        out["linear_top1"] = res["linear"]["test_top1"]
+        out["linear_lr"] = res["linear"]["best_lr"]
+    if "knn" in res:
+        out["knn_top1"] = res["knn"]["test_top1"]
+    if "hash" in res:
+        out["map"] = {str(b): v for b, v in res["hash"]["map"].items()}
+    if "expressivity" in res:
+        st = res["expressivity"]["stats"][str(BITS[-1])]
+        out["distinct128"] = st["fraction_distinct"]
+        out["hamming128"] = st["normalized_mean_pairwise_hamming"]
+        # reports written before the rename call balance_dev balance_mean_abs_deviation
+        out["balance_dev128"] = st.get("balance_dev", st.get("balance_mean_abs_deviation"))
+    out["heldout_code_mag"] = heldout_code_mag(eval_dir)
+    return out
+
+
+LOG_KEYS = ("loss", "code_mag", "r_mag", "r_slope", "loss_excess", "mean_hamming",
+            "distinct_frac", "balance_score", "bit_balance")  # bit_balance: logs before the rename
+
+
+def log_summary(d: str) -> dict:
+    """The training log's trace of the learning statistics, its last values, and whether
+    train.py warned of collapsed codes."""
+    path = os.path.join(d, "log.jsonl")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    trace = [{k: r[k] for k in ("step",) + LOG_KEYS if r.get(k) is not None} for r in recs]
+    tpath = os.path.join(d, "train.txt")
+    warned = False
+    if os.path.isfile(tpath):
+        with open(tpath) as f:
+            warned = WARNING in f.read()
+    return {"loss_first": recs[0]["loss"] if recs else None, "last": trace[-1] if trace else {},
+            "trace": trace, "collapse_warning": warned}
+
+
+def do_run(args, name, method, flags, recipe, seed, curve) -> dict:
+    d = run_dir(args, name, seed)
+    if not args.dry_run:
+        os.makedirs(d, exist_ok=True)
+        for stale in ("train.txt", "eval.txt"):  # of an interrupted attempt
+            if os.path.isfile(os.path.join(d, stale)):
+                os.remove(os.path.join(d, stale))
+    ckpt, cmds, points = os.path.join(d, "last.pt"), [], []
+    t0 = time.perf_counter()
+    if method == "random":
+        tmpl = os.path.join(d, "template")
+        tc = train_cmd(args, "nac", flags, recipe, seed, tmpl, ["--max-steps", "1"])
+        cmds += [show(tc), f"# random init: the model of seed {seed}, BN statistics from "
+                           f"{args.bn_batches} training batches (scripts/reproduce_fmnist.py)"]
+        run_cmd(tc, os.path.join(d, "train.txt"), args.dry_run)
+        if not args.dry_run:
+            random_init_checkpoint(args, os.path.join(tmpl, "last.pt"), d, seed)
+    else:
+        for i, stop in enumerate([s for s in curve] + [None]):
+            extra = (["--stop-at-step", str(stop)] if stop else []) + (["--resume"] if i else [])
+            tc = train_cmd(args, method, flags, recipe, seed, d, extra)
+            cmds.append(show(tc))
+            run_cmd(tc, os.path.join(d, "train.txt"), args.dry_run)
+            if stop:
+                ed = os.path.join(d, f"eval_step{stop}")
+                ec = eval_cmd(args, ckpt, ed, seed, "hash,expressivity", args.curve_limits)
+                cmds.append(show(ec))
+                run_cmd(ec, os.path.join(d, "eval.txt"), args.dry_run)
+                if not args.dry_run:
+                    points.append(eval_figures(ed))
+    t_train = time.perf_counter() - t0
+    ed = os.path.join(d, "eval")
+    ec = eval_cmd(args, ckpt, ed, seed)
+    cmds.append(show(ec))
+    run_cmd(ec, os.path.join(d, "eval.txt"), args.dry_run)
+    if args.dry_run:
+        return {}
+    fig = eval_figures(ed)
+    for e in [ed] + [os.path.join(d, f"eval_step{s}") for s in curve]:
+        for split in ("train", "test"):  # the feature caches (70 MB a run): figures are taken
+            f = os.path.join(e, f"features_{split}.pt")
+            if os.path.isfile(f):
+                os.remove(f)
+    if curve:
+        points.append({k: fig.get(k) for k in ("step", "map", "distinct128", "hamming128",
+                                               "heldout_code_mag")})
+        points[-1]["full_splits"] = True  # the others: --curve-limit's subsets
+    return {"grid": args.grid, "variant": name, "method": method, "recipe": recipe,
+            "flags": flags, "seed": seed, "budget": budget_tag(args), **fig,
+            **log_summary(d), "curve": points, "commands": cmds,
+            "seconds_train": round(t_train, 1),
+            "seconds_total": round(time.perf_counter() - t0, 1)}
+
+
+def load_rows(path: str) -> list:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---- the cost model (--dry-run) ----------------------------------------------------------------
+# Seconds on this project's machine (2 CPU cores, shared with other jobs while measured), from the
+# logs of earlier runs; read the totals as +-50%, more when the cores are busier.
+#   train  0.8 s per optimizer step of 256 images (2 processes): runs/repro logs of resnet-tiny,
+#          NAC 0.5-1.0 s/step, SimCLR 0.83 s/step; NAC-MQ x 1.3 for the momentum network's
+#          forward pass (a forward is about a third of a forward + backward; not measured)
+#   eval   features 4.5 ms per image (report.json timings: 100 s for 20000 train images, 15 s
+#          for 5000 test images); linear probe 0.5 s per epoch of one fit on 60000 features
+#          (metrics.linear_probe, 1 thread; it makes 5 fits: 4 learning rates + the final one);
+#          kNN, hash and expressivity ~10 s
+#   each process launch (torchrun, data loading) ~15 s
+TRAIN_IMAGES, TEST_IMAGES = 60000, 10000
+COST = dict(step_s_per_image=0.8 / 256, mq_factor=1.3, feature_s=0.0045,
+            linear_epoch_s=0.5, linear_fits=5, eval_fixed_s=10.0, launch_s=15.0)
+
+
+def estimate_seconds(args, method: str, curve) -> tuple[float, float]:
+    """(training, evaluation) seconds of one run of the grid: the cost model above."""
+    c = COST
+    lt = args.limit_train or TRAIN_IMAGES
+    ls = args.limit_test or TEST_IMAGES
+
+    def evaluation(n_train, n_test, linear):
+        s = c["launch_s"] + c["eval_fixed_s"] + (n_train + n_test) * c["feature_s"]
+        if linear:
+            s += c["linear_fits"] * args.linear_epochs * c["linear_epoch_s"] * n_train / TRAIN_IMAGES
+        return s
+
+    if method == "random":  # a 1-step template run, then --bn-batches forward passes
+        train = c["launch_s"] + 256 * c["step_s_per_image"] + (
+            args.bn_batches * args.batch_size * c["step_s_per_image"] / 3)
+        return train, evaluation(lt, ls, True)
+    steps = args.max_steps or args.epochs * (TRAIN_IMAGES // args.batch_size)
+    train = steps * args.batch_size * c["step_s_per_image"] * (
+        c["mq_factor"] if method == "nac-mq" else 1.0) + c["launch_s"] * (1 + len(curve))
+    cl = args.curve_limits or (lt, ls)
+    ev = evaluation(lt, ls, True) + len(curve) * evaluation(cl[0], cl[1], False)
+    return train, ev
+
+
+# train.py settings that do not change what a run trains (where it writes, how it logs)
+NOT_TRAINING = ("out", "config", "recipe", "description", "progress", "log_every", "save_every",
+                "stop_at_step", "resume", "tensorboard")
+
+
+def signature(args, method, flags, recipe, seed) -> str | None:
+    """What a run trains, as train.py resolves it (recipe file + flags, nac_fast.train.config.parse)
+    plus the budget: two variants with the same signature (e.g. main's nac:learning and the
+    ablation's nac:full, or the same nac:paper in two grids) are one run, trained once.  None for
+    the random-init baseline (never shared)."""
+    if method == "random":
+        return None
+    from nac_fast.train.config import parse
+    cmd = train_cmd(args, method, flags, recipe, seed, "OUT")
+    argv = cmd[cmd.index("train.py") + 1:]
+    if "--config" in argv:
+        i = argv.index("--config") + 1
+        argv[i] = os.path.join(ROOT, argv[i])
+    cfg = {k: v for k, v in sorted(vars(parse(argv)).items()) if k not in NOT_TRAINING}
+    return json.dumps([budget_tag(args), cfg], sort_keys=True, default=str)
+
+
+def reusable_rows(args) -> dict:
+    """{signature: row} of the finished runs of every grid under --out."""
+    out = {}
+    for g in GRIDS:
+        for r in load_rows(os.path.join(args.out, g, "results.jsonl")):
+            if r.get("signature") and not r.get("reused_from"):
+                out.setdefault(r["signature"], r)
+    return out
+
+
+def hours(s: float) -> str:
+    return f"{s / 3600:.1f} h"
+
+
+def run_grid(args, variants, seeds, curve, curve_seeds, planned=None) -> tuple[int, list]:
+    """Runs (or, with --dry-run, lists) the grid's runs that are not done yet; returns (status,
+    plan), plan = [(variant, seed, train_s, eval_s)] of the runs still to do (their estimates).
+    A run whose signature (what it trains) matches a finished run of any grid under --out, with
+    no curve to evaluate, copies that run's line instead of training again; `planned` (a set,
+    shared over the grids of one call) lets a dry run count such a run once."""
+    planned = set() if planned is None else planned
+    gdir = os.path.join(args.out, args.grid)
+    if not args.dry_run:
+        os.makedirs(gdir, exist_ok=True)
+    results = os.path.join(gdir, "results.jsonl")
+    done = {(r["variant"], r["seed"], r["budget"]) for r in load_rows(results)}
+    failed, plan = [], []
+    for seed in seeds:  # seed-major: a partial grid has every variant at the first seeds
+        for name, (method, flags, recipe) in variants.items():
+            if (name, seed, budget_tag(args)) in done:
+                if args.dry_run:
+                    print(f"== {args.grid} {name} seed {seed}: done ({results})", flush=True)
+                continue
+            c = curve if seed in curve_seeds else []
+            sig = signature(args, method, flags, recipe, seed)
+            same = reusable_rows(args).get(sig) if sig and not c else None
+            if same is not None or (args.dry_run and sig in planned and not c):
+                src = (f"{same['grid']} {same['variant']}" if same is not None else
+                       "a run planned above")
+                print(f"== {args.grid} {name} seed {seed}: the same run as {src} (reused)",
+                      flush=True)
+                if same is not None and not args.dry_run:
+                    row = dict(same, grid=args.grid, variant=name, flags=flags, recipe=recipe,
+                               reused_from=f"{same['grid']}/{same['variant']}")
+                    with open(results, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                continue
+            if sig:
+                planned.add(sig)
+            t_tr, t_ev = estimate_seconds(args, method, c)
+            plan.append((name, seed, t_tr, t_ev))
+            print(f"== {args.grid} {name} seed {seed} ({budget_tag(args)}; estimated "
+                  f"{(t_tr + t_ev) / 60:.0f} min)", flush=True)
+            try:
+                row = do_run(args, name, method, flags, recipe, seed, c)
+            except RuntimeError as exc:  # the other runs are independent: go on
+                print(str(exc), file=sys.stderr, flush=True)
+                failed.append(f"{args.grid} {name} seed {seed}")
+                continue
+            if row:
+                row["commit"], row["signature"] = commit(), sig
+                with open(results, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                last = row.get("last", {})
+                print(f"   mAP@128 {row.get('map', {}).get('128')}  linear "
+                      f"{row.get('linear_top1')}  kNN {row.get('knn_top1')}  code_mag "
+                      f"{last.get('code_mag')}  r_slope {last.get('r_slope')}  "
+                      f"({row['seconds_total']:.0f} s)", flush=True)
+    if failed:
+        print("failed: " + "; ".join(failed), file=sys.stderr)
+        return 1, plan
+    return 0, plan
+
+
+def print_plan(plans: dict) -> float:
+    """The dry run's summary: runs to do per grid and their estimated cost; returns the total s."""
+    total = 0.0
+    print("\nplan (runs not done yet; estimated wall time on 2 CPU cores, +-50%):")
+    for g, plan in plans.items():
+        tr, ev = sum(p[2] for p in plan), sum(p[3] for p in plan)
+        total += tr + ev
+        print(f"  {g:9s} {len(plan):3d} runs  train {hours(tr)}  eval {hours(ev)}  "
+              f"total {hours(tr + ev)}")
+    n = sum(len(p) for p in plans.values())
+    print(f"  all       {n:3d} runs  estimated {hours(total)} of wall time, {hours(2 * total)} of "
+          f"CPU-core time (2 cores busy)")
+    return total
+
+
+# ---- the page --------------------------------------------------------------------------------
+
+def mean_std(vals):
+    vals = [v for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return None, None, 0
+    m = sum(vals) / len(vals)
+    s = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+    return m, s, len(vals)
+
+
+def fmt(vals, scale=100.0, digits=1) -> str:
+    m, s, n = mean_std(vals)
+    if m is None:
+        return "-"
+    if n == 1:
+        return f"{scale * m:.{digits}f}"
+    return f"{scale * m:.{digits}f} ± {scale * s:.{digits}f}"
+
+
+def groups_of(rows: list) -> dict:
+    """{(budget, variant): [rows]} in the order first seen."""
+    g = {}
+    for r in rows:
+        g.setdefault((r["budget"], r["variant"]), []).append(r)
+    return g
+
+
+def describe(r) -> str:
+    if r["method"] == "random":
+        return "untrained encoder"
+    base = {"paper": "paper heads", "learning": "learning recipe (candidate)",
+            "default": "default recipe"}.get(r["recipe"], r["recipe"])
+    return base + (" + `" + " ".join(r["flags"]) + "`" if r["flags"] else "")
+
+
+def results_table(rows: list) -> list:
+    L = ["| variant | runs as | seeds | mAP@all 128 b % | 64 b % | 16 b % | linear top-1 % | "
+         "kNN top-1 % | distinct codes 128 b % | held-out mean abs(tanh a) | log: code_mag | "
+         "r_slope | loss_excess | collapse warning |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    budget = None
+    for (b, name), g in groups_of(rows).items():
+        if b != budget:
+            budget = b
+            L.append(f"| *{b}* | | | | | | | | | | | | | |")
+        last = [x.get("last", {}) for x in g]
+        trained = g[0]["method"] != "random"
+        L.append(
+            f"| {name} | {describe(g[0])} | {len(g)} | "
+            f"{fmt([x.get('map', {}).get('128') for x in g])} | "
+            f"{fmt([x.get('map', {}).get('64') for x in g])} | "
+            f"{fmt([x.get('map', {}).get('16') for x in g])} | "
+            f"{fmt([x.get('linear_top1') for x in g])} | {fmt([x.get('knn_top1') for x in g])} | "
+            f"{fmt([x.get('distinct128') for x in g], 100, 0)} | "
+            f"{fmt([x.get('heldout_code_mag') for x in g], 1, 3)} | "
+            + (f"{fmt([v.get('code_mag') for v in last], 1, 3)} | "
+               f"{fmt([v.get('r_slope') for v in last], 1, 2)} | "
+               f"{fmt([v.get('loss_excess') for v in last], 1, 2)} | "
+               f"{sum(bool(x.get('collapse_warning')) for x in g)}/{len(g)} |"
+               if trained else "- | - | - | - |"))
+    return L
+
+
+def plot_curves(all_rows: dict, path: str) -> bool:
+    """code_mag (training log) and hash mAP (evaluated checkpoints) against the step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [(g, rows) for g, rows in all_rows.items() if g in ("main", "long") and rows]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 3.8 * len(panels)), squeeze=False)
+    for (grid, rows), (ax0, ax1) in zip(panels, axes):
+        colours = {}
+        for r in rows:
+            if r["method"] == "random" or r["method"] == "simclr" and not r.get("curve"):
+                continue
+            c = colours.setdefault(r["variant"], f"C{len(colours)}")
+            tr = [t for t in r.get("trace", []) if "code_mag" in t]
+            if r["method"] != "simclr" and tr:
+                ax0.plot([t["step"] for t in tr], [t["code_mag"] for t in tr], color=c, lw=1,
+                         alpha=0.8, label=r["variant"] if r["seed"] == min(
+                             x["seed"] for x in rows if x["variant"] == r["variant"]) else None)
+            if r.get("curve"):
+                pts = [p for p in r["curve"] if p.get("map")]
+                ax1.plot([p["step"] for p in pts], [100 * p["map"]["128"] for p in pts], "o-",
+                         color=c, label=f"{r['variant']} (seed {r['seed']})")
+        ax0.set(xlabel="step", ylabel="mean |tanh a| (training batch)", yscale="log",
+                title=f"{grid}: code magnitude")
+        ax1.set(xlabel="step", ylabel="128-bit mAP@all (%)", title=f"{grid}: hash retrieval")
+        for ax in (ax0, ax1):
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_page(args) -> int:
+    import torch
+    all_rows = {}
+    for g in GRIDS:
+        rows = load_rows(os.path.join(args.out, g, "results.jsonl"))
+        if rows:
+            all_rows[g] = rows
+    if not all_rows:
+        raise SystemExit(f"no results under {args.out}/*/results.jsonl")
+    titles = {"main": "Main table", "ablation": "Ablation of the head options",
+              "explore": "The code gain",
+              "psweep": "Flip probability p ('learning' heads, in-batch NAC)",
+              "long": "Longer run"}
+    commits = sorted({r.get("commit", "unknown") for rows in all_rows.values() for r in rows})
+    mins = sum(r.get("seconds_total", 0) for rows in all_rows.values() for r in rows) / 60
+    L = ["# Small-scale reproduction on Fashion-MNIST", "",
+         f"Generated by `python scripts/reproduce_fmnist.py --doc {args.doc}"
+         + (f" --notes {args.notes}" if args.notes else "") + f"` on {time.strftime('%Y-%m-%d')} "
+         f"from the runs of the grids below ({platform.node()}, {os.cpu_count()} CPUs shared with "
+         f"other jobs, torch {torch.__version__}, commits {', '.join(commits)}; "
+         f"{mins:.0f} min of runs in all).", "",
+         "Every run: encoder `resnet-tiny`, global batch 256, the same augmentations "
+         "(train.py's Fashion-MNIST recipe); each figure is the mean ± sample std over the seeds "
+         "(`seeds` runs, seeds 0, 1, 2, ...). Evaluation: `python -m nac_fast.eval` on the full "
+         "splits (gallery = the 60k training images, queries = the 10k test images, relevant = "
+         "same class, Hamming ranking with ties by gallery index); k-bit figures are the first k "
+         "bits of the 128-bit code. `held-out mean abs(tanh a)` is over the test images' codes; "
+         "the `log:` columns are the training log's last record (view-1 rows of one batch): "
+         "`code_mag` = mean abs(tanh a), `r_slope` = least-squares slope of r on tanh a (one "
+         "intercept per bit), `loss_excess` = loss minus its zero-code value (D ln 2 for NAC, "
+         "2 D ln 2 for NAC-MQ's loss + vi, ln(2B-1) for SimCLR). `runs as`: the flags over "
+         "`configs/fashion_mnist_paper.toml` (*paper heads*) or the candidate recipe "
+         "`configs/fashion_mnist_learning.toml` (*learning recipe*).", ""]
+    for g in GRIDS:
+        if g not in all_rows:
+            continue
+        L += [f"## {titles[g]}", ""] + results_table(all_rows[g]) + [""]
+    have_plot = plot_curves(all_rows, os.path.join(os.path.dirname(os.path.abspath(args.doc)),
+                                                   "curves.png"))
+    if have_plot:
+        L += ["## Curves", "", "![code magnitude and mAP against the step](curves.png)", ""]
+    L += ["## Commands", "", "One line per run as it was run (`python` is the environment's "
+          "interpreter); every run's line in `runs/repro/<grid>/results.jsonl` (and "
+          "`results_summary.json` beside this page) has its commands and wall time.", "",
+          "```text"]
+    for g, rows in all_rows.items():
+        args_seen = set()
+        for r in rows:
+            for c in r["commands"]:
+                key = c.replace(f"--seed {r['seed']}", "--seed S").replace(
+                    f"seed{r['seed']}", "seedS")
+                if key not in args_seen:
+                    args_seen.add(key)
+                    L.append(key)
+    L += ["```", "", "`S` is the seed (0, 1, 2, ...).", ""]
+    md = "\n".join(L)
+    if args.notes:
+        with open(args.notes) as f:
+            md += "\n" + f.read()
+    with open(args.doc, "w") as f:
+        f.write(md)
+    summary = {g: [{k: v for k, v in r.items() if k != "trace"} for r in rows]
+               for g, rows in all_rows.items()}
+    with open(os.path.join(os.path.dirname(os.path.abspath(args.doc)), "results_summary.json"),
+              "w") as f:
+        json.dump(summary, f, indent=1)
+    print(md)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        per_grid, seeds, curve, curve_seeds = check_args(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+    status, plans, planned = 0, {}, set()
+    for g, variants in per_grid.items():
+        gargs = argparse.Namespace(**dict(vars(args), grid=g))
+        st, plans[g] = run_grid(gargs, variants, seeds, curve, curve_seeds, planned)
+        status = max(status, st)
+    if args.dry_run and per_grid:
+        print_plan(plans)
+    if args.doc and not args.dry_run:
+        write_page(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

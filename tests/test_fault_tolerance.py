@@ -1,0 +1,537 @@
+"""Fault tolerance of train.py (README "Fault tolerance"), on CPU with gloo:
+
+1. a torchrun worker group restarted after a SIGKILL (--max-restarts) resumes by itself and
+   logs the losses of an uninterrupted run;
+2. two "nodes" (two torchrun launchers, c10d rendezvous on 127.0.0.1) train like one node of
+   two processes (data sharded by GLOBAL rank) and both restart and resume after a SIGKILL;
+3. --resume with a larger --max-steps extends a finished run (cosine restretched to the new
+   total, state continued exactly);
+4. a non-finite loss stops the run naming its step, keeps the last good checkpoints, writes none
+   after it, and an elastic restart does not replay it;
+5. damaged checkpoints: clear errors naming the file; automatic resume falls back to prev.pt;
+   the rotation touches nothing but last.pt / prev.pt;
+6. a failed save (disk full, unwritable --out) leaves the previous checkpoint intact and stops
+   every rank with status 4;
+7. bad data (--on-bad-file, a data set smaller than one global batch, DALI sharding by global
+   rank) is tested in tests/test_data_bad.py;
+and the README's "Fault tolerance" commands use the launcher flags tested here.
+
+The kills in 1 and 2 come from a test-only wrapper script (written here, never part of train.py):
+it replaces train.train_step by one that SIGKILLs global rank 1 once, before a given step.
+"""
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # train.py lives at the repository root
+import train  # noqa: E402
+from nac_fast.train import checkpoint as ckpt_mod  # noqa: E402
+from nac_fast.train import run as run_mod  # noqa: E402
+from nac_fast.train.checkpoint import load_checkpoint, load_model, save_atomic  # noqa: E402
+from nac_fast.train.schedule import WarmupCosine  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """In-process runs on one intra-op thread, like the torchrun ones (OMP_NUM_THREADS=1): on a
+    busy shared CPU the tiny model's ops otherwise wait on thread hand-offs (~20x slower here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _log(out):
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _last_occurrence(out):
+    """{step: record}: a resumed run appends to log.jsonl, so steps after its checkpoint can
+    appear twice (the attempt that died, then the resumed one); the LAST record of a step is
+    the one of the run that went on."""
+    return {r["step"]: r for r in _log(out)}
+
+
+def _losses(out):
+    return {s: r["loss"] for s, r in _last_occurrence(out).items()}
+
+
+def _step(out, name="last.pt"):
+    return load_checkpoint(os.path.join(out, name))["step"]
+
+
+def _sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT",
+              "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    return env
+
+
+def _clear_elastic_env(monkeypatch):
+    for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def _same_state(a, b):
+    ca, cb = (load_checkpoint(os.path.join(d, "last.pt")) for d in (a, b))
+    assert ca["step"] == cb["step"]
+    for part in ("model", "momentum_model"):
+        for k in ca[part]:
+            assert torch.equal(ca[part][k], cb[part][k]), (part, k)
+    assert torch.equal(ca["queue"]["codes"], cb["queue"]["codes"])
+    assert ca["queue"]["ptr"] == cb["queue"]["ptr"]
+    for i, s in ca["optimizer"]["state"].items():
+        assert torch.equal(s["momentum_buffer"], cb["optimizer"]["state"][i]["momentum_buffer"])
+
+
+# ---- 1, 2: torchrun: elastic restart and two "nodes" ------------------------------------------
+
+# NAC-MQ (queue, EMA model, batch shuffle across ranks), 4 steps an epoch, 2 epochs
+DDP = ["--method", "nac-mq", "--data", "synthetic:128", "--image-size", "8", "--batch-size", "32",
+       "--queue-size", "128", "--max-steps", "8", "--log-every", "1", "--save-every", "3",
+       "--no-progress"]
+TIMEOUT = 240  # seconds for any one launch (they take ~10-30 s here)
+
+KILLER = """import os, signal, sys
+sys.path.insert(0, {root!r})
+import train
+
+real_step, calls = train.train_step, [0]
+
+
+def step(st, x):  # TEST ONLY: global rank {rank} dies by SIGKILL before step {step}, once
+    calls[0] += 1
+    if (os.environ["RANK"] == "{rank}" and st.step + calls[0] == {step}
+            and not os.path.exists({flag!r})):
+        open({flag!r}, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_step(st, x)
+
+
+train.train_step = step
+sys.exit(train.main())
+"""
+def _killer(tmp_path, rank, step):
+    path = tmp_path / "killer_train.py"
+    path.write_text(KILLER.format(root=ROOT, rank=rank, step=step,
+                                  flag=str(tmp_path / "killed.flag")))
+    return str(path)
+
+
+def _torchrun(launcher, script, args, env=None, timeout=TIMEOUT):
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, script, *args]
+    r = subprocess.run(cmd, env={**_env(), **(env or {})}, cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return r
+
+
+def _standalone(*extra):
+    return ["--standalone", "--nproc_per_node=2", "--local_addr=127.0.0.1", *extra]
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    """One node, two processes, uninterrupted."""
+    out = str(tmp_path_factory.mktemp("ref") / "run")
+    _torchrun(_standalone(), os.path.join(ROOT, "train.py"), DDP + ["--out", out])
+    assert sorted(_losses(out)) == list(range(1, 9))
+    return out
+
+
+def test_elastic_restart_resumes_by_itself(ddp_reference, tmp_path):
+    out = str(tmp_path / "run")
+    r = _torchrun(_standalone("--max-restarts=1"), _killer(tmp_path, rank=1, step=6),
+                  DDP + ["--out", out])
+    # rank 1 died before step 6: rank 0 logged steps 1..5, the restarted group resumed by itself
+    # (no --resume) from the checkpoint of step 3 and appended steps 4..8
+    assert os.path.exists(tmp_path / "killed.flag")
+    assert "at step 3" in r.stdout and "restart count 1)" in r.stdout, r.stdout
+    assert [x["step"] for x in _log(out)] == [1, 2, 3, 4, 5, 4, 5, 6, 7, 8]
+    assert _losses(out) == _losses(ddp_reference)        # bit-identical, step for step
+    first = _log(out)[3:5]                                # the killed attempt's steps 4, 5
+    assert [x["loss"] for x in first] == [_losses(ddp_reference)[s] for s in (4, 5)]
+    _same_state(out, ddp_reference)
+    assert _step(out) == 8 and _step(out, "prev.pt") == 6
+
+
+def _two_nodes(script, args, tmp_path, restarts=0, env=None):
+    """Two torchrun launchers (one process each) meeting at a c10d rendezvous on 127.0.0.1."""
+    port, rid = _free_port(), f"nacft-{uuid.uuid4().hex[:8]}"
+    procs = []
+    try:
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                   "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                   f"--rdzv_id={rid}", f"--rdzv_conf=is_host={int(node == 0)},join_timeout=120",
+                   "--local_addr=127.0.0.1", f"--max-restarts={restarts}", script, *args]
+            log = open(tmp_path / f"node{node}.log", "w")
+            procs.append((subprocess.Popen(cmd, env={**_env(), **(env or {})}, cwd=ROOT,
+                                           stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True), log))
+        for p, _ in procs:
+            p.wait(TIMEOUT)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(30)
+            log.close()
+    texts = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
+    assert all(p.returncode == 0 for p, _ in procs), "\n".join(t[-3000:] for t in texts)
+    return texts
+
+
+def test_two_nodes_c10d_shard_by_global_rank_and_restart(ddp_reference, tmp_path):
+    """Each node has one process (LOCAL_RANK 0 on both): the same losses as one node with two
+    processes show that the data is sharded by the global RANK.  Global rank 1 dies before step
+    6; both nodes' worker groups restart and resume from the checkpoint of step 3."""
+    out = str(tmp_path / "run")
+    texts = _two_nodes(_killer(tmp_path, rank=1, step=6), DDP + ["--out", out], tmp_path,
+                       restarts=1)
+    assert os.path.exists(tmp_path / "killed.flag")
+    assert any("world=2" in t for t in texts)
+    assert any("resumed from" in t and "at step 3" in t for t in texts), texts
+    assert [x["step"] for x in _log(out)] == [1, 2, 3, 4, 5, 4, 5, 6, 7, 8]
+    assert _losses(out) == _losses(ddp_reference)
+    _same_state(out, ddp_reference)
+
+
+# ---- in-process runs (3-6) --------------------------------------------------------------------
+
+MQ = ["--method", "nac-mq", "--data", "synthetic:64", "--image-size", "8", "--batch-size", "16",
+      "--queue-size", "48", "--code-dim", "16", "--log-every", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def mq_reference(tmp_path_factory):
+    """8 steps (2 epochs) uninterrupted, a checkpoint every 2."""
+    out = str(tmp_path_factory.mktemp("mq") / "run")
+    assert train.main(MQ + ["--max-steps", "8", "--save-every", "2", "--out", out]) == 0
+    return out
+
+
+# ---- 3: extending a finished run ----------------------------------------------------------------
+
+def test_extend_finished_run_restretches_cosine_and_continues_exactly(tmp_path, monkeypatch,
+                                                                      capsys):
+    _clear_elastic_env(monkeypatch)
+    ext, ref = str(tmp_path / "ext"), str(tmp_path / "ref")
+    args = MQ + ["--save-every", "10"]
+    # 20 steps at 4 a step per epoch: the auto warm-up is min(10 epochs, 10% of the run) = 2
+    assert train.main(args + ["--max-steps", "20", "--out", ext]) == 0
+    lr_end = _log(ext)[-1]["lr"]
+    assert train.main(args + ["--max-steps", "30", "--resume", "--out", ext]) == 0
+    assert "extended: the schedule now ends at step 30 (was 20)" in capsys.readouterr().out
+
+    # The reference: one 30-step run whose schedule is the 20-step one before step 20 and the
+    # 30-step one from step 20 on (what the documentation promises for the extended run)
+    class Piecewise(WarmupCosine):
+        def __call__(self, step):
+            return WarmupCosine(2, 20 if step < 20 else self.total_steps)(step)
+
+    with monkeypatch.context() as m:
+        m.setattr(run_mod, "WarmupCosine", Piecewise)
+        assert train.main(args + ["--max-steps", "30", "--warmup-epochs", "0.5",
+                                  "--out", ref]) == 0
+    got, want = _last_occurrence(ext), _last_occurrence(ref)
+    assert sorted(got) == list(range(1, 31))
+    assert {s: r["loss"] for s, r in got.items()} == {s: r["loss"] for s, r in want.items()}
+    base = 0.075 * 16 ** 0.5                            # the default lr of a global batch of 16
+    for s in range(21, 31):                             # record s: the lr of update s (index s-1)
+        assert got[s]["lr"] == want[s]["lr"] == base * WarmupCosine(2, 30)(s - 1), s
+    assert lr_end < 0.01 * base < got[21]["lr"]        # the documented jump up at the extension
+    _same_state(ext, ref)
+    cfg = load_checkpoint(os.path.join(ext, "last.pt"))["config"]
+    assert (cfg["total_steps"], cfg["warmup_steps"]) == (30, 2)   # the warm-up is kept
+    assert cfg["extended"] == [{"step": 20, "from_total_steps": 20, "to_total_steps": 30}]
+    # a resumed extended run goes on; shortening is refused
+    with pytest.raises(SystemExit) as e:
+        train.main(args + ["--max-steps", "25", "--resume", "--out", ext])
+    assert e.value.code == 2
+    assert "may extend the schedule, not shorten it" in capsys.readouterr().err
+
+
+# ---- 4: non-finite loss -------------------------------------------------------------------------
+
+def test_non_finite_loss_keeps_good_checkpoints_and_is_not_replayed(tmp_path, monkeypatch,
+                                                                    capsys):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")       # as torchrun sets them
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    calls = {"n": 0}
+    real = run_mod.nac_mq_step
+
+    def poisoned(*a, **k):
+        loss, z = real(*a, **k)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] == 5 else loss), z
+
+    monkeypatch.setattr(run_mod, "nac_mq_step", poisoned)
+    out = str(tmp_path / "run")
+    args = MQ + ["--max-steps", "8", "--save-every", "2", "--log-every", "3", "--out", out]
+    assert train.main(args) == 3
+    err = capsys.readouterr().err
+    assert (f"non-finite loss (nan) at step 5 (found at step 6); stopping. Last good checkpoint "
+            f"kept: {os.path.join(out, 'last.pt')} (step 4)") in err, err
+    assert calls["n"] == 6                          # stopped at the check before the save at 6
+    assert _step(out) == 4 and _step(out, "prev.pt") == 2          # both from before step 5
+    assert sorted(os.listdir(out)) == ["config.json", "last.pt", "log.jsonl", "non_finite.json",
+                                       "prev.pt"]                  # nothing written after it
+    assert [r["step"] for r in _log(out)] == [3]
+    assert json.loads(open(os.path.join(out, "non_finite.json")).read())["step"] == 5
+
+    # torchrun restarts a failed worker group: the restart stops at once instead of replaying
+    # steps 5..6 from the checkpoint of step 4
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert train.main(args) == 3
+    assert "would replay it" in capsys.readouterr().err
+    assert calls["n"] == 6 and _step(out) == 4
+
+    # a new launch (restart count 0) resuming explicitly goes on (here the cause is gone)
+    monkeypatch.setattr(run_mod, "nac_mq_step", real)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert train.main(args + ["--resume"]) == 0
+    assert _step(out) == 8 and not os.path.exists(os.path.join(out, "non_finite.json"))
+
+
+# ---- 5: damaged checkpoints ---------------------------------------------------------------------
+
+def test_damaged_checkpoint_errors_name_the_file(tmp_path, monkeypatch):
+    good = tmp_path / "good.pt"
+    torch.save({"model": {"w": torch.randn(4096)}, "config": {}, "step": 1}, good)
+    data = good.read_bytes()
+    cases = {
+        "truncated.pt": (data[: len(data) // 2], "truncated, corrupt or not a checkpoint"),
+        "garbage.pt": (os.urandom(5000), "truncated, corrupt or not a checkpoint"),
+        "empty.pt": (b"", "is empty (0 bytes)"),
+        "text.pt": (b"not a checkpoint\n", "truncated, corrupt or not a checkpoint"),
+    }
+    for name, (content, msg) in cases.items():
+        (tmp_path / name).write_bytes(content)
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")     # another structure
+    torch.save(torch.zeros(3), tmp_path / "tensor.pt")
+    (tmp_path / "dir.pt").mkdir()
+    cases.update({"other.pt": (None, "is not a train.py checkpoint: it has no model, config"),
+                  "tensor.pt": (None, "holds a Tensor, not a train.py checkpoint"),
+                  "dir.pt": (None, "is not a regular file"),
+                  "missing.pt": (None, "no such file")})
+    for name, (_, msg) in cases.items():
+        p = str(tmp_path / name)
+        with pytest.raises(ValueError) as e:
+            load_checkpoint(p)
+        assert repr(p) in str(e.value) and msg in str(e.value), (name, str(e.value))
+    # evaluation checkpoints need the model and config only; resume needs the whole state
+    assert load_checkpoint(str(good))["step"] == 1
+    with pytest.raises(ValueError, match="it has no optimizer, scheduler, scaler, rng"):
+        load_checkpoint(str(good), require=ckpt_mod.STATE_KEYS)
+    # unreadable (permissions: tests run as root here, where chmod does not stop reads)
+    real_open = open
+
+    def deny(f, *a, **k):
+        if f == str(good):
+            raise PermissionError(errno.EACCES, "Permission denied", f)
+        return real_open(f, *a, **k)
+
+    monkeypatch.setattr("builtins.open", deny)
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(str(good))
+    assert repr(str(good)) in str(e.value) and "Permission denied" in str(e.value)
+
+
+def test_automatic_resume_falls_back_to_prev(mq_reference, tmp_path, monkeypatch, capsys):
+    _clear_elastic_env(monkeypatch)
+    out = str(tmp_path / "run")
+    args = MQ + ["--max-steps", "8", "--save-every", "2", "--out", out]
+    assert train.main(args + ["--stop-at-step", "6"]) == 0
+    assert _step(out) == 6 and _step(out, "prev.pt") == 4
+    for name in ("keep.pt", "notes.txt"):                         # files of the user's
+        shutil.copy(os.path.join(out, "last.pt") if name == "keep.pt" else __file__,
+                    os.path.join(out, name))
+    user = {n: _sha(os.path.join(out, n)) for n in ("keep.pt", "notes.txt")}
+    last = os.path.join(out, "last.pt")
+    with open(last, "r+b") as f:                                  # cut in half
+        f.truncate(os.path.getsize(last) // 2)
+    capsys.readouterr()
+    # a named file is not replaced by another: a clear error naming it
+    with pytest.raises(SystemExit) as e:
+        train.main(args + ["--resume", last])
+    assert e.value.code == 2 and f"checkpoint {last!r}" in capsys.readouterr().err
+    # --resume without a path: prev.pt, with a note naming the damaged last.pt
+    assert train.main(args + ["--resume"]) == 0
+    o = capsys.readouterr()
+    assert f"note: checkpoint {last!r}" in o.err and "truncated" in o.err
+    assert f"resumed from {os.path.join(out, 'prev.pt')} at step 4" in o.out
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    assert _losses(out) == _losses(mq_reference)
+    _same_state(out, mq_reference)
+    assert _step(out) == 8 and _step(out, "prev.pt") == 6
+    assert load_model(last) is not None                           # evaluation reads last.pt
+    assert {n: _sha(os.path.join(out, n)) for n in user} == user
+    assert sorted(os.listdir(out)) == ["config.json", "keep.pt", "last.pt", "log.jsonl",
+                                       "notes.txt", "prev.pt"]
+
+    # the elastic restart of a job takes the same way: last.pt of another structure now
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    out2 = str(tmp_path / "run2")
+    args2 = MQ + ["--max-steps", "8", "--save-every", "2", "--out", out2]
+    assert train.main(args2 + ["--stop-at-step", "6"]) == 0
+    torch.save({"weights": torch.zeros(2)}, os.path.join(out2, "last.pt"))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert train.main(args2) == 0                                 # no --resume
+    o = capsys.readouterr()
+    assert "it has no model" in o.err
+    assert "at step 4 (epoch 1, batch 0) (restart of torchrun job job-2, restart count 1)" in o.out
+    assert _losses(out2) == _losses(mq_reference)
+
+    # nothing usable: an error naming both files, no fresh start over them
+    for name in ("last.pt", "prev.pt"):
+        with open(os.path.join(out2, name), "wb") as f:
+            f.write(b"\0" * 100)
+    with pytest.raises(SystemExit) as e:
+        train.main(args2)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no usable checkpoint" in err
+    assert "last.pt" in err and "prev.pt" in err
+
+
+# ---- 6: a save that fails -----------------------------------------------------------------------
+
+def _enospc_save(fail_call, seen):
+    """torch.save that writes half of the file and raises ENOSPC at its `fail_call`-th call."""
+    real = torch.save
+
+    def save(obj, f, *a, **k):
+        seen.append(getattr(f, "name", f))
+        if len(seen) != fail_call:
+            return real(obj, f, *a, **k)
+        f.write(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return save
+
+
+def test_save_atomic_failures_keep_the_old_file(tmp_path, monkeypatch):
+    p, prev = str(tmp_path / "last.pt"), str(tmp_path / "prev.pt")
+    save_atomic({"step": 1}, p)
+    save_atomic({"step": 2}, p, previous=prev)
+    assert torch.load(p)["step"] == 2 and torch.load(prev)["step"] == 1
+    before = (_sha(p), _sha(prev))
+    with monkeypatch.context() as m:                     # disk full while writing
+        m.setattr(torch, "save", _enospc_save(1, []))
+        with pytest.raises(OSError, match="No space left"):
+            save_atomic({"step": 3}, p, previous=prev)
+    assert (_sha(p), _sha(prev)) == before
+    assert sorted(os.listdir(tmp_path)) == ["last.pt", "prev.pt"]   # no temp file left
+    real_replace = os.replace
+
+    def replace(src, dst):                               # the final rename fails (read-only)
+        if dst == p:
+            raise OSError(errno.EROFS, "Read-only file system", dst)
+        return real_replace(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", replace)
+        with pytest.raises(OSError, match="Read-only"):
+            save_atomic({"step": 3}, p, previous=prev)
+    assert _sha(p) == before[0] and torch.load(prev)["step"] == 2   # last.pt intact
+    assert sorted(os.listdir(tmp_path)) == ["last.pt", "prev.pt"]
+    with monkeypatch.context() as m:                     # a file system without hard links
+        m.setattr(os, "link", lambda *a: (_ for _ in ()).throw(OSError(errno.EPERM, "no")))
+        save_atomic({"step": 4}, p, previous=prev)
+    assert torch.load(p)["step"] == 4 and torch.load(prev)["step"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["last.pt", "prev.pt"]
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
+                    reason="root writes to a read-only (mode 555) directory")
+def test_read_only_out_keeps_the_old_file(tmp_path):
+    d = tmp_path / "out"
+    p, prev = str(d / "last.pt"), str(d / "prev.pt")
+    save_atomic({"step": 1}, p)
+    before = _sha(p)
+    os.chmod(d, 0o555)
+    try:
+        with pytest.raises(PermissionError):
+            save_atomic({"step": 2}, p, previous=prev)
+    finally:
+        os.chmod(d, 0o755)
+    assert _sha(p) == before and sorted(os.listdir(d)) == ["last.pt"]
+
+
+def test_disk_full_during_save_stops_with_intact_checkpoint(mq_reference, tmp_path, monkeypatch,
+                                                            capsys):
+    _clear_elastic_env(monkeypatch)
+    out = str(tmp_path / "run")
+    args = MQ + ["--max-steps", "8", "--save-every", "2", "--out", out]
+    seen, snap = [], {}
+    fail = _enospc_save(3, seen)
+
+    def save(obj, f, *a, **k):                  # 3rd checkpoint (step 6): the disk is full
+        if len(seen) == 2:
+            snap["last"] = _sha(os.path.join(out, "last.pt"))
+        return fail(obj, f, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", save)
+        assert train.main(args) == 4
+    err = capsys.readouterr().err
+    last = os.path.join(out, "last.pt")
+    assert (f"checkpoint of step 6 could not be written to {last}: OSError: [Errno 28] No space "
+            f"left on device") in err, err
+    assert f"stopping (status 4); {last} (step 4) is intact" in err
+    assert _sha(last) == snap["last"] and _step(out) == 4 and _step(out, "prev.pt") == 2
+    assert sorted(os.listdir(out)) == ["config.json", "last.pt", "log.jsonl", "prev.pt"]
+    assert max(r["step"] for r in _log(out)) == 6
+    # space freed: --resume continues from the intact checkpoint, exactly
+    assert train.main(args + ["--resume"]) == 0
+    assert _losses(out) == _losses(mq_reference)
+    _same_state(out, mq_reference)
+
+
+# ---- the README's commands ----------------------------------------------------------------------
+
+def test_readme_fault_tolerance_commands_are_the_tested_ones():
+    """The README's 'Fault tolerance' torchrun commands use the launcher flags that the tests
+    above run (1, 2) and train.py flags that parse."""
+    import re
+
+    from nac_fast.train.config import parse
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = re.search(r"### Fault tolerance\n(.*?)(?=\n##)", text, re.S).group(1)
+    (block,) = re.findall(r"```text\n(.*?)```", section, re.S)
+    cmds = [c.strip() for c in re.sub(r"\\\n\s*", "", block).splitlines()
+            if c.strip().startswith("torchrun")]
+    assert len(cmds) == 2
+    tested = open(__file__).read().split("# ---- the README's commands")[0]  # tests 1, 2
+    for cmd in cmds:
+        launcher, train_args = cmd.split(" train.py ")
+        for flag in re.findall(r"(--[\w-]+)=", launcher):
+            assert f"{flag}=" in tested, flag
+        args = parse(train_args.split() + ["--out", "x"])
+        assert args.resume is None                     # restarts resume without --resume
+    assert "--max-restarts=" in cmds[0] and "--rdzv_backend=c10d" in cmds[1]
