@@ -12,9 +12,9 @@ extension cannot be built.
 
 Cost (CPU-only extension, NAC_FAST_SKIP_CUDA=1): the metadata tests take seconds; the install
 tests one extension build with the oldest pip (about 80 s of CPU, 1.5-4 min of wall time on a
-shared 2-core machine), plus venv set-ups and two cheap failing builds.  The build-isolation test
-(a second build and a torch install in pip's throw-away build environment) runs only with
-NAC_FAST_TEST_ISOLATED_BUILD=1.  Both torches are the version this interpreter runs, from the
+shared 2-core machine), plus venv set-ups and two cheap failing builds.  The build-isolation tests
+(oldest and current pip; each a second build and a torch install in pip's throw-away build
+environment, about 4 min of wall time each here) run only with NAC_FAST_TEST_ISOLATED_BUILD=1.  Both torches are the version this interpreter runs, from the
 configured index, so no other torch is downloaded.
 """
 import os
@@ -44,6 +44,7 @@ from nac_fast import _build_info
 where = os.path.realpath(nac_fast.__file__)
 assert where.startswith(os.path.realpath(sys.argv[1])), where
 assert _build_info.EXTENSION is None and _build_info.TORCH == torch.__version__, vars(_build_info)
+assert hasattr(torch.ops.nac_fast, "nac_fwd"), "nac_fast._C registered no torch.ops.nac_fast ops"
 assert "cpu" in nac_fast.available_backends("cpu"), nac_fast.available_backends("cpu", reasons=True)
 g = torch.Generator().manual_seed(0)
 a, r = torch.randn(9, 16, generator=g), torch.randn(9, 16, generator=g)
@@ -306,6 +307,27 @@ def test_current_pip_build_isolation_builds_the_extension(new_pip_venv, tmp_path
     assert len(wheels) == 1 and re.search(r"-cp\d+-cp\d+\w*-linux_\w+\.whl$", wheels[0]), wheels
     target = str(tmp_path / "site")
     _run([new_pip_venv, "-m", "pip", "install", "--no-deps", "--target", target,
+          os.path.join(dist, wheels[0])], cwd=str(tmp_path))
+    out = _child(CHECK_BUILT, [target], str(tmp_path), target)
+    assert "BUILT" in out, out
+
+
+@pytest.mark.skipif(os.environ.get("NAC_FAST_TEST_ISOLATED_BUILD", "0") in ("", "0"),
+                    reason="a second extension build and a torch install in pip's isolated "
+                           "build environment (~3-5 min): NAC_FAST_TEST_ISOLATED_BUILD=1 runs it")
+def test_oldest_pip_build_isolation_builds_the_extension(old_pip_venv, tmp_path):
+    """pip's default (build isolation) with the oldest pip: no --build-constraint there, so torch
+    is pinned for the build environment through PIP_CONSTRAINT (which that pip applies to it)."""
+    tree = _copy_tree(str(tmp_path / "src"))
+    pins = tmp_path / "constraints.txt"
+    pins.write_text(f"torch=={TORCH}\n")
+    dist = str(tmp_path / "dist")
+    _run([old_pip_venv, "-m", "pip", "wheel", "--no-deps", "-w", dist, tree], cwd=str(tmp_path),
+         env=_env(PIP_CONSTRAINT=str(pins)))
+    wheels = os.listdir(dist)
+    assert len(wheels) == 1 and re.search(r"-cp\d+-cp\d+\w*-linux_\w+\.whl$", wheels[0]), wheels
+    target = str(tmp_path / "site")
+    _run([old_pip_venv, "-m", "pip", "install", "--no-deps", "--target", target,
           os.path.join(dist, wheels[0])], cwd=str(tmp_path))
     out = _child(CHECK_BUILT, [target], str(tmp_path), target)
     assert "BUILT" in out, out
