@@ -8,8 +8,15 @@ VENV       ?= .venv
 BIN        := $(VENV)/bin
 # What this machine's pip serves (CUDA 13.0 wheels); any torch>=2.4 works with the package.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-# faiss-cpu: the Hamming engine is checked against FAISS; DALI: the dali-cpu loader runs in CI.
-PY_DEPS    ?= numpy ninja pytest pytest-benchmark matplotlib tqdm faiss-cpu nvidia-dali-cuda130
+# Installed before the package: pyproject.toml's [build-system] requires but torch (the extension
+# is built against the venv's own torch, --no-build-isolation), and the test suite's and
+# train.py's tools (tensorboard: train.py --tensorboard).  The [dev] extra lists the same tools
+# (tests/test_packaging.py checks that each of them is here).
+PY_DEPS    ?= "setuptools>=64" wheel ninja numpy Pillow tqdm pytest pytest-benchmark matplotlib \
+              faiss-cpu tensorboard scikit-learn nvidia-dali-cuda130
+# pyproject.toml's extras installed with the package: dev (the tools above), eval, dali (the
+# dali-cpu loader runs in CI).
+EXTRAS     ?= dev,eval,dali
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
 STAMP      := $(VENV)/.nac_fast_setup
 ARGS       ?=
@@ -20,11 +27,11 @@ export MAX_JOBS ?= 2
 
 setup: $(STAMP)
 
-$(STAMP): setup.py $(wildcard csrc/*) Makefile
+$(STAMP): setup.py pyproject.toml $(wildcard csrc/*) Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_SPEC) $(PY_DEPS)
-	$(BIN)/python -m pip install -q --no-build-isolation -e .
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
 
 # Fashion-MNIST (real data, 60k/10k 28x28) from Debian's package: the embedded default data set.

@@ -20,6 +20,10 @@ DEFAULT_CUDA_ARCHS = "8.0;9.0"  # TORCH_CUDA_ARCH_LIST when unset: A100, H100/H2
 # builds with it too).
 CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
 NATIVE_CXX_FLAGS = ["-march=native"]  # NAC_FAST_NATIVE=1
+# Python's sysconfig CFLAGS, which torch's BuildExtension puts first on the command line, carry -g:
+# debug information about doubles the C++ compile time and makes the object files and
+# nac_fast._C many times larger.  -g0, later on the line, drops it (NAC_FAST_DEBUG_INFO=1 keeps it).
+NO_DEBUG_INFO_FLAGS = ["-g0"]
 CUDA_DEFINE = "-DNAC_FAST_WITH_CUDA"  # on both compilers when the CUDA kernels are built
 
 # nvcc (.cu), on top of what torch's BuildExtension adds (torch_nvcc_flags below).

@@ -42,16 +42,31 @@ _TRITON_MODULES = ("nac_triton", "nac_noise_triton", "hamming_triton")
 # (tests/test_cuda_build.py, tests/test_cuda_mma_layout.py).  Remove it from here then.
 EXPERIMENTAL = ("cuda",)
 
+
+def _build_note(name: str):
+    """What setup.py recorded in nac_fast/_build_info.py (generated at build time) under `name`,
+    or None: the true reason the extension is missing, the torch it was compiled against."""
+    try:
+        info = importlib.import_module("nac_fast._build_info")
+    except ImportError:
+        return None
+    return getattr(info, name, None)
+
+
 try:
     from .. import _C  # noqa: F401  (loading it registers the torch.ops.nac_fast ops)
     _C_ERROR = None
 except ImportError as _exc:  # pragma: no cover - depends on the install
     _C = None
     if importlib.util.find_spec("nac_fast._C") is None:  # Python's message blames a circular import
-        _C_ERROR = ("not built: no nac_fast/_C*.so in "
-                    f"{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}")
+        _C_ERROR = _build_note("EXTENSION") or (
+            "not built: no nac_fast/_C*.so in "
+            f"{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}")
     else:
         _C_ERROR = f"{type(_exc).__name__}: {_exc}"
+        if _build_note("TORCH") not in (None, torch.__version__):
+            _C_ERROR += (f"; it was compiled against torch {_build_note('TORCH')}, this is torch "
+                         f"{torch.__version__}: rebuild it")
     warnings.warn(f"nac_fast: compiled extension not available ({_C_ERROR}); the fused 'cpu' and "
                   "'cuda' backends are off, 'reference' (and 'triton' on GPU) still work. Build it "
                   "with: pip install --no-build-isolation -e .", RuntimeWarning, stacklevel=2)
@@ -125,8 +140,9 @@ def _reason(backend: str, device_type: str, op: str) -> str | None:
     if not hasattr(torch.ops.nac_fast, compiled_op):
         return f"nac_fast._C loaded but registered no nac_fast::{compiled_op} op"
     if backend == "cuda" and not cuda_extension_built():
-        return ("nac_fast._C was built without the CUDA kernels (no nvcc / CUDA torch at build "
-                "time; NAC_FAST_FORCE_CUDA=1 makes that an error)")
+        return ("nac_fast._C was built without the CUDA kernels ("
+                + (_build_note("CUDA") or "no nvcc / CUDA torch at build time")
+                + "; NAC_FAST_FORCE_CUDA=1 makes that an error)")
     return None
 
 

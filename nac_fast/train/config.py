@@ -41,8 +41,12 @@ def _gain(v):
         raise ValueError(f"expected a number > 0 or 'auto', got {v!r}")
     return g
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs")
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nac_fast/
+# The checkout's configs/ (source tree, editable install), else the copy a wheel ships as
+# nac_fast/configs (setup.py's package data).
+CONFIG_DIR = next((d for d in (os.path.join(os.path.dirname(_PKG), "configs"),
+                               os.path.join(_PKG, "configs")) if os.path.isdir(d)),
+                  os.path.join(os.path.dirname(_PKG), "configs"))
 AUTO_RECIPES = {"imagefolder": "imagenet.toml", "other": "fashion_mnist.toml"}
 
 
