@@ -40,7 +40,11 @@ def test_ci_runs_the_readme_test_command():
 
 @pytest.mark.parametrize("cmd", readme_commands())
 def test_make_targets_parse(cmd):
-    out = subprocess.run(cmd.split() + ["-n"], cwd=ROOT, capture_output=True, text=True)
+    # a clean make: under `make test` (CI) the inherited MAKELEVEL/MAKEFLAGS make the child print
+    # "Entering directory" lines after the recipe
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    out = subprocess.run(cmd.split() + ["-n", "--no-print-directory"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     # the dry run shows the command the README promises (Makefile header, README "Two commands")
     want = {"make train": ".venv/bin/torchrun --standalone --nproc_per_node=2 train.py",
