@@ -39,7 +39,6 @@ import datetime as dt
 import gc
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -161,27 +160,6 @@ def summarise(res, ref: str = "reference"):
     return rows
 
 
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except Exception:
-        return "unknown"
-
-
-def cpu_name() -> str:
-    name = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{name} x{os.cpu_count()}"
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -219,6 +197,8 @@ def main(argv=None):
     import torch
     sys.path.insert(0, ROOT)
     import nac_fast
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_loss import commit, device_name  # the bench scripts' shared CSV labels
     avail = nac_fast.available_backends("cpu")
     for b in backends:
         if b not in avail:
@@ -228,7 +208,7 @@ def main(argv=None):
     res = measure(backends, args.n, args.D, args.dtype, threads, args.runs, warmup_n)
     rows = summarise(res)
     meta = {"timestamp": dt.datetime.now().isoformat(timespec="seconds"),
-            "host": socket.gethostname(), "cpu": cpu_name(), "threads": threads,
+            "host": socket.gethostname(), "cpu": device_name("cpu"), "threads": threads,
             "torch": torch.__version__, "commit": commit(), "n": args.n, "D": args.D,
             "dtype": args.dtype, "warmup_n": warmup_n}
     print(f"n = N = {args.n}, D = {args.D}, {args.dtype}, {threads} threads, warm-up {warmup_n} "

@@ -10,7 +10,6 @@ of the tree, with only torch's site-packages directory appended to sys.path.
 """
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import nac_fast
+from _checkout import copy_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITE = os.path.dirname(os.path.dirname(torch.__file__))  # where torch, triton, numpy live
@@ -42,17 +42,6 @@ assert abs(float(v) - float(w)) < 1e-5, (float(v), float(w))
 print("OK", k.__file__)
 """
 
-
-def _copy_tree(dst):
-    """The checkout's tracked and untracked-but-not-ignored files (no builds, no venv)."""
-    files = subprocess.run(["git", "-C", ROOT, "ls-files", "-co", "--exclude-standard"],
-                           capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        src = os.path.join(ROOT, f)
-        if os.path.isfile(src):
-            os.makedirs(os.path.join(dst, os.path.dirname(f)), exist_ok=True)
-            shutil.copy2(src, os.path.join(dst, f))
-    return dst
 
 
 def _child(code, paths, cwd, expect, pkg, site_dirs=(), extra_env=None):
@@ -81,14 +70,14 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"
 
 
 def test_source_tree_with_pythonpath(tmp_path):
-    tree = _copy_tree(str(tmp_path / "src"))
+    tree = copy_tree(str(tmp_path / "src"))
     out = _child(CHECK, [tree], str(tmp_path), os.path.join(tree, "kernels"),
                  os.path.join(tree, "nac_fast"))
     assert "OK" in out
 
 
 def test_wheel(tmp_path):
-    tree = _copy_tree(str(tmp_path / "src"))
+    tree = copy_tree(str(tmp_path / "src"))
     _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), tree,
          cwd=str(tmp_path))
     wheels = os.listdir(tmp_path / "dist")
@@ -102,7 +91,7 @@ def test_wheel(tmp_path):
 
 
 def test_editable_install(tmp_path):
-    tree = _copy_tree(str(tmp_path / "src"))
+    tree = copy_tree(str(tmp_path / "src"))
     prefix = str(tmp_path / "prefix")
     # --ignore-installed: without it pip uninstalls the running environment's nac_fast first
     _pip("install", "--no-deps", "--no-build-isolation", "--ignore-installed", "--prefix", prefix,
@@ -117,7 +106,7 @@ def test_editable_install(tmp_path):
 def test_failed_triton_import_is_reported_not_swallowed(tmp_path):
     """A kernels module that fails to import: a RuntimeWarning with the exception, the reason in
     available_backends(reasons=True), and backend="triton" refused with that reason."""
-    tree = _copy_tree(str(tmp_path / "src"))
+    tree = copy_tree(str(tmp_path / "src"))
     with open(os.path.join(tree, "kernels", "nac_triton.py"), "a") as f:
         f.write("\nraise ImportError('planted failure 4711')\n")
     code = r"""
@@ -150,7 +139,7 @@ def test_triton_backend_present_where_triton_is_installed():
 def test_gpu_suite_build_stage_import_path(tmp_path):
     """The GPU suite's build stage, in its CPU mode (NAC_FAST_SUITE_CPU=1), on a copy of the tree:
     the same source-tree import check the GPU machine runs after `build_ext --inplace`."""
-    tree = _copy_tree(str(tmp_path / "src"))
+    tree = copy_tree(str(tmp_path / "src"))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
     env.update(NAC_FAST_SUITE_CPU="1", NAC_FAST_SUITE_RESULTS=str(tmp_path / "res"),
                PYTHON=sys.executable)

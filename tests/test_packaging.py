@@ -27,6 +27,8 @@ import zipfile
 import pytest
 import torch
 
+from _checkout import copy_tree
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLDEST_PIP = "23.2.1"  # the oldest pip the README supports: python 3.11's ensurepip
 TORCH = torch.__version__.split("+")[0]  # the index's name for the torch this test runs on
@@ -103,17 +105,6 @@ def _run(argv, cwd, env=None, ok=True, timeout=900):
         assert out.returncode == 0, f"{argv}\n" + text[-6000:]
     return out.returncode, text
 
-
-def _copy_tree(dst):
-    """The checkout's tracked and untracked-but-not-ignored files (no builds, no venv)."""
-    files = subprocess.run(["git", "-C", ROOT, "ls-files", "-co", "--exclude-standard"],
-                           capture_output=True, text=True, check=True).stdout.splitlines()
-    for f in files:
-        src = os.path.join(ROOT, f)
-        if os.path.isfile(src):
-            os.makedirs(os.path.join(dst, os.path.dirname(f)), exist_ok=True)
-            shutil.copy2(src, os.path.join(dst, f))
-    return dst
 
 
 def _venv(path, pip_args, *packages):
@@ -228,7 +219,7 @@ def test_license_is_mit():
 def test_setup_packages_cover_every_subpackage(tmp_path):
     """setup.py's packages and package_dir, read from setup() in a copy of the tree: every folder
     with an __init__.py under nac_fast/ and kernels/ is a package, configs/*.toml is data."""
-    tree = _copy_tree(str(tmp_path / "src"))
+    tree = copy_tree(str(tmp_path / "src"))
     code = ("import json, setuptools\nseen = {}\nsetuptools.setup = lambda **kw: seen.update(kw)\n"
             "exec(compile(open('setup.py').read(), 'setup.py', 'exec'), {'__file__': "
             "__import__('os').path.abspath('setup.py'), '__name__': '__main__'})\n"
@@ -282,7 +273,7 @@ def new_pip_venv(tmp_path_factory):
 
 def test_oldest_pip_editable_no_build_isolation_builds_the_extension(old_pip_venv, tmp_path):
     """The README's build command with the oldest pip: the extension is built and loads."""
-    tree = _copy_tree(str(tmp_path / "src"))
+    tree = copy_tree(str(tmp_path / "src"))
     _, log = _run([old_pip_venv, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
                    "-e", tree], cwd=str(tmp_path))
     assert "setup.py develop" not in log, log[-3000:]  # the legacy path that lost the extension
@@ -297,7 +288,7 @@ def test_current_pip_build_isolation_builds_the_extension(new_pip_venv, tmp_path
     """pip's default (build isolation, the build requirements of pyproject.toml installed in a
     throw-away environment) with the current pip, torch pinned by --build-constraint to the torch
     the wheel is then imported with (an extension is compiled against one torch)."""
-    tree = _copy_tree(str(tmp_path / "src"))
+    tree = copy_tree(str(tmp_path / "src"))
     pins = tmp_path / "build-constraints.txt"
     pins.write_text(f"torch=={TORCH}\n")
     dist = str(tmp_path / "dist")
@@ -318,7 +309,7 @@ def test_current_pip_build_isolation_builds_the_extension(new_pip_venv, tmp_path
 def test_oldest_pip_build_isolation_builds_the_extension(old_pip_venv, tmp_path):
     """pip's default (build isolation) with the oldest pip: no --build-constraint there, so torch
     is pinned for the build environment through PIP_CONSTRAINT (which that pip applies to it)."""
-    tree = _copy_tree(str(tmp_path / "src"))
+    tree = copy_tree(str(tmp_path / "src"))
     pins = tmp_path / "constraints.txt"
     pins.write_text(f"torch=={TORCH}\n")
     dist = str(tmp_path / "dist")
@@ -349,7 +340,7 @@ def _assert_loud_failure(log, tree, cwd, expect):
 
 
 def test_no_compiler_fails_loudly_with_the_reason(old_pip_venv, tmp_path):
-    tree = _copy_tree(str(tmp_path / "src"))
+    tree = copy_tree(str(tmp_path / "src"))
     rc, log = _run([old_pip_venv, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
                     "-e", tree], cwd=str(tmp_path),
                    env=_env(CXX="/bin/false", CC="/bin/false"), ok=False)
@@ -359,7 +350,7 @@ def test_no_compiler_fails_loudly_with_the_reason(old_pip_venv, tmp_path):
 
 
 def test_torch_missing_at_build_time_fails_loudly_with_the_reason(new_pip_venv, tmp_path):
-    tree = _copy_tree(str(tmp_path / "src"))
+    tree = copy_tree(str(tmp_path / "src"))
     rc, log = _run([new_pip_venv, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
                     "-e", tree], cwd=str(tmp_path), ok=False)
     assert rc != 0, log[-3000:]
@@ -369,7 +360,7 @@ def test_torch_missing_at_build_time_fails_loudly_with_the_reason(new_pip_venv, 
 
 def test_skip_ext_installs_without_it_and_says_why(old_pip_venv, tmp_path):
     """NAC_FAST_SKIP_EXT=1: a pure-Python wheel, and its import warning names the flag."""
-    tree = _copy_tree(str(tmp_path / "src"))
+    tree = copy_tree(str(tmp_path / "src"))
     dist = str(tmp_path / "dist")
     _run([old_pip_venv, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", dist,
           tree], cwd=str(tmp_path), env=_env(NAC_FAST_SKIP_EXT="1"))
