@@ -6,16 +6,17 @@
     python scripts/reproduce_fmnist.py --grid long --epochs 20 --curve-steps 234,702,1404,2340
     python scripts/reproduce_fmnist.py --doc docs/results.md --notes docs/results_notes.md  # page
 
-`--grid all` runs the grids main (NAC, NAC-MQ with the paper's heads and with the candidate
-'learning' heads, SimCLR, random init), ablation (each head ingredient alone, all together, each
+`--grid all` runs the grids main (NAC, NAC-MQ with the paper's heads and with the 'learning'
+heads, SimCLR, random init), ablation (each head ingredient alone, all together, each
 left out, for NAC and NAC-MQ, and SimCLR) and psweep (p in {0.05, 0.1, 0.2, 0.4}), every variant
 for every seed (default 0, 1, 2) at one budget: SimCLR gets the same epochs, batch, encoder and
 augmentations as NAC (equal compute).
 
 A grid is a set of named variants: a method and the train.py flags that the variant adds to a
-recipe: `paper` = `--config configs/fashion_mnist_paper.toml` (the authors' heads, also what the
-default recipe trains), `learning` = `--config configs/fashion_mnist_learning.toml` (the candidate
-heads: the paper recipe plus --head-bn --a-gain 3 --infer-bn --r-gain auto --infer-init copy), so
+recipe: `paper` = `--config configs/fashion_mnist_paper.toml` (the authors' heads),
+`learning` = `--config configs/fashion_mnist_learning.toml` (the paper recipe plus --head-bn
+--a-gain 3 --infer-bn --r-gain auto --infer-init copy, docs/math.md [M:heads]; what the default
+recipe configs/fashion_mnist.toml trains), so
 each name says exactly what it changes.  Every variant is trained once per seed with the same encoder (resnet-tiny), batch, budget and
 augmentations, then evaluated with `python -m nac_fast.eval` on the full splits (linear probe,
 kNN, hash mAP@all at 16/32/64/128 bits, expressivity; gallery = the 60k training images,
@@ -45,7 +46,6 @@ import math
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -411,19 +411,19 @@ def load_rows(path: str) -> list:
 
 
 # ---- the cost model (--dry-run) ----------------------------------------------------------------
-# Seconds on this project's machine (2 CPU cores, shared with other jobs while measured), from the
-# logs of earlier runs; read the totals as +-50%, more when the cores are busier.
-#   train  0.8 s per optimizer step of 256 images (2 processes): runs/repro logs of resnet-tiny,
-#          NAC 0.5-1.0 s/step, SimCLR 0.83 s/step; NAC-MQ x 1.3 for the momentum network's
-#          forward pass (a forward is about a third of a forward + backward; not measured)
-#   eval   features 4.5 ms per image (report.json timings: 100 s for 20000 train images, 15 s
-#          for 5000 test images); linear probe 0.5 s per epoch of one fit on 60000 features
-#          (metrics.linear_probe, 1 thread; it makes 5 fits: 4 learning rates + the final one);
-#          kNN, hash and expressivity ~10 s
+# Seconds on this project's machine (2 CPU cores), measured on 2026-11-23 from the runs/repro logs
+# and report.json timings of the 2-epoch grid with nothing else running; read the totals as +-50%,
+# much more when other jobs share the cores (an earlier, shared measurement was 3-15x slower).
+#   train  0.27-0.31 s per optimizer step of 256 images (2 processes, resnet-tiny; NAC 0.27-0.30,
+#          SimCLR 0.31); NAC-MQ x 1.3 for the momentum network's forward pass (not measured)
+#   eval   features 0.27 ms per image (report.json: 15-17 s for the 60000 training images);
+#          linear probe 0.065 s per epoch of one fit on 60000 features (metrics.linear_probe makes
+#          5 fits: 4 learning rates + the final one; 30 epochs: 9-13 s); kNN, hash and
+#          expressivity ~5 s
 #   each process launch (torchrun, data loading) ~15 s
 TRAIN_IMAGES, TEST_IMAGES = 60000, 10000
-COST = dict(step_s_per_image=0.8 / 256, mq_factor=1.3, feature_s=0.0045,
-            linear_epoch_s=0.5, linear_fits=5, eval_fixed_s=10.0, launch_s=15.0)
+COST = dict(step_s_per_image=0.29 / 256, mq_factor=1.3, feature_s=0.00027,
+            linear_epoch_s=0.065, linear_fits=5, eval_fixed_s=5.0, launch_s=15.0)
 
 
 def estimate_seconds(args, method: str, curve) -> tuple[float, float]:
@@ -592,7 +592,7 @@ def groups_of(rows: list) -> dict:
 def describe(r) -> str:
     if r["method"] == "random":
         return "untrained encoder"
-    base = {"paper": "paper heads", "learning": "learning recipe (candidate)",
+    base = {"paper": "paper heads", "learning": "learning heads (the default recipe's)",
             "default": "default recipe"}.get(r["recipe"], r["recipe"])
     return base + (" + `" + " ".join(r["flags"]) + "`" if r["flags"] else "")
 
@@ -693,8 +693,9 @@ def write_page(args) -> int:
          "`code_mag` = mean abs(tanh a), `r_slope` = least-squares slope of r on tanh a (one "
          "intercept per bit), `loss_excess` = loss minus its zero-code value (D ln 2 for NAC, "
          "2 D ln 2 for NAC-MQ's loss + vi, ln(2B-1) for SimCLR). `runs as`: the flags over "
-         "`configs/fashion_mnist_paper.toml` (*paper heads*) or the candidate recipe "
-         "`configs/fashion_mnist_learning.toml` (*learning recipe*).", ""]
+         "`configs/fashion_mnist_paper.toml` (*paper heads*) or "
+         "`configs/fashion_mnist_learning.toml` (*learning heads*, docs/math.md [M:heads]; the "
+         "default recipe configs/fashion_mnist.toml trains the same).", ""]
     for g in GRIDS:
         if g not in all_rows:
             continue

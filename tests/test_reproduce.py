@@ -154,7 +154,7 @@ def test_toy_grid_end_to_end(tmp_path):
     assert row["map"] == nac["map"] and row["grid"] == "ablation"
     assert not (out / "ablation" / "nac_full").exists()
     page = doc.read_text()
-    assert "| nac:learning | learning recipe (candidate) | 1 |" in page and "| random | untrained encoder |" in page
+    assert "| nac:learning | learning heads (the default recipe's) | 1 |" in page and "| random | untrained encoder |" in page
     assert "hand-written line" in page and (doc.parent / "curves.png").stat().st_size > 1000
     summary = json.loads((doc.parent / "results_summary.json").read_text())
     assert [r["variant"] for r in summary["main"]] == ["nac:learning", "random"]

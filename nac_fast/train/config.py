@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-scale-codes", dest="scale_codes", action="store_false",
       help="do not divide a and r by sqrt(D) (the authors' initial scale)")
     # Head options (nac_fast/train/models.py NACModel; reproduce_fmnist.py's ablation). The flag
-    # defaults are the authors' heads; configs/fashion_mnist_learning.toml is the candidate.
+    # defaults are the authors' heads; the demo recipe configs/fashion_mnist.toml sets the learning
+    # heads (docs/results.md).
     bool_flag = dict(action=argparse.BooleanOptionalAction, default=False)
     a("--head-bn", **bool_flag, help="BatchNorm1d(affine=False) at the end of the code head g")
     a("--infer-bn", **bool_flag, help="BatchNorm1d(affine=False) at the end of the inference "

@@ -104,14 +104,11 @@ def swap_halves(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[k:], t[:k]])
 
 
-# The two head designs (scripts/reproduce_fmnist.py --grid ablation measures them, ingredient by
-# ingredient; no result yet):
-#   paper     Linear-ReLU-Linear heads, a and r divided by sqrt(D): the authors' code, the flag
-#             defaults and the default recipe (configs/fashion_mnist.toml, _paper.toml)
-#   learning  the candidate (configs/fashion_mnist_learning.toml): BatchNorm1d(affine=False) at
-#             the end of both heads, fixed output gains (a: 3, near the loss floor's optimum
-#             |tanh a| ~ 0.2; r: 2(1 - 2p) x 3, the small-code optimum r ~ 2(1 - 2p) z), the
-#             inference network initialised as a copy of the code head
+# The two head designs (docs/math.md [M:relax] and [M:heads]; docs/results.md measures them):
+#   paper     the authors' heads: the flag defaults, configs/fashion_mnist_paper.toml and the
+#             ImageNet/CIFAR recipes
+#   learning  [M:heads], the demo's default (configs/fashion_mnist.toml, also named
+#             configs/fashion_mnist_learning.toml)
 INFER_INITS = ("independent", "copy")
 A_GAIN_BN = 3.0
 
