@@ -2,6 +2,7 @@
 SIGKILL loses at most one save interval, non-finite loss stops with the last good checkpoint,
 and the end-to-end `torchrun --nproc_per_node=2 train.py` run."""
 import json
+import math
 import os
 import signal
 import socket
@@ -157,6 +158,18 @@ def _torchrun(args, timeout=240):
                        timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
+
+
+def test_torchrun_inference_warmup(tmp_path):
+    """--infer-warmup-steps under DDP: the warm-up steps leave the encoder and code head without
+    gradient, which DDP refused ("did not receive grad": the run died at step 2) until the
+    wrapper looked for unused parameters.  Run 2 processes through the warm-up and past it."""
+    out = str(tmp_path / "warm")
+    r = _torchrun(["--max-steps", "4", "--batch-size", "64", "--log-every", "1", "--no-progress",
+                   "--infer-warmup-steps", "2", "--out", out])
+    assert "done: step 4/4" in r.stdout
+    assert [x["step"] for x in _log(out)] == [1, 2, 3, 4]
+    assert all(math.isfinite(x["loss"]) for x in _log(out))
 
 
 def test_torchrun_two_processes_end_to_end(tmp_path):

@@ -165,9 +165,13 @@ def build(args, di) -> TrainState:
         ddp_kw = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
                   inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
                   else {"broadcast_buffers": False})
+        # --infer-warmup-steps: during the warm-up the encoder and code head get no gradient,
+        # which DDP's reducer refuses unless told to look for unused parameters (their .grad
+        # stays None, as in one process); the search costs a graph walk per step, so only then.
         net = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[di.local_rank] if di.device.type == "cuda" else None,
-            gradient_as_bucket_view=True, **ddp_kw)
+            gradient_as_bucket_view=True, find_unused_parameters=args.infer_warmup_steps > 0,
+            **ddp_kw)
     if args.compile:
         net = torch.compile(net)
     autocast = (torch.autocast(di.device.type, dtype=amp_dtype) if amp_dtype is not None
