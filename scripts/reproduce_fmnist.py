@@ -118,6 +118,7 @@ def _grid_psweep() -> dict:
 
 def _grid_long() -> dict:
     return {"nac:paper": ("nac", [], "paper"), "nac:learning": ("nac", [], "learning"),
+            "nac:learning+learngain": ("nac", LEARN, "learning"),
             "simclr": ("simclr", [], "paper")}
 
 

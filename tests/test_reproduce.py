@@ -87,7 +87,7 @@ def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
                     g == "psweep" and name != "nac:full:p0.1"):
                 want += len(seeds) * sum(R.estimate_seconds(args, method, []))
     assert plan["all"][1] == pytest.approx(want / 3600, abs=0.051)
-    assert 10 < plan["all"][1] < 40  # hours: 3 epochs + the full evaluation, 2 cores
+    assert 2 < plan["all"][1] < 12  # hours: 63 runs of 3 epochs + the full evaluation, 2 idle cores
     # resumable: a finished run is not planned again (nor its duplicates in the later grids)
     (out_dir / "main").mkdir(parents=True)
     sig = R.signature(args, "simclr", [], "paper", 0)

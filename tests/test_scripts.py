@@ -42,3 +42,30 @@ def test_bad_flags(argv):
     with pytest.raises(SystemExit) as e:
         nac_loss_floor.main(argv)
     assert e.value.code == 2
+
+
+def test_code_shape_statistics_on_known_distributions():
+    """scripts/code_shape.py (docs/results.md's longer run): skewness, kurtosis and sign balance
+    per bit, checked on distributions whose values are known."""
+    import code_shape
+    g = torch.Generator().manual_seed(0)
+    n = 200_000
+    gauss = code_shape.shape_stats(torch.randn(n, 4, generator=g, dtype=torch.float64))
+    assert gauss["skewness"] == pytest.approx(0.0, abs=0.03)
+    assert gauss["kurtosis"] == pytest.approx(3.0, abs=0.05)
+    assert gauss["balance_dev"] == pytest.approx(0.0, abs=0.005) and gauss["skewed_bits"] == 0.0
+    # centred exponential: skewness 2, kurtosis 9, P(a >= 0) = exp(-1) = 0.368
+    e = -torch.log(torch.rand(n, 4, generator=g, dtype=torch.float64)) - 1.0
+    ex = code_shape.shape_stats(e)
+    assert ex["skewness"] == pytest.approx(2.0, abs=0.1)
+    assert ex["kurtosis"] == pytest.approx(9.0, abs=0.8)
+    assert ex["balance_dev"] == pytest.approx(0.5 - math.exp(-1), abs=0.005)
+    assert ex["skewed_bits"] == 0.0  # 0.368 lies inside [0.3, 0.7]
+    # a one-sided bit: 90% of the images negative
+    b = torch.where(torch.rand(n, 1, generator=g) < 0.9, -1.0, 9.0).double()
+    assert code_shape.shape_stats(b)["skewed_bits"] == 1.0
+    assert code_shape.shape_stats(torch.zeros(3, 2))["code_mag"] == 0.0
+    with pytest.raises(ValueError, match="a must be"):
+        code_shape.shape_stats(torch.zeros(1, 4))
+    with pytest.raises(SystemExit):
+        code_shape.main(["/nonexistent/last.pt"])
