@@ -39,17 +39,16 @@ def shape_stats(a: torch.Tensor) -> dict:
 
 
 def codes_of(checkpoint: str, data: str, split: str, batch_size: int = 500) -> torch.Tensor:
+    """The head pre-activations a of the split's images, extracted as `python -m nac_fast.eval`
+    does (its extract_features, at the checkpoint's image size)."""
     from nac_fast.data import build_eval_loader
+    from nac_fast.eval.cli import extract_features
     from nac_fast.train.checkpoint import load_checkpoint, load_model
-    size = int(load_checkpoint(checkpoint)["config"]["image_size"])  # as nac_fast.eval does
+    size = int(load_checkpoint(checkpoint)["config"]["image_size"])
     model = load_model(checkpoint, "online").eval()
     loader = build_eval_loader(data, split=split, batch_size=batch_size,
                                image_size=size, device="cpu")
-    out = []
-    with torch.no_grad():
-        for x, _ in loader:
-            out.append(model.encode(x)[1].double())
-    return torch.cat(out)
+    return extract_features(model, loader, loader.num_images, "cpu", False, "codes")["a"]
 
 
 def main(argv=None) -> int:

@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)  # train.py lives at the repository root
 import train  # noqa: E402
 from nac_fast.train import checkpoint as ckpt_mod  # noqa: E402
 from nac_fast.train import run as run_mod  # noqa: E402
+from _poison import poison_loss  # noqa: E402
 from nac_fast.train.checkpoint import load_checkpoint, load_model, save_atomic  # noqa: E402
 from nac_fast.train.schedule import WarmupCosine  # noqa: E402
 
@@ -283,15 +284,7 @@ def test_non_finite_loss_keeps_good_checkpoints_and_is_not_replayed(tmp_path, mo
                                                                     capsys):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")       # as torchrun sets them
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    calls = {"n": 0}
-    real = run_mod.nac_mq_step
-
-    def poisoned(*a, **k):
-        loss, z = real(*a, **k)
-        calls["n"] += 1
-        return (loss * float("nan") if calls["n"] == 5 else loss), z
-
-    monkeypatch.setattr(run_mod, "nac_mq_step", poisoned)
+    calls, real = poison_loss(monkeypatch, run_mod, "nac_mq_step", at_call=5)
     out = str(tmp_path / "run")
     args = MQ + ["--max-steps", "8", "--save-every", "2", "--log-every", "3", "--out", out]
     assert train.main(args) == 3

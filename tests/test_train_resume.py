@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py lives at the repository root
 import train  # noqa: E402
 from nac_fast.train import run as run_mod  # noqa: E402  (train.py's step: run.train_step)
+from _poison import poison_loss  # noqa: E402
 from nac_fast.train.checkpoint import load_checkpoint, load_model, save_atomic  # noqa: E402
 
 
@@ -95,15 +96,7 @@ def test_resume_rejects_other_config(tmp_path, capsys):
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch, capsys):
-    calls = {"n": 0}
-    real = run_mod.nac_step
-
-    def poisoned(*a, **k):
-        loss, z = real(*a, **k)
-        calls["n"] += 1
-        return (loss * float("nan") if calls["n"] == 3 else loss), z
-
-    monkeypatch.setattr(run_mod, "nac_step", poisoned)
+    poison_loss(monkeypatch, run_mod, "nac_step", at_call=3)
     out = str(tmp_path / "nan")
     status = train.main(["--data", "synthetic:256", "--image-size", "8", "--batch-size", "32",
                          "--max-steps", "6", "--save-every", "2", "--log-every", "1",
