@@ -33,14 +33,16 @@ def test_dry_run_commands(tmp_path):
                           "--out", dry], capture_output=True, text=True, cwd=ROOT,
                          check=True).stdout
     train_cmds = [ln for ln in out.splitlines() if ln.startswith("$") and "train.py" in ln]
-    # nac and nac-mq with both recipes, simclr, and random's 1-step template, for 2 seeds
-    assert len(train_cmds) == 2 * 6
+    # nac and nac-mq with both recipes and with learnable gains, simclr, and random's 1-step
+    # template, for 2 seeds
+    assert len(train_cmds) == 2 * 8
     assert all("--nproc_per_node=2" in c for c in train_cmds)
     paper = [c for c in train_cmds if "--config configs/fashion_mnist_paper.toml" in c]
     learning = [c for c in train_cmds if "--config configs/fashion_mnist_learning.toml" in c]
-    assert len(paper) == 2 * 4 and len(learning) == 2 * 2
-    assert sum("--seed 1 " in c for c in train_cmds) == 6
-    assert out.count("nac_fast.eval") == 2 * 6
+    assert len(paper) == 2 * 4 and len(learning) == 2 * 4
+    assert sum(c.endswith(" --learn-gain") for c in learning) == 2 * 2
+    assert sum("--seed 1 " in c for c in train_cmds) == 8
+    assert out.count("nac_fast.eval") == 2 * 8
     abl = subprocess.run([sys.executable, SCRIPT, "--grid", "ablation", "--dry-run", "--only",
                           "nac:full,nac:paper+copy", "--seeds", "0", "--out", dry],
                          capture_output=True, text=True, cwd=ROOT, check=True).stdout
@@ -65,12 +67,13 @@ def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
     argv = [sys.executable, SCRIPT, "--grid", "all", "--dry-run", "--out", str(out_dir)]
     out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=True).stdout
     plan = _plan(out)
-    # 3 seeds (the default); main 6 variants; ablation 17 of which 5 are main's runs (nac:paper,
-    # nac:full = nac:learning, nac-mq:paper, nac-mq:full = nac-mq:learning, simclr); psweep 4 of
-    # which p = 0.1 is the ablation's nac:full: trained once, counted once
-    assert plan["main"][0] == 3 * 6 and plan["ablation"][0] == 3 * 12 and plan["psweep"][0] == 3 * 3
-    assert plan["all"][0] == 3 * 21
-    assert out.count("(reused)") == 3 * 6
+    # 3 seeds (the default); main 8 variants; ablation 17 of which 7 are main's runs (nac:paper,
+    # nac:full = nac:learning, nac-mq:paper, nac-mq:full = nac-mq:learning, simclr,
+    # nac:full+learngain = nac:learning+learngain and its NAC-MQ twin); psweep 8 of which the two
+    # p = 0.1 are main's nac:learning+learngain and nac:learning: trained once, counted once
+    assert plan["main"][0] == 3 * 8 and plan["ablation"][0] == 3 * 10 and plan["psweep"][0] == 3 * 6
+    assert plan["all"][0] == 3 * 24
+    assert out.count("(reused)") == 3 * 9
     for g in ("ablation", "psweep"):  # SimCLR, every ablation ingredient, every p are planned
         assert g in out
     for v in ("ablation simclr", "nac-mq:full-copy", "nac:full:p0.05", "nac:full:p0.2",
@@ -83,11 +86,12 @@ def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
     for g, variants in per_grid.items():
         for name, (method, flags, recipe) in variants.items():
             if g == "main" or (g == "ablation" and name not in (
-                    "nac:paper", "nac:full", "nac-mq:paper", "nac-mq:full", "simclr")) or (
-                    g == "psweep" and name != "nac:full:p0.1"):
+                    "nac:paper", "nac:full", "nac-mq:paper", "nac-mq:full", "simclr",
+                    "nac:full+learngain", "nac-mq:full+learngain")) or (
+                    g == "psweep" and name not in ("nac:full:p0.1", "nac:learngain:p0.1")):
                 want += len(seeds) * sum(R.estimate_seconds(args, method, []))
     assert plan["all"][1] == pytest.approx(want / 3600, abs=0.051)
-    assert 2 < plan["all"][1] < 12  # hours: 63 runs of 3 epochs + the full evaluation, 2 idle cores
+    assert 2 < plan["all"][1] < 12  # hours: 72 runs of 3 epochs + the full evaluation, 2 idle cores
     # resumable: a finished run is not planned again (nor its duplicates in the later grids)
     (out_dir / "main").mkdir(parents=True)
     sig = R.signature(args, "simclr", [], "paper", 0)
@@ -96,13 +100,13 @@ def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
     (out_dir / "main" / "results.jsonl").write_text(json.dumps(row) + "\n")
     out2 = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=True).stdout
     plan2 = _plan(out2)
-    assert plan2["main"][0] == 3 * 6 - 1 and plan2["all"][0] == 3 * 21 - 1
+    assert plan2["main"][0] == 3 * 8 - 1 and plan2["all"][0] == 3 * 24 - 1
     assert "== main simclr seed 0: done" in out2
     assert "== ablation simclr seed 0: the same run as main simclr (reused)" in out2
     # a shorter budget is another run: nothing done, a smaller estimate
     out3 = subprocess.run(argv + ["--max-steps", "50", "--linear-epochs", "10", "--seeds", "0"],
                           capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    assert _plan(out3)["all"][0] == 21 and _plan(out3)["all"][1] < plan["all"][1] / 3
+    assert _plan(out3)["all"][0] == 24 and _plan(out3)["all"][1] < plan["all"][1] / 3
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -154,7 +158,7 @@ def test_toy_grid_end_to_end(tmp_path):
     assert row["map"] == nac["map"] and row["grid"] == "ablation"
     assert not (out / "ablation" / "nac_full").exists()
     page = doc.read_text()
-    assert "| nac:learning | learning heads (the default recipe's) | 1 |" in page and "| random | untrained encoder |" in page
+    assert "| nac:learning | learning heads | 1 |" in page and "| random | untrained encoder |" in page
     assert "hand-written line" in page and (doc.parent / "curves.png").stat().st_size > 1000
     summary = json.loads((doc.parent / "results_summary.json").read_text())
     assert [r["variant"] for r in summary["main"]] == ["nac:learning", "random"]

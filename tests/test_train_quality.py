@@ -309,11 +309,13 @@ def test_recipes_default_paper_and_learning_are_one_config_apart():
 
     def diff(x, y):
         return {k for k in vars(x) if getattr(x, k) != getattr(y, k)}
-    # the default recipe (make train) trains the learning heads (docs/results.md); the paper's
-    # heads are one flag away (--config configs/fashion_mnist_paper.toml)
-    assert diff(default, learning) == {"config", "recipe"}
+    # the default recipe (make train) trains the learning heads with learnable gains
+    # (docs/results.md); the fixed-gain learning heads and the paper's heads are one flag away
+    # (--config configs/fashion_mnist_learning.toml / fashion_mnist_paper.toml)
+    assert diff(default, learning) == {"config", "recipe", "learn_gain"}
+    assert default.learn_gain is True and learning.learn_gain is False
     assert diff(default, paper) == {"config", "recipe", "head_bn", "infer_bn", "a_gain",
-                                    "r_gain", "infer_init"}
+                                    "r_gain", "infer_init", "learn_gain"}
     assert diff(learning, paper) == {"config", "recipe", "head_bn", "infer_bn", "a_gain",
                                      "r_gain", "infer_init"}
     assert (learning.head_bn, learning.infer_bn, learning.a_gain, learning.r_gain,

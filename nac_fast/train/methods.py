@@ -216,7 +216,8 @@ def learning_stats(a: torch.Tensor, r, loss: float | None = None,
 
 
 COLLAPSE_HINT = ("the learning heads (--head-bn --infer-bn --a-gain 3 --r-gain auto --infer-init "
-                 "copy; configs/fashion_mnist.toml, docs/results.md) keep the codes from shrinking")
+                 "copy --learn-gain; configs/fashion_mnist.toml, docs/results.md) keep the codes "
+                 "from shrinking")
 
 
 def collapse_warning(step: int, after_step: int, stats: dict, threshold: float,
