@@ -88,7 +88,8 @@ def _grid_main() -> dict:
 def _grid_ablation() -> dict:
     """Each ingredient alone (paper + x), all together (full), each one left out (full - x),
     fixed against learnable gains, and the fixes the probe did not try (the inference net's
-    warm-up, per-view BatchNorm); NAC-MQ with the main ones; SimCLR at the same budget."""
+    warm-up, per-view BatchNorm); NAC-MQ with each ingredient alone and left out too; SimCLR at
+    the same budget."""
     v = {
         "nac:paper": ("nac", [], "paper"),
         "nac:paper+headbn": ("nac", HB, "paper"),
@@ -106,6 +107,11 @@ def _grid_ablation() -> dict:
         "nac-mq:full": ("nac-mq", FULL, "paper"),
         "nac-mq:full-copy": ("nac-mq", HB + IB, "paper"),
         "nac-mq:full+learngain": ("nac-mq", FULL + LEARN, "paper"),
+        "nac-mq:paper+headbn": ("nac-mq", HB, "paper"),
+        "nac-mq:paper+inferbn": ("nac-mq", IB, "paper"),
+        "nac-mq:paper+copy": ("nac-mq", COPY + ["--r-gain", "auto"], "paper"),
+        "nac-mq:full-headbn": ("nac-mq", IB + COPY + ["--a-gain", "3"], "paper"),
+        "nac-mq:full-inferbn": ("nac-mq", HB + COPY + ["--r-gain", "auto"], "paper"),
         "simclr": ("simclr", [], "paper"),
     }
     return v
