@@ -85,35 +85,31 @@ def _grid_main() -> dict:
             "simclr": ("simclr", [], "paper"), "random": ("random", [], "paper")}
 
 
+# The head ablation's variants (flags over the paper recipe), run for NAC and for NAC-MQ: each
+# ingredient alone (paper + x), all together (full), each one left out (full - x), fixed against
+# learnable gains.
+HEAD_ABLATION = {
+    "paper": [],
+    "paper+headbn": HB,
+    "paper+inferbn": IB,
+    "paper+copy": COPY + ["--r-gain", "auto"],
+    "full": FULL,
+    "full-headbn": IB + COPY + ["--a-gain", "3"],
+    "full-inferbn": HB + COPY + ["--r-gain", "auto"],
+    "full-copy": HB + IB,
+    "full+learngain": FULL + LEARN,
+}
+
+
 def _grid_ablation() -> dict:
-    """Each ingredient alone (paper + x), all together (full), each one left out (full - x),
-    fixed against learnable gains, and the fixes the probe did not try (the inference net's
-    warm-up, per-view BatchNorm); NAC-MQ with each ingredient alone and left out too; SimCLR at
-    the same budget."""
-    v = {
-        "nac:paper": ("nac", [], "paper"),
-        "nac:paper+headbn": ("nac", HB, "paper"),
-        "nac:paper+inferbn": ("nac", IB, "paper"),
-        "nac:paper+copy": ("nac", COPY + ["--r-gain", "auto"], "paper"),
-        "nac:full": ("nac", FULL, "paper"),
-        "nac:full-headbn": ("nac", IB + COPY + ["--a-gain", "3"], "paper"),
-        "nac:full-inferbn": ("nac", HB + COPY + ["--r-gain", "auto"], "paper"),
-        "nac:full-copy": ("nac", HB + IB, "paper"),
-        "nac:full+learngain": ("nac", FULL + LEARN, "paper"),
-        "nac:paper+warmup": ("nac", WARM, "paper"),
-        "nac:full-copy+warmup": ("nac", HB + IB + WARM, "paper"),
-        "nac:full+perview": ("nac", FULL + PERVIEW, "paper"),
-        "nac-mq:paper": ("nac-mq", [], "paper"),
-        "nac-mq:full": ("nac-mq", FULL, "paper"),
-        "nac-mq:full-copy": ("nac-mq", HB + IB, "paper"),
-        "nac-mq:full+learngain": ("nac-mq", FULL + LEARN, "paper"),
-        "nac-mq:paper+headbn": ("nac-mq", HB, "paper"),
-        "nac-mq:paper+inferbn": ("nac-mq", IB, "paper"),
-        "nac-mq:paper+copy": ("nac-mq", COPY + ["--r-gain", "auto"], "paper"),
-        "nac-mq:full-headbn": ("nac-mq", IB + COPY + ["--a-gain", "3"], "paper"),
-        "nac-mq:full-inferbn": ("nac-mq", HB + COPY + ["--r-gain", "auto"], "paper"),
-        "simclr": ("simclr", [], "paper"),
-    }
+    """HEAD_ABLATION for NAC and NAC-MQ; for NAC also the fixes the probe did not try (the
+    inference net's warm-up, per-view BatchNorm); SimCLR at the same budget."""
+    v = {f"{m}:{name}": (m, flags, "paper") for m in ("nac", "nac-mq")
+         for name, flags in HEAD_ABLATION.items()}
+    v.update({"nac:paper+warmup": ("nac", WARM, "paper"),
+              "nac:full-copy+warmup": ("nac", HB + IB + WARM, "paper"),
+              "nac:full+perview": ("nac", FULL + PERVIEW, "paper"),
+              "simclr": ("simclr", [], "paper")})
     return v
 
 
