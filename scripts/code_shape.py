@@ -10,6 +10,16 @@ For each checkpoint, over the split's images (the frozen model in eval mode, as
   sign balance  mean over the bits of |P(a_d >= 0) - 1/2| (docs/math.md [M:balance-dev], on
                 these codes), and the fraction of bits with P(a_d >= 0) outside [0.3, 0.7]
   |tanh a|      mean |tanh a| (docs/math.md [M:relax])
+  |corr|        mean |correlation| between two different bits
+  eff. rank     participation ratio (sum lambda)^2 / sum lambda^2 of the bits' correlation
+                matrix's eigenvalues: D for independent bits, 1 for copies of one bit
+
+With --retrieval Q, also the mAP@all (percent) of Q random test queries against the training
+images as gallery (relevant = same class, ties by gallery index as in [M:rank]), ranked two
+ways over the same codes: by Hamming distance of sgn(a) (what the evaluation reports, on a
+query subset), of sgn(a - median) (each bit's median over the gallery: balanced bits), and by
+the cosine of the continuous a. Hamming below cosine by much: the binarisation
+loses the ranking; both low: the code space itself does not group the classes.
 """
 from __future__ import annotations
 
@@ -31,11 +41,58 @@ def shape_stats(a: torch.Tensor) -> dict:
     std = a.std(0)
     x = (a - a.mean(0)) / torch.where(std > 0, std, torch.ones_like(std))
     pos = (a >= 0).double().mean(0)
+    d = a.shape[1]
+    corr = x.T @ x / (a.shape[0] - 1)
+    lam = torch.linalg.eigvalsh(corr).clamp_min(0)
+    off = (corr - torch.diag(torch.diag(corr))).abs().sum() / max(d * (d - 1), 1)
     return {"skewness": (x ** 3).mean(0).abs().mean().item(),
             "kurtosis": (x ** 4).mean(0).mean().item(),
             "balance_dev": (pos - 0.5).abs().mean().item(),
             "skewed_bits": ((pos < 0.3) | (pos > 0.7)).double().mean().item(),
-            "code_mag": torch.tanh(a).abs().mean().item()}
+            "code_mag": torch.tanh(a).abs().mean().item(),
+            "mean_abs_corr": off.item(),
+            "eff_rank": (lam.sum() ** 2 / (lam ** 2).sum()).item() if lam.sum() > 0 else 0.0}
+
+
+def ranking_map(score: torch.Tensor, query_labels: torch.Tensor, gallery_labels: torch.Tensor,
+                chunk: int = 256) -> float:
+    """mAP@all of ranking each query's gallery by descending score (Q, G), ties by gallery index
+    (docs/math.md [M:rank], [M:ap]); relevant = same label.  With score = sgn(q) . sgn(g)
+    = D - 2 Hamming it is nac_fast.ops.hamming.mean_average_precision."""
+    if score.dim() != 2 or score.shape != (len(query_labels), len(gallery_labels)):
+        raise ValueError(f"score must be (queries, gallery) = ({len(query_labels)}, "
+                         f"{len(gallery_labels)}), got shape {tuple(score.shape)}")
+    aps = []
+    for i in range(0, score.shape[0], chunk):
+        order = torch.sort(score[i:i + chunk], dim=1, descending=True, stable=True).indices
+        rel = (gallery_labels[order] == query_labels[i:i + chunk, None]).double()
+        hits = rel.cumsum(1)
+        prec = hits / torch.arange(1, rel.shape[1] + 1, dtype=torch.float64)
+        n_rel = rel.sum(1)
+        keep = n_rel > 0
+        aps.append((prec * rel).sum(1)[keep] / n_rel[keep])
+    return torch.cat(aps).mean().item()
+
+
+def retrieval_maps(a_query, y_query, a_gallery, y_gallery) -> dict:
+    """mAP of the same codes ranked by Hamming distance of sgn(a), of sgn(a - m) with m each
+    bit's median over the gallery, and by cosine of a."""
+    def sgn(a):
+        return torch.where(a >= 0, 1.0, -1.0).double()
+    med = a_gallery.double().median(0).values
+    cos = torch.nn.functional.normalize(a_query.double(), dim=1) @ \
+        torch.nn.functional.normalize(a_gallery.double(), dim=1).T
+    return {"hamming_map": ranking_map(sgn(a_query) @ sgn(a_gallery).T, y_query, y_gallery),
+            "median_map": ranking_map(sgn(a_query - med) @ sgn(a_gallery - med).T, y_query,
+                                      y_gallery),
+            "cosine_map": ranking_map(cos, y_query, y_gallery)}
+
+
+def labels_of(data: str, split: str) -> torch.Tensor:
+    """The split's labels in the order codes_of extracts its images."""
+    from nac_fast.data import build_eval_loader
+    loader = build_eval_loader(data, split=split, batch_size=1000, device="cpu")
+    return torch.cat([y for _, y in loader])
 
 
 def codes_of(checkpoint: str, data: str, split: str, batch_size: int = 500) -> torch.Tensor:
@@ -56,16 +113,37 @@ def main(argv=None) -> int:
     ap.add_argument("checkpoints", nargs="+", help="train.py checkpoints (last.pt)")
     ap.add_argument("--data", default="fashion-mnist", help="the data the codes are taken on")
     ap.add_argument("--split", default="test", choices=("train", "test"))
+    ap.add_argument("--retrieval", type=int, default=0, metavar="Q",
+                    help="also Hamming vs cosine mAP of Q random test queries (seed 0) against "
+                         "the training images; 0: off")
     args = ap.parse_args(argv)
-    print("| checkpoint | mean abs skewness | kurtosis | mean abs(P(+1) - 1/2) | "
-          "bits with P(+1) outside [0.3, 0.7] | mean abs(tanh a) |")
-    print("|---|---|---|---|---|---|")
+    if args.retrieval < 0:
+        ap.error(f"--retrieval must be >= 0, got {args.retrieval}")
     for ck in args.checkpoints:
         if not os.path.isfile(ck):
             ap.error(f"checkpoint {ck!r}: no such file")
-        s = shape_stats(codes_of(ck, args.data, args.split))
-        print(f"| {ck} | {s['skewness']:.2f} | {s['kurtosis']:.1f} | {s['balance_dev']:.3f} | "
-              f"{s['skewed_bits']:.2f} | {s['code_mag']:.3f} |")
+    head = ("| checkpoint | mean abs skewness | kurtosis | mean abs(P(+1) - 1/2) | "
+            "bits with P(+1) outside [0.3, 0.7] | mean abs(tanh a) | mean abs corr | eff. rank |")
+    if args.retrieval:
+        head += f" mAP Hamming ({args.retrieval} q) | mAP Hamming, median-centred | mAP cosine |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    if args.retrieval:
+        y_test, y_train = labels_of(args.data, "test"), labels_of(args.data, "train")
+        q = torch.randperm(len(y_test), generator=torch.Generator().manual_seed(0))
+        q = q[:args.retrieval].sort().values
+    for ck in args.checkpoints:
+        a = codes_of(ck, args.data, args.split)
+        s = shape_stats(a)
+        row = (f"| {ck} | {s['skewness']:.2f} | {s['kurtosis']:.1f} | {s['balance_dev']:.3f} | "
+               f"{s['skewed_bits']:.2f} | {s['code_mag']:.3f} | {s['mean_abs_corr']:.3f} | "
+               f"{s['eff_rank']:.1f} |")
+        if args.retrieval:
+            a_test = a if args.split == "test" else codes_of(ck, args.data, "test")
+            m = retrieval_maps(a_test[q], y_test[q], codes_of(ck, args.data, "train"), y_train)
+            row += (f" {100 * m['hamming_map']:.1f} | {100 * m['median_map']:.1f} | "
+                    f"{100 * m['cosine_map']:.1f} |")
+        print(row, flush=True)
     return 0
 
 

@@ -109,6 +109,7 @@ def _grid_ablation() -> dict:
     v.update({"nac:paper+warmup": ("nac", WARM, "paper"),
               "nac:full-copy+warmup": ("nac", HB + IB + WARM, "paper"),
               "nac:full+perview": ("nac", FULL + PERVIEW, "paper"),
+              "nac:full+learngain+perview": ("nac", FULL + LEARN + PERVIEW, "paper"),
               "simclr": ("simclr", [], "paper")})
     return v
 

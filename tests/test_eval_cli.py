@@ -131,9 +131,10 @@ def test_features_reused_on_second_run(evaluated, ckpt, tmp_path):
 def test_paper_protocol(ckpt, tmp_path, capsys):
     assert nac_eval.main(["--checkpoint", ckpt, "--out", str(tmp_path), "--tasks", "hash",
                           "--hash-protocol", "paper", "--queries-per-class", "10",
-                          "--limit-train", "600", "--limit-test", "200", "--no-progress"]) == 0
+                          "--limit-train", "600", "--limit-test", "200", "--no-progress",
+                          "--itq"]) == 0
     h = json.loads((tmp_path / "report.json").read_text())["results"]["hash"]
-    assert h["protocol"] == "paper"
+    assert h["protocol"] == "paper" and 0.0 <= h["map_itq"][str(D)] <= 1.0
     assert (h["num_queries"], h["num_gallery"]) == (100, 700)
     assert 0.0 <= h["map"][str(D)] <= 1.0
     # docs/math.md [M:hash-split]: train and test pooled, 10 queries per class (seed 0), the
@@ -194,3 +195,25 @@ def test_help_subprocess():
     assert p.returncode == 0, p.stderr
     for flag in ("--checkpoint", "--tasks", "--bits", "--hash-protocol", "--limit-train"):
         assert flag in p.stdout
+
+
+def test_itq_is_reported_beside_the_sign_codes(ckpt, evaluated, tmp_path):
+    """--itq adds map_itq (docs/math.md [M:itq]) per --bits value, computed from the cached a as
+    metrics.itq_fit/itq_codes do, and leaves the sgn(a) mAP as it was."""
+    from nac_fast.eval.metrics import itq_codes, itq_fit
+    out, rep, argv = evaluated
+    assert "map_itq" not in rep["results"]["hash"]  # opt-in
+    argv2 = [x if x != str(out) else str(tmp_path) for x in argv] + ["--tasks", "hash", "--itq"]
+    assert nac_eval.main(argv2) == 0
+    h = json.loads((tmp_path / "report.json").read_text())["results"]["hash"]
+    assert h["map"] == rep["results"]["hash"]["map"]
+    assert set(h["map_itq"]) == {"8", "16", str(D)}
+    tr, te = (torch.load(tmp_path / f"features_{s}.pt", weights_only=False)
+              for s in ("train", "test"))
+    fit = itq_fit(tr["a"][:, :16], seed=0)
+    m = mean_average_precision(itq_codes(te["a"][:, :16], fit), te["labels"],
+                               itq_codes(tr["a"][:, :16], fit), tr["labels"])
+    assert h["map_itq"]["16"] == pytest.approx(m, abs=1e-12)
+    first, last = h["itq_quant_error"]["16"]
+    assert last <= first
+    assert "ITQ" in (tmp_path / "report.md").read_text()

@@ -119,3 +119,59 @@ def test_retrieval_split():
         E.retrieval_split(y, queries_per_class=15, train_per_class=8)
     with pytest.raises(ValueError, match="labels"):
         E.retrieval_split(y.float())
+
+
+# --------------------------------------------------------------------------------------------
+# ITQ (docs/math.md [M:itq])
+# --------------------------------------------------------------------------------------------
+
+def _rotated_hypercube(n, k, noise, seed):
+    """Binary codes B0 hidden behind a random rotation, per-bit scales and offsets."""
+    g = torch.Generator().manual_seed(seed)
+    b0 = torch.where(torch.rand(n, k, generator=g) < 0.5, -1.0, 1.0).double()
+    r0 = torch.linalg.qr(torch.randn(k, k, generator=g, dtype=torch.float64))[0]
+    a = (b0 + noise * torch.randn(n, k, generator=g, dtype=torch.float64)) @ r0.T
+    return b0, a * torch.linspace(0.5, 3.0, k, dtype=torch.float64) + 7.0
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_itq_recovers_codes_hidden_by_a_rotation(k):
+    b0, a = _rotated_hypercube(4099, k, 0.15, seed=k)
+    fit = E.itq_fit(a, seed=0, iters=50)
+    rot = fit["rotation"]
+    assert torch.allclose(rot.T @ rot, torch.eye(k, dtype=torch.float64), atol=1e-10)
+    err = fit["quant_error"]
+    assert len(err) == 50 and all(e2 <= e1 + 1e-9 for e1, e2 in zip(err, err[1:]))  # monotone
+    c = E.itq_codes(a, fit)
+    assert c.dtype == torch.int8 and set(c.unique().tolist()) <= {-1, 1}
+    c = c.double()
+    # each ITQ bit is one hidden bit up to its sign (a signed permutation of B0)
+    agree = (c.T @ b0).abs() / len(b0)
+    assert agree.max(1).values.min() > 0.97 and agree.max(0).values.min() > 0.97
+    # the plain signs of the rotated codes do not recover them (else the test proves nothing)
+    if k > 1:
+        plain = torch.where(a - a.mean(0) >= 0, 1.0, -1.0).double()
+        assert ((plain.T @ b0).abs() / len(b0)).max(1).values.min() < 0.9
+
+
+def test_itq_codes_use_the_fit_and_check_their_inputs():
+    _, a = _rotated_hypercube(500, 4, 0.1, seed=1)
+    fit = E.itq_fit(a, max_rows=97, seed=3)  # a seeded row subset
+    assert fit["mean"].shape == (4,) and torch.equal(fit["rotation"],
+                                                    E.itq_fit(a, max_rows=97, seed=3)["rotation"])
+    x = (a - fit["mean"]) / fit["std"]
+    assert torch.equal(E.itq_codes(a, fit), torch.where(x @ fit["rotation"] >= 0, 1, -1)
+                       .to(torch.int8))
+    const = torch.ones(10, 2, dtype=torch.float64)  # zero-variance bits: no division by 0
+    assert torch.equal(E.itq_codes(const, E.itq_fit(const)).abs(), torch.ones(10, 2, dtype=torch.int8))
+    with pytest.raises(TypeError, match="a must"):
+        E.itq_fit(a.numpy())
+    with pytest.raises(TypeError, match="a must"):
+        E.itq_fit(a.long())
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        E.itq_fit(a[:1])
+    for bad in ({"iters": 0}, {"max_rows": -1}, {"iters": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            E.itq_fit(a, **bad)
+    with pytest.raises(ValueError, match="a has 3 columns"):
+        E.itq_codes(a[:, :3], fit)

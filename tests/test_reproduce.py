@@ -67,12 +67,12 @@ def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
     argv = [sys.executable, SCRIPT, "--grid", "all", "--dry-run", "--out", str(out_dir)]
     out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=True).stdout
     plan = _plan(out)
-    # 3 seeds (the default); main 8 variants; ablation 22 of which 7 are main's runs (nac:paper,
+    # 3 seeds (the default); main 8 variants; ablation 23 of which 7 are main's runs (nac:paper,
     # nac:full = nac:learning, nac-mq:paper, nac-mq:full = nac-mq:learning, simclr,
     # nac:full+learngain = nac:learning+learngain and its NAC-MQ twin); psweep 8 of which the two
     # p = 0.1 are main's nac:learning+learngain and nac:learning: trained once, counted once
-    assert plan["main"][0] == 3 * 8 and plan["ablation"][0] == 3 * 15 and plan["psweep"][0] == 3 * 6
-    assert plan["all"][0] == 3 * 29
+    assert plan["main"][0] == 3 * 8 and plan["ablation"][0] == 3 * 16 and plan["psweep"][0] == 3 * 6
+    assert plan["all"][0] == 3 * 30
     assert out.count("(reused)") == 3 * 9
     for g in ("ablation", "psweep"):  # SimCLR, every ablation ingredient, every p are planned
         assert g in out
@@ -91,7 +91,7 @@ def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
                     g == "psweep" and name not in ("nac:full:p0.1", "nac:learngain:p0.1")):
                 want += len(seeds) * sum(R.estimate_seconds(args, method, []))
     assert plan["all"][1] == pytest.approx(want / 3600, abs=0.051)
-    assert 2 < plan["all"][1] < 12  # hours: 87 runs of 3 epochs + the full evaluation, 2 idle cores
+    assert 2 < plan["all"][1] < 12  # hours: 90 runs of 3 epochs + the full evaluation, 2 idle cores
     # resumable: a finished run is not planned again (nor its duplicates in the later grids)
     (out_dir / "main").mkdir(parents=True)
     sig = R.signature(args, "simclr", [], "paper", 0)
@@ -100,13 +100,13 @@ def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
     (out_dir / "main" / "results.jsonl").write_text(json.dumps(row) + "\n")
     out2 = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=True).stdout
     plan2 = _plan(out2)
-    assert plan2["main"][0] == 3 * 8 - 1 and plan2["all"][0] == 3 * 29 - 1
+    assert plan2["main"][0] == 3 * 8 - 1 and plan2["all"][0] == 3 * 30 - 1
     assert "== main simclr seed 0: done" in out2
     assert "== ablation simclr seed 0: the same run as main simclr (reused)" in out2
     # a shorter budget is another run: nothing done, a smaller estimate
     out3 = subprocess.run(argv + ["--max-steps", "50", "--linear-epochs", "10", "--seeds", "0"],
                           capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    assert _plan(out3)["all"][0] == 29 and _plan(out3)["all"][1] < plan["all"][1] / 3
+    assert _plan(out3)["all"][0] == 30 and _plan(out3)["all"][1] < plan["all"][1] / 3
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -69,3 +69,41 @@ def test_code_shape_statistics_on_known_distributions():
         code_shape.shape_stats(torch.zeros(1, 4))
     with pytest.raises(SystemExit):
         code_shape.main(["/nonexistent/last.pt"])
+
+
+def test_code_shape_correlation_and_effective_rank():
+    """Independent bits: |corr| ~ 0 and effective rank ~ D; copies of one bit: |corr| = 1 and
+    rank 1; two groups of copies: rank 2."""
+    import code_shape
+    g = torch.Generator().manual_seed(0)
+    ind = code_shape.shape_stats(torch.randn(100_000, 8, generator=g, dtype=torch.float64))
+    assert ind["mean_abs_corr"] < 0.01 and ind["eff_rank"] == pytest.approx(8.0, rel=0.01)
+    one = torch.randn(1000, 1, generator=g, dtype=torch.float64)
+    same = code_shape.shape_stats(one * torch.tensor([1.0, 2.0, -3.0, 0.5], dtype=torch.float64))
+    assert same["mean_abs_corr"] == pytest.approx(1.0) and same["eff_rank"] == pytest.approx(1.0)
+    two = torch.randn(100_000, 2, generator=g, dtype=torch.float64).repeat_interleave(3, dim=1)
+    assert code_shape.shape_stats(two)["eff_rank"] == pytest.approx(2.0, rel=0.01)
+
+
+@pytest.mark.parametrize("q,gal,d", [(1, 3, 4), (3, 97, 16), (97, 1031, 32)])
+def test_code_shape_hamming_ranking_is_the_evaluation_map(q, gal, d):
+    """ranking_map over sgn(q) . sgn(g) is the evaluation's Hamming mAP (ties by gallery index
+    included: few bits make many ties); a score that sorts every relevant item first gives 1."""
+    import code_shape
+    from nac_fast.ops.hamming import mean_average_precision
+    g = torch.Generator().manual_seed(q)
+    aq, ag = torch.randn(q, d, generator=g), torch.randn(gal, d, generator=g)
+    yq, yg = torch.randint(0, 3, (q,), generator=g), torch.randint(0, 3, (gal,), generator=g)
+    yq[0] = yg[0]  # at least one query with a relevant item
+    m = code_shape.retrieval_maps(aq, yq, ag, yg)
+    sq, sg = torch.where(aq >= 0, 1, -1).to(torch.int8), torch.where(ag >= 0, 1, -1).to(torch.int8)
+    want = float(mean_average_precision(sq, yq, sg, yg, backend="reference"))
+    assert m["hamming_map"] == pytest.approx(want, abs=1e-12)
+    assert 0.0 < m["cosine_map"] <= 1.0
+    med = ag.double().median(0).values  # the gallery's per-bit median: shifting both by it
+    m2 = code_shape.retrieval_maps(aq - med, yq, ag - med, yg)  # makes the plain sign the
+    assert m2["hamming_map"] == pytest.approx(m["median_map"], abs=1e-12)  # median-centred one
+    oracle = (yq[:, None] == yg[None, :]).double()
+    assert code_shape.ranking_map(oracle, yq, yg) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="score must be"):
+        code_shape.ranking_map(oracle[:, :-1], yq, yg)

@@ -26,6 +26,8 @@ What it does:
        Bit counts: the model's D by default; for every k < D named in --bits the figure is the
        mAP of the first k bits of the same D-bit code (a k-bit PREFIX of one D-bit model, NOT a
        separately trained k-bit model as in the paper's tables) [M:prefix].
+       With --itq also "map_itq": the mAP of sgn of the ITQ-rotated standardised a [M:itq]
+       (rotation fitted on the gallery's a, no labels; one per k), beside the sgn(a) figure.
      - expressivity: ops.hamming.code_statistics of the test-split codes [M:stats] (distinct
        codes, mean pairwise Hamming distance, balance_dev, bit entropy), for D and every prefix
        in --bits; the report's keys are CodeStatistics' field names.
@@ -50,7 +52,7 @@ import torch
 
 from ..train.checkpoint import load_checkpoint, load_model, save_atomic
 from ..data import build_eval_loader
-from .metrics import knn_accuracy, linear_probe, retrieval_split
+from .metrics import itq_codes, itq_fit, knn_accuracy, linear_probe, retrieval_split
 from ..ops.hamming import code_statistics, mean_average_precision
 
 TASKS = ("linear", "hash", "knn", "expressivity")
@@ -110,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="standard: queries = test split, gallery = train split; paper: pooled splits, "
       "--queries-per-class queries per class, the rest the gallery")
     a("--queries-per-class", type=int, default=1000, help="queries per class (paper protocol)")
+    a("--itq", action="store_true", help="also report the mAP of ITQ-rotated codes "
+      "(docs/math.md [M:itq]: a rotation fitted on the gallery's a, no labels; a post-processing "
+      "for comparison, not NAC's code sgn(a))")
     a("--seed", type=int, default=0, help="seed of the linear probe and the paper split")
     a("--device", default="auto", choices=("auto", "cpu", "cuda"))
     a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
@@ -254,6 +259,13 @@ def run_hash(args, tr, te, bits) -> dict:
                                          return_num_queries=True)
         out["map"][str(k)] = _finite(m)
         out["queries_used"][str(k)] = used
+    if getattr(args, "itq", False):
+        out["map_itq"], out["itq_quant_error"] = {}, {}
+        for k in bits:  # one rotation per prefix length, fitted on the gallery's first k bits
+            fit = itq_fit(ga[:, :k], seed=args.seed)
+            out["map_itq"][str(k)] = _finite(mean_average_precision(
+                itq_codes(qa[:, :k], fit), ql, itq_codes(ga[:, :k], fit), gl))
+            out["itq_quant_error"][str(k)] = [fit["quant_error"][0], fit["quant_error"][-1]]
     return out
 
 
@@ -293,6 +305,10 @@ def markdown_table(report: dict) -> str:
             kind = "full code" if int(k) == x["code_bits"] else f"prefix of {x['code_bits']}-bit"
             rows.append((f"hash {k} bits", "mAP@all", _fmt(m, True),
                          f"{x['protocol']}, {x['num_queries']} q x {x['num_gallery']} g, {kind}"))
+        for k, m in x.get("map_itq", {}).items():
+            rows.append((f"hash {k} bits, ITQ", "mAP@all", _fmt(m, True),
+                         "sgn of the ITQ-rotated standardised a, rotation fitted on the gallery "
+                         "(docs/math.md [M:itq]); not the model's code"))
     if "expressivity" in r:
         for k, s in r["expressivity"]["stats"].items():
             rows.append((f"codes {k} bits", "distinct",

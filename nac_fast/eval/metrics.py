@@ -10,6 +10,7 @@ Protocols (docs/math.md):
 * kNN: docs/math.md [M:knn] (the weighted kNN of Wu et al. 2018 used by SimCLR/MoCo-style
   evaluations).
 * Linear probe: docs/math.md [M:linear-probe], on frozen features.
+* ITQ (an opt-in post-processing of the hash codes, not NAC's code): docs/math.md [M:itq].
 
 Both work on any device the tensors live on; memory stays bounded by chunking the test set.
 """
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["knn_predict", "knn_accuracy", "train_linear_probe", "accuracy", "linear_probe",
-           "LinearProbeResult", "retrieval_split"]
+           "LinearProbeResult", "retrieval_split", "itq_fit", "itq_codes"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,3 +251,46 @@ def retrieval_split(labels, *, queries_per_class: int = 1000, train_per_class: i
     g = torch.nonzero(~is_query).flatten()
     t = torch.sort(torch.cat(train)).values if train else torch.zeros(0, dtype=torch.int64)
     return {"query": q, "gallery": g, "train": t}
+
+
+# --------------------------------------------------------------------------------------------
+# Iterative quantisation (docs/math.md [M:itq])
+# --------------------------------------------------------------------------------------------
+
+def itq_fit(a, *, iters: int = 50, seed: int = 0, max_rows: int = 20000) -> dict:
+    """Fit ITQ (Gong & Lazebnik, CVPR 2011) on unlabelled pre-activations ``a`` (n, k): the
+    per-bit mean and std of ``a`` and the orthogonal R (k, k) that locally minimises
+    ||sgn(x R) - x R||_F for the standardised x = (a - mean) / std, by ``iters`` alternations
+    from a random rotation (``seed``), on at most ``max_rows`` rows (a seeded random subset).
+    Returns {"mean", "std", "rotation", "quant_error": per-iteration ||B - xR||_F^2 / n}."""
+    a = _features("a", a)
+    for name, v in (("iters", iters), ("max_rows", max_rows)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if a.shape[0] < 2:
+        raise ValueError(f"a must have at least 2 rows to standardise, got {a.shape[0]}")
+    gen = torch.Generator().manual_seed(seed)
+    a = a.to(torch.float64)
+    if a.shape[0] > max_rows:
+        a = a[torch.randperm(a.shape[0], generator=gen)[:max_rows].to(a.device)]
+    mean, std = a.mean(0), a.std(0)
+    std = torch.where(std > 0, std, torch.ones_like(std))  # a constant bit stays constant
+    x = (a - mean) / std
+    k = x.shape[1]
+    rot = torch.linalg.qr(torch.randn(k, k, generator=gen, dtype=torch.float64))[0].to(x.device)
+    errors = []
+    for _ in range(iters):
+        v = x @ rot
+        b = torch.where(v >= 0, 1.0, -1.0).to(torch.float64)
+        errors.append(((b - v) ** 2).sum().item() / x.shape[0])
+        u, _, vh = torch.linalg.svd(x.T @ b)  # argmax_R tr(R^T x^T b) over orthogonal R
+        rot = u @ vh
+    return {"mean": mean, "std": std, "rotation": rot, "quant_error": errors}
+
+
+def itq_codes(a, fit: dict) -> torch.Tensor:
+    """+-1 int8 codes sgn(((a - mean) / std) R) of pre-activations ``a`` (n, k) under a fit of
+    :func:`itq_fit` (0 -> +1 as in [M:code])."""
+    a = _features("a", a, dim=int(fit["rotation"].shape[0]))
+    x = (a.to(torch.float64) - fit["mean"].to(a.device)) / fit["std"].to(a.device)
+    return torch.where(x @ fit["rotation"].to(a.device) >= 0, 1, -1).to(torch.int8)
