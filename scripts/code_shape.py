@@ -54,6 +54,17 @@ def shape_stats(a: torch.Tensor) -> dict:
             "eff_rank": (lam.sum() ** 2 / (lam ** 2).sum()).item() if lam.sum() > 0 else 0.0}
 
 
+def _aps(score: torch.Tensor, query_labels: torch.Tensor, gallery_labels: torch.Tensor):
+    """AP of each query row of score (ranked by descending score, ties by gallery index) that
+    has a relevant gallery item."""
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices
+    rel = (gallery_labels[order] == query_labels[:, None]).double()
+    prec = rel.cumsum(1) / torch.arange(1, rel.shape[1] + 1, dtype=torch.float64)
+    n_rel = rel.sum(1)
+    keep = n_rel > 0
+    return (prec * rel).sum(1)[keep] / n_rel[keep]
+
+
 def ranking_map(score: torch.Tensor, query_labels: torch.Tensor, gallery_labels: torch.Tensor,
                 chunk: int = 256) -> float:
     """mAP@all of ranking each query's gallery by descending score (Q, G), ties by gallery index
@@ -62,30 +73,26 @@ def ranking_map(score: torch.Tensor, query_labels: torch.Tensor, gallery_labels:
     if score.dim() != 2 or score.shape != (len(query_labels), len(gallery_labels)):
         raise ValueError(f"score must be (queries, gallery) = ({len(query_labels)}, "
                          f"{len(gallery_labels)}), got shape {tuple(score.shape)}")
-    aps = []
-    for i in range(0, score.shape[0], chunk):
-        order = torch.sort(score[i:i + chunk], dim=1, descending=True, stable=True).indices
-        rel = (gallery_labels[order] == query_labels[i:i + chunk, None]).double()
-        hits = rel.cumsum(1)
-        prec = hits / torch.arange(1, rel.shape[1] + 1, dtype=torch.float64)
-        n_rel = rel.sum(1)
-        keep = n_rel > 0
-        aps.append((prec * rel).sum(1)[keep] / n_rel[keep])
-    return torch.cat(aps).mean().item()
+    return torch.cat([_aps(score[i:i + chunk], query_labels[i:i + chunk], gallery_labels)
+                      for i in range(0, score.shape[0], chunk)]).mean().item()
 
 
-def retrieval_maps(a_query, y_query, a_gallery, y_gallery) -> dict:
+def retrieval_maps(a_query, y_query, a_gallery, y_gallery, chunk: int = 256) -> dict:
     """mAP of the same codes ranked by Hamming distance of sgn(a), of sgn(a - m) with m each
-    bit's median over the gallery, and by cosine of a."""
+    bit's median over the gallery, and by cosine of a (scores computed chunk queries at a time)."""
     def sgn(a):
         return torch.where(a >= 0, 1.0, -1.0).double()
     med = a_gallery.double().median(0).values
-    cos = torch.nn.functional.normalize(a_query.double(), dim=1) @ \
-        torch.nn.functional.normalize(a_gallery.double(), dim=1).T
-    return {"hamming_map": ranking_map(sgn(a_query) @ sgn(a_gallery).T, y_query, y_gallery),
-            "median_map": ranking_map(sgn(a_query - med) @ sgn(a_gallery - med).T, y_query,
-                                      y_gallery),
-            "cosine_map": ranking_map(cos, y_query, y_gallery)}
+    gal = {"hamming_map": sgn(a_gallery), "median_map": sgn(a_gallery - med),
+           "cosine_map": torch.nn.functional.normalize(a_gallery.double(), dim=1)}
+    aps = {key: [] for key in gal}
+    for i in range(0, len(a_query), chunk):
+        q, y = a_query[i:i + chunk].double(), y_query[i:i + chunk]
+        qs = {"hamming_map": sgn(q), "median_map": sgn(q - med),
+              "cosine_map": torch.nn.functional.normalize(q, dim=1)}
+        for key in gal:
+            aps[key].append(_aps(qs[key] @ gal[key].T, y, y_gallery))
+    return {key: torch.cat(v).mean().item() for key, v in aps.items()}
 
 
 def labels_of(data: str, split: str) -> torch.Tensor:
@@ -114,8 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default="fashion-mnist", help="the data the codes are taken on")
     ap.add_argument("--split", default="test", choices=("train", "test"))
     ap.add_argument("--retrieval", type=int, default=0, metavar="Q",
-                    help="also Hamming vs cosine mAP of Q random test queries (seed 0) against "
-                         "the training images; 0: off")
+                    help="also the Hamming, median-centred Hamming and cosine mAP of Q random "
+                         "test queries (seed 0) against the training images; 0: off")
     args = ap.parse_args(argv)
     if args.retrieval < 0:
         ap.error(f"--retrieval must be >= 0, got {args.retrieval}")
@@ -140,7 +147,8 @@ def main(argv=None) -> int:
                f"{s['eff_rank']:.1f} |")
         if args.retrieval:
             a_test = a if args.split == "test" else codes_of(ck, args.data, "test")
-            m = retrieval_maps(a_test[q], y_test[q], codes_of(ck, args.data, "train"), y_train)
+            a_train = a if args.split == "train" else codes_of(ck, args.data, "train")
+            m = retrieval_maps(a_test[q], y_test[q], a_train, y_train)
             row += (f" {100 * m['hamming_map']:.1f} | {100 * m['median_map']:.1f} | "
                     f"{100 * m['cosine_map']:.1f} |")
         print(row, flush=True)

@@ -96,6 +96,7 @@ def test_code_shape_hamming_ranking_is_the_evaluation_map(q, gal, d):
     yq, yg = torch.randint(0, 3, (q,), generator=g), torch.randint(0, 3, (gal,), generator=g)
     yq[0] = yg[0]  # at least one query with a relevant item
     m = code_shape.retrieval_maps(aq, yq, ag, yg)
+    assert code_shape.retrieval_maps(aq, yq, ag, yg, chunk=7) == pytest.approx(m, abs=1e-12)
     sq, sg = torch.where(aq >= 0, 1, -1).to(torch.int8), torch.where(ag >= 0, 1, -1).to(torch.int8)
     want = float(mean_average_precision(sq, yq, sg, yg, backend="reference"))
     assert m["hamming_map"] == pytest.approx(want, abs=1e-12)
