@@ -78,41 +78,38 @@ def ranking_map(score: torch.Tensor, query_labels: torch.Tensor, gallery_labels:
 
 
 def retrieval_maps(a_query, y_query, a_gallery, y_gallery, chunk: int = 256) -> dict:
-    """mAP of the same codes ranked by Hamming distance of sgn(a), of sgn(a - m) with m each
-    bit's median over the gallery, and by cosine of a (scores computed chunk queries at a time)."""
-    def sgn(a):
-        return torch.where(a >= 0, 1.0, -1.0).double()
-    med = a_gallery.double().median(0).values
-    gal = {"hamming_map": sgn(a_gallery), "median_map": sgn(a_gallery - med),
-           "cosine_map": torch.nn.functional.normalize(a_gallery.double(), dim=1)}
-    aps = {key: [] for key in gal}
-    for i in range(0, len(a_query), chunk):
-        q, y = a_query[i:i + chunk].double(), y_query[i:i + chunk]
-        qs = {"hamming_map": sgn(q), "median_map": sgn(q - med),
-              "cosine_map": torch.nn.functional.normalize(q, dim=1)}
-        for key in gal:
-            aps[key].append(_aps(qs[key] @ gal[key].T, y, y_gallery))
-    return {key: torch.cat(v).mean().item() for key, v in aps.items()}
+    """mAP of the same codes ranked by Hamming distance of sgn(a) and of sgn(a - m), m each
+    bit's median over the gallery (the evaluation's mean_average_precision on sign_codes), and
+    by cosine of a (ranking_map, scores computed chunk queries at a time)."""
+    from nac_fast.eval.cli import sign_codes
+    from nac_fast.ops.hamming import mean_average_precision
+    med = a_gallery.median(0).values
+    gal = torch.nn.functional.normalize(a_gallery.double(), dim=1)
+    cos = [_aps(torch.nn.functional.normalize(a_query[i:i + chunk].double(), dim=1) @ gal.T,
+                y_query[i:i + chunk], y_gallery) for i in range(0, len(a_query), chunk)]
+    return {"hamming_map": float(mean_average_precision(
+                sign_codes(a_query), y_query, sign_codes(a_gallery), y_gallery)),
+            "median_map": float(mean_average_precision(
+                sign_codes(a_query - med), y_query, sign_codes(a_gallery - med), y_gallery)),
+            "cosine_map": torch.cat(cos).mean().item()}
 
 
-def labels_of(data: str, split: str) -> torch.Tensor:
-    """The split's labels in the order codes_of extracts its images."""
-    from nac_fast.data import build_eval_loader
-    loader = build_eval_loader(data, split=split, batch_size=1000, device="cpu")
-    return torch.cat([y for _, y in loader])
-
-
-def codes_of(checkpoint: str, data: str, split: str, batch_size: int = 500) -> torch.Tensor:
-    """The head pre-activations a of the split's images, extracted as `python -m nac_fast.eval`
-    does (its extract_features, at the checkpoint's image size)."""
+def features_of(checkpoint: str, data: str, splits, batch_size: int = 500) -> dict:
+    """{split: {"a", "labels"}}: the head pre-activations a of each split's images and their
+    labels, extracted as `python -m nac_fast.eval` does (its extract_features, at the
+    checkpoint's image size), the checkpoint loaded once."""
     from nac_fast.data import build_eval_loader
     from nac_fast.eval.cli import extract_features
     from nac_fast.train.checkpoint import load_checkpoint, load_model
     size = int(load_checkpoint(checkpoint)["config"]["image_size"])
     model = load_model(checkpoint, "online").eval()
-    loader = build_eval_loader(data, split=split, batch_size=batch_size,
-                               image_size=size, device="cpu")
-    return extract_features(model, loader, loader.num_images, "cpu", False, "codes")["a"]
+    out = {}
+    for split in splits:
+        loader = build_eval_loader(data, split=split, batch_size=batch_size,
+                                   image_size=size, device="cpu")
+        f = extract_features(model, loader, loader.num_images, "cpu", False, "codes")
+        out[split] = {"a": f["a"], "labels": f["labels"]}
+    return out
 
 
 def main(argv=None) -> int:
@@ -135,20 +132,18 @@ def main(argv=None) -> int:
         head += f" mAP Hamming ({args.retrieval} q) | mAP Hamming, median-centred | mAP cosine |"
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
-    if args.retrieval:
-        y_test, y_train = labels_of(args.data, "test"), labels_of(args.data, "train")
-        q = torch.randperm(len(y_test), generator=torch.Generator().manual_seed(0))
-        q = q[:args.retrieval].sort().values
     for ck in args.checkpoints:
-        a = codes_of(ck, args.data, args.split)
-        s = shape_stats(a)
+        splits = sorted({args.split, "train", "test"}) if args.retrieval else [args.split]
+        f = features_of(ck, args.data, splits)
+        s = shape_stats(f[args.split]["a"])
         row = (f"| {ck} | {s['skewness']:.2f} | {s['kurtosis']:.1f} | {s['balance_dev']:.3f} | "
                f"{s['skewed_bits']:.2f} | {s['code_mag']:.3f} | {s['mean_abs_corr']:.3f} | "
                f"{s['eff_rank']:.1f} |")
         if args.retrieval:
-            a_test = a if args.split == "test" else codes_of(ck, args.data, "test")
-            a_train = a if args.split == "train" else codes_of(ck, args.data, "train")
-            m = retrieval_maps(a_test[q], y_test[q], a_train, y_train)
+            te, tr = f["test"], f["train"]
+            q = torch.randperm(len(te["labels"]), generator=torch.Generator().manual_seed(0))
+            q = q[:args.retrieval].sort().values
+            m = retrieval_maps(te["a"][q], te["labels"][q], tr["a"], tr["labels"])
             row += (f" {100 * m['hamming_map']:.1f} | {100 * m['median_map']:.1f} | "
                     f"{100 * m['cosine_map']:.1f} |")
         print(row, flush=True)

@@ -100,6 +100,9 @@ def test_code_shape_hamming_ranking_is_the_evaluation_map(q, gal, d):
     sq, sg = torch.where(aq >= 0, 1, -1).to(torch.int8), torch.where(ag >= 0, 1, -1).to(torch.int8)
     want = float(mean_average_precision(sq, yq, sg, yg, backend="reference"))
     assert m["hamming_map"] == pytest.approx(want, abs=1e-12)
+    # ranking_map (the cosine column's ranking) breaks ties by gallery index as the evaluation
+    assert code_shape.ranking_map(sq.double() @ sg.double().T, yq, yg) == pytest.approx(
+        want, abs=1e-12)
     assert 0.0 < m["cosine_map"] <= 1.0
     med = ag.double().median(0).values  # the gallery's per-bit median: shifting both by it
     m2 = code_shape.retrieval_maps(aq - med, yq, ag - med, yg)  # makes the plain sign the
