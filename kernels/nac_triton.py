@@ -23,7 +23,7 @@ Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIG
   _bwd_rows_kernel  d/dr [M:grad-r] and d/da [M:grad-a], elementwise.
 The logits never exist in memory: one (BLOCK_M x BLOCK_N) tile lives in registers.
 
-Precision (README "Precision"): bf16/fp16 inputs multiply on tensor cores with fp32 accumulation;
+Precision (docs/kernels.md "Precision"): bf16/fp16 inputs multiply on tensor cores with fp32 accumulation;
 max, logsumexp, the Bernoulli term and every reduction are fp32.  fp32 inputs use tf32x3 (three
 TF32 products, fp32-level accuracy on tensor cores) unless NAC_FAST_FP32_DOT=ieee (exact FMA) or
 =tf32.  fp64 is the correctness path (FMA, fp64 throughout).

@@ -1,4 +1,4 @@
-"""Fault tolerance of train.py (README "Fault tolerance"), on CPU with gloo:
+"""Fault tolerance of train.py (docs/training.md "Fault tolerance"), on CPU with gloo:
 
 1. a torchrun worker group restarted after a SIGKILL (--max-restarts) resumes by itself and
    logs the losses of an uninterrupted run;
@@ -14,7 +14,7 @@
    every rank with status 4;
 7. bad data (--on-bad-file, a data set smaller than one global batch, DALI sharding by global
    rank) is tested in tests/test_data_bad.py;
-and the README's "Fault tolerance" commands use the launcher flags tested here.
+and docs/training.md's "Fault tolerance" commands use the launcher flags tested here.
 
 The kills in 1 and 2 come from a test-only wrapper script (written here, never part of train.py):
 it replaces train.train_step by one that SIGKILLs global rank 1 once, before a given step.
@@ -509,13 +509,13 @@ def test_disk_full_during_save_stops_with_intact_checkpoint(mq_reference, tmp_pa
 # ---- the README's commands ----------------------------------------------------------------------
 
 def test_readme_fault_tolerance_commands_are_the_tested_ones():
-    """The README's 'Fault tolerance' torchrun commands use the launcher flags that the tests
+    """docs/training.md's 'Fault tolerance' torchrun commands use the launcher flags that the tests
     above run (1, 2) and train.py flags that parse."""
     import re
 
     from nac_fast.train.config import parse
-    text = open(os.path.join(ROOT, "README.md")).read()
-    section = re.search(r"### Fault tolerance\n(.*?)(?=\n##)", text, re.S).group(1)
+    text = open(os.path.join(ROOT, "docs", "training.md")).read()
+    section = re.search(r"## Fault tolerance\n(.*?)(?=\n## |\Z)", text, re.S).group(1)
     (block,) = re.findall(r"```text\n(.*?)```", section, re.S)
     cmds = [c.strip() for c in re.sub(r"\\\n\s*", "", block).splitlines()
             if c.strip().startswith("torchrun")]

@@ -332,7 +332,7 @@ def test_inf_input_reaches_the_loss_with_checks_off(backend, value, N, four_thre
         assert not math.isfinite(_losses(backend, a, r, k_bad, noise)[kind].item()), kind
     # all queries' logits with the bad key -inf: with exact products, a finite loss and a NaN
     # gradient for a; the Triton kernels' default fp32 products (tf32x3) add the query's small
-    # TF32 part times the -inf, which is NaN: a non-finite loss (README "Precision")
+    # TF32 part times the -inf, which is NaN: a non-finite loss (docs/kernels.md "Precision")
     a_pos, m_pos = a.abs() + 0.1, torch.ones_like(noise)
     k_neg = keys.clone()
     k_neg[N - 1, 3] = -math.inf

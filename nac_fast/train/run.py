@@ -8,7 +8,7 @@ their optimiser (`build`), where the run starts (`start`, `resume`), one optimiz
     status = save(st, step)               # atomic, rotated; rank 0 writes every rank's RNG
     status = stop_non_finite(st, bad, step)
 
-Fault tolerance (README "Fault tolerance"): a restarted torchrun worker group resumes from the
+Fault tolerance (docs/training.md "Fault tolerance"): a restarted torchrun worker group resumes from the
 newest good checkpoint in --out (last.pt, else prev.pt), a failed save stops every rank with
 EXIT_SAVE_FAILED and the previous checkpoints intact, a non-finite loss stops with
 EXIT_NON_FINITE and is recorded in OUT/non_finite.json so that a restart does not replay it.
