@@ -63,7 +63,8 @@ class TrainState:
     cfg: dict                       # flags + run values: config.json and every checkpoint
     loader: Any
     model: torch.nn.Module          # the plain online model (what checkpoints hold)
-    net: torch.nn.Module            # what the step calls: model under DDP / torch.compile
+    net: torch.nn.Module            # what the step calls: model (nac-mq: mq) under DDP /
+                                    # torch.compile
     optimizer: torch.optim.Optimizer
     sched: Any
     scaler: Any
@@ -163,6 +164,9 @@ def build(args, di) -> TrainState:
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer,
                                               WarmupCosine(run.warmup_steps, run.total_steps))
     scaler = torch.amp.GradScaler(di.device.type, enabled=run.amp == "fp16")
+    if args.compile and mq is not None:
+        # the online model's forward, as for nac: NACMQ's noise, enqueue and EMA stay eager
+        mq.model = torch.compile(model)
     net = model if mq is None else mq
     if nd.is_dist():
         # BN running statistics stay per rank (no broadcast each forward): they only matter for
@@ -173,11 +177,11 @@ def build(args, di) -> TrainState:
         # --infer-warmup-steps: during the warm-up the encoder and code head get no gradient,
         # which DDP's reducer refuses unless told to look for unused parameters (their .grad
         # stays None, as in one process); the search costs a graph walk per step, so only then.
-        net = torch.nn.parallel.DistributedDataParallel(  # MoCo: DDP around the whole NACMQ
-            model if mq is None else mq, device_ids=[di.local_rank] if di.device.type == "cuda" else None,
+        net = torch.nn.parallel.DistributedDataParallel(  # nac-mq: around the NACMQ (MoCo)
+            net, device_ids=[di.local_rank] if di.device.type == "cuda" else None,
             gradient_as_bucket_view=True, find_unused_parameters=args.infer_warmup_steps > 0,
             **ddp_kw)
-    if args.compile:
+    if args.compile and mq is None:
         net = torch.compile(net)
     autocast = (torch.autocast(di.device.type, dtype=amp_dtype) if amp_dtype is not None
                 else contextlib.nullcontext())
