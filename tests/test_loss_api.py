@@ -327,3 +327,34 @@ def test_nacmq_names_bad_arguments():
         with pytest.raises(err, match=msg):
             call()
     assert int(mq.queue.ptr) == 0
+
+
+def test_refused_calls_leave_the_queue_and_the_momentum_model_as_they_were():
+    a0, r0, a1, r1 = _views()
+    am0, rm0, am1, rm1 = _views(seed=1)
+    q = CodeQueue(4 * K, D)
+    bad = am1.clone()
+    bad[2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"momentum_out1\[0\] contains NaN"):
+        NACMQLoss(P)((a0, r0), (a1, r1), (am0, rm0), (bad, rm1), q)
+    with pytest.raises(ValueError, match=r"noise must have the rows \[view 0; view 1\] shape"):
+        NACMQLoss(P)((a0, r0), (a1, r1), (am0, rm0), (am1, rm1), q, noise=torch.ones(K, D))
+    assert int(q.ptr) == 0 and not q.codes.any()
+    torch.manual_seed(0)
+    model = _Tiny()
+    mq = NACMQ(model, queue_size=4 * K, momentum=0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # online != momentum: an EMA would show
+    before = [p.clone() for p in mq.momentum_model.parameters()]
+    v = torch.randn(K, 6)
+    with pytest.raises(ValueError, match="noise must have"):
+        mq(v, v, noise=torch.ones(K, D))
+    with pytest.raises(RuntimeError):  # the model refuses 7 features
+        mq(torch.randn(K, 7), torch.randn(K, 7))
+    assert int(mq.queue.ptr) == 0
+    _assert_same(before, list(mq.momentum_model.parameters()), "momentum model")
+    for kw, err, msg in [(dict(p=0.7), ValueError, "p must lie"),
+                         (dict(reduction="avg"), ValueError, "reduction must be")]:
+        with pytest.raises(err, match=msg):
+            NACMQ(model, queue_size=8, **kw)

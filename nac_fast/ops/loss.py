@@ -115,6 +115,17 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
             raise ValueError(f"{name} contains NaN or inf")
 
 
+def check_noise(noise, shape, of: str = "a's") -> None:
+    """An explicit channel sample: a real tensor of `shape` (TypeError/ValueError naming noise);
+    its values (+-1) are checked by the loss under the value-check policy."""
+    if not isinstance(noise, torch.Tensor):
+        raise TypeError(f"noise must be a torch.Tensor of +-1, got {type(noise).__name__}")
+    if tuple(noise.shape) != tuple(shape):
+        raise ValueError(f"noise must have {of} shape {tuple(shape)}, got {tuple(noise.shape)}")
+    if noise.dtype == torch.bool or noise.is_complex():
+        raise TypeError(f"noise must hold +-1 as a real number dtype, got {noise.dtype}")
+
+
 def _compiling() -> bool:
     try:
         return torch.compiler.is_compiling()
@@ -139,12 +150,7 @@ def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):
             raise TypeError(f"{keys_name} must have a's dtype {a.dtype}, got {keys.dtype}")
         tensors.append((keys_name, keys))
     if noise is not None:
-        if not isinstance(noise, torch.Tensor):
-            raise TypeError(f"noise must be a torch.Tensor of +-1, got {type(noise).__name__}")
-        if tuple(noise.shape) != (n, d):
-            raise ValueError(f"noise must have a's shape {(n, d)}, got {tuple(noise.shape)}")
-        if noise.dtype == torch.bool or noise.is_complex():
-            raise TypeError(f"noise must hold +-1 as a real number dtype, got {noise.dtype}")
+        check_noise(noise, (n, d))
         tensors.append(("noise", noise))
     for name, t in tensors[1:]:
         if t.device != a.device:
@@ -411,6 +417,15 @@ class NACMQLoss(nn.Module):
         if queue.codes.device != a0.device:
             raise ValueError(f"queue is on {queue.codes.device} but out0[0] is on {a0.device}; "
                              "all inputs must be on one device")
+        if noise is not None:
+            check_noise(noise, (2 * a0.shape[0], a0.shape[1]), "the rows [view 0; view 1]")
+        # the value checks before the queue changes (a refused call leaves it as it was); the
+        # loss repeats those of its own inputs
+        for name, t in (("out0[0]", a0), ("out0[1]", r0), ("out1[0]", a1), ("out1[1]", r1),
+                        ("momentum_out0[0]", am0), ("momentum_out0[1]", rm0),
+                        ("momentum_out1[0]", am1), ("momentum_out1[1]", rm1)):
+            if t is not None:
+                _check_finite(name, t)
         a, r_hat = torch.cat([a0, a1]), torch.cat([rm1, rm0])
         r = None if r0 is None else torch.cat([r1, r0])
         with torch.no_grad():

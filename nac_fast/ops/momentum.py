@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .collectives import batch_shuffle, batch_unshuffle
-from .loss import NACMQLoss, _check_bool
+from .loss import NACMQLoss, _check_bool, check_noise
 from .queue import CodeQueue
 
 
@@ -84,11 +84,11 @@ class NACMQ(nn.Module):
         # mq.model: the online model; mq.momentum_model: its EMA copy; mq.queue: the CodeQueue
 
     Each call is one training step's loss:
-      1. the EMA update of the momentum model from the online model's current weights
+      1. the online forward on x = cat([view0, view1]);
+      2. the EMA update of the momentum model from the online model's current weights
          (ema_update_, [M:ema]): the update that follows the previous optimizer step, made here
          so the loop needs no second call (at the first call both models are equal and the
          update leaves the copy exactly as it is);
-      2. the online forward on x = cat([view0, view1]);
       3. the momentum forward without gradient, with MoCo's batch shuffle across ranks around its
          encoder (shuffle BN; the identity in one process);
       4. the criterion, NACMQLoss(gather_distributed=True): the keys of the global batch are
@@ -162,13 +162,17 @@ class NACMQ(nn.Module):
         if view0.dim() == 0 or view0.shape[0] == 0:
             raise ValueError(f"view0 must be a non-empty batch, got shape {tuple(view0.shape)}")
         _check_bool("freeze_codes", freeze_codes)
-        self.update_momentum()
         k = view0.shape[0]
+        if noise is not None:
+            check_noise(noise, (2 * k, self.queue.codes.shape[1]), "the rows [view 0; view 1]")
         x = torch.cat([view0, view1])
         _, a, r = self.model(x, detach_r_input=True)  # r: online inference net on sg(h) [M:vi]
         if r is None:
             raise ValueError("model returned no inference logits r: NAC-MQ needs an inference "
                              "network")
+        # after the online forward (it does not read the momentum model), so that a call the
+        # model refuses leaves the momentum model as it was
+        self.update_momentum()
         if freeze_codes:
             a = a.detach()
         with torch.no_grad():
