@@ -244,15 +244,13 @@ def loss_dtype(t: torch.Tensor) -> torch.dtype:
     dtype of t's device when autocast is on there (bf16 by default on GPU), else t's own dtype
     (float64 stays float64: autocast never narrows it).  The fused losses widen each tile and
     compute in float32 whatever this dtype is, and return a float32 loss."""
-    if t.dtype == torch.float64:
-        return t.dtype
-    dev = t.device.type
-    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
+    if t.dtype != torch.float64 and _autocast_on(t):
+        return torch.get_autocast_dtype(t.device.type)
     return t.dtype
 
 
 def _autocast_on(t: torch.Tensor) -> bool:
+    """Whether autocast is on for t's device."""
     dev = t.device.type
     return torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
 
@@ -298,9 +296,7 @@ def _view_pair(name: str, out, like=None, *, r_optional: bool = False):
         ref_name, ref = like
         _check_matrix(f"{name}[0]", a, d=ref.shape[1], rows=ref.shape[0], rows_of=ref_name,
                       cols_of=ref_name)
-    if r is None and r_optional:
-        pass
-    else:
+    if not (r is None and r_optional):
         _check_matrix(f"{name}[1]", r, d=ref.shape[1], rows=ref.shape[0], rows_of=ref_name,
                       cols_of=ref_name)
     for what, t in ((f"{name}[0]", a), (f"{name}[1]", r)):

@@ -81,10 +81,10 @@ def nac_step(model, x, p, noise=None, backend="auto", *, out=None, freeze_codes=
 def nac_mq_step(mq, x, noise=None, *, out=None, freeze_codes=False):
     """NAC-MQ (docs/math.md [M:mq]) plus the online inference net's VI term [M:vi]: one call of
     `mq`, a nac_fast.NACMQ (or DistributedDataParallel around one), on the two views of x.  The
-    call makes the EMA update of the momentum model first (the one that follows the previous
-    optimizer step, [M:ema]), then the loss; the keys of the whole global batch are enqueued
-    before it.  noise, out, freeze_codes: as for nac_step (r: the online inference net's logits;
-    with freeze_codes only the VI term trains, the codes get no gradient).
+    call makes the EMA update of the momentum model that follows the previous optimizer step
+    ([M:ema]) before its momentum forward, and enqueues the keys of the whole global batch
+    before the loss.  noise, out, freeze_codes: as for nac_step (r: the online inference net's
+    logits; with freeze_codes only the VI term trains, the codes get no gradient).
     """
     k = x.shape[0] // 2
     res = mq(x[:k], x[k:], noise=noise, freeze_codes=freeze_codes)

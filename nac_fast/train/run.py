@@ -69,9 +69,8 @@ class TrainState:
     sched: Any
     scaler: Any
     autocast: Any
-    mq: NACMQ | None = None         # NAC-MQ: online + momentum model, queue, EMA (the step's call)
-    mom_model: torch.nn.Module | None = None  # mq.momentum_model
-    queue: CodeQueue | None = None            # mq.queue
+    mom_model: torch.nn.Module | None = None  # nac-mq: the NACMQ's momentum_model
+    queue: CodeQueue | None = None            # nac-mq: the NACMQ's queue
     step: int = 0
     extras: dict = field(default_factory=dict)
     resumed_from: str | None = None  # the checkpoint this process started from
@@ -187,7 +186,7 @@ def build(args, di) -> TrainState:
                 else contextlib.nullcontext())
     return TrainState(args=args, di=di, run=run, cfg=cfg, loader=loader, model=model, net=net,
                       optimizer=optimizer, sched=sched, scaler=scaler, autocast=autocast,
-                      mq=mq, mom_model=None if mq is None else mq.momentum_model,
+                      mom_model=None if mq is None else mq.momentum_model,
                       queue=None if mq is None else mq.queue)
 
 
