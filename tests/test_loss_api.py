@@ -61,6 +61,7 @@ def test_trainer_steps_equal_the_old_formula(method, heads, amp, backend):
     _compare_with_old(method, heads, amp, backend, "linear")
 
 
+@pytest.mark.slow  # 3-15 s a case on the shared 2-core machine (load average 14-20)
 @pytest.mark.parametrize("method", ["nac", "nac-mq"])
 def test_trainer_steps_equal_the_old_formula_on_a_resnet(method):
     """The same on train.py's CPU model (convolutions and BatchNorm in the encoder)."""
