@@ -111,10 +111,10 @@ def _device_loader_factory(num_images):
 
 def _harness(args, device):
     """(full_step, loss_fwd, x): a fresh model/optimizer of the run's config on `device`."""
+    from nac_fast import NACMQ
     from nac_fast.train.lars import LARS, param_groups_for_lars
     from nac_fast.train.methods import nac_mq_step, nac_step, simclr_step
     from nac_fast.train.models import build_model
-    from nac_fast.train.momentum import CodeQueue, ema_update_, make_momentum_copy
 
     cuda = device.type == "cuda"
     torch.manual_seed(0)
@@ -125,10 +125,10 @@ def _harness(args, device):
                         inference_net=args.method != "simclr").to(device)
     if channels_last:
         model.to(memory_format=torch.channels_last)
-    mom = queue = None
+    mq = None
     if args.method == "nac-mq":
-        mom = make_momentum_copy(model)
-        queue = CodeQueue(args.queue_size or 16 * args.batch_size, 128, device=device)
+        mq = NACMQ(model, queue_size=args.queue_size or 16 * args.batch_size, p=0.1, l2=0.1,
+                   momentum=0.99)
     opt = LARS(param_groups_for_lars(model, 1e-6), lr=0.1, momentum=0.9, weight_decay=1e-6,
                trust_coefficient=0.001)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
@@ -140,15 +140,15 @@ def _harness(args, device):
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     model.train()
-    if mom is not None:
-        mom.train()
+    if mq is not None:
+        mq.train()
 
     def loss_fwd(x):
         with autocast:
             if args.method == "nac":
                 return nac_step(model, x, 0.1)
             if args.method == "nac-mq":
-                return nac_mq_step(model, mom, queue, x, 0.1, 0.1)
+                return nac_mq_step(mq, x)  # with the EMA update, as train.py's step
             return simclr_step(model, x, 0.5)
 
     def full_step(x):
@@ -156,8 +156,6 @@ def _harness(args, device):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if mom is not None:
-            ema_update_(mom, model, 0.99)
 
     return full_step, loss_fwd, opt, x
 

@@ -63,22 +63,35 @@ def test_readme_api_example_runs():
     (code,) = _fenced(_section("The loss API").split("### ")[0], "python")
     env = {}
     exec(compile(code, "README.md", "exec"), env)
-    assert env["loss"].dim() == 0 and env["a"].grad is not None
-    assert env["r"].grad is not None
-    assert int(env["queue"].ptr) == 1024 and "codes" in env["queue"].state_dict()
-    # The NAC-MQ line's loss reaches r only through the VI term (r_hat = r.detach()), whose
-    # gradient is (sig(r) - (1 + m tanh(a)) / 2) / n [M:vi] with the channel's +-1 sample m:
-    # recover m from the gradient and check it is a +-1 channel sample of flip rate p = 0.1.
     import math
     import torch
-    a, r = env["a"].detach(), env["r"].detach()
-    (g,) = torch.autograd.grad(env["loss"], env["r"])
+    a1, a2, r1, r2 = (env[k] for k in ("a1", "a2", "r1", "r2"))
+    assert env["loss"].dim() == 0 and all(t.grad is not None for t in (a1, a2, r1, r2))
+    # the NAC-MQ criterion enqueued tanh of both views' momentum codes before its loss
+    K, queue = a1.shape[0], env["queue"]
+    assert int(queue.ptr) == 2 * K and "codes" in queue.state_dict()
+    m_a = torch.cat([env["m1"][0], env["m2"][0]])
+    assert torch.equal(queue.codes[:2 * K], torch.tanh(m_a))
+    # The NAC-MQ line's loss reaches r only through the VI term (the momentum logits are r_hat),
+    # whose gradient is (sig(r) - (1 + m tanh(a)) / 2) / n [M:vi] with the channel's +-1 sample
+    # m, each view's code paired with the OTHER view's r: recover m from the gradient and check
+    # it is a +-1 channel sample of flip rate p = 0.1 (a wrong pairing gives no +-1 sample).
+    g1, g2 = torch.autograd.grad(env["loss"], [r1, r2])
+    a, r, g = torch.cat([a1, a2]).detach(), torch.cat([r2, r1]).detach(), torch.cat([g2, g1])
     z = torch.tanh(a)
     m = (2 * (torch.sigmoid(r) - a.shape[0] * g) - 1) / z
     m = m[z.abs() > 0.1]
     assert torch.allclose(m.abs(), torch.ones_like(m), atol=1e-3), (m.abs() - 1).abs().max()
     flips = (m < 0).double().mean().item()
     assert abs(flips - 0.1) <= 4 * math.sqrt(0.1 * 0.9 / m.numel()), flips
+    # NACMQ: one call made the momentum keys of both views (8 images each) and the loss, whose
+    # gradient reaches the online model and not its momentum copy
+    nacmq, out = env["nacmq"], env["out"]
+    assert int(nacmq.queue.ptr) == 16 and nacmq.queue.codes[:16].abs().sum() > 0
+    assert out.loss.dim() == 0 and math.isfinite(out.loss.item())
+    assert all(p.grad is not None for p in env["model"].head.parameters())
+    assert all(p.grad is None and not p.requires_grad
+               for p in nacmq.momentum_model.parameters())
 
 
 def test_readme_training_loop_example_runs():

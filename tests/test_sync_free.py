@@ -30,7 +30,6 @@ from nac_fast.ops import loss as nloss
 from nac_fast.ops.noise import noise_from_seed
 from nac_fast.train.methods import nac_mq_step, nac_step, step_value_checks
 from nac_fast.train.models import build_model
-from nac_fast.train.momentum import CodeQueue, make_momentum_copy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py lives at the repository root
@@ -188,8 +187,8 @@ def test_loss_forward_backward_of_a_step_is_sync_free(backend, method):
         if method == "nac":
             loss, _ = nac_step(model, x, 0.1, backend=backend)
         else:
-            mom, queue = make_momentum_copy(model), CodeQueue(48, 16)
-            loss, _ = nac_mq_step(model, mom, queue, x, 0.1, 0.1, backend=backend)
+            mq = nac_fast.NACMQ(model, queue_size=48, p=0.1, l2=0.1, backend=backend)
+            loss, _ = nac_mq_step(mq, x)
         loss.backward()
     for op in _loss_ops(backend):
         assert op in mode.ops, (op, sorted(set(mode.ops)))

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import nac_fast
-from nac_fast.train import methods
+from nac_fast.ops import loss as loss_api
 from nac_fast.ops import reference
+from nac_fast.ops.queue import CodeQueue
+from nac_fast.train import methods
 from nac_fast.train.models import build_model
-from nac_fast.train.momentum import CodeQueue, make_momentum_copy
 
 from _loss_helpers import rel_err
 
@@ -44,11 +45,17 @@ class Spy:
 
 
 def _spies(monkeypatch):
-    spies = {name: Spy(getattr(methods, name)) for name in ("nac_loss", "nac_mq_loss",
-                                                            "nac_vi_loss")}
+    """Spies on the functional losses the criteria (NACLoss, NACMQLoss) call."""
+    spies = {name: Spy(getattr(loss_api, name)) for name in ("nac_loss", "nac_mq_loss",
+                                                             "nac_vi_loss")}
     for name, spy in spies.items():
-        monkeypatch.setattr(methods, name, spy)
+        monkeypatch.setattr(loss_api, name, spy)
     return spies
+
+
+def _mq(model, queue_dtype=torch.float32, queue_size=6 * K, backend="auto"):
+    return nac_fast.NACMQ(model, queue_size=queue_size, p=P, l2=L2, queue_dtype=queue_dtype,
+                          backend=backend)
 
 
 def _setup(seed=0):
@@ -97,15 +104,15 @@ def test_nac_step_under_bf16_autocast(backend, monkeypatch):
 @pytest.mark.parametrize("queue_dtype", [BF16, torch.float32])
 def test_nac_mq_step_under_bf16_autocast(backend, queue_dtype, monkeypatch):
     model, x, noise = _setup(1)
-    mom = make_momentum_copy(model)
-    q32, q = CodeQueue(6 * K, D), CodeQueue(6 * K, D, dtype=queue_dtype)
+    mq32, mq = _mq(model, backend=backend), _mq(model, queue_dtype, backend=backend)
+    q32, q = mq32.queue, mq.queue
     q32.codes.copy_(torch.tanh(torch.randn(6 * K, D)))
     q.codes.copy_(q32.codes)
     with torch.no_grad():
-        l32, _ = methods.nac_mq_step(model, mom, q32, x, P, L2, noise=noise, backend=backend)
+        l32, _ = methods.nac_mq_step(mq32, x, noise=noise)
     spies = _spies(monkeypatch)
     with torch.autocast("cpu", dtype=BF16):
-        loss, _ = methods.nac_mq_step(model, mom, q, x, P, L2, noise=noise, backend=backend)
+        loss, _ = methods.nac_mq_step(mq, x, noise=noise)
     (margs, mkw), = spies["nac_mq_loss"].calls
     (vargs, vkw), = spies["nac_vi_loss"].calls
     a_b, rh_b, queue_b = margs[:3]
@@ -141,8 +148,7 @@ def test_nac_mq_step_draws_its_noise_in_the_loss_dtype(monkeypatch):
     model, x, _ = _setup(2)
     spies = _spies(monkeypatch)
     with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
-        methods.nac_mq_step(model, make_momentum_copy(model), CodeQueue(4 * K, D, dtype=BF16), x,
-                            P, L2)
+        methods.nac_mq_step(_mq(model, BF16, 4 * K), x)
     (_, mkw), = spies["nac_mq_loss"].calls
     (_, vkw), = spies["nac_vi_loss"].calls
     assert mkw["noise"] is vkw["noise"] and mkw["noise"].dtype == BF16
@@ -168,12 +174,12 @@ def test_vi_loss_computes_in_float32_for_bf16_inputs():
 
 def test_loss_dtype_follows_autocast():
     t = torch.randn(2, 2)
-    assert methods.loss_dtype(t) == torch.float32
-    assert methods.loss_dtype(t.double()) == torch.float64
+    assert loss_api.loss_dtype(t) == torch.float32
+    assert loss_api.loss_dtype(t.double()) == torch.float64
     with torch.autocast("cpu", dtype=BF16):
-        assert methods.loss_dtype(t) == BF16
-        assert methods.loss_dtype(t.to(BF16)) == BF16
-        assert methods.loss_dtype(t.double()) == torch.float64
+        assert loss_api.loss_dtype(t) == BF16
+        assert loss_api.loss_dtype(t.to(BF16)) == BF16
+        assert loss_api.loss_dtype(t.double()) == torch.float64
 
 
 @pytest.mark.parametrize("src,dst", [(torch.float32, BF16), (BF16, torch.float32)])

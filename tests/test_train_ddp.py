@@ -1,5 +1,7 @@
 """2-process gloo DDP equals 1 process over the global batch (loss and gradients), for nac,
-nac-mq and simclr; MoCo's batch shuffle/unshuffle is exact.
+nac-mq and simclr; under DDP the trainer's steps on the public criteria (NACLoss with
+gather_distributed, NACMQ) equal 0.1.0's hand-written formula bit for bit; MoCo's batch
+shuffle/unshuffle is exact.
 
 The encoder here has no BatchNorm: with BN each rank normalises with its own batch statistics,
 which legitimately differs from one big batch (SyncBN is the option that removes that).  With
@@ -14,10 +16,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from nac_fast.train import distributed as nd
+from nac_fast import NACMQ, CodeQueue
+from nac_fast.ops import collectives as nd
+from nac_fast.ops.momentum import make_momentum_copy
+from nac_fast.train.distributed import all_reduce_mean
 from nac_fast.train.methods import nac_mq_step, nac_step, simclr_step
 from nac_fast.train.models import build_model
-from nac_fast.train.momentum import CodeQueue, make_momentum_copy
+
+from _old_steps import old_nac_mq_step, old_nac_step
 
 WORLD, K, D, P = 2, 6, 16, 0.2   # K images per rank, 2K rows per rank
 
@@ -45,12 +51,40 @@ def _global_data():
     return v1, v2, n1, n2
 
 
-def _run(method, model, mom, queue, x, noise):
+def _mq(model):
+    """NACMQ around `model` (its queue: 8 global batches of float64 codes)."""
+    return NACMQ(model, queue_size=8 * WORLD * K, p=P, l2=0.1, queue_dtype=torch.float64)
+
+
+def _run(method, model, x, noise):
+    """model: the NAC or SimCLR model, or (nac-mq) the NACMQ; any of them under DDP."""
     if method == "nac":
         return nac_step(model, x, P, noise=noise)[0]
     if method == "nac-mq":
-        return nac_mq_step(model, mom, queue, x, P, 0.1, noise=noise)[0]
+        return nac_mq_step(model, x, noise=noise)[0]
     return simclr_step(model, x, 0.5)[0]
+
+
+def _new_vs_old(method, x, path):
+    """Loss, gradients and queue of one DDP step along `path` ("new": the trainer's step on the
+    public criteria; "old": tests/_old_steps.py), with the channel noise drawn inside from one
+    seed, and the momentum branch's batch shuffle on (its permutation drawn on rank 0)."""
+    model = _model(method)
+    torch.manual_seed(7 + dist.get_rank())  # each rank its own noise, as train.py seeds it
+    if path == "new":
+        net = nn.parallel.DistributedDataParallel(model if method == "nac" else _mq(model))
+        loss = (nac_step(net, x, P) if method == "nac" else nac_mq_step(net, x))[0]
+        queue = None if method == "nac" else net.module.queue
+    else:
+        net = nn.parallel.DistributedDataParallel(model)
+        if method == "nac":
+            loss, queue = old_nac_step(net, x, P)[0], None
+        else:
+            queue = CodeQueue(8 * WORLD * K, D, dtype=torch.float64)
+            loss = old_nac_mq_step(net, make_momentum_copy(model), queue, x, P, 0.1)[0]
+    loss.backward()
+    return {"loss": loss.detach(), "grads": [p.grad.clone() for p in model.parameters()],
+            "queue": None if queue is None else queue.codes.clone()}
 
 
 def _worker(rank, port, out_dir):
@@ -65,14 +99,18 @@ def _worker(rank, port, out_dir):
         res = {}
         for method in ("nac", "nac-mq", "simclr"):
             model = _model(method)
-            mom = make_momentum_copy(model) if method == "nac-mq" else None
-            queue = CodeQueue(8 * WORLD * K, D, dtype=torch.float64)
-            ddp = nn.parallel.DistributedDataParallel(model)
-            loss = _run(method, ddp, mom, queue, x, noise)
+            mq = _mq(model) if method == "nac-mq" else None
+            queue = mq.queue if mq is not None else None
+            ddp = nn.parallel.DistributedDataParallel(model if mq is None else mq)  # MoCo's way
+            loss = _run(method, ddp, x, noise)
             loss.backward()
-            res[method] = {"loss": nd.all_reduce_mean(loss.detach()),
+            res[method] = {"loss": all_reduce_mean(loss.detach()),
                            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                           "queue": queue.codes.clone(), "ptr": queue.ptr}
+                           "queue": None if queue is None else queue.codes.clone(),
+                           "ptr": None if queue is None else queue.ptr}
+            if method != "simclr":  # the same step by 0.1.0's formula, noise drawn inside
+                res[method]["new"] = _new_vs_old(method, x, "new")
+                res[method]["old"] = _new_vs_old(method, x, "old")
 
         # batch shuffle / unshuffle: exact inverse, per-sample function commutes, rows really
         # move between ranks
@@ -99,10 +137,10 @@ def ddp_results(tmp_path_factory):
 def test_ddp_loss_and_grads_equal_one_process(ddp_results, method):
     v1, v2, n1, n2 = _global_data()
     model = _model(method)
-    mom = make_momentum_copy(model) if method == "nac-mq" else None
-    queue = CodeQueue(8 * WORLD * K, D, dtype=torch.float64)
+    mq = _mq(model) if method == "nac-mq" else None
+    queue = mq.queue if mq is not None else None
     # one process, global batch: rows ordered [all view-1; all view-2] as train.py does
-    loss = _run(method, model, mom, queue, torch.cat([v1, v2]), torch.cat([n1, n2]))
+    loss = _run(method, model if mq is None else mq, torch.cat([v1, v2]), torch.cat([n1, n2]))
     loss.backward()
     for r in range(WORLD):
         got = ddp_results[r][method]
@@ -122,6 +160,21 @@ def test_ddp_loss_and_grads_equal_one_process(ddp_results, method):
             assert torch.allclose(torch.sort(a[:, 0]).values, torch.sort(b[:, 0]).values,
                                   atol=1e-12)
         assert torch.equal(ddp_results[0][method]["queue"], ddp_results[1][method]["queue"])
+
+
+@pytest.mark.parametrize("method", ["nac", "nac-mq"])
+def test_ddp_steps_on_the_public_criteria_equal_the_old_formula(ddp_results, method):
+    for r in range(WORLD):
+        new, old = ddp_results[r][method]["new"], ddp_results[r][method]["old"]
+        assert torch.equal(new["loss"], old["loss"]), (r, new["loss"], old["loss"])
+        assert len(new["grads"]) == len(old["grads"])
+        for i, (gn, go) in enumerate(zip(new["grads"], old["grads"])):
+            assert torch.equal(gn, go), (method, r, i)
+        if method == "nac-mq":
+            assert torch.equal(new["queue"], old["queue"])
+    # the ranks' losses differ (own rows, own noise): the comparison is per rank
+    assert not torch.equal(ddp_results[0][method]["new"]["loss"],
+                           ddp_results[1][method]["new"]["loss"])
 
 
 def test_batch_shuffle_unshuffle_exact(ddp_results):

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nac_fast.train.momentum import CodeQueue, ema_update_, make_momentum_copy, unwrap
+from nac_fast.ops.momentum import ema_update_, make_momentum_copy, unwrap
+from nac_fast.ops.queue import CodeQueue
 from nac_fast.train.schedule import WarmupCosine
 
 

@@ -3,7 +3,8 @@
     nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto")
     nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto")
     nac_vi_loss(a, r, p, *, noise=None, reduction="mean")
-    NACLoss(p, ...)(a, r), NACMQLoss(p, l2=...)(a, r_hat, queue, r=...)     # nn.Module criteria
+    NACLoss(p, ...)(out0, out1)                          # nn.Module criteria of the two
+    NACMQLoss(p, l2=...)(out0, out1, mom0, mom1, queue)  # views' outputs, out_v = (a_v, r_v)
 
 Every backend computes the same function, docs/math.md [M:rows]; `nac_fast.ops.reference` is the
 oracle.
@@ -24,8 +25,10 @@ import torch.nn as nn
 
 from . import nac as _nac
 from . import reference
+from .collectives import all_gather_nograd, all_gather_with_grad, is_dist
 from .dispatch import BACKENDS, resolve_backend
 from .noise import _draw, _scale, check_p, draw_noise
+from .queue import CodeQueue
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -87,7 +90,7 @@ def value_checks(mode):
 
 
 def _check_matrix(name: str, t, *, d: int | None = None, rows: int | None = None,
-                  rows_of: str = "a") -> None:
+                  rows_of: str = "a", cols_of: str = "a") -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point():
@@ -97,7 +100,8 @@ def _check_matrix(name: str, t, *, d: int | None = None, rows: int | None = None
     if t.shape[0] == 0 or t.shape[1] == 0:
         raise ValueError(f"{name} must be non-empty, got shape {tuple(t.shape)}")
     if d is not None and t.shape[1] != d:
-        raise ValueError(f"{name} must have D={d} columns like a, got shape {tuple(t.shape)}")
+        raise ValueError(f"{name} must have D={d} columns like {cols_of}, got shape "
+                         f"{tuple(t.shape)}")
     if rows is not None and t.shape[0] != rows:
         raise ValueError(f"{name} must have {rows} rows like {rows_of}, got shape {tuple(t.shape)}")
 
@@ -109,6 +113,17 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
         lo, hi = torch.aminmax(t.detach())
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
             raise ValueError(f"{name} contains NaN or inf")
+
+
+def check_noise(noise, shape, of: str = "a's") -> None:
+    """An explicit channel sample: a real tensor of `shape` (TypeError/ValueError naming noise);
+    its values (+-1) are checked by the loss under the value-check policy."""
+    if not isinstance(noise, torch.Tensor):
+        raise TypeError(f"noise must be a torch.Tensor of +-1, got {type(noise).__name__}")
+    if tuple(noise.shape) != tuple(shape):
+        raise ValueError(f"noise must have {of} shape {tuple(shape)}, got {tuple(noise.shape)}")
+    if noise.dtype == torch.bool or noise.is_complex():
+        raise TypeError(f"noise must hold +-1 as a real number dtype, got {noise.dtype}")
 
 
 def _compiling() -> bool:
@@ -135,12 +150,7 @@ def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):
             raise TypeError(f"{keys_name} must have a's dtype {a.dtype}, got {keys.dtype}")
         tensors.append((keys_name, keys))
     if noise is not None:
-        if not isinstance(noise, torch.Tensor):
-            raise TypeError(f"noise must be a torch.Tensor of +-1, got {type(noise).__name__}")
-        if tuple(noise.shape) != (n, d):
-            raise ValueError(f"noise must have a's shape {(n, d)}, got {tuple(noise.shape)}")
-        if noise.dtype == torch.bool or noise.is_complex():
-            raise TypeError(f"noise must hold +-1 as a real number dtype, got {noise.dtype}")
+        check_noise(noise, (n, d))
         tensors.append(("noise", noise))
     for name, t in tensors[1:]:
         if t.device != a.device:
@@ -187,8 +197,7 @@ def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", bac
     if isinstance(queue, torch.Tensor) and queue.requires_grad:
         raise ValueError("queue must not require grad (it is a buffer of momentum codes); "
                          "pass queue.detach()")
-    if isinstance(l2, bool) or not isinstance(l2, (int, float)) or not math.isfinite(l2) or l2 < 0:
-        raise ValueError(f"l2 must be a finite float >= 0, got {l2!r}")
+    _check_l2(l2)
     if queue is None:
         raise TypeError("queue must be a torch.Tensor of shape (M, D), got None")
     p, s, noise = _prepare(a, r_hat, p, queue, noise, reduction, r_name="r_hat",
@@ -225,6 +234,32 @@ def _autocast_off(device_type: str):
 
 
 # ---- criteria (nn.Module API, lightly/MoCo style) -------------------------------------------
+# The criteria take the two views' outputs, lightly's criterion(out0, out1): out_v = (a_v, r_v),
+# view v's head pre-activations and its OWN inference logits r_v = phi(h_v).  They pair them
+# across the views themselves, rows [view 0; view 1] with a = [a0; a1] and r = [r1; r0] (the
+# cross pathway of docs/math.md [M:inbatch]: a row's logits come from its partner view).
+
+def loss_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the criteria hand the losses their inputs in, for model output `t`: the autocast
+    dtype of t's device when autocast is on there (bf16 by default on GPU), else t's own dtype
+    (float64 stays float64: autocast never narrows it).  The fused losses widen each tile and
+    compute in float32 whatever this dtype is, and return a float32 loss."""
+    if t.dtype != torch.float64 and _autocast_on(t):
+        return torch.get_autocast_dtype(t.device.type)
+    return t.dtype
+
+
+def _autocast_on(t: torch.Tensor) -> bool:
+    """Whether autocast is on for t's device."""
+    dev = t.device.type
+    return torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+
+
+def _check_bool(name: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {v!r}")
+    return v
+
 
 def _check_reduction(reduction) -> str:
     if reduction not in _REDUCTIONS:
@@ -232,63 +267,177 @@ def _check_reduction(reduction) -> str:
     return reduction
 
 
+def _check_backend_name(backend) -> str:
+    names = BACKENDS + ("auto",)
+    if not isinstance(backend, str) or backend not in names:
+        raise ValueError(f"backend must be one of {names}, got {backend!r}")
+    return backend
+
+
+def _check_l2(l2) -> float:
+    if isinstance(l2, bool) or not isinstance(l2, (int, float)) or not math.isfinite(l2) or l2 < 0:
+        raise ValueError(f"l2 must be a finite float >= 0, got {l2!r}")
+    return float(l2)
+
+
+def _view_pair(name: str, out, like=None, *, r_optional: bool = False):
+    """(a, r) of one view's outputs `out`, checked (TypeError/ValueError naming `name`); `like`:
+    the first view's (name, a) that this view must match in shape, device and (autocast off on
+    that device: under autocast every input goes to the loss in the autocast dtype) dtype."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"{name} must be a pair (a, r) of one view's outputs (head "
+                        f"pre-activations, inference logits), got {type(out).__name__}"
+                        + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    a, r = out
+    if like is None:
+        _check_matrix(f"{name}[0]", a, cols_of=f"{name}[0]")
+        ref_name, ref = f"{name}[0]", a
+    else:
+        ref_name, ref = like
+        _check_matrix(f"{name}[0]", a, d=ref.shape[1], rows=ref.shape[0], rows_of=ref_name,
+                      cols_of=ref_name)
+    if not (r is None and r_optional):
+        _check_matrix(f"{name}[1]", r, d=ref.shape[1], rows=ref.shape[0], rows_of=ref_name,
+                      cols_of=ref_name)
+    for what, t in ((f"{name}[0]", a), (f"{name}[1]", r)):
+        if t is None:
+            continue
+        if t.dtype != ref.dtype and not _autocast_on(ref):
+            raise TypeError(f"{what} must have {ref_name}'s dtype {ref.dtype}, got {t.dtype}")
+        if t.device != ref.device:
+            raise ValueError(f"{what} is on {t.device} but {ref_name} is on {ref.device}; all "
+                             "inputs must be on one device")
+    return a, r
+
+
 class NACLoss(nn.Module):
-    """In-batch NAC as a criterion (docs/math.md [M:inbatch]).
+    """In-batch NAC as a criterion of the two views' outputs (docs/math.md [M:inbatch]).
 
         criterion = nac_fast.NACLoss(p=0.1)
-        loss = criterion(a, r)                 # a: head pre-activations, r: the other view's logits
-        loss = criterion(a, r, keys=gathered)  # negatives from every rank, with gradient
+        loss = criterion((a0, r0), (a1, r1))    # view v: head pre-activations a_v = g(h_v) and
+                                                # inference logits r_v = phi(h_v), (K, D) each
 
-    p: the channel's flip probability in (0, 0.5); reduction: "mean" | "sum" | "none";
+    The criterion pairs the views itself: the 2K rows are [view 0; view 1], a = [a0; a1] and
+    r = [r1; r0] (each row's logits come from its partner view), and the keys are the rows' clean
+    codes tanh(a), self and partner included.
+
+    p: the channel's flip probability in (0, 0.5).
+    gather_distributed: under torch.distributed (more than one process), the keys are the clean
+        codes of the GLOBAL batch, all-gathered with gradient, and this rank's 2K rows are the
+        queries (docs/math.md [M:inbatch] "Under DDP"): with DDP's gradient averaging the
+        gradient is that of the loss over the global batch.  One process: no effect.
+    reduction: "mean" | "sum" | "none" ((2K,) rows in the order [view 0; view 1]).
     backend: "auto" | "reference" | "cpu" | "triton" | "cuda" (nac_fast.available_backends()).
-    forward(a, r, keys=None, noise=None) is nac_loss with these settings.
+    forward(out0, out1, noise=None): noise None = drawn from torch's RNG, or an explicit
+        (2K, D) tensor of +-1 for the rows [view 0; view 1].
+    Under autocast, a and r go to the loss in the autocast dtype (loss_dtype; the loss still
+    computes in float32).  Bad input: TypeError/ValueError naming the argument (out0[1] is r0).
     """
 
-    def __init__(self, p: float = 0.1, *, reduction: str = "mean", backend: str = "auto"):
+    def __init__(self, p: float = 0.1, *, gather_distributed: bool = False,
+                 reduction: str = "mean", backend: str = "auto"):
         super().__init__()
         self.p = check_p(p)
+        self.gather_distributed = _check_bool("gather_distributed", gather_distributed)
         self.reduction = _check_reduction(reduction)
         self.backend = _check_backend_name(backend)
 
-    def forward(self, a: torch.Tensor, r: torch.Tensor, keys: torch.Tensor | None = None,
-                noise: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, out0, out1, noise: torch.Tensor | None = None) -> torch.Tensor:
+        a0, r0 = _view_pair("out0", out0)
+        a1, r1 = _view_pair("out1", out1, ("out0[0]", a0))
+        a, r = torch.cat([a0, a1]), torch.cat([r1, r0])
+        if _autocast_on(a):
+            dt = loss_dtype(a)
+            a, r = a.to(dt), r.to(dt)
+        keys = None
+        if self.gather_distributed and is_dist():
+            keys = all_gather_with_grad(torch.tanh(a))
         return nac_loss(a, r, self.p, keys=keys, noise=noise, reduction=self.reduction,
                         backend=self.backend)
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, reduction={self.reduction!r}, backend={self.backend!r}"
+        return (f"p={self.p}, gather_distributed={self.gather_distributed}, "
+                f"reduction={self.reduction!r}, backend={self.backend!r}")
 
 
 class NACMQLoss(nn.Module):
-    """NAC with a momentum queue as a criterion (docs/math.md [M:mq], [M:vi]).
+    """NAC with a momentum queue as a criterion of the two views' outputs (docs/math.md [M:mq],
+    plus the online inference network's term [M:vi]).
 
         criterion = nac_fast.NACMQLoss(p=0.1, l2=0.1)
-        queue.enqueue(momentum_keys)                         # nac_fast.CodeQueue, before the loss
-        loss = criterion(a, r_hat, queue, r=r_online)        # MQ term + the VI term, one noise
+        queue = nac_fast.CodeQueue(65536, D)
+        loss = criterion((a0, r0), (a1, r1), (am0, rm0), (am1, rm1), queue)
 
-    queue: a (M, D) tensor of momentum codes or a CodeQueue (its codes; no gradient reaches
-    them).  r_hat: the momentum inference network's logits.  r: optional logits of the online
-    inference network on detached inputs; when given, its VI term (nac_vi_loss) is added with the
-    same channel sample.  l2: lambda of lambda ||z||^2 (0.1 in the paper).
+    out_v = (a_v, r_v): the online network's head pre-activations of view v and its inference
+        logits r_v = phi(sg(h_v)) (detached input: only phi learns from them).  r_v None (in both
+        views) leaves out the VI term.
+    momentum_out_v = (am_v, rm_v): the momentum network's head pre-activations and inference
+        logits of view v (computed without gradient).
+    queue: a CodeQueue.  The criterion enqueues the keys tanh(am) of both views BEFORE the loss
+        (every query finds its partner's key), then computes, with rows [view 0; view 1],
+        nac_mq_loss(a = [a0; a1], r_hat = [rm1; rm0], queue) + nac_vi_loss(a, r = [r1; r0]),
+        both terms with one channel sample.  The queue's codes are read in the loss dtype (as
+        stored when that is their dtype: store them so, CodeQueue(dtype=...); else converted,
+        M x D elements per call).
+    gather_distributed: under torch.distributed, every rank enqueues the keys of the GLOBAL batch
+        (all-gathered, in rank order), so the queues stay equal across ranks.  One process: no
+        effect.
+    l2: lambda of lambda ||z||^2 (0.1 in the paper).  p, reduction, backend, noise: as NACLoss.
     """
 
-    def __init__(self, p: float = 0.1, *, l2: float = 0.1, reduction: str = "mean",
-                 backend: str = "auto"):
+    def __init__(self, p: float = 0.1, *, l2: float = 0.1, gather_distributed: bool = False,
+                 reduction: str = "mean", backend: str = "auto"):
         super().__init__()
         self.p = check_p(p)
-        if isinstance(l2, bool) or not isinstance(l2, (int, float)) or not math.isfinite(l2) \
-                or l2 < 0:
-            raise ValueError(f"l2 must be a finite float >= 0, got {l2!r}")
-        self.l2 = float(l2)
+        self.l2 = _check_l2(l2)
+        self.gather_distributed = _check_bool("gather_distributed", gather_distributed)
         self.reduction = _check_reduction(reduction)
         self.backend = _check_backend_name(backend)
 
-    def forward(self, a: torch.Tensor, r_hat: torch.Tensor, queue,
-                r: torch.Tensor | None = None,
+    def forward(self, out0, out1, momentum_out0, momentum_out1, queue: CodeQueue,
                 noise: torch.Tensor | None = None) -> torch.Tensor:
-        codes = getattr(queue, "codes", queue)
-        if r is not None and noise is None:
-            noise = draw_noise(a.shape, self.p, device=a.device, dtype=a.dtype)
+        a0, r0 = _view_pair("out0", out0, r_optional=True)
+        like = ("out0[0]", a0)
+        a1, r1 = _view_pair("out1", out1, like, r_optional=True)
+        if (r0 is None) != (r1 is None):
+            raise ValueError("out0[1] and out1[1] (the online inference logits) must both be "
+                             "tensors (with the VI term) or both None (without it)")
+        am0, rm0 = _view_pair("momentum_out0", momentum_out0, like)
+        am1, rm1 = _view_pair("momentum_out1", momentum_out1, like)
+        if not isinstance(queue, CodeQueue):
+            raise TypeError(f"queue must be a nac_fast.CodeQueue (the criterion enqueues the "
+                            f"momentum keys), got {type(queue).__name__}")
+        if queue.codes.shape[1] != a0.shape[1]:
+            raise ValueError(f"queue must hold codes of D={a0.shape[1]} like out0[0], got "
+                             f"D={queue.codes.shape[1]}")
+        if queue.codes.device != a0.device:
+            raise ValueError(f"queue is on {queue.codes.device} but out0[0] is on {a0.device}; "
+                             "all inputs must be on one device")
+        if noise is not None:
+            check_noise(noise, (2 * a0.shape[0], a0.shape[1]), "the rows [view 0; view 1]")
+        # the value checks before the queue changes (a refused call leaves it as it was); the
+        # loss repeats those of its own inputs
+        for name, t in (("out0[0]", a0), ("out0[1]", r0), ("out1[0]", a1), ("out1[1]", r1),
+                        ("momentum_out0[0]", am0), ("momentum_out0[1]", rm0),
+                        ("momentum_out1[0]", am1), ("momentum_out1[1]", rm1)):
+            if t is not None:
+                _check_finite(name, t)
+        a, r_hat = torch.cat([a0, a1]), torch.cat([rm1, rm0])
+        r = None if r0 is None else torch.cat([r1, r0])
+        with torch.no_grad():
+            keys = torch.cat([am0, am1])
+            # tanh in float32 (float64 stays) whatever the AMP dtype; enqueue rounds to the
+            # queue's dtype
+            keys = torch.tanh(keys.to(reference.acc_dtype(keys.dtype)))
+            queue.enqueue(all_gather_nograd(keys) if self.gather_distributed else keys)
+        dt = a.dtype
+        if _autocast_on(a):
+            dt = loss_dtype(a)
+            a, r_hat = a.to(dt), r_hat.to(dt)
+            r = None if r is None else r.to(dt)
+        if noise is None:  # one channel sample for both terms
+            noise = draw_noise(a.shape, self.p, device=a.device, dtype=dt)
+        codes = queue.codes if queue.codes.dtype == dt else queue.codes.to(dt)
         loss = nac_mq_loss(a, r_hat, codes, self.p, l2=self.l2, noise=noise,
                            reduction=self.reduction, backend=self.backend)
         if r is not None:
@@ -296,12 +445,5 @@ class NACMQLoss(nn.Module):
         return loss
 
     def extra_repr(self) -> str:
-        return (f"p={self.p}, l2={self.l2}, reduction={self.reduction!r}, "
-                f"backend={self.backend!r}")
-
-
-def _check_backend_name(backend) -> str:
-    names = BACKENDS + ("auto",)
-    if not isinstance(backend, str) or backend not in names:
-        raise ValueError(f"backend must be one of {names}, got {backend!r}")
-    return backend
+        return (f"p={self.p}, l2={self.l2}, gather_distributed={self.gather_distributed}, "
+                f"reduction={self.reduction!r}, backend={self.backend!r}")

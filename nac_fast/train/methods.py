@@ -1,24 +1,27 @@
 """One training step's loss for each method, and the code statistics that are logged.
 
-    loss, a = nac_step(model, x, p)                                   # in-batch NAC
-    loss, a = nac_mq_step(model, momentum_model, queue, x, p, l2)     # NAC-MQ
-    loss, a = simclr_step(model, x, tau=0.5)                          # SimCLR NT-Xent baseline
+    loss, a = nac_step(model, x, p)                  # in-batch NAC: nac_fast.NACLoss
+    loss, a = nac_mq_step(mq, x)                     # NAC-MQ: one call of nac_fast.NACMQ
+    loss, a = simclr_step(model, x, tau=0.5)         # SimCLR NT-Xent baseline
     code_stats(a) -> {"distinct_frac", "mean_hamming", "balance_score", "code_sat"}
     learning_stats(a, r, loss, zero_code_loss(method, D, batch)) -> {"code_mag", "r_mag",
                                                                      "r_slope", "loss_excess"}
-    collapse_warning(...)                                             # the one-line warning
+    collapse_warning(...)                            # the one-line warning
 
 `x` is this rank's batch of both views, cat([view1, view2]) (2K rows; row i and row i+K are two
-views of one image).  `model` may be wrapped in DistributedDataParallel: it is called once per
-step.
+views of one image).  The NAC steps use the public criteria and nothing else: nac_step hands
+NACLoss(gather_distributed=True) the two views' outputs, nac_mq_step is one call of an NACMQ
+(EMA, momentum keys with shuffle BN, enqueue, loss).  `model` (or the NACMQ) may be wrapped in
+DistributedDataParallel: it is called once per step.
 
-Precision.  Under autocast (AMP) the NAC losses get the codes in the autocast dtype (bf16/fp16
-a, r, r_hat, keys and queue; `loss_dtype`), with no float32 copy: the fused kernels widen each tile
-and compute tanh, the code-similarity logits' accumulation, the logsumexp, the Bernoulli term and
-the reductions in float32, and return a float32 loss; `nac_vi_loss` widens its (2K, D) inputs to
-float32 itself.  Without AMP everything is float32 as before (float64 inputs stay float64).
-SimCLR keeps its own path: the head output is normalised in float32, the logits' matmul is left to
-autocast (bf16 under AMP), the cross-entropy runs in float32.
+Precision.  Under autocast (AMP) the NAC criteria hand the losses the codes in the autocast dtype
+(bf16/fp16 a, r, r_hat, keys and queue; nac_fast.ops.loss.loss_dtype), with no float32 copy: the
+fused kernels widen each tile and compute tanh, the code-similarity logits' accumulation, the
+logsumexp, the Bernoulli term and the reductions in float32, and return a float32 loss;
+`nac_vi_loss` widens its (2K, D) inputs to float32 itself.  Without AMP everything is float32
+(float64 inputs stay float64).  SimCLR keeps its own path: the head output is normalised in
+float32, the logits' matmul is left to autocast (bf16 under AMP), the cross-entropy runs in
+float32.
 
 Host syncs.  nac_step and nac_mq_step never read device data on the host when the loss-input value
 checks are off, which is how train.py runs them (`step_value_checks`): on a GPU the host can queue
@@ -33,31 +36,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import distributed as nd
+from ..ops import collectives
 from ..ops import loss as _loss
 from ..ops.hamming import code_statistics
-from ..ops.loss import nac_loss, nac_mq_loss, nac_vi_loss
-from ..ops.noise import draw_noise
-from .models import swap_halves
+from ..ops.loss import NACLoss
 
 METHODS = ("nac", "nac-mq", "simclr")
-
-
-def _acc(t: torch.Tensor) -> torch.Tensor:
-    """t in float32, or float64 if it already is (double-precision tests)."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
-
-
-def loss_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype the NAC losses get their inputs in for model output `t`: the autocast dtype of
-    t's device when autocast is on there (bf16 by default on GPU), else t's own dtype (float32;
-    float64 in double-precision tests, which autocast never narrows)."""
-    if t.dtype == torch.float64:
-        return t.dtype
-    dev = t.device.type
-    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return t.dtype
 
 
 def step_value_checks():
@@ -68,11 +52,18 @@ def step_value_checks():
     return _loss.value_checks(True if _loss.CHECK_VALUES is True else False)
 
 
-def nac_step(model, x, p, noise=None, backend="auto", *, out=None, freeze_codes=False):
-    """In-batch NAC (docs/math.md [M:inbatch]), cross-pathway r.
+def view_outputs(a: torch.Tensor, r: torch.Tensor):
+    """NACModel's outputs (a, r) on x = cat([view1, view2]) as the two views' outputs the criteria
+    take, ((a_1, r_1), (a_2, r_2)) with r_v = phi(h_v): the model's r rows come from the partner
+    view ([M:notation]), so view 1's own logits are its second half."""
+    k = a.shape[0] // 2
+    return (a[:k], r[k:]), (a[k:], r[:k])
 
-    Queries are this rank's 2K rows; keys are the clean codes of the GLOBAL batch, all-gathered
-    with gradient (so every rank's rows receive the gradient they get in one big process).
+
+def nac_step(model, x, p, noise=None, backend="auto", *, out=None, freeze_codes=False):
+    """In-batch NAC (docs/math.md [M:inbatch]), cross-pathway r: nac_fast.NACLoss with
+    gather_distributed=True (the keys are the clean codes of the GLOBAL batch, all-gathered with
+    gradient, so every rank's rows receive the gradient they get in one big process).
     noise: None = drawn from torch's RNG; or an explicit (2K, D) +-1 tensor.
     backend: the loss backend (nac_fast.nac_loss's `backend`).
     out: a dict that receives "r", the inference logits (detached), for the log's statistics.
@@ -83,58 +74,32 @@ def nac_step(model, x, p, noise=None, backend="auto", *, out=None, freeze_codes=
     _, a, r = model(x, detach_r_input=freeze_codes)
     if out is not None:
         out["r"] = r.detach()
-    dt = loss_dtype(a)
-    a_l, r_l = a.to(dt), r.to(dt)  # no-ops unless the model's output dtype differs
-    if freeze_codes:
-        a_l = a_l.detach()
-    keys = nd.all_gather_with_grad(torch.tanh(a_l)) if nd.is_dist() else None
-    return nac_loss(a_l, r_l, p, keys=keys, noise=noise, backend=backend), a
+    criterion = NACLoss(p, gather_distributed=True, backend=backend)
+    return criterion(*view_outputs(a.detach() if freeze_codes else a, r), noise=noise), a
 
 
-def nac_mq_step(model, momentum_model, queue, x, p, l2, noise=None, shuffle_bn=True,
-                backend="auto", *, out=None, freeze_codes=False):
-    """NAC-MQ (docs/math.md [M:mq]) plus the online inference net's VI term [M:vi].
-
-    The momentum model (EMA of encoder, head and inference net; updated by the caller after the
-    optimizer step) gives the keys v = tanh(a_m) of both views and r_hat = phi_m(h_m of the other
-    view).  The keys of the whole global batch are enqueued BEFORE the loss, so every query sees
-    its partner's key.  shuffle_bn: MoCo's batch shuffle across ranks for the momentum forward.
-    The queue is handed to the loss as it is stored when its dtype is the loss dtype (create it
-    with CodeQueue(..., dtype=<autocast dtype>) under AMP, as train.py does); otherwise it is
-    converted, (M, D) elements per step.
-    out, freeze_codes: as for nac_step (r: the online inference net's logits; with freeze_codes
-    only the VI term trains, the codes get no gradient).
+def nac_mq_step(mq, x, noise=None, *, out=None, freeze_codes=False):
+    """NAC-MQ (docs/math.md [M:mq]) plus the online inference net's VI term [M:vi]: one call of
+    `mq`, a nac_fast.NACMQ (or DistributedDataParallel around one), on the two views of x.  The
+    call makes the EMA update of the momentum model that follows the previous optimizer step
+    ([M:ema]) before its momentum forward, and enqueues the keys of the whole global batch
+    before the loss.  noise, out, freeze_codes: as for nac_step (r: the online inference net's
+    logits; with freeze_codes only the VI term trains, the codes get no gradient).
     """
-    _, a, r = model(x, detach_r_input=True)  # r: online inference net on sg(h), VI term only
+    k = x.shape[0] // 2
+    res = mq(x[:k], x[k:], noise=noise, freeze_codes=freeze_codes)
     if out is not None:
-        out["r"] = r.detach()
-    with torch.no_grad():
-        xs, idx = nd.batch_shuffle(x) if shuffle_bn else (x, None)
-        hm, am = momentum_model.encode(xs)
-        hm, am = nd.batch_unshuffle(hm, idx), nd.batch_unshuffle(am, idx)
-        r_hat = momentum_model.infer_logits(swap_halves(hm))
-        # tanh in float32 whatever the AMP dtype; enqueue rounds to the queue's dtype
-        queue.enqueue(nd.all_gather_nograd(torch.tanh(_acc(am))))
-    dt = loss_dtype(a)
-    a_l = a.to(dt)
-    if freeze_codes:
-        a_l = a_l.detach()
-    if noise is None:
-        noise = draw_noise(a_l.shape, p, device=a_l.device, dtype=dt)
-    codes = queue.codes if queue.codes.dtype == dt else queue.codes.to(dt)
-    loss = nac_mq_loss(a_l, r_hat.to(dt), codes, p, l2=l2, noise=noise, backend=backend)
-    # One channel sample per step for both terms (the VI term sees the same z~ as the MQ term).
-    vi = nac_vi_loss(a_l, r.to(dt), p, noise=noise)
-    return loss + vi, a
+        out["r"] = res.r
+    return res.loss, res.a
 
 
 def simclr_step(model, x, tau=0.5):
     """SimCLR's NT-Xent on the head outputs, negatives from the global batch (with gradient)."""
     _, a, _ = model(x, with_r=False)
-    z = F.normalize(_acc(a), dim=1)
-    keys = nd.all_gather_with_grad(z)
+    z = F.normalize(a if a.dtype in (torch.float32, torch.float64) else a.float(), dim=1)
+    keys = collectives.all_gather_with_grad(z)
     n, k = z.shape[0], z.shape[0] // 2
-    off = nd.rank() * n  # this rank's rows start here in the gathered keys
+    off = collectives.rank() * n  # this rank's rows start here in the gathered keys
     idx = torch.arange(n, device=z.device)
     logits = (z @ keys.t()) / tau
     self_mask = torch.zeros_like(logits, dtype=torch.bool)

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from ..ops.dispatch import available_backends
+from ..ops.momentum import NACMQ
+from ..ops.queue import CodeQueue
 from . import distributed as nd
 from .checkpoint import (CONFIG, LAST, PREV, STATE_KEYS, capture_rng_state, load_checkpoint,
                          pick_checkpoint, read_json, remove_stale_temp_files, restore_rng_state,
@@ -34,7 +36,6 @@ from .config import Run, resolve_run
 from .lars import LARS, param_groups_for_lars
 from .methods import nac_mq_step, nac_step, simclr_step, step_value_checks
 from .models import build_model, model_kwargs_from_config
-from .momentum import CodeQueue, ema_update_, make_momentum_copy
 from .schedule import WarmupCosine
 
 # Must match for a checkpoint to continue a run exactly; except that total_steps may grow (an
@@ -62,13 +63,14 @@ class TrainState:
     cfg: dict                       # flags + run values: config.json and every checkpoint
     loader: Any
     model: torch.nn.Module          # the plain online model (what checkpoints hold)
-    net: torch.nn.Module            # what the step calls: model under DDP / torch.compile
+    net: torch.nn.Module            # what the step calls: model (nac-mq: mq) under DDP /
+                                    # torch.compile
     optimizer: torch.optim.Optimizer
     sched: Any
     scaler: Any
     autocast: Any
-    mom_model: torch.nn.Module | None = None
-    queue: CodeQueue | None = None
+    mom_model: torch.nn.Module | None = None  # nac-mq: the NACMQ's momentum_model
+    queue: CodeQueue | None = None            # nac-mq: the NACMQ's queue
     step: int = 0
     extras: dict = field(default_factory=dict)
     resumed_from: str | None = None  # the checkpoint this process started from
@@ -142,23 +144,29 @@ def build(args, di) -> TrainState:
     model.to(di.device)
     if args.channels_last:
         model.to(memory_format=torch.channels_last)
-    mom_model = queue = None
+    mq = None
     if args.method == "nac-mq":
-        mom_model = make_momentum_copy(model)  # before SyncBN: the key branch uses shuffle BN
-        # codes stored in the loss's dtype (bf16 under the GPU's default AMP): the loss reads the
-        # queue as it is, with no per-step conversion of M x D elements
-        queue = CodeQueue(run.queue_size, args.code_dim, device=di.device,
-                          dtype=amp_dtype or torch.float32)
+        # before SyncBN: the key branch uses shuffle BN.  Codes stored in the loss's dtype (bf16
+        # under the GPU's default AMP): the loss reads the queue as it is, with no per-step
+        # conversion of M x D elements
+        mq = NACMQ(model, queue_size=run.queue_size, code_dim=args.code_dim, p=args.p,
+                   l2=args.l2, momentum=run.momentum, shuffle_bn=args.shuffle_bn,
+                   queue_dtype=amp_dtype or torch.float32, backend=args.loss_backend)
     # From here on each rank draws its own channel noise (the loader seeds itself)
     torch.manual_seed(args.seed * 1000 + 1 + di.rank)
     if args.sync_bn:
         model = nd.convert_sync_bn(model)
+        if mq is not None:
+            mq.model = model  # the online model only: the momentum copy keeps its BatchNorm
     optimizer = LARS(param_groups_for_lars(model, args.wd), lr=run.lr, momentum=0.9,
                      weight_decay=args.wd, trust_coefficient=0.001)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer,
                                               WarmupCosine(run.warmup_steps, run.total_steps))
     scaler = torch.amp.GradScaler(di.device.type, enabled=run.amp == "fp16")
-    net = model
+    if args.compile and mq is not None:
+        # the online model's forward, as for nac: NACMQ's noise, enqueue and EMA stay eager
+        mq.model = torch.compile(model)
+    net = model if mq is None else mq
     if nd.is_dist():
         # BN running statistics stay per rank (no broadcast each forward): they only matter for
         # evaluation, where rank 0's are saved.  The flag was renamed in recent torch.
@@ -168,23 +176,25 @@ def build(args, di) -> TrainState:
         # --infer-warmup-steps: during the warm-up the encoder and code head get no gradient,
         # which DDP's reducer refuses unless told to look for unused parameters (their .grad
         # stays None, as in one process); the search costs a graph walk per step, so only then.
-        net = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[di.local_rank] if di.device.type == "cuda" else None,
+        net = torch.nn.parallel.DistributedDataParallel(  # nac-mq: around the NACMQ (MoCo)
+            net, device_ids=[di.local_rank] if di.device.type == "cuda" else None,
             gradient_as_bucket_view=True, find_unused_parameters=args.infer_warmup_steps > 0,
             **ddp_kw)
-    if args.compile:
+    if args.compile and mq is None:
         net = torch.compile(net)
     autocast = (torch.autocast(di.device.type, dtype=amp_dtype) if amp_dtype is not None
                 else contextlib.nullcontext())
     return TrainState(args=args, di=di, run=run, cfg=cfg, loader=loader, model=model, net=net,
                       optimizer=optimizer, sched=sched, scaler=scaler, autocast=autocast,
-                      mom_model=mom_model, queue=queue)
+                      mom_model=None if mq is None else mq.momentum_model,
+                      queue=None if mq is None else mq.queue)
 
 
 def train_step(st: TrainState, x: torch.Tensor):
     """One optimizer step on this rank's batch x (both views, on the device): the method's loss
     forward (under autocast) and backward, the LARS update, the lr schedule and the EMA of the
-    momentum model.  Returns (loss, a), detached device tensors.
+    momentum model (made by the NACMQ call, before its loss).  Returns (loss, a), detached
+    device tensors.
 
     No host sync: the loss-input value checks are off here (`step_value_checks`; the caller
     checks the loss, which NaN/inf inputs reach), scalars stay Python numbers, and nothing reads
@@ -199,9 +209,7 @@ def train_step(st: TrainState, x: torch.Tensor):
             loss, a = nac_step(st.net, x, a_.p, backend=a_.loss_backend, out=out,
                                freeze_codes=frozen)
         elif a_.method == "nac-mq":
-            loss, a = nac_mq_step(st.net, st.mom_model, st.queue, x, a_.p, a_.l2,
-                                  shuffle_bn=a_.shuffle_bn, backend=a_.loss_backend, out=out,
-                                  freeze_codes=frozen)
+            loss, a = nac_mq_step(st.net, x, out=out, freeze_codes=frozen)
         else:
             loss, a = simclr_step(st.net, x, a_.tau)
     st.last_r = out.get("r")
@@ -210,8 +218,6 @@ def train_step(st: TrainState, x: torch.Tensor):
     st.scaler.step(st.optimizer)
     st.scaler.update()
     st.sched.step()
-    if st.mom_model is not None:
-        ema_update_(st.mom_model, st.model, st.run.momentum)  # after the optimizer step
     return loss.detach(), a.detach()
 
 

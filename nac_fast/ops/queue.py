@@ -1,52 +1,12 @@
-"""Momentum (EMA) model and the code queue of NAC-MQ (docs/math.md [M:mq], [M:ema]).
+"""The code queue of NAC-MQ (docs/math.md [M:mq]): an nn.Module whose codes and write pointer are
+buffers, so state_dict(), .to() and DDP's buffer broadcast work as for any module.
 
-    ema_update_(momentum_model, online_model, decay)   # after optimizer.step()
-    queue = CodeQueue(size=M, dim=D); queue.enqueue(keys)   # before the loss
+    queue = CodeQueue(size=M, dim=D); queue.enqueue(keys)   # NACMQLoss enqueues before the loss
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn as nn
-
-
-def make_momentum_copy(model: nn.Module) -> nn.Module:
-    """A deep copy that never receives gradients (its parameters are an EMA of `model`'s)."""
-    mom = copy.deepcopy(model)
-    for p in mom.parameters():
-        p.requires_grad_(False)
-    return mom
-
-
-@torch.no_grad()
-def ema_update_(momentum_model: nn.Module, online_model: nn.Module, decay: float) -> None:
-    """The EMA update of docs/math.md [M:ema], for every parameter.
-
-    Buffers (BatchNorm running statistics) are not averaged: as in MoCo, the momentum model's BN
-    layers keep the statistics of the batches it sees itself.  `online_model` may be wrapped in
-    DistributedDataParallel or torch.compile; parameters are matched by order.
-    """
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
-        raise ValueError(f"decay must be a float in [0, 1], got {decay!r}")
-    online_model = unwrap(online_model)
-    mp = list(momentum_model.parameters())
-    op = list(online_model.parameters())
-    if len(mp) != len(op):
-        raise ValueError(f"momentum model has {len(mp)} parameters, online model {len(op)}")
-    # lerp: m + (1-decay)*(o - m) == decay*m + (1-decay)*o, one fused kernel per dtype/device.
-    torch._foreach_lerp_(mp, [p.detach() for p in op], 1.0 - decay)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module under DistributedDataParallel and/or torch.compile wrappers."""
-    while True:
-        if hasattr(model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
 
 
 class CodeQueue(nn.Module):

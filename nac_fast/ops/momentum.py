@@ -1,0 +1,191 @@
+"""NAC-MQ as one module (MoCo's builder): the online model, its momentum (EMA) copy, the code queue,
+the EMA update, the shuffle BN of the momentum branch and the criterion (docs/math.md [M:mq],
+[M:vi], [M:ema]).
+
+    mq = NACMQ(model, queue_size=65536, p=0.1, l2=0.1, momentum=0.99)
+    loss = mq(view0, view1).loss          # the training loop's one call
+    ema_update_(momentum_model, online_model, decay)      # the EMA itself ([M:ema])
+"""
+from __future__ import annotations
+
+import copy
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+from .collectives import batch_shuffle, batch_unshuffle
+from .loss import NACMQLoss, _check_bool, check_noise
+from .queue import CodeQueue
+
+
+def make_momentum_copy(model: nn.Module) -> nn.Module:
+    """A deep copy that never receives gradients (its parameters are an EMA of `model`'s)."""
+    mom = copy.deepcopy(model)
+    for p in mom.parameters():
+        p.requires_grad_(False)
+    return mom
+
+
+def _check_decay(name: str, decay) -> float:
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1], got {decay!r}")
+    return float(decay)
+
+
+@torch.no_grad()
+def ema_update_(momentum_model: nn.Module, online_model: nn.Module, decay: float) -> None:
+    """The EMA update of docs/math.md [M:ema], for every parameter.
+
+    Buffers (BatchNorm running statistics) are not averaged: as in MoCo, the momentum model's BN
+    layers keep the statistics of the batches it sees itself.  `online_model` may be wrapped in
+    DistributedDataParallel or torch.compile; parameters are matched by order.
+    """
+    _check_decay("decay", decay)
+    online_model = unwrap(online_model)
+    mp = list(momentum_model.parameters())
+    op = list(online_model.parameters())
+    if len(mp) != len(op):
+        raise ValueError(f"momentum model has {len(mp)} parameters, online model {len(op)}")
+    # lerp: m + (1-decay)*(o - m) == decay*m + (1-decay)*o, one fused kernel per dtype/device.
+    torch._foreach_lerp_(mp, [p.detach() for p in op], 1.0 - decay)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DistributedDataParallel and/or torch.compile wrappers."""
+    while True:
+        if hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+class NACMQOutput(NamedTuple):
+    """What NACMQ.forward returns: the loss to minimise (MQ + VI terms) and, detached, the online
+    model's head pre-activations a and inference logits r of the rows [view 0; view 1] (as the
+    model returned them: r's rows come from the partner view) for statistics."""
+    loss: torch.Tensor
+    a: torch.Tensor
+    r: torch.Tensor
+
+
+def _swap_views(t: torch.Tensor) -> torch.Tensor:
+    k = t.shape[0] // 2
+    return torch.cat([t[k:], t[:k]])
+
+
+class NACMQ(nn.Module):
+    """NAC-MQ in one module, after MoCo's builder (docs/math.md [M:mq], [M:vi], [M:ema]).
+
+        mq = nac_fast.NACMQ(model, queue_size=65536, p=0.1, l2=0.1, momentum=0.99)
+        loss = mq(view0, view1).loss          # then backward and the optimizer step
+        # mq.model: the online model; mq.momentum_model: its EMA copy; mq.queue: the CodeQueue
+
+    Each call is one training step's loss:
+      1. the online forward on x = cat([view0, view1]);
+      2. the EMA update of the momentum model from the online model's current weights
+         (ema_update_, [M:ema]): the update that follows the previous optimizer step, made here
+         so the loop needs no second call (at the first call both models are equal and the
+         update leaves the copy exactly as it is);
+      3. the momentum forward without gradient, with MoCo's batch shuffle across ranks around its
+         encoder (shuffle BN; the identity in one process);
+      4. the criterion, NACMQLoss(gather_distributed=True): the keys of the global batch are
+         enqueued, then the MQ term and the online inference network's VI term with one channel
+         sample.
+
+    model: the online network, an nn.Module with NACModel's interface (nac_fast.train.models):
+        model(x, detach_r_input=True) -> (h, a, r) on x = cat([view0, view1]), with r the
+        inference logits phi(sg(h)) of each row's partner view; model.encode(x) -> (h, a) and
+        model.infer_logits(h) -> r (the momentum branch).  Build NACMQ before converting the
+        model to SyncBatchNorm: the momentum copy keeps plain BatchNorm for shuffle BN.
+        Under DDP, wrap the NACMQ (not the model) in DistributedDataParallel, as MoCo does.
+    queue_size: M, the number of momentum codes.  code_dim: D (default: model.code_dim).
+    p, l2, reduction, backend: NACMQLoss's.  momentum: the EMA decay in [0, 1].
+    shuffle_bn: MoCo's batch shuffle for the momentum encoder (has an effect only under DDP).
+    queue_dtype: the queue's storage dtype: the loss dtype (the autocast dtype under AMP) saves
+        a conversion of M x D elements per step.
+
+    forward(view0, view1, *, noise=None, freeze_codes=False) -> NACMQOutput(loss, a, r).
+        noise: None (drawn from torch's RNG) or the (2K, D) +-1 channel sample of the rows
+        [view 0; view 1].  freeze_codes: the loss's gradient reaches only the inference network
+        (the codes a are detached; the VI term still trains phi).
+    """
+
+    def __init__(self, model: nn.Module, *, queue_size: int, code_dim: int | None = None,
+                 p: float = 0.1, l2: float = 0.1, momentum: float = 0.99,
+                 shuffle_bn: bool = True, queue_dtype: torch.dtype = torch.float32,
+                 reduction: str = "mean", backend: str = "auto"):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        for name in ("encode", "infer_logits"):
+            if not callable(getattr(model, name, None)):
+                raise TypeError(f"model must have NACModel's interface (forward, encode, "
+                                f"infer_logits); {type(model).__name__} has no {name}()")
+        if code_dim is None:
+            code_dim = getattr(model, "code_dim", None)
+            if code_dim is None:
+                raise ValueError("code_dim must be given: the model has no code_dim attribute")
+        for name, v in (("queue_size", queue_size), ("code_dim", code_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(queue_dtype, torch.dtype) or not queue_dtype.is_floating_point:
+            raise TypeError(f"queue_dtype must be a floating torch.dtype, got {queue_dtype!r}")
+        self.momentum = _check_decay("momentum", momentum)
+        self.shuffle_bn = _check_bool("shuffle_bn", shuffle_bn)
+        self.criterion = NACMQLoss(p, l2=l2, gather_distributed=True, reduction=reduction,
+                                   backend=backend)
+        self.model = model
+        self.momentum_model = make_momentum_copy(model)
+        param = next(model.parameters(), None)
+        self.queue = CodeQueue(queue_size, code_dim, device=None if param is None else
+                               param.device, dtype=queue_dtype)
+
+    @torch.no_grad()
+    def update_momentum(self) -> None:
+        """The EMA update of the momentum model from the online model ([M:ema]); forward makes
+        it first."""
+        ema_update_(self.momentum_model, self.model, self.momentum)
+
+    def forward(self, view0: torch.Tensor, view1: torch.Tensor, *,
+                noise: torch.Tensor | None = None, freeze_codes: bool = False) -> NACMQOutput:
+        for name, v in (("view0", view0), ("view1", view1)):
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(v).__name__}")
+        if view1.shape != view0.shape or view1.dtype != view0.dtype \
+                or view1.device != view0.device:
+            raise ValueError(f"view1 must match view0 (shape {tuple(view0.shape)}, "
+                             f"{view0.dtype}, {view0.device}), got shape {tuple(view1.shape)}, "
+                             f"{view1.dtype}, {view1.device}")
+        if view0.dim() == 0 or view0.shape[0] == 0:
+            raise ValueError(f"view0 must be a non-empty batch, got shape {tuple(view0.shape)}")
+        _check_bool("freeze_codes", freeze_codes)
+        k = view0.shape[0]
+        if noise is not None:
+            check_noise(noise, (2 * k, self.queue.codes.shape[1]), "the rows [view 0; view 1]")
+        x = torch.cat([view0, view1])
+        _, a, r = self.model(x, detach_r_input=True)  # r: online inference net on sg(h) [M:vi]
+        if r is None:
+            raise ValueError("model returned no inference logits r: NAC-MQ needs an inference "
+                             "network")
+        # after the online forward (it does not read the momentum model), so that a call the
+        # model refuses leaves the momentum model as it was
+        self.update_momentum()
+        if freeze_codes:
+            a = a.detach()
+        with torch.no_grad():
+            xs, idx = batch_shuffle(x) if self.shuffle_bn else (x, None)
+            hm, am = self.momentum_model.encode(xs)
+            hm, am = batch_unshuffle(hm, idx), batch_unshuffle(am, idx)
+            # phi_mom on the rows in the online cross pathway's order [view 1; view 0], so that
+            # a BatchNorm in phi sums its statistics as the online model's does
+            r_hat = self.momentum_model.infer_logits(_swap_views(hm))
+        # the views' own outputs: the model's r (and r_hat) rows come from the partner view
+        loss = self.criterion((a[:k], r[k:]), (a[k:], r[:k]),
+                              (am[:k], r_hat[k:]), (am[k:], r_hat[:k]), self.queue, noise=noise)
+        return NACMQOutput(loss, a.detach(), r.detach())
+
+    def extra_repr(self) -> str:
+        return f"momentum={self.momentum}, shuffle_bn={self.shuffle_bn}"

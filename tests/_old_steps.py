@@ -1,0 +1,64 @@
+"""The training steps as nac_fast 0.1.0 wrote them out by hand (nac_fast/train/methods.py before the
+trainer used its own public criteria), frozen here as the oracle the new path must equal bit for
+bit: tests/test_loss_api.py (one process, several optimizer steps) and tests/test_train_ddp.py
+(two processes).  Only the functional losses, the collectives and the queue are shared with the
+code under test; the view pairing, the dtype policy, the enqueue and the EMA's place are the old
+ones.  In 0.1.0 the EMA followed each optimizer step (the caller's ema_update_); NACMQ makes the
+same update at the start of its next call."""
+from __future__ import annotations
+
+import torch
+
+from nac_fast.ops.collectives import (all_gather_nograd, all_gather_with_grad, batch_shuffle,
+                                      batch_unshuffle, is_dist)
+from nac_fast.ops.loss import nac_loss, nac_mq_loss, nac_vi_loss
+from nac_fast.ops.noise import draw_noise
+
+
+def _acc(t):
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _loss_dtype(t):
+    if t.dtype == torch.float64:
+        return t.dtype
+    dev = t.device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return t.dtype
+
+
+def _swap_halves(t):
+    k = t.shape[0] // 2
+    return torch.cat([t[k:], t[:k]])
+
+
+def old_nac_step(model, x, p, noise=None, backend="auto", *, freeze_codes=False):
+    _, a, r = model(x, detach_r_input=freeze_codes)
+    dt = _loss_dtype(a)
+    a_l, r_l = a.to(dt), r.to(dt)
+    if freeze_codes:
+        a_l = a_l.detach()
+    keys = all_gather_with_grad(torch.tanh(a_l)) if is_dist() else None
+    return nac_loss(a_l, r_l, p, keys=keys, noise=noise, backend=backend), a
+
+
+def old_nac_mq_step(model, momentum_model, queue, x, p, l2, noise=None, shuffle_bn=True,
+                    backend="auto", *, freeze_codes=False):
+    _, a, r = model(x, detach_r_input=True)
+    with torch.no_grad():
+        xs, idx = batch_shuffle(x) if shuffle_bn else (x, None)
+        hm, am = momentum_model.encode(xs)
+        hm, am = batch_unshuffle(hm, idx), batch_unshuffle(am, idx)
+        r_hat = momentum_model.infer_logits(_swap_halves(hm))
+        queue.enqueue(all_gather_nograd(torch.tanh(_acc(am))))
+    dt = _loss_dtype(a)
+    a_l = a.to(dt)
+    if freeze_codes:
+        a_l = a_l.detach()
+    if noise is None:
+        noise = draw_noise(a_l.shape, p, device=a_l.device, dtype=dt)
+    codes = queue.codes if queue.codes.dtype == dt else queue.codes.to(dt)
+    loss = nac_mq_loss(a_l, r_hat.to(dt), codes, p, l2=l2, noise=noise, backend=backend)
+    vi = nac_vi_loss(a_l, r.to(dt), p, noise=noise)
+    return loss + vi, a
