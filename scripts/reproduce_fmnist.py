@@ -137,8 +137,14 @@ def _grid_long() -> dict:
             "simclr": ("simclr", [], "paper")}
 
 
+def _grid_budgets() -> dict:
+    """Each method's default (issue 26): train.py's default recipe for NAC, SimCLR with its
+    standard head; run at every budget (--epochs 2, 10, 20) and on held-out data (--data)."""
+    return {"nac:default": ("nac", [], "default"), "simclr": ("simclr", [], "paper")}
+
+
 GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,
-         "psweep": _grid_psweep, "long": _grid_long}
+         "psweep": _grid_psweep, "long": _grid_long, "budgets": _grid_budgets}
 ALL = ("main", "ablation", "psweep")  # --grid all: the grids of the issue, one budget, in order
 
 
@@ -690,7 +696,8 @@ def write_page(args) -> int:
     titles = {"main": "Main table", "ablation": "Ablation of the head options",
               "explore": "The code gain",
               "psweep": "Flip probability p (learning heads, in-batch NAC)",
-              "long": "Longer run"}
+              "long": "Longer run",
+              "budgets": "Each method's default at every budget"}
     commits = sorted({r.get("commit", "unknown") for rows in all_rows.values() for r in rows})
     mins = sum(r.get("seconds_total", 0) for rows in all_rows.values() for r in rows) / 60
     L = ["# Small-scale reproduction on Fashion-MNIST", "",
