@@ -511,10 +511,11 @@ def finish(status: int, message: str | None = None, di=None, st: TrainState | No
            ) -> int:
     """How every train.py process ends.  Rank 0 prints `message` (status != 0) and, last, the
     line scripts can grep, "train.py: exit status N (meaning)"; a run that got to start also
-    records it in OUT/status.json.  Under torchrun (which exits 1 whatever the status) each
-    process writes the message to torchrun's error file, so that torchrun's report shows it as the
-    root cause with the exit code; ranks other than 0 leave a second later, so that the report
-    names rank 0's failure alone.  Returns `status`."""
+    records it in OUT/status.json.  Under torchrun (which exits 1 whatever the status) rank 0
+    writes the message and the status line to torchrun's error file, so that torchrun's report,
+    the last thing it prints, shows them as the root cause with the exit code; the other ranks
+    write one short line, timed a second later so that the report takes rank 0's as the root
+    cause.  Returns `status`."""
     rank = di.rank if di is not None else int(os.environ.get("RANK", "0") or 0)
     stream = sys.stderr if status else sys.stdout
     line = f"train.py: exit status {status} ({EXIT_MEANING.get(status, 'error')})"
@@ -530,14 +531,11 @@ def finish(status: int, message: str | None = None, di=None, st: TrainState | No
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if status and error_file:
         text = f"train.py: error: {message}\n{line}" if message else line
-        if rank != 0:
-            text = f"rank {rank} stopped with rank 0: {text}"
-        try:
+        stamp = int(time.time())
+        if rank != 0:  # short, and later: torchrun's report takes rank 0's as the root cause
+            text, stamp = f"rank {rank} stopped with rank 0 (exit status {status})", stamp + 1
+        with contextlib.suppress(OSError):
             with open(error_file, "w") as f:
                 json.dump({"message": {"message": text, "extraInfo": {
-                    "py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
-        except OSError:
-            pass
-        if rank != 0:
-            time.sleep(1.0)
+                    "py_callstack": text, "timestamp": str(stamp)}}}, f)
     return status
