@@ -332,8 +332,13 @@ def test_summary_rounds_the_loss_and_gives_the_next_commands(finished, tmp_path)
     r = subprocess.run([sys.executable] + plot[1:-1] + [str(png)], env=_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", r.stderr
-    stats = next(ln for ln in lines if ln.strip().startswith("last log"))
-    assert "code_mag" in stats and "r_slope" in stats and "collapsed" in stats
+    i = next(i for i, ln in enumerate(lines) if ln.strip().startswith("last log"))
+    assert "step 3" in lines[i] and "Reading a run" in lines[i]
+    stats = {ln.split()[0]: ln for ln in lines[i + 1:i + 5]}      # one line each, with meaning
+    assert set(stats) == {"code_mag", "r_slope", "balance_score", "distinct_frac"}, lines
+    assert float(stats["code_mag"].split()[1]) == pytest.approx(log[-1]["code_mag"], rel=1e-2)
+    assert "collapsed" in stats["code_mag"] and "ignores the codes" in stats["r_slope"]
+    assert lines[-2].strip().startswith("plot") and lines[-3].strip().startswith("evaluate")
 
 
 def test_reference_points_of_the_results_page():

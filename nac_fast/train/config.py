@@ -28,7 +28,7 @@ import argparse
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -537,9 +537,3 @@ def resolve(cfg: TrainConfig, *, world_size: int, device_type: str, steps_per_ep
         queue_size=_queue_size(cfg.queue_size, cfg.batch_size, cfg.method),
         r_gain=resolve_r_gain(cfg.r_gain, cfg.a_gain, cfg.flip_prob))
 
-
-def from_dict(d: dict) -> TrainConfig:
-    """A TrainConfig from config.json or a checkpoint's config (keys it does not know are left
-    out: a checkpoint of this version has none)."""
-    names = {f.name for f in fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in d.items() if k in names})

@@ -166,16 +166,12 @@ def summary_lines(st, flags, first_step: int, first_loss, last: dict | None, zer
     if st.step < cfg.total_steps:
         lines.append(f"  stopped at --stop-at-step {cfg.stop_at_step}: continue with the same "
                      "command plus --resume")
-    plot = os.path.join(_checkout(), "scripts", "plot_train_log.py")
-    lines += [f"  checkpoint  {ck}",
-              f"  evaluate    {_cmd('python', '-m', 'nac_fast.eval', '--checkpoint', ck, '--out', os.path.join(out, 'eval'))}"]
-    if os.path.isfile(plot):
-        lines.append(f"  plot        {_cmd('python', os.path.relpath(plot), os.path.join(out, 'log.jsonl'), '--out', os.path.join(out, 'curves.png'))}")
     if last:
-        stats = [f"{k} {last[k]:.3g} ({m})" for k, m in STAT_MEANINGS.items()
+        stats = [(k, last[k], m) for k, m in STAT_MEANINGS.items()
                  if isinstance(last.get(k), (int, float))]
         if stats:
-            lines.append(f"  last log    step {last['step']}: " + "; ".join(stats))
+            lines.append(f"  last log    step {last['step']} (docs/training.md \"Reading a run\"):")
+            lines += [f"    {k:<13} {v:<7.3g} {m}" for k, v, m in stats]
     skipped = len(getattr(st.loader, "skipped_files", ()) or ())
     if skipped:
         lines.append(f"  data        {skipped} unreadable files skipped (--on-bad-file warn; the "
@@ -183,6 +179,11 @@ def summary_lines(st, flags, first_step: int, first_loss, last: dict | None, zer
     ref = reference_line(flags, cfg.world_size)
     if ref:
         lines.append(f"  reference   {ref}")
+    plot = os.path.join(_checkout(), "scripts", "plot_train_log.py")
+    lines += [f"  checkpoint  {ck}",
+              f"  evaluate    {_cmd('python', '-m', 'nac_fast.eval', '--checkpoint', ck, '--out', os.path.join(out, 'eval'))}"]
+    if os.path.isfile(plot):
+        lines.append(f"  plot        {_cmd('python', os.path.relpath(plot), os.path.join(out, 'log.jsonl'), '--out', os.path.join(out, 'curves.png'))}")
     return lines
 
 
