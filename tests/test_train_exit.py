@@ -89,8 +89,7 @@ def test_fresh_run_into_a_run_stops_before_touching_it(finished, tmp_path):
     # --overwrite replaces it: a new run id, a log of the new run only, no prev.pt of the old one
     old_id = json.load(open(os.path.join(out, "config.json")))["run_id"]
     save_atomic(load_checkpoint(os.path.join(out, "last.pt")), os.path.join(out, "prev.pt"))
-    r = _train(SMALL + ["--max-steps", "2", "--out", out, "--overwrite"])
-    assert r.returncode == 0, r.stderr
+    assert train.main(SMALL + ["--max-steps", "2", "--out", out, "--overwrite"]) == 0
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["run_id"] != old_id and cfg["overwrite"] is True
     assert [json.loads(x)["step"] for x in open(os.path.join(out, "log.jsonl"))] == [1, 2]
@@ -98,16 +97,19 @@ def test_fresh_run_into_a_run_stops_before_touching_it(finished, tmp_path):
     assert load_checkpoint(os.path.join(out, "last.pt"))["step"] == 2
 
 
-def test_resume_with_nothing_to_resume_stops(tmp_path):
+def test_resume_with_nothing_to_resume_stops(tmp_path, capsys):
+    out = str(tmp_path / "absent")
+    r = _train(SMALL + ["--max-steps", "2", "--out", out, "--resume"])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"--out {out!r} holds no checkpoint to resume" in r.stderr, r.stderr
+    assert "leave out --resume" in r.stderr
+    assert STATUS_LINE.match(_last_line(r.stderr)).group(1) == "2"
+    assert not os.path.exists(out)
     empty = tmp_path / "empty"
     empty.mkdir()
-    for out in (empty, tmp_path / "absent"):
-        r = _train(SMALL + ["--max-steps", "2", "--out", str(out), "--resume"])
-        assert r.returncode == 2, r.stdout + r.stderr
-        assert f"--out {str(out)!r} holds no checkpoint to resume" in r.stderr, r.stderr
-        assert "leave out --resume" in r.stderr
-        assert STATUS_LINE.match(_last_line(r.stderr)).group(1) == "2"
-    assert os.listdir(empty) == [] and not (tmp_path / "absent").exists()
+    assert train.main(SMALL + ["--max-steps", "2", "--out", str(empty), "--resume"]) == 2
+    assert "holds no checkpoint to resume" in capsys.readouterr().err
+    assert os.listdir(empty) == []
 
 
 def test_resume_and_overwrite_contradict(tmp_path, capsys):
@@ -136,6 +138,7 @@ def _read_only_command(ro_dir, cmds):
             f"remount,bind,ro {ro_dir} && " + "; ".join(cmds)]
 
 
+@pytest.mark.slow
 def test_unwritable_out_at_start_up_is_status_4(finished, tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -244,14 +247,18 @@ def test_help_shows_the_values_a_run_uses_and_the_recipe():
     assert not re.search(r"^\s+--p\b", text, re.M) and "--p P" not in text  # an alias only
 
 
-def test_help_for_an_image_folder_shows_its_recipe(tmp_path):
+def test_help_for_an_image_folder_shows_its_recipe(tmp_path, capsys, monkeypatch):
     from nac_fast.data.sources.synthetic import write_jpeg_folder
     write_jpeg_folder(str(tmp_path / "im" / "train"), num_classes=2, per_class=2)
-    r = _train(["--data", str(tmp_path / "im"), "--help"], timeout=120)
-    assert r.returncode == 0, r.stderr
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        parse(["--data", str(tmp_path / "im"), "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
     recipe = os.path.join("configs", "imagenet.toml")
-    assert f"[default: 512; from {recipe}]" in _help_line(r.stdout, "--batch-size")
-    assert f"[default: 200; from {recipe}]" in _help_line(r.stdout, "--epochs")
+    assert f"[default: 512; from {recipe}]" in _help_line(out, "--batch-size")
+    assert f"[default: 200; from {recipe}]" in _help_line(out, "--epochs")
 
 
 def test_config_json_is_the_one_resolved_configuration(finished):

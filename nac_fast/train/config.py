@@ -175,7 +175,7 @@ def build_parser() -> _Parser:
     """train.py's flags.  Their defaults are TrainConfig's; parse() lays the recipe over them
     with set_defaults and writes the effective default into each flag's help."""
     ap = _Parser(prog="train.py", description="Pretrain an encoder with NAC, NAC-MQ or SimCLR.",
-                 allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
+                 allow_abbrev=False)
     a = ap.add_argument
     a("--config", dest="recipe", metavar="RECIPE", help="recipe file (TOML of flag values); "
       "default: configs/imagenet.toml for an ImageFolder root, else configs/fashion_mnist.toml")
@@ -253,7 +253,8 @@ def build_parser() -> _Parser:
       "--max-restarts=K a restarted worker group resumes from --out's newest checkpoint by "
       "itself")
     a("--overwrite", action="store_true", help="start a fresh run in an --out that holds "
-      "another run, deleting its last.pt, prev.pt, log.jsonl and non_finite.json first")
+      "another run, deleting its last.pt, prev.pt, log.jsonl, non_finite.json and status.json "
+      "when the new run starts")
     a("--seed", type=int, help="random seed")
     a("--log-every", type=int, help="log every this many steps (OUT/log.jsonl)")
     a("--save-every", type=int, help="checkpoint every this many steps (and at the end) to "
