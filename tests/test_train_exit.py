@@ -352,7 +352,8 @@ def test_reference_points_of_the_results_page():
     """The default recipe, SimCLR and the random-init encoder at the same budget, from
     docs/results_summary.json (docs/results.md's main table: 45.4 / 83.1 / 76.9 etc.)."""
     line = reference_line(parse([]), 2)
-    assert "2 epochs, 2 proc, batch 256, resnet-tiny, mean of 3 seeds" in line, line
+    assert "2 epochs, 2 proc, batch 256, resnet-tiny, mean of 3 seeds, linear probe 30 epochs" \
+        in line, line
     assert "this configuration 45.4 / 83.1 / 76.9" in line, line
     assert "SimCLR 44.4 / 82.2 / 76.4" in line and "random-init encoder 15.2 / 71.4 / 70.7" in line
     paper = reference_line(parse(["--config", os.path.join(ROOT, "configs",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 
@@ -270,7 +271,10 @@ def reference_line(flags, world_size: int) -> str | None:
         return None
     bits = flags.code_dim
     seeds = len(ref["this"])
-    line = (f"docs/results.md, {ref['budget']}, mean of {seeds} seed{'s' * (seeds > 1)} "
+    epochs = {m.group(1) for r in ref["this"] for c in r.get("commands", [])
+              for m in [re.search(r"--linear-epochs (\d+)", c)] if m and "nac_fast.eval" in c}
+    probe = f", linear probe {'/'.join(sorted(epochs))} epochs" if epochs else ""
+    line = (f"docs/results.md, {ref['budget']}, mean of {seeds} seed{'s' * (seeds > 1)}{probe} "
             f"(mAP@all {bits} b / linear top-1 / kNN top-1, %): this configuration "
             f"{_figures(ref['this'], bits)}")
     if ref["simclr"]:
