@@ -7,9 +7,9 @@ checkpoint's contents (`save`), the stop on a non-finite loss, and how every run
     st = build(cfg, dist_info)           # TrainState: everything a step needs
     start(st, plan)                      # --resume, or by itself after an elastic restart
     loss, a = train_step(st, x)          # x: both views of this rank's batch, on the device
-    status = save(st)                    # atomic, rotated; rank 0 writes every rank's RNG
-    status = stop_non_finite(st, bad)
-    return finish(di, status, message)   # the message once, the status line, status.json
+    save(st)                             # atomic, rotated; rank 0 writes every rank's RNG
+    stop_non_finite(st, bad)             # RunStopped(EXIT_NON_FINITE), as a failed save (4)
+    return finish(status, message, di, st)   # the message once, the status line, status.json
 
 Fault tolerance (docs/training.md "Fault tolerance"): a restarted torchrun worker group resumes
 from the newest good checkpoint in --out (last.pt, else prev.pt), a failed save stops every rank
