@@ -1,5 +1,8 @@
 # nac_fast: the two commands a newcomer needs on a fresh machine (see README.md).
 #   make train   set up, then train NAC on the embedded Fashion-MNIST (torchrun, 2 CPU processes)
+#                into OUT (runs/default); a second `make train` stops (status 2) without touching
+#                the first run: ARGS=--resume continues it, OUT=runs/other trains another,
+#                ARGS=--overwrite replaces it (README "Training")
 #   make test    set up, then run the test suite
 # Setup is idempotent: a stamp in the venv records it; it re-runs when setup.py or csrc/ change.
 
@@ -21,6 +24,7 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 STAMP      := $(VENV)/.nac_fast_setup
 ARGS       ?=
 NPROC      ?= 2
+OUT        ?= runs/default
 export MAX_JOBS ?= 2
 
 .PHONY: setup data test train bench clean
@@ -45,7 +49,7 @@ test: setup data
 	NAC_FAST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests
 
 train: setup data
-	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --out $(OUT) $(ARGS)
 
 bench: setup
 	$(BIN)/python bench/bench_loss.py $(ARGS)

@@ -3,11 +3,16 @@
     python scripts/plot_train_log.py runs/default/log.jsonl [--out runs/default/curves.png]
     python scripts/plot_train_log.py runs/nac/log.jsonl runs/simclr/log.jsonl --out cmp.png
 
-One panel per logged quantity (loss, lr, img/s, data wait, distinct codes, mean Hamming
-distance, balance score, code saturation) against the step; several logs are overlaid, labelled
-by their directory.  A resumed run's log repeats the steps after its checkpoint: the last record
-of each step is plotted.  Logs written before 'bit_balance' was renamed 'balance_score' (the same
-quantity, docs/math.md [M:balance-score]) are read with the key renamed.
+One panel per logged quantity against the step: first the loss with its zero-code value (D ln 2
+for NAC, 2 D ln 2 for NAC-MQ's loss + vi, ln(2B - 1) for SimCLR: the loss of codes that carry
+nothing, docs/math.md [M:z0]) as a dashed line, then the statistics docs/training.md says to
+judge a run by (loss_excess = loss - that value, code_mag, r_mag, r_slope with the small-code
+optimum 2(1 - 2p) dotted, balance_score, distinct_frac, mean_hamming), then lr, img/s and data
+wait.  code_sat, the same number as code_mag ([M:code-sat]), is drawn as code_mag when a log
+has no code_mag.  Several logs are overlaid, labelled by their directory.  A resumed run's log
+repeats the steps after its checkpoint: the last record of each step is plotted.  Logs written
+before 'bit_balance' was renamed 'balance_score' (the same quantity, docs/math.md
+[M:balance-score]) are read with the key renamed.
 """
 from __future__ import annotations
 
@@ -15,8 +20,9 @@ import argparse
 import json
 import os
 
-KEYS = ("loss", "lr", "img_per_s", "data_wait", "distinct_frac", "mean_hamming", "balance_score",
-        "code_sat")
+KEYS = ("loss", "loss_excess", "code_mag", "r_mag", "r_slope", "balance_score", "distinct_frac",
+        "mean_hamming", "lr", "img_per_s", "data_wait")
+ZERO_NAME = {"nac": "D ln 2", "nac-mq": "2 D ln 2", "simclr": "ln(2B - 1)"}
 OLD_KEYS = {"bit_balance": "balance_score"}  # key in older logs -> key now
 
 
@@ -36,10 +42,63 @@ def read_log(path: str) -> list[dict]:
             for old, new in OLD_KEYS.items():
                 if old in rec and new not in rec:
                     rec[new] = rec.pop(old)
+            if "code_mag" not in rec and "code_sat" in rec:
+                rec["code_mag"] = rec["code_sat"]
             by_step[rec["step"]] = rec
     if not by_step:
         raise ValueError(f"{path}: empty log")
     return [by_step[s] for s in sorted(by_step)]
+
+
+def run_config(log_path: str) -> dict:
+    """The config.json beside a log (train.py writes both), or {}."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(log_path)), "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def zero_code_value(recs: list[dict]):
+    """The log's zero-code value: loss - loss_excess (the same number at every record), or None
+    for a log without loss_excess."""
+    vals = [r["loss"] - r["loss_excess"] for r in recs
+            if isinstance(r.get("loss"), (int, float)) and isinstance(r.get("loss_excess"),
+                                                                      (int, float))]
+    return sorted(vals)[len(vals) // 2] if vals else None
+
+
+def draw(runs):
+    """The figure for runs = [(name, records, config)]: one panel per key of KEYS present."""
+    import matplotlib.pyplot as plt
+    keys = [k for k in KEYS if any(k in r for _, recs, _ in runs for r in recs)]
+    cols = 4
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for name, recs, cfg in runs:
+            pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
+            line, = ax.plot([s for s, _ in pts], [v for _, v in pts], label=name)
+            if key == "loss" and zero_code_value(recs) is not None:
+                z = zero_code_value(recs)
+                what = ZERO_NAME.get(cfg.get("method"), "zero-code value")
+                ax.axhline(z, ls="--", lw=1, color=line.get_color(),
+                           label=f"{what} = {z:.2f}" + (f" ({name})" if len(runs) > 1 else ""))
+            p = cfg.get("flip_prob", cfg.get("p"))
+            if key == "r_slope" and isinstance(p, (int, float)):
+                ax.axhline(2 * (1 - 2 * p), ls=":", lw=1, color=line.get_color(),
+                           label=f"2(1-2p) = {2 * (1 - 2 * p):.2f}")
+        if key == "loss_excess":
+            ax.axhline(0.0, ls="--", lw=1, color="gray")
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if key in ("loss", "r_slope") or (key == keys[0] and len(runs) > 1):
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.tight_layout()
+    return fig
 
 
 def main(argv=None):
@@ -52,29 +111,14 @@ def main(argv=None):
             ap.error(f"no such log file: {p}")
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    runs = [(os.path.basename(os.path.dirname(os.path.abspath(p))) or p, read_log(p))
-            for p in args.logs]
-    keys = [k for k in KEYS if any(k in r for _, recs in runs for r in recs)]
-    cols = 4
-    rows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
-        for name, recs in runs:
-            pts = [(r["step"], r[key]) for r in recs if key in r]
-            ax.plot([s for s, _ in pts], [v for _, v in pts], label=name)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.axis("off")
-    if len(runs) > 1:
-        axes.flat[0].legend()
-    fig.tight_layout()
+    runs = [(os.path.basename(os.path.dirname(os.path.abspath(p))) or p, read_log(p),
+             run_config(p)) for p in args.logs]
+    fig = draw(runs)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.logs[0])), "curves.png")
     fig.savefig(out, dpi=100)
     print(out)
+    return fig
 
 
 if __name__ == "__main__":

@@ -151,11 +151,10 @@ def test_training_names_the_flag_and_the_numbers(tmp_path, capsys):
         assert part in msg, msg
     sys.path.insert(0, ROOT)
     import train
-    with pytest.raises(SystemExit) as e:
-        train.main(["--data", r, "--batch-size", "8", "--loader", "torchvision", "--image-size",
-                    "32", "--out", str(tmp_path / "o"), "--no-progress"])
+    status = train.main(["--data", r, "--batch-size", "8", "--loader", "torchvision",
+                         "--image-size", "32", "--out", str(tmp_path / "o"), "--no-progress"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "--batch-size" in err and "the 5 images" in err, err
+    assert status == 2 and "--batch-size" in err and "the 5 images" in err, err
     assert not (tmp_path / "o" / "last.pt").exists()
 
 
@@ -172,11 +171,10 @@ def test_on_bad_file_flag_reaches_the_loader(tmp_path, capsys):
     assert ld.skipped_files == (notes, garbage)
     sys.path.insert(0, ROOT)
     import train
-    with pytest.raises(SystemExit) as e:
-        train.main(["--data", r, "--on-bad-file", "error", "--batch-size", "4", "--out",
-                    str(tmp_path / "o"), "--no-progress"])
+    status = train.main(["--data", r, "--on-bad-file", "error", "--batch-size", "4", "--out",
+                         str(tmp_path / "o"), "--no-progress"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and garbage in err, err
+    assert status == 2 and garbage in err, err
 
 
 @needs_dali
@@ -209,3 +207,42 @@ def test_dali_shards_by_the_global_rank(tmp_path):
     assert (ld.rank, ld.world_size, ld.kind) == (1, 2, "dali-cpu")
     ld.set_epoch(1)
     assert np.array_equal(ld.batch_indices(), got[1][0])
+
+
+def test_a_folder_of_twenty_non_images_warns_once_with_a_capped_list(tmp_path):
+    """train.py on a folder holding 20 non-image files: one warning giving the count and naming
+    the first 5, not 20 names (a subprocess: what a user runs and reads)."""
+    import subprocess
+    r = _folder(tmp_path, "twenty", per_class=8)
+    for i in range(20):
+        open(os.path.join(r, "class_00", f"notes{i:02d}.txt"), "w").write("not an image")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--data", r,
+                        "--image-size", "32", "--batch-size", "8", "--max-steps", "1",
+                        "--loader", "torchvision", "--workers", "0", "--no-progress",
+                        "--out", str(tmp_path / "o")], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    warn = [ln for ln in p.stderr.splitlines() if "nac_fast.data: skipping" in ln]
+    assert len(warn) == 1, p.stderr
+    assert "skipping 20 non-image or corrupt files" in warn[0]
+    assert warn[0].count("notes") == 5 and "and 15 more" in warn[0], warn[0]
+    assert "20 unreadable files skipped" in p.stdout          # the run's last lines count them
+
+
+def test_a_loader_warns_at_most_five_times(tmp_path):
+    """Undecodable files met batch after batch: a warning per batch up to the fifth, which says
+    that later ones are only counted; every file is counted."""
+    from nac_fast.data.sources import imagefolder
+    b = imagefolder.BadFiles("warn")
+    msgs = []
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for i in range(8):
+            b.report([str(tmp_path / f"bad{i}.jpg")], "undecodable files")
+        msgs = [str(w.message) for w in rec]
+    assert len(msgs) == imagefolder.MAX_WARNINGS == 5 and len(b.skipped) == 8
+    assert "further skipped files are only counted" in msgs[-1]
+    assert all("further" not in m for m in msgs[:-1])

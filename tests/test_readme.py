@@ -47,7 +47,8 @@ def test_make_targets_parse(cmd):
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     # the dry run shows the command the README promises (Makefile header, README "Two commands")
-    want = {"make train": ".venv/bin/torchrun --standalone --nproc_per_node=2 train.py",
+    want = {"make train": ".venv/bin/torchrun --standalone --nproc_per_node=2 train.py --out "
+                          "runs/default",
             "make test": ".venv/bin/python -m pytest -q tests"}[cmd]
     assert want in out.stdout.splitlines()[-1], out.stdout
 
@@ -113,19 +114,32 @@ def test_readme_training_loop_example_runs():
 @pytest.mark.skipif(not os.path.exists(STAMP),
                     reason="runs inside `make test` (the set-up venv); not from a bare checkout")
 def test_readme_main_job_runs(tmp_path):
-    """`make train` as the README writes it, with ARGS for a 3-step run: same target, same set-up
-    stamp, same torchrun line."""
-    out = tmp_path / "run"
-    args = f"ARGS=--max-steps 3 --batch-size 64 --out {out} --no-progress --log-every 1"
-    proc = subprocess.run(["make", "train", args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (out / "last.pt").exists()
-    assert (out / "log.jsonl").read_text().strip()
-    # the README's run: two processes (torchrun, NPROC=2) on Fashion-MNIST, every step logged
+    """`make train` as the README writes it, into OUT, with ARGS for a 3-step run: same target,
+    same set-up stamp, same torchrun line.  A second `make train` into the same OUT stops (the
+    README: status 2) without touching the first run; ARGS=--resume continues it."""
+    import hashlib
     import json
     import math
+    out = tmp_path / "run"
+    small = "--max-steps 3 --batch-size 64 --no-progress --log-every 1"
+    proc = subprocess.run(["make", "train", f"OUT={out}", f"ARGS={small}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "last.pt").exists()
+    # the README's run: two processes (torchrun, NPROC=2) on Fashion-MNIST, every step logged
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in log)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["world_size"] == 2 and cfg["data"] == "fashion-mnist"
+    assert "train.py: exit status 0 (done)" in proc.stdout and f"{out}/last.pt" in proc.stdout
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir()}
+    again = subprocess.run(["make", "train", f"OUT={out}", f"ARGS={small}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=900)
+    assert again.returncode != 0
+    assert f"--out '{out}' holds a run" in again.stderr and "exit status 2" in again.stderr
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir()} == files
+    more = subprocess.run(["make", "train", f"OUT={out}", f"ARGS={small} --max-steps 4 --resume"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert [json.loads(x)["step"] for x in (out / "log.jsonl").read_text().splitlines()] == \
+        [1, 2, 3, 4]

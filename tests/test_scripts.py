@@ -1,5 +1,7 @@
 """scripts/: the tools that are not benchmarks.  nac_loss_floor.py's figures are the ones
-docs/math.md [M:z0] and [M:floor] (and the README) quote."""
+docs/math.md [M:z0] and [M:floor] (and the README) quote; plot_train_log.py draws what
+docs/training.md says to judge a run by."""
+import json
 import math
 import os
 import sys
@@ -111,3 +113,35 @@ def test_code_shape_hamming_ranking_is_the_evaluation_map(q, gal, d):
     assert code_shape.ranking_map(oracle, yq, yg) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="score must be"):
         code_shape.ranking_map(oracle[:, :-1], yq, yg)
+
+
+def test_plot_train_log_draws_the_statistics_and_the_zero_code_line(tmp_path):
+    """The panels docs/training.md says to judge a run by (loss_excess, code_mag, r_mag,
+    r_slope) and the zero-code value on the loss panel (here loss - loss_excess = D ln 2 for the
+    config.json's method) and the small-code optimum 2(1 - 2p) on the r_slope panel."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import plot_train_log
+    finally:
+        sys.path.pop(0)
+    run = tmp_path / "run"
+    run.mkdir()
+    z = 16 * math.log(2)
+    recs = [{"step": s, "loss": z + 1.0 / s, "loss_excess": 1.0 / s, "code_mag": 0.1 * s,
+             "r_mag": 0.2, "r_slope": 0.5 * s, "balance_score": 0.9, "lr": 0.1}
+            for s in (1, 2, 3)]
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "config.json").write_text(json.dumps({"method": "nac", "flip_prob": 0.1}))
+    out = tmp_path / "c.png"
+    fig = plot_train_log.main([str(run / "log.jsonl"), "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    for key in ("loss", "loss_excess", "code_mag", "r_mag", "r_slope", "balance_score", "lr"):
+        assert key in axes, sorted(axes)
+    labels = {ln.get_label(): ln for ln in axes["loss"].get_lines()}
+    assert f"D ln 2 = {z:.2f}" in labels, sorted(labels)
+    assert list(labels[f"D ln 2 = {z:.2f}"].get_ydata()) == pytest.approx([z, z])
+    slope = {ln.get_label(): ln for ln in axes["r_slope"].get_lines()}
+    assert list(slope["2(1-2p) = 1.60"].get_ydata()) == pytest.approx([1.6, 1.6])
+    assert list(axes["r_slope"].get_lines()[0].get_ydata()) == [0.5, 1.0, 1.5]

@@ -90,8 +90,8 @@ def test_resume_mid_epoch_on_fashion_mnist(tmp_path):
 def test_resume_rejects_other_config(tmp_path, capsys):
     out = str(tmp_path / "c")
     assert train.main(MQ + ["--out", out, "--max-steps", "2"]) == 0
-    with pytest.raises(SystemExit):
-        train.main(MQ + ["--out", out, "--batch-size", "64", "--queue-size", "128", "--resume"])
+    assert train.main(MQ + ["--out", out, "--batch-size", "64", "--queue-size", "128",
+                            "--resume"]) == 2
     assert "checkpoint has batch_size=32" in capsys.readouterr().err
 
 

@@ -29,7 +29,7 @@ PREV = "prev.pt"    # the one before it (rotation: see the module docstring)
 CONFIG = "config.json"
 # What every train.py checkpoint holds; resume needs all of them, evaluation the first two.
 MODEL_KEYS = ("model", "config")
-STATE_KEYS = MODEL_KEYS + ("optimizer", "scheduler", "scaler", "step", "rng")
+STATE_KEYS = MODEL_KEYS + ("optimizer", "scaler", "step", "rng")
 _TMP = ".tmp-"      # prefix of save_atomic's temp files
 
 
@@ -93,12 +93,6 @@ def remove_stale_temp_files(out_dir: str) -> list:
             except FileNotFoundError:
                 pass
     return gone
-
-
-def latest_checkpoint(out_dir: str) -> str | None:
-    """out_dir/last.pt if it exists (unchecked; pick_checkpoint checks and falls back)."""
-    p = os.path.join(out_dir, LAST)
-    return p if os.path.isfile(p) else None
 
 
 def read_json(path: str):
@@ -173,25 +167,11 @@ def capture_rng_state() -> dict:
 def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     npst = state["numpy"]
-    if isinstance(npst, dict):
-        np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"],
-                             npst["has_gauss"], npst["cached"]))
-    else:  # a checkpoint written before 0.2: numpy's own tuple
-        np.random.set_state(npst)
+    np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"],
+                         npst["has_gauss"], npst["cached"]))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _numpy_globals() -> list:
-    """The numpy types a checkpoint written before 0.2 pickled (its numpy RNG state), allowed
-    for weights_only loading; nothing else outside torch's own allow-list."""
-    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core
-    out = [core.multiarray._reconstruct, np.ndarray, np.dtype]
-    dtypes = getattr(np, "dtypes", None)
-    if dtypes is not None:
-        out.append(dtypes.UInt32DType)
-    return out
 
 
 def load_checkpoint(path: str, map_location="cpu", require=MODEL_KEYS) -> dict:
@@ -209,15 +189,14 @@ def load_checkpoint(path: str, map_location="cpu", require=MODEL_KEYS) -> dict:
         raise ValueError(f"checkpoint {path!r} cannot be read: {exc}") from exc
     if size == 0:
         raise ValueError(f"checkpoint {path!r} is empty (0 bytes): a write that never finished")
-    with torch.serialization.safe_globals(_numpy_globals()):
-        try:
-            ck = torch.load(path, map_location=map_location, weights_only=True)
-        except (PermissionError, FileNotFoundError, IsADirectoryError) as exc:
-            raise ValueError(f"checkpoint {path!r} cannot be read: {exc}") from exc
-        except Exception as exc:  # truncated, corrupt, or not a file of torch.save
-            msg = str(exc).splitlines()[0] if str(exc) else ""
-            raise ValueError(f"checkpoint {path!r} ({size} bytes) is truncated, corrupt or not a "
-                             f"checkpoint: {type(exc).__name__}: {msg}") from exc
+    try:
+        ck = torch.load(path, map_location=map_location, weights_only=True)
+    except (PermissionError, FileNotFoundError, IsADirectoryError) as exc:
+        raise ValueError(f"checkpoint {path!r} cannot be read: {exc}") from exc
+    except Exception as exc:  # truncated, corrupt, or not a file of torch.save
+        msg = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(f"checkpoint {path!r} ({size} bytes) is truncated, corrupt or not a "
+                         f"checkpoint: {type(exc).__name__}: {msg}") from exc
     if not isinstance(ck, dict):
         raise ValueError(f"checkpoint {path!r} holds a {type(ck).__name__}, not a train.py "
                          "checkpoint (a dict)")

@@ -1,32 +1,124 @@
-"""train.py's flags, its recipes, and the one place where their defaults are resolved.
+"""A training run's configuration: one typed dataclass (TrainConfig), train.py's flags and
+recipes that fill it, and the rules that resolve what depends on the data.
 
-    args = parse(argv)                 # flags <- recipe file <- built-in rules, checked
-    run = resolve_run(args, loader, world)   # what depends on the data: steps, lr, queue, EMA
+    cfg = parse(argv)        # TrainConfig: command line > recipe file > built-in values, checked
+    cfg = resolve(cfg, ...)  # + the values that depend on the data and the processes
+
+config.json and every checkpoint store ``asdict(cfg)`` (the resolved object), so a run has one
+record of what it trained with.
 
 A recipe is a TOML file of flag values (keys: the flags' names with '_' for '-', e.g.
-``batch_size = 512``): ``--config configs/imagenet_nac_mq.toml``.  Without --config, an ImageFolder
-root (a folder with train/) gets configs/imagenet.toml (the paper's ImageNet recipe) and anything
-else configs/fashion_mnist.toml (the short CPU demo).  Precedence: a flag given on the command
-line, else the recipe's value, else the flag's default below.  Values left open (None) follow the
-rules of resolve_run:
+``batch_size = 512``, ``flip_prob = 0.1``): ``--config configs/imagenet_nac_mq.toml``.  Without
+--config, an ImageFolder root (a folder with train/) gets configs/imagenet.toml (the paper's
+ImageNet recipe) and anything else configs/fashion_mnist.toml (the short CPU demo).  The recipe
+is loaded with ``parser.set_defaults(**recipe)``: a flag given on the command line wins, and
+``train.py --help`` shows the values a run will use (and the recipe file they come from).
+Values left open (None) follow the rules of `resolve`:
 
     lr            0.075 * sqrt(global batch)                        (the paper's LARS rule)
     warmup        10 epochs, at most 10% of the run                 (the paper's 10 epochs)
     momentum      EMA decay 0.99 for images of <= 64 px, else 0.999
     queue_size    16 x the global batch; a recipe may also write "<k>x" (k x the global batch)
                   or a number, rounded down to a multiple of the global batch
+    r_gain        "auto" = 2 (1 - 2 flip_prob) a_gain
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from .methods import METHODS
-from .models import ARCHS, INFER_INITS
+from .models import ARCHS, INFER_INITS, resolve_r_gain
+
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nac_fast/
+# The checkout's configs/ (source tree, editable install), else the copy a wheel ships as
+# nac_fast/configs (setup.py's package data).
+CONFIG_DIR = next((d for d in (os.path.join(os.path.dirname(_PKG), "configs"),
+                               os.path.join(_PKG, "configs")) if os.path.isdir(d)),
+                  os.path.join(os.path.dirname(_PKG), "configs"))
+AUTO_RECIPES = {"imagefolder": "imagenet.toml", "other": "fashion_mnist.toml"}
+
+
+class UsageError(ValueError):
+    """A flag, a recipe or the data does not allow the run (train.py: status 2)."""
+
+
+@dataclass
+class TrainConfig:
+    """A run's configuration.  The first group are train.py's flags (train.py --help; a recipe
+    sets any of them but the per-run ones); `resolve` fills the values left open (None, "auto")
+    and the second group once the data and the processes are known; `run.start` the third."""
+    # ---- flags (the built-in values; recipes and the command line override them) ----
+    recipe: str | None = None          # --config: the recipe file (parse: the file used)
+    data: str = "fashion-mnist"
+    arch: str = "resnet-tiny"
+    method: str = "nac"
+    flip_prob: float = 0.1
+    epochs: int | None = None
+    max_steps: int | None = None
+    batch_size: int | None = None      # global
+    lr: float | None = None
+    warmup_epochs: float | None = None
+    wd: float = 1e-6
+    queue_size: int | str | None = None
+    momentum: float | None = None
+    l2: float = 0.1
+    tau: float = 0.5
+    code_dim: int = 128
+    scale_codes: bool = True
+    head_bn: bool = False
+    infer_bn: bool = False
+    a_gain: float = 1.0
+    r_gain: float | str = 1.0
+    learn_gain: bool = False
+    infer_init: str = "independent"
+    bn_per_view: bool = False
+    infer_warmup_steps: int = 0
+    collapse_warn: float = 0.05
+    amp: str = "auto"
+    channels_last: bool = True
+    compile: bool = False
+    loss_backend: str = "auto"
+    sync_bn: bool = False
+    shuffle_bn: bool = True
+    image_size: int | None = None
+    loader: str = "auto"
+    on_bad_file: str = "warn"
+    workers: int | None = None
+    device: str = "auto"
+    out: str = "runs/default"
+    resume: str | None = None
+    overwrite: bool = False
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 200
+    tensorboard: bool = False
+    stop_at_step: int | None = None
+    progress: bool = True
+    # ---- resolved from the data and the processes (resolve) ----
+    world_size: int | None = None
+    steps_per_epoch: int | None = None
+    total_steps: int | None = None
+    warmup_steps: int | None = None
+    in_channels: int | None = None
+    num_images: int | None = None
+    # ---- the run's identity (run.start) ----
+    run_id: str | None = None
+    elastic_run_id: str | None = None
+    extended: list = field(default_factory=list)   # extensions: [{step, from_total_steps, ...}]
+
+    def to_dict(self) -> dict:
+        """What config.json and the checkpoints store (plain values: weights_only loads them)."""
+        return asdict(self)
+
+
+# Flags a recipe may not set: where a run writes and where it resumes from are per run.
+PER_RUN = ("recipe", "out", "resume", "overwrite", "stop_at_step")
 
 
 def _gain(v):
@@ -41,269 +133,372 @@ def _gain(v):
         raise ValueError(f"expected a number > 0 or 'auto', got {v!r}")
     return g
 
-_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nac_fast/
-# The checkout's configs/ (source tree, editable install), else the copy a wheel ships as
-# nac_fast/configs (setup.py's package data).
-CONFIG_DIR = next((d for d in (os.path.join(os.path.dirname(_PKG), "configs"),
-                               os.path.join(_PKG, "configs")) if os.path.isdir(d)),
-                  os.path.join(os.path.dirname(_PKG), "configs"))
-AUTO_RECIPES = {"imagefolder": "imagenet.toml", "other": "fashion_mnist.toml"}
+
+def _queue(v):
+    """--queue-size: a number of codes, or "<k>x" (k global batches)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    t = str(v).strip()
+    if t.isdigit():
+        return int(t)
+    if t.endswith("x") and t[:-1].isdigit() and int(t[:-1]) >= 1:
+        return t
+    raise ValueError(f"expected a number of codes or '<k>x' (k global batches), got {v!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="Pretrain an encoder with NAC, NAC-MQ or SimCLR.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                 allow_abbrev=False)
+class _Parser(argparse.ArgumentParser):
+    """argparse with a record of its flags (the Actions add_argument returns) and usage errors
+    raised as UsageError (train.py prints them once, on rank 0, with the status line)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.flags: dict[str, list] = {}      # dest -> its actions (--flip-prob and --p: one dest)
+        self.option_dest: dict[str, str] = {}  # "--flip-prob" -> "flip_prob"
+
+    def add_argument(self, *a, **k):
+        action = super().add_argument(*a, **k)
+        if action.dest != "help":
+            self.flags.setdefault(action.dest, []).append(action)
+            for opt in action.option_strings:
+                self.option_dest[opt] = action.dest
+        return action
+
+    def error(self, message):
+        raise UsageError(message)
+
+    def flag(self, dest: str) -> str:
+        """The flag's own name (its first option string)."""
+        return self.flags[dest][0].option_strings[0]
+
+
+def build_parser() -> _Parser:
+    """train.py's flags.  Their defaults are TrainConfig's; parse() lays the recipe over them
+    with set_defaults and writes the effective default into each flag's help."""
+    ap = _Parser(prog="train.py", description="Pretrain an encoder with NAC, NAC-MQ or SimCLR.",
+                 allow_abbrev=False)
     a = ap.add_argument
-    a("--config", default=None, help="recipe (TOML of flag values); default: configs/imagenet.toml "
-      "for an ImageFolder root, else configs/fashion_mnist.toml")
-    a("--data", default="fashion-mnist", help="fashion-mnist | CIFAR-10 dir | ImageFolder root | "
-      "synthetic[:N]")
-    a("--arch", default="resnet-tiny", choices=sorted(ARCHS),
-      help="encoder; resnet-tiny/resnet18-small are CPU-sized")
-    a("--method", default="nac", choices=METHODS, help="objective")
-    # torchrun reads "--p" as an abbreviation of its own --print-completion, so under torchrun
-    # write --flip-prob (or put "--" before the script's flags)
-    a("--p", "--flip-prob", dest="p", type=float, default=0.1,
-      help="bit-flip probability of the channel, in (0, 0.5); under torchrun use --flip-prob")
-    a("--epochs", type=int, default=None, help="epochs (recipe: 200 ImageNet, 2 demo)")
-    a("--max-steps", type=int, default=None, help="total optimizer steps (overrides --epochs; "
-      "the lr schedule spans this many steps). With --resume, a total larger than the "
-      "checkpoint's extends the run: training continues exactly from the checkpoint and the "
-      "cosine is restretched to end at the new total (the lr jumps up to the value a run "
-      "planned with this total has at that step; the warm-up stays the checkpoint's)")
-    a("--batch-size", type=int, default=None, help="GLOBAL batch (images per step, all ranks; "
-      "recipe: 512 ImageNet, 256 demo)")
-    a("--lr", type=float, default=None, help="base LARS lr; default 0.075*sqrt(batch)")
-    a("--warmup-epochs", type=float, default=None,
-      help="linear warm-up length; default 10 epochs (paper) capped at 10%% of the run")
-    a("--wd", type=float, default=1e-6, help="weight decay (not on BN parameters and biases)")
-    a("--queue-size", type=int, default=None, help="NAC-MQ queue length M, a multiple of the "
-      "global batch; recipe: 65536 ImageNet, 16 x batch demo (keys at most 8 steps old; the "
-      "paper's 50000 there collapses the codes, see docs/results.md)")
-    a("--momentum", type=float, default=None, help="EMA decay of the momentum model; default "
-      "0.99 (<=64 px images) or 0.999")
-    a("--l2", type=float, default=0.1, help="lambda of NAC-MQ's lambda*||z||^2")
-    a("--tau", type=float, default=0.5, help="SimCLR temperature")
-    a("--code-dim", type=int, default=128, help="code bits D")
+    a("--config", dest="recipe", metavar="RECIPE", help="recipe file (TOML of flag values); "
+      "default: configs/imagenet.toml for an ImageFolder root, else configs/fashion_mnist.toml")
+    a("--data", help="fashion-mnist | CIFAR-10 dir | ImageFolder root | synthetic[:N]")
+    a("--arch", choices=sorted(ARCHS), help="encoder; resnet-tiny/resnet18-small are CPU-sized")
+    a("--method", choices=METHODS, help="objective")
+    a("--flip-prob", dest="flip_prob", type=float, metavar="P",
+      help="bit-flip probability p of the channel, in (0, 0.5)")
+    # A plain-python alias only: torchrun takes "--p" for an abbreviation of its own
+    # --print-completion, so the docs, the recipes and the messages say --flip-prob.
+    a("--p", dest="flip_prob", type=float, help=argparse.SUPPRESS)
+    a("--epochs", type=int, help="epochs")
+    a("--max-steps", type=int, help="total optimizer steps (overrides --epochs; the lr schedule "
+      "spans this many steps). With --resume, a total larger than the checkpoint's extends the "
+      "run: training continues exactly from the checkpoint and the cosine is restretched to end "
+      "at the new total (the lr jumps up to the value a run planned with this total has at that "
+      "step; the warm-up stays the checkpoint's)")
+    a("--batch-size", type=int, help="GLOBAL batch (images per step, all processes)")
+    a("--lr", type=float, help="base LARS lr")
+    a("--warmup-epochs", type=float, help="linear lr warm-up length in epochs")
+    a("--wd", type=float, help="weight decay (not on BN parameters and biases)")
+    a("--queue-size", type=_queue, help="NAC-MQ queue length M: a multiple of the global batch, "
+      "or '<k>x' (k global batches); the paper's 50000 collapses the codes of the short demo "
+      "(docs/results.md)")
+    a("--momentum", type=float, help="EMA decay of NAC-MQ's momentum model")
+    a("--l2", type=float, help="lambda of NAC-MQ's lambda*||z||^2")
+    a("--tau", type=float, help="SimCLR temperature")
+    a("--code-dim", type=int, help="code bits D")
     a("--no-scale-codes", dest="scale_codes", action="store_false",
       help="do not divide a and r by sqrt(D) (the authors' initial scale)")
-    # Head options (nac_fast/train/models.py NACModel; reproduce_fmnist.py's ablation). The flag
-    # defaults are the authors' heads; the demo recipe configs/fashion_mnist.toml sets the learning
-    # heads (docs/results.md).
-    bool_flag = dict(action=argparse.BooleanOptionalAction, default=False)
-    a("--head-bn", **bool_flag, help="BatchNorm1d(affine=False) at the end of the code head g")
-    a("--infer-bn", **bool_flag, help="BatchNorm1d(affine=False) at the end of the inference "
-      "network phi")
-    a("--a-gain", type=float, default=1.0, help="gain of the codes: a = g(h) * gain / sqrt(D)")
-    a("--r-gain", type=_gain, default=1.0, help="gain of the inference logits: r = phi(h') * "
-      "gain / sqrt(D); 'auto' = 2(1-2p) * --a-gain (the small-code optimum r ~ 2(1-2p) z)")
-    a("--learn-gain", **bool_flag, help="the gains are learnable per-bit parameters (initialised "
-      "to --a-gain, --r-gain) instead of fixed numbers")
-    a("--infer-init", default="independent", choices=INFER_INITS,
+    # Head options (nac_fast/train/models.py NACModel; docs/math.md [M:heads]).
+    a("--head-bn", action=argparse.BooleanOptionalAction,
+      help="BatchNorm1d(affine=False) at the end of the code head g")
+    a("--infer-bn", action=argparse.BooleanOptionalAction,
+      help="BatchNorm1d(affine=False) at the end of the inference network phi")
+    a("--a-gain", type=float, help="gain of the codes: a = g(h) * gain / sqrt(D)")
+    a("--r-gain", type=_gain, help="gain of the inference logits: r = phi(h') * gain / sqrt(D); "
+      "'auto' = 2(1-2p) * --a-gain (the small-code optimum r ~ 2(1-2p) z)")
+    a("--learn-gain", action=argparse.BooleanOptionalAction, help="the gains are learnable "
+      "per-bit parameters (initialised to --a-gain, --r-gain) instead of fixed numbers")
+    a("--infer-init", choices=INFER_INITS,
       help="initialise the inference network independently or as a copy of the code head")
-    a("--bn-per-view", **bool_flag, help="one encoder/head pass per view (BatchNorm statistics "
-      "per view, as the authors' two forward passes) instead of one pass over both views")
-    a("--infer-warmup-steps", type=int, default=0, help="for this many first steps the NAC loss "
-      "trains only the inference network (codes and its input detached)")
-    a("--collapse-warn", type=float, default=0.05, help="warn once when the logged mean "
-      "|tanh a| is below this after the lr warm-up (0: never)")
-    a("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"),
+    a("--bn-per-view", action=argparse.BooleanOptionalAction, help="one encoder/head pass per "
+      "view (BatchNorm statistics per view, as the authors' two forward passes) instead of one "
+      "pass over both views")
+    a("--infer-warmup-steps", type=int, help="for this many first steps the NAC loss trains only "
+      "the inference network (codes and its input detached)")
+    a("--collapse-warn", type=float, help="warn once when the logged mean |tanh a| is below this "
+      "after the lr warm-up (0: never)")
+    a("--amp", choices=("auto", "bf16", "fp16", "off"),
       help="autocast dtype; auto = bf16 on GPU, off (fp32) on CPU")
-    a("--channels-last", action=argparse.BooleanOptionalAction, default=True,
+    a("--channels-last", action=argparse.BooleanOptionalAction,
       help="NHWC memory format (faster convolutions on GPU and, measured, on CPU too)")
     a("--compile", action="store_true", help="torch.compile the online model")
-    a("--loss-backend", default="auto", choices=("auto", "reference", "cpu", "triton", "cuda"),
+    a("--loss-backend", choices=("auto", "reference", "cpu", "triton", "cuda"),
       help="NAC loss backend (nac_fast.nac_loss's backend); auto = cpu on CPU, triton on GPU "
       "(cuda, the experimental tensor-core backend, only when named)")
     a("--sync-bn", action="store_true", help="SyncBatchNorm in the online model (DDP)")
     a("--no-shuffle-bn", dest="shuffle_bn", action="store_false",
       help="disable MoCo's batch shuffle for the momentum branch (NAC-MQ, DDP)")
-    a("--image-size", type=int, default=None, help="crop size; default the data's native size")
-    a("--loader", default="auto", choices=("auto", "torchvision", "dali-cpu", "dali-gpu"))
-    a("--on-bad-file", default="warn", choices=("warn", "error"),
+    a("--image-size", type=int, help="crop size")
+    a("--loader", choices=("auto", "torchvision", "dali-cpu", "dali-gpu"), help="data loader")
+    a("--on-bad-file", choices=("warn", "error"),
       help="an ImageFolder file that cannot be read: warn = skip it (named in one warning, "
       "replaced by the next readable image, counted in the loader's skipped_files), error = "
       "stop with an error naming it")
-    a("--workers", type=int, default=None, help="data workers per rank; default: "
-      "0 on CPU, else min(8, cpus per rank - 1)")
-    a("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    a("--out", default="runs/default", help="output directory (checkpoints, logs)")
-    a("--resume", nargs="?", const="auto", default=None,
+    a("--workers", type=int, help="data workers per process")
+    a("--device", choices=("auto", "cpu", "cuda"), help="auto = cuda when available")
+    a("--out", help="output directory: last.pt, prev.pt, log.jsonl, config.json, status.json. "
+      "A fresh run refuses a directory that holds a run (checkpoints or a log): use --resume, "
+      "another --out, or --overwrite")
+    a("--resume", nargs="?", const="auto", metavar="PATH",
       help="resume from the newest good checkpoint in --out (last.pt, else prev.pt), or from "
-      "the given file or directory. Under torchrun --max-restarts=K a restarted worker group "
-      "resumes from --out's newest checkpoint by itself")
-    a("--seed", type=int, default=0)
-    a("--log-every", type=int, default=10)
-    a("--save-every", type=int, default=200, help="checkpoint every this many steps (and at the "
-      "end) to OUT/last.pt, the previous one kept as OUT/prev.pt; a crash loses at most this "
-      "many steps")
+      "the given file or directory; stops (status 2) when there is none. Under torchrun "
+      "--max-restarts=K a restarted worker group resumes from --out's newest checkpoint by "
+      "itself")
+    a("--overwrite", action="store_true", help="start a fresh run in an --out that holds "
+      "another run, deleting its last.pt, prev.pt, log.jsonl, non_finite.json and status.json "
+      "when the new run starts")
+    a("--seed", type=int, help="random seed")
+    a("--log-every", type=int, help="log every this many steps (OUT/log.jsonl)")
+    a("--save-every", type=int, help="checkpoint every this many steps (and at the end) to "
+      "OUT/last.pt, the previous one kept as OUT/prev.pt; a crash loses at most this many steps")
     a("--tensorboard", action="store_true",
       help="also log to OUT/tensorboard (torch.utils.tensorboard; needs the tensorboard package)")
-    a("--stop-at-step", type=int, default=None, help="save and exit after this step although the "
-      "schedule runs to --max-steps (split a run over job time limits; used by the resume test)")
+    a("--stop-at-step", type=int, help="save and exit after this step although the schedule runs "
+      "to --max-steps (split a run over job time limits)")
     a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    built_in = TrainConfig()
+    ap.set_defaults(**{d: getattr(built_in, d) for d in ap.flags})
     return ap
 
 
-# Flags a recipe may not set: where a run writes and where it resumes from are per run.
-_NOT_IN_RECIPES = {"config", "out", "resume", "stop_at_step"}
+# What a flag left open (None or "auto") becomes: shown in --help next to the default.
+def _rules(d: dict) -> dict:
+    b = d.get("batch_size")
+    out = {
+        "lr": "0.075 x sqrt(global batch)" + (f" = {0.075 * math.sqrt(b):.4g} at batch {b}"
+                                              if isinstance(b, int) and b > 0 else ""),
+        "warmup_epochs": "10 epochs, at most 10%% of the run" + (
+            f" = {min(10.0, 0.1 * d['epochs']):g} epochs here"
+            if isinstance(d.get("epochs"), int) and d.get("max_steps") is None else ""),
+        "momentum": "0.99 for images of <= 64 px, else 0.999",
+        "image_size": "the data's native size",
+        "workers": "0 on CPU, else min(8, CPUs per process - 1)",
+        "epochs": "none: the recipe must set it, or give --max-steps",
+        "max_steps": "--epochs x steps per epoch",
+        "recipe": "chosen by --data",
+        "resume": "a fresh run",
+        "stop_at_step": "run to the end",
+    }
+    q = d.get("queue_size")
+    if q is None or isinstance(q, str):
+        k = int(q[:-1]) if isinstance(q, str) else 16
+        out["queue_size"] = f"{k} x global batch" + (f" = {k * b}" if isinstance(b, int) else "")
+        if q is not None:
+            out["queue_size"] = f"{q} = " + out["queue_size"]
+    if d.get("r_gain") == "auto" and isinstance(d.get("a_gain"), (int, float)):
+        p = d.get("flip_prob")
+        out["r_gain"] = f"auto = 2(1-2p) x a_gain = {2 * (1 - 2 * p) * d['a_gain']:.4g}"
+    return out
 
 
-def _explicit_dests(parser: argparse.ArgumentParser, argv) -> set:
-    """The dests given on the command line (argparse keeps no record: parse again with every
-    default suppressed)."""
-    saved = [(a, a.default) for a in parser._actions]
-    try:
-        for a, _ in saved:
-            a.default = argparse.SUPPRESS
-        return set(vars(parser.parse_known_args(argv)[0]))
-    finally:
-        for a, d in saved:
-            a.default = d
+def _describe_defaults(parser: _Parser, path: str, recipe: dict) -> None:
+    """Each flag's help ends with the value a run without that flag uses, and where it comes from
+    (the recipe file or the built-in value)."""
+    values = {d: parser.get_default(d) for d in parser.flags}
+    rules, rel = _rules(values), _display(path)
+    for dest, actions in parser.flags.items():
+        v = values[dest]
+        if (actions[0].nargs == 0 and dest not in recipe
+                and not isinstance(actions[0], argparse.BooleanOptionalAction)):
+            continue  # --compile, --no-progress, ...: their help says what they do
+        shown = rules.get(dest) if v is None or dest in ("queue_size", "r_gain") else None
+        shown = rel if dest == "recipe" else shown or str(v).replace("%", "%%")
+        src = f"; from {rel}" if dest in recipe else ""
+        actions[0].help = f"{actions[0].help} [default: {shown}{src}]"
+    parser.epilog = (f"Defaults above: what a run with no flags uses for --data "
+                     f"{values['data']}: the recipe {rel} over the built-in values (marked "
+                     f"'from {rel}' where the recipe sets them); any flag given wins. Values "
+                     "left open follow nac_fast/train/config.py's rules. Exit status: 0 done, "
+                     "2 bad flags/recipe/data/--out/checkpoint, 3 non-finite loss, 4 --out not "
+                     "writable; under torchrun, which exits 1, the last line of rank 0 "
+                     "'train.py: exit status N' and OUT/status.json say which (docs/training.md).")
 
 
-def recipe_path(args) -> str:
-    if args.config:
-        return args.config
-    kind = "imagefolder" if os.path.isdir(os.path.join(args.data, "train")) else "other"
+def _display(path: str) -> str:
+    """A path as a user would type it: relative to the working directory when inside it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def recipe_path(config: str | None, data: str) -> str:
+    if config:
+        return config
+    kind = "imagefolder" if os.path.isdir(os.path.join(data, "train")) else "other"
     return os.path.join(CONFIG_DIR, AUTO_RECIPES[kind])
 
 
-def load_recipe(path: str, parser: argparse.ArgumentParser) -> dict:
-    """A recipe's flag values, checked against the flags (ValueError naming the key)."""
+def load_recipe(path: str, parser: _Parser) -> dict:
+    """A recipe's flag values, checked against the flags (UsageError naming the file and key)."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python < 3.11
         try:
             import tomli as tomllib
         except ModuleNotFoundError as exc:
-            raise ValueError("reading a recipe needs Python >= 3.11 (tomllib) or the tomli "
+            raise UsageError("reading a recipe needs Python >= 3.11 (tomllib) or the tomli "
                              "package") from exc
     if not os.path.isfile(path):
-        raise ValueError(f"--config {path!r}: no such recipe file (recipes: {CONFIG_DIR})")
+        raise UsageError(f"--config {path!r}: no such recipe file (recipes: {CONFIG_DIR})")
     with open(path, "rb") as f:
         try:
             recipe = tomllib.load(f)
         except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"--config {path!r}: not valid TOML: {exc}") from exc
-    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+            raise UsageError(f"--config {path!r}: not valid TOML: {exc}") from exc
     out = {}
     for key, value in recipe.items():
         if key == "description":
             continue
-        if key not in actions or key in _NOT_IN_RECIPES:
-            raise ValueError(f"--config {path!r}: unknown or per-run key {key!r} (a recipe sets "
-                             "flag values: batch_size, epochs, method, ...)")
-        action = actions[key]
-        if key == "queue_size" and isinstance(value, str):
-            if not (value.endswith("x") and value[:-1].isdigit() and int(value[:-1]) >= 1):
-                raise ValueError(f"--config {path!r}: queue_size must be a number or '<k>x', "
-                                 f"got {value!r}")
-        elif value is not None and action.type is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-                raise ValueError(f"--config {path!r}: {key} = {value!r} has the wrong type")
+        where = f"--config {path!r}: {key} = {value!r}"
+        if key not in parser.flags or key in PER_RUN:
+            raise UsageError(f"--config {path!r}: unknown or per-run key {key!r} (a recipe sets "
+                             "flag values: batch_size, epochs, method, flip_prob, ...)")
+        action = parser.flags[key][0]
+        if action.nargs == 0:                       # switches: true / false
+            if not isinstance(value, bool):
+                raise UsageError(f"{where}: must be true or false")
+        elif action.type is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UsageError(f"{where}: must be an integer")
+        elif action.type is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UsageError(f"{where}: must be a number")
+            value = float(value)
+        elif action.type is not None:
+            if isinstance(value, bool):
+                raise UsageError(f"{where}: has the wrong type")
             try:
                 value = action.type(value)
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"--config {path!r}: {key} = {value!r}: {exc}") from exc
+                raise UsageError(f"{where}: {exc}") from exc
+        elif not isinstance(value, str):
+            raise UsageError(f"{where}: must be a string")
         if action.choices is not None and value not in action.choices:
-            raise ValueError(f"--config {path!r}: {key} must be one of {sorted(action.choices)}, "
-                             f"got {value!r}")
+            raise UsageError(f"{where}: must be one of {sorted(action.choices)}")
         out[key] = value
     return out
 
 
-def parse(argv=None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """The run's flags: the command line over the recipe over the defaults, checked (exits with
-    a usage error, status 2, naming the flag or the recipe key)."""
-    parser = parser or build_parser()
-    args = parser.parse_args(argv)
-    try:
-        path = recipe_path(args)
-        recipe = load_recipe(path, parser)
-        explicit = _explicit_dests(parser, argv)
-        for key, value in recipe.items():
-            if key not in explicit:
-                setattr(args, key, value)
-        args.recipe = os.path.splitext(os.path.basename(path))[0]
-        check_args(args, int(os.environ.get("WORLD_SIZE", "1") or 1))
-    except ValueError as exc:
-        parser.error(str(exc))
-    return args
+def _typed_flags(argv, parser: _Parser) -> dict:
+    """{dest: the option string the user typed} (the last one, as argparse keeps)."""
+    typed = {}
+    for tok in argv:
+        if tok == "--":
+            break
+        opt = tok.split("=", 1)[0]
+        if opt in parser.option_dest:
+            typed[parser.option_dest[opt]] = opt
+    return typed
 
 
-def check_args(args, world: int) -> None:
-    """Flag checks that need no data; raises ValueError naming the flag."""
-    pos = {"--batch-size": args.batch_size, "--epochs": args.epochs,
-           "--log-every": args.log_every, "--save-every": args.save_every,
-           "--code-dim": args.code_dim}
-    for k in ("max_steps", "image_size", "stop_at_step"):
-        if getattr(args, k) is not None:
-            pos["--" + k.replace("_", "-")] = getattr(args, k)
-    if isinstance(args.queue_size, int):
-        pos["--queue-size"] = args.queue_size
-    for name, v in pos.items():
+def parse(argv=None) -> TrainConfig:
+    """The run's configuration: the command line over the recipe over the built-in values,
+    checked.  UsageError (a ValueError) naming the flag as typed, or the recipe file and key."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config")
+    pre.add_argument("--data", default=TrainConfig.data)
+    known, _ = pre.parse_known_args(argv)
+    path = recipe_path(known.config, known.data)
+    recipe = load_recipe(path, parser)
+    parser.set_defaults(**recipe)
+    parser.set_defaults(recipe=os.path.abspath(path))
+    _describe_defaults(parser, path, recipe)
+    cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    cfg.recipe = os.path.abspath(cfg.recipe)
+    typed = _typed_flags(argv, parser)
+
+    def name(dest):
+        if dest in typed:
+            return typed[dest]
+        if dest in recipe:
+            return f"{dest} (recipe {_display(path)})"
+        return parser.flag(dest)
+    check(cfg, int(os.environ.get("WORLD_SIZE", "1") or 1), name)
+    return cfg
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check(cfg: TrainConfig, world: int, name=_flag) -> None:
+    """Checks that need no data; UsageError naming the flag (`name(dest)`: as the user gave it)."""
+    pos = {d: getattr(cfg, d) for d in ("batch_size", "epochs", "log_every", "save_every",
+                                         "code_dim")}
+    for d in ("max_steps", "image_size", "stop_at_step"):
+        if getattr(cfg, d) is not None:
+            pos[d] = getattr(cfg, d)
+    if isinstance(cfg.queue_size, int):
+        pos["queue_size"] = cfg.queue_size
+    for d, v in pos.items():
         if v is None:
-            raise ValueError(f"{name} has no value: the recipe must set it")
+            if d == "epochs" and cfg.max_steps is not None:
+                continue
+            raise UsageError(f"{name(d)} has no value: give it, or set it in the recipe")
         if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    if not 0.0 < args.p < 0.5:
-        raise ValueError(f"--p must lie in (0, 0.5), got {args.p}")
-    if args.lr is not None and not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
-    if args.warmup_epochs is not None and args.warmup_epochs < 0:
-        raise ValueError(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
-    if not args.a_gain > 0:
-        raise ValueError(f"--a-gain must be > 0, got {args.a_gain}")
-    if args.infer_warmup_steps < 0 or args.collapse_warn < 0:
-        raise ValueError("--infer-warmup-steps and --collapse-warn must be >= 0")
-    for flag in ("head_bn", "infer_bn", "learn_gain", "bn_per_view", "scale_codes"):
-        if not isinstance(getattr(args, flag), bool):
-            raise ValueError(f"--{flag.replace('_', '-')} must be true or false, got "
-                             f"{getattr(args, flag)!r}")
-    if args.wd < 0 or args.l2 < 0 or not args.tau > 0:
-        raise ValueError("--wd and --l2 must be >= 0 and --tau > 0")
-    if args.momentum is not None and not 0.0 <= args.momentum < 1.0:
-        raise ValueError(f"--momentum (EMA decay) must lie in [0, 1), got {args.momentum}")
-    if args.workers is not None and args.workers < 0:
-        raise ValueError(f"--workers must be >= 0, got {args.workers}")
-    if args.batch_size % world:
-        raise ValueError(f"--batch-size {args.batch_size} (global) is not divisible by the "
-                         f"world size {world}")
-    if isinstance(args.queue_size, int) and args.method == "nac-mq":
-        if args.queue_size % args.batch_size:
-            raise ValueError(f"--queue-size {args.queue_size} must be a multiple of the global "
-                             f"batch {args.batch_size}")
-        if args.queue_size < 2 * args.batch_size:
-            raise ValueError(f"--queue-size {args.queue_size} must hold at least the two views "
-                             f"of one global batch ({2 * args.batch_size} codes)")
-    if args.sync_bn and world == 1:
-        raise ValueError("--sync-bn needs several processes (torchrun)")
-    if args.sync_bn and (args.device == "cpu" or not torch.cuda.is_available()):
-        raise ValueError("--sync-bn needs CUDA (PyTorch's SyncBatchNorm is GPU-only); on CPU the "
+            raise UsageError(f"{name(d)} must be >= 1, got {v}")
+    if not 0.0 < cfg.flip_prob < 0.5:
+        raise UsageError(f"{name('flip_prob')} must lie in (0, 0.5), got {cfg.flip_prob}")
+    if cfg.lr is not None and not cfg.lr > 0:
+        raise UsageError(f"{name('lr')} must be > 0, got {cfg.lr}")
+    if cfg.warmup_epochs is not None and cfg.warmup_epochs < 0:
+        raise UsageError(f"{name('warmup_epochs')} must be >= 0, got {cfg.warmup_epochs}")
+    if not cfg.a_gain > 0:
+        raise UsageError(f"{name('a_gain')} must be > 0, got {cfg.a_gain}")
+    for d in ("infer_warmup_steps", "collapse_warn", "wd", "l2"):
+        if getattr(cfg, d) < 0:
+            raise UsageError(f"{name(d)} must be >= 0, got {getattr(cfg, d)}")
+    if not cfg.tau > 0:
+        raise UsageError(f"{name('tau')} must be > 0, got {cfg.tau}")
+    if cfg.momentum is not None and not 0.0 <= cfg.momentum < 1.0:
+        raise UsageError(f"{name('momentum')} (EMA decay) must lie in [0, 1), got "
+                         f"{cfg.momentum}")
+    if cfg.workers is not None and cfg.workers < 0:
+        raise UsageError(f"{name('workers')} must be >= 0, got {cfg.workers}")
+    if cfg.batch_size % world:
+        raise UsageError(f"{name('batch_size')} {cfg.batch_size} (global) is not divisible by "
+                         f"the world size {world}")
+    if isinstance(cfg.queue_size, int) and cfg.method == "nac-mq":
+        if cfg.queue_size % cfg.batch_size:
+            raise UsageError(f"{name('queue_size')} {cfg.queue_size} must be a multiple of the "
+                             f"global batch {cfg.batch_size}")
+        if cfg.queue_size < 2 * cfg.batch_size:
+            raise UsageError(f"{name('queue_size')} {cfg.queue_size} must hold at least the two "
+                             f"views of one global batch ({2 * cfg.batch_size} codes)")
+    if cfg.resume is not None and cfg.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other: --resume continues "
+                         "the run in --out, --overwrite replaces it")
+    if cfg.sync_bn and world == 1:
+        raise UsageError("--sync-bn needs several processes (torchrun)")
+    if cfg.sync_bn and (cfg.device == "cpu" or not torch.cuda.is_available()):
+        raise UsageError("--sync-bn needs CUDA (PyTorch's SyncBatchNorm is GPU-only); on CPU the "
                          "NAC-MQ momentum branch uses shuffle BN")
-    if args.amp == "fp16" and args.device == "cpu":
-        raise ValueError("--amp fp16 needs a GPU (use bf16 or off on CPU)")
-    if args.tensorboard:
+    if cfg.amp == "fp16" and cfg.device == "cpu":
+        raise UsageError("--amp fp16 needs a GPU (use bf16 or off on CPU)")
+    if cfg.tensorboard:
         try:
             import tensorboard  # noqa: F401
         except ImportError as exc:
-            raise ValueError("--tensorboard needs the tensorboard package (pip install "
+            raise UsageError("--tensorboard needs the tensorboard package (pip install "
                              "tensorboard, or the [dev] extra)") from exc
 
 
-@dataclass
-class Run:
-    """What a run's flags resolve to once the data is known (recorded in config.json and every
-    checkpoint)."""
-    steps_per_epoch: int
-    total_steps: int
-    warmup_steps: int
-    lr: float
-    momentum: float
-    queue_size: int | None
-    amp: str
+def default_workers(cfg: TrainConfig, device_type: str) -> int:
+    """--workers' rule: 0 on CPU (in-memory data augments in the training process), else
+    min(8, CPUs per process - 1)."""
+    if cfg.workers is not None:
+        return cfg.workers
+    cpus = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return 0 if device_type == "cpu" else max(0, min(8, cpus - 1))
 
 
 def _queue_size(value, batch: int, method: str) -> int | None:
@@ -318,22 +513,28 @@ def _queue_size(value, batch: int, method: str) -> int | None:
     return max(size, 2 * batch)
 
 
-def resolve_run(args, steps_per_epoch: int, image_size: int, device_type: str) -> Run:
-    """The data-dependent values of the run (module docstring); ValueError naming the flag."""
-    total = args.max_steps or args.epochs * steps_per_epoch
-    if args.warmup_epochs is None:
+def resolve(cfg: TrainConfig, *, world_size: int, device_type: str, steps_per_epoch: int,
+            image_size: int, in_channels: int, num_images: int) -> TrainConfig:
+    """The configuration with every value the run uses (the module docstring's rules), as a new
+    TrainConfig; UsageError naming the flag."""
+    total = cfg.max_steps or cfg.epochs * steps_per_epoch
+    if cfg.warmup_epochs is None:
         warmup = min(10 * steps_per_epoch, total // 10)
     else:
-        warmup = round(args.warmup_epochs * steps_per_epoch)
+        warmup = round(cfg.warmup_epochs * steps_per_epoch)
         if warmup > total:
-            raise ValueError(f"--warmup-epochs {args.warmup_epochs} ({warmup} steps) is longer "
+            raise UsageError(f"--warmup-epochs {cfg.warmup_epochs} ({warmup} steps) is longer "
                              f"than the run ({total} steps)")
-    lr = args.lr if args.lr is not None else 0.075 * math.sqrt(args.batch_size)
-    momentum = args.momentum if args.momentum is not None else (0.99 if image_size <= 64
-                                                                else 0.999)
-    amp = {"auto": "bf16" if device_type == "cuda" else "off"}.get(args.amp, args.amp)
+    amp = {"auto": "bf16" if device_type == "cuda" else "off"}.get(cfg.amp, cfg.amp)
     if amp == "fp16" and device_type != "cuda":
-        raise ValueError("--amp fp16 needs a GPU (use bf16 or off on CPU)")
-    return Run(steps_per_epoch=steps_per_epoch, total_steps=total, warmup_steps=warmup, lr=lr,
-               momentum=momentum, queue_size=_queue_size(args.queue_size, args.batch_size,
-                                                         args.method), amp=amp)
+        raise UsageError("--amp fp16 needs a GPU (use bf16 or off on CPU)")
+    return replace(
+        cfg, world_size=world_size, device=device_type, steps_per_epoch=steps_per_epoch,
+        total_steps=total, warmup_steps=warmup, image_size=image_size, in_channels=in_channels,
+        num_images=num_images, amp=amp, workers=default_workers(cfg, device_type),
+        lr=cfg.lr if cfg.lr is not None else 0.075 * math.sqrt(cfg.batch_size),
+        momentum=(cfg.momentum if cfg.momentum is not None else
+                  0.99 if image_size <= 64 else 0.999),
+        queue_size=_queue_size(cfg.queue_size, cfg.batch_size, cfg.method),
+        r_gain=resolve_r_gain(cfg.r_gain, cfg.a_gain, cfg.flip_prob))
+

@@ -256,17 +256,20 @@ def build_model(arch="resnet18", in_channels=3, image_size=224, code_dim=128, in
                     **options)
 
 
-# The head options recorded in a run's config (train.py flags), with the authors' values for
-# checkpoints written before the options existed.
+# The head options recorded in a run's config (train.py flags), with the authors' values for a
+# config that does not set them.
 HEAD_OPTION_DEFAULTS = dict(head_bn=False, infer_bn=False, a_gain=1.0, r_gain=1.0,
                             learn_gain=False, infer_init="independent", bn_per_view=False)
 
 
 def model_kwargs_from_config(cfg: dict) -> dict:
-    """The build_model arguments recorded in a training checkpoint's config (or train.py's
-    flags, as a dict, plus in_channels and image_size)."""
+    """The build_model arguments recorded in a training checkpoint's config (TrainConfig.to_dict:
+    arch, in_channels, image_size, code_dim, method, scale_codes and the head options).  A
+    config whose r_gain is 'auto' has it resolved from the flip probability (key "flip_prob";
+    "p" in the checkpoints written before the flag became --flip-prob)."""
     opts = {k: cfg.get(k, v) for k, v in HEAD_OPTION_DEFAULTS.items()}
-    opts["r_gain"] = resolve_r_gain(opts["r_gain"], opts["a_gain"], cfg.get("p"))
+    opts["r_gain"] = resolve_r_gain(opts["r_gain"], opts["a_gain"],
+                                    cfg.get("flip_prob", cfg.get("p")))
     return dict(arch=cfg["arch"], in_channels=cfg["in_channels"], image_size=cfg["image_size"],
                 code_dim=cfg["code_dim"], inference_net=cfg["method"] != "simclr",
                 scale_codes=cfg["scale_codes"], **opts)

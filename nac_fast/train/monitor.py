@@ -1,13 +1,18 @@
-"""What a run reports: the device-side loss watch, and the log (JSONL, TensorBoard, progress bar).
+"""What a run reports: the device-side loss watch, the log (JSONL, TensorBoard, progress bar),
+and the summary at the end (the loss against its zero-code value, what to run next, and the
+recipe's reference points from docs/results_summary.json).
 
     watch = LossWatch(step, device)    # every step: watch.update(loss), device ops only
     log = RunLog(out, main_rank, tensorboard=..., append=..., progress_total=..., initial=...)
     log.write(record)                  # one JSON line (+ TensorBoard scalars) at each log point
+    print("\n".join(summary_lines(st, ...)))
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import sys
 
 import torch
@@ -98,10 +103,6 @@ class RunLog:
             except ImportError:
                 print("(pip install tqdm for a progress bar)")
 
-    def say(self, *a, **k) -> None:
-        if self.main:
-            print(*a, **k)
-
     def tick(self) -> None:
         if self._bar is not None:
             self._bar.update(1)
@@ -125,3 +126,159 @@ class RunLog:
         for h in (self._bar, self._tb, self._f):
             if h is not None:
                 h.close()
+
+
+# The zero-code value of each method's logged loss (methods.zero_code_loss), as the summary names it
+ZERO_CODE_NAME = {"nac": "D ln 2", "nac-mq": "2 D ln 2", "simclr": "ln(2B - 1)"}
+# One line each: what the log's statistics say (docs/training.md "Reading a run" has more)
+STAT_MEANINGS = {
+    "code_mag": "mean |tanh a|: 0 = codes collapsed to zero, 1 = binary",
+    "r_slope": "slope of r on tanh a: ~0 = the inference net ignores the codes",
+    "balance_score": "1 = every bit +1 on half the images, 0 = every bit constant",
+    "distinct_frac": "fraction of the batch's images with a code of their own",
+}
+
+
+def _checkout() -> str:
+    from .config import CONFIG_DIR
+    return os.path.dirname(CONFIG_DIR)
+
+
+def _cmd(*parts) -> str:
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def summary_lines(st, flags, first_step: int, first_loss, last: dict | None, zero_loss: float,
+                  seconds: float) -> list:
+    """What train.py prints when a run ends well (rank 0): where it got, the loss (rounded) against
+    its zero-code value, the commands to evaluate and plot this run, the last log point's
+    statistics with their meanings, and the reference points of docs/results.md for this
+    configuration (`flags`: the run's TrainConfig as parsed, before config.resolve)."""
+    cfg = st.cfg
+    out, ck = cfg.out, st.ckpt_path
+    zname = f"{ZERO_CODE_NAME[cfg.method]} = {zero_loss:.2f}, the loss of codes that carry nothing"
+    if first_loss is None:
+        lines = [f"done: step {st.step}/{cfg.total_steps}: nothing to train (the checkpoint is at "
+                 f"the end of the schedule; a larger --max-steps with --resume extends it)"]
+    else:
+        now = last["loss"] if last else float("nan")
+        lines = [f"done: step {st.step}/{cfg.total_steps} in {seconds / 60:.1f} min; loss "
+                 f"{first_loss:.3f} (step {first_step + 1}) -> {now:.3f} ({zname})"]
+    if st.step < cfg.total_steps:
+        lines.append(f"  stopped at --stop-at-step {cfg.stop_at_step}: continue with the same "
+                     "command plus --resume")
+    if last:
+        stats = [(k, last[k], m) for k, m in STAT_MEANINGS.items()
+                 if isinstance(last.get(k), (int, float))]
+        if stats:
+            lines.append(f"  last log    step {last['step']} (docs/training.md \"Reading a run\"):")
+            lines += [f"    {k:<13} {v:<7.3g} {m}" for k, v, m in stats]
+    skipped = len(getattr(st.loader, "skipped_files", ()) or ())
+    if skipped:
+        lines.append(f"  data        {skipped} unreadable files skipped (--on-bad-file warn; the "
+                     "loader's skipped_files lists them)")
+    ref = reference_line(flags, cfg.world_size)
+    if ref:
+        lines.append(f"  reference   {ref}")
+    plot = os.path.join(_checkout(), "scripts", "plot_train_log.py")
+    lines += [f"  checkpoint  {ck}",
+              f"  evaluate    {_cmd('python', '-m', 'nac_fast.eval', '--checkpoint', ck, '--out', os.path.join(out, 'eval'))}"]
+    if os.path.isfile(plot):
+        lines.append(f"  plot        {_cmd('python', os.path.relpath(plot), os.path.join(out, 'log.jsonl'), '--out', os.path.join(out, 'curves.png'))}")
+    return lines
+
+
+# What does not change what a run trains (its reference rows may differ in these)
+_NOT_TRAINING = ("recipe", "out", "resume", "overwrite", "stop_at_step", "progress", "log_every",
+                 "save_every", "tensorboard", "seed", "workers", "loader", "device", "compile",
+                 "loss_backend", "collapse_warn", "on_bad_file", "channels_last", "amp")
+
+
+def _row_config(cmd: str, root: str):
+    """(TrainConfig as parsed, processes) of a results row's train.py command, or None."""
+    from .config import parse
+    argv = shlex.split(cmd)
+    if "train.py" not in argv:
+        return None
+    nproc = next((int(t.split("=", 1)[1]) for t in argv if t.startswith("--nproc_per_node=")), 1)
+    argv = argv[argv.index("train.py") + 1:]
+    if "--config" in argv:
+        i = argv.index("--config") + 1
+        argv[i] = os.path.join(root, argv[i])
+    try:
+        return parse(argv), nproc
+    except ValueError:
+        return None
+
+
+def reference_rows(flags, world_size: int, summary_path: str | None = None) -> dict:
+    """{"this": rows, "simclr": rows, "random": rows, "budget": str}: the rows of
+    docs/results_summary.json that trained what `flags` (a TrainConfig as parsed) trains: every
+    training flag but the seed equal, as parsed from the row's train.py command, and as many
+    processes; then SimCLR and the random-init encoder in the same grid at the same budget.
+    Empty when the file is absent (an installed wheel) or has no such rows."""
+    root = _checkout()
+    path = summary_path or os.path.join(root, "docs", "results_summary.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        summary = json.load(f)
+    mine = flags.to_dict()
+    flag_keys = [k for k in mine if k not in _NOT_TRAINING]
+    found = {}
+    for grid, rows in summary.items():
+        for r in rows:
+            cmds = [c for c in r.get("commands", []) if "train.py" in c]
+            if (r.get("variant") == "random" or not cmds
+                    or f"--method {flags.method}" not in cmds[0]):
+                continue
+            parsed = _row_config(cmds[0], root)
+            if parsed is None:
+                continue
+            rc, nproc = parsed
+            theirs = rc.to_dict()
+            if nproc == world_size and all(theirs[k] == mine[k] for k in flag_keys):
+                found.setdefault((grid, r.get("budget")), []).append(r)
+    if not found:
+        return {}
+    (grid, budget), this = max(found.items(), key=lambda kv: len(kv[1]))
+    same = [r for r in summary[grid] if r.get("budget") == budget]
+    return {"this": this, "budget": budget,
+            "simclr": [r for r in same if r.get("variant") == "simclr"],
+            "random": [r for r in same if r.get("variant") == "random"]}
+
+
+def _mean(rows, get):
+    vals = [get(r) for r in rows]
+    vals = [v for v in vals if isinstance(v, (int, float))]
+    return 100 * sum(vals) / len(vals) if vals else None
+
+
+def _figures(rows, bits: int) -> str:
+    f = [_mean(rows, lambda r: (r.get("map") or {}).get(str(bits))),
+         _mean(rows, lambda r: r.get("linear_top1")), _mean(rows, lambda r: r.get("knn_top1"))]
+    return " / ".join("-" if v is None else f"{v:.1f}" for v in f)
+
+
+def reference_line(flags, world_size: int) -> str | None:
+    """One line: the mean figures of docs/results.md for this configuration, SimCLR and the
+    random-init encoder at the same budget (mAP@all at D bits / linear top-1 / kNN top-1, %)."""
+    try:
+        ref = reference_rows(flags, world_size)
+    except (OSError, ValueError, KeyError) as exc:  # a damaged results file: say so, go on
+        return f"(docs/results_summary.json not read: {type(exc).__name__}: {exc})"
+    if not ref:
+        return None
+    bits = flags.code_dim
+    seeds = len(ref["this"])
+    epochs = {m.group(1) for r in ref["this"] for c in r.get("commands", [])
+              for m in [re.search(r"--linear-epochs (\d+)", c)] if m and "nac_fast.eval" in c}
+    probe = f", linear probe {'/'.join(sorted(epochs))} epochs" if epochs else ""
+    line = (f"docs/results.md, {ref['budget']}, mean of {seeds} seed{'s' * (seeds > 1)}{probe} "
+            f"(mAP@all {bits} b / linear top-1 / kNN top-1, %): this configuration "
+            f"{_figures(ref['this'], bits)}")
+    if ref["simclr"]:
+        line += f"; SimCLR {_figures(ref['simclr'], bits)}"
+    if ref["random"]:
+        line += f"; random-init encoder {_figures(ref['random'], bits)}"
+    return line

@@ -1,26 +1,33 @@
-"""The parts of a training run that train.py puts together: the data loader, the models and
-their optimiser (`build`), where the run starts (`start`, `resume`), one optimizer step
-(`train_step`), the checkpoint's contents (`save`) and the stop on a non-finite loss.
+"""The parts of a training run that train.py puts together: where the run may write and start
+(`plan_start`, before the data is read), the data loader, the models and their optimiser
+(`build`), the start itself (`start`, `resume`), one optimizer step (`train_step`), the
+checkpoint's contents (`save`), the stop on a non-finite loss, and how every run ends (`finish`).
 
-    st = build(args, dist_info)          # TrainState: everything a step needs
-    ck = start(st)                        # --resume, or by itself after an elastic restart
-    loss, a = train_step(st, x)           # x: both views of this rank's batch, on the device
-    status = save(st, step)               # atomic, rotated; rank 0 writes every rank's RNG
-    status = stop_non_finite(st, bad, step)
+    plan = plan_start(cfg, dist_info)    # refuses an --out that holds another run or is not writable
+    st = build(cfg, dist_info)           # TrainState: everything a step needs
+    start(st, plan)                      # --resume, or by itself after an elastic restart
+    loss, a = train_step(st, x)          # x: both views of this rank's batch, on the device
+    save(st)                             # atomic, rotated; rank 0 writes every rank's RNG
+    stop_non_finite(st, bad)             # RunStopped(EXIT_NON_FINITE), as a failed save (4)
+    return finish(status, message, di, st)   # the message once, the status line, status.json
 
-Fault tolerance (docs/training.md "Fault tolerance"): a restarted torchrun worker group resumes from the
-newest good checkpoint in --out (last.pt, else prev.pt), a failed save stops every rank with
-EXIT_SAVE_FAILED and the previous checkpoints intact, a non-finite loss stops with
+Fault tolerance (docs/training.md "Fault tolerance"): a restarted torchrun worker group resumes
+from the newest good checkpoint in --out (last.pt, else prev.pt), a failed save stops every rank
+with EXIT_UNWRITABLE and the previous checkpoints intact, a non-finite loss stops with
 EXIT_NON_FINITE and is recorded in OUT/non_finite.json so that a restart does not replay it.
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
+import json
 import os
 import sys
+import tempfile
+import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,19 +39,26 @@ from . import distributed as nd
 from .checkpoint import (CONFIG, LAST, PREV, STATE_KEYS, capture_rng_state, load_checkpoint,
                          pick_checkpoint, read_json, remove_stale_temp_files, restore_rng_state,
                          save_atomic, write_json_atomic)
-from .config import Run, resolve_run
+from .config import TrainConfig, UsageError, default_workers, resolve
 from .lars import LARS, param_groups_for_lars
 from .methods import nac_mq_step, nac_step, simclr_step, step_value_checks
 from .models import build_model, model_kwargs_from_config
-from .schedule import WarmupCosine
+from .schedule import get_lr
 
 # Must match for a checkpoint to continue a run exactly; except that total_steps may grow (an
 # extended run, see `resume`) and warmup_steps is the checkpoint's unless --warmup-epochs is given.
 RESUME_KEYS = ("arch", "method", "batch_size", "code_dim", "data", "world_size", "total_steps",
                "warmup_steps", "queue_size", "seed")
-EXIT_NON_FINITE = 3     # train.py's status when a non-finite loss stopped the run
-EXIT_SAVE_FAILED = 4    # ... when a checkpoint could not be written
+EXIT_USAGE = 2          # train.py's status for bad flags, recipe, data, --out or checkpoint
+EXIT_NON_FINITE = 3     # ... when a non-finite loss stopped the run
+EXIT_UNWRITABLE = 4     # ... when --out or a checkpoint in it could not be written
+EXIT_MEANING = {0: "done", EXIT_USAGE: "bad flags, recipe, data, --out or checkpoint",
+                EXIT_NON_FINITE: "non-finite loss", EXIT_UNWRITABLE: "--out could not be written"}
+LOG = "log.jsonl"
 NON_FINITE = "non_finite.json"   # OUT/non_finite.json: where and when a run hit one
+STATUS = "status.json"           # OUT/status.json: how the run ended (null while it runs)
+# What a run writes in --out and --overwrite deletes (config.json is rewritten at the start)
+RUN_FILES = (LAST, PREV, LOG, NON_FINITE, STATUS)
 
 
 class RunStopped(Exception):
@@ -57,22 +71,18 @@ class RunStopped(Exception):
 
 @dataclass
 class TrainState:
-    args: Any
+    cfg: TrainConfig                # the resolved configuration: config.json and every checkpoint
     di: Any                         # nac_fast.train.distributed.DistInfo
-    run: Run
-    cfg: dict                       # flags + run values: config.json and every checkpoint
     loader: Any
     model: torch.nn.Module          # the plain online model (what checkpoints hold)
     net: torch.nn.Module            # what the step calls: model (nac-mq: mq) under DDP /
                                     # torch.compile
     optimizer: torch.optim.Optimizer
-    sched: Any
     scaler: Any
     autocast: Any
     mom_model: torch.nn.Module | None = None  # nac-mq: the NACMQ's momentum_model
     queue: CodeQueue | None = None            # nac-mq: the NACMQ's queue
-    step: int = 0
-    extras: dict = field(default_factory=dict)
+    step: int = 0                   # optimizer steps taken (the next update's 0-based index)
     resumed_from: str | None = None  # the checkpoint this process started from
     saved: tuple | None = None       # (path, step): the newest good checkpoint of this run
     rotate: bool = False             # OUT/last.pt is a good checkpoint of this run: keep it as
@@ -81,89 +91,83 @@ class TrainState:
 
     @property
     def ckpt_path(self) -> str:
-        return os.path.join(self.args.out, LAST)
+        return os.path.join(self.cfg.out, LAST)
 
     @property
     def prev_path(self) -> str:
-        return os.path.join(self.args.out, PREV)
+        return os.path.join(self.cfg.out, PREV)
 
 
-def build_loader(args, di, channels_last: bool):
-    per_rank = args.batch_size // di.world_size
-    if args.data.startswith("synthetic"):
+def build_loader(cfg: TrainConfig, di, channels_last: bool):
+    per_rank = cfg.batch_size // di.world_size
+    if cfg.data.startswith("synthetic"):
         from ..data.sources.synthetic_pairs import SyntheticPairLoader
-        n = int(args.data.split(":", 1)[1]) if ":" in args.data else 4096
-        return SyntheticPairLoader(n, per_rank, di.rank, di.world_size, args.seed,
-                                   image_size=args.image_size or 32, device=di.device,
+        n = int(cfg.data.split(":", 1)[1]) if ":" in cfg.data else 4096
+        return SyntheticPairLoader(n, per_rank, di.rank, di.world_size, cfg.seed,
+                                   image_size=cfg.image_size or 32, device=di.device,
                                    channels_last=channels_last)
-    if args.data != "fashion-mnist" and not os.path.exists(args.data):
-        raise ValueError(f"--data {args.data!r}: no such file or directory (expected "
+    if cfg.data != "fashion-mnist" and not os.path.exists(cfg.data):
+        raise UsageError(f"--data {cfg.data!r}: no such file or directory (expected "
                          "fashion-mnist, a CIFAR-10 python dir, an ImageFolder root or synthetic)")
     try:
         from ..data import build_pretrain_loader
     except ImportError as exc:
-        raise ValueError(f"the data loaders (nac_fast.data) cannot be imported: {exc}") from exc
-    if args.workers is None:
-        cpus = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        workers = 0 if di.device.type == "cpu" else max(0, min(8, cpus - 1))
-    else:
-        workers = args.workers
+        raise UsageError(f"the data loaders (nac_fast.data) cannot be imported: {exc}") from exc
     try:
-        return build_pretrain_loader(data=args.data, batch_size=per_rank, rank=di.rank,
-                                     world_size=di.world_size, seed=args.seed,
-                                     image_size=args.image_size, loader=args.loader,
-                                     num_workers=workers, device=str(di.device),
-                                     channels_last=channels_last, dtype=torch.float32,
-                                     on_bad_file=args.on_bad_file)
+        return build_pretrain_loader(data=cfg.data, batch_size=per_rank, rank=di.rank,
+                                     world_size=di.world_size, seed=cfg.seed,
+                                     image_size=cfg.image_size, loader=cfg.loader,
+                                     num_workers=default_workers(cfg, di.device.type),
+                                     device=str(di.device), channels_last=channels_last,
+                                     dtype=torch.float32, on_bad_file=cfg.on_bad_file)
     except (FileNotFoundError, ValueError) as exc:
         # nac_fast.data's messages say how to get the data (e.g. the Debian package)
-        raise ValueError(f"--data {args.data!r}: {exc}") from exc
+        raise UsageError(f"--data {cfg.data!r}: {exc}") from exc
 
 
-def build(args, di) -> TrainState:
-    """Everything a run needs, on this rank; ValueError (naming the flag) for what the flags and
-    the data do not allow, before any training."""
-    if args.loss_backend != "auto" and args.loss_backend not in available_backends(di.device):
-        raise ValueError(f"--loss-backend {args.loss_backend} is not available for "
+def build(cfg: TrainConfig, di) -> TrainState:
+    """Everything a run needs, on this rank, with the configuration resolved (config.resolve);
+    UsageError (naming the flag) for what the flags and the data do not allow, before any
+    training."""
+    if cfg.loss_backend != "auto" and cfg.loss_backend not in available_backends(di.device):
+        raise UsageError(f"--loss-backend {cfg.loss_backend} is not available for "
                          f"{di.device.type} tensors in this install; available: "
                          f"{available_backends(di.device)}")
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    loader = build_loader(args, di, args.channels_last)
-    if loader.num_images < args.batch_size:
-        raise ValueError(f"--batch-size {args.batch_size} is larger than the data set "
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    loader = build_loader(cfg, di, cfg.channels_last)
+    if loader.num_images < cfg.batch_size:
+        raise UsageError(f"--batch-size {cfg.batch_size} is larger than the data set "
                          f"({loader.num_images} images)")
     if len(loader) < 1:
-        raise ValueError(f"--batch-size {args.batch_size} leaves no full batch per rank")
-    run = resolve_run(args, len(loader), loader.image_size, di.device.type)
-    cfg = dict(vars(args), world_size=di.world_size, **asdict(run), channels_last=args.channels_last,
-               image_size=loader.image_size, in_channels=loader.in_channels,
-               num_images=loader.num_images)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run.amp)
+        raise UsageError(f"--batch-size {cfg.batch_size} leaves no full batch per rank")
+    cfg = resolve(cfg, world_size=di.world_size, device_type=di.device.type,
+                  steps_per_epoch=len(loader), image_size=loader.image_size,
+                  in_channels=loader.in_channels, num_images=loader.num_images)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
 
-    model = build_model(**model_kwargs_from_config(cfg))  # with the head options (models.py)
+    model = build_model(**model_kwargs_from_config(cfg.to_dict()))  # with the head options
     model.to(di.device)
-    if args.channels_last:
+    if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     mq = None
-    if args.method == "nac-mq":
+    if cfg.method == "nac-mq":
         # before SyncBN: the key branch uses shuffle BN.  Codes stored in the loss's dtype (bf16
         # under the GPU's default AMP): the loss reads the queue as it is, with no per-step
         # conversion of M x D elements
-        mq = NACMQ(model, queue_size=run.queue_size, code_dim=args.code_dim, p=args.p,
-                   l2=args.l2, momentum=run.momentum, shuffle_bn=args.shuffle_bn,
-                   queue_dtype=amp_dtype or torch.float32, backend=args.loss_backend)
+        mq = NACMQ(model, queue_size=cfg.queue_size, code_dim=cfg.code_dim, p=cfg.flip_prob,
+                   l2=cfg.l2, momentum=cfg.momentum, shuffle_bn=cfg.shuffle_bn,
+                   queue_dtype=amp_dtype or torch.float32, backend=cfg.loss_backend)
     # From here on each rank draws its own channel noise (the loader seeds itself)
-    torch.manual_seed(args.seed * 1000 + 1 + di.rank)
-    if args.sync_bn:
+    torch.manual_seed(cfg.seed * 1000 + 1 + di.rank)
+    if cfg.sync_bn:
         model = nd.convert_sync_bn(model)
         if mq is not None:
             mq.model = model  # the online model only: the momentum copy keeps its BatchNorm
-    optimizer = LARS(param_groups_for_lars(model, args.wd), lr=run.lr, momentum=0.9,
-                     weight_decay=args.wd, trust_coefficient=0.001)
-    sched = torch.optim.lr_scheduler.LambdaLR(optimizer,
-                                              WarmupCosine(run.warmup_steps, run.total_steps))
-    scaler = torch.amp.GradScaler(di.device.type, enabled=run.amp == "fp16")
-    if args.compile and mq is not None:
+    # the lr is set before every update (train_step: schedule.get_lr of the step)
+    optimizer = LARS(param_groups_for_lars(model, cfg.wd), lr=cfg.lr, momentum=0.9,
+                     weight_decay=cfg.wd, trust_coefficient=0.001)
+    scaler = torch.amp.GradScaler(di.device.type, enabled=cfg.amp == "fp16")
+    if cfg.compile and mq is not None:
         # the online model's forward, as for nac: NACMQ's noise, enqueue and EMA stay eager
         mq.model = torch.compile(model)
     net = model if mq is None else mq
@@ -178,35 +182,41 @@ def build(args, di) -> TrainState:
         # stays None, as in one process); the search costs a graph walk per step, so only then.
         net = torch.nn.parallel.DistributedDataParallel(  # nac-mq: around the NACMQ (MoCo)
             net, device_ids=[di.local_rank] if di.device.type == "cuda" else None,
-            gradient_as_bucket_view=True, find_unused_parameters=args.infer_warmup_steps > 0,
+            gradient_as_bucket_view=True, find_unused_parameters=cfg.infer_warmup_steps > 0,
             **ddp_kw)
-    if args.compile and mq is None:
+    if cfg.compile and mq is None:
         net = torch.compile(net)
     autocast = (torch.autocast(di.device.type, dtype=amp_dtype) if amp_dtype is not None
                 else contextlib.nullcontext())
-    return TrainState(args=args, di=di, run=run, cfg=cfg, loader=loader, model=model, net=net,
-                      optimizer=optimizer, sched=sched, scaler=scaler, autocast=autocast,
+    return TrainState(cfg=cfg, di=di, loader=loader, model=model, net=net, optimizer=optimizer,
+                      scaler=scaler, autocast=autocast,
                       mom_model=None if mq is None else mq.momentum_model,
                       queue=None if mq is None else mq.queue)
 
 
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """The lr of the update at optimizer step `step` (0-based): schedule.get_lr over the run's
+    warm-up and total (an extended run: the new total from its checkpoint's step on)."""
+    return get_lr(step, cfg.lr, cfg.warmup_steps, cfg.total_steps)
+
+
 def train_step(st: TrainState, x: torch.Tensor):
     """One optimizer step on this rank's batch x (both views, on the device): the method's loss
-    forward (under autocast) and backward, the LARS update, the lr schedule and the EMA of the
-    momentum model (made by the NACMQ call, before its loss).  Returns (loss, a), detached
-    device tensors.
+    forward (under autocast) and backward, the LARS update at the lr of this step (`lr_at`);
+    st.step counts it. The EMA of the momentum model is made by the NACMQ call, before its loss.
+    Returns (loss, a), detached device tensors.
 
     No host sync: the loss-input value checks are off here (`step_value_checks`; the caller
     checks the loss, which NaN/inf inputs reach), scalars stay Python numbers, and nothing reads
     device data (tests/test_sync_free.py runs this function under a dispatch mode that fails on
     any host read).  The only exception is fp16 AMP: GradScaler.step reads its inf flag."""
-    a_ = st.args
-    # r for the log's statistics (st.last_r); the inference net's warm-up: sched.last_epoch is
-    # the number of optimizer steps taken (a Python int, restored on resume)
-    out, frozen = {}, st.sched.last_epoch < a_.infer_warmup_steps
+    a_ = st.cfg
+    # r for the log's statistics (st.last_r); the inference net's warm-up: st.step is the number
+    # of optimizer steps taken (a Python int, restored on resume)
+    out, frozen = {}, st.step < a_.infer_warmup_steps
     with step_value_checks(), st.autocast:
         if a_.method == "nac":
-            loss, a = nac_step(st.net, x, a_.p, backend=a_.loss_backend, out=out,
+            loss, a = nac_step(st.net, x, a_.flip_prob, backend=a_.loss_backend, out=out,
                                freeze_codes=frozen)
         elif a_.method == "nac-mq":
             loss, a = nac_mq_step(st.net, x, out=out, freeze_codes=frozen)
@@ -215,9 +225,12 @@ def train_step(st: TrainState, x: torch.Tensor):
     st.last_r = out.get("r")
     st.optimizer.zero_grad(set_to_none=True)
     st.scaler.scale(loss).backward()
+    lr = lr_at(a_, st.step)
+    for g in st.optimizer.param_groups:
+        g["lr"] = lr
     st.scaler.step(st.optimizer)
     st.scaler.update()
-    st.sched.step()
+    st.step += 1
     return loss.detach(), a.detach()
 
 
@@ -226,21 +239,20 @@ def print_main(di, *a, **k) -> None:
         print(*a, **k, flush=True)
 
 
-def save(st: TrainState, step: int) -> int:
-    """Checkpoint the run at `step` (a collective: every rank's RNG goes to rank 0, which writes
-    OUT/last.pt, the previous one becoming OUT/prev.pt).  Returns 0, or EXIT_SAVE_FAILED on every
-    rank when the write failed (disk full, unwritable --out, ...): the message names the file
-    and the cause, and the checkpoints already there are left intact (checkpoint.save_atomic)."""
+def save(st: TrainState) -> None:
+    """Checkpoint the run at st.step (a collective: every rank's RNG goes to rank 0, which writes
+    OUT/last.pt, the previous one becoming OUT/prev.pt).  RunStopped(EXIT_UNWRITABLE) on every
+    rank when the write failed (disk full, unwritable --out, ...): the message names the file and
+    the cause, and the checkpoints already there are left intact (checkpoint.save_atomic)."""
     rng = nd.gather_objects(capture_rng_state())
-    err = None
+    err, step = None, st.step
     if st.di.is_main:
-        spe = st.run.steps_per_epoch
+        spe = st.cfg.steps_per_epoch
         state = {"model": st.model.state_dict(), "optimizer": st.optimizer.state_dict(),
                  "momentum_model": st.mom_model.state_dict() if st.mom_model else None,
                  "queue": st.queue.state_dict() if st.queue is not None else None,
-                 "scheduler": st.sched.state_dict(), "scaler": st.scaler.state_dict(),
-                 "step": step, "epoch": step // spe, "batch": step % spe, "rng": rng,
-                 "config": st.cfg}
+                 "scaler": st.scaler.state_dict(), "step": step, "epoch": step // spe,
+                 "batch": step % spe, "rng": rng, "config": st.cfg.to_dict()}
         try:
             save_atomic(state, st.ckpt_path, previous=st.prev_path if st.rotate else None)
         except Exception as exc:  # noqa: BLE001  (any failure to write stops the run alike)
@@ -249,32 +261,31 @@ def save(st: TrainState, step: int) -> int:
     if err is not None:
         kept = (f"{st.saved[0]} (step {st.saved[1]}) is intact" if st.saved else
                 "this run has no checkpoint yet")
-        print_main(st.di, f"\ncheckpoint of step {step} could not be written to {st.ckpt_path}: "
-                          f"{err}\nstopping (status {EXIT_SAVE_FAILED}); {kept}. Free space or fix "
-                          f"--out, then continue with --resume.", file=sys.stderr)
-        return EXIT_SAVE_FAILED
+        raise RunStopped(EXIT_UNWRITABLE,
+                         f"checkpoint of step {step} could not be written to {st.ckpt_path}: "
+                         f"{err}; stopping (status {EXIT_UNWRITABLE}); {kept}. Free space or fix "
+                         f"--out, then continue with --resume.")
     st.saved, st.rotate = (st.ckpt_path, step), True
-    return 0
 
 
-def stop_non_finite(st: TrainState, bad: tuple, step: int) -> int:
-    """The stop on the first non-finite loss `bad` = (its step, its value), found at `step`: the
-    message, and OUT/non_finite.json (rank 0) so that an elastic restart of this job does not
-    replay it (start).  No checkpoint is written after it: the caller checks before each save.
-    Returns EXIT_NON_FINITE."""
+def stop_non_finite(st: TrainState, bad: tuple) -> None:
+    """The stop on the first non-finite loss `bad` = (its step, its value), found at st.step:
+    OUT/non_finite.json (rank 0) so that an elastic restart of this job does not replay it
+    (start), and RunStopped(EXIT_NON_FINITE) with the message.  No checkpoint is written after
+    it: the caller checks before each save."""
+    step = st.step
     later = f" (found at step {step})" if bad[0] != step else ""
     kept = f"{st.saved[0]} (step {st.saved[1]})" if st.saved else "none"
-    print_main(st.di, f"\nnon-finite loss ({bad[1]}) at step {bad[0]}{later}; stopping. "
-                      f"Last good checkpoint kept: {kept}", file=sys.stderr)
     if st.di.is_main:
         try:
             write_json_atomic({"step": bad[0], "loss": repr(bad[1]), "found_at": step,
-                               "checkpoint": kept, "run_id": st.cfg.get("run_id"),
-                               "elastic_run_id": st.cfg.get("elastic_run_id")},
-                              os.path.join(st.args.out, NON_FINITE))
+                               "checkpoint": kept, "run_id": st.cfg.run_id,
+                               "elastic_run_id": st.cfg.elastic_run_id},
+                              os.path.join(st.cfg.out, NON_FINITE))
         except OSError as exc:  # the stop itself does not depend on it
             print(f"({NON_FINITE} not written: {exc})", file=sys.stderr)
-    return EXIT_NON_FINITE
+    raise RunStopped(EXIT_NON_FINITE, f"non-finite loss ({bad[1]}) at step {bad[0]}{later}; "
+                                      f"stopping. Last good checkpoint kept: {kept}")
 
 
 def is_restart(owner: dict, restart: int, job) -> bool:
@@ -289,92 +300,164 @@ def is_restart(owner: dict, restart: int, job) -> bool:
     return restart > 0 or job != "none"
 
 
-def _choose_start(args, again: bool, owner: dict):
+def run_files(out: str) -> list:
+    """The files in `out` that make it hold a run: a checkpoint, or a log with a record."""
+    found = [n for n in (LAST, PREV) if os.path.lexists(os.path.join(out, n))]
+    try:
+        if os.path.getsize(os.path.join(out, LOG)) > 0:
+            found.append(LOG)
+    except OSError:
+        pass
+    return found
+
+
+def check_writable(out: str) -> None:
+    """RunStopped(EXIT_UNWRITABLE), one line naming the folder, when `out` cannot be created or
+    written (read-only file system, permissions, a file in the way): probed with a temp file."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".tmp-probe.", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise RunStopped(EXIT_UNWRITABLE, f"--out {out!r} cannot be written ({why}); nothing "
+                                          "was written. Choose a writable --out.") from exc
+
+
+def _choose_start(cfg: TrainConfig, again: bool, owner: dict):
     """(path, checkpoint, notes) to start from on rank 0; (None, None, notes) = a fresh start."""
     if again:  # the newest good checkpoint this job wrote; none yet: start as the job did
-        path, ck, notes = pick_checkpoint(args.out, owner.get("run_id"))
-        if path is not None:
+        path, ck, notes = pick_checkpoint(cfg.out, owner.get("run_id"))
+        if path is not None or cfg.resume is None:
             return path, ck, notes
-    if args.resume is None:
+    if cfg.resume is None:
+        held = run_files(cfg.out)
+        if held and not cfg.overwrite:
+            raise RunStopped(EXIT_USAGE,
+                             f"--out {cfg.out!r} holds a run ({', '.join(held)}); nothing was "
+                             "changed. Continue it with --resume, write this run to a new --out, "
+                             "or replace it with --overwrite.")
         return None, None, []
-    if args.resume in ("auto", "latest"):
-        return pick_checkpoint(args.out, owner.get("run_id"))
-    if os.path.isdir(args.resume):
-        path, ck, notes = pick_checkpoint(
-            args.resume, (read_json(os.path.join(args.resume, CONFIG)) or {}).get("run_id"))
+    if cfg.resume in ("auto", "latest"):
+        path, ck, notes = pick_checkpoint(cfg.out, owner.get("run_id"))
         if path is None:
-            raise ValueError(f"--resume {args.resume!r}: directory has no checkpoint to resume "
+            raise RunStopped(EXIT_USAGE,
+                             f"--resume: --out {cfg.out!r} holds no checkpoint to resume ({LAST}, "
+                             f"{PREV}){''.join('; ' + n for n in notes)}. To start a new run "
+                             "there, leave out --resume.")
+        return path, ck, notes
+    if os.path.isdir(cfg.resume):
+        path, ck, notes = pick_checkpoint(
+            cfg.resume, (read_json(os.path.join(cfg.resume, CONFIG)) or {}).get("run_id"))
+        if path is None:
+            raise UsageError(f"--resume {cfg.resume!r}: directory has no checkpoint to resume "
                              f"({LAST}, {PREV}) {'; '.join(notes)}")
         return path, ck, notes
-    if not os.path.isfile(args.resume):
-        raise ValueError(f"--resume {args.resume!r}: no such checkpoint file")
-    return args.resume, load_checkpoint(args.resume, require=STATE_KEYS), []
+    if not os.path.isfile(cfg.resume):
+        raise UsageError(f"--resume {cfg.resume!r}: no such checkpoint file")
+    return cfg.resume, load_checkpoint(cfg.resume, require=STATE_KEYS), []
 
 
-def start(st: TrainState) -> dict | None:
-    """Where the run starts, decided on rank 0 and loaded on every rank: the checkpoint --resume
-    names (none: a fresh start); in a restarted torchrun worker group (`is_restart`) the newest
-    good checkpoint in --out that the job wrote, whatever --resume says.  Writes OUT/config.json.
-    Returns the checkpoint resumed (None: a fresh start).
+@dataclass
+class StartPlan:
+    path: str | None          # the checkpoint to resume (None: a fresh start)
+    notes: list               # what was skipped and why (damaged, another run's)
+    again: bool               # a restarted worker group of this torchrun job
+    restart: int              # TORCHELASTIC_RESTART_COUNT
+    job: str | None           # TORCHELASTIC_RUN_ID
+    ck: dict | None = None    # the checkpoint, loaded (rank 0 only)
 
-    ValueError (naming the file) when the checkpoint cannot be used; RunStopped when a restart
-    after a failure would only replay the non-finite loss that stopped the job
-    (OUT/non_finite.json)."""
-    args, di = st.args, st.di
+
+def plan_start(cfg: TrainConfig, di) -> StartPlan:
+    """Where the run starts, decided on rank 0 before any data is read, and nothing written:
+
+    - a restarted torchrun worker group (`is_restart`) resumes the newest good checkpoint in
+      --out that the job wrote, whatever --resume says (none yet: it starts as the job did);
+    - --resume [PATH]: that checkpoint; with no checkpoint to resume, RunStopped(EXIT_USAGE);
+    - else a fresh start, which refuses an --out holding a run (a checkpoint, or a log with a
+      record: RunStopped(EXIT_USAGE), nothing touched) unless --overwrite;
+    - --out must be writable: RunStopped(EXIT_UNWRITABLE), one line naming it.
+
+    UsageError (naming the file) when the checkpoint cannot be used."""
     restart, job = nd.restart_count(), os.environ.get("TORCHELASTIC_RUN_ID")
-    ck = choice = None
-    again = False
+    ck, choice = None, None
     if di.is_main:
         try:
-            owner = read_json(os.path.join(args.out, CONFIG)) or {}
+            owner = read_json(os.path.join(cfg.out, CONFIG)) or {}
             again = is_restart(owner, restart, job)
-            path, ck, notes = _choose_start(args, again, owner)
-            choice = (path, notes, None, again)
+            path, ck, notes = _choose_start(cfg, again, owner)
+            check_writable(cfg.out)
+            choice = (path, notes, again, None)
+        except RunStopped as exc:
+            choice = (None, [], False, (exc.status, str(exc)))
         except ValueError as exc:
-            choice = (None, [], str(exc), again)
-    path, notes, err, again = nd.broadcast_object(choice)
+            choice = (None, [], False, (EXIT_USAGE, str(exc)))
+    path, notes, again, err = nd.broadcast_object(choice)
     if err is not None:
-        raise ValueError(err)
-    for n in notes:
+        raise RunStopped(*err)
+    return StartPlan(path=path, notes=notes, again=again, restart=restart, job=job, ck=ck)
+
+
+def start(st: TrainState, plan: StartPlan) -> None:
+    """Start the run as planned, on every rank: resume the checkpoint (loaded on every rank), or
+    a fresh start (--overwrite: the other run's files deleted first); then OUT/config.json and
+    OUT/status.json (status null while the run goes).
+
+    UsageError (naming the file) when the checkpoint does not fit this run; RunStopped when a
+    restart after a failure would only replay the non-finite loss that stopped the job
+    (OUT/non_finite.json)."""
+    cfg, di, restart, job = st.cfg, st.di, plan.restart, plan.job
+    for n in plan.notes:
         print_main(di, f"note: {n}", file=sys.stderr)
-    st.cfg["elastic_run_id"] = job
-    if path is None:
-        st.cfg["run_id"] = nd.broadcast_object(uuid.uuid4().hex)
+    cfg.elastic_run_id = job
+    if plan.path is None:
+        cfg.run_id = nd.broadcast_object(uuid.uuid4().hex)
+        if di.is_main and cfg.overwrite and not plan.again:
+            for name in RUN_FILES:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(cfg.out, name))
     else:
         err = None
         try:
-            ck = resume(st, path, ck)  # rank 0 reuses the checkpoint it has loaded
+            ck = resume(st, plan.path, plan.ck)  # rank 0 reuses the checkpoint it has loaded
         except ValueError as exc:
             err = f"{exc}" if di.is_main else f"rank {di.rank}: {exc}"
         errs = [e for e in nd.gather_objects(err) if e is not None]
         if errs:
-            raise ValueError(errs[0])
-        st.resumed_from, st.saved = path, (path, st.step)
-        st.rotate = os.path.abspath(path) == os.path.abspath(st.ckpt_path)
-        how = f" (restart of torchrun job {job}, restart count {restart})" if again else ""
-        print_main(di, f"resumed from {path} at step {st.step} (epoch {ck['epoch']}, batch "
+            raise UsageError(errs[0])
+        st.resumed_from, st.saved = plan.path, (plan.path, st.step)
+        st.rotate = os.path.abspath(plan.path) == os.path.abspath(st.ckpt_path)
+        how = f" (restart of torchrun job {job}, restart count {restart})" if plan.again else ""
+        print_main(di, f"resumed from {plan.path} at step {st.step} (epoch {ck['epoch']}, batch "
                        f"{ck['batch']}){how}")
-    marker = os.path.join(args.out, NON_FINITE)
+    marker = os.path.join(cfg.out, NON_FINITE)
+    err = None
     if di.is_main:
         # honoured only after a failure here (count > 0): a count of 0 may be a new launch, which
         # the user made to get past it (e.g. with a lower --lr)
-        bad = read_json(marker) if again and restart > 0 else None
-        if (bad and bad.get("elastic_run_id") == job and bad.get("run_id") == st.cfg["run_id"]
+        bad = read_json(marker) if plan.again and restart > 0 else None
+        if (bad and bad.get("elastic_run_id") == job and bad.get("run_id") == cfg.run_id
                 and bad.get("step", 0) > st.step):
             err = (f"restart {restart} of torchrun job {job}: the job stopped at a non-finite "
                    f"loss at step {bad['step']} ({marker}); resuming from step {st.step} would "
                    "replay it. Not restarting: fix the cause (e.g. a lower --lr) and launch "
                    "again with --resume.")
         else:
-            err = None
-            if restart == 0 and os.path.exists(marker):
-                os.unlink(marker)  # about an earlier launch
-            remove_stale_temp_files(args.out)
-            write_json_atomic(st.cfg, os.path.join(args.out, CONFIG))
+            try:
+                if restart == 0 and os.path.exists(marker):
+                    os.unlink(marker)  # about an earlier launch
+                remove_stale_temp_files(cfg.out)
+                write_json_atomic(cfg.to_dict(), os.path.join(cfg.out, CONFIG))
+                write_status(cfg, None, step=st.step)
+            except OSError as exc:
+                err = (EXIT_UNWRITABLE, f"--out {cfg.out!r} cannot be written "
+                       f"({exc.strerror or type(exc).__name__}); stopping before training.")
     err = nd.broadcast_object(err)
+    if isinstance(err, tuple):
+        raise RunStopped(*err)
     if err is not None:
         raise RunStopped(EXIT_NON_FINITE, err)
-    return ck
 
 
 def resume(st: TrainState, path: str, ck: dict | None = None) -> dict:
@@ -387,13 +470,14 @@ def resume(st: TrainState, path: str, ck: dict | None = None) -> dict:
     schedule of the NEW total (the cosine restretched to end at the new last step; the warm-up
     stays the checkpoint's).  So the lr jumps up at the extension (from ~0 if the run had
     finished) to the value a run planned with the new total has at that step.  A smaller total
-    is refused."""
+    is refused.  The lr is a function of the step (schedule.get_lr): nothing else changes."""
     if ck is None:
         ck = load_checkpoint(path, map_location="cpu", require=STATE_KEYS)  # CPU RNG states
-    old, new = ck["config"], st.cfg
-    extend = old["total_steps"] < new["total_steps"]
-    if st.args.warmup_epochs is None:  # a resumed run keeps its warm-up
-        st.run.warmup_steps = new["warmup_steps"] = old["warmup_steps"]
+    old, cfg = ck["config"], st.cfg
+    extend = old["total_steps"] < cfg.total_steps
+    if cfg.warmup_epochs is None:  # a resumed run keeps its warm-up
+        cfg.warmup_steps = old["warmup_steps"]
+    new = cfg.to_dict()
     for k in RESUME_KEYS:
         if old[k] != new[k] and not (k == "total_steps" and extend):
             more = (" (a resumed run may extend the schedule, not shorten it)"
@@ -405,31 +489,59 @@ def resume(st: TrainState, path: str, ck: dict | None = None) -> dict:
         st.mom_model.load_state_dict(ck["momentum_model"])
         st.queue.load_state_dict(ck["queue"])
     st.optimizer.load_state_dict(ck["optimizer"])
-    st.sched.load_state_dict(ck["scheduler"])  # also the schedule's own (old) step counts
     st.scaler.load_state_dict(ck["scaler"])
     st.step = ck["step"]
     restore_rng_state(ck["rng"][st.di.rank])
-    new["run_id"] = old.get("run_id") or uuid.uuid4().hex  # older checkpoints have none
-    new["extended"] = list(old.get("extended") or [])
+    cfg.run_id = old["run_id"]
+    cfg.extended = list(old.get("extended") or [])
     if extend:
-        new["extended"].append({"step": st.step, "from_total_steps": old["total_steps"],
-                                "to_total_steps": new["total_steps"]})
-    lr_was = st.optimizer.param_groups[0]["lr"]
-    set_schedule(st.sched, st.run.warmup_steps, st.run.total_steps)
-    if extend:
-        print_main(st.di, f"extended: the schedule now ends at step {new['total_steps']} (was "
-                          f"{old['total_steps']}); lr at step {st.step}: {lr_was:.4g} -> "
-                          f"{st.optimizer.param_groups[0]['lr']:.4g}")
+        cfg.extended.append({"step": st.step, "from_total_steps": old["total_steps"],
+                             "to_total_steps": cfg.total_steps})
+        was = get_lr(st.step, cfg.lr, old["warmup_steps"], old["total_steps"])
+        print_main(st.di, f"extended: the schedule now ends at step {cfg.total_steps} (was "
+                          f"{old['total_steps']}); lr at step {st.step}: {was:.4g} -> "
+                          f"{lr_at(cfg, st.step):.4g}")
     return ck
 
 
-def set_schedule(sched, warmup_steps: int, total_steps: int) -> None:
-    """Point a loaded LambdaLR(WarmupCosine) at (warmup_steps, total_steps) from its current
-    step on, setting the optimizer's lrs exactly as the scheduler's own step would."""
-    WarmupCosine(warmup_steps, total_steps)  # checks the values
-    for lam in {id(f): f for f in sched.lr_lambdas}.values():
-        lam.warmup_steps, lam.total_steps = warmup_steps, total_steps
-    lrs = [base * lam(sched.last_epoch) for lam, base in zip(sched.lr_lambdas, sched.base_lrs)]
-    for g, lr in zip(sched.optimizer.param_groups, lrs):
-        g["lr"] = lr
-    sched._last_lr = lrs
+def write_status(cfg: TrainConfig, status: int | None, message: str | None = None,
+                 step: int | None = None) -> None:
+    """OUT/status.json: how the run ended (status null: it is running, or was killed)."""
+    write_json_atomic({"status": status, "meaning": EXIT_MEANING.get(status, "running"),
+                       "message": message, "step": step, "run_id": cfg.run_id,
+                       "time": datetime.datetime.now().isoformat(timespec="seconds")},
+                      os.path.join(cfg.out, STATUS))
+
+
+def finish(status: int, message: str | None = None, di=None, st: TrainState | None = None,
+           ) -> int:
+    """How every train.py process ends.  Rank 0 prints `message` (status != 0) and, last, the
+    line scripts can grep, "train.py: exit status N (meaning)"; a run that got to start also
+    records it in OUT/status.json.  Under torchrun (which exits 1 whatever the status) rank 0
+    writes the message and the status line to torchrun's error file, so that torchrun's report,
+    the last thing it prints, shows them as the root cause with the exit code; the other ranks
+    write one short line, timed a second later so that the report takes rank 0's as the root
+    cause.  Returns `status`."""
+    rank = di.rank if di is not None else int(os.environ.get("RANK", "0") or 0)
+    stream = sys.stderr if status else sys.stdout
+    line = f"train.py: exit status {status} ({EXIT_MEANING.get(status, 'error')})"
+    if rank == 0:
+        if status and message:
+            print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+        print(line, file=stream, flush=True)
+        if st is not None:
+            try:
+                write_status(st.cfg, status, message, st.step)
+            except OSError as exc:
+                print(f"({STATUS} not written: {exc})", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if status and error_file:
+        text = f"train.py: error: {message}\n{line}" if message else line
+        stamp = int(time.time())
+        if rank != 0:  # short, and later: torchrun's report takes rank 0's as the root cause
+            text, stamp = f"rank {rank} stopped with rank 0 (exit status {status})", stamp + 1
+        with contextlib.suppress(OSError):
+            with open(error_file, "w") as f:
+                json.dump({"message": {"message": text, "extraInfo": {
+                    "py_callstack": text, "timestamp": str(stamp)}}}, f)
+    return status

@@ -6,10 +6,8 @@ import math
 
 
 class WarmupCosine:
-    """Multiplier of the base lr at optimizer step `step` (0-based), for LambdaLR: lr(step) /
-    base_lr of docs/math.md [M:schedule] (the first update already uses a small non-zero lr).
-    A plain class, not a lambda, so LambdaLR.state_dict() records it.
-    """
+    """Multiplier of the base lr at optimizer step `step` (0-based): lr(step) / base_lr of
+    docs/math.md [M:schedule] (the first update already uses a small non-zero lr)."""
 
     def __init__(self, warmup_steps: int, total_steps: int):
         for name, v in (("warmup_steps", warmup_steps), ("total_steps", total_steps)):
@@ -28,3 +26,10 @@ class WarmupCosine:
         span = max(1, self.total_steps - self.warmup_steps)
         t = min(1.0, (step - self.warmup_steps) / span)
         return 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def get_lr(step: int, base_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """The learning rate of the update at optimizer step `step` (0-based), as nanoGPT's get_lr: a
+    function of the step alone, so a resumed or extended run needs no scheduler state (the
+    multiplication LambdaLR did, base_lr * factor, in the same order: the same float)."""
+    return base_lr * WarmupCosine(warmup_steps, total_steps)(step)

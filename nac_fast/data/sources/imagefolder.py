@@ -10,8 +10,10 @@ Bad files, one policy for every ImageFolder loader (`on_bad_file`, train.py --on
       corrupt header) is left out of the data set; a file that passes the scan but fails to
       decode later (e.g. a truncated JPEG) is replaced, wherever the epoch order puts it, by the
       next decodable file of the data set (so every batch stays full and every rank runs the same
-      number of steps).  Each skipped file is named in one RuntimeWarning per process and listed
-      in the loader's `skipped_files`.
+      number of steps).  Every skipped file is counted and listed in the loader's
+      `skipped_files`; a RuntimeWarning gives the count and names the first MAX_NAMED of them
+      (a file already reported by this process is not reported again), and a loader warns at
+      most MAX_WARNINGS times (its last warning says so).
   "error": stop with a ValueError naming the file(s): at loader construction for the scan, at the
       batch that meets the file for a decode failure.
 """
@@ -31,7 +33,9 @@ HOW_TO_GET = ("pass data=<root> with train/<class>/*.JPEG and val/<class>/*.JPEG
 BAD_FILE_POLICIES = ("warn", "error")
 _MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"BM", b"II*\x00", b"MM\x00*")
 _scan_cache: dict = {}
-_warned: set = set()          # files already named in a warning by this process
+_warned: set = set()          # files already reported in a warning by this process
+MAX_NAMED = 5                 # file names in one warning (the count is always given)
+MAX_WARNINGS = 5              # bad-file warnings per loader; later skips are only counted
 
 
 def _is_image_header(head: bytes) -> bool:
@@ -121,6 +125,7 @@ class BadFiles:
         check_policy(on_bad_file)
         self.policy = on_bad_file
         self.skipped: list = []           # distinct paths, in the order they were met
+        self.warnings = 0                 # warnings given (at most MAX_WARNINGS)
 
     def report(self, paths, why):
         """Skip `paths` ("warn": count them, one warning naming the ones this process has not
@@ -129,18 +134,24 @@ class BadFiles:
         if not new:
             return
         if self.policy == "error":
-            raise ValueError(f"data: {why}: {_names(new)} (on_bad_file='warn', train.py "
+            raise ValueError(f"data: {why}: {_names(new, '')} (on_bad_file='warn', train.py "
                              "--on-bad-file warn, skips and counts them)")
         self.skipped += new
         unwarned = [p for p in new if p not in _warned]
-        if unwarned:
+        if unwarned and self.warnings < MAX_WARNINGS:
             _warned.update(unwarned)
-            warnings.warn(f"nac_fast.data: skipping {len(unwarned)} {why}: {_names(unwarned)}",
-                          RuntimeWarning, stacklevel=3)
+            self.warnings += 1
+            last = (f" (warning {MAX_WARNINGS} of {MAX_WARNINGS}: further skipped files are "
+                    "only counted, in the loader's skipped_files)"
+                    if self.warnings == MAX_WARNINGS else "")
+            warnings.warn(f"nac_fast.data: skipping {len(unwarned)} {why}: {_names(unwarned)}"
+                          f"{last}", RuntimeWarning, stacklevel=3)
 
 
-def _names(paths):
-    return ", ".join(paths[:20]) + (f" and {len(paths) - 20} more" if len(paths) > 20 else "")
+def _names(paths, where=" (all of them: the loader's skipped_files)"):
+    """The first MAX_NAMED paths, and how many more."""
+    more = len(paths) - MAX_NAMED
+    return ", ".join(paths[:MAX_NAMED]) + (f" and {more} more{where}" if more > 0 else "")
 
 
 def load_rgb(path):
