@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py lives at the repository root
 import train  # noqa: E402
 from nac_fast.eval import cli as nac_eval  # noqa: E402
-from nac_fast.ops.hamming import code_statistics, mean_average_precision  # noqa: E402
+from nac_fast import code_statistics, mean_average_precision  # noqa: E402
 
 D = 32  # a small code so that --bits can name prefixes and an out-of-range value
 

@@ -28,7 +28,7 @@ What it does:
        separately trained k-bit model as in the paper's tables) [M:prefix].
        With --itq also "map_itq": the mAP of sgn of the ITQ-rotated standardised a [M:itq]
        (rotation fitted on the gallery's a, no labels; one per k), beside the sgn(a) figure.
-     - expressivity: ops.hamming.code_statistics of the test-split codes [M:stats] (distinct
+     - expressivity: nac_fast.code_statistics of the test-split codes [M:stats] (distinct
        codes, mean pairwise Hamming distance, balance_dev, bit entropy), for D and every prefix
        in --bits; the report's keys are CodeStatistics' field names.
   3. Writes DIR/report.json (checkpoint, data, split sizes, training config, every task's
@@ -53,7 +53,8 @@ import torch
 from ..train.checkpoint import load_checkpoint, load_model, save_atomic
 from ..data import build_eval_loader
 from .metrics import itq_codes, itq_fit, knn_accuracy, linear_probe, retrieval_split
-from ..ops.hamming import code_statistics, mean_average_precision
+from ..codestats import code_statistics
+from ..ops.retrieval import mean_average_precision
 
 TASKS = ("linear", "hash", "knn", "expressivity")
 FEATURE_FILE = "features_{}.pt"

@@ -6,5 +6,7 @@
     nac.py        the fused NAC loss op: torch.library registration, autograd, fake impls
                                                                            kernels: csrc/nac_cpu.cpp, nac_cuda.cu, kernels/nac_triton.py
     loss.py       the public losses: nac_loss / nac_mq_loss / nac_vi_loss and NACLoss / NACMQLoss
-    hamming.py    the Hamming retrieval engine and code statistics      kernels: csrc/hamming.cpp, kernels/hamming_triton.py
+    codes.py      binary codes and their packed form (PackedCodes), the Hamming engine's input
+    search.py     Hamming distances, top-k, full ranking                kernels: csrc/hamming.cpp, kernels/hamming_triton.py
+    retrieval.py  retrieval scores: mAP@all, mAP@K, P@H<=r, PR curve, P@N (same kernels)
 """
