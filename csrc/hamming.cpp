@@ -380,47 +380,53 @@ int64_t accumulate_scalar(const uint16_t* d, const uint8_t* r, int64_t n, uint32
 }
 
 #if NAC_HAMMING_X86
-// AVX-512 version, per 64 items: when few are relevant (<= 16), update the histogram with a
-// tight loop and find each relevant item's position as cnt[x] at the chunk start plus the items
-// of distance x before it in the chunk (two 32-lane compares and a popcount); otherwise fall back
-// to the branch-free loop (timings: bench/results/cpu_micro.md).  d must be readable for 64 items
-// from every multiple of 64 below n (the block
-// buffer is kBlock long, a multiple of 64; lanes at or past n are masked out of the count).
+// AVX-512 version, per 64 items.  The histogram is kept as kSubMax (4) interleaved copies (cnt + s * nbp
+// counts the items u with u % 4 == s), so that consecutive items of the same distance do not
+// wait on each other's store (one histogram: ~10x the distance time at 128 bits).  A relevant
+// item's position among the items of its distance is the sum of the copies at the chunk start plus
+// the items of that distance before it in the chunk (two 32-lane compares and a popcount).  d must
+// be readable for 64 items from every multiple of 64 below n (the tile buffer's length is a
+// multiple of 64; lanes at or past n are masked out of the count).  finalize sums the copies.
 __attribute__((target("avx512f,avx512bw,popcnt"))) int64_t accumulate_avx512(
-    const uint16_t* d, const u64* m, int64_t n, uint32_t* cnt, uint16_t* rec_d, uint32_t* rec_p,
-    int64_t nrel) {
+    const uint16_t* d, const u64* m, int64_t n, uint32_t* cnt, int64_t nbp, uint16_t* rec_d,
+    uint32_t* rec_p, int64_t nrel) {
+  uint32_t* c1 = cnt + nbp;
+  uint32_t* c2 = cnt + 2 * nbp;
+  uint32_t* c3 = cnt + 3 * nbp;
   for (int64_t c0 = 0; c0 < n; c0 += 64) {
     const int64_t cn = std::min<int64_t>(64, n - c0);
     u64 bits = m[c0 >> 6];
     const uint16_t* dc = d + c0;
-    if (__builtin_popcountll(bits) > 16) {  // branch-free, as accumulate_scalar
-      for (int64_t u = 0; u < cn; ++u) {
-        const uint16_t x = dc[u];
-        const uint32_t p = cnt[x];
-        cnt[x] = p + 1;
+    if (bits) {
+      const __m512i lo = _mm512_loadu_si512(dc), hi = _mm512_loadu_si512(dc + 32);
+      while (bits) {
+        const int k = __builtin_ctzll(bits);
+        bits &= bits - 1;
+        const uint16_t x = dc[k];
+        const __m512i xv = _mm512_set1_epi16(static_cast<short>(x));
+        const u64 eq = static_cast<u64>(_mm512_cmpeq_epi16_mask(lo, xv)) |
+                       (static_cast<u64>(_mm512_cmpeq_epi16_mask(hi, xv)) << 32);
         rec_d[nrel] = x;
-        rec_p[nrel] = p;
-        nrel += static_cast<int64_t>((bits >> u) & 1u);
+        rec_p[nrel] = cnt[x] + c1[x] + c2[x] + c3[x] +
+                      static_cast<uint32_t>(__builtin_popcountll(eq & ((u64{1} << k) - 1)));
+        ++nrel;
       }
-      continue;
     }
-    const __m512i lo = _mm512_loadu_si512(dc), hi = _mm512_loadu_si512(dc + 32);
-    while (bits) {
-      const int k = __builtin_ctzll(bits);
-      bits &= bits - 1;
-      const uint16_t x = dc[k];
-      const __m512i xv = _mm512_set1_epi16(static_cast<short>(x));
-      const u64 eq = static_cast<u64>(_mm512_cmpeq_epi16_mask(lo, xv)) |
-                     (static_cast<u64>(_mm512_cmpeq_epi16_mask(hi, xv)) << 32);
-      rec_d[nrel] = x;
-      rec_p[nrel] = cnt[x] + static_cast<uint32_t>(__builtin_popcountll(eq & ((u64{1} << k) - 1)));
-      ++nrel;
+    int64_t u = 0;
+    for (; u + 4 <= cn; u += 4) {
+      ++cnt[dc[u]];
+      ++c1[dc[u + 1]];
+      ++c2[dc[u + 2]];
+      ++c3[dc[u + 3]];
     }
-    for (int64_t u = 0; u < cn; ++u) ++cnt[dc[u]];
+    for (; u < cn; ++u) ++cnt[dc[u]];
   }
   return nrel;
 }
 #endif
+
+// Histogram copies per query in the retrieval pass (see accumulate_avx512).
+constexpr int64_t kSubMax = 4;
 
 // ---------------------------------------------------------------------------------------------
 // Blocking helpers: query blocks x gallery tiles
@@ -722,7 +728,11 @@ void retrieval_loop(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t 
     std::vector<uint16_t> dbuf(static_cast<size_t>(T));
     std::vector<u64> mbuf(static_cast<size_t>(T / 64));
     std::vector<uint8_t> rbuf(static_cast<size_t>(T));
-    std::vector<uint32_t> cnt(static_cast<size_t>(qb * nb));
+    // per query: kSubMax interleaved histogram copies of nbp counters (accumulate_avx512); the
+    // portable path uses the first copy only
+    const int64_t nbp = (nb + 15) / 16 * 16, per_q = kSubMax * nbp;
+    std::vector<uint32_t> cnt(static_cast<size_t>(qb * per_q));
+    std::vector<uint32_t> total(static_cast<size_t>(nb));
     std::vector<Records> recs(static_cast<size_t>(qb));
     std::vector<int64_t> nrel(static_cast<size_t>(qb));
     std::vector<uint32_t> relcnt(nb);
@@ -739,14 +749,15 @@ void retrieval_loop(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t 
         transpose_tile(gp, W, j0, n, T, tile.data());
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t li = i - i0;
-          uint32_t* c = cnt.data() + li * nb;
+          uint32_t* c = cnt.data() + li * per_q;
           Records& rc = recs[li];
           rc.reserve(nrel[li] + n + 1);
           dist(qp + i * W, tile.data(), T, W, 0, n, dbuf.data());
 #if NAC_HAMMING_X86
           if (avx512) {
             rel.mask_avx512(i, j0, n, mbuf.data());
-            nrel[li] = accumulate_avx512(dbuf.data(), mbuf.data(), n, c, rc.d, rc.p, nrel[li]);
+            nrel[li] = accumulate_avx512(dbuf.data(), mbuf.data(), n, c, nbp, rc.d, rc.p,
+                                         nrel[li]);
             continue;
           }
 #endif
@@ -754,9 +765,16 @@ void retrieval_loop(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t 
           nrel[li] = accumulate_scalar(dbuf.data(), rbuf.data(), n, c, rc.d, rc.p, nrel[li]);
         }
       }
-      for (int64_t i = i0; i < i1; ++i)
-        finalize_query(i, G, nb, cnt.data() + (i - i0) * nb, recs[i - i0], nrel[i - i0], o, relcnt,
-                       before, relbefore, bucket_sum, cut_x, cut_m, is_cut);
+      for (int64_t i = i0; i < i1; ++i) {
+        const uint32_t* c = cnt.data() + (i - i0) * per_q;
+        for (int64_t x = 0; x < nb; ++x) {
+          uint32_t t = 0;
+          for (int64_t s = 0; s < kSubMax; ++s) t += c[s * nbp + x];
+          total[x] = t;
+        }
+        finalize_query(i, G, nb, total.data(), recs[i - i0], nrel[i - i0], o, relcnt, before,
+                       relbefore, bucket_sum, cut_x, cut_m, is_cut);
+      }
     }
   });
 }
