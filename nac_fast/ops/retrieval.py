@@ -324,12 +324,12 @@ def retrieval_metrics(query_codes, query_labels, gallery_codes, gallery_labels, 
             col = {c: i for i, c in enumerate(cuts)}
             for k in ks:
                 hk, pk = hits[:, col[min(k, G)]], psum[:, col[min(k, G)]]
-                k_sum[k] += float(torch.where(hk > 0, pk / hk.clamp(min=1), 0.0).sum())
+                k_sum[k] += float(torch.where(hk > 0, pk / hk.clamp(min=1).to(torch.float64), 0.0).sum())
                 k_hit[k] += int((hk > 0).sum())
             for n in ns:
                 n_sum[n] += float(hits[:, col[n]].sum()) / n
             if hist:
-                cum, rcum = h.cumsum(1), rh.cumsum(1)
+                cum, rcum = h.cumsum(1), rh.cumsum(1).to(torch.float64)  # exact division
                 ok = cum > 0
                 prec_sum += torch.where(ok, rcum / cum.clamp(min=1), 0.0).sum(0)
                 nonempty += ok.sum(0)
