@@ -12,12 +12,13 @@ PKG = os.path.join(ROOT, "nac_fast")
 
 # layer -> the top-level parts of nac_fast it may import (besides itself)
 ALLOWED = {
-    "ops": {"kernels", "_C", "_build_info"},
+    "_files": set(),            # atomic writes: a leaf every layer may use
+    "ops": {"kernels", "_C", "_build_info", "_files"},
     "data": set(),
     "codestats": {"ops"},
     "train": {"ops", "data", "codestats"},
-    "eval": {"ops", "data", "codestats", "train"},
-    "index": {"ops", "data", "codestats", "train"},
+    "eval": {"ops", "data", "codestats", "train", "_files"},
+    "index": {"ops", "data", "codestats", "train", "_files"},
 }
 
 

@@ -133,7 +133,8 @@ def _encoder(args, bits):
         return CodeEncoder(args.checkpoint, bits=bits, which=getattr(args, "which", "online"),
                            device=args.device)
     except (ValueError, TypeError, RuntimeError) as exc:
-        raise UsageError(f"--checkpoint: {exc}") from None
+        flag = "--bits" if str(exc).startswith("bits ") else "--checkpoint"
+        raise UsageError(f"{flag}: {exc}") from None
 
 
 def _report_skipped(res, ignored, out=sys.stderr) -> None:
@@ -280,7 +281,7 @@ def cmd_search(args) -> int:
         draw_contact_sheet(queries, args.png, title=f"{os.path.basename(args.index)}: "
                            f"{index.ntotal} codes of {index.nbits} bits, top {k}")
     if args.json:
-        from ._files import atomic_write
+        from .._files import atomic_write
         atomic_write(args.json, lambda f: f.write(text + "\n"), mode="w")
         print(f"wrote {len(queries)} queries x top {k} to {args.json}"
               + (f" and {args.png}" if args.png else ""), file=sys.stderr)
@@ -297,7 +298,7 @@ def cmd_search(args) -> int:
 
 def cmd_encode(args) -> int:
     from ..ops.codes import pack_codes
-    from ._files import atomic_write
+    from .._files import atomic_write
     _positive("--batch-size", args.batch_size)
     if args.bits is not None:
         _positive("--bits", args.bits)

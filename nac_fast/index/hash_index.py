@@ -44,7 +44,7 @@ import torch
 
 from ..ops.codes import MAX_BITS, PackedCodes, as_packed, check_packed
 from ..ops.search import resolve_backend, topk_words
-from ._files import atomic_write
+from .._files import atomic_write
 
 __all__ = ["HashIndex", "FORMAT", "FORMAT_VERSION"]
 

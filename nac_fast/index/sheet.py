@@ -8,7 +8,7 @@ label differs from the query's has a red frame and a red label.  Drawn with PIL 
 """
 from __future__ import annotations
 
-from ._files import atomic_write
+from .._files import atomic_write
 
 __all__ = ["draw_contact_sheet"]
 

@@ -1,4 +1,4 @@
-"""Atomic file writes for nac_fast.index: a temporary file in the target's folder, fsync, then a
+"""Atomic file writes (nac_fast.index, nac_fast.eval: indexes, reports, CSVs, PNGs): a temporary file in the target's folder, fsync, then a
 rename, so the target is always the old file or the complete new one and a failure leaves no
 temporary file behind (the same protocol as nac_fast/train/checkpoint.py's save_atomic, for
 files that are not torch pickles)."""
