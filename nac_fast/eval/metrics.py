@@ -136,7 +136,6 @@ def _fit_linear(x, y, C: int, lrs, *, epochs: int, batch_size: int, momentum: fl
     gradients in closed form, (softmax - onehot) / batch.  Every rate starts from the same
     uniform(-1/sqrt(d), 1/sqrt(d)) weights (zero bias) and sees the same per-epoch permutations,
     all drawn from ``seed``: the L runs are exactly the L separate runs, in one pass."""
-    from tqdm.auto import tqdm
     n, d = x.shape
     L = len(lrs)
     dev = x.device
@@ -149,8 +148,34 @@ def _fit_linear(x, y, C: int, lrs, *, epochs: int, batch_size: int, momentum: fl
     lr0 = torch.tensor([float(v) for v in lrs], device=dev)
     onehot = F.one_hot(y, C).to(x.dtype)
     steps = epochs * math.ceil(n / batch_size)
-    t = 0
     Wf, bWf = W.view(d, L * C), bW.view(d, L * C)
+    # One thread: the per-step ops are tiny (256 x d x 4C), and a second OpenMP thread only adds
+    # a wait per op; on a busy machine that wait was 200x the work (bench/results/eval_cpu.md).
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        _sgd_epochs(x, onehot, W, b, bW, bb, Wf, bWf, lr0, gen, epochs, batch_size, momentum,
+                    steps, progress, desc)
+    finally:
+        torch.set_num_threads(threads)
+    models = []
+    for l in range(L):
+        lin = torch.nn.Linear(d, C).to(dev)
+        with torch.no_grad():
+            lin.weight.copy_(W[:, l, :].T)
+            lin.bias.copy_(b[l])
+        models.append(lin.eval())
+    return models
+
+
+def _sgd_epochs(x, onehot, W, b, bW, bb, Wf, bWf, lr0, gen, epochs, batch_size, momentum, steps,
+                progress, desc):
+    from tqdm.auto import tqdm
+    n, d = x.shape
+    L, C = b.shape
+    dev = x.device
+    t = 0
     with tqdm(total=epochs, desc=desc, unit="epoch", disable=not progress, leave=False,
               file=sys.stderr) as bar:
         for _ in range(epochs):
@@ -169,14 +194,6 @@ def _fit_linear(x, y, C: int, lrs, *, epochs: int, batch_size: int, momentum: fl
                 b.sub_(gb.add_(bb, alpha=momentum) * lr_t)
                 t += 1
             bar.update(1)
-    models = []
-    for l in range(L):
-        lin = torch.nn.Linear(d, C).to(dev)
-        with torch.no_grad():
-            lin.weight.copy_(W[:, l, :].T)
-            lin.bias.copy_(b[l])
-        models.append(lin.eval())
-    return models
 
 
 def _check_probe_args(lr_list, epochs, batch_size):
