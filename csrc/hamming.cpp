@@ -2,14 +2,14 @@
 // ties by gallery index [M:rank], and retrieval AP over the whole ranking [M:ap] by counting sort
 // [M:ap-count], on packed binary codes (labels: docs/math.md).
 //
-// Codes arrive packed by nac_fast.ops.hamming.pack_codes (PackedCodes, [M:hamming]): (n, W) int64,
+// Codes arrive packed by nac_fast.ops.codes.pack_codes (PackedCodes, [M:hamming]): (n, W) int64,
 // padding bits 0 (so they never add to a distance).
 //
-// For one query the G distances are computed block by block (AVX-512 VPOPCNTDQ when the CPU has
-// it, chosen at run time; the build itself targets plain x86-64), and one pass in gallery-index
-// order keeps a per-distance count and records (d, running count) for the relevant items only;
-// the counts become prefix sums after the pass [M:ap-count].  AP is exact, in O(G) time and O(G)
-// memory per thread, with no sort and no float Q x G matrix.
+// Distances are computed tile by tile (AVX-512 VPOPCNTDQ when the CPU has it, chosen at run time;
+// the build itself targets plain x86-64).  For AP, one pass per query in gallery-index order keeps
+// a per-distance count and records (d, running count) for the relevant items only; the counts
+// become prefix sums after the pass [M:ap-count].  AP is exact, in O(G) time per query and memory
+// for the relevant items' records, with no sort and no float Q x G matrix.
 //
 // Timings per simd level and of the paper-size protocol: bench/results/cpu_micro.md ("Hamming
 // engine") and bench/results/hamming_cpu.csv (python bench/bench_hamming.py).
@@ -176,7 +176,7 @@ DistFn pick_dist(int64_t simd) {
 void check_codes(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "hamming: ", name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kLong, "hamming: ", name,
-              " must be packed int64 words (nac_fast.ops.hamming.pack_codes), got ",
+              " must be packed int64 words (nac_fast.pack_codes), got ",
               t.scalar_type());
   TORCH_CHECK(t.dim() == 2, "hamming: ", name, " must be 2-D (n, words), got ", t.dim(), "-D");
   TORCH_CHECK(t.size(1) >= 1, "hamming: ", name, " must have at least one word per code");
