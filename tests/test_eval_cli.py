@@ -262,3 +262,25 @@ def test_hash_report_names_the_protocol_and_writes_curves(evaluated):
     assert len(rows) == 1 + sum(int(k) + 1 for k in h["map"])  # radius 0..k for every k
     md = open(out / "report.md").read()
     assert "Hash protocol (standard): queries = test split (200)" in md and "mAP@1000" in md
+
+
+def test_hash_curves_without_matplotlib_say_so(tmp_path, monkeypatch, capsys):
+    """No silent fallback: without matplotlib the CSVs are written and the missing PNG is said."""
+    import builtins
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib here")
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    curves = {4: {"pr_curve": {"radius": [0, 1, 2, 3, 4], "precision": [1.0] * 5,
+                               "recall": [0.1] * 5, "precision_empty_as_zero": [0.5] * 5,
+                               "nonempty_fraction": [0.5] * 5, "mean_retrieved": [1.0] * 5},
+                  "precision_at_n": {1: 1.0}}}
+    info = {"num_queries": 1, "queries": "q", "num_gallery": 2, "gallery": "g"}
+    files = nac_eval.write_hash_curves(str(tmp_path), curves, info)
+    assert files["curves_png"] is None and "matplotlib" in files["curves_png_skipped"]
+    assert "hash_curves.png not drawn" in capsys.readouterr().err
+    assert os.path.isfile(tmp_path / "hash_pr_curve.csv") and not os.path.exists(
+        tmp_path / "hash_curves.png")

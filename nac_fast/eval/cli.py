@@ -353,7 +353,12 @@ def write_hash_curves(out_dir: str, curves: dict, info: dict) -> dict:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:  # the CSVs are the results; the pictures need matplotlib
+    except ImportError as exc:  # the CSVs are the results; the picture needs matplotlib
+        files["curves_png"] = None
+        files["curves_png_skipped"] = f"matplotlib is not installed ({exc})"
+        print("note: hash_curves.png not drawn: matplotlib is not installed (pip install "
+              "matplotlib); the curves are in hash_pr_curve.csv and hash_precision_at_n.csv",
+              file=sys.stderr)
         return files
     proto = (f"{info['num_queries']} queries ({info['queries']}) x {info['num_gallery']} gallery "
              f"({info['gallery']}); ties by gallery index")
