@@ -4,8 +4,9 @@
     python -m nac_fast.eval --checkpoint runs/default/last.pt --data fashion-mnist --out runs/eval
     python -m nac_fast.eval --checkpoint CKPT --data fashion-mnist --out DIR \\
         --tasks linear,hash,knn,expressivity --bits 16,32,64,128 --linear-epochs 100
-    python -m nac_fast.eval --checkpoint CKPT --out DIR --limit-train 5000 --limit-test 1000 \\
-        --linear-epochs 10                                   # a quick CPU look
+    python -m nac_fast.eval --checkpoint CKPT --out DIR --quick     # a quick look (not the protocol):
+                                                             # --limit-train 5000 --limit-test 1000
+                                                             # --linear-epochs 10
     python -m nac_fast.eval --checkpoint CKPT --out DIR --tasks hash --hash-protocol paper \\
         --queries-per-class 1000                             # the paper's CIFAR-10-style split
 
@@ -20,7 +21,9 @@ What it does:
      - linear: linear probe on h [M:linear-probe] (held-out 10% of the training split for the
        lr search): test top-1 and the chosen lr.
      - knn: cosine kNN on h [M:knn] (k capped at the training-set size): top-1.
-     - hash: codes c = sgn(a) [M:code], mAP@all with Hamming ranking [M:ap], under the
+     - hash: codes c = sgn(a) [M:code], mAP@all with Hamming ranking [M:ap] (and mAP@K
+       [M:ap-at-k], P@H<=r [M:radius], P@N [M:precision-at-n], the PR curve [M:pr-curve]: CSVs
+       and hash_curves.png in DIR), under the
        "standard" or "paper" protocol of [M:hash-split] (paper: metrics.retrieval_split; its
        500 training images per class are a property of the training run, not checked here).
        Bit counts: the model's D by default; for every k < D named in --bits the figure is the
@@ -32,7 +35,9 @@ What it does:
        codes, mean pairwise Hamming distance, balance_dev, bit entropy), for D and every prefix
        in --bits; the report's keys are CodeStatistics' field names.
   3. Writes DIR/report.json (checkpoint, data, split sizes, training config, every task's
-     numbers, timings) and DIR/report.md (a markdown table), and prints the table.
+     numbers, timings) and DIR/report.md (a markdown table and the hash protocol), atomically,
+     and prints the table.  Feature extraction, the probe's epochs, kNN and hashing show tqdm
+     bars with an ETA (--no-progress: none).
 
 --limit-train / --limit-test N evaluate on N images of the split, an evenly strided subset
 (every (n // N)-th image, the first N of those) so that class-sorted folders keep all classes.
@@ -42,7 +47,6 @@ not match the checkpoint) stop with a usage error (exit status 2) before any fea
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from .codes import PackedCodes, as_packed
+from .codes import as_packed
 
 __all__ = ["hamming_distance", "topk", "rank"]
 
