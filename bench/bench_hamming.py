@@ -1,4 +1,4 @@
-"""Benchmark of the Hamming engine (nac_fast.ops.hamming) against FAISS and the torch fallback.
+"""Benchmark of the Hamming engine (nac_fast's ops/search.py, ops/retrieval.py) against FAISS and the torch fallback.
 
     python bench/bench_hamming.py                      # paper-size protocol: 10,000 x 50,000 x 128
     python bench/bench_hamming.py --queries 1000 --gallery 5000 --repeats 1   # a quick look
@@ -6,9 +6,9 @@
 Synthetic CIFAR-10-like codes: 10 class prototypes (random +-1), each code is its class
 prototype with every bit flipped with probability --flip, labels uniform.  Rows measured:
 
-  nac_fast cpu   mAP@all         hamming.mean_average_precision(backend="cpu") from +-1 float codes
+  nac_fast cpu   mAP@all         nac_fast.mean_average_precision(backend="cpu") from +-1 float codes
                                  (packing and argument checks included)
-  nac_fast cpu   full ranking    hamming.rank in query chunks: the same output as FAISS's search
+  nac_fast cpu   full ranking    nac_fast.rank in query chunks: the same output as FAISS's search
   faiss          full ranking    IndexBinaryFlat.search(k=G) in query chunks, use_heap=False (its
                                  counting-sort path; the default heap path is the next row)
   faiss heap     full ranking    the default use_heap=True path, on --faiss-heap-queries queries
@@ -37,10 +37,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 try:
-    from nac_fast.ops import hamming as H
+    import nac_fast as H
 except ImportError:  # running from a checkout that is not installed
     sys.path.insert(0, ROOT)
-    from nac_fast.ops import hamming as H
+    import nac_fast as H
+from nac_fast.ops import dispatch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loss import commit  # noqa: E402  (the bench scripts' one git-commit helper)
 
@@ -157,7 +158,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    why = H.dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
+    why = dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
     if why is not None:
         sys.exit(f"the nac_fast hamming C++ kernel is not available: {why}")
     faiss = None

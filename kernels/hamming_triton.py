@@ -1,6 +1,7 @@
-"""Triton kernels of the Hamming retrieval engine (nac_fast.ops.hamming, backend="triton").
+"""Triton kernels of the Hamming retrieval engine (nac_fast/ops/search.py and
+nac_fast/ops/retrieval.py, backend="triton").
 
-Codes are packed in int64 words (nac_fast.ops.hamming.PackedCodes); distances are popcounts of
+Codes are packed in int64 words (nac_fast.ops.codes.PackedCodes); distances are popcounts of
 XORed words, docs/math.md [M:hamming].
 
     hamming_cdist(q, g)             (Q, G) int32 distances             grid (Q tiles, G tiles)
@@ -16,7 +17,7 @@ sums are float64, like the reference and the C++ kernel.
 
 The popcount is SWAR on the two 32-bit halves of each word (every intermediate non-negative), the
 form the interpreter (TRITON_INTERPRET=1, what CI runs on CPU tensors) can execute; the reference
-backend of nac_fast.ops.hamming uses the same formula in torch ops.
+backend of nac_fast/ops/search.py uses the same formula in torch ops.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import triton.language as tl
 from .launch import Launch, cdiv, run
 
 # Bins of the per-distance counters are a power of two >= D + 1; beyond this the one-hot tile no
-# longer fits in registers and nac_fast.ops.hamming falls back to the reference backend.
+# longer fits in registers and nac_fast/ops/search.py falls back to the reference backend.
 MAX_BITS = 1023
 
 

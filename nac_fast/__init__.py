@@ -9,13 +9,22 @@
     loss = nac_fast.nac_loss(a, r, p=0.1)                # the functional forms
     nac_fast.available_backends()                        # ['reference', 'cpu', ...]
 
-The math: docs/math.md.  Layout (imports point down: ops <- train <- train.py, ops <- eval):
-    nac_fast.ops     the ops' Python side: dispatch, reference, noise, the NAC loss op and its
-                     API (criteria, CodeQueue, NACMQ), the Hamming engine (kernels in csrc/ and
-                     kernels/)
-    nac_fast.data    two-view loaders: source -> order/sharding -> decode/augment -> batches
-    nac_fast.train   models, methods, LARS, schedule, checkpoints, DDP
-    nac_fast.eval    linear probe, kNN, retrieval protocols; `python -m nac_fast.eval`
+    packed = nac_fast.pack_codes(codes)                        # the Hamming engine: +-1 codes
+    d, idx = nac_fast.topk(query_codes, gallery_codes, k=10)   # nearest first, ties by index
+    m = nac_fast.mean_average_precision(qc, ql, gc, gl, topk=1000)   # also P@H<=2, PR, P@N
+    index = nac_fast.HashIndex(128); index.add(codes); D, I = index.search(query_codes, 10)
+    stats = nac_fast.code_statistics(a)                        # distinct codes, bit balance, ...
+
+The math: docs/math.md.  Layout (imports point down: ops, data <- codestats <- train <- eval,
+index; tests/test_layering.py checks it):
+    nac_fast.ops        the ops' Python side: dispatch, reference, noise, the NAC loss op and its
+                        API (criteria, CodeQueue, NACMQ), the Hamming engine: codes (packing),
+                        search, retrieval (scores) (kernels in csrc/ and kernels/)
+    nac_fast.data       two-view loaders: source -> order/sharding -> decode/augment -> batches
+    nac_fast.codestats  code statistics (expressivity) for the training log and the evaluation
+    nac_fast.train      models, methods, LARS, schedule, checkpoints, DDP
+    nac_fast.eval       linear probe, kNN, retrieval protocols; `python -m nac_fast.eval`
+    nac_fast.index      HashIndex (a saved packed-code index); `python -m nac_fast.index`
 """
 import importlib.util as _ilu
 import os as _os
@@ -54,6 +63,13 @@ from .ops.loss import (  # noqa: E402
 from .ops.momentum import NACMQ  # noqa: E402
 from .ops.noise import channel_scale, draw_noise  # noqa: E402
 from .ops.queue import CodeQueue  # noqa: E402
+# The Hamming engine (issue 28.4: packing, search, scoring; statistics are not an op)
+from .ops.codes import PackedCodes, pack_codes, unpack_codes  # noqa: E402
+from .ops.search import hamming_distance, rank, topk  # noqa: E402
+from .ops.retrieval import (average_precision, mean_average_precision, pr_curve,  # noqa: E402
+                            precision_at_n, precision_within_radius, retrieval_metrics)
+from .codestats import CodeStatistics, code_statistics  # noqa: E402
+from .index.hash_index import HashIndex  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -70,5 +86,21 @@ __all__ = [
     "available_backends",
     "channel_scale",
     "draw_noise",
+    # the Hamming engine, code statistics and the index
+    "PackedCodes",
+    "pack_codes",
+    "unpack_codes",
+    "hamming_distance",
+    "topk",
+    "rank",
+    "average_precision",
+    "mean_average_precision",
+    "precision_within_radius",
+    "pr_curve",
+    "precision_at_n",
+    "retrieval_metrics",
+    "CodeStatistics",
+    "code_statistics",
+    "HashIndex",
     "__version__",
 ]

@@ -69,7 +69,7 @@ def ranking_map(score: torch.Tensor, query_labels: torch.Tensor, gallery_labels:
                 chunk: int = 256) -> float:
     """mAP@all of ranking each query's gallery by descending score (Q, G), ties by gallery index
     (docs/math.md [M:rank], [M:ap]); relevant = same label.  With score = sgn(q) . sgn(g)
-    = D - 2 Hamming it is nac_fast.ops.hamming.mean_average_precision."""
+    = D - 2 Hamming it is nac_fast.mean_average_precision."""
     if score.dim() != 2 or score.shape != (len(query_labels), len(gallery_labels)):
         raise ValueError(f"score must be (queries, gallery) = ({len(query_labels)}, "
                          f"{len(gallery_labels)}), got shape {tuple(score.shape)}")
@@ -82,7 +82,7 @@ def retrieval_maps(a_query, y_query, a_gallery, y_gallery, chunk: int = 256) -> 
     bit's median over the gallery (the evaluation's mean_average_precision on sign_codes), and
     by cosine of a (ranking_map, scores computed chunk queries at a time)."""
     from nac_fast.eval.cli import sign_codes
-    from nac_fast.ops.hamming import mean_average_precision
+    from nac_fast import mean_average_precision
     med = a_gallery.median(0).values
     gal = torch.nn.functional.normalize(a_gallery.double(), dim=1)
     cos = [_aps(torch.nn.functional.normalize(a_query[i:i + chunk].double(), dim=1) @ gal.T,

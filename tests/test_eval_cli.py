@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py lives at the repository root
 import train  # noqa: E402
 from nac_fast.eval import cli as nac_eval  # noqa: E402
-from nac_fast.ops.hamming import code_statistics, mean_average_precision  # noqa: E402
+from nac_fast import code_statistics, mean_average_precision  # noqa: E402
 
 D = 32  # a small code so that --bits can name prefixes and an out-of-range value
 
@@ -217,3 +217,70 @@ def test_itq_is_reported_beside_the_sign_codes(ckpt, evaluated, tmp_path):
     first, last = h["itq_quant_error"]["16"]
     assert last <= first
     assert "ITQ" in (tmp_path / "report.md").read_text()
+
+
+def _readme_eval_commands():
+    import re
+    text = open(os.path.join(ROOT, "README.md")).read()
+    m = re.search(r"^## Evaluation\n(.*?)(?=^## )", text, re.S | re.M)
+    block = re.search(r"```text\n(.*?)```", m.group(1), re.S).group(1)
+    return [c.split() for c in block.replace("\\\n", " ").splitlines() if c.strip()]
+
+
+def test_readme_evaluation_commands_parse_and_quick_means_subsets():
+    """The README's two evaluation commands are this CLI's: both parse, the first is the full
+    protocol, the second (--quick) fills in the subsets and the 10-epoch probe."""
+    full, quick = _readme_eval_commands()
+    assert full[:3] == ["python", "-m", "nac_fast.eval"] and quick[:3] == full[:3]
+    parser = nac_eval.build_parser()
+    a = parser.parse_args(full[3:])
+    b = parser.parse_args(quick[3:])
+    for args in (a, b):
+        args.checkpoint = __file__  # any existing file: check_args only looks that it is one
+        nac_eval.check_args(args)
+    assert (a.limit_train, a.limit_test, a.linear_epochs, a.quick) == (None, None, 100, False)
+    assert a.tasks == ["linear", "hash", "knn", "expressivity"] and a.bits == [16, 32, 64, 128]
+    assert (b.limit_train, b.limit_test, b.linear_epochs, b.quick) == (5000, 1000, 10, True)
+    c = parser.parse_args(quick[3:] + ["--linear-epochs", "3"])
+    c.checkpoint = __file__
+    nac_eval.check_args(c)
+    assert c.linear_epochs == 3  # an explicit flag wins over --quick
+
+
+def test_hash_report_names_the_protocol_and_writes_curves(evaluated):
+    out, report, _ = evaluated
+    h = report["results"]["hash"]
+    assert h["queries"] == "test split" and h["gallery"] == "train split"
+    assert "ties by gallery index" in h["ranking"] and h["relevance"] == "same class"
+    assert set(h["map_at"][str(D)]) == {"1000", "5000"}
+    assert 0 <= h["precision_within_radius"][str(D)] <= 1 and h["radius"] == 2
+    assert set(h["precision_at_n"][str(D)]) == {"1", "10", "50", "100", "200", "500"}  # <= 600
+    for f in ("hash_pr_curve.csv", "hash_precision_at_n.csv", "hash_curves.png"):
+        assert os.path.isfile(out / f), f
+    rows = open(out / "hash_pr_curve.csv").read().splitlines()
+    assert rows[0].startswith("bits,radius,precision,recall")
+    assert len(rows) == 1 + sum(int(k) + 1 for k in h["map"])  # radius 0..k for every k
+    md = open(out / "report.md").read()
+    assert "Hash protocol (standard): queries = test split (200)" in md and "mAP@1000" in md
+
+
+def test_hash_curves_without_matplotlib_say_so(tmp_path, monkeypatch, capsys):
+    """No silent fallback: without matplotlib the CSVs are written and the missing PNG is said."""
+    import builtins
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib here")
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    curves = {4: {"pr_curve": {"radius": [0, 1, 2, 3, 4], "precision": [1.0] * 5,
+                               "recall": [0.1] * 5, "precision_empty_as_zero": [0.5] * 5,
+                               "nonempty_fraction": [0.5] * 5, "mean_retrieved": [1.0] * 5},
+                  "precision_at_n": {1: 1.0}}}
+    info = {"num_queries": 1, "queries": "q", "num_gallery": 2, "gallery": "g"}
+    files = nac_eval.write_hash_curves(str(tmp_path), curves, info)
+    assert files["curves_png"] is None and "matplotlib" in files["curves_png_skipped"]
+    assert "hash_curves.png not drawn" in capsys.readouterr().err
+    assert os.path.isfile(tmp_path / "hash_pr_curve.csv") and not os.path.exists(
+        tmp_path / "hash_curves.png")

@@ -175,3 +175,45 @@ def test_itq_codes_use_the_fit_and_check_their_inputs():
             E.itq_fit(a, **bad)
     with pytest.raises(ValueError, match="a has 3 columns"):
         E.itq_codes(a[:, :3], fit)
+
+
+def _probe_one_at_a_time(x, y, C, lr, epochs, batch_size, seed):
+    """The linear probe as it was trained before the rates were batched: nn.Linear,
+    torch.optim.SGD (Nesterov 0.9), CosineAnnealingLR per iteration, autograd (the oracle)."""
+    import math
+    import torch.nn.functional as F
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(x.shape[1], C)
+    with torch.no_grad():
+        bound = 1.0 / math.sqrt(x.shape[1])
+        model.weight.copy_(torch.empty_like(model.weight).uniform_(-bound, bound, generator=gen))
+        model.bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
+    n = x.shape[0]
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(
+        opt, T_max=epochs * math.ceil(n / batch_size))
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=gen)
+        for s in range(0, n, batch_size):
+            idx = perm[s:s + batch_size]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    return model
+
+
+def test_batched_rates_equal_separate_runs():
+    """All rates of the lr search trained as one batched layer give the weights of the separate
+    torch.optim runs (same init, same batches; float32 rounding only), including a last batch
+    smaller than the others (97 rows, batch 32)."""
+    x, y = blobs(25, 4, 7, 1.5, seed=11)
+    x, y = x[:97], y[:97]
+    lrs = (0.01, 0.1, 1.0, 10.0)
+    got = E._fit_linear(x, y, 4, lrs, epochs=4, batch_size=32, momentum=0.9, seed=3)
+    for lr, m in zip(lrs, got):
+        want = _probe_one_at_a_time(x, y, 4, lr, 4, 32, 3)
+        scale = want.weight.abs().max().item()
+        assert torch.allclose(m.weight, want.weight, rtol=1e-4, atol=1e-5 * scale), lr
+        assert torch.allclose(m.bias, want.bias, rtol=1e-4, atol=1e-5 * scale), lr

@@ -1,5 +1,8 @@
-"""Tests of nac_fast.ops.hamming: the Hamming engine (C++ kernel and torch reference) against
-brute-force numpy oracles written from the definitions, plus expressivity statistics."""
+"""Tests of the Hamming engine (nac_fast/ops: codes.py packing, search.py, retrieval.py mAP@all;
+C++ kernel, Triton and torch reference) against brute-force numpy oracles written from the
+definitions, plus the code statistics (nac_fast/codestats.py).  The newer retrieval metrics
+(mAP@K, P@H<=r, PR curve, P@N) and HashIndex: tests/test_retrieval_metrics.py,
+tests/test_index.py."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from nac_fast.ops import hamming as H
+import nac_fast as H
+from nac_fast.ops import dispatch
+from nac_fast.ops.codes import pack_bits_torch
+from nac_fast.ops.search import _ref_popcount64
 
 BIT_COUNTS = [1, 7, 64, 65, 128, 200]
 
@@ -23,7 +29,7 @@ BIT_COUNTS = [1, 7, 64, 65, 128, 200]
 def cpu_kernel():
     """The compiled hamming ops of nac_fast._C.  CI sets NAC_FAST_REQUIRE_EXT=1, so there a
     missing kernel fails instead of skipping."""
-    why = H.dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
+    why = dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
     if why is not None:
         if os.environ.get("NAC_FAST_REQUIRE_EXT") == "1":
             pytest.fail(f"the hamming C++ kernel is not available: {why}")
@@ -36,7 +42,7 @@ def cpu_kernel():
 def backend(request):
     if request.param == "cpu":
         request.getfixturevalue("cpu_kernel")
-    if request.param == "triton" and "triton" not in H.available_backends("cpu"):
+    if request.param == "triton" and "triton" not in H.available_backends("cpu", op="hamming"):
         pytest.skip("the Triton Hamming kernels run on CPU tensors only under TRITON_INTERPRET=1")
     return request.param
 
@@ -100,8 +106,8 @@ def test_pack_round_trip(bits):
     assert torch.equal(H.unpack_codes(p, zero_one=True, dtype=torch.int64), zo)
     assert torch.equal(H.unpack_codes(p, dtype=torch.bool), codes > 0)
     # the torch-ops packer (used for tensors on other devices) gives the same words
-    assert torch.equal(H._pack_bits_torch(codes > 0), p.words)
-    assert torch.equal(H._pack_bits_torch((codes > 0).T.contiguous().T), p.words)  # strided
+    assert torch.equal(pack_bits_torch(codes > 0), p.words)
+    assert torch.equal(pack_bits_torch((codes > 0).T.contiguous().T), p.words)  # strided
 
 
 def test_pack_layout():
@@ -459,7 +465,7 @@ def test_code_statistics_edge_cases():
 def test_reference_popcount_edge_words():
     words = torch.tensor([0, -1, 1, -(2 ** 63), 2 ** 63 - 1, 0x5555555555555555, -0x5555555555555556])
     want = [bin(w & 0xFFFFFFFFFFFFFFFF).count("1") for w in words.tolist()]
-    assert H._ref_popcount64(words).tolist() == want == [0, 64, 1, 1, 63, 32, 32]
+    assert _ref_popcount64(words).tolist() == want == [0, 64, 1, 1, 63, 32, 32]
 
 
 # ------------------------------------------------------------------------------------------
@@ -472,7 +478,7 @@ TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture
 def triton_device():
-    if "triton" not in H.available_backends(TRITON_DEVICE):
+    if "triton" not in H.available_backends(TRITON_DEVICE, op="hamming"):
         pytest.skip(f"no Triton Hamming backend for {TRITON_DEVICE} tensors (needs a GPU or "
                     "TRITON_INTERPRET=1)")
     return torch.device(TRITON_DEVICE)
@@ -519,4 +525,4 @@ def test_triton_backend_limits(triton_device):
 
 def test_available_backends_bad_device():
     with pytest.raises(TypeError, match="device"):
-        H.available_backends(3)
+        H.available_backends(3, op="hamming")

@@ -92,7 +92,7 @@ def test_code_shape_hamming_ranking_is_the_evaluation_map(q, gal, d):
     """ranking_map over sgn(q) . sgn(g) is the evaluation's Hamming mAP (ties by gallery index
     included: few bits make many ties); a score that sorts every relevant item first gives 1."""
     import code_shape
-    from nac_fast.ops.hamming import mean_average_precision
+    from nac_fast import mean_average_precision
     g = torch.Generator().manual_seed(q)
     aq, ag = torch.randn(q, d, generator=g), torch.randn(gal, d, generator=g)
     yq, yg = torch.randint(0, 3, (q,), generator=g), torch.randint(0, 3, (gal,), generator=g)

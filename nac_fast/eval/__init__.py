@@ -3,8 +3,8 @@
     python -m nac_fast.eval --checkpoint runs/default/last.pt --out runs/eval   # cli.py
     from nac_fast.eval import knn_accuracy, linear_probe, retrieval_split      # metrics.py
 
-The Hamming retrieval engine itself (packing, distances, ranking, AP, code statistics) is an op:
-nac_fast.ops.hamming.
+The Hamming engine itself is an op (nac_fast/ops: codes.py packing, search.py distances and
+ranking, retrieval.py mAP, mAP@K, P@H<=r, PR curve, P@N); code statistics are nac_fast/codestats.py.
 """
 from .metrics import knn_accuracy, linear_probe, retrieval_split
 

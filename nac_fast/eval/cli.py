@@ -4,8 +4,9 @@
     python -m nac_fast.eval --checkpoint runs/default/last.pt --data fashion-mnist --out runs/eval
     python -m nac_fast.eval --checkpoint CKPT --data fashion-mnist --out DIR \\
         --tasks linear,hash,knn,expressivity --bits 16,32,64,128 --linear-epochs 100
-    python -m nac_fast.eval --checkpoint CKPT --out DIR --limit-train 5000 --limit-test 1000 \\
-        --linear-epochs 10                                   # a quick CPU look
+    python -m nac_fast.eval --checkpoint CKPT --out DIR --quick     # a quick look (not the protocol):
+                                                             # --limit-train 5000 --limit-test 1000
+                                                             # --linear-epochs 10
     python -m nac_fast.eval --checkpoint CKPT --out DIR --tasks hash --hash-protocol paper \\
         --queries-per-class 1000                             # the paper's CIFAR-10-style split
 
@@ -20,7 +21,9 @@ What it does:
      - linear: linear probe on h [M:linear-probe] (held-out 10% of the training split for the
        lr search): test top-1 and the chosen lr.
      - knn: cosine kNN on h [M:knn] (k capped at the training-set size): top-1.
-     - hash: codes c = sgn(a) [M:code], mAP@all with Hamming ranking [M:ap], under the
+     - hash: codes c = sgn(a) [M:code], mAP@all with Hamming ranking [M:ap] (and mAP@K
+       [M:ap-at-k], P@H<=r [M:radius], P@N [M:precision-at-n], the PR curve [M:pr-curve]: CSVs
+       and hash_curves.png in DIR), under the
        "standard" or "paper" protocol of [M:hash-split] (paper: metrics.retrieval_split; its
        500 training images per class are a property of the training run, not checked here).
        Bit counts: the model's D by default; for every k < D named in --bits the figure is the
@@ -28,11 +31,13 @@ What it does:
        separately trained k-bit model as in the paper's tables) [M:prefix].
        With --itq also "map_itq": the mAP of sgn of the ITQ-rotated standardised a [M:itq]
        (rotation fitted on the gallery's a, no labels; one per k), beside the sgn(a) figure.
-     - expressivity: ops.hamming.code_statistics of the test-split codes [M:stats] (distinct
+     - expressivity: nac_fast.code_statistics of the test-split codes [M:stats] (distinct
        codes, mean pairwise Hamming distance, balance_dev, bit entropy), for D and every prefix
        in --bits; the report's keys are CodeStatistics' field names.
   3. Writes DIR/report.json (checkpoint, data, split sizes, training config, every task's
-     numbers, timings) and DIR/report.md (a markdown table), and prints the table.
+     numbers, timings) and DIR/report.md (a markdown table and the hash protocol), atomically,
+     and prints the table.  Feature extraction, the probe's epochs, kNN and hashing show tqdm
+     bars with an ETA (--no-progress: none).
 
 --limit-train / --limit-test N evaluate on N images of the split, an evenly strided subset
 (every (n // N)-th image, the first N of those) so that class-sorted folders keep all classes.
@@ -42,7 +47,6 @@ not match the checkpoint) stop with a usage error (exit status 2) before any fea
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -50,12 +54,16 @@ import time
 
 import torch
 
-from ..train.checkpoint import load_checkpoint, load_model, save_atomic
+from .._files import atomic_write
+from ..train.checkpoint import load_checkpoint, load_model, save_atomic, write_json_atomic
 from ..data import build_eval_loader
 from .metrics import itq_codes, itq_fit, knn_accuracy, linear_probe, retrieval_split
-from ..ops.hamming import code_statistics, mean_average_precision
+from ..codestats import code_statistics
+from ..ops.retrieval import mean_average_precision, retrieval_metrics
 
 TASKS = ("linear", "hash", "knn", "expressivity")
+PRECISION_AT_N = (1, 10, 50, 100, 200, 500, 1000)
+QUICK = {"limit_train": 5000, "limit_test": 1000, "linear_epochs": 10}
 FEATURE_FILE = "features_{}.pt"
 # Bump when the cached tensors' meaning changes, so stale caches are recomputed, never misread.
 CACHE_VERSION = 1
@@ -99,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
       + ",".join(TASKS))
     a("--bits", type=_int_list, default=None, help="comma-separated code lengths for hash and "
       "expressivity; k < D means the first k bits of the D-bit code; default: D")
-    a("--linear-epochs", type=int, default=100, help="linear-probe epochs (paper: 100)")
+    a("--quick", action="store_true", help="a quick look: --limit-train 5000 --limit-test 1000 "
+      "--linear-epochs 10 unless given (NOT the protocol: see the README's 'quick look')")
+    a("--linear-epochs", type=int, default=None, help="linear-probe epochs (paper and default: "
+      "100; --quick: 10)")
     a("--linear-batch-size", type=int, default=256, help="linear-probe SGD batch size")
     a("--knn-k", type=int, default=200, help="kNN neighbours (capped at the train-set size)")
     a("--knn-temperature", type=float, default=0.1, help="kNN vote temperature")
@@ -112,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="standard: queries = test split, gallery = train split; paper: pooled splits, "
       "--queries-per-class queries per class, the rest the gallery")
     a("--queries-per-class", type=int, default=1000, help="queries per class (paper protocol)")
+    a("--map-at", type=_int_list, default=[1000, 5000], help="K values of mAP@K "
+      "(DeepHash-pytorch convention, docs/math.md [M:ap-at-k]); capped at the gallery size")
+    a("--radius", type=int, default=2, help="Hamming radius of the hash-lookup precision P@H<=r")
+    a("--precision-at-n", type=_int_list, default=list(PRECISION_AT_N),
+      help="N values of the P@N curve (those above the gallery size are dropped)")
     a("--itq", action="store_true", help="also report the mAP of ITQ-rotated codes "
       "(docs/math.md [M:itq]: a rotation fitted on the gallery's a, no labels; a post-processing "
       "for comparison, not NAC's code sgn(a))")
@@ -122,7 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args) -> None:
-    """Checks that need neither the checkpoint nor the data; raises ValueError naming the flag."""
+    """Checks that need neither the checkpoint nor the data; raises ValueError naming the flag.
+    Fills in --quick's values and the defaults that depend on it."""
+    if getattr(args, "quick", False):
+        for k, v in QUICK.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+    if args.linear_epochs is None:
+        args.linear_epochs = 100
+    if args.radius < 0:
+        raise ValueError(f"--radius must be >= 0, got {args.radius}")
+    for flag in ("map_at", "precision_at_n"):
+        if min(getattr(args, flag)) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} values must be >= 1, got "
+                             f"{getattr(args, flag)}")
     for flag in ("linear_epochs", "linear_batch_size", "knn_k", "batch_size", "queries_per_class"):
         v = getattr(args, flag)
         if v < 1:
@@ -249,16 +278,45 @@ def run_hash(args, tr, te, bits) -> dict:
         split = {"queries": f"{args.queries_per_class} per class of train+test (seed "
                  f"{args.seed})", "gallery": "the rest of train+test"}
     qc, gc = sign_codes(qa), sign_codes(ga)
+    G = int(gc.shape[0])
+    ks = sorted(set(args.map_at))
+    ns = sorted(n for n in set(args.precision_at_n) if n <= G)
+    radius = args.radius
     out = {"protocol": args.hash_protocol, **split, "num_queries": int(qc.shape[0]),
-           "num_gallery": int(gc.shape[0]), "code_bits": int(qc.shape[1]),
-           "note": "k < code_bits: mAP of the first k bits of the code_bits-bit code (a prefix "
-                   "of one model), not a separately trained k-bit model", "map": {},
-           "queries_used": {}}
+           "num_gallery": G, "code_bits": int(qc.shape[1]),
+           "ranking": "Hamming distance, ties by gallery index (the order of the split)",
+           "relevance": "same class",
+           "metrics": {"map": "mAP@all: AP over the whole ranking, queries without a relevant "
+                              "item skipped [M:ap]",
+                       "map_at": "mAP@K, DeepHash-pytorch CalcTopMap: AP over the relevant items "
+                                 "in the top K, a query with none adds 0, mean over all queries "
+                                 "[M:ap-at-k]",
+                       "precision_within_radius": f"P@H<={radius}: relevant / retrieved within "
+                                                  "the Hamming ball, 0 when it is empty "
+                                                  "[M:radius]",
+                       "precision_at_n": "P@N: relevant among the first N, mean over all "
+                                         "queries [M:precision-at-n]",
+                       "pr_curve": "precision and recall of the Hamming ball of radius r = "
+                                   "0..bits [M:pr-curve]"},
+           "note": "k < code_bits: the first k bits of the code_bits-bit code (a prefix of one "
+                   "model), not a separately trained k-bit model", "map": {},
+           "queries_used": {}, "map_at": {}, "queries_with_hit_at": {},
+           "precision_within_radius": {}, "empty_ball_fraction": {}, "precision_at_n": {},
+           "radius": radius}
+    curves = {}
     for k in bits:
-        m, used = mean_average_precision(qc[:, :k].contiguous(), ql, gc[:, :k].contiguous(), gl,
-                                         return_num_queries=True)
-        out["map"][str(k)] = _finite(m)
-        out["queries_used"][str(k)] = used
+        r = retrieval_metrics(qc[:, :k].contiguous(), ql, gc[:, :k].contiguous(), gl,
+                              topk=ks, at_n=ns, radius=min(radius, k), pr=True,
+                              progress=args.progress)
+        out["map"][str(k)] = _finite(r["map_all"])
+        out["queries_used"][str(k)] = r["queries_with_relevant"]
+        out["map_at"][str(k)] = {str(K): _finite(v) for K, v in r["map_at"].items()}
+        out["queries_with_hit_at"][str(k)] = {str(K): v for K, v in r["queries_with_hit_at"].items()}
+        out["precision_within_radius"][str(k)] = r["precision_within_radius"][min(radius, k)]
+        out["empty_ball_fraction"][str(k)] = r["empty_ball_fraction"][min(radius, k)]
+        out["precision_at_n"][str(k)] = {str(n): v for n, v in r["precision_at_n"].items()}
+        curves[k] = r
+    out["files"] = write_hash_curves(args.out, curves, out)
     if getattr(args, "itq", False):
         out["map_itq"], out["itq_quant_error"] = {}, {}
         for k in bits:  # one rotation per prefix length, fitted on the gallery's first k bits
@@ -267,6 +325,67 @@ def run_hash(args, tr, te, bits) -> dict:
                 itq_codes(qa[:, :k], fit), ql, itq_codes(ga[:, :k], fit), gl))
             out["itq_quant_error"][str(k)] = [fit["quant_error"][0], fit["quant_error"][-1]]
     return out
+
+
+def write_hash_curves(out_dir: str, curves: dict, info: dict) -> dict:
+    """hash_pr_curve.csv / .png (precision-recall by Hamming radius) and hash_precision_at_n.csv
+    / .png (P@N), one line per code length; written atomically.  Returns their paths."""
+    import csv
+    import io
+    from .._files import atomic_write
+    files = {}
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["bits", "radius", "precision", "recall", "precision_empty_as_zero",
+                "nonempty_fraction", "mean_retrieved"])
+    for k, r in curves.items():
+        c = r["pr_curve"]
+        for i in c["radius"]:
+            w.writerow([k, i, c["precision"][i], c["recall"][i], c["precision_empty_as_zero"][i],
+                        c["nonempty_fraction"][i], c["mean_retrieved"][i]])
+    files["pr_curve_csv"] = os.path.join(out_dir, "hash_pr_curve.csv")
+    atomic_write(files["pr_curve_csv"], lambda f: f.write(buf.getvalue()), mode="w")
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["bits", "n", "precision"])
+    for k, r in curves.items():
+        for n, v in r["precision_at_n"].items():
+            w.writerow([k, n, v])
+    files["precision_at_n_csv"] = os.path.join(out_dir, "hash_precision_at_n.csv")
+    atomic_write(files["precision_at_n_csv"], lambda f: f.write(buf.getvalue()), mode="w")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # the CSVs are the results; the picture needs matplotlib
+        files["curves_png"] = None
+        files["curves_png_skipped"] = f"matplotlib is not installed ({exc})"
+        print("note: hash_curves.png not drawn: matplotlib is not installed (pip install "
+              "matplotlib); the curves are in hash_pr_curve.csv and hash_precision_at_n.csv",
+              file=sys.stderr)
+        return files
+    proto = (f"{info['num_queries']} queries ({info['queries']}) x {info['num_gallery']} gallery "
+             f"({info['gallery']}); ties by gallery index")
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.3))
+    for k, r in curves.items():
+        c = r["pr_curve"]
+        ax[0].plot(c["recall"], c["precision"], marker=".", ms=3, label=f"{k} bits")
+        ns = list(r["precision_at_n"])
+        ax[1].plot(ns, [r["precision_at_n"][n] for n in ns], marker="o", ms=3, label=f"{k} bits")
+    ax[0].set(xlabel="recall", ylabel="precision (queries that retrieve something)",
+              title="PR curve by Hamming radius r = 0..bits", xlim=(0, 1.01), ylim=(0, 1.01))
+    ax[1].set(xlabel="N (top of the ranking)", ylabel="precision", title="P@N", ylim=(0, 1.01))
+    if any(len(r["precision_at_n"]) > 1 for r in curves.values()):
+        ax[1].set_xscale("log")
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(proto, fontsize=8)
+    fig.tight_layout()
+    files["curves_png"] = os.path.join(out_dir, "hash_curves.png")
+    atomic_write(files["curves_png"], lambda f: fig.savefig(f, format="png", dpi=110))
+    plt.close(fig)
+    return files
 
 
 def run_expressivity(te, bits) -> dict:
@@ -305,6 +424,20 @@ def markdown_table(report: dict) -> str:
             kind = "full code" if int(k) == x["code_bits"] else f"prefix of {x['code_bits']}-bit"
             rows.append((f"hash {k} bits", "mAP@all", _fmt(m, True),
                          f"{x['protocol']}, {x['num_queries']} q x {x['num_gallery']} g, {kind}"))
+            for K, v in x.get("map_at", {}).get(k, {}).items():
+                rows.append((f"hash {k} bits", f"mAP@{K}", _fmt(v, True),
+                             "DeepHash-pytorch convention (no hit in the top K: AP 0)"))
+            if k in x.get("precision_within_radius", {}):
+                rows.append((f"hash {k} bits", f"P@H<={x['radius']}",
+                             _fmt(x["precision_within_radius"][k], True),
+                             f"{_fmt(x['empty_ball_fraction'][k], True)} of the queries "
+                             "retrieve nothing (counted as 0)"))
+            pn = x.get("precision_at_n", {}).get(k, {})
+            if pn:
+                rows.append((f"hash {k} bits", "P@N", ", ".join(
+                    f"P@{n} {_fmt(v, True)}" for n, v in pn.items() if n in ("100", "1000")) or
+                    ", ".join(f"P@{n} {_fmt(v, True)}" for n, v in list(pn.items())[-2:]),
+                    "the whole curve: hash_precision_at_n.csv, hash_curves.png"))
         for k, m in x.get("map_itq", {}).items():
             rows.append((f"hash {k} bits, ITQ", "mAP@all", _fmt(m, True),
                          "sgn of the ITQ-rotated standardised a, rotation fitted on the gallery "
@@ -326,7 +459,19 @@ def markdown_table(report: dict) -> str:
             f"images.\n\n")
     lines = ["| task | metric | value | details |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
-    return head + "\n".join(lines) + "\n"
+    tail = ""
+    if "hash" in r:
+        x = r["hash"]
+        tail += (f"\nHash protocol ({x['protocol']}): queries = {x['queries']} "
+                 f"({x['num_queries']}), gallery = {x['gallery']} ({x['num_gallery']}); ranking "
+                 f"by Hamming distance, ties by gallery index; relevance: {x['relevance']}; "
+                 f"mAP@all and mAP@K ({', '.join(next(iter(x['map_at'].values()), {}).keys())}); "
+                 f"codes: sgn(a), {x['code_bits']} bits, shorter lengths are its prefixes. "
+                 "PR curve and P@N: hash_pr_curve.csv, hash_precision_at_n.csv, hash_curves.png.\n")
+    if report.get("quick"):
+        tail += ("\n**Quick look** (--quick): subsets and a 10-epoch probe; not the protocol, "
+                 "not comparable with docs/results.md.\n")
+    return head + "\n".join(lines) + "\n" + tail
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,15 +547,19 @@ def main(argv=None) -> int:
             # The probe runs where the features fit best: the eval device (GPU if any).
             res = linear_probe(tr["h"].to(device), tr["labels"].to(device), te["h"].to(device),
                                te["labels"].to(device), epochs=args.linear_epochs,
-                               batch_size=args.linear_batch_size, seed=args.seed)
+                               batch_size=args.linear_batch_size, seed=args.seed,
+                               progress=args.progress)
             results["linear"] = {"test_top1": res.test_accuracy, "best_lr": res.best_lr,
                                  "val_top1": {str(k): v for k, v in res.val_accuracy.items()},
                                  "epochs": args.linear_epochs, "val_fraction": 0.1,
+                                 "batch_size": args.linear_batch_size,
+                                 "lrs": [0.01, 0.1, 1.0, 10.0],
                                  "features": "h (encoder, head dropped)"}
         elif task == "knn":
             k = min(args.knn_k, int(tr["h"].shape[0]))
             acc = knn_accuracy(tr["h"].to(device), tr["labels"].to(device), te["h"].to(device),
-                               te["labels"].to(device), k=k, temperature=args.knn_temperature)
+                               te["labels"].to(device), k=k, temperature=args.knn_temperature,
+                               progress=args.progress)
             results["knn"] = {"test_top1": acc, "k": k, "temperature": args.knn_temperature,
                               "features": "h (encoder)"}
         elif task == "hash":
@@ -429,12 +578,11 @@ def main(argv=None) -> int:
               "step": ck.get("step"), "data": data, "image_size": image_size,
               "device": str(device), "seed": args.seed, "tasks": args.tasks, "bits": bits,
               "splits": sizes, "features": feat_info, "config": cfg, "results": results,
-              "timings": timings, "command": "python -m nac_fast.eval " + " ".join(
+              "timings": timings, "quick": bool(args.quick), "threads": torch.get_num_threads(),
+              "command": "python -m nac_fast.eval " + " ".join(
                   sys.argv[1:] if argv is None else argv)}
-    with open(os.path.join(args.out, "report.json"), "w") as fh:
-        json.dump(report, fh, indent=1, default=str)
+    write_json_atomic(report, os.path.join(args.out, "report.json"))
     table = markdown_table(report)
-    with open(os.path.join(args.out, "report.md"), "w") as fh:
-        fh.write(table)
+    atomic_write(os.path.join(args.out, "report.md"), lambda f: f.write(table), mode="w")
     print(table)
     return 0

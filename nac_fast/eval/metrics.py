@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +77,7 @@ def _num_classes(num_classes, *labels: torch.Tensor) -> int:
 
 def knn_predict(train_features, train_labels, test_features, *, k: int = 200,
                 temperature: float = 0.1, num_classes: int | None = None,
-                chunk_size: int = 1024) -> torch.Tensor:
+                chunk_size: int = 1024, progress: bool = False) -> torch.Tensor:
     """Weighted kNN predictions (int64, one per test row); see the module docstring.
 
     ``k`` must be in [1, n_train].  Similarity matrices are built ``chunk_size`` test rows at a
@@ -93,9 +94,11 @@ def knn_predict(train_features, train_labels, test_features, *, k: int = 200,
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     C = _num_classes(num_classes, ytr)
+    from tqdm.auto import tqdm
     trn = F.normalize(tr.float(), dim=1)
     out = []
-    for s in range(0, te.shape[0], chunk_size):
+    for s in tqdm(range(0, te.shape[0], chunk_size), desc=f"kNN (k={k})", unit="chunk",
+                  disable=not progress, leave=False, file=sys.stderr):
         sim = F.normalize(te[s:s + chunk_size].float(), dim=1) @ trn.T
         top_sim, top_idx = sim.topk(k, dim=1)
         votes = torch.zeros(sim.shape[0], C, dtype=torch.float64, device=sim.device)
@@ -124,42 +127,96 @@ def knn_accuracy(train_features, train_labels, test_features, test_labels, **kw)
 # Linear probe
 # --------------------------------------------------------------------------------------------
 
-def train_linear_probe(features, labels, *, num_classes: int | None = None, lr: float = 0.1,
-                       epochs: int = 100, batch_size: int = 256, momentum: float = 0.9,
-                       seed: int = 0) -> torch.nn.Linear:
-    """A linear classifier trained on fixed features: SGD, Nesterov momentum, cosine schedule
-    stepped per iteration, cross-entropy, no weight decay.  Deterministic for a given seed."""
-    x = _features("features", features)
-    y = _labels("labels", labels, x.shape[0])
-    if not (isinstance(lr, (int, float)) and lr > 0):
-        raise ValueError(f"lr must be a positive number, got {lr!r}")
+def _fit_linear(x, y, C: int, lrs, *, epochs: int, batch_size: int, momentum: float, seed: int,
+                progress: bool = False, desc: str = "linear probe"):
+    """Train one linear classifier per learning rate in ``lrs`` on the same data order, as one
+    batched layer: W (d, L, C), b (L, C).  SGD with Nesterov momentum (PyTorch's update:
+    buf = m buf + g, p -= lr_t (g + m buf)), cosine schedule per iteration lr_t = lr (1 +
+    cos(pi t / T)) / 2 (CosineAnnealingLR, eta_min 0), mean cross-entropy, no weight decay;
+    gradients in closed form, (softmax - onehot) / batch.  Every rate starts from the same
+    uniform(-1/sqrt(d), 1/sqrt(d)) weights (zero bias) and sees the same per-epoch permutations,
+    all drawn from ``seed``: the L runs are exactly the L separate runs, in one pass."""
+    n, d = x.shape
+    L = len(lrs)
+    dev = x.device
+    gen = torch.Generator().manual_seed(seed)
+    bound = 1.0 / math.sqrt(d)
+    w0 = torch.empty(C, d).uniform_(-bound, bound, generator=gen)  # nn.Linear's (C, d) layout
+    W = w0.T.to(dev).unsqueeze(1).repeat(1, L, 1).contiguous()      # (d, L, C)
+    b = torch.zeros(L, C, device=dev)
+    bW, bb = torch.zeros_like(W), torch.zeros_like(b)
+    lr0 = torch.tensor([float(v) for v in lrs], device=dev)
+    onehot = F.one_hot(y, C).to(x.dtype)
+    steps = epochs * math.ceil(n / batch_size)
+    Wf, bWf = W.view(d, L * C), bW.view(d, L * C)
+    # One thread: the per-step ops are tiny (256 x d x 4C), and a second OpenMP thread only adds
+    # a wait per op; on a busy machine that wait was 200x the work (bench/results/eval_cpu.md).
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        _sgd_epochs(x, onehot, W, b, bW, bb, Wf, bWf, lr0, gen, epochs, batch_size, momentum,
+                    steps, progress, desc)
+    finally:
+        torch.set_num_threads(threads)
+    models = []
+    for l in range(L):
+        lin = torch.nn.Linear(d, C).to(dev)
+        with torch.no_grad():
+            lin.weight.copy_(W[:, l, :].T)
+            lin.bias.copy_(b[l])
+        models.append(lin.eval())
+    return models
+
+
+def _sgd_epochs(x, onehot, W, b, bW, bb, Wf, bWf, lr0, gen, epochs, batch_size, momentum, steps,
+                progress, desc):
+    from tqdm.auto import tqdm
+    n, d = x.shape
+    L, C = b.shape
+    dev = x.device
+    t = 0
+    with tqdm(total=epochs, desc=desc, unit="epoch", disable=not progress, leave=False,
+              file=sys.stderr) as bar:
+        for _ in range(epochs):
+            perm = torch.randperm(n, generator=gen).to(dev)
+            for s in range(0, n, batch_size):
+                idx = perm[s:s + batch_size]
+                xb, m = x[idx], idx.numel()
+                logits = (xb @ Wf).view(m, L, C) + b
+                g = (torch.softmax(logits, dim=-1) - onehot[idx][:, None, :]).div_(m)
+                gW = xb.T @ g.view(m, L * C)                       # (d, L C)
+                gb = g.sum(0)                                        # (L, C)
+                bWf.mul_(momentum).add_(gW)
+                bb.mul_(momentum).add_(gb)
+                lr_t = (lr0 * (0.5 * (1.0 + math.cos(math.pi * t / steps)))).view(L, 1)
+                Wf.sub_((gW.add_(bWf, alpha=momentum).view(d, L, C) * lr_t).view(d, L * C))
+                b.sub_(gb.add_(bb, alpha=momentum) * lr_t)
+                t += 1
+            bar.update(1)
+
+
+def _check_probe_args(lr_list, epochs, batch_size):
+    for lr in lr_list:
+        if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0):
+            raise ValueError(f"lr must be a positive number, got {lr!r}")
     for name, v in (("epochs", epochs), ("batch_size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+def train_linear_probe(features, labels, *, num_classes: int | None = None, lr: float = 0.1,
+                       epochs: int = 100, batch_size: int = 256, momentum: float = 0.9,
+                       seed: int = 0, progress: bool = False) -> torch.nn.Linear:
+    """A linear classifier trained on fixed features: SGD, Nesterov momentum, cosine schedule
+    stepped per iteration, cross-entropy, no weight decay.  Deterministic for a given seed.
+    (One rate of :func:`_fit_linear`, which trains several at once.)"""
+    x = _features("features", features)
+    y = _labels("labels", labels, x.shape[0])
+    _check_probe_args([lr], epochs, batch_size)
     C = _num_classes(num_classes, y)
-    gen = torch.Generator().manual_seed(seed)
-    model = torch.nn.Linear(x.shape[1], C).to(x.device)
-    with torch.no_grad():  # default init drawn from our generator, so the seed fixes everything
-        bound = 1.0 / math.sqrt(x.shape[1])
-        model.weight.copy_(torch.empty_like(model.weight, device="cpu").uniform_(
-            -bound, bound, generator=gen))
-        model.bias.zero_()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=True,
-                          weight_decay=0.0)
-    n = x.shape[0]
-    steps_per_epoch = math.ceil(n / batch_size)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * steps_per_epoch)
-    xf = x.float()
-    for _ in range(epochs):
-        perm = torch.randperm(n, generator=gen).to(x.device)
-        for s in range(0, n, batch_size):
-            idx = perm[s:s + batch_size]
-            loss = F.cross_entropy(model(xf[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-    return model.eval()
+    return _fit_linear(x.float(), y, C, [lr], epochs=epochs, batch_size=batch_size,
+                       momentum=momentum, seed=seed, progress=progress)[0]
 
 
 def _predict(model: torch.nn.Linear, x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
@@ -178,11 +235,13 @@ class LinearProbeResult:
 
 def linear_probe(train_features, train_labels, test_features, test_labels, *,
                  lrs=(0.01, 0.1, 1.0, 10.0), val_fraction: float = 0.1, epochs: int = 100,
-                 batch_size: int = 256, seed: int = 0) -> LinearProbeResult:
+                 batch_size: int = 256, seed: int = 0, progress: bool = False) -> LinearProbeResult:
     """The paper's linear evaluation on cached features (see the module docstring).
 
     The held-out split is a seeded random ``val_fraction`` of the training rows; the best rate
-    (highest held-out accuracy, the smaller rate on a tie) is retrained on all training rows."""
+    (highest held-out accuracy, the smaller rate on a tie) is retrained on all training rows.
+    The rates of the search train together as one batched layer (:func:`_fit_linear`: the same
+    runs as one at a time, in one pass over the data); ``progress``: tqdm bars over the epochs."""
     tr = _features("train_features", train_features)
     ytr = _labels("train_labels", train_labels, tr.shape[0])
     te = _features("test_features", test_features, dim=tr.shape[1])
@@ -192,6 +251,7 @@ def linear_probe(train_features, train_labels, test_features, test_labels, *,
     lrs = tuple(lrs)
     if not lrs:
         raise ValueError("lrs must name at least one learning rate")
+    _check_probe_args(lrs, epochs, batch_size)
     n_val = max(1, int(round(val_fraction * tr.shape[0])))
     if n_val >= tr.shape[0]:
         raise ValueError(f"the training set ({tr.shape[0]} rows) is too small to hold out "
@@ -199,14 +259,15 @@ def linear_probe(train_features, train_labels, test_features, test_labels, *,
     C = _num_classes(None, ytr, yte)
     perm = torch.randperm(tr.shape[0], generator=torch.Generator().manual_seed(seed)).to(tr.device)
     val_idx, fit_idx = perm[:n_val], perm[n_val:]
-    val_acc = {}
-    for lr in lrs:
-        m = train_linear_probe(tr[fit_idx], ytr[fit_idx], num_classes=C, lr=lr, epochs=epochs,
-                               batch_size=batch_size, seed=seed)
-        val_acc[lr] = accuracy(_predict(m, tr[val_idx]), ytr[val_idx])
+    searched = _fit_linear(tr[fit_idx].float(), ytr[fit_idx], C, lrs, epochs=epochs,
+                           batch_size=batch_size, momentum=0.9, seed=seed, progress=progress,
+                           desc=f"linear probe: lr search ({len(lrs)} rates at once)")
+    val_acc = {lr: accuracy(_predict(m, tr[val_idx]), ytr[val_idx])
+               for lr, m in zip(lrs, searched)}
     best = min(lrs, key=lambda lr: (-val_acc[lr], lr))
-    model = train_linear_probe(tr, ytr, num_classes=C, lr=best, epochs=epochs,
-                               batch_size=batch_size, seed=seed)
+    model = _fit_linear(tr.float(), ytr, C, [best], epochs=epochs, batch_size=batch_size,
+                        momentum=0.9, seed=seed, progress=progress,
+                        desc=f"linear probe: final fit, lr {best:g}")[0]
     return LinearProbeResult(accuracy(_predict(model, te), yte), best, val_acc, model)
 
 

@@ -10,5 +10,7 @@
     queue.py      CodeQueue, the momentum codes of NAC-MQ (an nn.Module of buffers)
     momentum.py   NACMQ (MoCo's builder: momentum copy, queue, EMA, shuffle BN, criterion)
     collectives.py  all-gather with and without gradient, batch shuffle (identity in one process)
-    hamming.py    the Hamming retrieval engine and code statistics      kernels: csrc/hamming.cpp, kernels/hamming_triton.py
+    codes.py      binary codes and their packed form (PackedCodes), the Hamming engine's input
+    search.py     Hamming distances, top-k, full ranking                kernels: csrc/hamming.cpp, kernels/hamming_triton.py
+    retrieval.py  retrieval scores: mAP@all, mAP@K, P@H<=r, PR curve, P@N (same kernels)
 """

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import collectives
+from ..codestats import code_statistics
 from ..ops import loss as _loss
-from ..ops.hamming import code_statistics
 from ..ops.loss import NACLoss
 
 METHODS = ("nac", "nac-mq", "simclr")
@@ -111,7 +111,7 @@ def simclr_step(model, x, tau=0.5):
 @torch.no_grad()
 def code_stats(a: torch.Tensor) -> dict:
     """The training log's code statistics of the batch's hash codes c = sgn(a) (docs/math.md
-    [M:code]), from nac_fast.ops.hamming.code_statistics (exact, O(nD)):
+    [M:code]), from nac_fast.codestats.code_statistics (exact, O(nD)):
     distinct_frac  fraction_distinct, [M:distinct] (1.0 = every row has its own code)
     mean_hamming   mean_pairwise_hamming, [M:mean-hamming] (D/2 for random codes)
     balance_score  1 - 2 balance_dev, [M:balance-score] (1 = every bit 50/50, 0 = every bit

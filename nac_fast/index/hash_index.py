@@ -1,0 +1,315 @@
+"""HashIndex: a flat index of binary codes searched by Hamming distance, with the conventions of
+FAISS's ``IndexBinaryFlat`` (docs/math.md [M:hamming], [M:rank]).
+
+    import nac_fast
+    index = nac_fast.HashIndex(128)                       # code length in bits
+    index.add(codes, paths=files, labels=names)           # +-1, bool or PackedCodes; in order
+    D, I = index.search(query_codes, 10)                  # (Q, k) int32 distances, int64 positions
+    index.paths[I[0, 0]], index.ids[I]                    # what was found
+    index.save("gallery.nacidx"); index = nac_fast.HashIndex.load("gallery.nacidx")
+
+As in FAISS: ``add`` appends in order; ``search`` returns positions in insertion order
+(``IndexBinaryFlat``'s labels), nearest first, equal distances in increasing position (FAISS
+leaves that order to its heap); ``ntotal``; ``reset``.  Unlike FAISS, ``k > ntotal`` returns
+``ntotal`` columns (FAISS pads with -1), and codes of any length are accepted (not only multiples
+of 8 bits).  Optional per-code ``ids`` (int64), ``paths`` and ``labels`` (str or None) are stored
+beside the codes; ``meta`` is a JSON-able dict saved with the index (``python -m nac_fast.index``
+records the checkpoint, its SHA-256, the preprocessing and the encoder mode there).
+
+Search runs through the Hamming engine's dispatcher (nac_fast/ops/search.py): the C++ engine for
+CPU queries (top-k for k <= 128 over query blocks x gallery tiles, one compare against the k-th
+distance per candidate), Triton for CUDA queries (the codes are copied to the queries' device once
+and kept there).  Memory: ceil(nbits / 64) x 8 bytes a code (16 at 128 bits), plus 8 a code when
+``ids`` are given, plus the paths and labels.
+
+On disk (FORMAT_VERSION 1): an uncompressed zip holding ``meta.json`` (format name, version,
+nbits, ntotal, words per code, byte order, which of ids / paths / labels are present, and the
+user's ``meta``), ``codes.npy`` ((ntotal, words) uint64, little-endian, bit j of a code = bit
+j % 64 of word j // 64, set for +1, padding bits 0), ``ids.npy`` (int64), ``paths.json`` and
+``labels.json``.  numpy, zipfile and json read it without nac_fast.  Every member carries the
+zip CRC, so a truncated or damaged file is an error at load, never a shorter index; so is a file
+of another format version.  Saving writes a temporary file and renames it: the target is always
+the old file or the complete new one.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import zipfile
+
+import numpy as np
+import torch
+
+from ..ops.codes import MAX_BITS, PackedCodes, as_packed, check_packed
+from ..ops.search import resolve_backend, topk_words
+from .._files import atomic_write
+
+__all__ = ["HashIndex", "FORMAT", "FORMAT_VERSION"]
+
+FORMAT = "nac_fast.HashIndex"
+FORMAT_VERSION = 1
+_MEMBERS = ("meta.json", "codes.npy", "ids.npy", "paths.json", "labels.json")
+
+
+def _check_nbits(nbits) -> int:
+    if isinstance(nbits, bool) or not isinstance(nbits, (int, np.integer)):
+        raise TypeError(f"nbits must be an int, got {type(nbits).__name__}")
+    if not 1 <= nbits <= MAX_BITS:
+        raise ValueError(f"nbits must be in [1, {MAX_BITS}], got {nbits}")
+    return int(nbits)
+
+
+def _str_list(name: str, values, n: int, allow_none: bool) -> list:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError(f"{name} must be a list of {n} strings, got {type(values).__name__}")
+    out = list(values)
+    if len(out) != n:
+        raise ValueError(f"{name} has {len(out)} entries but {n} codes are added")
+    for v in out:
+        if not (isinstance(v, str) or (allow_none and v is None)):
+            raise TypeError(f"{name} entries must be str{' or None' if allow_none else ''}, "
+                            f"got {v!r}")
+    return out
+
+
+class HashIndex:
+    """A flat Hamming index of ``nbits``-bit codes (see the module docstring).
+
+    ``backend``: the Hamming engine's backend for searches ("auto", "cpu", "triton",
+    "reference"); ``meta``: a JSON-able dict saved with the index."""
+
+    def __init__(self, nbits: int, *, backend: str = "auto", meta: dict | None = None):
+        self.nbits = _check_nbits(nbits)
+        self.words_per_code = (self.nbits + 63) // 64
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        self.backend = backend
+        if meta is not None and not isinstance(meta, dict):
+            raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
+        self.meta = dict(meta or {})
+        self.reset()
+
+    # ---------------------------------------------------------------------------- contents
+    def reset(self) -> None:
+        """Remove every code (and ids, paths, labels); nbits and meta stay."""
+        self._words = torch.zeros((0, self.words_per_code), dtype=torch.int64)
+        self._n = 0
+        self._ids = None
+        self._paths = None
+        self._labels = None
+        self._device_words = None
+
+    @property
+    def ntotal(self) -> int:
+        """Number of codes in the index."""
+        return self._n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def codes(self) -> PackedCodes:
+        """The codes, packed (a view: do not modify)."""
+        return PackedCodes(self._words[:self._n], self.nbits)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """int64 (ntotal,): the ids given to add(), or the positions 0..ntotal-1 if none were."""
+        if self._ids is None:
+            return torch.arange(self._n, dtype=torch.int64)
+        return self._ids[:self._n]
+
+    @property
+    def paths(self) -> list | None:
+        return None if self._paths is None else list(self._paths)
+
+    @property
+    def labels(self) -> list | None:
+        return None if self._labels is None else list(self._labels)
+
+    def __repr__(self) -> str:
+        extra = [x for x, v in (("ids", self._ids), ("paths", self._paths),
+                                ("labels", self._labels)) if v is not None]
+        return (f"HashIndex(nbits={self.nbits}, ntotal={self._n}"
+                + (f", with {'/'.join(extra)}" if extra else "") + ")")
+
+    def add(self, codes, *, ids=None, paths=None, labels=None, zero_one: bool = False) -> None:
+        """Append ``codes`` (n, nbits) in order: +-1 values, bool (True = +1), 0/1 with
+        ``zero_one=True``, or PackedCodes.  ``ids`` (n int64), ``paths`` (n str) and ``labels``
+        (n str or None) are stored beside them; an index that holds one of them needs it on every
+        add (and one that does not refuses it), so every code has one.  Everything is checked
+        before anything is added."""
+        p = as_packed("codes", codes, zero_one)
+        if p.nbits != self.nbits:
+            raise ValueError(f"codes have {p.nbits} bits but the index holds {self.nbits}-bit codes")
+        words = p.words.detach().to("cpu")
+        n = words.shape[0]
+        new_ids = None
+        if ids is not None:
+            new_ids = torch.as_tensor(ids)
+            if new_ids.dtype in (torch.bool,) or new_ids.is_floating_point() or new_ids.is_complex():
+                raise TypeError(f"ids must be integers, got {new_ids.dtype}")
+            if new_ids.shape != (n,):
+                raise ValueError(f"ids must have shape ({n},) to match the codes, got "
+                                 f"{tuple(new_ids.shape)}")
+            new_ids = new_ids.to("cpu", torch.int64)
+        new_paths = None if paths is None else _str_list("paths", paths, n, False)
+        new_labels = None if labels is None else _str_list("labels", labels, n, True)
+        if self._n:
+            for name, have, given in (("ids", self._ids, new_ids), ("paths", self._paths, new_paths),
+                                      ("labels", self._labels, new_labels)):
+                if (have is None) != (given is None):
+                    raise ValueError(f"{name}: the index {'holds' if have is not None else 'has no'}"
+                                     f" {name} for its {self._n} codes, so add() must "
+                                     f"{'give' if have is not None else 'not give'} them")
+        # -- nothing has changed so far; now append
+        need = self._n + n
+        if need > self._words.shape[0]:
+            cap = max(need, 2 * self._words.shape[0], 1024)
+            grown = torch.zeros((cap, self.words_per_code), dtype=torch.int64)
+            grown[:self._n] = self._words[:self._n]
+            self._words = grown
+        self._words[self._n:need] = words
+        if new_ids is not None:
+            old = self._ids[:self._n] if self._ids is not None else torch.zeros(0, dtype=torch.int64)
+            self._ids = torch.cat([old, new_ids])
+        if new_paths is not None:
+            self._paths = (self._paths or []) + new_paths
+        if new_labels is not None:
+            self._labels = (self._labels or []) + new_labels
+        self._n = need
+        self._device_words = None
+
+    # ---------------------------------------------------------------------------- search
+    def search(self, codes, k: int, *, zero_one: bool = False):
+        """The k nearest codes of each query: ``(distances, indices)``, int32 and int64 tensors of
+        shape (Q, min(k, ntotal)) on the queries' device, nearest first, equal distances in
+        insertion order; indices are positions (0..ntotal-1; ``ids``, ``paths`` and ``labels``
+        map them).  ``k`` > ntotal returns ntotal columns; k < 1, an empty index, or codes of
+        another length are a ValueError."""
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+            raise TypeError(f"k must be an int, got {type(k).__name__}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if self._n == 0:
+            raise ValueError("the index is empty (ntotal = 0): add codes before searching")
+        q = as_packed("codes", codes, zero_one)
+        if q.nbits != self.nbits:
+            raise ValueError(f"query codes have {q.nbits} bits but the index holds "
+                             f"{self.nbits}-bit codes")
+        k = min(int(k), self._n)
+        gw = self._gallery_on(q.words.device)
+        if q.words.shape[0] == 0:
+            return (torch.zeros((0, k), dtype=torch.int32, device=gw.device),
+                    torch.zeros((0, k), dtype=torch.int64, device=gw.device))
+        be = resolve_backend(self.backend, q.words, self.nbits)
+        return topk_words(q.words.contiguous(), gw, k, be)
+
+    def _gallery_on(self, device: torch.device) -> torch.Tensor:
+        gw = self._words[:self._n]
+        if device.type == "cpu":
+            return gw
+        if self._device_words is None or self._device_words.device != device:
+            self._device_words = gw.to(device)
+        return self._device_words
+
+    # ---------------------------------------------------------------------------- files
+    def save(self, path, *, overwrite: bool = False) -> None:
+        """Write the index to ``path`` (format: module docstring), atomically: a temporary file in
+        the same folder, then a rename.  An existing ``path`` is a FileExistsError unless
+        ``overwrite=True``."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path!r} is a directory; name the index file")
+        if os.path.lexists(path) and not overwrite:
+            raise FileExistsError(f"{path!r} exists; pass overwrite=True to replace it")
+        head = {"format": FORMAT, "version": FORMAT_VERSION, "nbits": self.nbits,
+                "ntotal": self._n, "words_per_code": self.words_per_code, "byte_order": "little",
+                "has_ids": self._ids is not None, "has_paths": self._paths is not None,
+                "has_labels": self._labels is not None, "meta": self.meta}
+        try:
+            meta_bytes = json.dumps(head, indent=1, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"meta must be JSON-serialisable (no NaN): {exc}") from exc
+        words = self._words[:self._n].numpy().view(np.uint64)
+        if sys.byteorder != "little":  # pragma: no cover - no big-endian machine to test on
+            words = words.byteswap()
+
+        def write(f):
+            with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED) as z:
+                z.writestr("meta.json", meta_bytes)
+                z.writestr("codes.npy", _npy_bytes(words))
+                if self._ids is not None:
+                    z.writestr("ids.npy", _npy_bytes(self._ids[:self._n].numpy()))
+                if self._paths is not None:
+                    z.writestr("paths.json", json.dumps(self._paths).encode())
+                if self._labels is not None:
+                    z.writestr("labels.json", json.dumps(self._labels).encode())
+        atomic_write(path, write)
+
+    @classmethod
+    def load(cls, path, *, backend: str = "auto") -> "HashIndex":
+        """Read an index written by :meth:`save`.  A missing file is FileNotFoundError; a file
+        that is not a HashIndex, is truncated or damaged, or has another format version is a
+        ValueError naming it."""
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"index {path!r}: no such file")
+        if os.path.isdir(path):
+            raise ValueError(f"index {path!r} is a directory, not an index file")
+        try:
+            with zipfile.ZipFile(path) as z:
+                names = set(z.namelist())
+                if "meta.json" not in names or "codes.npy" not in names:
+                    raise ValueError("it holds no meta.json and codes.npy")
+                head = json.loads(z.read("meta.json"))
+                if not isinstance(head, dict) or head.get("format") != FORMAT:
+                    raise ValueError(f"meta.json names format {head.get('format')!r} if any, "
+                                     f"not {FORMAT!r}")
+                if head.get("version") != FORMAT_VERSION:
+                    raise _VersionError(head.get("version"))
+                words = np.load(io.BytesIO(z.read("codes.npy")), allow_pickle=False)
+                ids = (np.load(io.BytesIO(z.read("ids.npy")), allow_pickle=False)
+                       if head.get("has_ids") else None)
+                paths = json.loads(z.read("paths.json")) if head.get("has_paths") else None
+                labels = json.loads(z.read("labels.json")) if head.get("has_labels") else None
+        except _VersionError as exc:
+            raise ValueError(f"index {path!r} was written in HashIndex format version "
+                             f"{exc.args[0]!r}; this nac_fast reads version {FORMAT_VERSION} "
+                             "(rebuild it: python -m nac_fast.index build ...)") from None
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, ValueError, OSError,
+                EOFError, UnicodeDecodeError) as exc:
+            raise ValueError(f"index {path!r} is not a complete nac_fast HashIndex file "
+                             f"(truncated, damaged or another kind of file): {exc}") from None
+        try:
+            nbits, ntotal = _check_nbits(head["nbits"]), int(head["ntotal"])
+            W = (nbits + 63) // 64
+            if words.dtype != np.dtype("<u8") or words.shape != (ntotal, W):
+                raise ValueError(f"codes.npy is {words.dtype} {words.shape}, expected little-endian "
+                                 f"uint64 ({ntotal}, {W})")
+            if ids is not None and (ids.dtype != np.int64 or ids.shape != (ntotal,)):
+                raise ValueError(f"ids.npy is {ids.dtype} {ids.shape}, expected int64 ({ntotal},)")
+            for name, v in (("paths", paths), ("labels", labels)):
+                if v is not None:
+                    _str_list(name, v, ntotal, name == "labels")
+            index = cls(nbits, backend=backend, meta=head.get("meta") or {})
+            t = torch.from_numpy(words.astype("=u8", copy=False).view(np.int64).copy())
+            check_packed("codes.npy", PackedCodes(t, nbits))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"index {path!r} is inconsistent: {exc}") from None
+        index._words, index._n = t, ntotal
+        index._ids = torch.from_numpy(ids.copy()) if ids is not None else None
+        index._paths, index._labels = paths, labels
+        return index
+
+
+class _VersionError(Exception):
+    pass
+
+
+def _npy_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, np.ascontiguousarray(a), allow_pickle=False)
+    return buf.getvalue()

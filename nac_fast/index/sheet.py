@@ -1,0 +1,90 @@
+"""The contact sheet of a search: one row per query, the query first (blue frame), then its
+neighbours nearest first with the Hamming distance and the label under each; a neighbour whose
+label differs from the query's has a red frame and a red label.  Drawn with PIL only.
+
+    draw_contact_sheet(rows, "neighbours.png", title="...")
+    rows = [{"query": path, "label": str or None,
+             "results": [{"path": str, "distance": int, "label": str or None}, ...]}, ...]
+"""
+from __future__ import annotations
+
+from .._files import atomic_write
+
+__all__ = ["draw_contact_sheet"]
+
+THUMB = 96          # pixels of the longer side of a thumbnail
+PAD = 6
+TEXT_H = 30
+BLUE, RED, GREEN, GREY = (40, 90, 220), (215, 30, 30), (30, 140, 60), (110, 110, 110)
+
+
+def _font(size: int):
+    from PIL import ImageFont
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: one bitmap size
+        return ImageFont.load_default()
+
+
+def _thumb(path):
+    """The image as an RGB thumbnail (nearest-neighbour when enlarged a lot, so 28-pixel images
+    stay sharp), or None when it cannot be read."""
+    from PIL import Image
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+            scale = THUMB / max(im.width, im.height)
+            size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
+            return im.resize(size, Image.NEAREST if scale >= 2 else Image.LANCZOS)
+    except Exception:
+        return None
+
+
+def _short(s, n=15):
+    s = "-" if s is None else str(s)
+    return s if len(s) <= n else s[:n - 1] + "~"
+
+
+def draw_contact_sheet(rows, out_path: str, *, title: str | None = None) -> None:
+    """Draw ``rows`` (module docstring) to ``out_path`` (PNG, written atomically)."""
+    from PIL import Image, ImageDraw
+    if not rows:
+        raise ValueError("no rows to draw")
+    ncol = 1 + max(len(r["results"]) for r in rows)
+    cell_w, cell_h = THUMB + 2 * PAD, THUMB + 2 * PAD + TEXT_H
+    head_h = 44 if title else 24
+    W, H = ncol * cell_w + 2 * PAD, head_h + len(rows) * cell_h + PAD
+    sheet = Image.new("RGB", (W, H), "white")
+    draw = ImageDraw.Draw(sheet)
+    f_small, f_title = _font(11), _font(13)
+    y0 = 4
+    if title:
+        draw.text((PAD, y0), title, fill="black", font=f_title)
+        y0 += 20
+    draw.text((PAD, y0), "query (blue) | neighbours by Hamming distance, nearest first; red: "
+              "label differs from the query's", fill=GREY, font=f_small)
+    for i, row in enumerate(rows):
+        top = head_h + i * cell_h
+        q_label = row.get("label")
+        cells = [(row["query"], "query", q_label, BLUE)]
+        for r in row["results"]:
+            mismatch = q_label is not None and r.get("label") != q_label
+            colour = RED if mismatch else (GREEN if q_label is not None else GREY)
+            cells.append((r["path"], f"d={r['distance']}", r.get("label"), colour))
+        for j, (path, line1, label, colour) in enumerate(cells):
+            left = PAD + j * cell_w
+            im = _thumb(path) if path else None
+            box = (left + 2, top + 2, left + cell_w - 3, top + THUMB + 2 * PAD - 3)
+            if im is None:
+                draw.rectangle(box, fill=(235, 235, 235))
+                draw.text((left + PAD, top + THUMB // 2), "unreadable", fill=RED, font=f_small)
+            else:
+                sheet.paste(im, (left + PAD + (THUMB - im.width) // 2,
+                                 top + PAD + (THUMB - im.height) // 2))
+            if j == 0 or colour == RED:
+                draw.rectangle(box, outline=colour, width=3)
+            draw.text((left + PAD, top + THUMB + 2 * PAD), line1,
+                      fill=BLUE if j == 0 else "black", font=f_small)
+            draw.text((left + PAD, top + THUMB + 2 * PAD + 13), _short(label), fill=colour,
+                      font=f_small)
+    atomic_write(out_path, lambda f: sheet.save(f, format="PNG"))

@@ -1,0 +1,189 @@
+"""Hamming search: distances, the k nearest, the full ranking (docs/math.md [M:hamming], [M:rank]).
+
+    import nac_fast
+    d = nac_fast.hamming_distance(query_codes, gallery_codes)      # (Q, G) int32, small sets only
+    d, idx = nac_fast.topk(query_codes, gallery_codes, k=10)       # nearest first, ties by index
+    d, idx = nac_fast.rank(query_codes, gallery_codes)             # the full ranking (Q x G)
+
+Codes as in nac_fast/ops/codes.py (+-1, bool, 0/1 with ``zero_one=True``, or PackedCodes).  The
+gallery is ranked by **Hamming distance**, ties broken by gallery index [M:rank]; not by the dot
+product of {0,1} codes as in the authors' code [M:bug2].  For a saved, searchable collection of
+codes with paths and labels, see nac_fast.HashIndex (nac_fast/index).
+
+Backends (``backend=``, chosen by the one dispatcher nac_fast/ops/dispatch.py, op "hamming"):
+``"cpu"`` is the compiled kernel ``torch.ops.nac_fast.hamming_*`` of ``nac_fast._C``
+(csrc/hamming.cpp: packed words, AVX-512 VPOPCNTDQ chosen at run time; top-k with k <= 128 scans
+query blocks x gallery tiles and rejects a candidate with one compare against the k-th distance);
+``"reference"`` is plain PyTorch, runs on any device and works in query chunks of bounded memory;
+``"triton"`` (kernels/hamming_triton.py) runs on CUDA tensors (and on CPU tensors under
+``TRITON_INTERPRET=1``, which is how CI tests it).  ``"auto"`` picks ``"cpu"`` for CPU tensors when
+the extension is built, ``"triton"`` for CUDA tensors when Triton imports, else ``"reference"``.
+Timings: ``python bench/bench_index.py`` (top-k over 1M codes) and ``python bench/bench_hamming.py``
+(mAP@all), results in bench/results/.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+from .codes import as_packed
+
+__all__ = ["hamming_distance", "topk", "rank"]
+
+# The reference backend works on this many (query, gallery) pairs at a time (int64/float64
+# temporaries of ~8 bytes each: ~8 MiB per temporary), so memory stays bounded for any Q.  Larger
+# chunks were no faster; the peak RSS varies widely from run to run with the allocator's
+# fragmentation (bench/results/cpu_micro.md, "Reference chunk size").
+_REF_PAIRS_PER_CHUNK = 1 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# Backend choice
+# --------------------------------------------------------------------------------------------
+
+def triton_kernels():
+    """kernels/hamming_triton.py (whether it imports: nac_fast.ops.dispatch)."""
+    from ..kernels import hamming_triton
+    return hamming_triton
+
+
+def resolve_backend(backend, words: torch.Tensor, nbits: int | None = None) -> str:
+    """The dispatcher's choice for the packed words' device; codes wider than the Triton
+    kernels' limit go to the reference under "auto" and are refused by an explicit "triton"."""
+    be = dispatch.resolve_backend(backend, words, op="hamming")
+    if be == "triton" and nbits is not None and nbits > triton_kernels().MAX_BITS:
+        if backend == "auto":
+            return "reference"  # torch ops, chunked, no host round trip
+        raise ValueError(f"backend 'triton' handles codes of at most "
+                         f"{triton_kernels().MAX_BITS} bits, got {nbits}; use 'reference'")
+    return be
+
+
+def pair(query_codes, gallery_codes, zero_one: bool, *, allow_empty_query: bool = False):
+    q = as_packed("query_codes", query_codes, zero_one)
+    g = as_packed("gallery_codes", gallery_codes, zero_one)
+    if q.nbits != g.nbits:
+        raise ValueError(f"query_codes have {q.nbits} bits but gallery_codes have {g.nbits}")
+    if q.words.device != g.words.device:
+        raise ValueError(f"query_codes are on {q.words.device} but gallery_codes on "
+                         f"{g.words.device}")
+    if q.words.shape[0] == 0 and not allow_empty_query:
+        raise ValueError("query_codes is empty (0 codes)")
+    if g.words.shape[0] == 0:
+        raise ValueError("gallery_codes is empty (0 codes)")
+    return q, g
+
+
+# --------------------------------------------------------------------------------------------
+# Reference and Triton search helpers
+# --------------------------------------------------------------------------------------------
+
+def _ref_popcount64(x: torch.Tensor) -> torch.Tensor:
+    """Bit count of int64 words (SWAR), done on the two 32-bit halves so that every intermediate
+    is non-negative and below 2^33: no signed overflow whatever the sign bit."""
+    lo = x & 0xFFFFFFFF
+    hi = (x >> 32) & 0xFFFFFFFF  # the arithmetic shift's sign copies are masked off
+    return _ref_popcount32(lo) + _ref_popcount32(hi)
+
+
+def _ref_popcount32(x: torch.Tensor) -> torch.Tensor:
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    x = x + (x >> 8)
+    x = x + (x >> 16)
+    return x & 0x3F
+
+
+def ref_chunk_rows(g_rows: int, width: int = 1) -> int:
+    return max(1, _REF_PAIRS_PER_CHUNK // max(1, g_rows * width))
+
+
+def ref_cdist(qw: torch.Tensor, gw: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((qw.shape[0], gw.shape[0]), dtype=torch.int32, device=qw.device)
+    step = ref_chunk_rows(gw.shape[0], gw.shape[1])
+    for s in range(0, qw.shape[0], step):
+        x = qw[s:s + step, None, :] ^ gw[None, :, :]
+        out[s:s + step] = _ref_popcount64(x).sum(-1, dtype=torch.int32)
+    return out
+
+
+def cdist_words(qw: torch.Tensor, gw: torch.Tensor, backend: str) -> torch.Tensor:
+    """(Q, G) int32 distances of packed words by a resolved backend (no argument checks)."""
+    if backend == "cpu":
+        return torch.ops.nac_fast.hamming_cdist(qw, gw)
+    if backend == "triton":
+        return triton_kernels().cdist(qw, gw)
+    return ref_cdist(qw, gw)
+
+
+def _ref_topk(qw, gw, k: int):
+    dists, idxs = [], []
+    step = ref_chunk_rows(gw.shape[0], gw.shape[1])
+    for s in range(0, qw.shape[0], step):
+        d = ref_cdist(qw[s:s + step], gw)
+        sd, si = torch.sort(d, dim=1, stable=True)  # stable: equal distances keep index order
+        dists.append(sd[:, :k])
+        idxs.append(si[:, :k])
+    return torch.cat(dists), torch.cat(idxs)
+
+
+def _triton_topk(qw, gw, k: int):
+    """Distances from the Triton kernel, then one top-k per query chunk on the composite key
+    distance * G + index: exact, and equal distances come out in gallery-index order."""
+    G = gw.shape[0]
+    dists, idxs = [], []
+    step = max(1, (1 << 26) // max(1, G))  # int32 + int64 key: ~0.75 GiB per chunk at most
+    ar = torch.arange(G, device=gw.device, dtype=torch.int64)
+    for s in range(0, qw.shape[0], step):
+        key = triton_kernels().cdist(qw[s:s + step], gw).to(torch.int64) * G + ar
+        kk = torch.topk(key, k, dim=1, largest=False, sorted=True).values
+        dists.append(torch.div(kk, G, rounding_mode="floor").to(torch.int32))
+        idxs.append(kk % G)
+    return torch.cat(dists), torch.cat(idxs)
+
+
+
+# --------------------------------------------------------------------------------------------
+# Public search API
+# --------------------------------------------------------------------------------------------
+
+def hamming_distance(query_codes, gallery_codes, *, zero_one: bool = False,
+                     backend: str = "auto") -> torch.Tensor:
+    """(Q, G) int32 matrix of Hamming distances (number of differing bits).
+
+    This materialises Q x G integers: meant for small sets and tests.  Use :func:`topk` or
+    nac_fast.mean_average_precision on large ones."""
+    q, g = pair(query_codes, gallery_codes, zero_one)
+    return cdist_words(q.words, g.words, resolve_backend(backend, q.words))
+
+
+def topk(query_codes, gallery_codes, k: int, *, zero_one: bool = False, backend: str = "auto"):
+    """The k nearest gallery items of each query by Hamming distance.
+
+    Returns ``(distances, indices)``: int32 and int64 tensors of shape (Q, k), nearest first,
+    equal distances in increasing gallery index (the order of a stable sort).  ``k`` must be in
+    [1, G]."""
+    q, g = pair(query_codes, gallery_codes, zero_one)
+    G = g.words.shape[0]
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    if not 1 <= k <= G:
+        raise ValueError(f"k must be in [1, {G}] (the gallery size), got {k}")
+    return topk_words(q.words, g.words, k, resolve_backend(backend, q.words))
+
+
+def topk_words(qw: torch.Tensor, gw: torch.Tensor, k: int, backend: str):
+    """:func:`topk` on checked packed words and a resolved backend (nac_fast.HashIndex's path)."""
+    if backend == "cpu":
+        return torch.ops.nac_fast.hamming_topk(qw, gw, k)
+    if backend == "triton":
+        return _triton_topk(qw, gw, k)
+    return _ref_topk(qw, gw, k)
+
+
+def rank(query_codes, gallery_codes, *, zero_one: bool = False, backend: str = "auto"):
+    """The full ranking of the gallery for every query: :func:`topk` with k = G
+    (Q x G int32 distances and int64 indices: 12 bytes per pair, so chunk large query sets)."""
+    q, g = pair(query_codes, gallery_codes, zero_one)
+    return topk(q, g, g.words.shape[0], backend=backend)

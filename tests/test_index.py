@@ -1,0 +1,201 @@
+"""nac_fast.HashIndex: FAISS IndexBinaryFlat conventions (checked against FAISS itself and a numpy
+oracle), ids / paths / labels, k > ntotal, the versioned on-disk format and its errors."""
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+import nac_fast
+from nac_fast import HashIndex
+from nac_fast.ops import dispatch
+
+
+def rand_codes(seed, n, bits):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (n, bits), generator=g).bool()
+
+
+def np_topk(q, g, k):
+    """Nearest first, ties by insertion order, from the definition."""
+    d = (q[:, None, :] != g[None, :, :]).sum(-1)
+    idx = np.stack([np.lexsort((np.arange(g.shape[0]), row))[:k] for row in d])
+    return np.take_along_axis(d, idx, 1), idx
+
+
+BACKENDS = [b for b in ("cpu", "reference", "triton")
+            if dispatch.available_backends("cpu", op="hamming", reasons=True)[b] is None]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bits,n,k", [(1, 3, 2), (7, 97, 10), (128, 1031, 10), (65, 4099, 128),
+                                      (200, 300, 129), (3, 1031, 5)])
+def test_search_matches_oracle_in_several_adds(backend, bits, n, k):
+    """Awkward sizes, few bits (heavy ties), k on both sides of the C++ small-k path (128)."""
+    g, q = rand_codes(bits + n, n, bits), rand_codes(7, 17, bits)
+    index = HashIndex(bits, backend=backend)
+    for s in range(0, n, max(1, n // 3)):  # appends in order
+        index.add(g[s:s + max(1, n // 3)])
+    assert index.ntotal == n and len(index) == n
+    D, I = index.search(q, k)
+    wd, wi = np_topk(q.numpy(), g.numpy(), min(k, n))
+    assert D.dtype == torch.int32 and I.dtype == torch.int64 and D.shape == (17, min(k, n))
+    np.testing.assert_array_equal(D.numpy(), wd)
+    np.testing.assert_array_equal(I.numpy(), wi)
+
+
+def test_same_distances_as_faiss_index_binary_flat():
+    faiss = pytest.importorskip("faiss")
+    g, q = rand_codes(1, 5000, 128), rand_codes(2, 50, 128)
+    index = HashIndex(128)
+    index.add(g)
+    D, I = index.search(q, 20)
+    fx = faiss.IndexBinaryFlat(128)
+    fx.add(nac_fast.pack_codes(g).words.numpy().view(np.uint8))
+    fD, fI = fx.search(nac_fast.pack_codes(q).words.numpy().view(np.uint8), 20)
+    np.testing.assert_array_equal(D.numpy(), fD)  # same distances, nearest first
+    # same neighbours up to the order of equal distances (FAISS's heap leaves it open)
+    for i in range(50):
+        for d in np.unique(fD[i][fD[i] < fD[i].max()]):
+            assert set(I[i][D[i] == d].tolist()) == set(fI[i][fD[i] == d].tolist())
+
+
+def test_k_larger_than_ntotal_returns_ntotal_and_bad_k():
+    index = HashIndex(16)
+    index.add(rand_codes(0, 5, 16))
+    D, I = index.search(rand_codes(1, 2, 16), 100)
+    assert D.shape == I.shape == (2, 5) and sorted(I[0].tolist()) == [0, 1, 2, 3, 4]
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="k must be >= 1"):
+            index.search(rand_codes(1, 2, 16), bad)
+    with pytest.raises(TypeError, match="k must be an int"):
+        index.search(rand_codes(1, 2, 16), 2.0)
+    with pytest.raises(ValueError, match="index is empty"):
+        HashIndex(16).search(rand_codes(1, 2, 16), 1)
+
+
+def test_code_length_and_input_forms():
+    index = HashIndex(64)
+    c = rand_codes(3, 10, 64)
+    index.add(c)                                     # bool
+    index.add(c.float() * 2 - 1)                     # +-1
+    index.add(c.int(), zero_one=True)                # 0/1
+    index.add(nac_fast.pack_codes(c))                # packed
+    assert torch.equal(index.codes.words[:10], index.codes.words[30:])
+    with pytest.raises(ValueError, match="codes have 32 bits but the index holds 64-bit codes"):
+        index.add(rand_codes(0, 2, 32))
+    with pytest.raises(ValueError, match="query codes have 32 bits"):
+        index.search(rand_codes(0, 2, 32), 1)
+    with pytest.raises(ValueError, match="only -1 and \\+1"):
+        index.add(torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="nbits must be in"):
+        HashIndex(0)
+    with pytest.raises(TypeError, match="nbits must be an int"):
+        HashIndex(12.0)
+
+
+def test_ids_paths_labels_stay_aligned_and_are_all_or_nothing():
+    index = HashIndex(8)
+    index.add(rand_codes(0, 3, 8), ids=[10, 11, 12], paths=["a", "b", "c"], labels=["x", None, "y"])
+    with pytest.raises(ValueError, match="paths: the index holds paths"):
+        index.add(rand_codes(1, 2, 8), ids=[13, 14], labels=["x", "x"])
+    with pytest.raises(ValueError, match="ids must have shape \\(2,\\)"):
+        index.add(rand_codes(1, 2, 8), ids=[13], paths=["d", "e"], labels=["x", "x"])
+    with pytest.raises(TypeError, match="paths entries must be str"):
+        index.add(rand_codes(1, 2, 8), ids=[13, 14], paths=["d", 5], labels=["x", "x"])
+    assert index.ntotal == 3  # nothing of the failed adds went in
+    index.add(rand_codes(1, 2, 8), ids=[13, 14], paths=["d", "e"], labels=["x", "x"])
+    assert index.ids.tolist() == [10, 11, 12, 13, 14] and index.paths == list("abcde")
+    assert index.labels == ["x", None, "y", "x", "x"]
+    plain = HashIndex(8)
+    plain.add(rand_codes(0, 3, 8))
+    with pytest.raises(ValueError, match="ids: the index has no ids"):
+        plain.add(rand_codes(0, 1, 8), ids=[1])
+    assert plain.ids.tolist() == [0, 1, 2] and plain.paths is None
+
+
+def test_save_load_round_trip_and_format(tmp_path):
+    index = HashIndex(65, meta={"checkpoint": "x.pt", "checkpoint_sha256": "ab" * 32})
+    index.add(rand_codes(0, 50, 65), paths=[f"p{i}" for i in range(50)],
+              labels=[str(i % 3) for i in range(50)])
+    path = tmp_path / "a.nacidx"
+    index.save(path)
+    back = HashIndex.load(path)
+    assert (back.nbits, back.ntotal, back.paths, back.labels, back.meta) == \
+        (65, 50, index.paths, index.labels, index.meta)
+    assert torch.equal(back.codes.words, index.codes.words)
+    q = rand_codes(9, 4, 65)
+    assert all(torch.equal(a, b) for a, b in zip(back.search(q, 7), index.search(q, 7)))
+    # the format as documented: a zip numpy and json read without nac_fast
+    with zipfile.ZipFile(path) as z:
+        head = json.loads(z.read("meta.json"))
+        assert head["format"] == "nac_fast.HashIndex" and head["version"] == 1
+        import io
+        words = np.load(io.BytesIO(z.read("codes.npy")))
+    assert words.dtype == np.dtype("<u8") and words.shape == (50, 2)
+    assert np.array_equal(words.view(np.int64), index.codes.words.numpy())
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        index.save(path)
+    index.save(path, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["a.nacidx"]  # no temporary file left
+
+
+def _rewrite(src, dst, edit):
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dst, "w") as out:
+        for name in z.namelist():
+            data = z.read(name)
+            if name == "meta.json":
+                head = json.loads(data)
+                edit(head)
+                data = json.dumps(head).encode()
+            out.writestr(name, data)
+
+
+def test_load_errors(tmp_path):
+    index = HashIndex(16)
+    index.add(rand_codes(0, 300, 16), ids=list(range(300)))
+    good = tmp_path / "good.nacidx"
+    index.save(good)
+    blob = good.read_bytes()
+    cases = {
+        "truncated.nacidx": blob[:len(blob) // 2],
+        "empty.nacidx": b"",
+        "text.nacidx": b"hello",
+        "flipped.nacidx": blob[:200] + bytes([blob[200] ^ 0xFF]) + blob[201:],
+    }
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match="not a complete nac_fast HashIndex file"):
+            HashIndex.load(tmp_path / name)
+    _rewrite(good, tmp_path / "v2.nacidx", lambda h: h.update(version=2))
+    with pytest.raises(ValueError, match="format version 2; this nac_fast reads version 1"):
+        HashIndex.load(tmp_path / "v2.nacidx")
+    _rewrite(good, tmp_path / "n.nacidx", lambda h: h.update(ntotal=299))
+    with pytest.raises(ValueError, match="inconsistent"):
+        HashIndex.load(tmp_path / "n.nacidx")
+    _rewrite(good, tmp_path / "f.nacidx", lambda h: h.update(format="something"))
+    with pytest.raises(ValueError, match="not a complete nac_fast HashIndex"):
+        HashIndex.load(tmp_path / "f.nacidx")
+    with pytest.raises(FileNotFoundError):
+        HashIndex.load(tmp_path / "missing.nacidx")
+
+
+def test_failed_save_leaves_the_old_file(tmp_path, monkeypatch):
+    index = HashIndex(8)
+    index.add(rand_codes(0, 4, 8))
+    path = tmp_path / "x.nacidx"
+    index.save(path)
+    before = path.read_bytes()
+    index.add(rand_codes(1, 4, 8))
+    import nac_fast.index.hash_index as hi
+    monkeypatch.setattr(hi, "_npy_bytes", lambda a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        index.save(path, overwrite=True)
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["x.nacidx"]
+    with pytest.raises(TypeError, match="JSON"):
+        HashIndex(8, meta={"x": object()}).save(tmp_path / "y.nacidx")
+    assert not (tmp_path / "y.nacidx").exists()

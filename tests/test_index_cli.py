@@ -1,0 +1,236 @@
+"""python -m nac_fast.index on a real (tiny) train.py checkpoint: the README's "Use your codes"
+commands run as written on image folders this test writes, the codes equal the evaluation
+pipeline's, and every bad input is one clear error with nothing written."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import train  # noqa: E402
+from export_images import export  # noqa: E402
+
+import nac_fast  # noqa: E402
+from nac_fast.index import cli  # noqa: E402
+
+D = 32
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train")
+    assert train.main(["--max-steps", "2", "--batch-size", "64", "--code-dim", str(D),
+                       "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    return str(out / "last.pt")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """photos/ (6 train images per class, one unreadable PNG, one text file), more_photos/ (2 per
+    class), queries/ (1 test image per class)."""
+    root = tmp_path_factory.mktemp("images")
+    export("fashion-mnist", "train", 6, str(root / "photos"))
+    export("fashion-mnist", "train", 2, str(root / "more_photos"), offset=6)
+    export("fashion-mnist", "test", 1, str(root / "queries"))
+    (root / "photos" / "bag" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    (root / "photos" / "notes.txt").write_text("not an image")
+    return root
+
+
+def _run(argv, capsys):
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _readme_commands():
+    text = open(os.path.join(ROOT, "README.md")).read()
+    m = re.search(r"^## Use your codes\n(.*?)(?=^## )", text, re.S | re.M)
+    assert m, "README has no 'Use your codes' section"
+    block = re.search(r"```text\n(.*?)```", m.group(1), re.S).group(1)
+    return [line for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_readme_use_your_codes_runs(ckpt, folders, tmp_path):
+    """The four commands, as the README writes them, in a folder holding runs/default/last.pt
+    and the image folders they name."""
+    cmds = _readme_commands()
+    assert len(cmds) == 4 and all(c.startswith("python -m nac_fast.index ") for c in cmds)
+    os.makedirs(tmp_path / "runs" / "default")
+    shutil.copy(ckpt, tmp_path / "runs" / "default" / "last.pt")
+    for name in ("photos", "more_photos", "queries"):
+        shutil.copytree(folders / name, tmp_path / name)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    outs = []
+    for c in cmds:
+        r = subprocess.run([sys.executable] + c.split()[1:], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"{c}\n{r.stdout}\n{r.stderr}"
+        outs.append(r)
+    assert "skipped 1 unreadable image(s)" in outs[0].stderr and "broken.png" in outs[0].stderr
+    assert "ignored 1 file(s)" in outs[0].stderr
+    index = nac_fast.HashIndex.load(tmp_path / "photos.nacidx")
+    assert index.ntotal == 80 and index.nbits == D
+    assert set(index.labels) == {"t-shirt", "trouser", "pullover", "dress", "coat", "sandal",
+                                 "shirt", "sneaker", "bag", "ankle-boot"}
+    assert index.meta["checkpoint_sha256"] and index.meta["normalization"]["mean"] == [0.286]
+    hits = json.loads((tmp_path / "hits.json").read_text())
+    assert hits["k"] == 8 and len(hits["queries"]) == 10
+    q0 = hits["queries"][0]
+    assert q0["query"].endswith(".png") and len(q0["results"]) == 8
+    assert set(q0["results"][0]) >= {"path", "distance", "label"}
+    d = [r["distance"] for r in q0["results"]]
+    assert d == sorted(d) and all(0 <= x <= D for x in d)
+    from PIL import Image
+    with Image.open(tmp_path / "hits.png") as im:
+        assert im.height > 10 * 96 and im.width > 9 * 96  # 10 rows, query + 8 neighbours
+    npz = np.load(tmp_path / "codes.npz")
+    pm1 = np.load(tmp_path / "codes.npy")
+    assert npz["codes"].dtype == np.uint64 and int(npz["nbits"]) == D and len(npz["paths"]) == 60
+    assert pm1.shape == (60, D) and set(np.unique(pm1)) <= {-1, 1}
+    assert np.array_equal(npz["codes"].view(np.int64), index.codes.words[:60].numpy())
+    assert np.array_equal(nac_fast.pack_codes(torch.from_numpy(pm1)).words.numpy(),
+                          npz["codes"].view(np.int64))
+
+
+def test_codes_are_the_evaluation_pipelines(ckpt, folders, tmp_path, capsys):
+    """A PNG of a Fashion-MNIST test image gets exactly the code the evaluation computes from the
+    data set (same normalisation, size and model mode)."""
+    from nac_fast.data import build_eval_loader
+    from nac_fast.train.checkpoint import load_model
+    out = tmp_path / "q.nacidx"
+    code, _, err = _run(["build", "--checkpoint", ckpt, "--images", str(folders / "queries"),
+                         "--out", str(out), "--no-progress"], capsys)
+    assert code == 0, err
+    index = nac_fast.HashIndex.load(out)
+    model = load_model(ckpt)
+    x, _ = next(iter(build_eval_loader("fashion-mnist", split="test", batch_size=256)))
+    with torch.no_grad():
+        a = model.encode(x)[1]
+    want = {}
+    for p in index.paths:
+        i = int(os.path.basename(p).split("_")[1].split(".")[0])
+        assert i < 256  # the first image of each class lies in the first batch
+        want[p] = a[i] >= 0
+    got = nac_fast.unpack_codes(index.codes, dtype=torch.bool)
+    for row, p in zip(got, index.paths):
+        assert torch.equal(row, want[p]), p
+
+
+@pytest.fixture
+def built(ckpt, folders, tmp_path, capsys):
+    out = tmp_path / "photos.nacidx"
+    code, _, err = _run(["build", "--checkpoint", ckpt, "--images", str(folders / "photos"),
+                         "--out", str(out), "--no-progress", "--bits", "16"], capsys)
+    assert code == 0, err
+    return out
+
+
+def _unchanged(path):
+    return path.read_bytes() if path.exists() else None
+
+
+def test_build_errors_write_nothing(ckpt, folders, built, tmp_path, capsys):
+    before = built.read_bytes()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("x")
+    bad_imgs = tmp_path / "bad"
+    (bad_imgs / "c").mkdir(parents=True)
+    (bad_imgs / "c" / "x.jpg").write_bytes(b"\xff\xd8\xff garbage")
+    ck = torch.load(ckpt, weights_only=False)
+    nohead = dict(ck, model={k: v for k, v in ck["model"].items() if not k.startswith("head.")})
+    torch.save(nohead, tmp_path / "nohead.pt")
+    other = dict(ck, step=ck["step"] + 1)  # same weights, another file: another checkpoint
+    torch.save(other, tmp_path / "other.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    new = str(tmp_path / "new.nacidx")
+    cases = [
+        (["--images", str(empty), "--out", new], "holds no image files"),
+        (["--images", str(tmp_path / "texts"), "--out", new], "holds no image files"),
+        (["--images", str(tmp_path / "nope"), "--out", new], "no such folder"),
+        (["--images", str(bad_imgs), "--out", new], "none of the 1 image files could be read"),
+        (["--images", str(folders / "photos"), "--out", new, "--checkpoint",
+          str(tmp_path / "nohead.pt")], "no code head"),
+        (["--images", str(folders / "photos"), "--out", new, "--checkpoint",
+          str(tmp_path / "junk.pt")], "--checkpoint"),
+        (["--images", str(folders / "photos"), "--out", new, "--bits", "33"], "bits must be an int in"),
+        (["--images", str(folders / "photos"), "--out", new, "--bits", "0"], "--bits must be >= 1"),
+        (["--images", str(folders / "photos"), "--out", str(built)], "exists; pass --overwrite"),
+        (["--images", str(folders / "more_photos"), "--out", str(built), "--append",
+          "--checkpoint", str(tmp_path / "other.pt")], "codes of two models cannot share"),
+        (["--images", str(folders / "more_photos"), "--out", str(built), "--append",
+          "--bits", "32"], "holds 16-bit codes"),
+        (["--images", str(folders / "more_photos"), "--out", new, "--append"], "does not exist"),
+    ]
+    for extra, match in cases:
+        argv = ["build", "--checkpoint", ckpt, "--no-progress"] + extra
+        if "--checkpoint" in extra:
+            argv = ["build", "--no-progress"] + extra
+        code, out, err = _run(argv, capsys)
+        assert code == 2 and match in err, (extra, err)
+        assert err.count("\n") <= 3, err  # a short message, no traceback
+    assert built.read_bytes() == before
+    assert not os.path.exists(new)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["bad", "empty", "texts", "nohead.pt", "other.pt", "junk.pt", "photos.nacidx"])
+    # appending from the same checkpoint works and keeps the old codes first
+    code, out, err = _run(["build", "--checkpoint", ckpt, "--images", str(folders / "more_photos"),
+                           "--out", str(built), "--append", "--no-progress"], capsys)
+    assert code == 0, err
+    index = nac_fast.HashIndex.load(built)
+    assert index.ntotal == 80 and index.nbits == 16 and len(index.meta["sources"]) == 2
+
+
+def test_search_errors_write_nothing(ckpt, folders, built, tmp_path, capsys):
+    js, png = tmp_path / "h.json", tmp_path / "h.png"
+    broken_q = tmp_path / "broken.png"
+    broken_q.write_bytes(b"\x89PNG\r\n\x1a\n")
+    q = str(folders / "queries" / "bag")
+    base = ["search", "--index", str(built), "--json", str(js), "--png", str(png), "--no-progress"]
+    trunc = tmp_path / "trunc.nacidx"
+    trunc.write_bytes(built.read_bytes()[:100])
+    cases = [
+        (["--k", "0", q], "--k must be >= 1"),
+        (["--k", "-3", q], "--k must be >= 1"),
+        ([str(broken_q)], "1 query image(s) cannot be read"),
+        ([str(tmp_path / "missing.png")], "no such file or folder"),
+        (["--checkpoint", __file__, q], "is not the one"),
+    ]
+    for extra, match in cases:
+        code, _, err = _run(base + extra, capsys)
+        assert code == 2 and match in err, (extra, err)
+        assert not js.exists() and not png.exists()
+    code, _, err = _run(["search", "--index", str(trunc), q], capsys)
+    assert code == 2 and "not a complete nac_fast HashIndex file" in err
+    # k > ntotal: all of it, said so
+    code, out, err = _run(["search", "--index", str(built), "--k", "1000", "--no-progress", q],
+                          capsys)
+    assert code == 0 and "returning all 60" in err
+    res = json.loads(out)
+    assert res["k"] == 60 and len(res["queries"][0]["results"]) == 60
+
+
+def test_encode_refuses_to_overwrite(ckpt, folders, tmp_path, capsys):
+    out = tmp_path / "c.npz"
+    out.write_bytes(b"mine")
+    code, _, err = _run(["encode", "--checkpoint", ckpt, "--images", str(folders / "queries"),
+                         "--out", str(out), "--no-progress"], capsys)
+    assert code == 2 and "exists; pass --overwrite" in err and out.read_bytes() == b"mine"
+
+
+def test_help_runs():
+    r = subprocess.run([sys.executable, "-m", "nac_fast.index", "build", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0 and "--append" in r.stdout
