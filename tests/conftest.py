@@ -14,6 +14,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a test of over ~10 s on the 2-core machine (compile "
+                            "checks, packaging and install modes, torchrun launches, the "
+                            "reproduction grid, large interpreter shapes); `pytest -m 'not "
+                            "slow'` is the fast tier")
+
+
 @pytest.fixture(autouse=True)
 def _triton_interpreter_stays_on():
     """A test or a module it imports that unsets TRITON_INTERPRET would turn every later Triton
