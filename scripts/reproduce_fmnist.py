@@ -389,8 +389,12 @@ def do_run(args, name, method, flags, recipe, seed, curve) -> dict:
         if not args.dry_run:
             random_init_checkpoint(args, os.path.join(tmpl, "last.pt"), d, seed)
     else:
+        # an interrupted attempt left a run in d: train.py refuses a fresh run there unless told
+        earlier = any(os.path.exists(os.path.join(d, f)) for f in ("last.pt", "prev.pt",
+                                                                   "log.jsonl"))
         for i, stop in enumerate([s for s in curve] + [None]):
-            extra = (["--stop-at-step", str(stop)] if stop else []) + (["--resume"] if i else [])
+            extra = (["--stop-at-step", str(stop)] if stop else []) + (
+                ["--resume"] if i else ["--overwrite"] if earlier else [])
             tc = train_cmd(args, method, flags, recipe, seed, d, extra)
             cmds.append(show(tc))
             run_cmd(tc, os.path.join(d, "train.txt"), args.dry_run)
