@@ -85,8 +85,13 @@ def build_parser():
     a("--variants", default=",".join(VARIANTS), help="comma-separated subset of "
       + ",".join(VARIANTS))
     a("--epochs", type=int, default=1, help="VAE epochs (batch 128)")
+    a("--limit-train", type=int, default=30000, help="VAE training images (evenly strided; 0: "
+      "all 60k)")
+    a("--limit-test", type=int, default=5000, help="test images of the ELBO / KL (evenly "
+      "strided; 0: all 10k)")
     a("--iwae-k", type=int, default=1000)
-    a("--iwae-images", type=int, default=64)
+    a("--iwae-images", type=int, default=32, help="test images of the IWAE bound (evenly "
+      "strided, a subset of the --limit-test ones)")
     a("--jobs", type=int, default=2, help="VAE runs at once (one thread each)")
     a("--nice", type=int, default=10)
     a("--doc", default=None, help="write the markdown section here")
@@ -126,6 +131,9 @@ def vae_cmd(args, variant, seed):
            "--epochs", str(args.epochs), "--iwae-k", str(args.iwae_k),
            "--iwae-images", str(args.iwae_images), "--seed", str(seed), "--threads", "1",
            "--out", vae_dir(args, variant, seed), "--no-progress"]
+    for flag, v in (("--limit-train", args.limit_train), ("--limit-test", args.limit_test)):
+        if v:
+            cmd += [flag, str(v)]
     return cmd + (["--freeze"] if freeze else [])
 
 
@@ -490,6 +498,9 @@ def main(argv=None) -> int:
     for flag in ("epochs", "iwae_k", "iwae_images", "jobs"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("limit_train", "limit_test"):
+        if getattr(args, flag) < 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 0 (0: the whole split)")
     args.runs = os.path.abspath(args.runs)
     if args.doc_only:
         if not args.doc:

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--encoder-lr", type=float, default=5e-5, help="Adam lr of a pretrained encoder when "
       "fine-tuned (paper: 5e-5)")
     a("--image-size", type=int, default=None, help="resize the images to this size (default: "
-      "the data set's, or the checkpoint's)")
+      "the data set's own; with --init it must be the checkpoint's)")
     a("--limit-train", type=int, default=None, help="train on N evenly strided training images")
     a("--limit-test", type=int, default=None, help="evaluate ELBO / KL on N evenly strided test "
       "images")
@@ -347,18 +347,18 @@ def _setup(args):
         arch = info["arch"]
     else:
         arch = args.arch or "resnet-tiny"
-    image_size = args.image_size
-    if image_size is None and info is not None:
-        image_size = info["image_size"]
-    channels, size, _ = probe(args.data, "train", image_size)
+    channels, size, _ = probe(args.data, "train", args.image_size)
     if info is not None:
         if channels != info["in_channels"]:
             raise ValueError(f"--data {args.data!r} has {channels}-channel images; the encoder of "
                              f"--init {args.init!r} takes {info['in_channels']}-channel images")
         if size != info["image_size"]:
-            raise ValueError(f"--image-size {size}: the encoder of --init {args.init!r} was "
-                             f"trained on {info['image_size']} px images (leave --image-size out "
-                             "to use that size)")
+            # no silent resize: the user says so with --image-size
+            what = (f"--image-size {size}" if args.image_size is not None
+                    else f"--data {args.data!r} has {size} px images;")
+            raise ValueError(f"{what} the encoder of --init {args.init!r} was trained on "
+                             f"{info['image_size']} px images (pass --image-size "
+                             f"{info['image_size']} to resize the data to that size)")
     cfg = {k: getattr(args, k) for k in ("data", "which", "freeze", "epochs", "latent_dim",
                                          "batch_size", "lr", "encoder_lr", "limit_train",
                                          "limit_test", "iwae_k", "iwae_images", "seed")}
