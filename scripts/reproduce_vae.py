@@ -17,8 +17,8 @@ IWAE with K = --iwae-k on --iwae-images evenly strided test images, ELBO / KL on
 
 Every run writes into --runs (pre/<variant>/seedS, vae/<variant>/seedS); a run whose report
 exists is skipped, an interrupted one resumes (nac_fast.vae --resume; a pretraining run that is
-not finished is started again from scratch, as its folder is train.py's); a pretraining folder
-whose log changed in the last 2 minutes is taken to be running elsewhere and waited for.  Up to
+not finished is started again from scratch, as its folder is train.py's); a run folder that a
+running process names as its --out (an earlier invocation's run) is waited for, not started twice.  Up to
 --jobs VAE runs go at once (one CPU thread each) beside one pretraining run.  One JSON line per
 finished command goes to --runs/vae/results.jsonl (command, wall time, exit status).
 
@@ -153,10 +153,26 @@ def pretrain_finished(args, kind, seed) -> bool:
     return last == total and os.path.isfile(os.path.join(d, "last.pt"))
 
 
-def pretrain_busy(args, kind, seed) -> bool:
-    """Another process is writing this pretraining folder (its log changed < 2 min ago)."""
-    p = os.path.join(pre_dir(args, kind, seed), "log.jsonl")
-    return os.path.isfile(p) and time.time() - os.path.getmtime(p) < 120
+def busy(out_dir: str) -> bool:
+    """A process (of an earlier invocation of this script, or started by hand) is running with
+    `--out out_dir` on its command line (Linux /proc; elsewhere: never busy)."""
+    needle = ["--out", out_dir]
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return False
+    for pid in pids:
+        if int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        for i in range(len(argv) - 1):
+            if argv[i:i + 2] == needle:
+                return True
+    return False
 
 
 def vae_finished(args, variant, seed) -> bool:
@@ -215,24 +231,30 @@ def run_all(args, variants, seeds) -> int:
                           "loadavg": os.getloadavg(), "end": time.strftime("%Y-%m-%d %H:%M:%S")})
             if p.returncode != 0:
                 failed.append((kind, task))
-        busy_pre = any(v[0] == "pre" for v in running.values())
+        busy_pre = (any(v[0] == "pre" for v in running.values())
+                    or any(busy(pre_dir(args, *t)) for t in pre_todo))  # one at a time
         if not busy_pre:
             for t in list(pre_todo):
                 if pretrain_finished(args, *t):
                     pre_todo.remove(t)
                     continue
-                if pretrain_busy(args, *t):
-                    continue  # someone else is training it: wait
+                if busy(pre_dir(args, *t)):
+                    continue  # another process is training it: wait
                 pre_todo.remove(t)
                 if ("pre", t) in failed:
                     continue
                 launch("pre", t, pretrain_cmd(args, *t),
                        pre_dir(args, *t) + ".log")
                 break
-        n_vae = sum(v[0] == "vae" for v in running.values())
+        for t in [t for t in vae_todo if vae_finished(args, *t)]:
+            vae_todo.remove(t)  # finished by another process
+        elsewhere = [t for t in vae_todo if busy(vae_dir(args, *t))]
+        n_vae = sum(v[0] == "vae" for v in running.values()) + len(elsewhere)
         for t in list(vae_todo):
             if n_vae >= args.jobs:
                 break
+            if t in elsewhere:
+                continue
             kind = VARIANTS[t[0]][0]
             if kind is not None and not pretrain_finished(args, kind, t[1]):
                 if ("pre", (kind, t[1])) in failed:
@@ -242,10 +264,7 @@ def run_all(args, variants, seeds) -> int:
             vae_todo.remove(t)
             launch("vae", t, vae_cmd(args, *t) + ["--resume"], vae_dir(args, *t) + ".log")
             n_vae += 1
-        if not running and (pre_todo or vae_todo):
-            # nothing can start: only folders busy elsewhere remain
-            time.sleep(30)
-        time.sleep(5)
+        time.sleep(5 if running else 30)
     if failed:
         print(f"failed: {failed}", file=sys.stderr)
     return 1 if failed else 0

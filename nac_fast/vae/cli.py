@@ -5,7 +5,7 @@
     python -m nac_fast.vae --init runs/mq/last.pt --which momentum --freeze --out runs/vae/mq_frozen
     python -m nac_fast.vae ... --out runs/vae/nac --resume      # continue an interrupted run exactly
 
-The model (nac_fast/vae/model.py): the ResNet encoder, one Linear layer to the mean and
+The model (nac_fast/vae/model.py, docs/math.md [M:vae-protocol]): the ResNet encoder, one Linear layer to the mean and
 log-variance of a diagonal Gaussian posterior, a decoder that mirrors the encoder with transposed
 convolutions, a discretised Gaussian likelihood over the 256 values of each sub-pixel
 (docs/math.md [M:vae-dgauss]); N(0, I) prior.  Training maximises the one-sample ELBO with the

@@ -1,4 +1,5 @@
-"""The VAE of the paper's Table 5 (Appendix "Experimental Details for VAE Pretraining"):
+"""The VAE of the paper's Table 5 (Appendix "Experimental Details for VAE Pretraining";
+docs/math.md [M:vae-protocol]):
 
     encoder    a ResNet (nac_fast.train.models.ResNetEncoder, the one NAC pretrains) -> h
     posterior  one Linear layer h -> (mu, logvar) of a diagonal Gaussian q(z | x)
