@@ -201,3 +201,18 @@ def test_bad_inputs(ckpts, tmp_path, capsys):
     assert "exceeds the 16 training images" in _error(
         capsys, ["--out", out, "--limit-train", "16", "--batch-size", "32", "--no-progress"])
     assert not os.path.exists(out) or not os.listdir(out)  # nothing written by any of these
+
+
+def test_frozen_random_encoder_keeps_weights_and_estimates_bn_statistics(tmp_path):
+    from nac_fast.vae.model import VAE
+    out = tmp_path / "rf"
+    assert _run(["--init", "random", "--freeze", "--epochs", "1", "--seed", "3",
+                 "--out", str(out)] + TINY) == 0
+    torch.manual_seed(3)
+    init = VAE("resnet-tiny", 1, 28, latent_dim=4).encoder.state_dict()
+    got = load_checkpoint(str(out / "last.pt"), require=cli.STATE_KEYS)["model"]
+    for k, v in init.items():
+        if "running_" in k or "num_batches" in k:
+            continue
+        assert torch.equal(got["encoder." + k], v), k          # weights: fixed
+    assert not torch.equal(got["encoder.net.bn1.running_mean"], init["net.bn1.running_mean"])

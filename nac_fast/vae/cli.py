@@ -12,7 +12,9 @@ convolutions, a discretised Gaussian likelihood over the 256 values of each sub-
 analytic KL ([M:vae-elbo], [M:vae-kl]) with Adam (0.9, 0.999, eps 1e-8, no weight decay), batch
 128, lr 5e-4; a pretrained encoder is fine-tuned at --encoder-lr 5e-5 while the new linear layer
 and the decoder keep 5e-4 (the paper's appendix), or kept fixed with --freeze (eval mode: its
-BatchNorm statistics are the pretrained ones).  --init CKPT takes the encoder of any train.py
+BatchNorm statistics are the pretrained ones; a frozen random encoder, the control, keeps its
+random weights but estimates its BatchNorm statistics from the training batches, as the random
+baseline of docs/results.md does, since its initial statistics describe no data).  --init CKPT takes the encoder of any train.py
 checkpoint (nac, nac-mq, simclr; --which online|momentum); its architecture, channels and image
 size must match the data (ValueError otherwise).
 
@@ -88,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
       "the VAE's encoder")
     a("--which", default="online", choices=("online", "momentum"),
       help="the checkpoint's online model or NAC-MQ's momentum (EMA) model")
-    a("--freeze", action="store_true", help="keep the pretrained encoder fixed (eval mode); only "
-      "the linear posterior layer and the decoder train")
+    a("--freeze", action="store_true", help="keep the encoder's weights fixed; only the linear "
+      "posterior layer and the decoder train (a pretrained encoder runs in eval mode, a random "
+      "one estimates its BatchNorm statistics from the training batches)")
     a("--epochs", type=int, default=2, help="passes over the training split")
     a("--out", required=True, help="output folder")
     a("--resume", action="store_true", help="continue the run in --out from its newest good "
@@ -460,7 +463,7 @@ def main(argv=None) -> int:
         while step < total:
             order = epoch_order(len(train), args.seed, epoch)
             vae.train()
-            if args.freeze:
+            if args.freeze and cfg["pretrained"]:
                 vae.encoder.eval()  # the pretrained BatchNorm statistics, unchanged
             while batch < spe and step < total:
                 idx = order[batch * args.batch_size:(batch + 1) * args.batch_size]
