@@ -95,6 +95,8 @@ def build_parser():
     a("--jobs", type=int, default=2, help="VAE runs at once (one thread each)")
     a("--nice", type=int, default=10)
     a("--doc", default=None, help="write the markdown section here")
+    a("--figure", default=None, help="with --doc: write a PNG of every variant's "
+      "reconstructions (first seed) here and show it in the section")
     a("--doc-only", action="store_true", help="only write --doc from the reports")
     a("--dry-run", action="store_true", help="print the commands, run nothing")
     return ap
@@ -306,6 +308,39 @@ def load(args, variants, seeds):
     return out
 
 
+def write_figure(args, variants, seed, path) -> list:
+    """One PNG: the first block (8 test images over their reconstructions) of every variant's
+    reconstructions.png for one seed, stacked, each labelled; returns the labels shown."""
+    from PIL import Image, ImageDraw
+    blocks, names = [], []
+    for v in variants:
+        p = os.path.join(vae_dir(args, v, seed), "reconstructions.png")
+        if not os.path.isfile(p):
+            continue
+        with Image.open(p) as im:
+            im = im.convert("L")
+            # the grid: pad 2, tiles (28 + 2) px, scaled x2 (nac_fast/vae/images.py grid)
+            h = min(im.height, 2 * (2 + 2 * 30))
+            blocks.append(im.crop((0, 0, im.width, h)))
+        names.append(LABEL[v])
+    if not blocks:
+        return []
+    label_w, line = 200, 14
+    W = label_w + max(b.width for b in blocks)
+    H = sum(b.height + line for b in blocks)
+    out = Image.new("L", (W, H), 255)
+    draw = ImageDraw.Draw(out)
+    y = 0
+    for b, n in zip(blocks, names):
+        draw.text((4, y + b.height // 2 - 6), n, fill=0)
+        out.paste(b, (label_w, y))
+        y += b.height + line
+    tmp = path + ".tmp.png"
+    out.save(tmp)
+    os.replace(tmp, path)
+    return names
+
+
 def write_doc(args, variants, seeds) -> int:
     res = load(args, variants, seeds)
     if not res:
@@ -314,6 +349,7 @@ def write_doc(args, variants, seeds) -> int:
     some = next(iter(res.values()))
     iw_k, iw_n = some[0]["test"]["iwae_k"], some[1]["details"]["iwae_images"]
     n_test, pixels = some[1]["details"]["test_images"], some[1]["details"]["pixels"]
+    n_split = some[1]["details"].get("test_split_images", n_test)
     steps = some[1]["details"]["train_steps"]
     L = []
     L.append("## VAE with a pretrained encoder (the paper's Table 5)")
@@ -327,19 +363,23 @@ def write_doc(args, variants, seeds) -> int:
              f"pixel (a proper distribution of the 8-bit data, docs/math.md [M:vae-dgauss]), "
              f"N(0, I) prior; Adam (0.9, 0.999, 1e-8, no weight decay), batch 128, lr 5e-4, a "
              f"pretrained encoder fine-tuned at 5e-5 (the paper's appendix); {args.epochs} epoch"
-             f"{'s' if args.epochs > 1 else ''} = {steps} steps. The encoders were pretrained "
+             f"{'s' if args.epochs > 1 else ''} over {some[1]['details'].get('train_images')} "
+             f"evenly strided training images = {steps} steps (the paper: 100 epochs of "
+             f"CIFAR-10). The encoders were pretrained "
              f"with the budget of the main table above (train.py, 2 processes, batch 256, 2 "
              f"epochs); VAE seed S starts from the encoder of pretraining seed S. "
              f"Test figures in nats per image (log-likelihood of the 8-bit image, {pixels} "
              f"pixels; bits/dim = -LL / ({pixels} ln 2)): **IWAE** = the importance-weighted "
-             f"bound with K = {iw_k} [M:vae-iwae] on a fixed subset of {iw_n} test images (every "
-             f"{n_test // iw_n}-th), the same images for every run; **ELBO**, **KL** (analytic, "
-             f"[M:vae-kl]) and **recon** = E_q log p(x|z) on all {n_test} test images. "
+             f"bound with K = {iw_k} [M:vae-iwae] on a fixed subset of {iw_n} test images (1 in "
+             f"{n_test // iw_n} of the {n_test} below), the same images for every run; "
+             f"**ELBO**, **KL** (analytic, [M:vae-kl]) and **recon** = E_q log p(x|z), one "
+             f"sample per image, on {n_test} test images (1 in {n_split // n_test} of the "
+             f"{n_split}). "
              f"Mean ± sample std over seeds {','.join(map(str, seeds))}.")
     L.append("")
-    L.append("| encoder | seeds | IWAE LL (K=%d, %d img) | KL | ELBO | recon | bits/dim (IWAE) | paper (CIFAR-10): LL / KL |"
-             % (iw_k, iw_n))
-    L.append("|---|---|---|---|---|---|---|---|")
+    L.append("| encoder | seeds | IWAE LL (K=%d, %d img) | KL | ELBO | recon | bits/dim (IWAE) | "
+             "IWAE - ELBO (same %d img) | paper (CIFAR-10): LL / KL |" % (iw_k, iw_n, iw_n))
+    L.append("|---|---|---|---|---|---|---|---|---|")
     stats = {}
     for v in variants:
         rows = [res[(v, s)] for s in seeds if (v, s) in res]
@@ -350,12 +390,29 @@ def write_doc(args, variants, seeds) -> int:
         el = [r[0]["test"]["elbo"] for r in rows]
         rc = [r[0]["test"]["recon"] for r in rows]
         bpd = [r[1]["details"]["bits_per_dim"]["iwae"] for r in rows]
+        gap = [r[1]["details"]["iwae_minus_elbo_subset"] for r in rows]
         stats[v] = {"iwae": iw, "kl": kl, "elbo": el}
         pk = PAPER_ROW.get(v)
         paper = f"{PAPER[pk][0]} / {PAPER[pk][1]}" if pk else "-"
         L.append(f"| {LABEL[v]} | {len(rows)} | {fmt(iw)} | {fmt(kl)} | {fmt(el)} | {fmt(rc)} | "
-                 f"{fmt(bpd, 3)} | {paper} |")
-    L.append("| *paper only: MoCo-v2 + finetune* | | | | | | | %d / %.1f |" % PAPER["moco-v2"])
+                 f"{fmt(bpd, 3)} | {fmt(gap)} | {paper} |")
+    L.append("| *paper only: MoCo-v2 + finetune* | | | | | | | | %d / %.1f |" % PAPER["moco-v2"])
+    L.append("")
+    L.append(f"IWAE - ELBO: the K = {iw_k} bound minus the {iw_k}-sample Monte Carlo ELBO on the "
+             "same images and samples (>= 0 per image); a large gap means the encoder's q(z|x) "
+             "is far from the true posterior (the amortisation gap that the paper argues a "
+             "pretrained encoder narrows).")
+    if args.figure:
+        shown = write_figure(args, variants, seeds[0], args.figure)
+        if shown:
+            rel = os.path.relpath(args.figure, os.path.dirname(os.path.abspath(args.doc)))
+            L.append("")
+            L.append(f"![reconstructions, seed {seeds[0]}]({rel})")
+            L.append("")
+            L.append(f"Seed {seeds[0]}: 8 test images (top row of each block) and their "
+                     "reconstructions (the decoder's mean at z = the posterior mean) for "
+                     + ", ".join(shown) + f"; every run's `reconstructions.png` and "
+                     "`samples.png` (64 prior samples) are in its folder.")
     L.append("")
     # paired differences to random init (same seed index)
     L.append("Paired differences to random init (same seed; mean ± std over seeds; positive = "
