@@ -216,3 +216,19 @@ def test_frozen_random_encoder_keeps_weights_and_estimates_bn_statistics(tmp_pat
             continue
         assert torch.equal(got["encoder." + k], v), k          # weights: fixed
     assert not torch.equal(got["encoder.net.bn1.running_mean"], init["net.bn1.running_mean"])
+
+
+def test_damaged_last_checkpoint_falls_back_to_prev(tmp_path, capsys):
+    """A torn last.pt: --resume continues from prev.pt, exactly (same weights as a straight run)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    base = ["--init", "random", "--epochs", "1", "--save-every", "1"] + TINY
+    assert _run(base + ["--out", str(a)]) == 0
+    assert _run(base + ["--out", str(b), "--stop-at-step", "3"]) == 0
+    assert load_checkpoint(str(b / "prev.pt"), require=cli.STATE_KEYS)["step"] == 2
+    data = (b / "last.pt").read_bytes()
+    (b / "last.pt").write_bytes(data[: len(data) // 2])
+    assert _run(base + ["--out", str(b), "--resume"]) == 0
+    assert "truncated" in capsys.readouterr().err
+    sa = load_checkpoint(str(a / "last.pt"), require=cli.STATE_KEYS)["model"]
+    sb = load_checkpoint(str(b / "last.pt"), require=cli.STATE_KEYS)["model"]
+    assert all(torch.equal(v, sb[k]) for k, v in sa.items())

@@ -445,10 +445,15 @@ def main(argv=None) -> int:
         cfg["run_id"] = uuid.uuid4().hex
     write_json_atomic(cfg, os.path.join(args.out, CONFIG))
 
+    saved = [step if ck is not None else None]  # the step last.pt holds
+
     def save():
+        if saved[0] == step:
+            return  # already on disk: a second save would make prev.pt a copy of last.pt
         state = {"model": vae.state_dict(), "optimizer": opt.state_dict(), "config": cfg,
                  "step": step, "epoch": epoch, "batch": batch, "rng": capture_rng_state()}
         save_atomic(state, os.path.join(args.out, LAST), previous=os.path.join(args.out, PREV))
+        saved[0] = step
 
     log = Log(args.out, append=ck is not None, total=total, initial=step, progress=args.progress)
     stopped = False
@@ -500,8 +505,7 @@ def main(argv=None) -> int:
                 elif step % args.save_every == 0:
                     save()
                 if args.stop_at_step is not None and step >= args.stop_at_step and step < total:
-                    if batch != 0:
-                        save()
+                    save()
                     stopped = True
                     break
             if stopped:
