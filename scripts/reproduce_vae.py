@@ -510,7 +510,7 @@ def write_doc(args, variants, seeds) -> int:
     L.append("")
     L.append("### Where it agrees with the paper and where not")
     L.append("")
-    L += statements(res, stats, seeds)
+    L += statements(args, res, stats, seeds)
     L.append("")
     L.append("### Commands")
     L.append("")
@@ -595,7 +595,45 @@ def _compare(d, more="higher", less="lower", paper_sign=+1) -> str:
             f"{word}, opposite to the paper's direction, n.s.")
 
 
-def statements(res, stats, seeds) -> list:
+WARNING = "warning: the codes are collapsing"
+
+
+def pretraining_notes(args, seeds) -> list:
+    """The pretrained encoders' own state: the final mean |tanh a| of train.py's log and how
+    many runs train.py warned of collapsing codes."""
+    parts = []
+    for kind in PRETRAIN:
+        mags, warned, n = [], 0, 0
+        for s in seeds:
+            d = pre_dir(args, kind, s)
+            last = None
+            try:
+                with open(os.path.join(d, "log.jsonl")) as f:
+                    for line in f:
+                        last = json.loads(line)
+            except (OSError, ValueError):
+                continue
+            n += 1
+            if last and "code_mag" in last:
+                mags.append(last["code_mag"])
+            for log in (d + ".log", os.path.join(args.runs, "pre", f"{kind}_seed{s}.log")):
+                try:
+                    with open(log) as f:
+                        if WARNING in f.read():
+                            warned += 1
+                            break
+                except OSError:
+                    pass
+        if n:
+            parts.append(f"{kind}: final mean |tanh a| {fmt(mags, 3)}, collapse warning in "
+                         f"{warned}/{n} runs")
+    if not parts:
+        return []
+    return ["- The pretrained encoders (train.py's log): " + "; ".join(parts) + " (the main "
+            "table above: the paper's heads let the codes shrink towards zero at this budget)."]
+
+
+def statements(args, res, stats, seeds) -> list:
     """Plain statements computed from the figures (the paper: NAC > MoCo-v2 > SimCLR > random
     in log-likelihood, NAC with by far the largest KL)."""
     out = []
@@ -643,6 +681,7 @@ def statements(res, stats, seeds) -> list:
                     out.append(f"- {LABEL[v]} vs random init, frozen (does the pretrained "
                                f"representation alone carry the posterior better than random "
                                f"features?): IWAE LL {mean_std(d)[0]:+.1f}, {_compare(d)}.")
+    out += pretraining_notes(args, seeds)
     out.append("- Scale: the paper's figures are CIFAR-10 (3072 sub-pixels, ResNet-18, 100 "
                "epochs) and cannot be compared in absolute value with Fashion-MNIST's (784 "
                "pixels, resnet-tiny, a short budget); only the ordering and the differences "
