@@ -580,9 +580,9 @@ def paired(res, a, b, metric, seeds):
             for s in seeds if (a, s) in res and (b, s) in res]
 
 
-def _compare(d, more="higher", less="lower", paper_sign=+1) -> str:
-    """How a set of paired differences compares with the paper's direction, in words
-    (paired t-test over the seeds at 5%; n.s. = not significant)."""
+def _compare(d, more="higher", less="lower", paper_sign=+1, ref="the paper") -> str:
+    """How a set of paired differences compares with the paper's direction (ref: what sets the
+    direction), in words (paired t-test over the seeds at 5%; n.s. = not significant)."""
     m, sig = _sig(d)
     if m is None:
         return "no paired runs"
@@ -590,12 +590,14 @@ def _compare(d, more="higher", less="lower", paper_sign=+1) -> str:
     if len(d) < 2:
         return f"{word} (one seed, untested)"
     if m * paper_sign > 0:
-        return f"{word}, as in the paper (p < 0.05)" if sig else f"{word}, the paper's direction, n.s."
-    return (f"{word}, opposite to the paper (p < 0.05)" if sig else
-            f"{word}, opposite to the paper's direction, n.s.")
+        return (f"{word}, as in {ref} (p < 0.05)" if sig else
+                f"{word}, the direction of {ref}, n.s.")
+    return (f"{word}, opposite to {ref} (p < 0.05)" if sig else
+            f"{word}, opposite to the direction of {ref}, n.s.")
 
 
 WARNING = "warning: the codes are collapsing"
+HYP = "the paper's hypothesis (a pretrained encoder narrows the amortisation gap)"
 
 
 def pretraining_notes(args, seeds) -> list:
@@ -651,18 +653,23 @@ def statements(args, res, stats, seeds) -> list:
         if v == "random" or "random" not in stats:
             continue
         d, dk, de = (paired(res, v, "random", m, seeds) for m in ("iwae", "kl", "elbo"))
+        gap = [res[(v, s)][1]["details"]["iwae_minus_elbo_subset"]
+               - res[("random", s)][1]["details"]["iwae_minus_elbo_subset"]
+               for s in seeds if (v, s) in res and ("random", s) in res]
         line = (f"- {LABEL[v]} vs random init: IWAE LL {mean_std(d)[0]:+.1f} nats, "
                 f"{_compare(d)}; ELBO {mean_std(de)[0]:+.1f}, {_compare(de)}; KL "
-                f"{mean_std(dk)[0]:+.1f} nats, {_compare(dk, 'larger', 'smaller')}.")
-        out.append(line)
+                f"{mean_std(dk)[0]:+.1f} nats, {_compare(dk, 'larger', 'smaller')}; IWAE - ELBO "
+                f"gap {mean_std(gap)[0]:+.1f} nats, {_compare(gap, 'wider', 'narrower', -1, HYP)}")
+        out.append(line + ("" if line.endswith(".") else "."))
     if "simclr" in stats:
         for v in ("nac_default", "nac_paper"):
             if v in stats:
                 d = paired(res, v, "simclr", "iwae", seeds)
                 dk = paired(res, v, "simclr", "kl", seeds)
-                out.append(f"- {LABEL[v]} vs SimCLR + finetune (the paper: NAC +309 nats, KL "
-                           f"+32.9): IWAE LL {mean_std(d)[0]:+.1f}, {_compare(d)}; KL "
-                           f"{mean_std(dk)[0]:+.1f}, {_compare(dk, 'larger', 'smaller')}.")
+                line = (f"- {LABEL[v]} vs SimCLR + finetune (the paper: NAC +309 nats, KL "
+                        f"+32.9): IWAE LL {mean_std(d)[0]:+.1f}, {_compare(d)}; KL "
+                        f"{mean_std(dk)[0]:+.1f}, {_compare(dk, 'larger', 'smaller')}")
+                out.append(line + ("" if line.endswith(".") else "."))
     frozen = [v for v in stats if v.endswith("_frozen")]
     if frozen:
         parts = []
@@ -678,9 +685,10 @@ def statements(args, res, stats, seeds) -> list:
             for v in frozen:
                 if v != "random_frozen":
                     d = paired(res, v, "random_frozen", "iwae", seeds)
-                    out.append(f"- {LABEL[v]} vs random init, frozen (does the pretrained "
-                               f"representation alone carry the posterior better than random "
-                               f"features?): IWAE LL {mean_std(d)[0]:+.1f}, {_compare(d)}.")
+                    line = (f"- {LABEL[v]} vs random init, frozen (does the pretrained "
+                            f"representation alone carry the posterior better than random "
+                            f"features?): IWAE LL {mean_std(d)[0]:+.1f}, {_compare(d)}")
+                    out.append(line + ("" if line.endswith(".") else "."))
     out += pretraining_notes(args, seeds)
     out.append("- Scale: the paper's figures are CIFAR-10 (3072 sub-pixels, ResNet-18, 100 "
                "epochs) and cannot be compared in absolute value with Fashion-MNIST's (784 "

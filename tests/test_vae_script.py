@@ -54,7 +54,7 @@ def test_not_significant_is_said(tmp_path):
     doc = str(tmp_path / "out.md")
     rv.main(["--runs", runs, "--doc-only", "--doc", doc, "--variants", "random,simclr"])
     text = open(doc).read()
-    assert "IWAE LL -1.7 nats, lower, opposite to the paper's direction, n.s." in text
+    assert "IWAE LL -1.7 nats, lower, opposite to the direction of the paper, n.s." in text
 
 
 def test_dry_run_skips_finished(tmp_path, capsys):
