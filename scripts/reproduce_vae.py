@@ -8,7 +8,8 @@ Variants (VAE seed S uses the encoder pretrained with seed S):
   random           the VAE from scratch (random encoder, every part at lr 5e-4)
   simclr           encoder pretrained by SimCLR (paper heads recipe), fine-tuned at 5e-5
   nac_default      encoder pretrained by NAC with the default recipe (configs/fashion_mnist.toml)
-  nac_paper        encoder pretrained by NAC with the paper's heads (configs/fashion_mnist_paper.toml)
+  nac_paper        encoder pretrained by NAC with the paper's heads
+                   (configs/fashion_mnist_paper.toml)
   *_frozen         the same encoders kept fixed (--freeze): only the linear posterior layer and
                    the decoder train (random_frozen: a fixed random encoder, the control)
 Pretraining: train.py, 2 processes, batch 256, 2 epochs, resnet-tiny: the budget of
@@ -18,7 +19,8 @@ IWAE with K = --iwae-k on --iwae-images evenly strided test images, ELBO / KL on
 Every run writes into --runs (pre/<variant>/seedS, vae/<variant>/seedS); a run whose report
 exists is skipped, an interrupted one resumes (nac_fast.vae --resume; a pretraining run that is
 not finished is started again from scratch, as its folder is train.py's); a run folder that a
-running process names as its --out (an earlier invocation's run) is waited for, not started twice.  Up to
+running process names as its --out (an earlier invocation's run) is waited for, not started
+twice.  Up to
 --jobs VAE runs go at once (one CPU thread each) beside one pretraining run.  One JSON line per
 finished command goes to --runs/vae/results.jsonl (command, wall time, exit status).
 
@@ -502,7 +504,8 @@ def write_doc(args, variants, seeds) -> int:
         d = {m: [res[(v, s)][0]["test"][m] - res[(base, s)][0]["test"][m] for s in pairs]
              for m in ("iwae", "kl", "elbo")}
         pk = PAPER_ROW.get(v)
-        paper = (f"{PAPER[pk][0] - PAPER['random'][0]:+d} / {PAPER[pk][1] - PAPER['random'][1]:+.1f}"
+        paper = (f"{PAPER[pk][0] - PAPER['random'][0]:+d} / "
+                 f"{PAPER[pk][1] - PAPER['random'][1]:+.1f}"
                  if pk else "-")
         vs = "" if base == "random" else " (vs random init, frozen)"
         L.append(f"| {LABEL[v]}{vs} | {fmt(d['iwae'])} | {fmt(d['kl'])} | {fmt(d['elbo'])} | "

@@ -122,7 +122,8 @@ def test_exact_resume(tmp_path):
     assert sa["step"] == sb["step"] == 4
     for k, v in sa["model"].items():
         assert torch.equal(v, sb["model"][k]), k
-    assert json.loads((a / "report.json").read_text()) == json.loads((b / "report.json").read_text())
+    ra, rb = ((d / "report.json").read_text() for d in (a, b))
+    assert json.loads(ra) == json.loads(rb)
 
 
 def test_folder_policy(tmp_path, capsys):
@@ -161,7 +162,8 @@ def test_bad_inputs(ckpts, tmp_path, capsys):
     assert "truncated, corrupt or not a checkpoint" in _error(capsys, ["--init", str(junk)] + run)
     assert "no such file" in _error(capsys, ["--init", str(tmp_path / "none.pt")] + run)
     torch.save({"weights": {}}, tmp_path / "other.pt")
-    assert "not a train.py checkpoint" in _error(capsys, ["--init", str(tmp_path / "other.pt")] + run)
+    msg = _error(capsys, ["--init", str(tmp_path / "other.pt")] + run)
+    assert "not a train.py checkpoint" in msg
     # encoder weights of another architecture than the config says
     enc, _ = load_pretrained_encoder(ckpts["nac"])
     wrong = _fake_checkpoint(tmp_path / "wrong.pt",
@@ -181,7 +183,8 @@ def test_bad_inputs(ckpts, tmp_path, capsys):
                              in_channels=3)
     msg = _error(capsys, ["--init", rgb28, "--data", rgb] + run)
     assert "has 224 px images" in msg and "--image-size 28" in msg
-    assert "trained on 28 px" in _error(capsys, ["--init", ckpts["nac"], "--image-size", "32"] + run)
+    msg = _error(capsys, ["--init", ckpts["nac"], "--image-size", "32"] + run)
+    assert "trained on 28 px" in msg
     # the momentum model of a method without one, momentum of a random encoder
     assert "no momentum model" in _error(capsys, ["--init", ckpts["simclr"], "--which",
                                                   "momentum"] + run)

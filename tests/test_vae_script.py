@@ -17,7 +17,9 @@ def _fake_run(runs, variant, seed, iwae, kl):
     rep = {"test": {"elbo": iwae - 5, "iwae": iwae, "iwae_k": 1000, "kl": kl,
                     "recon": iwae - 5 + kl}, "init": "random", "epochs": 1}
     ev = {"test": rep["test"], "details": {"iwae_images": 32, "test_images": 5000, "pixels": 784,
-                                           "train_steps": 234, "iwae_minus_elbo_subset": 50.0, "train_images": 30000, "test_split_images": 10000, "loadavg": [9.0, 9.0, 9.0],
+                                           "train_steps": 234, "iwae_minus_elbo_subset": 50.0,
+                                           "train_images": 30000, "test_split_images": 10000,
+                                           "loadavg": [9.0, 9.0, 9.0],
                                            "bits_per_dim": {"iwae": -iwae / (784 * 0.693)}}}
     with open(os.path.join(d, "report.json"), "w") as f:
         json.dump(rep, f)

@@ -1,22 +1,22 @@
 """Train and evaluate the VAE of the paper's Table 5 from a random or a pretrained encoder.
 
     python -m nac_fast.vae --data fashion-mnist --init random --epochs 2 --out runs/vae/random
-    python -m nac_fast.vae --init runs/nac/last.pt --epochs 2 --out runs/vae/nac          # fine-tune
-    python -m nac_fast.vae --init runs/mq/last.pt --which momentum --freeze --out runs/vae/mq_frozen
-    python -m nac_fast.vae ... --out runs/vae/nac --resume      # continue an interrupted run exactly
+    python -m nac_fast.vae --init runs/nac/last.pt --epochs 2 --out runs/vae/nac     # fine-tune
+    python -m nac_fast.vae --init runs/mq/last.pt --which momentum --freeze --out runs/vae/mq
+    python -m nac_fast.vae ... --out runs/vae/nac --resume   # continue an interrupted run exactly
 
-The model (nac_fast/vae/model.py, docs/math.md [M:vae-protocol]): the ResNet encoder, one Linear layer to the mean and
-log-variance of a diagonal Gaussian posterior, a decoder that mirrors the encoder with transposed
-convolutions, a discretised Gaussian likelihood over the 256 values of each sub-pixel
-(docs/math.md [M:vae-dgauss]); N(0, I) prior.  Training maximises the one-sample ELBO with the
+The model (nac_fast/vae/model.py, docs/math.md [M:vae-protocol]): the ResNet encoder, one Linear
+layer to the mean and log-variance of a diagonal Gaussian posterior, a decoder that mirrors the
+encoder with transposed convolutions, a discretised Gaussian likelihood over the 256 values of
+each sub-pixel ([M:vae-dgauss]); N(0, I) prior.  Training maximises the one-sample ELBO with the
 analytic KL ([M:vae-elbo], [M:vae-kl]) with Adam (0.9, 0.999, eps 1e-8, no weight decay), batch
 128, lr 5e-4; a pretrained encoder is fine-tuned at --encoder-lr 5e-5 while the new linear layer
 and the decoder keep 5e-4 (the paper's appendix), or kept fixed with --freeze (eval mode: its
 BatchNorm statistics are the pretrained ones; a frozen random encoder, the control, keeps its
 random weights but estimates its BatchNorm statistics from the training batches, as the random
-baseline of docs/results.md does, since its initial statistics describe no data).  --init CKPT takes the encoder of any train.py
-checkpoint (nac, nac-mq, simclr; --which online|momentum); its architecture, channels and image
-size must match the data (ValueError otherwise).
+baseline of docs/results.md does, since its initial statistics describe no data).  --init CKPT
+takes the encoder of any train.py checkpoint (nac, nac-mq, simclr; --which online|momentum); its
+architecture, channels and image size must match the data (ValueError otherwise).
 
 Output in --out:
   log.jsonl          one record per --log-every steps (loss = -ELBO, elbo, recon, kl, lr, img/s)
@@ -52,7 +52,7 @@ import time
 
 import torch
 
-from ..train.checkpoint import (capture_rng_state, load_checkpoint, read_json,
+from ..train.checkpoint import (capture_rng_state, load_checkpoint,
                                 remove_stale_temp_files, restore_rng_state, save_atomic,
                                 write_json_atomic)
 from ..train.models import ARCHS
@@ -520,7 +520,8 @@ def main(argv=None) -> int:
         details = dict(result["details"], init=cfg["init"], init_info=cfg["init_info"],
                        which=args.which, freeze=args.freeze, arch=cfg["arch"],
                        latent_dim=args.latent_dim, train_steps=step, steps_per_epoch=spe,
-                       train_images=len(train), seconds_total=round(time.perf_counter() - t_start, 1),
+                       train_images=len(train),
+                       seconds_total=round(time.perf_counter() - t_start, 1),
                        seconds_train_this_process=round(t_train, 1), loadavg=os.getloadavg())
         write_json_atomic({"test": result["test"], "details": details},
                           os.path.join(args.out, EVAL))
@@ -539,7 +540,3 @@ def main(argv=None) -> int:
           f"{t['recon']:.2f} nats/image; bits/dim (IWAE) "
           f"{result['details']['bits_per_dim']['iwae']:.3f}")
     return 0
-
-
-def _read_report(out):  # used by scripts/reproduce_vae.py
-    return read_json(os.path.join(out, REPORT))

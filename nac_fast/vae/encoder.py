@@ -40,7 +40,8 @@ def load_pretrained_encoder(path: str, which: str = "online"):
         raise ValueError(f"--init {path!r} --which {which}: the checkpoint has no {which} model "
                          f"(method {cfg.get('method')!r}; only nac-mq keeps a momentum model)")
     if not isinstance(state, dict):
-        raise ValueError(f"--init {path!r}: its {key!r} is a {type(state).__name__}, not a state dict")
+        raise ValueError(f"--init {path!r}: its {key!r} is a {type(state).__name__}, not a "
+                         "state dict")
     enc_state = {k[len(PREFIX):]: v for k, v in state.items()
                  if isinstance(k, str) and k.startswith(PREFIX)}
     if not enc_state:

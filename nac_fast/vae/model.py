@@ -88,7 +88,8 @@ class Decoder(nn.Module):
             if i > 0:
                 mods.append(Up(widths[i], widths[i - 1], sizes[i]))
         if image_size > SMALL_IMAGE_MAX:        # undo the ImageNet stem's two halvings
-            mods += [Up(widths[0], widths[0], _down(image_size)), Up(widths[0], widths[0], image_size)]
+            mods += [Up(widths[0], widths[0], _down(image_size)),
+                     Up(widths[0], widths[0], image_size)]
         self.body = nn.Sequential(*mods)
         self.out = nn.Conv2d(widths[0], 2 * out_channels, 3, padding=1)
         self.out_channels = out_channels
