@@ -371,16 +371,39 @@ def log_summary(d: str) -> dict:
             "trace": trace, "collapse_warning": warned}
 
 
+def trained_already(args, d: str, method: str, seed: int) -> bool:
+    """The run in d finished the training this grid plans (an interrupted grid stopped in its
+    evaluation): last.pt is at its run's last step, with this method, seed, batch and budget."""
+    path = os.path.join(d, "last.pt")
+    if not os.path.isfile(path):
+        return False
+    from nac_fast.train.checkpoint import load_checkpoint
+    try:
+        ck = load_checkpoint(path)
+    except Exception:  # damaged or foreign: train again
+        return False
+    cfg = ck.get("config") or {}
+    budget = (cfg.get("max_steps") == args.max_steps if args.max_steps else
+              cfg.get("epochs") == args.epochs and cfg.get("max_steps") is None)
+    return (budget and ck.get("step") == cfg.get("total_steps") and cfg.get("method") == method
+            and cfg.get("seed") == seed and cfg.get("batch_size") == args.batch_size)
+
+
 def do_run(args, name, method, flags, recipe, seed, curve) -> dict:
     d = run_dir(args, name, seed)
+    reuse = (not args.dry_run and method != "random" and not curve
+             and trained_already(args, d, method, seed))
     if not args.dry_run:
         os.makedirs(d, exist_ok=True)
-        for stale in ("train.txt", "eval.txt"):  # of an interrupted attempt
+        for stale in ("eval.txt",) if reuse else ("train.txt", "eval.txt"):  # interrupted attempt
             if os.path.isfile(os.path.join(d, stale)):
                 os.remove(os.path.join(d, stale))
     ckpt, cmds, points = os.path.join(d, "last.pt"), [], []
     t0 = time.perf_counter()
-    if method == "random":
+    if reuse:
+        print(f"   trained already ({ckpt} is at its last step): evaluating only", flush=True)
+        cmds.append(show(train_cmd(args, method, flags, recipe, seed, d)))
+    elif method == "random":
         tmpl = os.path.join(d, "template")
         tc = train_cmd(args, "nac", flags, recipe, seed, tmpl, ["--max-steps", "1"])
         cmds += [show(tc), f"# random init: the model of seed {seed}, BN statistics from "
