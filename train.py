@@ -9,7 +9,7 @@ Several machines: the same command on every node plus torchrun's rendezvous flag
 (--nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 --rdzv_id=JOB).
 
 Recipes are TOML files of flag values (configs/): an ImageFolder root gets configs/imagenet.toml,
-other data configs/fashion_mnist.toml, and any flag on the command line overrides the recipe
+other data configs/small.toml, and any flag on the command line overrides the recipe
 (train.py --help shows the values a run uses and the recipe file).  --batch-size is GLOBAL (all
 processes).  Outputs in --out: last.pt and prev.pt (the newest checkpoint and the one before),
 log.jsonl (and tensorboard/ with --tensorboard), config.json (the resolved configuration),

@@ -18,7 +18,7 @@ A grid is a set of named variants: a method and the train.py flags that the vari
 recipe: `paper` = `--config configs/fashion_mnist_paper.toml` (the authors' heads),
 `learning` = `--config configs/fashion_mnist_learning.toml` (the paper recipe plus --head-bn
 --a-gain 3 --infer-bn --r-gain auto --infer-init copy, docs/math.md [M:heads]; the default
-recipe configs/fashion_mnist.toml trains them with --learn-gain), so each name says exactly
+recipe configs/small.toml trains them with --learn-gain), so each name says exactly
 what it changes.  Every variant is trained once per seed with the same encoder (resnet-tiny), batch, budget and
 augmentations, then evaluated with `python -m nac_fast.eval` on the full splits (linear probe,
 kNN, hash mAP@all at 16/32/64/128 bits, expressivity; gallery = the 60k training images,
@@ -56,7 +56,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 BITS = (16, 32, 64, 128)
-# recipe name -> train.py --config (None: train.py's default recipe, configs/fashion_mnist.toml,
+# recipe name -> train.py --config (None: train.py's default recipe, configs/small.toml,
 # which is 'learning' + --learn-gain today; the grids name the pinned recipes plus flags, so they
 # keep measuring the same runs when the default changes)
 RECIPES = {"paper": os.path.join("configs", "fashion_mnist_paper.toml"),
@@ -76,7 +76,7 @@ PERVIEW = ["--bn-per-view"]                     # one BatchNorm pass per view (t
 
 def _grid_main() -> dict:
     """The paper's heads, the learning heads with fixed gains and with learnable gains (the
-    default recipe, configs/fashion_mnist.toml), for NAC and NAC-MQ; SimCLR; random init."""
+    default recipe, configs/small.toml), for NAC and NAC-MQ; SimCLR; random init."""
     return {"nac:paper": ("nac", [], "paper"), "nac:learning": ("nac", [], "learning"),
             "nac:learning+learngain": ("nac", LEARN, "learning"),
             "nac-mq:paper": ("nac-mq", [], "paper"),
@@ -745,7 +745,7 @@ def write_page(args) -> int:
          "2 D ln 2 for NAC-MQ's loss + vi, ln(2B-1) for SimCLR). `runs as`: the flags over "
          "`configs/fashion_mnist_paper.toml` (*paper heads*) or "
          "`configs/fashion_mnist_learning.toml` (*learning heads*, fixed gains, docs/math.md "
-         "[M:heads]); the default recipe configs/fashion_mnist.toml trains the learning heads "
+         "[M:heads]); the default recipe configs/small.toml trains the learning heads "
          "with `--learn-gain`.", ""]
     for g in GRIDS:
         if g not in all_rows:

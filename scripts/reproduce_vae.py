@@ -7,7 +7,7 @@
 Variants (VAE seed S uses the encoder pretrained with seed S):
   random           the VAE from scratch (random encoder, every part at lr 5e-4)
   simclr           encoder pretrained by SimCLR (paper heads recipe), fine-tuned at 5e-5
-  nac_default      encoder pretrained by NAC with the default recipe (configs/fashion_mnist.toml)
+  nac_default      encoder pretrained by NAC with the default recipe (configs/small.toml)
   nac_paper        encoder pretrained by NAC with the paper's heads
                    (configs/fashion_mnist_paper.toml)
   *_frozen         the same encoders kept fixed (--freeze): only the linear posterior layer and

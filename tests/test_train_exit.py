@@ -232,7 +232,7 @@ def test_help_shows_the_values_a_run_uses_and_the_recipe():
     r = _train(["--help"], timeout=120)
     assert r.returncode == 0, r.stderr
     text = r.stdout
-    recipe = os.path.join("configs", "fashion_mnist.toml")
+    recipe = os.path.join("configs", "small.toml")
     assert f"the recipe {recipe}" in " ".join(text.split())
     for flag, want in (("--learn-gain", f"[default: True; from {recipe}]"),
                        ("--a-gain", f"[default: 3.0; from {recipe}]"),
@@ -265,7 +265,7 @@ def test_config_json_is_the_one_resolved_configuration(finished):
     out = finished[0]
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert "config" not in cfg and "p" not in cfg            # one record of the recipe
-    assert cfg["recipe"] == os.path.join(ROOT, "configs", "fashion_mnist.toml")
+    assert cfg["recipe"] == os.path.join(ROOT, "configs", "small.toml")
     assert os.path.isfile(cfg["recipe"])
     # every value the run used, resolved: the rules' lr, EMA decay, steps, warm-up, r gain
     assert cfg["lr"] == pytest.approx(0.075 * math.sqrt(16)) and cfg["momentum"] == 0.99

@@ -219,7 +219,7 @@ def test_log_records_the_statistics_and_warns_once_on_collapse(tmp_path, capsys,
     assert train.main(argv) == 0
     err = capsys.readouterr().err
     assert err.count("warning: the codes are collapsing") == 1
-    assert "--head-bn --infer-bn" in err and "configs/fashion_mnist.toml" in err
+    assert "--head-bn --infer-bn" in err and "configs/small.toml" in err
     recs = _log(out)
     assert [r["step"] for r in recs] == [1, 2, 3] and len(seen) == 3
     for rec, (a, r) in zip(recs, seen):
@@ -304,7 +304,7 @@ def test_tensorboard_gets_the_learning_statistics(tmp_path, monkeypatch):
 def test_recipes_default_paper_and_learning_are_one_config_apart():
     default, paper, learning = parse([]), parse(["--config", _recipe("fashion_mnist_paper")]), \
         parse(["--config", _recipe("fashion_mnist_learning")])
-    assert os.path.basename(default.recipe) == "fashion_mnist.toml"
+    assert os.path.basename(default.recipe) == "small.toml"
     assert os.path.basename(paper.recipe) == "fashion_mnist_paper.toml"
     assert os.path.basename(learning.recipe) == "fashion_mnist_learning.toml"
 

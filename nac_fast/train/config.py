@@ -9,8 +9,10 @@ record of what it trained with.
 
 A recipe is a TOML file of flag values (keys: the flags' names with '_' for '-', e.g.
 ``batch_size = 512``, ``flip_prob = 0.1``): ``--config configs/imagenet_nac_mq.toml``.  Without
---config, an ImageFolder root (a folder with train/) gets configs/imagenet.toml (the paper's
-ImageNet recipe) and anything else configs/fashion_mnist.toml (the short CPU demo).  The recipe
+--config the data's scale picks it (`auto_recipe`): at most 200,000 training images of at most
+96 px get configs/small.toml (a CPU-sized run that learns on small data), larger data the paper's
+ImageNet recipe configs/imagenet.toml; the file format (IDX, CIFAR batches, ImageFolder) does not
+matter.  The recipe
 is loaded with ``parser.set_defaults(**recipe)``: a flag given on the command line wins, and
 ``train.py --help`` shows the values a run will use (and the recipe file they come from).
 Values left open (None) follow the rules of `resolve`:
@@ -41,7 +43,16 @@ _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nac_fast/
 CONFIG_DIR = next((d for d in (os.path.join(os.path.dirname(_PKG), "configs"),
                                os.path.join(_PKG, "configs")) if os.path.isdir(d)),
                   os.path.join(os.path.dirname(_PKG), "configs"))
-AUTO_RECIPES = {"imagefolder": "imagenet.toml", "other": "fashion_mnist.toml"}
+# Without --config the recipe follows the training split's scale (nac_fast.data.data_scale), not
+# its file format: up to SMALL_DATA_IMAGES images of at most SMALL_DATA_SIDE px is small data
+# (configs/small.toml: a CPU-sized encoder and budget, and the heads that learn there,
+# docs/results.md), anything larger keeps the paper's ImageNet recipe (configs/imagenet.toml) until a
+# GPU run says otherwise.
+# The flags that shape NAC's code head and inference network (nac_fast/train/models.py NACModel)
+NAC_HEAD_OPTIONS = ("head_bn", "infer_bn", "a_gain", "r_gain", "learn_gain", "infer_init")
+SMALL_DATA_IMAGES = 200_000
+SMALL_DATA_SIDE = 96
+AUTO_RECIPES = {"small": "small.toml", "large": "imagenet.toml"}
 
 
 class UsageError(ValueError):
@@ -61,6 +72,7 @@ class TrainConfig:
     flip_prob: float = 0.1
     epochs: int | None = None
     max_steps: int | None = None
+    min_steps: int | None = None
     batch_size: int | None = None      # global
     lr: float | None = None
     warmup_epochs: float | None = None
@@ -178,7 +190,9 @@ def build_parser() -> _Parser:
                  allow_abbrev=False)
     a = ap.add_argument
     a("--config", dest="recipe", metavar="RECIPE", help="recipe file (TOML of flag values); "
-      "default: configs/imagenet.toml for an ImageFolder root, else configs/fashion_mnist.toml")
+      f"default by the data's scale: configs/small.toml for at most {SMALL_DATA_IMAGES:,} "
+      f"training images of at most {SMALL_DATA_SIDE} px, else configs/imagenet.toml (the "
+      "paper's)")
     a("--data", help="fashion-mnist | CIFAR-10 dir | ImageFolder root | synthetic[:N]")
     a("--arch", choices=sorted(ARCHS), help="encoder; resnet-tiny/resnet18-small are CPU-sized")
     a("--method", choices=METHODS, help="objective")
@@ -188,6 +202,8 @@ def build_parser() -> _Parser:
     # --print-completion, so the docs, the recipes and the messages say --flip-prob.
     a("--p", dest="flip_prob", type=float, help=argparse.SUPPRESS)
     a("--epochs", type=int, help="epochs")
+    a("--min-steps", type=int, help="with --epochs: at least this many optimizer steps (small "
+      "data sets train longer than --epochs; the small-data recipe sets it)")
     a("--max-steps", type=int, help="total optimizer steps (overrides --epochs; the lr schedule "
       "spans this many steps). With --resume, a total larger than the checkpoint's extends the "
       "run: training continues exactly from the checkpoint and the cosine is restretched to end "
@@ -282,7 +298,8 @@ def _rules(d: dict) -> dict:
         "image_size": "the data's native size",
         "workers": "0 on CPU, else min(8, CPUs per process - 1)",
         "epochs": "none: the recipe must set it, or give --max-steps",
-        "max_steps": "--epochs x steps per epoch",
+        "max_steps": "--epochs x steps per epoch, at least --min-steps",
+        "min_steps": "none",
         "recipe": "chosen by --data",
         "resume": "a fresh run",
         "stop_at_step": "run to the end",
@@ -299,7 +316,7 @@ def _rules(d: dict) -> dict:
     return out
 
 
-def _describe_defaults(parser: _Parser, path: str, recipe: dict) -> None:
+def _describe_defaults(parser: _Parser, path: str, recipe: dict, why: str = "") -> None:
     """Each flag's help ends with the value a run without that flag uses, and where it comes from
     (the recipe file or the built-in value)."""
     values = {d: parser.get_default(d) for d in parser.flags}
@@ -313,8 +330,8 @@ def _describe_defaults(parser: _Parser, path: str, recipe: dict) -> None:
         shown = rel if dest == "recipe" else shown or str(v).replace("%", "%%")
         src = f"; from {rel}" if dest in recipe else ""
         actions[0].help = f"{actions[0].help} [default: {shown}{src}]"
-    parser.epilog = (f"Defaults above: what a run with no flags uses for --data "
-                     f"{values['data']}: the recipe {rel} over the built-in values (marked "
+    parser.epilog = (f"Defaults above: what a run with no other flags uses: the recipe {rel}"
+                     + (f" ({why})" if why else "") + " over the built-in values (marked "
                      f"'from {rel}' where the recipe sets them); any flag given wins. Values "
                      "left open follow nac_fast/train/config.py's rules. Exit status: 0 done, "
                      "2 bad flags/recipe/data/--out/checkpoint, 3 non-finite loss, 4 --out not "
@@ -328,11 +345,26 @@ def _display(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
+def auto_recipe(data: str) -> tuple[str, str]:
+    """(recipe file, why) for a run without --config: by the scale of `data`'s training split
+    (SMALL_DATA_IMAGES, SMALL_DATA_SIDE).  Data that cannot be read gets the small recipe; the
+    run then stops at the data with the loader's message."""
+    try:
+        from ..data.sources import data_scale
+        n, side = data_scale(data)
+    except (OSError, ValueError, TypeError) as exc:
+        return (os.path.join(CONFIG_DIR, AUTO_RECIPES["small"]),
+                f"--data {data!r} could not be read ({exc})")
+    small = n <= SMALL_DATA_IMAGES and side <= SMALL_DATA_SIDE
+    why = (f"--data {data}: {n:,} training images of {side} px, "
+           + (f"at most {SMALL_DATA_IMAGES:,} images of at most {SMALL_DATA_SIDE} px: small data"
+              if small else f"more than {SMALL_DATA_IMAGES:,} images or larger than "
+                            f"{SMALL_DATA_SIDE} px: the paper's ImageNet recipe"))
+    return os.path.join(CONFIG_DIR, AUTO_RECIPES["small" if small else "large"]), why
+
+
 def recipe_path(config: str | None, data: str) -> str:
-    if config:
-        return config
-    kind = "imagefolder" if os.path.isdir(os.path.join(data, "train")) else "other"
-    return os.path.join(CONFIG_DIR, AUTO_RECIPES[kind])
+    return config if config else auto_recipe(data)[0]
 
 
 def load_recipe(path: str, parser: _Parser) -> dict:
@@ -407,14 +439,23 @@ def parse(argv=None) -> TrainConfig:
     pre.add_argument("--config")
     pre.add_argument("--data", default=TrainConfig.data)
     known, _ = pre.parse_known_args(argv)
-    path = recipe_path(known.config, known.data)
+    path, why = ((known.config, "given with --config") if known.config else
+                 auto_recipe(known.data))
     recipe = load_recipe(path, parser)
     parser.set_defaults(**recipe)
     parser.set_defaults(recipe=os.path.abspath(path))
-    _describe_defaults(parser, path, recipe)
+    _describe_defaults(parser, path, recipe, why)
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
     cfg.recipe = os.path.abspath(cfg.recipe)
     typed = _typed_flags(argv, parser)
+    if cfg.method == "simclr":
+        # The recipe's head options are NAC's (its code head and inference network); SimCLR keeps
+        # its own head (the flags' built-in values), and a typed head flag is an error.
+        for dest in NAC_HEAD_OPTIONS:
+            if dest in typed:
+                raise UsageError(f"{typed[dest]} sets NAC's heads; --method simclr has its own "
+                                 "projection head")
+            setattr(cfg, dest, getattr(TrainConfig, dest))
 
     def name(dest):
         if dest in typed:
@@ -434,7 +475,7 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
     """Checks that need no data; UsageError naming the flag (`name(dest)`: as the user gave it)."""
     pos = {d: getattr(cfg, d) for d in ("batch_size", "epochs", "log_every", "save_every",
                                          "code_dim")}
-    for d in ("max_steps", "image_size", "stop_at_step"):
+    for d in ("max_steps", "min_steps", "image_size", "stop_at_step"):
         if getattr(cfg, d) is not None:
             pos[d] = getattr(cfg, d)
     if isinstance(cfg.queue_size, int):
@@ -517,7 +558,7 @@ def resolve(cfg: TrainConfig, *, world_size: int, device_type: str, steps_per_ep
             image_size: int, in_channels: int, num_images: int) -> TrainConfig:
     """The configuration with every value the run uses (the module docstring's rules), as a new
     TrainConfig; UsageError naming the flag."""
-    total = cfg.max_steps or cfg.epochs * steps_per_epoch
+    total = cfg.max_steps or max(cfg.epochs * steps_per_epoch, cfg.min_steps or 0)
     if cfg.warmup_epochs is None:
         warmup = min(10 * steps_per_epoch, total // 10)
     else:

@@ -181,7 +181,7 @@ def learning_stats(a: torch.Tensor, r, loss: float | None = None,
 
 
 COLLAPSE_HINT = ("the learning heads (--head-bn --infer-bn --a-gain 3 --r-gain auto --infer-init "
-                 "copy --learn-gain; configs/fashion_mnist.toml, docs/results.md) keep the codes "
+                 "copy --learn-gain; configs/small.toml, docs/results.md) keep the codes "
                  "from shrinking")
 
 

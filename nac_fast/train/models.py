@@ -107,7 +107,7 @@ def swap_halves(t: torch.Tensor) -> torch.Tensor:
 # The two head designs (docs/math.md [M:relax] and [M:heads]; docs/results.md measures them):
 #   paper     the authors' heads: the flag defaults, configs/fashion_mnist_paper.toml and the
 #             ImageNet/CIFAR recipes
-#   learning  [M:heads], the demo's default (configs/fashion_mnist.toml, also named
+#   learning  [M:heads], the demo's default (configs/small.toml, also named
 #             configs/fashion_mnist_learning.toml)
 INFER_INITS = ("independent", "copy")
 A_GAIN_BN = 3.0

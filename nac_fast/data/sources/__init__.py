@@ -12,7 +12,8 @@ sources -> order -> augment -> loaders.  Imports nothing else from nac_fast.data
   synthetic_pairs SyntheticPairLoader: generated two-view batches (`--data synthetic[:N]`), a
                   source that is its own loader (it needs no order, augment or loader stage)
 
-resolve_source(data, split) picks the source for a `data` argument.
+resolve_source(data, split) picks the source for a `data` argument; data_scale(data) says how
+large its training split is (images, side), which picks train.py's default recipe.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from . import cifar, fashion_mnist
 from .imagefolder import FolderSource
 from .in_memory import InMemorySource
 
-__all__ = ["resolve_source", "InMemorySource", "FolderSource"]
+__all__ = ["data_scale", "resolve_source", "InMemorySource", "FolderSource"]
 
 
 def resolve_source(data, split: str = "train"):
@@ -43,3 +44,16 @@ def resolve_source(data, split: str = "train"):
     if cifar.find_dir(data) is not None:
         return cifar.load(data, split)
     return FolderSource.from_root(data, split)
+
+
+def data_scale(data) -> tuple[int, int]:
+    """(images, side) of `data`'s training split: the number of training images and the side
+    they are trained at by default (the source's natural size).  `synthetic[:N]` is (N, 32).
+    The errors of resolve_source for data that does not exist."""
+    name = os.fspath(data) if isinstance(data, (str, os.PathLike)) else data
+    if isinstance(name, str) and name.startswith("synthetic"):
+        n = name.split(":", 1)[1] if ":" in name else "4096"
+        return (int(n) if n.isdigit() else 4096), 32
+    src = resolve_source(data, "train")
+    n = len(src.files) if isinstance(src, FolderSource) else int(src.images.shape[0])
+    return n, int(src.natural_size)

@@ -32,6 +32,8 @@ HOW_TO_GET = ("pass data=<root> with train/<class>/*.JPEG and val/<class>/*.JPEG
               "download ILSVRC2012 from image-net.org and sort val/ into class folders)")
 BAD_FILE_POLICIES = ("warn", "error")
 _MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"BM", b"II*\x00", b"MM\x00*")
+NATURAL_MAX = 224      # ImageNet's crop: larger images are resized to 256 and cropped to this
+SIZE_SAMPLE = 32       # images whose headers set a folder's natural size
 _scan_cache: dict = {}
 _warned: set = set()          # files already reported in a warning by this process
 MAX_NAMED = 5                 # file names in one warning (the count is always given)
@@ -60,7 +62,7 @@ class FolderSource:
     bad_files: list       # dropped at scan time
     mean: tuple = IMAGENET_MEAN
     std: tuple = IMAGENET_STD
-    natural_size: int = 224
+    natural_size: int = NATURAL_MAX  # the scan sets it from the images (`natural_side`)
     in_channels: int = 3
 
     @property
@@ -108,9 +110,31 @@ class FolderSource:
             ok = [_is_image_header(h) for h in ex.map(_read_head, files, chunksize=256)]
         bad = odd + [p for p, good in zip(files, ok) if not good]
         keep = np.flatnonzero(ok)
+        files = [files[i] for i in keep]
         return cls(name=os.path.basename(os.path.dirname(d.rstrip("/"))) or d, root=d,
-                   files=[files[i] for i in keep], labels=np.asarray(labels, np.int64)[keep],
-                   classes=classes, bad_files=bad)
+                   files=files, labels=np.asarray(labels, np.int64)[keep],
+                   classes=classes, bad_files=bad, natural_size=natural_side(files))
+
+
+def natural_side(files) -> int:
+    """The side a folder's images are trained at by default: the median short side of up to
+    SIZE_SAMPLE images spread over the file list (PIL reads only their headers), capped at
+    NATURAL_MAX; NATURAL_MAX when none can be read (the scan has already checked the headers'
+    magic bytes, so that means no file list or an unusual format)."""
+    from PIL import Image
+    if not files:
+        return NATURAL_MAX
+    step = max(1, len(files) // SIZE_SAMPLE)
+    sides = []
+    for path in files[::step][:SIZE_SAMPLE]:
+        try:
+            with Image.open(path) as im:
+                sides.append(min(im.size))
+        except Exception:  # a file the scan let through but PIL cannot open: the loaders skip it
+            continue
+    if not sides:
+        return NATURAL_MAX
+    return int(min(NATURAL_MAX, sorted(sides)[len(sides) // 2]))
 
 
 def check_policy(on_bad_file):
