@@ -166,4 +166,25 @@ NAC_HD float noise_sign(uint64_t seed, uint64_t element, float p) {
   return uniform_from_word(philox_first_word(element, seed)) < p ? -1.0f : 1.0f;
 }
 
+// The fp16 keys' backward's scale, docs/math.md [M:grad-scale]: (2^k, 2^-k) with
+// gmax * 2^k in [2^13, 2^14), from gmax's exponent bits (exact: no log2), clamped so that both are
+// normal floats (gmax = 0: 2^126; inf/NaN: 2^-115, which keeps them inf/NaN).  P^T (g 2^k) with
+// P <= 1 then stays below fp16's 65504 and its terms stay normal, where P^T g itself fell below
+// fp16's smallest subnormal (g = 1/n, P ~ 1/N).  The same function as kernels/nac_triton.py's
+// _pow2_scale; tests/test_cuda_mma_numerics.py compiles this one on the host and compares.
+struct Pow2Scale {
+  float scale, inv;
+};
+NAC_HD Pow2Scale pow2_scale(float gmax) {
+  uint32_t bits;
+  memcpy(&bits, &gmax, sizeof bits);
+  int b = 267 - static_cast<int>((bits >> 23) & 0xffu);
+  b = b < 2 ? 2 : (b > 253 ? 253 : b);
+  const uint32_t sb = static_cast<uint32_t>(b) << 23, ib = static_cast<uint32_t>(254 - b) << 23;
+  Pow2Scale r;
+  memcpy(&r.scale, &sb, sizeof sb);
+  memcpy(&r.inv, &ib, sizeof ib);
+  return r;
+}
+
 }  // namespace nac
