@@ -5,9 +5,11 @@ docs/math.md [M:rows], the fwd/bwd pair of [M:passes] (fwd -> loss_i, lse2_i = l
 [M:ga]; bwd -> the gradients of sum_i g_i loss_i, keys' part [M:grad-keys]), the loops in base 2
 [M:lse-online].
 
-Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIGS`):
-  _prologue_kernel  O(nD), once per call: Q = s log2(e) m tanh(a) in the compute dtype (log2
-                    units, so the loops use exp2) and, for the in-batch keys, K = tanh(a).  The
+Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIGS`,
+`FUSED_CONFIGS`; every plan runs under its tensors' device, kernels/launch.py `run`):
+  _prologue_kernel  O(nD), once per forward: Q = s log2(e) m tanh(a) in the compute dtype (log2
+                    units, so the loops use exp2) and, for the in-batch keys, K = tanh(a); the
+                    forward returns them and the backward reads them (no second prologue).  The
                     inner loops below are matrix products plus exp2: no tanh per tile.
   _fwd_kernel       grid (query blocks, key splits): Q tile resident, loop over key tiles,
                     S = Q K^T on tensor cores (bf16/fp16; fp32 through tf32x3 by default), online
@@ -19,8 +21,14 @@ Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIG
                     through ln: that cost ~3e-6 in the keys' gradient) and ga.
   _bwd_keys_kernel  grid (key blocks, query splits): each program owns its keys, S^T = K Q^T,
                     P^T = exp2(S^T - lse) g, dK += P^T Q; no atomics, splits summed in a fixed
-                    order: deterministic.
-  _bwd_rows_kernel  d/dr [M:grad-r] and d/da [M:grad-a], elementwise.
+                    order: deterministic.  fp16: g times a power of two, undone at the store
+                    ([M:grad-scale]: P g underflowed fp16).  One split: it writes the keys'
+                    gradient in their dtype, or (in-batch keys) runs the rows' backward as its
+                    epilogue.
+  _bwd_rows_kernel  d/dr [M:grad-r] and d/da [M:grad-a], elementwise, in a's dtype.
+  _sum_splits_kernel  the given keys' gradient from the query splits' fp32 shares.
+Split counts fill one wave: the SMs times the resident blocks per SM of the kernel as compiled
+(kernels/launch.py `Target.programs`, `compiled_occupancy`).
 The logits never exist in memory: one (BLOCK_M x BLOCK_N) tile lives in registers.
 
 Precision (docs/kernels.md "Precision"): bf16/fp16 inputs multiply on tensor cores with fp32 accumulation;
@@ -112,12 +120,12 @@ def _dot(x, y, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _sigmoid(r):
-    # nac_math.h's stable form [M:stable]: exp(-|r|) never overflows (tl.sigmoid(r) evaluates
-    # exp(-r)).
-    e = tl.exp(-tl.abs(r))
-    inv = 1.0 / (1.0 + e)
-    return tl.where(r >= 0, inv, e * inv)
+def _grad_r(r, zt):
+    # d loss / d r = sig(r) - (1 + zt) / 2 written as (tanh(r / 2) - zt) / 2 (docs/math.md
+    # [M:grad-r], [M:stable]): sig(r) - 1/2 cancels for small |r|, and with the GPU's ex2.approx
+    # (2 ulp) the difference lost 2.6e-4 of its relative precision at |r| ~ 1e-3 (measured,
+    # tests/test_loss_approx_math.py); _tanh's polynomial keeps it.
+    return 0.5 * (_tanh(0.5 * r) - zt)
 
 
 # The per-row quantities below (lse_i, bern_i, loss_i) are those of docs/math.md [M:rows], [M:bern].
@@ -305,7 +313,7 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
             zt = tl.load(NOISE + kc64[:, None] * stride_m + cols[None, :], mask=tile_mask,
                          other=0.0).to(ACC) * z
             tl.store(GRAD_R + kc64[:, None] * D + cols[None, :],
-                     (g[:, None] * (_sigmoid(r) - 0.5 * (1.0 + zt))).to(GRAD_R.dtype.element_ty),
+                     (g[:, None] * _grad_r(r, zt)).to(GRAD_R.dtype.element_ty),
                      mask=tile_mask)
         out = kc64[:, None] * D + cols[None, :]
         dk += g[:, None] * tl.load(GA + out, mask=tile_mask, other=0.0)
@@ -333,7 +341,7 @@ def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, n, D, stride_a, st
                     other=0.0).to(ACC)
         zt = tl.load(NOISE + rows64[:, None] * stride_m + cols[None, :], mask=tile_mask,
                      other=0.0).to(ACC) * z
-        tl.store(GRAD_R + out, (g[:, None] * (_sigmoid(r) - 0.5 * (1.0 + zt))).to(
+        tl.store(GRAD_R + out, (g[:, None] * _grad_r(r, zt)).to(
             GRAD_R.dtype.element_ty), mask=tile_mask)
     if need_a != 0:
         ga = g[:, None] * tl.load(GA + out, mask=tile_mask, other=0.0)
@@ -536,15 +544,16 @@ SUM_BLOCK = 1024  # elements per program of _sum_splits_kernel
 def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: bool,
              need_keys: bool, target: Target):
     """(launches, (grad_a, grad_r, grad_k)) of one backward call, each gradient in its input's
-    dtype (an empty (0,) tensor when not asked for).  q, k: the forward's codes (fwd_plan; k is
+    dtype (an empty (0,) tensor when not asked for; all inputs share a's dtype).  q, k: the forward's codes (fwd_plan; k is
     the keys when they are given); g: (n,) float, any stride (an expanded scalar too).  Nothing
     of the forward's O(nD) prologue runs again.
 
     Launches: the keys' backward (when d/da needs the self keys' part, or the given keys need a
     gradient), then
       - one query split: nothing more with the self keys (the rows' backward is fused into the
-        keys' kernel: _bwd_keys_kernel OUT_MODE 2); with given keys, the keys' gradient is
-        written by the keys' kernel (OUT_MODE 1) and _bwd_rows_kernel gives d/da, d/dr;
+        keys' kernel: _bwd_keys_kernel OUT_MODE 2, FUSED_CONFIGS; not where that table says
+        None); with given keys, the keys' gradient is written by the keys' kernel (OUT_MODE 1)
+        and _bwd_rows_kernel gives d/da, d/dr;
       - several splits: fp32 shares per split, summed in a fixed order by _bwd_rows_kernel (self
         keys) or _sum_splits_kernel (given keys)."""
     n, D = a.shape
