@@ -95,16 +95,19 @@ class Recorder(TorchDispatchMode):
 
 
 def occupancy_table(path: str):
-    """(kernel tag, arch, dtype, D, blocks, warps, stages) -> blocks_per_sm from the compile
-    check's CSV, or {} when it has no such column (an older CSV)."""
+    """(kernel tag, arch, dtype, D, blocks, warps, stages) -> blocks_per_sm of the Triton rows of
+    the compile check's CSV, or {} when it has no such column (an older CSV).  Rows the key does
+    not tell apart (the forward with and without the rows' gradient) give their smaller figure:
+    the heavier variant, the one a training step runs."""
     table = {}
     if not os.path.exists(path):
         return table
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
-            if r.get("blocks_per_sm"):
-                table[(r["kernel"], int(r["arch"]), r["dtype"], str(r["D"]), r["blocks"],
-                       int(r["warps"]), int(r["stages"]))] = int(r["blocks_per_sm"])
+            if r.get("blocks_per_sm") and not r["kernel"].startswith("cuda:"):
+                key = (r["kernel"], int(r["arch"]), r["dtype"], str(r["D"]), r["blocks"],
+                       int(r["warps"]), int(r["stages"]))
+                table[key] = min(table.get(key, 1 << 30), int(r["blocks_per_sm"]))
     return table
 
 
@@ -167,7 +170,8 @@ def measure(kind: str, n: int, N: int, D: int, dtype: torch.dtype, csv_path: str
     try:
         g = torch.Generator().manual_seed(0)
         a = torch.randn(n, D, generator=g).to(dtype).requires_grad_()
-        r = torch.randn(n, D, generator=g).to(dtype).requires_grad_()
+        # NAC-MQ's r_hat is the momentum network's: no gradient (in-batch r: one)
+        r = torch.randn(n, D, generator=g).to(dtype).requires_grad_(kind != "queue")
         noise = torch.ones(n, D, dtype=dtype)
         queue = torch.randn(N, D, generator=g).to(dtype) if kind == "queue" else None
         with loss_mod.value_checks(False):
