@@ -133,12 +133,13 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
                     for L in launches:
                         yield case, L
                 # the backward with everything needed (training: a, r; gathered keys: keys too),
-                # with the target's split and with one split (the fused output modes): a smaller
-                # batch or a bigger GPU reaches either
+                # with the target's split, with one split (the fused output modes) and with many
+                # (the split shares and their sums): other batch sizes reach each of them
                 ga = torch.empty((n, D), dtype=acc, **meta)
                 q = torch.empty((n, D), dtype=dtype, **meta)
                 k = torch.empty((n, D) if keys is None else (0,), dtype=dtype, **meta)
-                for t in (target, dataclasses.replace(target, sms=1, occupancy=None)):
+                for t in (target, dataclasses.replace(target, sms=1, occupancy=None),
+                          dataclasses.replace(target, sms=1 << 16, occupancy=None)):
                     launches, _ = nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, q, k, 1.1,
                                                       True, True, keys is not None, t)
                     for L in launches:

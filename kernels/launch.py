@@ -10,6 +10,12 @@ Block sizes come from one table per kernel (``Config`` candidates in order of pr
 launcher takes the first candidate whose shared-memory *estimate* fits the target.  The estimate
 only prunes; the compile check measures the real figure (and the registers and spills) with the
 ``ptxas`` that Triton ships.
+
+Splits (how many programs share one row block's inner loop) fill one wave: ``Target.programs``,
+the SMs times the blocks per SM the launch's kernel keeps resident (``blocks_per_sm`` of its
+registers, shared memory and warps; on a GPU read from the kernel Triton compiled,
+``compiled_occupancy``).  Every plan runs under its tensors' device (``run`` ->
+``device_guard``), whatever the current CUDA device is.
 """
 from __future__ import annotations
 

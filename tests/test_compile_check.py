@@ -43,6 +43,16 @@ def test_the_grid_is_covered(check_rows):
                     assert (k, arch, dtype, D) in seen, (k, arch, dtype, D)
         for k in ("noise", "hamming_cdist", "hamming_ap"):
             assert any(r["kernel"] == k and r["arch"] == arch for r in check_rows), (k, arch)
+        # the keys' backward's one-split modes: the keys' gradient written directly, and the rows'
+        # backward fused in wherever FUSED_CONFIGS has a configuration; the split sums
+        from nac_fast.kernels import nac_triton
+        for dtype in CC.DTYPES:
+            fam = nac_triton._family(getattr(__import__("torch"), dtype))
+            for D in CC.DS:
+                assert ("bwd_keys_out1", arch, dtype, str(D)) in seen, (arch, dtype, D)
+                fused = nac_triton.FUSED_CONFIGS.get((fam, D), "default") is not None
+                assert (("bwd_keys_out2", arch, dtype, str(D)) in seen) == fused, (arch, dtype, D)
+        assert any(r["kernel"] == "sum_splits" and r["arch"] == arch for r in check_rows)
         # both modes, and fp32's three product modes, were planned
         fwd = [r for r in check_rows if r["kernel"] == "fwd" and r["arch"] == arch]
         assert {m for r in fwd for m in r["modes"].split("+")} == {"inbatch", "queue"}
