@@ -22,6 +22,15 @@ into them: a row whose case compiled other than exactly one graph, or whose step
 the compiled graph, is recorded as failed ("not compiled: ...").  compile_s is the first call's time
 (tracing + compiling + one step).
 
+Timing (column timer): on the CPU, the host clock around each step (perf_counter: the step is
+synchronous there).  On a GPU, triton.testing.do_bench (CUDA events around each replay, L2 flushed
+between replays, warm-up first; median and p20/p80 of its samples), so the figures are the
+device's and not the host's launch overhead; "cuda-events" (the same with a plain event loop) where
+Triton is not installed.  --graphs (default on a GPU) adds a "<backend>+graph" row per fused
+backend: the step captured once in a CUDA graph and its replays timed, i.e. the kernels with no
+Python or launch overhead at all.  Each row records os.getloadavg() (column loadavg: on a shared
+CPU, other processes' load disturbs the timings).
+
 On a GPU that bench/roofline.py knows (H100 SXM, H200) each row gets bound_s (the time floor of
 the problem on that chip: max of matrix, exp and memory time of our algorithm), its limiter and
 pct_of_bound = bound_s / median_s x 100.  Columns added after the first version are appended at the
@@ -58,7 +67,9 @@ FIELDS = ["timestamp", "host", "device", "torch", "commit", "threads", "kind", "
           "time_ratio_to_ref", "mem_ratio_to_ref", "reps",
           # added for the GPU suite (kept at the end: older CSVs stay readable)
           "triton", "pct_of_bound", "bound_s", "bound_limiter", "compile_backend",
-          "compiled_graphs", "compile_s", "check_inputs", "status"]
+          "compiled_graphs", "compile_s", "check_inputs", "status",
+          # issue 23: how the time was taken, and the machine's load while it was
+          "timer", "loadavg"]
 
 
 def commit() -> str:
@@ -175,23 +186,82 @@ def peak_extra_bytes(step, device) -> int:
 
 
 def time_step(step, device, reps: int, min_time: float):
-    """(median, p20, p80, timed reps, first call's seconds).  The first call is the warm-up (it
-    compiles); at least `reps` timed calls, more up to 10 x reps while under min_time seconds."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
+    """(median, p20, p80, timed reps, first call's seconds, timer).  The first call is the warm-up
+    (it compiles).  CPU: at least `reps` host-timed calls, more up to 10 x reps while under
+    min_time seconds.  GPU: triton.testing.do_bench over about min_time seconds (CUDA events, L2
+    flushed between calls), or a CUDA-event loop without Triton."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            med, p20, p80, n = _cuda_event_times(step, reps, min_time)
+            return med, p20, p80, n, first, "cuda-events"
+        rep_ms = max(1000.0 * min_time, 1.0)
+        med, p20, p80 = do_bench(step, warmup=25, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+        est = max(med, 1e-6)
+        return med / 1e3, p20 / 1e3, p80 / 1e3, max(1, int(rep_ms / est)), first, "do_bench"
     t0 = time.perf_counter()
     step()
-    sync()
     first = time.perf_counter() - t0
     times = []
     t_start = time.perf_counter()
     while len(times) < reps or (time.perf_counter() - t_start < min_time and len(times) < 10 * reps):
         t0 = time.perf_counter()
         step()
-        sync()
         times.append(time.perf_counter() - t0)
+    med, p20, p80 = _quantiles(times)
+    return med, p20, p80, len(times), first, "perf_counter"
+
+
+def _quantiles(times):
     q = statistics.quantiles(times, n=5) if len(times) >= 5 else [min(times)] * 4
-    return statistics.median(times), q[0], q[3], len(times), first
+    return statistics.median(times), q[0], q[3]
+
+
+def _cuda_event_times(step, reps: int, min_time: float):
+    """(median, p20, p80, reps) in seconds from CUDA events around each call."""
+    times, t_start = [], time.perf_counter()
+    while len(times) < reps or (time.perf_counter() - t_start < min_time and len(times) < 10 * reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return (*_quantiles(times), len(times))
+
+
+def graph_step(step, warmup: int = 3):
+    """`step` captured in a CUDA graph (after `warmup` calls on a side stream, as
+    torch.cuda.graphs asks); returns the replay, which re-runs its kernels on the same buffers."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def variants(backends, compile_reference: bool, graphs: bool):
+    """The rows of one (case, dtype): the backends, the compiled reference after the reference,
+    and a "<backend>+graph" row after each fused backend when `graphs`."""
+    out = []
+    for b in backends:
+        out.append(b)
+        if b == "reference" and compile_reference:
+            out.append("compiled-reference")
+        if graphs and b != "reference":
+            out.append(f"{b}+graph")
+    return out
 
 
 def read_csv_rows(path):
@@ -259,9 +329,15 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="one small shape per kind, fp32 only")
     ap.add_argument("--csv", default=None, help="CSV to append to (default bench/results/loss_<device>.csv)")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="add a CUDA-graph replay row per fused backend (default: on a GPU)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but no GPU is visible")
+    if args.graphs is None:
+        args.graphs = args.device == "cuda"
+    if args.graphs and args.device != "cuda":
+        ap.error("--graphs needs --device cuda (CUDA graphs)")
     if args.quick:
         args.inbatch, args.queue, args.dtypes, args.reps, args.min_time = "256", "4096", "float32", 3, 0.1
     dtypes = []
@@ -304,10 +380,7 @@ def main(argv=None):
         for dtype in dtypes:
             ref_t = ref_mem = None
             bnd = roofline_bound(args.device, dev_name, kind, n, N, args.D, dtype)
-            variants = list(backends)
-            if args.compile_reference:
-                variants.insert(1, "compiled-reference")
-            for b in variants:
+            for b in variants(backends, args.compile_reference, args.graphs):
                 base = dict(common, kind=kind, n=n, N=N, D=args.D, dtype=str(dtype)[6:], backend=b,
                             bound_s="" if bnd is None else f"{bnd['bound_s']:.9f}",
                             bound_limiter="" if bnd is None else bnd["limiter"])
@@ -317,10 +390,14 @@ def main(argv=None):
                         cref, counter = compile_reference(args.compile_backend)
                         step = make_step(kind, n, N, args.D, dtype, args.device, "reference", cref)
                         base.update(compile_backend=args.compile_backend)
+                    elif b.endswith("+graph"):
+                        step = graph_step(make_step(kind, n, N, args.D, dtype, args.device,
+                                                    b[:-len("+graph")]))
                     else:
                         step = make_step(kind, n, N, args.D, dtype, args.device, b)
-                    med, p20, p80, reps, first = time_step(step, args.device, args.reps,
-                                                           args.min_time)
+                    med, p20, p80, reps, first, timer = time_step(step, args.device, args.reps,
+                                                                  args.min_time)
+                    base.update(timer=timer, loadavg="%.2f" % os.getloadavg()[0])
                     mem = None if args.no_memory else peak_extra_bytes(step, args.device)
                     if counter is not None:
                         calls_wanted = 1 + reps + (0 if args.no_memory else 1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import csv
+import dataclasses
 import os
 import re
 import shutil
@@ -42,8 +43,15 @@ MODES = ("inbatch", "queue")
 FP32_MODES = ("tf32x3", "tf32", "ieee")  # NAC_FAST_FP32_DOT: the default first
 FIELDS = ["kernel", "arch", "dtype", "D", "modes", "precision", "blocks", "warps", "stages",
           "smem_bytes", "smem_estimate", "smem_limit", "registers", "spill_store_bytes",
-          "spill_load_bytes", "mma_instr", "mma_count", "compile_s", "problems"]
-MATRIX_KERNELS = ("fwd", "bwd_keys")
+          "spill_load_bytes", "mma_instr", "mma_count", "blocks_per_sm", "compile_s", "problems"]
+# The matrix kernels' launch tags: the forward, and the keys' backward in its three output modes
+# (fp32 split shares; one split: the keys' gradient, or the rows' backward fused in).
+MATRIX_KERNELS = ("fwd", "bwd_keys", "bwd_keys_out1", "bwd_keys_out2")
+
+
+def config_kernel(tag: str) -> str:
+    """The CONFIGS kernel of a launch tag (the keys' backward's modes share one table)."""
+    return "bwd_keys" if tag.startswith("bwd_keys") else tag
 
 
 def _triton_bin(tool: str) -> str:
@@ -120,16 +128,22 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
                 keys = None if mode == "inbatch" else torch.empty((N, D), dtype=dtype, **meta)
                 case = dict(dtype=dname, D=D, mode=mode)
                 for grad in (True, False):
-                    launches, (_, _, ga) = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, grad,
+                    launches, _ = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, grad,
                                                                target)
                     for L in launches:
                         yield case, L
-                # the backward with everything needed (training: a, r; gathered keys: keys too)
+                # the backward with everything needed (training: a, r; gathered keys: keys too),
+                # with the target's split, with one split (the fused output modes) and with many
+                # (the split shares and their sums): other batch sizes reach each of them
                 ga = torch.empty((n, D), dtype=acc, **meta)
-                launches, _ = nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, 1.1, True, True,
-                                                  keys is not None, target)
-                for L in launches:
-                    yield case, L
+                q = torch.empty((n, D), dtype=dtype, **meta)
+                k = torch.empty((n, D) if keys is None else (0,), dtype=dtype, **meta)
+                for t in (target, dataclasses.replace(target, sms=1, occupancy=None),
+                          dataclasses.replace(target, sms=1 << 16, occupancy=None)):
+                    launches, _ = nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, q, k, 1.1,
+                                                      True, True, keys is not None, t)
+                    for L in launches:
+                        yield case, L
     os.environ.pop("NAC_FAST_FP32_DOT", None)
     out = torch.empty((4096, 128), dtype=torch.float32, **meta)
     seed = torch.empty(1, dtype=torch.int64, **meta)
@@ -238,16 +252,19 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
                                        if k in c),
                        warps=L.num_warps, stages=L.num_stages, smem_limit=target.smem,
                        smem_estimate=(nac_triton.smem_estimate(
-                           tag, nac_triton.config(tag, _torch_dtype(dtype), D, target),
+                           config_kernel(tag), nac_triton.config(config_kernel(tag),
+                                                                 _torch_dtype(dtype), D, target),
                            _torch_dtype(dtype), D) if tag in MATRIX_KERNELS else ""))
             try:
                 row.update(fut.result())
             except Exception as exc:  # noqa: BLE001 - a failed compile is a finding
                 row.update(registers=-1, spill_store_bytes=-1, spill_load_bytes=-1, smem_bytes=-1,
-                           mma_instr="", mma_count=0, compile_s=-1)
+                           mma_instr="", mma_count=0, compile_s=-1, blocks_per_sm=0)
                 row["problems"] = f"compile failed: {str(exc).splitlines()[0][:300]}"
                 rows.append(row)
                 continue
+            row["blocks_per_sm"] = KL.blocks_per_sm(row["registers"], row["smem_bytes"],
+                                                    L.num_warps, target.smem_per_sm)
             row["problems"] = "; ".join(_triton_problems(row, max_compile_s))
             rows.append(row)
     print(f"compile check: Triton part took {time.perf_counter() - t0:.0f} s", flush=True)
@@ -271,6 +288,8 @@ def _triton_problems(row, max_compile_s):
         out.append("no tensor-core instruction (HGMMA/HMMA) in a 16-bit/tf32 matrix kernel")
     if row["compile_s"] > max_compile_s:
         out.append(f"compile took {row['compile_s']} s > {max_compile_s} s")
+    if "blocks_per_sm" in row and row["blocks_per_sm"] == 0:
+        out.append("no block fits on an SM (registers x threads or shared memory)")
     return out
 
 
@@ -286,12 +305,21 @@ def cuda_rows(archs, jobs):
         print(f"compile check: CUDA kernels not checked: {exc}")
         return []
     print(f"compile check: CUDA part took {time.perf_counter() - t0:.0f} s", flush=True)
+    from nac_fast.kernels import launch as KL
+    smem_sm = {t.arch: t.smem_per_sm for t in KL.CHECKED_TARGETS}
+
+    def occupancy(r):  # what cudaOccupancyMaxActiveBlocksPerMultiprocessor gives on the GPU
+        warps = cuda_resources.threads_per_block(r["kernel"]) // 32
+        if r["registers"] <= 0:
+            return 0
+        return KL.blocks_per_sm(r["registers"], r["smem_bytes"], warps, smem_sm[int(r["arch"])])
     return [dict(kernel="cuda:" + r["kernel"], arch=r["arch"], dtype=r["dtype"], D=r["D"],
-                 modes="", precision="", blocks="", warps="", stages="",
+                 modes="", precision="", blocks="",
+                 warps=cuda_resources.threads_per_block(r["kernel"]) // 32, stages="",
                  smem_bytes=r["smem_bytes"], smem_estimate="", smem_limit="",
                  registers=r["registers"], spill_store_bytes=r["spill_store_bytes"],
                  spill_load_bytes=r["spill_load_bytes"], mma_instr=r["mma_instr"],
-                 mma_count=r["mma_count"],
+                 mma_count=r["mma_count"], blocks_per_sm=occupancy(r),
                  compile_s=r["compile_s"], problems="; ".join(cuda_resources.problems([r])))
             for r in rows]
 

@@ -267,6 +267,12 @@ def cuda_resource_rows(archs=(80, 90), jobs=2, sources=SOURCES) -> list:
     return out
 
 
+def threads_per_block(kernel: str) -> int:
+    """Threads per block the host launches `kernel` with (csrc/nac_cuda.cu, nac_cuda_mma.cu):
+    128 for finish_kernel (one block per row), 256 for every other kernel."""
+    return 128 if kernel.startswith("finish_kernel") else 256
+
+
 def is_matrix_kernel_16bit(row) -> bool:
     """A bf16/fp16 instantiation of a matrix kernel (fwd*, bwd_keys*): it must use tensor cores."""
     return row["dtype"] in ("bf16", "fp16") and bool(MATRIX_KERNEL.match(row["kernel"]))

@@ -370,11 +370,25 @@ int blocks_for(int64_t total, int threads = 256) {
   return static_cast<int>(std::min<int64_t>((total + threads - 1) / threads, 65535));
 }
 
-int64_t split_for(int64_t programs, int64_t tiles) {
+// The split of a matrix kernel's inner loop: about one wave of blocks, i.e. the SMs times the
+// resident blocks per SM of that kernel as compiled (blocks_per_sm: cudaOccupancyMaxActive-
+// BlocksPerMultiprocessor, from its registers, shared memory and threads; the bf16 kernels use
+// 190-255 registers x 256 threads: one block per SM, where a fixed 2 per SM made two waves and
+// twice the partials' traffic), a power of two, at most the tiles and 64.  The same rule as
+// kernels/launch.py's split_count with Target.programs.
+int64_t split_for(int64_t programs, int64_t tiles, int blocks_per_sm) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  int64_t want = (2 * sms + programs - 1) / programs, split = 1;
+  int64_t want = (int64_t(sms) * std::max(blocks_per_sm, 1) + programs - 1) / programs, split = 1;
   while (split * 2 <= std::min<int64_t>({want, tiles, 64})) split *= 2;
   return split;
+}
+
+// Resident blocks per SM of `kernel` launched with `threads` threads and no dynamic shared memory.
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel, int threads) {
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+  return blocks;
 }
 
 #define NAC_DISPATCH_DPAD(D, ...)                                              \
@@ -423,7 +437,9 @@ Partials fwd_partials_simt(const at::Tensor& a, const at::Tensor& noise,
   const int64_t N = self_keys ? n : p.keys.size(0);
   constexpr int T = Tile<acc_t>::kT;
   const int64_t qtiles = (n + T - 1) / T, ktiles = (N + T - 1) / T;
-  const int64_t nsplit = split_for(qtiles, ktiles);
+  int occupancy = 0;
+  NAC_DISPATCH_DPAD(D, [&] { occupancy = blocks_per_sm(fwd_kernel<acc_t, acc_t, DPAD>, kThreads); });
+  const int64_t nsplit = split_for(qtiles, ktiles, occupancy);
   const int64_t tiles_per_split = (ktiles + nsplit - 1) / nsplit;
   const auto opts = p.q.options();
   Partials out{at::empty({nsplit, n}, opts), at::empty({nsplit, n}, opts),
@@ -453,7 +469,11 @@ at::Tensor keys_grad_simt(const at::Tensor& a, const at::Tensor& noise,
   const int64_t N = self_keys ? n : p.keys.size(0);
   constexpr int T = Tile<acc_t>::kT;
   const int64_t ktiles = (N + T - 1) / T, qtiles = (n + T - 1) / T;
-  const int64_t nsplit = split_for(ktiles, qtiles);
+  int occupancy = 0;
+  NAC_DISPATCH_DPAD(D, [&] {
+    occupancy = blocks_per_sm(bwd_keys_kernel<acc_t, acc_t, DPAD>, kThreads);
+  });
+  const int64_t nsplit = split_for(ktiles, qtiles, occupancy);
   const int64_t per = (qtiles + nsplit - 1) / nsplit;
   at::Tensor pdk = at::empty({nsplit, N, D}, p.q.options());
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -533,7 +553,7 @@ Partials fwd_partials_mma(const at::Tensor& a, const at::Tensor& noise,
   const int64_t N = p.kop.rows;
   const nac_mma::Tiles t = nac_mma::tiles(p.dpad);
   const int64_t qtiles = (n + t.resident - 1) / t.resident, ktiles = (N + t.stream - 1) / t.stream;
-  const int64_t nsplit = split_for(qtiles, ktiles);
+  const int64_t nsplit = split_for(qtiles, ktiles, nac_mma::fwd_blocks_per_sm(p.dt, p.dpad));
   const int64_t tiles_per_split = (ktiles + nsplit - 1) / nsplit;
   const auto opts = a.options().dtype(at::kFloat);
   Partials out{at::empty({nsplit, n}, opts), at::empty({nsplit, n}, opts),
@@ -555,7 +575,7 @@ at::Tensor keys_grad_mma(const at::Tensor& a, const at::Tensor& noise,
   const int64_t N = p.kop.rows;
   const nac_mma::Tiles t = nac_mma::tiles(p.dpad);
   const int64_t ktiles = (N + t.resident - 1) / t.resident, qtiles = (n + t.stream - 1) / t.stream;
-  const int64_t nsplit = split_for(ktiles, qtiles);
+  const int64_t nsplit = split_for(ktiles, qtiles, nac_mma::bwd_blocks_per_sm(p.dt, p.dpad));
   const int64_t per = (qtiles + nsplit - 1) / nsplit;
   at::Tensor pdk = at::empty({nsplit, N, D}, a.options().dtype(at::kFloat));
   nac_mma::bwd_keys(p.dt, p.dpad, p.qop, p.kop, lse.data_ptr<float>(), g.data_ptr<float>(),

@@ -9,7 +9,8 @@
 //                         [M:lse-online], acc += P K when the rows' gradient is wanted [M:ga].
 //   bwd_keys_mma_kernel   grid (key tiles, query splits): S2^T = K Q2^T,
 //                         P^T = exp2(S2^T - log2(e) lse) g, dK += P^T Q2, times ln 2 at the store
-//                         [M:grad-keys]; no atomics, splits summed in a fixed order by the caller.
+//                         [M:grad-keys]; no atomics, splits summed in a fixed order by the caller;
+//                         fp16: g times a power of two, undone at the store [M:grad-scale].
 // The logits never leave registers: one 16 x kStream tile per warp.
 //
 // Layout of one block (kWarps = 8 warps, 256 threads):
@@ -143,6 +144,11 @@ template <> struct Mma<__half> {
     return __half_as_ushort(__float2half_rn(x));
   }
 };
+
+// Which 16-bit type scales g in the keys' backward (fp16: its exponent range is too narrow for
+// P^T g; bf16 has fp32's).
+template <typename T> struct kScaleG { static constexpr bool value = false; };
+template <> struct kScaleG<__half> { static constexpr bool value = true; };
 
 // ---- PTX wrappers -----------------------------------------------------------------------------
 #ifndef NAC_MMA_TRAP_BELOW_SM80  // (unused below sm_80: see NAC_MMA_TRAP_BELOW_SM80)
@@ -477,6 +483,26 @@ bwd_keys_mma_kernel(nac_mma::Operand q, nac_mma::Operand k, const float* __restr
   const int64_t ntiles = iend > istart ? (iend - istart + C::kStream - 1) / C::kStream : 0;
   const uint16_t* qp = static_cast<const uint16_t*>(q.ptr);
 
+  // fp16: g scaled by the power of two nac::pow2_scale gives for this split's max |g| (one pass
+  // over g, a block-wide max), undone at the store: P^T g fell below fp16's smallest subnormal
+  // (g = 1/n, P ~ 1/N) when packed to fp16 for the second product, docs/math.md [M:grad-scale].
+  float gscale = 1.f, ginv = 1.f;
+  if (kScaleG<T>::value) {
+    __shared__ float s_gmax[kWarps];
+    float gm = 0.f;
+    for (int64_t i = istart + threadIdx.x; i < iend; i += kThreads) gm = fmaxf(gm, fabsf(g[i]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) gm = fmaxf(gm, __shfl_xor_sync(0xffffffffu, gm, o));
+    if (lane == 0) s_gmax[warp] = gm;
+    __syncthreads();
+    gm = s_gmax[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) gm = fmaxf(gm, s_gmax[w]);
+    const nac::Pow2Scale ps = nac::pow2_scale(gm);
+    gscale = ps.scale;
+    ginv = ps.inv;
+  }
+
   auto load = [&](int64_t i0, int b) {
     load_tile<DPAD>(smem + b * C::kTileElems, qp, i0, iend, q.ld, q.chunks);
     const int e = threadIdx.x;
@@ -513,12 +539,12 @@ bwd_keys_mma_kernel(nac_mma::Operand q, nac_mma::Operand k, const float* __restr
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 8 * nt + 2 * t + (e & 1);  // the query (column) of C element e
-        s[nt][e] = exp2_approx(fmaf(s_lse[b][i], -kLog2e, s[nt][e])) * s_g[b][i];
+        s[nt][e] = exp2_approx(fmaf(s_lse[b][i], -kLog2e, s[nt][e])) * (s_g[b][i] * gscale);
       }
     accumulate_pt<T, DPAD>(dk, s, buf);
     __syncthreads();
   }
-  store_acc<DPAD>(pdk, dk, key0, N, sp * N, D, kLn2);
+  store_acc<DPAD>(pdk, dk, key0, N, sp * N, D, kLn2 * ginv);
 #endif
 }
 
@@ -575,6 +601,42 @@ Tiles tiles(int dpad) {
     case 128: return {kResident, Cfg<128>::kStream};
     default: return {kResident, Cfg<256>::kStream};
   }
+}
+
+template <typename Kernel>
+int occupancy(Kernel kernel) {
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0) != cudaSuccess)
+    return 0;  // nac_cuda.cu's split plan counts 0 as 1; the launch reports the error
+  return blocks;
+}
+
+template <typename T>
+int fwd_occ(int dpad) {
+  switch (dpad) {
+    case 32: return occupancy(fwd_mma_kernel<T, 32>);
+    case 64: return occupancy(fwd_mma_kernel<T, 64>);
+    case 128: return occupancy(fwd_mma_kernel<T, 128>);
+    default: return occupancy(fwd_mma_kernel<T, 256>);
+  }
+}
+
+template <typename T>
+int bwd_occ(int dpad) {
+  switch (dpad) {
+    case 32: return occupancy(bwd_keys_mma_kernel<T, 32>);
+    case 64: return occupancy(bwd_keys_mma_kernel<T, 64>);
+    case 128: return occupancy(bwd_keys_mma_kernel<T, 128>);
+    default: return occupancy(bwd_keys_mma_kernel<T, 256>);
+  }
+}
+
+int fwd_blocks_per_sm(Dtype dt, int dpad) {
+  return dt == Dtype::kBF16 ? fwd_occ<__nv_bfloat16>(dpad) : fwd_occ<__half>(dpad);
+}
+
+int bwd_blocks_per_sm(Dtype dt, int dpad) {
+  return dt == Dtype::kBF16 ? bwd_occ<__nv_bfloat16>(dpad) : bwd_occ<__half>(dpad);
 }
 
 void prologue(Dtype dt, const void* a, const void* noise, void* q, void* k, int64_t n, int D,

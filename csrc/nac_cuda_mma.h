@@ -36,6 +36,11 @@ void prologue(Dtype dt, const void* a, const void* noise, void* q, void* k, int6
 void fwd(Dtype dt, int dpad, Operand q, Operand k, float* pm, float* pl, float* pacc, int D,
          int64_t tiles_per_split, int nsplit, bool grad, cudaStream_t stream);
 
+// Resident blocks per SM of the forward / keys' backward kernel of (dtype, dpad) on the current
+// device (cudaOccupancyMaxActiveBlocksPerMultiprocessor): what the host's split plan fills.
+int fwd_blocks_per_sm(Dtype dt, int dpad);
+int bwd_blocks_per_sm(Dtype dt, int dpad);
+
 // Keys' gradient per (key tile, query split): pdk[split, key, :] = ln 2 sum_i g_i P_ij Q2_i with
 // P_ij = exp2(S2_ij - log2(e) lse_i), lse natural log (the op's contract).
 void bwd_keys(Dtype dt, int dpad, Operand q, Operand k, const float* lse, const float* g,

@@ -118,10 +118,12 @@ NAC_HD T bern2_elem(T zt, T r) {
   return zt * r + log_sigmoid_pair(r);
 }
 
-// d loss_i / d r_id, docs/math.md [M:grad-r].
+// d loss_i / d r_id = sig(r) - (1 + zt) / 2, docs/math.md [M:grad-r], as (tanh(r/2) - zt) / 2
+// [M:stable]: sig(r) - 1/2 cancels for small |r| (2.6e-4 relative error at |r| ~ 1e-3 with a 2-ulp
+// exp), tanh_ keeps its relative precision there.
 template <typename T>
 NAC_HD T grad_r_elem(T zt, T r) {
-  return sigmoid(r) - T(0.5) * (T(1) + zt);
+  return T(0.5) * (tanh_(T(0.5) * r) - zt);
 }
 
 // ga_id of docs/math.md [M:ga], given sA = s * A_id (the softmax-weighted mean key, times s).
@@ -164,6 +166,27 @@ NAC_HD float uniform_from_word(uint32_t w) {
 
 NAC_HD float noise_sign(uint64_t seed, uint64_t element, float p) {
   return uniform_from_word(philox_first_word(element, seed)) < p ? -1.0f : 1.0f;
+}
+
+// The fp16 keys' backward's scale, docs/math.md [M:grad-scale]: (2^k, 2^-k) with
+// gmax * 2^k in [2^13, 2^14), from gmax's exponent bits (exact: no log2), clamped so that both are
+// normal floats (gmax = 0: 2^126; inf/NaN: 2^-115, which keeps them inf/NaN).  P^T (g 2^k) with
+// P <= 1 then stays below fp16's 65504 and its terms stay normal, where P^T g itself fell below
+// fp16's smallest subnormal (g = 1/n, P ~ 1/N).  The same function as kernels/nac_triton.py's
+// _pow2_scale; tests/test_cuda_mma_numerics.py compiles this one on the host and compares.
+struct Pow2Scale {
+  float scale, inv;
+};
+NAC_HD Pow2Scale pow2_scale(float gmax) {
+  uint32_t bits;
+  memcpy(&bits, &gmax, sizeof bits);
+  int b = 267 - static_cast<int>((bits >> 23) & 0xffu);
+  b = b < 2 ? 2 : (b > 253 ? 253 : b);
+  const uint32_t sb = static_cast<uint32_t>(b) << 23, ib = static_cast<uint32_t>(254 - b) << 23;
+  Pow2Scale r;
+  memcpy(&r.scale, &sb, sizeof sb);
+  memcpy(&r.inv, &ib, sizeof ib);
+  return r;
 }
 
 }  // namespace nac

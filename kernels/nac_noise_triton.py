@@ -58,11 +58,16 @@ def noise_plan(out: torch.Tensor, seed: torch.Tensor, p: float):
                    dict(BLOCK=BLOCK), 4, 1, "noise")]
 
 
-@triton_op("nac_fast::nac_noise_triton", mutates_args=())
-def nac_noise_triton(like: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+def noise(like: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """The op's body: the noise of like's shape, dtype and device (launched on like's device)."""
     out = torch.empty(like.shape, dtype=torch.float32, device=like.device)
     run(noise_plan(out, seed.reshape(1).to(torch.int64), p))
     return out if like.dtype == torch.float32 else out.to(like.dtype)
+
+
+@triton_op("nac_fast::nac_noise_triton", mutates_args=())
+def nac_noise_triton(like: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    return noise(like, seed, p)
 
 
 @nac_noise_triton.register_fake

@@ -5,9 +5,11 @@ docs/math.md [M:rows], the fwd/bwd pair of [M:passes] (fwd -> loss_i, lse2_i = l
 [M:ga]; bwd -> the gradients of sum_i g_i loss_i, keys' part [M:grad-keys]), the loops in base 2
 [M:lse-online].
 
-Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIGS`):
-  _prologue_kernel  O(nD), once per call: Q = s log2(e) m tanh(a) in the compute dtype (log2
-                    units, so the loops use exp2) and, for the in-batch keys, K = tanh(a).  The
+Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIGS`,
+`FUSED_CONFIGS`; every plan runs under its tensors' device, kernels/launch.py `run`):
+  _prologue_kernel  O(nD), once per forward: Q = s log2(e) m tanh(a) in the compute dtype (log2
+                    units, so the loops use exp2) and, for the in-batch keys, K = tanh(a); the
+                    forward returns them and the backward reads them (no second prologue).  The
                     inner loops below are matrix products plus exp2: no tanh per tile.
   _fwd_kernel       grid (query blocks, key splits): Q tile resident, loop over key tiles,
                     S = Q K^T on tensor cores (bf16/fp16; fp32 through tf32x3 by default), online
@@ -19,8 +21,14 @@ Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIG
                     through ln: that cost ~3e-6 in the keys' gradient) and ga.
   _bwd_keys_kernel  grid (key blocks, query splits): each program owns its keys, S^T = K Q^T,
                     P^T = exp2(S^T - lse) g, dK += P^T Q; no atomics, splits summed in a fixed
-                    order: deterministic.
-  _bwd_rows_kernel  d/dr [M:grad-r] and d/da [M:grad-a], elementwise.
+                    order: deterministic.  fp16: g times a power of two, undone at the store
+                    ([M:grad-scale]: P g underflowed fp16).  One split: it writes the keys'
+                    gradient in their dtype, or (in-batch keys) runs the rows' backward as its
+                    epilogue.
+  _bwd_rows_kernel  d/dr [M:grad-r] and d/da [M:grad-a], elementwise, in a's dtype.
+  _sum_splits_kernel  the given keys' gradient from the query splits' fp32 shares.
+Split counts fill one wave: the SMs times the resident blocks per SM of the kernel as compiled
+(kernels/launch.py `Target.programs`, `compiled_occupancy`).
 The logits never exist in memory: one (BLOCK_M x BLOCK_N) tile lives in registers.
 
 Precision (docs/kernels.md "Precision"): bf16/fp16 inputs multiply on tensor cores with fp32 accumulation;
@@ -112,12 +120,12 @@ def _dot(x, y, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _sigmoid(r):
-    # nac_math.h's stable form [M:stable]: exp(-|r|) never overflows (tl.sigmoid(r) evaluates
-    # exp(-r)).
-    e = tl.exp(-tl.abs(r))
-    inv = 1.0 / (1.0 + e)
-    return tl.where(r >= 0, inv, e * inv)
+def _grad_r(r, zt):
+    # d loss / d r = sig(r) - (1 + zt) / 2 written as (tanh(r / 2) - zt) / 2 (docs/math.md
+    # [M:grad-r], [M:stable]): sig(r) - 1/2 cancels for small |r|, and with the GPU's ex2.approx
+    # (2 ulp) the difference lost 2.6e-4 of its relative precision at |r| ~ 1e-3 (measured,
+    # tests/test_loss_approx_math.py); _tanh's polynomial keeps it.
+    return 0.5 * (_tanh(0.5 * r) - zt)
 
 
 # The per-row quantities below (lse_i, bern_i, loss_i) are those of docs/math.md [M:rows], [M:bern].
@@ -226,22 +234,54 @@ def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, n, D, stride_a, str
         tl.store(GA + rows64[:, None] * D + cols[None, :], ga, mask=tile_mask)
 
 
-@triton.jit(do_not_specialize=["n", "N", "blocks_per_split"])
-def _bwd_keys_kernel(Q, K, LSE, G, PDK, n, N, D, stride_k, blocks_per_split,
+@triton.jit
+def _pow2_scale(gmax):
+    # (2^k, 2^-k) with gmax * 2^k in [2^13, 2^14): the power of two that lifts the keys'
+    # backward's P^T g products (P <= 1) to the top of fp16's range before they are rounded to
+    # fp16 for the tensor cores, and its exact inverse, applied to the fp32 accumulator at the
+    # store (docs/math.md [M:grad-scale]).  From the exponent bits of gmax (plain integer ops: the
+    # interpreter runs them; exact, no lg2.approx), clamped so both are normal fp32 numbers
+    # (gmax = 0: 2^126; inf/NaN: 2^-115, which keeps them inf/NaN).  The same function as
+    # csrc/nac_math.h's nac::pow2_scale (the CUDA kernel's).
+    e = (gmax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    b = tl.minimum(tl.maximum(267 - e, 2), 253)
+    return (b << 23).to(tl.float32, bitcast=True), ((254 - b) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["n", "N", "blocks_per_split", "need_r", "stride_g"])
+def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride_k, stride_g,
+                     stride_a, stride_r, stride_m, blocks_per_split, need_r,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                     ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                     GSCALE: tl.constexpr, OUT_MODE: tl.constexpr):
+    # OUT_MODE 0: this query split's share of dK, fp32, at OUT[sp, key, :] (summed later in a
+    #             fixed order: deterministic);
+    #          1: (one split) the keys' gradient itself, in OUT's dtype (the keys');
+    #          2: (one split, self keys: key j is row j) the rows' backward fused in: OUT = d/da
+    #             [M:grad-a] + [M:grad-self-keys], GRAD_R = d/dr [M:grad-r] when need_r, in
+    #             their dtype (a's), as _bwd_rows_kernel computes them.
     pid_n = tl.program_id(0)
     sp = tl.program_id(1)
     kc = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     kmask = kc < N
     dmask = cols < D
+    tile_mask = kmask[:, None] & dmask[None, :]
     kc64 = kc.to(tl.int64)
-    k = tl.load(K + kc64[:, None] * stride_k + cols[None, :], mask=kmask[:, None] & dmask[None, :],
-                other=0.0)
+    k = tl.load(K + kc64[:, None] * stride_k + cols[None, :], mask=tile_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     start = sp * blocks_per_split * BLOCK_M
     end = tl.minimum(start + blocks_per_split * BLOCK_M, n)
+    if GSCALE:  # fp16: g scaled by a power of two from this split's max |g| (one pass over g)
+        gvec = tl.zeros([BLOCK_M], tl.float32)
+        for i0 in range(start, end, BLOCK_M):
+            rows = i0 + tl.arange(0, BLOCK_M)
+            gvec = tl.maximum(gvec, tl.abs(tl.load(G + rows.to(tl.int64) * stride_g,
+                                                   mask=rows < end, other=0.0)))
+        gscale, ginv = _pow2_scale(tl.max(gvec, 0))
+    else:
+        gscale = 1.0
+        ginv = 1.0
     for i0 in range(start, end, BLOCK_M):
         rows = i0 + tl.arange(0, BLOCK_M)
         rmask = rows < end
@@ -249,27 +289,51 @@ def _bwd_keys_kernel(Q, K, LSE, G, PDK, n, N, D, stride_k, blocks_per_split,
         q = tl.load(Q + rows64[:, None] * D + cols[None, :], mask=rmask[:, None] & dmask[None, :],
                     other=0.0)
         lse2 = tl.load(LSE + rows64, mask=rmask, other=float("inf")).to(ACC)  # base 2
-        g = tl.load(G + rows64, mask=rmask, other=0.0).to(ACC)
+        g = tl.load(G + rows64 * stride_g, mask=rmask, other=0.0).to(ACC) * gscale
         st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
         pt = tl.exp2(st - lse2[None, :]) * g[None, :]
         dk += _dot(pt.to(q.dtype), q, PRECISION, UPCAST)               # P^T Q (log2 units)
-    tl.store(PDK + (sp.to(tl.int64) * N + kc64[:, None]) * D + cols[None, :],
-             dk * 0.6931471805599453, mask=kmask[:, None] & dmask[None, :])
+    dk = dk * (0.6931471805599453 * ginv)
+    if OUT_MODE == 0:
+        tl.store(OUT + (sp.to(tl.int64) * N + kc64[:, None]) * D + cols[None, :], dk,
+                 mask=tile_mask)
+    elif OUT_MODE == 1:
+        tl.store(OUT + kc64[:, None] * D + cols[None, :], dk.to(OUT.dtype.element_ty),
+                 mask=tile_mask)
+    else:
+        # in an order that keeps few (BLOCK_N x BLOCK_D) tiles live at once (a spill otherwise):
+        # dK (1 - z^2), then d/dr (z's last use), then + g ga
+        g = tl.load(G + kc64 * stride_g, mask=kmask, other=0.0).to(ACC)
+        z = _tanh(tl.load(A + kc64[:, None] * stride_a + cols[None, :], mask=tile_mask,
+                          other=0.0).to(ACC))
+        dk = dk * (1.0 - z * z)
+        if need_r != 0:
+            r = tl.load(R + kc64[:, None] * stride_r + cols[None, :], mask=tile_mask,
+                        other=0.0).to(ACC)
+            zt = tl.load(NOISE + kc64[:, None] * stride_m + cols[None, :], mask=tile_mask,
+                         other=0.0).to(ACC) * z
+            tl.store(GRAD_R + kc64[:, None] * D + cols[None, :],
+                     (g[:, None] * _grad_r(r, zt)).to(GRAD_R.dtype.element_ty),
+                     mask=tile_mask)
+        out = kc64[:, None] * D + cols[None, :]
+        dk += g[:, None] * tl.load(GA + out, mask=tile_mask, other=0.0)
+        tl.store(OUT + out, dk.to(OUT.dtype.element_ty), mask=tile_mask)
 
 
-@triton.jit(do_not_specialize=["n", "need_a", "need_r", "self_keys", "split"])
+@triton.jit(do_not_specialize=["n", "need_a", "need_r", "self_keys", "split", "stride_g"])
 def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, n, D, stride_a, stride_r, stride_m,
-                     need_a, need_r, self_keys, split,
+                     stride_g, need_a, need_r, self_keys, split,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     # d/dr = g times docs/math.md [M:grad-r]; d/da as in [M:grad-a] (+ [M:grad-self-keys]), dK
-    # summed over the keys' backward's query splits in a fixed order (deterministic)
+    # summed over the keys' backward's query splits in a fixed order (deterministic); both
+    # written in their own dtype (a's)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < n
     tile_mask = rmask[:, None] & (cols < D)[None, :]
     rows64 = rows.to(tl.int64)
     out = rows64[:, None] * D + cols[None, :]
-    g = tl.load(G + rows64, mask=rmask, other=0.0).to(ACC)
+    g = tl.load(G + rows64 * stride_g, mask=rmask, other=0.0).to(ACC)
     z = _tanh(tl.load(A + rows64[:, None] * stride_a + cols[None, :], mask=tile_mask,
                       other=0.0).to(ACC))
     if need_r != 0:
@@ -277,15 +341,32 @@ def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, n, D, stride_a, st
                     other=0.0).to(ACC)
         zt = tl.load(NOISE + rows64[:, None] * stride_m + cols[None, :], mask=tile_mask,
                      other=0.0).to(ACC) * z
-        tl.store(GRAD_R + out, g[:, None] * (_sigmoid(r) - 0.5 * (1.0 + zt)), mask=tile_mask)
+        tl.store(GRAD_R + out, (g[:, None] * _grad_r(r, zt)).to(
+            GRAD_R.dtype.element_ty), mask=tile_mask)
     if need_a != 0:
         ga = g[:, None] * tl.load(GA + out, mask=tile_mask, other=0.0)
         if self_keys != 0:
             dk = tl.zeros([BLOCK_M, BLOCK_D], ACC)
-            for sp in range(0, split):
-                dk += tl.load(PDK + sp * n * D + out, mask=tile_mask, other=0.0)
+            part = PDK + out
+            for _ in range(0, split):
+                dk += tl.load(part, mask=tile_mask, other=0.0)
+                part += n * D  # a 64-bit pointer step: split x n x D may pass 2^31
             ga += dk * (1.0 - z * z)
-        tl.store(GRAD_A + out, ga, mask=tile_mask)
+        tl.store(GRAD_A + out, ga.to(GRAD_A.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit(do_not_specialize=["numel", "split"])
+def _sum_splits_kernel(PDK, OUT, numel, split, BLOCK: tl.constexpr):
+    # The keys' gradient from the query splits' fp32 shares, summed in a fixed order
+    # (deterministic), written in the keys' dtype.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros([BLOCK], PDK.dtype.element_ty)
+    part = PDK + offs
+    for _ in range(0, split):
+        acc += tl.load(part, mask=mask, other=0.0)
+        part += numel  # a 64-bit pointer step: split x numel may pass 2^31
+    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,6 +411,14 @@ CONFIGS = {
     ("bwd_keys", "64", 64): [_C(32, 32, 8, 2)], ("bwd_keys", "64", 128): [_C(16, 16, 8, 2)],
     ("bwd_keys", "64", 256): [_C(32, 32, 8, 2), _C(16, 16, 8, 2)],
     ("bwd_keys", "64", 512): [_C(16, 16, 8, 2)],
+}
+# The keys' backward with the rows' backward fused in (OUT_MODE 2, one split, self keys): the
+# epilogue's extra tiles spilled in the bwd_keys configurations (sm_90, bench/compile_check.py:
+# 24-196 B at D = 64/128).  Fewer keys per block here; None: no fused configuration without a
+# spill was found, the rows' backward stays its own launch.
+FUSED_CONFIGS = {
+    ("16", 16): _C(64, 64, 8, 3), ("16", 32): _C(64, 64, 8, 3), ("16", 64): _C(64, 64, 8, 3),
+    ("16", 128): _C(64, 64, 8, 2), ("16", 256): _C(32, 32, 8, 2), ("16", 512): None,
 }
 _INTERP = {"fwd": _C(32, 128), "bwd_keys": _C(32, 128)}  # wide numpy steps under the interpreter
 MAX_D = 512
@@ -388,22 +477,32 @@ def _tl_acc(dtype):
 # ---------------------------------------------------------------------------------------------
 
 def _prologue(a, noise, keys, s, target, launches):
-    """Q (log2 units) and, for the in-batch keys, K = tanh(a): (n, D) in a's dtype."""
+    """Q (log2 units) and, for the in-batch keys, K = tanh(a): (n, D) in a's dtype (with given
+    keys, K is the keys themselves and the kernel writes no K: it is handed Q as a placeholder)."""
     n, D = a.shape
     q = buffer((n, D), a.dtype, a)
     k = buffer((n, D), a.dtype, a) if keys is None else keys
     bm = _rows_block(D, a.dtype)
     launches.append(Launch(_prologue_kernel, (cdiv(n, bm),),
-                           (a, noise, q, k, n, D, a.stride(0), noise.stride(0), s * LOG2E,
-                            int(keys is None)),
+                           (a, noise, q, k if keys is None else q, n, D, a.stride(0),
+                            noise.stride(0), s * LOG2E, int(keys is None)),
                            dict(BLOCK_M=bm, BLOCK_D=block_d(D),
                                 ACC=_tl_acc(a.dtype)), 4, 1, "prologue"))
     return q, k
 
 
+def _split(make, outer_blocks: int, inner_tiles: int, target: Target) -> int:
+    """The split of a matrix kernel's inner loop for `target`: about one wave of programs, the
+    target's SMs times the resident blocks per SM of the kernel as compiled (`Target.programs`,
+    asked of the launch `make(1, probe=True)`: the same kernel and specialisation, with
+    one-element stand-ins for the buffers whose size depends on the split)."""
+    return split_count(outer_blocks, inner_tiles, target.programs(make(1, probe=True)))
+
+
 def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Target):
-    """(launches, (loss, lse, ga)) of one forward call.  a, r, noise: (n, D) with unit column
-    stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column stride."""
+    """(launches, (loss, lse, ga, q, k)) of one forward call.  a, r, noise: (n, D) with unit
+    column stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column stride.
+    q, k: the prologue's codes (k is `keys` when given), which the backward reuses."""
     n, D = a.shape
     launches: list = []
     q, k = _prologue(a, noise, keys, s, target, launches)
@@ -411,16 +510,23 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
     acc = acc_dtype(a.dtype)
     cfg = config("fwd", a.dtype, D, target)
     q_blocks, k_tiles = cdiv(n, cfg.BLOCK_M), cdiv(N, cfg.BLOCK_N)
-    split = split_count(q_blocks, k_tiles, target)
-    pm, pl = buffer((split, n), acc, a), buffer((split, n), acc, a)
-    pacc = buffer((split, n, D) if grad_rows else (1,), acc, a)
     bd = block_d(D)
-    launches.append(Launch(_fwd_kernel, (q_blocks, split),
-                           (q, k, pm, pl, pacc, n, N, D, k.stride(0), cdiv(k_tiles, split)),
-                           dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd,
-                                GRAD=bool(grad_rows), ACC=_tl_acc(a.dtype),
-                                **_dot_consts(a.dtype, D, a.device)),
-                           cfg.num_warps, cfg.num_stages, "fwd"))
+
+    def make(split, probe=False):
+        pm, pl = buffer((1,) if probe else (split, n), acc, a), buffer((1,) if probe else
+                                                                        (split, n), acc, a)
+        pacc = buffer((split, n, D) if grad_rows and not probe else (1,), acc, a)
+        return Launch(_fwd_kernel, (q_blocks, split),
+                      (q, k, pm, pl, pacc, n, N, D, k.stride(0), cdiv(k_tiles, split)),
+                      dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd,
+                           GRAD=bool(grad_rows), ACC=_tl_acc(a.dtype),
+                           **_dot_consts(a.dtype, D, a.device)),
+                      cfg.num_warps, cfg.num_stages, "fwd")
+
+    split = _split(make, q_blocks, k_tiles, target)
+    fwd = make(split)
+    launches.append(fwd)
+    pm, pl, pacc = fwd.args[2], fwd.args[3], fwd.args[4]
     loss, lse = buffer((n,), acc, a), buffer((n,), acc, a)
     ga = buffer((n, D) if grad_rows else (0,), acc, a)
     bm = _rows_block(D, a.dtype)
@@ -429,42 +535,90 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
                             r.stride(0), noise.stride(0), split, int(grad_rows), float(s),
                             float(l2), math.log(N)),
                            dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype)), 4, 1, "finish"))
-    return launches, (loss, lse, ga)
+    return launches, (loss, lse, ga, q, k)
 
 
-def bwd_plan(a, r, noise, keys, lse, ga, g, s: float, need_a: bool, need_r: bool,
+SUM_BLOCK = 1024  # elements per program of _sum_splits_kernel
+
+
+def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: bool,
              need_keys: bool, target: Target):
-    """(launches, (grad_a, grad_r, pdk)) of one backward call.  pdk: None, or the keys'
-    gradient per query split (split, N, D); the caller sums the splits (fixed order)."""
+    """(launches, (grad_a, grad_r, grad_k)) of one backward call, each gradient in its input's
+    dtype (an empty (0,) tensor when not asked for; all inputs share a's dtype).  q, k: the forward's codes (fwd_plan; k is
+    the keys when they are given); g: (n,) float, any stride (an expanded scalar too).  Nothing
+    of the forward's O(nD) prologue runs again.
+
+    Launches: the keys' backward (when d/da needs the self keys' part, or the given keys need a
+    gradient), then
+      - one query split: nothing more with the self keys (the rows' backward is fused into the
+        keys' kernel: _bwd_keys_kernel OUT_MODE 2, FUSED_CONFIGS; not where that table says
+        None); with given keys, the keys' gradient is written by the keys' kernel (OUT_MODE 1)
+        and _bwd_rows_kernel gives d/da, d/dr;
+      - several splits: fp32 shares per split, summed in a fixed order by _bwd_rows_kernel (self
+        keys) or _sum_splits_kernel (given keys)."""
     n, D = a.shape
     acc = acc_dtype(a.dtype)
     launches: list = []
     self_keys = keys is None
-    pdk = None
+    kk = k if self_keys else keys
+    N = kk.shape[0]
+    bd = block_d(D)
+    empty = lambda: buffer((0,), a.dtype, a)  # noqa: E731
+    grad_a = buffer((n, D), a.dtype, a) if need_a else empty()
+    grad_r = buffer((n, D), a.dtype, a) if need_r else empty()
+    grad_k = buffer((N, D), kk.dtype, a) if need_keys and not self_keys else empty()
+    pdk, split = None, 0
     if (need_a and self_keys) or (need_keys and not self_keys):
-        q, k = _prologue(a, noise, keys, s, target, launches)
-        N = k.shape[0]
         cfg = config("bwd_keys", a.dtype, D, target)
         k_blocks, q_blocks = cdiv(N, cfg.BLOCK_N), cdiv(n, cfg.BLOCK_M)
-        split = split_count(k_blocks, q_blocks, target)
-        pdk = buffer((split, N, D), acc, a)
-        launches.append(Launch(_bwd_keys_kernel, (k_blocks, split),
-                               (q, k, lse, g, pdk, n, N, D, k.stride(0), cdiv(q_blocks, split)),
-                               dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=block_d(D),
-                                    ACC=_tl_acc(a.dtype), **_dot_consts(a.dtype, D, a.device)),
-                               cfg.num_warps, cfg.num_stages, "bwd_keys"))
-    grad_a = buffer((n, D) if need_a else (0,), acc, a)
-    grad_r = buffer((n, D) if need_r else (0,), acc, a)
+
+        # the fused rows' epilogue holds more tiles: its own table where one is given (the
+        # split is decided with OUT_MODE 0's: one split there is one with fewer keys per block)
+        fcfg = FUSED_CONFIGS.get((_family(a.dtype), bd), cfg) if target.arch else cfg
+        fuse = self_keys and fcfg is not None
+
+        def make(split, mode=0, probe=False):
+            c = fcfg if mode == 2 else cfg
+            out = (buffer((1,) if probe else (split, N, D), acc, a) if mode == 0 else
+                   grad_k if mode == 1 else grad_a)
+            # the rows' operands only where the kernel reads them (OUT_MODE 2); else stand-ins
+            rows = ((a, r if need_r else a, noise if need_r else a, ga, grad_r if need_r else out)
+                    if mode == 2 else (out,) * 5)
+            return Launch(_bwd_keys_kernel, (cdiv(N, c.BLOCK_N), split),
+                          (q, kk, lse, g, out, *rows, n, N, D, kk.stride(0), g.stride(0),
+                           a.stride(0), r.stride(0), noise.stride(0), cdiv(n, c.BLOCK_M * split)
+                           if split == 1 else cdiv(q_blocks, split), int(need_r and mode == 2)),
+                          dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_D=bd,
+                               ACC=_tl_acc(a.dtype), GSCALE=a.dtype == torch.float16,
+                               OUT_MODE=mode, **_dot_consts(a.dtype, D, a.device)),
+                          c.num_warps, c.num_stages,
+                          "bwd_keys" if mode == 0 else f"bwd_keys_out{mode}")
+
+        split = _split(make, k_blocks, q_blocks, target)
+        if split == 1 and (fuse or not self_keys):
+            launches.append(make(1, 2 if self_keys else 1))
+            if self_keys:
+                return launches, (grad_a, grad_r, grad_k)
+        else:
+            launches.append(make(split))
+            pdk = launches[-1].args[4]
+            if not self_keys:
+                numel = N * D
+                launches.append(Launch(_sum_splits_kernel, (cdiv(numel, SUM_BLOCK),),
+                                       (pdk, grad_k, numel, split), dict(BLOCK=SUM_BLOCK), 4, 1,
+                                       "sum_splits"))
     if need_a or need_r:
         bm = _rows_block(D, a.dtype)
         self_dk = need_a and self_keys
+        out = grad_a if need_a else grad_r  # stand-in for the operands a flag leaves unread
         launches.append(Launch(
             _bwd_rows_kernel, (cdiv(n, bm),),
-            (a, r, noise, ga, g, pdk if self_dk else grad_a, grad_a, grad_r, n, D, a.stride(0),
-             r.stride(0), noise.stride(0), int(need_a), int(need_r), int(self_dk),
-             pdk.shape[0] if self_dk else 0),
-            dict(BLOCK_M=bm, BLOCK_D=block_d(D), ACC=_tl_acc(a.dtype)), 4, 1, "bwd_rows"))
-    return launches, (grad_a, grad_r, pdk)
+            (a, r if need_r else out, noise if need_r else out, ga if need_a else out, g,
+             pdk if self_dk else out, grad_a, grad_r, n, D, a.stride(0), r.stride(0),
+             noise.stride(0), g.stride(0), int(need_a), int(need_r), int(self_dk),
+             split if self_dk else 0),
+            dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype)), 4, 1, "bwd_rows"))
+    return launches, (grad_a, grad_r, grad_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,33 +631,44 @@ def _rows_operand(t, dtype):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@triton_op("nac_fast::nac_fwd_triton", mutates_args=())
-def nac_fwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
-                   keys: Optional[torch.Tensor], s: float, l2: float,
-                   grad_rows: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool):
+    """The forward op's body (nac_fwd_triton): (loss, lse2, ga, q, k) with k empty when keys are
+    given (the backward reads the keys themselves)."""
     a = _rows_operand(a, a.dtype)
-    launches, out = fwd_plan(a, _rows_operand(r, a.dtype), _rows_operand(noise, a.dtype),
-                             None if keys is None else _rows_operand(keys, a.dtype), s, l2,
-                             grad_rows, target_of(a.device))
+    given = None if keys is None else _rows_operand(keys, a.dtype)
+    launches, (loss, lse, ga, q, k) = fwd_plan(a, _rows_operand(r, a.dtype),
+                                               _rows_operand(noise, a.dtype), given, s, l2,
+                                               grad_rows, target_of(a.device))
+    run(launches)
+    return loss, lse, ga, q, (k if keys is None else buffer((0,), a.dtype, a))
+
+
+def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: bool,
+        need_keys: bool):
+    """The backward op's body (nac_bwd_triton): (d/da, d/dr, d/dkeys) in the inputs' dtype."""
+    a = _rows_operand(a, a.dtype)
+    acc = acc_dtype(a.dtype)
+    launches, out = bwd_plan(
+        a, _rows_operand(r, a.dtype), _rows_operand(noise, a.dtype),
+        None if keys is None else _rows_operand(keys, a.dtype), lse.to(acc).contiguous(),
+        ga.to(acc).contiguous(), g.to(acc), q, k, s, need_a, need_r, need_keys,
+        target_of(a.device))
     run(launches)
     return out
+
+
+@triton_op("nac_fast::nac_fwd_triton", mutates_args=())
+def nac_fwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
+                   keys: Optional[torch.Tensor], s: float, l2: float, grad_rows: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor]:
+    return fwd(a, r, noise, keys, s, l2, grad_rows)
 
 
 @triton_op("nac_fast::nac_bwd_triton", mutates_args=())
 def nac_bwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
                    keys: Optional[torch.Tensor], lse: torch.Tensor, ga: torch.Tensor,
-                   g: torch.Tensor, s: float, need_a: bool, need_r: bool,
-                   need_keys: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    a = _rows_operand(a, a.dtype)
-    acc = acc_dtype(a.dtype)
-    launches, (grad_a, grad_r, pdk) = bwd_plan(
-        a, _rows_operand(r, a.dtype), _rows_operand(noise, a.dtype),
-        None if keys is None else _rows_operand(keys, a.dtype), lse.to(acc).contiguous(),
-        ga.to(acc).contiguous(), g.to(acc).contiguous(), s, need_a, need_r, need_keys,
-        target_of(a.device))
-    run(launches)
-    empty = lambda: torch.empty((0,), device=a.device, dtype=acc)  # noqa: E731  (no aliasing)
-    grad_k = empty()
-    if need_keys and keys is not None:  # the query splits summed in a fixed order
-        grad_k = pdk[0] if pdk.shape[0] == 1 else pdk.sum(0)
-    return (grad_a if need_a else empty(), grad_r if need_r else empty(), grad_k)
+                   g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, s: float, need_a: bool,
+                   need_r: bool, need_keys: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
+    return bwd(a, r, noise, keys, lse, ga, g, q, k, s, need_a, need_r, need_keys)

@@ -43,6 +43,16 @@ def test_the_grid_is_covered(check_rows):
                     assert (k, arch, dtype, D) in seen, (k, arch, dtype, D)
         for k in ("noise", "hamming_cdist", "hamming_ap"):
             assert any(r["kernel"] == k and r["arch"] == arch for r in check_rows), (k, arch)
+        # the keys' backward's one-split modes: the keys' gradient written directly, and the rows'
+        # backward fused in wherever FUSED_CONFIGS has a configuration; the split sums
+        from nac_fast.kernels import nac_triton
+        for dtype in CC.DTYPES:
+            fam = nac_triton._family(getattr(__import__("torch"), dtype))
+            for D in CC.DS:
+                assert ("bwd_keys_out1", arch, dtype, str(D)) in seen, (arch, dtype, D)
+                fused = nac_triton.FUSED_CONFIGS.get((fam, D), "default") is not None
+                assert (("bwd_keys_out2", arch, dtype, str(D)) in seen) == fused, (arch, dtype, D)
+        assert any(r["kernel"] == "sum_splits" and r["arch"] == arch for r in check_rows)
         # both modes, and fp32's three product modes, were planned
         fwd = [r for r in check_rows if r["kernel"] == "fwd" and r["arch"] == arch]
         assert {m for r in fwd for m in r["modes"].split("+")} == {"inbatch", "queue"}
@@ -110,3 +120,77 @@ def test_problem_rules(row, expect):
         assert got == []
     else:
         assert any(expect in p for p in got), got
+
+
+# ---- occupancy (issue 23, item 3): programs per SM from each compiled configuration ----------
+
+def test_blocks_per_sm_limits():
+    from nac_fast.kernels.launch import SM90, blocks_per_sm
+    sm = SM90.smem_per_sm
+    assert blocks_per_sm(190, 65536, 8, sm) == 1      # the bf16 configurations: one per SM
+    assert blocks_per_sm(96, 9216, 4, sm) == 5        # registers: 65536 // (3072 * 4)
+    assert blocks_per_sm(32, 0, 4, sm) == 16          # warps: 64 // 4
+    assert blocks_per_sm(16, 0, 1, sm) == 32          # the 32-block limit
+    assert blocks_per_sm(32, 120 * 1024, 4, sm) == 1  # shared memory
+    assert blocks_per_sm(255, 0, 16, sm) == 0         # 255 x 512 threads: does not fit
+    with pytest.raises(ValueError):
+        blocks_per_sm(0, 0, 4, sm)
+
+
+def test_split_plans_follow_the_occupancy():
+    """One block per SM: in-batch 8192 x 128 bf16 on sm_90 (64 query blocks) splits the keys in 2,
+    not the 4 of a fixed 2 blocks per SM (two waves, twice the partials' traffic)."""
+    import dataclasses
+
+    import torch
+    from nac_fast.kernels import launch as KL
+    from nac_fast.kernels import nac_triton
+    a = torch.empty((8192, 128), dtype=torch.bfloat16, device="meta")
+    asked = []
+
+    def occ(per_sm):
+        def f(L):
+            asked.append(L.tag)
+            return per_sm
+        return f
+    for per_sm, split in ((1, 2), (2, 4)):
+        t = dataclasses.replace(KL.SM90, occupancy=occ(per_sm))
+        launches, _ = nac_triton.fwd_plan(a, a, a, None, 1.1, 0.0, True, t)
+        fwd = [L for L in launches if L.tag == "fwd"][0]
+        assert fwd.grid == (64, split)
+    assert asked == ["fwd", "fwd"]
+
+
+def test_compiled_occupancy_reads_the_compiled_kernel(monkeypatch):
+    """On a GPU the occupancy comes from the kernel Triton compiled (registers, shared memory,
+    warps), compiled once per specialisation (JITFunction.warmup, no launch)."""
+    import types
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from nac_fast.kernels import launch as KL
+    calls = []
+
+    class Kernel:
+        __name__ = "k"
+
+        def warmup(self, *args, grid, num_warps, num_stages, **constexprs):
+            calls.append(grid)
+            return types.SimpleNamespace(n_regs=168, metadata=types.SimpleNamespace(
+                shared=4096, num_warps=num_warps), _init_handles=lambda: None)
+    monkeypatch.setattr(KL, "_cuda_target", lambda index: KL.SM90)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    KL._OCCUPANCY.clear()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(10, device="cuda:0")
+        L = KL.Launch(Kernel(), (3,), (x, 10), dict(BLOCK=4), 4, 1, "t")
+        # 168 registers x 128 threads: 21504 of 65536 registers, 3 blocks
+        assert KL.compiled_occupancy(L) == KL.blocks_per_sm(168, 4096, 4, KL.SM90.smem_per_sm) == 3
+        assert KL.compiled_occupancy(L) == 3
+    assert len(calls) == 1  # cached
+    KL._OCCUPANCY.clear()
+
+
+def test_compile_check_records_occupancy(check_rows):
+    for r in check_rows:
+        assert int(r["blocks_per_sm"]) >= 1, r

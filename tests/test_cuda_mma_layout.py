@@ -454,8 +454,9 @@ def test_keys_backward_warp(dpad, D, dtype):
     a query split with a partial last tile (zero-filled queries: lse = g = 0, contribute 0)."""
     qcol = kernel_expr("bwd_keys_mma_kernel", "8 * nt + 2 * t + (e & 1)")
     kernel_expr("bwd_keys_mma_kernel",
-                "s[nt][e] = exp2_approx(fmaf(s_lse[b][i], -kLog2e, s[nt][e])) * s_g[b][i];")
-    kernel_expr("bwd_keys_mma_kernel", "store_acc<DPAD>(pdk, dk, key0, N, sp * N, D, kLn2);")
+                "s[nt][e] = exp2_approx(fmaf(s_lse[b][i], -kLog2e, s[nt][e])) * (s_g[b][i] * gscale);")
+    kernel_expr("bwd_keys_mma_kernel",
+                "store_acc<DPAD>(pdk, dk, key0, N, sp * N, D, kLn2 * ginv);")
     rng = np.random.default_rng(7 * dpad + D)
     C = cfg(dpad)
     n, N = 2 * C["kStream"] + 9, 19
@@ -468,6 +469,10 @@ def test_keys_backward_warp(dpad, D, dtype):
     lse = np.log(np.exp(S).sum(1)) + rng.uniform(-0.1, 0.1, n)  # any saved lse
     g = rng.uniform(0.5, 1.5, n)
     key0, istart, iend = 0, 2, n - 1
+    # fp16: g times nac::pow2_scale of the split's max |g| (tests/test_cuda_mma_numerics.py)
+    from test_cuda_mma_numerics import pow2_scale
+    gscale, ginv = (float(x) for x in pow2_scale(np.float32(np.abs(g[istart:iend]).max()))) \
+        if dtype == "fp16" else (1.0, 1.0)
     a = emu_load_resident(K, key0, N, C["kChunks"], C)
     dk = np.zeros((32, C["kDTiles"], 4))
     for it in range(-(-(iend - istart) // C["kStream"])):
@@ -482,9 +487,10 @@ def test_keys_backward_warp(dpad, D, dtype):
                 for e in range(4):
                     i = qcol(nt=nt, t=t, e=e)
                     assert i == 8 * nt + c_layout(lane, e)[1]
-                    s[lane, nt, e] = np.exp2(s[lane, nt, e] - math.log2(math.e) * s_lse[i]) * s_g[i]
+                    s[lane, nt, e] = (np.exp2(s[lane, nt, e] - math.log2(math.e) * s_lse[i])
+                                      * (s_g[i] * gscale))
         dk = emu_accumulate_pt(dk, s, buf, C, dtype)
-    got = emu_store_acc(dk * math.log(2), key0, N, D, C)
+    got = emu_store_acc(dk * (math.log(2) * ginv), key0, N, D, C)
     P = np.exp(S[istart:iend] - lse[istart:iend, None]) * g[istart:iend, None]  # (queries, keys)
     expect = (P.T @ Q2[istart:iend, :D]) * math.log(2)
     bound = np.abs(P.T) @ np.abs(Q2[istart:iend, :D]) * math.log(2)
@@ -507,14 +513,20 @@ def test_kernel_expr_fails_on_a_changed_expression():
         kernel_expr("score_tile", "16 * j * C::kLd + 8 * kk")
 
 
-def _plan(rows, tiles_stream, stream, programs, sms=132):
-    """nac_cuda.cu's split_for and tiles_per_split for `rows` streamed rows (host side)."""
+def _host():
     with open(os.path.join(ROOT, "csrc", "nac_cuda.cu")) as fh:
-        host = fh.read()
+        return fh.read()
+
+
+def _plan(rows, tiles_stream, stream, programs, sms=132, blocks_per_sm=1):
+    """nac_cuda.cu's split_for and tiles_per_split for `rows` streamed rows (host side)."""
+    host = _host()
+    assert ("int64_t want = (int64_t(sms) * std::max(blocks_per_sm, 1) + programs - 1) / programs"
+            in host)
     assert "while (split * 2 <= std::min<int64_t>({want, tiles, 64})) split *= 2;" in host
     assert "const int64_t tiles_per_split = (ktiles + nsplit - 1) / nsplit;" in host  # fwd
     assert "const int64_t per = (qtiles + nsplit - 1) / nsplit;" in host  # keys' backward
-    want, split = -(-2 * sms // programs), 1
+    want, split = -(-sms * max(blocks_per_sm, 1) // programs), 1
     while split * 2 <= min(want, tiles_stream, 64):
         split *= 2
     return split, -(-tiles_stream // split)
@@ -555,3 +567,23 @@ def test_grid_covers_every_row_and_splits_partition_the_stream(kernel, n, N, dpa
         assert nt * C["kStream"] >= length and (nt - 1) * C["kStream"] < max(length, 1)
         covered[start:end] += 1
     assert (covered == 1).all()
+
+
+def test_host_split_plans_use_each_kernels_occupancy():
+    """Issue 23, item 3: every split plan of the host (SIMT and tensor-core, forward and keys'
+    backward) asks the occupancy of the kernel it launches, not a fixed 2 blocks per SM."""
+    host = _host()
+    assert "2 * sms" not in host
+    for call in ("split_for(qtiles, ktiles, occupancy)", "split_for(ktiles, qtiles, occupancy)",
+                 "split_for(qtiles, ktiles, nac_mma::fwd_blocks_per_sm(p.dt, p.dpad))",
+                 "split_for(ktiles, qtiles, nac_mma::bwd_blocks_per_sm(p.dt, p.dpad))",
+                 "blocks_per_sm(fwd_kernel<acc_t, acc_t, DPAD>, kThreads)",
+                 "blocks_per_sm(bwd_keys_kernel<acc_t, acc_t, DPAD>, kThreads)"):
+        assert call in host, call
+    for kernel in ("fwd_mma_kernel", "bwd_keys_mma_kernel"):
+        for dpad in DPADS:
+            assert f"occupancy({kernel}<T, {dpad}>)" in SRC, (kernel, dpad)
+    # one block per SM (the bf16 kernels' 190-255 registers x 256 threads) halves the split of a
+    # fixed 2 per SM: at n = N = 8192 (64 resident tiles of 128) on 132 SMs, 2 splits, not 4
+    assert _plan(8192, 128, 64, 64, blocks_per_sm=1)[0] == 2
+    assert _plan(8192, 128, 64, 64, blocks_per_sm=2)[0] == 4

@@ -285,6 +285,7 @@ def test_bench_loss_compiles_every_shape(tmp_path):
     assert all(x["compiled_graphs"] == "1" and x["status"] == "ok" and
                x["compile_backend"] == "aot_eager" and float(x["compile_s"]) > 0 for x in comp)
     assert all(x["pct_of_bound"] == "" for x in rows)  # no known GPU on a CPU run
+    assert all(x["timer"] == "perf_counter" and float(x["loadavg"]) >= 0 for x in rows)
 
 
 def test_bench_loss_fails_a_row_that_is_not_compiled(tmp_path, monkeypatch):
@@ -309,3 +310,43 @@ def test_bench_loss_fails_a_row_that_is_not_compiled(tmp_path, monkeypatch):
         comp = [x for x in csv.DictReader(f) if x["backend"] == "compiled-reference"]
     assert comp[0]["status"] == "ok"
     assert comp[1]["status"].startswith("failed: RuntimeError: not compiled: 2 graphs compiled")
+
+
+# ---- bench_loss: device timing (issue 23, item 5) -----------------------------------------------
+
+def test_time_step_on_a_gpu_is_do_bench(monkeypatch):
+    """On CUDA the step is timed by triton.testing.do_bench (CUDA events, L2 flush, warm-up), not
+    by the host clock: its median and p20/p80 are the row's."""
+    import torch
+    import triton.testing
+    calls = []
+
+    def fake_do_bench(fn, **kw):
+        calls.append(kw)
+        fn()
+        return [2.0, 1.5, 3.0]
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    steps = []
+    med, p20, p80, reps, first, timer = bench_loss.time_step(lambda: steps.append(1), "cuda", 7,
+                                                             0.5)
+    assert (med, p20, p80, timer) == (0.002, 0.0015, 0.003, "do_bench")
+    assert calls == [dict(warmup=25, rep=500.0, quantiles=[0.5, 0.2, 0.8])]
+    assert len(steps) == 2 and reps == 250  # the warm-up call, then do_bench's
+
+
+def test_time_step_on_the_cpu_is_the_host_clock():
+    med, p20, p80, reps, first, timer = bench_loss.time_step(lambda: None, "cpu", 5, 0.0)
+    assert timer == "perf_counter" and reps == 5 and p20 <= med <= p80
+
+
+def test_graph_rows_follow_each_fused_backend():
+    assert bench_loss.variants(["reference", "cpu", "triton"], True, True) == [
+        "reference", "compiled-reference", "cpu", "cpu+graph", "triton", "triton+graph"]
+    assert bench_loss.variants(["reference", "triton"], False, False) == ["reference", "triton"]
+
+
+def test_graphs_need_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        bench_loss.main(["--device", "cpu", "--graphs", "--quick"])
+    assert "--graphs needs --device cuda" in capsys.readouterr().err

@@ -3,7 +3,8 @@ why the others cannot, and the choice behind backend="auto".
 
     available_backends(device=None, op="nac")              # ['reference', 'cpu', ...]
     available_backends(device, op="hamming", reasons=True)  # {backend: None or why not}
-    resolve_backend(backend, tensor, op="nac")               # what runs for this tensor
+    resolve_backend(backend, tensor, op="nac", keys=keys)    # what runs for this tensor
+    explain_auto(tensor, op="nac", keys=keys)                # why backend="auto" picks it
 
 Ops and their backends:
     "nac"      the fused NAC losses: reference, cpu (csrc/nac_cpu.cpp), triton
@@ -175,10 +176,47 @@ def available_backends(device: str | torch.device | None = None, *, op: str = "n
     return list(_available(dt, op))
 
 
-def resolve_backend(backend, t: torch.Tensor, op: str = "nac") -> str:
+# backend="auto" on CPU tensors: the fused kernel, except for the NAC losses in bf16 when the
+# keys take a gradient (the in-batch loss with a needing a gradient, or keys that require one).
+# There the fused CPU kernel (which widens bf16 to fp32 and recomputes the logits in the keys'
+# backward: 4 fp32 GEMMs) is 1.10-1.97x slower than the eager reference (3 bf16 GEMMs on the CPU's
+# AVX512-BF16 units through oneDNN): bench/results/loss_cpu.csv, in-batch n = 1000 ... 4096.
+# Without the keys' gradient (NAC-MQ's queue) the fused kernel is 0.29-0.49x the reference's time
+# and stays the choice.  docs/kernels.md "Choosing a backend".
+AUTO_CPU_REFERENCE_DTYPES = (torch.bfloat16,)
+_UNSET = object()
+
+
+def _keys_take_grad(t: torch.Tensor, keys) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return bool(t.requires_grad) if keys is None else bool(keys.requires_grad)
+
+
+def _auto(t: torch.Tensor, op: str, keys, avail) -> tuple:
+    """(backend, why) of backend="auto" for `t` (and, for op "nac", its keys: None = the in-batch
+    keys, _UNSET = not said)."""
+    if t.device.type == "cuda":
+        for b in ("triton", "cuda"):
+            if b in avail and b not in EXPERIMENTAL:
+                return b, f"the fused {b!r} kernel of CUDA tensors"
+        return "reference", "no fused GPU backend is available here"
+    if "cpu" not in avail:
+        return "reference", "the compiled CPU kernel is not available here"
+    if (op == "nac" and keys is not _UNSET and t.dtype in AUTO_CPU_REFERENCE_DTYPES
+            and _keys_take_grad(t, keys)):
+        return "reference", ("bf16 CPU tensors whose keys take a gradient: the eager reference's "
+                             "bf16 GEMMs are faster than the fused kernel's fp32 ones "
+                             "(bench/results/loss_cpu.csv)")
+    return "cpu", "the fused 'cpu' kernel of CPU tensors"
+
+
+def resolve_backend(backend, t: torch.Tensor, op: str = "nac", *, keys=_UNSET) -> str:
     """Map the user's `backend` to the implementation of `op` that runs for tensor `t`.  "auto":
     the fused kernel of t's device (CPU: cpu; GPU: triton, then cuda unless EXPERIMENTAL), else
-    the reference."""
+    the reference; for op "nac" on bf16 CPU tensors whose keys take a gradient (`keys`: the keys
+    tensor, None for the in-batch keys; left out: not considered), the reference, which is the
+    faster there (`explain_auto` says why, docs/kernels.md "Choosing a backend")."""
     _check_op(op)
     names = OPS[op][0] + ("auto",)
     if not isinstance(backend, str) or backend not in names:
@@ -186,10 +224,16 @@ def resolve_backend(backend, t: torch.Tensor, op: str = "nac") -> str:
                          f"{available_backends(op=op)}")
     avail = _available(t.device.type, op)
     if backend == "auto":
-        order = ("triton", "cuda") if t.device.type == "cuda" else ("cpu",)
-        return next((b for b in order if b in avail and b not in EXPERIMENTAL), "reference")
+        return _auto(t, op, keys, avail)[0]
     if backend not in avail:
         raise ValueError(f"backend {backend!r} is not available for {t.device.type} tensors in "
                          f"this install ({_reason(backend, t.device.type, op)}); available: "
                          f"{list(avail)}")
     return backend
+
+
+def explain_auto(t: torch.Tensor, op: str = "nac", *, keys=_UNSET) -> str:
+    """What backend="auto" runs for `t` (and `keys`, as resolve_backend takes them), and why."""
+    _check_op(op)
+    b, why = _auto(t, op, keys, _available(t.device.type, op))
+    return f"backend='auto' runs {b!r}: {why}"

@@ -6,6 +6,12 @@ when a needs one); the backward assembles d/da, d/dr and d/dkeys [M:grad-a] from
 the units of the backend's own backward (base 2 for triton, [M:lse-online]): only that backend's
 backward reads it.  Ops are registered with torch.library (fake implementations included), so
 autograd and torch.compile both see them.
+
+The Triton forward also returns the codes its prologue computed (Q, and K = tanh(a) for the
+in-batch keys), saved for its backward so that the backward does not recompute them; its
+backward returns the gradients in the inputs' dtype (the compiled ops: in the accumulation dtype,
+cast here).  g reaches every backward as autograd gives it (an expanded scalar for
+reduction="sum"): each op reads or copies it as it needs.
 """
 from __future__ import annotations
 
@@ -32,32 +38,48 @@ def _fake_bwd(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys):
             a.new_empty(kshape if need_keys and keys is not None else (0,), dtype=acc))
 
 
-def _register(name: str, fwd, bwd) -> None:
-    """Attach fake impls and the autograd formula to one backend's op pair (once)."""
+def _fake_fwd_triton(a, r, noise, keys, s, l2, grad_rows):
+    n, d = a.shape
+    return (*_fake_fwd(a, r, noise, keys, s, l2, grad_rows), a.new_empty((n, d)),
+            a.new_empty((n, d) if keys is None else (0,)))
+
+
+def _fake_bwd_triton(a, r, noise, keys, lse, ga, g, q, k, s, need_a, need_r, need_keys):
+    kshape = a.shape if keys is None else keys.shape
+    return (a.new_empty(a.shape if need_a else (0,)), a.new_empty(a.shape if need_r else (0,)),
+            a.new_empty(kshape if need_keys and keys is not None else (0,)))
+
+
+def _register(name: str, fwd, bwd, fake_fwd=_fake_fwd, fake_bwd=_fake_bwd) -> None:
+    """Attach fake impls and the autograd formula to one backend's op pair (once).  The forward
+    returns (loss rows, lse, ga, *saved): `saved` (the Triton op's codes) go to the backward
+    after g."""
     # Explicit fakes for every backend, triton_op included: tracing a Triton launch with fake
     # tensors fails under TRITON_INTERPRET=1 (it reads data pointers), and the kernels are the
     # whole computation anyway, so the compiled graph treats them as opaque ops.
-    torch.library.register_fake(fwd)(_fake_fwd)
-    torch.library.register_fake(bwd)(_fake_bwd)
+    torch.library.register_fake(fwd)(fake_fwd)
+    torch.library.register_fake(bwd)(fake_bwd)
 
     def setup_context(ctx, inputs, output):
         a, r, noise, keys, s, l2, grad_rows = inputs
-        _, lse, ga = output
+        _, lse, ga, *saved = output
         ctx.s = s
         ctx.self_keys = keys is None
         ctx.dtypes = (a.dtype, r.dtype, None if keys is None else keys.dtype)
-        ctx.save_for_backward(a, r, noise, keys if keys is not None else a.new_empty(0), lse, ga)
-        # lse and ga take no gradient: without this, autograd would hand backward an (n, D) zero
-        # tensor for ga (2 MiB at 4096 x 128 fp32, a fifth of the CPU op's whole extra memory).
+        ctx.save_for_backward(a, r, noise, keys if keys is not None else a.new_empty(0), lse, ga,
+                              *saved)
+        # lse, ga and the saved codes take no gradient: without this, autograd would hand
+        # backward an (n, D) zero tensor for ga (2 MiB at 4096 x 128 fp32, a fifth of the CPU
+        # op's whole extra memory).
         ctx.set_materialize_grads(False)
 
-    def backward(ctx, g_rows, _g_lse, _g_ga):
-        if g_rows is None:  # only lse or ga were used downstream: no gradient flows
+    def backward(ctx, g_rows, *_g_others):
+        if g_rows is None:  # only lse, ga or the codes were used downstream: no gradient flows
             return (None,) * 7
-        a, r, noise, keys, lse, ga = ctx.saved_tensors
+        a, r, noise, keys, lse, ga, *saved = ctx.saved_tensors
         keys = None if ctx.self_keys else keys
         need_a, need_r, _, need_k = ctx.needs_input_grad[:4]
-        grad_a, grad_r, grad_k = bwd(a, r, noise, keys, lse, ga, g_rows.contiguous(), ctx.s,
+        grad_a, grad_r, grad_k = bwd(a, r, noise, keys, lse, ga, g_rows, *saved, ctx.s,
                                      bool(need_a), bool(need_r), bool(need_k and keys is not None))
         return (grad_a.to(ctx.dtypes[0]) if need_a else None,
                 grad_r.to(ctx.dtypes[1]) if need_r else None, None,
@@ -71,7 +93,8 @@ def _register(name: str, fwd, bwd) -> None:
 def _ops(backend: str):
     if backend not in _OPS and backend == "triton":
         from ..kernels import nac_triton
-        _register("triton", nac_triton.nac_fwd_triton, nac_triton.nac_bwd_triton)
+        _register("triton", nac_triton.nac_fwd_triton, nac_triton.nac_bwd_triton,
+                  _fake_fwd_triton, _fake_bwd_triton)
     return _OPS[backend]
 
 
@@ -87,5 +110,5 @@ if extension() is not None:  # one op, two dispatch keys (CPU kernel here, CUDA 
 def nac_fused(backend, a, r, noise, keys, s, l2, reduction):
     fwd, _ = _ops(backend)
     grad_rows = torch.is_grad_enabled() and a.requires_grad  # ga is only needed for d/da
-    rows, _, _ = fwd(a, r, noise, keys, float(s), float(l2), bool(grad_rows))
+    rows = fwd(a, r, noise, keys, float(s), float(l2), bool(grad_rows))[0]
     return reduce_rows(rows, reduction)
