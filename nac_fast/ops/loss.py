@@ -181,7 +181,7 @@ def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"
     backend: "reference" | "cpu" | "triton" | "cuda" | "auto".
     """
     p, s, noise = _prepare(a, r, p, keys, noise, reduction)
-    impl = resolve_backend(backend, a)
+    impl = resolve_backend(backend, a, keys=keys)  # auto: the faster path per dtype
     if impl == "reference":
         return reference.nac_loss_reference(a, r, noise, s, keys=keys, reduction=reduction)
     return _nac.nac_fused(impl, a, r, noise, keys, s, 0.0, reduction)
@@ -202,7 +202,7 @@ def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", bac
         raise TypeError("queue must be a torch.Tensor of shape (M, D), got None")
     p, s, noise = _prepare(a, r_hat, p, queue, noise, reduction, r_name="r_hat",
                            keys_name="queue")
-    impl = resolve_backend(backend, a)
+    impl = resolve_backend(backend, a, keys=queue)
     if impl == "reference":
         return reference.nac_mq_loss_reference(a, r_hat, queue, noise, s, l2=float(l2),
                                                reduction=reduction)
