@@ -521,13 +521,50 @@ def signature(args, method, flags, recipe, seed) -> str | None:
     return json.dumps([budget_tag(args), cfg], sort_keys=True, default=str)
 
 
+def current_signature(row) -> str | None:
+    """The signature of a finished run's training as train.py resolves its command today: its
+    first train.py command, parsed at HEAD, with its budget.  None for the random-init baseline,
+    for runs of the default recipe (whose meaning moves with the default) and for a command that
+    no longer parses.  Lets runs recorded before a change of the signature's keys (e.g. --p
+    renamed --flip-prob) be reused."""
+    if row.get("method") == "random" or row.get("recipe") == "default":
+        return None
+    cmd = next((c for c in row.get("commands", []) if " train.py " in f" {c} "), None)
+    if cmd is None:
+        return None
+    from nac_fast.train.config import parse
+    argv = shlex.split(cmd)
+    argv = argv[argv.index("train.py") + 1:]
+    drop = {"--out": 1, "--stop-at-step": 1, "--resume": 0, "--overwrite": 0}
+    kept, i = [], 0
+    while i < len(argv):
+        if argv[i] in drop:
+            i += 1 + drop[argv[i]]
+            continue
+        kept.append(argv[i])
+        i += 1
+    if "--config" in kept:
+        j = kept.index("--config") + 1
+        kept[j] = os.path.join(ROOT, kept[j])
+    try:
+        cfg = {k: v for k, v in sorted(vars(parse(kept + ["--out", "OUT"])).items())
+               if k not in NOT_TRAINING}
+    except (ValueError, SystemExit):
+        return None
+    return json.dumps([row["budget"], cfg], sort_keys=True, default=str)
+
+
 def reusable_rows(args) -> dict:
-    """{signature: row} of the finished runs of every grid under --out."""
+    """{signature: row} of the finished runs of every grid under --out (each row under the
+    signature it was recorded with and, for the pinned recipes, the one its command has today)."""
     out = {}
     for g in GRIDS:
         for r in load_rows(os.path.join(args.out, g, "results.jsonl")):
-            if r.get("signature") and not r.get("reused_from"):
-                out.setdefault(r["signature"], r)
+            if r.get("reused_from"):
+                continue
+            for sig in (r.get("signature"), current_signature(r)):
+                if sig:
+                    out.setdefault(sig, r)
     return out
 
 
