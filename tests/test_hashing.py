@@ -431,9 +431,6 @@ def test_code_statistics_matches_brute_force(bits):
         np.testing.assert_allclose(s.bit_freq.numpy(), bal, rtol=1e-12)
         assert s.balance_dev == pytest.approx(np.abs(bal - 0.5).mean())
         assert s.bit_freq_min == bal.min() and s.bit_freq_max == bal.max()
-        # the names before the rename ([M:stats]) still read the same values
-        assert s.bit_balance is s.bit_freq and s.balance_mean_abs_deviation == s.balance_dev
-        assert (s.balance_min, s.balance_max) == (s.bit_freq_min, s.bit_freq_max)
 
 
 def test_code_statistics_sign_of_preactivations():

@@ -91,9 +91,6 @@ def test_plot_train_log(tmp_path):
     out = tmp_path / "c.png"
     plot_train_log.main([str(run / "log.jsonl"), "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # a log written before the rename ([M:balance-score]) is read with its key renamed
-    (run / "old.jsonl").write_text(json.dumps({"step": 1, "bit_balance": 0.7}) + "\n")
-    assert plot_train_log.read_log(str(run / "old.jsonl")) == [{"step": 1, "balance_score": 0.7}]
     (run / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="not a JSON line"):
         plot_train_log.read_log(str(run / "bad.jsonl"))

@@ -71,8 +71,5 @@ class CodeQueue(nn.Module):
                                  f"run expects {tuple(self.codes.shape)} (--queue-size must match)")
             if not codes.is_floating_point():
                 raise TypeError(f"queue codes in the checkpoint must be floating, got {codes.dtype}")
-        ptr = state_dict.get(prefix + "ptr")
-        if ptr is not None and not isinstance(ptr, torch.Tensor):  # checkpoints before 0.2: an int
-            state_dict[prefix + "ptr"] = torch.tensor(int(ptr), dtype=torch.long)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

@@ -256,20 +256,24 @@ def build_model(arch="resnet18", in_channels=3, image_size=224, code_dim=128, in
                     **options)
 
 
-# The head options recorded in a run's config (train.py flags), with the authors' values for a
-# config that does not set them.
-HEAD_OPTION_DEFAULTS = dict(head_bn=False, infer_bn=False, a_gain=1.0, r_gain=1.0,
-                            learn_gain=False, infer_init="independent", bn_per_view=False)
+# The head options a run's config records (train.py flags; NACModel's keyword-only options).
+HEAD_OPTIONS = ("head_bn", "infer_bn", "a_gain", "r_gain", "learn_gain", "infer_init",
+                "bn_per_view")
+MODEL_CONFIG_KEYS = ("arch", "in_channels", "image_size", "code_dim", "method", "scale_codes",
+                     "flip_prob") + HEAD_OPTIONS
 
 
 def model_kwargs_from_config(cfg: dict) -> dict:
     """The build_model arguments recorded in a training checkpoint's config (TrainConfig.to_dict:
     arch, in_channels, image_size, code_dim, method, scale_codes and the head options).  A
-    config whose r_gain is 'auto' has it resolved from the flip probability (key "flip_prob";
-    "p" in the checkpoints written before the flag became --flip-prob)."""
-    opts = {k: cfg.get(k, v) for k, v in HEAD_OPTION_DEFAULTS.items()}
-    opts["r_gain"] = resolve_r_gain(opts["r_gain"], opts["a_gain"],
-                                    cfg.get("flip_prob", cfg.get("p")))
+    config whose r_gain is 'auto' has it resolved from flip_prob.  ValueError naming the keys a
+    config lacks."""
+    missing = [k for k in MODEL_CONFIG_KEYS if k not in cfg]
+    if missing:
+        raise ValueError(f"the checkpoint's config has no {', '.join(missing)}: not a config of "
+                         "this train.py (TrainConfig)")
+    opts = {k: cfg[k] for k in HEAD_OPTIONS}
+    opts["r_gain"] = resolve_r_gain(opts["r_gain"], opts["a_gain"], cfg["flip_prob"])
     return dict(arch=cfg["arch"], in_channels=cfg["in_channels"], image_size=cfg["image_size"],
                 code_dim=cfg["code_dim"], inference_net=cfg["method"] != "simclr",
                 scale_codes=cfg["scale_codes"], **opts)
