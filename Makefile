@@ -13,13 +13,14 @@ BIN        := $(VENV)/bin
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # Installed before the package: pyproject.toml's [build-system] requires but torch (the extension
 # is built against the venv's own torch, --no-build-isolation), and the test suite's and
-# train.py's tools (tensorboard: train.py --tensorboard).  The [dev] extra lists the same tools
-# (tests/test_packaging.py checks that each of them is here).
+# train.py's tools (tensorboard: train.py --tensorboard; scikit-learn: the digits of
+# scripts/make_image_folder.py).  The [dev] extra lists the same tools (tests/test_packaging.py
+# checks that each of them is here).
 PY_DEPS    ?= "setuptools>=64" wheel ninja numpy Pillow tqdm pytest pytest-benchmark matplotlib \
               faiss-cpu tensorboard scikit-learn nvidia-dali-cuda130
-# pyproject.toml's extras installed with the package: dev (the tools above), eval, dali (the
-# dali-cpu loader runs in CI).
-EXTRAS     ?= dev,eval,dali
+# pyproject.toml's extras installed with the package: dev (the tools above), dali (the dali-cpu
+# loader runs in CI).
+EXTRAS     ?= dev,dali
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
 STAMP      := $(VENV)/.nac_fast_setup
 ARGS       ?=

@@ -189,16 +189,19 @@ def importlib_import(name):
 def test_extras():
     extras = {k: {_name(r) for r in v}
               for k, v in _pyproject()["project"]["optional-dependencies"].items()}
-    assert {"dali", "eval", "dev"} <= set(extras), extras
-    assert "scikit-learn" in extras["eval"] and "faiss-cpu" not in extras["eval"], extras["eval"]
+    assert {"dali", "dev"} <= set(extras), extras
+    # nothing in nac_fast/ imports scikit-learn (test_dependencies_are_the_real_ones would then
+    # ask for it): only scripts/make_image_folder.py's digits need it, a tool of [dev]
+    assert "eval" not in extras and "sklearn" not in _third_party_imports(), extras
+    assert "scikit-learn" in extras["dev"], extras["dev"]
     assert "faiss-cpu" in extras["bench"], extras
     assert {"pytest", "tensorboard", "ninja"} <= extras["dev"], extras["dev"]
     assert any(n.startswith("nvidia-dali") for n in extras["dali"]), extras["dali"]
-    # make setup installs the tools of [dev] (and [eval]) itself: the Makefile's PY_DEPS
+    # make setup installs the tools of [dev] itself: the Makefile's PY_DEPS
     make = open(os.path.join(ROOT, "Makefile")).read()
     py_deps = re.search(r"^PY_DEPS\s*\?=\s*((?:.*\\\n)*.*)$", make, re.M).group(1)
     listed = {_name(w.strip('"')) for w in py_deps.replace("\\\n", " ").split()}
-    assert (extras["dev"] | extras["eval"]) <= listed, (extras["dev"] | extras["eval"]) - listed
+    assert extras["dev"] <= listed, extras["dev"] - listed
     assert "tensorboard" in listed
 
 
