@@ -12,14 +12,15 @@ PKG = os.path.join(ROOT, "nac_fast")
 
 # layer -> the top-level parts of nac_fast it may import (besides itself)
 ALLOWED = {
+    "_checks": set(),           # argument validators: a leaf every layer may use
     "_files": set(),            # atomic writes: a leaf every layer may use
     "_omp": set(),              # the CLIs' OpenMP wait policy: a leaf
-    "ops": {"kernels", "_C", "_build_info", "_files"},
-    "data": set(),
-    "codestats": {"ops"},
-    "train": {"ops", "data", "codestats"},
-    "eval": {"ops", "data", "codestats", "train", "_files", "_omp"},
-    "index": {"ops", "data", "codestats", "train", "_files", "_omp"},
+    "ops": {"kernels", "_C", "_build_info", "_files", "_checks"},
+    "data": {"_checks"},
+    "codestats": {"ops", "_checks"},
+    "train": {"ops", "data", "codestats", "_checks"},
+    "eval": {"ops", "data", "codestats", "train", "_files", "_omp", "_checks"},
+    "index": {"ops", "data", "codestats", "train", "_files", "_omp", "_checks"},
 }
 
 

@@ -12,7 +12,6 @@ import numpy as np
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import train
 from nac_fast.ops.loss import nac_loss, nac_mq_loss, nac_vi_loss
