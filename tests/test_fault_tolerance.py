@@ -380,7 +380,9 @@ def test_automatic_resume_falls_back_to_prev(mq_reference, tmp_path, monkeypatch
     assert _losses(out) == _losses(mq_reference)
     _same_state(out, mq_reference)
     assert _step(out) == 8 and _step(out, "prev.pt") == 6
-    assert load_model(last) is not None                           # evaluation reads last.pt
+    ck = load_checkpoint(last)                                    # evaluation reads last.pt:
+    assert ck["step"] == 8 and all(torch.equal(v, ck["model"][k])  # its step-8 weights
+                                   for k, v in load_model(last).state_dict().items())
     assert {n: _sha(os.path.join(out, n)) for n in user} == user
     assert sorted(os.listdir(out)) == ["config.json", "keep.pt", "last.pt", "log.jsonl",
                                        "notes.txt", "prev.pt", "status.json"]

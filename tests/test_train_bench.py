@@ -24,7 +24,9 @@ def test_train_throughput_prints_json_last():
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res["method"] == "nac-mq" and res["measured_steps"] == 2 and res["img_per_s"] > 0
+    assert res["method"] == "nac-mq" and res["measured_steps"] == 2
+    # img/s and ms/step are one measurement: batch images per step (both rounded to 0.1)
+    assert res["img_per_s"] * res["step_ms"] / 1e3 == pytest.approx(32, rel=0.02)
     assert 0 <= res["data_wait"] < 1 and res["world_size"] == 1
 
 
@@ -109,7 +111,8 @@ def test_train_throughput_device_data_profile_and_sync_check(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res == json.loads(out.read_text())
-    assert res["data"] == "synthetic-device:256" and res["img_per_s"] > 0
+    assert res["data"] == "synthetic-device:256" and res["measured_steps"] == 1
+    assert res["img_per_s"] * res["step_ms"] / 1e3 == pytest.approx(16, rel=0.02)
     assert res["profile"] == "ok" and res["sync_check"] == "n/a (no CUDA device)"
     text = prof.read_text()
     assert "top operators by self CPU time" in text and "aten::" in text
