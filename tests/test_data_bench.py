@@ -18,6 +18,7 @@ def _run(*args):
     return r.stdout
 
 
+@pytest.mark.slow
 def test_throughput_bench_prints_json_last(tmp_path):
     data = str(tmp_path / "jpegs")
     out = _run("bench/data_throughput.py", "--data", data, "--make-jpegs", "16", "--loader",
@@ -34,6 +35,7 @@ def test_throughput_bench_prints_json_last(tmp_path):
     assert 0 < res["cpu_ms_per_image"] <= 1e3 * (res["seconds"] + 1e-3) * res["cpus"] / measured
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(fashion_mnist.find_dir() is None, reason="Fashion-MNIST not installed")
 def test_show_augmentations_writes_a_grid(tmp_path):
     png = str(tmp_path / "grid.png")

@@ -189,6 +189,7 @@ def test_missing_checkpoint(tmp_path, capsys):
     assert "--checkpoint" in capsys.readouterr().err.split("error:", 1)[1]
 
 
+@pytest.mark.slow
 def test_help_subprocess():
     p = subprocess.run([sys.executable, "-m", "nac_fast.eval", "--help"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)

@@ -165,6 +165,7 @@ def ddp_reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_elastic_restart_resumes_by_itself(ddp_reference, tmp_path):
     out = str(tmp_path / "run")
     r = _torchrun(_standalone("--max-restarts=1"), _killer(tmp_path, rank=1, step=6),
@@ -208,6 +209,7 @@ def _two_nodes(script, args, tmp_path, restarts=0, env=None):
     return texts
 
 
+@pytest.mark.slow
 def test_two_nodes_c10d_shard_by_global_rank_and_restart(ddp_reference, tmp_path):
     """Each node has one process (LOCAL_RANK 0 on both): the same losses as one node with two
     processes show that the data is sharded by the global RANK.  Global rank 1 dies before step

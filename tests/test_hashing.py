@@ -236,7 +236,10 @@ def test_map_random_single_label(backend, bits):
         check_ap(backend, q, ql, g, gl)
 
 
-@pytest.mark.parametrize("bits", [7, 65, 128])
+@pytest.mark.parametrize("backend,bits", [
+    pytest.param(b, n, marks=[pytest.mark.slow] if b == "triton" and n > 64 else [])
+    for b in ("reference", "cpu", "triton") for n in (7, 65, 128)],  # the interpreter: 5-8 s
+    indirect=["backend"])
 def test_map_random_multi_label(backend, bits):
     rng = np.random.default_rng(600 + bits)
     for L in (3, 70):  # 70 labels -> 2 packed label words

@@ -18,7 +18,7 @@ ALLOWED = {
     "ops": {"kernels", "_C", "_build_info", "_files", "_checks"},
     "data": {"_checks"},
     "codestats": {"ops", "_checks"},
-    "train": {"ops", "data", "codestats", "_checks"},
+    "train": {"ops", "data", "codestats", "_files", "_checks"},
     "eval": {"ops", "data", "codestats", "train", "_files", "_omp", "_checks"},
     "index": {"ops", "data", "codestats", "train", "_files", "_omp", "_checks"},
 }

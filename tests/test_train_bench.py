@@ -16,6 +16,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow
 def test_train_throughput_prints_json_last():
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_throughput.py"),
                         "--data", "synthetic:512", "--image-size", "8", "--batch-size", "32",
@@ -98,6 +99,7 @@ def test_plot_train_log(tmp_path):
         plot_train_log.read_log(str(run / "bad.jsonl"))
 
 
+@pytest.mark.slow
 def test_train_throughput_device_data_profile_and_sync_check(tmp_path):
     """The GPU suite's train stage at toy size on the CPU: synthetic-device data, the one-step
     profile table (operators on a CPU run) and the sync check (n/a without a GPU)."""

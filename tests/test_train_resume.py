@@ -57,6 +57,7 @@ MQ = ["--data", "synthetic:128", "--image-size", "8", "--batch-size", "32", "--m
       "--no-progress"]
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted_nac_mq_across_epochs(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     assert train.main(MQ + ["--out", a]) == 0
@@ -72,6 +73,7 @@ def test_resume_equals_uninterrupted_nac_mq_across_epochs(tmp_path):
     assert ca["queue"]["ptr"] == cb["queue"]["ptr"] == (7 * 64) % 96
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_on_fashion_mnist(tmp_path):
     args = ["--batch-size", "32", "--max-steps", "4", "--log-every", "1", "--save-every", "100",
             "--no-progress"]
@@ -94,6 +96,7 @@ def test_resume_rejects_other_config(tmp_path, capsys):
     assert "checkpoint has batch_size=32" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sigkill_loses_at_most_one_save_interval(tmp_path):
     out = str(tmp_path / "k")
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data", "synthetic:512",
@@ -140,6 +143,7 @@ def _torchrun(args, timeout=240):
     return r
 
 
+@pytest.mark.slow
 def test_torchrun_inference_warmup(tmp_path):
     """--infer-warmup-steps under DDP: the warm-up steps leave the encoder and code head without
     gradient, which DDP refused ("did not receive grad": the run died at step 2) until the
@@ -152,6 +156,7 @@ def test_torchrun_inference_warmup(tmp_path):
     assert all(math.isfinite(x["loss"]) for x in _log(out))
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_end_to_end(tmp_path):
     out = str(tmp_path / "e2e")
     r = _torchrun(["--max-steps", "3", "--batch-size", "64", "--log-every", "1", "--no-progress",
@@ -171,6 +176,7 @@ def test_torchrun_two_processes_end_to_end(tmp_path):
     assert h.shape == (16, 128) and a.shape == (16, 128) and torch.isfinite(a).all()
 
 
+@pytest.mark.slow
 def test_compile_flag_trains_like_eager(tmp_path):
     """--compile (torch.compile of the DDP/plain model; Inductor's C++ backend on CPU) logs the
     losses of the eager run, within float reassociation, and writes a loadable checkpoint."""
