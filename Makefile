@@ -3,7 +3,11 @@
 #                into OUT (runs/default); a second `make train` stops (status 2) without touching
 #                the first run: ARGS=--resume continues it, OUT=runs/other trains another,
 #                ARGS=--overwrite replaces it (README "Training")
-#   make test    set up, then run the test suite
+#   make test    set up, then run the test suite (all of it: what CI runs), with the 15 slowest
+#                tests listed at the end
+#   make test-fast   the fast tier while working: the suite less the tests marked slow
+#                (pytest -m "not slow": compile checks, packaging and install modes, torchrun
+#                launches, the reproduction grid, large interpreter shapes), <= 5 minutes
 # Setup is idempotent: a stamp in the venv records it; it re-runs when setup.py or csrc/ change.
 
 PYTHON     ?= python3
@@ -13,13 +17,14 @@ BIN        := $(VENV)/bin
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # Installed before the package: pyproject.toml's [build-system] requires but torch (the extension
 # is built against the venv's own torch, --no-build-isolation), and the test suite's and
-# train.py's tools (tensorboard: train.py --tensorboard).  The [dev] extra lists the same tools
-# (tests/test_packaging.py checks that each of them is here).
+# train.py's tools (tensorboard: train.py --tensorboard; scikit-learn: the digits of
+# scripts/make_image_folder.py).  The [dev] extra lists the same tools (tests/test_packaging.py
+# checks that each of them is here).
 PY_DEPS    ?= "setuptools>=64" wheel ninja numpy Pillow tqdm pytest pytest-benchmark matplotlib \
               faiss-cpu tensorboard scikit-learn nvidia-dali-cuda130
-# pyproject.toml's extras installed with the package: dev (the tools above), eval, dali (the
-# dali-cpu loader runs in CI).
-EXTRAS     ?= dev,eval,dali
+# pyproject.toml's extras installed with the package: dev (the tools above), dali (the dali-cpu
+# loader runs in CI).
+EXTRAS     ?= dev,dali
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
 STAMP      := $(VENV)/.nac_fast_setup
 ARGS       ?=
@@ -27,7 +32,7 @@ NPROC      ?= 2
 OUT        ?= runs/default
 export MAX_JOBS ?= 2
 
-.PHONY: setup data test train bench clean
+.PHONY: setup data test test-fast train bench clean
 
 setup: $(STAMP)
 
@@ -46,7 +51,10 @@ data:
 	fi
 
 test: setup data
-	NAC_FAST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests
+	NAC_FAST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests --durations=15
+
+test-fast: setup data
+	NAC_FAST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests -m "not slow"
 
 train: setup data
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --out $(OUT) $(ARGS)

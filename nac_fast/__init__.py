@@ -25,6 +25,7 @@ index; tests/test_layering.py checks it):
     nac_fast.train      models, methods, LARS, schedule, checkpoints, DDP
     nac_fast.eval       linear probe, kNN, retrieval protocols; `python -m nac_fast.eval`
     nac_fast.index      HashIndex (a saved packed-code index); `python -m nac_fast.index`
+    nac_fast._checks    argument validators (errors name the argument), a leaf for every layer
 """
 import importlib.util as _ilu
 import os as _os

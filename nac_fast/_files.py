@@ -1,5 +1,6 @@
-"""Atomic file writes (nac_fast.index, nac_fast.eval: indexes, reports, CSVs, PNGs): a temporary file in the target's folder, fsync, then a
-rename, so the target is always the old file or the complete new one and a failure leaves no
+"""Atomic file writes (nac_fast.train: config.json, status.json; nac_fast.eval, nac_fast.index:
+reports, indexes, CSVs, PNGs): a temporary file in the target's folder, fsync, then a rename,
+so the target is always the old file or the complete new one and a failure leaves no
 temporary file behind (the same protocol as nac_fast/train/checkpoint.py's save_atomic, for
 files that are not torch pickles)."""
 from __future__ import annotations

@@ -72,27 +72,6 @@ class CodeStatistics:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name != "bit_freq"}
 
-    # Names before the rename of docs/math.md [M:stats] (read-only, not in as_dict()).
-    @property
-    def bit_balance(self) -> torch.Tensor:
-        """Old name of bit_freq [M:bit-freq]."""
-        return self.bit_freq
-
-    @property
-    def balance_mean_abs_deviation(self) -> float:
-        """Old name of balance_dev [M:balance-dev]."""
-        return self.balance_dev
-
-    @property
-    def balance_min(self) -> float:
-        """Old name of bit_freq_min [M:bit-freq]."""
-        return self.bit_freq_min
-
-    @property
-    def balance_max(self) -> float:
-        """Old name of bit_freq_max [M:bit-freq]."""
-        return self.bit_freq_max
-
 
 def code_statistics(codes, *, zero_one: bool = False) -> CodeStatistics:
     """Expressivity statistics of (n, D) codes (:class:`CodeStatistics`, docs/math.md [M:stats]).

@@ -5,7 +5,8 @@ that ships with this machine's packages, for checks on data the recipes were not
     python scripts/make_image_folder.py shapes OUT      # procedural coloured shapes, 10 classes
 
 digits   scikit-learn's bundled 8x8 digits (UCI), 10 classes, upsampled to --size px (bilinear),
-         grey on black, saved as RGB PNGs; 80% train / 20% val, stratified, seeded.
+         grey on black, saved as RGB PNGs; 80% train / 20% val, stratified, seeded.  Needs
+         scikit-learn (`make setup` installs it; not a dependency of nac_fast).
 shapes   --per-class images per class of 10 shapes (disc, square, triangle, cross, ring, star,
          horizontal bars, vertical bars, diagonal stripes, dots), each with a random colour,
          background colour, size, position and rotation, plus pixel noise; 80/20 split.
@@ -131,6 +132,12 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         ap.error(f"{out} exists and is not an empty folder: give a new OUT")
+    if args.source == "digits":
+        try:
+            import sklearn  # noqa: F401
+        except ImportError:
+            ap.error("digits: the data set ships with scikit-learn, which is not installed "
+                     "(pip install scikit-learn, or `make setup`); 'shapes' needs nothing more")
     imgs, labels = (digits(args.size, args.seed) if args.source == "digits"
                     else shapes(args.size, args.per_class, args.seed))
     val = split(labels, args.val_frac, args.seed)

@@ -10,9 +10,7 @@ judge a run by (loss_excess = loss - that value, code_mag, r_mag, r_slope with t
 optimum 2(1 - 2p) dotted, balance_score, distinct_frac, mean_hamming), then lr, img/s and data
 wait.  code_sat, the same number as code_mag ([M:code-sat]), is drawn as code_mag when a log
 has no code_mag.  Several logs are overlaid, labelled by their directory.  A resumed run's log
-repeats the steps after its checkpoint: the last record of each step is plotted.  Logs written
-before 'bit_balance' was renamed 'balance_score' (the same quantity, docs/math.md
-[M:balance-score]) are read with the key renamed.
+repeats the steps after its checkpoint: the last record of each step is plotted.
 """
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ import os
 KEYS = ("loss", "loss_excess", "code_mag", "r_mag", "r_slope", "balance_score", "distinct_frac",
         "mean_hamming", "lr", "img_per_s", "data_wait")
 ZERO_NAME = {"nac": "D ln 2", "nac-mq": "2 D ln 2", "simclr": "ln(2B - 1)"}
-OLD_KEYS = {"bit_balance": "balance_score"}  # key in older logs -> key now
 
 
 def read_log(path: str) -> list[dict]:
@@ -39,9 +36,6 @@ def read_log(path: str) -> list[dict]:
                 raise ValueError(f"{path}:{i}: not a JSON line ({exc})") from None
             if "step" not in rec:
                 raise ValueError(f"{path}:{i}: record has no 'step'")
-            for old, new in OLD_KEYS.items():
-                if old in rec and new not in rec:
-                    rec[new] = rec.pop(old)
             if "code_mag" not in rec and "code_sat" in rec:
                 rec["code_mag"] = rec["code_sat"]
             by_step[rec["step"]] = rec

@@ -209,6 +209,7 @@ def test_dali_shards_by_the_global_rank(tmp_path):
     assert np.array_equal(ld.batch_indices(), got[1][0])
 
 
+@pytest.mark.slow
 def test_a_folder_of_twenty_non_images_warns_once_with_a_capped_list(tmp_path):
     """train.py on a folder holding 20 non-image files: one warning giving the count and naming
     the first 5, not 20 names (a subprocess: what a user runs and reads)."""

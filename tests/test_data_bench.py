@@ -18,6 +18,7 @@ def _run(*args):
     return r.stdout
 
 
+@pytest.mark.slow
 def test_throughput_bench_prints_json_last(tmp_path):
     data = str(tmp_path / "jpegs")
     out = _run("bench/data_throughput.py", "--data", data, "--make-jpegs", "16", "--loader",
@@ -25,9 +26,16 @@ def test_throughput_bench_prints_json_last(tmp_path):
                "--workers", "0")
     res = json.loads(out.strip().splitlines()[-1])
     assert res["loader"] == "torchvision" and res["view_shape"] == [4, 3, 64, 64]
-    assert res["images_per_s"] > 0 and res["cpu_ms_per_image"] > 0 and res["num_images"] == 16
+    assert res["num_images"] == 16 and (res["batches"], res["batch"]) == (3, 4)
+    # the rates are the measured 3 x 4 images over the measured time (rounded: 3 decimals of s)
+    measured = 3 * 4
+    assert res["images_per_s"] == pytest.approx(measured / res["seconds"], rel=0.02, abs=0.1)
+    assert res["views_per_s"] == pytest.approx(2 * res["images_per_s"], abs=0.2)
+    # CPU time of the process tree: more than nothing, at most every CPU busy all the time
+    assert 0 < res["cpu_ms_per_image"] <= 1e3 * (res["seconds"] + 1e-3) * res["cpus"] / measured
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(fashion_mnist.find_dir() is None, reason="Fashion-MNIST not installed")
 def test_show_augmentations_writes_a_grid(tmp_path):
     png = str(tmp_path / "grid.png")

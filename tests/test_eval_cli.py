@@ -54,8 +54,8 @@ def test_report_fields_and_ranges(evaluated, ckpt):
     assert set(h["map"]) == {"8", "16", str(D)}
     assert all(0.0 <= m <= 1.0 for m in h["map"].values())
     assert "prefix" in h["note"]
-    for key in ("features_train_s", "features_test_s", "linear_s", "hash_s", "total_s"):
-        assert rep["timings"][key] >= 0
+    for key in ("features_train_s", "features_test_s", "linear_s", "hash_s"):
+        assert 0 < rep["timings"][key] <= rep["timings"]["total_s"], key
     # the total covers the feature extraction and every task, one after the other
     parts = [v for k, v in rep["timings"].items() if k not in ("total_s", "load_model_s")]
     assert len(parts) == 6 and rep["timings"]["total_s"] >= sum(parts)
@@ -189,6 +189,7 @@ def test_missing_checkpoint(tmp_path, capsys):
     assert "--checkpoint" in capsys.readouterr().err.split("error:", 1)[1]
 
 
+@pytest.mark.slow
 def test_help_subprocess():
     p = subprocess.run([sys.executable, "-m", "nac_fast.eval", "--help"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)

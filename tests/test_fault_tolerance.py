@@ -165,6 +165,7 @@ def ddp_reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_elastic_restart_resumes_by_itself(ddp_reference, tmp_path):
     out = str(tmp_path / "run")
     r = _torchrun(_standalone("--max-restarts=1"), _killer(tmp_path, rank=1, step=6),
@@ -208,6 +209,7 @@ def _two_nodes(script, args, tmp_path, restarts=0, env=None):
     return texts
 
 
+@pytest.mark.slow
 def test_two_nodes_c10d_shard_by_global_rank_and_restart(ddp_reference, tmp_path):
     """Each node has one process (LOCAL_RANK 0 on both): the same losses as one node with two
     processes show that the data is sharded by the global RANK.  Global rank 1 dies before step
@@ -380,7 +382,9 @@ def test_automatic_resume_falls_back_to_prev(mq_reference, tmp_path, monkeypatch
     assert _losses(out) == _losses(mq_reference)
     _same_state(out, mq_reference)
     assert _step(out) == 8 and _step(out, "prev.pt") == 6
-    assert load_model(last) is not None                           # evaluation reads last.pt
+    ck = load_checkpoint(last)                                    # evaluation reads last.pt:
+    assert ck["step"] == 8 and all(torch.equal(v, ck["model"][k])  # its step-8 weights
+                                   for k, v in load_model(last).state_dict().items())
     assert {n: _sha(os.path.join(out, n)) for n in user} == user
     assert sorted(os.listdir(out)) == ["config.json", "keep.pt", "last.pt", "log.jsonl",
                                        "notes.txt", "prev.pt", "status.json"]

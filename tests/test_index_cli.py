@@ -229,6 +229,7 @@ def test_encode_refuses_to_overwrite(ckpt, folders, tmp_path, capsys):
     assert code == 2 and "exists; pass --overwrite" in err and out.read_bytes() == b"mine"
 
 
+@pytest.mark.slow
 def test_help_runs():
     r = subprocess.run([sys.executable, "-m", "nac_fast.index", "build", "--help"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120,

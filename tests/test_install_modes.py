@@ -69,6 +69,7 @@ def _pip(*args, cwd):
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
+@pytest.mark.slow
 def test_source_tree_with_pythonpath(tmp_path):
     tree = copy_tree(str(tmp_path / "src"))
     out = _child(CHECK, [tree], str(tmp_path), os.path.join(tree, "kernels"),
@@ -76,6 +77,7 @@ def test_source_tree_with_pythonpath(tmp_path):
     assert "OK" in out
 
 
+@pytest.mark.slow
 def test_wheel(tmp_path):
     tree = copy_tree(str(tmp_path / "src"))
     _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), tree,
@@ -90,6 +92,7 @@ def test_wheel(tmp_path):
     assert "OK" in out
 
 
+@pytest.mark.slow
 def test_editable_install(tmp_path):
     tree = copy_tree(str(tmp_path / "src"))
     prefix = str(tmp_path / "prefix")
@@ -103,6 +106,7 @@ def test_editable_install(tmp_path):
     assert "OK" in out
 
 
+@pytest.mark.slow
 def test_failed_triton_import_is_reported_not_swallowed(tmp_path):
     """A kernels module that fails to import: a RuntimeWarning with the exception, the reason in
     available_backends(reasons=True), and backend="triton" refused with that reason."""
@@ -136,6 +140,7 @@ def test_triton_backend_present_where_triton_is_installed():
     assert why is None, why
 
 
+@pytest.mark.slow
 def test_gpu_suite_build_stage_import_path(tmp_path):
     """The GPU suite's build stage, in its CPU mode (NAC_FAST_SUITE_CPU=1), on a copy of the tree:
     the same source-tree import check the GPU machine runs after `build_ext --inplace`."""

@@ -12,15 +12,16 @@ PKG = os.path.join(ROOT, "nac_fast")
 
 # layer -> the top-level parts of nac_fast it may import (besides itself)
 ALLOWED = {
+    "_checks": set(),           # argument validators: a leaf every layer may use
     "_files": set(),            # atomic writes: a leaf every layer may use
     "_omp": set(),              # the CLIs' OpenMP wait policy: a leaf
-    "ops": {"kernels", "_C", "_build_info", "_files"},
-    "data": set(),
-    "codestats": {"ops"},
-    "train": {"ops", "data", "codestats"},
-    "eval": {"ops", "data", "codestats", "train", "_files", "_omp"},
-    "index": {"ops", "data", "codestats", "train", "_files", "_omp"},
-    "vae": {"data", "train", "_files", "_omp"},  # python -m nac_fast.vae (docs/math.md [M:vae-protocol])
+    "ops": {"kernels", "_C", "_build_info", "_files", "_checks"},
+    "data": {"_checks"},
+    "codestats": {"ops", "_checks"},
+    "train": {"ops", "data", "codestats", "_files", "_checks"},
+    "eval": {"ops", "data", "codestats", "train", "_files", "_omp", "_checks"},
+    "index": {"ops", "data", "codestats", "train", "_files", "_omp", "_checks"},
+    "vae": {"data", "train", "_files", "_omp", "_checks"},  # python -m nac_fast.vae (docs/math.md [M:vae-protocol])
 }
 
 

@@ -189,16 +189,19 @@ def importlib_import(name):
 def test_extras():
     extras = {k: {_name(r) for r in v}
               for k, v in _pyproject()["project"]["optional-dependencies"].items()}
-    assert {"dali", "eval", "dev"} <= set(extras), extras
-    assert "scikit-learn" in extras["eval"] and "faiss-cpu" not in extras["eval"], extras["eval"]
+    assert {"dali", "dev"} <= set(extras), extras
+    # nothing in nac_fast/ imports scikit-learn (test_dependencies_are_the_real_ones would then
+    # ask for it): only scripts/make_image_folder.py's digits need it, a tool of [dev]
+    assert "eval" not in extras and "sklearn" not in _third_party_imports(), extras
+    assert "scikit-learn" in extras["dev"], extras["dev"]
     assert "faiss-cpu" in extras["bench"], extras
     assert {"pytest", "tensorboard", "ninja"} <= extras["dev"], extras["dev"]
     assert any(n.startswith("nvidia-dali") for n in extras["dali"]), extras["dali"]
-    # make setup installs the tools of [dev] (and [eval]) itself: the Makefile's PY_DEPS
+    # make setup installs the tools of [dev] itself: the Makefile's PY_DEPS
     make = open(os.path.join(ROOT, "Makefile")).read()
     py_deps = re.search(r"^PY_DEPS\s*\?=\s*((?:.*\\\n)*.*)$", make, re.M).group(1)
     listed = {_name(w.strip('"')) for w in py_deps.replace("\\\n", " ").split()}
-    assert (extras["dev"] | extras["eval"]) <= listed, (extras["dev"] | extras["eval"]) - listed
+    assert extras["dev"] <= listed, extras["dev"] - listed
     assert "tensorboard" in listed
 
 
@@ -271,6 +274,7 @@ def new_pip_venv(tmp_path_factory):
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_oldest_pip_editable_no_build_isolation_builds_the_extension(old_pip_venv, tmp_path):
     """The README's build command with the oldest pip: the extension is built and loads."""
     tree = copy_tree(str(tmp_path / "src"))
@@ -284,6 +288,7 @@ def test_oldest_pip_editable_no_build_isolation_builds_the_extension(old_pip_ven
 @pytest.mark.skipif(os.environ.get("NAC_FAST_TEST_ISOLATED_BUILD", "0") in ("", "0"),
                     reason="a second extension build and a torch install in pip's isolated "
                            "build environment (~3-5 min): NAC_FAST_TEST_ISOLATED_BUILD=1 runs it")
+@pytest.mark.slow
 def test_current_pip_build_isolation_builds_the_extension(new_pip_venv, tmp_path):
     """pip's default (build isolation, the build requirements of pyproject.toml installed in a
     throw-away environment) with the current pip, torch pinned by --build-constraint to the torch
@@ -306,6 +311,7 @@ def test_current_pip_build_isolation_builds_the_extension(new_pip_venv, tmp_path
 @pytest.mark.skipif(os.environ.get("NAC_FAST_TEST_ISOLATED_BUILD", "0") in ("", "0"),
                     reason="a second extension build and a torch install in pip's isolated "
                            "build environment (~3-5 min): NAC_FAST_TEST_ISOLATED_BUILD=1 runs it")
+@pytest.mark.slow
 def test_oldest_pip_build_isolation_builds_the_extension(old_pip_venv, tmp_path):
     """pip's default (build isolation) with the oldest pip: no --build-constraint there, so torch
     is pinned for the build environment through PIP_CONSTRAINT (which that pip applies to it)."""
@@ -339,6 +345,7 @@ def _assert_loud_failure(log, tree, cwd, expect):
     assert reason.group(1) in flat, (reason.group(1), log[-4000:])  # the same words as the build
 
 
+@pytest.mark.slow
 def test_no_compiler_fails_loudly_with_the_reason(old_pip_venv, tmp_path):
     tree = copy_tree(str(tmp_path / "src"))
     rc, log = _run([old_pip_venv, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
@@ -349,6 +356,7 @@ def test_no_compiler_fails_loudly_with_the_reason(old_pip_venv, tmp_path):
     assert not [f for f in os.listdir(os.path.join(tree, "nac_fast")) if f.startswith("_C")]
 
 
+@pytest.mark.slow
 def test_torch_missing_at_build_time_fails_loudly_with_the_reason(new_pip_venv, tmp_path):
     tree = copy_tree(str(tmp_path / "src"))
     rc, log = _run([new_pip_venv, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
@@ -358,6 +366,7 @@ def test_torch_missing_at_build_time_fails_loudly_with_the_reason(new_pip_venv, 
                          "torch is not importable in the build environment")
 
 
+@pytest.mark.slow
 def test_skip_ext_installs_without_it_and_says_why(old_pip_venv, tmp_path):
     """NAC_FAST_SKIP_EXT=1: a pure-Python wheel, and its import warning names the flag."""
     tree = copy_tree(str(tmp_path / "src"))

@@ -27,6 +27,7 @@ def _fmnist_available():
         return False
 
 
+@pytest.mark.slow
 def test_dry_run_commands(tmp_path):
     dry = str(tmp_path / "dry")
     out = subprocess.run([sys.executable, SCRIPT, "--grid", "main", "--dry-run", "--seeds", "0,1",
@@ -62,6 +63,7 @@ def _plan(out):
     return plan
 
 
+@pytest.mark.slow
 def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
     out_dir = tmp_path / "repro"
     argv = [sys.executable, SCRIPT, "--grid", "all", "--dry-run", "--out", str(out_dir)]
@@ -124,6 +126,7 @@ def test_bad_flags(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_toy_grid_end_to_end(tmp_path):
     if not _fmnist_available():
         pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")

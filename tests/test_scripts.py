@@ -115,6 +115,16 @@ def test_code_shape_hamming_ranking_is_the_evaluation_map(q, gal, d):
         code_shape.ranking_map(oracle[:, :-1], yq, yg)
 
 
+def test_make_image_folder_digits_without_scikit_learn_says_so(tmp_path, monkeypatch, capsys):
+    import make_image_folder
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn raises ImportError
+    with pytest.raises(SystemExit) as e:
+        make_image_folder.main(["digits", str(tmp_path / "out")])
+    assert e.value.code == 2
+    assert "scikit-learn, which is not installed (pip install scikit-learn" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_plot_train_log_draws_the_statistics_and_the_zero_code_line(tmp_path):
     """The panels docs/training.md says to judge a run by (loss_excess, code_mag, r_mag,
     r_slope) and the zero-code value on the loss panel (here loss - loss_excess = D ln 2 for the

@@ -198,6 +198,7 @@ def test_queue_checkpoint_loads_across_dtypes(src, dst):
         CodeQueue(8, 4, dtype=torch.int32)
 
 
+@pytest.mark.slow
 def test_bf16_amp_run_stores_a_bf16_queue_and_resumes_across_amp(tmp_path):
     """train.py --amp bf16 on the CPU: the queue is bf16 in the checkpoint; a run resumed with
     --amp off loads it into its float32 queue (and the other way round)."""

@@ -133,6 +133,7 @@ def ddp_results(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["nac", "nac-mq", "simclr"])
 def test_ddp_loss_and_grads_equal_one_process(ddp_results, method):
     v1, v2, n1, n2 = _global_data()
@@ -162,6 +163,7 @@ def test_ddp_loss_and_grads_equal_one_process(ddp_results, method):
         assert torch.equal(ddp_results[0][method]["queue"], ddp_results[1][method]["queue"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["nac", "nac-mq"])
 def test_ddp_steps_on_the_public_criteria_equal_the_old_formula(ddp_results, method):
     for r in range(WORLD):
@@ -177,6 +179,7 @@ def test_ddp_steps_on_the_public_criteria_equal_the_old_formula(ddp_results, met
                            ddp_results[1][method]["new"]["loss"])
 
 
+@pytest.mark.slow
 def test_batch_shuffle_unshuffle_exact(ddp_results):
     for r in range(WORLD):
         s = ddp_results[r]["shuffle"]

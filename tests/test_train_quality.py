@@ -12,7 +12,6 @@ import numpy as np
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import train
 from nac_fast.ops.loss import nac_loss, nac_mq_loss, nac_vi_loss
@@ -112,14 +111,15 @@ def test_learnable_gains_and_checkpoint_round_trip():
     torch.testing.assert_close(m.a_gain.weight.detach(), torch.full((D,), 3.0))
     torch.testing.assert_close(m.r_gain.weight.detach(), torch.full((D,), 4.8))
     cfg = dict(arch="resnet-tiny", in_channels=1, image_size=8, code_dim=D, method="nac",
-               scale_codes=True, p=0.1, **{k: v for k, v in BN_HEADS.items() if k != "p"},
-               learn_gain=True)
+               scale_codes=True, flip_prob=0.1,
+               **{k: v for k, v in BN_HEADS.items() if k != "p"}, learn_gain=True, bn_per_view=False)
     m2 = build_model(**model_kwargs_from_config(cfg))
     m2.load_state_dict(m.state_dict())  # the same modules, parameters and buffers
-    # a checkpoint from before the options gets the authors' heads
+    # a config without the head options is not one of this train.py: refused, naming them
     old = {k: cfg[k] for k in ("arch", "in_channels", "image_size", "code_dim", "method",
-                               "scale_codes")}
-    assert model_kwargs_from_config(old)["head_bn"] is False
+                               "scale_codes", "flip_prob")}
+    with pytest.raises(ValueError, match="no head_bn, infer_bn, a_gain"):
+        model_kwargs_from_config(old)
     with pytest.raises(ValueError, match="r_gain"):
         resolve_r_gain("big", 3.0, 0.1)
     with pytest.raises(ValueError, match="infer_init"):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
 from .augment import Recipe, make_recipe
 from .loaders.tensor import TensorEvalLoader, TensorPretrainLoader
 from .sources import InMemorySource, resolve_source
@@ -59,16 +60,14 @@ def dali_available() -> bool:
 
 
 def _check_common(batch_size, image_size, num_workers, dtype, channels_last, on_bad_file):
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if image_size is not None and (not isinstance(image_size, int) or image_size < 8):
+    _checks.positive_int("batch_size", batch_size)
+    if image_size is not None and (not _checks.is_int(image_size) or image_size < 8):
         raise ValueError(f"image_size must be None or an int >= 8, got {image_size!r}")
-    if not isinstance(num_workers, int) or num_workers < 0:
+    if not _checks.is_int(num_workers) or num_workers < 0:
         raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of {_FLOAT_DTYPES}, got {dtype!r}")
-    if not isinstance(channels_last, bool):
-        raise TypeError(f"channels_last must be a bool, got {channels_last!r}")
+    _checks.flag("channels_last", channels_last)
     check_policy(on_bad_file)          # in-memory sources have no files, but the same check
 
 

@@ -24,6 +24,8 @@ import operator
 
 import numpy as np
 
+from .. import _checks
+
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -70,13 +72,11 @@ class ShardedOrder:
     """
 
     def __init__(self, num_images: int, batch_size: int, rank: int, world_size: int, seed: int):
-        for name, v in (("batch_size", batch_size), ("world_size", world_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
+        _checks.positive_int("batch_size", batch_size)
+        _checks.positive_int("world_size", world_size)
+        if not _checks.is_int(rank) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"seed must be an int, got {seed!r}")
+        _checks.integer("seed", seed)
         self.num_images, self.batch_size, self.rank, self.world_size, self.seed = (
             num_images, batch_size, rank, world_size, seed)
         self.num_batches = num_images // (batch_size * world_size)

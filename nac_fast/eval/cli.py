@@ -332,7 +332,6 @@ def write_hash_curves(out_dir: str, curves: dict, info: dict) -> dict:
     / .png (P@N), one line per code length; written atomically.  Returns their paths."""
     import csv
     import io
-    from .._files import atomic_write
     files = {}
     buf = io.StringIO()
     w = csv.writer(buf)

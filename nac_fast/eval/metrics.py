@@ -23,6 +23,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from .. import _checks
+
 __all__ = ["knn_predict", "knn_accuracy", "train_linear_probe", "accuracy", "linear_probe",
            "LinearProbeResult", "retrieval_split", "itq_fit", "itq_codes"]
 
@@ -32,8 +34,7 @@ __all__ = ["knn_predict", "knn_accuracy", "train_linear_probe", "accuracy", "lin
 # --------------------------------------------------------------------------------------------
 
 def _features(name: str, x, rows: int | None = None, dim: int | None = None) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    _checks.tensor(name, x)
     if not x.is_floating_point():
         raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
     if x.dim() != 2 or x.shape[0] == 0 or x.shape[1] == 0:
@@ -49,8 +50,7 @@ def _features(name: str, x, rows: int | None = None, dim: int | None = None) -> 
 
 
 def _labels(name: str, y, rows: int) -> torch.Tensor:
-    if not isinstance(y, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
+    _checks.tensor(name, y)
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise TypeError(f"{name} must hold integer class ids, got {y.dtype}")
     if y.dim() != 1 or y.shape[0] != rows:
@@ -65,7 +65,7 @@ def _num_classes(num_classes, *labels: torch.Tensor) -> int:
     top = max(int(y.max()) for y in labels) + 1
     if num_classes is None:
         return top
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < top:
+    if not _checks.is_int(num_classes) or num_classes < top:
         raise ValueError(f"num_classes must be an int >= {top} (largest label + 1), got "
                          f"{num_classes!r}")
     return num_classes
@@ -85,14 +85,11 @@ def knn_predict(train_features, train_labels, test_features, *, k: int = 200,
     tr = _features("train_features", train_features)
     ytr = _labels("train_labels", train_labels, tr.shape[0])
     te = _features("test_features", test_features, dim=tr.shape[1])
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    _checks.integer("k", k)
     if not 1 <= k <= tr.shape[0]:
         raise ValueError(f"k must be in [1, {tr.shape[0]}] (the training set size), got {k}")
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _checks.positive_number("temperature", temperature)
+    _checks.positive_int("chunk_size", chunk_size)
     C = _num_classes(num_classes, ytr)
     from tqdm.auto import tqdm
     trn = F.normalize(tr.float(), dim=1)
@@ -198,11 +195,9 @@ def _sgd_epochs(x, onehot, W, b, bW, bb, Wf, bWf, lr0, gen, epochs, batch_size, 
 
 def _check_probe_args(lr_list, epochs, batch_size):
     for lr in lr_list:
-        if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0):
-            raise ValueError(f"lr must be a positive number, got {lr!r}")
-    for name, v in (("epochs", epochs), ("batch_size", batch_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        _checks.positive_number("lr", lr)
+    _checks.positive_int("epochs", epochs)
+    _checks.positive_int("batch_size", batch_size)
 
 
 def train_linear_probe(features, labels, *, num_classes: int | None = None, lr: float = 0.1,
@@ -284,15 +279,14 @@ def retrieval_split(labels, *, queries_per_class: int = 1000, train_per_class: i
 
     Returns int64 index tensors ``{"query", "gallery", "train"}``, each sorted ascending (so the
     gallery keeps the data set's order, which fixes the tie order of the Hamming ranking)."""
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    _checks.tensor("labels", labels)
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool \
             or labels.dim() != 1 or labels.numel() == 0:
         raise ValueError(f"labels must be non-empty 1-D integer class ids, got {labels.dtype} "
                          f"of shape {tuple(labels.shape)}")
     for name, v in (("queries_per_class", queries_per_class), ("train_per_class", train_per_class)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if v is not None:
+            _checks.positive_int(name, v)
     y = labels.detach().cpu().to(torch.int64)
     gen = torch.Generator().manual_seed(seed)
     query, train = [], []
@@ -325,9 +319,8 @@ def itq_fit(a, *, iters: int = 50, seed: int = 0, max_rows: int = 20000) -> dict
     from a random rotation (``seed``), on at most ``max_rows`` rows (a seeded random subset).
     Returns {"mean", "std", "rotation", "quant_error": per-iteration ||B - xR||_F^2 / n}."""
     a = _features("a", a)
-    for name, v in (("iters", iters), ("max_rows", max_rows)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    _checks.positive_int("iters", iters)
+    _checks.positive_int("max_rows", max_rows)
     if a.shape[0] < 2:
         raise ValueError(f"a must have at least 2 rows to standardise, got {a.shape[0]}")
     gen = torch.Generator().manual_seed(seed)

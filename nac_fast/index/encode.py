@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .. import _checks
 from ..data.preprocess import checkpoint_preprocessing, load_image
 from ..data.sources.imagefolder import IMAGE_EXTENSIONS
 from ..train.checkpoint import load_checkpoint, load_model
@@ -102,9 +103,7 @@ class CodeEncoder:
         D = int(cfg["code_dim"])
         if bits is None:
             bits = D
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= D:
-            raise ValueError(f"bits must be an int in [1, {D}] (the model's code length), got "
-                             f"{bits!r}")
+        _checks.int_in("bits", bits, 1, D, note=" (the model's code length)")
         try:
             self.prep = checkpoint_preprocessing(cfg)
         except ValueError as exc:
@@ -137,8 +136,7 @@ class CodeEncoder:
         """Codes of every readable file (decoded in 2 threads, encoded in batches); a file PIL
         cannot decode is skipped and listed in ``unreadable``, never fatal here."""
         from tqdm.auto import tqdm
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        _checks.positive_int("batch_size", batch_size)
         files = list(files)
         codes, kept, unreadable = [], [], []
 

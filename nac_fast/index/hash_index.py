@@ -42,6 +42,7 @@ import zipfile
 import numpy as np
 import torch
 
+from .. import _checks
 from ..ops.codes import MAX_BITS, PackedCodes, as_packed, check_packed
 from ..ops.search import resolve_backend, topk_words
 from .._files import atomic_write
@@ -54,8 +55,7 @@ _MEMBERS = ("meta.json", "codes.npy", "ids.npy", "paths.json", "labels.json")
 
 
 def _check_nbits(nbits) -> int:
-    if isinstance(nbits, bool) or not isinstance(nbits, (int, np.integer)):
-        raise TypeError(f"nbits must be an int, got {type(nbits).__name__}")
+    _checks.integer("nbits", nbits, numpy=True)
     if not 1 <= nbits <= MAX_BITS:
         raise ValueError(f"nbits must be in [1, {MAX_BITS}], got {nbits}")
     return int(nbits)
@@ -189,8 +189,7 @@ class HashIndex:
         insertion order; indices are positions (0..ntotal-1; ``ids``, ``paths`` and ``labels``
         map them).  ``k`` > ntotal returns ntotal columns; k < 1, an empty index, or codes of
         another length are a ValueError."""
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-            raise TypeError(f"k must be an int, got {type(k).__name__}")
+        _checks.integer("k", k, numpy=True)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if self._n == 0:

@@ -19,6 +19,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .. import _checks
+
 __all__ = ["PackedCodes", "pack_codes", "unpack_codes", "MAX_BITS"]
 
 # The C++ kernel stores distances as uint16; 1023 words is the most that fits.
@@ -37,8 +39,7 @@ class PackedCodes(NamedTuple):
 
 
 def check_tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or PackedCodes, got {type(t).__name__}")
+    _checks.tensor(name, t, "a torch.Tensor or PackedCodes")
 
 
 def code_bits(name: str, codes: torch.Tensor, zero_one: bool, *, check: bool = True) -> torch.Tensor:
@@ -120,8 +121,7 @@ def unpack_bits(words: torch.Tensor, nbits: int) -> torch.Tensor:
 def check_packed(name: str, p: PackedCodes) -> PackedCodes:
     words, nbits = p
     check_tensor(f"{name}.words", words)
-    if isinstance(nbits, bool) or not isinstance(nbits, int) or not 1 <= nbits <= MAX_BITS:
-        raise ValueError(f"{name}.nbits must be an int in [1, {MAX_BITS}], got {nbits!r}")
+    _checks.int_in(f"{name}.nbits", nbits, 1, MAX_BITS)
     if words.dtype != torch.int64:
         raise TypeError(f"{name}.words must be int64, got {words.dtype}")
     if words.dim() != 2 or words.shape[1] != (nbits + 63) // 64:

@@ -17,17 +17,17 @@ waits for the device; tests/test_sync_free.py proves it for the training steps.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 
 import torch
 import torch.nn as nn
 
+from .. import _checks
 from . import nac as _nac
 from . import reference
 from .collectives import all_gather_nograd, all_gather_with_grad, is_dist
 from .dispatch import BACKENDS, resolve_backend
-from .noise import _draw, _scale, check_p, draw_noise
+from .noise import _draw, _scale, draw_noise
 from .queue import CodeQueue
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -91,8 +91,7 @@ def value_checks(mode):
 
 def _check_matrix(name: str, t, *, d: int | None = None, rows: int | None = None,
                   rows_of: str = "a", cols_of: str = "a") -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _checks.tensor(name, t)
     if not t.is_floating_point():
         raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
     if t.dim() != 2:
@@ -118,8 +117,7 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 def check_noise(noise, shape, of: str = "a's") -> None:
     """An explicit channel sample: a real tensor of `shape` (TypeError/ValueError naming noise);
     its values (+-1) are checked by the loss under the value-check policy."""
-    if not isinstance(noise, torch.Tensor):
-        raise TypeError(f"noise must be a torch.Tensor of +-1, got {type(noise).__name__}")
+    _checks.tensor("noise", noise, "a torch.Tensor of +-1")
     if tuple(noise.shape) != tuple(shape):
         raise ValueError(f"noise must have {of} shape {tuple(shape)}, got {tuple(noise.shape)}")
     if noise.dtype == torch.bool or noise.is_complex():
@@ -135,7 +133,7 @@ def _compiling() -> bool:
 
 def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):
     """Validate the common arguments; returns (p, s, noise in a's dtype)."""
-    p = check_p(p)
+    p = _checks.flip_prob("p", p)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     _check_matrix("a", a)
@@ -255,12 +253,6 @@ def _autocast_on(t: torch.Tensor) -> bool:
     return torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
 
 
-def _check_bool(name: str, v) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"{name} must be a bool, got {v!r}")
-    return v
-
-
 def _check_reduction(reduction) -> str:
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -275,9 +267,7 @@ def _check_backend_name(backend) -> str:
 
 
 def _check_l2(l2) -> float:
-    if isinstance(l2, bool) or not isinstance(l2, (int, float)) or not math.isfinite(l2) or l2 < 0:
-        raise ValueError(f"l2 must be a finite float >= 0, got {l2!r}")
-    return float(l2)
+    return _checks.nonnegative_float("l2", l2, finite=True)
 
 
 def _view_pair(name: str, out, like=None, *, r_optional: bool = False):
@@ -337,8 +327,8 @@ class NACLoss(nn.Module):
     def __init__(self, p: float = 0.1, *, gather_distributed: bool = False,
                  reduction: str = "mean", backend: str = "auto"):
         super().__init__()
-        self.p = check_p(p)
-        self.gather_distributed = _check_bool("gather_distributed", gather_distributed)
+        self.p = _checks.flip_prob("p", p)
+        self.gather_distributed = _checks.flag("gather_distributed", gather_distributed)
         self.reduction = _check_reduction(reduction)
         self.backend = _check_backend_name(backend)
 
@@ -388,9 +378,9 @@ class NACMQLoss(nn.Module):
     def __init__(self, p: float = 0.1, *, l2: float = 0.1, gather_distributed: bool = False,
                  reduction: str = "mean", backend: str = "auto"):
         super().__init__()
-        self.p = check_p(p)
+        self.p = _checks.flip_prob("p", p)
         self.l2 = _check_l2(l2)
-        self.gather_distributed = _check_bool("gather_distributed", gather_distributed)
+        self.gather_distributed = _checks.flag("gather_distributed", gather_distributed)
         self.reduction = _check_reduction(reduction)
         self.backend = _check_backend_name(backend)
 

@@ -14,8 +14,9 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from .. import _checks
 from .collectives import batch_shuffle, batch_unshuffle
-from .loss import NACMQLoss, _check_bool, check_noise
+from .loss import NACMQLoss, check_noise
 from .queue import CodeQueue
 
 
@@ -27,12 +28,6 @@ def make_momentum_copy(model: nn.Module) -> nn.Module:
     return mom
 
 
-def _check_decay(name: str, decay) -> float:
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
-        raise ValueError(f"{name} must be a float in [0, 1], got {decay!r}")
-    return float(decay)
-
-
 @torch.no_grad()
 def ema_update_(momentum_model: nn.Module, online_model: nn.Module, decay: float) -> None:
     """The EMA update of docs/math.md [M:ema], for every parameter.
@@ -41,7 +36,7 @@ def ema_update_(momentum_model: nn.Module, online_model: nn.Module, decay: float
     layers keep the statistics of the batches it sees itself.  `online_model` may be wrapped in
     DistributedDataParallel or torch.compile; parameters are matched by order.
     """
-    _check_decay("decay", decay)
+    _checks.unit_float("decay", decay)
     online_model = unwrap(online_model)
     mp = list(momentum_model.parameters())
     op = list(online_model.parameters())
@@ -128,13 +123,12 @@ class NACMQ(nn.Module):
             code_dim = getattr(model, "code_dim", None)
             if code_dim is None:
                 raise ValueError("code_dim must be given: the model has no code_dim attribute")
-        for name, v in (("queue_size", queue_size), ("code_dim", code_dim)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        _checks.positive_int("queue_size", queue_size)
+        _checks.positive_int("code_dim", code_dim)
         if not isinstance(queue_dtype, torch.dtype) or not queue_dtype.is_floating_point:
             raise TypeError(f"queue_dtype must be a floating torch.dtype, got {queue_dtype!r}")
-        self.momentum = _check_decay("momentum", momentum)
-        self.shuffle_bn = _check_bool("shuffle_bn", shuffle_bn)
+        self.momentum = _checks.unit_float("momentum", momentum)
+        self.shuffle_bn = _checks.flag("shuffle_bn", shuffle_bn)
         self.criterion = NACMQLoss(p, l2=l2, gather_distributed=True, reduction=reduction,
                                    backend=backend)
         self.model = model
@@ -151,9 +145,8 @@ class NACMQ(nn.Module):
 
     def forward(self, view0: torch.Tensor, view1: torch.Tensor, *,
                 noise: torch.Tensor | None = None, freeze_codes: bool = False) -> NACMQOutput:
-        for name, v in (("view0", view0), ("view1", view1)):
-            if not isinstance(v, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(v).__name__}")
+        _checks.tensor("view0", view0)
+        _checks.tensor("view1", view1)
         if view1.shape != view0.shape or view1.dtype != view0.dtype \
                 or view1.device != view0.device:
             raise ValueError(f"view1 must match view0 (shape {tuple(view0.shape)}, "
@@ -161,7 +154,7 @@ class NACMQ(nn.Module):
                              f"{view1.dtype}, {view1.device}")
         if view0.dim() == 0 or view0.shape[0] == 0:
             raise ValueError(f"view0 must be a non-empty batch, got shape {tuple(view0.shape)}")
-        _check_bool("freeze_codes", freeze_codes)
+        _checks.flag("freeze_codes", freeze_codes)
         k = view0.shape[0]
         if noise is not None:
             check_noise(noise, (2 * k, self.queue.codes.shape[1]), "the rows [view 0; view 1]")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .. import _checks
+
 
 class CodeQueue(nn.Module):
     """FIFO of the M most recent momentum codes (docs/math.md [M:mq]): a ring buffer with a write
@@ -33,9 +35,8 @@ class CodeQueue(nn.Module):
 
     def __init__(self, size: int, dim: int, device=None, dtype: torch.dtype = torch.float32):
         super().__init__()
-        for name, v in (("size", size), ("dim", dim)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"queue {name} must be a positive int, got {v!r}")
+        _checks.positive_int("queue size", size)
+        _checks.positive_int("queue dim", dim)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"queue dtype must be a floating torch.dtype, got {dtype!r}")
         self.register_buffer("codes", torch.zeros(size, dim, device=device, dtype=dtype))
@@ -50,8 +51,7 @@ class CodeQueue(nn.Module):
 
     @torch.no_grad()
     def enqueue(self, keys: torch.Tensor) -> None:
-        if not isinstance(keys, torch.Tensor):
-            raise TypeError(f"keys must be a torch.Tensor, got {type(keys).__name__}")
+        _checks.tensor("keys", keys)
         if keys.dim() != 2 or keys.shape[1] != self.codes.shape[1]:
             raise ValueError(f"keys must have shape (n, {self.codes.shape[1]}), "
                              f"got {tuple(keys.shape)}")
@@ -71,8 +71,5 @@ class CodeQueue(nn.Module):
                                  f"run expects {tuple(self.codes.shape)} (--queue-size must match)")
             if not codes.is_floating_point():
                 raise TypeError(f"queue codes in the checkpoint must be floating, got {codes.dtype}")
-        ptr = state_dict.get(prefix + "ptr")
-        if ptr is not None and not isinstance(ptr, torch.Tensor):  # checkpoints before 0.2: an int
-            state_dict[prefix + "ptr"] = torch.tensor(int(ptr), dtype=torch.long)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
+from .. import _checks
 from .codes import is_integer_dtype, pack_bits, pack_bits_torch
 from .search import cdist_words, pair, ref_chunk_rows, resolve_backend, triton_kernels
 
@@ -57,8 +57,7 @@ _HIST_QUERY_CHUNK = 4096
 
 def check_labels(name: str, labels, n: int, n_name: str) -> torch.Tensor:
     """Validate labels; returns int64 (n,) class ids or bool (n, L) multi-hot."""
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(labels).__name__}")
+    _checks.tensor(name, labels)
     if labels.dim() not in (1, 2):
         raise ValueError(f"{name} must be (n,) class ids or (n, L) multi-hot, got shape "
                          f"{tuple(labels.shape)}")
@@ -95,7 +94,7 @@ def _checked(query_codes, query_labels, gallery_codes, gallery_labels, zero_one,
 
 
 def _positive_ints(name: str, values, *, most: int | None = None) -> tuple:
-    if isinstance(values, (int, np.integer)) and not isinstance(values, bool):
+    if _checks.is_int(values, numpy=True):
         values = (values,)
     try:
         out = tuple(values)
@@ -103,7 +102,7 @@ def _positive_ints(name: str, values, *, most: int | None = None) -> tuple:
         raise TypeError(f"{name} must be an int or a sequence of ints, got "
                         f"{type(values).__name__}") from None
     for v in out:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        if not _checks.is_int(v, numpy=True):
             raise TypeError(f"{name} must hold ints, got {v!r}")
         if v < 1:
             raise ValueError(f"{name} values must be >= 1, got {int(v)}")
@@ -288,20 +287,18 @@ def retrieval_metrics(query_codes, query_labels, gallery_codes, gallery_labels, 
     Q, G, D = q.words.shape[0], g.words.shape[0], q.nbits
     ks = _positive_ints("topk", topk)
     ns = _positive_ints("at_n", at_n, most=G)
-    if isinstance(radius, (int, np.integer)) and not isinstance(radius, bool):
+    if _checks.is_int(radius, numpy=True):
         radius = (radius,)
     radii = tuple(radius)
     for r in radii:
-        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r <= D:
+        if not _checks.is_int(r, numpy=True) or not 0 <= r <= D:
             raise ValueError(f"radius values must be ints in [0, {D}] (the code length), got {r!r}")
-    if not isinstance(pr, bool):
-        raise TypeError(f"pr must be a bool, got {pr!r}")
+    _checks.flag("pr", pr)
     hist = pr or bool(radii)
     cuts = tuple(dict.fromkeys(min(k, G) for k in ks + ns))
     if query_chunk is None:
         query_chunk = _HIST_QUERY_CHUNK if (hist or progress) else Q
-    if isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
-        raise ValueError(f"query_chunk must be a positive int, got {query_chunk!r}")
+    _checks.positive_int("query_chunk", query_chunk)
 
     ap_sum, n_rel_q = 0.0, 0
     k_sum = {k: 0.0 for k in ks}

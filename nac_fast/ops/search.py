@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
 from . import dispatch
 from .codes import as_packed
 
@@ -166,8 +167,7 @@ def topk(query_codes, gallery_codes, k: int, *, zero_one: bool = False, backend:
     [1, G]."""
     q, g = pair(query_codes, gallery_codes, zero_one)
     G = g.words.shape[0]
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    _checks.integer("k", k)
     if not 1 <= k <= G:
         raise ValueError(f"k must be in [1, {G}] (the gallery size), got {k}")
     return topk_words(q.words, g.words, k, resolve_backend(backend, q.words))

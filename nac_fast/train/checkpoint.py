@@ -24,6 +24,8 @@ import tempfile
 import numpy as np
 import torch
 
+from .._files import atomic_write
+
 LAST = "last.pt"    # the newest checkpoint
 PREV = "prev.pt"    # the one before it (rotation: see the module docstring)
 CONFIG = "config.json"
@@ -105,22 +107,8 @@ def read_json(path: str):
 
 
 def write_json_atomic(obj, path: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_TMP + os.path.basename(path) + ".", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, default=str)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    """`obj` as JSON at `path`, written atomically (nac_fast/_files.py)."""
+    atomic_write(path, lambda f: json.dump(obj, f, indent=1, default=str), mode="w")
 
 
 def pick_checkpoint(directory: str, run_id: str | None = None):

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
+from .. import _checks
+
 _NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 
 
@@ -44,8 +46,7 @@ class LARS(Optimizer):
                  trust_coefficient: float = 0.001):
         for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay),
                         ("trust_coefficient", trust_coefficient)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ValueError(f"{name} must be a float >= 0, got {v!r}")
+            _checks.nonnegative_float(name, v)
         if momentum >= 1:
             raise ValueError(f"momentum must be < 1, got {momentum}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,

@@ -115,7 +115,7 @@ def code_stats(a: torch.Tensor) -> dict:
     distinct_frac  fraction_distinct, [M:distinct] (1.0 = every row has its own code)
     mean_hamming   mean_pairwise_hamming, [M:mean-hamming] (D/2 for random codes)
     balance_score  1 - 2 balance_dev, [M:balance-score] (1 = every bit 50/50, 0 = every bit
-                   constant; logs written before the rename call it bit_balance)
+                   constant)
     code_sat       [M:code-sat] (1 = binary codes)."""
     a = a.detach().float()
     st = code_statistics(a)

@@ -20,6 +20,8 @@ import torch.nn as nn
 import torchvision
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
+from .. import _checks
+
 # name -> (block, layers, widths); widths are the base width of each stage (the output width is
 # widths[-1] * block.expansion).
 ARCHS = {
@@ -67,10 +69,8 @@ class ResNetEncoder(nn.Module):
         super().__init__()
         if arch not in ARCHS:
             raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
-        if isinstance(in_channels, bool) or not isinstance(in_channels, int) or in_channels < 1:
-            raise ValueError(f"in_channels must be a positive int, got {in_channels!r}")
-        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 8:
-            raise ValueError(f"image_size must be an int >= 8, got {image_size!r}")
+        _checks.positive_int("in_channels", in_channels)
+        _checks.int_in("image_size", image_size, 8)
         block, layers, widths = ARCHS[arch]
         net = (_TORCHVISION[arch]() if arch in _TORCHVISION else _resnet_trunk(block, layers, widths))
         self.small_stem = image_size <= SMALL_IMAGE_MAX
@@ -119,10 +119,9 @@ def resolve_r_gain(r_gain, a_gain: float, p: float) -> float:
     if isinstance(r_gain, str):
         if r_gain != "auto":
             raise ValueError(f"r_gain must be a number > 0 or 'auto', got {r_gain!r}")
-        if not 0.0 < p < 0.5:
-            raise ValueError(f"p must lie in (0, 0.5) to resolve r_gain='auto', got {p!r}")
+        p = _checks.flip_prob("p (needed to resolve r_gain='auto')", p)
         return 2.0 * (1.0 - 2.0 * p) * float(a_gain)
-    if isinstance(r_gain, bool) or not isinstance(r_gain, (int, float)) or not r_gain > 0:
+    if not _checks.is_number(r_gain) or not r_gain > 0:
         raise ValueError(f"r_gain must be a number > 0 or 'auto', got {r_gain!r}")
     return float(r_gain)
 
@@ -134,7 +133,7 @@ class Gain(nn.Module):
 
     def __init__(self, value: float, dim: int, learnable: bool = False):
         super().__init__()
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if not _checks.is_number(value) or not value > 0:
             raise ValueError(f"gain must be a number > 0, got {value!r}")
         self.value, self.learnable = float(value), bool(learnable)
         self.weight = nn.Parameter(torch.full((dim,), float(value))) if learnable else None
@@ -185,14 +184,12 @@ class NACModel(nn.Module):
                  a_gain=1.0, r_gain=1.0, learn_gain=False, infer_init="independent",
                  bn_per_view=False, p=None):
         super().__init__()
-        if isinstance(code_dim, bool) or not isinstance(code_dim, int) or code_dim < 1:
-            raise ValueError(f"code_dim must be a positive int, got {code_dim!r}")
+        _checks.positive_int("code_dim", code_dim)
         if infer_init not in INFER_INITS:
             raise ValueError(f"infer_init must be one of {INFER_INITS}, got {infer_init!r}")
         for name, v in (("head_bn", head_bn), ("infer_bn", infer_bn), ("learn_gain", learn_gain),
                         ("bn_per_view", bn_per_view), ("scale_codes", scale_codes)):
-            if not isinstance(v, bool):
-                raise TypeError(f"{name} must be a bool, got {v!r}")
+            _checks.flag(name, v)
         r_gain = resolve_r_gain(r_gain, a_gain, p) if r_gain == "auto" else r_gain
         self.encoder = ResNetEncoder(arch, in_channels, image_size)
         d = self.encoder.out_dim
@@ -256,20 +253,24 @@ def build_model(arch="resnet18", in_channels=3, image_size=224, code_dim=128, in
                     **options)
 
 
-# The head options recorded in a run's config (train.py flags), with the authors' values for a
-# config that does not set them.
-HEAD_OPTION_DEFAULTS = dict(head_bn=False, infer_bn=False, a_gain=1.0, r_gain=1.0,
-                            learn_gain=False, infer_init="independent", bn_per_view=False)
+# The head options a run's config records (train.py flags; NACModel's keyword-only options).
+HEAD_OPTIONS = ("head_bn", "infer_bn", "a_gain", "r_gain", "learn_gain", "infer_init",
+                "bn_per_view")
+MODEL_CONFIG_KEYS = ("arch", "in_channels", "image_size", "code_dim", "method", "scale_codes",
+                     "flip_prob") + HEAD_OPTIONS
 
 
 def model_kwargs_from_config(cfg: dict) -> dict:
     """The build_model arguments recorded in a training checkpoint's config (TrainConfig.to_dict:
     arch, in_channels, image_size, code_dim, method, scale_codes and the head options).  A
-    config whose r_gain is 'auto' has it resolved from the flip probability (key "flip_prob";
-    "p" in the checkpoints written before the flag became --flip-prob)."""
-    opts = {k: cfg.get(k, v) for k, v in HEAD_OPTION_DEFAULTS.items()}
-    opts["r_gain"] = resolve_r_gain(opts["r_gain"], opts["a_gain"],
-                                    cfg.get("flip_prob", cfg.get("p")))
+    config whose r_gain is 'auto' has it resolved from flip_prob.  ValueError naming the keys a
+    config lacks."""
+    missing = [k for k in MODEL_CONFIG_KEYS if k not in cfg]
+    if missing:
+        raise ValueError(f"the checkpoint's config has no {', '.join(missing)}: not a config of "
+                         "this train.py (TrainConfig)")
+    opts = {k: cfg[k] for k in HEAD_OPTIONS}
+    opts["r_gain"] = resolve_r_gain(opts["r_gain"], opts["a_gain"], cfg["flip_prob"])
     return dict(arch=cfg["arch"], in_channels=cfg["in_channels"], image_size=cfg["image_size"],
                 code_dim=cfg["code_dim"], inference_net=cfg["method"] != "simclr",
                 scale_codes=cfg["scale_codes"], **opts)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import math
 
+from .. import _checks
+
 
 class WarmupCosine:
     """Multiplier of the base lr at optimizer step `step` (0-based): lr(step) / base_lr of
     docs/math.md [M:schedule] (the first update already uses a small non-zero lr)."""
 
     def __init__(self, warmup_steps: int, total_steps: int):
-        for name, v in (("warmup_steps", warmup_steps), ("total_steps", total_steps)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        _checks.int_in("warmup_steps", warmup_steps, 0)
+        _checks.int_in("total_steps", total_steps, 0)
         if total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
         if warmup_steps > total_steps:

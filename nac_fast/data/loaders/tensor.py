@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ... import _checks
 from ..augment import Recipe, augment_batch, center_resize, normalize, one_cpu_thread
 from ..order import EpochLoaderMixin, ShardedOrder
 from ..sources.in_memory import InMemorySource
@@ -62,9 +63,8 @@ class TensorEvalLoader:
 
     def __init__(self, source: InMemorySource, batch_size: int, rank: int, world_size: int,
                  image_size: int, device, channels_last: bool, dtype):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) \
+        _checks.positive_int("batch_size", batch_size)
+        if not _checks.is_int(world_size) or world_size < 1 or not _checks.is_int(rank) \
                 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank!r}, world_size={world_size!r}")
         self.source, self.batch_size, self.image_size = source, batch_size, image_size

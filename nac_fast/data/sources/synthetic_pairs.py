@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ... import _checks
+
 
 class SyntheticPairLoader:
     skipped_files = ()          # generated images: nothing to skip (the loaders' interface)
@@ -19,8 +21,7 @@ class SyntheticPairLoader:
                  dtype=torch.float32):
         for name, v in (("num_images", num_images), ("batch_size", batch_size),
                         ("image_size", image_size), ("in_channels", in_channels)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            _checks.positive_int(name, v)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.num_images, self.batch_size = num_images, batch_size
