@@ -175,6 +175,8 @@ def build_parser():
     a("--log-every", type=int, default=10, help="train.py --log-every")
     a("--doc", default=None, help="write the results page here (from every OUT/*/results.jsonl)")
     a("--notes", default=None, help="a markdown file appended to the page")
+    a("--heldout", default="", help="comma-separated output roots of the budgets grid run on "
+      "other data (--out R --data D --grid budgets): the page gets a section per root")
     a("--dry-run", action="store_true", help="print the plan (the runs still to do, their "
       "commands) and its estimated cost; run nothing")
     return ap
@@ -529,10 +531,24 @@ def current_signature(row) -> str | None:
     renamed --flip-prob) be reused."""
     if row.get("method") == "random" or row.get("recipe") == "default":
         return None
+    kept = _train_argv(row)
+    if kept is None:
+        return None
+    from nac_fast.train.config import parse
+    try:
+        cfg = {k: v for k, v in sorted(vars(parse(kept + ["--out", "OUT"])).items())
+               if k not in NOT_TRAINING}
+    except (ValueError, SystemExit):
+        return None
+    return json.dumps([row["budget"], cfg], sort_keys=True, default=str)
+
+
+def _train_argv(row) -> list | None:
+    """The first train.py command of a finished run, as train.py's argv (paths of --config made
+    absolute, the per-run flags dropped); None for the random-init baseline."""
     cmd = next((c for c in row.get("commands", []) if " train.py " in f" {c} "), None)
     if cmd is None:
         return None
-    from nac_fast.train.config import parse
     argv = shlex.split(cmd)
     argv = argv[argv.index("train.py") + 1:]
     drop = {"--out": 1, "--stop-at-step": 1, "--resume": 0, "--overwrite": 0}
@@ -546,12 +562,49 @@ def current_signature(row) -> str | None:
     if "--config" in kept:
         j = kept.index("--config") + 1
         kept[j] = os.path.join(ROOT, kept[j])
+    return kept
+
+
+# what a run of each method's default keeps from the grid's command: the data, the budget, the
+# encoder, the seed and the method; the recipe (--config) and every other flag come from train.py
+BUDGET_FLAGS = {"--data": 1, "--arch": 1, "--method": 1, "--batch-size": 1, "--seed": 1,
+                "--epochs": 1, "--max-steps": 1, "--no-progress": 0, "--log-every": 1,
+                "--save-every": 1}
+
+
+def default_and_epochs(row) -> tuple[bool, float | None]:
+    """(trained with its method's default recipe as train.py resolves it today, training epochs).
+    A run is a default run when its resolved configuration equals that of `train.py --method M`
+    with only the grid's data, budget, encoder and seed: e.g. SimCLR's runs over
+    fashion_mnist_paper.toml are (NAC's head options do not apply to SimCLR), NAC's over it are
+    not.  Epochs: --epochs, or the steps over the steps per epoch for a --max-steps budget."""
+    argv = _train_argv(row) if row.get("method") != "random" else None
+    if argv is None:
+        return False, None
+    from nac_fast.train.config import parse
+    base, i = [], 0
+    while i < len(argv):
+        n = BUDGET_FLAGS.get(argv[i])
+        if n is not None:
+            base += argv[i:i + 1 + n]
+            i += 1 + n
+        else:
+            i += 1
     try:
-        cfg = {k: v for k, v in sorted(vars(parse(kept + ["--out", "OUT"])).items())
-               if k not in NOT_TRAINING}
+        full, dflt = parse(argv + ["--out", "OUT"]), parse(base + ["--out", "OUT"])
     except (ValueError, SystemExit):
-        return None
-    return json.dumps([row["budget"], cfg], sort_keys=True, default=str)
+        return False, None
+    from nac_fast.data.sources import data_scale
+    spe = max(1, data_scale(full.data)[0] // full.batch_size)     # steps per epoch (drop_last)
+
+    def steps(c):
+        return c.max_steps or max(c.epochs * spe, c.min_steps or 0)
+    ignore = set(NOT_TRAINING) | {"epochs", "max_steps", "min_steps"}
+    if full.method == "simclr":
+        ignore.add("flip_prob")                                     # SimCLR has no channel
+    same = steps(full) == steps(dflt) and all(
+        getattr(full, k) == getattr(dflt, k) for k in vars(full) if k not in ignore)
+    return same, round(steps(full) / spe, 2)
 
 
 def reusable_rows(args) -> dict:
@@ -788,6 +841,18 @@ def write_page(args) -> int:
         if g not in all_rows:
             continue
         L += [f"## {titles[g]}", ""] + results_table(all_rows[g]) + [""]
+    for root in [r for r in args.heldout.split(",") if r.strip()]:
+        rows = load_rows(os.path.join(root, "budgets", "results.jsonl"))
+        if not rows:
+            raise SystemExit(f"--heldout {root}: no results in {root}/budgets/results.jsonl")
+        argv = _train_argv(rows[0]) or []
+        data = argv[argv.index("--data") + 1] if "--data" in argv else root
+        name = os.path.basename(os.path.normpath(data))
+        all_rows[f"heldout:{name}"] = rows
+        L += [f"## Held-out data: {name}", "",
+              f"`{data}`: not Fashion-MNIST, never used to choose a recipe value (issue 26's "
+              f"held-out check). Same protocol, `--out {root} --data {data}`; k-bit figures are "
+              "the first k bits of the code.", ""] + results_table(rows) + [""]
     have_plot = plot_curves(all_rows, os.path.join(os.path.dirname(os.path.abspath(args.doc)),
                                                    "curves.png"))
     if have_plot:
@@ -812,8 +877,13 @@ def write_page(args) -> int:
             md += "\n" + f.read()
     with open(args.doc, "w") as f:
         f.write(md)
-    summary = {g: [{k: v for k, v in r.items() if k != "trace"} for r in rows]
-               for g, rows in all_rows.items()}
+    summary = {}
+    for g, rows in all_rows.items():
+        summary[g] = []
+        for r in rows:
+            d, ep = default_and_epochs(r)
+            summary[g].append(dict({k: v for k, v in r.items() if k != "trace"}, default=d,
+                                   epochs=ep))
     with open(os.path.join(os.path.dirname(os.path.abspath(args.doc)), "results_summary.json"),
               "w") as f:
         json.dump(summary, f, indent=1)

@@ -43,7 +43,13 @@ def test_batch_format_and_views(root):
         d = _denorm(v)
         assert d.min() >= -1e-4 and d.max() <= 1 + 1e-4 and d.std() > 0.05
     assert ((v1 - v2).abs().flatten(1).amax(1) > 1e-2).all()
-    assert build_pretrain_loader(root, loader="torchvision", batch_size=2).image_size == 224
+    # no --image-size: the folder's own scale, the median short side of its images (60-110 px)
+    from nac_fast.data.sources.imagefolder import natural_side
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "train"))
+                   for f in fs)
+    want = natural_side(files)
+    assert 60 <= want <= 110
+    assert build_pretrain_loader(root, loader="torchvision", batch_size=2).image_size == want
 
 
 def test_workers_do_not_change_the_batches(root):

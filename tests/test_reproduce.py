@@ -165,3 +165,24 @@ def test_toy_grid_end_to_end(tmp_path):
     assert "hand-written line" in page and (doc.parent / "curves.png").stat().st_size > 1000
     summary = json.loads((doc.parent / "results_summary.json").read_text())
     assert [r["variant"] for r in summary["main"]] == ["nac:learning", "random"]
+
+
+def test_default_runs_and_their_epochs_are_marked():
+    """results_summary.json's "default" / "epochs": a run is a default run when train.py, given
+    only the grid's data, budget, encoder, seed and method, trains the same thing today."""
+    def row(method, extra, budget=("--epochs", "2")):
+        cmd = (f"python -m torch.distributed.run --standalone --nproc_per_node=2 train.py "
+               f"{extra} --data synthetic:512 --arch resnet-tiny --method {method} "
+               f"--batch-size 64 --seed 1 --out /x/seed1 --no-progress --log-every 10 "
+               f"--save-every 1000000 {' '.join(budget)}")
+        return {"method": method, "commands": [cmd, "python -m nac_fast.eval --checkpoint c"]}
+    paper = "--config configs/fashion_mnist_paper.toml"
+    # 512 images at batch 64: 8 steps an epoch; the small recipe trains at least 400 steps
+    assert R.default_and_epochs(row("nac", "")) == (True, 50.0)
+    assert R.default_and_epochs(row("nac", "--flip-prob 0.1")) == (False, 50.0)
+    assert R.default_and_epochs(row("nac", paper)) == (False, 2.0)
+    # SimCLR has no channel and its own head: over the paper's recipe it trains its default,
+    # but only where the small recipe's 400-step floor does not lengthen the default run
+    assert R.default_and_epochs(row("simclr", paper, ("--max-steps", "120"))) == (True, 15.0)
+    assert R.default_and_epochs(row("simclr", paper)) == (False, 2.0)
+    assert R.default_and_epochs({"method": "random", "commands": ["python x.py"]}) == (False, None)

@@ -40,7 +40,8 @@ def _fails(argv, capsys, match, monkeypatch=None, world=None):
     (["--amp", "fp16", "--device", "cpu"], "--amp fp16 needs a GPU"),
     (["--data", "/nonexistent/imagenet"], "no such file or directory"),
     (["--data", "synthetic:16", "--batch-size", "32"], "larger than the data set (16 images)"),
-    (["--data", "synthetic:64", "--batch-size", "32", "--epochs", "1", "--warmup-epochs", "3"],
+    (["--data", "synthetic:64", "--batch-size", "32", "--epochs", "1", "--min-steps", "1",
+      "--warmup-epochs", "3"],
      "longer than the run"),
 ])
 def test_bad_flags(argv, match, capsys, tmp_path):
@@ -155,7 +156,8 @@ def test_imagefolder_defaults_and_run(tmp_path):
     write_jpeg_folder(str(root / "train"), num_classes=2, per_class=8, size_range=(40, 60))
     from nac_fast.train.config import parse
     a = parse(["--data", str(root)])
-    assert (a.batch_size, a.epochs) == (512, 200)        # the paper's ImageNet recipe
+    # 16 images of 40-60 px: small data, whatever the file format (auto_recipe)
+    assert os.path.basename(a.recipe) == "small.toml" and (a.batch_size, a.epochs) == (256, 2)
     out = tmp_path / "o"
     assert train.main(["--data", str(root), "--image-size", "32", "--batch-size", "8",
                        "--max-steps", "2", "--loader", "torchvision", "--workers", "0",

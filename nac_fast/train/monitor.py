@@ -242,10 +242,18 @@ def reference_rows(flags, world_size: int, summary_path: str | None = None) -> d
     if not found:
         return {}
     (grid, budget), this = max(found.items(), key=lambda kv: len(kv[1]))
-    same = [r for r in summary[grid] if r.get("budget") == budget]
-    return {"this": this, "budget": budget,
-            "simclr": [r for r in same if r.get("variant") == "simclr"],
-            "random": [r for r in same if r.get("variant") == "random"]}
+
+    def at_budget(variant):
+        """The grid's own rows of `variant` at this budget, else another Fashion-MNIST grid's
+        (the held-out data's sections, "heldout:<name>", are other data)."""
+        for g in [grid] + [g for g in summary if g != grid and not g.startswith("heldout:")]:
+            rows = [r for r in summary[g] if r.get("budget") == budget
+                    and r.get("variant") == variant]
+            if rows:
+                return rows
+        return []
+    return {"this": this, "budget": budget, "simclr": at_budget("simclr"),
+            "random": at_budget("random")}
 
 
 def _mean(rows, get):
