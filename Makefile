@@ -54,7 +54,7 @@ test: setup data
 	NAC_FAST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests --durations=15
 
 test-fast: setup data
-	NAC_FAST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests -m "not slow"
+	NAC_FAST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests -m "not slow" --durations=15
 
 train: setup data
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --out $(OUT) $(ARGS)

@@ -238,9 +238,9 @@ def test_help_shows_the_values_a_run_uses_and_the_recipe():
                        ("--head-bn", f"[default: True; from {recipe}]"),
                        ("--infer-init", f"[default: copy; from {recipe}]"),
                        ("--batch-size", f"[default: 256; from {recipe}]"),
-                       ("--r-gain", "auto = 2(1-2p) x a_gain = 3.6"),
+                       ("--r-gain", "auto = 2(1-2p) x a_gain = 6;"),
                        ("--lr", "= 1.2 at batch 256"),
-                       ("--flip-prob", f"[default: 0.35; from {recipe}]"),
+                       ("--flip-prob", f"[default: 0.25; from {recipe}]"),
                        ("--config", f"[default: {recipe}]")):
         assert want in _help_line(text, flag), (flag, _help_line(text, flag))
     assert not re.search(r"^\s+--p\b", text, re.M) and "--p P" not in text  # an alias only
@@ -269,9 +269,9 @@ def test_config_json_is_the_one_resolved_configuration(finished):
     # every value the run used, resolved: the rules' lr, EMA decay, steps, warm-up, r gain
     assert cfg["lr"] == pytest.approx(0.075 * math.sqrt(16)) and cfg["momentum"] == 0.99
     assert (cfg["total_steps"], cfg["steps_per_epoch"], cfg["warmup_steps"]) == (3, 4, 0)
-    assert cfg["r_gain"] == pytest.approx(2 * (1 - 2 * 0.35) * 6.0) and cfg["a_gain"] == 6.0
+    assert cfg["r_gain"] == pytest.approx(2 * (1 - 2 * 0.25) * 6.0) and cfg["a_gain"] == 6.0
     assert (cfg["flip_prob"], cfg["image_size"], cfg["in_channels"], cfg["world_size"],
-            cfg["amp"], cfg["device"], cfg["workers"]) == (0.35, 8, 3, 1, "off", "cpu", 0)
+            cfg["amp"], cfg["device"], cfg["workers"]) == (0.25, 8, 3, 1, "off", "cpu", 0)
     assert cfg["run_id"] and cfg["extended"] == []
     # the checkpoint stores the same object; it is a TrainConfig, field for field
     assert load_checkpoint(os.path.join(out, "last.pt"))["config"] == cfg

@@ -311,13 +311,13 @@ def test_recipes_default_paper_and_learning_are_one_config_apart():
     def diff(x, y):
         return {k for k in vars(x) if getattr(x, k) != getattr(y, k)}
     # the default recipe (make train) trains the learning heads with learnable gains at
-    # p = 0.35, a_gain 6 and at least 400 steps (docs/math.md [M:recipe-small]); the fixed-gain
+    # p = 0.25, a_gain 6 and at least 400 steps (docs/math.md [M:recipe-small]); the fixed-gain
     # learning heads at p = 0.1 and the paper's recipe are one flag away
     # (--config configs/fashion_mnist_learning.toml / fashion_mnist_paper.toml)
     small = {"recipe", "flip_prob", "a_gain", "min_steps"}
     assert diff(default, learning) == small | {"learn_gain"}
     assert default.learn_gain is True and learning.learn_gain is False
-    assert (default.flip_prob, default.a_gain, default.min_steps) == (0.35, 6.0, 400)
+    assert (default.flip_prob, default.a_gain, default.min_steps) == (0.25, 6.0, 400)
     assert (paper.flip_prob, paper.min_steps) == (0.1, None)          # the paper's p
     assert diff(default, paper) == small | {"head_bn", "infer_bn", "r_gain", "infer_init",
                                             "learn_gain"}
