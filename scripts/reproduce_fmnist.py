@@ -174,7 +174,8 @@ def build_parser():
       "train (gallery) and test (query) images (strided subsets; '' = the full splits)")
     a("--log-every", type=int, default=10, help="train.py --log-every")
     a("--doc", default=None, help="write the results page here (from every OUT/*/results.jsonl)")
-    a("--notes", default=None, help="a markdown file appended to the page")
+    a("--notes", default=None, help="markdown files appended to the page (comma-separated, in "
+      "order)")
     a("--heldout", default="", help="comma-separated output roots of the budgets grid run on "
       "other data (--out R --data D --grid budgets): the page gets a section per root")
     a("--dry-run", action="store_true", help="print the plan (the runs still to do, their "
@@ -212,8 +213,9 @@ def check_args(args):
         raise ValueError(f"--curve-limit must be TRAIN,TEST (two counts >= 1), got "
                          f"{args.curve_limit!r}")
     args.curve_limits = tuple(lim) if lim else None
-    if args.notes is not None and not os.path.isfile(args.notes):
-        raise ValueError(f"--notes {args.notes!r}: no such file")
+    for notes in (args.notes or "").split(","):
+        if notes.strip() and not os.path.isfile(notes):
+            raise ValueError(f"--notes {notes!r}: no such file")
     grids = ALL if args.grid == "all" else (args.grid,) if args.grid else ()
     per_grid = {g: GRIDS[g]() for g in grids}
     only = [v for v in args.only.split(",") if v]
@@ -731,6 +733,8 @@ def groups_of(rows: list) -> dict:
 def describe(r) -> str:
     if r["method"] == "random":
         return "untrained encoder"
+    if r["method"] == "simclr":
+        return "SimCLR's own head" + (" + `" + " ".join(r["flags"]) + "`" if r["flags"] else "")
     base = {"paper": "paper heads", "learning": "learning heads",
             "default": "default recipe"}.get(r["recipe"], r["recipe"])
     return base + (" + `" + " ".join(r["flags"]) + "`" if r["flags"] else "")
@@ -848,8 +852,9 @@ def write_page(args) -> int:
         argv = _train_argv(rows[0]) or []
         data = argv[argv.index("--data") + 1] if "--data" in argv else root
         name = os.path.basename(os.path.normpath(data))
-        all_rows[f"heldout:{name}"] = rows
-        L += [f"## Held-out data: {name}", "",
+        budgets = ", ".join(dict.fromkeys(r["budget"] for r in rows))
+        all_rows[f"heldout:{name}:{budgets}"] = rows
+        L += [f"## Held-out data: {name} ({budgets})", "",
               f"`{data}`: not Fashion-MNIST, never used to choose a recipe value (issue 26's "
               f"held-out check). Same protocol, `--out {root} --data {data}`; k-bit figures are "
               "the first k bits of the code.", ""] + results_table(rows) + [""]
@@ -872,9 +877,10 @@ def write_page(args) -> int:
                     L.append(key)
     L += ["```", "", "`S` is the seed (0, 1, 2, ...).", ""]
     md = "\n".join(L)
-    if args.notes:
-        with open(args.notes) as f:
-            md += "\n" + f.read()
+    for notes in (args.notes or "").split(","):
+        if notes.strip():
+            with open(notes) as f:
+                md += "\n" + f.read()
     with open(args.doc, "w") as f:
         f.write(md)
     summary = {}

@@ -213,8 +213,14 @@ def test_torchrun_unwritable_out_status_4(tmp_path):
         os.chmod(ro, 0o755)
     err = (tmp_path / "err").read_text()
     assert (tmp_path / "rc").read_text().strip() == "1", err
-    cause = _root_cause(err)
-    assert "exitcode  : 4" in cause and f"--out '{ro}/run' cannot be written" in cause, cause
+    _root_cause(err)
+    # torchrun's report names a rank that exited 4 with the message; which rank it calls the
+    # first failure is a race (the agent stops the other rank once one has failed, so under load
+    # the 'Root Cause' can be the stopped rank, exit code -15)
+    report = err.split("Traceback (most recent call last):")[-1]
+    blocks = re.split(r"\n\[\d+\]:\n", report)
+    assert any("exitcode  : 4" in b and f"--out '{ro}/run' cannot be written" in b
+               for b in blocks), report[-3000:]
     assert "train.py: exit status 4" in err.split("Traceback (most recent call last):")[0]
 
 
@@ -349,11 +355,12 @@ def test_summary_rounds_the_loss_and_gives_the_next_commands(finished, tmp_path)
 
 def test_reference_points_of_the_results_page():
     """The default recipe, SimCLR and the random-init encoder at the same budget, from
-    docs/results_summary.json (docs/results.md's main table: 45.4 / 83.1 / 76.9 etc.)."""
+    docs/results_summary.json (docs/results.md's "Each method's default at every budget" and
+    main tables: 47.5 / 83.2 / 77.9 etc.)."""
     line = reference_line(parse([]), 2)
     assert "2 epochs, 2 proc, batch 256, resnet-tiny, mean of 3 seeds, linear probe 30 epochs" \
         in line, line
-    assert "this configuration 45.4 / 83.1 / 76.9" in line, line
+    assert "this configuration 47.5 / 83.2 / 77.9" in line, line
     assert "SimCLR 44.4 / 82.2 / 76.4" in line and "random-init encoder 15.2 / 71.4 / 70.7" in line
     paper = reference_line(parse(["--config", os.path.join(ROOT, "configs",
                                                            "fashion_mnist_paper.toml")]), 2)
