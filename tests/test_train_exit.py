@@ -190,7 +190,9 @@ def test_torchrun_bad_flag_status_2_printed_once_and_last(tmp_path):
     assert report.count(msg) == 1, r.stderr                 # rank 0 only
     assert any(STATUS_LINE.match(ln) and "status 2" in ln for ln in report.splitlines())
     cause = _root_cause(r.stderr)
-    assert "rank      : 0" in cause and "exitcode  : 2" in cause, cause
+    # rank 0 is the root cause with its own exit code; on a loaded machine torchrun may stop it
+    # (SIGTERM, -15) after it wrote its error file but before it exited
+    assert "rank      : 0" in cause and re.search(r"exitcode  : (2|-15) ", cause), cause
     assert msg in cause and "train.py: exit status 2" in cause, cause
     assert "To enable traceback" not in r.stderr               # every rank wrote its error file
     assert not (tmp_path / "o").exists()
@@ -213,14 +215,11 @@ def test_torchrun_unwritable_out_status_4(tmp_path):
         os.chmod(ro, 0o755)
     err = (tmp_path / "err").read_text()
     assert (tmp_path / "rc").read_text().strip() == "1", err
-    _root_cause(err)
-    # torchrun's report names a rank that exited 4 with the message; which rank it calls the
-    # first failure is a race (the agent stops the other rank once one has failed, so under load
-    # the 'Root Cause' can be the stopped rank, exit code -15)
-    report = err.split("Traceback (most recent call last):")[-1]
-    blocks = re.split(r"\n\[\d+\]:\n", report)
-    assert any("exitcode  : 4" in b and f"--out '{ro}/run' cannot be written" in b
-               for b in blocks), report[-3000:]
+    cause = _root_cause(err)
+    # rank 0 is the root cause with its message and exit code 4 (or -15 where torchrun stopped
+    # it on a loaded machine after it wrote its error file, before it exited)
+    assert "rank      : 0" in cause and re.search(r"exitcode  : (4|-15) ", cause), cause
+    assert f"--out '{ro}/run' cannot be written" in cause, cause
     assert "train.py: exit status 4" in err.split("Traceback (most recent call last):")[0]
 
 

@@ -513,6 +513,9 @@ def write_status(cfg: TrainConfig, status: int | None, message: str | None = Non
                       os.path.join(cfg.out, STATUS))
 
 
+FOLLOWER_EXIT_DELAY_S = 3.0  # a failing run's ranks > 0 exit this much after rank 0 (torchrun)
+
+
 def finish(status: int, message: str | None = None, di=None, st: TrainState | None = None,
            ) -> int:
     """How every train.py process ends.  Rank 0 prints `message` (status != 0) and, last, the
@@ -544,4 +547,8 @@ def finish(status: int, message: str | None = None, di=None, st: TrainState | No
             with open(error_file, "w") as f:
                 json.dump({"message": {"message": text, "extraInfo": {
                     "py_callstack": text, "timestamp": str(stamp)}}}, f)
+        if rank != 0:
+            # torchrun stops the other workers (SIGTERM) once one has exited: leave rank 0 the
+            # time to exit with its own status, so the report shows its exit code, not -15
+            time.sleep(FOLLOWER_EXIT_DELAY_S)
     return status
