@@ -29,11 +29,13 @@ def check_rows(tmp_path_factory):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
 def test_every_configuration_compiles_within_limits(check_rows):
     bad = [r for r in check_rows if r["problems"]]
     assert not bad, bad
 
 
+@pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
 def test_the_grid_is_covered(check_rows):
     seen = {(r["kernel"], r["arch"], r["dtype"], r["D"]) for r in check_rows}
     for arch in ("80", "90"):
@@ -60,6 +62,7 @@ def test_the_grid_is_covered(check_rows):
                                                                             "ieee"}
 
 
+@pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
 def test_smem_estimate_bounds_the_compiled_figure(check_rows):
     """The launchers prune configurations by nac_triton.smem_estimate: it must not undercount."""
     rows = [r for r in check_rows if r["smem_estimate"]]
@@ -68,6 +71,7 @@ def test_smem_estimate_bounds_the_compiled_figure(check_rows):
         assert int(r["smem_bytes"]) <= int(r["smem_estimate"]), r
 
 
+@pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
 def test_matrix_kernels_use_tensor_cores(check_rows):
     for r in check_rows:
         if r["kernel"] in ("fwd", "bwd_keys") and (r["dtype"] in ("bfloat16", "float16")
@@ -79,6 +83,7 @@ def test_matrix_kernels_use_tensor_cores(check_rows):
     assert hopper and all("HGMMA" in r["mma_instr"] for r in hopper), hopper
 
 
+@pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
 def test_cuda_kernels_checked_when_nvcc_is_present(check_rows):
     cuda = [r for r in check_rows if r["kernel"].startswith("cuda:")]
     try:
@@ -191,6 +196,7 @@ def test_compiled_occupancy_reads_the_compiled_kernel(monkeypatch):
     KL._OCCUPANCY.clear()
 
 
+@pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
 def test_compile_check_records_occupancy(check_rows):
     for r in check_rows:
         assert int(r["blocks_per_sm"]) >= 1, r
