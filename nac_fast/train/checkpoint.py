@@ -111,10 +111,13 @@ def write_json_atomic(obj, path: str) -> None:
     atomic_write(path, lambda f: json.dump(obj, f, indent=1, default=str), mode="w")
 
 
-def pick_checkpoint(directory: str, run_id: str | None = None):
+def pick_checkpoint(directory: str, run_id: str | None = None, reject=None,
+                    require=STATE_KEYS):
     """The checkpoint to resume from in `directory`: last.pt if it loads as a complete train.py
     checkpoint, else prev.pt.  run_id (the run that owns the directory, from its config.json):
-    a checkpoint recorded as another run's is skipped.
+    a checkpoint recorded as another run's is skipped.  reject(path, checkpoint): a reason why a
+    checkpoint that loads is not of this kind (e.g. python -m nac_fast.vae's), counted as
+    damaged, or None; require: the keys a complete checkpoint of that kind holds.
 
     Returns (path, checkpoint, notes): (None, None, notes) when there is none to resume (a fresh
     start); notes say what was skipped and why.  Raises ValueError, naming the files, when a
@@ -125,9 +128,13 @@ def pick_checkpoint(directory: str, run_id: str | None = None):
         if not os.path.lexists(p):
             continue
         try:
-            ck = load_checkpoint(p, require=STATE_KEYS)
+            ck = load_checkpoint(p, require=require)
         except ValueError as exc:
             damaged.append(str(exc))
+            continue
+        why = reject(p, ck) if reject is not None else None
+        if why:
+            damaged.append(why)
             continue
         rid = ck["config"].get("run_id")
         if run_id and rid and rid != run_id:

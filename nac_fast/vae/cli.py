@@ -52,7 +52,7 @@ import time
 
 import torch
 
-from ..train.checkpoint import (capture_rng_state, load_checkpoint,
+from ..train.checkpoint import (LAST, PREV, capture_rng_state, pick_checkpoint,
                                 remove_stale_temp_files, restore_rng_state, save_atomic,
                                 write_json_atomic)
 from ..train.models import ARCHS
@@ -63,7 +63,6 @@ from .images import grid, save_png, to_u8
 from .likelihood import decoder_mean
 from .model import VAE
 
-LAST, PREV = "last.pt", "prev.pt"
 REPORT, EVAL, CONFIG, LOG = "report.json", "eval.json", "config.json", "log.jsonl"
 PNGS = ("reconstructions.png", "samples.png")
 STATE_KEYS = ("model", "optimizer", "config", "step", "epoch", "batch", "rng")
@@ -186,28 +185,20 @@ def prepare_out(args) -> None:
     remove_stale_temp_files(out)
 
 
+def _not_vae(path: str, ck: dict) -> str | None:
+    if isinstance(ck["config"], dict) and ck["config"].get("kind") == "vae":
+        return None
+    return f"{path} is not a checkpoint of python -m nac_fast.vae"
+
+
 def pick_vae_checkpoint(out: str):
     """(path, checkpoint) of the newest good VAE checkpoint in out, (None, None) if none; a
-    damaged last.pt falls back to prev.pt; ValueError when checkpoints exist but none loads."""
-    bad = []
-    for name in (LAST, PREV):
-        p = os.path.join(out, name)
-        if not os.path.lexists(p):
-            continue
-        try:
-            ck = load_checkpoint(p, require=STATE_KEYS)
-        except ValueError as exc:
-            bad.append(str(exc))
-            continue
-        if not (isinstance(ck["config"], dict) and ck["config"].get("kind") == "vae"):
-            bad.append(f"{p} is not a checkpoint of python -m nac_fast.vae")
-            continue
-        if bad:
-            print("note: " + "; ".join(bad), file=sys.stderr)
-        return p, ck
-    if bad:
-        raise ValueError(f"no usable checkpoint in {out!r}: " + "; ".join(bad))
-    return None, None
+    damaged last.pt falls back to prev.pt (train.checkpoint.pick_checkpoint, saying what it
+    skipped); ValueError when checkpoints exist but none loads."""
+    path, ck, notes = pick_checkpoint(out, reject=_not_vae, require=STATE_KEYS)
+    if path is not None and notes:
+        print("note: " + "; ".join(notes), file=sys.stderr)
+    return path, ck
 
 
 # --------------------------------------------------------------------------------------------
