@@ -801,8 +801,13 @@ def plot_curves(all_rows: dict, path: str) -> bool:
                 pts = [p for p in r["curve"] if p.get("map")]
                 ax1.plot([p["step"] for p in pts], [100 * p["map"]["128"] for p in pts], "o-",
                          color=c, label=f"{r['variant']} (seed {r['seed']})")
-        ax0.set(xlabel="step", ylabel="mean |tanh a| (training batch)", yscale="log",
+        ax0.set(xlabel="step", ylabel="mean |tanh a| (training batch)",
                 title=f"{grid}: code magnitude")
+        if ax0.lines:
+            ax0.set_yscale("log")
+        else:  # rows restored from results_summary.json, which keeps no training trace
+            ax0.text(0.5, 0.5, "no training log in these rows\n(results_summary.json keeps none)",
+                     ha="center", va="center", transform=ax0.transAxes, color="0.4")
         ax1.set(xlabel="step", ylabel="128-bit mAP@all (%)", title=f"{grid}: hash retrieval")
         for ax in (ax0, ax1):
             ax.grid(alpha=0.3)
