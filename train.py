@@ -34,8 +34,9 @@ from nac_fast.train import distributed as nd
 from nac_fast.train.config import UsageError, parse
 from nac_fast.train.methods import code_stats, collapse_warning, learning_stats, zero_code_loss
 from nac_fast.train.monitor import LossWatch, RunLog, summary_lines
-from nac_fast.train.run import (EXIT_USAGE, RunStopped, build, finish, lr_at, plan_start,
-                                print_main, save, start, stop_non_finite, train_step)
+from nac_fast.train.run import (EXIT_USAGE, RunStopped, build, finish, flip_prob_of, lr_at,
+                                plan_start, print_main, save, start, stop_non_finite,
+                                train_step)
 
 
 def main(argv=None) -> int:
@@ -118,6 +119,8 @@ def train(st, flags) -> None:
                            "loss_avg": loss_avg,
                            "elapsed_s": round(time.perf_counter() - t_start, 3), "lr": lr_now,
                            "img_per_s": win_img / dt, "data_wait": win_wait / dt}
+                    if cfg.method != "simclr":  # the channel's p of this update
+                        rec["flip_prob"] = flip_prob_of(cfg, step - 1)
                     if di.is_main:  # statistics of this rank's view-1 rows (a host read)
                         k = a.shape[0] // 2
                         rec.update(code_stats(a[:k]))

@@ -30,6 +30,8 @@ def _fails(argv, capsys, match, monkeypatch=None, world=None):
     (["--p", "0.5"], "--p must lie in (0, 0.5)"),               # the flag as typed
     (["--flip-prob", "0.5"], "--flip-prob must lie in (0, 0.5)"),
     (["--flip-prob=0"], "--flip-prob must lie in (0, 0.5)"),
+    (["--flip-prob-final", "0.5"], "--flip-prob-final must lie in (0, 0.5)"),
+    (["--flip-prob-final=-0.1"], "--flip-prob-final must lie in (0, 0.5)"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--method", "nac-mq", "--batch-size", "64", "--queue-size", "100"],
      "--queue-size 100 must be a multiple of the global batch 64"),

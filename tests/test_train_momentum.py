@@ -85,3 +85,40 @@ def test_warmup_cosine():
         WarmupCosine(11, 10)
     with pytest.raises(ValueError):
         WarmupCosine(0, 0)
+
+
+def test_flip_prob_schedule():
+    """[M:p-schedule]: p0 at the first step, p1 at the last, linear between; constant without p1;
+    past the end (an extended run's old total) it stays at p1."""
+    from nac_fast.train.schedule import flip_prob_at
+    assert [flip_prob_at(s, 0.25, None, 5) for s in range(5)] == [0.25] * 5
+    ps = [flip_prob_at(s, 0.25, 0.4, 5) for s in range(5)]
+    assert ps[0] == 0.25 and ps[-1] == 0.4
+    assert all(math.isclose(b - a, 0.15 / 4) for a, b in zip(ps, ps[1:]))
+    assert flip_prob_at(9, 0.25, 0.4, 5) == 0.4
+    assert flip_prob_at(0, 0.25, 0.4, 1) == 0.25      # a one-step run trains at p0
+    assert flip_prob_at(3, 0.3, 0.1, 4) == 0.1          # a falling schedule is allowed too
+
+
+@pytest.mark.parametrize("method", ["nac", "nac-mq"])
+def test_train_step_follows_the_flip_prob_schedule(method, monkeypatch, tmp_path):
+    """Each optimizer step's loss gets the scheduled p: nac through nac_step's p, nac-mq through
+    its NACMQLoss's p (which also draws the noise and weighs the VI term)."""
+    import train
+    from nac_fast.ops.loss import NACLoss, NACMQLoss
+    seen = []
+    cls = NACLoss if method == "nac" else NACMQLoss
+    orig = cls.forward
+
+    def record(self, *a, **k):
+        seen.append(self.p)
+        return orig(self, *a, **k)
+    monkeypatch.setattr(cls, "forward", record)
+    argv = ["--data", "synthetic:64", "--batch-size", "32", "--image-size", "8",
+            "--max-steps", "5", "--method", method, "--flip-prob", "0.2",
+            "--flip-prob-final", "0.4", "--out", str(tmp_path), "--no-progress"]
+    if method == "nac-mq":
+        argv += ["--queue-size", "64"]
+    assert train.main(argv) == 0
+    assert len(seen) == 5
+    assert [round(p, 6) for p in seen] == [0.2, 0.25, 0.3, 0.35, 0.4]

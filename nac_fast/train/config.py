@@ -70,6 +70,7 @@ class TrainConfig:
     arch: str = "resnet-tiny"
     method: str = "nac"
     flip_prob: float = 0.1
+    flip_prob_final: float | None = None
     epochs: int | None = None
     max_steps: int | None = None
     min_steps: int | None = None
@@ -146,6 +147,16 @@ def _gain(v):
     return g
 
 
+def _optional_float(v):
+    """--flip-prob-final: a number, or 'none' (no value)."""
+    if v is None or isinstance(v, str) and v.strip().lower() == "none":
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number or 'none', got {v!r}") from None
+
+
 def _queue(v):
     """--queue-size: a number of codes, or "<k>x" (k global batches)."""
     if isinstance(v, int) and not isinstance(v, bool):
@@ -201,6 +212,9 @@ def build_parser() -> _Parser:
     # A plain-python alias only: torchrun takes "--p" for an abbreviation of its own
     # --print-completion, so the docs, the recipes and the messages say --flip-prob.
     a("--p", dest="flip_prob", type=float, help=argparse.SUPPRESS)
+    a("--flip-prob-final", dest="flip_prob_final", type=_optional_float, metavar="P1",
+      help="p at the last step: p moves linearly from --flip-prob at the first step to this "
+      "value at the last (docs/math.md [M:p-schedule]); 'none': p constant")
     a("--epochs", type=int, help="epochs")
     a("--min-steps", type=int, help="with --epochs: at least this many optimizer steps (small "
       "data sets train longer than --epochs; the small-data recipe sets it)")
@@ -303,6 +317,7 @@ def _rules(d: dict) -> dict:
         "recipe": "chosen by --data",
         "resume": "a fresh run",
         "stop_at_step": "run to the end",
+        "flip_prob_final": "none: p constant",
     }
     q = d.get("queue_size")
     if q is None or isinstance(q, str):
@@ -489,6 +504,9 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
             raise UsageError(f"{name(d)} must be >= 1, got {v}")
     if not 0.0 < cfg.flip_prob < 0.5:
         raise UsageError(f"{name('flip_prob')} must lie in (0, 0.5), got {cfg.flip_prob}")
+    if cfg.flip_prob_final is not None and not 0.0 < cfg.flip_prob_final < 0.5:
+        raise UsageError(f"{name('flip_prob_final')} must lie in (0, 0.5), got "
+                         f"{cfg.flip_prob_final}")
     if cfg.lr is not None and not cfg.lr > 0:
         raise UsageError(f"{name('lr')} must be > 0, got {cfg.lr}")
     if cfg.warmup_epochs is not None and cfg.warmup_epochs < 0:

@@ -43,7 +43,7 @@ from .config import TrainConfig, UsageError, default_workers, resolve
 from .lars import LARS, param_groups_for_lars
 from .methods import nac_mq_step, nac_step, simclr_step, step_value_checks
 from .models import build_model, model_kwargs_from_config
-from .schedule import get_lr
+from .schedule import flip_prob_at, get_lr
 
 # Must match for a checkpoint to continue a run exactly; except that total_steps may grow (an
 # extended run, see `resume`) and warmup_steps is the checkpoint's unless --warmup-epochs is given.
@@ -82,6 +82,8 @@ class TrainState:
     autocast: Any
     mom_model: torch.nn.Module | None = None  # nac-mq: the NACMQ's momentum_model
     queue: CodeQueue | None = None            # nac-mq: the NACMQ's queue
+    mq_criterion: Any = None                  # nac-mq: the NACMQ's NACMQLoss (its p follows
+                                              # the run's p schedule, train_step)
     step: int = 0                   # optimizer steps taken (the next update's 0-based index)
     resumed_from: str | None = None  # the checkpoint this process started from
     saved: tuple | None = None       # (path, step): the newest good checkpoint of this run
@@ -191,13 +193,20 @@ def build(cfg: TrainConfig, di) -> TrainState:
     return TrainState(cfg=cfg, di=di, loader=loader, model=model, net=net, optimizer=optimizer,
                       scaler=scaler, autocast=autocast,
                       mom_model=None if mq is None else mq.momentum_model,
-                      queue=None if mq is None else mq.queue)
+                      queue=None if mq is None else mq.queue,
+                      mq_criterion=None if mq is None else mq.criterion)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
     """The lr of the update at optimizer step `step` (0-based): schedule.get_lr over the run's
     warm-up and total (an extended run: the new total from its checkpoint's step on)."""
     return get_lr(step, cfg.lr, cfg.warmup_steps, cfg.total_steps)
+
+
+def flip_prob_of(cfg: TrainConfig, step: int) -> float:
+    """The channel's p at optimizer step `step` (0-based): schedule.flip_prob_at over the run's
+    total (constant without --flip-prob-final), docs/math.md [M:p-schedule]."""
+    return flip_prob_at(step, cfg.flip_prob, cfg.flip_prob_final, cfg.total_steps)
 
 
 def train_step(st: TrainState, x: torch.Tensor):
@@ -214,11 +223,14 @@ def train_step(st: TrainState, x: torch.Tensor):
     # r for the log's statistics (st.last_r); the inference net's warm-up: st.step is the number
     # of optimizer steps taken (a Python int, restored on resume)
     out, frozen = {}, st.step < a_.infer_warmup_steps
+    # the channel's p of this step (--flip-prob-final: a schedule, [M:p-schedule])
+    p = flip_prob_of(a_, st.step)
     with step_value_checks(), st.autocast:
         if a_.method == "nac":
-            loss, a = nac_step(st.net, x, a_.flip_prob, backend=a_.loss_backend, out=out,
+            loss, a = nac_step(st.net, x, p, backend=a_.loss_backend, out=out,
                                freeze_codes=frozen)
         elif a_.method == "nac-mq":
+            st.mq_criterion.p = p
             loss, a = nac_mq_step(st.net, x, out=out, freeze_codes=frozen)
         else:
             loss, a = simclr_step(st.net, x, a_.tau)

@@ -34,3 +34,13 @@ def get_lr(step: int, base_lr: float, warmup_steps: int, total_steps: int) -> fl
     function of the step alone, so a resumed or extended run needs no scheduler state (the
     multiplication LambdaLR did, base_lr * factor, in the same order: the same float)."""
     return base_lr * WarmupCosine(warmup_steps, total_steps)(step)
+
+
+def flip_prob_at(step: int, p0: float, p1: float | None, total_steps: int) -> float:
+    """The channel's flip probability at optimizer step `step` (0-based), docs/math.md
+    [M:p-schedule]: p0 at the first step rising linearly to p1 at the last (total_steps - 1);
+    p1 = None: p0 throughout.  A function of the step alone, as get_lr."""
+    if p1 is None:
+        return p0
+    t = min(1.0, step / max(1, total_steps - 1))
+    return p0 + (p1 - p0) * t
