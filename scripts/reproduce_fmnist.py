@@ -378,9 +378,19 @@ def log_summary(d: str) -> dict:
             "trace": trace, "collapse_warning": warned}
 
 
-def trained_already(args, d: str, method: str, seed: int) -> bool:
+# TrainConfig fields that nac_fast.train.config.resolve (or run.start) fills or rewrites, and the
+# per-launch --overwrite: a checkpoint's value of these need not equal the parsed command's
+RESOLVED = ("world_size", "device", "steps_per_epoch", "total_steps", "warmup_steps", "image_size",
+            "in_channels", "num_images", "amp", "workers", "lr", "momentum", "queue_size",
+            "r_gain", "run_id", "elastic_run_id", "extended", "overwrite")
+
+
+def trained_already(args, d: str, method: str, seed: int, planned: str | None = None) -> bool:
     """The run in d finished the training this grid plans (an interrupted grid stopped in its
-    evaluation): last.pt is at its run's last step, with this method, seed, batch and budget."""
+    evaluation): last.pt is at its run's last step, with this method, seed, batch and budget,
+    and with every value of `planned` (the run's signature) but those train.py resolves at the
+    start (RESOLVED): a checkpoint of another recipe (an earlier default, other flags) is
+    trained again, not evaluated as this one."""
     path = os.path.join(d, "last.pt")
     if not os.path.isfile(path):
         return False
@@ -392,6 +402,10 @@ def trained_already(args, d: str, method: str, seed: int) -> bool:
     cfg = ck.get("config") or {}
     budget = (cfg.get("max_steps") == args.max_steps if args.max_steps else
               cfg.get("epochs") == args.epochs and cfg.get("max_steps") is None)
+    if planned is not None:
+        fixed = {k: v for k, v in json.loads(planned)[1].items() if k not in RESOLVED}
+        if any(cfg.get(k, "(not recorded)") != v for k, v in fixed.items()):
+            return False
     return (budget and ck.get("step") == cfg.get("total_steps") and cfg.get("method") == method
             and cfg.get("seed") == seed and cfg.get("batch_size") == args.batch_size)
 
@@ -399,7 +413,8 @@ def trained_already(args, d: str, method: str, seed: int) -> bool:
 def do_run(args, name, method, flags, recipe, seed, curve) -> dict:
     d = run_dir(args, name, seed)
     reuse = (not args.dry_run and method != "random" and not curve
-             and trained_already(args, d, method, seed))
+             and trained_already(args, d, method, seed,
+                                 signature(args, method, flags, recipe, seed)))
     if not args.dry_run:
         os.makedirs(d, exist_ok=True)
         for stale in ("eval.txt",) if reuse else ("train.txt", "eval.txt"):  # interrupted attempt
@@ -613,9 +628,15 @@ def default_and_epochs(row) -> tuple[bool, float | None]:
         return c.max_steps or max(c.epochs * spe, c.min_steps or 0)
     ignore = set(NOT_TRAINING) | {"epochs", "max_steps", "min_steps"}
     if full.method == "simclr":
-        ignore.add("flip_prob")                                     # SimCLR has no channel
+        ignore |= {"flip_prob", "flip_prob_final"}                  # SimCLR has no channel
+    trained = vars(full)
+    if row.get("recipe") == "default" and row.get("signature"):
+        # a command without --config meant the default of its day: what the run trained is the
+        # configuration recorded with it (its signature), not its command parsed today
+        recorded = json.loads(row["signature"])[1]
+        trained = {k: recorded.get(k, "(not recorded)") for k in trained}
     same = steps(full) == steps(dflt) and all(
-        getattr(full, k) == getattr(dflt, k) for k in vars(full) if k not in ignore)
+        trained[k] == getattr(dflt, k) for k in trained if k not in ignore)
     return same, round(steps(full) / spe, 2)
 
 

@@ -186,3 +186,43 @@ def test_default_runs_and_their_epochs_are_marked():
     assert R.default_and_epochs(row("simclr", paper, ("--max-steps", "120"))) == (True, 15.0)
     assert R.default_and_epochs(row("simclr", paper)) == (False, 2.0)
     assert R.default_and_epochs({"method": "random", "commands": ["python x.py"]}) == (False, None)
+
+
+def test_a_default_run_of_an_earlier_default_is_not_marked_default():
+    """A command without --config means the default of its day: the row's recorded signature
+    (what it trained), not its command parsed today, decides whether it is today's default."""
+    from nac_fast.train.config import parse
+    cmd = ("python -m torch.distributed.run --standalone --nproc_per_node=2 train.py "
+           "--data synthetic:512 --arch resnet-tiny --method nac --batch-size 64 --seed 1 "
+           "--out /x/seed1 --no-progress --log-every 10 --save-every 1000000 --epochs 2")
+    argv = cmd.split("train.py ")[1].split()
+    cfg = {k: v for k, v in sorted(vars(parse(argv)).items()) if k not in R.NOT_TRAINING}
+
+    def row(recorded):
+        return {"method": "nac", "recipe": "default", "commands": [cmd],
+                "signature": json.dumps(["2 epochs", recorded], sort_keys=True, default=str)}
+    assert R.default_and_epochs(row(cfg)) == (True, 50.0)
+    earlier = dict(cfg, flip_prob_final=None)          # trained before the p schedule
+    assert R.default_and_epochs(row(earlier)) == (False, 50.0)
+    older = {k: v for k, v in cfg.items() if k != "flip_prob_final"}   # before the key existed
+    assert R.default_and_epochs(row(older)) == (False, 50.0)
+
+
+def test_a_finished_checkpoint_of_another_recipe_is_trained_again(tmp_path):
+    """trained_already (an interrupted grid continues with the evaluation) accepts a finished
+    last.pt only when it trained what the grid plans: same budget, method, seed, batch and
+    every value train.py does not resolve at the start, so an earlier default's checkpoint in
+    the run's folder is not evaluated as today's default."""
+    import torch
+    args = R.build_parser().parse_args(["--grid", "budgets", "--epochs", "2",
+                                        "--batch-size", "64"])
+    planned = R.signature(args, "nac", [], "default", 0)
+    cfg = dict(json.loads(planned)[1], total_steps=400, lr=0.6, amp="off", queue_size=None,
+               world_size=2, overwrite=True, run_id="x")  # resolved and per-launch values
+    torch.save({"model": {}, "step": 400, "config": cfg}, tmp_path / "last.pt")
+    assert R.trained_already(args, str(tmp_path), "nac", 0, planned)
+    assert not R.trained_already(args, str(tmp_path), "nac", 1, planned)        # another seed
+    other = R.signature(args, "nac", ["--flip-prob-final", "none"], "default", 0)
+    assert not R.trained_already(args, str(tmp_path), "nac", 0, other)         # another recipe
+    torch.save({"model": {}, "step": 399, "config": cfg}, tmp_path / "last.pt")
+    assert not R.trained_already(args, str(tmp_path), "nac", 0, planned)       # not finished

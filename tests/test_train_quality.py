@@ -311,14 +311,18 @@ def test_recipes_default_paper_and_learning_are_one_config_apart():
     def diff(x, y):
         return {k for k in vars(x) if getattr(x, k) != getattr(y, k)}
     # the default recipe (make train) trains the learning heads with learnable gains at
-    # p = 0.25, a_gain 6 and at least 400 steps (docs/math.md [M:recipe-small]); the fixed-gain
-    # learning heads at p = 0.1 and the paper's recipe are one flag away
+    # p rising from 0.25 to 0.4 over the run, a_gain 6 and at least 400 steps (docs/math.md
+    # [M:recipe-small], [M:p-schedule]); the fixed-gain learning heads at p = 0.1 and the
+    # paper's recipe are one flag away
     # (--config configs/fashion_mnist_learning.toml / fashion_mnist_paper.toml)
-    small = {"recipe", "flip_prob", "a_gain", "min_steps"}
+    small = {"recipe", "flip_prob", "flip_prob_final", "a_gain", "min_steps"}
     assert diff(default, learning) == small | {"learn_gain"}
     assert default.learn_gain is True and learning.learn_gain is False
-    assert (default.flip_prob, default.a_gain, default.min_steps) == (0.25, 6.0, 400)
-    assert (paper.flip_prob, paper.min_steps) == (0.1, None)          # the paper's p
+    assert (default.flip_prob, default.flip_prob_final, default.a_gain,
+            default.min_steps) == (0.25, 0.4, 6.0, 400)
+    assert (paper.flip_prob, paper.flip_prob_final, paper.min_steps) == (0.1, None, None)
+    # a constant p in the default recipe, from the command line
+    assert parse(["--flip-prob-final", "none"]).flip_prob_final is None
     assert diff(default, paper) == small | {"head_bn", "infer_bn", "r_gain", "infer_init",
                                             "learn_gain"}
     assert diff(learning, paper) == {"recipe", "head_bn", "infer_bn", "a_gain",
