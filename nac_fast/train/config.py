@@ -71,6 +71,7 @@ class TrainConfig:
     method: str = "nac"
     flip_prob: float = 0.1
     flip_prob_final: float | None = None
+    flip_prob_final_min_steps: int | None = None
     epochs: int | None = None
     max_steps: int | None = None
     min_steps: int | None = None
@@ -215,6 +216,9 @@ def build_parser() -> _Parser:
     a("--flip-prob-final", dest="flip_prob_final", type=_optional_float, metavar="P1",
       help="p at the last step: p moves linearly from --flip-prob at the first step to this "
       "value at the last (docs/math.md [M:p-schedule]); 'none': p constant")
+    a("--flip-prob-final-min-steps", dest="flip_prob_final_min_steps", type=int, metavar="N",
+      help="--flip-prob-final applies to runs of at least N optimizer steps; a shorter run "
+      "keeps p = --flip-prob throughout ([M:p-schedule])")
     a("--epochs", type=int, help="epochs")
     a("--min-steps", type=int, help="with --epochs: at least this many optimizer steps (small "
       "data sets train longer than --epochs; the small-data recipe sets it)")
@@ -318,6 +322,7 @@ def _rules(d: dict) -> dict:
         "resume": "a fresh run",
         "stop_at_step": "run to the end",
         "flip_prob_final": "none: p constant",
+        "flip_prob_final_min_steps": "none: every run",
     }
     q = d.get("queue_size")
     if q is None or isinstance(q, str):
@@ -490,7 +495,8 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
     """Checks that need no data; UsageError naming the flag (`name(dest)`: as the user gave it)."""
     pos = {d: getattr(cfg, d) for d in ("batch_size", "epochs", "log_every", "save_every",
                                          "code_dim")}
-    for d in ("max_steps", "min_steps", "image_size", "stop_at_step"):
+    for d in ("max_steps", "min_steps", "image_size", "stop_at_step",
+              "flip_prob_final_min_steps"):
         if getattr(cfg, d) is not None:
             pos[d] = getattr(cfg, d)
     if isinstance(cfg.queue_size, int):

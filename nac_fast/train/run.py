@@ -205,8 +205,12 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def flip_prob_of(cfg: TrainConfig, step: int) -> float:
     """The channel's p at optimizer step `step` (0-based): schedule.flip_prob_at over the run's
-    total (constant without --flip-prob-final), docs/math.md [M:p-schedule]."""
-    return flip_prob_at(step, cfg.flip_prob, cfg.flip_prob_final, cfg.total_steps)
+    total; constant without --flip-prob-final, or in a run shorter than
+    --flip-prob-final-min-steps (docs/math.md [M:p-schedule])."""
+    short = (cfg.flip_prob_final_min_steps is not None
+             and cfg.total_steps < cfg.flip_prob_final_min_steps)
+    return flip_prob_at(step, cfg.flip_prob, None if short else cfg.flip_prob_final,
+                        cfg.total_steps)
 
 
 def train_step(st: TrainState, x: torch.Tensor):
