@@ -403,8 +403,10 @@ def trained_already(args, d: str, method: str, seed: int, planned: str | None = 
     budget = (cfg.get("max_steps") == args.max_steps if args.max_steps else
               cfg.get("epochs") == args.epochs and cfg.get("max_steps") is None)
     if planned is not None:
+        from nac_fast.train.config import TrainConfig
+        built_in = vars(TrainConfig())  # a key saved before it existed had its built-in value
         fixed = {k: v for k, v in json.loads(planned)[1].items() if k not in RESOLVED}
-        if any(cfg.get(k, "(not recorded)") != v for k, v in fixed.items()):
+        if any(cfg.get(k, built_in.get(k)) != v for k, v in fixed.items()):
             return False
     return (budget and ck.get("step") == cfg.get("total_steps") and cfg.get("method") == method
             and cfg.get("seed") == seed and cfg.get("batch_size") == args.batch_size)
@@ -628,16 +630,27 @@ def default_and_epochs(row) -> tuple[bool, float | None]:
         return c.max_steps or max(c.epochs * spe, c.min_steps or 0)
     ignore = set(NOT_TRAINING) | {"epochs", "max_steps", "min_steps"}
     if full.method == "simclr":
-        ignore |= {"flip_prob", "flip_prob_final"}                  # SimCLR has no channel
+        ignore |= {"flip_prob", "flip_prob_final", "flip_prob_final_min_steps"}  # no channel
     trained = vars(full)
     if row.get("recipe") == "default" and row.get("signature"):
         # a command without --config meant the default of its day: what the run trained is the
-        # configuration recorded with it (its signature), not its command parsed today
-        recorded = json.loads(row["signature"])[1]
-        trained = {k: recorded.get(k, "(not recorded)") for k in trained}
+        # configuration recorded with it (its signature), not its command parsed today; a key
+        # recorded before it existed had its built-in value
+        recorded, built_in = json.loads(row["signature"])[1], vars(type(full)())
+        trained = {k: recorded.get(k, built_in[k]) for k in trained}
+    trained = _effective_p_schedule(trained, steps(full))
+    today = _effective_p_schedule(vars(dflt), steps(dflt))
     same = steps(full) == steps(dflt) and all(
-        trained[k] == getattr(dflt, k) for k in trained if k not in ignore)
+        trained[k] == today[k] for k in trained if k not in ignore)
     return same, round(steps(full) / spe, 2)
+
+
+def _effective_p_schedule(cfg: dict, total_steps: int) -> dict:
+    """cfg with its p schedule as a run of total_steps trains it ([M:p-schedule]): the final p
+    where the schedule applies, else None; the step threshold itself then says nothing more."""
+    p1, n = cfg.get("flip_prob_final"), cfg.get("flip_prob_final_min_steps")
+    active = p1 is not None and (n is None or total_steps >= n)
+    return dict(cfg, flip_prob_final=p1 if active else None, flip_prob_final_min_steps=None)
 
 
 def reusable_rows(args) -> dict:

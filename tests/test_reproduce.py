@@ -190,22 +190,32 @@ def test_default_runs_and_their_epochs_are_marked():
 
 def test_a_default_run_of_an_earlier_default_is_not_marked_default():
     """A command without --config means the default of its day: the row's recorded signature
-    (what it trained), not its command parsed today, decides whether it is today's default."""
+    (what it trained; a key recorded before it existed has its built-in value), not its command
+    parsed today, decides whether it trained today's default.  The p schedule counts only
+    where it applies (runs of at least flip_prob_final_min_steps)."""
     from nac_fast.train.config import parse
-    cmd = ("python -m torch.distributed.run --standalone --nproc_per_node=2 train.py "
-           "--data synthetic:512 --arch resnet-tiny --method nac --batch-size 64 --seed 1 "
-           "--out /x/seed1 --no-progress --log-every 10 --save-every 1000000 --epochs 2")
-    argv = cmd.split("train.py ")[1].split()
-    cfg = {k: v for k, v in sorted(vars(parse(argv)).items()) if k not in R.NOT_TRAINING}
 
-    def row(recorded):
+    def row(epochs, **change):
+        cmd = ("python -m torch.distributed.run --standalone --nproc_per_node=2 train.py "
+               "--data synthetic:512 --arch resnet-tiny --method nac --batch-size 64 --seed 1 "
+               f"--out /x/seed1 --no-progress --log-every 10 --save-every 1000000 "
+               f"--epochs {epochs}")
+        cfg = {k: v for k, v in sorted(vars(parse(cmd.split("train.py ")[1].split())).items())
+               if k not in R.NOT_TRAINING}
+        cfg = {k: v for k, v in dict(cfg, **change).items() if v != "drop"}
         return {"method": "nac", "recipe": "default", "commands": [cmd],
-                "signature": json.dumps(["2 epochs", recorded], sort_keys=True, default=str)}
-    assert R.default_and_epochs(row(cfg)) == (True, 50.0)
-    earlier = dict(cfg, flip_prob_final=None)          # trained before the p schedule
-    assert R.default_and_epochs(row(earlier)) == (False, 50.0)
-    older = {k: v for k, v in cfg.items() if k != "flip_prob_final"}   # before the key existed
-    assert R.default_and_epochs(row(older)) == (False, 50.0)
+                "signature": json.dumps(["b", cfg], sort_keys=True, default=str)}
+    # 512 images at batch 64: 8 steps an epoch; 130 epochs = 1040 steps >= the recipe's 1000
+    assert R.default_and_epochs(row(130)) == (True, 130.0)
+    assert R.default_and_epochs(row(130, flip_prob_final=None)) == (False, 130.0)  # no ramp
+    assert R.default_and_epochs(row(130, flip_prob_final="drop",                   # before the
+                                    flip_prob_final_min_steps="drop")) == (False, 130.0)  # keys
+    assert R.default_and_epochs(row(130, flip_prob_final_min_steps="drop")) == (True, 130.0)
+    assert R.default_and_epochs(row(130, flip_prob=0.3)) == (False, 130.0)
+    # 2 epochs = the recipe's 400-step floor < 1000: the schedule does not apply, so a run of
+    # the earlier default (constant p = 0.25, keys not recorded) trained today's default
+    assert R.default_and_epochs(row(2, flip_prob_final="drop",
+                                    flip_prob_final_min_steps="drop")) == (True, 50.0)
 
 
 def test_a_finished_checkpoint_of_another_recipe_is_trained_again(tmp_path):
