@@ -19,7 +19,7 @@ import json
 import os
 
 KEYS = ("loss", "loss_excess", "code_mag", "r_mag", "r_slope", "balance_score", "distinct_frac",
-        "mean_hamming", "lr", "img_per_s", "data_wait")
+        "mean_hamming", "lr", "flip_prob", "img_per_s", "data_wait")
 ZERO_NAME = {"nac": "D ln 2", "nac-mq": "2 D ln 2", "simclr": "ln(2B - 1)"}
 
 
@@ -79,7 +79,12 @@ def draw(runs):
                 ax.axhline(z, ls="--", lw=1, color=line.get_color(),
                            label=f"{what} = {z:.2f}" + (f" ({name})" if len(runs) > 1 else ""))
             p = cfg.get("flip_prob", cfg.get("p"))
-            if key == "r_slope" and isinstance(p, (int, float)):
+            sched = [(r["step"], r["flip_prob"]) for r in recs if r.get("flip_prob") is not None]
+            if key == "r_slope" and cfg.get("flip_prob_final") is not None and sched:
+                # a p schedule ([M:p-schedule]): the small-code optimum moves with p
+                ax.plot([s for s, _ in sched], [2 * (1 - 2 * q) for _, q in sched], ls=":",
+                        lw=1, color=line.get_color(), label="2(1-2p) at each step's p")
+            elif key == "r_slope" and isinstance(p, (int, float)):
                 ax.axhline(2 * (1 - 2 * p), ls=":", lw=1, color=line.get_color(),
                            label=f"2(1-2p) = {2 * (1 - 2 * p):.2f}")
         if key == "loss_excess":

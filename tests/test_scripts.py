@@ -155,3 +155,26 @@ def test_plot_train_log_draws_the_statistics_and_the_zero_code_line(tmp_path):
     slope = {ln.get_label(): ln for ln in axes["r_slope"].get_lines()}
     assert list(slope["2(1-2p) = 1.60"].get_ydata()) == pytest.approx([1.6, 1.6])
     assert list(axes["r_slope"].get_lines()[0].get_ydata()) == [0.5, 1.0, 1.5]
+
+
+def test_plot_train_log_follows_a_p_schedule(tmp_path):
+    """With --flip-prob-final ([M:p-schedule]) the log records each step's p: a flip_prob panel,
+    and the r_slope panel's small-code optimum 2(1 - 2p) at each logged step's p."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import plot_train_log
+    finally:
+        sys.path.pop(0)
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": s, "loss": 12.0, "loss_excess": 0.9, "r_slope": 0.5, "flip_prob": p}
+            for s, p in ((1, 0.25), (2, 0.3), (3, 0.4))]
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "config.json").write_text(json.dumps({"method": "nac", "flip_prob": 0.25,
+                                                 "flip_prob_final": 0.4}))
+    fig = plot_train_log.main([str(run / "log.jsonl"), "--out", str(tmp_path / "c.png")])
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert list(axes["flip_prob"].get_lines()[0].get_ydata()) == [0.25, 0.3, 0.4]
+    slope = {ln.get_label(): ln for ln in axes["r_slope"].get_lines()}
+    assert list(slope["2(1-2p) at each step's p"].get_ydata()) == pytest.approx([1.0, 0.8, 0.4])
