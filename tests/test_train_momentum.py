@@ -1,4 +1,5 @@
 """EMA of the momentum model, the code queue's wrap-around, and the lr schedule."""
+import json
 import math
 
 import pytest
@@ -100,10 +101,17 @@ def test_flip_prob_schedule():
     assert flip_prob_at(3, 0.3, 0.1, 4) == 0.1          # a falling schedule is allowed too
 
 
-@pytest.mark.parametrize("method", ["nac", "nac-mq"])
-def test_train_step_follows_the_flip_prob_schedule(method, monkeypatch, tmp_path):
+@pytest.mark.parametrize("method,min_steps,expect", [
+    ("nac", "5", [0.2, 0.25, 0.3, 0.35, 0.4]),
+    ("nac-mq", "5", [0.2, 0.25, 0.3, 0.35, 0.4]),
+    ("nac", "6", [0.2] * 5),          # a run shorter than --flip-prob-final-min-steps
+    ("nac-mq", "6", [0.2] * 5),
+])
+def test_train_step_follows_the_flip_prob_schedule(method, min_steps, expect, monkeypatch,
+                                                   tmp_path):
     """Each optimizer step's loss gets the scheduled p: nac through nac_step's p, nac-mq through
-    its NACMQLoss's p (which also draws the noise and weighs the VI term)."""
+    its NACMQLoss's p (which also draws the noise and weighs the VI term); a run shorter than
+    --flip-prob-final-min-steps keeps --flip-prob."""
     import train
     from nac_fast.ops.loss import NACLoss, NACMQLoss
     seen = []
@@ -116,9 +124,12 @@ def test_train_step_follows_the_flip_prob_schedule(method, monkeypatch, tmp_path
     monkeypatch.setattr(cls, "forward", record)
     argv = ["--data", "synthetic:64", "--batch-size", "32", "--image-size", "8",
             "--max-steps", "5", "--method", method, "--flip-prob", "0.2",
-            "--flip-prob-final", "0.4", "--out", str(tmp_path), "--no-progress"]
+            "--flip-prob-final", "0.4", "--flip-prob-final-min-steps", min_steps,
+            "--log-every", "1", "--out", str(tmp_path), "--no-progress"]
     if method == "nac-mq":
         argv += ["--queue-size", "64"]
     assert train.main(argv) == 0
     assert len(seen) == 5
-    assert [round(p, 6) for p in seen] == [0.2, 0.25, 0.3, 0.35, 0.4]
+    assert [round(p, 6) for p in seen] == expect
+    logged = [json.loads(x)["flip_prob"] for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert logged == pytest.approx(expect)          # each logged step's p (log.jsonl)
