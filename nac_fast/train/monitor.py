@@ -232,6 +232,8 @@ def reference_rows(flags, world_size: int, summary_path: str | None = None) -> d
             if (r.get("variant") == "random" or not cmds
                     or f"--method {flags.method}" not in cmds[0]):
                 continue
+            if "--config" not in cmds[0] and r.get("default") is not True:
+                continue  # trained with the default recipe of its day, not today's
             parsed = _row_config(cmds[0], root)
             if parsed is None:
                 continue
