@@ -125,24 +125,31 @@ def test_make_image_folder_digits_without_scikit_learn_says_so(tmp_path, monkeyp
     assert not (tmp_path / "out").exists()
 
 
-def test_plot_train_log_draws_the_statistics_and_the_zero_code_line(tmp_path):
+@pytest.fixture
+def plot_train_log():
+    pytest.importorskip("matplotlib")
+    import plot_train_log  # scripts/ is on sys.path (above)
+    return plot_train_log
+
+
+def _log_dir(tmp_path, recs, config):
+    """A run folder as train.py writes it: log.jsonl (recs) and config.json (config)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "config.json").write_text(json.dumps(config))
+    return run
+
+
+def test_plot_train_log_draws_the_statistics_and_the_zero_code_line(tmp_path, plot_train_log):
     """The panels docs/training.md says to judge a run by (loss_excess, code_mag, r_mag,
     r_slope) and the zero-code value on the loss panel (here loss - loss_excess = D ln 2 for the
     config.json's method) and the small-code optimum 2(1 - 2p) on the r_slope panel."""
-    pytest.importorskip("matplotlib")
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import plot_train_log
-    finally:
-        sys.path.pop(0)
-    run = tmp_path / "run"
-    run.mkdir()
     z = 16 * math.log(2)
     recs = [{"step": s, "loss": z + 1.0 / s, "loss_excess": 1.0 / s, "code_mag": 0.1 * s,
              "r_mag": 0.2, "r_slope": 0.5 * s, "balance_score": 0.9, "lr": 0.1}
             for s in (1, 2, 3)]
-    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (run / "config.json").write_text(json.dumps({"method": "nac", "flip_prob": 0.1}))
+    run = _log_dir(tmp_path, recs, {"method": "nac", "flip_prob": 0.1})
     out = tmp_path / "c.png"
     fig = plot_train_log.main([str(run / "log.jsonl"), "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -157,22 +164,12 @@ def test_plot_train_log_draws_the_statistics_and_the_zero_code_line(tmp_path):
     assert list(axes["r_slope"].get_lines()[0].get_ydata()) == [0.5, 1.0, 1.5]
 
 
-def test_plot_train_log_follows_a_p_schedule(tmp_path):
+def test_plot_train_log_follows_a_p_schedule(tmp_path, plot_train_log):
     """With --flip-prob-final ([M:p-schedule]) the log records each step's p: a flip_prob panel,
     and the r_slope panel's small-code optimum 2(1 - 2p) at each logged step's p."""
-    pytest.importorskip("matplotlib")
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import plot_train_log
-    finally:
-        sys.path.pop(0)
-    run = tmp_path / "run"
-    run.mkdir()
     recs = [{"step": s, "loss": 12.0, "loss_excess": 0.9, "r_slope": 0.5, "flip_prob": p}
             for s, p in ((1, 0.25), (2, 0.3), (3, 0.4))]
-    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    (run / "config.json").write_text(json.dumps({"method": "nac", "flip_prob": 0.25,
-                                                 "flip_prob_final": 0.4}))
+    run = _log_dir(tmp_path, recs, {"method": "nac", "flip_prob": 0.25, "flip_prob_final": 0.4})
     fig = plot_train_log.main([str(run / "log.jsonl"), "--out", str(tmp_path / "c.png")])
     axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
     assert list(axes["flip_prob"].get_lines()[0].get_ydata()) == [0.25, 0.3, 0.4]
