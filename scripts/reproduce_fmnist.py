@@ -648,9 +648,10 @@ def default_and_epochs(row) -> tuple[bool, float | None]:
 def _effective_p_schedule(cfg: dict, total_steps: int) -> dict:
     """cfg with its p schedule as a run of total_steps trains it ([M:p-schedule]): the final p
     where the schedule applies, else None; the step threshold itself then says nothing more."""
-    p1, n = cfg.get("flip_prob_final"), cfg.get("flip_prob_final_min_steps")
-    active = p1 is not None and (n is None or total_steps >= n)
-    return dict(cfg, flip_prob_final=p1 if active else None, flip_prob_final_min_steps=None)
+    from nac_fast.train.schedule import p_schedule_applies
+    p1 = cfg.get("flip_prob_final")
+    on = p_schedule_applies(p1, cfg.get("flip_prob_final_min_steps"), total_steps)
+    return dict(cfg, flip_prob_final=p1 if on else None, flip_prob_final_min_steps=None)
 
 
 def reusable_rows(args) -> dict:

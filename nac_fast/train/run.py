@@ -43,7 +43,7 @@ from .config import TrainConfig, UsageError, default_workers, resolve
 from .lars import LARS, param_groups_for_lars
 from .methods import nac_mq_step, nac_step, simclr_step, step_value_checks
 from .models import build_model, model_kwargs_from_config
-from .schedule import flip_prob_at, get_lr
+from .schedule import flip_prob_at, get_lr, p_schedule_applies
 
 # Must match for a checkpoint to continue a run exactly; except that total_steps may grow (an
 # extended run, see `resume`) and warmup_steps is the checkpoint's unless --warmup-epochs is given.
@@ -207,9 +207,8 @@ def flip_prob_of(cfg: TrainConfig, step: int) -> float:
     """The channel's p at optimizer step `step` (0-based): schedule.flip_prob_at over the run's
     total; constant without --flip-prob-final, or in a run shorter than
     --flip-prob-final-min-steps (docs/math.md [M:p-schedule])."""
-    short = (cfg.flip_prob_final_min_steps is not None
-             and cfg.total_steps < cfg.flip_prob_final_min_steps)
-    return flip_prob_at(step, cfg.flip_prob, None if short else cfg.flip_prob_final,
+    on = p_schedule_applies(cfg.flip_prob_final, cfg.flip_prob_final_min_steps, cfg.total_steps)
+    return flip_prob_at(step, cfg.flip_prob, cfg.flip_prob_final if on else None,
                         cfg.total_steps)
 
 

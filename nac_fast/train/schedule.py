@@ -36,6 +36,13 @@ def get_lr(step: int, base_lr: float, warmup_steps: int, total_steps: int) -> fl
     return base_lr * WarmupCosine(warmup_steps, total_steps)(step)
 
 
+def p_schedule_applies(p1: float | None, min_steps: int | None, total_steps: int) -> bool:
+    """Whether a run of total_steps follows the p schedule towards p1 (--flip-prob-final; None:
+    no schedule): only runs of at least min_steps steps (--flip-prob-final-min-steps; None: every
+    run) do, docs/math.md [M:p-schedule]."""
+    return p1 is not None and (min_steps is None or total_steps >= min_steps)
+
+
 def flip_prob_at(step: int, p0: float, p1: float | None, total_steps: int) -> float:
     """The channel's flip probability at optimizer step `step` (0-based), docs/math.md
     [M:p-schedule]: p0 at the first step rising linearly to p1 at the last (total_steps - 1);
