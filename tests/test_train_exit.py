@@ -364,6 +364,11 @@ def test_reference_points_of_the_results_page():
     paper = reference_line(parse(["--config", os.path.join(ROOT, "configs",
                                                            "fashion_mnist_paper.toml")]), 2)
     assert "this configuration 30.5 / 80.1 / 73.0" in paper, paper
+    # 10 epochs: today's default (p 0.25 -> 0.4, [M:p-schedule]); the rows of the earlier
+    # default (constant p = 0.25, commands without --config) are not taken for it
+    ten = reference_line(parse(["--epochs", "10"]), 2)
+    assert "10 epochs, 2 proc" in ten and "this configuration 52.3 / 85.0 / 80.0" in ten, ten
+    assert "SimCLR 50.3 / 84.8 / 80.1" in ten, ten
     assert reference_line(parse(["--epochs", "3"]), 2) is None      # a budget it did not run
     assert reference_line(parse([]), 1) is None                       # one process
 
