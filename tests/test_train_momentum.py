@@ -99,6 +99,12 @@ def test_flip_prob_schedule():
     assert flip_prob_at(9, 0.25, 0.4, 5) == 0.4
     assert flip_prob_at(0, 0.25, 0.4, 1) == 0.25      # a one-step run trains at p0
     assert flip_prob_at(3, 0.3, 0.1, 4) == 0.1          # a falling schedule is allowed too
+    for args, name in (((-1, 0.25, 0.4, 5), "step"), ((0, 0.25, 0.4, 0), "total_steps"),
+                       ((0, 0.5, 0.4, 5), "p0"), ((0, 0.25, 0.0, 5), "p1")):
+        with pytest.raises(ValueError, match=name):
+            flip_prob_at(*args)
+    with pytest.raises(TypeError, match="p1"):
+        flip_prob_at(0, 0.25, "0.4", 5)
 
 
 @pytest.mark.parametrize("method,min_steps,expect", [

@@ -46,8 +46,13 @@ def p_schedule_applies(p1: float | None, min_steps: int | None, total_steps: int
 def flip_prob_at(step: int, p0: float, p1: float | None, total_steps: int) -> float:
     """The channel's flip probability at optimizer step `step` (0-based), docs/math.md
     [M:p-schedule]: p0 at the first step rising linearly to p1 at the last (total_steps - 1);
-    p1 = None: p0 throughout.  A function of the step alone, as get_lr."""
+    p1 = None: p0 throughout.  A function of the step alone, as get_lr.  ValueError/TypeError
+    naming the argument for a step < 0, total_steps < 1 or a p outside (0, 0.5)."""
+    _checks.int_in("step", step, 0)
+    _checks.positive_int("total_steps", total_steps)
+    p0 = _checks.flip_prob("p0", p0)
     if p1 is None:
         return p0
+    p1 = _checks.flip_prob("p1", p1)
     t = min(1.0, step / max(1, total_steps - 1))
     return p0 + (p1 - p0) * t
