@@ -385,6 +385,13 @@ RESOLVED = ("world_size", "device", "steps_per_epoch", "total_steps", "warmup_st
             "r_gain", "run_id", "elastic_run_id", "extended", "overwrite")
 
 
+def with_built_ins(saved: dict) -> dict:
+    """A configuration saved by an earlier commit, completed with TrainConfig's built-in value
+    for every key added since (a key saved before it existed had its built-in value)."""
+    from nac_fast.train.config import TrainConfig
+    return dict(vars(TrainConfig()), **saved)
+
+
 def trained_already(args, d: str, method: str, seed: int, planned: str | None = None) -> bool:
     """The run in d finished the training this grid plans (an interrupted grid stopped in its
     evaluation): last.pt is at its run's last step, with this method, seed, batch and budget,
@@ -403,10 +410,9 @@ def trained_already(args, d: str, method: str, seed: int, planned: str | None = 
     budget = (cfg.get("max_steps") == args.max_steps if args.max_steps else
               cfg.get("epochs") == args.epochs and cfg.get("max_steps") is None)
     if planned is not None:
-        from nac_fast.train.config import TrainConfig
-        built_in = vars(TrainConfig())  # a key saved before it existed had its built-in value
+        saved = with_built_ins(cfg)
         fixed = {k: v for k, v in json.loads(planned)[1].items() if k not in RESOLVED}
-        if any(cfg.get(k, built_in.get(k)) != v for k, v in fixed.items()):
+        if any(saved.get(k) != v for k, v in fixed.items()):
             return False
     return (budget and ck.get("step") == cfg.get("total_steps") and cfg.get("method") == method
             and cfg.get("seed") == seed and cfg.get("batch_size") == args.batch_size)
@@ -636,8 +642,8 @@ def default_and_epochs(row) -> tuple[bool, float | None]:
         # a command without --config meant the default of its day: what the run trained is the
         # configuration recorded with it (its signature), not its command parsed today; a key
         # recorded before it existed had its built-in value
-        recorded, built_in = json.loads(row["signature"])[1], vars(type(full)())
-        trained = {k: recorded.get(k, built_in[k]) for k in trained}
+        recorded = with_built_ins(json.loads(row["signature"])[1])
+        trained = {k: recorded[k] for k in trained}
     trained = _effective_p_schedule(trained, steps(full))
     today = _effective_p_schedule(vars(dflt), steps(dflt))
     same = steps(full) == steps(dflt) and all(
