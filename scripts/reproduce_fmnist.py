@@ -4,6 +4,8 @@
     python scripts/reproduce_fmnist.py --grid all --doc docs/results.md --notes docs/results_notes.md
     python scripts/reproduce_fmnist.py --grid main --seeds 0,1,2  # one grid (main, ablation, psweep)
     python scripts/reproduce_fmnist.py --grid long --epochs 20 --curve-steps 234,702,1404,2340
+    python scripts/reproduce_fmnist.py --grid budgets --epochs 10    # each method's default
+    python scripts/reproduce_fmnist.py --grid pschedule --epochs 10  # the default's p schedule's parts
     python scripts/reproduce_fmnist.py --doc docs/results.md --notes docs/results_notes.md  # page
 
 `--grid all` runs the grids main (NAC, NAC-MQ with the paper's heads, with the 'learning'
@@ -35,6 +37,9 @@ reported and the others go on.
 --curve-steps S1,S2,...: the runs of the --curve-seeds are trained in pieces (train.py
 --stop-at-step, then --resume, which continues exactly) and evaluated at each of those steps
 (hash and expressivity), for figures against the step.
+
+--data D runs a grid on other data (an image folder): `--heldout ROOT` gives the page a
+section with every grid run under ROOT.
 
 --doc PATH writes the results page from every OUT/*/results.jsonl (mean +- std over the seeds),
 with the curves (curves.png) and the machine-readable summary (results_summary.json) beside it
@@ -144,8 +149,18 @@ def _grid_budgets() -> dict:
     return {"nac:default": ("nac", [], "default"), "simclr": ("simclr", [], "paper")}
 
 
+def _grid_pschedule() -> dict:
+    """The default's p schedule taken apart ([M:p-schedule]): p = 0.25 throughout, and the ramp
+    to 0.35 instead of 0.4 (between the p whose channel capacity D (ln 2 - h(p)) equals the
+    ln(2n - 1) nats in-batch NAC can reward: 0.345 at n = 256, 0.363 at n = 64, D = 128); the
+    default itself is the budgets grid's nac:default."""
+    return {"nac:p-constant": ("nac", ["--flip-prob-final", "none"], "default"),
+            "nac:p-end0.35": ("nac", ["--flip-prob-final", "0.35"], "default")}
+
+
 GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,
-         "psweep": _grid_psweep, "long": _grid_long, "budgets": _grid_budgets}
+         "psweep": _grid_psweep, "long": _grid_long, "budgets": _grid_budgets,
+         "pschedule": _grid_pschedule}
 ALL = ("main", "ablation", "psweep")  # --grid all: the grids of the issue, one budget, in order
 
 
@@ -873,7 +888,8 @@ def write_page(args) -> int:
               "explore": "The code gain",
               "psweep": "Flip probability p (learning heads, in-batch NAC)",
               "long": "Longer run",
-              "budgets": "Each method's default at every budget"}
+              "budgets": "Each method's default at every budget",
+              "pschedule": "The default's p schedule taken apart (docs/math.md [M:p-schedule])"}
     commits = sorted({r.get("commit", "unknown") for rows in all_rows.values() for r in rows})
     mins = sum(r.get("seconds_total", 0) for rows in all_rows.values() for r in rows) / 60
     L = ["# Small-scale reproduction on Fashion-MNIST", "",
@@ -902,9 +918,10 @@ def write_page(args) -> int:
             continue
         L += [f"## {titles[g]}", ""] + results_table(all_rows[g]) + [""]
     for root in args.heldout_roots:
-        rows = load_rows(os.path.join(root, "budgets", "results.jsonl"))
+        # every grid run on that data (budgets: the defaults; pschedule: its parts)
+        rows = [r for g in GRIDS for r in load_rows(os.path.join(root, g, "results.jsonl"))]
         if not rows:
-            raise SystemExit(f"--heldout {root}: no results in {root}/budgets/results.jsonl")
+            raise SystemExit(f"--heldout {root}: no results in {root}/*/results.jsonl")
         argv = _train_argv(rows[0]) or []
         data = argv[argv.index("--data") + 1] if "--data" in argv else root
         name = os.path.basename(os.path.normpath(data))
@@ -912,7 +929,8 @@ def write_page(args) -> int:
         all_rows[f"heldout:{name}:{budgets}"] = rows
         L += [f"## Held-out data: {name} ({budgets})", "",
               f"`{data}`: not Fashion-MNIST, never used to choose a recipe value (issue 26's "
-              f"held-out check). Same protocol, `--out {root} --data {data}`; k-bit figures are "
+              f"held-out check). Same protocol, `--out {root} --data {data}` (the grids "
+              f"{', '.join(dict.fromkeys(r['grid'] for r in rows))}); k-bit figures are "
               "the first k bits of the code.", ""] + results_table(rows) + [""]
     have_plot = plot_curves(all_rows, os.path.join(os.path.dirname(os.path.abspath(args.doc)),
                                                    "curves.png"))

@@ -236,3 +236,46 @@ def test_a_finished_checkpoint_of_another_recipe_is_trained_again(tmp_path):
     assert not R.trained_already(args, str(tmp_path), "nac", 0, other)         # another recipe
     torch.save({"model": {}, "step": 399, "config": cfg}, tmp_path / "last.pt")
     assert not R.trained_already(args, str(tmp_path), "nac", 0, planned)       # not finished
+
+
+def test_heldout_section_lists_every_grid_of_its_root(tmp_path):
+    """--heldout ROOT: the page's section for ROOT has the rows of each grid run there (the
+    defaults of budgets and pschedule's parts of the p schedule), and results_summary.json
+    marks only the default runs; a root with no rows is refused."""
+    def row(grid, variant, method, flags, seed, m128):
+        extra = "--config configs/fashion_mnist_paper.toml " if method == "simclr" else ""
+        cmd = (f"python -m torch.distributed.run --standalone --nproc_per_node=2 train.py "
+               f"{extra}--data synthetic:512 --arch resnet-tiny --method {method} "
+               f"--batch-size 64 --seed {seed} --out /x/seed{seed} --no-progress --log-every 10 "
+               f"--save-every 1000000 --max-steps 1200 {' '.join(flags)}").strip()
+        return {"grid": grid, "variant": variant, "method": method,
+                "recipe": "paper" if method == "simclr" else "default", "flags": flags,
+                "seed": seed, "budget": "1200 steps, 2 proc, batch 64, resnet-tiny",
+                "map": {"16": 0.3, "32": 0.4, "64": 0.5, "128": m128}, "linear_top1": 0.9,
+                "knn_top1": 0.8, "commands": [cmd], "seconds_total": 60.0}
+
+    def write(root, grid, rows):
+        (root / grid).mkdir(parents=True)
+        (root / grid / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main_root, held = tmp_path / "repro", tmp_path / "held"
+    write(main_root, "budgets", [row("budgets", "simclr", "simclr", [], 0, 0.5)])
+    write(held, "budgets", [row("budgets", "nac:default", "nac", [], s, 0.6) for s in (0, 1)])
+    write(held, "pschedule", [row("pschedule", "nac:p-constant", "nac",
+                                  ["--flip-prob-final", "none"], s, 0.55) for s in (0, 1)])
+    doc = tmp_path / "docs" / "results.md"
+    doc.parent.mkdir()
+    assert R.main(["--out", str(main_root), "--doc", str(doc), "--heldout", str(held)]) == 0
+    page = doc.read_text()
+    section = page[page.index("## Held-out data: synthetic:512"):]
+    assert "(the grids budgets, pschedule)" in section
+    assert "| nac:default | default recipe | 2 | 60.0 ± 0.0 |" in section
+    assert "| nac:p-constant | default recipe + `--flip-prob-final none` | 2 | 55.0 ± 0.0 |" in \
+        section
+    summary = json.loads((doc.parent / "results_summary.json").read_text())
+    (key,) = [k for k in summary if k.startswith("heldout:")]
+    assert [(r["variant"], r["default"]) for r in summary[key]] == \
+        [("nac:default", True)] * 2 + [("nac:p-constant", False)] * 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match="no results in"):
+        R.main(["--out", str(main_root), "--doc", str(doc), "--heldout", str(empty)])
