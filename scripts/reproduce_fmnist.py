@@ -629,9 +629,24 @@ def default_and_epochs(row) -> tuple[bool, float | None]:
     with only the grid's data, budget, encoder and seed: e.g. SimCLR's runs over
     fashion_mnist_paper.toml are (NAC's head options do not apply to SimCLR), NAC's over it are
     not.  Epochs: --epochs, or the steps over the steps per epoch for a --max-steps budget."""
+    c = _compare_with_today(row)
+    return (False, None) if c is None else (c[1], c[2])
+
+
+def trains_as_today(row) -> bool:
+    """The run's command, run today, trains what the run trained: False for a command without
+    --config (or over its recipe's flags) whose default recipe has changed since, e.g. the
+    p schedule's step threshold.  Runs without a train.py command (random init) count as today's."""
+    c = _compare_with_today(row)
+    return True if c is None else c[0]
+
+
+def _compare_with_today(row):
+    """(the run trained what its command trains today, it trained today's default recipe of its
+    method, training epochs), or None when the row has no parseable train.py command."""
     argv = _train_argv(row) if row.get("method") != "random" else None
     if argv is None:
-        return False, None
+        return None
     from nac_fast.train.config import parse
     base, i = [], 0
     while i < len(argv):
@@ -644,7 +659,7 @@ def default_and_epochs(row) -> tuple[bool, float | None]:
     try:
         full, dflt = parse(argv + ["--out", "OUT"]), parse(base + ["--out", "OUT"])
     except (ValueError, SystemExit):
-        return False, None
+        return None
     spe = _steps_per_epoch(full.data, full.batch_size)
 
     def steps(c):
@@ -652,18 +667,20 @@ def default_and_epochs(row) -> tuple[bool, float | None]:
     ignore = set(NOT_TRAINING) | {"epochs", "max_steps", "min_steps"}
     if full.method == "simclr":
         ignore |= {"flip_prob", "flip_prob_final", "flip_prob_final_min_steps"}  # no channel
-    trained = vars(full)
+    command = _effective_p_schedule(vars(full), steps(full))
+    trained = command
     if row.get("recipe") == "default" and row.get("signature"):
         # a command without --config meant the default of its day: what the run trained is the
         # configuration recorded with it (its signature), not its command parsed today; a key
         # recorded before it existed had its built-in value
         recorded = with_built_ins(json.loads(row["signature"])[1])
-        trained = {k: recorded[k] for k in trained}
-    trained = _effective_p_schedule(trained, steps(full))
+        trained = _effective_p_schedule({k: recorded[k] for k in vars(full)}, steps(full))
     today = _effective_p_schedule(vars(dflt), steps(dflt))
-    same = steps(full) == steps(dflt) and all(
-        trained[k] == today[k] for k in trained if k not in ignore)
-    return same, round(steps(full) / spe, 2)
+
+    def same(a, b):
+        return all(a[k] == b[k] for k in a if k not in ignore)
+    return (same(trained, command), steps(full) == steps(dflt) and same(trained, today),
+            round(steps(full) / spe, 2))
 
 
 def _effective_p_schedule(cfg: dict, total_steps: int) -> dict:
@@ -802,6 +819,8 @@ def describe(r) -> str:
     base = "SimCLR's own head" if r["method"] == "simclr" else {
         "paper": "paper heads", "learning": "learning heads",
         "default": "default recipe"}.get(r["recipe"], r["recipe"])
+    if r["recipe"] == "default" and not trains_as_today(r):
+        base += f" of commit {r.get('commit', 'unknown')} (today's differs)"
     return base + (" + `" + " ".join(r["flags"]) + "`" if r["flags"] else "")
 
 

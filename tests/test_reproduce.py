@@ -205,17 +205,23 @@ def test_a_default_run_of_an_earlier_default_is_not_marked_default():
         cfg = {k: v for k, v in dict(cfg, **change).items() if v != "drop"}
         return {"method": "nac", "recipe": "default", "commands": [cmd],
                 "signature": json.dumps(["b", cfg], sort_keys=True, default=str)}
-    # 512 images at batch 64: 8 steps an epoch; 130 epochs = 1040 steps >= the recipe's 1000
-    assert R.default_and_epochs(row(130)) == (True, 130.0)
-    assert R.default_and_epochs(row(130, flip_prob_final=None)) == (False, 130.0)  # no ramp
-    assert R.default_and_epochs(row(130, flip_prob_final="drop",                   # before the
-                                    flip_prob_final_min_steps="drop")) == (False, 130.0)  # keys
-    assert R.default_and_epochs(row(130, flip_prob_final_min_steps="drop")) == (True, 130.0)
-    assert R.default_and_epochs(row(130, flip_prob=0.3)) == (False, 130.0)
-    # 2 epochs = the recipe's 400-step floor < 1000: the schedule does not apply, so a run of
+    # 512 images at batch 64: 8 steps an epoch; 260 epochs = 2080 steps >= the recipe's 2000
+    assert R.default_and_epochs(row(260)) == (True, 260.0)
+    assert R.default_and_epochs(row(260, flip_prob_final=None)) == (False, 260.0)  # no ramp
+    assert R.default_and_epochs(row(260, flip_prob_final="drop",                   # before the
+                                    flip_prob_final_min_steps="drop")) == (False, 260.0)  # keys
+    assert R.default_and_epochs(row(260, flip_prob_final_min_steps="drop")) == (True, 260.0)
+    assert R.default_and_epochs(row(260, flip_prob=0.3)) == (False, 260.0)
+    # 2 epochs = the recipe's 400-step floor < 2000: the schedule does not apply, so a run of
     # the earlier default (constant p = 0.25, keys not recorded) trained today's default
     assert R.default_and_epochs(row(2, flip_prob_final="drop",
                                     flip_prob_final_min_steps="drop")) == (True, 50.0)
+    # the page names such a run for what it is: the default of its commit, not today's
+    earlier = dict(row(260, flip_prob_final=None), commit="abc1234", flags=[])
+    assert not R.trains_as_today(earlier)
+    assert "of commit abc1234 (today's differs)" in R.describe(earlier)
+    assert R.trains_as_today(row(260)) and R.trains_as_today(row(2, flip_prob_final="drop"))
+    assert R.describe(dict(row(260), commit="abc1234", flags=[])) == "default recipe"
 
 
 def test_a_finished_checkpoint_of_another_recipe_is_trained_again(tmp_path):
@@ -247,10 +253,10 @@ def test_heldout_section_lists_every_grid_of_its_root(tmp_path):
         cmd = (f"python -m torch.distributed.run --standalone --nproc_per_node=2 train.py "
                f"{extra}--data synthetic:512 --arch resnet-tiny --method {method} "
                f"--batch-size 64 --seed {seed} --out /x/seed{seed} --no-progress --log-every 10 "
-               f"--save-every 1000000 --max-steps 1200 {' '.join(flags)}").strip()
+               f"--save-every 1000000 --max-steps 2400 {' '.join(flags)}").strip()
         return {"grid": grid, "variant": variant, "method": method,
                 "recipe": "paper" if method == "simclr" else "default", "flags": flags,
-                "seed": seed, "budget": "1200 steps, 2 proc, batch 64, resnet-tiny",
+                "seed": seed, "budget": "2400 steps, 2 proc, batch 64, resnet-tiny",
                 "map": {"16": 0.3, "32": 0.4, "64": 0.5, "128": m128}, "linear_top1": 0.9,
                 "knn_top1": 0.8, "commands": [cmd], "seconds_total": 60.0}
 

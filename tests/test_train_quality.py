@@ -320,7 +320,7 @@ def test_recipes_default_paper_and_learning_are_one_config_apart():
     assert diff(default, learning) == small | {"learn_gain"}
     assert default.learn_gain is True and learning.learn_gain is False
     assert (default.flip_prob, default.flip_prob_final, default.flip_prob_final_min_steps,
-            default.a_gain, default.min_steps) == (0.25, 0.4, 1000, 6.0, 400)
+            default.a_gain, default.min_steps) == (0.25, 0.4, 2000, 6.0, 400)
     assert (paper.flip_prob, paper.flip_prob_final, paper.min_steps) == (0.1, None, None)
     # a constant p in the default recipe, from the command line
     assert parse(["--flip-prob-final", "none"]).flip_prob_final is None
