@@ -658,6 +658,9 @@ def _compare_with_today(row):
             i += 1
     try:
         full, dflt = parse(argv + ["--out", "OUT"]), parse(base + ["--out", "OUT"])
+        # the row's flags name what it trained, also where its variant was relabelled after the
+        # run (its command then lacks them): a repeated flag parses to the same value
+        flagged = parse(argv + list(row.get("flags") or []) + ["--out", "OUT"])
     except (ValueError, SystemExit):
         return None
     spe = _steps_per_epoch(full.data, full.batch_size)
@@ -667,7 +670,7 @@ def _compare_with_today(row):
     ignore = set(NOT_TRAINING) | {"epochs", "max_steps", "min_steps"}
     if full.method == "simclr":
         ignore |= {"flip_prob", "flip_prob_final", "flip_prob_final_min_steps"}  # no channel
-    command = _effective_p_schedule(vars(full), steps(full))
+    command = _effective_p_schedule(vars(flagged), steps(full))
     trained = command
     if row.get("recipe") == "default" and row.get("signature"):
         # a command without --config meant the default of its day: what the run trained is the

@@ -222,6 +222,11 @@ def test_a_default_run_of_an_earlier_default_is_not_marked_default():
     assert "of commit abc1234 (today's differs)" in R.describe(earlier)
     assert R.trains_as_today(row(260)) and R.trains_as_today(row(2, flip_prob_final="drop"))
     assert R.describe(dict(row(260), commit="abc1234", flags=[])) == "default recipe"
+    # a variant relabelled after its run (its command lacks the flags): its flags say what it
+    # trained, so it is described by them, not as an earlier default
+    relabelled = dict(earlier, flags=["--flip-prob-final", "none"])
+    assert R.trains_as_today(relabelled)
+    assert R.describe(relabelled) == "default recipe + `--flip-prob-final none`"
 
 
 def test_a_finished_checkpoint_of_another_recipe_is_trained_again(tmp_path):
