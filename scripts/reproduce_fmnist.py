@@ -950,8 +950,8 @@ def write_page(args) -> int:
         budgets = ", ".join(dict.fromkeys(r["budget"] for r in rows))
         all_rows[f"heldout:{name}:{budgets}"] = rows
         L += [f"## Held-out data: {name} ({budgets})", "",
-              f"`{data}`: not Fashion-MNIST, never used to choose a recipe value (issue 26's "
-              f"held-out check). Same protocol, `--out {root} --data {data}` (the grids "
+              f"`{data}`: not Fashion-MNIST (issue 26's held-out check; the reading below says "
+              f"which of its runs, if any, informed a recipe value). Same protocol, `--out {root} --data {data}` (the grids "
               f"{', '.join(dict.fromkeys(r['grid'] for r in rows))}); k-bit figures are "
               "the first k bits of the code.", ""] + results_table(rows) + [""]
     have_plot = plot_curves(all_rows, os.path.join(os.path.dirname(os.path.abspath(args.doc)),
