@@ -951,7 +951,8 @@ def write_page(args) -> int:
         all_rows[f"heldout:{name}:{budgets}"] = rows
         L += [f"## Held-out data: {name} ({budgets})", "",
               f"`{data}`: not Fashion-MNIST (issue 26's held-out check; the reading below says "
-              f"which of its runs, if any, informed a recipe value). Same protocol, `--out {root} --data {data}` (the grids "
+              f"which of its runs, if any, informed a recipe value). Same protocol, "
+              f"`--out {root} --data {data}` (the grids "
               f"{', '.join(dict.fromkeys(r['grid'] for r in rows))}); k-bit figures are "
               "the first k bits of the code.", ""] + results_table(rows) + [""]
     have_plot = plot_curves(all_rows, os.path.join(os.path.dirname(os.path.abspath(args.doc)),
