@@ -34,9 +34,9 @@ from nac_fast.train import distributed as nd
 from nac_fast.train.config import UsageError, parse
 from nac_fast.train.methods import code_stats, collapse_warning, learning_stats, zero_code_loss
 from nac_fast.train.monitor import LossWatch, RunLog, summary_lines
-from nac_fast.train.run import (EXIT_USAGE, RunStopped, build, finish, flip_prob_of, lr_at,
-                                plan_start, print_main, save, start, stop_non_finite,
-                                train_step)
+from nac_fast.train.run import (EXIT_USAGE, RunStopped, build, describe_p, finish,
+                                flip_prob_of, lr_at, plan_start, print_main, save, start,
+                                stop_non_finite, train_step)
 
 
 def main(argv=None) -> int:
@@ -68,6 +68,7 @@ def train(st, flags) -> None:
                    f"({cfg.num_images} images, {cfg.image_size}px, {cfg.in_channels} ch) "
                    f"recipe={os.path.relpath(cfg.recipe)} world={cfg.world_size} "
                    f"device={di.device} batch={cfg.batch_size} lr={cfg.lr:.4g} "
+                   + (f"p={describe_p(cfg)} " if cfg.method != "simclr" else "") +
                    f"steps={cfg.total_steps} ({cfg.steps_per_epoch}/epoch, warm-up "
                    f"{cfg.warmup_steps}) amp={cfg.amp} out={cfg.out}")
     stop = min(cfg.total_steps, cfg.stop_at_step or cfg.total_steps)

@@ -192,7 +192,8 @@ def test_a_default_run_of_an_earlier_default_is_not_marked_default():
     """A command without --config means the default of its day: the row's recorded signature
     (what it trained; a key recorded before it existed has its built-in value), not its command
     parsed today, decides whether it trained today's default.  The p schedule counts only
-    where it applies (runs of at least flip_prob_final_min_steps)."""
+    where it applies (runs that see at least flip_prob_final_min_images images and, where set,
+    last flip_prob_final_min_steps steps)."""
     from nac_fast.train.config import parse
 
     def row(epochs, **change):
@@ -205,23 +206,30 @@ def test_a_default_run_of_an_earlier_default_is_not_marked_default():
         cfg = {k: v for k, v in dict(cfg, **change).items() if v != "drop"}
         return {"method": "nac", "recipe": "default", "commands": [cmd],
                 "signature": json.dumps(["b", cfg], sort_keys=True, default=str)}
-    # 512 images at batch 64: 8 steps an epoch; 260 epochs = 2080 steps >= the recipe's 2000
+    # 512 images at batch 64: 8 steps an epoch; 880 epochs = 7040 steps = 450,560 images seen
+    # >= the recipe's 450,000
+    assert R.default_and_epochs(row(880)) == (True, 880.0)
+    assert R.default_and_epochs(row(880, flip_prob_final=None)) == (False, 880.0)  # no ramp
+    assert R.default_and_epochs(row(880, flip_prob_final="drop",                   # before the
+                                    flip_prob_final_min_steps="drop",              # keys
+                                    flip_prob_final_min_images="drop")) == (False, 880.0)
+    assert R.default_and_epochs(row(880, flip_prob_final_min_images="drop")) == (True, 880.0)
+    assert R.default_and_epochs(row(880, flip_prob=0.3)) == (False, 880.0)
+    # 260 epochs = 2080 steps but 133,120 images: the default of commit ff36b25 (a 2,000-step
+    # threshold, no image threshold) ramped there, today's keeps p constant
+    assert R.default_and_epochs(row(260, flip_prob_final_min_steps=2000,
+                                    flip_prob_final_min_images="drop")) == (False, 260.0)
     assert R.default_and_epochs(row(260)) == (True, 260.0)
-    assert R.default_and_epochs(row(260, flip_prob_final=None)) == (False, 260.0)  # no ramp
-    assert R.default_and_epochs(row(260, flip_prob_final="drop",                   # before the
-                                    flip_prob_final_min_steps="drop")) == (False, 260.0)  # keys
-    assert R.default_and_epochs(row(260, flip_prob_final_min_steps="drop")) == (True, 260.0)
-    assert R.default_and_epochs(row(260, flip_prob=0.3)) == (False, 260.0)
-    # 2 epochs = the recipe's 400-step floor < 2000: the schedule does not apply, so a run of
-    # the earlier default (constant p = 0.25, keys not recorded) trained today's default
-    assert R.default_and_epochs(row(2, flip_prob_final="drop",
-                                    flip_prob_final_min_steps="drop")) == (True, 50.0)
+    # 2 epochs = the recipe's 400-step floor, 25,600 images: the schedule does not apply, so a
+    # run of the earlier default (constant p = 0.25, keys not recorded) trained today's default
+    assert R.default_and_epochs(row(2, flip_prob_final="drop", flip_prob_final_min_steps="drop",
+                                    flip_prob_final_min_images="drop")) == (True, 50.0)
     # the page names such a run for what it is: the default of its commit, not today's
-    earlier = dict(row(260, flip_prob_final=None), commit="abc1234", flags=[])
+    earlier = dict(row(880, flip_prob_final=None), commit="abc1234", flags=[])
     assert not R.trains_as_today(earlier)
     assert "of commit abc1234 (today's differs)" in R.describe(earlier)
-    assert R.trains_as_today(row(260)) and R.trains_as_today(row(2, flip_prob_final="drop"))
-    assert R.describe(dict(row(260), commit="abc1234", flags=[])) == "default recipe"
+    assert R.trains_as_today(row(880)) and R.trains_as_today(row(2, flip_prob_final="drop"))
+    assert R.describe(dict(row(880), commit="abc1234", flags=[])) == "default recipe"
     # a variant relabelled after its run (its command lacks the flags): its flags say what it
     # trained, so it is described by them, not as an earlier default
     relabelled = dict(earlier, flags=["--flip-prob-final", "none"])
@@ -252,16 +260,18 @@ def test_a_finished_checkpoint_of_another_recipe_is_trained_again(tmp_path):
 def test_heldout_section_lists_every_grid_of_its_root(tmp_path):
     """--heldout ROOT: the page's section for ROOT has the rows of each grid run there (the
     defaults of budgets and pschedule's parts of the p schedule), and results_summary.json
-    marks only the default runs; a root with no rows is refused."""
+    marks only the default runs (7040 steps x batch 64 = 450,560 images seen: the default's p
+    rises there, so the constant-p variant is not the default); a root with no rows is
+    refused."""
     def row(grid, variant, method, flags, seed, m128):
         extra = "--config configs/fashion_mnist_paper.toml " if method == "simclr" else ""
         cmd = (f"python -m torch.distributed.run --standalone --nproc_per_node=2 train.py "
                f"{extra}--data synthetic:512 --arch resnet-tiny --method {method} "
                f"--batch-size 64 --seed {seed} --out /x/seed{seed} --no-progress --log-every 10 "
-               f"--save-every 1000000 --max-steps 2400 {' '.join(flags)}").strip()
+               f"--save-every 1000000 --max-steps 7040 {' '.join(flags)}").strip()
         return {"grid": grid, "variant": variant, "method": method,
                 "recipe": "paper" if method == "simclr" else "default", "flags": flags,
-                "seed": seed, "budget": "2400 steps, 2 proc, batch 64, resnet-tiny",
+                "seed": seed, "budget": "7040 steps, 2 proc, batch 64, resnet-tiny",
                 "map": {"16": 0.3, "32": 0.4, "64": 0.5, "128": m128}, "linear_top1": 0.9,
                 "knn_top1": 0.8, "commands": [cmd], "seconds_total": 60.0}
 
@@ -286,6 +296,23 @@ def test_heldout_section_lists_every_grid_of_its_root(tmp_path):
     (key,) = [k for k in summary if k.startswith("heldout:")]
     assert [(r["variant"], r["default"]) for r in summary[key]] == \
         [("nac:default", True)] * 2 + [("nac:p-constant", False)] * 2
+    # Fashion-MNIST at another batch is not held-out data: its section and key say so
+    fm = tmp_path / "fmb64"
+    # (run from elsewhere into this checkout: the page shows the path as typed from here)
+    write(fm, "budgets", [dict(row("budgets", "nac:default", "nac", [], 0, 0.6), commands=[
+        row("budgets", "nac:default", "nac", [], 0, 0.6)["commands"][0].replace(
+            "synthetic:512", "fashion-mnist").replace(
+            "/x/seed0", os.path.join(os.getcwd(), "runs", "fm", "seed0"))])])
+    assert R.main(["--out", str(main_root), "--doc", str(doc), "--heldout",
+                   f"{held},{fm}"]) == 0
+    page = doc.read_text()
+    assert "## Held-out data: fashion-mnist" not in page
+    assert "## Fashion-MNIST at another budget (7040 steps" in page
+    assert "Not held-out data" in page
+    assert "--out runs/fm/seedS " in page and os.getcwd() + os.sep not in page
+    summary = json.loads((doc.parent / "results_summary.json").read_text())
+    assert len([k for k in summary if k.startswith("heldout:")]) == 1
+    assert [k for k in summary if k.startswith("extra:fashion-mnist:")]
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SystemExit, match="no results in"):

@@ -296,6 +296,16 @@ def test_recipe_values_are_checked_and_named(tmp_path):
     bad.write_text("batch_size = 2.5\n")
     with pytest.raises(ValueError, match="batch_size = 2.5: must be an integer"):
         parse(["--config", str(bad)])
+    bad.write_text("flip_prob_final_min_images = 1.5\n")
+    with pytest.raises(ValueError, match="flip_prob_final_min_images = 1.5: expected an integer"):
+        parse(["--config", str(bad)])
+    bad.write_text("flip_prob_final_min_images = true\n")
+    with pytest.raises(ValueError, match="flip_prob_final_min_images = True: has the wrong type"):
+        parse(["--config", str(bad)])
+    bad.write_text('batch_size = 32\nepochs = 1\nflip_prob_final_min_images = "none"\n'
+                   'flip_prob_final_min_steps = 7\n')
+    c = parse(["--config", str(bad)])
+    assert (c.flip_prob_final_min_images, c.flip_prob_final_min_steps) == (None, 7)
     # the command line beats the recipe, which beats the built-in value
     good = tmp_path / "good.toml"
     good.write_text('flip_prob = 0.2\nbatch_size = 32\nepochs = 1\nqueue_size = "4x"\n')

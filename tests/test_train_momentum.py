@@ -107,17 +107,41 @@ def test_flip_prob_schedule():
         flip_prob_at(0, 0.25, "0.4", 5)
 
 
-@pytest.mark.parametrize("method,min_steps,expect", [
-    ("nac", "5", [0.2, 0.25, 0.3, 0.35, 0.4]),
-    ("nac-mq", "5", [0.2, 0.25, 0.3, 0.35, 0.4]),
-    ("nac", "6", [0.2] * 5),          # a run shorter than --flip-prob-final-min-steps
-    ("nac-mq", "6", [0.2] * 5),
+RAMP, FLAT = [0.2, 0.25, 0.3, 0.35, 0.4], [0.2] * 5
+
+
+def test_p_schedule_applies_by_steps_and_images_seen():
+    """[M:p-schedule]: the schedule applies where every threshold set holds: steps >= min_steps
+    and steps x global batch >= min_images; None is no condition; min_images needs the batch."""
+    from nac_fast.train.schedule import p_schedule_applies as on
+    assert not on(None, None, 10**6, None, 256)                 # no final p: no schedule
+    assert on(0.4, None, 1, None, None)                         # no threshold: every run
+    assert on(0.4, 2000, 2000) and not on(0.4, 2000, 1999)
+    assert on(0.4, None, 1758, 450_000, 256)                    # 450,048 images seen
+    assert not on(0.4, None, 1757, 450_000, 256)                # 449,792
+    assert not on(0.4, None, 2400, 450_000, 64)                 # many steps, few images
+    assert not on(0.4, 3000, 2400, 100_000, 64) and on(0.4, 2000, 2400, 100_000, 64)
+    with pytest.raises(ValueError, match="batch_size"):
+        on(0.4, None, 100, 1000, None)
+    with pytest.raises(ValueError, match="batch_size"):
+        on(0.4, None, 100, 1000, 0)
+
+
+@pytest.mark.parametrize("method", ["nac", "nac-mq"])
+@pytest.mark.parametrize("min_steps,min_images,expect,shown", [
+    ("5", "none", RAMP, "p=0.2->0.4 "),
+    ("6", "none", FLAT, "p=0.2 (not rising to 0.4: 5 steps < 6) "),  # too few steps
+    ("none", "160", RAMP, "p=0.2->0.4 "),                   # 5 steps x batch 32 = 160 images
+    ("none", "161", FLAT, "p=0.2 (not rising to 0.4: 160 images seen < 161) "),
+    ("5", "161", FLAT, "p=0.2 (not rising to 0.4: 160 images seen < 161) "),  # both must hold
+    ("6", "161", FLAT, "160 images seen < 161, 5 steps < 6) "),
 ])
-def test_train_step_follows_the_flip_prob_schedule(method, min_steps, expect, monkeypatch,
-                                                   tmp_path):
+def test_train_step_follows_the_flip_prob_schedule(method, min_steps, min_images, expect, shown,
+                                                   monkeypatch, tmp_path, capsys):
     """Each optimizer step's loss gets the scheduled p: nac through nac_step's p, nac-mq through
     its NACMQLoss's p (which also draws the noise and weighs the VI term); a run shorter than
-    --flip-prob-final-min-steps keeps --flip-prob."""
+    --flip-prob-final-min-steps, or seeing fewer images (steps x global batch) than
+    --flip-prob-final-min-images, keeps --flip-prob, and the start line says why."""
     import train
     from nac_fast.ops.loss import NACLoss, NACMQLoss
     seen = []
@@ -131,6 +155,7 @@ def test_train_step_follows_the_flip_prob_schedule(method, min_steps, expect, mo
     argv = ["--data", "synthetic:64", "--batch-size", "32", "--image-size", "8",
             "--max-steps", "5", "--method", method, "--flip-prob", "0.2",
             "--flip-prob-final", "0.4", "--flip-prob-final-min-steps", min_steps,
+            "--flip-prob-final-min-images", min_images,
             "--log-every", "1", "--out", str(tmp_path), "--no-progress"]
     if method == "nac-mq":
         argv += ["--queue-size", "64"]
@@ -139,3 +164,4 @@ def test_train_step_follows_the_flip_prob_schedule(method, min_steps, expect, mo
     assert [round(p, 6) for p in seen] == expect
     logged = [json.loads(x)["flip_prob"] for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert logged == pytest.approx(expect)          # each logged step's p (log.jsonl)
+    assert shown in capsys.readouterr().out

@@ -315,12 +315,14 @@ def test_recipes_default_paper_and_learning_are_one_config_apart():
     # [M:recipe-small], [M:p-schedule]); the fixed-gain learning heads at p = 0.1 and the
     # paper's recipe are one flag away
     # (--config configs/fashion_mnist_learning.toml / fashion_mnist_paper.toml)
-    small = {"recipe", "flip_prob", "flip_prob_final", "flip_prob_final_min_steps", "a_gain",
+    # (runs that see at least 450,000 images; no step threshold)
+    small = {"recipe", "flip_prob", "flip_prob_final", "flip_prob_final_min_images", "a_gain",
              "min_steps"}
     assert diff(default, learning) == small | {"learn_gain"}
     assert default.learn_gain is True and learning.learn_gain is False
     assert (default.flip_prob, default.flip_prob_final, default.flip_prob_final_min_steps,
-            default.a_gain, default.min_steps) == (0.25, 0.4, 2000, 6.0, 400)
+            default.flip_prob_final_min_images, default.a_gain,
+            default.min_steps) == (0.25, 0.4, None, 450_000, 6.0, 400)
     assert (paper.flip_prob, paper.flip_prob_final, paper.min_steps) == (0.1, None, None)
     # a constant p in the default recipe, from the command line
     assert parse(["--flip-prob-final", "none"]).flip_prob_final is None

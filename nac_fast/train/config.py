@@ -72,6 +72,7 @@ class TrainConfig:
     flip_prob: float = 0.1
     flip_prob_final: float | None = None
     flip_prob_final_min_steps: int | None = None
+    flip_prob_final_min_images: int | None = None
     epochs: int | None = None
     max_steps: int | None = None
     min_steps: int | None = None
@@ -148,6 +149,21 @@ def _gain(v):
     return g
 
 
+def _optional_int(v):
+    """--flip-prob-final-min-steps/-images: an integer, or 'none' (no value)."""
+    if v is None or isinstance(v, str) and v.strip().lower() == "none":
+        return None
+    if isinstance(v, bool) or isinstance(v, float) and not v.is_integer():
+        raise ValueError(f"expected an integer or 'none', got {v!r}")
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected an integer or 'none', got {v!r}") from None
+
+
+_optional_int.__name__ = "integer or 'none'"    # argparse: "invalid integer or 'none' value"
+
+
 def _optional_float(v):
     """--flip-prob-final: a number, or 'none' (no value)."""
     if v is None or isinstance(v, str) and v.strip().lower() == "none":
@@ -156,6 +172,9 @@ def _optional_float(v):
         return float(v)
     except (TypeError, ValueError):
         raise ValueError(f"expected a number or 'none', got {v!r}") from None
+
+
+_optional_float.__name__ = "number or 'none'"
 
 
 def _queue(v):
@@ -216,9 +235,13 @@ def build_parser() -> _Parser:
     a("--flip-prob-final", dest="flip_prob_final", type=_optional_float, metavar="P1",
       help="p at the last step: p moves linearly from --flip-prob at the first step to this "
       "value at the last (docs/math.md [M:p-schedule]); 'none': p constant")
-    a("--flip-prob-final-min-steps", dest="flip_prob_final_min_steps", type=int, metavar="N",
-      help="--flip-prob-final applies to runs of at least N optimizer steps; a shorter run "
-      "keeps p = --flip-prob throughout ([M:p-schedule])")
+    a("--flip-prob-final-min-steps", dest="flip_prob_final_min_steps", type=_optional_int,
+      metavar="N", help="--flip-prob-final applies to runs of at least N optimizer steps; a "
+      "shorter run keeps p = --flip-prob throughout ([M:p-schedule]); 'none': no step threshold")
+    a("--flip-prob-final-min-images", dest="flip_prob_final_min_images", type=_optional_int,
+      metavar="M", help="--flip-prob-final applies to runs that see at least M training images "
+      "(optimizer steps x global batch); a run that sees fewer keeps p = --flip-prob throughout "
+      "([M:p-schedule]); 'none': no image threshold")
     a("--epochs", type=int, help="epochs")
     a("--min-steps", type=int, help="with --epochs: at least this many optimizer steps (small "
       "data sets train longer than --epochs; the small-data recipe sets it)")
@@ -322,7 +345,8 @@ def _rules(d: dict) -> dict:
         "resume": "a fresh run",
         "stop_at_step": "run to the end",
         "flip_prob_final": "none: p constant",
-        "flip_prob_final_min_steps": "none: every run",
+        "flip_prob_final_min_steps": "none: no step threshold",
+        "flip_prob_final_min_images": "none: no image threshold",
     }
     q = d.get("queue_size")
     if q is None or isinstance(q, str):
@@ -496,7 +520,7 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
     pos = {d: getattr(cfg, d) for d in ("batch_size", "epochs", "log_every", "save_every",
                                          "code_dim")}
     for d in ("max_steps", "min_steps", "image_size", "stop_at_step",
-              "flip_prob_final_min_steps"):
+              "flip_prob_final_min_steps", "flip_prob_final_min_images"):
         if getattr(cfg, d) is not None:
             pos[d] = getattr(cfg, d)
     if isinstance(cfg.queue_size, int):

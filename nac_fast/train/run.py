@@ -206,10 +206,32 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def flip_prob_of(cfg: TrainConfig, step: int) -> float:
     """The channel's p at optimizer step `step` (0-based): schedule.flip_prob_at over the run's
     total; constant without --flip-prob-final, or in a run shorter than
-    --flip-prob-final-min-steps (docs/math.md [M:p-schedule])."""
-    on = p_schedule_applies(cfg.flip_prob_final, cfg.flip_prob_final_min_steps, cfg.total_steps)
+    --flip-prob-final-min-steps or seeing fewer images than --flip-prob-final-min-images
+    (docs/math.md [M:p-schedule])."""
+    on = p_schedule_applies(cfg.flip_prob_final, cfg.flip_prob_final_min_steps, cfg.total_steps,
+                            cfg.flip_prob_final_min_images, cfg.batch_size)
     return flip_prob_at(step, cfg.flip_prob, cfg.flip_prob_final if on else None,
                         cfg.total_steps)
+
+
+def describe_p(cfg: TrainConfig) -> str:
+    """The channel's p over the run, for the start line: '0.25', '0.25->0.4', or '0.25' with the
+    threshold the run falls short of ([M:p-schedule])."""
+    p0, p1 = cfg.flip_prob, cfg.flip_prob_final
+    if p1 is None:
+        return f"{p0:g}"
+    if p_schedule_applies(p1, cfg.flip_prob_final_min_steps, cfg.total_steps,
+                          cfg.flip_prob_final_min_images, cfg.batch_size):
+        return f"{p0:g}->{p1:g}"
+    short = []
+    if cfg.flip_prob_final_min_images is not None and \
+            cfg.total_steps * cfg.batch_size < cfg.flip_prob_final_min_images:
+        short.append(f"{cfg.total_steps * cfg.batch_size:,} images seen < "
+                     f"{cfg.flip_prob_final_min_images:,}")
+    if cfg.flip_prob_final_min_steps is not None and \
+            cfg.total_steps < cfg.flip_prob_final_min_steps:
+        short.append(f"{cfg.total_steps} steps < {cfg.flip_prob_final_min_steps}")
+    return f"{p0:g} (not rising to {p1:g}: {', '.join(short)})"
 
 
 def train_step(st: TrainState, x: torch.Tensor):
