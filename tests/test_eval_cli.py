@@ -48,6 +48,9 @@ def test_report_fields_and_ranges(evaluated, ckpt):
     assert set(r) == {"linear", "hash", "knn", "expressivity"}
     assert 0.0 <= r["linear"]["test_top1"] <= 1.0
     assert r["linear"]["best_lr"] in (0.01, 0.1, 1.0, 10.0)
+    # a best rate at an end of the search is flagged (a rate beyond it may fit better)
+    assert r["linear"]["best_lr_at_edge"] == {0.01: "smallest", 10.0: "largest"}.get(
+        r["linear"]["best_lr"])
     assert 0.0 <= r["knn"]["test_top1"] <= 1.0 and r["knn"]["k"] == 200
     h = r["hash"]
     assert h["protocol"] == "standard" and (h["num_queries"], h["num_gallery"]) == (200, 600)

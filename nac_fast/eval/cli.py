@@ -411,8 +411,9 @@ def markdown_table(report: dict) -> str:
     rows = []
     if "linear" in r:
         x = r["linear"]
+        edge = f" ({x['best_lr_at_edge']} of the search)" if x.get("best_lr_at_edge") else ""
         rows.append(("linear probe (h)", "test top-1", _fmt(x["test_top1"], True),
-                     f"lr {x['best_lr']:g}, {x['epochs']} epochs"))
+                     f"lr {x['best_lr']:g}{edge}, {x['epochs']} epochs"))
     if "knn" in r:
         x = r["knn"]
         rows.append(("kNN (h)", "test top-1", _fmt(x["test_top1"], True),
@@ -548,11 +549,19 @@ def main(argv=None) -> int:
                                te["labels"].to(device), epochs=args.linear_epochs,
                                batch_size=args.linear_batch_size, seed=args.seed,
                                progress=args.progress)
+            lrs = [0.01, 0.1, 1.0, 10.0]
+            # the best rate at an end of the search: a rate outside it may fit better
+            edge = ("largest" if res.best_lr == max(lrs) else
+                    "smallest" if res.best_lr == min(lrs) else None)
+            if edge:
+                print(f"note: the linear probe's best rate, {res.best_lr:g}, is the {edge} of "
+                      f"its search {lrs} (the paper's; docs/math.md [M:linear-probe]): a rate "
+                      "beyond it may fit these features better", file=sys.stderr)
             results["linear"] = {"test_top1": res.test_accuracy, "best_lr": res.best_lr,
+                                 "best_lr_at_edge": edge,
                                  "val_top1": {str(k): v for k, v in res.val_accuracy.items()},
                                  "epochs": args.linear_epochs, "val_fraction": 0.1,
-                                 "batch_size": args.linear_batch_size,
-                                 "lrs": [0.01, 0.1, 1.0, 10.0],
+                                 "batch_size": args.linear_batch_size, "lrs": lrs,
                                  "features": "h (encoder, head dropped)"}
         elif task == "knn":
             k = min(args.knn_k, int(tr["h"].shape[0]))
