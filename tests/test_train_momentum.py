@@ -125,6 +125,12 @@ def test_p_schedule_applies_by_steps_and_images_seen():
         on(0.4, None, 100, 1000, None)
     with pytest.raises(ValueError, match="batch_size"):
         on(0.4, None, 100, 1000, 0)
+    from nac_fast.train.schedule import p_schedule_shortfalls as short
+    assert short(None, 2400, 450_000, 64) == ["153,600 images seen < 450,000"]
+    assert short(3000, 2400, 450_000, 64) == ["153,600 images seen < 450,000", "2400 steps < 3000"]
+    assert short(2000, 2400, 100_000, 64) == [] and short(None, 1, None, None) == []
+    with pytest.raises(ValueError, match="batch_size"):
+        short(None, 100, 1000, None)
 
 
 @pytest.mark.parametrize("method", ["nac", "nac-mq"])

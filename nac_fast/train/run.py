@@ -43,7 +43,7 @@ from .config import TrainConfig, UsageError, default_workers, resolve
 from .lars import LARS, param_groups_for_lars
 from .methods import nac_mq_step, nac_step, simclr_step, step_value_checks
 from .models import build_model, model_kwargs_from_config
-from .schedule import flip_prob_at, get_lr, p_schedule_applies
+from .schedule import flip_prob_at, get_lr, p_schedule_applies, p_schedule_shortfalls
 
 # Must match for a checkpoint to continue a run exactly; except that total_steps may grow (an
 # extended run, see `resume`) and warmup_steps is the checkpoint's unless --warmup-epochs is given.
@@ -216,22 +216,13 @@ def flip_prob_of(cfg: TrainConfig, step: int) -> float:
 
 def describe_p(cfg: TrainConfig) -> str:
     """The channel's p over the run, for the start line: '0.25', '0.25->0.4', or '0.25' with the
-    threshold the run falls short of ([M:p-schedule])."""
+    thresholds the run falls short of ([M:p-schedule])."""
     p0, p1 = cfg.flip_prob, cfg.flip_prob_final
     if p1 is None:
         return f"{p0:g}"
-    if p_schedule_applies(p1, cfg.flip_prob_final_min_steps, cfg.total_steps,
-                          cfg.flip_prob_final_min_images, cfg.batch_size):
-        return f"{p0:g}->{p1:g}"
-    short = []
-    if cfg.flip_prob_final_min_images is not None and \
-            cfg.total_steps * cfg.batch_size < cfg.flip_prob_final_min_images:
-        short.append(f"{cfg.total_steps * cfg.batch_size:,} images seen < "
-                     f"{cfg.flip_prob_final_min_images:,}")
-    if cfg.flip_prob_final_min_steps is not None and \
-            cfg.total_steps < cfg.flip_prob_final_min_steps:
-        short.append(f"{cfg.total_steps} steps < {cfg.flip_prob_final_min_steps}")
-    return f"{p0:g} (not rising to {p1:g}: {', '.join(short)})"
+    short = p_schedule_shortfalls(cfg.flip_prob_final_min_steps, cfg.total_steps,
+                                  cfg.flip_prob_final_min_images, cfg.batch_size)
+    return f"{p0:g} (not rising to {p1:g}: {', '.join(short)})" if short else f"{p0:g}->{p1:g}"
 
 
 def train_step(st: TrainState, x: torch.Tensor):

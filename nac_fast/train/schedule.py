@@ -36,22 +36,33 @@ def get_lr(step: int, base_lr: float, warmup_steps: int, total_steps: int) -> fl
     return base_lr * WarmupCosine(warmup_steps, total_steps)(step)
 
 
+def p_schedule_shortfalls(min_steps: int | None, total_steps: int, min_images: int | None = None,
+                          batch_size: int | None = None) -> list[str]:
+    """The thresholds of the p schedule ([M:p-schedule]) a run of total_steps optimizer steps at
+    global batch batch_size falls short of, as "153,600 images seen < 450,000" /
+    "5 steps < 6" (images first); empty where every threshold set holds (None: no condition).
+    ValueError naming batch_size where min_images is set without a positive batch."""
+    short = []
+    if min_images is not None:
+        if batch_size is None:
+            raise ValueError("batch_size: needed with min_images (images seen = steps x batch)")
+        _checks.positive_int("batch_size", batch_size)
+        if total_steps * batch_size < min_images:
+            short.append(f"{total_steps * batch_size:,} images seen < {min_images:,}")
+    if min_steps is not None and total_steps < min_steps:
+        short.append(f"{total_steps} steps < {min_steps}")
+    return short
+
+
 def p_schedule_applies(p1: float | None, min_steps: int | None, total_steps: int,
                        min_images: int | None = None, batch_size: int | None = None) -> bool:
     """Whether a run of total_steps optimizer steps at global batch batch_size follows the p
     schedule towards p1 (--flip-prob-final; None: no schedule), docs/math.md [M:p-schedule]: only
     runs of at least min_steps steps (--flip-prob-final-min-steps) that see at least min_images
     training images, total_steps x batch_size (--flip-prob-final-min-images), do; a threshold of
-    None is no condition.  ValueError naming batch_size where min_images is set without it."""
-    if p1 is None:
-        return False
-    if min_images is not None:
-        if batch_size is None:
-            raise ValueError("batch_size: needed with min_images (images seen = steps x batch)")
-        _checks.positive_int("batch_size", batch_size)
-        if total_steps * batch_size < min_images:
-            return False
-    return min_steps is None or total_steps >= min_steps
+    None is no condition (`p_schedule_shortfalls` names the ones a run misses)."""
+    return p1 is not None and not p_schedule_shortfalls(min_steps, total_steps, min_images,
+                                                        batch_size)
 
 
 def flip_prob_at(step: int, p0: float, p1: float | None, total_steps: int) -> float:
