@@ -975,9 +975,9 @@ def write_page(args) -> int:
           "interpreter); every run's line in `runs/repro/<grid>/results.jsonl` (and "
           "`results_summary.json` beside this page) has its commands and wall time.", "",
           "```text"]
+    here = os.getcwd().rstrip(os.sep) + os.sep          # paths as a user of this checkout types
     for g, rows in all_rows.items():
         args_seen = set()
-        here = os.getcwd().rstrip(os.sep) + os.sep      # paths as a user of this checkout types
         for r in rows:
             for c in r["commands"]:
                 key = c.replace(here, "").replace(f"--seed {r['seed']}", "--seed S").replace(

@@ -549,7 +549,7 @@ def main(argv=None) -> int:
                                te["labels"].to(device), epochs=args.linear_epochs,
                                batch_size=args.linear_batch_size, seed=args.seed,
                                progress=args.progress)
-            lrs = [0.01, 0.1, 1.0, 10.0]
+            lrs = list(res.val_accuracy)        # the rates searched, in order
             # the best rate at an end of the search: a rate outside it may fit better
             edge = ("largest" if res.best_lr == max(lrs) else
                     "smallest" if res.best_lr == min(lrs) else None)
