@@ -2,6 +2,7 @@
 prefix-bit mAP, expressivity recomputation, and clear errors for bad arguments.  CPU only."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -131,6 +132,44 @@ def test_features_reused_on_second_run(evaluated, ckpt, tmp_path):
     assert rep3["bits"] == [D]  # default: the model's full code only
 
 
+def test_linear_lrs_widens_the_search_and_the_report_says_so(evaluated, tmp_path, capsys):
+    """--linear-lrs: the probe searches the rates given (de-duplicated, in order), the figures
+    are linear_probe's on the cached features with that list, and report.json / report.md say
+    the search was not the paper's; a best rate at its end is flagged."""
+    src, rep1, argv = evaluated
+    assert rep1["results"]["linear"]["paper_lrs"] is True
+    assert rep1["results"]["linear"]["lrs"] == [0.01, 0.1, 1.0, 10.0]
+    out = tmp_path / "e"  # its own report (the shared one is read by other tests)
+    out.mkdir()
+    for s in ("train", "test"):
+        shutil.copy(src / f"features_{s}.pt", out / f"features_{s}.pt")
+    argv = argv[:]
+    argv[argv.index("--out") + 1] = str(out)
+    assert nac_eval.main(argv + ["--tasks", "linear", "--linear-lrs", "100,30,30,0.001"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["features"]["train"]["cached"]  # the same features as the paper-list run
+    x = rep["results"]["linear"]
+    assert x["lrs"] == [100.0, 30.0, 0.001] and x["paper_lrs"] is False
+    assert set(x["val_top1"]) == {"100.0", "30.0", "0.001"}
+    tr = torch.load(out / "features_train.pt", weights_only=False)
+    te = torch.load(out / "features_test.pt", weights_only=False)
+    from nac_fast.eval.metrics import linear_probe
+    lp = linear_probe(tr["h"], tr["labels"], te["h"], te["labels"], epochs=3, batch_size=256,
+                      seed=0, lrs=(100.0, 30.0, 0.001))
+    assert (x["test_top1"], x["best_lr"]) == (lp.test_accuracy, lp.best_lr)
+    edge = {0.001: "smallest", 100.0: "largest"}.get(lp.best_lr)
+    assert x["best_lr_at_edge"] == edge
+    err = capsys.readouterr().err
+    assert (("(--linear-lrs): a rate beyond it" in err) == (edge is not None)), err
+    md = (out / "report.md").read_text()
+    assert "searched 100/30/0.001 (not the paper's)" in md
+    # one rate: no search, so no end of it to flag
+    assert nac_eval.main(argv + ["--tasks", "linear", "--linear-lrs", "0.5"]) == 0
+    x = json.loads((out / "report.json").read_text())["results"]["linear"]
+    assert x["best_lr"] == 0.5 and x["best_lr_at_edge"] is None
+    assert "a rate beyond it" not in capsys.readouterr().err
+
+
 def test_paper_protocol(ckpt, tmp_path, capsys):
     assert nac_eval.main(["--checkpoint", ckpt, "--out", str(tmp_path), "--tasks", "hash",
                           "--hash-protocol", "paper", "--queries-per-class", "10",
@@ -168,6 +207,10 @@ def test_paper_protocol(ckpt, tmp_path, capsys):
     (["--limit-test", "-5"], "--limit-test must be >= 1"),
     (["--limit-test", "20000"], "--limit-test 20000 exceeds the test split's 10000 images"),
     (["--linear-epochs", "0"], "--linear-epochs must be >= 1"),
+    (["--linear-lrs", "0.1,-1"], "--linear-lrs values must be positive numbers, got [-1.0]"),
+    (["--linear-lrs", "0.1,nan"], "--linear-lrs values must be positive numbers, got [nan]"),
+    (["--linear-lrs", "0.1,fast"], "expected comma-separated numbers, got '0.1,fast'"),
+    (["--linear-lrs", ","], "expected at least one number"),
     (["--which", "momentum"], "--which momentum: the checkpoint has no momentum model"),
     (["--data", "/nonexistent/data"], "'/nonexistent/data' is neither"),
 ])
@@ -288,3 +331,40 @@ def test_hash_curves_without_matplotlib_say_so(tmp_path, monkeypatch, capsys):
     assert "hash_curves.png not drawn" in capsys.readouterr().err
     assert os.path.isfile(tmp_path / "hash_pr_curve.csv") and not os.path.exists(
         tmp_path / "hash_curves.png")
+
+
+def test_probe_rates_script_refits_each_rate_as_the_final_fit(evaluated, tmp_path, capsys):
+    """scripts/probe_rates.py: at the protocol's chosen rate its figure is the report's test
+    top-1 (the same final fit); another rate is train_linear_probe's; bad directories and an
+    existing --csv are usage errors naming the argument."""
+    shared, rep, _ = evaluated
+    src = tmp_path / "e"  # the shared report.json is rewritten by other tests: the first one here
+    src.mkdir()
+    for s in ("train", "test"):
+        shutil.copy(shared / f"features_{s}.pt", src / f"features_{s}.pt")
+    (src / "report.json").write_text(json.dumps(rep))
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import probe_rates
+    lin = rep["results"]["linear"]
+    other = 3.0 if lin["best_lr"] != 3.0 else 5.0
+    csv_path = tmp_path / "rates.csv"
+    assert probe_rates.main([str(src), "--lrs", f"{lin['best_lr']},{other}",
+                             "--csv", str(csv_path)]) == 0
+    out = capsys.readouterr().out
+    assert "not the protocol" in out
+    rows = csv_path.read_text().splitlines()
+    assert rows[0] == f"eval_dir,protocol_lr,protocol_top1,lr_{lin['best_lr']:g},lr_{other:g}"
+    vals = rows[1].split(",")
+    assert float(vals[3]) == lin["test_top1"]  # the protocol's final fit, refitted
+    tr = torch.load(src / "features_train.pt", weights_only=False)
+    te = torch.load(src / "features_test.pt", weights_only=False)
+    from nac_fast.eval.metrics import train_linear_probe, _predict
+    m = train_linear_probe(tr["h"], tr["labels"], lr=other, epochs=3, seed=0)
+    assert float(vals[4]) == (_predict(m, te["h"]) == te["labels"]).double().mean().item()
+    for argv, match in (([str(src), "--csv", str(csv_path)], "exists"),
+                        ([str(tmp_path)], "has no report.json"),
+                        ([str(src), "--lrs", "1,-2"], "expected positive rates")):
+        with pytest.raises(SystemExit) as e:
+            probe_rates.main(argv)
+        assert e.value.code == 2
+        assert match in capsys.readouterr().err
