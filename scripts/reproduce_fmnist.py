@@ -55,6 +55,7 @@ import os
 import platform
 import shlex
 import subprocess
+import statistics
 import sys
 import time
 
@@ -522,6 +523,32 @@ COST = dict(step_s_per_image=0.29 / 256, mq_factor=1.3, feature_s=0.00027,
             linear_epoch_s=0.065, linear_fits=5, eval_fixed_s=5.0, launch_s=15.0)
 
 
+def total_steps(args) -> int:
+    """Optimizer steps of one run (--epochs counted on Fashion-MNIST's training split)."""
+    return args.max_steps or args.epochs * (TRAIN_IMAGES // args.batch_size)
+
+
+def measured_seconds(args, method: str) -> tuple[float, float, int] | None:
+    """(training seconds per step, evaluation seconds, number of runs) as measured by the
+    finished runs under --out (any grid) of this method family (NAC-MQ or not) with the same
+    processes, batch and architecture, and no curve: medians of their recorded wall times.
+    None when there is no such run (then the cost model above estimates)."""
+    tail = budget_tag(args).split(", ", 1)[1]
+    mq = method == "nac-mq"
+    per_step, ev = [], []
+    for g in GRIDS:
+        for r in load_rows(os.path.join(args.out, g, "results.jsonl")):
+            if (r.get("reused_from") or r.get("curve") or not r.get("step")
+                    or "seconds_train" not in r or (r.get("method") == "nac-mq") != mq
+                    or str(r.get("budget", "")).split(", ", 1)[-1] != tail):
+                continue
+            per_step.append(r["seconds_train"] / r["step"])
+            ev.append(r["seconds_total"] - r["seconds_train"])
+    if not per_step:
+        return None
+    return statistics.median(per_step), statistics.median(ev), len(per_step)
+
+
 def estimate_seconds(args, method: str, curve) -> tuple[float, float]:
     """(training, evaluation) seconds of one run of the grid: the cost model above."""
     c = COST
@@ -538,7 +565,7 @@ def estimate_seconds(args, method: str, curve) -> tuple[float, float]:
         train = c["launch_s"] + 256 * c["step_s_per_image"] + (
             args.bn_batches * args.batch_size * c["step_s_per_image"] / 3)
         return train, evaluation(lt, ls, True)
-    steps = args.max_steps or args.epochs * (TRAIN_IMAGES // args.batch_size)
+    steps = total_steps(args)
     train = steps * args.batch_size * c["step_s_per_image"] * (
         c["mq_factor"] if method == "nac-mq" else 1.0) + c["launch_s"] * (1 + len(curve))
     cl = args.curve_limits or (lt, ls)
@@ -754,9 +781,14 @@ def run_grid(args, variants, seeds, curve, curve_seeds, planned=None) -> tuple[i
             if sig:
                 planned.add(sig)
             t_tr, t_ev = estimate_seconds(args, method, c)
+            how = "cost model"
+            m = None if c else measured_seconds(args, method)
+            if m:  # this machine's own wall times at this batch beat the cost model
+                t_tr, t_ev = m[0] * total_steps(args), m[1]
+                how = f"as {m[2]} finished run{'s' * (m[2] > 1)} under --out took"
             plan.append((name, seed, t_tr, t_ev))
             print(f"== {args.grid} {name} seed {seed} ({budget_tag(args)}; estimated "
-                  f"{(t_tr + t_ev) / 60:.0f} min)", flush=True)
+                  f"{(t_tr + t_ev) / 60:.0f} min, {how})", flush=True)
             try:
                 row = do_run(args, name, method, flags, recipe, seed, c)
             except RuntimeError as exc:  # the other runs are independent: go on
@@ -781,7 +813,8 @@ def run_grid(args, variants, seeds, curve, curve_seeds, planned=None) -> tuple[i
 def print_plan(plans: dict) -> float:
     """The dry run's summary: runs to do per grid and their estimated cost; returns the total s."""
     total = 0.0
-    print("\nplan (runs not done yet; estimated wall time on 2 CPU cores, +-50%):")
+    print("\nplan (runs not done yet; estimated wall time: as the finished runs under --out "
+          "at this batch took, else the cost model of 2 CPU cores, +-50%):")
     for g, plan in plans.items():
         tr, ev = sum(p[2] for p in plan), sum(p[3] for p in plan)
         total += tr + ev

@@ -82,7 +82,7 @@ def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
               "nac:full:p0.4", "nac:paper+headbn", "nac:paper+inferbn", "nac:paper+copy"):
         assert v in out
     # the estimate is the cost model's sum over the planned runs
-    args = R.build_parser().parse_args(["--grid", "all"])
+    args = R.build_parser().parse_args(["--grid", "all", "--out", str(out_dir)])
     per_grid, seeds, curve, _ = R.check_args(args)
     want = 0.0
     for g, variants in per_grid.items():
@@ -109,6 +109,43 @@ def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
     out3 = subprocess.run(argv + ["--max-steps", "50", "--linear-epochs", "10", "--seeds", "0"],
                           capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert _plan(out3)["all"][0] == 30 and _plan(out3)["all"][1] < plan["all"][1] / 3
+
+
+def test_estimates_come_from_the_finished_runs_at_the_same_batch(tmp_path, capsys):
+    """A run's estimate is the median wall time per step of the finished runs under --out with
+    the same processes, batch and architecture (NAC-MQ apart), scaled to its steps; reused rows,
+    rows with a curve and other batches do not count; with none, the cost model."""
+    args = R.build_parser().parse_args(["--grid", "budgets", "--out", str(tmp_path),
+                                        "--max-steps", "1000", "--batch-size", "64"])
+    assert R.measured_seconds(args, "nac") is None
+    tail = "2 proc, batch 64, resnet-tiny"
+
+    def row(method, steps, s_train, s_total, **kw):
+        return dict(dict(variant=method, seed=0, method=method, step=steps,
+                         budget=f"{steps} steps, {tail}",
+                         seconds_train=s_train, seconds_total=s_total, curve=[]), **kw)
+    rows = {"budgets": [row("nac", 100, 20.0, 30.0), row("simclr", 400, 120.0, 135.0),
+                        row("nac", 200, 50.0, 60.0),
+                        row("nac", 100, 900.0, 950.0, reused_from="main/x"),
+                        row("nac", 100, 900.0, 950.0, curve=[{"step": 50}]),
+                        row("nac", 100, 900.0, 950.0, budget="100 steps, 2 proc, batch 256, "
+                            "resnet-tiny"),
+                        row("nac-mq", 100, 40.0, 50.0)],
+            "pschedule": [row("nac", 100, 30.0, 42.0)]}
+    for g, rs in rows.items():
+        (tmp_path / g).mkdir()
+        (tmp_path / g / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    # per step 0.2, 0.3, 0.25, 0.3 -> median 0.275; evaluation 10, 15, 10, 12 -> 11
+    assert R.measured_seconds(args, "nac") == pytest.approx((0.275, 11.0, 4))
+    assert R.measured_seconds(args, "simclr") == pytest.approx((0.275, 11.0, 4))
+    assert R.measured_seconds(args, "nac-mq") == pytest.approx((0.4, 10.0, 1))
+    args.batch_size = 128
+    assert R.measured_seconds(args, "nac") is None
+    # the dry run prints the measured estimate: 1000 steps x 0.275 s + 11 s = 4.8 min
+    assert R.main(["--grid", "budgets", "--only", "nac:default", "--seeds", "5", "--out",
+                   str(tmp_path), "--max-steps", "1000", "--batch-size", "64", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "estimated 5 min, as 4 finished runs under --out took)" in out, out
 
 
 @pytest.mark.parametrize("argv,match", [
