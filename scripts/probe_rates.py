@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import sys
 
@@ -24,15 +25,13 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from nac_fast.eval.cli import _float_list  # noqa: E402
 from nac_fast.eval.metrics import _predict, accuracy, train_linear_probe  # noqa: E402
 
 
 def _lrs(s: str) -> list[float]:
-    try:
-        out = [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}")
-    if not out or any(not v > 0 for v in out):
+    out = _float_list(s)
+    if any(not (v > 0 and math.isfinite(v)) for v in out):
         raise argparse.ArgumentTypeError(f"expected positive rates, got {s!r}")
     return list(dict.fromkeys(out))
 

@@ -74,24 +74,22 @@ CACHE_VERSION = 1
 # Arguments
 # --------------------------------------------------------------------------------------------
 
-def _int_list(s: str) -> list[int]:
-    try:
-        out = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return out
+def _list_of(cast, what: str):
+    """An argparse type: comma-separated values of `cast` (at least one)."""
+    def parse(s: str) -> list:
+        try:
+            out = [cast(x) for x in s.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {s!r}")
+        if not out:
+            raise argparse.ArgumentTypeError(f"expected at least one {what[:-1]}")
+        return out
+    parse.__name__ = f"{what[:-1]} list"  # argparse names the type in its messages
+    return parse
 
 
-def _float_list(s: str) -> list[float]:
-    try:
-        out = [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}")
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return list(dict.fromkeys(out))  # de-duplicated, order kept
+_int_list = _list_of(int, "integers")
+_float_list = _list_of(float, "numbers")
 
 
 def _task_list(s: str) -> list[str]:
@@ -177,6 +175,7 @@ def check_args(args) -> None:
     if args.limit_train is not None and "linear" in args.tasks and args.limit_train < 2:
         raise ValueError("--limit-train must be >= 2 for the linear probe (it holds out a "
                          "validation split for the lr search)")
+    args.linear_lrs = list(dict.fromkeys(args.linear_lrs))  # de-duplicated, order kept
     bad = [v for v in args.linear_lrs if not (v > 0 and math.isfinite(v))]
     if bad:
         raise ValueError(f"--linear-lrs values must be positive numbers, got {bad}")
