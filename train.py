@@ -69,6 +69,9 @@ def train(st, flags) -> None:
                    f"recipe={os.path.relpath(cfg.recipe)} world={cfg.world_size} "
                    f"device={di.device} batch={cfg.batch_size} lr={cfg.lr:.4g} "
                    + (f"p={describe_p(cfg)} " if cfg.method != "simclr" else "") +
+                   ("likelihood=multilinear (reference loss: no fused kernel) "
+                    if cfg.method != "simclr" and cfg.channel_likelihood == "multilinear"
+                    else "") +
                    f"steps={cfg.total_steps} ({cfg.steps_per_epoch}/epoch, warm-up "
                    f"{cfg.warmup_steps}) amp={cfg.amp} out={cfg.out}")
     stop = min(cfg.total_steps, cfg.stop_at_step or cfg.total_steps)

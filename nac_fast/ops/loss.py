@@ -1,13 +1,17 @@
 """Public NAC loss API: argument checking, noise, backend choice.
 
-    nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto")
-    nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto")
+    nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto",
+             likelihood="dot")
+    nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto",
+                likelihood="dot")
     nac_vi_loss(a, r, p, *, noise=None, reduction="mean")
     NACLoss(p, ...)(out0, out1)                          # nn.Module criteria of the two
     NACMQLoss(p, l2=...)(out0, out1, mom0, mom1, queue)  # views' outputs, out_v = (a_v, r_v)
 
 Every backend computes the same function, docs/math.md [M:rows]; `nac_fast.ops.reference` is the
-oracle.
+oracle.  likelihood="multilinear" (the channel's own relaxed likelihood, [M:multilinear]; a change
+of the method, not the paper's) has no fused kernel: it runs on the reference, and a fused
+backend asked for by name is refused.
 
 Host syncs: p, s and l2 stay Python numbers (pass p as a float: a tensor p is read with .item()),
 the noise seed is drawn on the inputs' device, and the data-reading value checks follow the policy
@@ -166,7 +170,27 @@ def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):
     return p, _scale(p), noise
 
 
-def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"):
+def _check_likelihood(likelihood) -> str:
+    if not isinstance(likelihood, str) or likelihood not in reference.LIKELIHOODS:
+        raise ValueError(f"likelihood must be one of {reference.LIKELIHOODS}, got {likelihood!r}")
+    return likelihood
+
+
+def _backend_for(backend, a, keys, likelihood) -> str:
+    """The implementation that runs: resolve_backend's, except that the multilinear likelihood
+    runs on the reference (the fused kernels compute the dot form; one named is refused)."""
+    if _check_likelihood(likelihood) == "multilinear":
+        _check_backend_name(backend)
+        if backend not in ("auto", "reference"):
+            raise ValueError(f"backend {backend!r} has no multilinear likelihood (the fused "
+                             "kernels compute the dot form, docs/math.md [M:multilinear]); use "
+                             "backend='reference' or 'auto'")
+        return "reference"
+    return resolve_backend(backend, a, keys=keys)  # auto: the faster path per dtype
+
+
+def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto",
+             likelihood="dot"):
     """In-batch NAC loss to minimise (docs/math.md [M:inbatch]).
 
     a: (n, D) projection-head pre-activations (tanh is applied inside).
@@ -177,33 +201,40 @@ def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"
     noise: None = drawn inside from torch's RNG; or an explicit (n, D) tensor of +-1.
     reduction: "mean" (fp32 scalar), "sum", or "none" ((n,) per-row losses).
     backend: "reference" | "cpu" | "triton" | "cuda" | "auto".
+    likelihood: "dot" (the paper's: logits s z~ . k) | "multilinear" (sum_d log(1 + (1-2p) z~_d
+        k_d), docs/math.md [M:multilinear]: reference backend only; "auto" picks it).
     """
+    _check_likelihood(likelihood)
     p, s, noise = _prepare(a, r, p, keys, noise, reduction)
-    impl = resolve_backend(backend, a, keys=keys)  # auto: the faster path per dtype
+    impl = _backend_for(backend, a, keys, likelihood)
     if impl == "reference":
-        return reference.nac_loss_reference(a, r, noise, s, keys=keys, reduction=reduction)
+        return reference.nac_loss_reference(a, r, noise, s, keys=keys, reduction=reduction,
+                                            likelihood=likelihood)
     return _nac.nac_fused(impl, a, r, noise, keys, s, 0.0, reduction)
 
 
-def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto"):
+def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto",
+                likelihood="dot"):
     """NAC-MQ loss to minimise (docs/math.md [M:mq]; s multiplies the similarity, [M:mq-scale]).
 
     queue: (M, D) momentum codes; a constant of the loss (pass it detached: no gradient reaches it).
     r_hat: (n, D) logits of the momentum inference network (normally detached too).
     l2: lambda of the ||z||^2 regulariser (0.1 in the paper).
+    likelihood: as nac_loss's.
     """
     if isinstance(queue, torch.Tensor) and queue.requires_grad:
         raise ValueError("queue must not require grad (it is a buffer of momentum codes); "
                          "pass queue.detach()")
     _check_l2(l2)
+    _check_likelihood(likelihood)
     if queue is None:
         raise TypeError("queue must be a torch.Tensor of shape (M, D), got None")
     p, s, noise = _prepare(a, r_hat, p, queue, noise, reduction, r_name="r_hat",
                            keys_name="queue")
-    impl = resolve_backend(backend, a, keys=queue)
+    impl = _backend_for(backend, a, queue, likelihood)
     if impl == "reference":
         return reference.nac_mq_loss_reference(a, r_hat, queue, noise, s, l2=float(l2),
-                                               reduction=reduction)
+                                               reduction=reduction, likelihood=likelihood)
     return _nac.nac_fused(impl, a, r_hat, noise, queue, s, float(l2), reduction)
 
 
@@ -318,6 +349,8 @@ class NACLoss(nn.Module):
         gradient is that of the loss over the global batch.  One process: no effect.
     reduction: "mean" | "sum" | "none" ((2K,) rows in the order [view 0; view 1]).
     backend: "auto" | "reference" | "cpu" | "triton" | "cuda" (nac_fast.available_backends()).
+    likelihood: "dot" (the paper's) | "multilinear" (docs/math.md [M:multilinear]; reference
+        backend only): nac_loss's.
     forward(out0, out1, noise=None): noise None = drawn from torch's RNG, or an explicit
         (2K, D) tensor of +-1 for the rows [view 0; view 1].
     Under autocast, a and r go to the loss in the autocast dtype (loss_dtype; the loss still
@@ -325,12 +358,15 @@ class NACLoss(nn.Module):
     """
 
     def __init__(self, p: float = 0.1, *, gather_distributed: bool = False,
-                 reduction: str = "mean", backend: str = "auto"):
+                 reduction: str = "mean", backend: str = "auto", likelihood: str = "dot"):
         super().__init__()
         self.p = _checks.flip_prob("p", p)
         self.gather_distributed = _checks.flag("gather_distributed", gather_distributed)
         self.reduction = _check_reduction(reduction)
         self.backend = _check_backend_name(backend)
+        self.likelihood = _check_likelihood(likelihood)
+        if likelihood == "multilinear":
+            _backend_for(backend, None, None, likelihood)  # a fused backend: refused here
 
     def forward(self, out0, out1, noise: torch.Tensor | None = None) -> torch.Tensor:
         a0, r0 = _view_pair("out0", out0)
@@ -343,11 +379,12 @@ class NACLoss(nn.Module):
         if self.gather_distributed and is_dist():
             keys = all_gather_with_grad(torch.tanh(a))
         return nac_loss(a, r, self.p, keys=keys, noise=noise, reduction=self.reduction,
-                        backend=self.backend)
+                        backend=self.backend, likelihood=self.likelihood)
 
     def extra_repr(self) -> str:
         return (f"p={self.p}, gather_distributed={self.gather_distributed}, "
-                f"reduction={self.reduction!r}, backend={self.backend!r}")
+                f"reduction={self.reduction!r}, backend={self.backend!r}, "
+                f"likelihood={self.likelihood!r}")
 
 
 class NACMQLoss(nn.Module):
@@ -372,17 +409,21 @@ class NACMQLoss(nn.Module):
     gather_distributed: under torch.distributed, every rank enqueues the keys of the GLOBAL batch
         (all-gathered, in rank order), so the queues stay equal across ranks.  One process: no
         effect.
-    l2: lambda of lambda ||z||^2 (0.1 in the paper).  p, reduction, backend, noise: as NACLoss.
+    l2: lambda of lambda ||z||^2 (0.1 in the paper).  p, reduction, backend, likelihood, noise:
+    as NACLoss.
     """
 
     def __init__(self, p: float = 0.1, *, l2: float = 0.1, gather_distributed: bool = False,
-                 reduction: str = "mean", backend: str = "auto"):
+                 reduction: str = "mean", backend: str = "auto", likelihood: str = "dot"):
         super().__init__()
         self.p = _checks.flip_prob("p", p)
         self.l2 = _check_l2(l2)
         self.gather_distributed = _checks.flag("gather_distributed", gather_distributed)
         self.reduction = _check_reduction(reduction)
         self.backend = _check_backend_name(backend)
+        self.likelihood = _check_likelihood(likelihood)
+        if likelihood == "multilinear":
+            _backend_for(backend, None, None, likelihood)
 
     def forward(self, out0, out1, momentum_out0, momentum_out1, queue: CodeQueue,
                 noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -429,11 +470,13 @@ class NACMQLoss(nn.Module):
             noise = draw_noise(a.shape, self.p, device=a.device, dtype=dt)
         codes = queue.codes if queue.codes.dtype == dt else queue.codes.to(dt)
         loss = nac_mq_loss(a, r_hat, codes, self.p, l2=self.l2, noise=noise,
-                           reduction=self.reduction, backend=self.backend)
+                           reduction=self.reduction, backend=self.backend,
+                           likelihood=self.likelihood)
         if r is not None:
             loss = loss + nac_vi_loss(a, r, self.p, noise=noise, reduction=self.reduction)
         return loss
 
     def extra_repr(self) -> str:
         return (f"p={self.p}, l2={self.l2}, gather_distributed={self.gather_distributed}, "
-                f"reduction={self.reduction!r}, backend={self.backend!r}")
+                f"reduction={self.reduction!r}, backend={self.backend!r}, "
+                f"likelihood={self.likelihood!r}")

@@ -97,7 +97,7 @@ class NACMQ(nn.Module):
         model to SyncBatchNorm: the momentum copy keeps plain BatchNorm for shuffle BN.
         Under DDP, wrap the NACMQ (not the model) in DistributedDataParallel, as MoCo does.
     queue_size: M, the number of momentum codes.  code_dim: D (default: model.code_dim).
-    p, l2, reduction, backend: NACMQLoss's.  momentum: the EMA decay in [0, 1].
+    p, l2, reduction, backend, likelihood: NACMQLoss's.  momentum: the EMA decay in [0, 1].
     shuffle_bn: MoCo's batch shuffle for the momentum encoder (has an effect only under DDP).
     queue_dtype: the queue's storage dtype: the loss dtype (the autocast dtype under AMP) saves
         a conversion of M x D elements per step.
@@ -111,7 +111,7 @@ class NACMQ(nn.Module):
     def __init__(self, model: nn.Module, *, queue_size: int, code_dim: int | None = None,
                  p: float = 0.1, l2: float = 0.1, momentum: float = 0.99,
                  shuffle_bn: bool = True, queue_dtype: torch.dtype = torch.float32,
-                 reduction: str = "mean", backend: str = "auto"):
+                 reduction: str = "mean", backend: str = "auto", likelihood: str = "dot"):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -130,7 +130,7 @@ class NACMQ(nn.Module):
         self.momentum = _checks.unit_float("momentum", momentum)
         self.shuffle_bn = _checks.flag("shuffle_bn", shuffle_bn)
         self.criterion = NACMQLoss(p, l2=l2, gather_distributed=True, reduction=reduction,
-                                   backend=backend)
+                                   backend=backend, likelihood=likelihood)
         self.model = model
         self.momentum_model = make_momentum_copy(model)
         param = next(model.parameters(), None)

@@ -37,27 +37,74 @@ def reduce_rows(rows: torch.Tensor, reduction: str) -> torch.Tensor:
     return rows
 
 
+LIKELIHOODS = ("dot", "multilinear")  # the channel's relaxed likelihood: [M:channel], [M:multilinear]
+MULTILINEAR_MAX_TERMS = 1024
+
+
+def multilinear_terms(t: float, eps: float) -> int:
+    """The number T of terms of log(1 + t x) = sum_m (-1)^(m+1) t^m x^m / m, |x| <= 1, whose tail
+    is below `eps` per bit: sum_{m > T} t^m / m <= t^(T+1) / ((T+1) (1-t)) (docs/math.md
+    [M:multilinear]).  ValueError naming p when more than MULTILINEAR_MAX_TERMS are needed."""
+    if not 0.0 < t < 1.0:
+        raise ValueError(f"the multilinear likelihood needs 0 < p < 0.5 (t = 1 - 2p = {t})")
+    T = 1
+    while t ** (T + 1) / ((T + 1) * (1.0 - t)) > eps:
+        T += 1
+        if T > MULTILINEAR_MAX_TERMS:
+            raise ValueError(f"p = {(1 - t) / 2:g}: the multilinear likelihood's series needs "
+                             f"more than {MULTILINEAR_MAX_TERMS} terms at this precision; use "
+                             "p >= 0.02 or the dot likelihood")
+    return T
+
+
+def multilinear_logits(q: torch.Tensor, k: torch.Tensor, t: float) -> torch.Tensor:
+    """L_ij = sum_d log(1 + t q_id k_jd) (docs/math.md [M:multilinear]) for |q|, |k| <= 1, as ONE
+    matmul of the series' features: L = Q K^T with Q = [c_m q^m]_m, K = [k^m]_m, c_m = (-1)^(m+1)
+    t^m / m, m = 1..T (T: multilinear_terms at the accumulation dtype's precision).  Computed in
+    float32 (float64 for float64 inputs): the powers are too coarse in 16 bits.  (n, N)."""
+    acc = acc_dtype(q.dtype)
+    q, k = q.to(acc), k.to(acc)
+    T = multilinear_terms(t, torch.finfo(acc).eps / 2)
+    coef = torch.tensor([(-1.0) ** (m + 1) * t ** m / m for m in range(1, T + 1)],
+                        dtype=acc, device=q.device)
+    qp = torch.cumprod(q.unsqueeze(1).expand(-1, T, -1), dim=1)  # (n, T, D): q^1 .. q^T
+    kp = torch.cumprod(k.unsqueeze(1).expand(-1, T, -1), dim=1)
+    return (qp * coef[:, None]).flatten(1) @ kp.flatten(1).t()
+
+
+def multilinear_logits_exact(q: torch.Tensor, k: torch.Tensor, t: float) -> torch.Tensor:
+    """The same L_ij element by element, log1p over an (n, N, D) tensor: the tests' oracle."""
+    return torch.log1p(t * q[:, None, :] * k[None, :, :]).sum(-1)
+
+
 def nac_rows_reference(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor, s: float,
-                       keys: torch.Tensor | None = None, l2: float = 0.0) -> torch.Tensor:
-    """Per-row loss (n,) in the input dtype; keys=None means the batch's own clean codes."""
+                       keys: torch.Tensor | None = None, l2: float = 0.0,
+                       likelihood: str = "dot") -> torch.Tensor:
+    """Per-row loss (n,) in the input dtype; keys=None means the batch's own clean codes.
+    likelihood "dot": the logits s z~ . k ([M:channel]); "multilinear": sum_d log(1 + (1-2p)
+    z~_d k_d) ([M:multilinear], 1 - 2p = tanh(s); float32 logits for 16-bit inputs)."""
     z = torch.tanh(a)
     zt = noise.to(a.dtype) * z
     k = z if keys is None else keys
-    lse = torch.logsumexp((zt * s) @ k.t(), dim=1)
+    if likelihood == "multilinear":
+        logits = multilinear_logits(zt, k, math.tanh(s))
+    else:
+        logits = (zt * s) @ k.t()
+    lse = torch.logsumexp(logits, dim=1)
     rows = lse - math.log(k.shape[0]) - bernoulli_term(zt, r)
     if l2:
         rows = rows + l2 * (z * z).sum(1)
     return rows
 
 
-def nac_loss_reference(a, r, noise, s, keys=None, reduction="mean"):
-    rows = nac_rows_reference(a, r, noise, s, keys=keys).to(acc_dtype(a.dtype))
-    return reduce_rows(rows, reduction)
+def nac_loss_reference(a, r, noise, s, keys=None, reduction="mean", likelihood="dot"):
+    rows = nac_rows_reference(a, r, noise, s, keys=keys, likelihood=likelihood)
+    return reduce_rows(rows.to(acc_dtype(a.dtype)), reduction)
 
 
-def nac_mq_loss_reference(a, r_hat, queue, noise, s, l2=0.1, reduction="mean"):
-    rows = nac_rows_reference(a, r_hat, noise, s, keys=queue, l2=l2).to(acc_dtype(a.dtype))
-    return reduce_rows(rows, reduction)
+def nac_mq_loss_reference(a, r_hat, queue, noise, s, l2=0.1, reduction="mean", likelihood="dot"):
+    rows = nac_rows_reference(a, r_hat, noise, s, keys=queue, l2=l2, likelihood=likelihood)
+    return reduce_rows(rows.to(acc_dtype(a.dtype)), reduction)
 
 
 # ---- channel noise from a seed (the reference of the nac_noise ops) ----------------------------

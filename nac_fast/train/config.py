@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from ..ops.reference import LIKELIHOODS
 from .methods import METHODS
 from .models import ARCHS, INFER_INITS, resolve_r_gain
 
@@ -73,6 +74,7 @@ class TrainConfig:
     flip_prob_final: float | None = None
     flip_prob_final_min_steps: int | None = None
     flip_prob_final_min_images: int | None = None
+    channel_likelihood: str = "dot"
     epochs: int | None = None
     max_steps: int | None = None
     min_steps: int | None = None
@@ -242,6 +244,9 @@ def build_parser() -> _Parser:
       metavar="M", help="--flip-prob-final applies to runs that see at least M training images "
       "(optimizer steps x global batch); a run that sees fewer keeps p = --flip-prob throughout "
       "([M:p-schedule]); 'none': no image threshold")
+    a("--channel-likelihood", choices=LIKELIHOODS, help="the channel's relaxed likelihood: dot = "
+      "exp(s z~.z), the paper's; multilinear = prod_d (1 + (1-2p) z~_d z_d) / 2, the channel's "
+      "own (docs/math.md [M:multilinear]; not the paper's; the reference loss, no fused kernel)")
     a("--epochs", type=int, help="epochs")
     a("--min-steps", type=int, help="with --epochs: at least this many optimizer steps (small "
       "data sets train longer than --epochs; the small-data recipe sets it)")
@@ -537,6 +542,10 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
     if cfg.flip_prob_final is not None and not 0.0 < cfg.flip_prob_final < 0.5:
         raise UsageError(f"{name('flip_prob_final')} must lie in (0, 0.5), got "
                          f"{cfg.flip_prob_final}")
+    if cfg.channel_likelihood == "multilinear" and cfg.loss_backend not in ("auto", "reference"):
+        raise UsageError(f"{name('loss_backend')} {cfg.loss_backend}: the fused kernels compute "
+                         f"the dot likelihood only; {name('channel_likelihood')} multilinear runs "
+                         "on the reference loss (give --loss-backend auto or reference)")
     if cfg.lr is not None and not cfg.lr > 0:
         raise UsageError(f"{name('lr')} must be > 0, got {cfg.lr}")
     if cfg.warmup_epochs is not None and cfg.warmup_epochs < 0:

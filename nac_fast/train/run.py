@@ -158,7 +158,8 @@ def build(cfg: TrainConfig, di) -> TrainState:
         # conversion of M x D elements
         mq = NACMQ(model, queue_size=cfg.queue_size, code_dim=cfg.code_dim, p=cfg.flip_prob,
                    l2=cfg.l2, momentum=cfg.momentum, shuffle_bn=cfg.shuffle_bn,
-                   queue_dtype=amp_dtype or torch.float32, backend=cfg.loss_backend)
+                   queue_dtype=amp_dtype or torch.float32, backend=cfg.loss_backend,
+                   likelihood=cfg.channel_likelihood)
     # From here on each rank draws its own channel noise (the loader seeds itself)
     torch.manual_seed(cfg.seed * 1000 + 1 + di.rank)
     if cfg.sync_bn:
@@ -244,7 +245,7 @@ def train_step(st: TrainState, x: torch.Tensor):
     with step_value_checks(), st.autocast:
         if a_.method == "nac":
             loss, a = nac_step(st.net, x, p, backend=a_.loss_backend, out=out,
-                               freeze_codes=frozen)
+                               freeze_codes=frozen, likelihood=a_.channel_likelihood)
         elif a_.method == "nac-mq":
             st.mq_criterion.p = p
             loss, a = nac_mq_step(st.net, x, out=out, freeze_codes=frozen)
