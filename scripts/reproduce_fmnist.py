@@ -535,25 +535,31 @@ def total_steps(args) -> int:
     return args.max_steps or args.epochs * (TRAIN_IMAGES // args.batch_size)
 
 
-def measured_seconds(args, method: str) -> tuple[float, float, int] | None:
+def measured_seconds(args, method: str, flags=()) -> tuple[float, float, int] | None:
     """(training seconds per step, evaluation seconds, number of runs) as measured by the
-    finished runs under --out (any grid) of this method family (NAC-MQ or not) with the same
-    processes, batch and architecture, and no curve: medians of their recorded wall times.
-    None when there is no such run (then the cost model above estimates)."""
+    finished runs under --out (any grid) with the same processes, batch and architecture and no
+    curve: medians of their recorded wall times, over the runs trained with the same flags where
+    there are any (a flag such as --channel-likelihood multilinear changes the cost), else over
+    the method family's (NAC-MQ or not).  None when there is no such run (then the cost model
+    above estimates)."""
     tail = budget_tag(args).split(", ", 1)[1]
     mq = method == "nac-mq"
-    per_step, ev = [], []
+    same, family = [], []
     for g in GRIDS:
         for r in load_rows(os.path.join(args.out, g, "results.jsonl")):
             if (r.get("reused_from") or r.get("curve") or not r.get("step")
                     or "seconds_train" not in r or (r.get("method") == "nac-mq") != mq
                     or str(r.get("budget", "")).split(", ", 1)[-1] != tail):
                 continue
-            per_step.append(r["seconds_train"] / r["step"])
-            ev.append(r["seconds_total"] - r["seconds_train"])
-    if not per_step:
+            t = (r["seconds_train"] / r["step"], r["seconds_total"] - r["seconds_train"])
+            family.append(t)
+            if r.get("method") == method and list(r.get("flags") or []) == list(flags):
+                same.append(t)
+    rows = same or family
+    if not rows:
         return None
-    return statistics.median(per_step), statistics.median(ev), len(per_step)
+    return (statistics.median(t[0] for t in rows), statistics.median(t[1] for t in rows),
+            len(rows))
 
 
 def estimate_seconds(args, method: str, curve) -> tuple[float, float]:
@@ -789,7 +795,7 @@ def run_grid(args, variants, seeds, curve, curve_seeds, planned=None) -> tuple[i
                 planned.add(sig)
             t_tr, t_ev = estimate_seconds(args, method, c)
             how = "cost model"
-            m = None if c else measured_seconds(args, method)
+            m = None if c else measured_seconds(args, method, flags)
             if m:  # this machine's own wall times at this batch beat the cost model
                 t_tr, t_ev = m[0] * total_steps(args), m[1]
                 how = f"as {m[2]} finished run{'s' * (m[2] > 1)} under --out took"

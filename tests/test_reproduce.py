@@ -113,8 +113,9 @@ def test_dry_run_plans_the_whole_grid_with_its_cost(tmp_path):
 
 def test_estimates_come_from_the_finished_runs_at_the_same_batch(tmp_path, capsys):
     """A run's estimate is the median wall time per step of the finished runs under --out with
-    the same processes, batch and architecture (NAC-MQ apart), scaled to its steps; reused rows,
-    rows with a curve and other batches do not count; with none, the cost model."""
+    the same processes, batch and architecture, scaled to its steps: those of its method and
+    flags where there are any, else its family's (NAC-MQ apart); reused rows, rows with a curve
+    and other batches do not count; with none, the cost model."""
     args = R.build_parser().parse_args(["--grid", "budgets", "--out", str(tmp_path),
                                         "--max-steps", "1000", "--batch-size", "64"])
     assert R.measured_seconds(args, "nac") is None
@@ -135,17 +136,26 @@ def test_estimates_come_from_the_finished_runs_at_the_same_batch(tmp_path, capsy
     for g, rs in rows.items():
         (tmp_path / g).mkdir()
         (tmp_path / g / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
-    # per step 0.2, 0.3, 0.25, 0.3 -> median 0.275; evaluation 10, 15, 10, 12 -> 11
-    assert R.measured_seconds(args, "nac") == pytest.approx((0.275, 11.0, 4))
-    assert R.measured_seconds(args, "simclr") == pytest.approx((0.275, 11.0, 4))
+    # nac's own runs (no flags): per step 0.2, 0.25, 0.3 -> 0.25; evaluation 10, 10, 12 -> 10
+    assert R.measured_seconds(args, "nac") == pytest.approx((0.25, 10.0, 3))
+    assert R.measured_seconds(args, "simclr") == pytest.approx((0.3, 15.0, 1))
     assert R.measured_seconds(args, "nac-mq") == pytest.approx((0.4, 10.0, 1))
+    # a run with flags of its own: the runs with the same flags, where there are any
+    slow = row("nac", 100, 100.0, 112.0, flags=["--channel-likelihood", "multilinear"])
+    with open(tmp_path / "budgets" / "results.jsonl", "a") as f:
+        f.write(json.dumps(slow) + "\n")
+    assert R.measured_seconds(args, "nac", ["--channel-likelihood", "multilinear"]) == \
+        pytest.approx((1.0, 12.0, 1))
+    # no run with these flags: the family's (every NAC run, SimCLR's too: not NAC-MQ)
+    assert R.measured_seconds(args, "nac", ["--flip-prob", "0.3"])[2] == 5
+    assert R.measured_seconds(args, "nac")[2] == 3
     args.batch_size = 128
     assert R.measured_seconds(args, "nac") is None
-    # the dry run prints the measured estimate: 1000 steps x 0.275 s + 11 s = 4.8 min
+    # the dry run prints the measured estimate: 1000 steps x 0.25 s + 10 s = 4.3 min
     assert R.main(["--grid", "budgets", "--only", "nac:default", "--seeds", "5", "--out",
                    str(tmp_path), "--max-steps", "1000", "--batch-size", "64", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "estimated 5 min, as 4 finished runs under --out took)" in out, out
+    assert "estimated 4 min, as 3 finished runs under --out took)" in out, out
 
 
 @pytest.mark.parametrize("argv,match", [
