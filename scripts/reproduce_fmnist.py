@@ -793,12 +793,12 @@ def run_grid(args, variants, seeds, curve, curve_seeds, planned=None) -> tuple[i
                 continue
             if sig:
                 planned.add(sig)
-            t_tr, t_ev = estimate_seconds(args, method, c)
-            how = "cost model"
             m = None if c else measured_seconds(args, method, flags)
             if m:  # this machine's own wall times at this batch beat the cost model
                 t_tr, t_ev = m[0] * total_steps(args), m[1]
                 how = f"as {m[2]} finished run{'s' * (m[2] > 1)} under --out took"
+            else:
+                (t_tr, t_ev), how = estimate_seconds(args, method, c), "cost model"
             plan.append((name, seed, t_tr, t_ev))
             print(f"== {args.grid} {name} seed {seed} ({budget_tag(args)}; estimated "
                   f"{(t_tr + t_ev) / 60:.0f} min, {how})", flush=True)

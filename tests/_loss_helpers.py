@@ -21,8 +21,10 @@ def fused_backends(device: str = "cpu") -> list[str]:
     return [b for b in nac_fast.available_backends(device) if b != "reference"]
 
 
-def oracle_rows(a, r, noise, p, keys=None, l2=0.0) -> np.ndarray:
-    """docs/math.md [M:rows] in float64 numpy, written independently of nac_fast.ops.reference."""
+def oracle_rows(a, r, noise, p, keys=None, l2=0.0, likelihood="dot") -> np.ndarray:
+    """docs/math.md [M:rows] in float64 numpy, written independently of nac_fast.ops.reference;
+    likelihood "multilinear": the logits of [M:multilinear] from their definition, log1p element
+    by element over an (n, N, D) array (small sizes only)."""
     a = a.detach().double().cpu().numpy()
     r = r.detach().double().cpu().numpy()
     m = noise.detach().double().cpu().numpy()
@@ -30,7 +32,10 @@ def oracle_rows(a, r, noise, p, keys=None, l2=0.0) -> np.ndarray:
     z = np.tanh(a)
     zt = m * z
     k = z if keys is None else keys.detach().double().cpu().numpy()
-    logits = s * zt @ k.T
+    if likelihood == "multilinear":
+        logits = np.log1p((1.0 - 2.0 * p) * zt[:, None, :] * k[None, :, :]).sum(-1)
+    else:
+        logits = s * zt @ k.T
     mx = logits.max(1, keepdims=True)
     lse = (mx + np.log(np.exp(logits - mx).sum(1, keepdims=True)))[:, 0]
     log_sig = -np.logaddexp(0.0, -r)       # log sigma(r)

@@ -1,8 +1,8 @@
 """The channel's own relaxed likelihood (docs/math.md [M:multilinear], --channel-likelihood
 multilinear): its series against a float64 numpy transcription of the definition at awkward
-sizes, its precision in float32 and bf16 against the naive same-dtype computation, its gradients
-(gradcheck, and against the exact log1p form), the identities that tie it to the paper's dot
-likelihood, and the API's refusals."""
+sizes, its precision in float32 and bf16 against the naive same-dtype computation, its gradient
+against the exact log1p form (its gradcheck: tests/test_loss_reference.py), the identities that
+tie it to the paper's dot likelihood, and the API's refusals."""
 import math
 import os
 import sys
@@ -14,23 +14,9 @@ import torch
 import nac_fast
 from nac_fast.ops import reference
 
+from _loss_helpers import oracle_rows
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def oracle_rows(a, r, noise, p, keys=None, l2=0.0) -> np.ndarray:
-    """[M:multilinear]'s rows in float64 numpy, from the definition (log1p element by element),
-    independent of nac_fast.ops.reference."""
-    a, r = a.detach().double().numpy(), r.detach().double().numpy()
-    m = noise.detach().double().numpy()
-    t = 1.0 - 2.0 * p
-    z = np.tanh(a)
-    zt = m * z
-    k = z if keys is None else keys.detach().double().numpy()
-    logits = np.log1p(t * zt[:, None, :] * k[None, :, :]).sum(-1)
-    mx = logits.max(1, keepdims=True)
-    lse = (mx + np.log(np.exp(logits - mx).sum(1, keepdims=True)))[:, 0]
-    bern = 0.5 * (zt * r - np.logaddexp(0.0, -r) - np.logaddexp(0.0, r)).sum(1)
-    return lse - math.log(k.shape[0]) - bern + l2 * (z * z).sum(1)
 
 
 def _inputs(n, N, D, p, seed, dtype=torch.float64):
@@ -48,14 +34,15 @@ def _inputs(n, N, D, p, seed, dtype=torch.float64):
 @pytest.mark.parametrize("p", [0.05, 0.25, 0.4])
 def test_rows_match_the_float64_definition(n, N, D, p):
     a, r, keys, noise = _inputs(n, N, D, p, seed=n + D)
-    want = oracle_rows(a, r, noise, p, keys)
+    want = oracle_rows(a, r, noise, p, keys, likelihood="multilinear")
     got = nac_fast.nac_loss(a, r, p, keys=keys, noise=noise, reduction="none",
                             likelihood="multilinear")  # auto: the reference
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-11)
     if keys is not None:  # NAC-MQ's rows: the same plus lambda ||z||^2
         mq = nac_fast.nac_mq_loss(a, r, keys, p, l2=0.1, noise=noise, reduction="none",
                                   likelihood="multilinear")
-        np.testing.assert_allclose(mq.numpy(), oracle_rows(a, r, noise, p, keys, l2=0.1),
+        np.testing.assert_allclose(mq.numpy(), oracle_rows(a, r, noise, p, keys, l2=0.1,
+                                                               likelihood="multilinear"),
                                    rtol=1e-12, atol=1e-11)
 
 
@@ -99,26 +86,6 @@ def test_low_precision_beats_the_naive_same_dtype_form(dtype):
         assert err_naive > 10 * err_series
     assert (got - exact).abs().max().item() <= (naive - exact).abs().max().item() + budget
     assert reference.multilinear_logits(q.to(dtype), keys.to(dtype), 0.5).dtype == torch.float32
-
-
-@pytest.mark.parametrize("case", ["inbatch", "keys", "mq"])
-def test_gradcheck(case):
-    g = torch.Generator().manual_seed(3)
-    n, N, D = 5, 7, 3
-    a = torch.randn(n, D, dtype=torch.float64, generator=g, requires_grad=True)
-    r = torch.randn(n, D, dtype=torch.float64, generator=g, requires_grad=True)
-    keys = torch.tanh(torch.randn(N, D, dtype=torch.float64, generator=g)).requires_grad_(
-        case == "keys")
-    noise = nac_fast.draw_noise((n, D), 0.2, dtype=torch.float64, generator=g)
-    kw = dict(noise=noise, reduction="none", likelihood="multilinear")
-    if case == "inbatch":
-        assert torch.autograd.gradcheck(lambda a, r: nac_fast.nac_loss(a, r, 0.2, **kw), (a, r))
-    elif case == "keys":
-        assert torch.autograd.gradcheck(
-            lambda a, r, k: nac_fast.nac_loss(a, r, 0.2, keys=k, **kw), (a, r, keys))
-    else:
-        assert torch.autograd.gradcheck(
-            lambda a, r: nac_fast.nac_mq_loss(a, r, keys, 0.2, l2=0.1, **kw), (a, r))
 
 
 def test_gradient_equals_the_exact_forms_at_awkward_sizes():

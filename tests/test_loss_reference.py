@@ -44,25 +44,25 @@ def test_reference_float32_output_and_sum():
     assert bf.dtype == torch.float32
 
 
+@pytest.mark.parametrize("likelihood", ["dot", "multilinear"])  # [M:channel], [M:multilinear]
 @pytest.mark.parametrize("case", ["inbatch", "keys", "mq"])
-def test_reference_gradcheck(case):
+def test_reference_gradcheck(case, likelihood):
     g = torch.Generator().manual_seed(1)
     n, N, D = 5, 7, 3
     a = torch.randn(n, D, dtype=torch.float64, generator=g, requires_grad=True)
     r = torch.randn(n, D, dtype=torch.float64, generator=g, requires_grad=True)
     keys = torch.tanh(torch.randn(N, D, dtype=torch.float64, generator=g)).requires_grad_(case == "keys")
     noise = nac_fast.draw_noise((n, D), 0.2, dtype=torch.float64, generator=g)
+    kw = dict(noise=noise, reduction="none", backend="reference", likelihood=likelihood)
     if case == "inbatch":
-        fn = lambda a, r: nac_fast.nac_loss(a, r, 0.2, noise=noise, reduction="none",  # noqa: E731
-                                            backend="reference")
+        fn = lambda a, r: nac_fast.nac_loss(a, r, 0.2, **kw)  # noqa: E731
         assert torch.autograd.gradcheck(fn, (a, r))
     elif case == "keys":
-        fn = lambda a, r, k: nac_fast.nac_loss(a, r, 0.2, keys=k, noise=noise,  # noqa: E731
-                                               reduction="none", backend="reference")
+        fn = lambda a, r, k: nac_fast.nac_loss(a, r, 0.2, keys=k, **kw)  # noqa: E731
         assert torch.autograd.gradcheck(fn, (a, r, keys))
     else:
         fn = lambda a, r: nac_fast.nac_mq_loss(a, r, keys.detach(), 0.2, l2=0.1,  # noqa: E731
-                                               noise=noise, reduction="none", backend="reference")
+                                               **kw)
         assert torch.autograd.gradcheck(fn, (a, r))
 
 

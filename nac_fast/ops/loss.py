@@ -170,21 +170,23 @@ def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):
     return p, _scale(p), noise
 
 
-def _check_likelihood(likelihood) -> str:
+def _check_likelihood(likelihood, backend) -> str:
+    """A likelihood name that `backend` computes: the fused kernels compute the dot form only,
+    so the multilinear one is refused with a fused backend named (ValueError)."""
     if not isinstance(likelihood, str) or likelihood not in reference.LIKELIHOODS:
         raise ValueError(f"likelihood must be one of {reference.LIKELIHOODS}, got {likelihood!r}")
+    if likelihood == "multilinear" and \
+            _check_backend_name(backend) not in reference.MULTILINEAR_BACKENDS:
+        raise ValueError(f"backend {backend!r} has no multilinear likelihood (the fused "
+                         "kernels compute the dot form, docs/math.md [M:multilinear]); use "
+                         "backend='reference' or 'auto'")
     return likelihood
 
 
 def _backend_for(backend, a, keys, likelihood) -> str:
-    """The implementation that runs: resolve_backend's, except that the multilinear likelihood
-    runs on the reference (the fused kernels compute the dot form; one named is refused)."""
-    if _check_likelihood(likelihood) == "multilinear":
-        _check_backend_name(backend)
-        if backend not in ("auto", "reference"):
-            raise ValueError(f"backend {backend!r} has no multilinear likelihood (the fused "
-                             "kernels compute the dot form, docs/math.md [M:multilinear]); use "
-                             "backend='reference' or 'auto'")
+    """The implementation that runs (likelihood checked against backend by _check_likelihood):
+    resolve_backend's, the reference for the multilinear likelihood."""
+    if likelihood == "multilinear":
         return "reference"
     return resolve_backend(backend, a, keys=keys)  # auto: the faster path per dtype
 
@@ -204,7 +206,7 @@ def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"
     likelihood: "dot" (the paper's: logits s z~ . k) | "multilinear" (sum_d log(1 + (1-2p) z~_d
         k_d), docs/math.md [M:multilinear]: reference backend only; "auto" picks it).
     """
-    _check_likelihood(likelihood)
+    _check_likelihood(likelihood, backend)
     p, s, noise = _prepare(a, r, p, keys, noise, reduction)
     impl = _backend_for(backend, a, keys, likelihood)
     if impl == "reference":
@@ -226,7 +228,7 @@ def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", bac
         raise ValueError("queue must not require grad (it is a buffer of momentum codes); "
                          "pass queue.detach()")
     _check_l2(l2)
-    _check_likelihood(likelihood)
+    _check_likelihood(likelihood, backend)
     if queue is None:
         raise TypeError("queue must be a torch.Tensor of shape (M, D), got None")
     p, s, noise = _prepare(a, r_hat, p, queue, noise, reduction, r_name="r_hat",
@@ -364,9 +366,7 @@ class NACLoss(nn.Module):
         self.gather_distributed = _checks.flag("gather_distributed", gather_distributed)
         self.reduction = _check_reduction(reduction)
         self.backend = _check_backend_name(backend)
-        self.likelihood = _check_likelihood(likelihood)
-        if likelihood == "multilinear":
-            _backend_for(backend, None, None, likelihood)  # a fused backend: refused here
+        self.likelihood = _check_likelihood(likelihood, backend)
 
     def forward(self, out0, out1, noise: torch.Tensor | None = None) -> torch.Tensor:
         a0, r0 = _view_pair("out0", out0)
@@ -421,9 +421,7 @@ class NACMQLoss(nn.Module):
         self.gather_distributed = _checks.flag("gather_distributed", gather_distributed)
         self.reduction = _check_reduction(reduction)
         self.backend = _check_backend_name(backend)
-        self.likelihood = _check_likelihood(likelihood)
-        if likelihood == "multilinear":
-            _backend_for(backend, None, None, likelihood)
+        self.likelihood = _check_likelihood(likelihood, backend)
 
     def forward(self, out0, out1, momentum_out0, momentum_out1, queue: CodeQueue,
                 noise: torch.Tensor | None = None) -> torch.Tensor:

@@ -37,7 +37,8 @@ def reduce_rows(rows: torch.Tensor, reduction: str) -> torch.Tensor:
     return rows
 
 
-LIKELIHOODS = ("dot", "multilinear")  # the channel's relaxed likelihood: [M:channel], [M:multilinear]
+LIKELIHOODS = ("dot", "multilinear")  # the relaxed likelihood: [M:channel], [M:multilinear]
+MULTILINEAR_BACKENDS = ("auto", "reference")  # no fused kernel computes it; "auto" picks this one
 MULTILINEAR_MAX_TERMS = 1024
 
 

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..ops.reference import LIKELIHOODS
+from ..ops.reference import LIKELIHOODS, MULTILINEAR_BACKENDS
 from .methods import METHODS
 from .models import ARCHS, INFER_INITS, resolve_r_gain
 
@@ -542,7 +542,7 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
     if cfg.flip_prob_final is not None and not 0.0 < cfg.flip_prob_final < 0.5:
         raise UsageError(f"{name('flip_prob_final')} must lie in (0, 0.5), got "
                          f"{cfg.flip_prob_final}")
-    if cfg.channel_likelihood == "multilinear" and cfg.loss_backend not in ("auto", "reference"):
+    if cfg.channel_likelihood == "multilinear" and cfg.loss_backend not in MULTILINEAR_BACKENDS:
         raise UsageError(f"{name('loss_backend')} {cfg.loss_backend}: the fused kernels compute "
                          f"the dot likelihood only; {name('channel_likelihood')} multilinear runs "
                          "on the reference loss (give --loss-backend auto or reference)")
