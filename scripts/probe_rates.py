@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "with a linear result and cached features")
     ap.add_argument("--lrs", type=_lrs, default=None, help="rates to fit (default: each "
                     "report's own search)")
+    ap.add_argument("--no-progress", dest="progress", action="store_false",
+                    help="no tqdm bar (one per fit, over its epochs)")
     ap.add_argument("--csv", default=None, help="also write the table here (refuses to "
                     "overwrite an existing file)")
     return ap
@@ -69,14 +71,15 @@ def load(eval_dir: str) -> tuple[dict, dict, dict]:
     return dict(lin, seed=rep.get("seed", 0)), feats[0], feats[1]
 
 
-def rates_table(eval_dir: str, lrs=None) -> dict:
+def rates_table(eval_dir: str, lrs=None, progress: bool = False) -> dict:
     """{"dir", "protocol_lr", "protocol_top1", "test_top1": {lr: top-1}} for one directory."""
     lin, tr, te = load(eval_dir)
     lrs = list(lrs or lin["lrs"])
     got = {}
     for lr in lrs:
         m = train_linear_probe(tr["h"], tr["labels"], lr=lr, epochs=lin["epochs"],
-                               batch_size=lin["batch_size"], seed=lin["seed"])
+                               batch_size=lin["batch_size"], seed=lin["seed"],
+                               progress=progress)
         got[lr] = accuracy(_predict(m, te["h"]), te["labels"])
     return {"dir": eval_dir, "protocol_lr": lin["best_lr"], "protocol_top1": lin["test_top1"],
             "test_top1": got}
@@ -88,7 +91,7 @@ def main(argv=None) -> int:
     if args.csv and os.path.exists(args.csv):
         ap.error(f"--csv {args.csv!r} exists; give another path")
     try:
-        rows = [rates_table(d, args.lrs) for d in args.eval_dirs]
+        rows = [rates_table(d, args.lrs, args.progress) for d in args.eval_dirs]
     except ValueError as exc:
         ap.error(str(exc))
     lrs = list(dict.fromkeys(lr for r in rows for lr in r["test_top1"]))
