@@ -166,9 +166,19 @@ def _grid_likelihood() -> dict:
     return {"nac:multilinear": ("nac", ["--channel-likelihood", "multilinear"], "default")}
 
 
+def _grid_mq() -> dict:
+    """NAC-MQ over the default recipe, and its keys' lag: the momentum model's EMA decay 0.99
+    (the default for small images: keys from weights ~100 steps old), 0.9 (~10) and 0 (the
+    online weights, without gradient), so that what the queue costs in-batch NAC (the budgets
+    grid's nac:default) splits into the lag and the queue itself."""
+    return {"nac-mq:default": ("nac-mq", [], "default"),
+            "nac-mq:m0.9": ("nac-mq", ["--momentum", "0.9"], "default"),
+            "nac-mq:m0": ("nac-mq", ["--momentum", "0"], "default")}
+
+
 GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,
          "psweep": _grid_psweep, "long": _grid_long, "budgets": _grid_budgets,
-         "pschedule": _grid_pschedule, "likelihood": _grid_likelihood}
+         "pschedule": _grid_pschedule, "likelihood": _grid_likelihood, "mq": _grid_mq}
 ALL = ("main", "ablation", "psweep")  # --grid all: the grids of the issue, one budget, in order
 
 
@@ -963,7 +973,8 @@ def write_page(args) -> int:
               "long": "Longer run",
               "budgets": "Each method's default at every budget",
               "pschedule": "The default's p schedule taken apart (docs/math.md [M:p-schedule])",
-              "likelihood": "The channel's own likelihood (docs/math.md [M:multilinear])"}
+              "likelihood": "The channel's own likelihood (docs/math.md [M:multilinear])",
+              "mq": "NAC-MQ over the default recipe, and its keys' lag"}
     commits = sorted({r.get("commit", "unknown") for rows in all_rows.values() for r in rows})
     mins = sum(r.get("seconds_total", 0) for rows in all_rows.values() for r in rows) / 60
     L = ["# Small-scale reproduction on Fashion-MNIST", "",
