@@ -25,12 +25,12 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from nac_fast.eval.cli import _float_list  # noqa: E402
-from nac_fast.eval.metrics import _predict, accuracy, train_linear_probe  # noqa: E402
+from nac_fast.eval.cli import float_list  # noqa: E402
+from nac_fast.eval.metrics import accuracy, linear_predict, train_linear_probe  # noqa: E402
 
 
 def _lrs(s: str) -> list[float]:
-    out = _float_list(s)
+    out = float_list(s)
     if any(not (v > 0 and math.isfinite(v)) for v in out):
         raise argparse.ArgumentTypeError(f"expected positive rates, got {s!r}")
     return list(dict.fromkeys(out))
@@ -80,7 +80,7 @@ def rates_table(eval_dir: str, lrs=None, progress: bool = False) -> dict:
         m = train_linear_probe(tr["h"], tr["labels"], lr=lr, epochs=lin["epochs"],
                                batch_size=lin["batch_size"], seed=lin["seed"],
                                progress=progress)
-        got[lr] = accuracy(_predict(m, te["h"]), te["labels"])
+        got[lr] = accuracy(linear_predict(m, te["h"]), te["labels"])
     return {"dir": eval_dir, "protocol_lr": lin["best_lr"], "protocol_top1": lin["test_top1"],
             "test_top1": got}
 

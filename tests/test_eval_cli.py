@@ -358,9 +358,9 @@ def test_probe_rates_script_refits_each_rate_as_the_final_fit(evaluated, tmp_pat
     assert float(vals[3]) == lin["test_top1"]  # the protocol's final fit, refitted
     tr = torch.load(src / "features_train.pt", weights_only=False)
     te = torch.load(src / "features_test.pt", weights_only=False)
-    from nac_fast.eval.metrics import train_linear_probe, _predict
+    from nac_fast.eval.metrics import train_linear_probe, linear_predict
     m = train_linear_probe(tr["h"], tr["labels"], lr=other, epochs=3, seed=0)
-    assert float(vals[4]) == (_predict(m, te["h"]) == te["labels"]).double().mean().item()
+    assert float(vals[4]) == (linear_predict(m, te["h"]) == te["labels"]).double().mean().item()
     for argv, match in (([str(src), "--csv", str(csv_path)], "exists"),
                         ([str(tmp_path)], "has no report.json"),
                         ([str(src), "--lrs", "1,-2"], "expected positive rates")):

@@ -88,8 +88,9 @@ def _list_of(cast, what: str):
     return parse
 
 
-_int_list = _list_of(int, "integers")
-_float_list = _list_of(float, "numbers")
+# argparse types (also scripts/probe_rates.py's)
+int_list = _list_of(int, "integers")
+float_list = _list_of(float, "numbers")
 
 
 def _task_list(s: str) -> list[str]:
@@ -114,14 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--out", required=True, help="output directory (feature cache, report.json, report.md)")
     a("--tasks", type=_task_list, default=list(TASKS), help="comma-separated subset of "
       + ",".join(TASKS))
-    a("--bits", type=_int_list, default=None, help="comma-separated code lengths for hash and "
+    a("--bits", type=int_list, default=None, help="comma-separated code lengths for hash and "
       "expressivity; k < D means the first k bits of the D-bit code; default: D")
     a("--quick", action="store_true", help="a quick look: --limit-train 5000 --limit-test 1000 "
       "--linear-epochs 10 unless given (NOT the protocol: see the README's 'quick look')")
     a("--linear-epochs", type=int, default=None, help="linear-probe epochs (paper and default: "
       "100; --quick: 10)")
     a("--linear-batch-size", type=int, default=256, help="linear-probe SGD batch size")
-    a("--linear-lrs", type=_float_list, default=list(PAPER_LINEAR_LRS),
+    a("--linear-lrs", type=float_list, default=list(PAPER_LINEAR_LRS),
       help="comma-separated learning rates of the linear probe's search (default: the paper's; "
       "another list is not the protocol, and report.json records the list searched)")
     a("--knn-k", type=int, default=200, help="kNN neighbours (capped at the train-set size)")
@@ -135,10 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="standard: queries = test split, gallery = train split; paper: pooled splits, "
       "--queries-per-class queries per class, the rest the gallery")
     a("--queries-per-class", type=int, default=1000, help="queries per class (paper protocol)")
-    a("--map-at", type=_int_list, default=[1000, 5000], help="K values of mAP@K "
+    a("--map-at", type=int_list, default=[1000, 5000], help="K values of mAP@K "
       "(DeepHash-pytorch convention, docs/math.md [M:ap-at-k]); capped at the gallery size")
     a("--radius", type=int, default=2, help="Hamming radius of the hash-lookup precision P@H<=r")
-    a("--precision-at-n", type=_int_list, default=list(PRECISION_AT_N),
+    a("--precision-at-n", type=int_list, default=list(PRECISION_AT_N),
       help="N values of the P@N curve (those above the gallery size are dropped)")
     a("--itq", action="store_true", help="also report the mAP of ITQ-rotated codes "
       "(docs/math.md [M:itq]: a rotation fitted on the gallery's a, no labels; a post-processing "

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from .. import _checks
 
-__all__ = ["knn_predict", "knn_accuracy", "train_linear_probe", "accuracy", "linear_probe",
+__all__ = ["knn_predict", "knn_accuracy", "train_linear_probe", "linear_predict", "accuracy",
+           "linear_probe",
            "LinearProbeResult", "retrieval_split", "itq_fit", "itq_codes"]
 
 
@@ -214,7 +215,9 @@ def train_linear_probe(features, labels, *, num_classes: int | None = None, lr: 
                        momentum=momentum, seed=seed, progress=progress)[0]
 
 
-def _predict(model: torch.nn.Linear, x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+def linear_predict(model: torch.nn.Linear, x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """The class a fitted probe (:func:`train_linear_probe`) predicts for each row of x, in
+    chunks of `chunk` rows."""
     with torch.no_grad():
         return torch.cat([model(x[s:s + chunk].float()).argmax(1)
                           for s in range(0, x.shape[0], chunk)])
@@ -257,13 +260,13 @@ def linear_probe(train_features, train_labels, test_features, test_labels, *,
     searched = _fit_linear(tr[fit_idx].float(), ytr[fit_idx], C, lrs, epochs=epochs,
                            batch_size=batch_size, momentum=0.9, seed=seed, progress=progress,
                            desc=f"linear probe: lr search ({len(lrs)} rates at once)")
-    val_acc = {lr: accuracy(_predict(m, tr[val_idx]), ytr[val_idx])
+    val_acc = {lr: accuracy(linear_predict(m, tr[val_idx]), ytr[val_idx])
                for lr, m in zip(lrs, searched)}
     best = min(lrs, key=lambda lr: (-val_acc[lr], lr))
     model = _fit_linear(tr.float(), ytr, C, [best], epochs=epochs, batch_size=batch_size,
                         momentum=0.9, seed=seed, progress=progress,
                         desc=f"linear probe: final fit, lr {best:g}")[0]
-    return LinearProbeResult(accuracy(_predict(model, te), yte), best, val_acc, model)
+    return LinearProbeResult(accuracy(linear_predict(model, te), yte), best, val_acc, model)
 
 
 # --------------------------------------------------------------------------------------------
