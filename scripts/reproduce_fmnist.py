@@ -173,7 +173,11 @@ def _grid_mq() -> dict:
     grid's nac:default) splits into the lag and the queue itself."""
     return {"nac-mq:default": ("nac-mq", [], "default"),
             "nac-mq:m0.9": ("nac-mq", ["--momentum", "0.9"], "default"),
-            "nac-mq:m0": ("nac-mq", ["--momentum", "0"], "default")}
+            "nac-mq:m0": ("nac-mq", ["--momentum", "0"], "default"),
+            # lambda ||z||^2 against what a bit can gain, (1 - 2p)^2 / 2 at small codes: the
+            # paper's 0.1 at its p = 0.1 scaled by ((1 - 2p) / 0.8)^2 to p = 0.25; and none
+            "nac-mq:l2-0.039": ("nac-mq", ["--l2", "0.039"], "default"),
+            "nac-mq:l2-0": ("nac-mq", ["--l2", "0"], "default")}
 
 
 GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,
