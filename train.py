@@ -34,8 +34,8 @@ from nac_fast.train import distributed as nd
 from nac_fast.train.config import UsageError, parse
 from nac_fast.train.methods import code_stats, collapse_warning, learning_stats, zero_code_loss
 from nac_fast.train.monitor import LossWatch, RunLog, summary_lines
-from nac_fast.train.run import (EXIT_USAGE, RunStopped, build, describe_p, finish,
-                                flip_prob_of, lr_at, plan_start, print_main, save, start,
+from nac_fast.train.run import (EXIT_USAGE, RunStopped, build, describe_l2, describe_p,
+                                finish, flip_prob_of, lr_at, plan_start, print_main, save, start,
                                 stop_non_finite, train_step)
 
 
@@ -68,7 +68,8 @@ def train(st, flags) -> None:
                    f"({cfg.num_images} images, {cfg.image_size}px, {cfg.in_channels} ch) "
                    f"recipe={os.path.relpath(cfg.recipe)} world={cfg.world_size} "
                    f"device={di.device} batch={cfg.batch_size} lr={cfg.lr:.4g} "
-                   + (f"p={describe_p(cfg)} " if cfg.method != "simclr" else "") +
+                   + (f"p={describe_p(cfg)} " if cfg.method != "simclr" else "")
+                   + (f"l2={describe_l2(cfg)} " if cfg.method == "nac-mq" else "") +
                    ("likelihood=multilinear (reference loss: no fused kernel) "
                     if cfg.method != "simclr" and cfg.channel_likelihood == "multilinear"
                     else "") +

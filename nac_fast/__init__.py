@@ -58,6 +58,7 @@ from .ops.loss import (  # noqa: E402
     NACLoss,
     NACMQLoss,
     nac_loss,
+    mq_l2,
     nac_mq_loss,
     nac_vi_loss,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "nac_loss",
     "nac_mq_loss",
     "nac_vi_loss",
+    "mq_l2",
     # the channel and the backends
     "available_backends",
     "channel_scale",

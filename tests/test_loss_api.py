@@ -176,6 +176,44 @@ def test_nac_mq_loss_enqueues_the_momentum_keys_before_the_loss():
                                                    noise=noise))
 
 
+def test_l2_auto_is_the_papers_lambda_scaled_by_the_bits_gain():
+    """l2="auto" ([M:mq-l2]): 0.1 ((1 - 2p)/0.8)^2, the paper's 0.1 at p = 0.1, the value the
+    functional and the criterion use at each call's p (the trainer changes the criterion's p
+    between steps under the p schedule)."""
+    assert nac_fast.mq_l2(0.1) == pytest.approx(0.1, rel=1e-15)
+    for p in (0.01, 0.25, 0.3, 0.4, 0.49):
+        assert nac_fast.mq_l2(p) == pytest.approx(0.1 * ((1 - 2 * p) / 0.8) ** 2, rel=1e-15)
+    assert nac_fast.mq_l2(0.25) == pytest.approx(0.0390625, rel=1e-15)
+    for bad in (0.0, 0.5, -0.1, float("nan"), "0.1"):
+        with pytest.raises((ValueError, TypeError), match="p must"):
+            nac_fast.mq_l2(bad)
+    a0, r0, a1, r1 = _views()
+    am0, rm0, am1, rm1 = _views(seed=1)
+    a, rh = torch.cat([a0, a1]), torch.cat([rm1, rm0])
+    keys = torch.tanh(torch.randn(6 * K, D, generator=torch.Generator().manual_seed(5)))
+    for p in (0.1, 0.25, 0.4):
+        noise = nac_fast.draw_noise((2 * K, D), p, generator=torch.Generator().manual_seed(3))
+        want = nac_fast.nac_mq_loss(a, rh, keys, p, l2=nac_fast.mq_l2(p), noise=noise)
+        assert torch.equal(nac_fast.nac_mq_loss(a, rh, keys, p, l2="auto", noise=noise), want)
+        assert not torch.equal(nac_fast.nac_mq_loss(a, rh, keys, p, l2=0.1, noise=noise), want) \
+            or p == 0.1
+    # the criterion resolves it at its p of each call
+    crit = NACMQLoss(0.25, l2="auto")
+    for p in (0.25, 0.4):
+        crit.p = p
+        noise = nac_fast.draw_noise((2 * K, D), p, generator=torch.Generator().manual_seed(3))
+        q1, q2 = CodeQueue(6 * K, D), CodeQueue(6 * K, D)
+        got = crit((a0, r0), (a1, r1), (am0, rm0), (am1, rm1), q1, noise=noise)
+        fixed = NACMQLoss(p, l2=nac_fast.mq_l2(p))((a0, r0), (a1, r1), (am0, rm0), (am1, rm1),
+                                                     q2, noise=noise)
+        assert torch.equal(got, fixed)
+    for bad in ("Auto", "", "0.1"):
+        with pytest.raises(ValueError, match="l2 must be a finite float >= 0 or 'auto'"):
+            nac_fast.nac_mq_loss(a, rh, keys, 0.1, l2=bad)
+        with pytest.raises(ValueError, match="l2 must be"):
+            NACMQLoss(P, l2=bad)
+
+
 def test_nac_mq_loss_reads_a_queue_of_another_dtype():
     a0, r0, a1, r1 = _views()
     am0, rm0, am1, rm1 = _views(seed=1)

@@ -232,6 +232,10 @@ def test_default_runs_and_their_epochs_are_marked():
     # but only where the small recipe's 400-step floor does not lengthen the default run
     assert R.default_and_epochs(row("simclr", paper, ("--max-steps", "120"))) == (True, 15.0)
     assert R.default_and_epochs(row("simclr", paper)) == (False, 2.0)
+    # NAC-MQ's lambda counts for NAC-MQ only: 0 on small data, the paper's 0.1 in its recipe
+    assert R.default_and_epochs(row("nac-mq", "")) == (True, 50.0)
+    assert R.default_and_epochs(row("nac-mq", "--l2 0.1")) == (False, 50.0)
+    assert R.default_and_epochs(row("nac", "--l2 0.1")) == (True, 50.0)
     assert R.default_and_epochs({"method": "random", "commands": ["python x.py"]}) == (False, None)
 
 

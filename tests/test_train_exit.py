@@ -4,6 +4,7 @@ to resume says so, an unwritable --out gives status 4 in one line, the status su
 --help shows the values a run uses, config.json is the one resolved configuration, and the last
 lines say what the loss means and what to run next.  Subprocess runs of train.py (and torchrun),
 as a user types them, where that is what is tested."""
+import dataclasses
 import hashlib
 import json
 import math
@@ -313,6 +314,35 @@ def test_recipe_values_are_checked_and_named(tmp_path):
     assert (c.flip_prob, c.batch_size, c.epochs, c.queue_size, c.a_gain) == (0.2, 64, 1, "4x",
                                                                              1.0)
     assert parse(["--p", "0.3"]).flip_prob == 0.3                # the plain-python alias
+
+
+def test_l2_auto_from_the_command_line_and_a_recipe(tmp_path):
+    """--l2 takes a number >= 0 or 'auto' ([M:mq-l2]); the start line says the values a NAC-MQ run
+    uses, over the p schedule."""
+    from nac_fast.train.run import describe_l2
+    assert parse(["--l2", "auto"]).l2 == "auto" and parse(["--l2", "0.05"]).l2 == 0.05
+    for bad in ("-1", "nan", "inf", "Auto"):
+        with pytest.raises(ValueError, match="argument --l2: invalid number >= 0 or 'auto'"):
+            parse(["--l2", bad])
+    rec = tmp_path / "r.toml"
+    rec.write_text('l2 = "auto"\nbatch_size = 32\nepochs = 1\n')
+    assert parse(["--config", str(rec)]).l2 == "auto"
+    rec.write_text("l2 = -0.5\n")
+    with pytest.raises(ValueError, match="l2 = -0.5: expected a number >= 0 or 'auto'"):
+        parse(["--config", str(rec)])
+    cfg = parse(["--l2", "auto", "--flip-prob", "0.25", "--flip-prob-final", "0.4",
+                 "--flip-prob-final-min-images", "none", "--method", "nac-mq"])
+    ramp = dataclasses.replace(cfg, total_steps=100, batch_size=8)
+    assert describe_l2(ramp) == "auto (0.0391->0.00625)"     # p 0.25 at step 0, 0.4 at 99
+    const = dataclasses.replace(ramp, flip_prob_final=None)
+    assert describe_l2(const) == "auto (0.0391)"
+    assert describe_l2(dataclasses.replace(const, l2=0.1)) == "0.1"
+    assert describe_l2(dataclasses.replace(const, l2=0.0)) == "0"
+    # at p = 0.4 the paper's 0.1 is five times the channel's capacity per bit, 0.0201 nats
+    warned = describe_l2(dataclasses.replace(ramp, l2=0.1))
+    assert warned.startswith("0.1 (warning: >= ln 2 - H(p) = 0.0201 at p = 0.4") and \
+        "zero code is the loss's optimum" in warned
+    assert describe_l2(dataclasses.replace(ramp, l2=0.02)) == "0.02"
 
 
 def test_flip_prob_is_the_flag_in_docs_and_recipes():

@@ -317,13 +317,15 @@ def test_recipes_default_paper_and_learning_are_one_config_apart():
     # (--config configs/fashion_mnist_learning.toml / fashion_mnist_paper.toml)
     # (runs that see at least 450,000 images; no step threshold)
     small = {"recipe", "flip_prob", "flip_prob_final", "flip_prob_final_min_images", "a_gain",
-             "min_steps"}
+             "min_steps", "l2"}
     assert diff(default, learning) == small | {"learn_gain"}
     assert default.learn_gain is True and learning.learn_gain is False
     assert (default.flip_prob, default.flip_prob_final, default.flip_prob_final_min_steps,
             default.flip_prob_final_min_images, default.a_gain,
             default.min_steps) == (0.25, 0.4, None, 450_000, 6.0, 400)
     assert (paper.flip_prob, paper.flip_prob_final, paper.min_steps) == (0.1, None, None)
+    # NAC-MQ's lambda: none on small data, the paper's 0.1 in its recipes ([M:mq-l2])
+    assert (default.l2, paper.l2, learning.l2) == (0.0, 0.1, 0.1)
     # a constant p in the default recipe, from the command line
     assert parse(["--flip-prob-final", "none"]).flip_prob_final is None
     assert diff(default, paper) == small | {"head_bn", "infer_bn", "r_gain", "infer_init",

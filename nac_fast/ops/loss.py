@@ -221,7 +221,8 @@ def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", bac
 
     queue: (M, D) momentum codes; a constant of the loss (pass it detached: no gradient reaches it).
     r_hat: (n, D) logits of the momentum inference network (normally detached too).
-    l2: lambda of the ||z||^2 regulariser (0.1 in the paper).
+    l2: lambda of the ||z||^2 regulariser (0.1 in the paper), or "auto": `mq_l2(p)`, the paper's
+        0.1 at p = 0.1 scaled by ((1 - 2p) / 0.8)^2 (docs/math.md [M:mq-l2]).
     likelihood: as nac_loss's.
     """
     if isinstance(queue, torch.Tensor) and queue.requires_grad:
@@ -233,11 +234,12 @@ def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", bac
         raise TypeError("queue must be a torch.Tensor of shape (M, D), got None")
     p, s, noise = _prepare(a, r_hat, p, queue, noise, reduction, r_name="r_hat",
                            keys_name="queue")
+    l2 = _l2_value(l2, p)
     impl = _backend_for(backend, a, queue, likelihood)
     if impl == "reference":
-        return reference.nac_mq_loss_reference(a, r_hat, queue, noise, s, l2=float(l2),
+        return reference.nac_mq_loss_reference(a, r_hat, queue, noise, s, l2=l2,
                                                reduction=reduction, likelihood=likelihood)
-    return _nac.nac_fused(impl, a, r_hat, noise, queue, s, float(l2), reduction)
+    return _nac.nac_fused(impl, a, r_hat, noise, queue, s, l2, reduction)
 
 
 def nac_vi_loss(a, r, p, *, noise=None, reduction="mean"):
@@ -299,8 +301,30 @@ def _check_backend_name(backend) -> str:
     return backend
 
 
-def _check_l2(l2) -> float:
+# NAC-MQ's l2 = "auto" (docs/math.md [M:mq-l2]): the paper's lambda at the paper's p, scaled with
+# what a bit of code magnitude t can gain through the channel at small t, ((1 - 2p) t)^2 / 2.
+PAPER_L2, PAPER_L2_P = 0.1, 0.1
+
+
+def mq_l2(p: float) -> float:
+    """NAC-MQ's lambda for l2="auto" at flip probability p: 0.1 ((1 - 2p) / 0.8)^2, the paper's
+    0.1 at its p = 0.1 (0.039 at p = 0.25, 0.00625 at p = 0.4), so that lambda ||z||^2 keeps the
+    paper's ratio to the Bernoulli term's gain at small codes (docs/math.md [M:mq-l2])."""
+    p = _checks.flip_prob("p", p)
+    return PAPER_L2 * ((1.0 - 2.0 * p) / (1.0 - 2.0 * PAPER_L2_P)) ** 2
+
+
+def _check_l2(l2):
+    """l2 as given: "auto", or a finite float >= 0 (ValueError naming l2)."""
+    if isinstance(l2, str):
+        if l2 != "auto":
+            raise ValueError(f"l2 must be a finite float >= 0 or 'auto', got {l2!r}")
+        return l2
     return _checks.nonnegative_float("l2", l2, finite=True)
+
+
+def _l2_value(l2, p: float) -> float:
+    return mq_l2(p) if l2 == "auto" else float(l2)
 
 
 def _view_pair(name: str, out, like=None, *, r_optional: bool = False):
@@ -409,11 +433,12 @@ class NACMQLoss(nn.Module):
     gather_distributed: under torch.distributed, every rank enqueues the keys of the GLOBAL batch
         (all-gathered, in rank order), so the queues stay equal across ranks.  One process: no
         effect.
-    l2: lambda of lambda ||z||^2 (0.1 in the paper).  p, reduction, backend, likelihood, noise:
-    as NACLoss.
+    l2: lambda of lambda ||z||^2 (0.1 in the paper), or "auto": `mq_l2(p)` of the criterion's p
+    at each call (it follows a p changed between steps).  p, reduction, backend, likelihood,
+    noise: as NACLoss.
     """
 
-    def __init__(self, p: float = 0.1, *, l2: float = 0.1, gather_distributed: bool = False,
+    def __init__(self, p: float = 0.1, *, l2: float | str = 0.1, gather_distributed: bool = False,
                  reduction: str = "mean", backend: str = "auto", likelihood: str = "dot"):
         super().__init__()
         self.p = _checks.flip_prob("p", p)

@@ -109,7 +109,7 @@ class NACMQ(nn.Module):
     """
 
     def __init__(self, model: nn.Module, *, queue_size: int, code_dim: int | None = None,
-                 p: float = 0.1, l2: float = 0.1, momentum: float = 0.99,
+                 p: float = 0.1, l2: float | str = 0.1, momentum: float = 0.99,
                  shuffle_bn: bool = True, queue_dtype: torch.dtype = torch.float32,
                  reduction: str = "mean", backend: str = "auto", likelihood: str = "dot"):
         super().__init__()

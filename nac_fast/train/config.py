@@ -23,6 +23,7 @@ Values left open (None) follow the rules of `resolve`:
     queue_size    16 x the global batch; a recipe may also write "<k>x" (k x the global batch)
                   or a number, rounded down to a multiple of the global batch
     r_gain        "auto" = 2 (1 - 2 flip_prob) a_gain
+    l2            (NAC-MQ) "auto" = 0.1 ((1 - 2p) / 0.8)^2 at the p of each step   ([M:mq-l2])
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from ..ops.loss import mq_l2
 from ..ops.reference import LIKELIHOODS, MULTILINEAR_BACKENDS
 from .methods import METHODS
 from .models import ARCHS, INFER_INITS, resolve_r_gain
@@ -84,7 +86,7 @@ class TrainConfig:
     wd: float = 1e-6
     queue_size: int | str | None = None
     momentum: float | None = None
-    l2: float = 0.1
+    l2: float | str = 0.1              # or "auto" ([M:mq-l2])
     tau: float = 0.5
     code_dim: int = 128
     scale_codes: bool = True
@@ -151,6 +153,19 @@ def _gain(v):
     return g
 
 
+def _l2(v):
+    """--l2: a finite number >= 0 or 'auto' (docs/math.md [M:mq-l2])."""
+    if isinstance(v, str) and v.strip() == "auto":
+        return "auto"
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number >= 0 or 'auto', got {v!r}") from None
+    if not (x >= 0 and math.isfinite(x)):
+        raise ValueError(f"expected a number >= 0 or 'auto', got {v!r}")
+    return x
+
+
 def _optional_int(v):
     """--flip-prob-final-min-steps/-images: an integer, or 'none' (no value)."""
     if v is None or isinstance(v, str) and v.strip().lower() == "none":
@@ -163,6 +178,8 @@ def _optional_int(v):
         raise ValueError(f"expected an integer or 'none', got {v!r}") from None
 
 
+_gain.__name__ = "number > 0 or 'auto'"       # argparse: "invalid number > 0 or 'auto' value"
+_l2.__name__ = "number >= 0 or 'auto'"
 _optional_int.__name__ = "integer or 'none'"    # argparse: "invalid integer or 'none' value"
 
 
@@ -263,7 +280,9 @@ def build_parser() -> _Parser:
       "or '<k>x' (k global batches); the paper's 50000 collapses the codes of the short demo "
       "(docs/results.md)")
     a("--momentum", type=float, help="EMA decay of NAC-MQ's momentum model")
-    a("--l2", type=float, help="lambda of NAC-MQ's lambda*||z||^2")
+    a("--l2", type=_l2, help="lambda of NAC-MQ's lambda*||z||^2, or 'auto': the paper's 0.1 "
+      "at its p = 0.1 scaled by ((1-2p)/0.8)^2 to the p of each step (0.039 at p = 0.25), "
+      "docs/math.md [M:mq-l2]")
     a("--tau", type=float, help="SimCLR temperature")
     a("--code-dim", type=int, help="code bits D")
     a("--no-scale-codes", dest="scale_codes", action="store_false",
@@ -362,6 +381,9 @@ def _rules(d: dict) -> dict:
     if d.get("r_gain") == "auto" and isinstance(d.get("a_gain"), (int, float)):
         p = d.get("flip_prob")
         out["r_gain"] = f"auto = 2(1-2p) x a_gain = {2 * (1 - 2 * p) * d['a_gain']:.4g}"
+    if d.get("l2") == "auto" and isinstance(d.get("flip_prob"), (int, float)):
+        p = d["flip_prob"]
+        out["l2"] = f"auto = 0.1 ((1-2p)/0.8)^2 = {mq_l2(p):.4g} at p = {p:g}"
     return out
 
 
@@ -375,7 +397,7 @@ def _describe_defaults(parser: _Parser, path: str, recipe: dict, why: str = "") 
         if (actions[0].nargs == 0 and dest not in recipe
                 and not isinstance(actions[0], argparse.BooleanOptionalAction)):
             continue  # --compile, --no-progress, ...: their help says what they do
-        shown = rules.get(dest) if v is None or dest in ("queue_size", "r_gain") else None
+        shown = rules.get(dest) if v is None or dest in ("queue_size", "r_gain", "l2") else None
         shown = rel if dest == "recipe" else shown or str(v).replace("%", "%%")
         src = f"; from {rel}" if dest in recipe else ""
         actions[0].help = f"{actions[0].help} [default: {shown}{src}]"
@@ -552,7 +574,7 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
         raise UsageError(f"{name('warmup_epochs')} must be >= 0, got {cfg.warmup_epochs}")
     if not cfg.a_gain > 0:
         raise UsageError(f"{name('a_gain')} must be > 0, got {cfg.a_gain}")
-    for d in ("infer_warmup_steps", "collapse_warn", "wd", "l2"):
+    for d in ("infer_warmup_steps", "collapse_warn", "wd"):
         if getattr(cfg, d) < 0:
             raise UsageError(f"{name(d)} must be >= 0, got {getattr(cfg, d)}")
     if not cfg.tau > 0:

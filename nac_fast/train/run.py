@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import inspect
 import json
+import math
 import os
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from ..ops.dispatch import available_backends
+from ..ops.loss import mq_l2
 from ..ops.momentum import NACMQ
 from ..ops.queue import CodeQueue
 from . import distributed as nd
@@ -224,6 +226,23 @@ def describe_p(cfg: TrainConfig) -> str:
     short = p_schedule_shortfalls(cfg.flip_prob_final_min_steps, cfg.total_steps,
                                   cfg.flip_prob_final_min_images, cfg.batch_size)
     return f"{p0:g} (not rising to {p1:g}: {', '.join(short)})" if short else f"{p0:g}->{p1:g}"
+
+
+def describe_l2(cfg: TrainConfig) -> str:
+    """NAC-MQ's lambda for the start line: '0.1', or 'auto' with its value at the run's first p
+    (and last, when p rises); a fixed lambda at or above the channel's capacity per bit at the
+    run's largest p, ln 2 - H(p), says that the zero code is then the loss's optimum
+    ([M:mq-l2])."""
+    p0, p1 = flip_prob_of(cfg, 0), flip_prob_of(cfg, max(cfg.total_steps - 1, 0))
+    if cfg.l2 == "auto":
+        return "auto (" + f"{mq_l2(p0):.3g}" + (f"->{mq_l2(p1):.3g}" if p1 != p0 else "") + ")"
+    pmax = max(p0, p1)
+    capacity = math.log(2) + pmax * math.log(pmax) + (1 - pmax) * math.log(1 - pmax)
+    if cfg.l2 > 0 and cfg.l2 >= capacity:
+        return (f"{cfg.l2:g} (warning: >= ln 2 - H(p) = {capacity:.3g} at p = {pmax:g}, what a "
+                "bit can gain through the channel: the zero code is the loss's optimum; "
+                "--l2 auto or 0, docs/math.md [M:mq-l2])")
+    return f"{cfg.l2:g}"
 
 
 def train_step(st: TrainState, x: torch.Tensor):
