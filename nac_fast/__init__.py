@@ -57,8 +57,8 @@ from .ops.dispatch import available_backends  # noqa: E402
 from .ops.loss import (  # noqa: E402
     NACLoss,
     NACMQLoss,
-    nac_loss,
     mq_l2,
+    nac_loss,
     nac_mq_loss,
     nac_vi_loss,
 )
@@ -84,10 +84,10 @@ __all__ = [
     "nac_loss",
     "nac_mq_loss",
     "nac_vi_loss",
-    "mq_l2",
     # the channel and the backends
     "available_backends",
     "channel_scale",
+    "mq_l2",
     "draw_noise",
     # the Hamming engine, code statistics and the index
     "PackedCodes",
