@@ -140,30 +140,25 @@ class TrainConfig:
 PER_RUN = ("recipe", "out", "resume", "overwrite", "stop_at_step")
 
 
-def _gain(v):
-    """--r-gain: a number > 0 or 'auto'."""
-    if isinstance(v, str) and v.strip() == "auto":
-        return "auto"
-    try:
-        g = float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"expected a number > 0 or 'auto', got {v!r}") from None
-    if not g > 0:
-        raise ValueError(f"expected a number > 0 or 'auto', got {v!r}")
-    return g
+def _number_or_auto(what: str, ok):
+    """An argparse/recipe type: 'auto', or a finite number for which ok(x) holds (`what` names
+    the accepted values in argparse's message: "invalid <what> value")."""
+    def parse(v):
+        if isinstance(v, str) and v.strip() == "auto":
+            return "auto"
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a {what}, got {v!r}") from None
+        if not (math.isfinite(x) and ok(x)):
+            raise ValueError(f"expected a {what}, got {v!r}")
+        return x
+    parse.__name__ = what
+    return parse
 
 
-def _l2(v):
-    """--l2: a finite number >= 0 or 'auto' (docs/math.md [M:mq-l2])."""
-    if isinstance(v, str) and v.strip() == "auto":
-        return "auto"
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"expected a number >= 0 or 'auto', got {v!r}") from None
-    if not (x >= 0 and math.isfinite(x)):
-        raise ValueError(f"expected a number >= 0 or 'auto', got {v!r}")
-    return x
+_gain = _number_or_auto("number > 0 or 'auto'", lambda g: g > 0)     # --r-gain
+_l2 = _number_or_auto("number >= 0 or 'auto'", lambda x: x >= 0)     # --l2 ([M:mq-l2])
 
 
 def _optional_int(v):
@@ -178,8 +173,6 @@ def _optional_int(v):
         raise ValueError(f"expected an integer or 'none', got {v!r}") from None
 
 
-_gain.__name__ = "number > 0 or 'auto'"       # argparse: "invalid number > 0 or 'auto' value"
-_l2.__name__ = "number >= 0 or 'auto'"
 _optional_int.__name__ = "integer or 'none'"    # argparse: "invalid integer or 'none' value"
 
 
