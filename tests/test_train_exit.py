@@ -330,6 +330,11 @@ def test_l2_auto_from_the_command_line_and_a_recipe(tmp_path):
     rec.write_text("l2 = -0.5\n")
     with pytest.raises(ValueError, match="l2 = -0.5: expected a number >= 0 or 'auto'"):
         parse(["--config", str(rec)])
+    # check() (a configuration made other than by parse) refuses what the flag refuses
+    from nac_fast.train.config import check
+    for bad in (-1.0, "x", float("nan")):
+        with pytest.raises(ValueError, match="--l2: expected a number >= 0 or 'auto'"):
+            check(dataclasses.replace(parse([]), l2=bad), 1)
     cfg = parse(["--l2", "auto", "--flip-prob", "0.25", "--flip-prob-final", "0.4",
                  "--flip-prob-final-min-images", "none", "--method", "nac-mq"])
     ramp = dataclasses.replace(cfg, total_steps=100, batch_size=8)

@@ -570,6 +570,10 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
     for d in ("infer_warmup_steps", "collapse_warn", "wd"):
         if getattr(cfg, d) < 0:
             raise UsageError(f"{name(d)} must be >= 0, got {getattr(cfg, d)}")
+    try:
+        _l2(cfg.l2)
+    except ValueError as exc:
+        raise UsageError(f"{name('l2')}: {exc}") from None
     if not cfg.tau > 0:
         raise UsageError(f"{name('tau')} must be > 0, got {cfg.tau}")
     if cfg.momentum is not None and not 0.0 <= cfg.momentum < 1.0:
