@@ -9,6 +9,21 @@ import os
 import tempfile
 
 
+def check_new_file(flag: str, path: str, overwrite: bool, *, error=ValueError) -> None:
+    """Refuse an output file ``path`` (named by the option ``flag``) that would replace one
+    already there unless ``overwrite`` (nothing of the user's is replaced without being asked),
+    that names a folder, or whose parent is not a folder; raises ``error`` naming ``flag``.
+    Callers check before any work, so a refusal costs nothing."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise error(f"{flag} {path!r} is a directory; name a file")
+    if os.path.lexists(path) and not overwrite:
+        raise error(f"{flag} {path!r} exists; pass --overwrite to replace it")
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise error(f"{flag} {path!r}: {parent!r} is not a folder")
+
+
 def atomic_write(path: str, write, *, mode: str = "wb") -> None:
     """Call ``write(f)`` on a temporary file opened with ``mode`` ("wb" or "w"), then rename it
     to ``path`` (replacing what is there: callers decide whether they may)."""

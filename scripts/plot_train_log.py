@@ -17,6 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nac_fast._files import atomic_write, check_new_file  # noqa: E402
 
 KEYS = ("loss", "loss_excess", "code_mag", "r_mag", "r_slope", "balance_score", "distinct_frac",
         "mean_hamming", "lr", "flip_prob", "img_per_s", "data_wait")
@@ -103,19 +107,25 @@ def draw(runs):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("logs", nargs="+", help="log.jsonl files")
-    ap.add_argument("--out", default=None, help="PNG path (default: next to the first log)")
+    ap.add_argument("--out", default=None, help="PNG path (default: curves.png next to the "
+                    "first log)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = ap.parse_args(argv)
     for p in args.logs:
         if not os.path.isfile(p):
             ap.error(f"no such log file: {p}")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.logs[0])), "curves.png")
+    try:
+        check_new_file("--out", out, args.overwrite)
+    except ValueError as exc:
+        ap.error(str(exc))
     import matplotlib
     matplotlib.use("Agg")
 
     runs = [(os.path.basename(os.path.dirname(os.path.abspath(p))) or p, read_log(p),
              run_config(p)) for p in args.logs]
     fig = draw(runs)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.logs[0])), "curves.png")
-    fig.savefig(out, dpi=100)
+    atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=100))
     print(out)
     return fig
 

@@ -314,6 +314,8 @@ def eval_cmd(args, ckpt, out, seed, tasks="linear,knn,hash,expressivity", limits
         cmd += ["--limit-train", str(lt)]
     if ls:
         cmd += ["--limit-test", str(ls)]
+    if os.path.exists(os.path.join(out, "report.json")):
+        cmd.append("--overwrite")  # an earlier attempt's evaluation of a run trained again
     return cmd
 
 

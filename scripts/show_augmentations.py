@@ -16,6 +16,7 @@ import torch  # noqa: E402
 from PIL import ImageOps  # noqa: E402
 from torchvision.utils import save_image  # noqa: E402
 
+from nac_fast._files import atomic_write, check_new_file  # noqa: E402
 from nac_fast.data import LOADERS, build_pretrain_loader  # noqa: E402
 from nac_fast.data.sources.imagefolder import load_rgb  # noqa: E402
 from nac_fast.data.sources import InMemorySource  # noqa: E402
@@ -49,9 +50,14 @@ def main(argv=None):
     ap.add_argument("--epoch", type=int, default=0)
     ap.add_argument("--recipe", default="auto", choices=["auto", "small", "imagenet"])
     ap.add_argument("--out", default="augmentations.png")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     a = ap.parse_args(argv)
     if a.num < 1:
         ap.error("--num must be >= 1")
+    try:
+        check_new_file("--out", a.out, a.overwrite)
+    except ValueError as exc:
+        ap.error(str(exc))
     ld = build_pretrain_loader(a.data, batch_size=a.num, seed=a.seed, image_size=a.size,
                                loader=a.loader, recipe=a.recipe)
     ld.set_epoch(a.epoch)
@@ -63,7 +69,8 @@ def main(argv=None):
     if rows[0].shape[1] == 1:
         rows = [r.expand(-1, 3, -1, -1) for r in rows]
     grid = torch.stack(rows, 1).flatten(0, 1)            # row-major: orig, v1, v2 per image
-    save_image(grid, a.out, nrow=3, padding=2, pad_value=1.0)
+    atomic_write(a.out, lambda f: save_image(grid, f, format="png", nrow=3, padding=2,
+                                             pad_value=1.0))
     print(f"wrote {a.out}: {a.num} rows x (original | view 1 | view 2), {ld.kind} loader, "
           f"recipe {ld.recipe.name}, {ld.image_size} px")
 

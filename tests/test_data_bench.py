@@ -45,3 +45,11 @@ def test_show_augmentations_writes_a_grid(tmp_path):
     assert "3 rows" in out
     w, h = Image.open(png).size
     assert (w, h) == (3 * 28 + 4 * 2, 3 * 28 + 4 * 2)      # 3x3 tiles of 28 px, 2 px padding
+    # an existing --out is refused (naming the flag) and kept; --overwrite replaces it
+    before = open(png, "rb").read()
+    r = subprocess.run([sys.executable, "scripts/show_augmentations.py", "--num", "2", "--out",
+                        png], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--out" in r.stderr and "--overwrite" in r.stderr, r.stderr
+    assert open(png, "rb").read() == before
+    _run("scripts/show_augmentations.py", "--num", "2", "--out", png, "--overwrite")
+    assert Image.open(png).size == (3 * 28 + 4 * 2, 2 * 28 + 3 * 2)

@@ -106,11 +106,19 @@ def test_cached_features_match_report(evaluated):
     assert rep["results"]["linear"]["best_lr"] == lp.best_lr
 
 
-def test_features_reused_on_second_run(evaluated, ckpt, tmp_path):
+def test_features_reused_on_second_run(evaluated, ckpt, tmp_path, capsys):
     out, rep1, argv = evaluated
     assert not rep1["features"]["train"]["cached"]
     mtimes = {s: os.stat(out / f"features_{s}.pt").st_mtime_ns for s in ("train", "test")}
-    assert nac_eval.main(argv + ["--tasks", "knn,hash"]) == 0
+    # an --out holding a report is refused before any work: the report stays as it was
+    before = (out / "report.json").read_bytes()
+    with pytest.raises(SystemExit) as e:
+        nac_eval.main(argv + ["--tasks", "knn,hash"])
+    assert e.value.code == 2 and (out / "report.json").read_bytes() == before
+    err = capsys.readouterr().err
+    assert f"--out {str(out)!r} holds the report of an earlier evaluation (checkpoint" in err
+    assert "pass --overwrite" in err
+    assert nac_eval.main(argv + ["--tasks", "knn,hash", "--overwrite"]) == 0
     rep2 = json.loads((out / "report.json").read_text())
     assert rep2["features"]["train"]["cached"] and rep2["features"]["test"]["cached"]
     assert rep2["timings"]["features_train_s"] == 0.0 and "load_model_s" not in rep2["timings"]
@@ -125,7 +133,8 @@ def test_features_reused_on_second_run(evaluated, ckpt, tmp_path):
                           "--limit-train", "300", "--limit-test", "100", "--no-progress"]) == 0
     (other / "features_test.pt").touch()
     assert nac_eval.main(["--checkpoint", ckpt, "--out", str(other), "--tasks", "expressivity",
-                          "--limit-train", "300", "--limit-test", "120", "--no-progress"]) == 0
+                          "--limit-train", "300", "--limit-test", "120", "--no-progress",
+                          "--overwrite"]) == 0
     rep3 = json.loads((other / "report.json").read_text())
     assert rep3["features"]["train"]["cached"] and not rep3["features"]["test"]["cached"]
     assert rep3["results"]["expressivity"]["stats"][str(D)]["num_codes"] == 120
@@ -164,7 +173,7 @@ def test_linear_lrs_widens_the_search_and_the_report_says_so(evaluated, tmp_path
     md = (out / "report.md").read_text()
     assert "searched 100/30/0.001 (not the paper's)" in md
     # one rate: no search, so no end of it to flag
-    assert nac_eval.main(argv + ["--tasks", "linear", "--linear-lrs", "0.5"]) == 0
+    assert nac_eval.main(argv + ["--tasks", "linear", "--linear-lrs", "0.5", "--overwrite"]) == 0
     x = json.loads((out / "report.json").read_text())["results"]["linear"]
     assert x["best_lr"] == 0.5 and x["best_lr_at_edge"] is None
     assert "a rate beyond it" not in capsys.readouterr().err
@@ -194,7 +203,8 @@ def test_paper_protocol(ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         nac_eval.main(["--checkpoint", ckpt, "--out", str(tmp_path), "--tasks", "hash",
                        "--hash-protocol", "paper", "--queries-per-class", "500",
-                       "--limit-train", "600", "--limit-test", "200", "--no-progress"])
+                       "--limit-train", "600", "--limit-test", "200", "--no-progress",
+                       "--overwrite"])
     assert e.value.code == 2
     assert "--queries-per-class 500: too many" in capsys.readouterr().err
 

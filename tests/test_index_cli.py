@@ -221,6 +221,28 @@ def test_search_errors_write_nothing(ckpt, folders, built, tmp_path, capsys):
     assert res["k"] == 60 and len(res["queries"][0]["results"]) == 60
 
 
+def test_search_refuses_to_overwrite(ckpt, folders, built, tmp_path, capsys):
+    """--json / --png files already there are refused before the queries are encoded, each by
+    its flag, and left as they were; --overwrite replaces them."""
+    js, png = tmp_path / "h.json", tmp_path / "h.png"
+    q = str(folders / "queries" / "bag")
+    base = ["search", "--index", str(built), "--json", str(js), "--png", str(png), "--no-progress",
+            "--k", "3", q]
+    for mine, other in ((js, png), (png, js)):
+        mine.write_bytes(b"mine")
+        code, _, err = _run(base, capsys)
+        assert code == 2 and f"--{mine.suffix[1:]} {str(mine)!r} exists; pass --overwrite" in err
+        assert mine.read_bytes() == b"mine" and not other.exists()
+        mine.unlink()
+    code, _, err = _run(base[:5] + ["--png", str(js)] + base[7:], capsys)
+    assert code == 2 and "--json and --png name the same file" in err and not js.exists()
+    js.write_bytes(b"mine")
+    png.write_bytes(b"mine")
+    code, _, err = _run(base + ["--overwrite"], capsys)
+    assert code == 0, err
+    assert json.loads(js.read_text())["k"] == 3 and png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_encode_refuses_to_overwrite(ckpt, folders, tmp_path, capsys):
     out = tmp_path / "c.npz"
     out.write_bytes(b"mine")

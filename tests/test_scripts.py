@@ -162,6 +162,18 @@ def test_plot_train_log_draws_the_statistics_and_the_zero_code_line(tmp_path, pl
     slope = {ln.get_label(): ln for ln in axes["r_slope"].get_lines()}
     assert list(slope["2(1-2p) = 1.60"].get_ydata()) == pytest.approx([1.6, 1.6])
     assert list(axes["r_slope"].get_lines()[0].get_ydata()) == [0.5, 1.0, 1.5]
+    # the picture is not replaced without being asked: a usage error naming --out, file kept
+    before = out.read_bytes()
+    with pytest.raises(SystemExit) as e:
+        plot_train_log.main([str(run / "log.jsonl"), "--out", str(out)])
+    assert e.value.code == 2 and out.read_bytes() == before
+    plot_train_log.main([str(run / "log.jsonl"), "--out", str(out), "--overwrite"])
+    # the default: curves.png beside the first log, refused once it is there
+    plot_train_log.main([str(run / "log.jsonl")])
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit) as e:
+        plot_train_log.main([str(run / "log.jsonl")])
+    assert e.value.code == 2
 
 
 def test_plot_train_log_follows_a_p_schedule(tmp_path, plot_train_log):

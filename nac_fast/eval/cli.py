@@ -36,7 +36,8 @@ What it does:
        in --bits; the report's keys are CodeStatistics' field names.
   3. Writes DIR/report.json (checkpoint, data, split sizes, training config, every task's
      numbers, timings) and DIR/report.md (a markdown table and the hash protocol), atomically,
-     and prints the table.  Feature extraction, the probe's epochs, kNN and hashing show tqdm
+     and prints the table.  A DIR that holds an earlier report is refused before any work
+     unless --overwrite (which replaces the report and reuses the matching feature cache).  Feature extraction, the probe's epochs, kNN and hashing show tqdm
      bars with an ETA (--no-progress: none).
 
 --limit-train / --limit-test N evaluate on N images of the split, an evenly strided subset
@@ -47,6 +48,7 @@ not match the checkpoint) stop with a usage error (exit status 2) before any fea
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -113,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--data", default=None, help="fashion-mnist | CIFAR-10 dir | ImageFolder root; default: "
       "the data set recorded in the checkpoint")
     a("--out", required=True, help="output directory (feature cache, report.json, report.md)")
+    a("--overwrite", action="store_true", help="replace the report of an earlier evaluation in "
+      "--out (its cached features are reused where they match); without it such an --out is "
+      "refused")
     a("--tasks", type=_task_list, default=list(TASKS), help="comma-separated subset of "
       + ",".join(TASKS))
     a("--bits", type=int_list, default=None, help="comma-separated code lengths for hash and "
@@ -190,6 +195,19 @@ def check_args(args) -> None:
         raise ValueError(f"--checkpoint {args.checkpoint!r} is not a file")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} is not a folder")
+    report = os.path.join(args.out, "report.json")
+    if os.path.lexists(report) and not args.overwrite:
+        try:
+            with open(report) as f:
+                old = json.load(f)
+            what = f" (checkpoint {old['checkpoint']!r}, tasks {','.join(old['tasks'])})"
+        except (OSError, ValueError, KeyError, TypeError):
+            what = ""
+        raise ValueError(f"--out {args.out!r} holds the report of an earlier evaluation{what}; "
+                         "pass --overwrite to replace it (its cached features are reused where "
+                         "they match) or name another --out")
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ build   encodes every image under --images (recursively; the first-level sub-fol
 search  encodes the query images (files, or folders scanned as in build) with the checkpoint the
         index records (its SHA-256 must still match), and writes the k nearest of each, with
         their Hamming distances, as JSON (--json FILE, else to stdout) and as a PNG contact
-        sheet (--png FILE).  A query that cannot be read stops the search before anything is
-        written.  k larger than the index returns the whole index (a note says so).
+        sheet (--png FILE); an existing --json / --png file is refused (--overwrite replaces
+        it).  A query that cannot be read stops the search before anything is written.  k
+        larger than the index returns the whole index (a note says so).
 encode  the packed codes and paths only (an .npz: "codes" (n, ceil(bits/64)) uint64 words, bit
         j = bit j % 64 of word j // 64, "nbits", "paths", "meta" JSON), for your own search
         stack; --npy FILE also writes the (n, bits) int8 +-1 codes.
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "holds: all of it)")
     s.add_argument("--json", default=None, help="write the results here (default: stdout)")
     s.add_argument("--png", default=None, help="write a contact sheet PNG here")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing --json or "
+                   "--png file")
     s.add_argument("--checkpoint", default=None, help="the checkpoint to encode the queries "
                    "with (default: the one the index records; its SHA-256 must match)")
     s.add_argument("--batch-size", type=int, default=256)
@@ -99,13 +102,8 @@ def _positive(flag: str, v: int) -> None:
 
 
 def _check_new_file(flag: str, path: str, overwrite: bool) -> None:
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path!r} is a directory; name a file")
-    if os.path.lexists(path) and not overwrite:
-        raise UsageError(f"{flag} {path!r} exists; pass --overwrite to replace it")
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(parent) and not os.path.isdir(parent):
-        raise UsageError(f"{flag} {path!r}: {parent!r} is not a folder")
+    from .._files import check_new_file
+    check_new_file(flag, path, overwrite, error=UsageError)
 
 
 def _scan_folder(flag: str, folder: str):
@@ -235,8 +233,11 @@ def cmd_search(args) -> int:
         raise UsageError(f"--index {args.index!r} is empty")
     for flag in ("json", "png"):
         path = getattr(args, flag)
-        if path is not None and os.path.isdir(path):
-            raise UsageError(f"--{flag} {path!r} is a directory; name a file")
+        if path is not None:
+            _check_new_file(f"--{flag}", path, args.overwrite)
+    if args.json is not None and args.png is not None and (
+            os.path.abspath(args.json) == os.path.abspath(args.png)):
+        raise UsageError("--json and --png name the same file")
     m = index.meta
     ckpt = args.checkpoint or m.get("checkpoint")
     if not ckpt:
