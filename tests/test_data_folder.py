@@ -143,3 +143,34 @@ def test_layout_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="val"):
         build_eval_loader(bare, split="test")
     assert np.array_equal(_tv(bare, batch_size=2).source.labels, [0, 0, 0, 1, 1, 1])
+
+
+def test_a_class_reads_its_sub_folders_as_imagefolder_does(tmp_path):
+    """Images in sub-folders of a class folder belong to that class (torchvision's ImageFolder
+    and python -m nac_fast.index read them too); hidden files and folders are skipped; a class
+    whose images all sit in sub-folders is not empty."""
+    import shutil
+    from nac_fast.data.sources.imagefolder import FolderSource
+    r = str(tmp_path / "nested")
+    write_jpeg_folder(r, num_classes=2, per_class=4, size_range=(40, 60))
+    c0, c1 = (os.path.join(r, c) for c in sorted(os.listdir(r)))
+    os.makedirs(os.path.join(c0, "more", "deeper"))
+    shutil.copy(os.path.join(c1, "00000.jpg"), os.path.join(c0, "more", "a.jpg"))
+    shutil.copy(os.path.join(c1, "00001.jpg"), os.path.join(c0, "more", "deeper", "b.jpg"))
+    os.makedirs(os.path.join(c0, ".hidden"))
+    shutil.copy(os.path.join(c1, "00002.jpg"), os.path.join(c0, ".hidden", "c.jpg"))
+    shutil.copy(os.path.join(c1, "00002.jpg"), os.path.join(c0, ".d.jpg"))
+    os.makedirs(os.path.join(c1, "sub"))
+    for f in sorted(os.listdir(c1)):
+        if f.endswith(".jpg"):
+            shutil.move(os.path.join(c1, f), os.path.join(c1, "sub", f))
+    src = FolderSource.from_root(r)
+    assert len(src.files) == 6 + 4 and src.bad_files == []
+    assert src.files[:6] == sorted(src.files[:6]) and src.files[6:] == sorted(src.files[6:])
+    top = sorted(os.path.join(c0, f) for f in os.listdir(c0) if f.endswith(".jpg")
+                 and not f.startswith("."))
+    assert src.files[:6] == sorted(top + [os.path.join(c0, "more", "a.jpg"),
+                                          os.path.join(c0, "more", "deeper", "b.jpg")])
+    assert all(f.startswith(os.path.join(c1, "sub") + os.sep) for f in src.files[6:])
+    assert list(src.labels) == [0] * 6 + [1] * 4
+    assert _tv(r, batch_size=5).num_images == 10

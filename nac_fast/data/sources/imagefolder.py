@@ -2,7 +2,8 @@
 happens to a file that does not.
 
 Layout: root/train/<class>/<image> and root/val/<class>/<image>; a root made of class folders is
-its own train split.  The scan validates every file's magic bytes once (16 bytes read, threaded),
+its own train split.  A class's images may sit in sub-folders of its folder (as torchvision's
+ImageFolder reads them).  The scan validates every file's magic bytes once (16 bytes read, threaded),
 so DALI's decoders never meet a non-image.
 
 Bad files, one policy for every ImageFolder loader (`on_bad_file`, train.py --on-bad-file):
@@ -52,6 +53,17 @@ def _read_head(path):
         return b""
 
 
+def _class_files(folder):
+    """Every file under a class folder, its sub-folders included (torchvision's ImageFolder
+    reads them too, and so does python -m nac_fast.index), hidden files and folders skipped;
+    sorted by path."""
+    out = []
+    for d, subdirs, names in os.walk(folder, followlinks=True):
+        subdirs[:] = [s for s in subdirs if not s.startswith(".")]
+        out += [os.path.join(d, n) for n in names if not n.startswith(".")]
+    return sorted(out)
+
+
 @dataclass
 class FolderSource:
     name: str
@@ -96,8 +108,7 @@ class FolderSource:
             raise ValueError(f"data: {d} contains no class folders; {HOW_TO_GET}")
         files, labels, odd = [], [], []
         for k, c in enumerate(classes):
-            entries = sorted(e.path for e in os.scandir(os.path.join(d, c))
-                             if e.is_file() and not e.name.startswith("."))
+            entries = _class_files(os.path.join(d, c))
             imgs = [p for p in entries if p.lower().endswith(IMAGE_EXTENSIONS)]
             odd += [p for p in entries if not p.lower().endswith(IMAGE_EXTENSIONS)]
             if not imgs:
