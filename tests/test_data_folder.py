@@ -174,3 +174,28 @@ def test_a_class_reads_its_sub_folders_as_imagefolder_does(tmp_path):
     assert all(f.startswith(os.path.join(c1, "sub") + os.sep) for f in src.files[6:])
     assert list(src.labels) == [0] * 6 + [1] * 4
     assert _tv(r, batch_size=5).num_images == 10
+
+
+def test_a_test_split_labels_its_images_by_the_training_classes(tmp_path):
+    """val/ with fewer classes than train/ keeps each class's training label (its images are
+    not relabelled by their position among val/'s folders); a val/ class train/ lacks is
+    refused, naming it."""
+    import shutil
+    from nac_fast.data.sources.imagefolder import FolderSource
+    r = tmp_path / "split"
+    write_jpeg_folder(str(r / "train"), num_classes=3, per_class=2, size_range=(40, 60))
+    names = sorted(os.listdir(r / "train"))
+    for c in (names[0], names[2]):
+        shutil.copytree(r / "train" / c, r / "val" / c)
+    src = FolderSource.from_root(str(r), split="test")
+    assert src.classes == names and src.num_classes == 3
+    assert list(src.labels) == [0, 0, 2, 2]
+    assert all(os.sep + names[2] + os.sep in f for f in src.files[2:])
+    ld = build_eval_loader(str(r), split="test", batch_size=4)
+    assert sorted(torch.cat([y for _, y in ld]).tolist()) == [0, 0, 2, 2]
+    r2 = tmp_path / "extra"
+    write_jpeg_folder(str(r2 / "train"), num_classes=2, per_class=2, size_range=(40, 60))
+    shutil.copytree(r2 / "train", r2 / "val")
+    shutil.copytree(r2 / "val" / sorted(os.listdir(r2 / "val"))[0], r2 / "val" / "zz_new")
+    with pytest.raises(ValueError, match="zz_new"):
+        FolderSource.from_root(str(r2), split="test")

@@ -91,6 +91,12 @@ class FolderSource:
                 raise FileNotFoundError(f"data: {root} has train/ but no val/ (or test/) for the "
                                         f"{split!r} split; {HOW_TO_GET}")
             d = os.path.join(root, sub)
+            if sub != "train":  # labels are indices into the training split's classes
+                key = (os.path.realpath(d), os.path.realpath(os.path.join(root, "train")))
+                if key not in _scan_cache:
+                    _scan_cache[key] = cls._scan(d, cls._class_names(os.path.join(root,
+                                                                                  "train")))
+                return _scan_cache[key]
         elif split == "train":
             d = root
         else:
@@ -101,13 +107,30 @@ class FolderSource:
             _scan_cache[key] = cls._scan(d)
         return _scan_cache[key]
 
-    @classmethod
-    def _scan(cls, d):
+    @staticmethod
+    def _class_names(d):
         classes = sorted(e.name for e in os.scandir(d) if e.is_dir() and not e.name.startswith("."))
         if not classes:
             raise ValueError(f"data: {d} contains no class folders; {HOW_TO_GET}")
+        return classes
+
+    @classmethod
+    def _scan(cls, d, train_classes=None):
+        """The class folders of ``d``; with ``train_classes`` (a test split) each must be one of
+        the training split's, and its label is that class's index there."""
+        classes = cls._class_names(d)
+        index = {c: k for k, c in enumerate(classes)}
+        if train_classes is not None:
+            extra = [c for c in classes if c not in train_classes]
+            if extra:
+                raise ValueError(f"data: {d} has class folder(s) the training split lacks: "
+                                 f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; "
+                                 "a test class must be one of the training classes")
+            index = {c: train_classes.index(c) for c in classes}
+            classes = list(train_classes)
         files, labels, odd = [], [], []
-        for k, c in enumerate(classes):
+        for c in sorted(index):
+            k = index[c]
             entries = _class_files(os.path.join(d, c))
             imgs = [p for p in entries if p.lower().endswith(IMAGE_EXTENSIONS)]
             odd += [p for p in entries if not p.lower().endswith(IMAGE_EXTENSIONS)]
