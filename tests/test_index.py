@@ -98,6 +98,31 @@ def test_code_length_and_input_forms():
         HashIndex(12.0)
 
 
+def test_numpy_codes_in_numpy_results_out():
+    """FAISS's convention: numpy codes (int8 +-1, bool, 0/1) are added as the same values, and a
+    numpy query gets numpy (distances int32, positions int64) equal to the tensor query's."""
+    c = rand_codes(4, 37, 70)
+    pm1 = (c.numpy().astype(np.int8) * 2 - 1)
+    index = HashIndex(70)
+    index.add(pm1)
+    index.add(c.numpy())                             # bool
+    index.add(c.numpy().astype(np.uint8), zero_one=True)
+    index.add(np.asfortranarray(pm1))                # not C-contiguous: the same values
+    assert all(torch.equal(index.codes.words[:37], index.codes.words[37 * i:37 * (i + 1)])
+               for i in range(1, 4))
+    D, I = index.search(pm1[:5], 6)
+    assert isinstance(D, np.ndarray) and isinstance(I, np.ndarray)
+    assert (D.dtype, I.dtype, D.shape) == (np.int32, np.int64, (5, 6))
+    Dt, It = index.search(c[:5], 6)
+    assert np.array_equal(D, Dt.numpy()) and np.array_equal(I, It.numpy())
+    D, I = index.search(np.asfortranarray(pm1[:5]), 6)
+    assert np.array_equal(D, Dt.numpy()) and np.array_equal(I, It.numpy())
+    with pytest.raises(TypeError, match="dtype object"):
+        index.add(np.array([["x"] * 70], dtype=object))
+    with pytest.raises(ValueError, match="only -1 and \\+1"):
+        index.add(np.zeros((2, 70)))
+
+
 def test_ids_paths_labels_stay_aligned_and_are_all_or_nothing():
     index = HashIndex(8)
     index.add(rand_codes(0, 3, 8), ids=[10, 11, 12], paths=["a", "b", "c"], labels=["x", None, "y"])

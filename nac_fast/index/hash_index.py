@@ -5,6 +5,7 @@ FAISS's ``IndexBinaryFlat`` (docs/math.md [M:hamming], [M:rank]).
     index = nac_fast.HashIndex(128)                       # code length in bits
     index.add(codes, paths=files, labels=names)           # +-1, bool or PackedCodes; in order
     D, I = index.search(query_codes, 10)                  # (Q, k) int32 distances, int64 positions
+                                                          # (tensors; numpy arrays for numpy queries)
     index.paths[I[0, 0]], index.ids[I]                    # what was found
     index.save("gallery.nacidx"); index = nac_fast.HashIndex.load("gallery.nacidx")
 
@@ -140,8 +141,8 @@ class HashIndex:
         ``zero_one=True``, or PackedCodes.  ``ids`` (n int64), ``paths`` (n str) and ``labels``
         (n str or None) are stored beside them; an index that holds one of them needs it on every
         add (and one that does not refuses it), so every code has one.  Everything is checked
-        before anything is added."""
-        p = as_packed("codes", codes, zero_one)
+        before anything is added.  numpy arrays are taken as tensors of the same values."""
+        p = as_packed("codes", _from_numpy(codes), zero_one)
         if p.nbits != self.nbits:
             raise ValueError(f"codes have {p.nbits} bits but the index holds {self.nbits}-bit codes")
         words = p.words.detach().to("cpu")
@@ -188,7 +189,11 @@ class HashIndex:
         shape (Q, min(k, ntotal)) on the queries' device, nearest first, equal distances in
         insertion order; indices are positions (0..ntotal-1; ``ids``, ``paths`` and ``labels``
         map them).  ``k`` > ntotal returns ntotal columns; k < 1, an empty index, or codes of
-        another length are a ValueError."""
+        another length are a ValueError.  numpy queries get numpy arrays back (FAISS's
+        convention)."""
+        if isinstance(codes, np.ndarray):
+            D, I = self.search(_from_numpy(codes), k, zero_one=zero_one)
+            return D.numpy(), I.numpy()
         _checks.integer("k", k, numpy=True)
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -306,6 +311,15 @@ class HashIndex:
 
 class _VersionError(Exception):
     pass
+
+
+def _from_numpy(codes):
+    """A numpy array of codes as a CPU tensor of the same values (anything else unchanged)."""
+    if isinstance(codes, np.ndarray):
+        if codes.dtype == object:
+            raise TypeError("codes must be a numeric or bool array, got dtype object")
+        return torch.from_numpy(np.ascontiguousarray(codes))
+    return codes
 
 
 def _npy_bytes(a: np.ndarray) -> bytes:
