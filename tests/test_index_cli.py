@@ -243,6 +243,27 @@ def test_search_refuses_to_overwrite(ckpt, folders, built, tmp_path, capsys):
     assert json.loads(js.read_text())["k"] == 3 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_root_of_splits_gets_a_note_on_its_labels(ckpt, folders, tmp_path, capsys):
+    """An ImageFolder root (train/<class>/, val/<class>/) labels its images "train" / "val":
+    said on stderr, naming the folder to index for class labels; a folder of classes (or a
+    class called "train" holding its images directly) gets no note."""
+    root = tmp_path / "root"
+    shutil.copytree(folders / "queries", root / "train")
+    shutil.copytree(folders / "queries", root / "val")
+    code, _, err = _run(["encode", "--checkpoint", ckpt, "--images", str(root), "--out",
+                         str(tmp_path / "a.npz"), "--no-progress"], capsys)
+    assert code == 0 and "the labels are its first-level folders (train, val)" in err, err
+    assert repr(os.path.join(str(root), "train")) in err
+    code, _, err = _run(["encode", "--checkpoint", ckpt, "--images", str(root / "train"), "--out",
+                         str(tmp_path / "b.npz"), "--no-progress"], capsys)
+    assert code == 0 and "note:" not in err, err
+    flat = tmp_path / "flat"
+    shutil.copytree(folders / "queries" / "bag", flat / "train")
+    code, _, err = _run(["encode", "--checkpoint", ckpt, "--images", str(flat), "--out",
+                         str(tmp_path / "c.npz"), "--no-progress"], capsys)
+    assert code == 0 and "note:" not in err, err
+
+
 def test_encode_refuses_to_overwrite(ckpt, folders, tmp_path, capsys):
     out = tmp_path / "c.npz"
     out.write_bytes(b"mine")

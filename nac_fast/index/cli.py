@@ -117,7 +117,16 @@ def _scan_folder(flag: str, folder: str):
         extra = f" ({len(ignored)} other files)" if ignored else ""
         raise UsageError(f"{flag} {folder!r} holds no image files "
                          f"({', '.join(e.lstrip('.') for e in _exts())}){extra}")
+    names = sorted({lab for lab in labels if lab is not None})
+    if names and set(names) <= SPLIT_NAMES and any(
+            os.path.dirname(os.path.relpath(f, folder)).count(os.sep) >= 1 for f in files):
+        print(f"note: {flag} {folder!r}: the labels are its first-level folders "
+              f"({', '.join(names)}), which look like the splits of an ImageFolder root; for "
+              f"class labels name {os.path.join(folder, names[0])!r}", file=sys.stderr)
     return files, labels, ignored
+
+
+SPLIT_NAMES = {"train", "val", "test"}
 
 
 def _exts():
