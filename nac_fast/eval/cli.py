@@ -37,8 +37,9 @@ What it does:
   3. Writes DIR/report.json (checkpoint, data, split sizes, training config, every task's
      numbers, timings) and DIR/report.md (a markdown table and the hash protocol), atomically,
      and prints the table.  A DIR that holds an earlier report is refused before any work
-     unless --overwrite (which replaces the report and reuses the matching feature cache).  Feature extraction, the probe's epochs, kNN and hashing show tqdm
-     bars with an ETA (--no-progress: none).
+     unless --overwrite (which replaces the report and reuses the matching feature cache).
+     Feature extraction, the probe's epochs, kNN and hashing show tqdm bars with an ETA
+     (--no-progress: none).
 
 --limit-train / --limit-test N evaluate on N images of the split, an evenly strided subset
 (every (n // N)-th image, the first N of those) so that class-sorted folders keep all classes.

@@ -5,7 +5,7 @@ FAISS's ``IndexBinaryFlat`` (docs/math.md [M:hamming], [M:rank]).
     index = nac_fast.HashIndex(128)                       # code length in bits
     index.add(codes, paths=files, labels=names)           # +-1, bool or PackedCodes; in order
     D, I = index.search(query_codes, 10)                  # (Q, k) int32 distances, int64 positions
-                                                          # (tensors; numpy arrays for numpy queries)
+                                                          # (numpy arrays for a numpy query)
     index.paths[I[0, 0]], index.ids[I]                    # what was found
     index.save("gallery.nacidx"); index = nac_fast.HashIndex.load("gallery.nacidx")
 
@@ -318,7 +318,8 @@ def _from_numpy(codes):
     if isinstance(codes, np.ndarray):
         if codes.dtype == object:
             raise TypeError("codes must be a numeric or bool array, got dtype object")
-        return torch.from_numpy(np.ascontiguousarray(codes))
+        a = np.ascontiguousarray(codes)
+        return torch.from_numpy(a if a.flags.writeable else a.copy())
     return codes
 
 

@@ -3,8 +3,9 @@ happens to a file that does not.
 
 Layout: root/train/<class>/<image> and root/val/<class>/<image>; a root made of class folders is
 its own train split.  A class's images may sit in sub-folders of its folder (as torchvision's
-ImageFolder reads them).  The scan validates every file's magic bytes once (16 bytes read, threaded),
-so DALI's decoders never meet a non-image.
+ImageFolder reads them); a test split's labels are the training split's class indices.  The scan
+validates every file's magic bytes once (16 bytes read, threaded), so DALI's decoders never meet
+a non-image.
 
 Bad files, one policy for every ImageFolder loader (`on_bad_file`, train.py --on-bad-file):
   "warn" (default): skip the file and count it.  A file that fails the scan (not an image, or a
