@@ -430,3 +430,26 @@ def test_checkpoint_with_the_earlier_config_layout_is_refused(finished, tmp_path
     save_atomic(dict(ck, config=cfg), path)
     with pytest.raises(ValueError, match="config has no flip_prob"):
         load_model(path)
+
+
+def test_the_printed_commands_replace_earlier_outputs_only_by_saying_so(tmp_path):
+    """Where the run's folder already holds an evaluation report or curves.png (a run trained
+    further, say), the printed evaluate and plot commands carry --overwrite (both tools refuse
+    an existing output without it), and the plot command as printed replaces the picture."""
+    import contextlib
+    import io
+    out = tmp_path / "run"
+    (out / "eval").mkdir(parents=True)
+    (out / "eval" / "report.json").write_text("{}")
+    (out / "curves.png").write_bytes(b"old")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert train.main(SMALL + ["--max-steps", "2", "--out", str(out)]) == 0
+    lines = buf.getvalue().rstrip().splitlines()
+    ev = shlex.split(next(ln for ln in lines if ln.strip().startswith("evaluate")))[1:]
+    assert ev[-3:] == ["--out", str(out / "eval"), "--overwrite"]
+    plot = shlex.split(next(ln for ln in lines if ln.strip().startswith("plot")))[1:]
+    assert plot[-3:] == ["--out", str(out / "curves.png"), "--overwrite"]
+    r = subprocess.run([sys.executable] + plot[1:], env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and (out / "curves.png").read_bytes()[:4] == b"\x89PNG", r.stderr

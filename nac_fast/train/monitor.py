@@ -181,10 +181,18 @@ def summary_lines(st, flags, first_step: int, first_loss, last: dict | None, zer
     if ref:
         lines.append(f"  reference   {ref}")
     plot = os.path.join(_checkout(), "scripts", "plot_train_log.py")
-    lines += [f"  checkpoint  {ck}",
-              f"  evaluate    {_cmd('python', '-m', 'nac_fast.eval', '--checkpoint', ck, '--out', os.path.join(out, 'eval'))}"]
+    # an evaluation or picture of this run's earlier state is replaced only by a command that
+    # says so (the tools refuse an existing output without --overwrite)
+    ev, png = os.path.join(out, "eval"), os.path.join(out, "curves.png")
+    def again(path):
+        return ["--overwrite"] if os.path.exists(path) else []
+    evaluate = _cmd("python", "-m", "nac_fast.eval", "--checkpoint", ck, "--out", ev,
+                    *again(os.path.join(ev, "report.json")))
+    lines += [f"  checkpoint  {ck}", f"  evaluate    {evaluate}"]
     if os.path.isfile(plot):
-        lines.append(f"  plot        {_cmd('python', os.path.relpath(plot), os.path.join(out, 'log.jsonl'), '--out', os.path.join(out, 'curves.png'))}")
+        draw = _cmd("python", os.path.relpath(plot), os.path.join(out, "log.jsonl"), "--out", png,
+                    *again(png))
+        lines.append(f"  plot        {draw}")
     return lines
 
 
