@@ -85,27 +85,26 @@ class FolderSource:
     @classmethod
     def from_root(cls, root, split="train"):
         root = os.path.abspath(root)
-        if os.path.isdir(os.path.join(root, "train")):
+        train = os.path.join(root, "train")
+        labels_from = None  # a test split's labels are indices into the training classes
+        if os.path.isdir(train):
             sub = "train" if split == "train" else next(
                 (s for s in ("val", "test") if os.path.isdir(os.path.join(root, s))), None)
             if sub is None:
                 raise FileNotFoundError(f"data: {root} has train/ but no val/ (or test/) for the "
                                         f"{split!r} split; {HOW_TO_GET}")
             d = os.path.join(root, sub)
-            if sub != "train":  # labels are indices into the training split's classes
-                key = (os.path.realpath(d), os.path.realpath(os.path.join(root, "train")))
-                if key not in _scan_cache:
-                    _scan_cache[key] = cls._scan(d, cls._class_names(os.path.join(root,
-                                                                                  "train")))
-                return _scan_cache[key]
+            if sub != "train":
+                labels_from = train
         elif split == "train":
             d = root
         else:
             raise FileNotFoundError(f"data: {root} is a bare folder of classes, it has no val/ "
                                     f"for the {split!r} split; {HOW_TO_GET}")
-        key = (os.path.realpath(d),)
+        key = (os.path.realpath(d),) + ((os.path.realpath(labels_from),) if labels_from else ())
         if key not in _scan_cache:
-            _scan_cache[key] = cls._scan(d)
+            _scan_cache[key] = cls._scan(d, cls._class_names(labels_from) if labels_from
+                                         else None)
         return _scan_cache[key]
 
     @staticmethod
@@ -119,19 +118,17 @@ class FolderSource:
     def _scan(cls, d, train_classes=None):
         """The class folders of ``d``; with ``train_classes`` (a test split) each must be one of
         the training split's, and its label is that class's index there."""
-        classes = cls._class_names(d)
-        index = {c: k for k, c in enumerate(classes)}
-        if train_classes is not None:
-            extra = [c for c in classes if c not in train_classes]
-            if extra:
-                raise ValueError(f"data: {d} has class folder(s) the training split lacks: "
-                                 f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; "
-                                 "a test class must be one of the training classes")
-            index = {c: train_classes.index(c) for c in classes}
-            classes = list(train_classes)
+        found = cls._class_names(d)
+        classes = list(train_classes) if train_classes is not None else found
+        label = {c: k for k, c in enumerate(classes)}
+        extra = [c for c in found if c not in label]
+        if extra:
+            raise ValueError(f"data: {d} has class folder(s) the training split lacks: "
+                             f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; "
+                             "a test class must be one of the training classes")
         files, labels, odd = [], [], []
-        for c in sorted(index):
-            k = index[c]
+        for c in found:
+            k = label[c]
             entries = _class_files(os.path.join(d, c))
             imgs = [p for p in entries if p.lower().endswith(IMAGE_EXTENSIONS)]
             odd += [p for p in entries if not p.lower().endswith(IMAGE_EXTENSIONS)]
