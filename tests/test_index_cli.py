@@ -278,3 +278,21 @@ def test_help_runs():
                        capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0 and "--append" in r.stdout
+
+
+def test_the_contact_sheet_heading_fits_a_short_row(folders, tmp_path):
+    """With one neighbour a row is two thumbnails wide, narrower than the heading: the sheet
+    widens so the title and the legend are not cut at its right edge."""
+    from PIL import Image
+    from nac_fast.index.sheet import PAD, draw_contact_sheet
+    q = sorted(str(p) for p in (folders / "queries").rglob("*.png"))[:2]
+    rows = [{"query": q[0], "label": "a", "results": [{"path": q[1], "distance": 3,
+                                                       "label": "b"}]}]
+    out = tmp_path / "s.png"
+    draw_contact_sheet(rows, str(out), title="photos.nacidx: 60 codes of 32 bits, top 1")
+    with Image.open(out) as im:
+        rgb = np.asarray(im.convert("RGB"))
+    assert rgb.shape[1] > 2 * (96 + 2 * PAD) + 2 * PAD            # wider than the row
+    heading = rgb[:44]
+    assert (heading[:, -PAD:] == 255).all()                      # nothing runs off the edge
+    assert (heading[:, PAD:-PAD] < 255).any(axis=(0, 2)).nonzero()[0].max() > 2 * (96 + 2 * PAD)

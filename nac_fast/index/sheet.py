@@ -52,17 +52,19 @@ def draw_contact_sheet(rows, out_path: str, *, title: str | None = None) -> None
         raise ValueError("no rows to draw")
     ncol = 1 + max(len(r["results"]) for r in rows)
     cell_w, cell_h = THUMB + 2 * PAD, THUMB + 2 * PAD + TEXT_H
-    head_h = 44 if title else 24
-    W, H = ncol * cell_w + 2 * PAD, head_h + len(rows) * cell_h + PAD
+    f_small, f_title = _font(11), _font(13)
+    heading = ([(title, "black", f_title)] if title else []) + [
+        ("query (blue) | neighbours by Hamming distance, nearest first; red: label differs from "
+         "the query's", GREY, f_small)]
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    text_w = max(measure.textlength(text, font=font) for text, _, font in heading)
+    head_h = 4 + 20 * len(heading)
+    W = max(ncol * cell_w, int(text_w) + 1) + 2 * PAD  # a short row still shows the whole heading
+    H = head_h + len(rows) * cell_h + PAD
     sheet = Image.new("RGB", (W, H), "white")
     draw = ImageDraw.Draw(sheet)
-    f_small, f_title = _font(11), _font(13)
-    y0 = 4
-    if title:
-        draw.text((PAD, y0), title, fill="black", font=f_title)
-        y0 += 20
-    draw.text((PAD, y0), "query (blue) | neighbours by Hamming distance, nearest first; red: "
-              "label differs from the query's", fill=GREY, font=f_small)
+    for k, (text, fill, font) in enumerate(heading):
+        draw.text((PAD, 4 + 20 * k), text, fill=fill, font=font)
     for i, row in enumerate(rows):
         top = head_h + i * cell_h
         q_label = row.get("label")
