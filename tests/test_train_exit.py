@@ -199,6 +199,36 @@ def test_torchrun_bad_flag_status_2_printed_once_and_last(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+_SKEWED = """
+import os, sys, time
+from nac_fast.train.run import finish
+rank, late = int(os.environ["RANK"]), int(sys.argv[1])
+if rank == late:
+    time.sleep(float(sys.argv[2]))
+sys.exit(finish(2, "the flags are wrong"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("late,delay", [(0, 4.0), (1, 1.0)])
+def test_torchrun_root_cause_is_rank_0_whichever_rank_gets_there_first(tmp_path, late, delay):
+    """The ranks check the flags on their own, so on a loaded machine one may reach finish()
+    seconds before the other: rank 0's message stays the root cause, and every rank leaves a
+    record (the CI failure this replaces: rank 1, two seconds early, was the root cause)."""
+    script = tmp_path / "skewed.py"
+    script.write_text(_SKEWED)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", "--local_addr=127.0.0.1", str(script), str(late),
+                        str(delay)], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stderr[-3000:]
+    cause = _root_cause(r.stderr)
+    assert "rank      : 0" in cause and "the flags are wrong" in cause, cause
+    assert "train.py: exit status 2" in cause, cause
+    assert "rank 1 stopped with rank 0 (exit status 2)" in r.stderr, r.stderr[-3000:]
+    assert "To enable traceback" not in r.stderr, r.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_torchrun_unwritable_out_status_4(tmp_path):
     ro = tmp_path / "ro"

@@ -24,6 +24,7 @@ import inspect
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -561,7 +562,37 @@ def write_status(cfg: TrainConfig, status: int | None, message: str | None = Non
                       os.path.join(cfg.out, STATUS))
 
 
-FOLLOWER_EXIT_DELAY_S = 3.0  # a failing run's ranks > 0 exit this much after rank 0 (torchrun)
+LEADER_EXIT_DELAY_S = 2.0    # under torchrun, a failing rank 0 exits this long after its report
+FOLLOWER_EXIT_DELAY_S = 5.0  # and the other failing ranks at the latest this long after theirs
+
+
+def _write_error_file(path: str, text: str) -> None:
+    """torchrun's error file for this worker, stamped now: its report's root cause is the worker
+    whose record is the earliest."""
+    with contextlib.suppress(OSError):
+        with open(path, "w") as f:
+            json.dump({"message": {"message": text, "extraInfo": {
+                "py_callstack": text, "timestamp": str(int(time.time()))}}}, f)
+
+
+def _follower_exit(path: str, text: str) -> None:
+    """A failing rank > 0 under torchrun: its record is written when it exits, which is after rank
+    0 has written its own (torchrun stops the other workers, SIGTERM, once one has exited), so
+    the report shows rank 0's message as the root cause however far apart the ranks got there;
+    and at the latest FOLLOWER_EXIT_DELAY_S on, for a failure rank 0 does not share."""
+    def on_term(signum, frame):
+        _write_error_file(path, text)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread: no handler, record now
+        _write_error_file(path, text)
+        return
+    time.sleep(FOLLOWER_EXIT_DELAY_S)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _write_error_file(path, text)
 
 
 def finish(status: int, message: str | None = None, di=None, st: TrainState | None = None,
@@ -570,9 +601,9 @@ def finish(status: int, message: str | None = None, di=None, st: TrainState | No
     line scripts can grep, "train.py: exit status N (meaning)"; a run that got to start also
     records it in OUT/status.json.  Under torchrun (which exits 1 whatever the status) rank 0
     writes the message and the status line to torchrun's error file, so that torchrun's report,
-    the last thing it prints, shows them as the root cause with the exit code; the other ranks
-    write one short line, timed a second later so that the report takes rank 0's as the root
-    cause.  Returns `status`."""
+    the last thing it prints, shows them as the root cause with the exit code, and waits a moment
+    so that the other ranks, which may reach this point later, can record their failure too; the
+    other ranks record one short line when they exit (_follower_exit).  Returns `status`."""
     rank = di.rank if di is not None else int(os.environ.get("RANK", "0") or 0)
     stream = sys.stderr if status else sys.stdout
     line = f"train.py: exit status {status} ({EXIT_MEANING.get(status, 'error')})"
@@ -587,16 +618,11 @@ def finish(status: int, message: str | None = None, di=None, st: TrainState | No
                 print(f"({STATUS} not written: {exc})", file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if status and error_file:
-        text = f"train.py: error: {message}\n{line}" if message else line
-        stamp = int(time.time())
-        if rank != 0:  # short, and later: torchrun's report takes rank 0's as the root cause
-            text, stamp = f"rank {rank} stopped with rank 0 (exit status {status})", stamp + 1
-        with contextlib.suppress(OSError):
-            with open(error_file, "w") as f:
-                json.dump({"message": {"message": text, "extraInfo": {
-                    "py_callstack": text, "timestamp": str(stamp)}}}, f)
-        if rank != 0:
-            # torchrun stops the other workers (SIGTERM) once one has exited: leave rank 0 the
-            # time to exit with its own status, so the report shows its exit code, not -15
-            time.sleep(FOLLOWER_EXIT_DELAY_S)
+        if rank == 0:
+            _write_error_file(error_file, f"train.py: error: {message}\n{line}" if message
+                              else line)
+            if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+                time.sleep(LEADER_EXIT_DELAY_S)
+        else:
+            _follower_exit(error_file, f"rank {rank} stopped with rank 0 (exit status {status})")
     return status
