@@ -33,8 +33,11 @@ def _quiet(fn, *a, **kw):
 
 
 def _folder(tmp_path, name, per_class=6, classes=2):
+    """An ImageFolder root whose train/ holds every image (a bare folder of classes would hold a
+    part of each class out of training)."""
     r = str(tmp_path / name)
-    write_jpeg_folder(r, num_classes=classes, per_class=per_class, size_range=(50, 80))
+    write_jpeg_folder(os.path.join(r, "train"), num_classes=classes, per_class=per_class,
+                      size_range=(50, 80))
     return r
 
 
@@ -48,13 +51,13 @@ def _bad_folder(tmp_path, name="bad", scan_bad=True):
     with scan_bad=False) and a truncated JPEG, the last file of class_00 (caught only when
     decoded).  (A folder's scan is cached per process: each case gets its own folder.)"""
     r = _folder(tmp_path, name)
-    notes = os.path.join(r, "class_00", "notes.txt")
-    garbage = os.path.join(r, "class_01", "garbage.jpg")
-    trunc = os.path.join(r, "class_00", "zz_truncated.jpg")
+    notes = os.path.join(r, "train", "class_00", "notes.txt")
+    garbage = os.path.join(r, "train", "class_01", "garbage.jpg")
+    trunc = os.path.join(r, "train", "class_00", "zz_truncated.jpg")
     if scan_bad:
         open(notes, "w").write("not an image")
         open(garbage, "wb").write(b"\x00" * 100)
-    _truncate(trunc, os.path.join(r, "class_01", "00000.jpg"))
+    _truncate(trunc, os.path.join(r, "train", "class_01", "00000.jpg"))
     return r, notes, garbage, trunc
 
 
@@ -216,7 +219,7 @@ def test_a_folder_of_twenty_non_images_warns_once_with_a_capped_list(tmp_path):
     import subprocess
     r = _folder(tmp_path, "twenty", per_class=8)
     for i in range(20):
-        open(os.path.join(r, "class_00", f"notes{i:02d}.txt"), "w").write("not an image")
+        open(os.path.join(r, "train", "class_00", f"notes{i:02d}.txt"), "w").write("not an image")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)

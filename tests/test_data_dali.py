@@ -84,10 +84,10 @@ def test_dali_deterministic_resume_and_shards(root):
 
 
 def test_dali_truncated_file_warns_and_continues(tmp_path):
-    r = str(tmp_path / "d")
-    write_jpeg_folder(r, num_classes=2, per_class=5, size_range=(60, 90))
-    good = open(os.path.join(r, "class_00", "00001.jpg"), "rb").read()
-    trunc = os.path.join(r, "class_00", "00002.jpg")
+    r = str(tmp_path / "d")  # train/ only: every image is in the training split
+    write_jpeg_folder(os.path.join(r, "train"), num_classes=2, per_class=5, size_range=(60, 90))
+    good = open(os.path.join(r, "train", "class_00", "00001.jpg"), "rb").read()
+    trunc = os.path.join(r, "train", "class_00", "00002.jpg")
     open(trunc, "wb").write(good[: len(good) // 4])
     ld = _ld(r, batch_size=5)
     with warnings.catch_warnings(record=True) as rec:
@@ -103,8 +103,10 @@ def test_dali_truncated_file_warns_and_continues(tmp_path):
         assert (a - b).abs().mean() < 0.015
     with pytest.raises(ValueError, match="00002.jpg"):
         r2 = str(tmp_path / "e")
-        write_jpeg_folder(r2, num_classes=1, per_class=4, size_range=(60, 90))
-        open(os.path.join(r2, "class_00", "00002.jpg"), "wb").write(good[: len(good) // 4])
+        write_jpeg_folder(os.path.join(r2, "train"), num_classes=1, per_class=4,
+                          size_range=(60, 90))
+        open(os.path.join(r2, "train", "class_00", "00002.jpg"), "wb").write(
+            good[: len(good) // 4])
         list(_ld(r2, batch_size=4, on_bad_file="error"))
 
 

@@ -88,14 +88,15 @@ def test_eval_loader(root):
 
 
 def _bad_folder(tmp_path):
-    r = str(tmp_path / "data")
-    write_jpeg_folder(r, num_classes=2, per_class=6, size_range=(60, 90))
-    notes = os.path.join(r, "class_00", "notes.txt")
-    garbage = os.path.join(r, "class_01", "garbage.jpg")
+    r = str(tmp_path / "data")  # train/ only: every image is in the training split
+    d = os.path.join(r, "train")
+    write_jpeg_folder(d, num_classes=2, per_class=6, size_range=(60, 90))
+    notes = os.path.join(d, "class_00", "notes.txt")
+    garbage = os.path.join(d, "class_01", "garbage.jpg")
     open(notes, "w").write("not an image")
     open(garbage, "wb").write(b"\x00" * 100)
-    good = open(os.path.join(r, "class_01", "00000.jpg"), "rb").read()
-    trunc = os.path.join(r, "class_01", "00003_truncated.jpg")
+    good = open(os.path.join(d, "class_01", "00000.jpg"), "rb").read()
+    trunc = os.path.join(d, "class_01", "00003_truncated.jpg")
     open(trunc, "wb").write(good[: len(good) // 4])
     return r, notes, garbage, trunc
 
@@ -138,11 +139,11 @@ def test_layout_errors(tmp_path):
     os.makedirs(os.path.join(r, "train", "zz_empty"))
     with pytest.raises(ValueError, match="zz_empty"):
         _tv(r)
-    bare = str(tmp_path / "bare")
+    with pytest.raises(FileNotFoundError, match="val"):  # train/ without val/: no test split
+        build_eval_loader(r, split="test")
+    bare = str(tmp_path / "bare")  # class folders alone: one image of each class held out
     write_jpeg_folder(bare, num_classes=2, per_class=3, size_range=(40, 60))
-    with pytest.raises(FileNotFoundError, match="val"):
-        build_eval_loader(bare, split="test")
-    assert np.array_equal(_tv(bare, batch_size=2).source.labels, [0, 0, 0, 1, 1, 1])
+    assert np.array_equal(_tv(bare, batch_size=2).source.labels, [0, 0, 1, 1])
 
 
 def test_a_class_reads_its_sub_folders_as_imagefolder_does(tmp_path):
@@ -151,9 +152,9 @@ def test_a_class_reads_its_sub_folders_as_imagefolder_does(tmp_path):
     whose images all sit in sub-folders is not empty."""
     import shutil
     from nac_fast.data.sources.imagefolder import FolderSource
-    r = str(tmp_path / "nested")
-    write_jpeg_folder(r, num_classes=2, per_class=4, size_range=(40, 60))
-    c0, c1 = (os.path.join(r, c) for c in sorted(os.listdir(r)))
+    r = str(tmp_path / "nested")  # train/ only: every image is in the training split
+    write_jpeg_folder(os.path.join(r, "train"), num_classes=2, per_class=4, size_range=(40, 60))
+    c0, c1 = (os.path.join(r, "train", c) for c in sorted(os.listdir(os.path.join(r, "train"))))
     os.makedirs(os.path.join(c0, "more", "deeper"))
     shutil.copy(os.path.join(c1, "00000.jpg"), os.path.join(c0, "more", "a.jpg"))
     shutil.copy(os.path.join(c1, "00001.jpg"), os.path.join(c0, "more", "deeper", "b.jpg"))
@@ -199,3 +200,54 @@ def test_a_test_split_labels_its_images_by_the_training_classes(tmp_path):
     shutil.copytree(r2 / "val" / sorted(os.listdir(r2 / "val"))[0], r2 / "val" / "zz_new")
     with pytest.raises(ValueError, match="zz_new"):
         FolderSource.from_root(str(r2), split="test")
+
+
+def test_a_bare_folder_holds_part_of_each_class_out_as_its_test_split(tmp_path):
+    """Class folders without train/ and val/: a fifth of each class (at least one image in a class
+    of two or more, none in a class of one) is the test split, disjoint from the training split;
+    the split depends on the file names alone (a copy elsewhere splits the same way); the training
+    split says how many images were held out, and the evaluation loader reads the test split."""
+    import shutil
+    from nac_fast.data.sources.imagefolder import FolderSource, holdout_split
+    r = str(tmp_path / "bare")
+    write_jpeg_folder(r, num_classes=3, per_class=10, size_range=(40, 60))
+    shutil.rmtree(os.path.join(r, "class_02"))
+    write_jpeg_folder(str(tmp_path / "one"), num_classes=1, per_class=1, size_range=(40, 60))
+    shutil.copytree(tmp_path / "one" / "class_00", os.path.join(r, "class_02"))
+    os.makedirs(os.path.join(r, "class_03"))
+    for i in range(7):
+        shutil.copy(os.path.join(r, "class_00", f"{i:05d}.jpg"),
+                    os.path.join(r, "class_03", f"x{i}.jpg"))
+    train, test = FolderSource.from_root(r), FolderSource.from_root(r, split="test")
+    assert not set(train.files) & set(test.files)
+    assert sorted(train.files + test.files) == sorted(FolderSource._scan(r).files)
+    count = lambda src: np.bincount(src.labels, minlength=4).tolist()  # noqa: E731
+    assert count(test) == [2, 2, 0, 1] and count(train) == [8, 8, 1, 6]
+    assert train.held_out == 5 and test.held_out == 0
+    assert train.classes == test.classes == ["class_00", "class_01", "class_02", "class_03"]
+    assert all(f.split(os.sep)[-2] == test.classes[k] for f, k in zip(test.files, test.labels))
+    # the same names elsewhere, scanned in another order: the same split
+    r2 = str(tmp_path / "moved" / "copy")
+    shutil.copytree(r, r2)
+    test2 = FolderSource.from_root(r2, split="test")
+    assert [os.path.relpath(f, r2) for f in test2.files] == [os.path.relpath(f, r)
+                                                             for f in test.files]
+    perm = np.random.default_rng(0).permutation(len(test2.files) + len(train.files))
+    whole = FolderSource._scan(r2)
+    files, labels = [whole.files[i] for i in perm], whole.labels[perm]
+    mask = holdout_split(files, labels, r2)
+    assert sorted(f for f, m in zip(files, mask) if m) == sorted(test2.files)
+    ld = build_eval_loader(r, split="test", batch_size=4)
+    assert sorted(torch.cat([y for _, y in ld]).tolist()) == [0, 0, 1, 1, 3]
+    assert _tv(r, batch_size=4).num_images == 23
+
+
+def test_a_bare_folder_too_small_to_hold_out_trains_on_everything(tmp_path):
+    """Every class a single image: nothing can be held out; training takes every image, and the
+    test split is refused, saying why."""
+    from nac_fast.data.sources.imagefolder import FolderSource
+    r = str(tmp_path / "singles")
+    write_jpeg_folder(r, num_classes=3, per_class=1, size_range=(40, 60))
+    assert len(FolderSource.from_root(r).files) == 3
+    with pytest.raises(ValueError, match="too small to hold any image out"):
+        FolderSource.from_root(r, split="test")

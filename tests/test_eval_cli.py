@@ -378,3 +378,34 @@ def test_probe_rates_script_refits_each_rate_as_the_final_fit(evaluated, tmp_pat
             probe_rates.main(argv)
         assert e.value.code == 2
         assert match in capsys.readouterr().err
+
+
+def test_a_bare_folder_trains_and_evaluates_on_its_held_out_part(tmp_path, capsys):
+    """Class folders without train/ and val/: train.py says it holds part of each class out and
+    trains on the rest; the evaluation scores that part (it was a FileNotFoundError), and the
+    report says where its test split came from."""
+    from nac_fast.data.sources.synthetic import write_jpeg_folder
+    data = write_jpeg_folder(str(tmp_path / "photos"), num_classes=2, per_class=10,
+                             size_range=(40, 56))
+    out = tmp_path / "run"
+    assert train.main(["--data", data, "--max-steps", "2", "--batch-size", "8", "--code-dim",
+                       "16", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    said = capsys.readouterr().out
+    assert ("training on 16 of its images; the other 4 (20% of each class, chosen by file name) "
+            "are its test split") in said, said
+    assert "(16 images," in said
+    ev = tmp_path / "eval"
+    assert nac_eval.main(["--checkpoint", str(out / "last.pt"), "--out", str(ev), "--tasks",
+                          "knn,hash", "--device", "cpu", "--no-progress"]) == 0
+    rep = json.load(open(ev / "report.json"))
+    assert rep["splits"] == {"train": {"used": 16, "total": 16},
+                             "test": {"used": 4, "total": 4, "held_out": True}}
+    assert rep["results"]["hash"]["num_queries"] == 4
+    assert "held out of training by file name" in (ev / "report.md").read_text()
+    # the train/ of an ImageFolder root passed as --data: the start line names the root
+    from nac_fast.train.run import _split_hint
+    os.makedirs(tmp_path / "root" / "train")
+    assert _split_hint(str(tmp_path / "root" / "train")) == ""
+    os.makedirs(tmp_path / "root" / "val")
+    assert f"--data {tmp_path / 'root'})" in _split_hint(str(tmp_path / "root" / "train"))
+    assert _split_hint(data) == ""

@@ -69,6 +69,8 @@ PRECISION_AT_N = (1, 10, 50, 100, 200, 500, 1000)
 PAPER_LINEAR_LRS = (0.01, 0.1, 1.0, 10.0)  # docs/math.md [M:linear-probe]
 QUICK = {"limit_train": 5000, "limit_test": 1000, "linear_epochs": 10}
 FEATURE_FILE = "features_{}.pt"
+HELD_OUT = (" (the test split: a part of each class of a folder without train/ and val/, held out "
+            "of training by file name)")
 # Bump when the cached tensors' meaning changes, so stale caches are recomputed, never misread.
 CACHE_VERSION = 1
 
@@ -113,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  allow_abbrev=False)
     a = ap.add_argument
     a("--checkpoint", required=True, help="train.py checkpoint (e.g. runs/default/last.pt)")
-    a("--data", default=None, help="fashion-mnist | CIFAR-10 dir | ImageFolder root; default: "
-      "the data set recorded in the checkpoint")
+    a("--data", default=None, help="fashion-mnist | CIFAR-10 dir | ImageFolder root (train/ and "
+      "val/, or class folders alone: their test split is the part of each class train.py held "
+      "out); default: the data set recorded in the checkpoint")
     a("--out", required=True, help="output directory (feature cache, report.json, report.md)")
     a("--overwrite", action="store_true", help="replace the report of an earlier evaluation in "
       "--out (its cached features are reused where they match); without it such an --out is "
@@ -494,7 +497,7 @@ def markdown_table(report: dict) -> str:
             f"{report['config'].get('method')} / {report['config'].get('arch')}, step "
             f"{report['step']}) on {report['data']}: train {sizes['train']['used']} of "
             f"{sizes['train']['total']}, test {sizes['test']['used']} of {sizes['test']['total']} "
-            f"images.\n\n")
+            f"images{HELD_OUT if sizes['test'].get('held_out') else ''}.\n\n")
     lines = ["| task | metric | value | details |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     tail = ""
@@ -541,13 +544,17 @@ def main(argv=None) -> int:
         image_size = int(cfg["image_size"])
         # Build the loaders now (cheap: no images decoded) so data errors and limits beyond the
         # split size are reported before any feature extraction.
-        sizes = {}
+        sizes, held_out = {}, False
         for split, limit in (("train", args.limit_train), ("test", args.limit_test)):
             ld, used, total = _subset_loader(data, split, limit, args.batch_size, image_size, "cpu")
             if ld.in_channels != cfg["in_channels"]:
                 raise ValueError(f"--data {data!r} has {ld.in_channels}-channel images, the "
                                  f"checkpoint's model takes {cfg['in_channels']}")
             sizes[split] = {"used": used, "total": total}
+            if split == "train":  # a bare folder of classes: its test split was held out of it
+                held_out = bool(getattr(getattr(ld, "source", None), "held_out", 0))
+        if held_out:
+            sizes["test"]["held_out"] = True
     except (ValueError, FileNotFoundError, TypeError) as exc:
         parser.error(str(exc))  # exit status 2, before any work
 

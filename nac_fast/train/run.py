@@ -130,6 +130,15 @@ def build_loader(cfg: TrainConfig, di, channels_last: bool):
         raise UsageError(f"--data {cfg.data!r}: {exc}") from exc
 
 
+def _split_hint(data: str) -> str:
+    """For a bare folder that is the train/ of an ImageFolder root: how to use the root."""
+    parent = os.path.dirname(os.path.abspath(data))
+    if any(os.path.isdir(os.path.join(parent, s)) for s in ("val", "test")) and \
+            os.path.basename(os.path.abspath(data)) == "train":
+        return f" (to train on all of it and evaluate on the split beside it: --data {parent})"
+    return ""
+
+
 def build(cfg: TrainConfig, di) -> TrainState:
     """Everything a run needs, on this rank, with the configuration resolved (config.resolve);
     UsageError (naming the flag) for what the flags and the data do not allow, before any
@@ -145,6 +154,13 @@ def build(cfg: TrainConfig, di) -> TrainState:
                          f"({loader.num_images} images)")
     if len(loader) < 1:
         raise UsageError(f"--batch-size {cfg.batch_size} leaves no full batch per rank")
+    held_out = getattr(getattr(loader, "source", None), "held_out", 0)
+    if held_out:
+        from ..data.sources.imagefolder import HOLDOUT_FRACTION
+        print_main(di, f"data: {cfg.data} is a folder of class folders without train/ and val/: "
+                       f"training on {loader.num_images} of its images; the other {held_out} "
+                       f"({HOLDOUT_FRACTION:.0%} of each class, chosen by file name) are its "
+                       f"test split, held out for python -m nac_fast.eval{_split_hint(cfg.data)}")
     cfg = resolve(cfg, world_size=di.world_size, device_type=di.device.type,
                   steps_per_epoch=len(loader), image_size=loader.image_size,
                   in_channels=loader.in_channels, num_images=loader.num_images)

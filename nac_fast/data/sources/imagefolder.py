@@ -1,11 +1,14 @@
 """ImageFolder sources (ImageNet layout): the file list, how a file becomes an image, and what
 happens to a file that does not.
 
-Layout: root/train/<class>/<image> and root/val/<class>/<image>; a root made of class folders is
-its own train split.  A class's images may sit in sub-folders of its folder (as torchvision's
-ImageFolder reads them); a test split's labels are the training split's class indices.  The scan
-validates every file's magic bytes once (16 bytes read, threaded), so DALI's decoders never meet
-a non-image.
+Layout: root/train/<class>/<image> and root/val/<class>/<image> (or test/).  A root made of class
+folders alone (a "bare" folder) is split in two: HOLDOUT_FRACTION of each class's images, chosen
+by a hash of their path inside the class folder, are its test split and the rest its training
+split, so that train.py never sees the images the evaluation scores; the split depends on the
+file names alone, not on the scan order or where the folder lies (`holdout_split`).  A class's
+images may sit in sub-folders of its folder (as torchvision's ImageFolder reads them); a test
+split's labels are the training split's class indices.  The scan validates every file's magic
+bytes once (16 bytes read, threaded), so DALI's decoders never meet a non-image.
 
 Bad files, one policy for every ImageFolder loader (`on_bad_file`, train.py --on-bad-file):
   "warn" (default): skip the file and count it.  A file that fails the scan (not an image, or a
@@ -21,17 +24,21 @@ Bad files, one policy for every ImageFolder loader (`on_bad_file`, train.py --on
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-HOW_TO_GET = ("pass data=<root> with train/<class>/*.JPEG and val/<class>/*.JPEG (ImageNet: "
-              "download ILSVRC2012 from image-net.org and sort val/ into class folders)")
+HOW_TO_GET = ("pass a folder of class folders (<root>/<class>/<image>; a part of each class is "
+              "held out as its test split), or <root>/train/<class>/ and <root>/val/<class>/ "
+              "(ImageNet: download ILSVRC2012 from image-net.org and sort val/ into class "
+              "folders)")
+HOLDOUT_FRACTION = 0.2  # a bare folder of classes: this part of each class is its test split
 BAD_FILE_POLICIES = ("warn", "error")
 _MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"BM", b"II*\x00", b"MM\x00*")
 NATURAL_MAX = 224      # ImageNet's crop: larger images are resized to 256 and cropped to this
@@ -77,6 +84,7 @@ class FolderSource:
     std: tuple = IMAGENET_STD
     natural_size: int = NATURAL_MAX  # the scan sets it from the images (`natural_side`)
     in_channels: int = 3
+    held_out: int = 0     # a bare folder's training split: how many images its test split holds
 
     @property
     def num_classes(self) -> int:
@@ -86,26 +94,43 @@ class FolderSource:
     def from_root(cls, root, split="train"):
         root = os.path.abspath(root)
         train = os.path.join(root, "train")
-        labels_from = None  # a test split's labels are indices into the training classes
-        if os.path.isdir(train):
-            sub = "train" if split == "train" else next(
-                (s for s in ("val", "test") if os.path.isdir(os.path.join(root, s))), None)
-            if sub is None:
-                raise FileNotFoundError(f"data: {root} has train/ but no val/ (or test/) for the "
-                                        f"{split!r} split; {HOW_TO_GET}")
-            d = os.path.join(root, sub)
-            if sub != "train":
-                labels_from = train
-        elif split == "train":
-            d = root
-        else:
-            raise FileNotFoundError(f"data: {root} is a bare folder of classes, it has no val/ "
-                                    f"for the {split!r} split; {HOW_TO_GET}")
+        if not os.path.isdir(train):
+            return cls._bare(root, split)
+        sub = "train" if split == "train" else next(
+            (s for s in ("val", "test") if os.path.isdir(os.path.join(root, s))), None)
+        if sub is None:
+            raise FileNotFoundError(f"data: {root} has train/ but no val/ (or test/) for the "
+                                    f"{split!r} split; {HOW_TO_GET}")
+        d = os.path.join(root, sub)
+        labels_from = train if sub != "train" else None  # test labels: the training classes
         key = (os.path.realpath(d),) + ((os.path.realpath(labels_from),) if labels_from else ())
         if key not in _scan_cache:
             _scan_cache[key] = cls._scan(d, cls._class_names(labels_from) if labels_from
                                          else None)
         return _scan_cache[key]
+
+    @classmethod
+    def _bare(cls, root, split):
+        """A bare folder of classes: its training or test split (holdout_split).  A folder too
+        small to hold any image out (every class a single image) trains on all of them and has
+        no test split."""
+        key = (os.path.realpath(root), "bare")
+        if key not in _scan_cache:
+            whole = replace(cls._scan(root), name=os.path.basename(root.rstrip(os.sep)) or root)
+            test = holdout_split(whole.files, whole.labels, root)
+            part = {}
+            for name, keep in (("train", ~test), ("test", test)):
+                idx = np.flatnonzero(keep)
+                part[name] = replace(whole, files=[whole.files[i] for i in idx],
+                                     labels=whole.labels[idx])
+            part["train"].held_out = len(part["test"].files)
+            _scan_cache[key] = part
+        part = _scan_cache[key]
+        if split != "train" and not part["test"].files:
+            raise ValueError(f"data: {root} is a folder of classes too small to hold any image "
+                             f"out for its {split!r} split (a class needs at least 2 images); "
+                             f"{HOW_TO_GET}")
+        return part["train" if split == "train" else "test"]
 
     @staticmethod
     def _class_names(d):
@@ -146,6 +171,29 @@ class FolderSource:
         return cls(name=os.path.basename(os.path.dirname(d.rstrip("/"))) or d, root=d,
                    files=files, labels=np.asarray(labels, np.int64)[keep],
                    classes=classes, bad_files=bad, natural_size=natural_side(files))
+
+
+def holdout_split(files, labels, root) -> np.ndarray:
+    """(N,) bool, True for the test split of a bare folder of classes: in each class of n >= 2
+    images, the max(1, round(HOLDOUT_FRACTION * n)) whose paths relative to the class folder have
+    the smallest MD5 (a class of one image stays in training).  The split depends only on the
+    file names within each class folder, not on the order of the scan or the folder's location."""
+    labels = np.asarray(labels)
+    test = np.zeros(len(files), dtype=bool)
+    for k in np.unique(labels):
+        idx = np.flatnonzero(labels == k)
+        if len(idx) < 2:
+            continue
+        n_test = max(1, round(HOLDOUT_FRACTION * len(idx)))
+        keys = [hashlib.md5(_within_class(files[i], root).encode()).hexdigest() for i in idx]
+        test[idx[np.argsort(keys, kind="stable")[:n_test]]] = True
+    return test
+
+
+def _within_class(path, root):
+    """A file's path inside its class folder, '/'-separated (root/<class>/<this>)."""
+    rel = os.path.relpath(path, root).split(os.sep)
+    return "/".join(rel[1:])
 
 
 def natural_side(files) -> int:
