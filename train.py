@@ -67,7 +67,8 @@ def train(st, flags) -> None:
     print_main(di, f"NAC pretraining: method={cfg.method} arch={cfg.arch} data={cfg.data} "
                    f"({cfg.num_images} images, {cfg.image_size}px, {cfg.in_channels} ch) "
                    f"recipe={os.path.relpath(cfg.recipe)} world={cfg.world_size} "
-                   f"device={di.device} batch={cfg.batch_size} lr={cfg.lr:.4g} "
+                   f"device={di.device} batch={cfg.batch_size} "
+                   + (f"({cfg.batch_note}) " if cfg.batch_note else "") + f"lr={cfg.lr:.4g} "
                    + (f"p={describe_p(cfg)} " if cfg.method != "simclr" else "")
                    + (f"l2={describe_l2(cfg)} " if cfg.method == "nac-mq" else "") +
                    ("likelihood=multilinear (reference loss: no fused kernel) "

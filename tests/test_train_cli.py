@@ -164,14 +164,30 @@ def test_imagefolder_defaults_and_run(tmp_path):
     write_jpeg_folder(str(root / "train"), num_classes=2, per_class=8, size_range=(40, 60))
     from nac_fast.train.config import parse
     a = parse(["--data", str(root)])
-    # 16 images of 40-60 px: small data, whatever the file format (auto_recipe)
-    assert os.path.basename(a.recipe) == "small.toml" and (a.batch_size, a.epochs) == (256, 2)
+    # 16 images of 40-60 px: small data, whatever the file format (auto_recipe); the recipe's
+    # batch of 256 halved to 4, a quarter of the images (fit_batch), and the start line says why
+    assert os.path.basename(a.recipe) == "small.toml" and (a.batch_size, a.epochs) == (4, 2)
+    assert a.batch_note == ("the recipe's 256 halved to a quarter of the 16 training images or "
+                            "less; --batch-size sets it")
+    assert parse(["--data", str(root), "--batch-size", "16"]).batch_size == 16  # typed: kept
     out = tmp_path / "o"
     assert train.main(["--data", str(root), "--image-size", "32", "--batch-size", "8",
                        "--max-steps", "2", "--loader", "torchvision", "--workers", "0",
                        "--no-progress", "--out", str(out)]) == 0
     cfg = __import__("json").loads((out / "config.json").read_text())
     assert cfg["in_channels"] == 3 and cfg["image_size"] == 32 and cfg["num_images"] == 16
+
+
+def test_a_recipe_batch_fits_the_data():
+    """fit_batch: halved while more than a quarter of the images, staying a multiple of the
+    world size; Fashion-MNIST keeps the recipe's batch."""
+    from nac_fast.train.config import fit_batch, parse
+    assert fit_batch(256, 60_000, 1) == 256 and fit_batch(256, 1024, 2) == 256
+    assert fit_batch(256, 1023, 2) == 128 and fit_batch(256, 60, 1) == 8
+    assert fit_batch(256, 3, 1) == 1 and fit_batch(256, 3, 2) == 2 and fit_batch(96, 10, 3) == 3
+    assert fit_batch(100, 10, 1) == 25  # odd: halving stops
+    a = parse([])
+    assert a.batch_size == 256 and a.batch_note is None
 
 
 def test_flags_reach_train_py_through_torchrun():

@@ -126,6 +126,7 @@ class TrainConfig:
     warmup_steps: int | None = None
     in_channels: int | None = None
     num_images: int | None = None
+    batch_note: str | None = None      # parse: why the batch is not the recipe's (fit_batch)
     # ---- the run's identity (run.start) ----
     run_id: str | None = None
     elastic_run_id: str | None = None
@@ -527,8 +528,36 @@ def parse(argv=None) -> TrainConfig:
         if dest in recipe:
             return f"{dest} (recipe {_display(path)})"
         return parser.flag(dest)
-    check(cfg, int(os.environ.get("WORLD_SIZE", "1") or 1), name)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if "batch_size" not in typed and isinstance(cfg.batch_size, int) and cfg.batch_size > 0:
+        _fit_batch_to_data(cfg, world)
+    check(cfg, world, name)
     return cfg
+
+
+def fit_batch(batch: int, num_images: int, world: int) -> int:
+    """A recipe's global batch for a data set of `num_images` training images: halved while it
+    is more than a quarter of them (so that an epoch has at least 4 batches) and its half is
+    still a multiple of the `world` processes."""
+    while batch > num_images // 4 and batch % 2 == 0 and (batch // 2) % world == 0:
+        batch //= 2
+    return batch
+
+
+def _fit_batch_to_data(cfg: TrainConfig, world: int) -> None:
+    """The recipe's batch (not typed) fitted to the data (fit_batch), with the reason in
+    cfg.batch_note for the start line; data that cannot be read is left to the loader's
+    message."""
+    try:
+        from ..data.sources import data_scale
+        n = data_scale(cfg.data)[0]
+    except (OSError, ValueError, TypeError):
+        return
+    b = fit_batch(cfg.batch_size, n, world)
+    if b != cfg.batch_size:
+        cfg.batch_note = (f"the recipe's {cfg.batch_size} halved to a quarter of the {n} "
+                          f"training images or less; --batch-size sets it")
+        cfg.batch_size = b
 
 
 def _flag(dest: str) -> str:
