@@ -296,3 +296,21 @@ def test_the_contact_sheet_heading_fits_a_short_row(folders, tmp_path):
     heading = rgb[:44]
     assert (heading[:, -PAD:] == 255).all()                      # nothing runs off the edge
     assert (heading[:, PAD:-PAD] < 255).any(axis=(0, 2)).nonzero()[0].max() > 2 * (96 + 2 * PAD)
+
+
+def test_a_query_file_takes_its_folders_label_when_the_index_has_it(folders, built, tmp_path,
+                                                                    capsys):
+    """queries/bag/x.png searched on its own is labelled "bag" (a label of the index), so its
+    neighbours of other labels are marked; a file in a folder the index has no label for has
+    none."""
+    import shutil
+    bag = next((folders / "queries" / "bag").iterdir())
+    other = tmp_path / "holiday" / "x.png"
+    other.parent.mkdir()
+    shutil.copy(bag, other)
+    code, out, err = _run(["search", "--index", str(built), "--k", "3", "--no-progress",
+                           str(bag), str(other), str(folders / "queries")], capsys)
+    assert code == 0, err
+    q = json.loads(out)["queries"]
+    assert [x["label"] for x in q[:2]] == ["bag", None]
+    assert sorted(x["label"] for x in q[2:]) == sorted(os.listdir(folders / "queries"))

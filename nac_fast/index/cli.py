@@ -213,7 +213,10 @@ def cmd_build(args) -> int:
 # search
 # --------------------------------------------------------------------------------------------
 
-def _query_files(items):
+def _query_files(items, known=()):
+    """The query images and their labels: a folder's first-level sub-folders, as for build; a
+    file named on its own takes its folder's name when that is one of the index's labels
+    (`known`), so that its neighbours of another label are marked."""
     files, labels = [], []
     for it in items:
         if os.path.isdir(it):
@@ -222,7 +225,8 @@ def _query_files(items):
             labels += lab
         elif os.path.isfile(it):
             files.append(os.path.abspath(it))
-            labels.append(None)
+            parent = os.path.basename(os.path.dirname(os.path.abspath(it)))
+            labels.append(parent if parent in known else None)
         else:
             raise UsageError(f"query {it!r}: no such file or folder")
     return files, labels
@@ -257,7 +261,7 @@ def cmd_search(args) -> int:
     if m.get("checkpoint_sha256") and file_sha256(ckpt) != m["checkpoint_sha256"]:
         raise UsageError(f"checkpoint {ckpt!r} is not the one {args.index!r} was built with "
                          f"(SHA-256 differs): its codes would not be comparable")
-    files, qlabels = _query_files(args.queries)
+    files, qlabels = _query_files(args.queries, set(index.labels or ()) - {None})
     args.checkpoint = ckpt
     args.which = m.get("which", "online")
     enc = _encoder(args, index.nbits)
