@@ -73,14 +73,17 @@ def main(argv=None):
     ap.add_argument("--channels-last", action="store_true")
     ap.add_argument("--recipe", default="auto", choices=["auto", "small", "imagenet"])
     ap.add_argument("--make-jpegs", type=int, default=0, metavar="N",
-                    help="first write N synthetic 256-500 px JPEGs (8 classes) to DATA if it is missing")
+                    help="first write N synthetic 256-500 px JPEGs (8 classes) to DATA/train if "
+                         "DATA is missing (a train/ split: every image is read)")
     a = ap.parse_args(argv)
     for name in ("batch", "batches"):
         if getattr(a, name) < 1:
             ap.error(f"--{name} must be >= 1")
 
     if a.make_jpegs and not os.path.isdir(a.data):
-        write_jpeg_folder(a.data, num_classes=8, per_class=-(-a.make_jpegs // 8))
+        # under train/: a folder of class folders alone would hold 20% of each class out
+        write_jpeg_folder(os.path.join(a.data, "train"), num_classes=8,
+                          per_class=-(-a.make_jpegs // 8))
     warnings.simplefilter("once")
     loader = build_pretrain_loader(a.data, batch_size=a.batch, image_size=a.size, loader=a.loader,
                                    num_workers=a.workers, device=a.device, channels_last=a.channels_last,
