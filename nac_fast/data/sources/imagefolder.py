@@ -118,13 +118,13 @@ class FolderSource:
         if key not in _scan_cache:
             whole = replace(cls._scan(root), name=os.path.basename(root.rstrip(os.sep)) or root)
             test = holdout_split(whole.files, whole.labels, root)
-            part = {}
-            for name, keep in (("train", ~test), ("test", test)):
+
+            def take(keep, **kw):
                 idx = np.flatnonzero(keep)
-                part[name] = replace(whole, files=[whole.files[i] for i in idx],
-                                     labels=whole.labels[idx])
-            part["train"].held_out = len(part["test"].files)
-            _scan_cache[key] = part
+                return replace(whole, files=[whole.files[i] for i in idx],
+                               labels=whole.labels[idx], **kw)
+            _scan_cache[key] = {"train": take(~test, held_out=int(test.sum())),
+                                "test": take(test)}
         part = _scan_cache[key]
         if split != "train" and not part["test"].files:
             raise ValueError(f"data: {root} is a folder of classes too small to hold any image "
