@@ -236,6 +236,8 @@ def test_a_bare_folder_holds_part_of_each_class_out_as_its_test_split(tmp_path):
     whole = FolderSource._scan(r2)
     files, labels = [whole.files[i] for i in perm], whole.labels[perm]
     mask = holdout_split(files, labels, r2)
+    with pytest.raises(ValueError, match="labels must hold one label per file"):
+        holdout_split(files, labels[:-1], r2)
     assert sorted(f for f, m in zip(files, mask) if m) == sorted(test2.files)
     ld = build_eval_loader(r, split="test", batch_size=4)
     assert sorted(torch.cat([y for _, y in ld]).tolist()) == [0, 0, 1, 1, 3]

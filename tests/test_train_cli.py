@@ -186,6 +186,11 @@ def test_a_recipe_batch_fits_the_data():
     assert fit_batch(256, 1023, 2) == 128 and fit_batch(256, 60, 1) == 8
     assert fit_batch(256, 3, 1) == 1 and fit_batch(256, 3, 2) == 2 and fit_batch(96, 10, 3) == 3
     assert fit_batch(100, 10, 1) == 25  # odd: halving stops
+    assert fit_batch(256, 0, 1) == 1
+    for args, name in (((0, 10, 1), "batch"), ((256, 10, 0), "world"), ((256, -1, 1), "num_images"),
+                       ((2.0, 10, 1), "batch")):
+        with pytest.raises(ValueError, match=name):
+            fit_batch(*args)
     a = parse([])
     assert a.batch_size == 256 and a.batch_note is None
 

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from .. import _checks
 from ..ops.loss import mq_l2
 from ..ops.reference import LIKELIHOODS, MULTILINEAR_BACKENDS
 from .methods import METHODS
@@ -538,7 +539,11 @@ def parse(argv=None) -> TrainConfig:
 def fit_batch(batch: int, num_images: int, world: int) -> int:
     """A recipe's global batch for a data set of `num_images` training images: halved while it
     is more than a quarter of them (so that an epoch has at least 4 batches) and its half is
-    still a multiple of the `world` processes."""
+    still a multiple of the `world` processes.  ValueError naming an argument that is not a
+    positive int (num_images may be 0)."""
+    _checks.positive_int("batch", batch)
+    _checks.positive_int("world", world)
+    _checks.int_in("num_images", num_images, 0)
     while batch > num_images // 4 and batch % 2 == 0 and (batch // 2) % world == 0:
         batch //= 2
     return batch

@@ -177,8 +177,12 @@ def holdout_split(files, labels, root) -> np.ndarray:
     """(N,) bool, True for the test split of a bare folder of classes: in each class of n >= 2
     images, the max(1, round(HOLDOUT_FRACTION * n)) whose paths relative to the class folder have
     the smallest MD5 (a class of one image stays in training).  The split depends only on the
-    file names within each class folder, not on the order of the scan or the folder's location."""
+    file names within each class folder, not on the order of the scan or the folder's location.
+    ValueError when `labels` is not one label per file."""
     labels = np.asarray(labels)
+    if labels.shape != (len(files),):
+        raise ValueError(f"labels must hold one label per file ({len(files)}), got shape "
+                         f"{labels.shape}")
     test = np.zeros(len(files), dtype=bool)
     for k in np.unique(labels):
         idx = np.flatnonzero(labels == k)
