@@ -135,6 +135,16 @@ def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None):
     return step
 
 
+def _counted(step):
+    """`step` counting its own calls (attribute `calls`): what the compiled graph's call count is
+    held against."""
+    def counted():
+        counted.calls += 1
+        step()
+    counted.calls = 0
+    return counted
+
+
 class CountingBackend:
     """A torch.compile backend that compiles with `name` (inductor, aot_eager, ...) and counts the
     graphs it compiles and the calls into them, so a caller can tell compiled runs from eager."""
@@ -388,7 +398,8 @@ def main(argv=None):
                 try:
                     if b == "compiled-reference":
                         cref, counter = compile_reference(args.compile_backend)
-                        step = make_step(kind, n, N, args.D, dtype, args.device, "reference", cref)
+                        step = _counted(make_step(kind, n, N, args.D, dtype, args.device,
+                                                  "reference", cref))
                         base.update(compile_backend=args.compile_backend)
                     elif b.endswith("+graph"):
                         step = graph_step(make_step(kind, n, N, args.D, dtype, args.device,
@@ -400,7 +411,9 @@ def main(argv=None):
                     base.update(timer=timer, loadavg="%.2f" % os.getloadavg()[0])
                     mem = None if args.no_memory else peak_extra_bytes(step, args.device)
                     if counter is not None:
-                        calls_wanted = 1 + reps + (0 if args.no_memory else 1)
+                        # every step taken (the timer's own count of its calls is an estimate:
+                        # do_bench's repetitions are not what rep_ms / median gives)
+                        calls_wanted = step.calls
                         base.update(compiled_graphs=counter.graphs, compile_s=f"{first:.3f}")
                         if counter.graphs != 1 or counter.calls != calls_wanted:
                             raise RuntimeError(

@@ -154,6 +154,10 @@ class Launch(NamedTuple):
     num_warps: int
     num_stages: int
     tag: str = ""           # what the compile check calls it ("fwd", "finish", ...)
+    # float parameters that change from call to call (the channel scale s, lambda): (parameter
+    # name, function of the call's scalars giving its value).  A cached `Plan` recomputes them;
+    # in `args` they hold this call's values.
+    scalars: tuple = ()
 
 
 def launch_device(launches: Sequence[Launch]) -> torch.device:
@@ -187,8 +191,12 @@ def run(launches: Sequence[Launch]) -> None:
 
 
 def buffer(shape, dtype, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised buffer on like's device (meta tensors when a plan is only inspected)."""
-    return torch.empty(shape, dtype=dtype, device=like.device)
+    """An uninitialised buffer on like's device (meta tensors when a plan is only inspected).
+    While a `Plan` is recorded, every buffer is noted: the plan allocates its like at each call."""
+    t = torch.empty(shape, dtype=dtype, device=like.device)
+    if _RECORDING is not None:
+        _RECORDING.append(t)
+    return t
 
 
 def next_pow2(x: int) -> int:
@@ -208,3 +216,238 @@ def split_count(outer_blocks: int, inner_tiles: int, programs: int, cap: int = 6
     while split * 2 <= min(want, inner_tiles, cap):
         split *= 2
     return split
+
+
+# ---------------------------------------------------------------------------------------------
+# Cached plans: the host side of a call in microseconds (issue 37).
+#
+# Building a plan (configurations, splits, occupancy, Launch tuples) and launching each kernel
+# through triton's JITFunction.run (argument binding, specialisation, cache lookup) cost about a
+# millisecond of Python per forward + backward.  A `Plan` is one call's plan recorded once per
+# key (shapes, strides, dtypes, device, flags: everything a plan depends on but the tensors' data
+# and the per-call scalars) and bound to each later call's tensors: its buffers allocated like the
+# recorded ones, its arguments taken from the call's inputs, its scalars recomputed.  On a GPU the
+# bound launches go straight to the compiled kernels' launchers (what JITFunction.run ends with),
+# found once per pointer-alignment signature (triton specialises pointers on 16-byte alignment);
+# elsewhere (the interpreter) through `run`, as an uncached plan would.
+# ---------------------------------------------------------------------------------------------
+
+_RECORDING: Optional[list] = None  # the buffers of the plan being recorded (see `buffer`)
+PLAN_CACHE_SIZE = 256               # plans kept per op (least recently recorded dropped first)
+
+
+def _stream(index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _first_launch(L: Launch):
+    """Launch `L` through triton's own path (compiling it if needed) and return the compiled
+    kernel it ran, whose launcher later calls use directly.  On the GPU only."""
+    k = L.kernel.run(*L.args, grid=L.grid, warmup=False, **L.constexprs,
+                     num_warps=L.num_warps, num_stages=L.num_stages)
+    if hasattr(k, "result"):  # an asynchronous compile's future (triton 3.6)
+        k = k.result()
+    return k.run, k.function, k.packed_metadata
+
+
+def _runtime_knobs():
+    try:
+        from triton import knobs
+        return knobs.runtime
+    except Exception:  # a triton without knobs: no hooks to call
+        return None
+
+
+_KNOBS = _runtime_knobs()
+
+
+def _hook_active(hook) -> bool:
+    # triton 3.6/3.8: a HookChain, never None, active when it holds calls; older: a callable or None
+    return hook is not None and (not hasattr(hook, "calls") or bool(hook.calls))
+
+
+def _hooks_set() -> bool:
+    """Whether triton's launch hooks are set (a profiler such as proton): then every launch goes
+    through triton's own path, which calls them."""
+    return _KNOBS is not None and (_hook_active(_KNOBS.launch_enter_hook)
+                                   or _hook_active(_KNOBS.launch_exit_hook))
+
+
+# NAC_FAST_DIRECT_LAUNCH=0: every launch through triton's own path (JITFunction.run), for
+# debugging; the plans are still cached.
+DIRECT_LAUNCH = os.environ.get("NAC_FAST_DIRECT_LAUNCH", "1") != "0"
+
+
+def direct_launches(device: torch.device) -> bool:
+    """Whether plans on `device` launch their compiled kernels directly (a GPU, no launch hook,
+    DIRECT_LAUNCH); else through `run`."""
+    return device.type == "cuda" and DIRECT_LAUNCH and not _hooks_set()
+
+
+def eager_real(t: torch.Tensor) -> bool:
+    """Whether a call on `t` may use a cached plan: a plain tensor in eager mode (no
+    torch.compile tracing, no dispatch mode such as FakeTensorMode, no tensor subclass).  Else
+    the plan is built afresh and run through `run` (wrap_triton), which tracing understands."""
+    try:
+        if torch.compiler.is_compiling():  # first: dynamo folds it, and traces nothing after
+            return False
+    except AttributeError:  # torch < 2.3
+        pass
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return False
+    return torch._C._len_torch_dispatch_stack() == 0
+
+
+class Plan:
+    """One call's launch plan, recorded, to be bound to later calls with the same key.
+
+        plan, outputs = Plan.record(build, inputs, scalars, launcher)   # first call: runs it
+        outputs = plan(inputs, scalars, launcher)                        # later calls
+
+    `build()` returns (launches, outputs) for the recorded call's `inputs` (a tuple of tensors or
+    None) and `scalars` (a tuple of floats, the arguments of each Launch.scalars function).  Every
+    tensor of a launch or of the outputs must be an input or a `buffer` the build allocated.
+    `launcher(launches)`: how launches run when they do not go to the compiled kernels directly
+    (`run`, or a recorder)."""
+
+    __slots__ = ("device", "buffers", "launches", "outputs", "compiled", "nbuf")
+
+    def __init__(self, launches, outputs, inputs, buffers):
+        self.device = launch_device(launches) if launches else None
+        index = {}
+        for i, t in enumerate(inputs):
+            if t is not None:
+                index[id(t)] = (0, i)
+        specs = []
+        for t in buffers:
+            if id(t) not in index:
+                index[id(t)] = (1, len(specs))
+                specs.append((tuple(t.shape), t.dtype, t.device))
+        self.buffers = specs
+        self.nbuf = len(specs)
+
+        def ref(x, where):
+            if isinstance(x, torch.Tensor):
+                if id(x) not in index:
+                    raise RuntimeError(f"{where}: a tensor that is neither an input of the plan nor "
+                                       "a buffer it allocated (kernels/launch.py Plan)")
+                return index[id(x)]
+            return None
+
+        self.launches = []
+        for L in launches:
+            names = list(L.kernel.arg_names) if hasattr(L.kernel, "arg_names") else None
+            full = list(L.args)
+            if names is not None:
+                missing = [nm for nm in names[len(L.args):] if nm not in L.constexprs]
+                if missing:
+                    raise RuntimeError(f"launch {L.tag!r}: parameters {missing} are neither "
+                                       "positional arguments nor constexprs")
+                full += [L.constexprs[nm] for nm in names[len(L.args):]]
+            dyn = [(pos, *ref(x, f"launch {L.tag!r} argument {pos}"))
+                   for pos, x in enumerate(L.args) if isinstance(x, torch.Tensor)]
+            scal = []
+            for name, fn in L.scalars:
+                pos = names.index(name) if names is not None else None
+                if pos is None or pos >= len(L.args):
+                    raise RuntimeError(f"launch {L.tag!r}: scalar {name!r} is not a runtime "
+                                       "parameter of its kernel")
+                scal.append((pos, fn))
+            for pos, _, _ in dyn:
+                full[pos] = None  # the recorded call's tensors are not kept alive by the plan
+            grid = tuple(L.grid) + (1,) * (3 - len(L.grid))
+            self.launches.append((L, full, dyn, scal, grid))
+        self.outputs = [ref(t, f"output {i}") if isinstance(t, torch.Tensor) else (2, t)
+                        for i, t in enumerate(outputs)]
+        self.compiled: dict = {}
+
+    @classmethod
+    def record(cls, build, inputs, launcher):
+        """(plan or None, outputs): build the plan, record it, run it.  None when the inputs
+        alias one another (one tensor passed twice: a later call's may not), so nothing is
+        cached."""
+        global _RECORDING
+        prev, _RECORDING = _RECORDING, []
+        try:
+            launches, outputs = build()
+            bufs = _RECORDING
+        finally:
+            _RECORDING = prev
+        launches = [L for L in launches if all(g > 0 for g in L.grid)]
+        ids = [id(t) for t in inputs if t is not None]
+        plan = cls(launches, outputs, inputs, bufs) if len(set(ids)) == len(ids) else None
+        if plan is not None and launches and direct_launches(plan.device):
+            plan._launch_direct(inputs, None, launches)
+        else:
+            launcher(launches)
+        return plan, tuple(outputs)
+
+    def __call__(self, inputs, scalars, launcher):
+        dev = self.device
+        bufs = [torch.empty(shape, dtype=dt, device=d) for shape, dt, d in self.buffers]
+        pools = (inputs, bufs)
+        bound = []
+        for L, full, dyn, scal, grid in self.launches:
+            args = full.copy()
+            for pos, src, i in dyn:
+                args[pos] = pools[src][i]
+            for pos, fn in scal:
+                args[pos] = fn(*scalars)
+            bound.append(args)
+        if dev is not None:
+            if direct_launches(dev):
+                self._launch_direct(inputs, bound, None)
+            else:
+                launcher([L._replace(args=tuple(args[:len(L.args)]))
+                          for (L, *_), args in zip(self.launches, bound)])
+        return tuple(pools[src][i] if src < 2 else i for src, i in self.outputs)
+
+    def _launch_direct(self, inputs, bound, launches):
+        """Launch on the GPU: `bound` (full argument lists) through the compiled kernels of this
+        alignment signature, or on its first call `launches` through triton's own path, noting
+        the kernels it compiled."""
+        align = 0
+        for i, t in enumerate(inputs):
+            if t is not None and t.data_ptr() & 15:
+                align |= 1 << i
+        kernels = self.compiled.get(align)
+        dev = self.device
+        # a CUDA tensor's device always has its index
+        guard = dev.type == "cuda" and dev.index != torch.cuda.current_device()
+        with (device_guard(dev) if guard else contextlib.nullcontext()):
+            if kernels is None:
+                if launches is None:
+                    launches = [L._replace(args=tuple(args[:len(L.args)]))
+                                for (L, *_), args in zip(self.launches, bound)]
+                self.compiled[align] = [_first_launch(L) for L in launches]
+                return
+            stream = _stream(dev.index)
+            for (run_fn, function, meta), (_, _, _, _, grid), args in zip(kernels, self.launches,
+                                                                         bound):
+                run_fn(grid[0], grid[1], grid[2], stream, function, meta, None, None, None, *args)
+
+
+class PlanCache:
+    """Plans of one op by key, at most PLAN_CACHE_SIZE (the oldest recorded dropped first).
+    `clear()` empties it (tests; a changed configuration table)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.plans: dict = {}
+        self.recorded = 0  # how many plans were recorded (a test reads it: no rebuild per call)
+
+    def __call__(self, key, build, inputs, scalars, launcher):
+        plan = self.plans.get(key)
+        if plan is not None:
+            return plan(inputs, scalars, launcher)
+        plan, outputs = Plan.record(build, inputs, launcher)
+        self.recorded += 1
+        if plan is not None:
+            if len(self.plans) >= PLAN_CACHE_SIZE:
+                self.plans.pop(next(iter(self.plans)))
+            self.plans[key] = plan
+        return outputs
+
+    def clear(self) -> None:
+        self.plans.clear()
+        self.recorded = 0

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from .launch import Launch, cdiv, run
+from .launch import Launch, PlanCache, buffer, cdiv, eager_real, run
 
 
 @triton.jit
@@ -44,25 +44,47 @@ def _noise_kernel(out_ptr, seed_ptr, p, numel, BLOCK: tl.constexpr):
     c1 = ((offs >> 32) & 0xFFFFFFFF).to(tl.uint32)
     w = _philox_first_word(c0, c1, k0, k1).to(tl.int32, bitcast=True)
     u = tl.where(w < 0, ~w, w).to(tl.float32) * 4.6566127342e-10
-    tl.store(out_ptr + offs, tl.where(u < p, -1.0, 1.0), mask=mask)
+    tl.store(out_ptr + offs, tl.where(u < p, -1.0, 1.0).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 BLOCK = 1024
 
 
+def _p(p):
+    return float(p)
+
+
 def noise_plan(out: torch.Tensor, seed: torch.Tensor, p: float):
-    """The launch that fills the float32 tensor `out` (any shape, contiguous) with the noise of
-    `seed` (a one-element int64 tensor on out's device)."""
+    """The launch that fills the floating tensor `out` (any shape, contiguous, any floating dtype:
+    +-1 is exact in each) with the noise of `seed` (a one-element int64 tensor on out's device)."""
     n = out.numel()
     return [Launch(_noise_kernel, (cdiv(n, BLOCK),), (out, seed, float(p), n),
-                   dict(BLOCK=BLOCK), 4, 1, "noise")]
+                   dict(BLOCK=BLOCK), 4, 1, "noise", (("p", _p),))]
+
+
+PLANS = PlanCache("nac_noise_triton")  # kernels/launch.py Plan: one per (shape, dtype, device)
+
+
+def _launcher(launches):
+    run(launches)
 
 
 def noise(like: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
-    """The op's body: the noise of like's shape, dtype and device (launched on like's device)."""
-    out = torch.empty(like.shape, dtype=torch.float32, device=like.device)
-    run(noise_plan(out, seed.reshape(1).to(torch.int64), p))
-    return out if like.dtype == torch.float32 else out.to(like.dtype)
+    """The op's body: the noise of like's shape, dtype and device (launched on like's device),
+    written in like's dtype by the kernel (no float32 copy)."""
+    seed = seed.reshape(1)
+    if seed.dtype != torch.int64:
+        seed = seed.to(torch.int64)
+
+    def build():
+        out = buffer(like.shape, like.dtype, like)
+        return noise_plan(out, seed, p), (out,)
+
+    if not eager_real(like):
+        launches, (out,) = build()
+        run(launches)
+        return out
+    return PLANS((like.shape, like.dtype, like.device), build, (seed,), (p,), _launcher)[0]
 
 
 @triton_op("nac_fast::nac_noise_triton", mutates_args=())

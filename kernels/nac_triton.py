@@ -52,8 +52,8 @@ from torch.library import triton_op
 
 from nac_fast.ops.reference import acc_dtype
 
-from .launch import (Config, Launch, Target, buffer, cdiv, next_pow2, pick, run, split_count,
-                     target_of)
+from .launch import (Config, Launch, PlanCache, Target, buffer, cdiv, eager_real, next_pow2, pick,
+                     run, split_count, target_of)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -476,6 +476,19 @@ def _tl_acc(dtype):
 # Plans: the launches of one call, built from (possibly meta) tensors.
 # ---------------------------------------------------------------------------------------------
 
+# The per-call scalars of a forward plan, as functions of (s, l2) (kernels/launch.py Plan).
+def _scale2(s, l2):
+    return s * LOG2E
+
+
+def _s(s, l2):
+    return float(s)
+
+
+def _l2(s, l2):
+    return float(l2)
+
+
 def _prologue(a, noise, keys, s, target, launches):
     """Q (log2 units) and, for the in-batch keys, K = tanh(a): (n, D) in a's dtype (with given
     keys, K is the keys themselves and the kernel writes no K: it is handed Q as a placeholder)."""
@@ -487,7 +500,8 @@ def _prologue(a, noise, keys, s, target, launches):
                            (a, noise, q, k if keys is None else q, n, D, a.stride(0),
                             noise.stride(0), s * LOG2E, int(keys is None)),
                            dict(BLOCK_M=bm, BLOCK_D=block_d(D),
-                                ACC=_tl_acc(a.dtype)), 4, 1, "prologue"))
+                                ACC=_tl_acc(a.dtype)), 4, 1, "prologue",
+                           (("scale2", _scale2),)))
     return q, k
 
 
@@ -534,7 +548,8 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
                            (a, r, noise, pm, pl, pacc, loss, lse, ga, n, D, a.stride(0),
                             r.stride(0), noise.stride(0), split, int(grad_rows), float(s),
                             float(l2), math.log(N)),
-                           dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype)), 4, 1, "finish"))
+                           dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype)), 4, 1, "finish",
+                           (("s", _s), ("l2", _l2))))
     return launches, (loss, lse, ga, q, k)
 
 
@@ -627,34 +642,77 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
 
 def _rows_operand(t, dtype):
     """t in `dtype` with unit column stride (rows may be strided)."""
-    t = t.to(dtype)
+    if t.dtype != dtype:
+        t = t.to(dtype)
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# One cache per op: a plan is recorded once per key and bound to every later call with that key
+# (kernels/launch.py Plan): shapes, row strides, dtype, device, flags, and what else the plan
+# reads (NAC_FAST_FP32_DOT).  Tracing (torch.compile, fake tensors) builds the plan afresh.
+FWD_PLANS = PlanCache("nac_fwd_triton")
+BWD_PLANS = PlanCache("nac_bwd_triton")
+
+
+def _fp32_mode() -> str | None:
+    return os.environ.get("NAC_FAST_FP32_DOT")
+
+
+def _launcher(launches):
+    run(launches)  # the module's `run`, looked up at each call (bench/launch_traffic.py swaps it)
 
 
 def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool):
     """The forward op's body (nac_fwd_triton): (loss, lse2, ga, q, k) with k empty when keys are
     given (the backward reads the keys themselves)."""
-    a = _rows_operand(a, a.dtype)
-    given = None if keys is None else _rows_operand(keys, a.dtype)
-    launches, (loss, lse, ga, q, k) = fwd_plan(a, _rows_operand(r, a.dtype),
-                                               _rows_operand(noise, a.dtype), given, s, l2,
-                                               grad_rows, target_of(a.device))
-    run(launches)
-    return loss, lse, ga, q, (k if keys is None else buffer((0,), a.dtype, a))
+    dt = a.dtype
+    a = _rows_operand(a, dt)
+    r = _rows_operand(r, dt)
+    noise = _rows_operand(noise, dt)
+    given = None if keys is None else _rows_operand(keys, dt)
+
+    def build():
+        launches, (loss, lse, ga, q, k) = fwd_plan(a, r, noise, given, s, l2, grad_rows,
+                                                   target_of(a.device))
+        return launches, (loss, lse, ga, q, k if keys is None else buffer((0,), dt, a))
+
+    if not eager_real(a):
+        launches, out = build()
+        run(launches)
+        return out
+    key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
+           None if given is None else (given.shape[0], given.stride(0)), bool(grad_rows),
+           _fp32_mode())
+    return FWD_PLANS(key, build, (a, r, noise, given), (s, l2), _launcher)
 
 
 def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: bool,
         need_keys: bool):
     """The backward op's body (nac_bwd_triton): (d/da, d/dr, d/dkeys) in the inputs' dtype."""
-    a = _rows_operand(a, a.dtype)
-    acc = acc_dtype(a.dtype)
-    launches, out = bwd_plan(
-        a, _rows_operand(r, a.dtype), _rows_operand(noise, a.dtype),
-        None if keys is None else _rows_operand(keys, a.dtype), lse.to(acc).contiguous(),
-        ga.to(acc).contiguous(), g.to(acc), q, k, s, need_a, need_r, need_keys,
-        target_of(a.device))
-    run(launches)
-    return out
+    dt = a.dtype
+    acc = acc_dtype(dt)
+    a = _rows_operand(a, dt)
+    r = _rows_operand(r, dt)
+    noise = _rows_operand(noise, dt)
+    given = None if keys is None else _rows_operand(keys, dt)
+    lse = lse if lse.dtype == acc and lse.is_contiguous() else lse.to(acc).contiguous()
+    ga = ga if ga.dtype == acc and ga.is_contiguous() else ga.to(acc).contiguous()
+    g = g if g.dtype == acc else g.to(acc)
+
+    def build():
+        launches, out = bwd_plan(a, r, noise, given, lse, ga, g, q, k, s, need_a, need_r,
+                                 need_keys, target_of(a.device))
+        return launches, out
+
+    if not eager_real(a):
+        launches, out = build()
+        run(launches)
+        return out
+    key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
+           None if given is None else (given.shape[0], given.stride(0)), g.shape, g.stride(),
+           ga.shape, q.shape, q.stride(0), k.shape, k.stride(0) if k.dim() == 2 else 0,
+           bool(need_a), bool(need_r), bool(need_keys), _fp32_mode())
+    return BWD_PLANS(key, build, (a, r, noise, given, lse, ga, g, q, k), (), _launcher)
 
 
 @triton_op("nac_fast::nac_fwd_triton", mutates_args=())

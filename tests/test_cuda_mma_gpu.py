@@ -63,4 +63,7 @@ def test_tensor_core_path_against_float64(dtype, kind, n, N, D):
         assert e <= 2 * eref + 1e-7, (name, e, eref)
     _, g2 = run_loss(fn, t, w, backend="cuda", noise=noise, **kw)
     for name in g:
+        if g[name] is None:  # the queue's keys take no gradient (they are detached)
+            assert g2[name] is None, name
+            continue
         assert torch.equal(g[name], g2[name]), f"{name}: backward not deterministic"

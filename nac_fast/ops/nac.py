@@ -107,8 +107,91 @@ if extension() is not None:  # one op, two dispatch keys (CPU kernel here, CUDA 
             return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
+# ---- the eager path: an autograd.Function over the ops' bodies ------------------------------
+# Outside torch.compile the registered ops cost their dispatch: torch.library's Python autograd
+# kernel and backend_impl (its aliasing check) around every forward and backward, about a
+# millisecond a call on an H100 (bench/results/NVIDIA-H100-80GB-HBM3_2026-11-27/README.md).  So
+# eager calls go through _FusedNAC below: the Triton bodies directly (their plans cached,
+# kernels/launch.py Plan), the compiled ops below the autograd key (C++ dispatch only).  The
+# autograd formula is the same `_backward` the registered ops use, and the tests compare the two
+# paths (tests/test_host_overhead.py).  Traced calls (torch.compile, fake tensors, dispatch modes,
+# tensor subclasses) keep the registered ops, which tracing understands.
+
+def _below_autograd(op):
+    def call(*args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+    return call
+
+
+_EAGER: dict[str, tuple] = {}
+
+
+def _eager_ops(backend: str):
+    ops = _EAGER.get(backend)
+    if ops is None:
+        if backend == "triton":
+            from ..kernels import nac_triton
+            ops = (nac_triton.fwd, nac_triton.bwd)
+        else:
+            ops = (_below_autograd(torch.ops.nac_fast.nac_fwd.default),
+                   _below_autograd(torch.ops.nac_fast.nac_bwd.default))
+        _EAGER[backend] = ops
+    return ops
+
+
+class _FusedNAC(torch.autograd.Function):
+    """rows = the fused forward of `backend`; backward = the same formula as the registered ops'
+    (`_register`'s backward): one fused backward call, the gradients cast to the inputs' dtypes."""
+
+    @staticmethod
+    def forward(ctx, a, r, noise, keys, backend, s, l2, grad_rows):
+        fwd, _ = _eager_ops(backend)
+        rows, lse, ga, *saved = fwd(a, r, noise, keys, s, l2, grad_rows)
+        ctx.backend = backend
+        ctx.s = s
+        ctx.self_keys = keys is None
+        ctx.dtypes = (a.dtype, r.dtype, None if keys is None else keys.dtype)
+        ctx.save_for_backward(a, r, noise, keys, lse, ga, *saved)
+        return rows
+
+    @staticmethod
+    def backward(ctx, g_rows):
+        a, r, noise, keys, lse, ga, *saved = ctx.saved_tensors
+        need_a, need_r, _, need_k = ctx.needs_input_grad[:4]
+        need_k = bool(need_k and keys is not None)
+        _, bwd = _eager_ops(ctx.backend)
+        grad_a, grad_r, grad_k = bwd(a, r, noise, keys, lse, ga, g_rows, *saved, ctx.s,
+                                     bool(need_a), bool(need_r), need_k)
+        return (_cast(grad_a, ctx.dtypes[0]) if need_a else None,
+                _cast(grad_r, ctx.dtypes[1]) if need_r else None, None,
+                _cast(grad_k, ctx.dtypes[2]) if need_k else None, None, None, None, None)
+
+
+def _cast(t, dtype):
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+try:  # the eager test without importing the Triton kernels (no triton installed: cpu backend)
+    from ..kernels.launch import eager_real as _eager_real
+except Exception:  # pragma: no cover - a broken kernels package: every call takes the op path
+    def _eager_real(t):
+        return False
+
+
 def nac_fused(backend, a, r, noise, keys, s, l2, reduction):
+    """The fused loss rows of `backend`, reduced: eager calls through _FusedNAC, traced ones
+    through the registered ops."""
+    needs_grad = torch.is_grad_enabled() and (
+        a.requires_grad or r.requires_grad or (keys is not None and keys.requires_grad))
+    grad_rows = needs_grad and a.requires_grad  # ga is only needed for d/da
+    if _eager_real(a):
+        if needs_grad:
+            rows = _FusedNAC.apply(a, r, noise, keys, backend, float(s), float(l2),
+                                   bool(grad_rows))
+        else:
+            rows = _eager_ops(backend)[0](a, r, noise, keys, float(s), float(l2), False)[0]
+        return reduce_rows(rows, reduction)
     fwd, _ = _ops(backend)
-    grad_rows = torch.is_grad_enabled() and a.requires_grad  # ga is only needed for d/da
     rows = fwd(a, r, noise, keys, float(s), float(l2), bool(grad_rows))[0]
     return reduce_rows(rows, reduction)

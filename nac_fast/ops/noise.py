@@ -92,6 +92,8 @@ def noise_from_seed(like: torch.Tensor, seed: torch.Tensor, p: float, *,
     if backend == "reference":
         return reference.philox_noise(like, seed, p)
     if backend == "triton":
-        from ..kernels.nac_noise_triton import nac_noise_triton
-        return nac_noise_triton(like, seed, p)
+        from ..kernels import launch, nac_noise_triton
+        if launch.eager_real(like):  # the op's body, its plan cached (no custom-op dispatch)
+            return nac_noise_triton.noise(like, seed, p)
+        return nac_noise_triton.nac_noise_triton(like, seed, p)
     return torch.ops.nac_fast.nac_noise(like, seed, p)

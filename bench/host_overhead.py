@@ -1,0 +1,482 @@
+"""Host time of one fused NAC forward+backward as a training loop calls it (issue 37).
+
+    python bench/host_overhead.py                      # no GPU: the Python side, launches stubbed
+    python bench/host_overhead.py --gpu --csv bench/results/<gpu>_<date>/host_gpu.csv
+
+What a call costs the host is Python and dispatch: argument checks, the noise draw, the backend
+choice, autograd, the launch plan and the launches.  When it exceeds the GPU work (a training
+step's shapes: tens of microseconds of kernels) the GPU waits for the host, and the fused loss is
+no faster than eager PyTorch.
+
+--stub (the default without a GPU): the real call path of the Triton backend on CPU tensors
+(TRITON_INTERPRET=1 so the backend is there), planned for an sm_90 target (132 SMs), with the
+kernel launches replaced by no-ops at the last step (the compiled kernel's launcher: what
+kernels/launch.py Plan calls on a GPU).  Everything else runs as on a GPU: the loss API and its
+checks (value checks off, as on GPU tensors), the noise op, the autograd layer, the plan cache and
+the argument binding.  It prints microseconds per forward+backward for
+  triton          nac_loss / nac_mq_loss(backend="triton") as users call them (noise drawn inside)
+  triton-op-path  the same through the registered torch.library ops with a plan built per call
+                  (the path every eager call took before the cache: the "before" figure)
+  cpu, cpu-op-path, reference   the fused CPU kernel (both paths) and the reference at n = 4,
+                  D = 8, where the kernels' own work is negligible: the CPU backend's overhead
+and the launches per call.  A CPU has no GPU launcher, so this is the host side without the
+driver's few microseconds per launch.
+
+--gpu: on a CUDA GPU, per shape (in-batch 512 and 8192, queue 256/1024/8192 x 65536; bf16,
+D = 128) and backend (reference, compiled-reference, triton, cuda, auto):
+  host_s          48 fwd+bwd issued back to back from an idle GPU, host clock, no sync: the
+                  host's time per call (few enough that the launch queue never fills and blocks)
+  back_to_back_s  200 fwd+bwd back to back and the sync after them, per call: what a training
+                  loop gets (the larger of host and GPU time)
+  graph_s         the step captured in a CUDA graph, replays timed by do_bench: the GPU work alone
+and, per fused backend, the ratios to eager and torch.compile (compiled-reference:
+torch.compile(reference, fullgraph=True, dynamic=False), the noise drawn outside it by the same
+call).  Each is the median of 3 repetitions.  Rows are appended to --csv (columns FIELDS) and a
+table and the goals of issue 37 are printed last; --profile-out writes cProfile's top functions of
+100 triton calls at in-batch 8192.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import datetime as dt
+import io
+import json
+import os
+import pstats
+import socket
+import statistics
+import sys
+import time
+
+if "--gpu" not in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors reach the op
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import nac_fast  # noqa: E402
+from nac_fast.ops import dispatch, loss as loss_mod, nac, reference  # noqa: E402
+
+FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "mode", "kind", "n", "N",
+          "D", "dtype", "backend", "resolved", "host_s", "back_to_back_s", "graph_s",
+          "launches", "plans_recorded", "x_eager", "x_compile", "status"]
+GPU_CASES = [("inbatch", 512, 512, "bfloat16"), ("inbatch", 8192, 8192, "bfloat16"),
+             ("mq", 256, 65536, "bfloat16"), ("mq", 1024, 65536, "bfloat16"),
+             ("mq", 8192, 65536, "bfloat16"),
+             # fp32 (the loss's default precision) at a large and a training step's shape
+             ("inbatch", 8192, 8192, "float32"), ("mq", 256, 65536, "float32")]
+CALLS = 200
+P = 0.1
+
+
+def _inputs(kind, n, N, D, dtype, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed + n + N)
+    a = (torch.randn(n, D, generator=g) * 1.5).to(device, dtype).requires_grad_()
+    if kind == "mq":  # a training step: the momentum net's r_hat takes no gradient
+        r = torch.randn(n, D, generator=g).to(device, dtype)
+        queue = torch.tanh(torch.randn(N, D, generator=g)).to(device, dtype)
+    else:
+        r = torch.randn(n, D, generator=g).to(device, dtype).requires_grad_()
+        queue = None
+    return a, r, queue
+
+
+def user_step(kind, n, N, D, dtype, device, backend):
+    """One forward+backward as users call it: noise drawn inside, the loss's own checks."""
+    a, r, queue = _inputs(kind, n, N, D, dtype, device)
+    if kind == "mq":
+        def step():
+            a.grad = None
+            nac_fast.nac_mq_loss(a, r, queue, P, l2=0.1, backend=backend).backward()
+    else:
+        def step():
+            a.grad = r.grad = None
+            nac_fast.nac_loss(a, r, P, backend=backend).backward()
+    return step
+
+
+def _reference_fn(a, r, noise, queue):
+    s = nac_fast.channel_scale(P)
+    if queue is None:
+        return reference.nac_loss_reference(a, r, noise, s)
+    return reference.nac_mq_loss_reference(a, r, queue, noise, s, l2=0.1)
+
+
+def compiled_step(kind, n, N, D, dtype, device, backend_name="inductor"):
+    """torch.compile of the reference, noise drawn outside by the loss's own call."""
+    torch._dynamo.reset()
+    fn = torch.compile(_reference_fn, backend=backend_name, fullgraph=True, dynamic=False)
+    a, r, queue = _inputs(kind, n, N, D, dtype, device)
+
+    def step():
+        a.grad = None
+        if r.requires_grad:
+            r.grad = None
+        noise = nac_fast.draw_noise((n, D), P, device=a.device, dtype=dtype)
+        fn(a, r, noise, queue).backward()
+    return step
+
+
+@contextlib.contextmanager
+def op_path():
+    """The path of every eager call before the plan cache: the registered ops (torch.library
+    dispatch and autograd) with each call's plan built afresh and launched through `run`."""
+    from nac_fast.kernels import launch, nac_noise_triton, nac_triton
+    mods = (nac, nac_triton, nac_noise_triton, launch)
+    names = ("_eager_real", "eager_real", "eager_real", "eager_real")
+    saved = [getattr(m, nm) for m, nm in zip(mods, names)]
+    for m, nm in zip(mods, names):
+        setattr(m, nm, lambda t: False)
+    try:
+        yield
+    finally:
+        for m, nm, v in zip(mods, names, saved):
+            setattr(m, nm, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# --stub: no GPU
+# ---------------------------------------------------------------------------------------------
+
+class StubLaunches:
+    """Kernel launches replaced by no-ops at the compiled kernel's launcher, the plans made for
+    sm_90, and backend="auto" resolving as on a GPU (triton for the loss and the noise).  Counts
+    the launches."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __enter__(self):
+        from nac_fast.kernels import launch, nac_noise_triton, nac_triton
+        self._saved = [(launch, "direct_launches", launch.direct_launches),
+                       (nac_noise_triton, "run", nac_noise_triton.run),
+                       (launch, "_first_launch", launch._first_launch),
+                       (launch, "_stream", launch._stream),
+                       (launch, "run", launch.run),
+                       (nac_triton, "run", nac_triton.run),
+                       (nac_triton, "target_of", nac_triton.target_of),
+                       (dispatch, "_auto", dispatch._auto)]
+        stub = self
+
+        def noop(*args):
+            stub.launches += 1
+
+        def run_stub(launches):  # the uncached path's launcher (wrap_triton -> JITFunction.run)
+            stub.launches += sum(1 for L in launches if all(g > 0 for g in L.grid))
+
+        launch.direct_launches = lambda device: True
+        launch._first_launch = lambda L: (noop(), (noop, 0, None))[1]
+        launch._stream = lambda index: 0
+        launch.run = run_stub
+        nac_triton.run = run_stub
+        nac_noise_triton.run = run_stub
+        nac_triton.target_of = lambda device: launch.SM90
+        dispatch._auto = lambda t, op, keys, avail: ("triton", "probe: as on a GPU")
+        self._checks = loss_mod.value_checks(False)  # as on GPU tensors: no data-reading checks
+        self._checks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._checks.__exit__(*exc)
+        for mod, name, val in self._saved:
+            setattr(mod, name, val)
+        return False
+
+
+def _per_call(step, calls: int, repeats: int = 5) -> float:
+    """Median over `repeats` of the mean seconds per call of `calls` calls (after 3 warm-ups)."""
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def stub_rows(calls: int = 200, repeats: int = 5):
+    """The --stub measurement: rows of microseconds per call (see the module docstring)."""
+    from nac_fast.kernels import nac_triton
+    rows = []
+    cases = [("inbatch", 512, 512, 128, torch.bfloat16), ("mq", 256, 4096, 128, torch.bfloat16)]
+    for kind, n, N, D, dtype in cases:
+        for backend in ("triton", "triton-op-path"):
+            with StubLaunches() as stub, (op_path() if backend.endswith("op-path")
+                                          else contextlib.nullcontext()):
+                step = user_step(kind, n, N, D, dtype, "cpu", "triton")
+                step()
+                before = nac_triton.FWD_PLANS.recorded + nac_triton.BWD_PLANS.recorded
+                stub.launches = 0
+                step()
+                per_call_launches = stub.launches
+                t = _per_call(step, calls, repeats)
+                rebuilt = nac_triton.FWD_PLANS.recorded + nac_triton.BWD_PLANS.recorded - before
+            rows.append(dict(mode="stub-sm90", kind=kind, n=n, N=N, D=D, dtype=str(dtype)[6:],
+                             backend=backend, resolved="triton", host_s=t,
+                             launches=per_call_launches,
+                             plans_recorded=rebuilt if backend == "triton" else "",
+                             status="ok"))
+    # the CPU backend's own overhead: a tiny shape, its kernel's work negligible
+    with loss_mod.value_checks(False):
+        for kind, n, N, D in (("inbatch", 4, 4, 8), ("mq", 4, 16, 8)):
+            for backend in ("cpu", "cpu-op-path", "reference"):
+                with (op_path() if backend.endswith("op-path") else contextlib.nullcontext()):
+                    step = user_step(kind, n, N, D, torch.float32, "cpu",
+                                     backend.replace("-op-path", ""))
+                    t = _per_call(step, calls, repeats)
+                rows.append(dict(mode="cpu", kind=kind, n=n, N=N, D=D, dtype="float32",
+                                 backend=backend, resolved=backend.replace("-op-path", ""),
+                                 host_s=t, status="ok"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# --gpu
+# ---------------------------------------------------------------------------------------------
+
+HOST_CALLS = 48  # under the GPU's launch queue (about 1,000 launches) at ~10 launches a call
+
+
+def _host_and_back_to_back(step, calls: int = CALLS, repeats: int = 3):
+    """(host_s, back_to_back_s) per call, medians over `repeats` runs.  host_s: HOST_CALLS calls
+    issued from an idle GPU, host clock only (so few that the launch queue never fills and blocks
+    the host: the host's own time even where the GPU work is longer); back_to_back_s: `calls`
+    calls and the sync after them, per call."""
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    host, total = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(min(calls, HOST_CALLS)):
+            step()
+        host.append((time.perf_counter() - t0) / min(calls, HOST_CALLS))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+        total.append((time.perf_counter() - t0) / calls)
+    return statistics.median(host), statistics.median(total)
+
+
+def _graph_time(step) -> float:
+    from bench_loss import graph_step
+    from triton.testing import do_bench
+    replay = graph_step(step)
+    return do_bench(replay, warmup=25, rep=200, return_mode="median") / 1e3
+
+
+def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = True):
+    rows = []
+    for kind, n, N, dname in cases:
+        D, dtype = 128, getattr(torch, dname)
+        for backend in backends:
+            row = dict(mode="gpu", kind=kind, n=n, N=N, D=D, dtype=dname, backend=backend)
+            try:
+                if backend == "compiled-reference":
+                    step = compiled_step(kind, n, N, D, dtype, "cuda", compile_backend)
+                    row["resolved"] = f"torch.compile({compile_backend})"
+                else:
+                    step = user_step(kind, n, N, D, dtype, "cuda", backend)
+                    row["resolved"] = (dispatch.resolve_backend(
+                        "auto", torch.empty(1, device="cuda", dtype=dtype),
+                        keys=None if kind == "inbatch" else torch.empty(1, 1, device="cuda"))
+                        if backend == "auto" else backend)
+                host, total = _host_and_back_to_back(step)
+                row.update(host_s=host, back_to_back_s=total, status="ok")
+                if graphs:
+                    row["graph_s"] = _graph_time(step)
+            except Exception as exc:  # a failed row is recorded and fails the run
+                row["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            finally:
+                if backend == "compiled-reference":
+                    torch._dynamo.reset()
+            rows.append(row)
+            print(_fmt(row), flush=True)
+            torch.cuda.empty_cache()
+    # ratios of each row to eager (reference) and torch.compile at its case, per call as a loop
+    # sees it (back_to_back_s)
+    for row in rows:
+        case = ("kind", "n", "N", "dtype")
+        same = [r for r in rows if all(r[k] == row[k] for k in case) and r.get("status") == "ok"]
+        base = {r["backend"]: r["back_to_back_s"] for r in same}
+        if row.get("status") == "ok":
+            if "reference" in base:
+                row["x_eager"] = base["reference"] / row["back_to_back_s"]
+            if "compiled-reference" in base:
+                row["x_compile"] = base["compiled-reference"] / row["back_to_back_s"]
+    return rows
+
+
+def profile_triton(path: str) -> None:
+    step = user_step("inbatch", 8192, 8192, 128, torch.bfloat16, "cuda", "triton")
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(100):
+        step()
+    pr.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
+    with open(path, "w") as f:
+        f.write("cProfile of 100 triton fwd+bwd, in-batch 8192 x 128 bf16 (as users call it)\n")
+        f.write(out.getvalue())
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _fmt(row) -> str:
+    def us(k):
+        v = row.get(k)
+        return f"{v * 1e6:9.1f}" if isinstance(v, float) else f"{'':>9s}"
+    x = lambda k: f"{row[k]:6.2f}" if isinstance(row.get(k), float) else f"{'':>6s}"  # noqa: E731
+    return (f"{row['mode']:9s} {row['kind']:8s} {row['n']:6d} {row['N']:6d} "
+            f"{row['dtype'][:5]:5s} {row['backend']:19s}"
+            f"{us('host_s')} {us('back_to_back_s')} {us('graph_s')} {x('x_eager')} "
+            f"{x('x_compile')} {str(row.get('launches', '')):>5s} {row.get('status', '')}")
+
+
+HEADER = (f"{'mode':9s} {'kind':8s} {'n':>6s} {'N':>6s} {'dtype':5s} {'backend':19s}{'host us':>9s} "
+          f"{'b2b us':>9s} {'graph us':>9s} {'x eag':>6s} {'x cmp':>6s} {'launch':>5s}")
+
+
+def goals(rows) -> list[str]:
+    """Issue 37's goals against the GPU rows (PASS/MISS lines)."""
+    want = {("inbatch", 8192): (3.0, 1.5), ("mq", 8192): (5.0, 1.8), ("mq", 256): (2.0, None),
+            ("inbatch", 512): (2.0, None)}
+    out = []
+    for row in rows:
+        if row.get("mode") != "gpu" or row.get("status") != "ok":
+            continue
+        if row["backend"] in ("triton", "cuda", "auto") and row["dtype"] == "bfloat16":
+            case = (row["kind"], row["n"])
+            if case in want:
+                ge, gc = want[case]
+                xe = row.get("x_eager")
+                ok = xe is not None and xe >= ge
+                line = f"{'PASS' if ok else 'MISS'} {row['kind']} {row['n']}x{row['N']} {row['backend']}: {xe or 0:.2f}x eager (goal >= {ge}x)"
+                if gc is not None:
+                    xc = row.get("x_compile")
+                    ok2 = xc is not None and xc >= gc
+                    line += f"; {'PASS' if ok2 else 'MISS'} {xc or 0:.2f}x torch.compile (goal >= {gc}x)"
+                out.append(line)
+            if row["backend"] in ("triton", "cuda"):
+                host = row["host_s"] * 1e6
+                out.append(f"{'PASS' if host <= 60 else 'MISS'} host time {row['kind']} "
+                           f"{row['n']}x{row['N']} {row['backend']}: {host:.1f} us per fwd+bwd "
+                           "(goal <= 60 us)")
+    return out
+
+
+def _commit() -> str:
+    from bench_loss import commit
+    return commit()
+
+
+def write_csv(path: str, rows) -> None:
+    from bench_loss import append_rows
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    try:
+        import triton
+        tv = triton.__version__
+    except Exception:
+        tv = ""
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    common = dict(timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  host=socket.gethostname(), device=dev, torch=torch.__version__, triton=tv,
+                  commit=_commit())
+    out = []
+    for row in rows:
+        r = dict(common, **row)
+        for k in ("host_s", "back_to_back_s", "graph_s"):
+            if isinstance(r.get(k), float):
+                r[k] = f"{r[k]:.9f}"
+        for k in ("x_eager", "x_compile"):
+            if isinstance(r.get(k), float):
+                r[k] = f"{r[k]:.3f}"
+        out.append(r)
+    append_rows(path, out, FIELDS)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--gpu", action="store_true", help="measure on the CUDA GPU")
+    mode.add_argument("--stub", action="store_true", help="no GPU: launches stubbed (default)")
+    ap.add_argument("--csv", default=None, help="append the rows to this CSV")
+    ap.add_argument("--calls", type=int, default=CALLS, help="calls per timing (default 200)")
+    ap.add_argument("--repeats", type=int, default=5, help="--stub: timings per row (median)")
+    ap.add_argument("--backends", default="reference,compiled-reference,triton,cuda,auto",
+                    help="--gpu: comma list")
+    ap.add_argument("--cases", default=None,
+                    help="--gpu: kind:n:N:dtype,... (default: bf16 in-batch 512 and 8192, queue "
+                    "256/1024/8192 x 65536; fp32 in-batch 8192 and queue 256 x 65536)")
+    ap.add_argument("--no-graphs", action="store_true", help="--gpu: skip the CUDA-graph rows")
+    ap.add_argument("--compile-backend", default="inductor")
+    ap.add_argument("--profile-out", default=None, help="--gpu: cProfile of 100 triton calls")
+    args = ap.parse_args(argv)
+    if args.calls < 1 or args.repeats < 1:
+        ap.error("--calls and --repeats must be >= 1")
+    if args.csv and os.path.isdir(args.csv):
+        ap.error(f"--csv {args.csv!r} is a folder; give a file path")
+    print(HEADER)
+    if args.gpu:
+        if not torch.cuda.is_available():
+            ap.error("--gpu but no GPU is visible")
+        cases = GPU_CASES
+        if args.cases:
+            try:
+                cases = [(k, int(n), int(N), d) for k, n, N, d in
+                         (c.split(":") for c in args.cases.split(","))]
+            except ValueError:
+                ap.error(f"--cases must be kind:n:N:dtype,..., got {args.cases!r}")
+            for k, n, N, d in cases:
+                if k not in ("inbatch", "mq"):
+                    ap.error(f"--cases: kind must be inbatch or mq, got {k!r}")
+                if d not in ("bfloat16", "float16", "float32", "float64"):
+                    ap.error(f"--cases: dtype must be bfloat16, float16, float32 or float64, got {d!r}")
+                if n < 1 or N < 1:
+                    ap.error("--cases: n and N must be >= 1")
+        avail = nac_fast.available_backends("cuda")
+        backends = []
+        for b in args.backends.split(","):
+            if b not in ("compiled-reference", "auto") and b not in avail:
+                print(f"skipping backend {b!r}: not available ({avail})")
+                continue
+            backends.append(b)
+        rows = gpu_rows(cases, backends, args.compile_backend, not args.no_graphs)
+        if args.profile_out and "triton" in avail:
+            profile_triton(args.profile_out)
+    else:
+        # one thread: a tiny op's OpenMP region waits for a second core that other processes may
+        # hold (12 ms per log_sigmoid of 4 x 8 on a loaded 2-core machine, against 1.5 us)
+        torch.set_num_threads(1)
+        rows = stub_rows(args.calls, args.repeats)
+        for row in rows:
+            print(_fmt(row))
+    if args.csv:
+        write_csv(args.csv, rows)
+        print(f"appended {len(rows)} rows to {args.csv}")
+    lines = goals(rows)
+    for line in lines:
+        print(line)
+    print(json.dumps({"rows": [{k: v for k, v in r.items()} for r in rows]}, default=str))
+    return 1 if any(str(r.get("status", "ok")) != "ok" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

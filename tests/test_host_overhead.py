@@ -1,0 +1,266 @@
+"""The fused loss's eager call path (issue 37): cached launch plans, direct launches, and the
+autograd.Function that replaces the registered ops' dispatch outside tracing.
+
+Under TRITON_INTERPRET=1 the Triton kernels run on CPU tensors, so the cached plans' binding is
+checked here against the path every call took before (the registered torch.library ops with a plan
+built per call): the same launches on the same data give the same bits.  The GPU's direct launches
+(the compiled kernel's launcher) are checked with a recording stand-in for that launcher.
+"""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nac_fast
+from nac_fast.ops import dispatch, nac, reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+# bench/gpu_suite.sh runs this file with NAC_FAST_TEST_DEVICE=cuda: the cached plans and the
+# direct launches for real
+DEVICE = os.environ.get("NAC_FAST_TEST_DEVICE", "cpu")
+
+pytestmark = pytest.mark.skipif(
+    "triton" not in nac_fast.available_backends(DEVICE),
+    reason=f"the Triton backend on {DEVICE} tensors (CPU: needs triton and TRITON_INTERPRET=1)")
+
+
+@pytest.fixture
+def kernels():
+    from nac_fast.kernels import launch, nac_noise_triton, nac_triton
+    for c in (nac_triton.FWD_PLANS, nac_triton.BWD_PLANS, nac_noise_triton.PLANS):
+        c.clear()
+    return launch, nac_triton, nac_noise_triton
+
+
+@contextlib.contextmanager
+def op_path():
+    import host_overhead
+    with host_overhead.op_path():
+        yield
+
+
+def _run(kind, dtype, *, p=0.1, strided=False, keys_grad=False, need_r=True, seed=0,
+         reduction="mean"):
+    g = torch.Generator().manual_seed(seed)
+    n, N, D = 37, 53, 24
+    big = torch.randn(n, 2 * D, generator=g, dtype=torch.float64).to(DEVICE)
+    a = (big[:, ::2] if strided else big[:, :D]).to(dtype).detach().requires_grad_()
+    r = torch.randn(n, D, generator=g, dtype=torch.float64).to(DEVICE, dtype).requires_grad_(need_r)
+    noise = nac_fast.draw_noise((n, D), p, generator=g, dtype=dtype).to(DEVICE)
+    w = torch.randn(n, generator=g, dtype=torch.float64).to(DEVICE, reference.acc_dtype(dtype))
+    if kind == "inbatch":
+        out = nac_fast.nac_loss(a, r, p, noise=noise, backend="triton", reduction="none")
+    else:
+        keys = torch.tanh(torch.randn(N, D, generator=g, dtype=torch.float64)).to(DEVICE, dtype)
+        keys.requires_grad_(keys_grad)
+        out = nac_fast.nac_loss(a, r, p, keys=keys, noise=noise, backend="triton",
+                                reduction="none") if keys_grad else \
+            nac_fast.nac_mq_loss(a, r, keys, p, noise=noise, backend="triton", reduction="none")
+    loss = (out * w).sum() if reduction == "none" else out.mean()
+    leaves = [t for t in (a, r) if t.requires_grad]
+    if kind != "inbatch" and keys_grad:
+        leaves.append(keys)
+    grads = torch.autograd.grad(loss, leaves)
+    return out.detach(), grads
+
+
+CASES = [("inbatch", torch.float32, {}), ("inbatch", torch.bfloat16, {}),
+         ("inbatch", torch.float64, {"strided": True}), ("keys", torch.float32, {"keys_grad": True}),
+         ("mq", torch.bfloat16, {"need_r": False}), ("mq", torch.float32, {"reduction": "none"})]
+
+
+@pytest.mark.parametrize("kind,dtype,kw", CASES)
+def test_cached_plans_give_the_op_paths_bits(kernels, kind, dtype, kw):
+    """Twice through the eager path (recorded, then bound from the cache) and once through the
+    registered ops with a fresh plan: the same losses and gradients, bit for bit."""
+    first = _run(kind, dtype, **kw)
+    second = _run(kind, dtype, **kw)
+    with op_path():
+        old = _run(kind, dtype, **kw)
+    for got in (first, second):
+        assert torch.equal(got[0], old[0])
+        for x, y in zip(got[1], old[1]):
+            assert torch.equal(x, y)
+
+
+def test_a_second_call_rebuilds_no_plan(kernels):
+    _, nac_triton, noise_triton = kernels
+    _run("inbatch", torch.float32)
+    rec = (nac_triton.FWD_PLANS.recorded, nac_triton.BWD_PLANS.recorded, noise_triton.PLANS.recorded)
+    assert rec == (1, 1, 0)  # the noise here is given: its op is not called
+    for seed in (1, 2, 3):  # other data, same shapes
+        _run("inbatch", torch.float32, seed=seed)
+    assert (nac_triton.FWD_PLANS.recorded, nac_triton.BWD_PLANS.recorded) == rec[:2]
+    _run("inbatch", torch.bfloat16)  # another dtype: another plan
+    assert nac_triton.FWD_PLANS.recorded == 2
+
+
+def test_the_noise_op_caches_its_plan_and_writes_the_dtype(kernels):
+    _, _, noise_triton = kernels
+    from nac_fast.ops.noise import noise_from_seed
+    seed = torch.tensor([12345], dtype=torch.int64, device=DEVICE)
+    like = torch.empty(5, 7, dtype=torch.bfloat16, device=DEVICE)
+    m1 = noise_from_seed(like, seed, 0.2, backend="triton")
+    m2 = noise_from_seed(like, seed, 0.3, backend="triton")
+    assert noise_triton.PLANS.recorded == 1 and m1.dtype == torch.bfloat16
+    for p, m in ((0.2, m1), (0.3, m2)):  # p is recomputed per call, not the recorded one
+        ref = noise_from_seed(like.float(), seed, p, backend="reference")
+        assert torch.equal(m.float(), ref)
+
+
+def test_a_changed_p_is_used_by_a_cached_plan(kernels):
+    """s and lambda are the plan's per-call scalars: a p schedule changes them every step."""
+    g = torch.Generator().manual_seed(3)
+    a, r = torch.randn(20, 16, generator=g).to(DEVICE), torch.randn(20, 16, generator=g).to(DEVICE)
+    q = torch.tanh(torch.randn(40, 16, generator=g)).to(DEVICE)
+    noise = nac_fast.draw_noise((20, 16), 0.1, generator=g).to(DEVICE)
+    for p, l2 in ((0.1, 0.1), (0.3, 0.0), (0.05, 0.5)):
+        got = nac_fast.nac_mq_loss(a, r, q, p, l2=l2, noise=noise, backend="triton")
+        want = nac_fast.nac_mq_loss(a, r, q, p, l2=l2, noise=noise, backend="reference")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _, nac_triton, _ = kernels
+    assert nac_triton.FWD_PLANS.recorded == 1
+
+
+def test_aliased_inputs_are_not_cached_and_stay_right(kernels):
+    """One tensor passed as both a and r: the recorded plan could not tell a later call's two
+    tensors apart, so nothing is cached; a later call with two tensors is right."""
+    _, nac_triton, _ = kernels
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 8, generator=g).to(DEVICE)
+    noise = nac_fast.draw_noise((9, 8), 0.1, generator=g).to(DEVICE)
+    got = nac_fast.nac_loss(x, x, 0.1, noise=noise, backend="triton", reduction="none")
+    want = nac_fast.nac_loss(x, x, 0.1, noise=noise, backend="reference", reduction="none")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not nac_triton.FWD_PLANS.plans
+    y = torch.randn(9, 8, generator=g).to(DEVICE)
+    got = nac_fast.nac_loss(x, y, 0.1, noise=noise, backend="triton", reduction="none")
+    want = nac_fast.nac_loss(x, y, 0.1, noise=noise, backend="reference", reduction="none")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plan_refuses_a_tensor_it_cannot_bind(kernels):
+    launch, nac_triton, _ = kernels
+    x, y = torch.empty(4), torch.empty(4)
+    L = launch.Launch(nac_triton._sum_splits_kernel, (1,), (x, y, 4, 1), dict(BLOCK=4), 4, 1, "t")
+    with pytest.raises(RuntimeError, match="neither an input"):
+        launch.Plan([L], (), (x,), [])
+
+
+class FakeLauncher:
+    """Stands in for the compiled kernels' launchers: records (grid, args) of each direct launch
+    and of each first launch through triton's own path."""
+
+    def __init__(self):
+        self.direct, self.first = [], []
+
+    def first_launch(self, L):
+        self.first.append(L)
+        return (lambda *a: self.direct.append(a)), object(), object()
+
+
+@pytest.fixture
+def direct(kernels, monkeypatch):
+    launch, nac_triton, _ = kernels
+    fake = FakeLauncher()
+    monkeypatch.setattr(launch, "direct_launches", lambda device: True)
+    monkeypatch.setattr(launch, "_first_launch", fake.first_launch)
+    monkeypatch.setattr(launch, "_stream", lambda index: 7)
+    monkeypatch.setattr(nac_triton, "target_of", lambda device: launch.SM90)
+    return fake
+
+
+def test_direct_launches_bind_each_calls_tensors_and_scalars(direct, kernels):
+    launch, nac_triton, _ = kernels
+    n, D = 30, 32
+    ins = [tuple(torch.randn(n, D) for _ in range(3)) for _ in range(2)]
+    out1 = nac_triton.fwd(*ins[0], None, 1.25, 0.5, True)
+    assert len(direct.first) >= 3 and not direct.direct  # recorded: triton's own path
+    first = list(direct.first)
+    out2 = nac_triton.fwd(*ins[1], None, 2.5, 0.25, True)
+    assert len(direct.direct) == len(first)
+    for L, call in zip(first, direct.direct):
+        grid = tuple(L.grid) + (1,) * (3 - len(L.grid))
+        assert call[:3] == grid and call[3] == 7
+        args = call[9:]
+        names = L.kernel.arg_names
+        assert len(args) == len(names)
+        for i, name in enumerate(names):
+            if name in L.constexprs:
+                assert args[i] == L.constexprs[name]
+        # the second call's own tensors, never the recorded call's
+        ptrs = {t.data_ptr() for t in args if isinstance(t, torch.Tensor)}
+        assert not ptrs & {t.data_ptr() for t in ins[0]}
+        assert not ptrs & {t.data_ptr() for t in out1 if t.numel()}
+        if L.tag == "prologue":
+            assert args[names.index("scale2")] == pytest.approx(2.5 * nac_triton.LOG2E)
+            assert args[0] is ins[1][0]
+        if L.tag == "finish":
+            assert args[names.index("s")] == 2.5 and args[names.index("l2")] == 0.25
+            assert args[names.index("LOSS")] is out2[0]
+
+
+def test_a_misaligned_input_gets_its_own_compiled_kernels(direct, kernels):
+    """triton specialises pointers on 16-byte alignment: an input at an odd offset must not run a
+    kernel compiled for aligned ones."""
+    _, nac_triton, _ = kernels
+    n, D = 30, 32
+    a, r, m = (torch.randn(n * D + 1)[1:].view(n, D) for _ in range(3))  # 4-byte offsets
+    b = [torch.randn(n, D) for _ in range(3)]
+    nac_triton.fwd(*b, None, 1.0, 0.0, False)
+    k = len(direct.first)
+    nac_triton.fwd(*b, None, 1.0, 0.0, False)
+    assert len(direct.first) == k
+    assert a.data_ptr() % 16
+    nac_triton.fwd(a, r, m, None, 1.0, 0.0, False)
+    assert len(direct.first) == 2 * k  # a new alignment signature: triton's own path again
+    nac_triton.fwd(a, r, m, None, 1.0, 0.0, False)
+    assert len(direct.first) == 2 * k
+
+
+def test_misaligned_inputs_compute_the_same(kernels):
+    """Inputs at a 4-byte offset (a view into a larger buffer) after aligned ones of the same
+    shapes: a new alignment signature, the same values as contiguous copies."""
+    g = torch.Generator().manual_seed(11)
+    n, D = 29, 16
+    src = [torch.randn(n * D + 1, generator=g).to(DEVICE) for _ in range(2)]
+    a, r = (t[1:].view(n, D) for t in src)
+    noise = nac_fast.draw_noise((n, D), 0.1, generator=g).to(DEVICE)
+    assert a.data_ptr() % 16
+    aligned = nac_fast.nac_loss(a.clone(), r.clone(), 0.1, noise=noise, backend="triton",
+                                reduction="none")
+    shifted = nac_fast.nac_loss(a, r, 0.1, noise=noise, backend="triton", reduction="none")
+    assert torch.equal(aligned, shifted)
+
+
+def test_the_registered_ops_still_serve_tracing(kernels):
+    """Fake tensors (what torch.compile traces with) take the registered ops: a fresh plan, no
+    cache entry."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    _, nac_triton, _ = kernels
+    with FakeTensorMode():
+        a = torch.empty(8, 16, requires_grad=True)
+        r = torch.empty(8, 16)
+        noise = torch.empty(8, 16)
+        out = nac.nac_fused("triton", a, r, noise, None, 1.0, 0.0, "none")
+        assert out.shape == (8,)
+    assert not nac_triton.FWD_PLANS.plans
+
+
+def test_probe_runs_and_reports_no_rebuild():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "host_overhead.py"),
+                          "--calls", "3", "--repeats", "1"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.loads(res.stdout.strip().splitlines()[-1])["rows"]
+    tri = [r for r in rows if r["backend"] == "triton"]
+    assert len(tri) == 2
+    for r in tri:
+        assert r["plans_recorded"] == 0 and r["launches"] >= 4 and r["host_s"] > 0
+    assert {r["backend"] for r in rows} >= {"triton-op-path", "cpu", "cpu-op-path", "reference"}
