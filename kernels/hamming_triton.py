@@ -1,36 +1,78 @@
 """Triton kernels of the Hamming retrieval engine (nac_fast/ops/search.py and
-nac_fast/ops/retrieval.py, backend="triton").
+nac_fast/ops/retrieval.py, backend="triton"; nac_fast.HashIndex on a GPU).
 
 Codes are packed in int64 words (nac_fast.ops.codes.PackedCodes); distances are popcounts of
-XORed words, docs/math.md [M:hamming].
+XORed words, docs/math.md [M:hamming].  Nothing of size Q x G exists in the top-k or the
+retrieval pass; only :func:`cdist` (hamming_distance, whose output is the Q x G matrix) and the
+small exact steps below write distances.
 
-    hamming_cdist(q, g)             (Q, G) int32 distances             grid (Q tiles, G tiles)
-    hamming_average_precision(...)  per-query AP over the full ranking [M:ap], ties by gallery
-                                    index [M:rank]
+    cdist(q, g)                (Q, G) int32 distances                     grid (Q tiles, G tiles)
+    topk(q, g, k)              the k nearest, ties by gallery index [M:rank], exact
+    retrieval(q, g, ...)       per-query AP over the full ranking [M:ap] by counting sort
+                               [M:ap-count], the hits and precision sums at rank cut-offs
+                               ([M:ap-at-k], [M:precision-at-n]) and the distance histograms
+                               ([M:radius], [M:pr-curve]): what the C++ hamming_retrieval returns
+    average_precision(...)     retrieval's AP alone
 
-AP without sorting, by counting sort over the D + 1 distances, docs/math.md [M:ap-count] (the
-same algorithm as csrc/hamming.cpp).  One program owns one query and makes two passes over the
-gallery in index order: pass 1 counts the items and the relevant items per distance; pass 2 walks
-the tiles again carrying per-distance counters, and gets the within-tile order of equal distances
-from a cumulative sum over a one-hot (tile x bins) matrix.  Nothing of size Q x G exists.  The
-sums are float64, like the reference and the C++ kernel.
+**Top-k** (exact, ties by index [M:rank]).  A bound T_q >= the k-th smallest distance of each query
+comes first: the exact k-th distance over a strided sample of the gallery (every
+SAMPLE_RATIO-th code; recursively, the sample's own bound comes from its sample, down to
+BASE_ROWS codes whose distances are computed outright).  Then one pass over the gallery
+(``_topk_filter_kernel``: a program owns a block of queries and a contiguous slice of the gallery,
+walking it tile by tile) keeps, per (query, slice), the first CA items with d < T in gallery order
+and the first k items with d == T; a tile with no such item (the usual case once T is tight) costs
+one compare per pair and one branch.  The candidates are keys (d << 40 | index), and one
+torch.topk over each query's few candidate slots gives the answer: every item of the true top-k is
+among them (all items with d < T, and the first k of each slice at d == T), so the result is
+exact with ties by index.  A slice holding more than CA items below T (the bound was loose there)
+is detected; the query runs again with the k-th distance of its candidates as the bound, which is
+strictly lower, so the loop ends.  Memory: the candidate slots, Q x splits x (CA + k) int64, and
+the bound's small sample distances; never Q x G.
 
-The popcount is SWAR on the two 32-bit halves of each word (every intermediate non-negative), the
-form the interpreter (TRITON_INTERPRET=1, what CI runs on CPU tensors) can execute; the reference
-backend of nac_fast/ops/search.py uses the same formula in torch ops.
+**Retrieval / AP.**  One program owns a block of BQ queries, one per lane, and a slice of the
+gallery; it reads each gallery code once (a broadcast load) for all its queries and walks the
+slice in gallery order.  Pass 1 (``_ap_hist_kernel``) counts, per (slice, distance, query), the
+items and the relevant items (packed in one int64: count + relevant << 32) in a scratch buffer that
+each lane updates at its own address, so no two lanes touch the same word and no atomics are
+needed.  Between the passes, torch turns the counts into each slice's starting counters: items of
+smaller distance anywhere, plus items of the same distance in earlier slices.  Pass 2
+(``_ap_rank_kernel``) walks the slice again from those counters: an item's rank and hits are its
+distance's counter after the increment, exactly [M:ap-count]; hits / rank is summed in float64 for
+the relevant items (and per rank cut-off).  The sums over slices are taken in a fixed order.
+
+The popcount is ``popc.b64`` (PTX, ``tl.inline_asm_elementwise``) on a GPU, and SWAR on the two
+32-bit halves of each word under the interpreter (TRITON_INTERPRET=1, what CI runs on CPU tensors;
+it cannot run inline assembly): the constexpr ASM picks, from the tensors' device (a meta tensor,
+as bench/compile_check.py plans with, counts as a GPU).  The reference backend of
+nac_fast/ops/search.py uses the same SWAR formula in torch ops.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import Launch, cdiv, run
+from .launch import Launch, cdiv, run, target_of
 
-# Bins of the per-distance counters are a power of two >= D + 1; beyond this the one-hot tile no
-# longer fits in registers and nac_fast/ops/search.py falls back to the reference backend.
+# Bins of the retrieval pass are D + 1 counters per query and gallery slice; nac_fast/ops/search.py
+# sends longer codes to the reference backend (distances and top-k have no such limit).
 MAX_BITS = 1023
 
+KEY_SHIFT = 40                         # top-k candidate key: distance << 40 | gallery index
+KEY_INDEX_MASK = (1 << KEY_SHIFT) - 1
+EMPTY_KEY = (1 << 63) - 1              # an unused candidate slot
+TOPK_MAX_K = 1024                      # larger k: chunked cdist + torch.topk (rank() is Q x G)
+SAMPLE_RATIO = 16                      # the bound's sample: every 16th code (+1/16 of the work)
+BASE_ROWS = 4096                       # a sample this small: its distances outright
+BASE_PAIRS = 1 << 22                   # queries x codes of one outright step (16 MiB int32)
+DIRECT_PAIRS = 1 << 24                 # the chunk of the k > TOPK_MAX_K path (12 B a pair)
+
+
+# --------------------------------------------------------------------------------------------
+# Popcount
+# --------------------------------------------------------------------------------------------
 
 @triton.jit
 def _popcount32(x):
@@ -50,8 +92,23 @@ def _popcount64(x):
 
 
 @triton.jit
+def _popc(x, ASM: tl.constexpr):
+    """int32 bit count of int64 words: the POPC instruction on a GPU, SWAR in the interpreter."""
+    if ASM:
+        c = tl.inline_asm_elementwise("popc.b64 $0, $1;", "=r,l", [x], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    else:
+        c = _popcount64(x).to(tl.int32)
+    return c
+
+
+# --------------------------------------------------------------------------------------------
+# Distances (Q x G): hamming_distance, and the bound's small sample
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
 def _cdist_kernel(q_ptr, g_ptr, out_ptr, Q, G, W,
-                  BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr):
+                  BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, ASM: tl.constexpr):
     rq = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     rg = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     mq = rq < Q
@@ -62,82 +119,254 @@ def _cdist_kernel(q_ptr, g_ptr, out_ptr, Q, G, W,
     for w in range(0, W):
         qw = tl.load(q_ptr + rq64 * W + w, mask=mq, other=0)
         gw = tl.load(g_ptr + rg64 * W + w, mask=mg, other=0)
-        acc += _popcount64(qw[:, None] ^ gw[None, :]).to(tl.int32)
+        acc += _popc(qw[:, None] ^ gw[None, :], ASM)
     tl.store(out_ptr + rq64[:, None] * G + rg64[None, :], acc, mask=mq[:, None] & mg[None, :])
 
 
+# --------------------------------------------------------------------------------------------
+# Retrieval: the two passes, one query per lane
+# --------------------------------------------------------------------------------------------
+
 @triton.jit
-def _tile_dist_rel(q_ptr, g_ptr, ql_ptr, gl_ptr, qrow, rg, mg, W, LW, MULTI: tl.constexpr):
-    """Distances (-1 outside the gallery) and relevance of one query against one gallery tile."""
-    rg64 = rg.to(tl.int64)
-    d = tl.zeros(rg.shape, dtype=tl.int32)
-    for w in range(0, W):
-        qw = tl.load(q_ptr + qrow * W + w)
-        gw = tl.load(g_ptr + rg64 * W + w, mask=mg, other=0)
-        d += _popcount64(qw ^ gw).to(tl.int32)
-    if MULTI:  # multi-hot labels packed in LW words: relevant = shares a label
-        hit = tl.zeros(rg.shape, dtype=tl.int32)
-        for w in range(0, LW):
-            qlw = tl.load(ql_ptr + qrow * LW + w)
-            glw = tl.load(gl_ptr + rg64 * LW + w, mask=mg, other=0)
-            hit |= ((qlw & glw) != 0).to(tl.int32)
-        rel = (hit != 0) & mg
+def _lane_words(ptr, rq64, mq, W: tl.constexpr):
+    """The first four words of each lane's row (copies of word 0 past W): kept in registers."""
+    w0 = tl.load(ptr + rq64 * W, mask=mq, other=0)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if W > 1:
+        w1 = tl.load(ptr + rq64 * W + 1, mask=mq, other=0)
+    if W > 2:
+        w2 = tl.load(ptr + rq64 * W + 2, mask=mq, other=0)
+    if W > 3:
+        w3 = tl.load(ptr + rq64 * W + 3, mask=mq, other=0)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _tile_dist(q_ptr, rq64, mq, q0, q1, q2, q3, g_ptr, rg64, GS, mg, W: tl.constexpr,
+               ASM: tl.constexpr):
+    """(BQ, U) int32 distances of the lanes' queries to gallery rows rg64 (row stride GS words;
+    -1 where not mg)."""
+    gb = g_ptr + rg64 * GS
+    d = _popc(q0[:, None] ^ tl.load(gb, mask=mg, other=0)[None, :], ASM)
+    if W > 1:
+        d += _popc(q1[:, None] ^ tl.load(gb + 1, mask=mg, other=0)[None, :], ASM)
+    if W > 2:
+        d += _popc(q2[:, None] ^ tl.load(gb + 2, mask=mg, other=0)[None, :], ASM)
+    if W > 3:
+        d += _popc(q3[:, None] ^ tl.load(gb + 3, mask=mg, other=0)[None, :], ASM)
+    if W > 4:
+        for w in range(4, W):
+            qw = tl.load(q_ptr + rq64 * W + w, mask=mq, other=0)
+            d += _popc(qw[:, None] ^ tl.load(gb + w, mask=mg, other=0)[None, :], ASM)
+    return tl.where(mg[None, :], d, -1)
+
+
+@triton.jit
+def _tile_rel(ql_ptr, rq64, mq, l0, l1, gl_ptr, rg64, mg, LW: tl.constexpr, MULTI: tl.constexpr):
+    """(BQ, U) bool: gallery row relevant to the lane's query (same class id; or, multi-hot packed
+    in LW words, a shared label) [M:relevance]; False where not mg."""
+    if MULTI:
+        gb = gl_ptr + rg64 * LW
+        hit = l0[:, None] & tl.load(gb, mask=mg, other=0)[None, :]
+        if LW > 1:
+            hit |= l1[:, None] & tl.load(gb + 1, mask=mg, other=0)[None, :]
+        if LW > 2:
+            for w in range(2, LW):
+                qlw = tl.load(ql_ptr + rq64 * LW + w, mask=mq, other=0)
+                hit |= qlw[:, None] & tl.load(gb + w, mask=mg, other=0)[None, :]
+        rel = hit != 0
     else:
-        rel = (tl.load(gl_ptr + rg64, mask=mg, other=0) == tl.load(ql_ptr + qrow)) & mg
-    return tl.where(mg, d, -1), rel
+        rel = l0[:, None] == tl.load(gl_ptr + rg64, mask=mg, other=0)[None, :]
+    return rel & mg[None, :]
 
 
 @triton.jit
-def _tile_onehot(q_ptr, g_ptr, ql_ptr, gl_ptr, qrow, g0, G, bins, W, LW, MULTI: tl.constexpr,
-                 BLOCK_G: tl.constexpr):
-    """(one-hot of each tile item's distance over the bins (BLOCK_G x NB int32, all zero past the
-    gallery's end), relevance) for the gallery tile starting at g0."""
-    rg = g0 + tl.arange(0, BLOCK_G)
-    d, rel = _tile_dist_rel(q_ptr, g_ptr, ql_ptr, gl_ptr, qrow, rg, rg < G, W, LW, MULTI)
-    return (d[:, None] == bins[None, :]).to(tl.int32), rel
+def _tile_counts(d, rel, U: tl.constexpr):
+    """Within a tile of U rows in gallery order, for each (lane, row): the earlier rows of the
+    same distance, those of them that are relevant, all rows of that distance, and the relevant
+    ones.  U = 1 (the GPU's step): 0, 0, 1, rel."""
+    same = d[:, :, None] == d[:, None, :]                                    # (BQ, U, U)
+    u = tl.arange(0, U)
+    before = u[None, :, None] > u[None, None, :]
+    relv = rel[:, None, :]
+    e_all = tl.sum((same & before).to(tl.int64), axis=2)
+    e_rel = tl.sum((same & before & relv).to(tl.int64), axis=2)
+    n_all = tl.sum(same.to(tl.int64), axis=2)
+    n_rel = tl.sum((same & relv).to(tl.int64), axis=2)
+    return e_all, e_rel, n_all, n_rel
+
+
+# --------------------------------------------------------------------------------------------
+# Top-k: the filter pass
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _topk_filter_kernel(q_ptr, g_ptr, t_ptr, key_ptr, na_ptr, Q, G, GS, L, CA, KB, NSPLIT,
+                        W: tl.constexpr, BQ: tl.constexpr, BG: tl.constexpr,
+                        ASM: tl.constexpr):
+    """Program (query block, slice s): rows [s L, s L + L) of the gallery view (row stride GS
+    words).  Keys d << 40 | row of the first CA rows with d < T and the first KB rows with d == T,
+    in row order, into key_ptr[q, s, 0:CA] and [q, s, CA:CA+KB]; the count of rows with d < T
+    into na_ptr[q, s]."""
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    rq = pid * BQ + tl.arange(0, BQ)
+    mq = rq < Q
+    rq64 = rq.to(tl.int64)
+    t = tl.load(t_ptr + rq, mask=mq, other=-1)  # -1: a padding lane takes nothing
+    q0, q1, q2, q3 = _lane_words(q_ptr, rq64, mq, W)
+    slot0 = key_ptr + (rq64 * NSPLIT + s) * (CA + KB)
+    start = s * L
+    end = tl.minimum(start + L, G)
+    cnt_a = tl.zeros([BQ], dtype=tl.int32)
+    cnt_b = tl.zeros([BQ], dtype=tl.int32)
+    for g0 in range(start, end, BG):
+        rg = g0 + tl.arange(0, BG)
+        mg = rg < end
+        rg64 = rg.to(tl.int64)
+        d = _tile_dist(q_ptr, rq64, mq, q0, q1, q2, q3, g_ptr, rg64, GS, mg, W, ASM)
+        d = tl.where(mg[None, :], d, 1 << 30)
+        lt = d < t[:, None]
+        eq = d == t[:, None]
+        if tl.max(tl.max((lt | eq).to(tl.int32), axis=1), axis=0) > 0:
+            # positions in row order: a running count per query plus the count within the tile
+            c = tl.cumsum(lt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=1)
+            pa = cnt_a[:, None] + (c & 0xFFFF) - 1
+            pb = cnt_b[:, None] + (c >> 16) - 1
+            key = (d.to(tl.int64) << 40) | rg64[None, :]
+            tl.store(slot0[:, None] + pa, key, mask=lt & (pa < CA))
+            tl.store(slot0[:, None] + CA + pb, key, mask=eq & (pb < KB))
+            cnt_a += tl.sum(lt.to(tl.int32), axis=1)
+            cnt_b += tl.sum(eq.to(tl.int32), axis=1)
+    tl.store(na_ptr + rq64 * NSPLIT + s, cnt_a, mask=mq)
 
 
 @triton.jit
-def _ap_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, ap_ptr, nrel_ptr, G, W, LW,
-               MULTI: tl.constexpr, NB: tl.constexpr, BLOCK_G: tl.constexpr):
-    qrow = tl.program_id(0).to(tl.int64)
-    bins = tl.arange(0, NB)
-    cnt = tl.zeros((NB,), dtype=tl.int32)
-    rcnt = tl.zeros((NB,), dtype=tl.int32)
-    # pass 1: per-distance counts of all and of relevant items
-    for g0 in range(0, G, BLOCK_G):
-        oh, rel = _tile_onehot(q_ptr, g_ptr, ql_ptr, gl_ptr, qrow, g0, G, bins, W, LW, MULTI,
-                               BLOCK_G)
-        cnt += tl.sum(oh, axis=0)
-        rcnt += tl.sum(oh * rel.to(tl.int32)[:, None], axis=0)
-    R = tl.sum(rcnt, axis=0)
-    # counters carried across tiles: items ranked before the current tile's items of distance d
-    seen = tl.cumsum(cnt, axis=0) - cnt
-    rseen = tl.cumsum(rcnt, axis=0) - rcnt
-    psum = tl.zeros((BLOCK_G,), dtype=tl.float64)
-    # pass 2: rank and hits of every relevant item, in gallery order
-    for g0 in range(0, G, BLOCK_G):
-        oh, rel = _tile_onehot(q_ptr, g_ptr, ql_ptr, gl_ptr, qrow, g0, G, bins, W, LW, MULTI,
-                               BLOCK_G)
-        roh = oh * rel.to(tl.int32)[:, None]
-        # inclusive count of same-distance (relevant) items up to each row of the tile
-        rank = tl.sum(oh * (tl.cumsum(oh, axis=0) + seen[None, :]), axis=1)
-        hits = tl.sum(oh * (tl.cumsum(roh, axis=0) + rseen[None, :]), axis=1)
-        psum += tl.where(rel, hits.to(tl.float64) / tl.maximum(rank, 1).to(tl.float64), 0.0)
-        seen += tl.sum(oh, axis=0)
-        rseen += tl.sum(roh, axis=0)
-    total = tl.sum(psum, axis=0)
-    ap = tl.where(R > 0, total / tl.maximum(R, 1).to(tl.float64), float("nan"))
-    tl.store(ap_ptr + qrow, ap)
-    tl.store(nrel_ptr + qrow, R.to(tl.int64))
+def _ap_hist_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, h_ptr, Q, G, L, QP, NB,
+                    W: tl.constexpr, LW: tl.constexpr, MULTI: tl.constexpr, BQ: tl.constexpr,
+                    U: tl.constexpr, ASM: tl.constexpr):
+    """Pass 1.  h[s, d, q] += 1 + (relevant << 32) for every row of slice s (h zeroed); in a
+    tile, the last row of each distance adds the tile's count for it, so no two lanes or rows
+    write one counter at once."""
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    rq = pid * BQ + tl.arange(0, BQ)
+    mq = rq < Q
+    rq64 = rq.to(tl.int64)
+    q0, q1, q2, q3 = _lane_words(q_ptr, rq64, mq, W)
+    if MULTI:
+        l0, l1, l2, l3 = _lane_words(ql_ptr, rq64, mq, LW)
+    else:
+        l0 = tl.load(ql_ptr + rq64, mask=mq, other=0)
+        l1 = l0
+    row = h_ptr + s.to(tl.int64) * NB * QP + rq64
+    start = s * L
+    end = tl.minimum(start + L, G)
+    for g0 in range(start, end, U):
+        rg = g0 + tl.arange(0, U)
+        mg = rg < end
+        rg64 = rg.to(tl.int64)
+        d = _tile_dist(q_ptr, rq64, mq, q0, q1, q2, q3, g_ptr, rg64, W, mg, W, ASM)
+        rel = _tile_rel(ql_ptr, rq64, mq, l0, l1, gl_ptr, rg64, mg, LW, MULTI)
+        e_all, e_rel, n_all, n_rel = _tile_counts(d, rel, U)
+        ok = mq[:, None] & mg[None, :]
+        p = row[:, None] + tl.maximum(d, 0).to(tl.int64) * QP
+        v = tl.load(p, mask=ok, other=0)
+        tl.store(p, v + n_all + (n_rel << 32), mask=ok & (e_all + 1 == n_all))
 
 
-def _num_bins(nbits: int) -> int:
-    return triton.next_power_of_2(nbits + 1)
+@triton.jit
+def _ap_rank_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, c_ptr, psum_ptr, cut_ptr, cps_ptr, chit_ptr,
+                    Q, G, L, QP, NB,
+                    W: tl.constexpr, LW: tl.constexpr, MULTI: tl.constexpr, NCUT: tl.constexpr,
+                    BQ: tl.constexpr, U: tl.constexpr, ASM: tl.constexpr):
+    """Pass 2.  c[s, d, q] holds, packed as in pass 1, the items (relevant items) ranked before
+    slice s's first item of distance d; walking the slice in order, an item's rank (hits) is its
+    distance's counter plus the earlier items of that distance in its tile, plus one (plus one
+    if relevant) [M:ap-count].  psum[s, q] = sum over the relevant items of hits / rank; per
+    cut-off K (cut_ptr, NCUT of them) cps / chit[s, c, q]: that sum and the count over the
+    relevant items of rank <= K (both zeroed)."""
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    rq = pid * BQ + tl.arange(0, BQ)
+    mq = rq < Q
+    rq64 = rq.to(tl.int64)
+    s64 = s.to(tl.int64)
+    q0, q1, q2, q3 = _lane_words(q_ptr, rq64, mq, W)
+    if MULTI:
+        l0, l1, l2, l3 = _lane_words(ql_ptr, rq64, mq, LW)
+    else:
+        l0 = tl.load(ql_ptr + rq64, mask=mq, other=0)
+        l1 = l0
+    row = c_ptr + s64 * NB * QP + rq64
+    psum = tl.zeros([BQ], dtype=tl.float64)
+    start = s * L
+    end = tl.minimum(start + L, G)
+    for g0 in range(start, end, U):
+        rg = g0 + tl.arange(0, U)
+        mg = rg < end
+        rg64 = rg.to(tl.int64)
+        d = _tile_dist(q_ptr, rq64, mq, q0, q1, q2, q3, g_ptr, rg64, W, mg, W, ASM)
+        rel = _tile_rel(ql_ptr, rq64, mq, l0, l1, gl_ptr, rg64, mg, LW, MULTI)
+        e_all, e_rel, n_all, n_rel = _tile_counts(d, rel, U)
+        ok = mq[:, None] & mg[None, :]
+        p = row[:, None] + tl.maximum(d, 0).to(tl.int64) * QP
+        v = tl.load(p, mask=ok, other=0)
+        tl.store(p, v + n_all + (n_rel << 32), mask=ok & (e_all + 1 == n_all))
+        take = rel & ok
+        rank = (v & 0xFFFFFFFF) + e_all + 1
+        hits = (v >> 32) + e_rel + 1
+        term = tl.where(take, hits.to(tl.float64) / rank.to(tl.float64), 0.0)
+        psum += tl.sum(term, axis=1)
+        if NCUT > 0:
+            for c in tl.static_range(NCUT):
+                m = take & (rank <= tl.load(cut_ptr + c))
+                n = tl.sum(m.to(tl.int64), axis=1)
+                add = tl.sum(tl.where(m, term, 0.0), axis=1)
+                hit = mq & (n > 0)
+                pc = cps_ptr + (s64 * NCUT + c) * QP + rq64
+                tl.store(pc, tl.load(pc, mask=hit, other=0.0) + add, mask=hit)
+                ph = chit_ptr + (s64 * NCUT + c) * QP + rq64
+                tl.store(ph, tl.load(ph, mask=hit, other=0) + n, mask=hit)
+    tl.store(psum_ptr + s64 * QP + rq64, psum, mask=mq)
 
+
+# --------------------------------------------------------------------------------------------
+# Configurations and plans (kernels/launch.py: the op runs its plan; bench/compile_check.py
+# compiles the same plans for sm_80 / sm_90 from meta tensors)
+# --------------------------------------------------------------------------------------------
 
 CDIST_BLOCKS = (32, 64)      # (queries, gallery items) per program
-AP_TILE_ELEMS = 8192         # one-hot tile of BLOCK_G x NB int32 in registers
+# top-k filter: (BQ, BG, warps); the interpreter takes wide numpy steps
+TOPK_CONFIG = {"gpu": (32, 32, 4), "interpreter": (32, 256, 1)}
+# retrieval passes: (BQ queries = lanes, U gallery rows per loop step, warps): the GPU walks one
+# row at a time (U = 1: each lane one counter update a row), the interpreter takes wide numpy
+# steps; GPU programs per SM the split aims for (their counters stay in L1 / L2)
+AP_CONFIG = {"gpu": (128, 1, 4), "interpreter": (32, 64, 1)}
+AP_PROGRAMS_PER_SM = 4
+TOPK_WAVES = 2               # top-k programs: two waves of what the GPU keeps resident
+TOPK_MIN_TILES = 4           # a top-k slice spans at least this many tiles
+
+
+def _asm(device: torch.device) -> bool:
+    """Inline-PTX popcount: on a GPU (and for the compile check's meta tensors), not in the
+    interpreter (CPU tensors)."""
+    return device.type != "cpu"
+
+
+def _target(device: torch.device, target=None):
+    if target is not None:
+        return target
+    if device.type == "meta":  # only planned, for the compile check: an H100
+        from .launch import SM90
+        return SM90
+    return target_of(device)
+
+
+def _kind(target) -> str:
+    return "interpreter" if target.arch == 0 else "gpu"
 
 
 def cdist_plan(qw: torch.Tensor, gw: torch.Tensor, out: torch.Tensor):
@@ -145,18 +374,101 @@ def cdist_plan(qw: torch.Tensor, gw: torch.Tensor, out: torch.Tensor):
     G = gw.shape[0]
     BQ, BG = CDIST_BLOCKS
     return [Launch(_cdist_kernel, (cdiv(Q, BQ), cdiv(G, BG)), (qw, gw, out, Q, G, W),
-                   dict(BLOCK_Q=BQ, BLOCK_G=BG), 4, 1, "hamming_cdist")]
+                   dict(BLOCK_Q=BQ, BLOCK_G=BG, ASM=_asm(qw.device)), 4, 1, "hamming_cdist")]
 
 
-def ap_plan(qw, gw, ql, gl, nbits: int, ap: torch.Tensor, nrel: torch.Tensor):
+def topk_split(Q: int, G: int, programs: int, bq: int, bg: int) -> int:
+    """Gallery slices of the filter pass: `programs` programs in all (two waves of what the GPU
+    keeps resident), each slice at least TOPK_MIN_TILES tiles long."""
+    return max(1, min(cdiv(programs, cdiv(Q, bq)), cdiv(G, bg * TOPK_MIN_TILES)))
+
+
+def _topk_programs(tg, qw, gview, t) -> int:
+    if tg.arch == 0:
+        return tg.sms
+    bq, bg, warps = TOPK_CONFIG["gpu"]
+    one = torch.empty(1, dtype=torch.int64, device=qw.device)
+    probe = Launch(_topk_filter_kernel, (1, 1), (qw, gview, t, one, one.to(torch.int32), 1, 1,
+                                                  gview.stride(0), bg, 1, 1, 1),
+                   dict(W=qw.shape[1], BQ=bq, BG=bg, ASM=_asm(qw.device)), warps, 1)
+    return TOPK_WAVES * tg.programs(probe)
+
+
+def topk_capacity(k: int, expect: float, nsplit: int) -> int:
+    """Slots per (query, slice) for the items below the bound: k, or twice the slice's share of
+    `expect` (the items below the bound expected over the whole view) plus 8, if more."""
+    return max(int(k), int(math.ceil(2.0 * expect / nsplit)) + 8)
+
+
+def topk_plan(qw, gview, t, k: int, expect: float, target=None, capacity=None):
+    """(launches, keys (Q, splits * (CA + k)) int64, na (Q, splits) int32, CA) of the filter pass
+    over the gallery view `gview` (rows of W words, any row stride) with bounds t (Q,) int32."""
+    Q, W = qw.shape
+    G = gview.shape[0]
+    tg = _target(qw.device, target)
+    bq, bg, warps = TOPK_CONFIG[_kind(tg)]
+    nsplit = topk_split(Q, G, _topk_programs(tg, qw, gview, t), bq, bg)
+    L = cdiv(cdiv(G, nsplit), bg) * bg
+    nsplit = cdiv(G, L)
+    ca = capacity if capacity is not None else topk_capacity(k, expect, nsplit)
+    keys = torch.full((Q, nsplit * (ca + k)), EMPTY_KEY, dtype=torch.int64, device=qw.device)
+    na = torch.empty((Q, nsplit), dtype=torch.int32, device=qw.device)
+    L_ = Launch(_topk_filter_kernel, (cdiv(Q, bq), nsplit),
+                (qw, gview, t, keys, na, Q, G, gview.stride(0), L, ca, k, nsplit),
+                dict(W=W, BQ=bq, BG=bg, ASM=_asm(qw.device)), warps, 1, "hamming_topk")
+    return [L_], keys, na, ca
+
+
+def ap_split(Q: int, G: int, target, bq: int, u: int) -> int:
+    programs = target.sms * (1 if target.arch == 0 else AP_PROGRAMS_PER_SM)
+    return max(1, min(cdiv(programs, cdiv(Q, bq)), cdiv(G, 16 * u)))
+
+
+def retrieval_plan(qw, gw, ql, gl, nbits: int, cuts=(), target=None):
+    """The two passes' launches and buffers: (hist launch, rank launch, buffers dict).  The rank
+    launch reads buffers["start"], which the caller fills from buffers["hist"] between them
+    (:func:`retrieval`)."""
     Q, W = qw.shape
     G = gw.shape[0]
     multi = ql.dim() == 2
-    NB = _num_bins(nbits)
-    return [Launch(_ap_kernel, (Q,), (qw, gw, ql, gl, ap, nrel, G, W, ql.shape[1] if multi else 1),
-                   dict(MULTI=multi, NB=NB, BLOCK_G=max(16, AP_TILE_ELEMS // NB)), 4, 1,
-                   "hamming_ap")]
+    LW = ql.shape[1] if multi else 1
+    tg = _target(qw.device, target)
+    bq, u, warps = AP_CONFIG[_kind(tg)]
+    nsplit = ap_split(Q, G, tg, bq, u)
+    L = cdiv(cdiv(G, nsplit), u) * u
+    nsplit = cdiv(G, L)
+    NB = nbits + 1
+    QP = cdiv(Q, bq) * bq
+    dev = qw.device
+    ncut = len(cuts)
+    buf = dict(hist=torch.zeros((nsplit, NB, QP), dtype=torch.int64, device=dev),
+               start=torch.empty((nsplit, NB, QP), dtype=torch.int64, device=dev),
+               psum=torch.empty((nsplit, QP), dtype=torch.float64, device=dev),
+               cuts=torch.tensor(list(cuts) or [0], dtype=torch.int64).to(dev),
+               cps=torch.zeros((nsplit, max(ncut, 1), QP), dtype=torch.float64, device=dev),
+               chit=torch.zeros((nsplit, max(ncut, 1), QP), dtype=torch.int64, device=dev),
+               nsplit=nsplit, QP=QP)
+    grid = (cdiv(Q, bq), nsplit)
+    common = dict(W=W, LW=LW, MULTI=multi, BQ=bq, U=u, ASM=_asm(dev))
+    hist = Launch(_ap_hist_kernel, grid, (qw, gw, ql, gl, buf["hist"], Q, G, L, QP, NB),
+                  common, warps, 1, "hamming_ap_hist")
+    rank = Launch(_ap_rank_kernel, grid,
+                  (qw, gw, ql, gl, buf["start"], buf["psum"], buf["cuts"], buf["cps"],
+                   buf["chit"], Q, G, L, QP, NB), dict(common, NCUT=ncut), warps, 1,
+                  "hamming_ap_rank")
+    return hist, rank, buf
 
+
+def ap_plan(qw, gw, ql, gl, nbits: int, ap: torch.Tensor, nrel: torch.Tensor, target=None):
+    """The launches of :func:`average_precision` (both passes; ap / nrel are filled from their
+    buffers by torch ops)."""
+    hist, rank, _ = retrieval_plan(qw, gw, ql, gl, nbits, (), target)
+    return [hist, rank]
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
 
 def cdist(qw: torch.Tensor, gw: torch.Tensor) -> torch.Tensor:
     """(Q, G) int32 Hamming distances of packed codes (int64 words, same word count)."""
@@ -165,15 +477,140 @@ def cdist(qw: torch.Tensor, gw: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _kth_outright(qw: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor:
+    """(Q,) int32: the exact k-th smallest distance of each query over the (small) codes g."""
+    step = max(1, BASE_PAIRS // g.shape[0])
+    out = [torch.topk(cdist(qw[s:s + step], g), k, dim=1, largest=False, sorted=True).values[:, -1]
+           for s in range(0, qw.shape[0], step)]
+    return torch.cat(out)
+
+
+def _outright_rows(k: int) -> int:
+    return max(BASE_ROWS, SAMPLE_RATIO * k)
+
+
+def _filter(qw, gview, t, k: int, expect: float, capacity=None):
+    """The filter pass: (candidate keys (Q, slots), counts below the bound (Q, splits), CA)."""
+    launches, keys, na, ca = topk_plan(qw, gview, t, k, expect, capacity=capacity)
+    run(launches)
+    return keys, na, ca
+
+
+def _smallest_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(keys, k, dim=1, largest=False, sorted=True).values
+
+
+def kth_bound(qw: torch.Tensor, gview: torch.Tensor, k: int) -> torch.Tensor:
+    """(Q,) int32 >= the k-th smallest distance over the rows of gview (a view of >= k rows),
+    and equal to it unless a slice of the filter pass overflowed: the filter pass over gview under
+    the bound of its sample (every SAMPLE_RATIO-th row, recursively); few rows are done outright."""
+    S = gview.shape[0]
+    if S <= _outright_rows(k):
+        return _kth_outright(qw, gview.contiguous(), k)
+    sample = gview[::SAMPLE_RATIO]
+    t = kth_bound(qw, sample, k)
+    keys, _, _ = _filter(qw, gview, t, k, (k - 1) * S / sample.shape[0])
+    # Any k rows' largest distance bounds the k-th smallest: the candidates are real rows even if
+    # a slice overflowed, so this holds without checking.
+    return (_smallest_keys(keys, k)[:, -1] >> KEY_SHIFT).to(torch.int32)
+
+
+def _topk_direct(qw, gw, k: int):
+    """Distances in query chunks, then one top-k per chunk on the composite key distance * G +
+    index: exact, equal distances in index order.  For k > TOPK_MAX_K and small galleries."""
+    G = gw.shape[0]
+    dists, idxs = [], []
+    step = max(1, DIRECT_PAIRS // G)
+    ar = torch.arange(G, device=gw.device, dtype=torch.int64)
+    for s in range(0, qw.shape[0], step):
+        key = cdist(qw[s:s + step], gw).to(torch.int64) * G + ar
+        kk = torch.topk(key, k, dim=1, largest=False, sorted=True).values
+        dists.append(torch.div(kk, G, rounding_mode="floor").to(torch.int32))
+        idxs.append(kk % G)
+    return torch.cat(dists), torch.cat(idxs)
+
+
+def topk_workspace_bytes(Q: int, G: int, k: int, W: int, device: torch.device) -> int:
+    """An upper bound of the GPU memory :func:`topk` allocates beyond its outputs (the candidate
+    slots of the full pass, a rerun's, and the bound's sample levels and outright step)."""
+    if k > TOPK_MAX_K or G <= _outright_rows(k):
+        step = max(1, DIRECT_PAIRS // max(G, 1))
+        return min(Q, step) * G * (4 + 8 + 8) + G * 8
+    tg = _target(device)
+    bq, bg, _ = TOPK_CONFIG[_kind(tg)]
+    # at most MAX_BLOCKS_PER_SM programs per SM are resident, whatever the kernel's figure
+    nsplit = topk_split(Q, G, TOPK_WAVES * tg.sms * (1 if tg.arch == 0 else 32), bq, bg)
+    slots = nsplit * (topk_capacity(k, (k - 1) * SAMPLE_RATIO, nsplit) + k)
+    full = Q * slots * 8 * 2 + Q * nsplit * 4       # keys + topk's copy, counts
+    rows = _outright_rows(k)
+    outright = min(Q, max(1, BASE_PAIRS // rows)) * (rows * 4 + k * 12) + rows * W * 8
+    return 3 * full + outright + Q * 4 * 4         # + the bounds of the levels
+
+
+def topk(qw: torch.Tensor, gw: torch.Tensor, k: int):
+    """The k nearest rows of gw for each row of qw: (int32 distances, int64 indices), (Q, k),
+    nearest first, equal distances in index order.  Exact; no Q x G matrix (module docstring).
+    qw, gw: contiguous int64 words on one device; 1 <= k <= G."""
+    Q = qw.shape[0]
+    G = gw.shape[0]
+    if k > TOPK_MAX_K or G <= _outright_rows(k):
+        return _topk_direct(qw, gw, k)
+    sample = gw[::SAMPLE_RATIO]
+    t = kth_bound(qw, sample, k)
+    expect = (k - 1) * G / sample.shape[0]
+    keys, na, ca = _filter(qw, gw, t, k, expect)
+    top = _smallest_keys(keys, k)
+    over = (na > ca).any(1)
+    while bool(over.any()):  # host sync: a slice held more than CA items below the bound
+        rows = over.nonzero()[:, 0]
+        # the k-th distance of the candidates: k real rows, all below the old bound
+        t2 = (top[rows, k - 1] >> KEY_SHIFT).to(torch.int32)
+        ca = 2 * ca
+        keys2, na2, ca = _filter(qw[rows], gw, t2, k, expect, capacity=ca)
+        top[rows] = _smallest_keys(keys2, k)
+        over = torch.zeros_like(over)
+        over[rows] = (na2 > ca).any(1)
+    return (top >> KEY_SHIFT).to(torch.int32), top & KEY_INDEX_MASK
+
+
+def retrieval(qw, gw, ql, gl, nbits: int, cuts=(), hist: bool = False):
+    """What the C++ ``hamming_retrieval`` returns, on the tensors' device: (ap float64 (Q,) NaN
+    without a relevant item, nrel int64 (Q,), hits int64 (Q, C), psum float64 (Q, C),
+    hist int64 (Q, nbits + 1), relhist int64 (Q, nbits + 1)); the histograms are (0, nbits + 1)
+    unless ``hist``.  ql / gl: int64 (n,) class ids, or int64 (n, LW) packed multi-hot words;
+    ``cuts``: rank cut-offs, each in [1, G]."""
+    if nbits > MAX_BITS:
+        raise ValueError(f"the Triton retrieval kernels handle codes of at most {MAX_BITS} bits, "
+                         f"got {nbits}")
+    Q = qw.shape[0]
+    qw, gw, ql, gl = (t.contiguous() for t in (qw, gw, ql, gl))
+    h_launch, r_launch, buf = retrieval_plan(qw, gw, ql, gl, nbits, tuple(cuts))
+    run([h_launch])
+    h = buf["hist"]
+    cnt, rc = h & 0xFFFFFFFF, h >> 32
+    tot_c, tot_r = cnt.sum(0), rc.sum(0)                       # (NB, QP)
+    # ranked before slice s's first item of distance d: all items of smaller distance, plus the
+    # items of distance d in earlier slices
+    start_c = (tot_c.cumsum(0) - tot_c)[None] + (cnt.cumsum(0) - cnt)
+    start_r = (tot_r.cumsum(0) - tot_r)[None] + (rc.cumsum(0) - rc)
+    buf["start"].copy_(start_c + (start_r << 32))
+    run([r_launch])
+    nrel = tot_r.sum(0)[:Q]
+    psum = buf["psum"].sum(0)[:Q]
+    ap = torch.where(nrel > 0, psum / nrel.clamp(min=1).to(torch.float64), math.nan)
+    C = len(cuts)
+    hits = buf["chit"].sum(0)[:C, :Q].T.contiguous()
+    cps = buf["cps"].sum(0)[:C, :Q].T.contiguous()
+    NB = nbits + 1
+    if hist:
+        hh, rh = tot_c[:, :Q].T.contiguous(), tot_r[:, :Q].T.contiguous()
+    else:
+        hh = torch.zeros((0, NB), dtype=torch.int64, device=qw.device)
+        rh = torch.zeros((0, NB), dtype=torch.int64, device=qw.device)
+    return ap, nrel, hits, cps, hh, rh
+
+
 def average_precision(qw, gw, ql, gl, nbits: int):
     """(ap float64 (Q,), num_relevant int64 (Q,)) over the full Hamming ranking, ties by gallery
     index.  ql/gl: int64 (n,) class ids, or int64 (n, LW) packed multi-hot words."""
-    if nbits > MAX_BITS:
-        raise ValueError(f"the Triton AP kernel handles codes of at most {MAX_BITS} bits, got "
-                         f"{nbits}")
-    Q = qw.shape[0]
-    ap = torch.empty(Q, dtype=torch.float64, device=qw.device)
-    nrel = torch.empty(Q, dtype=torch.int64, device=qw.device)
-    run(ap_plan(qw.contiguous(), gw.contiguous(), ql.contiguous(), gl.contiguous(), nbits, ap,
-                nrel))
-    return ap, nrel
+    return retrieval(qw, gw, ql, gl, nbits)[:2]

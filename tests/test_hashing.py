@@ -15,6 +15,7 @@ import torch
 
 import nac_fast as H
 from nac_fast.ops import dispatch
+from test_hamming_gpu import SKIP_REASON, TRITON_DEVICE, moved, triton_runs
 from nac_fast.ops.codes import pack_bits_torch
 from nac_fast.ops.search import _ref_popcount64
 
@@ -40,11 +41,18 @@ def cpu_kernel():
 
 @pytest.fixture(params=["reference", "cpu", "triton"])
 def backend(request):
+    """Each backend on its device: "triton" on CUDA tensors on a GPU machine (bench/gpu_suite.sh's
+    test stage), on CPU tensors under TRITON_INTERPRET=1 (CI); calls go through on(backend)."""
     if request.param == "cpu":
         request.getfixturevalue("cpu_kernel")
-    if request.param == "triton" and "triton" not in H.available_backends("cpu", op="hamming"):
-        pytest.skip("the Triton Hamming kernels run on CPU tensors only under TRITON_INTERPRET=1")
+    if request.param == "triton" and not triton_runs():
+        pytest.skip(SKIP_REASON)
     return request.param
+
+
+def on(backend):
+    """nac_fast with tensor arguments on `backend`'s device and results back on the CPU."""
+    return moved(backend)
 
 
 def simd_levels(ops):
@@ -143,7 +151,7 @@ def test_popcount_kernel_matches_unpacked(cpu_kernel, bits):
 def test_hamming_distance_backends(backend, bits):
     rng = np.random.default_rng(200 + bits)
     q, g = rand_pm1(rng, 9, bits), rand_pm1(rng, 51, bits)
-    got = H.hamming_distance(q, g, backend=backend)
+    got = on(backend).hamming_distance(q, g, backend=backend)
     np.testing.assert_array_equal(got.numpy(), np_hamming(q.numpy(), g.numpy()))
 
 
@@ -154,11 +162,11 @@ def test_topk_matches_stable_full_sort(backend, bits):
     d = np_hamming(q.numpy(), g.numpy())
     order = np.argsort(d, axis=1, kind="stable")
     for k in (1, 5, 100, 257):
-        dist, idx = H.topk(q, g, k, backend=backend)
+        dist, idx = on(backend).topk(q, g, k, backend=backend)
         assert dist.dtype == torch.int32 and idx.dtype == torch.int64 and idx.shape == (13, k)
         np.testing.assert_array_equal(idx.numpy(), order[:, :k], err_msg=f"k={k}")
         np.testing.assert_array_equal(dist.numpy(), np.take_along_axis(d, order[:, :k], 1))
-    dist, idx = H.rank(q, g, backend=backend)
+    dist, idx = on(backend).rank(q, g, backend=backend)
     np.testing.assert_array_equal(idx.numpy(), order)
 
 
@@ -208,14 +216,15 @@ def np_num_relevant(ql, gl) -> np.ndarray:
 
 
 def check_ap(backend, q, ql, g, gl, **kw):
-    ap, nrel = H.average_precision(q, ql, g, gl, backend=backend, **kw)
+    ap, nrel = on(backend).average_precision(q, ql, g, gl, backend=backend, **kw)
     to_np = (lambda t: t.numpy()) if not kw.get("zero_one") else (lambda t: t.numpy() * 2 - 1)
     want = np_average_precision(to_np(q), ql.numpy(), to_np(g), gl.numpy())
     assert ap.dtype == torch.float64 and nrel.dtype == torch.int64
     np.testing.assert_array_equal(nrel.numpy(), np_num_relevant(ql.numpy(), gl.numpy()))
     np.testing.assert_array_equal(np.isnan(ap.numpy()), np.isnan(want))
     np.testing.assert_allclose(ap.numpy(), want, rtol=1e-12, atol=0, equal_nan=True)
-    m, used = H.mean_average_precision(q, ql, g, gl, backend=backend, return_num_queries=True, **kw)
+    m, used = on(backend).mean_average_precision(q, ql, g, gl, backend=backend,
+                                                 return_num_queries=True, **kw)
     assert used == int((~np.isnan(want)).sum())
     if used:
         assert m == pytest.approx(np_map(want), rel=1e-12)
@@ -236,10 +245,8 @@ def test_map_random_single_label(backend, bits):
         check_ap(backend, q, ql, g, gl)
 
 
-@pytest.mark.parametrize("backend,bits", [
-    pytest.param(b, n, marks=[pytest.mark.slow] if b == "triton" and n > 64 else [])
-    for b in ("reference", "cpu", "triton") for n in (7, 65, 128)],  # the interpreter: 5-8 s
-    indirect=["backend"])
+@pytest.mark.parametrize("backend,bits", [(b, n) for b in ("reference", "cpu", "triton")
+                                          for n in (7, 65, 128)], indirect=["backend"])
 def test_map_random_multi_label(backend, bits):
     rng = np.random.default_rng(600 + bits)
     for L in (3, 70):  # 70 labels -> 2 packed label words
@@ -268,9 +275,11 @@ def test_map_heavy_ties(backend):
 def test_map_ties_by_gallery_index_hand_example(backend):
     g = torch.ones(4, 8)  # all gallery codes equal -> one tie group ranked by index
     q = torch.ones(1, 8)
-    ap, _ = H.average_precision(q, torch.tensor([1]), g, torch.tensor([0, 1, 0, 1]), backend=backend)
+    ap, _ = on(backend).average_precision(q, torch.tensor([1]), g, torch.tensor([0, 1, 0, 1]),
+                                          backend=backend)
     assert ap.item() == pytest.approx((1 / 2 + 2 / 4) / 2)
-    ap, _ = H.average_precision(q, torch.tensor([1]), g, torch.tensor([1, 1, 0, 0]), backend=backend)
+    ap, _ = on(backend).average_precision(q, torch.tensor([1]), g, torch.tensor([1, 1, 0, 0]),
+                                          backend=backend)
     assert ap.item() == 1.0
 
 
@@ -280,16 +289,17 @@ def test_hamming_not_zero_one_dot_product(backend):
     q = torch.tensor([[1, 0, 0, 0]])
     g = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
     assert (q @ g.T).tolist() == [[1, 1]]  # equal {0,1} dot products
-    m = H.mean_average_precision(q, torch.tensor([0]), g, torch.tensor([1, 0]), zero_one=True,
-                                 backend=backend)
+    m = on(backend).mean_average_precision(q, torch.tensor([0]), g, torch.tensor([1, 0]),
+                                           zero_one=True, backend=backend)
     assert m == 1.0  # the {0,1}-dot ranking would give 1/2
 
 
 def test_map_one_query_one_item(backend):
     q, g = torch.ones(1, 128), -torch.ones(1, 128)
-    assert H.mean_average_precision(q, torch.tensor([3]), g, torch.tensor([3]), backend=backend) == 1.0
-    m, used = H.mean_average_precision(q, torch.tensor([3]), g, torch.tensor([4]), backend=backend,
-                                       return_num_queries=True)
+    assert on(backend).mean_average_precision(q, torch.tensor([3]), g, torch.tensor([3]),
+                                              backend=backend) == 1.0
+    m, used = on(backend).mean_average_precision(q, torch.tensor([3]), g, torch.tensor([4]),
+                                                 backend=backend, return_num_queries=True)
     assert math.isnan(m) and used == 0
 
 
@@ -298,9 +308,10 @@ def test_map_skips_queries_without_relevant_items(backend):
     q, g = rand_pm1(rng, 6, 16), rand_pm1(rng, 40, 16)
     gl = torch.from_numpy(rng.integers(0, 2, 40))
     ql = torch.tensor([0, 1, 7, 0, 9, 1])  # classes 7 and 9 are not in the gallery
-    ap, nrel = H.average_precision(q, ql, g, gl, backend=backend)
+    ap, nrel = on(backend).average_precision(q, ql, g, gl, backend=backend)
     assert torch.isnan(ap[[2, 4]]).all() and (nrel[[2, 4]] == 0).all()
-    m, used = H.mean_average_precision(q, ql, g, gl, backend=backend, return_num_queries=True)
+    m, used = on(backend).mean_average_precision(q, ql, g, gl, backend=backend,
+                                                 return_num_queries=True)
     assert used == 4
     assert m == pytest.approx(ap[[0, 1, 3, 5]].mean().item(), rel=1e-12)
 
@@ -312,7 +323,7 @@ def test_map_packed_input_and_large_gallery(backend):
     ql = torch.from_numpy(rng.integers(0, 10, 4))
     gl = torch.from_numpy(rng.integers(0, 10, 2500))
     want = np_average_precision(q.numpy(), ql.numpy(), g.numpy(), gl.numpy())
-    ap, _ = H.average_precision(H.pack_codes(q), ql, H.pack_codes(g), gl, backend=backend)
+    ap, _ = on(backend).average_precision(H.pack_codes(q), ql, H.pack_codes(g), gl, backend=backend)
     np.testing.assert_allclose(ap.numpy(), want, rtol=1e-12)
 
 
@@ -371,26 +382,26 @@ def _ok():
 def test_bad_inputs(backend, mutate, exc, match):
     args = mutate(_ok())
     with pytest.raises(exc, match=match):
-        H.mean_average_precision(*args, backend=backend)
+        on(backend).mean_average_precision(*args, backend=backend)
 
 
 def test_bad_inputs_other_functions(backend):
     q, g = torch.ones(3, 16), -torch.ones(5, 16)
     with pytest.raises(ValueError, match="k must be"):
-        H.topk(q, g, 6, backend=backend)
+        on(backend).topk(q, g, 6, backend=backend)
     with pytest.raises(ValueError, match="k must be"):
-        H.topk(q, g, 0, backend=backend)
+        on(backend).topk(q, g, 0, backend=backend)
     with pytest.raises(TypeError, match="k must be an int"):
-        H.topk(q, g, 2.0, backend=backend)
+        on(backend).topk(q, g, 2.0, backend=backend)
     with pytest.raises(ValueError, match="gallery_codes must contain only 0 and 1"):
-        H.hamming_distance(q.clamp(min=0), g, zero_one=True, backend=backend)
+        on(backend).hamming_distance(q.clamp(min=0), g, zero_one=True, backend=backend)
     with pytest.raises(ValueError, match="backend must be one of"):
         H.hamming_distance(q, g, backend="gpu")
     with pytest.raises(ValueError, match="nbits"):
-        H.hamming_distance(H.PackedCodes(H.pack_codes(q).words, 80), g, backend=backend)
+        on(backend).hamming_distance(H.PackedCodes(H.pack_codes(q).words, 80), g, backend=backend)
     bad = H.pack_codes(torch.ones(3, 10)).words | (1 << 20)  # a padding bit set
     with pytest.raises(ValueError, match="padding bits"):
-        H.hamming_distance(H.PackedCodes(bad, 10), torch.ones(2, 10), backend=backend)
+        on(backend).hamming_distance(H.PackedCodes(bad, 10), torch.ones(2, 10), backend=backend)
     with pytest.raises(TypeError, match="words must be int64"):
         H.unpack_codes(H.PackedCodes(torch.zeros(2, 1, dtype=torch.int32), 10))
     with pytest.raises(TypeError, match="packed must be PackedCodes"):
@@ -473,14 +484,10 @@ def test_reference_popcount_edge_words():
 # tensors under TRITON_INTERPRET=1, where the backend fixture above also runs every test)
 # ------------------------------------------------------------------------------------------
 
-TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
 @pytest.fixture
 def triton_device():
-    if "triton" not in H.available_backends(TRITON_DEVICE, op="hamming"):
-        pytest.skip(f"no Triton Hamming backend for {TRITON_DEVICE} tensors (needs a GPU or "
-                    "TRITON_INTERPRET=1)")
+    if not triton_runs():
+        pytest.skip(SKIP_REASON)
     return torch.device(TRITON_DEVICE)
 
 

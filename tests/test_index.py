@@ -12,7 +12,9 @@ import torch
 
 import nac_fast
 from nac_fast import HashIndex
+from nac_fast.index import hash_index as HI
 from nac_fast.ops import dispatch
+from test_hamming_gpu import TRITON_DEVICE, triton_runs
 
 
 def rand_codes(seed, n, bits):
@@ -27,21 +29,24 @@ def np_topk(q, g, k):
     return np.take_along_axis(d, idx, 1), idx
 
 
-BACKENDS = [b for b in ("cpu", "reference", "triton")
+BACKENDS = [b for b in ("cpu", "reference")
             if dispatch.available_backends("cpu", op="hamming", reasons=True)[b] is None]
+BACKENDS += ["triton"] if triton_runs() else []
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bits,n,k", [(1, 3, 2), (7, 97, 10), (128, 1031, 10), (65, 4099, 128),
-                                      (200, 300, 129), (3, 1031, 5)])
+                                      (200, 300, 129), (3, 1031, 5), (128, 5000, 10)])
 def test_search_matches_oracle_in_several_adds(backend, bits, n, k):
-    """Awkward sizes, few bits (heavy ties), k on both sides of the C++ small-k path (128)."""
+    """Awkward sizes, few bits (heavy ties), k on both sides of the C++ small-k path (128) and
+    of the GPU engine's outright path (4096 codes); backend "triton" on its device: a GPU index
+    (device="cuda") on a GPU machine, CPU codes under the interpreter."""
     g, q = rand_codes(bits + n, n, bits), rand_codes(7, 17, bits)
-    index = HashIndex(bits, backend=backend)
+    index = HashIndex(bits, backend=backend, device=TRITON_DEVICE if backend == "triton" else "cpu")
     for s in range(0, n, max(1, n // 3)):  # appends in order
         index.add(g[s:s + max(1, n // 3)])
     assert index.ntotal == n and len(index) == n
-    D, I = index.search(q, k)
+    D, I = index.search(q, k)  # CPU queries: results on the CPU, whatever the index's device
     wd, wi = np_topk(q.numpy(), g.numpy(), min(k, n))
     assert D.dtype == torch.int32 and I.dtype == torch.int64 and D.shape == (17, min(k, n))
     np.testing.assert_array_equal(D.numpy(), wd)
@@ -224,3 +229,71 @@ def test_failed_save_leaves_the_old_file(tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="JSON"):
         HashIndex(8, meta={"x": object()}).save(tmp_path / "y.nacidx")
     assert not (tmp_path / "y.nacidx").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# A GPU index (device="cuda", .to()): FAISS's GpuIndexBinaryFlat in spirit
+# ------------------------------------------------------------------------------------------
+
+def test_device_argument_is_checked():
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        HashIndex(16, device="meta")
+    with pytest.raises(TypeError, match="device must be a str or torch.device"):
+        HashIndex(16, device=0.5)
+    with pytest.raises(ValueError, match="is not a device"):
+        HashIndex(16, device="gpu")
+    index = HashIndex(16)
+    assert index.device == torch.device("cpu") and index.to("cpu") is index
+    if not torch.cuda.is_available():
+        for make in (lambda: HashIndex(16, device="cuda"), lambda: index.to("cuda:0"),
+                     lambda: HashIndex.load("never-read.nacidx", device="cuda")):
+            with pytest.raises(ValueError, match="no CUDA device is available"):
+                make()
+    else:
+        with pytest.raises(ValueError, match="CUDA device"):
+            HashIndex(16, device=f"cuda:{torch.cuda.device_count()}")
+
+
+def test_a_gpu_without_room_is_refused_before_anything_moves(monkeypatch):
+    """.to(GPU) checks the GPU's free memory before copying: here a GPU is pretended (no copy is
+    ever reached) with 1 MiB free for 4 MiB of codes."""
+    index = HashIndex(128)
+    index.add(rand_codes(0, 1 << 18, 128))  # 4 MiB of codes
+    monkeypatch.setattr(HI, "_check_device", lambda name, d: torch.device("cuda", 0))
+    monkeypatch.setattr(HI, "gpu_free_bytes", lambda device: 1 << 20)
+    with pytest.raises(ValueError, match=r"262,144 codes of 128 bits needs 4 MiB on cuda:0, "
+                                         r"which has 1 MiB free"):
+        index.to("cuda")
+    assert index.device == torch.device("cpu") and index.ntotal == 1 << 18
+
+
+@pytest.mark.skipif(TRITON_DEVICE != "cuda", reason="a GPU index: needs a GPU")
+def test_gpu_index_search_add_save_and_move(tmp_path):
+    g, q = rand_codes(1, 9000, 128), rand_codes(2, 33, 128)
+    cpu = HashIndex(128)
+    cpu.add(g[:5000], ids=torch.arange(5000) * 3)
+    gpu = HashIndex(128, device="cuda")
+    gpu.add(g[:5000].cuda(), ids=torch.arange(5000) * 3)  # codes from either device
+    assert gpu.codes.words.device.type == "cuda" and "device='cuda:0'" in repr(gpu)
+    for index in (cpu, gpu):
+        index.add(g[5000:], ids=torch.arange(5000, 9000) * 3)
+    wd, wi = np_topk(q.numpy(), g.numpy(), 10)
+    for queries in (q, q.cuda(), q.numpy()):
+        D, I = gpu.search(queries, 10)
+        if isinstance(queries, torch.Tensor):
+            assert D.device == queries.device
+        np.testing.assert_array_equal(np.asarray(D if isinstance(D, np.ndarray) else D.cpu()), wd)
+        np.testing.assert_array_equal(np.asarray(I if isinstance(I, np.ndarray) else I.cpu()), wi)
+    assert torch.equal(gpu.ids, cpu.ids)
+    gpu.save(tmp_path / "g.nacidx")
+    back = HashIndex.load(tmp_path / "g.nacidx", device="cuda")
+    assert back.device.type == "cuda"
+    assert torch.equal(back.codes.words.cpu(), cpu.codes.words)
+    assert back.to("cpu") is back and back.codes.words.device.type == "cpu"
+    assert torch.equal(back.search(q, 10)[1], torch.from_numpy(wi))
+    # a CPU index searched with CUDA queries: its codes copied to that GPU once
+    D, I = cpu.search(q.cuda(), 10)
+    assert I.device.type == "cuda" and torch.equal(I.cpu(), torch.from_numpy(wi))
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(ValueError, match="query codes are on cuda:1 but the index is on"):
+            gpu.search(q.to("cuda:1"), 10)

@@ -206,7 +206,11 @@ def test_search_errors_write_nothing(ckpt, folders, built, tmp_path, capsys):
         ([str(broken_q)], "1 query image(s) cannot be read"),
         ([str(tmp_path / "missing.png")], "no such file or folder"),
         (["--checkpoint", __file__, q], "is not the one"),
+        (["--device", "gpu", q], "--device 'gpu' is not a device (cpu, cuda, cuda:1, ...)"),
+        (["--device", "mps", q], "--device must be 'cpu' or 'cuda'"),
     ]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda", q], "--device 'cuda': no CUDA device is available"))
     for extra, match in cases:
         code, _, err = _run(base + extra, capsys)
         assert code == 2 and match in err, (extra, err)
@@ -219,6 +223,23 @@ def test_search_errors_write_nothing(ckpt, folders, built, tmp_path, capsys):
     assert code == 0 and "returning all 60" in err
     res = json.loads(out)
     assert res["k"] == 60 and len(res["queries"][0]["results"]) == 60
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="--device cuda: needs a GPU")
+def test_search_on_the_gpu_gives_the_cpus_answer(ckpt, folders, built, capsys):
+    """--device cuda: the queries encoded and the index searched on the GPU (Triton's top-k),
+    the same neighbours, distances and tie order as on the CPU."""
+    q = str(folders / "queries")
+    runs = {}
+    for dev in ("cpu", "cuda"):
+        code, out, err = _run(["search", "--index", str(built), "--k", "7", "--no-progress",
+                               "--device", dev, q], capsys)
+        assert code == 0, err
+        runs[dev] = json.loads(out)["queries"]
+    assert [[r["id"] for r in x["results"]] for x in runs["cuda"]] == \
+        [[r["id"] for r in x["results"]] for x in runs["cpu"]]
+    assert [[r["distance"] for r in x["results"]] for x in runs["cuda"]] == \
+        [[r["distance"] for r in x["results"]] for x in runs["cpu"]]
 
 
 def test_search_refuses_to_overwrite(ckpt, folders, built, tmp_path, capsys):

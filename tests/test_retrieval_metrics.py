@@ -12,10 +12,17 @@ import torch
 
 import nac_fast
 from nac_fast.ops import dispatch
+from test_hamming_gpu import SKIP_REASON, moved, triton_runs
 
 
 @pytest.fixture(params=["reference", "cpu", "triton"])
 def backend(request):
+    """Each backend on its device: "triton" on CUDA tensors on a GPU machine, on CPU tensors
+    under TRITON_INTERPRET=1 (test_hamming_gpu.moved)."""
+    if request.param == "triton":
+        if not triton_runs():
+            pytest.skip(SKIP_REASON)
+        return request.param
     why = dispatch.available_backends("cpu", op="hamming", reasons=True)[request.param]
     if why is not None:
         pytest.skip(f"{request.param}: {why}")
@@ -101,8 +108,8 @@ def test_metrics_match_numpy_oracle(backend, nq, ng, bits, classes, L):
     radii = sorted({0, min(2, bits), bits})
     want = np_oracle(q > 0, ql, g > 0, gl, ks, ns, radii)
     T = torch.from_numpy
-    got = nac_fast.retrieval_metrics(T(q), T(ql), T(g), T(gl), topk=ks, at_n=ns, radius=radii,
-                                     pr=True, backend=backend)
+    got = moved(backend).retrieval_metrics(T(q), T(ql), T(g), T(gl), topk=ks, at_n=ns,
+                                           radius=radii, pr=True, backend=backend)
     np.testing.assert_allclose(got["map_all"], want["map_all"], rtol=1e-12)
     assert got["queries_with_relevant"] == want["used"]
     for k in ks:

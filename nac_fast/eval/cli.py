@@ -63,6 +63,7 @@ from ..data import build_eval_loader
 from .metrics import itq_codes, itq_fit, knn_accuracy, linear_probe, retrieval_split
 from ..codestats import code_statistics
 from ..ops.retrieval import mean_average_precision, retrieval_metrics
+from ..ops.search import resolve_backend
 
 TASKS = ("linear", "hash", "knn", "expressivity")
 PRECISION_AT_N = (1, 10, 50, 100, 200, 500, 1000)
@@ -298,7 +299,9 @@ def _finite(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def run_hash(args, tr, te, bits) -> dict:
+def run_hash(args, tr, te, bits, device=torch.device("cpu")) -> dict:
+    """The hashing scores, on the Hamming engine of `device`: the C++ engine for the CPU, the
+    Triton engine (kernels/hamming_triton.py) for a GPU; both exact, with the same tie order."""
     if args.hash_protocol == "standard":
         qa, ql, ga, gl = te["a"], te["labels"], tr["a"], tr["labels"]
         split = {"queries": "test split", "gallery": "train split"}
@@ -316,7 +319,8 @@ def run_hash(args, tr, te, bits) -> dict:
         ga, gl = pool_a[idx["gallery"]], pool_y[idx["gallery"]]
         split = {"queries": f"{args.queries_per_class} per class of train+test (seed "
                  f"{args.seed})", "gallery": "the rest of train+test"}
-    qc, gc = sign_codes(qa), sign_codes(ga)
+    qc, gc = sign_codes(qa).to(device), sign_codes(ga).to(device)
+    ql, gl = ql.to(device), gl.to(device)  # the engine is the one of the codes' device
     G = int(gc.shape[0])
     ks = sorted(set(args.map_at))
     ns = sorted(n for n in set(args.precision_at_n) if n <= G)
@@ -341,7 +345,8 @@ def run_hash(args, tr, te, bits) -> dict:
                    "model), not a separately trained k-bit model", "map": {},
            "queries_used": {}, "map_at": {}, "queries_with_hit_at": {},
            "precision_within_radius": {}, "empty_ball_fraction": {}, "precision_at_n": {},
-           "radius": radius}
+           "radius": radius,
+           "engine": f"{resolve_backend('auto', qc, int(qc.shape[1]))} ({qc.device.type})"}
     curves = {}
     for k in bits:
         r = retrieval_metrics(qc[:, :k].contiguous(), ql, gc[:, :k].contiguous(), gl,
@@ -361,7 +366,8 @@ def run_hash(args, tr, te, bits) -> dict:
         for k in bits:  # one rotation per prefix length, fitted on the gallery's first k bits
             fit = itq_fit(ga[:, :k], seed=args.seed)
             out["map_itq"][str(k)] = _finite(mean_average_precision(
-                itq_codes(qa[:, :k], fit), ql, itq_codes(ga[:, :k], fit), gl))
+                itq_codes(qa[:, :k], fit).to(device), ql, itq_codes(ga[:, :k], fit).to(device),
+                gl))
             out["itq_quant_error"][str(k)] = [fit["quant_error"][0], fit["quant_error"][-1]]
     return out
 
@@ -621,7 +627,7 @@ def main(argv=None) -> int:
                               "features": "h (encoder)"}
         elif task == "hash":
             try:
-                results["hash"] = run_hash(args, tr, te, bits)
+                results["hash"] = run_hash(args, tr, te, bits, device)
             except ValueError as exc:
                 if not str(exc).startswith("--queries-per-class"):
                     raise

@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint", default=None, help="the checkpoint to encode the queries "
                    "with (default: the one the index records; its SHA-256 must match)")
     s.add_argument("--batch-size", type=int, default=256)
-    s.add_argument("--device", default="cpu")
+    s.add_argument("--device", default="cpu", help="where the queries are encoded and the index "
+                   "searched: cpu, or cuda (the index's codes are copied to the GPU; Triton's "
+                   "exact top-k)")
     s.add_argument("--no-progress", dest="progress", action="store_false")
     s.add_argument("queries", nargs="+", metavar="IMAGE_OR_DIR", help="query images or folders")
 
@@ -234,10 +236,14 @@ def _query_files(items, known=()):
 
 def cmd_search(args) -> int:
     from .encode import describe_paths, file_sha256
-    from .hash_index import HashIndex
+    from .hash_index import HashIndex, _check_device
     if args.k < 1:
         raise UsageError(f"--k must be >= 1, got {args.k}")
     _positive("--batch-size", args.batch_size)
+    try:
+        device = _check_device("--device", args.device)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
     try:
         index = HashIndex.load(args.index)
     except (ValueError, FileNotFoundError) as exc:
@@ -262,6 +268,10 @@ def cmd_search(args) -> int:
         raise UsageError(f"checkpoint {ckpt!r} is not the one {args.index!r} was built with "
                          f"(SHA-256 differs): its codes would not be comparable")
     files, qlabels = _query_files(args.queries, set(index.labels or ()) - {None})
+    try:  # a GPU index: its codes copied to the GPU (room checked first), searched there
+        index.to(device)
+    except ValueError as exc:
+        raise UsageError(f"--device {args.device}: {exc}") from None
     args.checkpoint = ckpt
     args.which = m.get("which", "online")
     enc = _encoder(args, index.nbits)
@@ -275,7 +285,10 @@ def cmd_search(args) -> int:
     if k < args.k:
         print(f"note: --k {args.k} is more than the index's {index.ntotal} codes; returning all "
               f"{index.ntotal}", file=sys.stderr)
-    D, I = index.search(res.codes, k)
+    try:
+        D, I = index.search(res.codes, k)
+    except ValueError as exc:  # the search's GPU memory
+        raise UsageError(f"--device {args.device}: {exc}") from None
     paths, labels, ids = index.paths, index.labels, index.ids
     queries = []
     for qi, f in enumerate(res.files):

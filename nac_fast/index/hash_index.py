@@ -18,10 +18,20 @@ beside the codes; ``meta`` is a JSON-able dict saved with the index (``python -m
 records the checkpoint, its SHA-256, the preprocessing and the encoder mode there).
 
 Search runs through the Hamming engine's dispatcher (nac_fast/ops/search.py): the C++ engine for
-CPU queries (top-k for k <= 128 over query blocks x gallery tiles, one compare against the k-th
-distance per candidate), Triton for CUDA queries (the codes are copied to the queries' device once
-and kept there).  Memory: ceil(nbits / 64) x 8 bytes a code (16 at 128 bits), plus 8 a code when
-``ids`` are given, plus the paths and labels.
+CPU codes (top-k for k <= 128 over query blocks x gallery tiles, one compare against the k-th
+distance per candidate), Triton on a GPU (kernels/hamming_triton.py: a bound on each query's k-th
+distance from a strided sample, then one pass that keeps a few candidates per query and gallery
+slice; exact, no Q x G matrix).  Memory: ceil(nbits / 64) x 8 bytes a code (16 at 128 bits), plus
+8 a code when ``ids`` are given, plus the paths and labels.
+
+On a GPU, in the spirit of FAISS's ``GpuIndexBinaryFlat``: ``HashIndex(nbits, device="cuda")``,
+or ``index.to("cuda")`` (in place, returning the index, as ``nn.Module.to``), keeps the codes on
+that GPU; ``add`` copies new codes there and ``search`` runs there, whatever device the queries
+are on (results come back on the queries' device, numpy for numpy).  Queries on another GPU are a
+ValueError, as are codes or a search that need more memory than the GPU has free
+(``torch.cuda.mem_get_info`` plus what torch's allocator holds unused), checked before anything is
+copied or launched.  A CPU index searched with CUDA queries copies its codes to that GPU once
+(same check) and keeps the copy until the next ``add``.
 
 On disk (FORMAT_VERSION 1): an uncompressed zip holding ``meta.json`` (format name, version,
 nbits, ntotal, words per code, byte order, which of ids / paths / labels are present, and the
@@ -45,7 +55,7 @@ import torch
 
 from .. import _checks
 from ..ops.codes import MAX_BITS, PackedCodes, as_packed, check_packed
-from ..ops.search import resolve_backend, topk_words
+from ..ops.search import resolve_backend, topk_words, triton_kernels
 from .._files import atomic_write
 
 __all__ = ["HashIndex", "FORMAT", "FORMAT_VERSION"]
@@ -75,13 +85,51 @@ def _str_list(name: str, values, n: int, allow_none: bool) -> list:
     return out
 
 
+def _check_device(name: str, device) -> torch.device:
+    """A torch.device for "cpu" or an available "cuda[:i]" (a ValueError naming `name` else)."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{name} must be a str or torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{name} {device!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"{name} must be 'cpu' or 'cuda' (a GPU index), got {str(dev)!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{name} {str(dev)!r}: no CUDA device is available")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"{name} {str(dev)!r}: this machine has {torch.cuda.device_count()} "
+                         "CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+def gpu_free_bytes(device: torch.device) -> int:
+    """Bytes a new allocation can get on a CUDA device: the driver's free memory plus what torch's
+    caching allocator holds but does not use."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def check_gpu_memory(device: torch.device, need: int, what: str) -> None:
+    """ValueError (before any work) when `need` bytes do not fit in the GPU's free memory."""
+    free = gpu_free_bytes(device)
+    if need > free:
+        raise ValueError(f"{what} needs {need / 2**20:,.0f} MiB on {device}, which has "
+                         f"{free / 2**20:,.0f} MiB free")
+
+
 class HashIndex:
     """A flat Hamming index of ``nbits``-bit codes (see the module docstring).
 
     ``backend``: the Hamming engine's backend for searches ("auto", "cpu", "triton",
-    "reference"); ``meta``: a JSON-able dict saved with the index."""
+    "reference"); ``meta``: a JSON-able dict saved with the index; ``device``: where the codes
+    live and searches run ("cpu", or "cuda[:i]": a GPU index)."""
 
-    def __init__(self, nbits: int, *, backend: str = "auto", meta: dict | None = None):
+    def __init__(self, nbits: int, *, backend: str = "auto", meta: dict | None = None,
+                 device="cpu"):
         self.nbits = _check_nbits(nbits)
         self.words_per_code = (self.nbits + 63) // 64
         if not isinstance(backend, str):
@@ -90,12 +138,33 @@ class HashIndex:
         if meta is not None and not isinstance(meta, dict):
             raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
         self.meta = dict(meta or {})
+        self._device = _check_device("device", device)
         self.reset()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the codes live and searches run."""
+        return self._device
+
+    def to(self, device) -> "HashIndex":
+        """Move the codes to ``device`` ("cpu" or "cuda[:i]"), in place; returns the index.  A GPU
+        without room for them is a ValueError, before anything is copied."""
+        dev = _check_device("device", device)
+        if dev == self._device:
+            return self
+        if dev.type == "cuda":
+            check_gpu_memory(dev, self._n * self.words_per_code * 8,
+                             f"the index's {self._n:,} codes of {self.nbits} bits")
+        self._words = self._words[:self._n].to(dev)
+        self._device = dev
+        self._device_words = None
+        return self
 
     # ---------------------------------------------------------------------------- contents
     def reset(self) -> None:
-        """Remove every code (and ids, paths, labels); nbits and meta stay."""
-        self._words = torch.zeros((0, self.words_per_code), dtype=torch.int64)
+        """Remove every code (and ids, paths, labels); nbits, meta and the device stay."""
+        self._words = torch.zeros((0, self.words_per_code), dtype=torch.int64,
+                                  device=self._device)
         self._n = 0
         self._ids = None
         self._paths = None
@@ -134,6 +203,7 @@ class HashIndex:
         extra = [x for x, v in (("ids", self._ids), ("paths", self._paths),
                                 ("labels", self._labels)) if v is not None]
         return (f"HashIndex(nbits={self.nbits}, ntotal={self._n}"
+                + (f", device={str(self._device)!r}" if self._device.type != "cpu" else "")
                 + (f", with {'/'.join(extra)}" if extra else "") + ")")
 
     def add(self, codes, *, ids=None, paths=None, labels=None, zero_one: bool = False) -> None:
@@ -145,7 +215,7 @@ class HashIndex:
         p = as_packed("codes", _from_numpy(codes), zero_one)
         if p.nbits != self.nbits:
             raise ValueError(f"codes have {p.nbits} bits but the index holds {self.nbits}-bit codes")
-        words = p.words.detach().to("cpu")
+        words = p.words.detach()
         n = words.shape[0]
         new_ids = None
         if ids is not None:
@@ -165,14 +235,20 @@ class HashIndex:
                     raise ValueError(f"{name}: the index {'holds' if have is not None else 'has no'}"
                                      f" {name} for its {self._n} codes, so add() must "
                                      f"{'give' if have is not None else 'not give'} them")
-        # -- nothing has changed so far; now append
         need = self._n + n
-        if need > self._words.shape[0]:
-            cap = max(need, 2 * self._words.shape[0], 1024)
-            grown = torch.zeros((cap, self.words_per_code), dtype=torch.int64)
+        cap = max(need, 2 * self._words.shape[0], 1024) if need > self._words.shape[0] else 0
+        if self._device.type == "cuda":
+            grow = cap * self.words_per_code * 8
+            check_gpu_memory(self._device, grow + (0 if words.device == self._device else
+                                                    n * self.words_per_code * 8),
+                             f"adding {n:,} codes to the index's {self._n:,}")
+        # -- nothing has changed so far; now append
+        if cap:
+            grown = torch.zeros((cap, self.words_per_code), dtype=torch.int64,
+                                device=self._device)
             grown[:self._n] = self._words[:self._n]
             self._words = grown
-        self._words[self._n:need] = words
+        self._words[self._n:need] = words.to(self._device)
         if new_ids is not None:
             old = self._ids[:self._n] if self._ids is not None else torch.zeros(0, dtype=torch.int64)
             self._ids = torch.cat([old, new_ids])
@@ -190,7 +266,8 @@ class HashIndex:
         insertion order; indices are positions (0..ntotal-1; ``ids``, ``paths`` and ``labels``
         map them).  ``k`` > ntotal returns ntotal columns; k < 1, an empty index, or codes of
         another length are a ValueError.  numpy queries get numpy arrays back (FAISS's
-        convention)."""
+        convention).  A GPU index searches on its GPU (queries on another GPU are a ValueError,
+        as is a search that would not fit in its free memory)."""
         if isinstance(codes, np.ndarray):
             D, I = self.search(_from_numpy(codes), k, zero_one=zero_one)
             return D.numpy(), I.numpy()
@@ -204,16 +281,34 @@ class HashIndex:
             raise ValueError(f"query codes have {q.nbits} bits but the index holds "
                              f"{self.nbits}-bit codes")
         k = min(int(k), self._n)
-        gw = self._gallery_on(q.words.device)
-        if q.words.shape[0] == 0:
-            return (torch.zeros((0, k), dtype=torch.int32, device=gw.device),
-                    torch.zeros((0, k), dtype=torch.int64, device=gw.device))
-        be = resolve_backend(self.backend, q.words, self.nbits)
-        return topk_words(q.words.contiguous(), gw, k, be)
+        qdev = q.words.device
+        if self._device.type == "cuda" and qdev.type == "cuda" and qdev != self._device:
+            raise ValueError(f"the query codes are on {qdev} but the index is on {self._device}: "
+                             "move one of them")
+        run_on = self._device if self._device.type == "cuda" else qdev
+        Q = q.words.shape[0]
+        if Q == 0:
+            return (torch.zeros((0, k), dtype=torch.int32, device=qdev),
+                    torch.zeros((0, k), dtype=torch.int64, device=qdev))
+        # the engine for tensors on run_on (top-k has no bit limit), checked before any copy
+        be = resolve_backend(self.backend, torch.empty(0, dtype=torch.int64, device=run_on))
+        if run_on.type == "cuda":
+            need = Q * (self.words_per_code * 8 + k * 12)  # the queries and the results
+            if self._device.type == "cpu" and (self._device_words is None or
+                                               self._device_words.device != run_on):
+                need += self._n * self.words_per_code * 8  # the copy of the codes
+            if be == "triton":
+                need += triton_kernels().topk_workspace_bytes(Q, self._n, k,
+                                                              self.words_per_code, run_on)
+            check_gpu_memory(run_on, need, f"searching {Q:,} queries (top {k}) in "
+                             f"{self._n:,} codes")
+        gw = self._gallery_on(run_on)
+        D, I = topk_words(q.words.to(run_on).contiguous(), gw, k, be)
+        return (D.to(qdev), I.to(qdev)) if qdev != run_on else (D, I)
 
     def _gallery_on(self, device: torch.device) -> torch.Tensor:
         gw = self._words[:self._n]
-        if device.type == "cpu":
+        if device == self._device:
             return gw
         if self._device_words is None or self._device_words.device != device:
             self._device_words = gw.to(device)
@@ -237,7 +332,7 @@ class HashIndex:
             meta_bytes = json.dumps(head, indent=1, allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
             raise TypeError(f"meta must be JSON-serialisable (no NaN): {exc}") from exc
-        words = self._words[:self._n].numpy().view(np.uint64)
+        words = self._words[:self._n].cpu().numpy().view(np.uint64)
         if sys.byteorder != "little":  # pragma: no cover - no big-endian machine to test on
             words = words.byteswap()
 
@@ -254,11 +349,12 @@ class HashIndex:
         atomic_write(path, write)
 
     @classmethod
-    def load(cls, path, *, backend: str = "auto") -> "HashIndex":
-        """Read an index written by :meth:`save`.  A missing file is FileNotFoundError; a file
-        that is not a HashIndex, is truncated or damaged, or has another format version is a
-        ValueError naming it."""
+    def load(cls, path, *, backend: str = "auto", device="cpu") -> "HashIndex":
+        """Read an index written by :meth:`save`, its codes onto ``device`` (as :meth:`to`).  A
+        missing file is FileNotFoundError; a file that is not a HashIndex, is truncated or
+        damaged, or has another format version is a ValueError naming it."""
         path = os.fspath(path)
+        dev = _check_device("device", device)
         if not os.path.exists(path):
             raise FileNotFoundError(f"index {path!r}: no such file")
         if os.path.isdir(path):
@@ -306,7 +402,7 @@ class HashIndex:
         index._words, index._n = t, ntotal
         index._ids = torch.from_numpy(ids.copy()) if ids is not None else None
         index._paths, index._labels = paths, labels
-        return index
+        return index.to(dev)
 
 
 class _VersionError(Exception):

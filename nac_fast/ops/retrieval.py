@@ -31,7 +31,9 @@ Conventions (docs/math.md):
 Backends as for the search (nac_fast/ops/search.py): ``"cpu"`` runs one pass of the compiled
 kernel per query chunk (csrc/hamming.cpp ``hamming_retrieval``: no Q x G matrix, no sort, exact
 [M:ap-count]); ``"reference"`` sorts chunks of the distance matrix with torch (any device);
-``"triton"`` computes distances with kernels/hamming_triton.py (AP@all entirely on the GPU).
+``"triton"`` is the same counting-sort pass on the GPU (kernels/hamming_triton.py: one program per
+block of queries and slice of the gallery, two passes, every score of this module; no Q x G
+matrix).
 """
 from __future__ import annotations
 
@@ -123,7 +125,7 @@ def _ref_relevance(ql: torch.Tensor, gl: torch.Tensor) -> torch.Tensor:
 
 def _ref_pass(qw, gw, ql, gl, cuts, hist: bool, nbits: int, backend: str):
     """What the compiled ``hamming_retrieval`` returns, from sorted chunks of the distance matrix
-    (``backend`` computes the distances: "reference" or "triton")."""
+    (``backend`` computes the distances: "reference")."""
     G = gw.shape[0]
     nb = gw.shape[1] * 64 + 1
     dev = qw.device
@@ -168,6 +170,10 @@ def _pass(q, g, ql, gl, be, cuts=(), hist=False):
         if hist:  # the kernel's histograms have W * 64 + 1 bins; keep the D + 1 that can be hit
             out = (*out[:4], out[4][:, :q.nbits + 1], out[5][:, :q.nbits + 1])
         return out
+    if be == "triton":  # both passes on the tensors' device, no Q x G matrix [M:ap-count]
+        if ql.dim() == 2:
+            ql, gl = pack_bits_torch(ql), pack_bits_torch(gl)
+        return triton_kernels().retrieval(q.words, g.words, ql, gl, q.nbits, cuts, hist)
     out = _ref_pass(q.words, g.words, ql, gl, cuts, hist, q.nbits, be)
     if hist:
         out = (*out[:4], out[4][:, :q.nbits + 1], out[5][:, :q.nbits + 1])
@@ -187,10 +193,6 @@ def average_precision(query_codes, query_labels, gallery_codes, gallery_labels, 
         if ql.dim() == 2:  # multi-hot -> packed words, relevance = (q & g) != 0
             ql, gl = pack_bits(ql), pack_bits(gl)
         return torch.ops.nac_fast.hamming_average_precision(q.words, g.words, ql, gl)
-    if be == "triton":
-        if ql.dim() == 2:
-            ql, gl = pack_bits_torch(ql), pack_bits_torch(gl)
-        return triton_kernels().average_precision(q.words, g.words, ql, gl, q.nbits)
     return _pass(q, g, ql, gl, be)[:2]
 
 

@@ -1,0 +1,342 @@
+"""The GPU Hamming engine (kernels/hamming_triton.py): its exact top-k (bound from a strided
+sample, the filter pass, the rerun of a query whose slice overflowed) and its retrieval pass
+(counting-sort AP, rank cut-offs, histograms) against the CPU engine and the torch reference,
+on the device Triton runs on here: CUDA tensors on a GPU machine (bench/gpu_suite.sh's test
+stage), CPU tensors under TRITON_INTERPRET=1 in CI.
+
+The engine's size constants (the outright base of the bound, the sample ratio, the largest k of
+the filter) are shrunk in most tests so that small, fast cases walk every level of the recursion
+and every path; a few tests keep the real constants.  On CUDA, a search of 1,000 queries over
+2M codes must stay within the workspace the engine reports, far below Q x G.
+
+Also the helper the other hashing test files use to run backend="triton" on that device:
+``moved(backend)`` returns nac_fast with tensor arguments moved there and results back on the
+CPU."""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import nac_fast as H
+from nac_fast.kernels import hamming_triton as HT
+from nac_fast.ops.retrieval import _ref_pass
+
+# Triton runs on CUDA tensors on a GPU machine, on CPU tensors under the interpreter (conftest.py
+# sets TRITON_INTERPRET=1 where there is no GPU).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+SKIP_REASON = ("backend 'triton' runs here on neither CUDA tensors (no GPU) nor CPU tensors "
+               "(TRITON_INTERPRET=1 unset)")
+
+
+def triton_runs() -> bool:
+    return "triton" in H.available_backends(TRITON_DEVICE, op="hamming")
+
+
+def _to(x, dev):
+    if isinstance(x, H.PackedCodes):
+        return H.PackedCodes(x.words.to(dev), x.nbits)
+    if isinstance(x, torch.Tensor):
+        return x.to(dev)
+    return x
+
+
+def _back(x):
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, tuple) and not isinstance(x, H.PackedCodes):
+        return type(x)(_back(v) for v in x)
+    if isinstance(x, list):
+        return [_back(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _back(v) for k, v in x.items()}
+    return x
+
+
+class _Moved:
+    """nac_fast's functions with their tensor (and PackedCodes) arguments on `device` and their
+    tensor results copied back to the CPU."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+    def __getattr__(self, name):
+        fn = getattr(H, name)
+
+        def call(*args, **kw):
+            out = fn(*(_to(a, self.device) for a in args),
+                     **{k: _to(v, self.device) for k, v in kw.items()})
+            if isinstance(out, torch.Tensor) or isinstance(out, (tuple, list, dict)):
+                assert _devices(out) <= {self.device.type}, f"{name} answered on another device"
+            return _back(out)
+        return call
+
+
+def _devices(x) -> set:
+    if isinstance(x, torch.Tensor):
+        return {x.device.type}
+    if isinstance(x, (tuple, list)):
+        return set().union(*(_devices(v) for v in x)) if x else set()
+    if isinstance(x, dict):
+        return _devices(list(x.values()))
+    return set()
+
+
+def moved(backend: str) -> _Moved:
+    """nac_fast on the device `backend` runs on in these tests: Triton's (TRITON_DEVICE), else the
+    CPU."""
+    return _Moved(TRITON_DEVICE if backend == "triton" else "cpu")
+
+
+# ------------------------------------------------------------------------------------------
+# Fixtures and oracles
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def dev():
+    if not triton_runs():
+        pytest.skip(SKIP_REASON)
+    return torch.device(TRITON_DEVICE)
+
+
+@pytest.fixture
+def small_engine(monkeypatch):
+    """The engine's constants shrunk so that galleries of hundreds of codes take the sampled
+    bound, recursively, and the filter pass (the real ones need > 4096 codes)."""
+    monkeypatch.setattr(HT, "BASE_ROWS", 24)
+    monkeypatch.setattr(HT, "SAMPLE_RATIO", 3)
+    monkeypatch.setattr(HT, "BASE_PAIRS", 256)
+
+
+def words(seed, n, bits, dev, distinct=None):
+    """(n, ceil(bits/64)) packed random codes; `distinct`: drawn from that many codes only
+    (heavy ties)."""
+    g = torch.Generator().manual_seed(seed)
+    if distinct is None:
+        b = torch.randint(0, 2, (n, bits), generator=g).bool()
+    else:
+        base = torch.randint(0, 2, (distinct, bits), generator=g).bool()
+        b = base[torch.randint(0, distinct, (n,), generator=g)]
+    return H.pack_codes(b).words.to(dev)
+
+
+def ref_topk(qw, gw, k):
+    """The torch reference on the CPU: distances, stable sort (ties by index)."""
+    bits = qw.shape[1] * 64  # padding bits are 0 on both sides: the same distances
+    return H.topk(H.PackedCodes(qw.cpu(), bits), H.PackedCodes(gw.cpu(), bits), k,
+                  backend="reference")
+
+
+def check_topk(qw, gw, k):
+    d, i = HT.topk(qw, gw, k)
+    assert d.device == qw.device and d.dtype == torch.int32 and i.dtype == torch.int64
+    assert d.shape == i.shape == (qw.shape[0], k)
+    wd, wi = ref_topk(qw, gw, k)
+    assert torch.equal(d.cpu(), wd), (d.cpu(), wd)
+    assert torch.equal(i.cpu(), wi), (i.cpu(), wi)
+
+
+class FilterCalls:
+    """Counts the engine's filter passes and the reruns of overflowing queries."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = HT._filter
+
+        def spy(qw, gview, t, k, expect, capacity=None):
+            out = real(qw, gview, t, k, expect, capacity=capacity)
+            self.calls.append(dict(Q=qw.shape[0], G=gview.shape[0], rerun=capacity is not None,
+                                   overflow=bool((out[1] > out[2]).any())))
+            return out
+        monkeypatch.setattr(HT, "_filter", spy)
+
+
+# ------------------------------------------------------------------------------------------
+# Top-k
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [1, 65, 200, 300])
+@pytest.mark.parametrize("Q,G", [(1, 1), (3, 97), (97, 1031), (5, 4099)])
+def test_topk_equals_the_reference(dev, small_engine, bits, Q, G):
+    """Awkward sizes, 1, 2 (with padding bits), 4 and 5 words a code (5: past the four kept in
+    registers), every level of the sampled bound (G = 4099 with base 24 and ratio 3: five
+    levels)."""
+    qw, gw = words(bits * 7 + Q, Q, bits, dev), words(bits + G, G, bits, dev)
+    for k in sorted({1, min(5, G), min(13, G)}):
+        check_topk(qw, gw, k)
+
+
+@pytest.mark.parametrize("distinct", [1, 2, 5])
+def test_topk_ties_by_gallery_index(dev, small_engine, distinct):
+    """Few distinct codes: every distance ties with hundreds of others, so the answer is the
+    first k of the gallery in index order among the nearest (the first k slots of a slice's
+    ties, merged over slices)."""
+    qw, gw = words(1, 7, 65, dev, distinct), words(2, 1031, 65, dev, distinct)
+    for k in (1, 4, 11):
+        check_topk(qw, gw, k)
+
+
+def test_topk_overflowing_slice_reruns_with_a_lower_bound(dev, small_engine, monkeypatch):
+    """Copies of the query everywhere but on the sample's stride: the bound (from the sample)
+    lets hundreds of items below it into one slice, more than its slots; the query runs again
+    with its candidates' k-th distance as the bound, and the answer is still exact."""
+    spy = FilterCalls(monkeypatch)
+    G, bits = 2000, 128
+    qw = words(3, 4, bits, dev)
+    gw = words(4, G, bits, dev)
+    ratio = HT.SAMPLE_RATIO
+    near = torch.arange(G, device=dev)
+    near = near[(near % ratio != 0) & (near >= 700) & (near < 1300)]
+    gw[near] = qw[0]            # query 0's copies at distance 0, missed by every sample level
+    gw[near[::7]] = qw[1] ^ 1   # query 1's at distance 1
+    for k in (3, 10):
+        spy.calls.clear()
+        check_topk(qw, gw, k)
+        reruns = [c for c in spy.calls if c["rerun"]]
+        assert reruns and reruns[0]["Q"] < qw.shape[0], spy.calls  # only the overflowing rows
+        assert not reruns[-1]["overflow"]
+
+
+def test_topk_every_gallery_code_equal(dev, small_engine):
+    qw, gw = words(5, 3, 128, dev), words(6, 1, 128, dev).expand(1500, 2).contiguous()
+    check_topk(qw, gw, 7)
+    d, i = HT.topk(gw[:2], gw, 5)
+    assert (d == 0).all() and torch.equal(i.cpu(), torch.arange(5).expand(2, 5))
+
+
+def test_topk_large_k_takes_the_chunked_path(dev, small_engine, monkeypatch):
+    monkeypatch.setattr(HT, "TOPK_MAX_K", 8)
+    monkeypatch.setattr(HT, "DIRECT_PAIRS", 300)  # query chunks of one or a few queries
+    qw, gw = words(7, 9, 100, dev), words(8, 400, 100, dev, distinct=30)
+    for k in (8, 9, 400):
+        check_topk(qw, gw, k)
+
+
+def test_topk_real_constants(dev):
+    """The shipped constants: 4099 > BASE_ROWS codes, so one sampled level and the filter."""
+    qw, gw = words(9, 6, 128, dev), words(10, 4099 + 17, 128, dev)
+    check_topk(qw, gw, 10)
+    check_topk(qw, gw, 1)
+
+
+def test_topk_bound_is_an_upper_bound_and_tight_on_the_sample(dev, small_engine):
+    qw, gw = words(11, 20, 64, dev), words(12, 3000, 64, dev)
+    k = 6
+    t = HT.kth_bound(qw, gw, k)
+    wd, _ = ref_topk(qw, gw, k)
+    assert t.dtype == torch.int32 and (t.cpu() == wd[:, -1]).all()  # exact on its own rows
+    sample = gw[::HT.SAMPLE_RATIO]
+    ts = HT.kth_bound(qw, sample, k)
+    assert (ts.cpu() >= wd[:, -1]).all()
+
+
+def test_topk_workspace_does_not_grow_with_the_gallery():
+    """The engine's own figure (what HashIndex checks against free GPU memory): O(Q k), the same
+    for 1M and 100M codes, and far below Q x G."""
+    cpu = torch.device("cpu")
+    a = HT.topk_workspace_bytes(1000, 10 ** 6, 10, 2, cpu)
+    b = HT.topk_workspace_bytes(1000, 10 ** 8, 10, 2, cpu)
+    assert a == b and a < 1000 * 10 ** 6 * 4 / 100  # 1% of a Q x G int32 matrix
+    assert HT.topk_workspace_bytes(2000, 10 ** 8, 10, 2, cpu) < 2.5 * b
+
+
+@pytest.mark.skipif(TRITON_DEVICE != "cuda", reason="peak GPU memory: needs a GPU")
+def test_topk_peak_gpu_memory_is_not_q_by_g():
+    dev = torch.device("cuda")
+    Q, G, k = 1000, 2_000_000, 10
+    gen = torch.Generator(device=dev).manual_seed(0)
+    gw = torch.randint(-2 ** 62, 2 ** 62, (G, 2), device=dev, generator=gen)
+    qw = gw[torch.randint(0, G, (Q,), device=dev, generator=gen)] ^ 0xF0F0  # near copies
+    HT.topk(qw[:2], gw, k)  # compile outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    d, i = HT.topk(qw, gw, k)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= HT.topk_workspace_bytes(Q, G, k, 2, dev) + Q * k * 12
+    assert peak < Q * G * 4 / 100  # a Q x G int32 matrix would be 8 GB
+    # exact on a subset, against the CPU engine
+    sub = torch.arange(0, Q, 97, device=dev)
+    wd, wi = H.topk(H.PackedCodes(qw[sub].cpu(), 128), H.PackedCodes(gw.cpu(), 128), k)
+    assert torch.equal(d[sub].cpu(), wd) and torch.equal(i[sub].cpu(), wi)
+
+
+# ------------------------------------------------------------------------------------------
+# Retrieval (AP, cut-offs, histograms)
+# ------------------------------------------------------------------------------------------
+
+def labels(seed, n, classes=None, L=None, dev="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    if classes:
+        return torch.randint(0, classes, (n,), generator=g).to(dev)
+    return (torch.rand(n, L, generator=g) < 0.15).to(dev)
+
+
+def check_retrieval(dev, bits, Q, G, classes=None, L=None, cuts=(), seed=0):
+    qw, gw = words(seed + 1, Q, bits, dev), words(seed + 2, G, bits, dev)
+    ql, gl = labels(seed + 3, Q, classes, L, dev), labels(seed + 4, G, classes, L, dev)
+    qp, gp = H.PackedCodes(qw, bits), H.PackedCodes(gw, bits)
+    qlp, glp = ql, gl
+    if L:
+        qlp, glp = H.pack_codes(ql, zero_one=True).words, H.pack_codes(gl, zero_one=True).words
+    got = HT.retrieval(qw, gw, qlp, glp, bits, cuts, hist=True)
+    assert all(t.device == qw.device for t in got)
+    ref = _ref_pass(qw.cpu(), gw.cpu(), ql.cpu(), gl.cpu(), cuts, True, bits,
+                                    "reference")
+    ap, nrel, hits, psum, hist, relhist = (t.cpu() for t in got)
+    wap, wnrel, whits, wpsum, whist, wrelhist = ref
+    assert torch.equal(nrel, wnrel)
+    assert torch.equal(torch.isnan(ap), torch.isnan(wap))
+    np.testing.assert_allclose(ap.numpy(), wap.numpy(), rtol=1e-12, atol=0, equal_nan=True)
+    assert torch.equal(hits, whits)
+    np.testing.assert_allclose(psum.numpy(), wpsum.numpy(), rtol=1e-12, atol=0)
+    assert torch.equal(hist, whist[:, :bits + 1]) and torch.equal(relhist, wrelhist[:, :bits + 1])
+    # mAP through the public API, the engine picked for these tensors
+    m = H.mean_average_precision(qp, ql, gp, gl, backend="triton")
+    want = np.nanmean(wap.numpy()) if (~torch.isnan(wap)).any() else math.nan
+    assert (math.isnan(m) and math.isnan(want)) or m == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("bits,Q,G,classes,L", [
+    (1, 1, 1, 3, None), (7, 3, 97, 4, None), (64, 97, 1031, 10, None), (128, 5, 4099, 10, None),
+    (300, 3, 260, 2, None), (65, 4, 300, None, 3), (128, 3, 200, None, 70),
+    (128, 2, 120, None, 150)])
+def test_retrieval_equals_the_reference(dev, bits, Q, G, classes, L):
+    """Single labels and multi-hot in 1, 2 and 3 packed words (3: past the two kept in
+    registers), 1 to 5 code words, gallery slices (several per query block here too)."""
+    cuts = tuple(sorted({1, min(7, G), G}))
+    check_retrieval(dev, bits, Q, G, classes, L, cuts, seed=bits + G)
+
+
+def test_retrieval_gpu_step_of_one_row(dev, monkeypatch):
+    """The GPU's configuration walks one row per step (U = 1); the interpreter normally takes
+    64: run the GPU's under the interpreter too, so CI checks the path a GPU takes."""
+    monkeypatch.setitem(HT.AP_CONFIG, "interpreter", (32, 1, 1))
+    check_retrieval(dev, 128, 33, 61, classes=3, cuts=(1, 10, 61), seed=5)
+
+
+def test_retrieval_ties_within_a_step(dev, monkeypatch):
+    """Few distinct codes and a step of 8 rows: equal distances inside one step take their
+    ranks in gallery order from the within-step counts."""
+    monkeypatch.setitem(HT.AP_CONFIG, "interpreter", (32, 8, 1))
+    for distinct in (1, 3):
+        qw, gw = words(20, 9, 16, dev, distinct), words(21, 203, 16, dev, distinct)
+        ql, gl = labels(22, 9, 3, dev=dev), labels(23, 203, 3, dev=dev)
+        got = HT.retrieval(qw, gw, ql, gl, 16, (1, 5, 100), hist=True)
+        ref = _ref_pass(qw.cpu(), gw.cpu(), ql.cpu(), gl.cpu(), (1, 5, 100),
+                                        True, 16, "reference")
+        for a, b in zip(got, ref):
+            b = b[:, :17] if b.dim() == 2 and b.shape[1] == 65 else b
+            np.testing.assert_allclose(a.cpu().numpy(), b.numpy(), rtol=1e-12, equal_nan=True)
+
+
+def test_retrieval_refuses_long_codes(dev):
+    qw = torch.zeros(2, 17, dtype=torch.int64, device=dev)
+    lab = torch.zeros(2, dtype=torch.int64, device=dev)
+    with pytest.raises(ValueError, match="at most 1023 bits"):
+        HT.retrieval(qw, qw, lab, lab, 1024)
