@@ -18,6 +18,31 @@ prototype with every bit flipped with probability --flip, labels uniform.  Rows 
 Times are wall seconds (median, 20th and 80th percentile over --repeats / --slow-repeats runs); peak memory is the
 largest resident-set growth over the run, sampled every millisecond.  Prints a table, appends one
 CSV row per method to bench/results/hamming_cpu.csv, and prints one JSON line last.
+
+--gpu: the GPU engine (issue 39) beside the C++ engine, in one command on one machine:
+
+    python bench/bench_hamming.py --gpu --csv RESULTS/hamming_gpu.csv        # an H100: < 75 s
+    TRITON_INTERPRET=1 python bench/bench_hamming.py --gpu --device cpu --tiny --csv X.csv
+                                                       # CI: the same code on toy sizes, CPU tensors
+
+  map_all (gpu)      mAP@all, backend "triton", --map-queries queries x each of --map-sizes codes
+                     (bench's class-prototype codes and labels, made on the device); the codes are
+                     on the GPU before the clock starts, the score comes back to the host in it
+  map_all (gpu)      the same on the CPU row's queries: the like-for-like pair of the ratio
+  map_all (cpu)      the C++ engine on --cpu-map-queries queries (all of them up to 50k codes):
+                     measured rows with their own query count, never scaled
+  topk (gpu)         HashIndex(device="cuda").search(queries, k): --index-queries queries, each a
+                     code of the index with 10% of its bits flipped, over --index-sizes uniformly
+                     random codes (made on the GPU); the index is on the GPU before the clock
+  topk (cpu)         the same search with a CPU index, on --cpu-topk-queries queries (a subset at
+                     100M codes)
+
+Every GPU row is checked against the C++ engine on --check-queries queries (per-query AP to
+1e-12 and equal counts of relevant items; top-k distances and indices equal), column "check"; a
+failed check fails the command.  Peak GPU memory: torch's allocator, above what was allocated
+before the call.  Rows whose start would pass --budget-s seconds are skipped, said so.  Appends
+to --csv, prints a table and one JSON line last.  --device cpu (with TRITON_INTERPRET=1): the
+Triton engine under the interpreter, which proves the plumbing and nothing about speed.
 """
 from __future__ import annotations
 
@@ -128,6 +153,268 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+# ------------------------------------------------------------------------------------------------
+# --gpu: the GPU engine beside the C++ engine (issue 39)
+# ------------------------------------------------------------------------------------------------
+
+GPU_CSV_PATH = os.path.join(ROOT, "bench", "results", "hamming_gpu.csv")
+GPU_FIELDS = ["timestamp", "host", "cpu", "gpu", "threads", "torch", "triton", "git_commit",
+              "method", "engine", "device", "queries", "gallery", "bits", "k", "repeats",
+              "median_s", "p20_s", "p80_s", "peak_gpu_mib", "peak_rss_mb", "map",
+              "speedup_vs_cpu", "goal_s", "meets_goal", "check", "note"]
+GOALS = {("map_all", 1_000_000, 10000): 0.1, ("topk", 1_000_000, 1000): 0.002,
+         ("topk", 100_000_000, 1000): 0.2}  # issue 39, H100, 128 bits
+TINY = dict(map_sizes="200,600", map_queries=33, cpu_map_queries="33,16",
+            index_sizes="4200,9000", index_queries=9, cpu_topk_queries="9,4",
+            check_queries=4, gpu_repeats=1, k=10)
+
+
+def _ints(text: str, name: str) -> list:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"{name}: a comma list of integers, got {text!r}") from None
+
+
+def packed_class_codes(n, bits, protos, classes, flip, gen, device, chunk=1 << 18):
+    """(words (n, W) int64, labels (n,)) made on `device`: each code its class prototype with
+    every bit flipped with probability `flip` (make_data's codes, packed without a +-1 copy)."""
+    from nac_fast.ops.codes import pack_bits_torch
+    W = protos.shape[1]
+    labels = torch.randint(0, classes, (n,), generator=gen, device=device)
+    words = torch.empty((n, W), dtype=torch.int64, device=device)
+    for s in range(0, n, chunk):
+        m = min(chunk, n - s)
+        flips = torch.rand((m, bits), generator=gen, device=device) < flip
+        words[s:s + m] = protos[labels[s:s + m]] ^ pack_bits_torch(flips)
+    return words, labels
+
+
+def random_codes(n, bits, gen, device, chunk=1 << 24):
+    """(n, W) uniformly random codes, padding bits 0, made on `device` in chunks."""
+    W = -(-bits // 64)
+    out = torch.empty((n, W), dtype=torch.int64, device=device)
+    for s in range(0, n, chunk):
+        m = min(chunk, n - s)
+        out[s:s + m] = torch.randint(-2 ** 63, 2 ** 63 - 1, (m, W), dtype=torch.int64,
+                                     generator=gen, device=device)
+    if bits % 64:
+        out[:, -1] &= (1 << (bits % 64)) - 1
+    return out
+
+
+def flip_bits(words, bits, p, gen):
+    from nac_fast.ops.codes import pack_bits_torch
+    flips = torch.rand((words.shape[0], bits), generator=gen, device=words.device) < p
+    return words ^ pack_bits_torch(flips)
+
+
+def gpu_timed(fn, repeats: int, device):
+    """timed() with the device synchronised around each run and the allocator's peak above the
+    memory allocated before (MiB; 0 on the CPU)."""
+    cuda = device.type == "cuda"
+
+    def run():
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        return out
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    stats, out = timed(run, repeats)
+    stats["peak_gpu_mib"] = ((torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+                             if cuda else 0.0)
+    return stats, out
+
+
+def _ap_check(H, qw, ql, gw, gl, bits, n, device):
+    """Per-query AP of the GPU engine against the C++ engine on the first n queries."""
+    P = H.PackedCodes
+    ap, nrel = H.average_precision(P(qw[:n], bits), ql[:n], P(gw, bits), gl, backend="triton")
+    wap, wnrel = H.average_precision(P(qw[:n].cpu(), bits), ql[:n].cpu(), P(gw.cpu(), bits),
+                                     gl.cpu(), backend="cpu")
+    ap, nrel = ap.cpu(), nrel.cpu()
+    same_nan = bool(torch.equal(torch.isnan(ap), torch.isnan(wap)))
+    ok = ~torch.isnan(wap)
+    rel = float(((ap[ok] - wap[ok]).abs() / wap[ok].abs().clamp(min=1e-300)).max()) if ok.any() \
+        else 0.0
+    good = same_nan and bool(torch.equal(nrel, wnrel)) and rel <= 1e-12
+    return good, f"{'ok' if good else 'FAIL'}: AP of {n} queries vs the C++ engine, max rel " \
+                 f"diff {rel:.1e}" + ("" if same_nan else ", NaN pattern differs")
+
+
+def run_gpu(args, ap):
+    """--gpu (module docstring)."""
+    if args.tiny:
+        for key, val in TINY.items():
+            setattr(args, key, val)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--gpu: no CUDA device visible (--device cpu runs the interpreter)")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--gpu --device cpu: set TRITON_INTERPRET=1 (the Triton engine runs under the "
+                 "interpreter on CPU tensors)")
+    for name, why in (("triton", dispatch.available_backends(args.device, op="hamming",
+                                                             reasons=True)["triton"]),
+                      ("cpu", dispatch.available_backends("cpu", op="hamming",
+                                                          reasons=True)["cpu"])):
+        if why is not None:
+            sys.exit(f"the {name} Hamming engine is not available: {why}")
+    import triton
+    from nac_fast.index import HashIndex
+    t_start = time.perf_counter()
+    D, k = args.bits, args.k
+    map_sizes, cpu_map_q = _ints(args.map_sizes, "--map-sizes"), _ints(args.cpu_map_queries,
+                                                                      "--cpu-map-queries")
+    idx_sizes, cpu_topk_q = _ints(args.index_sizes, "--index-sizes"), _ints(
+        args.cpu_topk_queries, "--cpu-topk-queries")
+    if len(cpu_map_q) != len(map_sizes) or len(cpu_topk_q) != len(idx_sizes):
+        ap.error("--cpu-map-queries / --cpu-topk-queries: one value per --map-sizes / "
+                 "--index-sizes size")
+    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreter"
+    print(f"GPU Hamming engine vs the C++ engine ({args.threads} threads): {gpu_name}, {D} bits, "
+          f"triton {triton.__version__}, torch {torch.__version__}", flush=True)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    rows, failures, skipped = [], [], []
+    cpu_times = {}
+
+    def over_budget(what) -> bool:
+        if time.perf_counter() - t_start > args.budget_s:
+            skipped.append(what)
+            print(f"  skipped (past --budget-s {args.budget_s:g} s): {what}", flush=True)
+            return True
+        return False
+
+    def add(method, engine, dev, queries, G, stats, m=None, check="", note="", kk=""):
+        goal = GOALS.get((method, G, queries)) if dev != "cpu" and device.type == "cuda" else None
+        key = (method, G, queries)
+        speed = ""
+        if engine == "cpu":
+            cpu_times[key] = stats["median_s"]
+        elif key in cpu_times:
+            speed = cpu_times[key] / stats["median_s"]
+        row = dict(method=method, engine=engine, device=dev, queries=queries, gallery=G, bits=D,
+                   k=kk, repeats=stats["repeats"], median_s=stats["median_s"],
+                   p20_s=stats["p20_s"], p80_s=stats["p80_s"],
+                   peak_gpu_mib=round(stats.get("peak_gpu_mib", 0.0), 1),
+                   peak_rss_mb=round(stats["peak_rss_mb"], 1), map=m, speedup_vs_cpu=speed,
+                   goal_s=goal, meets_goal=(stats["median_s"] <= goal) if goal else "",
+                   check=check, note=note)
+        rows.append(row)
+        print(f"  {method:<8} {engine:<6} {queries:>6} q x {G:>11,}: median {stats['median_s']:9.5f} s "
+              f"[{stats['p20_s']:.5f}, {stats['p80_s']:.5f}]  GPU peak {row['peak_gpu_mib']:8.1f} MiB"
+              + (f"  x{speed:.3g} vs cpu" if speed else "") + (f"  goal {goal} s" if goal else "")
+              + (f"  {check}" if check else ""), flush=True)
+
+    P = H.PackedCodes
+    # ---- mAP@all ----
+    if args.only in ("all", "map"):
+        W = -(-D // 64)
+        protos = random_codes(args.classes, D, gen, device)
+        Q = args.map_queries
+        qw, ql = packed_class_codes(Q, D, protos, args.classes, args.flip, gen, device)
+        for G, nq_cpu in zip(map_sizes, cpu_map_q):
+            if over_budget(f"map_all x {G}"):
+                continue
+            gw, gl = packed_class_codes(G, D, protos, args.classes, args.flip, gen, device)
+            nc = min(args.check_queries, Q)
+            good, check = _ap_check(H, qw, ql, gw, gl, D, nc, device)  # also compiles
+            if not good:
+                failures.append(f"map_all x {G}: {check}")
+            runs = [(Q, args.gpu_repeats)]
+            if nq_cpu and min(nq_cpu, Q) != Q:
+                runs.append((min(nq_cpu, Q), args.gpu_repeats))
+            qc, qlc, gc, glc = qw.cpu(), ql.cpu(), gw.cpu(), gl.cpu()
+            if nq_cpu:
+                n = min(nq_cpu, Q)
+                stats, m = gpu_timed(lambda: H.mean_average_precision(
+                    P(qc[:n], D), qlc[:n], P(gc, D), glc, backend="cpu"),
+                    3 if G <= 100_000 else 2, torch.device("cpu"))
+                add("map_all", "cpu", "cpu", n, G, stats, m, note=f"{args.threads} threads")
+            for n, reps in runs:
+                stats, m = gpu_timed(lambda: H.mean_average_precision(
+                    P(qw[:n], D), ql[:n], P(gw, D), gl, backend="triton"), reps, device)
+                add("map_all", "triton", str(device), n, G, stats, m, check=check)
+            del gw, gl, gc, glc
+    # ---- top-k ----
+    if args.only in ("all", "topk"):
+        for G, nq_cpu in zip(idx_sizes, cpu_topk_q):
+            if over_budget(f"topk x {G}"):
+                continue
+            Q = args.index_queries
+            gw = random_codes(G, D, gen, device)
+            pick = torch.randint(0, G, (Q,), generator=gen, device=device)
+            qw = flip_bits(gw[pick], D, 0.1, gen)
+            gpu = HashIndex(D, device=device, backend="triton")
+            gpu.add(P(gw, D))
+            del gw
+            gpu.search(P(qw[:2], D), k)  # compiles, outside the clock
+            stats, (Dg, Ig) = gpu_timed(lambda: gpu.search(P(qw, D), k), args.gpu_repeats, device)
+            nc = min(args.check_queries, Q, nq_cpu if nq_cpu else args.check_queries)
+            cpu_index = HashIndex(D)
+            cpu_index.add(P(gpu.codes.words.cpu(), D))
+            qc = qw.cpu()
+            Dc, Ic = cpu_index.search(P(qc[:nc], D), k)
+            good = bool(torch.equal(Dg[:nc].cpu(), Dc) and torch.equal(Ig[:nc].cpu(), Ic))
+            check = (f"{'ok' if good else 'FAIL'}: distances and indices of {nc} queries equal "
+                     "to the C++ engine's" if good else
+                     f"FAIL: {nc} queries' top-{k} differ from the C++ engine's")
+            if not good:
+                failures.append(f"topk x {G}: {check}")
+            if nq_cpu:
+                n = min(nq_cpu, Q)
+                cpu_index.search(P(qc[:2], D), k)
+                cstats, _ = gpu_timed(lambda: cpu_index.search(P(qc[:n], D), k),
+                                      3 if G <= 10_000_000 else 1, torch.device("cpu"))
+                add("topk", "cpu", "cpu", n, G, cstats, kk=k,
+                    note=f"HashIndex on the CPU, {args.threads} threads")
+                if n != Q:  # the GPU on the CPU row's queries too: a like-for-like pair
+                    s2, _ = gpu_timed(lambda: gpu.search(P(qw[:n], D), k), args.gpu_repeats,
+                                      device)
+                    add("topk", "triton", str(device), n, G, s2, kk=k, check=check)
+            add("topk", "triton", str(device), Q, G, stats, kk=k, check=check,
+                note="HashIndex(device=...) search, queries = index codes with 10% of bits "
+                     "flipped")
+            del gpu, cpu_index, qc, Dg, Ig
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    meta = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": socket.gethostname(), "cpu": cpu_name(), "gpu": gpu_name,
+            "threads": args.threads, "torch": torch.__version__, "triton": triton.__version__,
+            "git_commit": commit()}
+    csv_path = args.csv if args.csv != CSV_PATH else GPU_CSV_PATH
+    if csv_path:
+        os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
+        new = not os.path.exists(csv_path)
+        with open(csv_path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=GPU_FIELDS)
+            if new:
+                w.writeheader()
+            for r in rows:
+                w.writerow({**meta, **r, "note": "; ".join(x for x in (r["note"], args.note) if x)})
+        print(f"  appended {len(rows)} rows to {csv_path}")
+    elapsed = time.perf_counter() - t_start
+    print(f"\n{'row':<34} {'median s':>10} {'p20-p80 s':>19} {'GPU MiB':>8} {'vs cpu':>7} "
+          f"{'goal':>6}  check")
+    for r in rows:
+        what = f"{r['method']} {r['engine']} {r['queries']}x{r['gallery']:,}"
+        sp = f"x{r['speedup_vs_cpu']:.3g}" if r["speedup_vs_cpu"] else ""
+        goal = ("" if not r["goal_s"] else ("MET" if r["meets_goal"] else "MISSED"))
+        print(f"{what:<34} {r['median_s']:>10.5f} {r['p20_s']:>9.5f}-{r['p80_s']:<9.5f} "
+              f"{r['peak_gpu_mib']:>8.1f} {sp:>7} {goal:>6}  {r['check'].split(':')[0]}")
+    summary = {"bench": "hamming_gpu", "device": str(device), "gpu": gpu_name, "bits": D,
+               "rows": len(rows), "skipped": skipped, "failures": failures,
+               "elapsed_s": round(elapsed, 1),
+               "goals": {f"{r['method']} {r['queries']}x{r['gallery']}": bool(r["meets_goal"])
+                         for r in rows if r["goal_s"]}}
+    print(json.dumps(summary))
+    return 1 if failures else 0
+
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--queries", type=int, default=10000)
@@ -147,8 +434,28 @@ def main(argv=None):
                     "rows); 0 = skip")
     ap.add_argument("--faiss-heap-queries", type=int, default=500,
                     help="queries for FAISS's default heap path (slow at k=G); 0 = skip")
-    ap.add_argument("--gpu", action="store_true", help="also time the triton and torch-reference "
-                    "backends on CUDA tensors (rows marked cuda; GPU peak memory in the note)")
+    ap.add_argument("--gpu", action="store_true", help="the GPU engine beside the C++ engine "
+                    "(module docstring); the CPU-protocol flags are then ignored")
+    g = ap.add_argument_group("--gpu")
+    g.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: the Triton engine under TRITON_INTERPRET=1 (plumbing only)")
+    g.add_argument("--tiny", action="store_true", help="toy sizes (CI): maps of 200 and 600 codes x "
+                   "33 queries, indexes of 4200 and 9000 codes x 9 queries, one run each")
+    g.add_argument("--map-sizes", default="50000,1000000", help="gallery sizes of the mAP rows")
+    g.add_argument("--map-queries", type=int, default=10000)
+    g.add_argument("--cpu-map-queries", default="10000,2000", help="queries of the C++ mAP row "
+                   "at each --map-sizes size (0: no row)")
+    g.add_argument("--index-sizes", default="1000000,100000000", help="codes of the top-k rows")
+    g.add_argument("--index-queries", type=int, default=1000)
+    g.add_argument("--cpu-topk-queries", default="1000,16", help="queries of the CPU index row "
+                   "at each --index-sizes size (0: no row)")
+    g.add_argument("--k", type=int, default=10)
+    g.add_argument("--check-queries", type=int, default=256, help="queries checked against the "
+                   "C++ engine in every GPU row")
+    g.add_argument("--gpu-repeats", type=int, default=5)
+    g.add_argument("--budget-s", type=float, default=70.0, help="skip rows that would start "
+                   "after this many seconds")
+    g.add_argument("--only", choices=("all", "map", "topk"), default="all")
     ap.add_argument("--no-faiss", action="store_true")
     ap.add_argument("--no-rank", action="store_true", help="skip the nac_fast full-ranking row")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -158,6 +465,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.gpu:
+        return run_gpu(args, ap)
     why = dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
     if why is not None:
         sys.exit(f"the nac_fast hamming C++ kernel is not available: {why}")
@@ -249,35 +558,6 @@ def main(argv=None):
         if abs(m - m_cpu) > 1e-9:
             sys.exit(f"reference and cpu backends disagree: {m} vs {m_cpu}")
 
-    gpu_summary = {}
-    if args.gpu:
-        if not torch.cuda.is_available():
-            sys.exit("--gpu: no CUDA device visible")
-        dev = torch.device("cuda")
-        qd, qld, gd, gld = (t.to(dev) for t in (qc, ql, gc, gl))
-
-        def on_gpu(backend, nq):
-            def fn():
-                m = H.mean_average_precision(qd[:nq], qld[:nq], gd, gld, backend=backend)
-                torch.cuda.synchronize()
-                return m
-            fn()  # warm-up: Triton compiles on the first call
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            stats, m = timed(fn, args.repeats)
-            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-            return stats, m, peak
-
-        for backend, nq in (("triton", Q), ("reference", Q)):
-            stats, m, peak = on_gpu(backend, nq)
-            want = nac_map if nq == Q else None
-            add(f"nac_fast {backend} mAP@all (cuda)", nq, stats, m,
-                f"{torch.cuda.get_device_name()}; GPU peak +{peak:.1f} MiB")
-            if want is not None and abs(m - want) > 1e-9:
-                sys.exit(f"{backend} on cuda disagrees with the cpu backend: {m} vs {want}")
-            gpu_summary[f"{backend}_cuda_median_s"] = stats["median_s"]
-            gpu_summary[f"{backend}_cuda_peak_mib"] = round(peak, 1)
-
     if faiss_map is not None and abs(faiss_map - nac_map) > 1e-9:
         print(f"  note: mAP from the FAISS ranking differs by {faiss_map - nac_map:.3g} "
               "(its tie order is not by gallery index)")
@@ -308,9 +588,8 @@ def main(argv=None):
     if torch_stats:
         summary.update(torch_ref_queries=min(args.torch_queries, Q),
                        torch_ref_s=torch_stats["median_s"])
-    summary.update(gpu_summary)
     print(json.dumps(summary))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

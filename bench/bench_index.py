@@ -12,6 +12,9 @@ with probability --flip).  Rows, each timed on the same data in the same run:
   faiss IndexBinaryFlat     index.search(queries, k), its default (heap) path, --threads threads
   nac_fast mAP@all          nac_fast.mean_average_precision over the whole 1M ranking (backend cpu)
 
+    python bench/bench_index.py --gpu --csv RESULTS/index_gpu.csv   # the GPU index (issue 39):
+                                      # bench_hamming.py --gpu --only topk, its flags
+
 Goals of issue 25 on the 2-core development machine: top-10 <= 0.3 s, mAP@all (10k x 1M) <= 5 s.
 Every row records the load average (1 min) before and after it: the machine is shared, and a
 figure taken under load is slower than the code.  Memory: resident-set growth while the row runs
@@ -48,6 +51,10 @@ CSV_FIELDS = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_comm
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--gpu" in argv:  # HashIndex on a GPU beside the CPU index: bench_hamming.py's GPU rows
+        import bench_hamming
+        return bench_hamming.main(["--only", "topk"] + argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gallery", type=int, default=1_000_000)
     ap.add_argument("--queries", type=int, default=1000, help="queries of the top-k rows")
@@ -157,4 +164,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -56,6 +56,10 @@ import triton.language as tl
 
 from .launch import Launch, cdiv, run, target_of
 
+# The kernels' integer arguments (sizes, slice lengths, slot counts) change from call to call:
+# do_not_specialize keeps one compiled kernel per code length and configuration, instead of one
+# per pattern of "equals 1 / divisible by 16" among them.
+
 # Bins of the retrieval pass are D + 1 counters per query and gallery slice; nac_fast/ops/search.py
 # sends longer codes to the reference backend (distances and top-k have no such limit).
 MAX_BITS = 1023
@@ -106,7 +110,7 @@ def _popc(x, ASM: tl.constexpr):
 # Distances (Q x G): hamming_distance, and the bound's small sample
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q", "G"])
 def _cdist_kernel(q_ptr, g_ptr, out_ptr, Q, G, W,
                   BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, ASM: tl.constexpr):
     rq = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -202,7 +206,7 @@ def _tile_counts(d, rel, U: tl.constexpr):
 # Top-k: the filter pass
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q", "G", "GS", "L", "CA", "KB", "NSPLIT"])
 def _topk_filter_kernel(q_ptr, g_ptr, t_ptr, key_ptr, na_ptr, Q, G, GS, L, CA, KB, NSPLIT,
                         W: tl.constexpr, BQ: tl.constexpr, BG: tl.constexpr,
                         ASM: tl.constexpr):
@@ -243,7 +247,7 @@ def _topk_filter_kernel(q_ptr, g_ptr, t_ptr, key_ptr, na_ptr, Q, G, GS, L, CA, K
     tl.store(na_ptr + rq64 * NSPLIT + s, cnt_a, mask=mq)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q", "G", "L", "QP", "NB"])
 def _ap_hist_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, h_ptr, Q, G, L, QP, NB,
                     W: tl.constexpr, LW: tl.constexpr, MULTI: tl.constexpr, BQ: tl.constexpr,
                     U: tl.constexpr, ASM: tl.constexpr):
@@ -277,7 +281,7 @@ def _ap_hist_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, h_ptr, Q, G, L, QP, NB,
         tl.store(p, v + n_all + (n_rel << 32), mask=ok & (e_all + 1 == n_all))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q", "G", "L", "QP", "NB"])
 def _ap_rank_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, c_ptr, psum_ptr, cut_ptr, cps_ptr, chit_ptr,
                     Q, G, L, QP, NB,
                     W: tl.constexpr, LW: tl.constexpr, MULTI: tl.constexpr, NCUT: tl.constexpr,
@@ -455,7 +459,7 @@ def retrieval_plan(qw, gw, ql, gl, nbits: int, cuts=(), target=None):
     rank = Launch(_ap_rank_kernel, grid,
                   (qw, gw, ql, gl, buf["start"], buf["psum"], buf["cuts"], buf["cps"],
                    buf["chit"], Q, G, L, QP, NB), dict(common, NCUT=ncut), warps, 1,
-                  "hamming_ap_rank")
+                  "hamming_ap")
     return hist, rank, buf
 
 

@@ -340,3 +340,40 @@ def test_retrieval_refuses_long_codes(dev):
     lab = torch.zeros(2, dtype=torch.int64, device=dev)
     with pytest.raises(ValueError, match="at most 1023 bits"):
         HT.retrieval(qw, qw, lab, lab, 1024)
+
+
+# ------------------------------------------------------------------------------------------
+# The GPU measurement's CPU mode (bench/bench_hamming.py --gpu --device cpu --tiny)
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # ~10 s on the 2-core machine: the interpreter runs every row
+def test_gpu_bench_cpu_mode_runs_every_row(tmp_path):
+    """The GPU command's plumbing on toy sizes (the Triton engine under the interpreter): every
+    row timed, checked against the C++ engine, appended to --csv; a table, then one JSON line."""
+    import csv
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "hamming_gpu.csv"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_hamming.py"),
+                           "--gpu", "--device", "cpu", "--tiny", "--csv", str(out)],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["failures"] == [] and summary["skipped"] == [] and summary["rows"] == 10
+    assert any(line.startswith("row ") and "check" in line for line in lines)
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 10
+    gpu_rows = [r for r in rows if r["engine"] == "triton"]
+    assert len(gpu_rows) == 6 and all(r["check"].startswith("ok") for r in gpu_rows)
+    assert {(r["method"], r["gallery"]) for r in rows} == {
+        ("map_all", "200"), ("map_all", "600"), ("topk", "4200"), ("topk", "9000")}
+    # like-for-like pairs carry the ratio; rows with another query count do not
+    for r in gpu_rows:
+        twin = [c for c in rows if c["engine"] == "cpu" and c["method"] == r["method"]
+                and c["gallery"] == r["gallery"] and c["queries"] == r["queries"]]
+        assert bool(r["speedup_vs_cpu"]) == bool(twin)
