@@ -18,8 +18,10 @@ with the same command plus --resume (a larger --max-steps extends it); under tor
 --max-restarts=K a restarted worker group resumes by itself.  Exit status: 0 done, 2 bad flags,
 recipe, data, --out or checkpoint, 3 non-finite loss, 4 --out could not be written; the last line
 says which ("train.py: exit status N", also under torchrun, which exits 1 on any failure).
-Evaluate: python -m nac_fast.eval --checkpoint OUT/last.pt.  The objectives: docs/math.md; the
-parts: nac_fast/train/; the flags and fault tolerance: docs/training.md.
+On a GPU the encoders run torch.compile'd (the start line says what, the first step's line
+what it cost; --no-compile: eager, for debugging).  Evaluate: python -m nac_fast.eval
+--checkpoint OUT/last.pt.  The objectives: docs/math.md; the parts: nac_fast/train/; the flags,
+speed and fault tolerance: docs/training.md.
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ from nac_fast.train.config import UsageError, parse
 from nac_fast.train.methods import code_stats, collapse_warning, learning_stats, zero_code_loss
 from nac_fast.train.monitor import LossWatch, RunLog, summary_lines
 from nac_fast.train.run import (EXIT_USAGE, RunStopped, build, describe_l2, describe_p,
-                                finish, flip_prob_of, lr_at, plan_start, print_main, save, start,
-                                stop_non_finite, train_step)
+                                finish, flip_prob_of, lr_at, plan_start, prepare_batch,
+                                print_main, save, start, stop_non_finite, train_step)
 
 
 def main(argv=None) -> int:
@@ -75,7 +77,9 @@ def train(st, flags) -> None:
                     if cfg.method != "simclr" and cfg.channel_likelihood == "multilinear"
                     else "") +
                    f"steps={cfg.total_steps} ({cfg.steps_per_epoch}/epoch, warm-up "
-                   f"{cfg.warmup_steps}) amp={cfg.amp} out={cfg.out}")
+                   f"{cfg.warmup_steps}) amp={cfg.amp} compile="
+                   + ("off " if st.compiled is None else f"{st.compiled}, at the first step ")
+                   + f"out={cfg.out}")
     stop = min(cfg.total_steps, cfg.stop_at_step or cfg.total_steps)
     log = RunLog(cfg.out, di.is_main, tensorboard=cfg.tensorboard, append=bool(st.resumed_from),
                  progress_total=cfg.total_steps if cfg.progress else None, initial=st.step)
@@ -87,6 +91,7 @@ def train(st, flags) -> None:
     zero_loss = zero_code_loss(cfg.method, cfg.code_dim, cfg.batch_size)
     warned = cfg.method == "simclr"  # the collapse warning (once): NAC's codes only
     win_t, win_wait, win_img, t_start = time.perf_counter(), 0.0, 0, time.perf_counter()
+    compile_pending, compile_s = st.compiled is not None, None
     try:
         while st.step < stop:
             st.loader.set_epoch(st.step // spe, start_batch=st.step % spe)
@@ -97,14 +102,16 @@ def train(st, flags) -> None:
                     v1, v2 = next(it)
                 except StopIteration:
                     break
-                win_wait += time.perf_counter() - t0
-                # each view to the device first: a cat of pinned host tensors is pageable
-                x = torch.cat([v1.to(di.device, non_blocking=True),
-                               v2.to(di.device, non_blocking=True)])
-                if cfg.channels_last:
-                    x = x.contiguous(memory_format=torch.channels_last)
+                t1 = time.perf_counter()
+                win_wait += t1 - t0
+                x = prepare_batch(st, v1, v2)
                 lr_now = lr_at(cfg, st.step)  # the lr this update uses
                 loss, a = train_step(st, x)
+                if compile_pending:  # once: the first step compiled; wait for it to finish
+                    compile_s = first_step_seconds(di.device, t1)
+                    compile_pending = False
+                    print_main(di, f"compiled at step {st.step}: {compile_s:.1f} s, one-time "
+                                   "(the compilation and the step itself; --no-compile: eager)")
                 watch.update(loss)
                 step = st.step
                 win_img += cfg.batch_size
@@ -127,6 +134,8 @@ def train(st, flags) -> None:
                            "img_per_s": win_img / dt, "data_wait": win_wait / dt}
                     if cfg.method != "simclr":  # the channel's p of this update
                         rec["flip_prob"] = flip_prob_of(cfg, step - 1)
+                    if compile_s is not None:  # the first record after the compiling step
+                        rec["first_step_s"], compile_s = round(compile_s, 3), None
                     if di.is_main:  # statistics of this rank's view-1 rows (a host read)
                         k = a.shape[0] // 2
                         rec.update(code_stats(a[:k]))
@@ -150,6 +159,14 @@ def train(st, flags) -> None:
     if di.is_main:
         print("\n".join(summary_lines(st, flags, first_step, first_loss, last, zero_loss,
                                       time.perf_counter() - t_start)), flush=True)
+
+
+def first_step_seconds(device, t0: float) -> float:
+    """Seconds from t0 to the end of the first step's device work (a host sync, once per run:
+    the step that compiled; the steps after it never wait)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

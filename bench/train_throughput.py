@@ -1,20 +1,55 @@
-"""Training throughput: images/s and data-wait fraction of train.py's step for one config.
+"""Training throughput: images/s and data-wait fraction of train.py's step for one config, with
+the one-time compile cost, the eager rate and the supervised anchors beside it.
 
     python bench/train_throughput.py --arch resnet-tiny --method nac --batch-size 256
     python bench/train_throughput.py --data fashion-mnist --arch resnet18-small --method nac-mq
     torchrun --nproc_per_node=8 bench/train_throughput.py --data /path/imagenet --arch resnet50 \
-        --method nac-mq --batch-size 1024 --amp bf16 --channels-last --loader dali-gpu
-    # the GPU suite's run (bench/gpu_suite.sh train): data made on the GPU, one kernel profile,
-    # and the host-sync check of the loss
+        --method nac-mq --batch-size 2048 --amp bf16 --channels-last --loader dali-gpu
+    # the GPU suite's train stage (bench/gpu_suite.sh train): data made on the GPU, train.py's
+    # defaults (torch.compile on a GPU), the eager rate, the supervised anchors, one kernel
+    # profile and the host-sync check of a whole step, all inside 150 s
     python bench/train_throughput.py --data synthetic-device:1281167 --arch resnet50 \
         --method nac-mq --batch-size 256 --image-size 224 --amp bf16 --channels-last \
-        --queue-size 65536 --profile-out kernels.txt --sync-check --json-out train.json
+        --queue-size 65536 --warmup 10 --steps 30 --budget-s 150 --profile-out kernels.txt \
+        --sync-check --json-out train.json --csv-out train_throughput.csv
 
-It runs train.py itself (same model, loss, optimizer, DDP, loader) for --warmup + --steps steps
-with checkpoints off and measures the last --steps from train.py's log (img/s over all ranks,
-data-wait = time blocked on the loader / wall time, on rank 0).  The last line printed is one
-JSON object: {"arch", "method", "batch_size", "world_size", "device", "img_per_s", "data_wait",
-"step_ms", ...}.
+What it measures, in this order (each later part only while --budget-s leaves time for it):
+
+ 1. train.py itself (same model, loss, optimizer, DDP, loader) with the configuration's DEFAULTS
+    (--compile / --no-compile only when given: train.py compiles on a GPU, not on a CPU) for
+    --warmup + --steps steps, checkpoints off.  The figures come from train.py's log: its first
+    window (the --warmup steps: compilation, first allocations) is dropped, the others give img/s
+    (all ranks), ms per step (median and p20/p80 over the windows) and data wait (time blocked
+    on the loader / wall time, rank 0).  With compile: first_step_s, the first step's wall time
+    as train.py measured it (compilation included), and compile_s = first_step_s - one steady
+    step: the one-time cost, apart from the steady rate.
+ 2. --profile-out FILE: torch.profiler of one more step of that same run (train.py's train_step
+    on its state: the compiled encoders, loss, LARS, EMA, queue): the top 15 CUDA kernels (name,
+    calls, total and mean time, share of all kernel time), then the top operators; on a CPU run
+    the top operators by CPU time.  No CUDA kernel event on a GPU run fails the run.
+    --sync-check: one more step under nac_fast.train.sync_check.check_step (train_step and the
+    loop's per-step loss bookkeeping): on a GPU torch.cuda.set_sync_debug_mode, where only
+    torch's "called a synchronizing CUDA operation" is an offender (its "prototype feature"
+    notice is listed in sync_ignored); on a CPU the NoHostReads dispatch mode (ops that read
+    tensor data on the host).  JSON: sync_check PASS / FAIL, sync_offender (op or file:line),
+    sync_offender_frames.  A FAIL makes the exit status 1.
+ 3. the eager rate: train.py again with --no-compile (--eager-baseline; by default when part 1
+    compiled, one process), the same windows.
+ 4. the supervised anchors (--anchors, by default on a GPU, one process): a supervised step of
+    the same encoder (ResNetEncoder + Linear(d, 1000) + cross-entropy, SGD momentum:
+    torchvision's ResNet-50 at 224 px) at the same batch, precision and memory format on random
+    device data, eager and torch.compile'd (the same backend), each in a subprocess killed at
+    the budget's end.  A
+    NAC-MQ step does 8/3 of a supervised step's work (two views' forward and backward, two
+    momentum forwards), NAC and SimCLR 2x (two views' forward and backward): the ceiling is
+    the supervised rate over that ratio, and pct_of_ceiling = img/s / ceiling.
+
+The last line printed is one JSON object: {"arch", "method", "batch_size", "world_size",
+"device", "img_per_s", "data_wait", "step_ms", "compile", "first_step_s", "compile_s", ...,
+"eager": {...}, "supervised_eager": {...}, "supervised_compiled": {...}, "ceiling_img_per_s",
+"pct_of_ceiling"}; a part left out holds {"skipped": why}.  A short table comes before it.
+--csv-out appends one row per configuration measured (host, versions, commit, shape, img/s,
+ms per step median and p20/p80, peak memory, compile seconds, % of the ceiling).
 
 --data synthetic-device[:N]: train.py's loader is replaced by DeviceSyntheticPairLoader (below):
 a pool of random images drawn once ON the training device, batches taken from it with device ops
@@ -22,31 +57,27 @@ only, so the loader costs no host work and no copies (DALI-free stand-in for a G
 the data wait then measures the loader's launches only).  "synthetic[:N]" is train.py's own
 loader, which makes each image on the CPU.
 
-After the throughput run (rank 0, one process only), on a fresh model of the same config:
-  --profile-out FILE  torch.profiler of one full training step (forward, backward, optimizer, EMA)
-                      after 3 warm-up steps: the top 15 CUDA kernels by total time (name, calls,
-                      total and mean time, share of all kernel time), then the top operators.  On a
-                      CPU run: the top operators by CPU time.  No CUDA kernel event on a GPU run
-                      fails the run (profile "FAIL").
-  --sync-check        the loss forward and backward of one step (methods.nac_step / nac_mq_step /
-                      simclr_step under autocast, then .backward()) run under
-                      torch.cuda.set_sync_debug_mode: first "warn", recording every synchronizing
-                      call and the Python line that made it, then "error", whose exception names
-                      the offending operation.  JSON: sync_check "PASS" / "FAIL" (+ sync_offender,
-                      sync_warnings); "n/a" without a GPU.  A FAIL makes the exit status 1.
+--supervised eager|compiled: measure that supervised anchor alone and print its JSON (what part 4
+runs in its subprocesses; also a way to measure the anchors in a call of their own).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
+import datetime
+import gc
 import json
+import math
 import os
 import random
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
-import traceback
-import warnings
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -54,6 +85,15 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from nac_fast.data.sources.synthetic_pairs import SyntheticPairLoader  # noqa: E402
+
+# a step's work in units of one supervised step (forward + backward of one view of the batch)
+WORK_RATIO = {"nac-mq": 8.0 / 3.0, "nac": 2.0, "simclr": 2.0}
+CSV_FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "threads", "config",
+              "arch", "method", "batch_size", "world_size", "image_size", "amp",
+              "channels_last", "compile", "compile_backend", "img_per_s", "step_ms_median",
+              "step_ms_p20", "step_ms_p80", "windows", "steps_per_window", "data_wait",
+              "first_step_s", "compile_s", "peak_mem_mib", "ceiling_img_per_s",
+              "pct_of_ceiling", "status"]
 
 
 class DeviceSyntheticPairLoader(SyntheticPairLoader):
@@ -107,58 +147,8 @@ def _device_loader_factory(num_images):
     return build_loader
 
 
-# ---- one-step harness for the profile and the sync check -------------------------------------------
 
-def _harness(args, device):
-    """(full_step, loss_fwd, x): a fresh model/optimizer of the run's config on `device`."""
-    from nac_fast import NACMQ
-    from nac_fast.train.lars import LARS, param_groups_for_lars
-    from nac_fast.train.methods import nac_mq_step, nac_step, simclr_step
-    from nac_fast.train.models import build_model
-
-    cuda = device.type == "cuda"
-    torch.manual_seed(0)
-    image_size = args.image_size or 32
-    channels_last = args.channels_last if args.channels_last is not None else True
-    amp = {"auto": "bf16" if cuda else "off"}.get(args.amp, args.amp)
-    model = build_model(args.arch, 3, image_size, 128,
-                        inference_net=args.method != "simclr").to(device)
-    if channels_last:
-        model.to(memory_format=torch.channels_last)
-    mq = None
-    if args.method == "nac-mq":
-        mq = NACMQ(model, queue_size=args.queue_size or 16 * args.batch_size, p=0.1, l2=0.1,
-                   momentum=0.99)
-    opt = LARS(param_groups_for_lars(model, 1e-6), lr=0.1, momentum=0.9, weight_decay=1e-6,
-               trust_coefficient=0.001)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
-                if amp != "off" else contextlib.nullcontext())
-    loader = DeviceSyntheticPairLoader(args.batch_size, args.batch_size, image_size=image_size,
-                                       device=device, channels_last=channels_last)
-    v1, v2 = next(iter(loader))
-    x = torch.cat([v1, v2])
-    if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    model.train()
-    if mq is not None:
-        mq.train()
-
-    def loss_fwd(x):
-        with autocast:
-            if args.method == "nac":
-                return nac_step(model, x, 0.1)
-            if args.method == "nac-mq":
-                return nac_mq_step(mq, x)  # with the EMA update, as train.py's step
-            return simclr_step(model, x, 0.5)
-
-    def full_step(x):
-        loss, _ = loss_fwd(x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    return full_step, loss_fwd, opt, x
-
+# ---- part 2: the profile -------------------------------------------------------------------------
 
 def _time_us(e) -> float:
     return float(e.time_range.elapsed_us())
@@ -195,20 +185,20 @@ def kernel_table(prof, cuda: bool, top: int = 15) -> tuple[str, int]:
     return "\n".join(lines) + "\n", n_kernels
 
 
-def profile_step(full_step, x, device, path) -> dict:
+def profile_step(step_fn, device, path) -> dict:
+    """torch.profiler around one step_fn() after one warm step (module docstring, part 2)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(3):
-        full_step(x)
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    step_fn()
     sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        full_step(x)
+        step_fn()
         sync()
     text, n_kernels = kernel_table(prof, cuda)
     with open(path, "w") as f:
-        f.write(f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}; torch "
+        f.write(f"device: {torch.cuda.get_device_name(device) if cuda else 'cpu'}; torch "
                 f"{torch.__version__}\n{text}")
     if cuda and n_kernels == 0:
         return {"profile": "FAIL: no CUDA kernel events recorded (CUPTI unavailable?)",
@@ -216,57 +206,338 @@ def profile_step(full_step, x, device, path) -> dict:
     return {"profile": "ok", "profile_file": path, "profile_kernel_launches": n_kernels}
 
 
-def _frames(tb, limit=4) -> list[str]:
-    fr = traceback.extract_tb(tb)
-    return [f"{os.path.relpath(f.filename, ROOT) if f.filename.startswith(ROOT) else f.filename}:"
-            f"{f.lineno} in {f.name}: {(f.line or '').strip()[:120]}" for f in fr[-limit:]]
+# ---- helpers -------------------------------------------------------------------------------------
 
-
-def sync_check(loss_fwd, opt, x, device) -> dict:
-    """set_sync_debug_mode around one step's loss forward + backward (module docstring)."""
-    if device.type != "cuda":
-        return {"sync_check": "n/a (no CUDA device)"}
-    loss, _ = loss_fwd(x)  # warm: first-call work (e.g. Triton compiles) is not the step's
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    found = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            loss, _ = loss_fwd(x)
-            loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        msg = str(w.message)
-        if "synchroniz" in msg.lower():
-            where = w.filename
-            where = os.path.relpath(where, ROOT) if where.startswith(ROOT) else where
-            found.append(f"{where}:{w.lineno}: {msg.splitlines()[0][:160]}")
-    opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    res = {"sync_warnings": found[:20], "sync_warning_count": len(found)}
-    torch.cuda.set_sync_debug_mode("error")
+def commit() -> str:
+    """NAC_FAST_COMMIT if set (the GPU machine gets a copy of the tree without .git), else git."""
+    if os.environ.get("NAC_FAST_COMMIT"):
+        return os.environ["NAC_FAST_COMMIT"]
     try:
-        loss, _ = loss_fwd(x)
-        loss.backward()
-        torch.cuda.set_sync_debug_mode("default")
-        res["sync_check"] = "PASS" if not found else "FAIL"
-        if found:
-            res["sync_offender"] = found[0]
-    except RuntimeError as exc:
-        torch.cuda.set_sync_debug_mode("default")
-        res["sync_check"] = "FAIL"
-        res["sync_offender"] = str(exc).strip().splitlines()[0][:300]
-        res["sync_offender_frames"] = _frames(exc.__traceback__)
+        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:  # noqa: BLE001 - no git, not a checkout: the row says so
+        return "unknown"
+
+
+def _quantile(xs, q):
+    """Linear-interpolation quantile of a non-empty list (numpy's default)."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def window_stats(window_secs, steps_per_window, images_per_step) -> dict:
+    """img/s (all images / all time: the harmonic mean of the windows' rates) and ms per step
+    (median and p20/p80 over the windows) of equal-sized timed windows."""
+    secs = sum(window_secs)
+    n = len(window_secs) * steps_per_window
+    ms = [1000 * s / steps_per_window for s in window_secs]
+    return {"img_per_s": round(n * images_per_step / secs, 1),
+            "step_ms": round(1000 * secs / n, 1), "step_ms_median": round(_quantile(ms, 0.5), 2),
+            "step_ms_p20": round(_quantile(ms, 0.2), 2),
+            "step_ms_p80": round(_quantile(ms, 0.8), 2), "windows": len(window_secs),
+            "steps_per_window": steps_per_window, "measured_steps": n}
+
+
+def _peak_mib(device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1)
+
+
+def _reset_peak(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _free(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class Budget:
+    """Seconds left of --budget-s (0: no limit) since the benchmark started."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.t0 = float(seconds), time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return math.inf if self.seconds <= 0 else self.seconds - self.elapsed()
+
+    def skip(self, need: float) -> str | None:
+        """Why a part that needs about `need` seconds is skipped, or None."""
+        left = self.left()
+        if left >= need:
+            return None
+        return (f"skipped: --budget-s {self.seconds:g} leaves {max(left, 0):.0f} s after "
+                f"{self.elapsed():.0f} s, this part needs about {need:.0f} s")
+
+
+# ---- parts 1-3: train.py itself ------------------------------------------------------------------
+
+def _train_argv(args, out, compile_flag) -> tuple[list, int]:
+    total = args.warmup + args.steps
+    targv = ["--data", args.data, "--arch", args.arch, "--method", args.method,
+             "--batch-size", str(args.batch_size), "--max-steps", str(total),
+             "--log-every", str(args.warmup), "--save-every", str(10 ** 9), "--no-progress",
+             "--amp", args.amp, "--loader", args.loader, "--out", out,
+             "--warmup-epochs", "0"]
+    for flag, v in (("--image-size", args.image_size), ("--workers", args.workers),
+                    ("--queue-size", args.queue_size), ("--compile-backend", args.compile_backend)):
+        if v is not None:
+            targv += [flag, str(v)]
+    if args.channels_last is not None:
+        targv.append("--channels-last" if args.channels_last else "--no-channels-last")
+    if compile_flag is not None:
+        targv.append("--compile" if compile_flag else "--no-compile")
+    # log-every = warmup: the log's first record covers the warm-up steps (compilation, first
+    # allocations), the later ones only measured steps.  --steps is rounded up to whole windows.
+    if args.steps % args.warmup:
+        total = args.warmup * (1 + -(-args.steps // args.warmup))
+        targv[targv.index("--max-steps") + 1] = str(total)
+    return targv, total
+
+
+def run_train(args, compile_flag, keep_state: bool = False):
+    """train.py's main on a fresh temp --out; (result dict, TrainState or None).  SystemExit
+    with train.py's status when it fails."""
+    import train
+    out = tempfile.mkdtemp(prefix="nac_tp_")
+    targv, _ = _train_argv(args, out, compile_flag)
+    kept = {}
+    real_train = getattr(train, "train", None)
+
+    def train_and_keep(st, flags):  # the run's state, for the profile and the sync check
+        kept["st"] = st
+        return real_train(st, flags)
+
+    if keep_state:
+        train.train = train_and_keep
+    try:
+        status = train.main(targv)
     finally:
-        torch.cuda.set_sync_debug_mode("default")
-    opt.zero_grad(set_to_none=True)
+        if keep_state:
+            train.train = real_train
+    if status:
+        shutil.rmtree(out, ignore_errors=True)
+        sys.exit(status)
+    st = kept.get("st") if keep_state else None
+    kept.clear()
+    if int(os.environ.get("RANK", "0")) != 0:
+        shutil.rmtree(out, ignore_errors=True)
+        return None, st
+    with open(os.path.join(out, "log.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    shutil.rmtree(out, ignore_errors=True)
+    first, recs = recs[0], recs[1:]
+    w, b = args.warmup, args.batch_size
+    secs = [w * b / r["img_per_s"] for r in recs]
+    res = {"compile": bool(cfg.get("compile")),
+           "compile_backend": cfg.get("compile_backend") if cfg.get("compile") else None}
+    res.update(window_stats(secs, w, b))
+    res["data_wait"] = round(sum(r["data_wait"] * s for r, s in zip(recs, secs)) / sum(secs), 4)
+    if "first_step_s" in first:
+        res["first_step_s"] = first["first_step_s"]
+        res["compile_s"] = round(first["first_step_s"] - res["step_ms"] / 1000, 2)
+    return (res, cfg), st
+
+
+# ---- part 4: the supervised anchors --------------------------------------------------------------
+
+def supervised_measure(args, kind: str) -> dict:
+    """One supervised anchor in this process (module docstring, part 4)."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from nac_fast.train.models import ResNetEncoder
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    amp = {"auto": "bf16" if cuda else "off"}.get(args.amp, args.amp)
+    channels_last = args.channels_last if args.channels_last is not None else True
+    size = args.image_size or 32
+    torch.manual_seed(0)
+    enc = ResNetEncoder(args.arch, 3, size)
+    model = nn.Sequential(enc, nn.Linear(enc.out_dim, 1000)).to(device)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model.to(memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    x = torch.randn(args.batch_size, 3, size, size, device=device).contiguous(memory_format=fmt)
+    y = torch.randint(0, 1000, (args.batch_size,), device=device)
+    backend = args.compile_backend or "inductor"
+    if kind == "compiled":
+        model.compile(backend=backend, dynamic=False)
+    autocast = (torch.autocast(device.type, dtype={"bf16": torch.bfloat16,
+                                                   "fp16": torch.float16}[amp])
+                if amp != "off" else contextlib.nullcontext())
+    scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+
+    def step():
+        with autocast:
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    _reset_peak(device)
+    t0 = time.perf_counter()
+    step()
+    sync()
+    first = time.perf_counter() - t0
+    for _ in range(args.warmup - 1):
+        step()
+    sync()
+    windows = -(-args.steps // args.warmup)
+    secs = []
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            step()
+        sync()
+        secs.append(time.perf_counter() - t0)
+    res = {"config": f"supervised-{kind}", "amp": amp, "channels_last": channels_last,
+           "compile": kind == "compiled", "compile_backend": backend if kind == "compiled"
+           else None, "first_step_s": round(first, 3)}
+    res.update(window_stats(secs, args.warmup, args.batch_size))
+    if kind == "compiled":
+        res["compile_s"] = round(first - res["step_ms"] / 1000, 2)
+    res["peak_mem_mib"] = _peak_mib(device)
     return res
 
+
+def run_supervised(args, kind: str, budget: Budget) -> dict:
+    """supervised_measure in a subprocess (its own process group, killed when the budget ends);
+    its JSON, or {"skipped"/"failed": why}."""
+    need = {"eager": 15.0, "compiled": 30.0}[kind]
+    why = budget.skip(need)
+    if why:
+        return {"skipped": why}
+    fd, path = tempfile.mkstemp(prefix="nac_tp_sup_", suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, os.path.abspath(__file__), "--supervised", kind, "--arch", args.arch,
+           "--batch-size", str(args.batch_size), "--amp", args.amp, "--warmup",
+           str(args.warmup), "--steps", str(args.steps), "--json-out", path]
+    for flag, v in (("--image-size", args.image_size), ("--compile-backend",
+                                                         args.compile_backend)):
+        if v is not None:
+            cmd += [flag, str(v)]
+    if args.channels_last is not None:
+        cmd.append("--channels-last" if args.channels_last else "--no-channels-last")
+    timeout = None if math.isinf(budget.left()) else max(budget.left(), 1.0)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the anchor and its compile workers
+        proc.communicate()
+        os.unlink(path)
+        return {"skipped": f"stopped at the end of --budget-s {budget.seconds:g} after "
+                           f"{time.perf_counter() - t0:.0f} s (not finished)"}
+    try:
+        if proc.returncode != 0:
+            tail = " | ".join(out.strip().splitlines()[-3:])[-400:]
+            return {"failed": f"exit status {proc.returncode}: {tail}"}
+        with open(path) as f:
+            return json.load(f)
+    finally:
+        os.unlink(path)
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def table(res) -> str:
+    rows = [(f"{res['method']} train.py defaults ({'compiled' if res['compile'] else 'eager'})",
+             res)]
+    for key, name in (("eager", f"{res['method']} --no-compile"),
+                      ("supervised_eager", "supervised eager"),
+                      ("supervised_compiled", "supervised compiled")):
+        if key in res:
+            rows.append((name, res[key]))
+    lines = [f"{'configuration':34s} {'img/s':>8s} {'ms/step':>8s} {'p20-p80':>13s} "
+             f"{'1st step s':>10s} {'compile s':>9s} {'peak MiB':>9s}"]
+    for name, r in rows:
+        if "img_per_s" not in r:
+            lines.append(f"{name:34s} {r.get('skipped') or r.get('failed')}")
+            continue
+        p = f"{r['step_ms_p20']:.1f}-{r['step_ms_p80']:.1f}"
+        lines.append(f"{name:34s} {r['img_per_s']:8.1f} {r['step_ms']:8.1f} {p:>13s} "
+                     f"{_fmt(r.get('first_step_s'), '10.1f'):>10s} "
+                     f"{_fmt(r.get('compile_s'), '9.1f'):>9s} "
+                     f"{_fmt(r.get('peak_mem_mib'), '9.0f'):>9s}")
+    if res.get("ceiling_img_per_s"):
+        lines.append(f"ceiling = supervised compiled / {WORK_RATIO[res['method']]:.3g} = "
+                     f"{res['ceiling_img_per_s']:.0f} img/s; train.py's defaults reach "
+                     f"{res['pct_of_ceiling']:.1f}% of it")
+    return "\n".join(lines)
+
+
+def csv_rows(res) -> list:
+    host = socket.gethostname()
+    try:
+        import triton
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = ""
+    common = {"timestamp": datetime.datetime.now().isoformat(timespec="seconds"), "host": host,
+              "device": res["device"], "torch": torch.__version__, "triton": triton_v,
+              "commit": res["commit"], "threads": res["threads"], "arch": res["arch"],
+              "method": res["method"], "batch_size": res["batch_size"],
+              "world_size": res["world_size"], "image_size": res["image_size"],
+              "amp": res["amp"], "channels_last": res["channels_last"],
+              "ceiling_img_per_s": res.get("ceiling_img_per_s")}
+    rows = []
+    for key, config in ((None, f"{res['method']}-defaults"), ("eager", f"{res['method']}-eager"),
+                        ("supervised_eager", "supervised-eager"),
+                        ("supervised_compiled", "supervised-compiled")):
+        r = res if key is None else res.get(key)
+        if r is None:
+            continue
+        row = dict(common, config=config)
+        if "img_per_s" not in r:
+            row["status"] = r.get("skipped") or r.get("failed")
+            rows.append(row)
+            continue
+        row.update({k: r.get(k) for k in ("compile", "compile_backend", "img_per_s",
+                                          "step_ms_median", "step_ms_p20", "step_ms_p80",
+                                          "windows", "steps_per_window", "data_wait",
+                                          "first_step_s", "compile_s", "peak_mem_mib")})
+        if key is not None and key.startswith("supervised"):
+            row["method"] = "supervised"
+            row["ceiling_img_per_s"] = None
+        elif res.get("ceiling_img_per_s"):
+            row["pct_of_ceiling"] = round(100 * r["img_per_s"] / res["ceiling_img_per_s"], 1)
+        row["status"] = "ok"
+        rows.append(row)
+    return rows
+
+
+def append_csv(path, rows) -> None:
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        if new:
+            w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+
+
+# ---- main ----------------------------------------------------------------------------------------
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
@@ -274,102 +545,157 @@ def main(argv=None):
                     help="synthetic[:N] (default, train.py's loader, images made on the CPU), "
                     "synthetic-device[:N] (images made on the training device), or a train.py --data")
     ap.add_argument("--arch", default="resnet-tiny")
-    ap.add_argument("--method", default="nac")
+    ap.add_argument("--method", default="nac", choices=sorted(WORK_RATIO))
     ap.add_argument("--batch-size", type=int, default=256, help="global batch")
     ap.add_argument("--image-size", type=int, default=None)
     ap.add_argument("--steps", type=int, default=20, help="measured steps")
-    ap.add_argument("--warmup", type=int, default=5, help="unmeasured first steps")
+    ap.add_argument("--warmup", type=int, default=5,
+                    help="unmeasured first steps; also the steps of each timed window")
     ap.add_argument("--amp", default="auto")
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="train.py's --compile / --no-compile (default: neither, train.py's own "
+                    "default: compiled on a GPU, eager on a CPU)")
+    ap.add_argument("--compile-backend", default=None, choices=("inductor", "aot_eager"),
+                    help="train.py's --compile-backend, also the compiled anchor's")
     ap.add_argument("--loader", default="auto")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--queue-size", type=int, default=None)
+    ap.add_argument("--eager-baseline", action=argparse.BooleanOptionalAction, default=None,
+                    help="also measure train.py --no-compile (default: when the run compiled; "
+                    "one process only)")
+    ap.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=None,
+                    help="also measure the supervised anchors, eager and compiled (default: on "
+                    "a GPU; one process only)")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="seconds for the whole benchmark: the parts after the first run only "
+                    "while they fit (0: no limit)")
     ap.add_argument("--profile-out", default=None, help="write the kernel profile of one step here")
-    ap.add_argument("--sync-check", action="store_true", help="host-sync check of the loss")
+    ap.add_argument("--sync-check", action="store_true", help="host-sync check of one step")
     ap.add_argument("--json-out", default=None, help="also write the result JSON here")
+    ap.add_argument("--csv-out", default=None, help="append one CSV row per configuration here")
+    ap.add_argument("--supervised", choices=("eager", "compiled"), default=None,
+                    help="measure only this supervised anchor (part 4) and print its JSON")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         ap.error("--steps and --warmup must be >= 1")
+    if args.budget_s < 0:
+        ap.error("--budget-s must be >= 0")
+    if args.supervised:
+        res = supervised_measure(args, args.supervised)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(res, f)
+                f.write("\n")
+        print(json.dumps(res))
+        return
+    budget = Budget(args.budget_s)
 
-    import train
     from nac_fast.train import run as run_mod
-    data = args.data
+    data, n_img = args.data, None
     if data == "synthetic-device" or data.startswith("synthetic-device:"):
         try:
             n_img = int(data.split(":", 1)[1]) if ":" in data else 65536
         except ValueError:
             ap.error(f"--data {data!r}: expected synthetic-device[:N] with an int N")
-        run_mod.build_loader = _device_loader_factory(n_img)  # run.build calls it by name
-    out = tempfile.mkdtemp(prefix="nac_tp_")
-    total = args.warmup + args.steps
-    targv = ["--data", data, "--arch", args.arch, "--method", args.method,
-             "--batch-size", str(args.batch_size), "--max-steps", str(total),
-             "--log-every", str(args.warmup), "--save-every", str(10 ** 9), "--no-progress",
-             "--amp", args.amp, "--loader", args.loader, "--out", out,
-             "--warmup-epochs", "0"]
-    for flag, v in (("--image-size", args.image_size), ("--workers", args.workers),
-                    ("--queue-size", args.queue_size)):
-        if v is not None:
-            targv += [flag, str(v)]
-    if args.channels_last is not None:
-        targv.append("--channels-last" if args.channels_last else "--no-channels-last")
-    if args.compile:
-        targv.append("--compile")
-    # log-every = warmup: the log's first record covers the warm-up steps (compilation, first
-    # allocations), the later ones only measured steps.  --steps is rounded up to whole windows.
-    if args.steps % args.warmup:
-        total = args.warmup * (1 + -(-args.steps // args.warmup))
-        targv[targv.index("--max-steps") + 1] = str(total)
-    status = train.main(targv)
-    if status:
-        sys.exit(status)
-    if int(os.environ.get("RANK", "0")) != 0:
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if (args.profile_out or args.sync_check) and world != 1:
+        ap.error("--profile-out and --sync-check run in one process (no torchrun)")
+    real_build_loader = run_mod.build_loader
+    if n_img is not None:  # run.build calls it by name; put back after the runs
+        run_mod.build_loader = _device_loader_factory(n_img)
+    try:
+        res, failed = measure(args, budget, world)
+    finally:
+        run_mod.build_loader = real_build_loader
+    if res is None:  # ranks > 0: the parts after the first run are rank 0's alone
         return
-    with open(os.path.join(out, "log.jsonl")) as f:
-        recs = [json.loads(line) for line in f][1:]
-    with open(os.path.join(out, "config.json")) as f:
-        cfg = json.load(f)
-    # windows have equal step counts, so the mean of rates weights them by time correctly only
-    # via the harmonic mean: total images / total time
-    secs = sum(args.warmup * args.batch_size / r["img_per_s"] for r in recs)
-    imgs = args.warmup * args.batch_size * len(recs)
-    wait = sum(r["data_wait"] * args.warmup * args.batch_size / r["img_per_s"] for r in recs)
-    dev = "cpu"
-    if torch.cuda.is_available() and cfg.get("device") != "cpu":
-        dev = torch.cuda.get_device_name(0)
-    res = {"arch": args.arch, "method": args.method, "data": args.data,
-           "batch_size": args.batch_size, "world_size": cfg["world_size"],
-           "image_size": cfg["image_size"], "amp": cfg["amp"],
-           "channels_last": cfg["channels_last"], "compile": args.compile, "device": dev,
-           "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "measured_steps": len(recs) * args.warmup,
-           "img_per_s": round(imgs / secs, 1), "data_wait": round(wait / secs, 4),
-           "step_ms": round(1000 * secs / (len(recs) * args.warmup), 1)}
-    shutil.rmtree(out, ignore_errors=True)
-    failed = False
-    if args.profile_out or args.sync_check:
-        if cfg["world_size"] != 1:
-            ap.error("--profile-out and --sync-check run in one process (no torchrun)")
-        device = torch.device("cuda" if dev != "cpu" else "cpu")  # train.py's choice (above)
-        import gc
-        gc.collect()  # the throughput run's model and optimizer are garbage now: free them
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        full_step, loss_fwd, opt, x = _harness(args, device)
-        if args.profile_out:
-            res.update(profile_step(full_step, x, device, args.profile_out))
-            failed |= res["profile"] != "ok"
-        if args.sync_check:
-            res.update(sync_check(loss_fwd, opt, x, device))
-            failed |= res["sync_check"] == "FAIL"
+    if args.csv_out:
+        append_csv(args.csv_out, csv_rows(res))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(res, f)
             f.write("\n")
+    print(table(res))
     print(json.dumps(res))
     if failed:
         sys.exit(1)
+
+
+def measure(args, budget: Budget, world: int):
+    """Parts 1-4 (module docstring): (result dict, whether the profile or the sync check
+    failed); (None, False) on ranks > 0."""
+    from nac_fast.train import run as run_mod
+    from nac_fast.train.monitor import LossWatch
+    from nac_fast.train.sync_check import check_step
+    want_state = bool(args.profile_out or args.sync_check)
+    dev_guess = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _reset_peak(dev_guess)
+    measured, st = run_train(args, args.compile, keep_state=want_state)
+    if measured is None:
+        return None, False
+    main_res, cfg = measured
+    device = torch.device("cuda" if cfg.get("device") != "cpu" and torch.cuda.is_available()
+                          else "cpu")
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    res = {"arch": args.arch, "method": args.method, "data": args.data,
+           "batch_size": args.batch_size, "world_size": cfg["world_size"],
+           "image_size": cfg["image_size"], "amp": cfg["amp"],
+           "channels_last": cfg["channels_last"], "device": dev, "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "commit": commit()}
+    res.update(main_res)
+    res["peak_mem_mib"] = _peak_mib(device)
+    res["compiled"] = None if st is None else st.compiled
+    failed = False
+    if st is not None:
+        v1, v2 = next(iter(st.loader))
+        x = run_mod.prepare_batch(st, v1, v2)
+        if args.profile_out:
+            res.update(profile_step(lambda: run_mod.train_step(st, x), device, args.profile_out))
+            failed |= res["profile"] != "ok"
+        if args.sync_check:
+            watch = LossWatch(st.step, device)
+            run_mod.train_step(st, x)  # warm (the profile may not have run)
+            res["sync_scope"] = ("one step of train.py's loop: train_step (loss forward and "
+                                 "backward, LARS, EMA, queue) and LossWatch.update")
+            res.update(check_step(lambda: watch.update(run_mod.train_step(st, x)[0]), device))
+            failed |= res["sync_check"] == "FAIL"
+        del x, v1, v2
+    st = None
+    _free(device)
+    eager = args.eager_baseline if args.eager_baseline is not None else res["compile"]
+    if eager and world != 1:
+        res["eager"] = {"skipped": "the eager baseline runs in one process (no torchrun)"}
+    elif eager:
+        # about the compiled run's time again, slower (eager), plus building the model
+        why = budget.skip(5.0 + 2.0 * (args.warmup + args.steps) * res["step_ms"] / 1000)
+        if why:
+            res["eager"] = {"skipped": why}
+        else:
+            _reset_peak(device)
+            (e, _), _ = run_train(args, False)
+            e["peak_mem_mib"] = _peak_mib(device)
+            res["eager"] = e
+            _free(device)
+    if args.anchors if args.anchors is not None else device.type == "cuda":
+        if world != 1:
+            res["supervised_eager"] = res["supervised_compiled"] = {
+                "skipped": "the anchors run in one process (no torchrun)"}
+        else:
+            res["supervised_eager"] = run_supervised(args, "eager", budget)
+            res["supervised_compiled"] = run_supervised(args, "compiled", budget)
+        ratio = WORK_RATIO[args.method]
+        for key, name in (("supervised_compiled", "ceiling_img_per_s"),
+                          ("supervised_eager", "eager_ceiling_img_per_s")):
+            if "img_per_s" in res[key]:
+                res[name] = round(res[key]["img_per_s"] / ratio, 1)
+        if res.get("ceiling_img_per_s"):
+            res["pct_of_ceiling"] = round(100 * res["img_per_s"] / res["ceiling_img_per_s"], 1)
+        if res.get("eager_ceiling_img_per_s") and "img_per_s" in res.get("eager", {}):
+            res["eager"]["pct_of_eager_ceiling"] = round(
+                100 * res["eager"]["img_per_s"] / res["eager_ceiling_img_per_s"], 1)
+    res["budget_s"], res["elapsed_s"] = args.budget_s, round(budget.elapsed(), 1)
+    return res, failed
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 A GPU runs ahead of the host only while the host never reads device data.  This suite runs
 train.py's step (train.train_step: the method's loss forward and backward, LARS, lr schedule,
-EMA and queue) under `NoHostReads`, a TorchDispatchMode that fails on every op that makes the
-host read tensor data: item/bool/float of a tensor (aten._local_scalar_dense, aten.is_nonzero),
+EMA and queue), eager and torch.compile'd, under `NoHostReads` (nac_fast/train/sync_check.py,
+also the CPU detector of bench/train_throughput.py --sync-check), a TorchDispatchMode that fails
+on every op that makes the host read tensor data: item/bool/float of a tensor (aten._local_scalar_dense, aten.is_nonzero),
 nonzero, masked_select, unique, equal, allclose, boolean-mask indexing, repeat_interleave without
 output_size, and any copy of a non-CPU tensor to the CPU.  The CPU step runs the same Python as
 the GPU step (the loss-input value checks are off in both: nac_fast.train.methods.step_value_checks),
@@ -22,14 +23,13 @@ import sys
 
 import pytest
 import torch
-from torch._library.custom_ops import OPDEFS
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import nac_fast
 from nac_fast.ops import loss as nloss
 from nac_fast.ops.noise import noise_from_seed
 from nac_fast.train.methods import nac_mq_step, nac_step, step_value_checks
 from nac_fast.train.models import build_model
+from nac_fast.train.sync_check import HostRead, NoHostReads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py lives at the repository root
@@ -39,81 +39,6 @@ from nac_fast.train.checkpoint import load_checkpoint  # noqa: E402
 
 aten = torch.ops.aten
 BACKENDS = nac_fast.available_backends("cpu")  # reference, cpu (extension), triton (interpreter)
-
-# ops whose result the host must read (or whose output shape depends on data)
-_HOST_READS = {
-    aten._local_scalar_dense, aten.is_nonzero, aten.item, aten.nonzero, aten.masked_select,
-    aten.unique_consecutive, aten._unique, aten._unique2, aten.unique_dim, aten.equal,
-    aten.allclose, aten.bincount, aten.histc,
-}
-
-
-class HostRead(AssertionError):
-    pass
-
-
-def _is_cpu(dev) -> bool:
-    return dev is not None and torch.device(dev).type == "cpu"
-
-
-def _host_read(func, args, kwargs):
-    """Why `func(*args, **kwargs)` reads device data on the host, or None."""
-    packet = func.overloadpacket
-    if packet in _HOST_READS:
-        return str(func)
-    if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
-        idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        if any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in idx):
-            return f"{func} with a boolean mask (nonzero inside)"
-    if packet is aten.repeat_interleave and func is aten.repeat_interleave.Tensor \
-            and kwargs.get("output_size") is None:
-        return f"{func} without output_size"
-    # copies of a non-CPU tensor to the CPU
-    if packet is aten._to_copy and isinstance(args[0], torch.Tensor) \
-            and args[0].device.type != "cpu" and _is_cpu(kwargs.get("device")):
-        return f"{func}: {args[0].device} -> cpu"
-    if packet in (aten.copy_, aten._copy_from, aten._copy_from_and_resize):
-        dst, src = (args[0], args[1]) if packet is aten.copy_ else (args[1], args[0])
-        if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) \
-                and src.device.type != "cpu" and dst.device.type == "cpu":
-            return f"{func}: {src.device} -> cpu"
-    return None
-
-
-def _python_body(func):
-    """The Python implementation of a custom op of this package (the Triton ops are triton_ops:
-    Python that allocates, converts and launches), or None (aten ops; the compiled C++ ops)."""
-    name = func._schema.name
-    if not name.startswith("nac_fast::"):
-        return None
-    opdef = OPDEFS.get(name)
-    return None if opdef is None else opdef._init_fn
-
-
-class NoHostReads(TorchDispatchMode):
-    """Fails (HostRead) on any op that reads tensor data on the host; records every op it saw.
-
-    A dispatch mode sees a custom op as one call; for this package's Python-implemented ops (the
-    Triton backend's) it runs their body under itself, so their host-side code is checked too.
-    The compiled C++ ops are opaque here: their CUDA versions never read device data on the host
-    (csrc/nac_cuda.cu reads the noise seed in the kernel), which the GPU suite's
-    set_sync_debug_mode("error") stage checks on a GPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        why = _host_read(func, args, kwargs)
-        if why is not None:
-            raise HostRead(f"host sync: {why}")
-        self.ops.append(str(func.overloadpacket))
-        body = _python_body(func)
-        if body is not None:
-            with self:  # the mode is off inside __torch_dispatch__: back on for the body
-                return body(*args, **kwargs)
-        return func(*args, **kwargs)
 
 
 # ---- the mode catches what it must --------------------------------------------------------------
@@ -246,6 +171,60 @@ def test_train_py_step_is_sync_free(backend, method, monkeypatch, tmp_path):
     if method == "nac-mq":
         assert "aten._foreach_lerp_" in ops       # EMA
         assert "aten.index_copy_" in ops          # CodeQueue.enqueue
+
+
+@pytest.mark.parametrize("method", ["nac", "nac-mq"])
+def test_compiled_train_py_step_is_sync_free(method, monkeypatch, tmp_path):
+    """train.py's step with the encoders torch.compile'd (aot_eager: the compiled graphs are
+    aten ops, so the mode sees them as they run; compilation itself runs without the mode, at
+    the first step, which is left out): the compiled graphs ran under the mode (the
+    functionalised BatchNorm is theirs alone) and read nothing on the host."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    seen = []
+
+    def wrap(real, st, x):
+        if st.step == 0:  # compiles
+            return real(st, x)
+        with NoHostReads() as mode:
+            out = real(st, x)
+        seen.append(mode.ops)
+        return out
+
+    argv = SMALL + ["--method", method, "--max-steps", "3", "--log-every", "2",
+                    "--save-every", "100", "--queue-size", "32", "--compile",
+                    "--compile-backend", "aot_eager", "--out", str(tmp_path / "run")]
+    try:
+        assert _run(argv, monkeypatch, wrap) == 0
+    finally:
+        torch._dynamo.reset()
+    assert len(seen) == 2
+    for ops in seen:
+        assert "aten._native_batch_norm_legit_functional" in ops    # a compiled graph ran
+        assert "aten.native_batch_norm_backward" in ops
+        assert "aten._foreach_norm" in ops                          # LARS
+        if method == "nac-mq":
+            assert "aten._foreach_lerp_" in ops and "aten.index_copy_" in ops
+
+
+def test_check_step_on_cpu_names_a_host_read():
+    """sync_check.check_step's CPU detector (what bench/train_throughput.py --sync-check runs
+    on a CPU): a step with a host read fails, naming the op and the line; one without passes."""
+    from nac_fast.train.sync_check import check_step
+    t = torch.randn(5)
+
+    def bad_step():
+        return t * t.sum().item()  # the host read
+
+    bad = check_step(bad_step, "cpu")
+    assert bad["sync_check"] == "FAIL"
+    assert bad["sync_offender"] == "host sync: aten._local_scalar_dense.default"
+    assert any("test_sync_free.py" in f and "in bad_step" in f
+               for f in bad["sync_offender_frames"])
+    good = check_step(lambda: t * t.sum(), "cpu")
+    assert good["sync_check"] == "PASS" and good["sync_ops_seen"] == 2
+    with pytest.raises(ValueError, match="device"):
+        check_step(lambda: None, "meta")
 
 
 # ---- NaN/inf reach the loss with the value checks off --------------------------------------------

@@ -99,25 +99,96 @@ def test_plot_train_log(tmp_path):
         plot_train_log.read_log(str(run / "bad.jsonl"))
 
 
+# the GPU suite's train stage in its CPU mode (bench/gpu_suite.sh stage_train, NAC_FAST_SUITE_CPU=1)
+CPU_STAGE = ["--data", "synthetic-device:256", "--arch", "resnet-tiny", "--method", "nac-mq",
+             "--batch-size", "32", "--image-size", "16", "--amp", "off", "--queue-size", "128",
+             "--warmup", "1", "--steps", "2", "--compile", "--compile-backend", "aot_eager",
+             "--anchors", "--budget-s", "150", "--sync-check"]
+
+
+def _tt():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import train_throughput as tt
+    finally:
+        sys.path.pop(0)
+    return tt
+
+
 @pytest.mark.slow
-def test_train_throughput_device_data_profile_and_sync_check(tmp_path):
-    """The GPU suite's train stage at toy size on the CPU: synthetic-device data, the one-step
-    profile table (operators on a CPU run) and the sync check (n/a without a GPU)."""
-    prof, out = tmp_path / "kernels.txt", tmp_path / "train.json"
+def test_train_throughput_cpu_stage(tmp_path):
+    """The GPU suite's train stage at toy size on the CPU: train.py compiled (aot_eager) with
+    its first step's cost apart, the eager baseline, both supervised anchors (subprocesses) and
+    the ceiling, the one-step profile (operators on a CPU run), the host-read check of a whole
+    compiled step (PASS), the CSV rows and the table before the JSON."""
+    prof, out, rows = tmp_path / "kernels.txt", tmp_path / "train.json", tmp_path / "t.csv"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_throughput.py"),
-                        "--data", "synthetic-device:256", "--image-size", "8", "--batch-size", "16",
-                        "--method", "nac-mq", "--queue-size", "64", "--steps", "1",
-                        "--warmup", "1", "--profile-out", str(prof), "--sync-check",
-                        "--json-out", str(out)], env=_env(), capture_output=True, text=True,
-                       timeout=180)
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+                        *CPU_STAGE, "--profile-out", str(prof), "--json-out", str(out),
+                        "--csv-out", str(rows)], env=_env(), capture_output=True, text=True,
+                       timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    res = json.loads(lines[-1])
     assert res == json.loads(out.read_text())
-    assert res["data"] == "synthetic-device:256" and res["measured_steps"] == 1
-    assert res["img_per_s"] * res["step_ms"] / 1e3 == pytest.approx(16, rel=0.02)
-    assert res["profile"] == "ok" and res["sync_check"] == "n/a (no CUDA device)"
+    assert res["data"] == "synthetic-device:256" and res["measured_steps"] == 2
+    assert res["img_per_s"] * res["step_ms"] / 1e3 == pytest.approx(32, rel=0.02)
+    assert res["compile"] is True and res["compile_backend"] == "aot_eager"
+    assert res["compiled"] == "aot_eager: online encoder fwd+bwd, momentum encoder fwd (no grad)"
+    assert res["first_step_s"] > 0
+    assert res["compile_s"] == round(res["first_step_s"] - res["step_ms"] / 1000, 2)
+    assert res["profile"] == "ok"
+    assert res["sync_check"] == "PASS" and res["sync_offender_count"] == 0
+    assert res["sync_detector"].startswith("NoHostReads") and res["sync_ops_seen"] > 100
+    e, se, sc = res["eager"], res["supervised_eager"], res["supervised_compiled"]
+    assert e["compile"] is False and e["measured_steps"] == 2 and "first_step_s" not in e
+    assert se["compile"] is False and sc["compile"] is True and sc["compile_backend"] == "aot_eager"
+    assert sc["compile_s"] == round(sc["first_step_s"] - sc["step_ms"] / 1000, 2)
+    assert res["ceiling_img_per_s"] == round(sc["img_per_s"] * 3 / 8, 1)
+    assert res["pct_of_ceiling"] == round(100 * res["img_per_s"] / res["ceiling_img_per_s"], 1)
+    assert 0 < res["elapsed_s"] < 400
     text = prof.read_text()
     assert "top operators by self CPU time" in text and "aten::" in text
+    assert any(line.startswith("ceiling = supervised compiled / 2.67") for line in lines)
+    import csv
+    with open(rows) as f:
+        got = list(csv.DictReader(f))
+    assert [g["config"] for g in got] == ["nac-mq-defaults", "nac-mq-eager", "supervised-eager",
+                                          "supervised-compiled"]
+    assert all(g["status"] == "ok" and float(g["img_per_s"]) > 0 for g in got)
+    assert float(got[0]["pct_of_ceiling"]) == res["pct_of_ceiling"]
+
+
+@pytest.mark.slow
+def test_train_throughput_sync_check_names_a_planted_host_read(monkeypatch, tmp_path, capsys):
+    """A real .item() planted in the step (inside LARS) fails the check on the CPU: exit status
+    1, the offending op and the planted line named."""
+    from nac_fast.train import lars
+    real = lars.trust_ratios
+
+    def reads_the_host(params, updates, tc):
+        out = real(params, updates, tc)
+        if out:
+            out[0].item()  # the planted host read
+        return out
+
+    monkeypatch.setattr(lars, "trust_ratios", reads_the_host)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "train.json"
+    args = [a for a in CPU_STAGE if a != "--anchors"] + ["--no-anchors", "--no-eager-baseline",
+                                                          "--json-out", str(out)]
+    with pytest.raises(SystemExit) as exc:
+        _tt().main(args)
+    assert exc.value.code == 1
+    res = json.loads(out.read_text())
+    assert res["sync_check"] == "FAIL"
+    assert res["sync_offender"] == "host sync: aten._local_scalar_dense.default"
+    assert any("test_train_bench.py" in f and "out[0].item()" in f
+               for f in res["sync_offender_frames"]), res["sync_offender_frames"]
+    assert "eager" not in res and "supervised_eager" not in res
+    # train.py's own loader is back: the benchmark's device-data stand-in does not leak
+    from nac_fast.train import run as run_mod
+    assert run_mod.build_loader.__module__ == "nac_fast.train.run"
 
 
 def test_device_synthetic_loader_is_deterministic_and_resumes():
@@ -147,35 +218,43 @@ def test_device_synthetic_loader_is_deterministic_and_resumes():
 
 
 @pytest.mark.parametrize("syncs", [False, True])
-def test_sync_check_verdict_and_offender(monkeypatch, syncs):
-    """train_throughput.sync_check's logic with torch.cuda's sync-debug switch faked (no GPU
-    here): a loss whose backward synchronises gives FAIL, its message and frame; else PASS."""
-    import types
+def test_cuda_sync_check_verdict_and_offender(monkeypatch, syncs):
+    """check_step's CUDA path with torch.cuda's sync-debug switch simulated (no GPU here), as
+    torch behaves: setting the mode warns that it "is a prototype feature" (never an offender),
+    and in "warn" / "error" mode a synchronising call warns / raises "called a synchronizing
+    CUDA operation" from the line that made it.  A step with such a call: FAIL naming that line
+    and, from the "error" run, its frames; else PASS with the notice listed as ignored."""
     import warnings
     import torch
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        import train_throughput as tt
-    finally:
-        sys.path.pop(0)
+    from nac_fast.train import sync_check
     mode = {"m": "default"}
-    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.update(m=m))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
-    class Loss:
-        def backward(self):
-            if syncs and mode["m"] == "warn":
-                warnings.warn("called a synchronizing CUDA operation")
-            if syncs and mode["m"] == "error":
-                raise RuntimeError("called a synchronizing CUDA operation")
+    def set_mode(m):
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet "
+                      "detect all synchronizing operations", UserWarning)
+        mode.update(m=m)
 
-    opt = types.SimpleNamespace(zero_grad=lambda set_to_none=True: None)
-    res = tt.sync_check(lambda x: (Loss(), None), opt, None, torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def synchronising_op():
+        if mode["m"] == "warn":
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        elif mode["m"] == "error":
+            raise RuntimeError("called a synchronizing CUDA operation")
+
+    def step():
+        if syncs:
+            synchronising_op()
+
+    res = sync_check.check_step(step, torch.device("cuda"))
     assert mode["m"] == "default"  # switched back
+    assert any("prototype feature" in w for w in res["sync_ignored"])
     if syncs:
-        assert res["sync_check"] == "FAIL" and res["sync_warning_count"] == 1
-        assert res["sync_offender"] == "called a synchronizing CUDA operation"
-        assert "test_train_bench.py" in res["sync_warnings"][0]
-        assert any("in backward" in f for f in res["sync_offender_frames"])
+        assert res["sync_check"] == "FAIL" and res["sync_offender_count"] == 1
+        assert "test_train_bench.py" in res["sync_offender"]
+        assert res["sync_offender"].endswith("called a synchronizing CUDA operation")
+        assert any("in synchronising_op" in f for f in res["sync_offender_frames"])
     else:
-        assert res["sync_check"] == "PASS" and res["sync_warning_count"] == 0
+        assert res["sync_check"] == "PASS" and res["sync_offender_count"] == 0
+        assert res["sync_offenders"] == [] and "sync_offender" not in res

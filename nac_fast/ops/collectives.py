@@ -74,7 +74,9 @@ def batch_shuffle(x: torch.Tensor, generator: torch.Generator | None = None):
     """MoCo's batch shuffle: gather the global batch, permute it, give each rank a slice.
 
     Returns (x_local_shuffled, idx_unshuffle).  The permutation is drawn on rank 0 (from
-    `generator` or torch's global RNG, so a restored RNG state reproduces it) and broadcast.
+    `generator` or torch's global RNG of the batch's device, so a restored RNG state reproduces
+    it), on the batch's device, and broadcast: no host round trip (a permutation drawn on the
+    CPU and copied to a GPU would make the host wait for the GPU every step).
     With BN computed per rank, the momentum encoder's batch statistics then mix samples of other
     ranks, so a query cannot find its positive key through shared BN statistics (MoCo, sec. 3.3).
     In one process this is the identity: there is no other rank to mix with.
@@ -84,8 +86,12 @@ def batch_shuffle(x: torch.Tensor, generator: torch.Generator | None = None):
     rk = dist.get_rank()
     x_all = all_gather_nograd(x)
     n_all = x_all.shape[0]
-    perm = torch.randperm(n_all, generator=generator).to(x.device) if rk == 0 else \
-        torch.empty(n_all, dtype=torch.long, device=x.device)
+    if rk == 0:
+        perm = torch.randperm(n_all, generator=generator, device=x.device if generator is None
+                              else generator.device)
+        perm = perm.to(x.device, non_blocking=True)  # a no-op unless the generator's is another
+    else:
+        perm = torch.empty(n_all, dtype=torch.long, device=x.device)
     dist.broadcast(perm, src=0)
     idx_unshuffle = torch.argsort(perm)
     n = x.shape[0]

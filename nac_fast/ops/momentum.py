@@ -42,8 +42,10 @@ def ema_update_(momentum_model: nn.Module, online_model: nn.Module, decay: float
     op = list(online_model.parameters())
     if len(mp) != len(op):
         raise ValueError(f"momentum model has {len(mp)} parameters, online model {len(op)}")
-    # lerp: m + (1-decay)*(o - m) == decay*m + (1-decay)*o, one fused kernel per dtype/device.
-    torch._foreach_lerp_(mp, [p.detach() for p in op], 1.0 - decay)
+    # lerp: m + (1-decay)*(o - m) == decay*m + (1-decay)*o: one foreach launch per chunk of
+    # tensors of a dtype/device, no kernel per parameter, no host sync (the weight is a Python
+    # number); under no_grad the online parameters are read as they are (no detached copies).
+    torch._foreach_lerp_(mp, op, 1.0 - decay)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

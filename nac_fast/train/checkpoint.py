@@ -202,6 +202,25 @@ def load_checkpoint(path: str, map_location="cpu", require=MODEL_KEYS) -> dict:
     return ck
 
 
+COMPILED_PREFIX = "_orig_mod."  # what a torch.compile wrapper (OptimizedModule) adds to keys
+
+
+def plain_state_dict(sd: dict) -> dict:
+    """A module state dict with the "_orig_mod." segments of torch.compile wrappers removed
+    (a model saved as torch.compile(model).state_dict() by other code; train.py's own
+    checkpoints never have them: it compiles in place, run.compile_encoders).  ValueError when
+    two keys become one."""
+    if not any(COMPILED_PREFIX in k for k in sd):
+        return sd
+    out = {}
+    for k, v in sd.items():
+        plain = k.replace(COMPILED_PREFIX, "")
+        if plain in out:
+            raise ValueError(f"state dict has both {plain!r} and a compiled wrapper's {k!r}")
+        out[plain] = v
+    return out
+
+
 def load_model(path: str, which: str = "online", map_location="cpu"):
     """The trained NACModel (encoder, head, inference net) from a train.py checkpoint.
 
@@ -216,5 +235,5 @@ def load_model(path: str, which: str = "online", map_location="cpu"):
     if ck.get(key) is None:
         raise ValueError(f"checkpoint {path} has no {which} model (method {ck['config']['method']})")
     model = build_model(**model_kwargs_from_config(ck["config"]))
-    model.load_state_dict(ck[key])
+    model.load_state_dict(plain_state_dict(ck[key]))
     return model.eval()

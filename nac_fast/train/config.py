@@ -22,6 +22,7 @@ Values left open (None) follow the rules of `resolve`:
     momentum      EMA decay 0.99 for images of <= 64 px, else 0.999
     queue_size    16 x the global batch; a recipe may also write "<k>x" (k x the global batch)
                   or a number, rounded down to a multiple of the global batch
+    compile       on with CUDA (torch.compile of the encoders, inductor), off on CPU
     r_gain        "auto" = 2 (1 - 2 flip_prob) a_gain
     l2            (NAC-MQ) "auto" = 0.1 ((1 - 2p) / 0.8)^2 at the p of each step   ([M:mq-l2])
 """
@@ -57,6 +58,7 @@ NAC_HEAD_OPTIONS = ("head_bn", "infer_bn", "a_gain", "r_gain", "learn_gain", "in
 SMALL_DATA_IMAGES = 200_000
 SMALL_DATA_SIDE = 96
 AUTO_RECIPES = {"small": "small.toml", "large": "imagenet.toml"}
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
 class UsageError(ValueError):
@@ -102,7 +104,8 @@ class TrainConfig:
     collapse_warn: float = 0.05
     amp: str = "auto"
     channels_last: bool = True
-    compile: bool = False
+    compile: bool | None = None        # None: on with CUDA, off on CPU (resolve)
+    compile_backend: str = "inductor"
     loss_backend: str = "auto"
     sync_bn: bool = False
     shuffle_bn: bool = True
@@ -305,7 +308,13 @@ def build_parser() -> _Parser:
       help="autocast dtype; auto = bf16 on GPU, off (fp32) on CPU")
     a("--channels-last", action=argparse.BooleanOptionalAction,
       help="NHWC memory format (faster convolutions on GPU and, measured, on CPU too)")
-    a("--compile", action="store_true", help="torch.compile the online model")
+    a("--compile", action=argparse.BooleanOptionalAction,
+      help="torch.compile the encoders: the online encoder's forward and backward and, for "
+      "nac-mq, the momentum encoder's forward (no grad); the start line says what is "
+      "compiled, the first step's line what it cost. --no-compile: eager, for debugging")
+    a("--compile-backend", choices=COMPILE_BACKENDS,
+      help="torch.compile's backend: inductor (generated kernels) or aot_eager (the traced "
+      "graph run by eager ops: no code generation; tests and debugging)")
     a("--loss-backend", choices=("auto", "reference", "cpu", "triton", "cuda"),
       help="NAC loss backend (nac_fast.nac_loss's backend); auto = cpu on CPU, triton on GPU "
       "(cuda, the experimental tensor-core backend, only when named)")
@@ -366,6 +375,7 @@ def _rules(d: dict) -> dict:
         "flip_prob_final": "none: p constant",
         "flip_prob_final_min_steps": "none: no step threshold",
         "flip_prob_final_min_images": "none: no image threshold",
+        "compile": "on with CUDA, off on CPU",
     }
     q = d.get("queue_size")
     if q is None or isinstance(q, str):
@@ -391,7 +401,7 @@ def _describe_defaults(parser: _Parser, path: str, recipe: dict, why: str = "") 
         v = values[dest]
         if (actions[0].nargs == 0 and dest not in recipe
                 and not isinstance(actions[0], argparse.BooleanOptionalAction)):
-            continue  # --compile, --no-progress, ...: their help says what they do
+            continue  # --sync-bn, --no-progress, ...: their help says what they do
         shown = rules.get(dest) if v is None or dest in ("queue_size", "r_gain", "l2") else None
         shown = rel if dest == "recipe" else shown or str(v).replace("%", "%%")
         src = f"; from {rel}" if dest in recipe else ""
@@ -683,6 +693,7 @@ def resolve(cfg: TrainConfig, *, world_size: int, device_type: str, steps_per_ep
         cfg, world_size=world_size, device=device_type, steps_per_epoch=steps_per_epoch,
         total_steps=total, warmup_steps=warmup, image_size=image_size, in_channels=in_channels,
         num_images=num_images, amp=amp, workers=default_workers(cfg, device_type),
+        compile=cfg.compile if cfg.compile is not None else device_type == "cuda",
         lr=cfg.lr if cfg.lr is not None else 0.075 * math.sqrt(cfg.batch_size),
         momentum=(cfg.momentum if cfg.momentum is not None else
                   0.99 if image_size <= 64 else 0.999),

@@ -55,6 +55,9 @@ class LARS(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One update of every parameter with a gradient, in a fixed number of foreach launches
+        per group (no Python loop over parameters on the device, no host sync): the update,
+        its trust ratios (all of a group's norms in one tensor), the momentum and the step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -68,18 +71,15 @@ class LARS(Optimizer):
                 updates = grads
             else:
                 wd = group["weight_decay"]
-                updates = torch._foreach_add(grads, params, alpha=wd) if wd else \
-                    [g.clone() for g in grads]
-                p_norm = torch._foreach_norm(params)
-                u_norm = torch._foreach_norm(updates)
-                tc = group["trust_coefficient"]
-                # q = tc*||p||/||u|| only where both norms are positive, else 1; computed on the
-                # device without a host sync per parameter.
-                trust = [torch.where((pn > 0) & (un > 0), tc * pn / un.clamp_min(1e-38),
-                                     torch.ones_like(pn)) for pn, un in zip(p_norm, u_norm)]
-                torch._foreach_mul_(updates, trust)
+                updates = torch._foreach_add(grads, params, alpha=wd) if wd else None
+                trust = trust_ratios(params, grads if updates is None else updates,
+                                     group["trust_coefficient"])
+                if updates is None:
+                    updates = torch._foreach_mul(grads, trust)
+                else:
+                    torch._foreach_mul_(updates, trust)
             bufs = []
-            for p, u in zip(params, updates):
+            for p in params:
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p)
@@ -88,3 +88,23 @@ class LARS(Optimizer):
             torch._foreach_add_(bufs, updates)
             torch._foreach_add_(params, bufs, alpha=-group["lr"])
         return loss
+
+
+def trust_ratios(params: list, updates: list, trust_coefficient: float) -> list:
+    """LARS's trust ratio of each parameter, q = tc ||p|| / ||u|| where both norms are positive,
+    else 1 ([M:lars]), as 0-dim device tensors: the norms by _foreach_norm, and q for all the
+    parameters of one device and dtype in one stacked tensor (a handful of launches, not several
+    per parameter).  Elementwise the same float operations as one parameter at a time."""
+    p_norm, u_norm = torch._foreach_norm(params), torch._foreach_norm(updates)
+    by_kind: dict = {}
+    for i, pn in enumerate(p_norm):
+        by_kind.setdefault((pn.device, pn.dtype), []).append(i)
+    out = [None] * len(params)
+    for idx in by_kind.values():
+        pn = torch.stack([p_norm[i] for i in idx])
+        un = torch.stack([u_norm[i] for i in idx])
+        q = torch.where((pn > 0) & (un > 0), trust_coefficient * pn / un.clamp_min(1e-38),
+                        torch.ones_like(pn))
+        for i, qi in zip(idx, q.unbind(0)):
+            out[i] = qi
+    return out

@@ -199,7 +199,8 @@ def summary_lines(st, flags, first_step: int, first_loss, last: dict | None, zer
 # What does not change what a run trains (its reference rows may differ in these)
 _NOT_TRAINING = ("recipe", "out", "resume", "overwrite", "stop_at_step", "progress", "log_every",
                  "save_every", "tensorboard", "seed", "workers", "loader", "device", "compile",
-                 "loss_backend", "collapse_warn", "on_bad_file", "channels_last", "amp")
+                 "compile_backend", "loss_backend", "collapse_warn", "on_bad_file",
+                 "channels_last", "amp")
 
 
 def _row_config(cmd: str, root: str):

@@ -40,8 +40,8 @@ from ..ops.momentum import NACMQ
 from ..ops.queue import CodeQueue
 from . import distributed as nd
 from .checkpoint import (CONFIG, LAST, PREV, STATE_KEYS, capture_rng_state, load_checkpoint,
-                         pick_checkpoint, read_json, remove_stale_temp_files, restore_rng_state,
-                         save_atomic, write_json_atomic)
+                         pick_checkpoint, plain_state_dict, read_json, remove_stale_temp_files,
+                         restore_rng_state, save_atomic, write_json_atomic)
 from .config import TrainConfig, UsageError, default_workers, resolve
 from .lars import LARS, param_groups_for_lars
 from .methods import nac_mq_step, nac_step, simclr_step, step_value_checks
@@ -78,8 +78,7 @@ class TrainState:
     di: Any                         # nac_fast.train.distributed.DistInfo
     loader: Any
     model: torch.nn.Module          # the plain online model (what checkpoints hold)
-    net: torch.nn.Module            # what the step calls: model (nac-mq: mq) under DDP /
-                                    # torch.compile
+    net: torch.nn.Module            # what the step calls: model (nac-mq: mq), under DDP
     optimizer: torch.optim.Optimizer
     scaler: Any
     autocast: Any
@@ -93,6 +92,7 @@ class TrainState:
     rotate: bool = False             # OUT/last.pt is a good checkpoint of this run: keep it as
                                      # prev.pt at the next save (else the save replaces it)
     last_r: Any = None               # the last step's inference logits (detached), for the log
+    compiled: str | None = None      # what --compile compiled (compile_encoders), or None
 
     @property
     def ckpt_path(self) -> str:
@@ -189,9 +189,8 @@ def build(cfg: TrainConfig, di) -> TrainState:
     optimizer = LARS(param_groups_for_lars(model, cfg.wd), lr=cfg.lr, momentum=0.9,
                      weight_decay=cfg.wd, trust_coefficient=0.001)
     scaler = torch.amp.GradScaler(di.device.type, enabled=cfg.amp == "fp16")
-    if cfg.compile and mq is not None:
-        # the online model's forward, as for nac: NACMQ's noise, enqueue and EMA stay eager
-        mq.model = torch.compile(model)
+    # after SyncBN (the modules it replaces) and before the first forward
+    compiled = compile_encoders(cfg, model, None if mq is None else mq.momentum_model)
     net = model if mq is None else mq
     if nd.is_dist():
         # BN running statistics stay per rank (no broadcast each forward): they only matter for
@@ -206,15 +205,49 @@ def build(cfg: TrainConfig, di) -> TrainState:
             net, device_ids=[di.local_rank] if di.device.type == "cuda" else None,
             gradient_as_bucket_view=True, find_unused_parameters=cfg.infer_warmup_steps > 0,
             **ddp_kw)
-    if cfg.compile and mq is None:
-        net = torch.compile(net)
     autocast = (torch.autocast(di.device.type, dtype=amp_dtype) if amp_dtype is not None
                 else contextlib.nullcontext())
     return TrainState(cfg=cfg, di=di, loader=loader, model=model, net=net, optimizer=optimizer,
                       scaler=scaler, autocast=autocast,
                       mom_model=None if mq is None else mq.momentum_model,
                       queue=None if mq is None else mq.queue,
-                      mq_criterion=None if mq is None else mq.criterion)
+                      mq_criterion=None if mq is None else mq.criterion, compiled=compiled)
+
+
+def compile_encoders(cfg: TrainConfig, model: torch.nn.Module, mom_model) -> str | None:
+    """--compile: torch.compile of the encoders, in place (nn.Module.compile: the modules, their
+    state dicts and checkpoints keep their keys, no "_orig_mod." wrapper), fixed shapes
+    (dynamic=False: every step has the same batch), inductor's default mode (no autotuning):
+
+      model.encoder      the online ResNet: one graph, forward and backward (AOTAutograd)
+      mom_model.encoder  NAC-MQ's momentum ResNet: its forward under torch.no_grad, a graph of
+                         its own (nothing saved for a backward)
+
+    The heads (two small MLPs), the loss (its own fused kernels), LARS, the EMA and the queue
+    stay eager: they are a few launches each (foreach ops).  DDP wraps the module as before; the
+    compiled encoder's backward is one autograd node, so DDP's gradient buckets become ready
+    when it ends.  Compilation happens at the first step (train.py times it and prints the cost).
+    Returns what is compiled, for the start line (None: nothing)."""
+    if not cfg.compile:
+        return None
+    kw = dict(backend=cfg.compile_backend, dynamic=False)
+    model.encoder.compile(**kw)
+    parts = ["online encoder fwd+bwd"]
+    if mom_model is not None:
+        mom_model.encoder.compile(**kw)
+        parts.append("momentum encoder fwd (no grad)")
+    return f"{cfg.compile_backend}: {', '.join(parts)}"
+
+
+def prepare_batch(st: TrainState, v1: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
+    """A loader's two views as the step's x = cat([v1, v2]) on the device (channels-last when
+    the run is): each view goes to the device first (a cat of pinned host tensors would be
+    pageable), without waiting for the copy."""
+    dev = st.di.device
+    x = torch.cat([v1.to(dev, non_blocking=True), v2.to(dev, non_blocking=True)])
+    if st.cfg.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -549,9 +582,9 @@ def resume(st: TrainState, path: str, ck: dict | None = None) -> dict:
                     if k == "total_steps" else "")
             raise ValueError(f"--resume {path}: checkpoint has {k}={old[k]!r}, this run "
                              f"{new[k]!r}{more}")
-    st.model.load_state_dict(ck["model"])
+    st.model.load_state_dict(plain_state_dict(ck["model"]))
     if st.mom_model is not None:
-        st.mom_model.load_state_dict(ck["momentum_model"])
+        st.mom_model.load_state_dict(plain_state_dict(ck["momentum_model"]))
         st.queue.load_state_dict(ck["queue"])
     st.optimizer.load_state_dict(ck["optimizer"])
     st.scaler.load_state_dict(ck["scaler"])
