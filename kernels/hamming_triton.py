@@ -481,6 +481,15 @@ def cdist(qw: torch.Tensor, gw: torch.Tensor) -> torch.Tensor:
     return out
 
 
+MAX_ROWS = (1 << 31) - 1  # gallery rows are int32 in the kernels (and counts in 32-bit halves)
+
+
+def _check_rows(G: int) -> None:
+    if G > MAX_ROWS:
+        raise ValueError(f"the Triton Hamming kernels handle galleries of at most {MAX_ROWS:,} "
+                         f"codes, got {G:,}: split the gallery")
+
+
 def _kth_outright(qw: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor:
     """(Q,) int32: the exact k-th smallest distance of each query over the (small) codes g."""
     step = max(1, BASE_PAIRS // g.shape[0])
@@ -557,6 +566,7 @@ def topk(qw: torch.Tensor, gw: torch.Tensor, k: int):
     qw, gw: contiguous int64 words on one device; 1 <= k <= G."""
     Q = qw.shape[0]
     G = gw.shape[0]
+    _check_rows(G)
     if k > TOPK_MAX_K or G <= _outright_rows(k):
         return _topk_direct(qw, gw, k)
     sample = gw[::SAMPLE_RATIO]
@@ -565,11 +575,13 @@ def topk(qw: torch.Tensor, gw: torch.Tensor, k: int):
     keys, na, ca = _filter(qw, gw, t, k, expect)
     top = _smallest_keys(keys, k)
     over = (na > ca).any(1)
+    ca_max = 8 * ca
     while bool(over.any()):  # host sync: a slice held more than CA items below the bound
         rows = over.nonzero()[:, 0]
-        # the k-th distance of the candidates: k real rows, all below the old bound
+        # the k-th distance of the candidates: k real rows, all below the old bound, so each
+        # round lowers the bound by at least one and the loop ends
         t2 = (top[rows, k - 1] >> KEY_SHIFT).to(torch.int32)
-        ca = 2 * ca
+        ca = min(2 * ca, ca_max)
         keys2, na2, ca = _filter(qw[rows], gw, t2, k, expect, capacity=ca)
         top[rows] = _smallest_keys(keys2, k)
         over = torch.zeros_like(over)
@@ -586,19 +598,20 @@ def retrieval(qw, gw, ql, gl, nbits: int, cuts=(), hist: bool = False):
     if nbits > MAX_BITS:
         raise ValueError(f"the Triton retrieval kernels handle codes of at most {MAX_BITS} bits, "
                          f"got {nbits}")
+    _check_rows(gw.shape[0])
     Q = qw.shape[0]
     qw, gw, ql, gl = (t.contiguous() for t in (qw, gw, ql, gl))
     h_launch, r_launch, buf = retrieval_plan(qw, gw, ql, gl, nbits, tuple(cuts))
     run([h_launch])
     h = buf["hist"]
-    cnt, rc = h & 0xFFFFFFFF, h >> 32
-    tot_c, tot_r = cnt.sum(0), rc.sum(0)                       # (NB, QP)
-    # ranked before slice s's first item of distance d: all items of smaller distance, plus the
-    # items of distance d in earlier slices
-    start_c = (tot_c.cumsum(0) - tot_c)[None] + (cnt.cumsum(0) - cnt)
-    start_r = (tot_r.cumsum(0) - tot_r)[None] + (rc.cumsum(0) - rc)
-    buf["start"].copy_(start_c + (start_r << 32))
+    # Sums of packed counters are the packed sums (each low half stays below G < 2^31): ranked
+    # before slice s's first item of distance d are all items of smaller distance, plus the
+    # items of distance d in earlier slices.
+    tot = h.sum(0)                                              # (NB, QP)
+    torch.cumsum(h, 0, out=buf["start"])
+    buf["start"].sub_(h).add_((tot.cumsum(0) - tot)[None])
     run([r_launch])
+    tot_c, tot_r = tot & 0xFFFFFFFF, tot >> 32
     nrel = tot_r.sum(0)[:Q]
     psum = buf["psum"].sum(0)[:Q]
     ap = torch.where(nrel > 0, psum / nrel.clamp(min=1).to(torch.float64), math.nan)

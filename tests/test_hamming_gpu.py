@@ -335,6 +335,16 @@ def test_retrieval_ties_within_a_step(dev, monkeypatch):
             np.testing.assert_allclose(a.cpu().numpy(), b.numpy(), rtol=1e-12, equal_nan=True)
 
 
+def test_galleries_past_int32_rows_are_refused(dev, monkeypatch):
+    monkeypatch.setattr(HT, "MAX_ROWS", 50)
+    qw, gw = words(30, 2, 64, dev), words(31, 51, 64, dev)
+    lab = torch.zeros(51, dtype=torch.int64, device=dev)
+    with pytest.raises(ValueError, match="galleries of at most 50 codes, got 51"):
+        HT.topk(qw, gw, 3)
+    with pytest.raises(ValueError, match="galleries of at most 50 codes, got 51"):
+        HT.retrieval(qw, gw, lab[:2], lab, 64)
+
+
 def test_retrieval_refuses_long_codes(dev):
     qw = torch.zeros(2, 17, dtype=torch.int64, device=dev)
     lab = torch.zeros(2, dtype=torch.int64, device=dev)
