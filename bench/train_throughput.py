@@ -313,22 +313,24 @@ def run_train(args, compile_flag, keep_state: bool = False):
     kept = {}
     real_train = getattr(train, "train", None)
 
-    def train_and_keep(st, flags):  # the run's state, for the profile and the sync check
+    def train_and_keep(st, flags):  # the run's state: what it compiled, the profile, the check
         kept["st"] = st
         return real_train(st, flags)
 
-    if keep_state:
+    if real_train is not None:
         train.train = train_and_keep
     try:
         status = train.main(targv)
     finally:
-        if keep_state:
+        if real_train is not None:
             train.train = real_train
     if status:
         shutil.rmtree(out, ignore_errors=True)
         sys.exit(status)
-    st = kept.get("st") if keep_state else None
-    kept.clear()
+    st = kept.pop("st", None)
+    compiled = None if st is None else st.compiled
+    if not keep_state:
+        st = None
     if int(os.environ.get("RANK", "0")) != 0:
         shutil.rmtree(out, ignore_errors=True)
         return None, st
@@ -341,7 +343,8 @@ def run_train(args, compile_flag, keep_state: bool = False):
     w, b = args.warmup, args.batch_size
     secs = [w * b / r["img_per_s"] for r in recs]
     res = {"compile": bool(cfg.get("compile")),
-           "compile_backend": cfg.get("compile_backend") if cfg.get("compile") else None}
+           "compile_backend": cfg.get("compile_backend") if cfg.get("compile") else None,
+           "compiled": compiled}
     res.update(window_stats(secs, w, b))
     res["data_wait"] = round(sum(r["data_wait"] * s for r, s in zip(recs, secs)) / sum(secs), 4)
     if "first_step_s" in first:
@@ -645,7 +648,6 @@ def measure(args, budget: Budget, world: int):
            "threads": torch.get_num_threads(), "commit": commit()}
     res.update(main_res)
     res["peak_mem_mib"] = _peak_mib(device)
-    res["compiled"] = None if st is None else st.compiled
     failed = False
     if st is not None:
         v1, v2 = next(iter(st.loader))

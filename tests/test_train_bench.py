@@ -134,6 +134,7 @@ def test_train_throughput_cpu_stage(tmp_path):
     assert res["img_per_s"] * res["step_ms"] / 1e3 == pytest.approx(32, rel=0.02)
     assert res["compile"] is True and res["compile_backend"] == "aot_eager"
     assert res["compiled"] == "aot_eager: online encoder fwd+bwd, momentum encoder fwd (no grad)"
+    assert res["eager"]["compiled"] is None
     assert res["first_step_s"] > 0
     assert res["compile_s"] == round(res["first_step_s"] - res["step_ms"] / 1000, 2)
     assert res["profile"] == "ok"
