@@ -36,6 +36,8 @@ CSV row per method to bench/results/hamming_cpu.csv, and prints one JSON line la
                      random codes (made on the GPU); the index is on the GPU before the clock
   topk (cpu)         the same search with a CPU index, on --cpu-topk-queries queries (a subset at
                      100M codes)
+  topk-variant       the GPU search at the first index size with other block configurations and
+                     sample ratios (--topk-variants): data for choosing the shipped setting
 
 Every GPU row is checked against the C++ engine on --check-queries queries (per-query AP to
 1e-12 and equal counts of relevant items; top-k distances and indices equal), column "check"; a
@@ -166,7 +168,7 @@ GOALS = {("map_all", 1_000_000, 10000): 0.1, ("topk", 1_000_000, 1000): 0.002,
          ("topk", 100_000_000, 1000): 0.2}  # issue 39, H100, 128 bits
 TINY = dict(map_sizes="200,600", map_queries=33, cpu_map_queries="33,16",
             index_sizes="4200,9000", index_queries=9, cpu_topk_queries="9,4",
-            check_queries=4, gpu_repeats=1, k=10)
+            check_queries=4, gpu_repeats=1, k=10, topk_variants="32x64x1/8")
 
 
 def _ints(text: str, name: str) -> list:
@@ -243,6 +245,45 @@ def _ap_check(H, qw, ql, gw, gl, bits, n, device):
     good = same_nan and bool(torch.equal(nrel, wnrel)) and rel <= 1e-12
     return good, f"{'ok' if good else 'FAIL'}: AP of {n} queries vs the C++ engine, max rel " \
                  f"diff {rel:.1e}" + ("" if same_nan else ", NaN pattern differs")
+
+
+def _ints_variants(text: str) -> list:
+    """'BQxBGxWARPS/RATIO,...' -> [(bq, bg, warps, ratio), ...]."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            blocks, ratio = item.split("/")
+            bq, bg, warps = (int(x) for x in blocks.split("x"))
+            out.append((bq, bg, warps, int(ratio)))
+        except ValueError:
+            raise SystemExit(f"--topk-variants: BQxBGxWARPS/RATIO items, got {item!r}") from None
+    return out
+
+
+def _variant_name(v=None, kind="gpu") -> str:
+    from nac_fast.kernels import hamming_triton as HT
+    if v is None:
+        bq, bg, warps = HT.TOPK_CONFIG[kind]
+        v = (bq, bg, warps, HT.SAMPLE_RATIO)
+    return f"top-k setting {v[0]}x{v[1]}x{v[2]}/{v[3]} (BQxBGxwarps/sample ratio)"
+
+
+class _variant:
+    """The GPU top-k's block configuration and sample ratio set to `v` inside the block."""
+
+    def __init__(self, v, device):
+        from nac_fast.kernels import hamming_triton as HT
+        self.HT, self.v = HT, v
+        self.kind = "gpu" if device.type == "cuda" else "interpreter"
+
+    def __enter__(self):
+        self.saved = (self.HT.TOPK_CONFIG[self.kind], self.HT.SAMPLE_RATIO)
+        self.HT.TOPK_CONFIG[self.kind] = self.v[:3]
+        self.HT.SAMPLE_RATIO = self.v[3]
+
+    def __exit__(self, *exc):
+        self.HT.TOPK_CONFIG[self.kind], self.HT.SAMPLE_RATIO = self.saved
+        return False
 
 
 def run_gpu(args, ap):
@@ -376,7 +417,22 @@ def run_gpu(args, ap):
                     add("topk", "triton", str(device), n, G, s2, kk=k, check=check)
             add("topk", "triton", str(device), Q, G, stats, kk=k, check=check,
                 note="HashIndex(device=...) search, queries = index codes with 10% of bits "
-                     "flipped")
+                     "flipped; " + _variant_name(
+                         kind="gpu" if device.type == "cuda" else "interpreter"))
+            if G == idx_sizes[0]:
+                for v in _ints_variants(args.topk_variants):
+                    if over_budget(f"topk-variant {v} x {G}"):
+                        break
+                    with _variant(v, device):
+                        gpu.search(P(qw[:2], D), k)
+                        vs, (Dv, Iv) = gpu_timed(lambda: gpu.search(P(qw, D), k),
+                                                 args.gpu_repeats, device)
+                    same = bool(torch.equal(Dv, Dg) and torch.equal(Iv, Ig))
+                    if not same:
+                        failures.append(f"topk-variant {v} x {G}: results differ")
+                    add("topk-variant", "triton", str(device), Q, G, vs, kk=k,
+                        check=f"{'ok' if same else 'FAIL'}: all {Q} queries equal to the "
+                              "shipped setting's results", note=_variant_name(v))
             del gpu, cpu_index, qc, Dg, Ig
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -456,6 +512,10 @@ def main(argv=None):
     g.add_argument("--budget-s", type=float, default=70.0, help="skip rows that would start "
                    "after this many seconds")
     g.add_argument("--only", choices=("all", "map", "topk"), default="all")
+    g.add_argument("--topk-variants", default="16x64x2/16,32x32x2/16,32x32x4/8",
+                   help="other settings of the top-k (BQxBGxWARPS/SAMPLE_RATIO) timed at the "
+                   "first --index-sizes size beside the shipped one, rows 'topk-variant' ('' = "
+                   "none)")
     ap.add_argument("--no-faiss", action="store_true")
     ap.add_argument("--no-rank", action="store_true", help="skip the nac_fast full-ranking row")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())

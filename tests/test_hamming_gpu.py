@@ -373,15 +373,16 @@ def test_gpu_bench_cpu_mode_runs_every_row(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
-    assert summary["failures"] == [] and summary["skipped"] == [] and summary["rows"] == 10
+    assert summary["failures"] == [] and summary["skipped"] == [] and summary["rows"] == 11
     assert any(line.startswith("row ") and "check" in line for line in lines)
     with open(out) as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 10
+    assert len(rows) == 11
     gpu_rows = [r for r in rows if r["engine"] == "triton"]
-    assert len(gpu_rows) == 6 and all(r["check"].startswith("ok") for r in gpu_rows)
+    assert len(gpu_rows) == 7 and all(r["check"].startswith("ok") for r in gpu_rows)
     assert {(r["method"], r["gallery"]) for r in rows} == {
-        ("map_all", "200"), ("map_all", "600"), ("topk", "4200"), ("topk", "9000")}
+        ("map_all", "200"), ("map_all", "600"), ("topk", "4200"), ("topk", "9000"),
+        ("topk-variant", "4200")}
     # like-for-like pairs carry the ratio; rows with another query count do not
     for r in gpu_rows:
         twin = [c for c in rows if c["engine"] == "cpu" and c["method"] == r["method"]
