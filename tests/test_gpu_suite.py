@@ -207,11 +207,10 @@ def test_plot_bench_reads_new_csv_and_skips_failed_rows(tmp_path):
 # ---- JUnit skip detector ----------------------------------------------------------------------
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
-<testsuites><testsuite name="pytest" errors="0" failures="0" skipped="3" tests="6">
+<testsuites><testsuite name="pytest" errors="0" failures="0" skipped="2" tests="6">
 <testcase classname="tests.test_loss_backends" name="test_values[triton-inbatch-97-97-128]" time="0.1"/>
 <testcase classname="tests.test_loss_backends" name="test_values[cuda-inbatch-97-97-128]" time="0.1"/>
-<testcase classname="tests.test_hashing" name="test_distances[triton-64]" time="0.0">
-  <skipped type="pytest.skip" message="the Triton Hamming kernels run on CPU tensors only under TRITON_INTERPRET=1">skip</skipped></testcase>
+<testcase classname="tests.test_hashing" name="test_distances[triton-64]" time="0.0"/>
 <testcase classname="tests.test_hashing" name="test_faiss_agrees" time="0.0">
   <skipped type="pytest.skip" message="could not import 'faiss': No module named 'faiss'">skip</skipped></testcase>
 <testcase classname="tests.test_loss_backends" name="test_torch_compile_matches_eager[triton]" time="0.0">
@@ -226,13 +225,21 @@ def test_junit_detector_flags_a_skipped_triton_test(tmp_path):
     bad.write_text(JUNIT % '<skipped type="pytest.skip" message="AOTAutograd runs a triton_op ...">s</skipped>')
     res = gpu_summary.check_junit(str(bad), ["triton", "cuda"])
     assert not res["ok"]
-    assert res["skipped"] == 3 and res["passed"] == 3
+    assert res["skipped"] == 2 and res["passed"] == 4
     assert [v for v in res["violations"] if "test_torch_compile_matches_eager[triton]" in v]
-    assert len(res["violations"]) == 1  # the hashing CPU-tensor skip and faiss are allowed
-    assert len(res["allowed_skips"]) == 1
+    assert len(res["violations"]) == 1  # faiss's skip is not a kernel's
     assert gpu_summary.main(["--check-junit", str(bad), "--require-passed", "triton,cuda",
                              "--status-file", str(tmp_path / "st")]) == 1
-    assert (tmp_path / "st").read_text().startswith("0 failed, 3 passed, 3 skipped (1 not allowed)")
+    assert (tmp_path / "st").read_text().startswith("0 failed, 4 passed, 2 skipped (1 not allowed)")
+    # the Triton Hamming tests run on CUDA tensors now (issue 39): their old skip is a violation
+    hashing = tmp_path / "hashing.xml"
+    hashing.write_text(JUNIT.replace(
+        'name="test_distances[triton-64]" time="0.0"/>',
+        'name="test_distances[triton-64]" time="0.0"><skipped type="pytest.skip" message="the '
+        'Triton Hamming kernels run on CPU tensors only under TRITON_INTERPRET=1">s</skipped>'
+        '</testcase>') % "")
+    res = gpu_summary.check_junit(str(hashing), ["triton", "cuda"])
+    assert not res["ok"] and [v for v in res["violations"] if "test_distances[triton-64]" in v]
 
     good = tmp_path / "good.xml"
     good.write_text(JUNIT % "")
