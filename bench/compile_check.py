@@ -7,7 +7,10 @@ instructions; plus the CUDA kernels' resource usage (nvcc).
 
 The Triton part builds each op's launch plan (kernels/launch.py) from meta tensors for each
 target, exactly as the op builds it for real tensors on that GPU, so the check covers the
-configurations the launchers pick and nothing else.  Each distinct launch (kernel, specialised
+configurations the launchers pick and nothing else: the built-in tables (nac_triton.CONFIGS) and
+every autotune candidate (nac_triton.CANDIDATES, on the archs it applies to: the configurations a
+tuned table, kernels/tuning.py, may name), forced into the same plans; the CSV's `source` column
+says which (built-in, candidate or both).  Each distinct launch (kernel, specialised
 signature, constexprs, warps, stages, arch) is compiled once with ``triton.compile`` in a pool of
 processes; ``ptxas -v`` (Triton's own, with Triton's flags) reports registers and spills, Triton's
 metadata the shared memory, and ``cuobjdump -sass`` the matrix instructions (HGMMA/HMMA).
@@ -43,7 +46,8 @@ MODES = ("inbatch", "queue")
 FP32_MODES = ("tf32x3", "tf32", "ieee")  # NAC_FAST_FP32_DOT: the default first
 FIELDS = ["kernel", "arch", "dtype", "D", "modes", "precision", "blocks", "warps", "stages",
           "smem_bytes", "smem_estimate", "smem_limit", "registers", "spill_store_bytes",
-          "spill_load_bytes", "mma_instr", "mma_count", "blocks_per_sm", "compile_s", "problems"]
+          "spill_load_bytes", "mma_instr", "mma_count", "blocks_per_sm", "compile_s", "problems",
+          "source"]
 # The matrix kernels' launch tags: the forward, and the keys' backward in its three output modes
 # (fp32 split shares; one split: the keys' gradient, or the rows' backward fused in).
 MATRIX_KERNELS = ("fwd", "bwd_keys", "bwd_keys_out1", "bwd_keys_out2")
@@ -166,6 +170,72 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
                 yield case, L
 
 
+def _candidate_plans(target, dtypes):
+    """(case, launch) for every launch of every autotune candidate (nac_triton.CANDIDATES: the
+    configurations a tuned table may name, kernels/tuning.py), forced into the same plans as
+    `_plans` builds: forward with and without the rows' gradient, in-batch and given keys; the
+    backward with the target's split, one split and many.  A candidate's waves change only the
+    split, so each distinct compiled configuration is planned once."""
+    import torch
+    from nac_fast.kernels import nac_triton, tuning
+
+    meta = dict(device="meta")
+    n, N = 8192, 65536
+    os.environ.pop("NAC_FAST_FP32_DOT", None)  # candidates are tuned for the default precision
+    for (kernel, dname, bd), cands in sorted(nac_triton.CANDIDATES.items()):
+        if dname not in dtypes:
+            continue
+        dtype = getattr(torch, dname)
+        D = bd
+        a = torch.empty((n, D), dtype=dtype, **meta)
+        acc = torch.float32
+        lse, g = torch.empty(n, dtype=acc, **meta), torch.empty(n, dtype=acc, **meta)
+        ga = torch.empty((n, D), dtype=acc, **meta)
+        seen = set()
+        for c in cands:
+            if not c.applies(target.arch) or (c.BLOCK_M, c.BLOCK_N, c.num_warps,
+                                              c.num_stages) in seen:
+                continue
+            seen.add((c.BLOCK_M, c.BLOCK_N, c.num_warps, c.num_stages))
+            for mode in MODES:
+                keys = None if mode == "inbatch" else torch.empty((N, D), dtype=dtype, **meta)
+                case = dict(dtype=dname, D=D, mode=mode, source="candidate")
+                with tuning.forced(**{kernel: c}):
+                    if kernel == "fwd":
+                        for grad in (True, False):
+                            launches, _ = nac_triton.fwd_plan(a, a, a, keys, 1.1, 0.1, grad,
+                                                              target)
+                            for L in launches:
+                                if L.tag == "fwd":
+                                    yield case, L
+                        continue
+                    k = torch.empty((n, D) if keys is None else (0,), dtype=dtype, **meta)
+                    for t in (target, dataclasses.replace(target, sms=1, occupancy=None),
+                              dataclasses.replace(target, sms=1 << 16, occupancy=None)):
+                        launches, _ = nac_triton.bwd_plan(a, a, a, keys, lse, ga, g, a, k, 1.1,
+                                                          True, True, keys is not None, t)
+                        for L in launches:
+                            if L.tag.startswith("bwd_keys"):
+                                yield case, L
+
+
+def compile_only(job):
+    """Worker of the autotune stage (bench/autotune.py): compile one launch with triton.compile
+    into Triton's cache, where the JIT finds it when the launch first runs; returns seconds."""
+    module, kernel_name, arch, sig, consts, attrs, warps, stages = job
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(module), kernel_name)
+    t0 = time.perf_counter()
+    triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                   options=dict(num_warps=warps, num_stages=stages))
+    return time.perf_counter() - t0
+
+
 def _compile_one(job):
     """Worker: compile one launch for one arch; returns measured figures."""
     module, kernel_name, arch, sig, consts, attrs, warps, stages = job
@@ -214,7 +284,8 @@ def _job(launch, arch):
             launch.num_warps, launch.num_stages)
 
 
-def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_MODES):
+def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_MODES,
+                candidates=True):
     from nac_fast.kernels import launch as KL
     from nac_fast.kernels import nac_triton
 
@@ -222,7 +293,10 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
     unique: dict = {}
     for arch in archs:
         target = targets[arch]
-        for case, L in _plans(target, dtypes, ds, modes, fp32_modes):
+        plans = list(_plans(target, dtypes, ds, modes, fp32_modes))
+        if candidates:
+            plans += list(_candidate_plans(target, dtypes))
+        for case, L in plans:
             k = _key(L, arch)
             if k not in unique:
                 unique[k] = dict(launch=L, arch=arch, cases=[])
@@ -252,9 +326,10 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
                                        if k in c),
                        warps=L.num_warps, stages=L.num_stages, smem_limit=target.smem,
                        smem_estimate=(nac_triton.smem_estimate(
-                           config_kernel(tag), nac_triton.config(config_kernel(tag),
-                                                                 _torch_dtype(dtype), D, target),
-                           _torch_dtype(dtype), D) if tag in MATRIX_KERNELS else ""))
+                           config_kernel(tag), KL.Config(c["BLOCK_M"], c["BLOCK_N"], L.num_warps,
+                                                         L.num_stages),
+                           _torch_dtype(dtype), D) if tag in MATRIX_KERNELS else ""),
+                       source="+".join(sorted({x.get("source", "built-in") for x in cases})))
             try:
                 row.update(fut.result())
             except Exception as exc:  # noqa: BLE001 - a failed compile is a finding
@@ -337,6 +412,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--max-compile-s", type=float, default=20.0)
     ap.add_argument("--no-cuda", action="store_true", help="skip the .cu file's check")
+    ap.add_argument("--no-candidates", action="store_true",
+                    help="skip the autotune candidates (nac_triton.CANDIDATES)")
     ap.add_argument("--keep-cache", action="store_true",
                     help="reuse Triton's cache (default: a fresh one, so compile times are real)")
     args = ap.parse_args(argv)
@@ -355,7 +432,7 @@ def main(argv=None) -> int:
     try:
         rows = triton_rows(archs, args.dtypes.split(","), [int(x) for x in args.D.split(",")],
                            args.modes.split(","), args.jobs, args.max_compile_s,
-                           args.fp32_modes.split(","))
+                           args.fp32_modes.split(","), candidates=not args.no_candidates)
         if not args.no_cuda:
             rows += cuda_rows(archs, args.jobs)
     finally:

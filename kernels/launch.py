@@ -123,12 +123,16 @@ def target_of(device: torch.device) -> Target:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One block configuration of a kernel.  Fields a kernel does not use stay 0."""
+    """One block configuration of a kernel.  Fields a kernel does not use stay 0.  waves: how
+    many waves of programs the split of a matrix kernel's inner loop aims at (`split_count`): 1
+    fills the machine once; 2 gives twice the programs, shorter ones (the autotune stage times
+    both, kernels/tuning.py)."""
     BLOCK_M: int = 0
     BLOCK_N: int = 0
     num_warps: int = 4
     num_stages: int = 1
     archs: tuple = ()      # the archs (10*major + minor lower bounds) it may run on; () = any
+    waves: int = 1
 
     def applies(self, arch: int) -> bool:
         return not self.archs or any(arch >= a for a in self.archs)
@@ -207,11 +211,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def split_count(outer_blocks: int, inner_tiles: int, programs: int, cap: int = 64) -> int:
-    """How many ways to split the inner dimension so that about `programs` programs (one wave of
-    the launch: `Target.programs`) exist: a power of two, at most the number of inner tiles and
-    `cap`."""
-    want = max(1, cdiv(programs, max(1, outer_blocks)))
+def split_count(outer_blocks: int, inner_tiles: int, programs: int, cap: int = 64,
+                waves: int = 1) -> int:
+    """How many ways to split the inner dimension so that about `waves` x `programs` programs
+    (`programs`: one wave of the launch, `Target.programs`) exist: a power of two, at most the
+    number of inner tiles and `cap`."""
+    if waves < 1:
+        raise ValueError(f"waves must be >= 1, got {waves}")
+    want = max(1, cdiv(programs * waves, max(1, outer_blocks)))
     split = 1
     while split * 2 <= min(want, inner_tiles, cap):
         split *= 2

@@ -52,6 +52,7 @@ from torch.library import triton_op
 
 from nac_fast.ops.reference import acc_dtype
 
+from . import tuning
 from .launch import (Config, Launch, PlanCache, Target, buffer, cdiv, eager_real, next_pow2, pick,
                      run, split_count, target_of)
 
@@ -145,6 +146,28 @@ def _prologue_kernel(A, NOISE, Q, K, n, D, stride_a, stride_m, scale2, write_k,
         tl.store(K + out, z.to(K.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _fwd_tile(q, kp, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N: tl.constexpr,
+              GRAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # One key tile of the forward's loop: S = Q K^T, online base-2 logsumexp, acc += P K.  kp:
+    # the tile's first key row (a 64-bit pointer the loop advances), offs: 32-bit offsets within
+    # the tile.  Keys past `end` are masked at the load, and their logits set to -inf only in a
+    # tile that crosses `end` (a branch uniform over the program: no select per logit in the
+    # split's whole tiles).
+    kmask = j0 + tl.arange(0, BLOCK_N) < end
+    k = tl.load(kp + offs, mask=kmask[:, None] & dmask[None, :], other=0.0)
+    s = _dot(q, tl.trans(k), PRECISION, UPCAST)
+    if j0 + BLOCK_N > end:
+        s = tl.where(kmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if GRAD:
+        acc = acc * alpha[:, None] + _dot(p.to(k.dtype), k, PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["n", "N", "tiles_per_split"])
 def _fwd_kernel(Q, K, PM, PL, PACC, n, N, D, stride_k, tiles_per_split,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -165,20 +188,32 @@ def _fwd_kernel(Q, K, PM, PL, PACC, n, N, D, stride_k, tiles_per_split,
     acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     start = sp * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, N)
-    for j0 in range(start, end, BLOCK_N):
-        kc = j0 + tl.arange(0, BLOCK_N)
-        kmask = kc < end
-        k = tl.load(K + kc.to(tl.int64)[:, None] * stride_k + cols[None, :],
-                    mask=kmask[:, None] & dmask[None, :], other=0.0)
-        s = _dot(q, tl.trans(k), PRECISION, UPCAST)
-        s = tl.where(kmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if GRAD:
-            acc = acc * alpha[:, None] + _dot(p.to(k.dtype), k, PRECISION, UPCAST)
-        m_i = m_new
+    if BLOCK_D == 128 and (q.dtype == tl.bfloat16 or q.dtype == tl.float16):
+        # the tuned 16-bit paths (CANDIDATES): pointers advanced by the loop, the key mask's
+        # select only in a tile that crosses the split's end (_fwd_tile).  Elsewhere this cost
+        # registers or spilled (fp32 tf32x3, fp64, other D; bench/compile_check.py, 2026-11-27):
+        # there the loop stays as it was.
+        offs = tl.arange(0, BLOCK_N)[:, None] * stride_k + cols[None, :]
+        kp = K + start.to(tl.int64) * stride_k
+        for j0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _fwd_tile(q, kp, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N, GRAD,
+                                      PRECISION, UPCAST)
+            kp += BLOCK_N * stride_k
+    else:
+        for j0 in range(start, end, BLOCK_N):
+            kc = j0 + tl.arange(0, BLOCK_N)
+            kmask = kc < end
+            k = tl.load(K + kc.to(tl.int64)[:, None] * stride_k + cols[None, :],
+                        mask=kmask[:, None] & dmask[None, :], other=0.0)
+            s = _dot(q, tl.trans(k), PRECISION, UPCAST)
+            s = tl.where(kmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if GRAD:
+                acc = acc * alpha[:, None] + _dot(p.to(k.dtype), k, PRECISION, UPCAST)
+            m_i = m_new
     part = sp.to(tl.int64) * n + rows64
     tl.store(PM + part, m_i, mask=rmask)
     tl.store(PL + part, l_i, mask=rmask)
@@ -248,6 +283,22 @@ def _pow2_scale(gmax):
     return (b << 23).to(tl.float32, bitcast=True), ((254 - b) << 23).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, gscale, dk, BLOCK_M: tl.constexpr,
+              ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # One query tile of the keys' backward: S^T = K Q^T, P^T = exp2(S^T - lse) g, dK += P^T Q.
+    # qp, lp, gp: the tile's first row of Q, LSE, G (pointers the loop advances); rows past `end`
+    # load lse = inf, so their P is 0.
+    r = tl.arange(0, BLOCK_M)
+    rmask = i0 + r < end
+    q = tl.load(qp + offs, mask=rmask[:, None] & dmask[None, :], other=0.0)
+    lse2 = tl.load(lp + r, mask=rmask, other=float("inf")).to(ACC)  # base 2
+    g = tl.load(gp + r * stride_g, mask=rmask, other=0.0).to(ACC) * gscale
+    st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
+    pt = tl.exp2(st - lse2[None, :]) * g[None, :]
+    return dk + _dot(pt.to(q.dtype), q, PRECISION, UPCAST)         # P^T Q (log2 units)
+
+
 @triton.jit(do_not_specialize=["n", "N", "blocks_per_split", "need_r", "stride_g"])
 def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride_k, stride_g,
                      stride_a, stride_r, stride_m, blocks_per_split, need_r,
@@ -282,17 +333,32 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
     else:
         gscale = 1.0
         ginv = 1.0
-    for i0 in range(start, end, BLOCK_M):
-        rows = i0 + tl.arange(0, BLOCK_M)
-        rmask = rows < end
-        rows64 = rows.to(tl.int64)
-        q = tl.load(Q + rows64[:, None] * D + cols[None, :], mask=rmask[:, None] & dmask[None, :],
-                    other=0.0)
-        lse2 = tl.load(LSE + rows64, mask=rmask, other=float("inf")).to(ACC)  # base 2
-        g = tl.load(G + rows64 * stride_g, mask=rmask, other=0.0).to(ACC) * gscale
-        st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
-        pt = tl.exp2(st - lse2[None, :]) * g[None, :]
-        dk += _dot(pt.to(q.dtype), q, PRECISION, UPCAST)               # P^T Q (log2 units)
+    if BLOCK_D == 128 and (k.dtype == tl.bfloat16 or k.dtype == tl.float16):
+        # the tuned 16-bit paths: pointers advanced by the loop (_bwd_tile); elsewhere the loop
+        # stays as it was (as in _fwd_kernel)
+        offs = tl.arange(0, BLOCK_M)[:, None] * D + cols[None, :]
+        start64 = start.to(tl.int64)
+        qp = Q + start64 * D
+        lp = LSE + start64
+        gp = G + start64 * stride_g
+        for i0 in range(start, end, BLOCK_M):
+            dk = _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, gscale, dk, BLOCK_M,
+                           ACC, PRECISION, UPCAST)
+            qp += BLOCK_M * D
+            lp += BLOCK_M
+            gp += BLOCK_M * stride_g
+    else:
+        for i0 in range(start, end, BLOCK_M):
+            rows = i0 + tl.arange(0, BLOCK_M)
+            rmask = rows < end
+            rows64 = rows.to(tl.int64)
+            q = tl.load(Q + rows64[:, None] * D + cols[None, :],
+                        mask=rmask[:, None] & dmask[None, :], other=0.0)
+            lse2 = tl.load(LSE + rows64, mask=rmask, other=float("inf")).to(ACC)  # base 2
+            g = tl.load(G + rows64 * stride_g, mask=rmask, other=0.0).to(ACC) * gscale
+            st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
+            pt = tl.exp2(st - lse2[None, :]) * g[None, :]
+            dk += _dot(pt.to(q.dtype), q, PRECISION, UPCAST)               # P^T Q (log2 units)
     dk = dk * (0.6931471805599453 * ginv)
     if OUT_MODE == 0:
         tl.store(OUT + (sp.to(tl.int64) * N + kc64[:, None]) * D + cols[None, :], dk,
@@ -421,8 +487,42 @@ FUSED_CONFIGS = {
     ("16", 128): _C(64, 64, 8, 2), ("16", 256): _C(32, 32, 8, 2), ("16", 512): None,
 }
 _INTERP = {"fwd": _C(32, 128), "bwd_keys": _C(32, 128)}  # wide numpy steps under the interpreter
+
+
+def _waves(*configs: Config, waves=(1, 2)) -> list:
+    return [_C(c.BLOCK_M, c.BLOCK_N, c.num_warps, c.num_stages, c.archs, w)
+            for c in configs for w in waves]
+
+
+# Autotune candidates (kernels/tuning.py, bench/autotune.py): (kernel, dtype, BLOCK_D) -> the
+# configurations the autotune stage times, each with one and two waves of programs (Config.waves);
+# a tuned table may name only these.  Each compiles for sm_80 and sm_90 (archs: where it fits)
+# within shared memory, without spills and with tensor-core instructions, in every launch a plan
+# makes of it (bench/compile_check.py, rows with source "candidate"); the built-in configuration
+# is among them.  Grid searched and why each is here: bench/gpu_notes.md "Autotune candidates".
+H = (90,)  # candidates that spilled on sm_80 (mma.sync holds operand fragments in registers)
+CANDIDATES = {
+    ("fwd", "bfloat16", 128): _waves(
+        _C(128, 64, 8, 2), _C(128, 64, 8, 3), _C(128, 128, 8, 2, H), _C(128, 128, 8, 3, H),
+        _C(128, 128, 8, 4, H), _C(64, 128, 4, 2, H), _C(64, 128, 4, 3, H), _C(64, 128, 4, 4, H),
+        _C(64, 128, 8, 2, H), _C(64, 128, 8, 3, H), _C(64, 64, 4, 2, H), _C(64, 64, 4, 3, H),
+        _C(64, 64, 8, 2), _C(64, 64, 8, 3)),
+    ("bwd_keys", "bfloat16", 128): _waves(
+        _C(64, 128, 8, 2), _C(64, 128, 8, 3), _C(64, 128, 8, 4), _C(128, 64, 8, 2, H),
+        _C(128, 64, 8, 3), _C(128, 64, 4, 2), _C(128, 64, 4, 3), _C(64, 64, 4, 2, H),
+        _C(64, 64, 4, 3, H), _C(64, 64, 4, 4), _C(64, 64, 8, 2), _C(64, 64, 8, 3)),
+    # fp32 (tf32x3, the default precision; candidates apply to it only): only 32-row tiles
+    # keep the three products' splits in registers without spilling (HMMA, not HGMMA)
+    ("fwd", "float32", 128): _waves(
+        _C(32, 32, 8, 2), _C(32, 64, 8, 2), _C(32, 64, 8, 3)),
+    ("bwd_keys", "float32", 128): _waves(
+        _C(64, 32, 8, 2), _C(64, 32, 8, 3), _C(32, 32, 8, 2), _C(32, 32, 8, 3),
+        _C(32, 32, 4, 3)),
+}
 MAX_D = 512
 TF32_MAX_D = 128  # fp32 above this runs exact FMA products (see CONFIGS)
+# NAC_FAST_FP32_DOT's values (fp32_precision): the default first
+FP32_PRECISIONS = ("tf32x3", "ieee", "tf32")
 
 
 def _rows_block(D: int, dtype: torch.dtype) -> int:
@@ -446,10 +546,28 @@ def smem_estimate(kernel: str, cfg: Config, dtype: torch.dtype, D: int) -> int:
     return es * block_d(D) * (resident + cfg.num_stages * streamed) + 16384
 
 
-def config(kernel: str, dtype: torch.dtype, D: int, target: Target) -> Config:
+def config(kernel: str, dtype: torch.dtype, D: int, target: Target, kind: Optional[str] = None,
+           n: Optional[int] = None, N: Optional[int] = None,
+           device: Optional[torch.device] = None) -> Config:
+    """The block configuration of `kernel` ("fwd", "bwd_keys") for a call: a configuration
+    forced by kernels/tuning.py `forced` (the autotune stage, the compile check); else, on a GPU,
+    the tuned table's entry for the call's kind ("inbatch" / "queue"), n query rows and N keys
+    (kernels/tuning.py `lookup`; not without them); else the first of CONFIGS that fits."""
     if D > MAX_D:
         raise ValueError(f"the Triton NAC kernels handle D <= {MAX_D} code bits, got D={D}; "
                          "use backend='reference' or 'cpu'")
+    cfg = tuning.forced_config(kernel)
+    if cfg is not None:
+        return cfg
+    cfg = tuning.lookup(kernel, dtype, D, target, kind, n, N, device)
+    if cfg is not None:
+        return cfg
+    return builtin_config(kernel, dtype, D, target)
+
+
+def builtin_config(kernel: str, dtype: torch.dtype, D: int, target: Target) -> Config:
+    """The built-in configuration (the first of CONFIGS that fits the target; the interpreter's
+    _INTERP), whatever a tuned table says: the autotune stage's baseline."""
     return pick(CONFIGS[(kernel, _family(dtype), block_d(D))], target,
                 lambda c: smem_estimate(kernel, c, dtype, D), _INTERP[kernel])
 
@@ -458,8 +576,9 @@ def fp32_precision(D: int) -> str:
     """How fp32 products run at code width D: NAC_FAST_FP32_DOT = tf32x3 (default), ieee or tf32;
     above TF32_MAX_D always ieee."""
     mode = os.environ.get("NAC_FAST_FP32_DOT", "tf32x3")
-    if mode not in ("tf32x3", "ieee", "tf32"):
-        raise ValueError(f"NAC_FAST_FP32_DOT must be tf32x3, ieee or tf32, got {mode!r}")
+    if mode not in FP32_PRECISIONS:
+        raise ValueError(f"NAC_FAST_FP32_DOT must be one of {', '.join(FP32_PRECISIONS)}, "
+                         f"got {mode!r}")
     return mode if block_d(D) <= TF32_MAX_D else "ieee"
 
 
@@ -505,12 +624,14 @@ def _prologue(a, noise, keys, s, target, launches):
     return q, k
 
 
-def _split(make, outer_blocks: int, inner_tiles: int, target: Target) -> int:
-    """The split of a matrix kernel's inner loop for `target`: about one wave of programs, the
-    target's SMs times the resident blocks per SM of the kernel as compiled (`Target.programs`,
-    asked of the launch `make(1, probe=True)`: the same kernel and specialisation, with
-    one-element stand-ins for the buffers whose size depends on the split)."""
-    return split_count(outer_blocks, inner_tiles, target.programs(make(1, probe=True)))
+def _split(make, outer_blocks: int, inner_tiles: int, target: Target, waves: int = 1) -> int:
+    """The split of a matrix kernel's inner loop for `target`: about `waves` (the configuration's
+    Config.waves) waves of programs, a wave being the target's SMs times the resident blocks per
+    SM of the kernel as compiled (`Target.programs`, asked of the launch `make(1, probe=True)`:
+    the same kernel and specialisation, with one-element stand-ins for the buffers whose size
+    depends on the split)."""
+    return split_count(outer_blocks, inner_tiles, target.programs(make(1, probe=True)),
+                       waves=waves)
 
 
 def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Target):

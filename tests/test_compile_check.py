@@ -200,3 +200,46 @@ def test_compiled_occupancy_reads_the_compiled_kernel(monkeypatch):
 def test_compile_check_records_occupancy(check_rows):
     for r in check_rows:
         assert int(r["blocks_per_sm"]) >= 1, r
+
+
+# ---- autotune candidates (issue 38): a tuned table may name only compile-checked ones --------
+
+def _candidate_keys(arch):
+    from nac_fast.kernels import nac_triton
+    out = set()
+    for (kernel, dname, bd), cands in nac_triton.CANDIDATES.items():
+        for c in cands:
+            if c.applies(arch):
+                out.add((kernel, dname, f"{c.BLOCK_M}x{c.BLOCK_N}x{bd}", c.num_warps,
+                         c.num_stages))
+    return out
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_candidate_plans_cover_every_candidate(arch):
+    """The check plans each candidate (forced into the forward and backward plans) on each arch
+    it applies to, and no candidate on an arch it does not (no compile here: meta tensors)."""
+    from nac_fast.kernels import launch as KL
+    target = {t.arch: t for t in KL.CHECKED_TARGETS}[arch]
+    seen = set()
+    for case, L in CC._candidate_plans(target, list(CC.DTYPES)):
+        assert case["source"] == "candidate"
+        c = L.constexprs
+        seen.add((CC.config_kernel(L.tag), case["dtype"],
+                  f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_D']}", L.num_warps, L.num_stages))
+    want = _candidate_keys(arch)
+    fused = {k for k in seen - want if k[0] == "bwd_keys"}  # the fused mode's own table
+    assert want <= seen and seen - want == fused, (want - seen, seen - want)
+    assert os.environ.get("NAC_FAST_FP32_DOT") is None
+
+
+@pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
+def test_every_autotune_candidate_is_compile_checked(check_rows):
+    """Each candidate's launches are rows of the check (whose problems fail the test above) on
+    each arch it applies to."""
+    for arch in (80, 90):
+        got = {(CC.config_kernel(r["kernel"]), r["dtype"], r["blocks"], int(r["warps"]),
+                int(r["stages"])) for r in check_rows
+               if "candidate" in r["source"] and r["arch"] == str(arch)}
+        missing = _candidate_keys(arch) - got
+        assert not missing, (arch, missing)
