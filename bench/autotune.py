@@ -24,7 +24,8 @@ included) and says which it skipped.
 
 Writes to --out-dir (created; nothing in it is replaced unless --overwrite):
   autotune.csv       one row per candidate and case (host, versions, commit, shape, config,
-                     split, programs, median/p20/p80 ms, peak MiB, ratio to the built-in, check)
+                     split, programs, median/p20/p80 ms, peak MiB (the buffers the plan
+                     allocates; the kernels allocate nothing), ratio to the built-in, check)
   sm<arch>.json      the table (kernels/tuning.py format; CPU mode: cpu_interpreter.json, arch 0)
 and prints a short table last.  --install copies sm<arch>.json to kernels/tuned/ (refused when a
 table is there, unless --overwrite).
@@ -123,10 +124,13 @@ def work_list(cases, D, target, max_candidates, keys_grad):
     return out
 
 
-def precompile(work, target, jobs, keys_grad):
+def precompile(work, target, jobs):
     """Compile every distinct launch of every candidate's plan (meta tensors: the plans the
-    timed calls build, at the same shapes) in `jobs` processes, into Triton's cache."""
+    timed calls build, at the same shapes) in `jobs` processes, into Triton's cache.  The plans
+    are made for 1-4 resident blocks per SM (the real split follows each kernel's compiled
+    occupancy, which decides between the split and one-split launches)."""
     import concurrent.futures as cf
+    import dataclasses
     import multiprocessing as mp
 
     import torch
@@ -136,14 +140,16 @@ def precompile(work, target, jobs, keys_grad):
     unique = {}
     for case, kernel, cands in work:
         meta = TU.case_inputs(case, "meta")
-        fwd_l, _, _, state = TU.plan_call("fwd", case, meta, target, None)
-        plans = [fwd_l]
-        for c in [None] + list(cands):
-            plans.append(TU.plan_call(kernel, case, meta, target, c, state)[0])
-        for launches in plans:
-            for L in launches:
-                if all(g > 0 for g in L.grid):
-                    unique.setdefault(CC._key(L, target.arch), L)
+        for per_sm in (1, 2, 3, 4):
+            t = dataclasses.replace(target, sms=target.sms * per_sm, occupancy=None)
+            fwd_l, _, _, state = TU.plan_call("fwd", case, meta, t, None)
+            plans = [fwd_l]
+            for c in [None] + list(cands):
+                plans.append(TU.plan_call(kernel, case, meta, t, c, state)[0])
+            for launches in plans:
+                for L in launches:
+                    if all(g > 0 for g in L.grid):
+                        unique.setdefault(CC._key(L, target.arch), L)
     ctx = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
     done, failed = 0, []
     with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
@@ -233,10 +239,18 @@ def main(argv=None) -> int:
           f"{total} candidates, budget {args.budget_s:.0f} s", flush=True)
     if gpu:
         try:
-            precompile(work, target, max(1, args.jobs), args.keys_grad)
+            precompile(work, target, max(1, args.jobs))
         except Exception as exc:  # noqa: BLE001 - said, then each launch compiles when timed
             print(f"autotune: parallel precompile failed ({type(exc).__name__}: {exc}); "
                   "candidates compile when first timed", flush=True)
+        # did the launches find the precompiled kernels in Triton's cache? (a compile takes
+        # seconds, a cache hit well under one)
+        case0 = work[0][0]
+        t0 = time.perf_counter()
+        TU.run_fwd(case0, TU.case_inputs(case0, device), target)
+        torch.cuda.synchronize()
+        print(f"autotune: first launch of the built-in forward plan took "
+              f"{time.perf_counter() - t0:.2f} s", flush=True)
     deadline = t_start + args.budget_s - 5.0  # 5 s to write the files
 
     header = TU.table_header(target.arch, dev_name, target.sms, commit(), gpu=gpu)

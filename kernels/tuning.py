@@ -295,7 +295,7 @@ def cache_path(device_name: str, arch: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 _ANNOUNCED: set = set()
-_TABLES: dict = {}  # (arch, device name) -> (source, Table or None)
+_TABLES: dict = {}  # _table_key(arch, device name) -> (source, Table or None)
 
 
 def announce(msg: str) -> None:
@@ -551,7 +551,7 @@ def tune_key(kernel: str, case: Case, device, target, cands: Sequence[Config],
     against the built-in configuration's.  Returns dict(default=row, rows=[row per candidate
     timed or refused], winner=the fastest "ok" row or None, skipped=[labels of the candidates
     past the deadline, not timed]).  A row: label, config, split, programs, median_ms, p20_ms,
-    p80_ms, peak_mib (GPU: memory the plan allocated beyond the inputs), max_rel_diff, status:
+    p80_ms, peak_mib (GPU: the MiB of buffers the plan allocates), max_rel_diff, status:
     "ok", "mismatch (...)", "error: ...", "same plan as waves 1", or "no-effect: ..." (the plan
     does not pass Config.waves to the split)."""
     from .launch import run
@@ -566,16 +566,11 @@ def tune_key(kernel: str, case: Case, device, target, cands: Sequence[Config],
         return plan_call(kernel, case, inputs, target, cfg, fwd_state)[2]
 
     def measure(cfg):
-        if gpu:
-            torch.cuda.synchronize(dev)
-            before = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev) if gpu else 0
         launches, outputs, split, _ = plan_call(kernel, case, inputs, target, cfg, fwd_state)
+        # the plan's buffers (outputs, split partials); the kernels allocate nothing
+        peak = round((torch.cuda.memory_allocated(dev) - before) / 2 ** 20, 1) if gpu else ""
         med, p20, p80 = timer(lambda: run(launches))
-        peak = ""
-        if gpu:
-            torch.cuda.synchronize(dev)
-            peak = round((torch.cuda.max_memory_allocated(dev) - before) / 2 ** 20, 1)
         programs = next((L.grid[0] * L.grid[1] for L in launches if L.tag.startswith(kernel)), 0)
         return dict(split=split, programs=programs, median_ms=med, p20_ms=p20, p80_ms=p80,
                     peak_mib=peak, outputs={k: v.clone() for k, v in outputs.items()})
