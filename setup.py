@@ -283,7 +283,7 @@ setup(
     package_dir={"nac_fast": "nac_fast", "nac_fast.kernels": "kernels",
                  "nac_fast.configs": "configs"},
     # the training recipes (nac_fast.train.config reads them from nac_fast/configs in a wheel)
-    package_data={"nac_fast.configs": ["*.toml"]},
+    package_data={"nac_fast.configs": ["*.toml"], "nac_fast.kernels": ["tuned/*.json"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     zip_safe=False,

@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
 # The GPU suite, in stages, for a lent H100/H200 reached one shell command at a time:
 #
-#   bash bench/gpu_suite.sh STAGE...        STAGE: build test bench-quick bench train | all
+#   bash bench/gpu_suite.sh STAGE...   STAGE: build test autotune host bench-quick bench train
+#                                             hamming | all
 #
 #   build        python setup.py build_ext --inplace with the CUDA kernels (NAC_FAST_FORCE_CUDA=1,
 #                TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16), then from the source tree (PYTHONPATH =
 #                repo root): nac_fast.kernels.nac_triton imports and available_backends('cuda')
-#                holds 'triton' and 'cuda'.  A build failure is fatal: no later stage runs.
-#   test         pytest with NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1 of the loss, noise,
-#                hashing and input tests, JUnit XML; fails on any failure or error, on a skipped
-#                triton/cuda test, and unless tests of both backends passed (gpu_summary.py
-#                --check-junit).
+#                holds 'triton' and 'cuda'.  A build failure is fatal: no later stage runs.  Every
+#                other stage builds first only when no loadable extension is there: an extension
+#                built beforehand for the device's Python and torch (bench/prebuild_gpu_ext.sh)
+#                and carried with the tree saves the 1-2 minutes of a build on the device.
+#   test         pytest with NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1 (8 xdist workers) of
+#                the loss, noise, input, cached-plan (host_overhead) and device-guard tests, JUnit
+#                XML; fails on any failure or error, on a skipped triton/cuda test, and unless
+#                tests of both backends passed (gpu_summary.py --check-junit).
+#   autotune     bench/autotune.py: every candidate configuration of the fwd / bwd_keys kernels
+#                timed (graph replays) per case, the winners checked and written to
+#                autotune.csv and sm<arch>.json, and installed in kernels/tuned/ so the later
+#                stages use them (NAC_FAST_AUTOTUNE_BUDGET_S, default 120).
+#   host         bench/host_overhead.py --gpu: host time per fused fwd+bwd as users call it,
+#                back-to-back and CUDA-graph time per backend (reference, torch.compile, triton,
+#                cuda, auto) at in-batch 512/8192 and queue 256/1024/8192 x 65536 (bf16) and two
+#                fp32 cases; host_gpu.csv, host_profile.txt (cProfile of the triton call).
 #   bench-quick  bench_loss.py, bf16 fwd+bwd, in-batch 8192 and queue 8192 x 65536 (D = 128), every
 #                backend + per-shape torch.compile of the reference; then gpu_summary.py.
 #   bench        bench_loss.py, bf16 and fp32, in-batch n in {1024, 4096, 8192, 16384}, queue
@@ -18,13 +30,18 @@
 #                and p20/p80, peak memory, % of the roofline bound (bench/roofline.py); then
 #                bench_hamming.py --gpu, plot_bench.py and gpu_summary.py.
 #   train        train_throughput.py: ResNet-50, NAC-MQ, bf16 autocast, channels-last, batch 256
-#                (one GPU), synthetic images made on the GPU; img/s and data-wait after warm-up,
-#                the top-15 CUDA kernels of one step, and the loss forward+backward under
-#                torch.cuda.set_sync_debug_mode("error") (PASS/FAIL with the offending op).
-#   all          build test bench train
+#                (one GPU), synthetic images made on the GPU, train.py's defaults (compiled on a
+#                GPU); img/s and data-wait after warm-up, the compile's one-time cost, the
+#                top-15 CUDA kernels of one step, the step under torch.cuda.set_sync_debug_mode
+#                (PASS/FAIL naming the offending op), then while NAC_FAST_TRAIN_BUDGET_S (default
+#                150) lasts the --no-compile rate and the supervised anchors.
+#   hamming      the Hamming engine's tests on CUDA tensors (JUnit pytest_hamming.xml), then
+#                bench_hamming.py --gpu: mAP@all and HashIndex.search beside the C++ engine.
+#   all          test autotune host train hamming (the order of what matters most when time
+#                runs out)
 #
 # Every stage is sized for < 8 min on one H100 and runs under a time limit (NAC_FAST_STAGE_TIMEOUT,
-# default 540 s), and no stage runs past NAC_FAST_SUITE_DEADLINE seconds after the command started
+# default 540 s; NAC_FAST_STAGE_LIMITS="test=90,host=100" sets a stage's own), and no stage runs past NAC_FAST_SUITE_DEADLINE seconds after the command started
 # (0 = none; default 560 when $OUT is set, i.e. under the device tool, so the command ends with
 # its results packed inside the tool's 600 s: lower it with a lower timeout_s; else none).  A stage that needs
 # the extension and finds it unbuilt (a fresh machine) runs the build first, inside its own time.
@@ -34,7 +51,7 @@
 # Results: bench/results/<gpu>_<date>[_$NAC_FAST_SUITE_TAG]/ (NAC_FAST_SUITE_RESULTS overrides; a tag
 # keeps the folders of several device calls apart when they are unpacked), and when $OUT is set
 # (device tool) up to 8 files there: suite_results.tar.gz (the whole folder) plus
-# suite_summary.txt, summary.json, summary.md, loss_gpu.csv, hamming_gpu.csv, train.json,
+# suite_summary.txt, summary.md, host_gpu.csv, loss_gpu.csv, hamming_gpu.csv, train.json,
 # train_kernels_top15.txt when they exist.  Uses the machine's own python3 (PYTHON overrides) and
 # packages: nothing is installed, nothing downloaded.  NAC_FAST_COMMIT=<sha> records the commit
 # when the tree has no .git (the device machine's copy).
@@ -50,10 +67,10 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
 CPU_MODE=${NAC_FAST_SUITE_CPU:-0}
-STAGES=(build test bench-quick bench train)
+STAGES=(build test host autotune bench-quick bench train hamming)
 
 usage() {
-  sed -n '2,24p' "$ROOT/bench/gpu_suite.sh" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,/^# Every stage/p' "$ROOT/bench/gpu_suite.sh" | sed '$d' | sed 's/^# \{0,1\}//' >&2
   echo "usage: bash bench/gpu_suite.sh STAGE...   (STAGE: ${STAGES[*]} all)" >&2
 }
 
@@ -163,12 +180,16 @@ stage_test() {
   else
     export NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1
     files=(tests/test_loss_backends.py tests/test_loss_reference.py tests/test_hashing.py
-           tests/test_noise.py tests/test_loss_inputs.py tests/test_cuda_mma_gpu.py)
+           tests/test_noise.py tests/test_loss_inputs.py tests/test_cuda_mma_gpu.py
+           tests/test_host_overhead.py tests/test_loss_device_guard.py)
     require=triton,cuda
   fi
   rm -f "$RES/pytest_gpu.xml"
   echo "== NAC_FAST_TEST_DEVICE=$NAC_FAST_TEST_DEVICE pytest ${files[*]}"
-  $PY -m pytest -q -rfEs -p no:cacheprovider --junitxml="$RES/pytest_gpu.xml" "${files[@]}" || rc=$?
+  local xdist=()  # the GPU machine's 16 cores: 8 workers share the GPU
+  if [ "$CPU_MODE" != 1 ] && $PY -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
+  $PY -m pytest -q -rfEs -p no:cacheprovider "${xdist[@]}" --junitxml="$RES/pytest_gpu.xml" \
+      "${files[@]}" || rc=$?
   echo "pytest exit status $rc"
   $PY bench/gpu_summary.py --check-junit "$RES/pytest_gpu.xml" --require-passed "$require" \
       --status-file "$RES/.junit" || rc=1
@@ -204,14 +225,12 @@ stage_bench() {
     $PY bench/bench_loss.py --device cpu --inbatch 64,128 --queue 256 --mq-n 32 \
         --dtypes bfloat16,float32 --compile-reference --compile-backend aot_eager --reps 2 \
         --min-time 0 --csv "$RES/loss_gpu.csv" || rc=$?
-    $PY bench/bench_hamming.py --queries 200 --gallery 1000 --repeats 1 --no-faiss --no-rank \
-        --torch-queries 0 --faiss-heap-queries 0 --csv "$RES/hamming_gpu.csv" || hrc=$?
+    $PY bench/bench_hamming.py --gpu --device cpu --tiny --csv "$RES/hamming_gpu.csv" || hrc=$?
   else
     $PY bench/bench_loss.py --device cuda --inbatch 1024,4096,8192,16384 --queue 65536,262144 \
         --mq-n 8192 --dtypes bfloat16,float32 --compile-reference --reps 10 --min-time 0.25 \
         --csv "$RES/loss_gpu.csv" || rc=$?
-    $PY bench/bench_hamming.py --gpu --no-faiss --no-rank --torch-queries 0 \
-        --faiss-heap-queries 0 --repeats 3 --csv "$RES/hamming_gpu.csv" || hrc=$?
+    $PY bench/bench_hamming.py --gpu --csv "$RES/hamming_gpu.csv" || hrc=$?
   fi
   local brc=$rc
   [ -f "$RES/loss_gpu.csv" ] && { $PY bench/plot_bench.py "$RES/loss_gpu.csv" --out "$RES" || prc=$?; }
@@ -225,6 +244,78 @@ stage_bench() {
   return $rc
 }
 
+stage_host() {
+  BUILT_FIRST=""
+  ensure_built || { detail "build failed"; return 1; }
+  local rc=0
+  if [ "$CPU_MODE" = 1 ]; then
+    $PY bench/host_overhead.py --calls 5 --repeats 1 --csv "$RES/host_gpu.csv" || rc=$?
+  else
+    $PY bench/host_overhead.py --gpu --csv "$RES/host_gpu.csv" \
+        --profile-out "$RES/host_profile.txt" || rc=$?
+  fi
+  local d
+  d=$($PY - "$RES/host_gpu.csv" <<'EOF' 2>/dev/null || echo "no host_gpu.csv"
+import csv, sys
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["backend"] in ("triton", "cuda")]
+best = {}
+for r in rows:
+    if r.get("status") == "ok" and r["host_s"]:
+        best.setdefault(r["backend"], []).append(float(r["host_s"]) * 1e6)
+print("; ".join(f"{b} host {min(v):.0f}-{max(v):.0f} us per fwd+bwd" for b, v in best.items())
+      or "no fused rows")
+EOF
+)
+  [ $rc = 0 ] || d="host_overhead exit status $rc; $d"
+  detail "${BUILT_FIRST}$d"
+  return $rc
+}
+
+stage_hamming() {
+  BUILT_FIRST=""
+  ensure_built || { detail "build failed"; return 1; }
+  local rc=0
+  local trc=0 junit="no tests run"
+  if [ "$CPU_MODE" = 1 ]; then
+    $PY bench/bench_hamming.py --gpu --device cpu --tiny --csv "$RES/hamming_gpu.csv" || rc=$?
+  else
+    # the engine's tests on CUDA tensors first (against the C++ engine and the reference), then
+    # its figures beside the C++ engine's
+    local xdist=()
+    if $PY -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
+    NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1 $PY -m pytest -q -rfEs -p no:cacheprovider \
+        "${xdist[@]}" --junitxml="$RES/pytest_hamming.xml" tests/test_hashing.py \
+        tests/test_hamming_gpu.py tests/test_retrieval_metrics.py tests/test_index.py || trc=$?
+    $PY bench/gpu_summary.py --check-junit "$RES/pytest_hamming.xml" --require-passed triton \
+        --status-file "$RES/.junit_hamming" || trc=1
+    junit=$(cat "$RES/.junit_hamming" 2>/dev/null || echo "no JUnit verdict")
+    $PY bench/bench_hamming.py --gpu --csv "$RES/hamming_gpu.csv" || rc=$?
+  fi
+  local d="tests: $junit; "
+  if [ $rc = 0 ]; then d="${d}bench_hamming --gpu ok (hamming_gpu.csv)"
+  else d="${d}bench_hamming exit status $rc"; fi
+  detail "${BUILT_FIRST}$d"
+  [ $trc = 0 ] || rc=1
+  return $rc
+}
+
+stage_autotune() {
+  BUILT_FIRST=""
+  ensure_built || { detail "build failed"; return 1; }
+  local rc=0
+  if [ "$CPU_MODE" = 1 ]; then
+    $PY bench/autotune.py --cpu --out-dir "$RES" --overwrite || rc=$?
+  else
+    # the table goes to kernels/tuned/ on this machine, so the stages after this one use it;
+    # it comes back in $RES (sm90.json) to be reviewed and committed
+    $PY bench/autotune.py --out-dir "$RES" --install --overwrite \
+        --budget-s "${NAC_FAST_AUTOTUNE_BUDGET_S:-120}" || rc=$?
+  fi
+  if [ $rc = 0 ]; then detail "${BUILT_FIRST}autotune ok (autotune.csv, table in $(basename "$RES"))"
+  else detail "${BUILT_FIRST}autotune exit status $rc"; fi
+  return $rc
+}
+
 stage_train() {
   BUILT_FIRST=""
   ensure_built || { detail "build failed"; return 1; }
@@ -233,12 +324,17 @@ stage_train() {
   if [ "$CPU_MODE" = 1 ]; then
     $PY bench/train_throughput.py --data synthetic-device:256 --arch resnet-tiny --method nac-mq \
         --batch-size 32 --image-size 16 --amp off --queue-size 128 --warmup 1 --steps 2 \
-        --profile-out "$RES/train_kernels_top15.txt" --sync-check --json-out "$RES/train.json" || rc=$?
+        --compile --compile-backend aot_eager --anchors --budget-s 150 \
+        --profile-out "$RES/train_kernels_top15.txt" --sync-check --json-out "$RES/train.json" \
+        --csv-out "$RES/train_throughput.csv" || rc=$?
   else
+    # train.py's defaults (compiled on a GPU), then the eager rate and the supervised anchors
+    # while NAC_FAST_TRAIN_BUDGET_S (default 150) lasts
     $PY bench/train_throughput.py --data synthetic-device:1281167 --arch resnet50 \
         --method nac-mq --batch-size 256 --image-size 224 --amp bf16 --channels-last \
-        --queue-size 65536 --warmup 10 --steps 30 \
-        --profile-out "$RES/train_kernels_top15.txt" --sync-check --json-out "$RES/train.json" || rc=$?
+        --queue-size 65536 --warmup 10 --steps 30 --budget-s "${NAC_FAST_TRAIN_BUDGET_S:-150}" \
+        --profile-out "$RES/train_kernels_top15.txt" --sync-check --json-out "$RES/train.json" \
+        --csv-out "$RES/train_throughput.csv" || rc=$?
   fi
   local trc=$rc
   run_summary || rc=1
@@ -248,8 +344,15 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 s = f"{r['img_per_s']:.0f} img/s ({r['device']}), data wait {100 * r['data_wait']:.1f}%"
 s += f", profile {r.get('profile', 'not run')}, sync check {r.get('sync_check', 'not run')}"
-if r.get("sync_offender"):
-    s += f" ({r['sync_offender'][:120]})"
+if r.get("sync_offenders"):
+    s += f" ({str(r['sync_offenders'])[:120]})"
+s += f", compiled: {r.get('compiled') or 'no'}, compile {r.get('compile_s')} s"
+for k in ("eager", "supervised_eager", "supervised_compiled"):
+    v = r.get(k)
+    if v:
+        s += f", {k} " + (f"{v['img_per_s']:.0f}" if "img_per_s" in v else "skipped")
+if r.get("pct_of_ceiling") is not None:
+    s += f", {r['pct_of_ceiling']:.0f}% of ceiling {r['ceiling_img_per_s']:.0f}"
 print(s)
 EOF
 )
@@ -274,8 +377,8 @@ fi
 REQ=()
 for a in "$@"; do
   case "$a" in
-    all) REQ+=(build test bench train) ;;
-    build|test|bench-quick|bench|train) REQ+=("$a") ;;
+    all) REQ+=(test autotune host train hamming) ;;
+    build|test|host|autotune|bench-quick|bench|train|hamming) REQ+=("$a") ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu_suite.sh: unknown stage '$a'" >&2; usage; exit 2 ;;
   esac
@@ -360,7 +463,7 @@ package_out() {
     tar -czf "$OUT/suite_results.tar.gz" -C "$parent" --exclude='*.png' --exclude=build_ext.log "$base"
   fi
   local f
-  for f in suite_summary.txt summary.json summary.md loss_gpu.csv hamming_gpu.csv train.json \
+  for f in suite_summary.txt summary.md host_gpu.csv loss_gpu.csv hamming_gpu.csv train.json \
            train_kernels_top15.txt; do
     [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/$f"
   done
@@ -372,6 +475,16 @@ package_out() {
 SUMMARY=("$VERSIONS_LINE")
 { echo "$VERSIONS_LINE"; } > "$RES/suite_summary.txt"
 STAGE_TIMEOUT=${NAC_FAST_STAGE_TIMEOUT:-540}
+# NAC_FAST_STAGE_LIMITS="test=90,host=120": a stage's own limit in seconds (else STAGE_TIMEOUT),
+# so that one slow stage cannot eat the time of those after it
+stage_limit() {
+  local item
+  local lims=${NAC_FAST_STAGE_LIMITS:-}
+  for item in ${lims//,/ }; do
+    if [ "${item%%=*}" = "$1" ] && [[ "${item#*=}" =~ ^[0-9]+$ ]]; then echo "${item#*=}"; return; fi
+  done
+  echo "$STAGE_TIMEOUT"
+}
 if [ -n "${OUT:-}" ]; then DEADLINE=${NAC_FAST_SUITE_DEADLINE:-560}; else DEADLINE=${NAC_FAST_SUITE_DEADLINE:-0}; fi
 START=0  # the deadline counts from the command's start (bash's SECONDS)
 fail=0
@@ -385,7 +498,7 @@ for stage in "${REQ[@]}"; do
     line="SUITE $stage SKIPPED 0s suite deadline (${DEADLINE}s) reached"
     fail=1
   else
-    limit=$STAGE_TIMEOUT
+    limit=$(stage_limit "$stage")
     if [ "$DEADLINE" -gt 0 ] && [ "$left" -lt "$limit" ]; then limit=$left; fi
     rm -f "$RES/.detail_$stage"
     echo "== stage $stage (limit ${limit}s)"

@@ -20,7 +20,7 @@ peak_extra_mib); img_per_s is per GPU (the run's img/s over its world size).
 Goal checks (printed as PASS/MISS lines; --require-goals makes a MISS exit with status 3):
   at in-batch n = N = 8192 and queue 8192 x 65536, D = 128, bf16, fwd+bwd, the fastest fused
   backend: >= 5x eager, >= 2x torch.compile, >= 50% of the roofline bound, peak memory <= 1/20
-  of eager's; training (ResNet-50, NAC-MQ) >= 1800 img/s per GPU (the goal is set for an H100).
+  of eager's; training (ResNet-50, NAC-MQ) >= 2000 img/s per GPU (the goal is set for an H100).
 
 --check-junit: counts of a pytest JUnit XML, and a verdict for the GPU suite's test stage: it
 fails on any failure or error, on no tests, on a skipped test of the triton or cuda backends (id
@@ -45,7 +45,7 @@ REFERENCE, COMPILED = "reference", "compiled-reference"
 GOAL_SHAPES = [("inbatch", 8192, 8192), ("queue", 8192, 65536)]
 GOAL_D, GOAL_DTYPE = 128, "bfloat16"
 GOAL_X_EAGER, GOAL_X_COMPILE, GOAL_PCT_BOUND, GOAL_MEM_FRACTION = 5.0, 2.0, 50.0, 1 / 20
-GOAL_TRAIN_IMG_S = 1800.0
+GOAL_TRAIN_IMG_S = 2000.0  # issue 40: per H100, train.py's defaults
 
 # Skips that are expected on a GPU machine although they name triton: (test id regex, reason
 # regex).  test_hashing's `backend` fixture runs the triton Hamming backend on CPU tensors, which

@@ -64,7 +64,9 @@ from nac_fast.ops import dispatch, loss as loss_mod, nac, reference  # noqa: E40
 
 FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "mode", "kind", "n", "N",
           "D", "dtype", "backend", "resolved", "host_s", "back_to_back_s", "graph_s",
-          "launches", "plans_recorded", "x_eager", "x_compile", "status"]
+          "launches", "plans_recorded", "x_eager", "x_compile", "status",
+          # the case's floor on this GPU (bench/roofline.py) and graph_s against it
+          "bound_s", "pct_of_bound"]
 GPU_CASES = [("inbatch", 512, 512, "bfloat16"), ("inbatch", 8192, 8192, "bfloat16"),
              ("mq", 256, 65536, "bfloat16"), ("mq", 1024, 65536, "bfloat16"),
              ("mq", 8192, 65536, "bfloat16"),
@@ -295,6 +297,9 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
                 row.update(host_s=host, back_to_back_s=total, status="ok")
                 if graphs:
                     row["graph_s"] = _graph_time(step)
+                    bnd = _bound(kind, n, N, D, dname)
+                    if bnd is not None:
+                        row.update(bound_s=bnd, pct_of_bound=100.0 * bnd / row["graph_s"])
             except Exception as exc:  # a failed row is recorded and fails the run
                 row["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             finally:
@@ -315,6 +320,19 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
             if "compiled-reference" in base:
                 row["x_compile"] = base["compiled-reference"] / row["back_to_back_s"]
     return rows
+
+
+def _bound(kind, n, N, D, dname):
+    """The time floor of the case on this GPU (bench/roofline.py, the kernels' fp32 mode), or
+    None on a GPU it does not know.  The queue rows' r_hat takes no gradient: its bytes are
+    counted all the same (a few percent of a floor that is matrix-bound)."""
+    import roofline
+    name = torch.cuda.get_device_name()
+    if not roofline.known_gpu(name):
+        return None
+    from nac_fast.kernels.nac_triton import fp32_precision
+    return roofline.bound("queue" if kind == "mq" else "inbatch", n, N, D, dname, name,
+                          fp32_mode=fp32_precision(D))["bound_s"]
 
 
 def profile_triton(path: str) -> None:
@@ -401,10 +419,10 @@ def write_csv(path: str, rows) -> None:
     out = []
     for row in rows:
         r = dict(common, **row)
-        for k in ("host_s", "back_to_back_s", "graph_s"):
+        for k in ("host_s", "back_to_back_s", "graph_s", "bound_s"):
             if isinstance(r.get(k), float):
                 r[k] = f"{r[k]:.9f}"
-        for k in ("x_eager", "x_compile"):
+        for k in ("x_eager", "x_compile", "pct_of_bound"):
             if isinstance(r.get(k), float):
                 r[k] = f"{r[k]:.3f}"
         out.append(r)

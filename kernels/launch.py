@@ -243,6 +243,18 @@ _RECORDING: Optional[list] = None  # the buffers of the plan being recorded (see
 PLAN_CACHE_SIZE = 256               # plans kept per op (least recently recorded dropped first)
 
 
+@contextlib.contextmanager
+def not_recording():
+    """Buffers made inside are not the recording plan's (kernels/tuning.py's first-use autotune
+    runs plans of its own while an op records one)."""
+    global _RECORDING
+    saved, _RECORDING = _RECORDING, None
+    try:
+        yield
+    finally:
+        _RECORDING = saved
+
+
 def _stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 

@@ -643,7 +643,8 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
     q, k = _prologue(a, noise, keys, s, target, launches)
     N = k.shape[0]
     acc = acc_dtype(a.dtype)
-    cfg = config("fwd", a.dtype, D, target)
+    cfg = config("fwd", a.dtype, D, target, kind="inbatch" if keys is None else "queue", n=n,
+                 N=N, device=a.device)
     q_blocks, k_tiles = cdiv(n, cfg.BLOCK_M), cdiv(N, cfg.BLOCK_N)
     bd = block_d(D)
 
@@ -658,7 +659,7 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
                            **_dot_consts(a.dtype, D, a.device)),
                       cfg.num_warps, cfg.num_stages, "fwd")
 
-    split = _split(make, q_blocks, k_tiles, target)
+    split = _split(make, q_blocks, k_tiles, target, cfg.waves)
     fwd = make(split)
     launches.append(fwd)
     pm, pl, pacc = fwd.args[2], fwd.args[3], fwd.args[4]
@@ -705,7 +706,8 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
     grad_k = buffer((N, D), kk.dtype, a) if need_keys and not self_keys else empty()
     pdk, split = None, 0
     if (need_a and self_keys) or (need_keys and not self_keys):
-        cfg = config("bwd_keys", a.dtype, D, target)
+        cfg = config("bwd_keys", a.dtype, D, target, kind="inbatch" if self_keys else "queue",
+                     n=n, N=N, device=a.device)
         k_blocks, q_blocks = cdiv(N, cfg.BLOCK_N), cdiv(n, cfg.BLOCK_M)
 
         # the fused rows' epilogue holds more tiles: its own table where one is given (the
@@ -730,7 +732,7 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
                           c.num_warps, c.num_stages,
                           "bwd_keys" if mode == 0 else f"bwd_keys_out{mode}")
 
-        split = _split(make, k_blocks, q_blocks, target)
+        split = _split(make, k_blocks, q_blocks, target, cfg.waves)
         if split == 1 and (fuse or not self_keys):
             launches.append(make(1, 2 if self_keys else 1))
             if self_keys:
@@ -770,7 +772,7 @@ def _rows_operand(t, dtype):
 
 # One cache per op: a plan is recorded once per key and bound to every later call with that key
 # (kernels/launch.py Plan): shapes, row strides, dtype, device, flags, and what else the plan
-# reads (NAC_FAST_FP32_DOT).  Tracing (torch.compile, fake tensors) builds the plan afresh.
+# reads (NAC_FAST_FP32_DOT, the tuning settings: kernels/tuning.py plan_key).  Tracing (torch.compile, fake tensors) builds the plan afresh.
 FWD_PLANS = PlanCache("nac_fwd_triton")
 BWD_PLANS = PlanCache("nac_bwd_triton")
 
@@ -803,7 +805,7 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool):
         return out
     key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
            None if given is None else (given.shape[0], given.stride(0)), bool(grad_rows),
-           _fp32_mode())
+           _fp32_mode(), tuning.plan_key())
     return FWD_PLANS(key, build, (a, r, noise, given), (s, l2), _launcher)
 
 
@@ -832,7 +834,7 @@ def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: boo
     key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
            None if given is None else (given.shape[0], given.stride(0)), g.shape, g.stride(),
            ga.shape, q.shape, q.stride(0), k.shape, k.stride(0) if k.dim() == 2 else 0,
-           bool(need_a), bool(need_r), bool(need_keys), _fp32_mode())
+           bool(need_a), bool(need_r), bool(need_keys), _fp32_mode(), tuning.plan_key())
     return BWD_PLANS(key, build, (a, r, noise, given, lse, ga, g, q, k), (), _launcher)
 
 

@@ -660,19 +660,11 @@ def table_header(arch: int, device_name: str, sms: int, commit: str = "",
                 entries=[])
 
 
-@contextlib.contextmanager
 def _not_recording():
     """The first-use autotune runs while the op records its plan (kernels/launch.py Plan notes
     every buffer made meanwhile): the autotune's own plans' buffers must not join it."""
-    from . import launch as L
-    saved = getattr(L, "_RECORDING", None)
-    if hasattr(L, "_RECORDING"):
-        L._RECORDING = None
-    try:
-        yield
-    finally:
-        if hasattr(L, "_RECORDING"):
-            L._RECORDING = saved
+    from .launch import not_recording
+    return not_recording()
 
 
 def first_use_autotune(kernel, dtype, D, kind, n, N, device, target) -> Table:
