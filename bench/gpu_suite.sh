@@ -260,7 +260,7 @@ import csv, sys
 rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["backend"] in ("triton", "cuda")]
 best = {}
 for r in rows:
-    if r.get("status") == "ok" and r["host_s"]:
+    if r.get("status", "").startswith("ok") and r["host_s"]:
         best.setdefault(r["backend"], []).append(float(r["host_s"]) * 1e6)
 print("; ".join(f"{b} host {min(v):.0f}-{max(v):.0f} us per fwd+bwd" for b, v in best.items())
       or "no fused rows")

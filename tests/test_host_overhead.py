@@ -264,3 +264,26 @@ def test_probe_runs_and_reports_no_rebuild():
     for r in tri:
         assert r["plans_recorded"] == 0 and r["launches"] >= 4 and r["host_s"] > 0
     assert {r["backend"] for r in rows} >= {"triton-op-path", "cpu", "cpu-op-path", "reference"}
+
+
+def test_the_gpu_rows_code_runs(monkeypatch):
+    """bench/host_overhead.py --gpu's measurement loop, run on CPU tensors with the CUDA calls
+    stood in (the GPU run is one shot: a slip in this code would lose it)."""
+    import host_overhead as H
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
+    monkeypatch.setattr(H, "_graph_time", lambda step: (step(), 1e-4)[1])
+    monkeypatch.setattr(H, "_bound", lambda *a: 5e-5)
+    monkeypatch.setattr(H, "HOST_CALLS", 2)
+    monkeypatch.setattr(H, "CALLS", 3)
+    monkeypatch.setattr(H, "REPEATS", 1)
+    backends = ["reference", "compiled-reference", "triton", "auto"]
+    rows = H.gpu_rows([("inbatch", 8, 8, "float32"), ("mq", 4, 16, "float32")], backends,
+                      compile_backend="aot_eager", device="cpu")
+    assert len(rows) == 8 and all(r["status"] == "ok" for r in rows), rows
+    for r in rows:
+        assert r["host_s"] > 0 and r["back_to_back_s"] > 0 and r["graph_s"] == 1e-4
+        assert r["pct_of_bound"] == pytest.approx(50.0)
+        assert r["x_eager"] > 0 and r["x_compile"] > 0
+    lines = H.goals([dict(r, mode="gpu", dtype="bfloat16", n=8192, N=8192) for r in rows[:4]])
+    assert any("host time" in x for x in lines) and any("x eager" in x for x in lines)
