@@ -21,7 +21,7 @@
 #                stages use them (NAC_FAST_AUTOTUNE_BUDGET_S, default 120).
 #   host         bench/host_overhead.py --gpu: host time per fused fwd+bwd as users call it,
 #                back-to-back and CUDA-graph time per backend (reference, torch.compile, triton,
-#                cuda, auto) at in-batch 512/8192 and queue 256/1024/8192 x 65536 (bf16) and two
+#                cuda, auto) at in-batch 512/8192 and queue 256/8192 x 65536 (bf16) and two
 #                fp32 cases; host_gpu.csv, host_profile.txt (cProfile of the triton call).
 #   bench-quick  bench_loss.py, bf16 fwd+bwd, in-batch 8192 and queue 8192 x 65536 (D = 128), every
 #                backend + per-shape torch.compile of the reference; then gpu_summary.py.

@@ -22,8 +22,8 @@ the argument binding.  It prints microseconds per forward+backward for
 and the launches per call.  A CPU has no GPU launcher, so this is the host side without the
 driver's few microseconds per launch.
 
---gpu: on a CUDA GPU, per shape (in-batch 512 and 8192, queue 256/1024/8192 x 65536; bf16,
-D = 128) and backend (reference, compiled-reference, triton, cuda, auto):
+--gpu: on a CUDA GPU, per shape (in-batch 512 and 8192, queue 256 and 8192 x 65536 in bf16;
+in-batch 8192 and queue 256 x 65536 in fp32; D = 128) and backend (reference, compiled-reference, triton, cuda, auto):
   host_s          48 fwd+bwd issued back to back from an idle GPU, host clock, no sync: the
                   host's time per call (few enough that the launch queue never fills and blocks)
   back_to_back_s  200 fwd+bwd back to back and the sync after them, per call: what a training
@@ -68,8 +68,7 @@ FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "mode", "k
           # the case's floor on this GPU (bench/roofline.py) and graph_s against it
           "bound_s", "pct_of_bound"]
 GPU_CASES = [("inbatch", 512, 512, "bfloat16"), ("inbatch", 8192, 8192, "bfloat16"),
-             ("mq", 256, 65536, "bfloat16"), ("mq", 1024, 65536, "bfloat16"),
-             ("mq", 8192, 65536, "bfloat16"),
+             ("mq", 256, 65536, "bfloat16"), ("mq", 8192, 65536, "bfloat16"),
              # fp32 (the loss's default precision) at a large and a training step's shape
              ("inbatch", 8192, 8192, "float32"), ("mq", 256, 65536, "float32")]
 CALLS = 200
@@ -461,7 +460,7 @@ def main(argv=None):
                     help="--gpu: comma list")
     ap.add_argument("--cases", default=None,
                     help="--gpu: kind:n:N:dtype,... (default: bf16 in-batch 512 and 8192, queue "
-                    "256/1024/8192 x 65536; fp32 in-batch 8192 and queue 256 x 65536)")
+                    "256 and 8192 x 65536; fp32 in-batch 8192 and queue 256 x 65536)")
     ap.add_argument("--no-graphs", action="store_true", help="--gpu: skip the CUDA-graph rows")
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--profile-out", default=None, help="--gpu: cProfile of 100 triton calls")
