@@ -28,7 +28,8 @@ in-batch 8192 and queue 256 x 65536 in fp32; D = 128) and backend (reference, co
                   host's time per call (few enough that the launch queue never fills and blocks)
   back_to_back_s  200 fwd+bwd back to back and the sync after them, per call: what a training
                   loop gets (the larger of host and GPU time)
-  graph_s         the step captured in a CUDA graph, replays timed by do_bench: the GPU work alone
+  graph_s         the step captured in a CUDA graph (fresh inputs, the noise drawn once before:
+                  no RNG in the capture), replays timed by do_bench: the GPU work alone
 and, per fused backend, the ratios to eager and torch.compile (compiled-reference:
 torch.compile(reference, fullgraph=True, dynamic=False), the noise drawn outside it by the same
 call).  Each is the median of 3 repetitions.  Rows are appended to --csv (columns FIELDS) and a
@@ -87,17 +88,20 @@ def _inputs(kind, n, N, D, dtype, device, seed=0):
     return a, r, queue
 
 
-def user_step(kind, n, N, D, dtype, device, backend):
-    """One forward+backward as users call it: noise drawn inside, the loss's own checks."""
+def user_step(kind, n, N, D, dtype, device, backend, noise_inside: bool = True):
+    """One forward+backward as users call it: noise drawn inside, the loss's own checks.
+    noise_inside=False: the noise drawn once, outside (the CUDA-graph rows: no RNG in a
+    capture).  Fresh inputs at each call of user_step."""
     a, r, queue = _inputs(kind, n, N, D, dtype, device)
+    noise = None if noise_inside else nac_fast.draw_noise((n, D), P, device=device, dtype=dtype)
     if kind == "mq":
         def step():
             a.grad = None
-            nac_fast.nac_mq_loss(a, r, queue, P, l2=0.1, backend=backend).backward()
+            nac_fast.nac_mq_loss(a, r, queue, P, l2=0.1, noise=noise, backend=backend).backward()
     else:
         def step():
             a.grad = r.grad = None
-            nac_fast.nac_loss(a, r, P, backend=backend).backward()
+            nac_fast.nac_loss(a, r, P, noise=noise, backend=backend).backward()
     return step
 
 
@@ -108,27 +112,33 @@ def _reference_fn(a, r, noise, queue):
     return reference.nac_mq_loss_reference(a, r, queue, noise, s, l2=0.1)
 
 
-def compiled_step(kind, n, N, D, dtype, device, backend_name="inductor"):
-    """torch.compile of the reference, noise drawn outside by the loss's own call."""
-    torch._dynamo.reset()
-    fn = torch.compile(_reference_fn, backend=backend_name, fullgraph=True, dynamic=False)
+def compiled_step(kind, n, N, D, dtype, device, backend_name="inductor", fn=None,
+                  noise_inside: bool = True):
+    """torch.compile of the reference (`fn`: one compiled already), noise drawn outside it by
+    the loss's own call (noise_inside=False: once, for the graph rows).  Returns (step, fn)."""
+    if fn is None:
+        torch._dynamo.reset()
+        fn = torch.compile(_reference_fn, backend=backend_name, fullgraph=True, dynamic=False)
     a, r, queue = _inputs(kind, n, N, D, dtype, device)
+    fixed = None if noise_inside else nac_fast.draw_noise((n, D), P, device=device, dtype=dtype)
 
     def step():
         a.grad = None
         if r.requires_grad:
             r.grad = None
-        noise = nac_fast.draw_noise((n, D), P, device=a.device, dtype=dtype)
+        noise = fixed if fixed is not None else nac_fast.draw_noise((n, D), P, device=a.device,
+                                                                    dtype=dtype)
         fn(a, r, noise, queue).backward()
-    return step
+    return step, fn
 
 
 @contextlib.contextmanager
 def op_path():
     """The path of every eager call before the plan cache: the registered ops (torch.library
     dispatch and autograd) with each call's plan built afresh and launched through `run`."""
-    from nac_fast.kernels import launch, nac_noise_triton, nac_triton
-    mods = (nac, nac_triton, nac_noise_triton, launch)
+    from nac_fast.kernels import nac_noise_triton, nac_triton
+    from nac_fast.ops import noise
+    mods = (nac, nac_triton, nac_noise_triton, noise)
     names = ("_eager_real", "eager_real", "eager_real", "eager_real")
     saved = [getattr(m, nm) for m, nm in zip(mods, names)]
     for m, nm in zip(mods, names):
@@ -292,10 +302,14 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
             row = dict(mode="gpu", kind=kind, n=n, N=N, D=D, dtype=dname, backend=backend)
             try:
                 if backend == "compiled-reference":
-                    step = compiled_step(kind, n, N, D, dtype, device, compile_backend)
+                    step, cfn = compiled_step(kind, n, N, D, dtype, device, compile_backend)
+                    graph_step_fn = lambda: compiled_step(  # noqa: E731
+                        kind, n, N, D, dtype, device, fn=cfn, noise_inside=False)[0]
                     row["resolved"] = f"torch.compile({compile_backend})"
                 else:
                     step = user_step(kind, n, N, D, dtype, device, backend)
+                    graph_step_fn = lambda: user_step(  # noqa: E731
+                        kind, n, N, D, dtype, device, backend, noise_inside=False)
                     row["resolved"] = (dispatch.resolve_backend(
                         "auto", torch.empty(1, device=device, dtype=dtype),
                         keys=None if kind == "inbatch" else torch.empty(1, 1, device=device))
@@ -304,7 +318,9 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
                 row.update(host_s=host, back_to_back_s=total, status="ok")
                 if graphs:
                     try:
-                        row["graph_s"] = _graph_time(step)
+                        # fresh inputs (their autograd nodes made on the capture's side stream)
+                        # and the noise given: no RNG inside the capture
+                        row["graph_s"] = _graph_time(graph_step_fn())
                     except Exception as exc:  # the row's other figures stand; the note says why
                         row["status"] = (f"ok (no graph: {type(exc).__name__}: "
                                          f"{str(exc).splitlines()[0][:120] if str(exc) else ''})")

@@ -27,6 +27,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from nac_fast.ops.dispatch import eager_real  # noqa: F401  (the kernels' ops read it from here)
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
@@ -301,20 +303,6 @@ def direct_launches(device: torch.device) -> bool:
     """Whether plans on `device` launch their compiled kernels directly (a GPU, no launch hook,
     DIRECT_LAUNCH); else through `run`."""
     return device.type == "cuda" and DIRECT_LAUNCH and not _hooks_set()
-
-
-def eager_real(t: torch.Tensor) -> bool:
-    """Whether a call on `t` may use a cached plan: a plain tensor in eager mode (no
-    torch.compile tracing, no dispatch mode such as FakeTensorMode, no tensor subclass).  Else
-    the plan is built afresh and run through `run` (wrap_triton), which tracing understands."""
-    try:
-        if torch.compiler.is_compiling():  # first: dynamo folds it, and traces nothing after
-            return False
-    except AttributeError:  # torch < 2.3
-        pass
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-        return False
-    return torch._C._len_torch_dispatch_stack() == 0
 
 
 class Plan:

@@ -266,6 +266,7 @@ def test_probe_runs_and_reports_no_rebuild():
     assert {r["backend"] for r in rows} >= {"triton-op-path", "cpu", "cpu-op-path", "reference"}
 
 
+@pytest.mark.skipif("cpu" not in nac_fast.available_backends("cpu"), reason="needs nac_fast._C")
 def test_the_gpu_rows_code_runs(monkeypatch):
     """bench/host_overhead.py --gpu's measurement loop, run on CPU tensors with the CUDA calls
     stood in (the GPU run is one shot: a slip in this code would lose it)."""
@@ -273,11 +274,12 @@ def test_the_gpu_rows_code_runs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
     monkeypatch.setattr(H, "_graph_time", lambda step: (step(), 1e-4)[1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
     monkeypatch.setattr(H, "_bound", lambda *a: 5e-5)
     monkeypatch.setattr(H, "HOST_CALLS", 2)
     monkeypatch.setattr(H, "CALLS", 3)
     monkeypatch.setattr(H, "REPEATS", 1)
-    backends = ["reference", "compiled-reference", "triton", "auto"]
+    backends = ["reference", "compiled-reference", "cpu", "auto"]  # no triton needed
     rows = H.gpu_rows([("inbatch", 8, 8, "float32"), ("mq", 4, 16, "float32")], backends,
                       compile_backend="aot_eager", device="cpu")
     assert len(rows) == 8 and all(r["status"] == "ok" for r in rows), rows
@@ -285,5 +287,30 @@ def test_the_gpu_rows_code_runs(monkeypatch):
         assert r["host_s"] > 0 and r["back_to_back_s"] > 0 and r["graph_s"] == 1e-4
         assert r["pct_of_bound"] == pytest.approx(50.0)
         assert r["x_eager"] > 0 and r["x_compile"] > 0
-    lines = H.goals([dict(r, mode="gpu", dtype="bfloat16", n=8192, N=8192) for r in rows[:4]])
+    lines = H.goals([dict(r, mode="gpu", dtype="bfloat16", n=8192, N=8192,
+                          backend="cuda" if r["backend"] == "cpu" else r["backend"])
+                     for r in rows[:4]])
     assert any("host time" in x for x in lines) and any("x eager" in x for x in lines)
+
+
+def test_eager_calls_take_the_fast_path_from_the_source_tree():
+    """As on the GPU machine: nac_fast imported from the checkout with no install (its kernels
+    mapped by nac_fast/__init__.py), an eager call's autograd node is _FusedNAC's, not the
+    registered op's (the first GPU run of this path took the op path: the fast path's import
+    failed there and was swallowed)."""
+    code = (
+        "import sys\n"
+        "sys.meta_path = [f for f in sys.meta_path if '__editable__' not in "
+        "(getattr(f, '__module__', '') or '') and '__editable__' not in "
+        "(getattr(type(f), '__module__', '') or '')]\n"
+        "import torch, nac_fast\n"
+        "from nac_fast.ops import nac\n"
+        "assert nac_fast.__file__.startswith(sys.argv[1]), nac_fast.__file__\n"
+        "a = torch.randn(6, 8, requires_grad=True)\n"
+        "out = nac.nac_fused(sys.argv[2], a, torch.randn(6, 8), torch.ones(6, 8), None, 1.0, 0.0, 'mean')\n"
+        "print(type(out.grad_fn.next_functions[0][0]).__name__)\n")
+    backend = "cpu" if "cpu" in nac_fast.available_backends("cpu") else "triton"
+    res = subprocess.run([sys.executable, "-c", code, ROOT, backend], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=ROOT), cwd="/", timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "_FusedNACBackward", res.stdout

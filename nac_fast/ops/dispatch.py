@@ -112,6 +112,21 @@ def triton_importable() -> bool:
     return triton_import_error() is None
 
 
+def eager_real(t: torch.Tensor) -> bool:
+    """Whether a call on `t` runs eagerly on real data: a plain tensor (or Parameter), no
+    torch.compile tracing, no dispatch mode (FakeTensorMode, ...).  Such calls take the fused ops'
+    fast path (nac_fast/ops/nac.py `_FusedNAC`, the cached launch plans of kernels/launch.py);
+    any other goes through the registered torch.library ops, which tracing understands."""
+    try:
+        if torch.compiler.is_compiling():  # first: dynamo folds it, and traces nothing after
+            return False
+    except AttributeError:  # torch < 2.3
+        pass
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return False
+    return torch._C._len_torch_dispatch_stack() == 0
+
+
 def _check_op(op) -> None:
     if op not in OPS:
         raise ValueError(f"op must be one of {tuple(OPS)}, got {op!r}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import eager_real as _eager_real
 from .dispatch import extension
 from .reference import acc_dtype, reduce_rows
 
@@ -133,6 +134,7 @@ def _eager_ops(backend: str):
         if backend == "triton":
             from ..kernels import nac_triton
             ops = (nac_triton.fwd, nac_triton.bwd)
+            _ops("triton")  # its torch.library ops registered now, outside any tracing
         else:
             ops = (_below_autograd(torch.ops.nac_fast.nac_fwd.default),
                    _below_autograd(torch.ops.nac_fast.nac_bwd.default))
@@ -170,13 +172,6 @@ class _FusedNAC(torch.autograd.Function):
 
 def _cast(t, dtype):
     return t if t.dtype == dtype else t.to(dtype)
-
-
-try:  # the eager test without importing the Triton kernels (no triton installed: cpu backend)
-    from ..kernels.launch import eager_real as _eager_real
-except Exception:  # pragma: no cover - a broken kernels package: every call takes the op path
-    def _eager_real(t):
-        return False
 
 
 def nac_fused(backend, a, r, noise, keys, s, l2, reduction):

@@ -16,7 +16,7 @@ import math
 import torch
 
 from . import reference
-from .dispatch import resolve_backend
+from .dispatch import eager_real, resolve_backend
 
 
 def channel_scale(p: float) -> float:
@@ -92,8 +92,8 @@ def noise_from_seed(like: torch.Tensor, seed: torch.Tensor, p: float, *,
     if backend == "reference":
         return reference.philox_noise(like, seed, p)
     if backend == "triton":
-        from ..kernels import launch, nac_noise_triton
-        if launch.eager_real(like):  # the op's body, its plan cached (no custom-op dispatch)
+        from ..kernels import nac_noise_triton
+        if eager_real(like):  # the op's body, its plan cached (no custom-op dispatch)
             return nac_noise_triton.noise(like, seed, p)
         return nac_noise_triton.nac_noise_triton(like, seed, p)
     return torch.ops.nac_fast.nac_noise(like, seed, p)
