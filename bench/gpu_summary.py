@@ -54,6 +54,10 @@ GOAL_TRAIN_IMG_S = 2000.0  # issue 40: per H100, train.py's defaults
 ALLOWED_SKIPS: list = [
     # (the Triton Hamming tests' "run on CPU tensors only" skip is gone: they run on CUDA
     # tensors there, issue 39, and such a skip is now a violation)
+    # fake cuda:1 / cuda:3 tensors on a machine with fewer GPUs (the logic is CI's, without CUDA)
+    (r"test_loss_device_guard", r"fake cuda:\d+ tensors need \d+ GPUs"),
+    # the Hamming GPU command's interpreter plumbing: CI's; the stage runs the real command
+    (r"test_gpu_bench_cpu_mode_runs_every_row", r"interpreter plumbing, CI's"),
 ]
 _SUSPECT_ID = re.compile(r"triton|cuda", re.I)
 _SUSPECT_REASON = re.compile(r"triton|cuda|gpu|fused backend|empty parameter set|extension|"

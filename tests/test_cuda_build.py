@@ -548,18 +548,23 @@ class _OnDevice:
 
 
 @pytest.mark.parametrize("op", ["nac", "noise"])
-def test_auto_on_cuda_tensors_picks_triton_not_the_experimental_cuda_backend(monkeypatch, op):
+def test_auto_on_cuda_tensors_picks_triton_then_cuda(monkeypatch, op):
+    """'cuda' passed the GPU suite (H100, 2026-11-27): auto takes triton first (the shorter GPU
+    work there), then cuda, then the reference; an EXPERIMENTAL backend is never auto's."""
     from nac_fast.ops import dispatch
-    assert "cuda" in dispatch.EXPERIMENTAL  # until the GPU suite has passed csrc/nac_cuda_mma.cu
+    assert "cuda" not in dispatch.EXPERIMENTAL
     t = _OnDevice("cuda")
     monkeypatch.setattr(dispatch, "_available",
                         lambda dt, op="nac": ("reference", "triton", "cuda"))
     assert dispatch.resolve_backend("auto", t, op) == "triton"
-    assert dispatch.resolve_backend("cuda", t, op) == "cuda"  # by name it still runs
+    assert dispatch.resolve_backend("cuda", t, op) == "cuda"  # by name
     monkeypatch.setattr(dispatch, "_available", lambda dt, op="nac": ("reference", "cuda"))
-    assert dispatch.resolve_backend("auto", t, op) == "reference"  # no Triton: not cuda either
+    assert dispatch.resolve_backend("auto", t, op) == "cuda"  # no Triton: the fused cuda kernel
+    monkeypatch.setattr(dispatch, "EXPERIMENTAL", ("cuda",))
+    assert dispatch.resolve_backend("auto", t, op) == "reference"  # experimental: never auto's
+    monkeypatch.setattr(dispatch, "_available", lambda dt, op="nac": ("reference",))
     monkeypatch.setattr(dispatch, "EXPERIMENTAL", ())
-    assert dispatch.resolve_backend("auto", t, op) == "cuda"  # the rule once it has passed
+    assert dispatch.resolve_backend("auto", t, op) == "reference"
 
 
 def test_host_refuses_the_tensor_core_path_below_sm80():

@@ -357,6 +357,9 @@ def test_retrieval_refuses_long_codes(dev):
 # ------------------------------------------------------------------------------------------
 
 @pytest.mark.slow  # ~10 s on the 2-core machine: the interpreter runs every row
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="interpreter plumbing, CI's: on a GPU machine the stage runs the real "
+                    "command (and torch 2.11's wrap_triton refuses interpreted kernels)")
 def test_gpu_bench_cpu_mode_runs_every_row(tmp_path):
     """The GPU command's plumbing on toy sizes (the Triton engine under the interpreter): every
     row timed, checked against the C++ engine, appended to --csv; a table, then one JSON line."""

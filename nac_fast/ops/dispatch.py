@@ -37,11 +37,15 @@ OPS = {  # op -> (backends, the torch.ops.nac_fast op the compiled backends regi
     "hamming": (("reference", "cpu", "triton"), "hamming_cdist"),
 }
 _TRITON_MODULES = ("nac_triton", "nac_noise_triton", "hamming_triton")
-# Backends that run when asked by name but that backend="auto" never picks: 'cuda' until its
-# tensor-core kernels (csrc/nac_cuda_mma.cu) have passed the GPU suite (bench/gpu_suite.sh) against
-# the float64 reference; CI only compiles them and checks their resources and SASS
-# (tests/test_cuda_build.py, tests/test_cuda_mma_layout.py).  Remove it from here then.
-EXPERIMENTAL = ("cuda",)
+# Backends that run when asked by name but that backend="auto" never picks.  Empty: 'cuda' (the
+# tensor-core kernels of csrc/nac_cuda_mma.cu) passed the GPU suite against the float64 reference
+# on an H100 (bench/results/NVIDIA-H100-80GB-HBM3_2026-11-27_run3/pytest_gpu.xml: 557 passed).
+# auto still takes 'triton' first on CUDA tensors: its GPU work was the shorter at every shape
+# measured there (host_gpu.csv, graph_s: in-batch 8192 bf16 0.158 vs 0.326 ms, queue 8192 x 65536
+# 0.482 vs 1.064 ms, fp32 in-batch 8192 1.95 vs 5.00 ms; queue 256 x 65536 bf16 0.081 vs
+# 0.083 ms), with host times within that run's noise of each other; 'cuda' is the fused fallback
+# where Triton is missing.
+EXPERIMENTAL: tuple = ()
 
 
 def _build_note(name: str):
@@ -228,7 +232,7 @@ def _auto(t: torch.Tensor, op: str, keys, avail) -> tuple:
 
 def resolve_backend(backend, t: torch.Tensor, op: str = "nac", *, keys=_UNSET) -> str:
     """Map the user's `backend` to the implementation of `op` that runs for tensor `t`.  "auto":
-    the fused kernel of t's device (CPU: cpu; GPU: triton, then cuda unless EXPERIMENTAL), else
+    the fused kernel of t's device (CPU: cpu; GPU: triton, then cuda), else
     the reference; for op "nac" on bf16 CPU tensors whose keys take a gradient (`keys`: the keys
     tensor, None for the in-batch keys; left out: not considered), the reference, which is the
     faster there (`explain_auto` says why, docs/kernels.md "Choosing a backend")."""
