@@ -81,9 +81,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from bench_loss import commit  # noqa: E402  (NAC_FAST_COMMIT, else git: the benches' one)
 from nac_fast.data.sources.synthetic_pairs import SyntheticPairLoader  # noqa: E402
 
 # a step's work in units of one supervised step (forward + backward of one view of the batch)
@@ -207,17 +209,6 @@ def profile_step(step_fn, device, path) -> dict:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-
-def commit() -> str:
-    """NAC_FAST_COMMIT if set (the GPU machine gets a copy of the tree without .git), else git."""
-    if os.environ.get("NAC_FAST_COMMIT"):
-        return os.environ["NAC_FAST_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except Exception:  # noqa: BLE001 - no git, not a checkout: the row says so
-        return "unknown"
-
 
 def _quantile(xs, q):
     """Linear-interpolation quantile of a non-empty list (numpy's default)."""
