@@ -308,11 +308,12 @@ def direct_launches(device: torch.device) -> bool:
 class Plan:
     """One call's launch plan, recorded, to be bound to later calls with the same key.
 
-        plan, outputs = Plan.record(build, inputs, scalars, launcher)   # first call: runs it
-        outputs = plan(inputs, scalars, launcher)                        # later calls
+        plan, outputs = Plan.record(build, inputs, launcher)   # first call: runs it
+        outputs = plan(inputs, scalars, launcher)               # later calls
 
     `build()` returns (launches, outputs) for the recorded call's `inputs` (a tuple of tensors or
-    None) and `scalars` (a tuple of floats, the arguments of each Launch.scalars function).  Every
+    None), its per-call floats already in the launches' arguments; a later call's `scalars` (a
+    tuple of floats) are the arguments of each Launch.scalars function.  Every
     tensor of a launch or of the outputs must be an input or a `buffer` the build allocated.
     `launcher(launches)`: how launches run when they do not go to the compiled kernels directly
     (`run`, or a recorder)."""
