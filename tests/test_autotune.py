@@ -149,6 +149,27 @@ def test_shipped_tables_are_valid():
         assert TU.load_table(path).arch == arch, path
 
 
+def test_the_shipped_sm90_table_reaches_an_sm90_plan(monkeypatch):
+    """The H100 table (the autotune stage of 2026-11-27) is what an sm_90 plan takes, and
+    NAC_FAST_TUNED=0 gives the built-in configuration back."""
+    path = os.path.join(ROOT, "kernels", "tuned", "sm90.json")
+    if not os.path.exists(path):
+        pytest.skip("no shipped sm90 table")
+    with open(path) as f:
+        data = json.load(f)
+    want = [e for e in data["entries"] if e["kernel"] == "fwd" and e["dtype"] == "bfloat16"
+            and e["kind"] == "inbatch" and e["n"] == 8192]
+    assert want, "the table has a bf16 in-batch 8192 forward entry"
+    monkeypatch.setattr(TU, "TABLE_DIR", os.path.dirname(path))  # the real folder, not _fresh's
+    TU.reset()
+    got = NT.config("fwd", torch.bfloat16, 128, KL.SM90, kind="inbatch", n=8192, N=8192)
+    assert TU.config_dict(got) == TU.config_dict(TU.entry_config(want[0], path))
+    monkeypatch.setenv("NAC_FAST_TUNED", "0")
+    TU.reset()
+    assert NT.config("fwd", torch.bfloat16, 128, KL.SM90, kind="inbatch", n=8192,
+                     N=8192) == NT.builtin_config("fwd", torch.bfloat16, 128, KL.SM90)
+
+
 # ---- lookup --------------------------------------------------------------------------------
 
 def test_config_reads_the_table_by_kind_and_nearest_size_class():
