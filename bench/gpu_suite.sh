@@ -13,8 +13,9 @@
 #                and carried with the tree saves the 1-2 minutes of a build on the device.
 #   test         pytest with NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1 (8 xdist workers) of
 #                the loss, noise, input, cached-plan (host_overhead) and device-guard tests, JUnit
-#                XML; fails on any failure or error, on a skipped triton/cuda test, and unless
-#                tests of both backends passed (gpu_summary.py --check-junit).
+#                XML pytest_gpu.xml (the Hamming engine's tests run in the hamming stage); fails
+#                on any failure or error, on a skipped triton/cuda test, and unless tests of both
+#                backends passed (gpu_summary.py --check-junit).
 #   autotune     bench/autotune.py: every candidate configuration of the fwd / bwd_keys kernels
 #                timed (graph replays) per case, the winners checked and written to
 #                autotune.csv and sm<arch>.json, and installed in kernels/tuned/ so the later
@@ -169,31 +170,38 @@ bench_detail() {  # $1 = bench_loss rc
   fi
 }
 
+# pytest FILES with JUnit XML to $RES/pytest_NAME.xml (8 xdist workers on a GPU machine: its 16
+# cores share the GPU), then gpu_summary.py's verdict on it (REQUIRE: the backends that must have
+# passed tests), written to $RES/.junit_NAME.  Exit status 0 only if both passed.
+run_tests() {  # NAME REQUIRE FILES...
+  local name=$1 require=$2 rc=0
+  shift 2
+  local xml="$RES/pytest_$name.xml" xdist=()
+  if [ "$CPU_MODE" != 1 ] && $PY -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
+  rm -f "$xml"
+  echo "== NAC_FAST_TEST_DEVICE=$NAC_FAST_TEST_DEVICE pytest $*"
+  $PY -m pytest -q -rfEs -p no:cacheprovider "${xdist[@]}" --junitxml="$xml" "$@" || rc=$?
+  echo "pytest exit status $rc"
+  $PY bench/gpu_summary.py --check-junit "$xml" --require-passed "$require" \
+      --status-file "$RES/.junit_$name" || rc=1
+  return $rc
+}
+
 stage_test() {
   BUILT_FIRST=""
   ensure_built || { detail "build failed"; return 1; }
-  local files require rc=0
+  local rc=0
   if [ "$CPU_MODE" = 1 ]; then
     export NAC_FAST_TEST_DEVICE=cpu  # plumbing only: one quick file, no backend required
-    files=(tests/test_noise.py)
-    require=""
+    run_tests gpu "" tests/test_noise.py || rc=1
   else
+    # (the Hamming engine's tests run in the hamming stage)
     export NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1
-    files=(tests/test_loss_backends.py tests/test_loss_reference.py tests/test_hashing.py
-           tests/test_noise.py tests/test_loss_inputs.py tests/test_cuda_mma_gpu.py
-           tests/test_host_overhead.py tests/test_loss_device_guard.py)
-    require=triton,cuda
+    run_tests gpu triton,cuda tests/test_loss_backends.py tests/test_loss_reference.py \
+        tests/test_noise.py tests/test_loss_inputs.py tests/test_cuda_mma_gpu.py \
+        tests/test_host_overhead.py tests/test_loss_device_guard.py || rc=1
   fi
-  rm -f "$RES/pytest_gpu.xml"
-  echo "== NAC_FAST_TEST_DEVICE=$NAC_FAST_TEST_DEVICE pytest ${files[*]}"
-  local xdist=()  # the GPU machine's 16 cores: 8 workers share the GPU
-  if [ "$CPU_MODE" != 1 ] && $PY -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
-  $PY -m pytest -q -rfEs -p no:cacheprovider "${xdist[@]}" --junitxml="$RES/pytest_gpu.xml" \
-      "${files[@]}" || rc=$?
-  echo "pytest exit status $rc"
-  $PY bench/gpu_summary.py --check-junit "$RES/pytest_gpu.xml" --require-passed "$require" \
-      --status-file "$RES/.junit" || rc=1
-  detail "${BUILT_FIRST}$(cat "$RES/.junit" 2>/dev/null || echo 'no JUnit verdict')"
+  detail "${BUILT_FIRST}$(cat "$RES/.junit_gpu" 2>/dev/null || echo 'no JUnit verdict')"
   return $rc
 }
 
@@ -281,13 +289,9 @@ stage_hamming() {
   else
     # the engine's tests on CUDA tensors first (against the C++ engine and the reference), then
     # its figures beside the C++ engine's
-    local xdist=()
-    if $PY -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
-    NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1 $PY -m pytest -q -rfEs -p no:cacheprovider \
-        "${xdist[@]}" --junitxml="$RES/pytest_hamming.xml" tests/test_hashing.py \
-        tests/test_hamming_gpu.py tests/test_retrieval_metrics.py tests/test_index.py || trc=$?
-    $PY bench/gpu_summary.py --check-junit "$RES/pytest_hamming.xml" --require-passed triton \
-        --status-file "$RES/.junit_hamming" || trc=1
+    export NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1
+    run_tests hamming triton tests/test_hashing.py tests/test_hamming_gpu.py \
+        tests/test_retrieval_metrics.py tests/test_index.py || trc=1
     junit=$(cat "$RES/.junit_hamming" 2>/dev/null || echo "no JUnit verdict")
     $PY bench/bench_hamming.py --gpu --csv "$RES/hamming_gpu.csv" || rc=$?
   fi
