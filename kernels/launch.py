@@ -437,7 +437,9 @@ class Plan:
 
 class PlanCache:
     """Plans of one op by key, at most PLAN_CACHE_SIZE (the oldest recorded dropped first).
-    `clear()` empties it (tests; a changed configuration table)."""
+    key None: a call that may not use a cached plan (traced, fake tensors: `eager_real` false),
+    its plan built afresh and handed to the launcher.  `clear()` empties it (tests; a changed
+    configuration table)."""
 
     def __init__(self, name: str):
         self.name = name
@@ -445,6 +447,10 @@ class PlanCache:
         self.recorded = 0  # how many plans were recorded (a test reads it: no rebuild per call)
 
     def __call__(self, key, build, inputs, scalars, launcher):
+        if key is None:
+            launches, outputs = build()
+            launcher(launches)
+            return tuple(outputs)
         plan = self.plans.get(key)
         if plan is not None:
             return plan(inputs, scalars, launcher)

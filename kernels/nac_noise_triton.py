@@ -80,11 +80,8 @@ def noise(like: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
         out = buffer(like.shape, like.dtype, like)
         return noise_plan(out, seed, p), (out,)
 
-    if not eager_real(like):
-        launches, (out,) = build()
-        run(launches)
-        return out
-    return PLANS((like.shape, like.dtype, like.device), build, (seed,), (p,), _launcher)[0]
+    key = (like.shape, like.dtype, like.device) if eager_real(like) else None
+    return PLANS(key, build, (seed,), (p,), _launcher)[0]
 
 
 @triton_op("nac_fast::nac_noise_triton", mutates_args=())

@@ -799,13 +799,9 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool):
                                                    target_of(a.device))
         return launches, (loss, lse, ga, q, k if keys is None else buffer((0,), dt, a))
 
-    if not eager_real(a):
-        launches, out = build()
-        run(launches)
-        return out
     key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
            None if given is None else (given.shape[0], given.stride(0)), bool(grad_rows),
-           _fp32_mode(), tuning.plan_key())
+           _fp32_mode(), tuning.plan_key()) if eager_real(a) else None
     return FWD_PLANS(key, build, (a, r, noise, given), (s, l2), _launcher)
 
 
@@ -823,18 +819,14 @@ def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: boo
     g = g if g.dtype == acc else g.to(acc)
 
     def build():
-        launches, out = bwd_plan(a, r, noise, given, lse, ga, g, q, k, s, need_a, need_r,
-                                 need_keys, target_of(a.device))
-        return launches, out
+        return bwd_plan(a, r, noise, given, lse, ga, g, q, k, s, need_a, need_r, need_keys,
+                        target_of(a.device))
 
-    if not eager_real(a):
-        launches, out = build()
-        run(launches)
-        return out
     key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
            None if given is None else (given.shape[0], given.stride(0)), g.shape, g.stride(),
            ga.shape, q.shape, q.stride(0), k.shape, k.stride(0) if k.dim() == 2 else 0,
-           bool(need_a), bool(need_r), bool(need_keys), _fp32_mode(), tuning.plan_key())
+           bool(need_a), bool(need_r), bool(need_keys), _fp32_mode(),
+           tuning.plan_key()) if eager_real(a) else None
     return BWD_PLANS(key, build, (a, r, noise, given, lse, ga, g, q, k), (), _launcher)
 
 
