@@ -51,6 +51,22 @@ def _fake_bwd_triton(a, r, noise, keys, lse, ga, g, q, k, s, need_a, need_r, nee
             a.new_empty(kshape if need_keys and keys is not None else (0,)))
 
 
+def _backward(bwd, ctx, g_rows):
+    """(d/da, d/dr, None, d/dkeys) of both autograd layers (the registered ops' and _FusedNAC's):
+    one call of the backend's backward with the forward's saved tensors, each gradient in its
+    input's dtype, None where no gradient is asked for."""
+    a, r, noise, keys, lse, ga, *saved = ctx.saved_tensors
+    keys = None if ctx.self_keys else keys
+    need_a, need_r, _, need_k = ctx.needs_input_grad[:4]
+    need_k = bool(need_k and keys is not None)
+    grad_a, grad_r, grad_k = bwd(a, r, noise, keys, lse, ga, g_rows, *saved, ctx.s,
+                                 bool(need_a), bool(need_r), need_k)
+    cast = lambda t, dtype: t if t.dtype == dtype else t.to(dtype)  # noqa: E731
+    return (cast(grad_a, ctx.dtypes[0]) if need_a else None,
+            cast(grad_r, ctx.dtypes[1]) if need_r else None, None,
+            cast(grad_k, ctx.dtypes[2]) if need_k else None)
+
+
 def _register(name: str, fwd, bwd, fake_fwd=_fake_fwd, fake_bwd=_fake_bwd) -> None:
     """Attach fake impls and the autograd formula to one backend's op pair (once).  The forward
     returns (loss rows, lse, ga, *saved): `saved` (the Triton op's codes) go to the backward
@@ -77,15 +93,7 @@ def _register(name: str, fwd, bwd, fake_fwd=_fake_fwd, fake_bwd=_fake_bwd) -> No
     def backward(ctx, g_rows, *_g_others):
         if g_rows is None:  # only lse, ga or the codes were used downstream: no gradient flows
             return (None,) * 7
-        a, r, noise, keys, lse, ga, *saved = ctx.saved_tensors
-        keys = None if ctx.self_keys else keys
-        need_a, need_r, _, need_k = ctx.needs_input_grad[:4]
-        grad_a, grad_r, grad_k = bwd(a, r, noise, keys, lse, ga, g_rows, *saved, ctx.s,
-                                     bool(need_a), bool(need_r), bool(need_k and keys is not None))
-        return (grad_a.to(ctx.dtypes[0]) if need_a else None,
-                grad_r.to(ctx.dtypes[1]) if need_r else None, None,
-                grad_k.to(ctx.dtypes[2]) if need_k and keys is not None else None,
-                None, None, None)
+        return (*_backward(bwd, ctx, g_rows), None, None, None)
 
     torch.library.register_autograd(fwd, backward, setup_context=setup_context)
     _OPS[name] = (fwd, bwd)
@@ -159,19 +167,7 @@ class _FusedNAC(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_rows):
-        a, r, noise, keys, lse, ga, *saved = ctx.saved_tensors
-        need_a, need_r, _, need_k = ctx.needs_input_grad[:4]
-        need_k = bool(need_k and keys is not None)
-        _, bwd = _eager_ops(ctx.backend)
-        grad_a, grad_r, grad_k = bwd(a, r, noise, keys, lse, ga, g_rows, *saved, ctx.s,
-                                     bool(need_a), bool(need_r), need_k)
-        return (_cast(grad_a, ctx.dtypes[0]) if need_a else None,
-                _cast(grad_r, ctx.dtypes[1]) if need_r else None, None,
-                _cast(grad_k, ctx.dtypes[2]) if need_k else None, None, None, None, None)
-
-
-def _cast(t, dtype):
-    return t if t.dtype == dtype else t.to(dtype)
+        return (*_backward(_eager_ops(ctx.backend)[1], ctx, g_rows), None, None, None, None)
 
 
 def nac_fused(backend, a, r, noise, keys, s, l2, reduction):
