@@ -281,16 +281,20 @@ static at::Tensor os_scratch(at::IntArrayRef sizes, const at::TensorOptions& opt
   return at::empty(sizes, opts);
 }
 
-// One worker's buffers, in one scratch block: the logits tile (kBQ x kBK, row stride kBK), the
-// queries of a block (kBQ x D) and, for bf16/fp16 keys, a converted key tile (kBK x D).
+// One worker's buffers, in one scratch block: the logits tile (bq x bk, row stride ld = bk), the
+// queries of a block (bq x D) and, for bf16/fp16 keys, a converted key tile (bk x D).  bq and bk
+// are the largest blocks the call uses (kBQ and kBK at most): a small call's workspace is small,
+// so it comes from the heap (os_scratch) instead of a 260 KiB mmap per call, which cost a call
+// at n = 4 about 80 us of its ~100 (bench/host_overhead.py's cpu rows).
 struct Workspace {
   at::Tensor block, tile, qbuf, kbuf;
-  Workspace(const Operands& op, int64_t D) {
-    const int64_t kn = op.convert_keys() ? kBK * D : 0;
-    block = os_scratch({kBQ * kBK + kBQ * D + kn}, op.z.options());
-    tile = block.narrow(0, 0, kBQ * kBK).view({kBQ, kBK});
-    qbuf = block.narrow(0, kBQ * kBK, kBQ * D).view({kBQ, D});
-    if (kn) kbuf = block.narrow(0, kBQ * kBK + kBQ * D, kn).view({kBK, D});
+  int64_t ld;  // the tile's row stride
+  Workspace(const Operands& op, int64_t D, int64_t bq, int64_t bk) : ld(bk) {
+    const int64_t kn = op.convert_keys() ? bk * D : 0;
+    block = os_scratch({bq * bk + bq * D + kn}, op.z.options());
+    tile = block.narrow(0, 0, bq * bk).view({bq, bk});
+    qbuf = block.narrow(0, bq * bk, bq * D).view({bq, D});
+    if (kn) kbuf = block.narrow(0, bq * bk + bq * D, kn).view({bk, D});
   }
 };
 
@@ -360,9 +364,10 @@ std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
 
   at::parallel_for(0, qblocks * nsplit, 1, [&](int64_t wb, int64_t we) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // OpenMP workers start without the TLS
-    const Workspace ws(op, D);
+    const Workspace ws(op, D, std::min(kBQ, n), std::min(kBK, N));
     const at::Tensor &tile = ws.tile, &qbuf = ws.qbuf, &kbuf = ws.kbuf;
     acc_t* S = tile.data_ptr<acc_t>();
+    const int64_t ld = ws.ld;
     for (int64_t w = wb; w < we; ++w) {
       const int64_t qb = w / nsplit, sp = w % nsplit;
       const int64_t i0 = qb * kBQ, bq = std::min(kBQ, n - i0);
@@ -384,11 +389,11 @@ std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
       const at::Tensor qI = qbuf.narrow(0, 0, bq);
       for (int64_t kt = kr.first; kt < kr.second; ++kt) {
         const int64_t j0 = kt * kBK, bk = std::min(kBK, N - j0);
-        at::Tensor St = tile.narrow(0, 0, bq).narrow(1, 0, bk);  // row stride kBK
+        at::Tensor St = tile.narrow(0, 0, bq).narrow(1, 0, bk);  // row stride ld
         const at::Tensor kJ = op.key_tile(j0, bk, kbuf);
         at::mm_out(St, qI, kJ.t());
         for (int64_t i = 0; i < bq; ++i) {
-          acc_t* Si = S + i * kBK;
+          acc_t* Si = S + i * ld;
           const acc_t mnew = std::max(mrun[i], row_max(Si, bk));
           if (mnew > mrun[i] && lrun[i] > 0) {  // rescale the running state to the new max
             const acc_t f = std::exp(mrun[i] - mnew);
@@ -464,9 +469,10 @@ at::Tensor keys_backward(const Operands& op, const c10::optional<at::Tensor>& ke
 
   at::parallel_for(0, ktiles * nsplit, 1, [&](int64_t wb, int64_t we) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const Workspace ws(op, D);
+    const Workspace ws(op, D, std::min(kBQ, n), std::min(kBK, N));
     const at::Tensor &tile = ws.tile, &qbuf = ws.qbuf, &kbuf = ws.kbuf;
     acc_t* S = tile.data_ptr<acc_t>();
+    const int64_t ld = ws.ld;
     for (int64_t w = wb; w < we; ++w) {
       const int64_t kt = w / nsplit, sp = w % nsplit;
       const int64_t j0 = kt * kBK, bk = std::min(kBK, N - j0);
@@ -479,7 +485,7 @@ at::Tensor keys_backward(const Operands& op, const c10::optional<at::Tensor>& ke
         fill_queries<acc_t>(op, i0, bq, sc, qbuf.data_ptr<acc_t>());
         const at::Tensor qI = qbuf.narrow(0, 0, bq);
         at::mm_out(St, qI, kJ.t());
-        for (int64_t i = 0; i < bq; ++i) exp_shift(S + i * kBK, bk, plse[i0 + i], pg[i0 + i]);
+        for (int64_t i = 0; i < bq; ++i) exp_shift(S + i * ld, bk, plse[i0 + i], pg[i0 + i]);
         dK.addmm_(St.t(), qI);
       }
     }
