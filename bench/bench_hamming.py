@@ -231,6 +231,28 @@ def gpu_timed(fn, repeats: int, device):
     return stats, out
 
 
+def profile_kernels(fn, device, path: str, what: str, top: int = 15) -> None:
+    """Append to `path` where one call of `fn` spends its time: torch.profiler's table of the
+    call's kernels and ops (device time first; on a GPU, the sorting of the filter pass against
+    the sample levels, the candidate top-k and the fills), and the wall time of the call."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=top)
+    with open(path, "a") as f:
+        f.write(f"== {what}: {wall * 1e3:.3f} ms wall (profiled)\n{table}\n")
+    print(f"  profile of {what} appended to {path}", flush=True)
+
+
 def _ap_check(H, qw, ql, gw, gl, bits, n, device):
     """Per-query AP of the GPU engine against the C++ engine on the first n queries."""
     P = H.PackedCodes
@@ -378,6 +400,10 @@ def run_gpu(args, ap):
                 stats, m = gpu_timed(lambda: H.mean_average_precision(
                     P(qw[:n], D), ql[:n], P(gw, D), gl, backend="triton"), reps, device)
                 add("map_all", "triton", str(device), n, G, stats, m, check=check)
+            if args.profile_out and G == map_sizes[-1]:
+                profile_kernels(lambda: H.mean_average_precision(
+                    P(qw, D), ql, P(gw, D), gl, backend="triton"), device, args.profile_out,
+                    f"mAP@all, {Q} x {G:,} codes of {D} bits (backend triton)")
             del gw, gl, gc, glc
     # ---- top-k ----
     if args.only in ("all", "topk"):
@@ -393,6 +419,9 @@ def run_gpu(args, ap):
             del gw
             gpu.search(P(qw[:2], D), k)  # compiles, outside the clock
             stats, (Dg, Ig) = gpu_timed(lambda: gpu.search(P(qw, D), k), args.gpu_repeats, device)
+            if args.profile_out and G == idx_sizes[0]:
+                profile_kernels(lambda: gpu.search(P(qw, D), k), device, args.profile_out,
+                                f"HashIndex.search, {Q} queries, top-{k} of {G:,} codes")
             nc = min(args.check_queries, Q, nq_cpu if nq_cpu else args.check_queries)
             cpu_index = HashIndex(D)
             cpu_index.add(P(gpu.codes.words.cpu(), D))
@@ -512,6 +541,9 @@ def main(argv=None):
     g.add_argument("--budget-s", type=float, default=70.0, help="skip rows that would start "
                    "after this many seconds")
     g.add_argument("--only", choices=("all", "map", "topk"), default="all")
+    g.add_argument("--profile-out", default="", help="append torch.profiler's kernel table of "
+                   "one search at the first --index-sizes size and one mAP at the last "
+                   "--map-sizes size to this text file")
     g.add_argument("--topk-variants", default="16x64x2/16,32x32x2/16,32x32x4/8",
                    help="other settings of the top-k (BQxBGxWARPS/SAMPLE_RATIO) timed at the "
                    "first --index-sizes size beside the shipped one, rows 'topk-variant' ('' = "

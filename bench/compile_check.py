@@ -136,6 +136,13 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
                                                                target)
                     for L in launches:
                         yield case, L
+                # the prologue that draws the noise from a seed (the eager calls' with noise=None)
+                launches, _ = nac_triton.fwd_plan(a, r, None, keys, 1.1, 0.1, True, target,
+                                                  seed=torch.empty(1, dtype=torch.int64, **meta),
+                                                  p=0.1)
+                for L in launches:
+                    if L.tag == "prologue":
+                        yield case, L
                 # the backward with everything needed (training: a, r; gathered keys: keys too),
                 # with the target's split, with one split (the fused output modes) and with many
                 # (the split shares and their sums): other batch sizes reach each of them

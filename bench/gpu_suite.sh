@@ -37,7 +37,8 @@
 #                (PASS/FAIL naming the offending op), then while NAC_FAST_TRAIN_BUDGET_S (default
 #                150) lasts the --no-compile rate and the supervised anchors.
 #   hamming      the Hamming engine's tests on CUDA tensors (JUnit pytest_hamming.xml), then
-#                bench_hamming.py --gpu: mAP@all and HashIndex.search beside the C++ engine.
+#                bench_hamming.py --gpu: mAP@all and HashIndex.search beside the C++ engine, and
+#                hamming_kernels.txt: the kernels of one 1M search and one mAP (torch.profiler).
 #   all          test autotune host train hamming (the order of what matters most when time
 #                runs out)
 #
@@ -285,7 +286,8 @@ stage_hamming() {
   local rc=0
   local trc=0 junit="no tests run"
   if [ "$CPU_MODE" = 1 ]; then
-    $PY bench/bench_hamming.py --gpu --device cpu --tiny --csv "$RES/hamming_gpu.csv" || rc=$?
+    $PY bench/bench_hamming.py --gpu --device cpu --tiny --csv "$RES/hamming_gpu.csv" \
+        --profile-out "$RES/hamming_kernels.txt" || rc=$?
   else
     # the engine's tests on CUDA tensors first (against the C++ engine and the reference), then
     # its figures beside the C++ engine's
@@ -293,7 +295,8 @@ stage_hamming() {
     run_tests hamming triton tests/test_hashing.py tests/test_hamming_gpu.py \
         tests/test_retrieval_metrics.py tests/test_index.py || trc=1
     junit=$(cat "$RES/.junit_hamming" 2>/dev/null || echo "no JUnit verdict")
-    $PY bench/bench_hamming.py --gpu --csv "$RES/hamming_gpu.csv" || rc=$?
+    $PY bench/bench_hamming.py --gpu --csv "$RES/hamming_gpu.csv" \
+        --profile-out "$RES/hamming_kernels.txt" || rc=$?
   fi
   local d="tests: $junit; "
   if [ $rc = 0 ]; then d="${d}bench_hamming --gpu ok (hamming_gpu.csv)"

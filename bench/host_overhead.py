@@ -66,6 +66,8 @@ from nac_fast.ops import dispatch, loss as loss_mod, nac, reference  # noqa: E40
 FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "mode", "kind", "n", "N",
           "D", "dtype", "backend", "resolved", "host_s", "back_to_back_s", "graph_s",
           "launches", "plans_recorded", "x_eager", "x_compile", "status",
+          # --stub: the kernel-launching ATen ops of one call (the seed, the mean, casts...)
+          "aten_launches", "aten_ops",
           # the case's floor on this GPU (bench/roofline.py) and graph_s against it
           "bound_s", "pct_of_bound"]
 GPU_CASES = [("inbatch", 512, 512, "bfloat16"), ("inbatch", 8192, 8192, "bfloat16"),
@@ -199,6 +201,40 @@ class StubLaunches:
         return False
 
 
+class AtenLaunches:
+    """Counts the ATen ops of a call that would launch a kernel on a GPU (bench/launch_traffic.py's
+    rule: views, allocations and metadata ops launch none), the call still taking its eager path:
+    a dispatch mode records them, and the eager-path test (dispatch.eager_real: no mode on the
+    stack) is told the stack is empty while it does."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from launch_traffic import _NO_KERNEL
+        counter = self
+        self.ops: list = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if func.namespace == "aten" and name not in _NO_KERNEL:
+                    counter.ops.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+
+    def __enter__(self):
+        self._saved = torch._C._len_torch_dispatch_stack
+        torch._C._len_torch_dispatch_stack = lambda: 0
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        torch._C._len_torch_dispatch_stack = self._saved
+        return False
+
+
 def _per_call(step, calls: int, repeats: int = 5) -> float:
     """Median over `repeats` of the mean seconds per call of `calls` calls (after 3 warm-ups)."""
     for _ in range(3):
@@ -225,13 +261,15 @@ def stub_rows(calls: int = 200, repeats: int = 5):
                 step()
                 before = nac_triton.FWD_PLANS.recorded + nac_triton.BWD_PLANS.recorded
                 stub.launches = 0
-                step()
+                with AtenLaunches() as aten:
+                    step()
                 per_call_launches = stub.launches
                 t = _per_call(step, calls, repeats)
                 rebuilt = nac_triton.FWD_PLANS.recorded + nac_triton.BWD_PLANS.recorded - before
             rows.append(dict(mode="stub-sm90", kind=kind, n=n, N=N, D=D, dtype=str(dtype)[6:],
                              backend=backend, resolved="triton", host_s=t,
-                             launches=per_call_launches,
+                             launches=per_call_launches, aten_launches=len(aten.ops),
+                             aten_ops=" ".join(aten.ops),
                              plans_recorded=rebuilt if backend == "triton" else "",
                              status="ok"))
     # the CPU backend's own overhead: a tiny shape, its kernel's work negligible
@@ -397,11 +435,17 @@ def _fmt(row) -> str:
     return (f"{row['mode']:9s} {row['kind']:8s} {row['n']:6d} {row['N']:6d} "
             f"{row['dtype'][:5]:5s} {row['backend']:19s}"
             f"{us('host_s')} {us('back_to_back_s')} {us('graph_s')} {x('x_eager')} "
-            f"{x('x_compile')} {str(row.get('launches', '')):>5s} {row.get('status', '')}")
+            f"{x('x_compile')} {_launches(row):>6s} {row.get('status', '')}")
+
+
+def _launches(row) -> str:
+    """Triton launches, + the ATen ones where counted (--stub)."""
+    t, a = row.get("launches", ""), row.get("aten_launches", "")
+    return f"{t}+{a}" if a != "" else str(t)
 
 
 HEADER = (f"{'mode':9s} {'kind':8s} {'n':>6s} {'N':>6s} {'dtype':5s} {'backend':19s}{'host us':>9s} "
-          f"{'b2b us':>9s} {'graph us':>9s} {'x eag':>6s} {'x cmp':>6s} {'launch':>5s}")
+          f"{'b2b us':>9s} {'graph us':>9s} {'x eag':>6s} {'x cmp':>6s} {'launch':>6s}")
 
 
 def goals(rows) -> list[str]:

@@ -33,10 +33,11 @@ def _philox_first_word(c0, c1, k0, k1):
     return c0
 
 
-@triton.jit(do_not_specialize=["numel"])
-def _noise_kernel(out_ptr, seed_ptr, p, numel, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+@triton.jit
+def philox_sign(offs, seed_ptr, p):
+    # The noise (-1.0 / +1.0, fp32) of the int64 element indices `offs` for the seed at seed_ptr
+    # (one int64): the first Philox word of (seed, e), as a uniform in [0, 1), below p -> -1.
+    # Also the NAC forward's prologue's (kernels/nac_triton.py, SEEDED): the same bits.
     seed = tl.load(seed_ptr)  # int64
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -44,7 +45,15 @@ def _noise_kernel(out_ptr, seed_ptr, p, numel, BLOCK: tl.constexpr):
     c1 = ((offs >> 32) & 0xFFFFFFFF).to(tl.uint32)
     w = _philox_first_word(c0, c1, k0, k1).to(tl.int32, bitcast=True)
     u = tl.where(w < 0, ~w, w).to(tl.float32) * 4.6566127342e-10
-    tl.store(out_ptr + offs, tl.where(u < p, -1.0, 1.0).to(out_ptr.dtype.element_ty), mask=mask)
+    return tl.where(u < p, -1.0, 1.0)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _noise_kernel(out_ptr, seed_ptr, p, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    tl.store(out_ptr + offs, philox_sign(offs, seed_ptr, p).to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 BLOCK = 1024

@@ -53,6 +53,7 @@ from torch.library import triton_op
 from nac_fast.ops.reference import acc_dtype
 
 from . import tuning
+from .nac_noise_triton import philox_sign
 from .launch import (Config, Launch, PlanCache, Target, buffer, cdiv, eager_real, next_pow2, pick,
                      run, split_count, target_of)
 
@@ -131,14 +132,25 @@ def _grad_r(r, zt):
 
 # The per-row quantities below (lse_i, bern_i, loss_i) are those of docs/math.md [M:rows], [M:bern].
 @triton.jit(do_not_specialize=["n", "write_k"])
-def _prologue_kernel(A, NOISE, Q, K, n, D, stride_a, stride_m, scale2, write_k,
-                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+def _prologue_kernel(A, NOISE, Q, K, SEED, n, D, stride_a, stride_m, scale2, write_k, p,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+                     SEEDED: tl.constexpr):
+    # SEEDED: the channel noise is drawn here from the seed at SEED (docs/math.md [M:philox]:
+    # element e = row * D + col of the (n, D) noise, the bits of kernels/nac_noise_triton.py) and
+    # written to NOISE (contiguous, stride_m = D) for the finish and the backward; one launch
+    # and one round trip of the noise fewer than drawing it first.  Else NOISE is read.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n)[:, None] & (cols < D)[None, :]
     rows64 = rows.to(tl.int64)
     a = tl.load(A + rows64[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(ACC)
-    m = tl.load(NOISE + rows64[:, None] * stride_m + cols[None, :], mask=mask, other=0.0).to(ACC)
+    noise_at = NOISE + rows64[:, None] * stride_m + cols[None, :]
+    if SEEDED:
+        m = philox_sign(rows64[:, None] * D + cols[None, :], SEED, p)
+        tl.store(noise_at, m.to(NOISE.dtype.element_ty), mask=mask)
+        m = m.to(ACC)
+    else:
+        m = tl.load(noise_at, mask=mask, other=0.0).to(ACC)
     z = _tanh(a)
     out = rows64[:, None] * D + cols[None, :]
     tl.store(Q + out, (m * z * scale2).to(Q.dtype.element_ty), mask=mask)
@@ -284,7 +296,8 @@ def _pow2_scale(gmax):
 
 
 @triton.jit
-def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, gscale, dk, BLOCK_M: tl.constexpr,
+def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, g_scale, gscale, dk,
+              BLOCK_M: tl.constexpr,
               ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # One query tile of the keys' backward: S^T = K Q^T, P^T = exp2(S^T - lse) g, dK += P^T Q.
     # qp, lp, gp: the tile's first row of Q, LSE, G (pointers the loop advances); rows past `end`
@@ -293,7 +306,7 @@ def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, gscale, dk, BLOCK_M
     rmask = i0 + r < end
     q = tl.load(qp + offs, mask=rmask[:, None] & dmask[None, :], other=0.0)
     lse2 = tl.load(lp + r, mask=rmask, other=float("inf")).to(ACC)  # base 2
-    g = tl.load(gp + r * stride_g, mask=rmask, other=0.0).to(ACC) * gscale
+    g = tl.load(gp + r * stride_g, mask=rmask, other=0.0).to(ACC) * g_scale * gscale
     st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
     pt = tl.exp2(st - lse2[None, :]) * g[None, :]
     return dk + _dot(pt.to(q.dtype), q, PRECISION, UPCAST)         # P^T Q (log2 units)
@@ -301,10 +314,13 @@ def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, gscale, dk, BLOCK_M
 
 @triton.jit(do_not_specialize=["n", "N", "blocks_per_split", "need_r", "stride_g"])
 def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride_k, stride_g,
-                     stride_a, stride_r, stride_m, blocks_per_split, need_r,
+                     stride_a, stride_r, stride_m, blocks_per_split, need_r, g_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                      GSCALE: tl.constexpr, OUT_MODE: tl.constexpr):
+    # Row i's weight is g_i * g_scale (an fp32 number): 1, or fl32(1/n) for reduction="mean"
+    # (nac_fast/ops/nac.py _FusedNAC: no MeanBackward launch; autograd's own g / n on a GPU is
+    # g * fl32(1/n) too).  _bwd_rows_kernel's likewise.
     # OUT_MODE 0: this query split's share of dK, fp32, at OUT[sp, key, :] (summed later in a
     #             fixed order: deterministic);
     #          1: (one split) the keys' gradient itself, in OUT's dtype (the keys');
@@ -328,7 +344,7 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
         for i0 in range(start, end, BLOCK_M):
             rows = i0 + tl.arange(0, BLOCK_M)
             gvec = tl.maximum(gvec, tl.abs(tl.load(G + rows.to(tl.int64) * stride_g,
-                                                   mask=rows < end, other=0.0)))
+                                                   mask=rows < end, other=0.0) * g_scale))
         gscale, ginv = _pow2_scale(tl.max(gvec, 0))
     else:
         gscale = 1.0
@@ -342,7 +358,8 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
         lp = LSE + start64
         gp = G + start64 * stride_g
         for i0 in range(start, end, BLOCK_M):
-            dk = _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, gscale, dk, BLOCK_M,
+            dk = _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, g_scale, gscale, dk,
+                           BLOCK_M,
                            ACC, PRECISION, UPCAST)
             qp += BLOCK_M * D
             lp += BLOCK_M
@@ -355,7 +372,7 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
             q = tl.load(Q + rows64[:, None] * D + cols[None, :],
                         mask=rmask[:, None] & dmask[None, :], other=0.0)
             lse2 = tl.load(LSE + rows64, mask=rmask, other=float("inf")).to(ACC)  # base 2
-            g = tl.load(G + rows64 * stride_g, mask=rmask, other=0.0).to(ACC) * gscale
+            g = tl.load(G + rows64 * stride_g, mask=rmask, other=0.0).to(ACC) * g_scale * gscale
             st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
             pt = tl.exp2(st - lse2[None, :]) * g[None, :]
             dk += _dot(pt.to(q.dtype), q, PRECISION, UPCAST)               # P^T Q (log2 units)
@@ -369,7 +386,7 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
     else:
         # in an order that keeps few (BLOCK_N x BLOCK_D) tiles live at once (a spill otherwise):
         # dK (1 - z^2), then d/dr (z's last use), then + g ga
-        g = tl.load(G + kc64 * stride_g, mask=kmask, other=0.0).to(ACC)
+        g = tl.load(G + kc64 * stride_g, mask=kmask, other=0.0).to(ACC) * g_scale
         z = _tanh(tl.load(A + kc64[:, None] * stride_a + cols[None, :], mask=tile_mask,
                           other=0.0).to(ACC))
         dk = dk * (1.0 - z * z)
@@ -388,7 +405,7 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
 
 @triton.jit(do_not_specialize=["n", "need_a", "need_r", "self_keys", "split", "stride_g"])
 def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, n, D, stride_a, stride_r, stride_m,
-                     stride_g, need_a, need_r, self_keys, split,
+                     stride_g, need_a, need_r, self_keys, split, g_scale,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     # d/dr = g times docs/math.md [M:grad-r]; d/da as in [M:grad-a] (+ [M:grad-self-keys]), dK
     # summed over the keys' backward's query splits in a fixed order (deterministic); both
@@ -399,7 +416,7 @@ def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, n, D, stride_a, st
     tile_mask = rmask[:, None] & (cols < D)[None, :]
     rows64 = rows.to(tl.int64)
     out = rows64[:, None] * D + cols[None, :]
-    g = tl.load(G + rows64 * stride_g, mask=rmask, other=0.0).to(ACC)
+    g = tl.load(G + rows64 * stride_g, mask=rmask, other=0.0).to(ACC) * g_scale
     z = _tanh(tl.load(A + rows64[:, None] * stride_a + cols[None, :], mask=tile_mask,
                       other=0.0).to(ACC))
     if need_r != 0:
@@ -595,33 +612,43 @@ def _tl_acc(dtype):
 # Plans: the launches of one call, built from (possibly meta) tensors.
 # ---------------------------------------------------------------------------------------------
 
-# The per-call scalars of a forward plan, as functions of (s, l2) (kernels/launch.py Plan).
-def _scale2(s, l2):
+# The per-call scalars of a forward plan, as functions of (s, l2, p) (kernels/launch.py Plan;
+# p: the channel's flip probability, read by a prologue that draws the noise).
+def _scale2(s, l2, p):
     return s * LOG2E
 
 
-def _s(s, l2):
+def _s(s, l2, p):
     return float(s)
 
 
-def _l2(s, l2):
+def _l2(s, l2, p):
     return float(l2)
 
 
-def _prologue(a, noise, keys, s, target, launches):
+def _p(s, l2, p):
+    return float(p)
+
+
+def _prologue(a, noise, keys, s, target, launches, seed=None, p=0.0):
     """Q (log2 units) and, for the in-batch keys, K = tanh(a): (n, D) in a's dtype (with given
-    keys, K is the keys themselves and the kernel writes no K: it is handed Q as a placeholder)."""
+    keys, K is the keys themselves and the kernel writes no K: it is handed Q as a placeholder).
+    seed (a one-element int64 tensor, noise None): the prologue draws the noise of `seed` and `p`
+    into a buffer it returns as the noise; else `noise` is read and returned."""
     n, D = a.shape
     q = buffer((n, D), a.dtype, a)
     k = buffer((n, D), a.dtype, a) if keys is None else keys
+    if seed is not None:
+        noise = buffer((n, D), a.dtype, a)
     bm = _rows_block(D, a.dtype)
     launches.append(Launch(_prologue_kernel, (cdiv(n, bm),),
-                           (a, noise, q, k if keys is None else q, n, D, a.stride(0),
-                            noise.stride(0), s * LOG2E, int(keys is None)),
-                           dict(BLOCK_M=bm, BLOCK_D=block_d(D),
-                                ACC=_tl_acc(a.dtype)), 4, 1, "prologue",
-                           (("scale2", _scale2),)))
-    return q, k
+                           (a, noise, q, k if keys is None else q,
+                            seed if seed is not None else a, n, D, a.stride(0), noise.stride(0),
+                            s * LOG2E, int(keys is None), float(p)),
+                           dict(BLOCK_M=bm, BLOCK_D=block_d(D), ACC=_tl_acc(a.dtype),
+                                SEEDED=seed is not None), 4, 1, "prologue",
+                           (("scale2", _scale2), ("p", _p))))
+    return q, k, noise
 
 
 def _split(make, outer_blocks: int, inner_tiles: int, target: Target, waves: int = 1) -> int:
@@ -634,13 +661,15 @@ def _split(make, outer_blocks: int, inner_tiles: int, target: Target, waves: int
                        waves=waves)
 
 
-def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Target):
-    """(launches, (loss, lse, ga, q, k)) of one forward call.  a, r, noise: (n, D) with unit
-    column stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column stride.
-    q, k: the prologue's codes (k is `keys` when given), which the backward reuses."""
+def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Target,
+             seed=None, p: float = 0.0):
+    """(launches, (loss, lse, ga, q, k, noise)) of one forward call.  a, r, noise: (n, D) with
+    unit column stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column
+    stride.  q, k: the prologue's codes (k is `keys` when given), which the backward reuses.
+    seed, p: noise None, drawn by the prologue from this seed (`_prologue`) and returned."""
     n, D = a.shape
     launches: list = []
-    q, k = _prologue(a, noise, keys, s, target, launches)
+    q, k, noise = _prologue(a, noise, keys, s, target, launches, seed, p)
     N = k.shape[0]
     acc = acc_dtype(a.dtype)
     cfg = config("fwd", a.dtype, D, target, kind="inbatch" if keys is None else "queue", n=n,
@@ -672,16 +701,22 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
                             float(l2), math.log(N)),
                            dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype)), 4, 1, "finish",
                            (("s", _s), ("l2", _l2))))
-    return launches, (loss, lse, ga, q, k)
+    return launches, (loss, lse, ga, q, k, noise)
 
 
 SUM_BLOCK = 1024  # elements per program of _sum_splits_kernel
 
 
+def _g_scale_arg(g_scale):  # the backward plan's one per-call scalar (kernels/launch.py Plan)
+    return float(g_scale)
+
+
 def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: bool,
-             need_keys: bool, target: Target):
+             need_keys: bool, target: Target, g_scale: float = 1.0):
     """(launches, (grad_a, grad_r, grad_k)) of one backward call, each gradient in its input's
-    dtype (an empty (0,) tensor when not asked for; all inputs share a's dtype).  q, k: the forward's codes (fwd_plan; k is
+    dtype (an empty (0,) tensor when not asked for; all inputs share a's dtype): the gradients
+    of sum_i (g_i g_scale) loss_i (g_scale: an fp32 number; fl32(1/n) folds reduction="mean"
+    in, nac_fast/ops/nac.py _FusedNAC).  q, k: the forward's codes (fwd_plan; k is
     the keys when they are given); g: (n,) float, any stride (an expanded scalar too).  Nothing
     of the forward's O(nD) prologue runs again.
 
@@ -725,12 +760,14 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
             return Launch(_bwd_keys_kernel, (cdiv(N, c.BLOCK_N), split),
                           (q, kk, lse, g, out, *rows, n, N, D, kk.stride(0), g.stride(0),
                            a.stride(0), r.stride(0), noise.stride(0), cdiv(n, c.BLOCK_M * split)
-                           if split == 1 else cdiv(q_blocks, split), int(need_r and mode == 2)),
+                           if split == 1 else cdiv(q_blocks, split), int(need_r and mode == 2),
+                           float(g_scale)),
                           dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_D=bd,
                                ACC=_tl_acc(a.dtype), GSCALE=a.dtype == torch.float16,
                                OUT_MODE=mode, **_dot_consts(a.dtype, D, a.device)),
                           c.num_warps, c.num_stages,
-                          "bwd_keys" if mode == 0 else f"bwd_keys_out{mode}")
+                          "bwd_keys" if mode == 0 else f"bwd_keys_out{mode}",
+                          (("g_scale", _g_scale_arg),))
 
         split = _split(make, k_blocks, q_blocks, target, cfg.waves)
         if split == 1 and (fuse or not self_keys):
@@ -754,8 +791,9 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
             (a, r if need_r else out, noise if need_r else out, ga if need_a else out, g,
              pdk if self_dk else out, grad_a, grad_r, n, D, a.stride(0), r.stride(0),
              noise.stride(0), g.stride(0), int(need_a), int(need_r), int(self_dk),
-             split if self_dk else 0),
-            dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype)), 4, 1, "bwd_rows"))
+             split if self_dk else 0, float(g_scale)),
+            dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype)), 4, 1, "bwd_rows",
+            (("g_scale", _g_scale_arg),)))
     return launches, (grad_a, grad_r, grad_k)
 
 
@@ -785,29 +823,38 @@ def _launcher(launches):
     run(launches)  # the module's `run`, looked up at each call (bench/launch_traffic.py swaps it)
 
 
-def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool):
-    """The forward op's body (nac_fwd_triton): (loss, lse2, ga, q, k) with k empty when keys are
-    given (the backward reads the keys themselves)."""
+def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: float = 0.0):
+    """The forward op's body (nac_fwd_triton): (loss, lse2, ga, q, k, noise) with k empty when
+    keys are given (the backward reads the keys themselves).  noise None: `seed` (a one-element
+    int64 tensor on a's device) and `p` give it, drawn by the prologue (`_prologue`); either way
+    the noise used is returned last (the backward's)."""
     dt = a.dtype
     a = _rows_operand(a, dt)
     r = _rows_operand(r, dt)
-    noise = _rows_operand(noise, dt)
+    if noise is None:
+        if seed is None:
+            raise ValueError("fwd needs the noise or a seed to draw it from")
+        seed = seed.reshape(1) if seed.dtype == torch.int64 else seed.reshape(1).to(torch.int64)
+    else:
+        noise = _rows_operand(noise, dt)
+        seed = None
     given = None if keys is None else _rows_operand(keys, dt)
 
     def build():
-        launches, (loss, lse, ga, q, k) = fwd_plan(a, r, noise, given, s, l2, grad_rows,
-                                                   target_of(a.device))
-        return launches, (loss, lse, ga, q, k if keys is None else buffer((0,), dt, a))
+        launches, (loss, lse, ga, q, k, m) = fwd_plan(a, r, noise, given, s, l2, grad_rows,
+                                                      target_of(a.device), seed, p)
+        return launches, (loss, lse, ga, q, k if keys is None else buffer((0,), dt, a), m)
 
-    key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
-           None if given is None else (given.shape[0], given.stride(0)), bool(grad_rows),
-           _fp32_mode(), tuning.plan_key()) if eager_real(a) else None
-    return FWD_PLANS(key, build, (a, r, noise, given), (s, l2), _launcher)
+    key = (a.shape, a.stride(0), r.stride(0), None if noise is None else noise.stride(0), dt,
+           a.device, None if given is None else (given.shape[0], given.stride(0)),
+           bool(grad_rows), _fp32_mode(), tuning.plan_key()) if eager_real(a) else None
+    return FWD_PLANS(key, build, (a, r, noise, given, seed), (s, l2, p), _launcher)
 
 
 def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: bool,
-        need_keys: bool):
-    """The backward op's body (nac_bwd_triton): (d/da, d/dr, d/dkeys) in the inputs' dtype."""
+        need_keys: bool, g_scale: float = 1.0):
+    """The backward op's body (nac_bwd_triton): (d/da, d/dr, d/dkeys) of sum_i (g_i g_scale)
+    loss_i in the inputs' dtype (g_scale: `bwd_plan`'s)."""
     dt = a.dtype
     acc = acc_dtype(dt)
     a = _rows_operand(a, dt)
@@ -820,14 +867,15 @@ def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: boo
 
     def build():
         return bwd_plan(a, r, noise, given, lse, ga, g, q, k, s, need_a, need_r, need_keys,
-                        target_of(a.device))
+                        target_of(a.device), g_scale)
 
     key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
            None if given is None else (given.shape[0], given.stride(0)), g.shape, g.stride(),
            ga.shape, q.shape, q.stride(0), k.shape, k.stride(0) if k.dim() == 2 else 0,
            bool(need_a), bool(need_r), bool(need_keys), _fp32_mode(),
            tuning.plan_key()) if eager_real(a) else None
-    return BWD_PLANS(key, build, (a, r, noise, given, lse, ga, g, q, k), (), _launcher)
+    return BWD_PLANS(key, build, (a, r, noise, given, lse, ga, g, q, k), (g_scale,),
+                     _launcher)
 
 
 @triton_op("nac_fast::nac_fwd_triton", mutates_args=())
@@ -835,7 +883,7 @@ def nac_fwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
                    keys: Optional[torch.Tensor], s: float, l2: float, grad_rows: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor]:
-    return fwd(a, r, noise, keys, s, l2, grad_rows)
+    return fwd(a, r, noise, keys, s, l2, grad_rows)[:5]
 
 
 @triton_op("nac_fast::nac_bwd_triton", mutates_args=())

@@ -484,7 +484,7 @@ def plan_call(kernel: str, case: Case, inputs: dict, target, cfg: Optional[Confi
             launches, state = NT.fwd_plan(a, r, noise, keys, s, l2, True, target)
             outputs = dict(loss=state[0], lse=state[1], ga=state[2])
         else:
-            loss, lse, ga, q, k = fwd_state
+            loss, lse, ga, q, k = fwd_state[:5]
             launches, out = NT.bwd_plan(a, r, noise, keys, lse, ga, inputs["g"], q, k, s,
                                         True, True, keys is not None, target)
             outputs = dict(grad_a=out[0], grad_r=out[1], grad_keys=out[2])

@@ -369,9 +369,11 @@ def test_gpu_bench_cpu_mode_runs_every_row(tmp_path):
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "hamming_gpu.csv"
+    prof = tmp_path / "hamming_kernels.txt"
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_hamming.py"),
-                           "--gpu", "--device", "cpu", "--tiny", "--csv", str(out)],
+                           "--gpu", "--device", "cpu", "--tiny", "--csv", str(out),
+                           "--profile-out", str(prof)],
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
@@ -381,6 +383,9 @@ def test_gpu_bench_cpu_mode_runs_every_row(tmp_path):
     with open(out) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 11
+    text = prof.read_text()  # one table per profiled call: the search, then the mAP
+    assert text.count("== ") == 2 and "HashIndex.search" in text and "mAP@all" in text
+    assert "ms wall" in text and "Self CPU" in text
     gpu_rows = [r for r in rows if r["engine"] == "triton"]
     assert len(gpu_rows) == 7 and all(r["check"].startswith("ok") for r in gpu_rows)
     assert {(r["method"], r["gallery"]) for r in rows} == {

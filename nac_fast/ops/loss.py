@@ -31,7 +31,7 @@ from . import nac as _nac
 from . import reference
 from .collectives import all_gather_nograd, all_gather_with_grad, is_dist
 from .dispatch import BACKENDS, resolve_backend
-from .noise import _draw, _scale, draw_noise
+from .noise import _draw, _scale, _seed, draw_noise
 from .queue import CodeQueue
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -135,8 +135,9 @@ def _compiling() -> bool:
         return False
 
 
-def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):
-    """Validate the common arguments; returns (p, s, noise in a's dtype)."""
+def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys", draw=True):
+    """Validate the common arguments; returns (p, s, noise in a's dtype: None when not given and
+    not `draw`n, for `_channel` to decide)."""
     p = _checks.flip_prob("p", p)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -162,7 +163,8 @@ def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys"):
         if name != "noise":
             _check_finite(name, t)
     if noise is None:
-        noise = _draw((n, d), p, device=a.device, dtype=a.dtype)
+        if draw:
+            noise = _draw((n, d), p, device=a.device, dtype=a.dtype)
     else:
         if value_checks_on(noise.device) and not bool(((noise == 1) | (noise == -1)).all()):
             raise ValueError("noise must contain only -1 and +1")
@@ -181,6 +183,18 @@ def _check_likelihood(likelihood, backend) -> str:
                          "kernels compute the dot form, docs/math.md [M:multilinear]); use "
                          "backend='reference' or 'auto'")
     return likelihood
+
+
+def _channel(impl, a, p, noise):
+    """(noise, seed) for the implementation `impl`: the noise as given; else, where the fused
+    forward draws it itself (nac.takes_seed: Triton's eager path), a seed from torch's RNG on a's
+    device (the same bits as drawing the noise first, docs/math.md [M:philox]); else the noise,
+    drawn now."""
+    if noise is not None:
+        return noise, None
+    if _nac.takes_seed(impl, a):
+        return None, _seed(a.device)
+    return _draw(tuple(a.shape), p, device=a.device, dtype=a.dtype), None
 
 
 def _backend_for(backend, a, keys, likelihood) -> str:
@@ -207,12 +221,13 @@ def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"
         k_d), docs/math.md [M:multilinear]: reference backend only; "auto" picks it).
     """
     _check_likelihood(likelihood, backend)
-    p, s, noise = _prepare(a, r, p, keys, noise, reduction)
+    p, s, noise = _prepare(a, r, p, keys, noise, reduction, draw=False)
     impl = _backend_for(backend, a, keys, likelihood)
+    noise, seed = _channel(impl, a, p, noise)
     if impl == "reference":
         return reference.nac_loss_reference(a, r, noise, s, keys=keys, reduction=reduction,
                                             likelihood=likelihood)
-    return _nac.nac_fused(impl, a, r, noise, keys, s, 0.0, reduction)
+    return _nac.nac_fused(impl, a, r, noise, keys, s, 0.0, reduction, seed, p)
 
 
 def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto",
@@ -233,13 +248,14 @@ def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", bac
     if queue is None:
         raise TypeError("queue must be a torch.Tensor of shape (M, D), got None")
     p, s, noise = _prepare(a, r_hat, p, queue, noise, reduction, r_name="r_hat",
-                           keys_name="queue")
+                           keys_name="queue", draw=False)
     l2 = _l2_value(l2, p)
     impl = _backend_for(backend, a, queue, likelihood)
+    noise, seed = _channel(impl, a, p, noise)
     if impl == "reference":
         return reference.nac_mq_loss_reference(a, r_hat, queue, noise, s, l2=l2,
                                                reduction=reduction, likelihood=likelihood)
-    return _nac.nac_fused(impl, a, r_hat, noise, queue, s, l2, reduction)
+    return _nac.nac_fused(impl, a, r_hat, noise, queue, s, l2, reduction, seed, p)
 
 
 def nac_vi_loss(a, r, p, *, noise=None, reduction="mean"):

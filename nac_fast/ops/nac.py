@@ -15,6 +15,9 @@ reduction="sum"): each op reads or copies it as it needs.
 """
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from .dispatch import eager_real as _eager_real
@@ -137,6 +140,10 @@ _EAGER: dict[str, tuple] = {}
 
 
 def _eager_ops(backend: str):
+    """(fwd, bwd) of `backend`'s eager path.  fwd(a, r, noise, keys, s, l2, grad_rows, seed, p)
+    -> (rows, lse, ga, *saved, noise): the Triton body draws the noise from `seed` when noise is
+    None (the compiled ops are always handed it); bwd(..., g_scale) -> the gradients of
+    sum_i g_i g_scale loss_i (the compiled ops: g_scale 1 only)."""
     ops = _EAGER.get(backend)
     if ops is None:
         if backend == "triton":
@@ -144,44 +151,82 @@ def _eager_ops(backend: str):
             ops = (nac_triton.fwd, nac_triton.bwd)
             _ops("triton")  # its torch.library ops registered now, outside any tracing
         else:
-            ops = (_below_autograd(torch.ops.nac_fast.nac_fwd.default),
-                   _below_autograd(torch.ops.nac_fast.nac_bwd.default))
+            fwd_op = _below_autograd(torch.ops.nac_fast.nac_fwd.default)
+            bwd_op = _below_autograd(torch.ops.nac_fast.nac_bwd.default)
+
+            def fwd(a, r, noise, keys, s, l2, grad_rows, seed=None, p=0.0):
+                return (*fwd_op(a, r, noise, keys, s, l2, grad_rows), noise)
+
+            def bwd(*args, g_scale=1.0):
+                if g_scale != 1.0:
+                    raise ValueError(f"the {backend} backward takes g as it is (g_scale 1)")
+                return bwd_op(*args)
+            ops = (fwd, bwd)
         _EAGER[backend] = ops
     return ops
 
 
+def takes_seed(backend: str, a: torch.Tensor) -> bool:
+    """Whether nac_fused draws the noise itself for `backend` from a seed (noise=None, seed=...):
+    the Triton backend's eager calls, whose forward draws it in its prologue (one launch and one
+    buffer fewer than drawing it first).  Every other call is handed the noise."""
+    return backend == "triton" and _eager_real(a)
+
+
+# reduction -> how the backward's g reaches the rows: "none" as is; "sum" expanded; "mean"
+# expanded and scaled by fl32(1/n) inside the Triton backward (g_scale: no MeanBackward launch;
+# what autograd's g / n computes on a GPU, a CPU's exact quotient within one ulp), or for the
+# compiled ops and float64 divided before (g / n, autograd's MeanBackward bit for bit).
+def _recip32(n: int) -> float:
+    """fl32(1 / n): the fp32 quotient, rounded once (as torch's a * (1 / b) computes it)."""
+    return float(np.float32(1.0) / np.float32(n))
+
+
 class _FusedNAC(torch.autograd.Function):
-    """rows = the fused forward of `backend`; backward = the same formula as the registered ops'
+    """The fused loss of `backend`, reduced; backward = the same formula as the registered ops'
     (`_register`'s backward): one fused backward call, the gradients cast to the inputs' dtypes."""
 
     @staticmethod
-    def forward(ctx, a, r, noise, keys, backend, s, l2, grad_rows):
+    def forward(ctx, a, r, noise, keys, backend, s, l2, grad_rows, reduction, seed, p):
         fwd, _ = _eager_ops(backend)
-        rows, lse, ga, *saved = fwd(a, r, noise, keys, s, l2, grad_rows)
+        rows, lse, ga, *saved, noise = fwd(a, r, noise, keys, s, l2, grad_rows, seed, p)
         ctx.backend = backend
         ctx.s = s
+        ctx.reduction = reduction
         ctx.self_keys = keys is None
         ctx.dtypes = (a.dtype, r.dtype, None if keys is None else keys.dtype)
         ctx.save_for_backward(a, r, noise, keys, lse, ga, *saved)
-        return rows
+        return reduce_rows(rows, reduction)
 
     @staticmethod
-    def backward(ctx, g_rows):
-        return (*_backward(_eager_ops(ctx.backend)[1], ctx, g_rows), None, None, None, None)
+    def backward(ctx, g):
+        n = ctx.saved_tensors[0].shape[0]
+        bwd = _eager_ops(ctx.backend)[1]
+        if ctx.reduction == "none":
+            grads = _backward(bwd, ctx, g)
+        elif ctx.reduction == "mean" and ctx.backend == "triton" and \
+                ctx.dtypes[0] != torch.float64:
+            grads = _backward(functools.partial(bwd, g_scale=_recip32(n)), ctx, g.expand(n))
+        else:
+            grads = _backward(bwd, ctx, (g / n if ctx.reduction == "mean" else g).expand(n))
+        return (*grads, None, None, None, None, None, None, None)
 
 
-def nac_fused(backend, a, r, noise, keys, s, l2, reduction):
+def nac_fused(backend, a, r, noise, keys, s, l2, reduction, seed=None, p=0.0):
     """The fused loss rows of `backend`, reduced: eager calls through _FusedNAC, traced ones
-    through the registered ops."""
+    through the registered ops.  noise None: drawn from `seed` (a one-element int64 tensor) with
+    flip probability p, where `takes_seed` says the backend does so."""
+    if noise is None and not takes_seed(backend, a):
+        raise ValueError(f"backend {backend!r} here needs the noise itself, not a seed")
     needs_grad = torch.is_grad_enabled() and (
         a.requires_grad or r.requires_grad or (keys is not None and keys.requires_grad))
     grad_rows = needs_grad and a.requires_grad  # ga is only needed for d/da
     if _eager_real(a):
         if needs_grad:
-            rows = _FusedNAC.apply(a, r, noise, keys, backend, float(s), float(l2),
-                                   bool(grad_rows))
-        else:
-            rows = _eager_ops(backend)[0](a, r, noise, keys, float(s), float(l2), False)[0]
+            return _FusedNAC.apply(a, r, noise, keys, backend, float(s), float(l2),
+                                   bool(grad_rows), reduction, seed, float(p))
+        rows = _eager_ops(backend)[0](a, r, noise, keys, float(s), float(l2), False, seed,
+                                      float(p))[0]
         return reduce_rows(rows, reduction)
     fwd, _ = _ops(backend)
     rows = fwd(a, r, noise, keys, float(s), float(l2), bool(grad_rows))[0]

@@ -64,11 +64,18 @@ def _draw(shape, p: float, *, device=None, dtype=torch.float32, generator=None):
     device = torch.device("cpu") if device is None else torch.device(device)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    seed = _seed(device, generator)
+    like_dtype = dtype if dtype.is_floating_point else torch.float32
+    m = noise_from_seed(torch.empty(shape, device=device, dtype=like_dtype), seed, p)
+    return m if m.dtype == dtype else m.to(dtype)
+
+
+def _seed(device: torch.device, generator=None) -> torch.Tensor:
+    """The one-element int64 seed of a noise draw on `device`: drawn from `generator` (else the
+    default generator of `device`), on the generator's device, moved to `device`."""
     gdev = generator.device if generator is not None else device
     seed = torch.randint(0, 2 ** 63 - 1, (1,), device=gdev, generator=generator)
-    like_dtype = dtype if dtype.is_floating_point else torch.float32
-    m = noise_from_seed(torch.empty(shape, device=device, dtype=like_dtype), seed.to(device), p)
-    return m if m.dtype == dtype else m.to(dtype)
+    return seed if seed.device == device else seed.to(device)
 
 
 def noise_from_seed(like: torch.Tensor, seed: torch.Tensor, p: float, *,
