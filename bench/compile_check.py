@@ -136,12 +136,13 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
                                                                target)
                     for L in launches:
                         yield case, L
-                # the prologue that draws the noise from a seed (the eager calls' with noise=None)
+                # the kernel that draws the noise from a seed (the eager calls' with noise=None:
+                # the prologue in-batch, the forward kernel with given keys)
                 launches, _ = nac_triton.fwd_plan(a, r, None, keys, 1.1, 0.1, True, target,
                                                   seed=torch.empty(1, dtype=torch.int64, **meta),
                                                   p=0.1)
                 for L in launches:
-                    if L.tag == "prologue":
+                    if L.constexprs.get("SEEDED"):
                         yield case, L
                 # the backward with everything needed (training: a, r; gathered keys: keys too),
                 # with the target's split, with one split (the fused output modes) and with many

@@ -24,7 +24,8 @@
 #                back-to-back and CUDA-graph time per backend (reference, torch.compile, triton,
 #                cuda, auto) at in-batch 512/8192 and queue 256/8192 x 65536 (bf16) and two
 #                fp32 cases; host_gpu.csv, host_profile.txt (cProfile of the triton call).
-#   bench-quick  bench_loss.py, bf16 fwd+bwd, in-batch 8192 and queue 8192 x 65536 (D = 128), every
+#   bench-quick  bench_loss.py, bf16 fwd+bwd, in-batch 8192 and 16384, queue 8192 x 65536 and
+#                8192 x 262144 (D = 128: issue 38's four shapes), every
 #                backend + per-shape torch.compile of the reference; then gpu_summary.py.
 #   bench        bench_loss.py, bf16 and fp32, in-batch n in {1024, 4096, 8192, 16384}, queue
 #                n = 8192 with N in {65536, 262144}; eager / torch.compile / triton / cuda, median
@@ -215,7 +216,8 @@ stage_bench_quick() {
         --compile-reference --compile-backend aot_eager --reps 3 --min-time 0 \
         --csv "$RES/loss_gpu.csv" || rc=$?
   else
-    $PY bench/bench_loss.py --device cuda --inbatch 8192 --queue 65536 --mq-n 8192 \
+    # issue 38's four shapes (its goals are the +graph rows at each)
+    $PY bench/bench_loss.py --device cuda --inbatch 8192,16384 --queue 65536,262144 --mq-n 8192 \
         --dtypes bfloat16 --compile-reference --reps 20 --min-time 0.5 \
         --csv "$RES/loss_gpu.csv" || rc=$?
   fi

@@ -19,8 +19,10 @@ the argument binding.  It prints microseconds per forward+backward for
                   (the path every eager call took before the cache: the "before" figure)
   cpu, cpu-op-path, reference   the fused CPU kernel (both paths) and the reference at n = 4,
                   D = 8, where the kernels' own work is negligible: the CPU backend's overhead
-and the launches per call.  A CPU has no GPU launcher, so this is the host side without the
-driver's few microseconds per launch.
+and per call the Triton launches, the ATen ops that launch a kernel (aten_launches, aten_ops) and
+the tensors allocated (allocations).  The ATen counts see the eager path whole; on the
+triton-op-path rows they miss what runs inside the registered ops.  A CPU has no GPU launcher, so
+this is the host side without the driver's few microseconds per launch.
 
 --gpu: on a CUDA GPU, per shape (in-batch 512 and 8192, queue 256 and 8192 x 65536 in bf16;
 in-batch 8192 and queue 256 x 65536 in fp32; D = 128) and backend (reference, compiled-reference, triton, cuda, auto):
@@ -68,6 +70,8 @@ FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "mode", "k
           "launches", "plans_recorded", "x_eager", "x_compile", "status",
           # --stub: the kernel-launching ATen ops of one call (the seed, the mean, casts...)
           "aten_launches", "aten_ops",
+          # --stub: the tensors with memory of their own that one call allocates
+          "allocations",
           # the case's floor on this GPU (bench/roofline.py) and graph_s against it
           "bound_s", "pct_of_bound"]
 GPU_CASES = [("inbatch", 512, 512, "bfloat16"), ("inbatch", 8192, 8192, "bfloat16"),
@@ -210,16 +214,22 @@ class AtenLaunches:
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from launch_traffic import _NO_KERNEL
+        from launch_traffic import _NO_KERNEL, _tensors
         counter = self
         self.ops: list = []
+        self.allocs = 0  # tensors with memory of their own made by the call's ATen ops
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 name = func.overloadpacket.__name__
                 if func.namespace == "aten" and name not in _NO_KERNEL:
                     counter.ops.append(name)
-                return func(*args, **(kwargs or {}))
+                out = func(*args, **(kwargs or {}))
+                seen = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))
+                        if t.device.type != "meta"}
+                counter.allocs += sum(1 for t in _tensors(out) if t.numel() and
+                                      t.untyped_storage().data_ptr() not in seen)
+                return out
 
         self._mode = Mode()
 
@@ -269,6 +279,7 @@ def stub_rows(calls: int = 200, repeats: int = 5):
             rows.append(dict(mode="stub-sm90", kind=kind, n=n, N=N, D=D, dtype=str(dtype)[6:],
                              backend=backend, resolved="triton", host_s=t,
                              launches=per_call_launches, aten_launches=len(aten.ops),
+                             allocations=aten.allocs,
                              aten_ops=" ".join(aten.ops),
                              plans_recorded=rebuilt if backend == "triton" else "",
                              status="ok"))
@@ -435,17 +446,17 @@ def _fmt(row) -> str:
     return (f"{row['mode']:9s} {row['kind']:8s} {row['n']:6d} {row['N']:6d} "
             f"{row['dtype'][:5]:5s} {row['backend']:19s}"
             f"{us('host_s')} {us('back_to_back_s')} {us('graph_s')} {x('x_eager')} "
-            f"{x('x_compile')} {_launches(row):>6s} {row.get('status', '')}")
+            f"{x('x_compile')} {_launches(row):>12s} {row.get('status', '')}")
 
 
 def _launches(row) -> str:
-    """Triton launches, + the ATen ones where counted (--stub)."""
+    """Triton launches, + the ATen ones where counted (--stub), / the allocations."""
     t, a = row.get("launches", ""), row.get("aten_launches", "")
-    return f"{t}+{a}" if a != "" else str(t)
+    return (f"{t}+{a}/{row.get('allocations', '')}" if a != "" else str(t))
 
 
 HEADER = (f"{'mode':9s} {'kind':8s} {'n':>6s} {'N':>6s} {'dtype':5s} {'backend':19s}{'host us':>9s} "
-          f"{'b2b us':>9s} {'graph us':>9s} {'x eag':>6s} {'x cmp':>6s} {'launch':>6s}")
+          f"{'b2b us':>9s} {'graph us':>9s} {'x eag':>6s} {'x cmp':>6s} {'launch/alloc':>12s}")
 
 
 def goals(rows) -> list[str]:

@@ -326,9 +326,18 @@ class Plan:
         for i, t in enumerate(inputs):
             if t is not None:
                 index[id(t)] = (0, i)
-        specs = []
+        # Only the buffers a launch or an output uses are allocated per call (a split's probe
+        # made stand-ins that nothing reads); empty ones are made once, here, and shared by every
+        # call (no data to share: a (0,) gradient nobody asked for, the keys' (0,) placeholder).
+        used = {id(x) for L in launches for x in L.args if isinstance(x, torch.Tensor)}
+        used |= {id(x) for x in outputs if isinstance(x, torch.Tensor)}
+        specs, shared = [], []
         for t in buffers:
-            if id(t) not in index:
+            if id(t) in index or id(t) not in used:
+                continue
+            if t.numel() == 0:
+                index[id(t)] = (2, t.new_empty(t.shape))
+            else:
                 index[id(t)] = (1, len(specs))
                 specs.append((tuple(t.shape), t.dtype, t.device))
         self.buffers = specs
@@ -398,7 +407,7 @@ class Plan:
         for L, full, dyn, scal, grid in self.launches:
             args = full.copy()
             for pos, src, i in dyn:
-                args[pos] = pools[src][i]
+                args[pos] = i if src == 2 else pools[src][i]
             for pos, fn in scal:
                 args[pos] = fn(*scalars)
             bound.append(args)

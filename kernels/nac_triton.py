@@ -7,10 +7,12 @@ docs/math.md [M:rows], the fwd/bwd pair of [M:passes] (fwd -> loss_i, lse2_i = l
 
 Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIGS`,
 `FUSED_CONFIGS`; every plan runs under its tensors' device, kernels/launch.py `run`):
-  _prologue_kernel  O(nD), once per forward: Q = s log2(e) m tanh(a) in the compute dtype (log2
-                    units, so the loops use exp2) and, for the in-batch keys, K = tanh(a); the
+  _prologue_kernel  O(nD), once per in-batch forward: Q = s log2(e) m tanh(a) in the compute
+                    dtype (log2 units, so the loops use exp2) and the keys K = tanh(a); the
                     forward returns them and the backward reads them (no second prologue).  The
-                    inner loops below are matrix products plus exp2: no tanh per tile.
+                    inner loops below are matrix products plus exp2: no tanh per tile.  With
+                    given keys there is no prologue: _fwd_kernel makes its Q tile itself.
+                    noise=None: the kernel that makes Q draws the noise from a seed.
   _fwd_kernel       grid (query blocks, key splits): Q tile resident, loop over key tiles,
                     S = Q K^T on tensor cores (bf16/fp16; fp32 through tf32x3 by default), online
                     logsumexp, and when gradients are wanted acc += P K in the same loop
@@ -131,27 +133,38 @@ def _grad_r(r, zt):
 
 
 # The per-row quantities below (lse_i, bern_i, loss_i) are those of docs/math.md [M:rows], [M:bern].
-@triton.jit(do_not_specialize=["n", "write_k"])
-def _prologue_kernel(A, NOISE, Q, K, SEED, n, D, stride_a, stride_m, scale2, write_k, p,
-                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
-                     SEEDED: tl.constexpr):
-    # SEEDED: the channel noise is drawn here from the seed at SEED (docs/math.md [M:philox]:
-    # element e = row * D + col of the (n, D) noise, the bits of kernels/nac_noise_triton.py) and
-    # written to NOISE (contiguous, stride_m = D) for the finish and the backward; one launch
-    # and one round trip of the noise fewer than drawing it first.  Else NOISE is read.
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows < n)[:, None] & (cols < D)[None, :]
-    rows64 = rows.to(tl.int64)
+@triton.jit
+def _noise_and_tanh(A, NOISE, SEED, rows64, cols, mask, D, stride_a, stride_m, p, write_noise,
+                    ACC: tl.constexpr, SEEDED: tl.constexpr):
+    # (m, z = tanh(a)) of a row tile, in ACC.  SEEDED: the channel noise is drawn here from the
+    # seed at SEED (docs/math.md [M:philox]: element e = row * D + col of the (n, D) noise, the
+    # bits of kernels/nac_noise_triton.py) and, when write_noise, written to NOISE (contiguous,
+    # stride_m = D) for the finish and the backward: one launch and one round trip of the noise
+    # fewer than drawing it first.  Else NOISE is read.
     a = tl.load(A + rows64[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(ACC)
     noise_at = NOISE + rows64[:, None] * stride_m + cols[None, :]
     if SEEDED:
         m = philox_sign(rows64[:, None] * D + cols[None, :], SEED, p)
-        tl.store(noise_at, m.to(NOISE.dtype.element_ty), mask=mask)
+        if write_noise:
+            tl.store(noise_at, m.to(NOISE.dtype.element_ty), mask=mask)
         m = m.to(ACC)
     else:
         m = tl.load(noise_at, mask=mask, other=0.0).to(ACC)
-    z = _tanh(a)
+    return m, _tanh(a)
+
+
+@triton.jit(do_not_specialize=["n", "write_k"])
+def _prologue_kernel(A, NOISE, Q, K, SEED, n, D, stride_a, stride_m, scale2, write_k, p,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+                     SEEDED: tl.constexpr):
+    # The in-batch forward's codes: Q = s log2(e) m z and the keys K = z (with given keys the
+    # forward kernel makes its own Q tile: no prologue, `fwd_plan`).
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n)[:, None] & (cols < D)[None, :]
+    rows64 = rows.to(tl.int64)
+    m, z = _noise_and_tanh(A, NOISE, SEED, rows64, cols, mask, D, stride_a, stride_m, p, True,
+                           ACC, SEEDED)
     out = rows64[:, None] * D + cols[None, :]
     tl.store(Q + out, (m * z * scale2).to(Q.dtype.element_ty), mask=mask)
     if write_k != 0:
@@ -181,10 +194,14 @@ def _fwd_tile(q, kp, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["n", "N", "tiles_per_split"])
-def _fwd_kernel(Q, K, PM, PL, PACC, n, N, D, stride_k, tiles_per_split,
+def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, n, N, D, stride_k, stride_a, stride_m,
+                tiles_per_split, scale2, flip_p,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 GRAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                UPCAST: tl.constexpr):
+                UPCAST: tl.constexpr, Q_FROM_A: tl.constexpr, SEEDED: tl.constexpr):
+    # Q_FROM_A (given keys: no prologue): the program makes its own Q tile from a and the noise
+    # (_noise_and_tanh, the prologue's arithmetic: the same bits) and the first split's programs
+    # write it (and a seeded noise) for the backward and the finish.  Else Q is the prologue's.
     pid_m = tl.program_id(0)
     sp = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -192,8 +209,15 @@ def _fwd_kernel(Q, K, PM, PL, PACC, n, N, D, stride_k, tiles_per_split,
     rmask = rows < n
     dmask = cols < D
     rows64 = rows.to(tl.int64)
-    q = tl.load(Q + rows64[:, None] * D + cols[None, :], mask=rmask[:, None] & dmask[None, :],
-                other=0.0)
+    q_at = Q + rows64[:, None] * D + cols[None, :]
+    if Q_FROM_A:
+        m, z = _noise_and_tanh(A, NOISE, SEED, rows64, cols, rmask[:, None] & dmask[None, :], D,
+                               stride_a, stride_m, flip_p, sp == 0, ACC, SEEDED)
+        q = (m * z * scale2).to(Q.dtype.element_ty)
+        if sp == 0:
+            tl.store(q_at, q, mask=rmask[:, None] & dmask[None, :])
+    else:
+        q = tl.load(q_at, mask=rmask[:, None] & dmask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
@@ -630,21 +654,18 @@ def _p(s, l2, p):
     return float(p)
 
 
-def _prologue(a, noise, keys, s, target, launches, seed=None, p=0.0):
-    """Q (log2 units) and, for the in-batch keys, K = tanh(a): (n, D) in a's dtype (with given
-    keys, K is the keys themselves and the kernel writes no K: it is handed Q as a placeholder).
-    seed (a one-element int64 tensor, noise None): the prologue draws the noise of `seed` and `p`
-    into a buffer it returns as the noise; else `noise` is read and returned."""
+def _prologue(a, noise, s, launches, seed=None, p=0.0):
+    """The in-batch forward's Q (log2 units) and keys K = tanh(a): (n, D) in a's dtype.  seed (a
+    one-element int64 tensor, noise None): the prologue draws the noise of `seed` and `p` into a
+    buffer it returns as the noise; else `noise` is read and returned."""
     n, D = a.shape
-    q = buffer((n, D), a.dtype, a)
-    k = buffer((n, D), a.dtype, a) if keys is None else keys
+    q, k = buffer((n, D), a.dtype, a), buffer((n, D), a.dtype, a)
     if seed is not None:
         noise = buffer((n, D), a.dtype, a)
     bm = _rows_block(D, a.dtype)
     launches.append(Launch(_prologue_kernel, (cdiv(n, bm),),
-                           (a, noise, q, k if keys is None else q,
-                            seed if seed is not None else a, n, D, a.stride(0), noise.stride(0),
-                            s * LOG2E, int(keys is None), float(p)),
+                           (a, noise, q, k, seed if seed is not None else a, n, D, a.stride(0),
+                            noise.stride(0), s * LOG2E, 1, float(p)),
                            dict(BLOCK_M=bm, BLOCK_D=block_d(D), ACC=_tl_acc(a.dtype),
                                 SEEDED=seed is not None), 4, 1, "prologue",
                            (("scale2", _scale2), ("p", _p))))
@@ -665,11 +686,18 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
              seed=None, p: float = 0.0):
     """(launches, (loss, lse, ga, q, k, noise)) of one forward call.  a, r, noise: (n, D) with
     unit column stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column
-    stride.  q, k: the prologue's codes (k is `keys` when given), which the backward reuses.
-    seed, p: noise None, drawn by the prologue from this seed (`_prologue`) and returned."""
+    stride.  q, k: the prologue's codes (k is `keys` when given), which the backward reuses; with
+    given keys the forward kernel makes q itself (Q_FROM_A) and there is no prologue.  seed, p:
+    noise None, drawn from this seed by the kernel that makes q, and returned."""
     n, D = a.shape
     launches: list = []
-    q, k, noise = _prologue(a, noise, keys, s, target, launches, seed, p)
+    q_from_a = keys is not None  # given keys: the forward kernel makes its own Q, no prologue
+    if q_from_a:
+        q, k = buffer((n, D), a.dtype, a), keys
+        if seed is not None:
+            noise = buffer((n, D), a.dtype, a)
+    else:
+        q, k, noise = _prologue(a, noise, s, launches, seed, p)
     N = k.shape[0]
     acc = acc_dtype(a.dtype)
     cfg = config("fwd", a.dtype, D, target, kind="inbatch" if keys is None else "queue", n=n,
@@ -682,11 +710,15 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
                                                                         (split, n), acc, a)
         pacc = buffer((split, n, D) if grad_rows and not probe else (1,), acc, a)
         return Launch(_fwd_kernel, (q_blocks, split),
-                      (q, k, pm, pl, pacc, n, N, D, k.stride(0), cdiv(k_tiles, split)),
+                      (q, k, pm, pl, pacc, a, noise, seed if seed is not None else a, n, N, D,
+                       k.stride(0), a.stride(0), noise.stride(0), cdiv(k_tiles, split),
+                       s * LOG2E, float(p)),
                       dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd,
                            GRAD=bool(grad_rows), ACC=_tl_acc(a.dtype),
-                           **_dot_consts(a.dtype, D, a.device)),
-                      cfg.num_warps, cfg.num_stages, "fwd")
+                           **_dot_consts(a.dtype, D, a.device), Q_FROM_A=q_from_a,
+                           SEEDED=q_from_a and seed is not None),
+                      cfg.num_warps, cfg.num_stages, "fwd",
+                      (("scale2", _scale2), ("flip_p", _p)))
 
     split = _split(make, q_blocks, k_tiles, target, cfg.waves)
     fwd = make(split)
@@ -810,13 +842,9 @@ def _rows_operand(t, dtype):
 
 # One cache per op: a plan is recorded once per key and bound to every later call with that key
 # (kernels/launch.py Plan): shapes, row strides, dtype, device, flags, and what else the plan
-# reads (NAC_FAST_FP32_DOT, the tuning settings: kernels/tuning.py plan_key).  Tracing (torch.compile, fake tensors) builds the plan afresh.
+# reads (NAC_FAST_FP32_DOT and the tuning settings: kernels/tuning.py plan_key).  Tracing (torch.compile, fake tensors) builds the plan afresh.
 FWD_PLANS = PlanCache("nac_fwd_triton")
 BWD_PLANS = PlanCache("nac_bwd_triton")
-
-
-def _fp32_mode() -> str | None:
-    return os.environ.get("NAC_FAST_FP32_DOT")
 
 
 def _launcher(launches):
@@ -847,7 +875,7 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: f
 
     key = (a.shape, a.stride(0), r.stride(0), None if noise is None else noise.stride(0), dt,
            a.device, None if given is None else (given.shape[0], given.stride(0)),
-           bool(grad_rows), _fp32_mode(), tuning.plan_key()) if eager_real(a) else None
+           bool(grad_rows), tuning.plan_key()) if eager_real(a) else None
     return FWD_PLANS(key, build, (a, r, noise, given, seed), (s, l2, p), _launcher)
 
 
@@ -872,8 +900,8 @@ def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: boo
     key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
            None if given is None else (given.shape[0], given.stride(0)), g.shape, g.stride(),
            ga.shape, q.shape, q.stride(0), k.shape, k.stride(0) if k.dim() == 2 else 0,
-           bool(need_a), bool(need_r), bool(need_keys), _fp32_mode(),
-           tuning.plan_key()) if eager_real(a) else None
+           bool(need_a), bool(need_r), bool(need_keys), tuning.plan_key()
+           ) if eager_real(a) else None
     return BWD_PLANS(key, build, (a, r, noise, given, lse, ga, g, q, k), (g_scale,),
                      _launcher)
 

@@ -100,6 +100,35 @@ def test_a_second_call_rebuilds_no_plan(kernels):
     assert nac_triton.FWD_PLANS.recorded == 2
 
 
+def test_a_plan_allocates_only_the_buffers_its_launches_use(kernels):
+    """Per call a plan allocates the buffers its launches or outputs use, nothing else (the
+    split's probe stand-ins are not allocated) and no empty one (those are made once)."""
+    _, nac_triton, _ = kernels
+    for kind in ("inbatch", "mq"):
+        _run(kind, torch.float32)
+    for cache in (nac_triton.FWD_PLANS, nac_triton.BWD_PLANS):
+        for plan in cache.plans.values():
+            used = {i for *_, dyn, _, _ in plan.launches for _, src, i in dyn if src == 1}
+            used |= {i for src, i in plan.outputs if src == 1}
+            assert used == set(range(plan.nbuf))
+            assert all(0 not in shape for shape, _, _ in plan.buffers)
+
+
+def test_a_changed_environment_setting_records_a_new_plan(kernels, monkeypatch):
+    """NAC_FAST_FP32_DOT is read at each call (into the plan's key): set between two calls, the
+    second records a plan with the new product mode."""
+    _, nac_triton, _ = kernels
+    _run("inbatch", torch.float32)
+    _run("inbatch", torch.float32)
+    assert nac_triton.FWD_PLANS.recorded == 1
+    monkeypatch.setenv("NAC_FAST_FP32_DOT", "ieee")
+    _run("inbatch", torch.float32)
+    assert nac_triton.FWD_PLANS.recorded == 2
+    modes = {L.constexprs["PRECISION"] for p in nac_triton.FWD_PLANS.plans.values()
+             for L, *_ in p.launches if L.tag == "fwd"}
+    assert modes == {"tf32x3", "ieee"}
+
+
 def test_the_noise_op_caches_its_plan_and_writes_the_dtype(kernels):
     _, _, noise_triton = kernels
     from nac_fast.ops.noise import noise_from_seed
@@ -358,7 +387,7 @@ def test_probe_runs_and_reports_no_rebuild():
     tri = [r for r in rows if r["backend"] == "triton"]
     assert len(tri) == 2
     for r in tri:
-        assert r["plans_recorded"] == 0 and r["launches"] >= 4 and r["host_s"] > 0
+        assert r["plans_recorded"] == 0 and r["launches"] >= 3 and r["host_s"] > 0
         # the seed the prologue draws the noise from, the mean, and backward()'s own ones_like:
         # no noise kernel, no MeanBackward division (nac.py _FusedNAC)
         assert r["aten_ops"] == "randint mean ones_like", r
