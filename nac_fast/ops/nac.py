@@ -193,6 +193,7 @@ class _FusedNAC(torch.autograd.Function):
         ctx.backend = backend
         ctx.s = s
         ctx.reduction = reduction
+        ctx.n = a.shape[0]
         ctx.self_keys = keys is None
         ctx.dtypes = (a.dtype, r.dtype, None if keys is None else keys.dtype)
         ctx.save_for_backward(a, r, noise, keys, lse, ga, *saved)
@@ -200,7 +201,7 @@ class _FusedNAC(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        n = ctx.saved_tensors[0].shape[0]
+        n = ctx.n
         bwd = _eager_ops(ctx.backend)[1]
         if ctx.reduction == "none":
             grads = _backward(bwd, ctx, g)
