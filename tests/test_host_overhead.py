@@ -330,6 +330,29 @@ def test_direct_launches_bind_each_calls_tensors_and_scalars(direct, kernels):
             assert args[names.index("LOSS")] is out2[0]
 
 
+def test_direct_launches_bind_each_calls_seed_and_p(direct, kernels):
+    """noise=None: the kernel that makes Q draws the noise from the call's own seed tensor with
+    the call's own p (in-batch: the prologue; given keys: the forward kernel), never the
+    recorded call's."""
+    _, nac_triton, _ = kernels
+    n, D = 30, 32
+    for keys in (None, torch.randn(50, D)):
+        direct.first.clear()
+        direct.direct.clear()
+        a, r = torch.randn(n, D), torch.randn(n, D)
+        seeds = [torch.tensor([s], dtype=torch.int64) for s in (11, 22)]
+        nac_triton.fwd(a, r, None, keys, 1.0, 0.1, True, seeds[0], 0.1)
+        out = nac_triton.fwd(a, r, None, keys, 1.0, 0.1, True, seeds[1], 0.3)
+        tag = "prologue" if keys is None else "fwd"
+        (L,) = [L for L in direct.first if L.tag == tag]
+        (call,) = [c for Lf, c in zip(direct.first, direct.direct) if Lf.tag == tag]
+        names = L.kernel.arg_names
+        args = call[9:]
+        assert args[names.index("SEED")].data_ptr() == seeds[1].data_ptr()  # a view of it
+        assert args[names.index("p" if keys is None else "flip_p")] == 0.3
+        assert args[names.index("NOISE")] is out[5]  # the noise it draws is the one returned
+
+
 def test_a_misaligned_input_gets_its_own_compiled_kernels(direct, kernels):
     """triton specialises pointers on 16-byte alignment: an input at an odd offset must not run a
     kernel compiled for aligned ones."""
