@@ -152,22 +152,28 @@ def _seeded_vs_given(kind, dtype, n, D, p=0.15, seed=7):
     out = []
     for given in (False, True):
         a, r = a0.clone().requires_grad_(), r0.clone().requires_grad_()
+        k = keys.clone().requires_grad_(kind == "keys")
         torch.manual_seed(seed)
         noise = nac_fast.draw_noise((n, D), p, device=DEVICE, dtype=dtype) if given else None
         if kind == "inbatch":
             rows = nac_fast.nac_loss(a, r, p, noise=noise, backend="triton", reduction="none")
+        elif kind == "keys":  # gathered keys with a gradient (DDP's NACLoss)
+            rows = nac_fast.nac_loss(a, r, p, keys=k, noise=noise, backend="triton",
+                                     reduction="none")
         else:
-            rows = nac_fast.nac_mq_loss(a, r, keys, p, noise=noise, backend="triton",
+            rows = nac_fast.nac_mq_loss(a, r, k, p, noise=noise, backend="triton",
                                         reduction="none")
         w = torch.linspace(-1, 1, n, dtype=rows.dtype, device=DEVICE)
-        out.append((rows.detach(), torch.autograd.grad((rows * w).sum(), (a, r))))
+        leaves = (a, r, k) if kind == "keys" else (a, r)
+        out.append((rows.detach(), torch.autograd.grad((rows * w).sum(), leaves)))
     return out
 
 
 @pytest.mark.parametrize("kind,dtype,n,D", [("inbatch", torch.float32, 37, 24),
                                             ("inbatch", torch.bfloat16, 1, 8),
                                             ("mq", torch.float16, 97, 16),
-                                            ("mq", torch.float64, 3, 5)])
+                                            ("mq", torch.float64, 3, 5),
+                                            ("keys", torch.bfloat16, 29, 24)])
 def test_the_prologue_draws_the_noise_draw_noise_draws(kernels, kind, dtype, n, D):
     """noise=None: the Triton forward's prologue draws the channel noise from the seed it is
     given (no noise kernel, no noise op); the same bits as draw_noise's from the same torch seed,
