@@ -17,6 +17,8 @@ the argument binding.  It prints microseconds per forward+backward for
   triton          nac_loss / nac_mq_loss(backend="triton") as users call them (noise drawn inside)
   triton-op-path  the same through the registered torch.library ops with a plan built per call
                   (the path every eager call took before the cache: the "before" figure)
+  triton-criterion  the nn.Module criteria around the same loss, as a training loop calls them:
+                  NACLoss on two views of n/2 rows, NACMQLoss with its queue and VI term
   cpu, cpu-op-path, reference   the fused CPU kernel (both paths) and the reference at n = 4,
                   D = 8, where the kernels' own work is negligible: the CPU backend's overhead
 and per call the Triton launches, the ATen ops that launch a kernel (aten_launches, aten_ops) and
@@ -111,6 +113,35 @@ def user_step(kind, n, N, D, dtype, device, backend, noise_inside: bool = True):
     return step
 
 
+def criterion_step(kind, n, N, D, dtype, device, backend):
+    """One forward+backward of the nn.Module criterion as a training loop calls it: NACLoss on the
+    two views' (a, r) (kind "inbatch", 2 x n/2 rows), or NACMQLoss with the momentum outputs and
+    a CodeQueue of N codes (kind "mq"; its VI term included).  What the criterion adds around
+    the fused loss (pairing the views, the queue, the VI term) counts here."""
+    half = max(1, n // 2)
+    g = torch.Generator(device="cpu").manual_seed(n + N)
+    leaf = lambda: torch.randn(half, D, generator=g).to(device, dtype).requires_grad_()  # noqa: E731
+    outs = [(leaf(), leaf()), (leaf(), leaf())]
+    if kind == "mq":
+        crit = nac_fast.NACMQLoss(P, l2=0.1, backend=backend)
+        mom = [(torch.randn(half, D, generator=g).to(device, dtype),
+                torch.randn(half, D, generator=g).to(device, dtype)) for _ in range(2)]
+        queue = nac_fast.CodeQueue(N, D, device=device, dtype=dtype)
+
+        def step():
+            for x in (t for o in outs for t in o):
+                x.grad = None
+            crit(outs[0], outs[1], mom[0], mom[1], queue).backward()
+    else:
+        crit = nac_fast.NACLoss(P, backend=backend)
+
+        def step():
+            for x in (t for o in outs for t in o):
+                x.grad = None
+            crit(outs[0], outs[1]).backward()
+    return step
+
+
 def _reference_fn(a, r, noise, queue):
     s = nac_fast.channel_scale(P)
     if queue is None:
@@ -194,6 +225,9 @@ class StubLaunches:
         nac_noise_triton.run = run_stub
         nac_triton.target_of = lambda device: launch.SM90
         dispatch._auto = lambda t, op, keys, avail: ("triton", "probe: as on a GPU")
+        # plans cached under another stub would launch that stub's counter: start afresh
+        for cache in (nac_triton.FWD_PLANS, nac_triton.BWD_PLANS, nac_noise_triton.PLANS):
+            cache.clear()
         self._checks = loss_mod.value_checks(False)  # as on GPU tensors: no data-reading checks
         self._checks.__enter__()
         return self
@@ -283,6 +317,20 @@ def stub_rows(calls: int = 200, repeats: int = 5):
                              aten_ops=" ".join(aten.ops),
                              plans_recorded=rebuilt if backend == "triton" else "",
                              status="ok"))
+    # the criteria (nn.Module) around the same fused loss: what their glue adds
+    for kind, n, N, D, dtype in cases:
+        with StubLaunches() as stub:
+            step = criterion_step(kind, n, N, D, dtype, "cpu", "triton")
+            step()
+            stub.launches = 0
+            with AtenLaunches() as aten:
+                step()
+            per_call_launches = stub.launches
+            t = _per_call(step, calls, repeats)
+        rows.append(dict(mode="stub-sm90", kind=kind, n=n, N=N, D=D, dtype=str(dtype)[6:],
+                         backend="triton-criterion", resolved="triton", host_s=t,
+                         launches=per_call_launches, aten_launches=len(aten.ops),
+                         allocations=aten.allocs, aten_ops=" ".join(aten.ops), status="ok"))
     # the CPU backend's own overhead: a tiny shape, its kernel's work negligible
     with loss_mod.value_checks(False):
         for kind, n, N, D in (("inbatch", 4, 4, 8), ("mq", 4, 16, 8)):
