@@ -144,6 +144,12 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
                 for L in launches:
                     if L.constexprs.get("SEEDED"):
                         yield case, L
+                if keys is not None:  # NACMQLoss: the inference term in the finish and bwd_rows
+                    launches, _ = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, True, target,
+                                                      rv=r)
+                    for L in launches:
+                        if L.tag == "finish":
+                            yield case, L
                 # the backward with everything needed (training: a, r; gathered keys: keys too),
                 # with the target's split, with one split (the fused output modes) and with many
                 # (the split shares and their sums): other batch sizes reach each of them
@@ -154,6 +160,12 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
                           dataclasses.replace(target, sms=1 << 16, occupancy=None)):
                     launches, _ = nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, q, k, 1.1,
                                                       True, True, keys is not None, t)
+                    for L in launches:
+                        yield case, L
+                if keys is not None:  # NAC-MQ's backward with the inference term's d/dr
+                    launches, _ = nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, q, k, 1.1,
+                                                      True, False, False, target, rv=r,
+                                                      need_rv=True)
                     for L in launches:
                         yield case, L
     os.environ.pop("NAC_FAST_FP32_DOT", None)

@@ -258,10 +258,21 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, n, N, D, stride_k, stride_a,
                  mask=rmask[:, None] & dmask[None, :])
 
 
+@triton.jit
+def _bern2(zt, r, mask):
+    # 2 bern_i [M:bern]: sum_d z~ r + log sig(r) + log sig(-r), over the row tile's mask
+    ar = tl.abs(r)
+    log_sig_pair = -ar - 2.0 * tl.log(1.0 + tl.exp(-ar))  # log sig(r) + log sig(-r)
+    return tl.sum(tl.where(mask, zt * r + log_sig_pair, 0.0), 1)
+
+
 @triton.jit(do_not_specialize=["n", "split", "grad"])
-def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, n, D, stride_a, stride_r, stride_m,
-                   split, grad, s, l2, log_n_keys,
-                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, RV, n, D, stride_a, stride_r,
+                   stride_m, stride_rv, split, grad, s, l2, log_n_keys,
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+                   VI: tl.constexpr):
+    # VI: NAC-MQ's inference term [M:vi] added to each row, -bern_i(z~, r_vi) with the logits RV
+    # of the online inference network and the same z~ = m z (a constant of that term).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < n
@@ -292,11 +303,13 @@ def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, n, D, stride_a, str
     big_l = tl.where(rmask, big_l, 1.0)
     lse2 = mx + tl.log2(big_l)  # base 2, saved as is: a round trip through ln would cost ~1e-6
     lse = lse2 * 0.6931471805599453
-    ar = tl.abs(r)
-    log_sig_pair = -ar - 2.0 * tl.log(1.0 + tl.exp(-ar))  # log sig(r) + log sig(-r)
-    bern2 = tl.sum(tl.where(tile_mask, zt * r + log_sig_pair, 0.0), 1)
+    bern2 = _bern2(zt, r, tile_mask)
     zz = tl.sum(z * z, 1)
     loss = lse - log_n_keys - 0.5 * bern2 + l2 * zz
+    if VI:
+        rv = tl.load(RV + rows64[:, None] * stride_rv + cols[None, :], mask=tile_mask,
+                     other=0.0).to(ACC)
+        loss -= 0.5 * _bern2(zt, rv, tile_mask)
     tl.store(LOSS + rows64, loss, mask=rmask)
     tl.store(LSE + rows64, lse2, mask=rmask)
     if grad != 0:
@@ -427,13 +440,16 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
         tl.store(OUT + out, dk.to(OUT.dtype.element_ty), mask=tile_mask)
 
 
-@triton.jit(do_not_specialize=["n", "need_a", "need_r", "self_keys", "split", "stride_g"])
-def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, n, D, stride_a, stride_r, stride_m,
-                     stride_g, need_a, need_r, self_keys, split, g_scale,
+@triton.jit(do_not_specialize=["n", "need_a", "need_r", "need_rv", "self_keys", "split",
+                              "stride_g"])
+def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, RV, GRAD_RV, n, D, stride_a,
+                     stride_r, stride_m, stride_rv, stride_g, need_a, need_r, need_rv, self_keys,
+                     split, g_scale,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     # d/dr = g times docs/math.md [M:grad-r]; d/da as in [M:grad-a] (+ [M:grad-self-keys]), dK
-    # summed over the keys' backward's query splits in a fixed order (deterministic); both
-    # written in their own dtype (a's)
+    # summed over the keys' backward's query splits in a fixed order (deterministic); all
+    # written in their own dtype (a's).  need_rv: the inference term's d/dr_vi [M:vi], the same
+    # formula as d/dr with r_vi (z~ is a constant of that term: nothing of it reaches a).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < n
@@ -443,13 +459,19 @@ def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, n, D, stride_a, st
     g = tl.load(G + rows64 * stride_g, mask=rmask, other=0.0).to(ACC) * g_scale
     z = _tanh(tl.load(A + rows64[:, None] * stride_a + cols[None, :], mask=tile_mask,
                       other=0.0).to(ACC))
-    if need_r != 0:
-        r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=tile_mask,
-                    other=0.0).to(ACC)
+    if need_r != 0 or need_rv != 0:
         zt = tl.load(NOISE + rows64[:, None] * stride_m + cols[None, :], mask=tile_mask,
                      other=0.0).to(ACC) * z
-        tl.store(GRAD_R + out, (g[:, None] * _grad_r(r, zt)).to(
-            GRAD_R.dtype.element_ty), mask=tile_mask)
+        if need_r != 0:
+            r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=tile_mask,
+                        other=0.0).to(ACC)
+            tl.store(GRAD_R + out, (g[:, None] * _grad_r(r, zt)).to(
+                GRAD_R.dtype.element_ty), mask=tile_mask)
+        if need_rv != 0:
+            rv = tl.load(RV + rows64[:, None] * stride_rv + cols[None, :], mask=tile_mask,
+                         other=0.0).to(ACC)
+            tl.store(GRAD_RV + out, (g[:, None] * _grad_r(rv, zt)).to(
+                GRAD_RV.dtype.element_ty), mask=tile_mask)
     if need_a != 0:
         ga = g[:, None] * tl.load(GA + out, mask=tile_mask, other=0.0)
         if self_keys != 0:
@@ -683,12 +705,14 @@ def _split(make, outer_blocks: int, inner_tiles: int, target: Target, waves: int
 
 
 def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Target,
-             seed=None, p: float = 0.0):
+             seed=None, p: float = 0.0, rv=None):
     """(launches, (loss, lse, ga, q, k, noise)) of one forward call.  a, r, noise: (n, D) with
     unit column stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column
     stride.  q, k: the prologue's codes (k is `keys` when given), which the backward reuses; with
     given keys the forward kernel makes q itself (Q_FROM_A) and there is no prologue.  seed, p:
-    noise None, drawn from this seed by the kernel that makes q, and returned."""
+    noise None, drawn from this seed by the kernel that makes q, and returned.  rv: None, or the
+    (n, D) logits of NAC-MQ's online inference network (a's dtype, unit column stride): each
+    row's loss then includes the inference term [M:vi] (the finish's VI)."""
     n, D = a.shape
     launches: list = []
     q_from_a = keys is not None  # given keys: the forward kernel makes its own Q, no prologue
@@ -728,11 +752,12 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
     ga = buffer((n, D) if grad_rows else (0,), acc, a)
     bm = _rows_block(D, a.dtype)
     launches.append(Launch(_finish_kernel, (cdiv(n, bm),),
-                           (a, r, noise, pm, pl, pacc, loss, lse, ga, n, D, a.stride(0),
-                            r.stride(0), noise.stride(0), split, int(grad_rows), float(s),
-                            float(l2), math.log(N)),
-                           dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype)), 4, 1, "finish",
-                           (("s", _s), ("l2", _l2))))
+                           (a, r, noise, pm, pl, pacc, loss, lse, ga, r if rv is None else rv, n,
+                            D, a.stride(0), r.stride(0), noise.stride(0),
+                            r.stride(0) if rv is None else rv.stride(0), split, int(grad_rows),
+                            float(s), float(l2), math.log(N)),
+                           dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype), VI=rv is not None),
+                           4, 1, "finish", (("s", _s), ("l2", _l2))))
     return launches, (loss, lse, ga, q, k, noise)
 
 
@@ -744,11 +769,13 @@ def _g_scale_arg(g_scale):  # the backward plan's one per-call scalar (kernels/l
 
 
 def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: bool,
-             need_keys: bool, target: Target, g_scale: float = 1.0):
+             need_keys: bool, target: Target, g_scale: float = 1.0, rv=None,
+             need_rv: bool = False):
     """(launches, (grad_a, grad_r, grad_k)) of one backward call, each gradient in its input's
     dtype (an empty (0,) tensor when not asked for; all inputs share a's dtype): the gradients
     of sum_i (g_i g_scale) loss_i (g_scale: an fp32 number; fl32(1/n) folds reduction="mean"
-    in, nac_fast/ops/nac.py _FusedNAC).  q, k: the forward's codes (fwd_plan; k is
+    in, nac_fast/ops/nac.py _FusedNAC).  rv, need_rv: the inference term's logits (fwd_plan's
+    rv) and whether its gradient is wanted: then a fourth output, d/drv, in rv's dtype.  q, k: the forward's codes (fwd_plan; k is
     the keys when they are given); g: (n,) float, any stride (an expanded scalar too).  Nothing
     of the forward's O(nD) prologue runs again.
 
@@ -814,18 +841,25 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
                 launches.append(Launch(_sum_splits_kernel, (cdiv(numel, SUM_BLOCK),),
                                        (pdk, grad_k, numel, split), dict(BLOCK=SUM_BLOCK), 4, 1,
                                        "sum_splits"))
-    if need_a or need_r:
+    need_rv = bool(need_rv and rv is not None)
+    grad_rv = buffer((n, D), rv.dtype, a) if need_rv else None
+    if need_a or need_r or need_rv:
         bm = _rows_block(D, a.dtype)
         self_dk = need_a and self_keys
-        out = grad_a if need_a else grad_r  # stand-in for the operands a flag leaves unread
+        # stand-in for the operands a flag leaves unread
+        out = grad_a if need_a else grad_r if need_r else grad_rv
         launches.append(Launch(
             _bwd_rows_kernel, (cdiv(n, bm),),
-            (a, r if need_r else out, noise if need_r else out, ga if need_a else out, g,
-             pdk if self_dk else out, grad_a, grad_r, n, D, a.stride(0), r.stride(0),
-             noise.stride(0), g.stride(0), int(need_a), int(need_r), int(self_dk),
-             split if self_dk else 0, float(g_scale)),
+            (a, r if need_r else out, noise if need_r or need_rv else out,
+             ga if need_a else out, g, pdk if self_dk else out, grad_a, grad_r,
+             rv if need_rv else out, grad_rv if need_rv else out, n, D, a.stride(0),
+             r.stride(0), noise.stride(0), rv.stride(0) if need_rv else 0, g.stride(0),
+             int(need_a), int(need_r), int(need_rv), int(self_dk), split if self_dk else 0,
+             float(g_scale)),
             dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype)), 4, 1, "bwd_rows",
             (("g_scale", _g_scale_arg),)))
+    if rv is not None:
+        return launches, (grad_a, grad_r, grad_k, grad_rv if need_rv else empty())
     return launches, (grad_a, grad_r, grad_k)
 
 
@@ -851,14 +885,17 @@ def _launcher(launches):
     run(launches)  # the module's `run`, looked up at each call (bench/launch_traffic.py swaps it)
 
 
-def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: float = 0.0):
+def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: float = 0.0,
+        rv=None):
     """The forward op's body (nac_fwd_triton): (loss, lse2, ga, q, k, noise) with k empty when
     keys are given (the backward reads the keys themselves).  noise None: `seed` (a one-element
-    int64 tensor on a's device) and `p` give it, drawn by the prologue (`_prologue`); either way
-    the noise used is returned last (the backward's)."""
+    int64 tensor on a's device) and `p` give it, drawn by the kernel that makes q; either way
+    the noise used is returned last (the backward's).  rv: fwd_plan's (the rows then include
+    NAC-MQ's inference term)."""
     dt = a.dtype
     a = _rows_operand(a, dt)
     r = _rows_operand(r, dt)
+    rv = None if rv is None else _rows_operand(rv, dt)
     if noise is None:
         if seed is None:
             raise ValueError("fwd needs the noise or a seed to draw it from")
@@ -870,23 +907,25 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: f
 
     def build():
         launches, (loss, lse, ga, q, k, m) = fwd_plan(a, r, noise, given, s, l2, grad_rows,
-                                                      target_of(a.device), seed, p)
+                                                      target_of(a.device), seed, p, rv)
         return launches, (loss, lse, ga, q, k if keys is None else buffer((0,), dt, a), m)
 
     key = (a.shape, a.stride(0), r.stride(0), None if noise is None else noise.stride(0), dt,
            a.device, None if given is None else (given.shape[0], given.stride(0)),
-           bool(grad_rows), tuning.plan_key()) if eager_real(a) else None
-    return FWD_PLANS(key, build, (a, r, noise, given, seed), (s, l2, p), _launcher)
+           None if rv is None else rv.stride(0), bool(grad_rows),
+           tuning.plan_key()) if eager_real(a) else None
+    return FWD_PLANS(key, build, (a, r, noise, given, seed, rv), (s, l2, p), _launcher)
 
 
 def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: bool,
-        need_keys: bool, g_scale: float = 1.0):
+        need_keys: bool, g_scale: float = 1.0, rv=None, need_rv: bool = False):
     """The backward op's body (nac_bwd_triton): (d/da, d/dr, d/dkeys) of sum_i (g_i g_scale)
-    loss_i in the inputs' dtype (g_scale: `bwd_plan`'s)."""
+    loss_i in the inputs' dtype (g_scale: `bwd_plan`'s); with rv (the forward's), d/drv too."""
     dt = a.dtype
     acc = acc_dtype(dt)
     a = _rows_operand(a, dt)
     r = _rows_operand(r, dt)
+    rv = None if rv is None else _rows_operand(rv, dt)
     noise = _rows_operand(noise, dt)
     given = None if keys is None else _rows_operand(keys, dt)
     lse = lse if lse.dtype == acc and lse.is_contiguous() else lse.to(acc).contiguous()
@@ -895,14 +934,14 @@ def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: boo
 
     def build():
         return bwd_plan(a, r, noise, given, lse, ga, g, q, k, s, need_a, need_r, need_keys,
-                        target_of(a.device), g_scale)
+                        target_of(a.device), g_scale, rv, need_rv)
 
     key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
            None if given is None else (given.shape[0], given.stride(0)), g.shape, g.stride(),
            ga.shape, q.shape, q.stride(0), k.shape, k.stride(0) if k.dim() == 2 else 0,
-           bool(need_a), bool(need_r), bool(need_keys), tuning.plan_key()
-           ) if eager_real(a) else None
-    return BWD_PLANS(key, build, (a, r, noise, given, lse, ga, g, q, k), (g_scale,),
+           None if rv is None else rv.stride(0), bool(need_a), bool(need_r), bool(need_keys),
+           bool(need_rv), tuning.plan_key()) if eager_real(a) else None
+    return BWD_PLANS(key, build, (a, r, noise, given, lse, ga, g, q, k, rv), (g_scale,),
                      _launcher)
 
 

@@ -423,6 +423,9 @@ def test_probe_runs_and_reports_no_rebuild():
         old = next(o for o in rows if o["backend"] == "triton-op-path" and o["kind"] == r["kind"])
         assert r["launches"] + r["aten_launches"] == old["launches"] + old["aten_launches"] - 2
     assert {r["backend"] for r in rows} >= {"triton-op-path", "cpu", "cpu-op-path", "reference"}
+    # NACMQLoss's inference term runs inside the fused loss: none of its ATen ops is left
+    (crit,) = [r for r in rows if r["backend"] == "triton-criterion" and r["kind"] == "mq"]
+    assert "log_sigmoid" not in crit["aten_ops"] and crit["launches"] == 3, crit
 
 
 @pytest.mark.skipif("cpu" not in nac_fast.available_backends("cpu"), reason="needs nac_fast._C")
@@ -473,3 +476,52 @@ def test_eager_calls_take_the_fast_path_from_the_source_tree():
                          text=True, env=dict(os.environ, PYTHONPATH=ROOT), cwd="/", timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.strip().splitlines()[-1] == "_FusedNACBackward", res.stdout
+
+
+def _criterion_mq(dtype, reduction, *, fused, noise=False, l2=0.1, seed=1):
+    """NACMQLoss on the Triton backend, its VI term fused into the loss (fused) or the two calls
+    (the fused path switched off): (loss, grads of the four online outputs)."""
+    from nac_fast.ops import loss as loss_mod
+    K, D, N = 19, 24, 53
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda: torch.randn(K, D, generator=g, dtype=torch.float64).to(DEVICE, dtype)  # noqa: E731
+    outs = [(mk().requires_grad_(), mk().requires_grad_()) for _ in range(2)]
+    mom = [(mk(), mk()) for _ in range(2)]
+    q = nac_fast.CodeQueue(N, D, device=DEVICE, dtype=dtype)
+    q.enqueue(torch.tanh(torch.randn(N, D, generator=g, dtype=torch.float64)).to(DEVICE, dtype))
+    m = nac_fast.draw_noise((2 * K, D), 0.15, generator=g, dtype=dtype).to(DEVICE) if noise else None
+    crit = nac_fast.NACMQLoss(0.15, l2=l2, backend="triton", reduction=reduction)
+    saved = loss_mod._mq_and_vi_fused
+    if not fused:
+        loss_mod._mq_and_vi_fused = lambda *a, **k: None
+    try:
+        torch.manual_seed(seed)
+        loss = crit(outs[0], outs[1], mom[0], mom[1], q, noise=m)
+    finally:
+        loss_mod._mq_and_vi_fused = saved
+    w = torch.linspace(-1, 1, loss.numel(), dtype=loss.dtype, device=DEVICE).reshape(loss.shape)
+    return loss.detach(), torch.autograd.grad((loss * w).sum(), [t for o in outs for t in o])
+
+
+@pytest.mark.parametrize("dtype,reduction,noise,l2", [
+    (torch.float32, "mean", False, 0.1), (torch.float32, "none", True, "auto"),
+    (torch.bfloat16, "mean", False, 0.1), (torch.float64, "sum", True, 0.0)])
+def test_the_criterions_vi_term_is_fused_and_right(kernels, dtype, reduction, noise, l2):
+    """NACMQLoss on the Triton backend computes its inference term inside the fused loss (the
+    finish adds it to each row, the rows' backward gives d/dr; one channel sample, drawn by the
+    forward when not given): the same loss and gradients as its two calls, nac_mq_loss +
+    nac_vi_loss, within the rounding of fp32 sums in another order (the gradients of a: bit
+    for bit; of r: within one ulp of the dtype, the VI gradient's formula being the kernels')."""
+    _, nac_triton, _ = kernels
+    loss, grads = _criterion_mq(dtype, reduction, fused=True, noise=noise, l2=l2)
+    assert any(L.constexprs.get("VI") for p in nac_triton.FWD_PLANS.plans.values()
+               for L, *_ in p.launches)  # the fused path ran
+    want, want_g = _criterion_mq(dtype, reduction, fused=False, noise=noise, l2=l2)
+    eps = torch.finfo(loss.dtype).eps
+    torch.testing.assert_close(loss, want, rtol=8 * eps, atol=8 * eps * want.abs().max().item())
+    for i, (x, y) in enumerate(zip(grads, want_g)):
+        if i % 2 == 0:  # a0, a1: the VI term gives them nothing
+            assert torch.equal(x, y)
+        else:           # r1, r0
+            e = torch.finfo(dtype).eps
+            torch.testing.assert_close(x, y, rtol=e, atol=e * y.abs().max().item())

@@ -258,6 +258,25 @@ def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", bac
     return _nac.nac_fused(impl, a, r_hat, noise, queue, s, l2, reduction, seed, p)
 
 
+def _mq_and_vi_fused(a, r_hat, r, codes, p, l2, noise, reduction, backend, likelihood):
+    """NACMQLoss's two terms, nac_mq_loss + nac_vi_loss with one channel sample, in one fused
+    call where the backend computes them together (the Triton backend's eager path: the finish
+    adds each row's inference term, the rows' backward gives d/dr; the noise, when not given, is
+    drawn by the forward from the seed drawn here, the same bits as draw_noise's).  None where it
+    does not (the criterion then makes the two calls).  The criterion has checked the inputs'
+    shapes, dtypes, devices and values; the loss checks its own again as nac_mq_loss does."""
+    if likelihood != "dot" or r.dtype != a.dtype:
+        return None
+    impl = _backend_for(backend, a, codes, likelihood)
+    if not _nac.takes_seed(impl, a):
+        return None
+    p, s, noise = _prepare(a, r_hat, p, codes, noise, reduction, r_name="r_hat",
+                           keys_name="queue", draw=False)
+    noise, seed = _channel(impl, a, p, noise)
+    return _nac.nac_fused(impl, a, r_hat, noise, codes, s, _l2_value(l2, p), reduction, seed, p,
+                          rv=r)
+
+
 def nac_vi_loss(a, r, p, *, noise=None, reduction="mean"):
     """The online inference network's own term of NAC-MQ (docs/math.md [M:vi]).
 
@@ -505,9 +524,14 @@ class NACMQLoss(nn.Module):
             dt = loss_dtype(a)
             a, r_hat = a.to(dt), r_hat.to(dt)
             r = None if r is None else r.to(dt)
+        codes = queue.codes if queue.codes.dtype == dt else queue.codes.to(dt)
+        if r is not None:
+            both = _mq_and_vi_fused(a, r_hat, r, codes, self.p, self.l2, noise, self.reduction,
+                                    self.backend, self.likelihood)
+            if both is not None:
+                return both
         if noise is None:  # one channel sample for both terms
             noise = draw_noise(a.shape, self.p, device=a.device, dtype=dt)
-        codes = queue.codes if queue.codes.dtype == dt else queue.codes.to(dt)
         loss = nac_mq_loss(a, r_hat, codes, self.p, l2=self.l2, noise=noise,
                            reduction=self.reduction, backend=self.backend,
                            likelihood=self.likelihood)

@@ -54,20 +54,21 @@ def _fake_bwd_triton(a, r, noise, keys, lse, ga, g, q, k, s, need_a, need_r, nee
             a.new_empty(kshape if need_keys and keys is not None else (0,)))
 
 
-def _backward(bwd, ctx, g_rows):
-    """(d/da, d/dr, None, d/dkeys) of both autograd layers (the registered ops' and _FusedNAC's):
-    one call of the backend's backward with the forward's saved tensors, each gradient in its
-    input's dtype, None where no gradient is asked for."""
-    a, r, noise, keys, lse, ga, *saved = ctx.saved_tensors
+def _backward(bwd, ctx, g_rows, tensors=None, **kw):
+    """(d/da, d/dr, None, d/dkeys, *more) of both autograd layers (the registered ops' and
+    _FusedNAC's): one call of the backend's backward with the forward's saved tensors (`tensors`,
+    else ctx.saved_tensors), each gradient in its input's dtype, None where no gradient is asked
+    for; `kw` go to the backward, whose outputs past the third (_FusedNAC's d/drv) follow."""
+    a, r, noise, keys, lse, ga, *saved = ctx.saved_tensors if tensors is None else tensors
     keys = None if ctx.self_keys else keys
     need_a, need_r, _, need_k = ctx.needs_input_grad[:4]
     need_k = bool(need_k and keys is not None)
-    grad_a, grad_r, grad_k = bwd(a, r, noise, keys, lse, ga, g_rows, *saved, ctx.s,
-                                 bool(need_a), bool(need_r), need_k)
+    grad_a, grad_r, grad_k, *more = bwd(a, r, noise, keys, lse, ga, g_rows, *saved, ctx.s,
+                                        bool(need_a), bool(need_r), need_k, **kw)
     cast = lambda t, dtype: t if t.dtype == dtype else t.to(dtype)  # noqa: E731
     return (cast(grad_a, ctx.dtypes[0]) if need_a else None,
             cast(grad_r, ctx.dtypes[1]) if need_r else None, None,
-            cast(grad_k, ctx.dtypes[2]) if need_k else None)
+            cast(grad_k, ctx.dtypes[2]) if need_k else None, *more)
 
 
 def _register(name: str, fwd, bwd, fake_fwd=_fake_fwd, fake_bwd=_fake_bwd) -> None:
@@ -184,50 +185,67 @@ def _recip32(n: int) -> float:
 
 class _FusedNAC(torch.autograd.Function):
     """The fused loss of `backend`, reduced; backward = the same formula as the registered ops'
-    (`_register`'s backward): one fused backward call, the gradients cast to the inputs' dtypes."""
+    (`_register`'s backward): one fused backward call, the gradients cast to the inputs' dtypes.
+    rv (Triton only): NAC-MQ's online inference logits, whose term [M:vi] each row then includes
+    and whose gradient the same backward call gives."""
 
     @staticmethod
-    def forward(ctx, a, r, noise, keys, backend, s, l2, grad_rows, reduction, seed, p):
+    def forward(ctx, a, r, noise, keys, backend, s, l2, grad_rows, reduction, seed, p, rv):
         fwd, _ = _eager_ops(backend)
-        rows, lse, ga, *saved, noise = fwd(a, r, noise, keys, s, l2, grad_rows, seed, p)
+        extra = {} if rv is None else {"rv": rv}
+        rows, lse, ga, *saved, noise = fwd(a, r, noise, keys, s, l2, grad_rows, seed, p, **extra)
         ctx.backend = backend
         ctx.s = s
         ctx.reduction = reduction
         ctx.n = a.shape[0]
         ctx.self_keys = keys is None
         ctx.dtypes = (a.dtype, r.dtype, None if keys is None else keys.dtype)
-        ctx.save_for_backward(a, r, noise, keys, lse, ga, *saved)
+        ctx.rv_dtype = None if rv is None else rv.dtype
+        ctx.save_for_backward(a, r, noise, keys, lse, ga, *saved, *extra.values())
         return reduce_rows(rows, reduction)
 
     @staticmethod
     def backward(ctx, g):
         n = ctx.n
         bwd = _eager_ops(ctx.backend)[1]
+        tensors, kw = ctx.saved_tensors, {}
+        need_rv = ctx.rv_dtype is not None and ctx.needs_input_grad[11]
+        if ctx.rv_dtype is not None:
+            tensors, kw = tensors[:-1], dict(rv=tensors[-1], need_rv=need_rv)
         if ctx.reduction == "none":
-            grads = _backward(bwd, ctx, g)
+            grads = _backward(bwd, ctx, g, tensors, **kw)
         elif ctx.reduction == "mean" and ctx.backend == "triton" and \
                 ctx.dtypes[0] != torch.float64:
-            grads = _backward(functools.partial(bwd, g_scale=_recip32(n)), ctx, g.expand(n))
+            grads = _backward(functools.partial(bwd, g_scale=_recip32(n)), ctx, g.expand(n),
+                              tensors, **kw)
         else:
-            grads = _backward(bwd, ctx, (g / n if ctx.reduction == "mean" else g).expand(n))
-        return (*grads, None, None, None, None, None, None, None)
+            grads = _backward(bwd, ctx, (g / n if ctx.reduction == "mean" else g).expand(n),
+                              tensors, **kw)
+        grad_rv = None
+        if need_rv:
+            grad_rv = grads[4] if grads[4].dtype == ctx.rv_dtype else grads[4].to(ctx.rv_dtype)
+        return (*grads[:4], None, None, None, None, None, None, None, grad_rv)
 
 
-def nac_fused(backend, a, r, noise, keys, s, l2, reduction, seed=None, p=0.0):
+def nac_fused(backend, a, r, noise, keys, s, l2, reduction, seed=None, p=0.0, rv=None):
     """The fused loss rows of `backend`, reduced: eager calls through _FusedNAC, traced ones
     through the registered ops.  noise None: drawn from `seed` (a one-element int64 tensor) with
-    flip probability p, where `takes_seed` says the backend does so."""
-    if noise is None and not takes_seed(backend, a):
-        raise ValueError(f"backend {backend!r} here needs the noise itself, not a seed")
+    flip probability p, where `takes_seed` says the backend does so.  rv: NAC-MQ's online
+    inference logits, whose term [M:vi] the rows then include (where `takes_seed` holds)."""
+    if (noise is None or rv is not None) and not takes_seed(backend, a):
+        raise ValueError(f"backend {backend!r} here needs the noise itself, not a seed, and "
+                         "computes no inference term")
     needs_grad = torch.is_grad_enabled() and (
-        a.requires_grad or r.requires_grad or (keys is not None and keys.requires_grad))
+        a.requires_grad or r.requires_grad or (keys is not None and keys.requires_grad)
+        or (rv is not None and rv.requires_grad))
     grad_rows = needs_grad and a.requires_grad  # ga is only needed for d/da
     if _eager_real(a):
         if needs_grad:
             return _FusedNAC.apply(a, r, noise, keys, backend, float(s), float(l2),
-                                   bool(grad_rows), reduction, seed, float(p))
+                                   bool(grad_rows), reduction, seed, float(p), rv)
+        extra = {} if rv is None else {"rv": rv}
         rows = _eager_ops(backend)[0](a, r, noise, keys, float(s), float(l2), False, seed,
-                                      float(p))[0]
+                                      float(p), **extra)[0]
         return reduce_rows(rows, reduction)
     fwd, _ = _ops(backend)
     rows = fwd(a, r, noise, keys, float(s), float(l2), bool(grad_rows))[0]
