@@ -45,9 +45,10 @@ class Spy:
 
 
 def _spies(monkeypatch):
-    """Spies on the functional losses the criteria (NACLoss, NACMQLoss) call."""
+    """Spies on the functional losses the criteria (NACLoss, NACMQLoss) call, and on NACMQLoss's
+    fused path for its two terms (`_mq_and_vi_fused`: the Triton backend's; None elsewhere)."""
     spies = {name: Spy(getattr(loss_api, name)) for name in ("nac_loss", "nac_mq_loss",
-                                                             "nac_vi_loss")}
+                                                             "nac_vi_loss", "_mq_and_vi_fused")}
     for name, spy in spies.items():
         monkeypatch.setattr(loss_api, name, spy)
     return spies
@@ -113,12 +114,17 @@ def test_nac_mq_step_under_bf16_autocast(backend, queue_dtype, monkeypatch):
     spies = _spies(monkeypatch)
     with torch.autocast("cpu", dtype=BF16):
         loss, _ = methods.nac_mq_step(mq, x, noise=noise)
-    (margs, mkw), = spies["nac_mq_loss"].calls
-    (vargs, vkw), = spies["nac_vi_loss"].calls
-    a_b, rh_b, queue_b = margs[:3]
-    r_b = vargs[1]
+    if spies["nac_mq_loss"].calls:  # the two calls
+        (margs, mkw), = spies["nac_mq_loss"].calls
+        (vargs, vkw), = spies["nac_vi_loss"].calls
+        a_b, rh_b, queue_b = margs[:3]
+        r_b = vargs[1]
+        assert mkw["noise"] is vkw["noise"] is noise  # one channel sample, converted by the loss
+    else:  # the Triton backend: both terms in one fused call (docs/math.md [M:vi])
+        (fargs, _), = spies["_mq_and_vi_fused"].calls
+        a_b, rh_b, r_b, queue_b = fargs[:4]
+        assert fargs[6] is noise and backend == "triton"
     assert {t.dtype for t in (a_b, rh_b, queue_b, r_b)} == {BF16}
-    assert mkw["noise"] is vkw["noise"] is noise    # one channel sample, converted by the loss
     if queue_dtype == BF16:
         assert queue_b is q.codes          # the stored queue itself: no per-step conversion
     assert loss.dtype == torch.float32
