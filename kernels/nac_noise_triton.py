@@ -78,12 +78,16 @@ def _launcher(launches):
     run(launches)
 
 
+def seed_operand(seed: torch.Tensor) -> torch.Tensor:
+    """A seed as the kernels read it (`philox_sign`): one int64 element, shape (1,)."""
+    seed = seed.reshape(1)
+    return seed if seed.dtype == torch.int64 else seed.to(torch.int64)
+
+
 def noise(like: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
     """The op's body: the noise of like's shape, dtype and device (launched on like's device),
     written in like's dtype by the kernel (no float32 copy)."""
-    seed = seed.reshape(1)
-    if seed.dtype != torch.int64:
-        seed = seed.to(torch.int64)
+    seed = seed_operand(seed)
 
     def build():
         out = buffer(like.shape, like.dtype, like)

@@ -55,7 +55,7 @@ from torch.library import triton_op
 from nac_fast.ops.reference import acc_dtype
 
 from . import tuning
-from .nac_noise_triton import philox_sign
+from .nac_noise_triton import philox_sign, seed_operand
 from .launch import (Config, Launch, PlanCache, Target, buffer, cdiv, eager_real, next_pow2, pick,
                      run, split_count, target_of)
 
@@ -899,7 +899,7 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: f
     if noise is None:
         if seed is None:
             raise ValueError("fwd needs the noise or a seed to draw it from")
-        seed = seed.reshape(1) if seed.dtype == torch.int64 else seed.reshape(1).to(torch.int64)
+        seed = seed_operand(seed)
     else:
         noise = _rows_operand(noise, dt)
         seed = None
