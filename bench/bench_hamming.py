@@ -25,7 +25,9 @@ CSV row per method to bench/results/hamming_cpu.csv, and prints one JSON line la
     TRITON_INTERPRET=1 python bench/bench_hamming.py --gpu --device cpu --tiny --csv X.csv
                                                        # CI: the same code on toy sizes, CPU tensors
 
-  map_all (gpu)      mAP@all, backend "triton", --map-queries queries x each of --map-sizes codes
+  map_all (gpu)      mAP@all, engine (column "engine") "triton", then "cuda" on a GPU where the
+                     extension has its CUDA kernels (csrc/hamming_cuda.cu): --map-queries queries x
+                     each of --map-sizes codes
                      (bench's class-prototype codes and labels, made on the device); the codes are
                      on the GPU before the clock starts, the score comes back to the host in it
   map_all (gpu)      the same on the CPU row's queries: the like-for-like pair of the ratio
@@ -38,13 +40,16 @@ CSV row per method to bench/results/hamming_cpu.csv, and prints one JSON line la
                      100M codes)
   topk-variant       the GPU search at the first index size with other block configurations and
                      sample ratios (--topk-variants): data for choosing the shipped setting
+  topk (gpu, cuda)   the same index searched by the "cuda" engine (HashIndex backend "cuda"),
+                     checked against the C++ engine and equal to the triton engine's answer
 
 Every GPU row is checked against the C++ engine on --check-queries queries (per-query AP to
 1e-12 and equal counts of relevant items; top-k distances and indices equal), column "check"; a
 failed check fails the command.  Peak GPU memory: torch's allocator, above what was allocated
 before the call.  Rows whose start would pass --budget-s seconds are skipped, said so.  Appends
 to --csv, prints a table and one JSON line last.  --device cpu (with TRITON_INTERPRET=1): the
-Triton engine under the interpreter, which proves the plumbing and nothing about speed.
+Triton engine under the interpreter, which proves the plumbing and nothing about speed (the
+"cuda" engine runs on CUDA tensors only: no rows).
 """
 from __future__ import annotations
 
@@ -253,10 +258,10 @@ def profile_kernels(fn, device, path: str, what: str, top: int = 15) -> None:
     print(f"  profile of {what} appended to {path}", flush=True)
 
 
-def _ap_check(H, qw, ql, gw, gl, bits, n, device):
-    """Per-query AP of the GPU engine against the C++ engine on the first n queries."""
+def _ap_check(H, qw, ql, gw, gl, bits, n, device, engine="triton"):
+    """Per-query AP of a GPU engine against the C++ engine on the first n queries."""
     P = H.PackedCodes
-    ap, nrel = H.average_precision(P(qw[:n], bits), ql[:n], P(gw, bits), gl, backend="triton")
+    ap, nrel = H.average_precision(P(qw[:n], bits), ql[:n], P(gw, bits), gl, backend=engine)
     wap, wnrel = H.average_precision(P(qw[:n].cpu(), bits), ql[:n].cpu(), P(gw.cpu(), bits),
                                      gl.cpu(), backend="cpu")
     ap, nrel = ap.cpu(), nrel.cpu()
@@ -325,6 +330,14 @@ def run_gpu(args, ap):
                                                           reasons=True)["cpu"])):
         if why is not None:
             sys.exit(f"the {name} Hamming engine is not available: {why}")
+    # the CUDA kernels' engine (csrc/hamming_cuda.cu) beside Triton's, on CUDA tensors
+    engines = ["triton"]
+    if device.type == "cuda":
+        why = dispatch.available_backends(args.device, op="hamming", reasons=True)["cuda"]
+        if why is None:
+            engines.append("cuda")
+        else:
+            print(f"  no 'cuda' engine rows: {why}", flush=True)
     import triton
     from nac_fast.index import HashIndex
     t_start = time.perf_counter()
@@ -383,9 +396,11 @@ def run_gpu(args, ap):
                 continue
             gw, gl = packed_class_codes(G, D, protos, args.classes, args.flip, gen, device)
             nc = min(args.check_queries, Q)
-            good, check = _ap_check(H, qw, ql, gw, gl, D, nc, device)  # also compiles
-            if not good:
-                failures.append(f"map_all x {G}: {check}")
+            checks = {}
+            for eng in engines:
+                good, checks[eng] = _ap_check(H, qw, ql, gw, gl, D, nc, device, eng)  # compiles
+                if not good:
+                    failures.append(f"map_all {eng} x {G}: {checks[eng]}")
             runs = [(Q, args.gpu_repeats)]
             if nq_cpu and min(nq_cpu, Q) != Q:
                 runs.append((min(nq_cpu, Q), args.gpu_repeats))
@@ -396,14 +411,15 @@ def run_gpu(args, ap):
                     P(qc[:n], D), qlc[:n], P(gc, D), glc, backend="cpu"),
                     3 if G <= 100_000 else 2, torch.device("cpu"))
                 add("map_all", "cpu", "cpu", n, G, stats, m, note=f"{args.threads} threads")
-            for n, reps in runs:
-                stats, m = gpu_timed(lambda: H.mean_average_precision(
-                    P(qw[:n], D), ql[:n], P(gw, D), gl, backend="triton"), reps, device)
-                add("map_all", "triton", str(device), n, G, stats, m, check=check)
-            if args.profile_out and G == map_sizes[-1]:
-                profile_kernels(lambda: H.mean_average_precision(
-                    P(qw, D), ql, P(gw, D), gl, backend="triton"), device, args.profile_out,
-                    f"mAP@all, {Q} x {G:,} codes of {D} bits (backend triton)")
+            for eng in engines:
+                for n, reps in runs:
+                    stats, m = gpu_timed(lambda: H.mean_average_precision(
+                        P(qw[:n], D), ql[:n], P(gw, D), gl, backend=eng), reps, device)
+                    add("map_all", eng, str(device), n, G, stats, m, check=checks[eng])
+                if args.profile_out and G == map_sizes[-1]:
+                    profile_kernels(lambda: H.mean_average_precision(
+                        P(qw, D), ql, P(gw, D), gl, backend=eng), device, args.profile_out,
+                        f"mAP@all, {Q} x {G:,} codes of {D} bits (backend {eng})")
             del gw, gl, gc, glc
     # ---- top-k ----
     if args.only in ("all", "topk"):
@@ -462,6 +478,32 @@ def run_gpu(args, ap):
                     add("topk-variant", "triton", str(device), Q, G, vs, kk=k,
                         check=f"{'ok' if same else 'FAIL'}: all {Q} queries equal to the "
                               "shipped setting's results", note=_variant_name(v))
+            for eng in engines[1:]:  # the same index, searched by another engine
+                gpu.backend = eng
+                gpu.search(P(qw[:2], D), k)
+                es, (De, Ie) = gpu_timed(lambda: gpu.search(P(qw, D), k), args.gpu_repeats,
+                                         device)
+                good = bool(torch.equal(De[:nc].cpu(), Dc) and torch.equal(Ie[:nc].cpu(), Ic)
+                            and torch.equal(De, Dg) and torch.equal(Ie, Ig))
+                echeck = (f"ok: distances and indices of {nc} queries equal to the C++ "
+                          f"engine's, all {Q} to the triton engine's" if good else
+                          f"FAIL: top-{k} differs from the C++ or the triton engine's")
+                if not good:
+                    failures.append(f"topk {eng} x {G}: {echeck}")
+                if nq_cpu and min(nq_cpu, Q) != Q:
+                    n = min(nq_cpu, Q)
+                    s2, _ = gpu_timed(lambda: gpu.search(P(qw[:n], D), k), args.gpu_repeats,
+                                      device)
+                    add("topk", eng, str(device), n, G, s2, kk=k, check=echeck)
+                add("topk", eng, str(device), Q, G, es, kk=k, check=echeck,
+                    note="HashIndex(device=..., backend=" + repr(eng) + ") search, queries = "
+                         "index codes with 10% of bits flipped")
+                if args.profile_out and G == idx_sizes[0]:
+                    profile_kernels(lambda: gpu.search(P(qw, D), k), device, args.profile_out,
+                                    f"HashIndex.search ({eng}), {Q} queries, top-{k} of {G:,} "
+                                    "codes")
+                del De, Ie
+            gpu.backend = "triton"
             del gpu, cpu_index, qc, Dg, Ig
             if device.type == "cuda":
                 torch.cuda.empty_cache()

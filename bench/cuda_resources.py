@@ -1,5 +1,5 @@
-"""Per-kernel resources of the CUDA kernels (csrc/*.cu: nac_cuda.cu, nac_cuda_mma.cu) as ptxas
-reports them: registers, spills, static shared memory and stack frame, plus the tensor-core
+"""Per-kernel resources of the CUDA kernels (csrc/*.cu: nac_cuda.cu, nac_cuda_mma.cu,
+hamming_cuda.cu) as ptxas reports them: registers, spills, static shared memory and stack frame, plus the tensor-core
 instructions in the SASS (HMMA/HGMMA count), per target arch, with no GPU needed.
 
     python bench/cuda_resources.py --csv results/cuda_resources.csv [--archs 80,90] [--jobs 2]
@@ -51,6 +51,12 @@ NO_SPILL_DTYPES = ("bf16", "fp16", "fp32")
 # The matrix kernels (the n x N products): a bf16/fp16 instantiation of one without a tensor-core
 # instruction is a problem (the 16-bit path fell back to scalar FMAs).
 MATRIX_KERNEL = re.compile(r"^(fwd|bwd_keys)\w*_kernel\b")
+# The Hamming engine's kernels (csrc/hamming_cuda.cu: a query per thread, its code in registers):
+# any spill or stack frame is a problem (the query's words went to local memory).
+HAMMING_KERNEL = re.compile(r"^(cdist|filter|retrieval)_kernel<")
+# Threads per block the host launches them with (csrc/hamming_cuda.cu, nac_fast/ops/hamming_cuda.py:
+# the retrieval passes launch a warp per block, half a warp for codes whose counters would not fit)
+HAMMING_THREADS = {"cdist": 256, "filter": 128, "retrieval": 32}
 MMA_OPS = ("HGMMA", "HMMA")
 
 
@@ -269,7 +275,11 @@ def cuda_resource_rows(archs=(80, 90), jobs=2, sources=SOURCES) -> list:
 
 def threads_per_block(kernel: str) -> int:
     """Threads per block the host launches `kernel` with (csrc/nac_cuda.cu, nac_cuda_mma.cu):
-    128 for finish_kernel (one block per row), 256 for every other kernel."""
+    128 for finish_kernel (one block per row), 256 for every other kernel; the Hamming kernels'
+    (csrc/hamming_cuda.cu) from HAMMING_THREADS."""
+    m = HAMMING_KERNEL.match(kernel)
+    if m:
+        return HAMMING_THREADS[m.group(1)]
     return 128 if kernel.startswith("finish_kernel") else 256
 
 
@@ -284,6 +294,11 @@ def problems(rows) -> list:
     msgs = []
     for r in rows:
         where = f"sm_{r['arch']} {r['kernel']}"
+        if HAMMING_KERNEL.match(r["kernel"]) and (r["spill_store_bytes"] or r["spill_load_bytes"]
+                                                   or int(r.get("stack_bytes") or 0)):
+            msgs.append(f"{where} (Hamming) uses local memory: {r['spill_store_bytes']} B spill "
+                        f"stores, {r['spill_load_bytes']} B spill loads, "
+                        f"{r.get('stack_bytes') or 0} B stack")
         if r["dtype"] in NO_SPILL_DTYPES and (r["spill_store_bytes"] or r["spill_load_bytes"]):
             msgs.append(f"{where} ({r['dtype']}) spills: {r['spill_store_bytes']} B stores, "
                         f"{r['spill_load_bytes']} B loads")

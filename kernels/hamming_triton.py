@@ -14,7 +14,8 @@ small exact steps below write distances.
                                ([M:radius], [M:pr-curve]): what the C++ hamming_retrieval returns
     average_precision(...)     retrieval's AP alone
 
-**Top-k** (exact, ties by index [M:rank]).  A bound T_q >= the k-th smallest distance of each query
+**Top-k** (exact, ties by index [M:rank]; the host side below is nac_fast/ops/hamming_topk.py,
+shared with the CUDA engine nac_fast/ops/hamming_cuda.py, which runs its own filter kernel).  A bound T_q >= the k-th smallest distance of each query
 comes first: the exact k-th distance over a strided sample of the gallery (every
 SAMPLE_RATIO-th code; recursively, the sample's own bound comes from its sample, down to
 BASE_ROWS codes whose distances are computed outright).  Then one pass over the gallery
@@ -49,10 +50,14 @@ nac_fast/ops/search.py uses the same SWAR formula in torch ops.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import triton
 import triton.language as tl
+
+from nac_fast.ops import hamming_topk
+from nac_fast.ops.hamming_topk import EMPTY_KEY, KEY_INDEX_MASK, KEY_SHIFT  # noqa: F401
 
 from .launch import Launch, cdiv, run, target_of
 
@@ -64,9 +69,6 @@ from .launch import Launch, cdiv, run, target_of
 # sends longer codes to the reference backend (distances and top-k have no such limit).
 MAX_BITS = 1023
 
-KEY_SHIFT = 40                         # top-k candidate key: distance << 40 | gallery index
-KEY_INDEX_MASK = (1 << KEY_SHIFT) - 1
-EMPTY_KEY = (1 << 63) - 1              # an unused candidate slot
 TOPK_MAX_K = 1024                      # larger k: chunked cdist + torch.topk (rank() is Q x G)
 SAMPLE_RATIO = 16                      # the bound's sample: every 16th code (+1/16 of the work)
 BASE_ROWS = 4096                       # a sample this small: its distances outright
@@ -490,18 +492,6 @@ def _check_rows(G: int) -> None:
                          f"codes, got {G:,}: split the gallery")
 
 
-def _kth_outright(qw: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor:
-    """(Q,) int32: the exact k-th smallest distance of each query over the (small) codes g."""
-    step = max(1, BASE_PAIRS // g.shape[0])
-    out = [torch.topk(cdist(qw[s:s + step], g), k, dim=1, largest=False, sorted=True).values[:, -1]
-           for s in range(0, qw.shape[0], step)]
-    return torch.cat(out)
-
-
-def _outright_rows(k: int) -> int:
-    return max(BASE_ROWS, SAMPLE_RATIO * k)
-
-
 def _filter(qw, gview, t, k: int, expect: float, capacity=None):
     """The filter pass: (candidate keys (Q, slots), counts below the bound (Q, splits), CA)."""
     launches, keys, na, ca = topk_plan(qw, gview, t, k, expect, capacity=capacity)
@@ -509,44 +499,21 @@ def _filter(qw, gview, t, k: int, expect: float, capacity=None):
     return keys, na, ca
 
 
-def _smallest_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
-    return torch.topk(keys, k, dim=1, largest=False, sorted=True).values
+def _engine():
+    """This module as the engine of nac_fast/ops/hamming_topk.py (its constants read at each call,
+    so a test may shrink them)."""
+    return sys.modules[__name__]
 
 
 def kth_bound(qw: torch.Tensor, gview: torch.Tensor, k: int) -> torch.Tensor:
-    """(Q,) int32 >= the k-th smallest distance over the rows of gview (a view of >= k rows),
-    and equal to it unless a slice of the filter pass overflowed: the filter pass over gview under
-    the bound of its sample (every SAMPLE_RATIO-th row, recursively); few rows are done outright."""
-    S = gview.shape[0]
-    if S <= _outright_rows(k):
-        return _kth_outright(qw, gview.contiguous(), k)
-    sample = gview[::SAMPLE_RATIO]
-    t = kth_bound(qw, sample, k)
-    keys, _, _ = _filter(qw, gview, t, k, (k - 1) * S / sample.shape[0])
-    # Any k rows' largest distance bounds the k-th smallest: the candidates are real rows even if
-    # a slice overflowed, so this holds without checking.
-    return (_smallest_keys(keys, k)[:, -1] >> KEY_SHIFT).to(torch.int32)
-
-
-def _topk_direct(qw, gw, k: int):
-    """Distances in query chunks, then one top-k per chunk on the composite key distance * G +
-    index: exact, equal distances in index order.  For k > TOPK_MAX_K and small galleries."""
-    G = gw.shape[0]
-    dists, idxs = [], []
-    step = max(1, DIRECT_PAIRS // G)
-    ar = torch.arange(G, device=gw.device, dtype=torch.int64)
-    for s in range(0, qw.shape[0], step):
-        key = cdist(qw[s:s + step], gw).to(torch.int64) * G + ar
-        kk = torch.topk(key, k, dim=1, largest=False, sorted=True).values
-        dists.append(torch.div(kk, G, rounding_mode="floor").to(torch.int32))
-        idxs.append(kk % G)
-    return torch.cat(dists), torch.cat(idxs)
+    """(Q,) int32 >= the k-th smallest distance over the rows of gview (hamming_topk.kth_bound)."""
+    return hamming_topk.kth_bound(_engine(), qw, gview, k)
 
 
 def topk_workspace_bytes(Q: int, G: int, k: int, W: int, device: torch.device) -> int:
     """An upper bound of the GPU memory :func:`topk` allocates beyond its outputs (the candidate
     slots of the full pass, a rerun's, and the bound's sample levels and outright step)."""
-    if k > TOPK_MAX_K or G <= _outright_rows(k):
+    if k > TOPK_MAX_K or G <= hamming_topk.outright_rows(_engine(), k):
         step = max(1, DIRECT_PAIRS // max(G, 1))
         return min(Q, step) * G * (4 + 8 + 8) + G * 8
     tg = _target(device)
@@ -555,38 +522,17 @@ def topk_workspace_bytes(Q: int, G: int, k: int, W: int, device: torch.device) -
     nsplit = topk_split(Q, G, TOPK_WAVES * tg.sms * (1 if tg.arch == 0 else 32), bq, bg)
     slots = nsplit * (topk_capacity(k, (k - 1) * SAMPLE_RATIO, nsplit) + k)
     full = Q * slots * 8 * 2 + Q * nsplit * 4       # keys + topk's copy, counts
-    rows = _outright_rows(k)
+    rows = hamming_topk.outright_rows(_engine(), k)
     outright = min(Q, max(1, BASE_PAIRS // rows)) * (rows * 4 + k * 12) + rows * W * 8
     return 3 * full + outright + Q * 4 * 4         # + the bounds of the levels
 
 
 def topk(qw: torch.Tensor, gw: torch.Tensor, k: int):
     """The k nearest rows of gw for each row of qw: (int32 distances, int64 indices), (Q, k),
-    nearest first, equal distances in index order.  Exact; no Q x G matrix (module docstring).
-    qw, gw: contiguous int64 words on one device; 1 <= k <= G."""
-    Q = qw.shape[0]
-    G = gw.shape[0]
-    _check_rows(G)
-    if k > TOPK_MAX_K or G <= _outright_rows(k):
-        return _topk_direct(qw, gw, k)
-    sample = gw[::SAMPLE_RATIO]
-    t = kth_bound(qw, sample, k)
-    expect = (k - 1) * G / sample.shape[0]
-    keys, na, ca = _filter(qw, gw, t, k, expect)
-    top = _smallest_keys(keys, k)
-    over = (na > ca).any(1)
-    ca_max = 8 * ca
-    while bool(over.any()):  # host sync: a slice held more than CA items below the bound
-        rows = over.nonzero()[:, 0]
-        # the k-th distance of the candidates: k real rows, all below the old bound, so each
-        # round lowers the bound by at least one and the loop ends
-        t2 = (top[rows, k - 1] >> KEY_SHIFT).to(torch.int32)
-        ca = min(2 * ca, ca_max)
-        keys2, na2, ca = _filter(qw[rows], gw, t2, k, expect, capacity=ca)
-        top[rows] = _smallest_keys(keys2, k)
-        over = torch.zeros_like(over)
-        over[rows] = (na2 > ca).any(1)
-    return (top >> KEY_SHIFT).to(torch.int32), top & KEY_INDEX_MASK
+    nearest first, equal distances in index order; exact, no Q x G matrix
+    (nac_fast/ops/hamming_topk.py).  qw, gw: contiguous int64 words on one device; 1 <= k <= G."""
+    _check_rows(gw.shape[0])
+    return hamming_topk.topk(_engine(), qw, gw, k)
 
 
 def retrieval(qw, gw, ql, gl, nbits: int, cuts=(), hist: bool = False):

@@ -207,6 +207,26 @@ def test_problems():
     assert "big<float> uses 49156 B of static shared memory" in found[3]
 
 
+def test_problems_flag_local_memory_in_the_hamming_kernels():
+    """The Hamming kernels keep a query's words in registers: a spill or a stack frame (the words
+    moved to local memory) is a problem whatever the dtype column says (it is empty for them)."""
+    rows = [_row("retrieval_kernel<hamming_lanes::RankPass, 16, true>", ""),   # clean
+            dict(_row("retrieval_kernel<hamming_lanes::HistPass, 2, false>", ""), stack_bytes=16),
+            _row("filter_kernel<8>", "", arch=90, spill=8),
+            _row("cdist_kernel<1>", "")]
+    found = res.problems(rows)
+    assert len(found) == 2, found
+    assert found[0].startswith("sm_80 retrieval_kernel<hamming_lanes::HistPass, 2, false> "
+                               "(Hamming) uses local memory")
+    assert "16 B stack" in found[0]
+    assert found[1].startswith("sm_90 filter_kernel<8> (Hamming) uses local memory: 8 B spill")
+    assert [res.threads_per_block(k) for k in ("cdist_kernel<1>", "filter_kernel<2>",
+                                                "retrieval_kernel<hamming_lanes::HistPass, 2, "
+                                                "false>", "finish_kernel<float>",
+                                                "fwd_kernel<float, float, 64>")] == [
+        256, 128, 32, 128, 256]
+
+
 def test_parse_sass_mufu_sample():
     sass = f"""
 	code for sm_80

@@ -277,17 +277,11 @@ def labels(seed, n, classes=None, L=None, dev="cpu"):
     return (torch.rand(n, L, generator=g) < 0.15).to(dev)
 
 
-def check_retrieval(dev, bits, Q, G, classes=None, L=None, cuts=(), seed=0):
-    qw, gw = words(seed + 1, Q, bits, dev), words(seed + 2, G, bits, dev)
-    ql, gl = labels(seed + 3, Q, classes, L, dev), labels(seed + 4, G, classes, L, dev)
-    qp, gp = H.PackedCodes(qw, bits), H.PackedCodes(gw, bits)
-    qlp, glp = ql, gl
-    if L:
-        qlp, glp = H.pack_codes(ql, zero_one=True).words, H.pack_codes(gl, zero_one=True).words
-    got = HT.retrieval(qw, gw, qlp, glp, bits, cuts, hist=True)
+def assert_same_retrieval(got, qw, gw, ql, gl, cuts, bits):
+    """A GPU engine's retrieval outputs `got` against the torch reference's: counts and
+    histograms equal, AP and precision sums to 1e-12.  Returns the reference's AP."""
     assert all(t.device == qw.device for t in got)
-    ref = _ref_pass(qw.cpu(), gw.cpu(), ql.cpu(), gl.cpu(), cuts, True, bits,
-                                    "reference")
+    ref = _ref_pass(qw.cpu(), gw.cpu(), ql.cpu(), gl.cpu(), cuts, True, bits, "reference")
     ap, nrel, hits, psum, hist, relhist = (t.cpu() for t in got)
     wap, wnrel, whits, wpsum, whist, wrelhist = ref
     assert torch.equal(nrel, wnrel)
@@ -296,6 +290,18 @@ def check_retrieval(dev, bits, Q, G, classes=None, L=None, cuts=(), seed=0):
     assert torch.equal(hits, whits)
     np.testing.assert_allclose(psum.numpy(), wpsum.numpy(), rtol=1e-12, atol=0)
     assert torch.equal(hist, whist[:, :bits + 1]) and torch.equal(relhist, wrelhist[:, :bits + 1])
+    return wap
+
+
+def check_retrieval(dev, bits, Q, G, classes=None, L=None, cuts=(), seed=0):
+    qw, gw = words(seed + 1, Q, bits, dev), words(seed + 2, G, bits, dev)
+    ql, gl = labels(seed + 3, Q, classes, L, dev), labels(seed + 4, G, classes, L, dev)
+    qp, gp = H.PackedCodes(qw, bits), H.PackedCodes(gw, bits)
+    qlp, glp = ql, gl
+    if L:
+        qlp, glp = H.pack_codes(ql, zero_one=True).words, H.pack_codes(gl, zero_one=True).words
+    got = HT.retrieval(qw, gw, qlp, glp, bits, cuts, hist=True)
+    wap = assert_same_retrieval(got, qw, gw, ql, gl, cuts, bits)
     # mAP through the public API, the engine picked for these tensors
     m = H.mean_average_precision(qp, ql, gp, gl, backend="triton")
     want = np.nanmean(wap.numpy()) if (~torch.isnan(wap)).any() else math.nan

@@ -55,7 +55,7 @@ import torch
 
 from .. import _checks
 from ..ops.codes import MAX_BITS, PackedCodes, as_packed, check_packed
-from ..ops.search import resolve_backend, topk_words, triton_kernels
+from ..ops.search import cuda_kernels, resolve_backend, topk_words, triton_kernels
 from .._files import atomic_write
 
 __all__ = ["HashIndex", "FORMAT", "FORMAT_VERSION"]
@@ -124,7 +124,7 @@ def check_gpu_memory(device: torch.device, need: int, what: str) -> None:
 class HashIndex:
     """A flat Hamming index of ``nbits``-bit codes (see the module docstring).
 
-    ``backend``: the Hamming engine's backend for searches ("auto", "cpu", "triton",
+    ``backend``: the Hamming engine's backend for searches ("auto", "cpu", "triton", "cuda",
     "reference"); ``meta``: a JSON-able dict saved with the index; ``device``: where the codes
     live and searches run ("cpu", or "cuda[:i]": a GPU index)."""
 
@@ -290,16 +290,18 @@ class HashIndex:
         if Q == 0:
             return (torch.zeros((0, k), dtype=torch.int32, device=qdev),
                     torch.zeros((0, k), dtype=torch.int64, device=qdev))
-        # the engine for tensors on run_on (top-k has no bit limit), checked before any copy
-        be = resolve_backend(self.backend, torch.empty(0, dtype=torch.int64, device=run_on))
+        # the engine for tensors on run_on (top-k: no bit limit on Triton, 1024 bits on CUDA),
+        # checked before any copy
+        be = resolve_backend(self.backend,
+                             torch.empty((0, self.words_per_code), dtype=torch.int64, device=run_on))
         if run_on.type == "cuda":
             need = Q * (self.words_per_code * 8 + k * 12)  # the queries and the results
             if self._device.type == "cpu" and (self._device_words is None or
                                                self._device_words.device != run_on):
                 need += self._n * self.words_per_code * 8  # the copy of the codes
-            if be == "triton":
-                need += triton_kernels().topk_workspace_bytes(Q, self._n, k,
-                                                              self.words_per_code, run_on)
+            if be in ("triton", "cuda"):
+                kernels = triton_kernels() if be == "triton" else cuda_kernels()
+                need += kernels.topk_workspace_bytes(Q, self._n, k, self.words_per_code, run_on)
             check_gpu_memory(run_on, need, f"searching {Q:,} queries (top {k}) in "
                              f"{self._n:,} codes")
         gw = self._gallery_on(run_on)

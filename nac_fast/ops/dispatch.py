@@ -11,7 +11,8 @@ Ops and their backends:
                (kernels/nac_triton.py), cuda (csrc/nac_cuda.cu)
     "noise"    the channel noise from a seed: reference, cpu, triton, cuda
     "hamming"  the Hamming retrieval engine: reference, cpu (csrc/hamming.cpp), triton
-               (kernels/hamming_triton.py)
+               (kernels/hamming_triton.py), cuda (csrc/hamming_cuda.cu through
+               nac_fast/ops/hamming_cuda.py)
 
 The compiled extension `nac_fast._C` is optional: without it the package works on the reference
 backend (and Triton on GPU) and warns once, at import.  The Triton kernels are the subpackage
@@ -34,7 +35,7 @@ BACKENDS = ("reference", "cpu", "triton", "cuda")
 OPS = {  # op -> (backends, the torch.ops.nac_fast op the compiled backends register)
     "nac": (BACKENDS, "nac_fwd"),
     "noise": (BACKENDS, "nac_noise"),
-    "hamming": (("reference", "cpu", "triton"), "hamming_cdist"),
+    "hamming": (BACKENDS, "hamming_lanes_cdist"),
 }
 _TRITON_MODULES = ("nac_triton", "nac_noise_triton", "hamming_triton")
 # Backends that run when asked by name but that backend="auto" never picks.  Empty: 'cuda' (the

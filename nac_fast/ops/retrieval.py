@@ -43,7 +43,8 @@ import torch
 
 from .. import _checks
 from .codes import is_integer_dtype, pack_bits, pack_bits_torch
-from .search import cdist_words, pair, ref_chunk_rows, resolve_backend, triton_kernels
+from .search import (cdist_words, cuda_kernels, pair, ref_chunk_rows, resolve_backend,
+                     triton_kernels)
 
 __all__ = ["average_precision", "mean_average_precision", "precision_within_radius",
            "pr_curve", "precision_at_n", "retrieval_metrics"]
@@ -174,6 +175,10 @@ def _pass(q, g, ql, gl, be, cuts=(), hist=False):
         if ql.dim() == 2:
             ql, gl = pack_bits_torch(ql), pack_bits_torch(gl)
         return triton_kernels().retrieval(q.words, g.words, ql, gl, q.nbits, cuts, hist)
+    if be == "cuda":  # the same passes, each query's counters in shared memory
+        if ql.dim() == 2:
+            ql, gl = pack_bits_torch(ql), pack_bits_torch(gl)
+        return cuda_kernels().retrieval(q.words, g.words, ql, gl, q.nbits, cuts, hist)
     out = _ref_pass(q.words, g.words, ql, gl, cuts, hist, q.nbits, be)
     if hist:
         out = (*out[:4], out[4][:, :q.nbits + 1], out[5][:, :q.nbits + 1])

@@ -16,8 +16,11 @@ Backends (``backend=``, chosen by the one dispatcher nac_fast/ops/dispatch.py, o
 query blocks x gallery tiles and rejects a candidate with one compare against the k-th distance);
 ``"reference"`` is plain PyTorch, runs on any device and works in query chunks of bounded memory;
 ``"triton"`` (kernels/hamming_triton.py) runs on CUDA tensors (and on CPU tensors under
-``TRITON_INTERPRET=1``, which is how CI tests it).  ``"auto"`` picks ``"cpu"`` for CPU tensors when
-the extension is built, ``"triton"`` for CUDA tensors when Triton imports, else ``"reference"``.
+``TRITON_INTERPRET=1``, which is how CI tests it); ``"cuda"`` (csrc/hamming_cuda.cu through
+nac_fast/ops/hamming_cuda.py: a query per thread, its counters in shared memory) runs on CUDA
+tensors when the extension is built with CUDA (CI tests its kernels' lane functions in emulation on
+CPU tensors).  ``"auto"`` picks ``"cpu"`` for CPU tensors when the extension is built, ``"triton"``
+for CUDA tensors when Triton imports, then ``"cuda"``, else ``"reference"``.
 Timings: ``python bench/bench_index.py`` (top-k over 1M codes) and ``python bench/bench_hamming.py``
 (mAP@all), results in bench/results/.
 """
@@ -48,10 +51,24 @@ def triton_kernels():
     return hamming_triton
 
 
+def cuda_kernels():
+    """nac_fast/ops/hamming_cuda.py: the "cuda" backend's host side."""
+    from . import hamming_cuda
+    return hamming_cuda
+
+
 def resolve_backend(backend, words: torch.Tensor, nbits: int | None = None) -> str:
-    """The dispatcher's choice for the packed words' device; codes wider than the Triton
-    kernels' limit go to the reference under "auto" and are refused by an explicit "triton"."""
+    """The dispatcher's choice for the packed words' device; codes wider than the Triton or CUDA
+    kernels' limit go to the reference under "auto" and are refused by an explicit "triton" or
+    "cuda"."""
     be = dispatch.resolve_backend(backend, words, op="hamming")
+    if be == "cuda":
+        width = nbits if nbits is not None else words.shape[-1] * 64
+        if width > cuda_kernels().MAX_BITS:
+            if backend == "auto":
+                return "reference"
+            raise ValueError(f"backend 'cuda' handles codes of at most {cuda_kernels().MAX_BITS} "
+                             f"bits, got {width}; use 'reference'")
     if be == "triton" and nbits is not None and nbits > triton_kernels().MAX_BITS:
         if backend == "auto":
             return "reference"  # torch ops, chunked, no host round trip
@@ -115,6 +132,8 @@ def cdist_words(qw: torch.Tensor, gw: torch.Tensor, backend: str) -> torch.Tenso
         return torch.ops.nac_fast.hamming_cdist(qw, gw)
     if backend == "triton":
         return triton_kernels().cdist(qw, gw)
+    if backend == "cuda":
+        return cuda_kernels().cdist(qw, gw)
     return ref_cdist(qw, gw)
 
 
@@ -170,6 +189,8 @@ def topk_words(qw: torch.Tensor, gw: torch.Tensor, k: int, backend: str):
         return torch.ops.nac_fast.hamming_topk(qw, gw, k)
     if backend == "triton":
         return _triton_topk(qw, gw, k)
+    if backend == "cuda":  # the same bound and filter pass, csrc/hamming_cuda.cu's kernels
+        return cuda_kernels().topk(qw, gw, k)
     return _ref_topk(qw, gw, k)
 
 
