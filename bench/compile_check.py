@@ -137,12 +137,19 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
                     for L in launches:
                         yield case, L
                 # the kernel that draws the noise from a seed (the eager calls' with noise=None:
-                # the prologue in-batch, the forward kernel with given keys)
-                launches, _ = nac_triton.fwd_plan(a, r, None, keys, 1.1, 0.1, True, target,
-                                                  seed=torch.empty(1, dtype=torch.int64, **meta),
-                                                  p=0.1)
+                # the prologue in-batch, the forward kernel with given keys), the seed in a
+                # tensor (drawn on the device: graph capture) or drawn on the host (an int)
+                for seed in (torch.empty(1, dtype=torch.int64, **meta), 3 << 61):
+                    launches, _ = nac_triton.fwd_plan(a, r, None, keys, 1.1, 0.1, True, target,
+                                                      seed=seed, p=0.1)
+                    for L in launches:
+                        if L.constexprs.get("SEEDED"):
+                            yield case, L
+                # the finish that reduces the rows itself (eager calls, reduction mean/sum)
+                launches, _ = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, True, target,
+                                                  reduction="mean")
                 for L in launches:
-                    if L.constexprs.get("SEEDED"):
+                    if L.tag == "finish":
                         yield case, L
                 if keys is not None:  # NACMQLoss: the inference term in the finish and bwd_rows
                     launches, _ = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, True, target,

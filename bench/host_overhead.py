@@ -34,6 +34,8 @@ in-batch 8192 and queue 256 x 65536 in fp32; D = 128) and backend (reference, co
                   loop gets (the larger of host and GPU time)
   graph_s         the step captured in a CUDA graph (fresh inputs, the noise drawn once before:
                   no RNG in the capture), replays timed by do_bench: the GPU work alone
+and first two floor rows (kind "floor", `floor_rows`): one ATen launch, and an autograd.Function
+with one launch each way, the least a loss called through autograd costs this host;
 and, per fused backend, the ratios to eager and torch.compile (compiled-reference:
 torch.compile(reference, fullgraph=True, dynamic=False), the noise drawn outside it by the same
 call).  Each is the median of 3 repetitions.  Rows are appended to --csv (columns FIELDS) and a
@@ -193,8 +195,10 @@ def op_path():
 
 class StubLaunches:
     """Kernel launches replaced by no-ops at the compiled kernel's launcher, the plans made for
-    sm_90, and backend="auto" resolving as on a GPU (triton for the loss and the noise).  Counts
-    the launches."""
+    sm_90, their scratch kept and the noise's seed drawn on the host as on a GPU outside graph
+    capture (kernels/launch.py, nac_fast/ops/noise.py host_seed: here from a counter, through the
+    same mix), and backend="auto" resolving as on a GPU (triton for the loss and the noise).
+    Counts the launches."""
 
     def __init__(self):
         self.launches = 0
@@ -205,10 +209,12 @@ class StubLaunches:
                        (nac_noise_triton, "run", nac_noise_triton.run),
                        (launch, "_first_launch", launch._first_launch),
                        (launch, "_stream", launch._stream),
+                       (launch, "_keeps_scratch", launch._keeps_scratch),
                        (launch, "run", launch.run),
                        (nac_triton, "run", nac_triton.run),
                        (nac_triton, "target_of", nac_triton.target_of),
-                       (dispatch, "_auto", dispatch._auto)]
+                       (dispatch, "_auto", dispatch._auto),
+                       (loss_mod, "host_seed", loss_mod.host_seed)]
         stub = self
 
         def noop(*args):
@@ -220,6 +226,15 @@ class StubLaunches:
         launch.direct_launches = lambda device: True
         launch._first_launch = lambda L: (noop(), (noop, 0, None))[1]
         launch._stream = lambda index: 0
+        launch._keeps_scratch = lambda device: launch.KEEP_SCRATCH
+        from nac_fast.ops.noise import mix_seed
+        offset = [0]
+
+        def host_seed(device, generator=None):
+            offset[0] += 4
+            return mix_seed(12345, offset[0])
+
+        loss_mod.host_seed = host_seed
         launch.run = run_stub
         nac_triton.run = run_stub
         nac_noise_triton.run = run_stub
@@ -302,7 +317,8 @@ def stub_rows(calls: int = 200, repeats: int = 5):
             with StubLaunches() as stub, (op_path() if backend.endswith("op-path")
                                           else contextlib.nullcontext()):
                 step = user_step(kind, n, N, D, dtype, "cpu", "triton")
-                step()
+                step()  # records the plans
+                step()  # their first call: the kept scratch is made
                 before = nac_triton.FWD_PLANS.recorded + nac_triton.BWD_PLANS.recorded
                 stub.launches = 0
                 with AtenLaunches() as aten:
@@ -321,6 +337,7 @@ def stub_rows(calls: int = 200, repeats: int = 5):
     for kind, n, N, D, dtype in cases:
         with StubLaunches() as stub:
             step = criterion_step(kind, n, N, D, dtype, "cpu", "triton")
+            step()
             step()
             stub.launches = 0
             with AtenLaunches() as aten:
@@ -448,6 +465,50 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
     return rows
 
 
+class _OneEachWay(torch.autograd.Function):
+    """The least a fused loss can launch: one kernel forward (a sum), one backward (the expanded
+    gradient, materialised)."""
+
+    @staticmethod
+    def forward(ctx, a):
+        ctx.shape = a.shape
+        return a.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.expand(ctx.shape).contiguous()
+
+
+def floor_rows(device: str = "cuda", n: int = 512, D: int = 128):
+    """The host floor of this machine (kind "floor"), timed as the loss rows are:
+      floor-launch    one ATen kernel launch on a tiny tensor (x.add_(1)): no allocation
+      floor-autograd  _OneEachWay on a fresh leaf of (n, D) bf16, then backward(): the forward's
+                      and the backward's launch, autograd's ones_like, three allocations, the
+                      autograd engine (on a GPU: its device thread) - the least any fused loss
+                      called through autograd costs the host here"""
+    x = torch.zeros(4, device=device)
+    a = torch.randn(n, D, device=device).to(torch.bfloat16)
+
+    def launch():
+        x.add_(1.0)
+
+    def autograd_step():
+        _OneEachWay.apply(a.detach().requires_grad_()).backward()
+
+    rows = []
+    for name, step in (("floor-launch", launch), ("floor-autograd", autograd_step)):
+        row = dict(mode="gpu", kind="floor", n=n, N=0, D=D, dtype="bfloat16", backend=name,
+                   resolved=name)
+        try:
+            host, total = _host_and_back_to_back(step)
+            row.update(host_s=host, back_to_back_s=total, status="ok")
+        except Exception as exc:  # recorded, and fails the run
+            row["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        rows.append(row)
+        print(_fmt(row), flush=True)
+    return rows
+
+
 def _ok(row) -> bool:
     """A measured row (its graph replay may have failed: "ok (no graph: ...)")."""
     return str(row.get("status", "ok")).startswith("ok")
@@ -512,7 +573,16 @@ def goals(rows) -> list[str]:
     want = {("inbatch", 8192): (3.0, 1.5), ("mq", 8192): (5.0, 1.8), ("mq", 256): (2.0, None),
             ("inbatch", 512): (2.0, None)}
     out = []
+    floor = {r["backend"]: r["host_s"] for r in rows if r.get("kind") == "floor" and _ok(r)}
+    if floor:
+        out.append("floor of this host: "
+                   + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in floor.items())
+                   + " (floor-autograd: the least a loss called through autograd costs it; the "
+                   "60 us goal is " + ("below" if floor.get("floor-autograd", 0) > 60e-6 else
+                                       "above") + " it)")
     for row in rows:
+        if row.get("kind") == "floor":
+            continue
         if row.get("mode") != "gpu" or not _ok(row):
             continue
         if row["backend"] in ("triton", "cuda", "auto") and row["dtype"] == "bfloat16":
@@ -613,7 +683,8 @@ def main(argv=None):
                 print(f"skipping backend {b!r}: not available ({avail})")
                 continue
             backends.append(b)
-        rows = gpu_rows(cases, backends, args.compile_backend, not args.no_graphs)
+        rows = floor_rows() + gpu_rows(cases, backends, args.compile_backend,
+                                       not args.no_graphs)
         if args.profile_out and "triton" in avail:
             profile_triton(args.profile_out)
     else:

@@ -196,12 +196,26 @@ def run(launches: Sequence[Launch]) -> None:
                                           num_stages=L.num_stages)
 
 
-def buffer(shape, dtype, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised buffer on like's device (meta tensors when a plan is only inspected).
-    While a `Plan` is recorded, every buffer is noted: the plan allocates its like at each call."""
-    t = torch.empty(shape, dtype=dtype, device=like.device)
+def _nbytes(shape, dtype) -> int:
+    n = 1
+    for k in shape:
+        n *= int(k)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+_ZEROED: set = set()  # ids of the recording plan's zero-filled buffers (cleared per record)
+
+
+def buffer(shape, dtype, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
+    """An uninitialised buffer on like's device (meta tensors when a plan is only inspected), or
+    zero-filled (`zero`: a counter the kernels leave zero when they are done with it, which a plan
+    may then keep as scratch).  While a `Plan` is recorded, every buffer is noted: the plan
+    allocates its like at each call."""
+    t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=like.device)
     if _RECORDING is not None:
         _RECORDING.append(t)
+        if zero:
+            _ZEROED.add(id(t))
     return t
 
 
@@ -243,6 +257,40 @@ def split_count(outer_blocks: int, inner_tiles: int, programs: int, cap: int = 6
 
 _RECORDING: Optional[list] = None  # the buffers of the plan being recorded (see `buffer`)
 PLAN_CACHE_SIZE = 256               # plans kept per op (least recently recorded dropped first)
+
+# Scratch: a plan's buffers that are no output (the forward's split partials, the keys' backward's
+# split sums) live only while the plan's own launches run.  On a GPU, outside CUDA-graph capture,
+# a plan keeps them per stream and hands them to its next call on that stream, whose launches
+# queue behind the previous call's: no allocation (a few us of host each, issue 37).  Plans whose
+# scratch exceeds SCRATCH_PLAN_MAX, or that would take the held total past SCRATCH_TOTAL_MAX,
+# allocate per call as before (large calls are GPU-bound: their host time is hidden anyway).
+# NAC_FAST_KEEP_SCRATCH=0 turns it off; release_scratch() frees what is held.
+SCRATCH_PLAN_MAX = 32 << 20
+SCRATCH_TOTAL_MAX = 256 << 20
+KEEP_SCRATCH = os.environ.get("NAC_FAST_KEEP_SCRATCH", "1") != "0"
+_SCRATCH_HELD = [0]       # bytes held by every plan's kept scratch
+_PLANS_HOLDING: set = set()  # the plans that hold some (release_scratch)
+
+
+def _keeps_scratch(device: torch.device) -> bool:
+    """Whether a plan call on `device` may reuse kept scratch: a GPU whose current stream is not
+    being captured into a CUDA graph (a graph would bake the pointers in), and KEEP_SCRATCH."""
+    return (KEEP_SCRATCH and device.type == "cuda"
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _stream_key(device: torch.device) -> int:
+    return _stream(device.index)
+
+
+def release_scratch() -> int:
+    """Free the scratch every plan keeps (see SCRATCH_PLAN_MAX); returns the bytes released."""
+    freed = _SCRATCH_HELD[0]
+    for plan in _PLANS_HOLDING:
+        plan.scratch.clear()
+    _PLANS_HOLDING.clear()
+    _SCRATCH_HELD[0] = 0
+    return freed
 
 
 @contextlib.contextmanager
@@ -318,7 +366,8 @@ class Plan:
     `launcher(launches)`: how launches run when they do not go to the compiled kernels directly
     (`run`, or a recorder)."""
 
-    __slots__ = ("device", "buffers", "launches", "outputs", "compiled", "nbuf")
+    __slots__ = ("device", "buffers", "launches", "outputs", "compiled", "nbuf", "is_scratch",
+                 "scratch_bytes", "scratch", "zeroed")
 
     def __init__(self, launches, outputs, inputs, buffers):
         self.device = launch_device(launches) if launches else None
@@ -331,7 +380,7 @@ class Plan:
         # call (no data to share: a (0,) gradient nobody asked for, the keys' (0,) placeholder).
         used = {id(x) for L in launches for x in L.args if isinstance(x, torch.Tensor)}
         used |= {id(x) for x in outputs if isinstance(x, torch.Tensor)}
-        specs, shared = [], []
+        specs, shared, zeroed = [], [], []
         for t in buffers:
             if id(t) in index or id(t) not in used:
                 continue
@@ -340,8 +389,20 @@ class Plan:
             else:
                 index[id(t)] = (1, len(specs))
                 specs.append((tuple(t.shape), t.dtype, t.device))
+                zeroed.append(id(t) in _ZEROED)
         self.buffers = specs
+        self.zeroed = zeroed  # buffers a call needs zero-filled (`buffer(..., zero=True)`)
         self.nbuf = len(specs)
+        # scratch: the allocated buffers no output is (module comment at SCRATCH_PLAN_MAX)
+        out_ids = {id(x) for x in outputs if isinstance(x, torch.Tensor)}
+        self.is_scratch = [False] * len(specs)
+        for t in buffers:
+            where = index.get(id(t))
+            if where is not None and where[0] == 1 and id(t) not in out_ids:
+                self.is_scratch[where[1]] = True
+        self.scratch_bytes = sum(
+            _nbytes(shape, dt) for (shape, dt, _), s in zip(specs, self.is_scratch) if s)
+        self.scratch: dict = {}  # stream -> {buffer index: tensor}
 
         def ref(x, where):
             if isinstance(x, torch.Tensor):
@@ -392,16 +453,47 @@ class Plan:
             _RECORDING = prev
         launches = [L for L in launches if all(g > 0 for g in L.grid)]
         ids = [id(t) for t in inputs if t is not None]
-        plan = cls(launches, outputs, inputs, bufs) if len(set(ids)) == len(ids) else None
+        try:
+            plan = cls(launches, outputs, inputs, bufs) if len(set(ids)) == len(ids) else None
+        finally:
+            _ZEROED.difference_update(id(t) for t in bufs)
         if plan is not None and launches and direct_launches(plan.device):
             plan._launch_direct(inputs, None, launches)
         else:
             launcher(launches)
         return plan, tuple(outputs)
 
+    def _alloc(self, i):
+        shape, dt, d = self.buffers[i]
+        return (torch.zeros if self.zeroed[i] else torch.empty)(shape, dtype=dt, device=d)
+
+    def _bufs(self, dev):
+        """This call's buffers: the outputs' allocated, the scratch kept for this stream (made
+        on the stream's first call) where `_keeps_scratch`.  A kept zeroed buffer (a counter) is
+        zeroed once: the kernels that use it leave it zero."""
+        if not self.scratch_bytes or dev is None or not _keeps_scratch(dev):
+            return [self._alloc(i) for i in range(self.nbuf)]
+        key = _stream_key(dev)
+        held = self.scratch.get(key)
+        if held is None:
+            if (self.scratch_bytes > SCRATCH_PLAN_MAX
+                    or _SCRATCH_HELD[0] + self.scratch_bytes > SCRATCH_TOTAL_MAX):
+                return [self._alloc(i) for i in range(self.nbuf)]
+            held = {i: self._alloc(i) for i in range(self.nbuf) if self.is_scratch[i]}
+            _SCRATCH_HELD[0] += self.scratch_bytes
+            _PLANS_HOLDING.add(self)
+            self.scratch[key] = held
+        return [held[i] if i in held else self._alloc(i) for i in range(self.nbuf)]
+
+    def release(self) -> None:
+        """Free this plan's kept scratch (a plan dropped from its cache)."""
+        _SCRATCH_HELD[0] -= self.scratch_bytes * len(self.scratch)
+        _PLANS_HOLDING.discard(self)
+        self.scratch.clear()
+
     def __call__(self, inputs, scalars, launcher):
         dev = self.device
-        bufs = [torch.empty(shape, dtype=dt, device=d) for shape, dt, d in self.buffers]
+        bufs = self._bufs(dev)
         pools = (inputs, bufs)
         bound = []
         for L, full, dyn, scal, grid in self.launches:
@@ -467,10 +559,12 @@ class PlanCache:
         self.recorded += 1
         if plan is not None:
             if len(self.plans) >= PLAN_CACHE_SIZE:
-                self.plans.pop(next(iter(self.plans)))
+                self.plans.pop(next(iter(self.plans))).release()
             self.plans[key] = plan
         return outputs
 
     def clear(self) -> None:
+        for plan in self.plans.values():
+            plan.release()
         self.plans.clear()
         self.recorded = 0

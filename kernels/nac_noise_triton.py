@@ -38,7 +38,13 @@ def philox_sign(offs, seed_ptr, p):
     # The noise (-1.0 / +1.0, fp32) of the int64 element indices `offs` for the seed at seed_ptr
     # (one int64): the first Philox word of (seed, e), as a uniform in [0, 1), below p -> -1.
     # Also the NAC forward's prologue's (kernels/nac_triton.py, SEEDED): the same bits.
-    seed = tl.load(seed_ptr)  # int64
+    return philox_sign_of(offs, tl.load(seed_ptr), p)
+
+
+@triton.jit
+def philox_sign_of(offs, seed, p):
+    # philox_sign for the seed's value (an int64 scalar: a seed drawn on the host,
+    # nac_fast/ops/noise.py host_seed)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     c0 = (offs & 0xFFFFFFFF).to(tl.uint32)
@@ -48,27 +54,66 @@ def philox_sign(offs, seed_ptr, p):
     return tl.where(u < p, -1.0, 1.0)
 
 
-@triton.jit(do_not_specialize=["numel"])
-def _noise_kernel(out_ptr, seed_ptr, p, numel, BLOCK: tl.constexpr):
+# Where a kernel finds its seed (constexpr SEEDED): none (the noise is given: the NAC kernels), in
+# a one-element int64 tensor (drawn on the device: graph-safe), or as an int64 argument drawn on
+# the host (nac_fast/ops/noise.py host_seed: no launch, no allocation).
+NOISE_GIVEN, SEED_FROM_TENSOR, SEED_FROM_HOST = 0, 1, 2
+# seed_val when the seed is not the host's: an int64 value (Python ints of 2^31 and more are
+# passed as int64, which a host seed always is), never read
+NO_HOST_SEED = 1 << 62
+
+
+def seed_args(seed):
+    """(SEEDED, the seed tensor or None, seed_val) for a seed that is None (the noise is given), a
+    one-element int64 tensor (as `seed_operand` makes it), or an int drawn on the host."""
+    if seed is None:
+        return NOISE_GIVEN, None, NO_HOST_SEED
+    if isinstance(seed, int):
+        return SEED_FROM_HOST, None, seed
+    return SEED_FROM_TENSOR, seed, NO_HOST_SEED
+
+
+@triton.jit
+def seed_sign(offs, SEED, seed_val, p, SEEDED: tl.constexpr):
+    # philox_sign of the seed at SEED (SEEDED == SEED_FROM_TENSOR) or of seed_val (SEED_FROM_HOST)
+    if SEEDED == 2:
+        m = philox_sign_of(offs, seed_val, p)
+    else:
+        m = philox_sign(offs, SEED, p)
+    return m
+
+
+@triton.jit(do_not_specialize=["numel", "seed_val"])
+def _noise_kernel(out_ptr, seed_ptr, seed_val, p, numel, BLOCK: tl.constexpr,
+                  SEEDED: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    tl.store(out_ptr + offs, philox_sign(offs, seed_ptr, p).to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + offs,
+             seed_sign(offs, seed_ptr, seed_val, p, SEEDED).to(out_ptr.dtype.element_ty),
              mask=mask)
 
 
 BLOCK = 1024
 
 
-def _p(p):
+def _p(p, seed=0):
     return float(p)
 
 
-def noise_plan(out: torch.Tensor, seed: torch.Tensor, p: float):
+def _seed_val(p, seed=0):
+    return int(seed)
+
+
+def noise_plan(out: torch.Tensor, seed, p: float):
     """The launch that fills the floating tensor `out` (any shape, contiguous, any floating dtype:
-    +-1 is exact in each) with the noise of `seed` (a one-element int64 tensor on out's device)."""
+    +-1 is exact in each) with the noise of `seed` (a one-element int64 tensor on out's device, or
+    an int drawn on the host)."""
     n = out.numel()
-    return [Launch(_noise_kernel, (cdiv(n, BLOCK),), (out, seed, float(p), n),
-                   dict(BLOCK=BLOCK), 4, 1, "noise", (("p", _p),))]
+    seeded, seed_t, seed_val = seed_args(seed)
+    return [Launch(_noise_kernel, (cdiv(n, BLOCK),),
+                   (out, out if seed_t is None else seed_t, seed_val, float(p), n),
+                   dict(BLOCK=BLOCK, SEEDED=seeded), 4, 1, "noise",
+                   (("p", _p),) + ((("seed_val", _seed_val),) if seed_t is None else ()))]
 
 
 PLANS = PlanCache("nac_noise_triton")  # kernels/launch.py Plan: one per (shape, dtype, device)
@@ -84,17 +129,20 @@ def seed_operand(seed: torch.Tensor) -> torch.Tensor:
     return seed if seed.dtype == torch.int64 else seed.to(torch.int64)
 
 
-def noise(like: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+def noise(like: torch.Tensor, seed, p: float) -> torch.Tensor:
     """The op's body: the noise of like's shape, dtype and device (launched on like's device),
-    written in like's dtype by the kernel (no float32 copy)."""
-    seed = seed_operand(seed)
+    written in like's dtype by the kernel (no float32 copy).  seed: a one-element int64 tensor, or
+    (eager calls) an int drawn on the host."""
+    host = isinstance(seed, int)
+    if not host:
+        seed = seed_operand(seed)
 
     def build():
         out = buffer(like.shape, like.dtype, like)
         return noise_plan(out, seed, p), (out,)
 
-    key = (like.shape, like.dtype, like.device) if eager_real(like) else None
-    return PLANS(key, build, (seed,), (p,), _launcher)[0]
+    key = (like.shape, like.dtype, like.device, host) if eager_real(like) else None
+    return PLANS(key, build, (None if host else seed,), (p, seed if host else 0), _launcher)[0]
 
 
 @triton_op("nac_fast::nac_noise_triton", mutates_args=())

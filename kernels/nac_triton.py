@@ -55,11 +55,12 @@ from torch.library import triton_op
 from nac_fast.ops.reference import acc_dtype
 
 from . import tuning
-from .nac_noise_triton import philox_sign, seed_operand
+from .nac_noise_triton import seed_args, seed_operand, seed_sign
 from .launch import (Config, Launch, PlanCache, Target, buffer, cdiv, eager_real, next_pow2, pick,
                      run, split_count, target_of)
 
 LOG2E = 1.4426950408889634
+REDUCE_BLOCK = tl.constexpr(128)  # partial sums the finish's reduction adds per step
 LN2 = 0.6931471805599453
 
 
@@ -134,17 +135,18 @@ def _grad_r(r, zt):
 
 # The per-row quantities below (lse_i, bern_i, loss_i) are those of docs/math.md [M:rows], [M:bern].
 @triton.jit
-def _noise_and_tanh(A, NOISE, SEED, rows64, cols, mask, D, stride_a, stride_m, p, write_noise,
-                    ACC: tl.constexpr, SEEDED: tl.constexpr):
-    # (m, z = tanh(a)) of a row tile, in ACC.  SEEDED: the channel noise is drawn here from the
-    # seed at SEED (docs/math.md [M:philox]: element e = row * D + col of the (n, D) noise, the
-    # bits of kernels/nac_noise_triton.py) and, when write_noise, written to NOISE (contiguous,
+def _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, mask, D, stride_a, stride_m, p,
+                    write_noise, ACC: tl.constexpr, SEEDED: tl.constexpr):
+    # (m, z = tanh(a)) of a row tile, in ACC.  SEEDED (SEED_FROM_* below): the channel noise is
+    # drawn here from the seed at SEED (1) or the seed seed_val (2: drawn on the host) (docs/math.md
+    # [M:philox]: element e = row * D + col of the (n, D) noise, the bits of
+    # kernels/nac_noise_triton.py) and, when write_noise, written to NOISE (contiguous,
     # stride_m = D) for the finish and the backward: one launch and one round trip of the noise
-    # fewer than drawing it first.  Else NOISE is read.
+    # fewer than drawing it first.  Else (0) NOISE is read.
     a = tl.load(A + rows64[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(ACC)
     noise_at = NOISE + rows64[:, None] * stride_m + cols[None, :]
-    if SEEDED:
-        m = philox_sign(rows64[:, None] * D + cols[None, :], SEED, p)
+    if SEEDED != 0:
+        m = seed_sign(rows64[:, None] * D + cols[None, :], SEED, seed_val, p, SEEDED)
         if write_noise:
             tl.store(noise_at, m.to(NOISE.dtype.element_ty), mask=mask)
         m = m.to(ACC)
@@ -153,8 +155,8 @@ def _noise_and_tanh(A, NOISE, SEED, rows64, cols, mask, D, stride_a, stride_m, p
     return m, _tanh(a)
 
 
-@triton.jit(do_not_specialize=["n", "write_k"])
-def _prologue_kernel(A, NOISE, Q, K, SEED, n, D, stride_a, stride_m, scale2, write_k, p,
+@triton.jit(do_not_specialize=["n", "write_k", "seed_val"])
+def _prologue_kernel(A, NOISE, Q, K, SEED, seed_val, n, D, stride_a, stride_m, scale2, write_k, p,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
                      SEEDED: tl.constexpr):
     # The in-batch forward's codes: Q = s log2(e) m z and the keys K = z (with given keys the
@@ -163,8 +165,8 @@ def _prologue_kernel(A, NOISE, Q, K, SEED, n, D, stride_a, stride_m, scale2, wri
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n)[:, None] & (cols < D)[None, :]
     rows64 = rows.to(tl.int64)
-    m, z = _noise_and_tanh(A, NOISE, SEED, rows64, cols, mask, D, stride_a, stride_m, p, True,
-                           ACC, SEEDED)
+    m, z = _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, mask, D, stride_a, stride_m,
+                           p, True, ACC, SEEDED)
     out = rows64[:, None] * D + cols[None, :]
     tl.store(Q + out, (m * z * scale2).to(Q.dtype.element_ty), mask=mask)
     if write_k != 0:
@@ -193,8 +195,8 @@ def _fwd_tile(q, kp, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N: tl.constexpr,
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["n", "N", "tiles_per_split"])
-def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, n, N, D, stride_k, stride_a, stride_m,
+@triton.jit(do_not_specialize=["n", "N", "tiles_per_split", "seed_val"])
+def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, n, N, D, stride_k, stride_a, stride_m,
                 tiles_per_split, scale2, flip_p,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 GRAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
@@ -211,8 +213,9 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, n, N, D, stride_k, stride_a,
     rows64 = rows.to(tl.int64)
     q_at = Q + rows64[:, None] * D + cols[None, :]
     if Q_FROM_A:
-        m, z = _noise_and_tanh(A, NOISE, SEED, rows64, cols, rmask[:, None] & dmask[None, :], D,
-                               stride_a, stride_m, flip_p, sp == 0, ACC, SEEDED)
+        m, z = _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols,
+                               rmask[:, None] & dmask[None, :], D, stride_a, stride_m, flip_p,
+                               sp == 0, ACC, SEEDED)
         q = (m * z * scale2).to(Q.dtype.element_ty)
         if sp == 0:
             tl.store(q_at, q, mask=rmask[:, None] & dmask[None, :])
@@ -266,13 +269,35 @@ def _bern2(zt, r, mask):
     return tl.sum(tl.where(mask, zt * r + log_sig_pair, 0.0), 1)
 
 
-@triton.jit(do_not_specialize=["n", "split", "grad"])
-def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, RV, n, D, stride_a, stride_r,
-                   stride_m, stride_rv, split, grad, s, l2, log_n_keys,
-                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
-                   VI: tl.constexpr):
+@triton.jit
+def _reduce_rows(loss, rmask, PART, COUNT, OUT, red_n, ACC: tl.constexpr):
+    # The finish's reduction (REDUCE): this program's partial sum to PART; the last program to
+    # arrive (the acq_rel atomic orders every partial store before its count) sums PART in
+    # program order, writes OUT and zeroes COUNT for the next call.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    tl.store(PART + pid, tl.sum(tl.where(rmask, loss, 0.0), 0))
+    arrived = tl.atomic_add(COUNT, 1, sem="acq_rel")
+    if arrived == nprog - 1:
+        tot = tl.zeros([REDUCE_BLOCK], ACC)
+        for i in range(0, nprog, REDUCE_BLOCK):
+            idx = i + tl.arange(0, REDUCE_BLOCK)
+            tot += tl.load(PART + idx, mask=idx < nprog, other=0.0, volatile=True)
+        tl.store(OUT, tl.sum(tot, 0) / red_n.to(ACC))
+        tl.atomic_xchg(COUNT, 0, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["n", "split", "grad", "red_n"])
+def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, RV, PART, COUNT, OUT, n, D,
+                   stride_a, stride_r, stride_m, stride_rv, split, grad, s, l2, log_n_keys,
+                   red_n, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+                   VI: tl.constexpr, REDUCE: tl.constexpr):
     # VI: NAC-MQ's inference term [M:vi] added to each row, -bern_i(z~, r_vi) with the logits RV
     # of the online inference network and the same z~ = m z (a constant of that term).
+    # REDUCE (reduction "mean"/"sum"): no per-row LOSS; OUT = the sum of the rows' losses divided
+    # by red_n (n for the mean, 1 for the sum) in ACC, each program's partial sum to
+    # PART, and the program that finishes last (COUNT, zero before the launch and left zero)
+    # adding them in program order: deterministic, and one launch (torch's mean) fewer.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < n
@@ -310,7 +335,10 @@ def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, RV, n, D, stride_a,
         rv = tl.load(RV + rows64[:, None] * stride_rv + cols[None, :], mask=tile_mask,
                      other=0.0).to(ACC)
         loss -= 0.5 * _bern2(zt, rv, tile_mask)
-    tl.store(LOSS + rows64, loss, mask=rmask)
+    if REDUCE:
+        _reduce_rows(loss, rmask, PART, COUNT, OUT, red_n, ACC)
+    else:
+        tl.store(LOSS + rows64, loss, mask=rmask)
     tl.store(LSE + rows64, lse2, mask=rmask)
     if grad != 0:
         mean_key = acc / big_l[:, None]
@@ -660,37 +688,49 @@ def _tl_acc(dtype):
 
 # The per-call scalars of a forward plan, as functions of (s, l2, p) (kernels/launch.py Plan;
 # p: the channel's flip probability, read by a prologue that draws the noise).
-def _scale2(s, l2, p):
+def _scale2(s, l2, p, seed=0):
     return s * LOG2E
 
 
-def _s(s, l2, p):
+def _s(s, l2, p, seed=0):
     return float(s)
 
 
-def _l2(s, l2, p):
+def _l2(s, l2, p, seed=0):
     return float(l2)
 
 
-def _p(s, l2, p):
+def _p(s, l2, p, seed=0):
     return float(p)
+
+
+def _seed_val(s, l2, p, seed=0):
+    return int(seed)
+
+
+def _seed_args(seed):
+    """(SEEDED, the SEED tensor or None, seed_val, its Launch.scalars entry): how the kernel that
+    makes Q gets the noise (kernels/nac_noise_triton.py seed_args)."""
+    seeded, seed_t, seed_val = seed_args(seed)
+    return seeded, seed_t, seed_val, ((("seed_val", _seed_val),) if isinstance(seed, int) else ())
 
 
 def _prologue(a, noise, s, launches, seed=None, p=0.0):
     """The in-batch forward's Q (log2 units) and keys K = tanh(a): (n, D) in a's dtype.  seed (a
-    one-element int64 tensor, noise None): the prologue draws the noise of `seed` and `p` into a
-    buffer it returns as the noise; else `noise` is read and returned."""
+    one-element int64 tensor or a host seed, an int; noise None): the prologue draws the noise of
+    `seed` and `p` into a buffer it returns as the noise; else `noise` is read and returned."""
     n, D = a.shape
     q, k = buffer((n, D), a.dtype, a), buffer((n, D), a.dtype, a)
     if seed is not None:
         noise = buffer((n, D), a.dtype, a)
+    seeded, seed_t, seed_val, seed_scalar = _seed_args(seed)
     bm = _rows_block(D, a.dtype)
     launches.append(Launch(_prologue_kernel, (cdiv(n, bm),),
-                           (a, noise, q, k, seed if seed is not None else a, n, D, a.stride(0),
-                            noise.stride(0), s * LOG2E, 1, float(p)),
+                           (a, noise, q, k, a if seed_t is None else seed_t, seed_val, n, D,
+                            a.stride(0), noise.stride(0), s * LOG2E, 1, float(p)),
                            dict(BLOCK_M=bm, BLOCK_D=block_d(D), ACC=_tl_acc(a.dtype),
-                                SEEDED=seed is not None), 4, 1, "prologue",
-                           (("scale2", _scale2), ("p", _p))))
+                                SEEDED=seeded), 4, 1, "prologue",
+                           (("scale2", _scale2), ("p", _p)) + seed_scalar))
     return q, k, noise
 
 
@@ -705,8 +745,9 @@ def _split(make, outer_blocks: int, inner_tiles: int, target: Target, waves: int
 
 
 def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Target,
-             seed=None, p: float = 0.0, rv=None):
-    """(launches, (loss, lse, ga, q, k, noise)) of one forward call.  a, r, noise: (n, D) with
+             seed=None, p: float = 0.0, rv=None, reduction: str = "none"):
+    """(launches, (loss, lse, ga, q, k, noise)) of one forward call; loss: the (n,) rows, or with
+    reduction "mean"/"sum" their mean/sum, a 0-dim tensor reduced by the finish.  a, r, noise: (n, D) with
     unit column stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column
     stride.  q, k: the prologue's codes (k is `keys` when given), which the backward reuses; with
     given keys the forward kernel makes q itself (Q_FROM_A) and there is no prologue.  seed, p:
@@ -729,34 +770,47 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
     q_blocks, k_tiles = cdiv(n, cfg.BLOCK_M), cdiv(N, cfg.BLOCK_N)
     bd = block_d(D)
 
+    seeded, seed_t, seed_val, seed_scalar = _seed_args(seed if q_from_a else None)
+
     def make(split, probe=False):
         pm, pl = buffer((1,) if probe else (split, n), acc, a), buffer((1,) if probe else
                                                                         (split, n), acc, a)
         pacc = buffer((split, n, D) if grad_rows and not probe else (1,), acc, a)
         return Launch(_fwd_kernel, (q_blocks, split),
-                      (q, k, pm, pl, pacc, a, noise, seed if seed is not None else a, n, N, D,
-                       k.stride(0), a.stride(0), noise.stride(0), cdiv(k_tiles, split),
+                      (q, k, pm, pl, pacc, a, noise, a if seed_t is None else seed_t, seed_val, n,
+                       N, D, k.stride(0), a.stride(0), noise.stride(0), cdiv(k_tiles, split),
                        s * LOG2E, float(p)),
                       dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd,
                            GRAD=bool(grad_rows), ACC=_tl_acc(a.dtype),
                            **_dot_consts(a.dtype, D, a.device), Q_FROM_A=q_from_a,
-                           SEEDED=q_from_a and seed is not None),
+                           SEEDED=seeded),
                       cfg.num_warps, cfg.num_stages, "fwd",
-                      (("scale2", _scale2), ("flip_p", _p)))
+                      (("scale2", _scale2), ("flip_p", _p)) + seed_scalar)
 
     split = _split(make, q_blocks, k_tiles, target, cfg.waves)
     fwd = make(split)
     launches.append(fwd)
     pm, pl, pacc = fwd.args[2], fwd.args[3], fwd.args[4]
-    loss, lse = buffer((n,), acc, a), buffer((n,), acc, a)
-    ga = buffer((n, D) if grad_rows else (0,), acc, a)
     bm = _rows_block(D, a.dtype)
+    reduce = reduction != "none"
+    lse = buffer((n,), acc, a)
+    if reduce:  # the finish reduces: partial sums, the last program's counter, the result
+        part = buffer((cdiv(n, bm),), acc, a)
+        count = buffer((1,), torch.int32, a, zero=True)
+        loss = out = buffer((), acc, a)
+        rows = lse  # not written
+    else:
+        part = count = out = lse  # not read
+        loss = rows = buffer((n,), acc, a)
+    ga = buffer((n, D) if grad_rows else (0,), acc, a)
+    red_n = n if reduction == "mean" else 1
     launches.append(Launch(_finish_kernel, (cdiv(n, bm),),
-                           (a, r, noise, pm, pl, pacc, loss, lse, ga, r if rv is None else rv, n,
-                            D, a.stride(0), r.stride(0), noise.stride(0),
+                           (a, r, noise, pm, pl, pacc, rows, lse, ga, r if rv is None else rv,
+                            part, count, out, n, D, a.stride(0), r.stride(0), noise.stride(0),
                             r.stride(0) if rv is None else rv.stride(0), split, int(grad_rows),
-                            float(s), float(l2), math.log(N)),
-                           dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype), VI=rv is not None),
+                            float(s), float(l2), math.log(N), red_n),
+                           dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype), VI=rv is not None,
+                                REDUCE=reduce),
                            4, 1, "finish", (("s", _s), ("l2", _l2))))
     return launches, (loss, lse, ga, q, k, noise)
 
@@ -886,12 +940,13 @@ def _launcher(launches):
 
 
 def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: float = 0.0,
-        rv=None):
+        rv=None, reduction: str = "none"):
     """The forward op's body (nac_fwd_triton): (loss, lse2, ga, q, k, noise) with k empty when
     keys are given (the backward reads the keys themselves).  noise None: `seed` (a one-element
-    int64 tensor on a's device) and `p` give it, drawn by the kernel that makes q; either way
-    the noise used is returned last (the backward's).  rv: fwd_plan's (the rows then include
-    NAC-MQ's inference term)."""
+    int64 tensor on a's device, or an int drawn on the host: the kernel's argument) and `p` give
+    it, drawn by the kernel that makes q; either way the noise used is returned last (the
+    backward's).  rv: fwd_plan's (the rows then include NAC-MQ's inference term).  reduction
+    "mean"/"sum" (eager calls): loss is the rows' mean/sum, reduced by the finish."""
     dt = a.dtype
     a = _rows_operand(a, dt)
     r = _rows_operand(r, dt)
@@ -899,7 +954,8 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: f
     if noise is None:
         if seed is None:
             raise ValueError("fwd needs the noise or a seed to draw it from")
-        seed = seed_operand(seed)
+        if not isinstance(seed, int):
+            seed = seed_operand(seed)
     else:
         noise = _rows_operand(noise, dt)
         seed = None
@@ -907,14 +963,17 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: f
 
     def build():
         launches, (loss, lse, ga, q, k, m) = fwd_plan(a, r, noise, given, s, l2, grad_rows,
-                                                      target_of(a.device), seed, p, rv)
+                                                      target_of(a.device), seed, p, rv,
+                                                      reduction)
         return launches, (loss, lse, ga, q, k if keys is None else buffer((0,), dt, a), m)
 
     key = (a.shape, a.stride(0), r.stride(0), None if noise is None else noise.stride(0), dt,
            a.device, None if given is None else (given.shape[0], given.stride(0)),
-           None if rv is None else rv.stride(0), bool(grad_rows),
-           tuning.plan_key()) if eager_real(a) else None
-    return FWD_PLANS(key, build, (a, r, noise, given, seed, rv), (s, l2, p), _launcher)
+           None if rv is None else rv.stride(0), bool(grad_rows), isinstance(seed, int),
+           reduction, tuning.plan_key()) if eager_real(a) else None
+    host = isinstance(seed, int)
+    return FWD_PLANS(key, build, (a, r, noise, given, None if host else seed, rv),
+                     (s, l2, p, seed if host else 0), _launcher)
 
 
 def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: bool,

@@ -114,6 +114,92 @@ def test_a_plan_allocates_only_the_buffers_its_launches_use(kernels):
             assert all(0 not in shape for shape, _, _ in plan.buffers)
 
 
+@pytest.fixture
+def kept_scratch(kernels, monkeypatch):
+    """Scratch kept as on a GPU outside graph capture, on CPU tensors too; `streams` picks the
+    current stream's key (kernels/launch.py SCRATCH_PLAN_MAX)."""
+    launch = kernels[0]
+    launch.release_scratch()
+    streams = {"now": 0}
+    monkeypatch.setattr(launch, "_keeps_scratch", lambda device: launch.KEEP_SCRATCH)
+    monkeypatch.setattr(launch, "_stream_key", lambda device: streams["now"])
+    yield launch, streams
+    launch.release_scratch()
+
+
+def _scratch_ptrs(nac_triton):
+    return {(cache.name, stream): sorted(t.data_ptr() for t in held.values())
+            for cache in (nac_triton.FWD_PLANS, nac_triton.BWD_PLANS)
+            for plan in cache.plans.values() for stream, held in plan.scratch.items()}
+
+
+@pytest.mark.parametrize("kind,dtype,kw", CASES)
+def test_kept_scratch_gives_the_same_bits(kept_scratch, kernels, monkeypatch, kind, dtype, kw):
+    """Calls that reuse a plan's scratch (split partials) compute what calls with fresh buffers
+    do, bit for bit, and an earlier call's outputs are not touched by a later call."""
+    launch, _ = kept_scratch
+    _, nac_triton, _ = kernels
+    first = _run(kind, dtype, **kw)
+    second = _run(kind, dtype, **kw)   # the plans' first calls: their scratch is made
+    held = _scratch_ptrs(nac_triton)
+    third = _run(kind, dtype, **dict(kw, seed=1))
+    assert _scratch_ptrs(nac_triton) == held  # reused, not reallocated
+    monkeypatch.setattr(launch, "KEEP_SCRATCH", False)
+    fresh = _run(kind, dtype, **dict(kw, seed=1))
+    for got, want in ((second, first), (third, fresh)):
+        assert torch.equal(got[0], want[0])
+        for x, y in zip(got[1], want[1]):
+            assert torch.equal(x, y)
+    again = _run(kind, dtype, **kw)
+    assert torch.equal(second[0], again[0])  # `second`'s outputs survived two later calls
+
+
+def test_kept_scratch_is_per_stream_and_within_budget(kept_scratch, kernels, monkeypatch):
+    launch, streams = kept_scratch
+    _, nac_triton, _ = kernels
+    for _ in range(2):
+        _run("inbatch", torch.float32)
+    held = launch._SCRATCH_HELD[0]
+    plans = [p for c in (nac_triton.FWD_PLANS, nac_triton.BWD_PLANS) for p in c.plans.values()]
+    assert held == sum(p.scratch_bytes for p in plans) > 0
+    assert all(set(p.scratch) == {0} for p in plans if p.scratch_bytes)
+    streams["now"] = 7  # another stream: scratch of its own
+    _run("inbatch", torch.float32)
+    assert launch._SCRATCH_HELD[0] == 2 * held
+    ptrs = _scratch_ptrs(nac_triton)
+    for (name, stream), p in ptrs.items():
+        if stream == 7:
+            assert not set(p) & set(ptrs[(name, 0)])
+    # over the per-plan budget: allocated per call, nothing more held
+    launch.release_scratch()
+    assert launch._SCRATCH_HELD[0] == 0 and not _scratch_ptrs(nac_triton)
+    monkeypatch.setattr(launch, "SCRATCH_PLAN_MAX", 16)
+    for _ in range(2):
+        _run("inbatch", torch.float32)
+    assert launch._SCRATCH_HELD[0] == 0 and not any(_scratch_ptrs(nac_triton).values())
+    # a cleared cache (or a plan dropped from it) gives its scratch back
+    monkeypatch.setattr(launch, "SCRATCH_PLAN_MAX", 32 << 20)
+    launch.release_scratch()
+    for _ in range(2):
+        _run("inbatch", torch.float32)
+    assert launch._SCRATCH_HELD[0] == held
+    nac_triton.FWD_PLANS.clear()
+    nac_triton.BWD_PLANS.clear()
+    assert launch._SCRATCH_HELD[0] == 0
+
+
+def test_scratch_is_kept_on_a_gpu_only_outside_graph_capture(kernels, monkeypatch):
+    launch = kernels[0]
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert launch._keeps_scratch(cuda) and not launch._keeps_scratch(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not launch._keeps_scratch(cuda)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(launch, "KEEP_SCRATCH", False)
+    assert not launch._keeps_scratch(cuda)
+
+
 def test_a_changed_environment_setting_records_a_new_plan(kernels, monkeypatch):
     """NAC_FAST_FP32_DOT is read at each call (into the plan's key): set between two calls, the
     second records a plan with the new product mode."""
@@ -198,6 +284,129 @@ def test_the_seeded_forward_returns_its_noise(kernels):
         nac_triton.fwd(a, r, None, None, 1.0, 0.0, True)
 
 
+@pytest.mark.parametrize("n,dtype", [(1, torch.float32), (37, torch.bfloat16),
+                                     (4099, torch.float32), (300, torch.float64)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_finish_reduces_the_rows(kernels, n, dtype, reduction):
+    """The Triton finish's own reduction (reduction "mean"/"sum"): the rows' float64 sum within
+    the rounding of n additions, and no per-row tensor; 4099 rows: more partial sums than one
+    step of the last program's loop adds (REDUCE_BLOCK)."""
+    _, nac_triton, _ = kernels
+    g = torch.Generator().manual_seed(n)
+    a = torch.randn(n, 8, generator=g, dtype=torch.float64).to(DEVICE, dtype)
+    r = torch.randn(n, 8, generator=g, dtype=torch.float64).to(DEVICE, dtype)
+    keys = torch.tanh(torch.randn(16, 8, generator=g, dtype=torch.float64)).to(DEVICE, dtype)
+    noise = nac_fast.draw_noise((n, 8), 0.1, generator=g, dtype=dtype).to(DEVICE)
+    rows = nac_triton.fwd(a, r, noise, keys, 1.3, 0.01, False)[0]
+    out = nac_triton.fwd(a, r, noise, keys, 1.3, 0.01, False, reduction=reduction)[0]
+    assert out.dim() == 0 and out.dtype == rows.dtype
+    want = rows.double().sum() / (n if reduction == "mean" else 1)
+    bound = n * torch.finfo(rows.dtype).eps * rows.double().abs().sum() / (
+        n if reduction == "mean" else 1)
+    assert abs(out.double() - want) <= bound
+    if n > 1:  # the order of the additions is the kernel's: a fixed one
+        assert torch.equal(out, nac_triton.fwd(a, r, noise, keys, 1.3, 0.01, False,
+                                               reduction=reduction)[0])
+
+
+def test_the_finish_leaves_its_counter_zero(kept_scratch, kernels):
+    """The reduction's counter, kept as scratch, is left zero by the program that finishes last:
+    call after call (kept: zeroed once) gives what fresh buffers give."""
+    launch, _ = kept_scratch
+    _, nac_triton, _ = kernels
+    g = torch.Generator().manual_seed(3)
+    a, r = torch.randn(97, 8, generator=g).to(DEVICE), torch.randn(97, 8, generator=g).to(DEVICE)
+    noise = nac_fast.draw_noise((97, 8), 0.1, generator=g).to(DEVICE)
+    outs = [nac_triton.fwd(a, r, noise, None, 1.0, 0.0, False, reduction="mean")[0]
+            for _ in range(4)]
+    (plan,) = nac_triton.FWD_PLANS.plans.values()
+    assert plan.scratch and any(plan.zeroed)
+    (held,) = plan.scratch.values()
+    (counter,) = [held[i] for i in held if plan.zeroed[i]]
+    assert counter.dtype == torch.int32 and int(counter.item()) == 0
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+HOST_SEED = (3 << 61) + 123456789  # an int64 of the range host_seed draws in
+
+
+@pytest.mark.parametrize("keys_n", [None, 50])
+def test_a_host_seed_gives_the_noise_of_that_seed(kernels, keys_n):
+    """A seed drawn on the host (an int: the kernel's argument, no device draw) gives the noise
+    noise_from_seed gives for that value in a tensor, bit for bit: in the prologue (in-batch),
+    the forward kernel (given keys) and the noise op; a later call binds its own seed and p to
+    the same plan, and a tensor seed takes a plan of its own."""
+    _, nac_triton, noise_triton = kernels
+    from nac_fast.ops.noise import noise_from_seed
+    a, r = torch.randn(29, 16).to(DEVICE), torch.randn(29, 16).to(DEVICE)
+    keys = None if keys_n is None else torch.tanh(torch.randn(keys_n, 16)).to(DEVICE)
+    for seed, p in ((HOST_SEED, 0.1), (HOST_SEED + 7, 0.3)):
+        t = torch.tensor([seed], dtype=torch.int64, device=DEVICE)
+        want = noise_from_seed(a, t, p, backend="reference")
+        out = nac_triton.fwd(a, r, None, keys, 1.0, 0.0, True, seed, p)
+        assert torch.equal(out[5], want)
+        ref = nac_triton.fwd(a, r, None, keys, 1.0, 0.0, True, t, p)  # the tensor seed's plan
+        for x, y in zip(out, ref):
+            assert torch.equal(x, y)
+        assert torch.equal(noise_triton.noise(a, seed, p), want)
+    assert nac_triton.FWD_PLANS.recorded == 2 and noise_triton.PLANS.recorded == 1
+
+
+def test_host_seed_draws_from_the_cuda_generator_outside_capture(monkeypatch):
+    """host_seed: a function of the CUDA generator's (seed, offset), the offset advanced by 4; None
+    for a CPU tensor, under graph capture, or for another device's generator."""
+    from nac_fast.ops import noise as N
+
+    class Gen:
+        def __init__(self, device):
+            self.device, self.offset = torch.device(device), 8
+
+        def initial_seed(self):
+            return 2 ** 64 - 5
+
+        def get_offset(self):
+            return self.offset
+
+        def set_offset(self, off):
+            assert off % 4 == 0
+            self.offset = off
+
+    gens = (Gen("cuda:0"), Gen("cuda:1"))
+    monkeypatch.setattr(torch.cuda, "default_generators", gens)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert N.host_seed(torch.device("cpu")) is None
+    first = N.host_seed(torch.device("cuda"))  # the current device's generator
+    assert first == N.mix_seed(2 ** 64 - 5, 8) and gens[1].offset == 12 and gens[0].offset == 8
+    second = N.host_seed(torch.device("cuda", 1))
+    assert second == N.mix_seed(2 ** 64 - 5, 12) != first
+    assert N.host_seed(torch.device("cuda", 0), generator=gens[0]) == N.mix_seed(2 ** 64 - 5, 8)
+    assert N.host_seed(torch.device("cuda", 0), generator=gens[1]) is None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert N.host_seed(torch.device("cuda", 1)) is None and gens[1].offset == 16
+    for s, off in ((0, 0), (2 ** 64 - 1, 2 ** 40), (12345, 4)):
+        assert 2 ** 62 <= N.mix_seed(s, off) < 2 ** 63  # passed to the kernels as an int64
+    assert len({N.mix_seed(1, 4 * i) for i in range(1000)}) == 1000
+
+
+def test_the_loss_passes_a_host_seed_to_its_kernel(kernels, monkeypatch):
+    """nac_loss(noise=None) with a host seed (as on a GPU outside capture, forced here): the
+    loss and gradients of the noise of that seed, given explicitly, bit for bit."""
+    from nac_fast.ops import loss as loss_mod
+    from nac_fast.ops.noise import noise_from_seed
+    monkeypatch.setattr(loss_mod, "host_seed", lambda device: HOST_SEED)
+    g = torch.Generator().manual_seed(5)
+    a0, r0 = torch.randn(23, 12, generator=g).to(DEVICE), torch.randn(23, 12, generator=g).to(DEVICE)
+    noise = noise_from_seed(a0, torch.tensor([HOST_SEED], device=DEVICE), 0.2)
+    out = []
+    for m in (None, noise):
+        a, r = a0.clone().requires_grad_(), r0.clone().requires_grad_()
+        loss = nac_fast.nac_loss(a, r, 0.2, noise=m, backend="triton")
+        out.append((loss.detach(), *torch.autograd.grad(loss, (a, r))))
+    for x, y in zip(*out):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
 @pytest.mark.parametrize("kind,dtype", [("inbatch", torch.float32), ("keys", torch.float16),
                                         ("mq", torch.bfloat16), ("inbatch", torch.float64)])
@@ -205,7 +414,9 @@ def test_the_seeded_forward_returns_its_noise(kernels):
 def test_the_folded_reductions_give_autograds_figures(kernels, backend, kind, dtype, reduction, n):
     """reduction="mean"/"sum" are the fused Function's own: the backward's g is expanded and
     (Triton, 16/32-bit) the mean's 1/n applied inside the backward as g * fl32(1/n), with no
-    MeanBackward launch.  Against reduction="none" reduced by torch outside: the same loss; the
+    MeanBackward launch; the Triton forward's finish reduces the rows itself.  Against
+    reduction="none" reduced by torch outside: the same loss (Triton: within the rounding of
+    another order of the additions); the
     same gradients bit for bit where the weights are the same numbers (sum; n a power of 2; the
     compiled ops and float64, which divide first), else within the one ulp by which
     fl32(fl32(1/n) g) may differ from a CPU's exact g / n, carried through the backward."""
@@ -232,7 +443,11 @@ def test_the_folded_reductions_give_autograds_figures(kernels, backend, kind, dt
         leaves = (a, r, keys) if kind == "keys" else (a, r)
         got.append((out.detach(), torch.autograd.grad(out * 3.0, leaves)))
     (loss, grads), (loss_t, grads_t) = got
-    assert torch.equal(loss, loss_t)
+    if backend == "triton":  # the finish adds the rows itself, in its own order
+        eps = torch.finfo(loss.dtype).eps
+        torch.testing.assert_close(loss, loss_t, rtol=n * eps, atol=0)
+    else:
+        assert torch.equal(loss, loss_t)
     exact = (reduction == "sum" or n & (n - 1) == 0 or backend != "triton"
              or dtype == torch.float64 or DEVICE != "cpu")
     for x, y in zip(grads, grads_t):
@@ -417,11 +632,15 @@ def test_probe_runs_and_reports_no_rebuild():
     assert len(tri) == 2
     for r in tri:
         assert r["plans_recorded"] == 0 and r["launches"] >= 3 and r["host_s"] > 0
-        # the seed the prologue draws the noise from, the mean, and backward()'s own ones_like:
-        # no noise kernel, no MeanBackward division (nac.py _FusedNAC)
-        assert r["aten_ops"] == "randint mean ones_like", r
+        # backward()'s own ones_like alone: no noise kernel, no MeanBackward division
+        # (nac.py _FusedNAC), no seed drawn on the device (noise.host_seed, as on a GPU), no
+        # mean (the finish reduces)
+        assert r["aten_ops"] == "ones_like", r
         old = next(o for o in rows if o["backend"] == "triton-op-path" and o["kind"] == r["kind"])
-        assert r["launches"] + r["aten_launches"] == old["launches"] + old["aten_launches"] - 2
+        assert r["launches"] + r["aten_launches"] == old["launches"] + old["aten_launches"] - 4
+        # the split partials kept by the plans (kernels/launch.py): fewer allocations than the op
+        # path's, which allocates every buffer and the seed per call
+        assert r["allocations"] <= old["allocations"] - 3, (r, old)
     assert {r["backend"] for r in rows} >= {"triton-op-path", "cpu", "cpu-op-path", "reference"}
     # NACMQLoss's inference term runs inside the fused loss: none of its ATen ops is left
     (crit,) = [r for r in rows if r["backend"] == "triton-criterion" and r["kind"] == "mq"]
@@ -449,10 +668,14 @@ def test_the_gpu_rows_code_runs(monkeypatch):
         assert r["host_s"] > 0 and r["back_to_back_s"] > 0 and r["graph_s"] == 1e-4
         assert r["pct_of_bound"] == pytest.approx(50.0)
         assert r["x_eager"] > 0 and r["x_compile"] > 0
-    lines = H.goals([dict(r, mode="gpu", dtype="bfloat16", n=8192, N=8192,
-                          backend="cuda" if r["backend"] == "cpu" else r["backend"])
-                     for r in rows[:4]])
+    floor = H.floor_rows(device="cpu", n=8, D=4)
+    assert [r["backend"] for r in floor] == ["floor-launch", "floor-autograd"]
+    assert all(r["status"] == "ok" and r["kind"] == "floor" and r["host_s"] > 0 for r in floor)
+    lines = H.goals(floor + [dict(r, mode="gpu", dtype="bfloat16", n=8192, N=8192,
+                                  backend="cuda" if r["backend"] == "cpu" else r["backend"])
+                             for r in rows[:4]])
     assert any("host time" in x for x in lines) and any("x eager" in x for x in lines)
+    assert any(x.startswith("floor of this host: floor-launch") for x in lines), lines
 
 
 def test_eager_calls_take_the_fast_path_from_the_source_tree():

@@ -31,7 +31,7 @@ from . import nac as _nac
 from . import reference
 from .collectives import all_gather_nograd, all_gather_with_grad, is_dist
 from .dispatch import BACKENDS, resolve_backend
-from .noise import _draw, _scale, _seed, draw_noise
+from .noise import _draw, _scale, _seed, draw_noise, host_seed
 from .queue import CodeQueue
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -187,13 +187,15 @@ def _check_likelihood(likelihood, backend) -> str:
 
 def _channel(impl, a, p, noise):
     """(noise, seed) for the implementation `impl`: the noise as given; else, where the fused
-    forward draws it itself (nac.takes_seed: Triton's eager path), a seed from torch's RNG on a's
-    device (the same bits as drawing the noise first, docs/math.md [M:philox]); else the noise,
-    drawn now."""
+    forward draws it itself (nac.takes_seed: Triton's eager path), a seed from torch's RNG: drawn
+    on the host from a's CUDA generator where it can be (noise.host_seed: an int, no launch), else
+    on a's device (a one-element tensor); the same bits as drawing the noise of that seed first
+    (docs/math.md [M:philox]); else the noise, drawn now."""
     if noise is not None:
         return noise, None
     if _nac.takes_seed(impl, a):
-        return None, _seed(a.device)
+        seed = host_seed(a.device)
+        return None, (_seed(a.device) if seed is None else seed)
     return _draw(tuple(a.shape), p, device=a.device, dtype=a.dtype), None
 
 

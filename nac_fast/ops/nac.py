@@ -183,6 +183,14 @@ def _recip32(n: int) -> float:
     return float(np.float32(1.0) / np.float32(n))
 
 
+def _reduced_by(backend: str, reduction: str) -> dict:
+    """The eager forward's own reduction, as its keyword: the Triton finish reduces "mean" and
+    "sum" itself (one program adds the others' partial sums in a fixed order: one launch fewer
+    than torch's mean; the same value but for the order of the additions); {} where the rows
+    are reduced here, by torch."""
+    return {"reduction": reduction} if backend == "triton" and reduction != "none" else {}
+
+
 class _FusedNAC(torch.autograd.Function):
     """The fused loss of `backend`, reduced; backward = the same formula as the registered ops'
     (`_register`'s backward): one fused backward call, the gradients cast to the inputs' dtypes.
@@ -193,7 +201,8 @@ class _FusedNAC(torch.autograd.Function):
     def forward(ctx, a, r, noise, keys, backend, s, l2, grad_rows, reduction, seed, p, rv):
         fwd, _ = _eager_ops(backend)
         extra = {} if rv is None else {"rv": rv}
-        rows, lse, ga, *saved, noise = fwd(a, r, noise, keys, s, l2, grad_rows, seed, p, **extra)
+        rows, lse, ga, *saved, noise = fwd(a, r, noise, keys, s, l2, grad_rows, seed, p, **extra,
+                                           **_reduced_by(backend, reduction))
         ctx.backend = backend
         ctx.s = s
         ctx.reduction = reduction
@@ -202,7 +211,7 @@ class _FusedNAC(torch.autograd.Function):
         ctx.dtypes = (a.dtype, r.dtype, None if keys is None else keys.dtype)
         ctx.rv_dtype = None if rv is None else rv.dtype
         ctx.save_for_backward(a, r, noise, keys, lse, ga, *saved, *extra.values())
-        return reduce_rows(rows, reduction)
+        return rows if _reduced_by(backend, reduction) else reduce_rows(rows, reduction)
 
     @staticmethod
     def backward(ctx, g):
@@ -229,8 +238,9 @@ class _FusedNAC(torch.autograd.Function):
 
 def nac_fused(backend, a, r, noise, keys, s, l2, reduction, seed=None, p=0.0, rv=None):
     """The fused loss rows of `backend`, reduced: eager calls through _FusedNAC, traced ones
-    through the registered ops.  noise None: drawn from `seed` (a one-element int64 tensor) with
-    flip probability p, where `takes_seed` says the backend does so.  rv: NAC-MQ's online
+    through the registered ops.  noise None: drawn from `seed` (a one-element int64 tensor, or an
+    int drawn on the host: noise.host_seed) with flip probability p, where `takes_seed` says the
+    backend does so.  rv: NAC-MQ's online
     inference logits, whose term [M:vi] the rows then include (where `takes_seed` holds)."""
     if (noise is None or rv is not None) and not takes_seed(backend, a):
         raise ValueError(f"backend {backend!r} here needs the noise itself, not a seed, and "
@@ -244,9 +254,10 @@ def nac_fused(backend, a, r, noise, keys, s, l2, reduction, seed=None, p=0.0, rv
             return _FusedNAC.apply(a, r, noise, keys, backend, float(s), float(l2),
                                    bool(grad_rows), reduction, seed, float(p), rv)
         extra = {} if rv is None else {"rv": rv}
+        red = _reduced_by(backend, reduction)
         rows = _eager_ops(backend)[0](a, r, noise, keys, float(s), float(l2), False, seed,
-                                      float(p), **extra)[0]
-        return reduce_rows(rows, reduction)
+                                      float(p), **extra, **red)[0]
+        return rows if red else reduce_rows(rows, reduction)
     fwd, _ = _ops(backend)
     rows = fwd(a, r, noise, keys, float(s), float(l2), bool(grad_rows))[0]
     return reduce_rows(rows, reduction)

@@ -64,10 +64,23 @@ def _draw(shape, p: float, *, device=None, dtype=torch.float32, generator=None):
     device = torch.device("cpu") if device is None else torch.device(device)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    seed = _seed(device, generator)
     like_dtype = dtype if dtype.is_floating_point else torch.float32
-    m = noise_from_seed(torch.empty(shape, device=device, dtype=like_dtype), seed, p)
+    like = torch.empty(shape, device=device, dtype=like_dtype)
+    seed = host_seed(device, generator) if _takes_host_seed(like) else None
+    if seed is not None:  # the Triton noise kernel, its seed an argument (no device draw)
+        from ..kernels import nac_noise_triton
+        m = nac_noise_triton.noise(like, seed, p)
+    else:
+        m = noise_from_seed(like, _seed(device, generator), p)
     return m if m.dtype == dtype else m.to(dtype)
+
+
+def _takes_host_seed(like: torch.Tensor) -> bool:
+    """Whether draw_noise's noise for `like` comes from a host seed: where the loss's own draw does
+    (a CUDA tensor, the Triton kernels, an eager call), so that drawing the noise first and
+    letting the loss draw it (noise=None) give the same bits from the same RNG state."""
+    return (like.device.type == "cuda" and eager_real(like)
+            and resolve_backend("auto", like, op="noise") == "triton")
 
 
 def _seed(device: torch.device, generator=None) -> torch.Tensor:
@@ -76,6 +89,45 @@ def _seed(device: torch.device, generator=None) -> torch.Tensor:
     gdev = generator.device if generator is not None else device
     seed = torch.randint(0, 2 ** 63 - 1, (1,), device=gdev, generator=generator)
     return seed if seed.device == device else seed.to(device)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def host_seed(device: torch.device, generator=None):
+    """A noise seed for a call on `device`, drawn on the host: an int in [2^62, 2^63) (the kernels
+    take it as an int64 argument), or None where the device must draw it (`_seed`).
+
+    On a GPU outside CUDA-graph capture it comes from `generator` if it is that GPU's (else None),
+    or from the device's default CUDA generator, whose
+    Philox offset it advances by 4 (what a device draw of four 32-bit numbers reserves): a function
+    of the generator's seed and offset, so torch.manual_seed and get_rng_state / set_rng_state
+    reproduce it and the generator's other draws stay independent of it, with no launch and no
+    allocation (a torch.randint on the device costs one of each: ~30 us of an H100 host's time,
+    bench/results/NVIDIA-H100-80GB-HBM3_2026-11-27_run3/host_profile.txt).  The same idea as
+    FlashAttention's and FlagAttention's dropout seeds.  Under capture a host seed would be baked
+    into the graph (every replay the same noise): None, and the device draws it, graph-safe."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if generator is None:
+        gen = torch.cuda.default_generators[index]
+    elif generator.device == torch.device("cuda", index):
+        gen = generator
+    else:
+        return None
+    offset = gen.get_offset()
+    gen.set_offset(offset + 4)
+    return mix_seed(gen.initial_seed(), offset)
+
+
+def mix_seed(seed: int, offset: int) -> int:
+    """splitmix64 of a generator's (seed, offset), in [2^62, 2^63): host_seed's value."""
+    z = (seed * 0x9E3779B97F4A7C15 + offset + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (1 << 62) | (z >> 2)
 
 
 def noise_from_seed(like: torch.Tensor, seed: torch.Tensor, p: float, *,
