@@ -1,6 +1,7 @@
 """Per-kernel resources of the CUDA kernels (csrc/*.cu: nac_cuda.cu, nac_cuda_mma.cu,
-hamming_cuda.cu) as ptxas reports them: registers, spills, static shared memory and stack frame, plus the tensor-core
-instructions in the SASS (HMMA/HGMMA count), per target arch, with no GPU needed.
+hamming_cuda.cu) as ptxas reports them: registers, spills, static shared memory and stack frame,
+plus the tensor-core instructions in the SASS (HMMA/HGMMA count), per target arch, with no GPU
+needed.
 
     python bench/cuda_resources.py --csv results/cuda_resources.csv [--archs 80,90] [--jobs 2]
 

@@ -26,7 +26,8 @@ __global__ void __launch_bounds__(kCdistThreads) cdist_kernel(const int64_t* __r
                                                               int64_t Q, int64_t G, int W) {
   const int64_t gi = blockIdx.x * static_cast<int64_t>(kCdistThreads) + threadIdx.x;
   if (gi >= G) return;
-  for (int64_t qi = blockIdx.y; qi < Q; qi += gridDim.y) out[qi * G + gi] = cdist_lane<M>(q, g, W, qi, gi);
+  for (int64_t qi = blockIdx.y; qi < Q; qi += gridDim.y)
+    out[qi * G + gi] = cdist_lane<M>(q, g, W, qi, gi);
 }
 
 template <int M>
@@ -65,7 +66,8 @@ dim3 lane_grid(int64_t Q, int64_t S, int64_t lanes) {
 
 // Pass P on the current stream: blocks of `lanes` threads over (query blocks, slices).
 template <class P>
-void launch_retrieval(const RetrievalArgs& a, int64_t S, int64_t lanes, bool multi, const char* op) {
+void launch_retrieval(const RetrievalArgs& a, int64_t S, int64_t lanes, bool multi,
+                      const char* op) {
   if (a.Q == 0 || S == 0) return;
   const int64_t bytes = P::smem_bytes(a.NB, lanes);
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -89,8 +91,8 @@ at::Tensor lanes_cdist_cuda(const at::Tensor& q, const at::Tensor& g) {
   auto stream = at::cuda::getCurrentCUDAStream();
   with_max_words(W, [&](auto m) {
     constexpr int M = decltype(m)::value;
-    cdist_kernel<M><<<grid, kCdistThreads, 0, stream>>>(q.data_ptr<int64_t>(), g.data_ptr<int64_t>(),
-                                                        out.data_ptr<int32_t>(), Q, G, W);
+    cdist_kernel<M><<<grid, kCdistThreads, 0, stream>>>(
+        q.data_ptr<int64_t>(), g.data_ptr<int64_t>(), out.data_ptr<int32_t>(), Q, G, W);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;

@@ -7,7 +7,7 @@
 //
 //   hamming_lanes_cdist(query, gallery)                                   -> int32 (Q, G)
 //   hamming_lanes_filter(query, gallery_view, bound, rows_per_slice, below_slots, at_slots, lanes)
-//       -> (int64 keys (Q, S * (below + at)), int32 below counts (Q, S))       top-k filter [M:rank]
+//       -> (int64 keys (Q, S * (below + at)), int32 below counts (Q, S)): top-k filter [M:rank]
 //   hamming_lanes_ap_hist(query, gallery, query_labels, gallery_labels, rows_per_slice, lanes)
 //       -> int64 (S, W * 64 + 1, Q): items + (relevant << 32) per slice and distance  [M:ap-count]
 //   hamming_lanes_ap_rank(query, gallery, query_labels, gallery_labels, start, cuts,

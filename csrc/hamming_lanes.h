@@ -123,7 +123,8 @@ struct RetrievalArgs {
   const int64_t* gl;    // (G,) or (G, LW)
   int64_t Q, G, L;      // queries, gallery rows, rows per slice (slice s: [s L, s L + L) & [0, G))
   int W, LW, NB;        // words per code, label words, distance bins (bits + 1)
-  int64_t* hist;        // pass 1: (S, NB, Q) items + (relevant << 32) per slice and distance, zeroed
+  int64_t* hist;        // pass 1: (S, NB, Q) items + (relevant << 32) per slice and distance,
+                        //   zeroed
   const int64_t* start; // pass 2: (S, NB, Q) the same packing: ranked before the slice's first
                         //   item of that distance (torch, between the passes)
   double* psum;         // pass 2: (S, Q) sum over the relevant items of hits / rank [M:ap]

@@ -137,9 +137,9 @@ def _grad_r(r, zt):
 @triton.jit
 def _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, mask, D, stride_a, stride_m, p,
                     write_noise, ACC: tl.constexpr, SEEDED: tl.constexpr):
-    # (m, z = tanh(a)) of a row tile, in ACC.  SEEDED (SEED_FROM_* below): the channel noise is
-    # drawn here from the seed at SEED (1) or the seed seed_val (2: drawn on the host) (docs/math.md
-    # [M:philox]: element e = row * D + col of the (n, D) noise, the bits of
+    # (m, z = tanh(a)) of a row tile, in ACC.  SEEDED (kernels/nac_noise_triton.py seed_args):
+    # the channel noise is drawn here from the seed at SEED (1) or seed_val (2: drawn on the
+    # host) (docs/math.md [M:philox]: element e = row * D + col of the (n, D) noise, the bits of
     # kernels/nac_noise_triton.py) and, when write_noise, written to NOISE (contiguous,
     # stride_m = D) for the finish and the backward: one launch and one round trip of the noise
     # fewer than drawing it first.  Else (0) NOISE is read.
@@ -196,8 +196,8 @@ def _fwd_tile(q, kp, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["n", "N", "tiles_per_split", "seed_val"])
-def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, n, N, D, stride_k, stride_a, stride_m,
-                tiles_per_split, scale2, flip_p,
+def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, n, N, D, stride_k, stride_a,
+                stride_m, tiles_per_split, scale2, flip_p,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 GRAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr, Q_FROM_A: tl.constexpr, SEEDED: tl.constexpr):
@@ -712,7 +712,8 @@ def _seed_args(seed):
     """(SEEDED, the SEED tensor or None, seed_val, its Launch.scalars entry): how the kernel that
     makes Q gets the noise (kernels/nac_noise_triton.py seed_args)."""
     seeded, seed_t, seed_val = seed_args(seed)
-    return seeded, seed_t, seed_val, ((("seed_val", _seed_val),) if isinstance(seed, int) else ())
+    scalar = (("seed_val", _seed_val),) if isinstance(seed, int) else ()
+    return seeded, seed_t, seed_val, scalar
 
 
 def _prologue(a, noise, s, launches, seed=None, p=0.0):
@@ -747,8 +748,8 @@ def _split(make, outer_blocks: int, inner_tiles: int, target: Target, waves: int
 def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Target,
              seed=None, p: float = 0.0, rv=None, reduction: str = "none"):
     """(launches, (loss, lse, ga, q, k, noise)) of one forward call; loss: the (n,) rows, or with
-    reduction "mean"/"sum" their mean/sum, a 0-dim tensor reduced by the finish.  a, r, noise: (n, D) with
-    unit column stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column
+    reduction "mean"/"sum" their mean/sum, a 0-dim tensor reduced by the finish.  a, r, noise:
+    (n, D) with unit column stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column
     stride.  q, k: the prologue's codes (k is `keys` when given), which the backward reuses; with
     given keys the forward kernel makes q itself (Q_FROM_A) and there is no prologue.  seed, p:
     noise None, drawn from this seed by the kernel that makes q, and returned.  rv: None, or the
@@ -777,8 +778,8 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
                                                                         (split, n), acc, a)
         pacc = buffer((split, n, D) if grad_rows and not probe else (1,), acc, a)
         return Launch(_fwd_kernel, (q_blocks, split),
-                      (q, k, pm, pl, pacc, a, noise, a if seed_t is None else seed_t, seed_val, n,
-                       N, D, k.stride(0), a.stride(0), noise.stride(0), cdiv(k_tiles, split),
+                      (q, k, pm, pl, pacc, a, noise, a if seed_t is None else seed_t, seed_val,
+                       n, N, D, k.stride(0), a.stride(0), noise.stride(0), cdiv(k_tiles, split),
                        s * LOG2E, float(p)),
                       dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd,
                            GRAD=bool(grad_rows), ACC=_tl_acc(a.dtype),
