@@ -39,8 +39,10 @@ DIRECT_PAIRS = 1 << 24       # the chunk of the k > TOPK_MAX_K path
 TOPK_MAX_K = 1024
 
 FILTER_LANES = 128           # threads per block of the filter pass
+FILTER_BLOCKS_PER_SM = 8     # the filter's blocks per SM (32 warps: enough to keep POPC busy;
+                             # more would only multiply the candidate slots, Q x slices x (CA + k))
 AP_LANES = 32                # threads per block of the retrieval passes: one warp, its own columns
-WAVES = 2                    # blocks: two waves of what the GPU keeps resident
+WAVES = 2                    # retrieval blocks: two waves of what the GPU keeps resident
 MIN_SLICE_ROWS = 256         # a slice is at least this long (its queries' loads amortised)
 THREADS_PER_SM = 2048        # sm_80 / sm_90
 BLOCKS_PER_SM = 32
@@ -75,10 +77,10 @@ def _resident(smem_per_block: int, lanes: int, smem_per_sm: int) -> int:
     return max(1, min(BLOCKS_PER_SM, THREADS_PER_SM // lanes, by_smem))
 
 
-def _split(Q: int, G: int, lanes: int, resident: int, sms: int) -> int:
-    """Rows per gallery slice: enough (query block, slice) blocks for WAVES waves of the resident
-    ones, each slice at least MIN_SLICE_ROWS rows, at most MAX_SLICES slices."""
-    want = cdiv(WAVES * resident * sms, cdiv(Q, lanes))
+def _split(Q: int, G: int, lanes: int, resident: int, sms: int, waves: int = WAVES) -> int:
+    """Rows per gallery slice: enough (query block, slice) blocks for `waves` waves of `resident`
+    blocks per SM, each slice at least MIN_SLICE_ROWS rows, at most MAX_SLICES slices."""
+    want = cdiv(waves * resident * sms, cdiv(Q, lanes))
     nsplit = max(1, min(want, cdiv(G, MIN_SLICE_ROWS)))
     L = cdiv(G, nsplit)
     return max(L, cdiv(G, MAX_SLICES))
@@ -109,9 +111,9 @@ def topk_capacity(k: int, expect: float, nsplit: int) -> int:
 
 
 def filter_slices(Q: int, G: int, t: torch.Tensor) -> int:
-    """Rows per slice of the filter pass (no shared memory: threads bound the resident blocks)."""
+    """Rows per slice of the filter pass: one wave of FILTER_BLOCKS_PER_SM blocks per SM."""
     sms, _, _ = _props(t)
-    return _split(Q, G, FILTER_LANES, _resident(0, FILTER_LANES, 1), sms)
+    return _split(Q, G, FILTER_LANES, FILTER_BLOCKS_PER_SM, sms, waves=1)
 
 
 def _filter(qw, gview, t, k: int, expect: float, capacity=None):
@@ -138,15 +140,15 @@ def topk(qw: torch.Tensor, gw: torch.Tensor, k: int):
 
 def topk_workspace_bytes(Q: int, G: int, k: int, W: int, device: torch.device) -> int:
     """An upper bound of the GPU memory :func:`topk` allocates beyond its outputs: the candidate
-    slots and counts of the full pass and of a rerun (keys + torch.topk's copy), the sample levels'
-    own (each smaller), and the outright step."""
+    slots and counts of the full pass (keys + torch.topk's copy), of a rerun and of the sample
+    levels (each at most as large: 3 x), and the outright step (the Triton engine's formula)."""
     if k > TOPK_MAX_K or G <= hamming_topk.outright_rows(_engine(), k):
         step = max(1, DIRECT_PAIRS // max(G, 1))
         return min(Q, step) * G * (4 + 8 + 8) + G * 8
     probe = torch.empty(0, device=device)
     L = filter_slices(Q, G, probe)
     nsplit = cdiv(G, L)
-    slots = nsplit * (8 * topk_capacity(k, (k - 1) * SAMPLE_RATIO, nsplit) + k)
+    slots = nsplit * (topk_capacity(k, (k - 1) * SAMPLE_RATIO, nsplit) + k)
     full = Q * slots * 8 * 2 + Q * nsplit * 4
     rows = hamming_topk.outright_rows(_engine(), k)
     outright = min(Q, max(1, BASE_PAIRS // rows)) * (rows * 4 + k * 12) + rows * W * 8
