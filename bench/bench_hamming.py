@@ -535,8 +535,8 @@ def run_gpu(args, ap):
     summary = {"bench": "hamming_gpu", "device": str(device), "gpu": gpu_name, "bits": D,
                "rows": len(rows), "skipped": skipped, "failures": failures,
                "elapsed_s": round(elapsed, 1),
-               "goals": {f"{r['method']} {r['queries']}x{r['gallery']}": bool(r["meets_goal"])
-                         for r in rows if r["goal_s"]}}
+               "goals": {f"{r['method']} {r['engine']} {r['queries']}x{r['gallery']}":
+                         bool(r["meets_goal"]) for r in rows if r["goal_s"]}}
     print(json.dumps(summary))
     return 1 if failures else 0
 

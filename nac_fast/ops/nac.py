@@ -240,8 +240,8 @@ def nac_fused(backend, a, r, noise, keys, s, l2, reduction, seed=None, p=0.0, rv
     """The fused loss rows of `backend`, reduced: eager calls through _FusedNAC, traced ones
     through the registered ops.  noise None: drawn from `seed` (a one-element int64 tensor, or an
     int drawn on the host: noise.host_seed) with flip probability p, where `takes_seed` says the
-    backend does so.  rv: NAC-MQ's online
-    inference logits, whose term [M:vi] the rows then include (where `takes_seed` holds)."""
+    backend does so.  rv: NAC-MQ's online inference logits, whose term [M:vi] the rows then
+    include (where `takes_seed` holds)."""
     if (noise is None or rv is not None) and not takes_seed(backend, a):
         raise ValueError(f"backend {backend!r} here needs the noise itself, not a seed, and "
                          "computes no inference term")

@@ -99,14 +99,15 @@ def host_seed(device: torch.device, generator=None):
     take it as an int64 argument), or None where the device must draw it (`_seed`).
 
     On a GPU outside CUDA-graph capture it comes from `generator` if it is that GPU's (else None),
-    or from the device's default CUDA generator, whose
-    Philox offset it advances by 4 (what a device draw of four 32-bit numbers reserves): a function
-    of the generator's seed and offset, so torch.manual_seed and get_rng_state / set_rng_state
-    reproduce it and the generator's other draws stay independent of it, with no launch and no
-    allocation (a torch.randint on the device costs one of each: ~30 us of an H100 host's time,
-    bench/results/NVIDIA-H100-80GB-HBM3_2026-11-27_run3/host_profile.txt).  The same idea as
-    FlashAttention's and FlagAttention's dropout seeds.  Under capture a host seed would be baked
-    into the graph (every replay the same noise): None, and the device draws it, graph-safe."""
+    or from the device's default CUDA generator, whose Philox offset it advances by 4 (what a
+    device draw of four 32-bit numbers reserves): a function of the generator's seed and offset,
+    so torch.manual_seed and get_rng_state / set_rng_state reproduce it and the generator's other
+    draws stay independent of it, with no launch and no allocation (a torch.randint on the device
+    costs one of each: ~30 us of an H100 host's time,
+    bench/results/NVIDIA-H100-80GB-HBM3_2026-11-27_run3/host_profile.txt).  Fused dropout kernels
+    reserve their Philox offsets on the host the same way.  Under capture a host seed would be
+    baked into the graph (every replay the same noise): None, and the device draws it,
+    graph-safe."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
