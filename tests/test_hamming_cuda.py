@@ -18,7 +18,7 @@ import torch
 import nac_fast as H
 from nac_fast.ops import dispatch, hamming_cuda as HC
 from nac_fast.ops.codes import pack_bits_torch
-from test_hamming_gpu import assert_same_retrieval
+from test_hamming_gpu import assert_same_retrieval, check_topk_peak_memory, labels, words
 
 pytestmark = pytest.mark.skipif(dispatch.extension() is None, reason="no compiled extension")
 
@@ -39,23 +39,6 @@ def small_engine(monkeypatch):
     monkeypatch.setattr(HC, "SAMPLE_RATIO", 3)
     monkeypatch.setattr(HC, "BASE_PAIRS", 256)
     monkeypatch.setattr(HC, "MIN_SLICE_ROWS", 5)
-
-
-def words(seed, n, bits, dev, distinct=None):
-    g = torch.Generator().manual_seed(seed)
-    if distinct is None:
-        b = torch.randint(0, 2, (n, bits), generator=g).bool()
-    else:
-        base = torch.randint(0, 2, (distinct, bits), generator=g).bool()
-        b = base[torch.randint(0, distinct, (n,), generator=g)]
-    return H.pack_codes(b).words.to(dev)
-
-
-def labels(seed, n, classes=None, L=None):
-    g = torch.Generator().manual_seed(seed)
-    if classes:
-        return torch.randint(0, classes, (n,), generator=g)
-    return torch.rand(n, L, generator=g) < 0.15
 
 
 def check_topk(qw, gw, k):
@@ -285,23 +268,7 @@ def test_workspace_does_not_grow_with_the_gallery():
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="peak GPU memory: needs a GPU")
 def test_topk_peak_gpu_memory_is_not_q_by_g():
-    dev = torch.device("cuda")
-    Q, G, k = 1000, 2_000_000, 10
-    gen = torch.Generator(device=dev).manual_seed(0)
-    gw = torch.randint(-2 ** 62, 2 ** 62, (G, 2), device=dev, generator=gen)
-    qw = gw[torch.randint(0, G, (Q,), device=dev, generator=gen)] ^ 0xF0F0
-    HC.topk(qw[:2], gw, k)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    d, i = HC.topk(qw, gw, k)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    assert peak <= HC.topk_workspace_bytes(Q, G, k, 2, dev) + Q * k * 12
-    assert peak < Q * G * 4 / 100
-    sub = torch.arange(0, Q, 97, device=dev)
-    wd, wi = torch.ops.nac_fast.hamming_topk(qw[sub].cpu(), gw.cpu(), k)
-    assert torch.equal(d[sub].cpu(), wd) and torch.equal(i[sub].cpu(), wi)
+    check_topk_peak_memory(HC)
 
 
 def test_map_equals_on_a_larger_gallery(dev):
