@@ -400,10 +400,7 @@ def _topk_programs(tg, qw, gview, t) -> int:
     return TOPK_WAVES * tg.programs(probe)
 
 
-def topk_capacity(k: int, expect: float, nsplit: int) -> int:
-    """Slots per (query, slice) for the items below the bound: k, or twice the slice's share of
-    `expect` (the items below the bound expected over the whole view) plus 8, if more."""
-    return max(int(k), int(math.ceil(2.0 * expect / nsplit)) + 8)
+topk_capacity = hamming_topk.topk_capacity
 
 
 def topk_plan(qw, gview, t, k: int, expect: float, target=None, capacity=None):
@@ -511,20 +508,14 @@ def kth_bound(qw: torch.Tensor, gview: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def topk_workspace_bytes(Q: int, G: int, k: int, W: int, device: torch.device) -> int:
-    """An upper bound of the GPU memory :func:`topk` allocates beyond its outputs (the candidate
-    slots of the full pass, a rerun's, and the bound's sample levels and outright step)."""
-    if k > TOPK_MAX_K or G <= hamming_topk.outright_rows(_engine(), k):
-        step = max(1, DIRECT_PAIRS // max(G, 1))
-        return min(Q, step) * G * (4 + 8 + 8) + G * 8
-    tg = _target(device)
-    bq, bg, _ = TOPK_CONFIG[_kind(tg)]
-    # at most MAX_BLOCKS_PER_SM programs per SM are resident, whatever the kernel's figure
-    nsplit = topk_split(Q, G, TOPK_WAVES * tg.sms * (1 if tg.arch == 0 else 32), bq, bg)
-    slots = nsplit * (topk_capacity(k, (k - 1) * SAMPLE_RATIO, nsplit) + k)
-    full = Q * slots * 8 * 2 + Q * nsplit * 4       # keys + topk's copy, counts
-    rows = hamming_topk.outright_rows(_engine(), k)
-    outright = min(Q, max(1, BASE_PAIRS // rows)) * (rows * 4 + k * 12) + rows * W * 8
-    return 3 * full + outright + Q * 4 * 4         # + the bounds of the levels
+    """An upper bound of the GPU memory :func:`topk` allocates beyond its outputs
+    (hamming_topk.workspace_bytes), the filter's slices at most MAX_BLOCKS_PER_SM programs per SM,
+    whatever the kernel's figure."""
+    def nsplit():
+        tg = _target(device)
+        bq, bg, _ = TOPK_CONFIG[_kind(tg)]
+        return topk_split(Q, G, TOPK_WAVES * tg.sms * (1 if tg.arch == 0 else 32), bq, bg)
+    return hamming_topk.workspace_bytes(_engine(), Q, G, k, W, nsplit)
 
 
 def topk(qw: torch.Tensor, gw: torch.Tensor, k: int):

@@ -197,10 +197,7 @@ def run(launches: Sequence[Launch]) -> None:
 
 
 def _nbytes(shape, dtype) -> int:
-    n = 1
-    for k in shape:
-        n *= int(k)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return torch.Size(shape).numel() * dtype.itemsize
 
 
 _ZEROED: set = set()  # ids of the recording plan's zero-filled buffers (cleared per record)

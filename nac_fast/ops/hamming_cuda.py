@@ -64,8 +64,7 @@ def _device_props(device: torch.device) -> tuple:
             p.shared_memory_per_multiprocessor)
 
 
-def _props(t: torch.Tensor) -> tuple:
-    dev = t.device
+def _props(dev: torch.device) -> tuple:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return _device_props(dev)
@@ -104,15 +103,12 @@ def cdist(qw: torch.Tensor, gw: torch.Tensor) -> torch.Tensor:
     return torch.ops.nac_fast.hamming_lanes_cdist(qw.contiguous(), gw.contiguous())
 
 
-def topk_capacity(k: int, expect: float, nsplit: int) -> int:
-    """Slots per (query, slice) for the items below the bound: k, or twice the slice's share of
-    `expect` (the items below the bound expected over the whole view) plus 8, if more."""
-    return max(int(k), int(math.ceil(2.0 * expect / nsplit)) + 8)
+topk_capacity = hamming_topk.topk_capacity
 
 
-def filter_slices(Q: int, G: int, t: torch.Tensor) -> int:
+def filter_slices(Q: int, G: int, device: torch.device) -> int:
     """Rows per slice of the filter pass: one wave of FILTER_BLOCKS_PER_SM blocks per SM."""
-    sms, _, _ = _props(t)
+    sms, _, _ = _props(device)
     return _split(Q, G, FILTER_LANES, FILTER_BLOCKS_PER_SM, sms, waves=1)
 
 
@@ -120,7 +116,7 @@ def _filter(qw, gview, t, k: int, expect: float, capacity=None):
     """The filter pass (nac_fast/ops/hamming_topk.py): (candidate keys (Q, slots) int64, counts
     below the bound (Q, splits) int32, CA)."""
     Q, G = qw.shape[0], gview.shape[0]
-    L = filter_slices(Q, G, qw)
+    L = filter_slices(Q, G, qw.device)
     nsplit = cdiv(G, L)
     ca = capacity if capacity is not None else topk_capacity(k, expect, nsplit)
     keys, na = torch.ops.nac_fast.hamming_lanes_filter(qw, gview, t, L, ca, k, FILTER_LANES)
@@ -139,30 +135,20 @@ def topk(qw: torch.Tensor, gw: torch.Tensor, k: int):
 
 
 def topk_workspace_bytes(Q: int, G: int, k: int, W: int, device: torch.device) -> int:
-    """An upper bound of the GPU memory :func:`topk` allocates beyond its outputs: the candidate
-    slots and counts of the full pass (keys + torch.topk's copy), of a rerun and of the sample
-    levels (each at most as large: 3 x), and the outright step (the Triton engine's formula)."""
-    if k > TOPK_MAX_K or G <= hamming_topk.outright_rows(_engine(), k):
-        step = max(1, DIRECT_PAIRS // max(G, 1))
-        return min(Q, step) * G * (4 + 8 + 8) + G * 8
-    probe = torch.empty(0, device=device)
-    L = filter_slices(Q, G, probe)
-    nsplit = cdiv(G, L)
-    slots = nsplit * (topk_capacity(k, (k - 1) * SAMPLE_RATIO, nsplit) + k)
-    full = Q * slots * 8 * 2 + Q * nsplit * 4
-    rows = hamming_topk.outright_rows(_engine(), k)
-    outright = min(Q, max(1, BASE_PAIRS // rows)) * (rows * 4 + k * 12) + rows * W * 8
-    return 3 * full + outright + Q * 4 * 4
+    """An upper bound of the GPU memory :func:`topk` allocates beyond its outputs
+    (hamming_topk.workspace_bytes, the Triton engine's formula)."""
+    return hamming_topk.workspace_bytes(_engine(), Q, G, k, W,
+                                        lambda: cdiv(G, filter_slices(Q, G, device)))
 
 
 # --------------------------------------------------------------------------------------------
 # Retrieval: the two passes [M:ap-count]
 # --------------------------------------------------------------------------------------------
 
-def retrieval_lanes(W: int, t: torch.Tensor) -> tuple:
+def retrieval_lanes(W: int, device: torch.device) -> tuple:
     """(lanes of pass 1, lanes of pass 2): one warp per block, half a warp when a warp's pass-2
     columns (8 bytes per distance and lane) exceed the device's shared memory per block."""
-    _, optin, _ = _props(t)
+    _, optin, _ = _props(device)
     NB = W * 64 + 1
     rank = AP_LANES
     while rank > 1 and 8 * NB * rank > optin:
@@ -173,11 +159,11 @@ def retrieval_lanes(W: int, t: torch.Tensor) -> tuple:
     return hist, rank
 
 
-def retrieval_slices(Q: int, G: int, W: int, t: torch.Tensor) -> int:
+def retrieval_slices(Q: int, G: int, W: int, device: torch.device) -> int:
     """Rows per slice of both passes: blocks for WAVES waves of what pass 2 (the longer, with the
     larger columns) keeps resident."""
-    sms, _, per_sm = _props(t)
-    _, rank = retrieval_lanes(W, t)
+    sms, _, per_sm = _props(device)
+    _, rank = retrieval_lanes(W, device)
     return _split(Q, G, rank, _resident(8 * (W * 64 + 1) * rank, rank, per_sm), sms)
 
 
@@ -192,8 +178,8 @@ def retrieval(qw, gw, ql, gl, nbits: int, cuts=(), hist: bool = False):
     Q, W = qw.shape
     qw, gw, ql, gl = (x.contiguous() for x in (qw, gw, ql, gl))
     dev = qw.device
-    L = retrieval_slices(Q, G, W, qw)
-    lanes_hist, lanes_rank = retrieval_lanes(W, qw)
+    L = retrieval_slices(Q, G, W, dev)
+    lanes_hist, lanes_rank = retrieval_lanes(W, dev)
     h = torch.ops.nac_fast.hamming_lanes_ap_hist(qw, gw, ql, gl, L, lanes_hist)   # (S, NB, Q)
     # Sums of packed counters are the packed sums (each low half stays below G < 2^31): ranked
     # before slice s's first item of distance d are all items of smaller distance, plus the

@@ -22,6 +22,8 @@ k-th distance of its candidates as the bound, which is strictly lower, so the lo
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 KEY_SHIFT = 40                         # top-k candidate key: distance << 40 | gallery index
@@ -32,6 +34,28 @@ EMPTY_KEY = (1 << 63) - 1              # an unused candidate slot
 def outright_rows(E, k: int) -> int:
     """A gallery (view) this small gets its k-th distance from the distances outright."""
     return max(E.BASE_ROWS, E.SAMPLE_RATIO * k)
+
+
+def topk_capacity(k: int, expect: float, nsplit: int) -> int:
+    """Slots per (query, slice) for the items below the bound: k, or twice the slice's share of
+    `expect` (the items below the bound expected over the whole view) plus 8, if more."""
+    return max(int(k), int(math.ceil(2.0 * expect / nsplit)) + 8)
+
+
+def workspace_bytes(E, Q: int, G: int, k: int, W: int, nsplit_of) -> int:
+    """An upper bound of the GPU memory :func:`topk` allocates beyond its outputs: the candidate
+    slots and counts of the full pass (keys + torch.topk's copy), of a rerun and of the sample
+    levels (each at most as large: 3 x), and the outright step.  nsplit_of(): the engine's
+    slices of the filter pass over G rows."""
+    if k > E.TOPK_MAX_K or G <= outright_rows(E, k):
+        step = max(1, E.DIRECT_PAIRS // max(G, 1))
+        return min(Q, step) * G * (4 + 8 + 8) + G * 8
+    nsplit = nsplit_of()
+    slots = nsplit * (topk_capacity(k, (k - 1) * E.SAMPLE_RATIO, nsplit) + k)
+    full = Q * slots * 8 * 2 + Q * nsplit * 4       # keys + topk's copy, counts
+    rows = outright_rows(E, k)
+    outright = min(Q, max(1, E.BASE_PAIRS // rows)) * (rows * 4 + k * 12) + rows * W * 8
+    return 3 * full + outright + Q * 4 * 4         # + the bounds of the levels
 
 
 def smallest_keys(keys: torch.Tensor, k: int) -> torch.Tensor:

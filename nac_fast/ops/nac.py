@@ -201,8 +201,9 @@ class _FusedNAC(torch.autograd.Function):
     def forward(ctx, a, r, noise, keys, backend, s, l2, grad_rows, reduction, seed, p, rv):
         fwd, _ = _eager_ops(backend)
         extra = {} if rv is None else {"rv": rv}
+        red = _reduced_by(backend, reduction)
         rows, lse, ga, *saved, noise = fwd(a, r, noise, keys, s, l2, grad_rows, seed, p, **extra,
-                                           **_reduced_by(backend, reduction))
+                                           **red)
         ctx.backend = backend
         ctx.s = s
         ctx.reduction = reduction
@@ -211,7 +212,7 @@ class _FusedNAC(torch.autograd.Function):
         ctx.dtypes = (a.dtype, r.dtype, None if keys is None else keys.dtype)
         ctx.rv_dtype = None if rv is None else rv.dtype
         ctx.save_for_backward(a, r, noise, keys, lse, ga, *saved, *extra.values())
-        return rows if _reduced_by(backend, reduction) else reduce_rows(rows, reduction)
+        return rows if red else reduce_rows(rows, reduction)
 
     @staticmethod
     def backward(ctx, g):
