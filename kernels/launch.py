@@ -91,14 +91,21 @@ def _cuda_target(index: int) -> Target:
                   int(smem_sm), occupancy=compiled_occupancy)
 
 
-_OCCUPANCY: dict = {}
+_OCCUPANCY: dict = {}  # (kernel, device, specialisation, warps, stages) -> CompiledFigures
 
 
-def compiled_occupancy(launch: "Launch") -> int:
-    """Resident blocks per SM of `launch`'s kernel as Triton compiled it for the launch's device
-    (its registers, shared memory and warps: `blocks_per_sm`).  Compiles the kernel if it is not
-    compiled yet (JITFunction.warmup: what its first launch would do anyway), once per
-    specialisation; no launch, no host sync."""
+class CompiledFigures(NamedTuple):
+    """What the driver reports of a kernel as Triton compiled it for a GPU."""
+    registers: int
+    local_bytes: int   # local memory per thread: register spills (the driver's n_spills x 4)
+    smem_bytes: int
+    num_warps: int
+
+
+def compiled_figures(launch: "Launch") -> CompiledFigures:
+    """Registers, local memory (spills) and shared memory of `launch`'s kernel as Triton compiled it for the
+    launch's device.  Compiles the kernel if it is not compiled yet (JITFunction.warmup: what its
+    first launch would do anyway), once per specialisation; no launch, no host sync."""
     dev = launch_device([launch])
     key = (launch.kernel, dev, tuple((a.dtype, a.stride(-1) == 1) if isinstance(a, torch.Tensor)
                                      else type(a) for a in launch.args),
@@ -107,10 +114,19 @@ def compiled_occupancy(launch: "Launch") -> int:
         with device_guard(dev):
             k = launch.kernel.warmup(*launch.args, **launch.constexprs, grid=launch.grid,
                                      num_warps=launch.num_warps, num_stages=launch.num_stages)
-            k._init_handles()  # loads the module: fills n_regs (Triton 3.6 and 3.8)
-        _OCCUPANCY[key] = blocks_per_sm(int(k.n_regs), int(k.metadata.shared),
-                                        int(k.metadata.num_warps), target_of(dev).smem_per_sm)
+            k._init_handles()  # loads the module: fills n_regs, n_spills (Triton 3.6 and 3.8)
+        # Triton's n_spills is CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES / 4 (driver.c, 3.6 and 3.8)
+        _OCCUPANCY[key] = CompiledFigures(int(k.n_regs), 4 * int(getattr(k, "n_spills", 0) or 0),
+                                          int(k.metadata.shared), int(k.metadata.num_warps))
     return _OCCUPANCY[key]
+
+
+def compiled_occupancy(launch: "Launch") -> int:
+    """Resident blocks per SM of `launch`'s kernel as Triton compiled it for the launch's device
+    (its registers, shared memory and warps: `blocks_per_sm`, from `compiled_figures`)."""
+    f = compiled_figures(launch)
+    return blocks_per_sm(f.registers, f.smem_bytes, f.num_warps,
+                         target_of(launch_device([launch])).smem_per_sm)
 
 
 def target_of(device: torch.device) -> Target:

@@ -371,8 +371,11 @@ def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, g_scale, gscale, dk
     rmask = i0 + r < end
     q = tl.load(qp + offs, mask=rmask[:, None] & dmask[None, :], other=0.0)
     lse2 = tl.load(lp + r, mask=rmask, other=float("inf")).to(ACC)  # base 2
-    g = tl.load(gp + r * stride_g, mask=rmask, other=0.0).to(ACC) * g_scale * gscale
     st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
+    # g loaded after the product: loaded before it, its (BLOCK_M,) vector was live across the
+    # product and Triton 3.6 spilled 32 B at 128 x 64, 4 warps (the tuned in-batch winner;
+    # bench/compile_check.py under the device's Triton, bench/gpu_notes.md)
+    g = tl.load(gp + r * stride_g, mask=rmask, other=0.0).to(ACC) * g_scale * gscale
     pt = tl.exp2(st - lse2[None, :]) * g[None, :]
     return dk + _dot(pt.to(q.dtype), q, PRECISION, UPCAST)         # P^T Q (log2 units)
 

@@ -558,18 +558,35 @@ def run_fwd(case: Case, inputs: dict, target) -> tuple:
     return state
 
 
+def spilling(launches, kernel: str, figures: Callable) -> List[str]:
+    """'tag: N B' for each of `kernel`'s launches whose compiled kernel uses local memory
+    (`figures(launch)`: kernels/launch.py compiled_figures, the driver's figures of the kernel as
+    the running Triton compiled it).  Resources are part of correctness: a candidate that spills
+    is refused, whatever its time (the compile check holds the shipped configurations to it on
+    CI's Triton; this holds the autotune's winners to it on the device's)."""
+    out = []
+    for L in launches:
+        if L.tag.startswith(kernel) and all(g > 0 for g in L.grid):
+            local = figures(L).local_bytes
+            if local:
+                out.append(f"{L.tag}: {local} B")
+    return out
+
+
 def tune_key(kernel: str, case: Case, device, target, cands: Sequence[Config],
              rep_ms: float = 25.0, warmup_ms: float = 5.0, cpu_reps: int = 3,
-             deadline: Optional[float] = None, progress: Optional[Callable[[], None]] = None
-             ) -> dict:
+             deadline: Optional[float] = None, progress: Optional[Callable[[], None]] = None,
+             figures: Optional[Callable] = None) -> dict:
     """Time every candidate of `kernel` on the case (random data) and check each one's outputs
     against the built-in configuration's.  Returns dict(default=row, rows=[row per candidate
     timed or refused], winner=the fastest "ok" row or None, skipped=[labels of the candidates
     past the deadline, not timed]).  A row: label, config, split, programs, median_ms, p20_ms,
     p80_ms, peak_mib (GPU: the MiB of buffers the plan allocates), max_rel_diff, status:
-    "ok", "mismatch (...)", "error: ...", "same plan as waves 1", or "no-effect: ..." (the plan
-    does not pass Config.waves to the split)."""
-    from .launch import run
+    "ok", "mismatch (...)", "error: ...", "spills (...)" (refused untimed: `spilling`, with
+    `figures`, by default on a GPU kernels/launch.py compiled_figures; the interpreter has none),
+    "same plan as waves 1", or "no-effect: ..." (the plan does not pass Config.waves to the
+    split)."""
+    from .launch import compiled_figures, run
     dev = torch.device(device)
     gpu = dev.type == "cuda"
     inputs = case_inputs(case, dev)
@@ -580,9 +597,17 @@ def tune_key(kernel: str, case: Case, device, target, cands: Sequence[Config],
     def split_of(cfg):
         return plan_call(kernel, case, inputs, target, cfg, fwd_state)[2]
 
+    if figures is None and gpu:
+        figures = compiled_figures
+
     def measure(cfg):
         before = torch.cuda.memory_allocated(dev) if gpu else 0
         launches, outputs, split, _ = plan_call(kernel, case, inputs, target, cfg, fwd_state)
+        spills = spilling(launches, kernel, figures) if cfg is not None and figures else []
+        if spills:
+            import triton
+            return dict(split=split, status=f"spills ({'; '.join(spills)}; triton "
+                                            f"{triton.__version__})")
         # the plan's buffers (outputs, split partials); the kernels allocate nothing
         peak = round((torch.cuda.memory_allocated(dev) - before) / 2 ** 20, 1) if gpu else ""
         med, p20, p80 = timer(lambda: run(launches))
@@ -615,11 +640,13 @@ def tune_key(kernel: str, case: Case, device, target, cands: Sequence[Config],
                     row["status"] = "same plan as waves 1"
             if "status" not in row:
                 m = measure(c)
-                out = m.pop("outputs")
+                out = m.pop("outputs", None)  # None: refused before timing (its status says)
                 row.update(m)
-                diff = max(_rel_diff(out[k], base_out[k]) for k in base_out)
-                row["max_rel_diff"] = diff
-                row["status"] = "ok" if diff <= tol else f"mismatch ({diff:.2e} > {tol:g})"
+                if out is not None:
+                    diff = max(_rel_diff(out[k], base_out[k]) for k in base_out)
+                    row["max_rel_diff"] = diff
+                    row["status"] = ("ok" if diff <= tol
+                                     else f"mismatch ({diff:.2e} > {tol:g})")
         except Exception as exc:  # noqa: BLE001 - a failing candidate is a finding, not a stop
             first = str(exc).splitlines()[0][:200] if str(exc) else ""
             row["status"] = f"error: {type(exc).__name__}: {first}"

@@ -311,6 +311,48 @@ def test_first_use_autotune_times_once_per_class_and_caches(monkeypatch, caplog,
                for r in caplog.records)
 
 
+def test_a_candidate_that_spills_is_refused_untimed(monkeypatch):
+    """Resources are part of correctness: a candidate whose compiled kernel uses local memory on
+    the running Triton (the driver's figures: kernels/launch.py compiled_figures on a GPU; faked
+    here for the interpreter) is refused before it is timed, however fast it would be, and the
+    winner comes from the others.  The built-in configuration is the baseline and is not asked."""
+    cands = [c for c in BWD16 if c.waves == 1][:2]
+    bad = (cands[1].BLOCK_M, cands[1].BLOCK_N, cands[1].num_warps, cands[1].num_stages)
+    asked = []
+
+    def figures(L):
+        asked.append(L.tag)
+        c = L.constexprs
+        key = (c["BLOCK_M"], c["BLOCK_N"], L.num_warps, L.num_stages)
+        return KL.CompiledFigures(255, 32 if key == bad else 0, 1024, L.num_warps)
+    monkeypatch.setattr(TU, "_time_cpu", lambda fn, reps: (fn(), (1.0, 0.9, 1.1))[1])
+    case = TU.Case("inbatch", 40, 40, 128, BF16)
+    res = TU.tune_key("bwd_keys", case, "cpu", KL.Target(0, 1 << 30, 4), cands, cpu_reps=1,
+                      figures=figures)
+    by = {r["label"]: r for r in res["rows"]}
+    refused = by[TU.config_label(cands[1])]
+    assert refused["status"].startswith("spills (bwd_keys") and " 32 B" in refused["status"]
+    assert refused["median_ms"] != refused["median_ms"]  # NaN: never timed
+    assert by[TU.config_label(cands[0])]["status"] == "ok"
+    assert res["winner"] is by[TU.config_label(cands[0])]
+    assert asked and all(t.startswith("bwd_keys") for t in asked)  # only the tuned kernel's
+    # with no figures (the interpreter by default) nothing is refused
+    res = TU.tune_key("bwd_keys", case, "cpu", KL.Target(0, 1 << 30, 4), cands, cpu_reps=1)
+    assert all(r["status"] == "ok" for r in res["rows"])
+
+
+def test_spilling_lists_the_kernels_launches_that_use_local_memory():
+    x = torch.empty(4)
+    mk = lambda tag, grid=(1,): KL.Launch(None, grid, (x,), dict(BLOCK_M=64, BLOCK_N=64), 4, 2,  # noqa: E731
+                                          tag)
+    figs = {"bwd_keys": 0, "bwd_keys_out2": 8, "bwd_rows": 64, "fwd": 16}
+    f = lambda L: KL.CompiledFigures(200, figs[L.tag], 0, 4)  # noqa: E731
+    launches = [mk("bwd_keys"), mk("bwd_keys_out2"), mk("bwd_rows"), mk("fwd")]
+    assert TU.spilling(launches, "bwd_keys", f) == ["bwd_keys_out2: 8 B"]
+    assert TU.spilling(launches, "fwd", f) == ["fwd: 16 B"]
+    assert TU.spilling([mk("fwd", (0, 2))], "fwd", f) == []  # an empty grid launches nothing
+
+
 def test_autotune_env_must_be_0_or_1(monkeypatch):
     monkeypatch.setenv(TU.ENV_AUTOTUNE, "yes")
     with pytest.raises(ValueError, match=TU.ENV_AUTOTUNE):
