@@ -113,7 +113,7 @@ def _fp32_modes(dtypes, fp32_modes):
 def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
     """(case, launch) for every launch of every op at every case of the grid on `target`."""
     import torch
-    from nac_fast.kernels import hamming_triton, nac_noise_triton, nac_triton
+    from nac_fast.kernels import hamming_triton, nac_noise_triton, nac_triton, queue_triton
 
     meta = dict(device="meta")
     n, N = 8192, 65536
@@ -180,6 +180,18 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
     seed = torch.empty(1, dtype=torch.int64, **meta)
     for L in nac_noise_triton.noise_plan(out, seed, 0.1):
         yield dict(dtype="float32", D="", mode=""), L
+    # the momentum queue's enqueue (kernels/queue_triton.py): pre-activations in each dtype the
+    # loss runs in, written into a queue of that dtype (bf16 and fp16 keys into bf16 too: AMP)
+    ptr = torch.empty((), dtype=torch.int64, **meta)
+    count = torch.empty(1, dtype=torch.int32, **meta)
+    for dname in dtypes:
+        dtype = getattr(torch, dname)
+        for D in ds:
+            x = torch.empty((256, D), dtype=dtype, **meta)
+            for qdt in {dtype, torch.bfloat16 if dtype != torch.float64 else dtype}:
+                codes = torch.empty((65536, D), dtype=qdt, **meta)
+                for L in queue_triton.enqueue_plan(codes, ptr, count, x, x[:0]):
+                    yield dict(dtype=dname, D=D, mode="queue"), L
     for bits in ds:
         W = -(-bits // 64)
         qw = torch.empty((1000, W), dtype=torch.int64, **meta)

@@ -170,7 +170,9 @@ def test_train_py_step_is_sync_free(backend, method, monkeypatch, tmp_path):
     assert "aten._foreach_norm" in ops            # LARS ran under the mode
     if method == "nac-mq":
         assert "aten._foreach_lerp_" in ops       # EMA
-        assert "aten.index_copy_" in ops          # CodeQueue.enqueue
+        # CodeQueue.enqueue_tanh: the reference's index_copy_, or the Triton kernel (its launch
+        # is not an ATen op: the pointer's update stays on the device all the same)
+        assert ("aten.index_copy_" in ops) == (backend != "triton")
 
 
 @pytest.mark.parametrize("method", ["nac", "nac-mq"])

@@ -516,11 +516,13 @@ class NACMQLoss(nn.Module):
         a, r_hat = torch.cat([a0, a1]), torch.cat([rm1, rm0])
         r = None if r0 is None else torch.cat([r1, r0])
         with torch.no_grad():
-            keys = torch.cat([am0, am1])
-            # tanh in float32 (float64 stays) whatever the AMP dtype; enqueue rounds to the
-            # queue's dtype
-            keys = torch.tanh(keys.to(reference.acc_dtype(keys.dtype)))
-            queue.enqueue(all_gather_nograd(keys) if self.gather_distributed else keys)
+            # the keys tanh(am) of both views, tanh in float32 (float64 stays) whatever the AMP
+            # dtype, rounded to the queue's dtype; on a GPU one launch (CodeQueue.enqueue_tanh).
+            # Gathered: the pre-activations in their own dtype (tanh is elementwise: the same keys)
+            parts = ((all_gather_nograd(torch.cat([am0, am1])),)
+                     if self.gather_distributed and is_dist() else (am0, am1))
+            queue.enqueue_tanh(*parts, backend=self.backend if self.backend in (
+                "reference", "triton") else "auto")
         dt = a.dtype
         if _autocast_on(a):
             dt = loss_dtype(a)

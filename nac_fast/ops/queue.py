@@ -2,6 +2,7 @@
 buffers, so state_dict(), .to() and DDP's buffer broadcast work as for any module.
 
     queue = CodeQueue(size=M, dim=D); queue.enqueue(keys)   # NACMQLoss enqueues before the loss
+    queue.enqueue_tanh(am0, am1)     # the keys tanh(am) of two views, one launch on a GPU
 """
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import torch
 import torch.nn as nn
 
 from .. import _checks
+from .dispatch import eager_real, triton_importable, triton_runs_on
+
+ENQUEUE_BACKENDS = ("auto", "reference", "triton")
 
 
 class CodeQueue(nn.Module):
@@ -41,6 +45,10 @@ class CodeQueue(nn.Module):
             raise TypeError(f"queue dtype must be a floating torch.dtype, got {dtype!r}")
         self.register_buffer("codes", torch.zeros(size, dim, device=device, dtype=dtype))
         self.register_buffer("ptr", torch.zeros((), device=device, dtype=torch.long))
+        # the Triton enqueue's arrival counter (kernels/queue_triton.py): zero between calls, not
+        # part of the state
+        self.register_buffer("_arrived", torch.zeros(1, device=device, dtype=torch.int32),
+                             persistent=False)
 
     @property
     def size(self) -> int:
@@ -61,6 +69,75 @@ class CodeQueue(nn.Module):
         idx = (self.ptr + torch.arange(n, device=self.codes.device)) % self.size
         self.codes.index_copy_(0, idx, keys.detach().to(self.codes.dtype))
         self.ptr.add_(n).remainder_(self.size)
+
+    @torch.no_grad()
+    def enqueue_tanh(self, *parts: torch.Tensor, backend: str = "auto") -> None:
+        """Enqueue the keys z = tanh(a) of the rows of `parts` in order (NAC-MQ's keys from the
+        momentum network's pre-activations, docs/math.md [M:mq]): tanh in float32 (float64 stays
+        float64), rounded to the queue's dtype, as ``enqueue(torch.tanh(torch.cat(parts).float()))``.
+
+        parts: (n_i, D) tensors of one floating dtype on the queue's device, sum n_i <= size.
+        backend: "reference" (torch ops: the cat, casts, tanh and an index_copy_, about ten
+        launches), "triton" (one launch, kernels/queue_triton.py, tanh by csrc/nac_math.h's
+        formula: within 2 float32 ulp of torch.tanh before the rounding), or "auto": "triton" on
+        CUDA tensors when the Triton kernels import and the call runs eagerly, else "reference"."""
+        if backend not in ENQUEUE_BACKENDS:
+            raise ValueError(f"backend must be one of {ENQUEUE_BACKENDS}, got {backend!r}")
+        if not parts:
+            raise ValueError("enqueue_tanh needs at least one tensor of keys' pre-activations")
+        D = self.codes.shape[1]
+        for i, t in enumerate(parts):
+            _checks.tensor(f"parts[{i}]", t)
+            if not t.is_floating_point():
+                raise TypeError(f"parts[{i}] must be floating, got {t.dtype}")
+            if t.dim() != 2 or t.shape[1] != D:
+                raise ValueError(f"parts[{i}] must have shape (n, {D}), got {tuple(t.shape)}")
+            if t.dtype != parts[0].dtype:
+                raise TypeError(f"parts[{i}] is {t.dtype} but parts[0] is {parts[0].dtype}: one "
+                                "dtype for all parts")
+            if t.device != self.codes.device:
+                raise ValueError(f"parts[{i}] is on {t.device} but the queue is on "
+                                 f"{self.codes.device}")
+        n = sum(t.shape[0] for t in parts)
+        if n > self.size:
+            raise ValueError(f"cannot enqueue {n} keys into a queue of size {self.size}")
+        if backend == "auto":
+            backend = "triton" if self._triton_ok(parts) else "reference"
+        elif backend == "triton":
+            why = self._triton_refusal(parts)
+            if why:
+                raise ValueError(f"backend='triton' cannot enqueue here: {why}")
+        if backend == "reference":
+            keys = torch.cat(parts) if len(parts) > 1 else parts[0]
+            wide = torch.float64 if keys.dtype == torch.float64 else torch.float32
+            self.enqueue(torch.tanh(keys.to(wide)))
+            return
+        from ..kernels import queue_triton
+        rows = [t if t.stride(1) == 1 else t.contiguous() for t in parts]
+        while len(rows) > 2:  # the kernel reads two parts: fold the rest (a copy of those rows)
+            rows = [rows[0], torch.cat(rows[1:])]
+        x0, x1 = rows[0], rows[1] if len(rows) > 1 else rows[0][:0]
+        if n:
+            queue_triton.enqueue(self.codes, self.ptr, self._arrived, x0, x1, tanh=True)
+
+    def _triton_refusal(self, parts) -> str:
+        c = self.codes
+        if not triton_importable():
+            return "the Triton kernels do not import (nac_fast.ops.dispatch.triton_import_error)"
+        from ..kernels.nac_triton import MAX_D
+        if not triton_runs_on(c.device.type):
+            return (f"Triton does not run on {c.device.type} tensors here (a GPU, or CPU tensors "
+                    "under TRITON_INTERPRET=1)")
+        if c.shape[1] > MAX_D:
+            return f"codes of D={c.shape[1]} > {MAX_D}"
+        if not c.is_contiguous():
+            return "the queue's codes are not contiguous"
+        return ""
+
+    def _triton_ok(self, parts) -> bool:
+        c = self.codes
+        return (c.device.type == "cuda" and eager_real(c)
+                and all(eager_real(t) for t in parts) and not self._triton_refusal(parts))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

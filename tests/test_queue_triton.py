@@ -1,0 +1,198 @@
+"""The momentum queue's fused enqueue (kernels/queue_triton.py, CodeQueue.enqueue_tanh): the same
+codes and write pointer as the plain-PyTorch path (cat, tanh in float32, index_copy_ at the
+pointer), at awkward sizes, across the ring's end, in every queue dtype; the arrival counter left
+zero; bad input refused before the queue changes.
+
+Under TRITON_INTERPRET=1 (CI) the kernel runs on CPU tensors; bench/gpu_suite.sh may run this
+file with NAC_FAST_TEST_DEVICE=cuda.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import nac_fast
+from nac_fast import CodeQueue
+
+DEVICE = os.environ.get("NAC_FAST_TEST_DEVICE", "cpu")
+pytestmark = pytest.mark.skipif(
+    "triton" not in nac_fast.available_backends(DEVICE),
+    reason=f"the Triton kernels on {DEVICE} tensors (CPU: needs triton and TRITON_INTERPRET=1)")
+
+
+def ulps32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """|x - y| in units of float32's spacing at y (x, y float32)."""
+    return (x.double() - y.double()).abs() / torch.finfo(torch.float32).eps / y.double().abs(
+    ).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def pair(M, D, qdt, start=0):
+    """Two queues with the same state: one for each backend."""
+    g = torch.Generator().manual_seed(M * 1000 + D)
+    codes = torch.tanh(torch.randn(M, D, generator=g, dtype=torch.float64)).to(qdt)
+    qs = []
+    for _ in range(2):
+        q = CodeQueue(M, D, device=DEVICE, dtype=qdt)
+        q.codes.copy_(codes.to(DEVICE))
+        q.ptr.fill_(start)
+        qs.append(q)
+    return qs
+
+
+def check_same(qt, qr, in_dtype):
+    assert int(qt.ptr) == int(qr.ptr)
+    assert int(qt._arrived) == 0  # the counter is left zero for the next call
+    ct, cr = qt.codes.cpu(), qr.codes.cpu()
+    if ct.dtype == torch.float64 or in_dtype == torch.float64:
+        torch.testing.assert_close(ct, cr, rtol=1e-14, atol=1e-15)
+    elif ct.dtype == torch.float32:
+        assert float(ulps32(ct, cr).max()) <= 2.0
+    else:  # rounded to 16 bits: equal, or one unit apart where fp32's 2 ulp crossed a tie
+        diff = (ct.float() - cr.float()).abs()
+        unit = torch.finfo(ct.dtype).eps * cr.float().abs().clamp(min=torch.finfo(ct.dtype).tiny)
+        assert bool((diff <= unit).all())
+        assert float((diff > 0).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("qdt", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("M,D,n0,n1,start", [
+    (1, 1, 1, 0, 0),            # a one-slot queue
+    (3, 3, 1, 2, 2),            # wraps at once
+    (97, 16, 40, 40, 90),       # across the end
+    (1031, 128, 97, 97, 1000),  # awkward sizes, across the end
+    (4099, 7, 1, 3, 4098),      # D not a power of two
+    (64, 128, 32, 32, 0),       # the whole queue in one call
+])
+def test_enqueue_tanh_matches_the_reference(qdt, M, D, n0, n1, start):
+    g = torch.Generator().manual_seed(n0 + 7 * n1)
+    in_dt = torch.float64 if qdt == torch.float64 else torch.float32
+    x0 = (3 * torch.randn(n0, D, generator=g, dtype=in_dt)).to(DEVICE)
+    x1 = (3 * torch.randn(n1, D, generator=g, dtype=in_dt)).to(DEVICE)
+    qt, qr = pair(M, D, qdt, start)
+    parts = (x0, x1) if n1 else (x0,)
+    qt.enqueue_tanh(*parts, backend="triton")
+    qr.enqueue_tanh(*parts, backend="reference")
+    check_same(qt, qr, in_dt)
+    assert int(qt.ptr) == (start + n0 + n1) % M
+    # the rows outside the written slots are untouched
+    written = {(start + i) % M for i in range(n0 + n1)}
+    keep = torch.tensor([i not in written for i in range(M)])
+    before = pair(M, D, qdt, start)[0].codes.cpu()
+    assert torch.equal(qt.codes.cpu()[keep], before[keep])
+
+
+@pytest.mark.parametrize("in_dt", [torch.bfloat16, torch.float16])
+def test_16_bit_pre_activations_take_tanh_in_float32(in_dt):
+    """AMP: the momentum network's outputs in 16 bits, tanh in float32, the queue in bf16."""
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randn(33, 64, generator=g).to(in_dt).to(DEVICE)
+    x1 = torch.randn(33, 64, generator=g).to(in_dt).to(DEVICE)
+    qt, qr = pair(100, 64, torch.bfloat16, start=80)
+    qt.enqueue_tanh(x0, x1, backend="triton")
+    qr.enqueue_tanh(x0, x1, backend="reference")
+    check_same(qt, qr, torch.float32)
+
+
+def test_repeated_calls_and_strided_rows_and_three_parts():
+    """Consecutive calls advance the pointer on the device; rows with a row stride (a view) and
+    more than two parts (folded into two) give the reference's codes."""
+    qt, qr = pair(50, 24, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    for step in range(7):
+        big = torch.randn(9, 48, generator=g).to(DEVICE)
+        x0 = big[:, :24]                      # row stride 48
+        x1 = torch.randn(4, 24, generator=g).to(DEVICE)
+        x2 = torch.randn(2, 24, generator=g).to(DEVICE)
+        qt.enqueue_tanh(x0, x1, x2, backend="triton")
+        qr.enqueue_tanh(x0, x1, x2, backend="reference")
+        check_same(qt, qr, torch.float32)
+    assert int(qt.ptr) == (7 * 15) % 50
+
+
+def test_extreme_values_and_zero_rows():
+    """tanh saturates to +-1 and keeps zeros and tiny values; an empty part is allowed."""
+    x0 = torch.tensor([[0.0, -0.0, 1e-30, -1e-30, 40.0, -40.0, 1e4, -1e4]]).to(DEVICE)
+    qt, qr = pair(4, 8, torch.float32, start=3)
+    qt.enqueue_tanh(x0, x0[:0], backend="triton")
+    qr.enqueue_tanh(x0, x0[:0], backend="reference")
+    check_same(qt, qr, torch.float32)
+    got = qt.codes.cpu()[3]
+    assert got[4] == 1 and got[5] == -1 and got[6] == 1 and got[7] == -1
+    assert got[0] == 0 and got[1] == 0  # tanh(-0) may come back +0 (csrc/nac_math.h's formula)
+    assert float(got[2]) == float(torch.tensor(1e-30)) and float(got[3]) == -float(got[2])
+
+
+def test_bad_input_is_refused_before_the_queue_changes():
+    q = CodeQueue(8, 4, device=DEVICE)
+    x = torch.randn(3, 4).to(DEVICE)
+    before = q.codes.clone()
+    cases = [
+        (lambda: q.enqueue_tanh(backend="triton"), ValueError, "at least one"),
+        (lambda: q.enqueue_tanh(x, torch.randn(3, 5).to(DEVICE)), ValueError, r"parts\[1\]"),
+        (lambda: q.enqueue_tanh(x, x.double()), TypeError, "one dtype"),
+        (lambda: q.enqueue_tanh(torch.ones(3, 4, dtype=torch.int64).to(DEVICE)), TypeError,
+         "floating"),
+        (lambda: q.enqueue_tanh(x, x, x), ValueError, "9 keys into a queue of size 8"),
+        (lambda: q.enqueue_tanh(torch.randn(3, 4, device="meta")), ValueError, "meta"),
+        (lambda: q.enqueue_tanh(x, backend="cuda"), ValueError, "backend must be"),
+        (lambda: q.enqueue_tanh([x]), TypeError, r"parts\[0\]"),
+    ]
+    for fn, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            fn()
+    assert torch.equal(q.codes, before) and int(q.ptr) == 0
+
+
+def test_triton_refuses_what_it_does_not_handle():
+    from nac_fast.kernels.nac_triton import MAX_D
+    q = CodeQueue(4, MAX_D + 1, device=DEVICE)
+    with pytest.raises(ValueError, match=f"D={MAX_D + 1}"):
+        q.enqueue_tanh(torch.randn(1, MAX_D + 1).to(DEVICE), backend="triton")
+    # auto takes the reference there, with the same result
+    q.enqueue_tanh(torch.zeros(1, MAX_D + 1).to(DEVICE))
+    assert int(q.ptr) == 1
+
+
+def test_auto_picks_triton_on_cuda_only(monkeypatch):
+    """auto: the fused kernel on CUDA tensors (eager), the reference on CPU tensors even under
+    the interpreter (whose kernels are for tests, not speed)."""
+    from nac_fast.kernels import queue_triton
+    calls = []
+    real = queue_triton.enqueue
+    monkeypatch.setattr(queue_triton, "enqueue", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    q = CodeQueue(8, 4, device=DEVICE)
+    q.enqueue_tanh(torch.randn(2, 4).to(DEVICE))
+    assert len(calls) == (1 if DEVICE.startswith("cuda") else 0)
+
+
+def test_state_dict_leaves_the_counter_out():
+    q = CodeQueue(8, 4, device=DEVICE)
+    assert set(q.state_dict()) == {"codes", "ptr"}
+    q2 = CodeQueue(8, 4, device=DEVICE)
+    q2.load_state_dict(q.state_dict())
+
+
+def test_criterion_runs_the_fused_enqueue_with_the_triton_backend(monkeypatch):
+    """NACMQLoss(backend="triton") enqueues through the kernel; its loss and queue match the
+    reference criterion's (the codes within the tanh formula's ulps)."""
+    from nac_fast.kernels import queue_triton
+    calls = []
+    real = queue_triton.enqueue
+    monkeypatch.setattr(queue_triton, "enqueue", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    K, D = 6, 16
+    g = torch.Generator().manual_seed(1)
+    mk = lambda: torch.randn(K, D, generator=g, dtype=torch.float64).to(DEVICE)  # noqa: E731
+    a0, r0, a1, r1, am0, rm0, am1, rm1 = (mk() for _ in range(8))
+    noise = torch.where(torch.rand(2 * K, D, generator=g) < 0.1, -1.0, 1.0).double().to(DEVICE)
+    out = {}
+    for backend in ("triton", "reference"):
+        q = CodeQueue(5 * K, D, device=DEVICE, dtype=torch.float64)
+        crit = nac_fast.NACMQLoss(0.1, backend=backend)
+        loss = crit((a0, r0), (a1, r1), (am0, rm0), (am1, rm1), q, noise=noise)
+        out[backend] = (float(loss), q.codes.cpu(), int(q.ptr))
+    assert calls == [1]
+    assert out["triton"][2] == out["reference"][2] == 2 * K
+    torch.testing.assert_close(out["triton"][1], out["reference"][1], rtol=1e-14, atol=1e-15)
+    assert abs(out["triton"][0] - out["reference"][0]) <= 1e-12 * max(1.0, abs(out["reference"][0]))
