@@ -196,3 +196,31 @@ def test_criterion_runs_the_fused_enqueue_with_the_triton_backend(monkeypatch):
     assert out["triton"][2] == out["reference"][2] == 2 * K
     torch.testing.assert_close(out["triton"][1], out["reference"][1], rtol=1e-14, atol=1e-15)
     assert abs(out["triton"][0] - out["reference"][0]) <= 1e-12 * max(1.0, abs(out["reference"][0]))
+
+
+@pytest.mark.parametrize("qdt,kdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                     (torch.float16, torch.bfloat16), (torch.float64, torch.float32),
+                                     (torch.float32, torch.float64), (torch.bfloat16, torch.float64)])
+def test_enqueue_of_codes_matches_the_reference_bit_for_bit(qdt, kdt):
+    """enqueue(keys) (no tanh): the codes are the keys converted to the queue's dtype, the same
+    bits on both paths, across the ring's end and over several calls."""
+    qt, qr = pair(37, 9, qdt, start=30)
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 11, 37, 5):
+        keys = torch.tanh(torch.randn(n, 9, generator=g, dtype=torch.float64)).to(kdt).to(DEVICE)
+        qt.enqueue(keys, backend="triton")
+        qr.enqueue(keys, backend="reference")
+        assert int(qt.ptr) == int(qr.ptr) and int(qt._arrived) == 0
+        assert torch.equal(qt.codes.cpu(), qr.codes.cpu()), (n, qdt, kdt)
+
+
+def test_enqueue_refuses_bad_keys_and_takes_integers_by_the_reference():
+    q = CodeQueue(8, 4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"keys must have shape \(n, 4\)"):
+        q.enqueue(torch.zeros(2, 3).to(DEVICE))
+    with pytest.raises(ValueError, match="9 keys into a queue of size 8"):
+        q.enqueue(torch.zeros(9, 4).to(DEVICE))
+    with pytest.raises(ValueError, match="floating"):
+        q.enqueue(torch.ones(2, 4, dtype=torch.int64).to(DEVICE), backend="triton")
+    q.enqueue(torch.ones(2, 4, dtype=torch.int64).to(DEVICE))  # auto: the reference converts
+    assert int(q.ptr) == 2 and bool((q.codes.cpu()[:2] == 1).all())

@@ -58,17 +58,19 @@ class CodeQueue(nn.Module):
         return f"size={self.size}, dim={self.codes.shape[1]}, dtype={self.codes.dtype}"
 
     @torch.no_grad()
-    def enqueue(self, keys: torch.Tensor) -> None:
-        _checks.tensor("keys", keys)
-        if keys.dim() != 2 or keys.shape[1] != self.codes.shape[1]:
-            raise ValueError(f"keys must have shape (n, {self.codes.shape[1]}), "
-                             f"got {tuple(keys.shape)}")
-        n = keys.shape[0]
-        if n > self.size:
-            raise ValueError(f"cannot enqueue {n} keys into a queue of size {self.size}")
-        idx = (self.ptr + torch.arange(n, device=self.codes.device)) % self.size
-        self.codes.index_copy_(0, idx, keys.detach().to(self.codes.dtype))
-        self.ptr.add_(n).remainder_(self.size)
+    def enqueue(self, keys: torch.Tensor, *, backend: str = "auto") -> None:
+        """Write the (n, D) codes `keys` at the pointer (converted to the queue's dtype) and
+        advance it, wrapping around the end.  backend: "reference" (torch ops: an index_copy_
+        and the pointer's modular arithmetic, about seven launches), "triton" (one launch,
+        kernels/queue_triton.py, the same codes), or "auto": "triton" on CUDA tensors when the
+        Triton kernels import and the call runs eagerly, else "reference"."""
+        self._check("keys", (keys,), floating=False)
+        if backend == "auto" and not keys.is_floating_point():
+            backend = "reference"
+        if self._backend(backend, (keys,)) == "reference":
+            self._enqueue_reference(keys)
+        else:
+            self._enqueue_triton((keys,), tanh=False)
 
     @torch.no_grad()
     def enqueue_tanh(self, *parts: torch.Tensor, backend: str = "auto") -> None:
@@ -81,44 +83,61 @@ class CodeQueue(nn.Module):
         launches), "triton" (one launch, kernels/queue_triton.py, tanh by csrc/nac_math.h's
         formula: within 2 float32 ulp of torch.tanh before the rounding), or "auto": "triton" on
         CUDA tensors when the Triton kernels import and the call runs eagerly, else "reference"."""
-        if backend not in ENQUEUE_BACKENDS:
-            raise ValueError(f"backend must be one of {ENQUEUE_BACKENDS}, got {backend!r}")
+        self._check("parts", parts, floating=True)
+        if self._backend(backend, parts) == "reference":
+            keys = torch.cat(parts) if len(parts) > 1 else parts[0]
+            wide = torch.float64 if keys.dtype == torch.float64 else torch.float32
+            self._enqueue_reference(torch.tanh(keys.to(wide)))
+        else:
+            self._enqueue_triton(parts, tanh=True)
+
+    def _check(self, name: str, parts, floating: bool) -> None:
+        """Bad input gets its error before the queue changes."""
         if not parts:
             raise ValueError("enqueue_tanh needs at least one tensor of keys' pre-activations")
         D = self.codes.shape[1]
         for i, t in enumerate(parts):
-            _checks.tensor(f"parts[{i}]", t)
-            if not t.is_floating_point():
-                raise TypeError(f"parts[{i}] must be floating, got {t.dtype}")
+            what = name if name == "keys" else f"{name}[{i}]"
+            _checks.tensor(what, t)
+            if floating and not t.is_floating_point():
+                raise TypeError(f"{what} must be floating, got {t.dtype}")
             if t.dim() != 2 or t.shape[1] != D:
-                raise ValueError(f"parts[{i}] must have shape (n, {D}), got {tuple(t.shape)}")
+                raise ValueError(f"{what} must have shape (n, {D}), got {tuple(t.shape)}")
             if t.dtype != parts[0].dtype:
-                raise TypeError(f"parts[{i}] is {t.dtype} but parts[0] is {parts[0].dtype}: one "
+                raise TypeError(f"{what} is {t.dtype} but {name}[0] is {parts[0].dtype}: one "
                                 "dtype for all parts")
             if t.device != self.codes.device:
-                raise ValueError(f"parts[{i}] is on {t.device} but the queue is on "
+                raise ValueError(f"{what} is on {t.device} but the queue is on "
                                  f"{self.codes.device}")
         n = sum(t.shape[0] for t in parts)
         if n > self.size:
             raise ValueError(f"cannot enqueue {n} keys into a queue of size {self.size}")
+
+    def _backend(self, backend: str, parts) -> str:
+        if backend not in ENQUEUE_BACKENDS:
+            raise ValueError(f"backend must be one of {ENQUEUE_BACKENDS}, got {backend!r}")
         if backend == "auto":
-            backend = "triton" if self._triton_ok(parts) else "reference"
-        elif backend == "triton":
+            return "triton" if self._triton_ok(parts) else "reference"
+        if backend == "triton":
             why = self._triton_refusal(parts)
             if why:
                 raise ValueError(f"backend='triton' cannot enqueue here: {why}")
-        if backend == "reference":
-            keys = torch.cat(parts) if len(parts) > 1 else parts[0]
-            wide = torch.float64 if keys.dtype == torch.float64 else torch.float32
-            self.enqueue(torch.tanh(keys.to(wide)))
-            return
+        return backend
+
+    def _enqueue_reference(self, keys: torch.Tensor) -> None:
+        n = keys.shape[0]
+        idx = (self.ptr + torch.arange(n, device=self.codes.device)) % self.size
+        self.codes.index_copy_(0, idx, keys.detach().to(self.codes.dtype))
+        self.ptr.add_(n).remainder_(self.size)
+
+    def _enqueue_triton(self, parts, tanh: bool) -> None:
         from ..kernels import queue_triton
         rows = [t if t.stride(1) == 1 else t.contiguous() for t in parts]
         while len(rows) > 2:  # the kernel reads two parts: fold the rest (a copy of those rows)
             rows = [rows[0], torch.cat(rows[1:])]
         x0, x1 = rows[0], rows[1] if len(rows) > 1 else rows[0][:0]
-        if n:
-            queue_triton.enqueue(self.codes, self.ptr, self._arrived, x0, x1, tanh=True)
+        if x0.shape[0] + x1.shape[0]:
+            queue_triton.enqueue(self.codes, self.ptr, self._arrived, x0, x1, tanh=tanh)
 
     def _triton_refusal(self, parts) -> str:
         c = self.codes
@@ -132,6 +151,8 @@ class CodeQueue(nn.Module):
             return f"codes of D={c.shape[1]} > {MAX_D}"
         if not c.is_contiguous():
             return "the queue's codes are not contiguous"
+        if not parts[0].is_floating_point():
+            return f"keys of dtype {parts[0].dtype} (the kernel reads floating keys)"
         return ""
 
     def _triton_ok(self, parts) -> bool:
