@@ -465,6 +465,38 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
     return rows
 
 
+CRITERION_CASES = (("inbatch", 512, 512), ("mq", 256, 65536))  # a training step's sizes, bf16
+
+
+def criterion_rows(device: str = "cuda", cases=CRITERION_CASES, dname: str = "bfloat16"):
+    """--gpu: the nn.Module criteria as a training loop calls them (`criterion_step`: NACLoss on
+    two views, NACMQLoss with its queue, enqueue and VI term), host and back-to-back time per
+    step, the reference criterion (backend "reference": torch ops throughout, the queue's too)
+    against "auto" (the fused loss and the fused enqueue).  No graph row: the criterion draws
+    its noise and writes the queue."""
+    rows = []
+    dtype = getattr(torch, dname)
+    for kind, n, N in cases:
+        base = None
+        for backend in ("reference", "auto"):
+            row = dict(mode="gpu", kind=kind, n=n, N=N, D=128, dtype=dname,
+                       backend=f"criterion-{backend}", resolved=backend)
+            try:
+                host, total = _host_and_back_to_back(
+                    criterion_step(kind, n, N, 128, dtype, device, backend))
+                row.update(host_s=host, back_to_back_s=total, status="ok")
+                if backend == "reference":
+                    base = total
+                elif base:
+                    row["x_eager"] = base / total
+            except Exception as exc:  # a failed row is recorded and fails the run
+                row["status"] = (f"failed: {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:200] if str(exc) else ''}")
+            rows.append(row)
+            print(_fmt(row), flush=True)
+    return rows
+
+
 class _OneEachWay(torch.autograd.Function):
     """The least a fused loss can launch: one kernel forward (a sum), one backward (the expanded
     gradient, materialised)."""
@@ -684,7 +716,7 @@ def main(argv=None):
                 continue
             backends.append(b)
         rows = floor_rows() + gpu_rows(cases, backends, args.compile_backend,
-                                       not args.no_graphs)
+                                       not args.no_graphs) + criterion_rows()
         if args.profile_out and "triton" in avail:
             profile_triton(args.profile_out)
     else:

@@ -670,6 +670,12 @@ def test_the_gpu_rows_code_runs(monkeypatch):
         assert r["host_s"] > 0 and r["back_to_back_s"] > 0 and r["graph_s"] == 1e-4
         assert r["pct_of_bound"] == pytest.approx(50.0)
         assert r["x_eager"] > 0 and r["x_compile"] > 0
+    crit = H.criterion_rows(device="cpu", cases=(("inbatch", 8, 8), ("mq", 4, 16)),
+                            dname="float32")
+    assert [r["backend"] for r in crit] == ["criterion-reference", "criterion-auto"] * 2
+    assert all(r["status"] == "ok" and r["host_s"] > 0 and r["back_to_back_s"] > 0
+               for r in crit), crit
+    assert all(r["x_eager"] > 0 for r in crit[1::2])
     floor = H.floor_rows(device="cpu", n=8, D=4)
     assert [r["backend"] for r in floor] == ["floor-launch", "floor-autograd"]
     assert all(r["status"] == "ok" and r["kind"] == "floor" and r["host_s"] > 0 for r in floor)
