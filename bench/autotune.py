@@ -30,6 +30,13 @@ Writes to --out-dir (created; nothing in it is replaced unless --overwrite):
 and prints a short table last.  --install copies sm<arch>.json to kernels/tuned/ (refused when a
 table is there, unless --overwrite).
 
+--rows-sweep (after the table): a training step's forward and backward plans (the tuned
+configurations) timed with each row tile of the row-wise kernels (prologue, finish, rows'
+backward: nac_triton.ROW_TILE elements per program, ROW_TILES) at bf16 in-batch 512 and 8192 and
+queue 256 x 65536, each checked bit for bit against the default tile's outputs: rows_sweep.csv.
+It measures whether smaller tiles (more programs: run 1's ncu showed the row-wise kernels at ~8
+warps per SM) shorten a step; the default changes only on its figures.
+
 CPU mode (no CUDA, or --cpu): TRITON_INTERPRET=1, tiny shapes (in-batch 40, queue 24 x 72, D =
 128), at most --max-candidates (default 2) per kernel, a few timed runs each: it proves the
 plumbing (plans, forced configurations, checks, table, CSV) and its timings are the
@@ -58,6 +65,78 @@ FIELDS = ["timestamp", "host", "device", "arch", "sms", "torch", "triton", "pyth
           "mode", "kernel", "dtype", "D", "kind", "n", "N", "precision", "config", "BLOCK_M",
           "BLOCK_N", "num_warps", "num_stages", "waves", "split", "programs", "median_ms",
           "p20_ms", "p80_ms", "peak_mib", "ratio_to_builtin", "max_rel_diff", "status", "winner"]
+
+
+# --rows-sweep: elements per program of the row-wise kernels (prologue, finish, rows' backward:
+# nac_triton.ROW_TILE, today 4096), timed in a whole training step's plans
+ROW_TILES = (4096, 2048, 1024)
+ROWS_CASES_GPU = "bfloat16:inbatch:512,bfloat16:inbatch:8192,bfloat16:queue:256x65536"
+ROWS_CASES_CPU = "bfloat16:inbatch:40,bfloat16:queue:24x72"
+ROWS_FIELDS = ["timestamp", "host", "device", "arch", "torch", "triton", "commit", "mode",
+               "dtype", "D", "kind", "n", "N", "row_tile", "rows_per_program", "programs",
+               "median_ms", "p20_ms", "p80_ms", "ratio_to_default", "same_bits", "status"]
+
+
+def step_plan(case, inputs, target):
+    """(launches, outputs) of one training step's forward and backward as a call plans them (the
+    tuned table's configurations, the rows' gradients; the queue's keys take none)."""
+    from nac_fast.kernels import nac_triton as NT
+    from nac_fast.kernels import tuning as TU
+    s = TU.channel_scale(TU.P_CHANNEL)
+    l2 = 0.1 if case.kind == "queue" else 0.0
+    a, r, noise, keys, g = (inputs[k] for k in ("a", "r", "noise", "keys", "g"))
+    fl, st = NT.fwd_plan(a, r, noise, keys, s, l2, True, target)
+    loss, lse, ga, q, k = st[:5]
+    bl, out = NT.bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s, True, True, False, target)
+    return fl + bl, dict(loss=loss, lse=lse, ga=ga, grad_a=out[0], grad_r=out[1])
+
+
+def rows_sweep(cases, device, target, base: dict, rep_ms: float, deadline: float) -> list:
+    """Time a training step's plans (`step_plan`) with each of ROW_TILES (nac_triton.row_tile)
+    per case: CUDA-graph replays on a GPU (tuning._time_gpu), the interpreter's wall time on a
+    CPU.  Every tile must give the default's bits (the tile changes which program computes a
+    row, not how).  Rows for the CSV; cases past `deadline` are left out, and said."""
+    import torch
+    from nac_fast.kernels import launch as KL
+    from nac_fast.kernels import nac_triton as NT
+    from nac_fast.kernels import tuning as TU
+    gpu = torch.device(device).type == "cuda"
+    rows = []
+    for dname, kind, n, N in cases:
+        case = TU.Case(kind, n, N, 128, getattr(torch, dname))
+        inputs = TU.case_inputs(case, device)
+        ref, ref_ms = None, None
+        for elems in ROW_TILES:
+            if time.monotonic() > deadline:
+                print(f"autotune: rows sweep: budget reached, {kind} {n}x{N} row tile {elems} "
+                      "not timed", flush=True)
+                continue
+            row = dict(base, dtype=dname, D=128, kind=kind, n=n, N=N, row_tile=elems)
+            try:
+                with NT.row_tile(elems):
+                    launches, outputs = step_plan(case, inputs, target)
+                    row["rows_per_program"] = NT._rows_block(128, case.dtype)
+                    row["programs"] = " ".join(
+                        f"{L.tag}:{L.grid[0]}" for L in launches
+                        if L.tag in ("prologue", "finish", "bwd_rows"))
+                    med, p20, p80 = (TU._time_gpu(lambda: KL.run(launches), rep_ms, 5.0) if gpu
+                                     else TU._time_cpu(lambda: KL.run(launches), 2))
+                    KL.run(launches)
+                    outs = {k: v.clone() for k, v in outputs.items()}
+                if ref is None:
+                    ref, ref_ms = outs, med
+                same = all(torch.equal(outs[k], ref[k]) for k in ref)
+                row.update(median_ms=med, p20_ms=p20, p80_ms=p80, ratio_to_default=ref_ms / med,
+                           same_bits=int(same), status="ok" if same else "different bits")
+            except Exception as exc:  # noqa: BLE001 - a failing tile is a finding, not a stop
+                first = str(exc).splitlines()[0][:200] if str(exc) else ""
+                row["status"] = f"error: {type(exc).__name__}: {first}"
+            rows.append(row)
+            print(f"autotune: rows sweep {kind} {n}x{N} {dname} row tile {elems}: "
+                  + (f"{row['median_ms']:.4f} ms, x{row['ratio_to_default']:.3f} of the default, "
+                     f"{row['programs']}" if "median_ms" in row else "")
+                  + f" [{row['status']}]", flush=True)
+    return rows
 
 
 def parse_cases(text: str, D: int):
@@ -187,6 +266,12 @@ def main(argv=None) -> int:
     ap.add_argument("--keys-grad", action="store_true",
                     help="also tune the keys' backward of the queue kind (given keys that take "
                          "a gradient)")
+    ap.add_argument("--rows-sweep", action="store_true",
+                    help="after the table: time a training step's plans with each row tile of "
+                         f"the row-wise kernels {ROW_TILES} (rows_sweep.csv; GPU cases "
+                         f"{ROWS_CASES_GPU})")
+    ap.add_argument("--rows-budget-s", type=float, default=30.0,
+                    help="--rows-sweep: seconds it may take (default 30)")
     ap.add_argument("--install", action="store_true",
                     help="copy the table to kernels/tuned/sm<arch>.json")
     ap.add_argument("--overwrite", action="store_true",
@@ -225,7 +310,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     csv_path = os.path.join(args.out_dir, "autotune.csv")
     table_path = os.path.join(args.out_dir, table_name)
-    for p in (csv_path, table_path):
+    for p in (csv_path, table_path) + ((os.path.join(args.out_dir, "rows_sweep.csv"),)
+                                       if args.rows_sweep else ()):
         if os.path.exists(p) and not args.overwrite:
             ap.error(f"{p} exists: pass --overwrite to replace it")
     installed = os.path.join(TU.TABLE_DIR, table_name)
@@ -302,6 +388,20 @@ def main(argv=None) -> int:
     print(f"autotune: wrote {csv_path} ({len(rows)} rows) and {table_path} "
           f"({len(header['entries'])} entries)" + (f"; installed {installed}" if args.install
                                                    else "") + f"; {elapsed:.0f} s in all")
+    if args.rows_sweep:
+        t_rows = time.monotonic()
+        rows_cases = parse_cases(ROWS_CASES_GPU if gpu else ROWS_CASES_CPU, args.D)
+        sweep = rows_sweep(rows_cases, device, target,
+                           {k: base[k] for k in ("timestamp", "host", "device", "arch", "torch",
+                                                 "triton", "commit", "mode")},
+                           args.rep_ms, t_rows + args.rows_budget_s)
+        rows_path = os.path.join(args.out_dir, "rows_sweep.csv")
+        with open(rows_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=ROWS_FIELDS)
+            w.writeheader()
+            w.writerows(sweep)
+        print(f"autotune: wrote {rows_path} ({len(sweep)} rows) in "
+              f"{time.monotonic() - t_rows:.0f} s")
     print(f"{'kernel':8s} {'dtype':8s} {'case':16s} {'built-in ms':>11s} {'best ms':>8s} "
           f"{'x':>5s}  {'best config':22s} {'split':>5s} {'timed':>5s}")
     for case, kernel, res in summary:

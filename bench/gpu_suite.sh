@@ -23,7 +23,8 @@
 #   autotune     bench/autotune.py: every candidate configuration of the fwd / bwd_keys kernels
 #                timed (graph replays) per case, the winners checked and written to
 #                autotune.csv and sm<arch>.json, and installed in kernels/tuned/ so the later
-#                stages use them (NAC_FAST_AUTOTUNE_BUDGET_S, default 120).
+#                stages use them (NAC_FAST_AUTOTUNE_BUDGET_S, default 120); then the row-tile
+#                sweep of the row-wise kernels, rows_sweep.csv (NAC_FAST_ROWS_BUDGET_S, 30).
 #   host         bench/host_overhead.py --gpu: host time per fused fwd+bwd as users call it,
 #                back-to-back and CUDA-graph time per backend (reference, torch.compile, triton,
 #                cuda, auto) at in-batch 512/8192 and queue 256/8192 x 65536 (bf16) and two
@@ -343,12 +344,13 @@ stage_autotune() {
   ensure_built || { detail "build failed"; return 1; }
   local rc=0
   if [ "$CPU_MODE" = 1 ]; then
-    $PY bench/autotune.py --cpu --out-dir "$RES" --overwrite || rc=$?
+    $PY bench/autotune.py --cpu --out-dir "$RES" --overwrite --rows-sweep || rc=$?
   else
     # the table goes to kernels/tuned/ on this machine, so the stages after this one use it;
     # it comes back in $RES (sm90.json) to be reviewed and committed
     $PY bench/autotune.py --out-dir "$RES" --install --overwrite \
-        --budget-s "${NAC_FAST_AUTOTUNE_BUDGET_S:-120}" || rc=$?
+        --budget-s "${NAC_FAST_AUTOTUNE_BUDGET_S:-120}" \
+        --rows-sweep --rows-budget-s "${NAC_FAST_ROWS_BUDGET_S:-30}" || rc=$?
   fi
   if [ $rc = 0 ]; then detail "${BUILT_FIRST}autotune ok (autotune.csv, table in $(basename "$RES"))"
   else detail "${BUILT_FIRST}autotune exit status $rc"; fi

@@ -43,6 +43,7 @@ same polynomial/exp formula as csrc/nac_math.h, on the GPU too, so CI checks the
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Optional
@@ -619,11 +620,33 @@ TF32_MAX_D = 128  # fp32 above this runs exact FMA products (see CONFIGS)
 FP32_PRECISIONS = ("tf32x3", "ieee", "tf32")
 
 
+ROW_TILE = 4096  # elements per program of the row-wise kernels (fp64: 1024); `row_tile` sets it
+
+
 def _rows_block(D: int, dtype: torch.dtype) -> int:
-    """Rows per program of the row-wise kernels (prologue, finish, bwd_rows): tiles of 4096
+    """Rows per program of the row-wise kernels (prologue, finish, bwd_rows): tiles of ROW_TILE
     elements (1024 in fp64, whose 8-byte values spilled at 4096)."""
-    elems = 1024 if dtype == torch.float64 else 4096
+    elems = 1024 if dtype == torch.float64 else ROW_TILE
     return max(1, min(64, elems // block_d(D)))
+
+
+@contextlib.contextmanager
+def row_tile(elems: int):
+    """ROW_TILE = elems inside the block (bench/autotune.py --rows-sweep times the plans built
+    there); the cached plans are dropped on the way in and out, so none outlives its setting."""
+    global ROW_TILE
+    if elems < 16 or elems & (elems - 1):
+        raise ValueError(f"row tile must be a power of two >= 16 elements, got {elems}")
+    old = ROW_TILE
+    FWD_PLANS.clear()
+    BWD_PLANS.clear()
+    ROW_TILE = elems
+    try:
+        yield
+    finally:
+        ROW_TILE = old
+        FWD_PLANS.clear()
+        BWD_PLANS.clear()
 
 
 def smem_estimate(kernel: str, cfg: Config, dtype: torch.dtype, D: int) -> int:

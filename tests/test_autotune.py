@@ -465,6 +465,29 @@ def test_autotune_stage_cpu_mode(tmp_path):
     assert again.returncode == 2 and "--overwrite" in again.stderr
 
 
+def test_rows_sweep_times_each_row_tile_with_the_same_bits(tmp_path):
+    """--rows-sweep (interpreter, tiny cases): a row per (case, row tile), each tile's step
+    giving the default tile's bits, the tiles' programs in the row; ROW_TILE restored after."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import time
+
+    import autotune
+    cases = autotune.parse_cases(autotune.ROWS_CASES_CPU, 128)
+    rows = autotune.rows_sweep(cases, "cpu", KL.Target(0, 1 << 30, 4), dict(mode="cpu"), 1.0,
+                               time.monotonic() + 600)
+    assert len(rows) == len(cases) * len(autotune.ROW_TILES)
+    assert all(r["status"] == "ok" and r["same_bits"] == 1 for r in rows), rows
+    # 128 code bits: 32, 16 and 8 rows per program; in-batch 40 rows: 2, 3 and 5 programs each
+    inb = [r for r in rows if r["kind"] == "inbatch"]
+    assert [r["rows_per_program"] for r in inb] == [32, 16, 8]
+    assert [r["programs"] for r in inb][-1].startswith("prologue:5 ")
+    assert NT.ROW_TILE == 4096 and NT._rows_block(128, BF16) == 32
+    with pytest.raises(ValueError, match="power of two"):
+        with NT.row_tile(1000):
+            pass
+    assert NT.ROW_TILE == 4096
+
+
 @pytest.mark.parametrize("bad,match", [("bfloat16:inbatch:8x16", "in-batch takes one size"),
                                        ("float16:inbatch:8", "dtype"),
                                        ("bfloat16:keys:8", "kind"),
