@@ -103,9 +103,10 @@ class CompiledFigures(NamedTuple):
 
 
 def compiled_figures(launch: "Launch") -> CompiledFigures:
-    """Registers, local memory (spills) and shared memory of `launch`'s kernel as Triton compiled it for the
-    launch's device.  Compiles the kernel if it is not compiled yet (JITFunction.warmup: what its
-    first launch would do anyway), once per specialisation; no launch, no host sync."""
+    """Registers, local memory (spills) and shared memory of `launch`'s kernel as Triton compiled
+    it for the launch's device.  Compiles the kernel if it is not compiled yet
+    (JITFunction.warmup: what its first launch would do anyway), once per specialisation; no
+    launch, no host sync."""
     dev = launch_device([launch])
     key = (launch.kernel, dev, tuple((a.dtype, a.stride(-1) == 1) if isinstance(a, torch.Tensor)
                                      else type(a) for a in launch.args),

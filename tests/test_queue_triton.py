@@ -198,9 +198,10 @@ def test_criterion_runs_the_fused_enqueue_with_the_triton_backend(monkeypatch):
     assert abs(out["triton"][0] - out["reference"][0]) <= 1e-12 * max(1.0, abs(out["reference"][0]))
 
 
-@pytest.mark.parametrize("qdt,kdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                     (torch.float16, torch.bfloat16), (torch.float64, torch.float32),
-                                     (torch.float32, torch.float64), (torch.bfloat16, torch.float64)])
+@pytest.mark.parametrize("qdt,kdt", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+    (torch.float16, torch.bfloat16), (torch.float64, torch.float32),
+    (torch.float32, torch.float64), (torch.bfloat16, torch.float64)])
 def test_enqueue_of_codes_matches_the_reference_bit_for_bit(qdt, kdt):
     """enqueue(keys) (no tanh): the codes are the keys converted to the queue's dtype, the same
     bits on both paths, across the ring's end and over several calls."""

@@ -76,7 +76,7 @@ class CodeQueue(nn.Module):
     def enqueue_tanh(self, *parts: torch.Tensor, backend: str = "auto") -> None:
         """Enqueue the keys z = tanh(a) of the rows of `parts` in order (NAC-MQ's keys from the
         momentum network's pre-activations, docs/math.md [M:mq]): tanh in float32 (float64 stays
-        float64), rounded to the queue's dtype, as ``enqueue(torch.tanh(torch.cat(parts).float()))``.
+        float64), rounded to the queue's dtype: ``enqueue(torch.tanh(torch.cat(parts).float()))``.
 
         parts: (n_i, D) tensors of one floating dtype on the queue's device, sum n_i <= size.
         backend: "reference" (torch ops: the cat, casts, tanh and an index_copy_, about ten
