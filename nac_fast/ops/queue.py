@@ -25,8 +25,9 @@ class CodeQueue(nn.Module):
         queue.codes                  # (M, D), the loss's negatives
 
     Starts as zeros (neutral, [M:mq]) until real codes overwrite it, after M / (2 x global batch)
-    steps.  Enqueue writes at the pointer and wraps around the end of the buffer: one index_copy_
-    and the pointer kept on the device, so it never waits for the host.
+    steps.  Enqueue writes at the pointer and wraps around the end of the buffer, the pointer kept
+    on the device so it never waits for the host: on CUDA tensors one Triton launch
+    (kernels/queue_triton.py), else an index_copy_ and the pointer's arithmetic in torch ops.
 
     dtype: the codes' storage dtype.  Store them in the loss's compute dtype (the autocast dtype
     under AMP, bf16 on GPU: half the memory and no per-step conversion of the whole queue); codes
