@@ -278,6 +278,9 @@ def _reduce_rows(loss, rmask, PART, COUNT, OUT, red_n, ACC: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     tl.store(PART + pid, tl.sum(tl.where(rmask, loss, 0.0), 0))
+    # the partial's store and the count are each one thread's (scalar ops): the barrier puts the
+    # store before the count whichever threads Triton gives them (kernels/queue_triton.py)
+    tl.debug_barrier()
     arrived = tl.atomic_add(COUNT, 1, sem="acq_rel")
     if arrived == nprog - 1:
         tot = tl.zeros([REDUCE_BLOCK], ACC)
