@@ -188,7 +188,8 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
         dtype = getattr(torch, dname)
         for D in ds:
             x = torch.empty((256, D), dtype=dtype, **meta)
-            for qdt in {dtype, torch.bfloat16 if dtype != torch.float64 else dtype}:
+            for qdt in dict.fromkeys((dtype, torch.bfloat16 if dtype != torch.float64
+                                      else dtype)):
                 codes = torch.empty((65536, D), dtype=qdt, **meta)
                 for L in queue_triton.enqueue_plan(codes, ptr, count, x, x[:0]):
                     yield dict(dtype=dname, D=D, mode="queue"), L

@@ -271,18 +271,26 @@ def _bern2(zt, r, mask):
 
 
 @triton.jit
+def last_to_arrive(COUNT):
+    # Whether this program is the grid's last to count itself in at COUNT (an int32, zero before
+    # the launch; the last program zeroes it again for the next call, tl.atomic_xchg(COUNT, 0)).
+    # The count is one thread's scalar atomic (acq_rel): the barrier before it orders every
+    # thread's earlier memory accesses of this program before the count, so the last program sees
+    # all the others' stores, and its own writes come after all their reads (without it a late
+    # warp's read could follow the last program's write: the PTX had no barrier before the
+    # atomic).  The finish's reduction and the queue's enqueue (kernels/queue_triton.py) use it.
+    tl.debug_barrier()
+    return tl.atomic_add(COUNT, 1, sem="acq_rel") == tl.num_programs(0) - 1
+
+
+@triton.jit
 def _reduce_rows(loss, rmask, PART, COUNT, OUT, red_n, ACC: tl.constexpr):
     # The finish's reduction (REDUCE): this program's partial sum to PART; the last program to
-    # arrive (the acq_rel atomic orders every partial store before its count) sums PART in
-    # program order, writes OUT and zeroes COUNT for the next call.
-    pid = tl.program_id(0)
+    # arrive (`last_to_arrive`) sums PART in program order, writes OUT and zeroes COUNT for the
+    # next call.
     nprog = tl.num_programs(0)
-    tl.store(PART + pid, tl.sum(tl.where(rmask, loss, 0.0), 0))
-    # the partial's store and the count are each one thread's (scalar ops): the barrier puts the
-    # store before the count whichever threads Triton gives them (kernels/queue_triton.py)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(COUNT, 1, sem="acq_rel")
-    if arrived == nprog - 1:
+    tl.store(PART + tl.program_id(0), tl.sum(tl.where(rmask, loss, 0.0), 0))
+    if last_to_arrive(COUNT):
         tot = tl.zeros([REDUCE_BLOCK], ACC)
         for i in range(0, nprog, REDUCE_BLOCK):
             idx = i + tl.arange(0, REDUCE_BLOCK)

@@ -17,9 +17,8 @@ _enqueue_kernel: program i writes rows [i BLOCK_R, (i + 1) BLOCK_R) of the conca
 float32 of torch.tanh before the rounding to the queue's dtype).  The pointer stays on the device:
 every program reads it, then counts itself in with an acq_rel atomic; the last to arrive (every
 read of the old pointer is then done) writes ptr = (ptr + n) % M and zeroes the counter for the
-next call (the finish's reduction does the same, kernels/nac_triton.py _reduce_rows); a barrier
-before the count orders the program's reads of the pointer before it.  n <= M, so no two rows
-land on one slot.  Safe under CUDA-graph capture: nothing is read on the host.
+next call (kernels/nac_triton.py last_to_arrive, the finish's reduction's too).  n <= M, so no
+two rows land on one slot.  Safe under CUDA-graph capture: nothing is read on the host.
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .launch import Launch, PlanCache, cdiv, eager_real, run
-from .nac_triton import MAX_D, _rows_block, _tanh, _tl_acc, block_d
+from .nac_triton import MAX_D, _rows_block, _tanh, _tl_acc, block_d, last_to_arrive
 
 
 @triton.jit
@@ -64,13 +63,8 @@ def _enqueue_kernel(X0, X1, CODES, PTR, COUNT, n0, n1, M, D, stride0, stride1,
         x = _rne_bf16(x.to(tl.float32))
     tl.store(CODES + dst[:, None] * D + cols[None, :], x.to(CODES.dtype.element_ty),
              mask=(in0 | in1)[:, None] & dmask)
-    # Every thread read PTR above; the atomic is one thread's (a scalar atomic): the barrier
-    # orders all of this program's reads of PTR before its count, so the last program's write of
-    # the new pointer comes after every read of the old one (without it a late warp could read the
-    # new pointer: the PTX showed no barrier before the atomic)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(COUNT, 1, sem="acq_rel")
-    if arrived == tl.num_programs(0) - 1:
+    # every thread read PTR above: the last program's write of the new pointer follows them all
+    if last_to_arrive(COUNT):
         tl.store(PTR, (ptr + n0 + n1) % M)
         tl.atomic_xchg(COUNT, 0, sem="relaxed")
 

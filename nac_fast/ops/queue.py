@@ -66,8 +66,6 @@ class CodeQueue(nn.Module):
         kernels/queue_triton.py, the same codes), or "auto": "triton" on CUDA tensors when the
         Triton kernels import and the call runs eagerly, else "reference"."""
         self._check("keys", (keys,), floating=False)
-        if backend == "auto" and not keys.is_floating_point():
-            backend = "reference"
         if self._backend(backend, (keys,)) == "reference":
             self._enqueue_reference(keys)
         else:
