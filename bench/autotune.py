@@ -292,8 +292,8 @@ def main(argv=None) -> int:
         cases = parse_cases(args.cases or (GPU_CASES if gpu else CPU_CASES), args.D)
     except ValueError as exc:
         ap.error(str(exc))
-    if args.budget_s <= 0 or args.rep_ms <= 0:
-        ap.error("--budget-s and --rep-ms must be > 0")
+    if args.budget_s <= 0 or args.rep_ms <= 0 or args.rows_budget_s <= 0:
+        ap.error("--budget-s, --rep-ms and --rows-budget-s must be > 0")
     if args.install and not gpu:
         ap.error("--install: a CPU-mode table (the interpreter's timings) is not for shipping")
     max_c = args.max_candidates if args.max_candidates is not None else (0 if gpu else 2)
