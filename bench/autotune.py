@@ -8,7 +8,8 @@ and write the winners, with the figures that chose them, to a table the launcher
     python bench/autotune.py --cpu --out-dir /tmp/tune    # CPU mode: interpreter, tiny shapes
 
 What it times, per case (GPU default, D = 128: bf16 in-batch 8192 and 16384, queue 8192 x 65536;
-then fp32 (tf32x3) in-batch 8192 and queue 8192 x 65536) and kernel:
+then fp32 in-batch 8192 and queue 8192 x 65536, once in each fp32 product mode with candidates of
+its own, tf32x3 and bf16x6: NAC_FAST_FP32_DOT is set per case, whatever the caller's) and kernel:
   fwd        the forward's plan (prologue, _fwd_kernel, finish: the finish merges as many splits
              as the candidate makes) with the rows' gradient, as training runs it;
   bwd_keys   the backward's plan from the forward's saved tensors (_bwd_keys_kernel and the
@@ -45,6 +46,7 @@ interpreter's, meaningless for a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import platform
@@ -177,8 +179,27 @@ def commit() -> str:
         return ""
 
 
+@contextlib.contextmanager
+def fp32_mode(mode):
+    """NAC_FAST_FP32_DOT = mode inside the block (None: the environment as it is), restored after:
+    the plans, candidates and table entries of an fp32 case follow it."""
+    if mode is None:
+        yield
+        return
+    old = os.environ.get("NAC_FAST_FP32_DOT")
+    os.environ["NAC_FAST_FP32_DOT"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("NAC_FAST_FP32_DOT", None)
+        else:
+            os.environ["NAC_FAST_FP32_DOT"] = old
+
+
 def work_list(cases, D, target, max_candidates, keys_grad):
-    """[(Case, kernel, [Config])]: the candidates that apply to the target and fit it."""
+    """[(Case, kernel, [Config], fp32 mode or None)]: the candidates that apply to the target and
+    fit it; an fp32 case once per product mode with candidates of its own (tf32x3, bf16x6)."""
     import torch
     from nac_fast.kernels import nac_triton as NT
     from nac_fast.kernels import tuning as TU
@@ -186,21 +207,25 @@ def work_list(cases, D, target, max_candidates, keys_grad):
     for dname, kind, n, N in cases:
         dtype = getattr(torch, dname)
         case = TU.Case(kind, n, N, D, dtype)
-        for kernel in ("fwd", "bwd_keys"):
-            if kernel == "bwd_keys" and kind == "queue" and not keys_grad:
-                continue
-            cands = [c for c in TU.candidates(kernel, dtype, D)
-                     if target.arch == 0 or (c.applies(target.arch)
-                                             and NT.smem_estimate(kernel, c, dtype, D)
-                                             <= target.smem)]
-            if not cands:
-                raise SystemExit(f"autotune: no candidates for {kernel} {dname} D={D} "
-                                 "(nac_triton.CANDIDATES)")
-            if max_candidates and len(cands) > max_candidates:  # spread over the list
-                last = len(cands) - 1
-                cands = [cands[round(i * last / max(1, max_candidates - 1))]
-                         for i in range(max_candidates)]
-            out.append((case, kernel, cands))
+        modes = TU.TUNED_FP32_MODES if dtype == torch.float32 else (None,)
+        for mode in modes:
+            for kernel in ("fwd", "bwd_keys"):
+                if kernel == "bwd_keys" and kind == "queue" and not keys_grad:
+                    continue
+                with fp32_mode(mode):
+                    cands = [c for c in TU.candidates(kernel, dtype, D)
+                             if target.arch == 0 or (c.applies(target.arch)
+                                                     and NT.smem_estimate(kernel, c, dtype, D)
+                                                     <= target.smem)]
+                if not cands:
+                    raise SystemExit(f"autotune: no candidates for {kernel} {dname} D={D}"
+                                     f"{'' if mode is None else ' ' + mode} "
+                                     "(nac_triton.CANDIDATES)")
+                if max_candidates and len(cands) > max_candidates:  # spread over the list
+                    last = len(cands) - 1
+                    cands = [cands[round(i * last / max(1, max_candidates - 1))]
+                             for i in range(max_candidates)]
+                out.append((case, kernel, cands, mode))
     return out
 
 
@@ -218,14 +243,15 @@ def precompile(work, target, jobs):
     from nac_fast.kernels import tuning as TU
     t0 = time.perf_counter()
     unique = {}
-    for case, kernel, cands in work:
+    for case, kernel, cands, mode in work:
         meta = TU.case_inputs(case, "meta")
         for per_sm in (1, 2, 3, 4):
             t = dataclasses.replace(target, sms=target.sms * per_sm, occupancy=None)
-            fwd_l, _, _, state = TU.plan_call("fwd", case, meta, t, None)
-            plans = [fwd_l]
-            for c in [None] + list(cands):
-                plans.append(TU.plan_call(kernel, case, meta, t, c, state)[0])
+            with fp32_mode(mode):
+                fwd_l, _, _, state = TU.plan_call("fwd", case, meta, t, None)
+                plans = [fwd_l]
+                for c in [None] + list(cands):
+                    plans.append(TU.plan_call(kernel, case, meta, t, c, state)[0])
             for launches in plans:
                 for L in launches:
                     if all(g > 0 for g in L.grid):
@@ -286,8 +312,6 @@ def main(argv=None) -> int:
     if not gpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     os.environ.pop("NAC_FAST_TUNED", None)  # the built-in configurations are the baseline
-    if os.environ.get("NAC_FAST_FP32_DOT", "tf32x3") != "tf32x3":
-        ap.error("NAC_FAST_FP32_DOT: the candidates are tuned for fp32's default tf32x3 only")
     try:
         cases = parse_cases(args.cases or (GPU_CASES if gpu else CPU_CASES), args.D)
     except ValueError as exc:
@@ -320,7 +344,7 @@ def main(argv=None) -> int:
         ap.error(f"--install: {installed} exists: pass --overwrite to replace it")
 
     work = work_list(cases, args.D, target, max_c, args.keys_grad)
-    total = sum(len(c) for _, _, c in work)
+    total = sum(len(c) for _, _, c, _ in work)
     print(f"autotune: {dev_name} (sm_{target.arch}, {target.sms} SMs), triton "
           f"{triton.__version__}, torch {torch.__version__}: {len(work)} kernel cases, "
           f"{total} candidates, budget {args.budget_s:.0f} s", flush=True)
@@ -334,7 +358,8 @@ def main(argv=None) -> int:
         # seconds, a cache hit well under one)
         case0 = work[0][0]
         t0 = time.perf_counter()
-        TU.run_fwd(case0, TU.case_inputs(case0, device), target)
+        with fp32_mode(work[0][3]):
+            TU.run_fwd(case0, TU.case_inputs(case0, device), target)
         torch.cuda.synchronize()
         print(f"autotune: first launch of the built-in forward plan took "
               f"{time.perf_counter() - t0:.2f} s", flush=True)
@@ -348,33 +373,35 @@ def main(argv=None) -> int:
                 mode="gpu" if gpu else "cpu-interpreter", D=args.D)
     rows, summary = [], []
     bar = tqdm(total=total, desc="autotune", unit="cand", file=sys.stdout, mininterval=5.0)
-    for case, kernel, cands in work:
-        prec = NT._dot_consts(case.dtype, case.D, device)["PRECISION"]
-        res = TU.tune_key(kernel, case, device, target, cands, rep_ms=args.rep_ms,
-                          warmup_ms=5.0, cpu_reps=2, deadline=deadline,
-                          progress=lambda: bar.update(1))
-        bar.update(len(res["skipped"]))
-        entry = TU.make_entry(kernel, case, prec, res)
-        if entry is not None:
-            header["entries"].append(entry)
-        d = res["default"]
-        for r in [d] + res["rows"]:
-            cfg = r["config"] or TU.config_dict(NT.builtin_config(kernel, case.dtype, case.D,
-                                                                  target))
-            rows.append(dict(base, kernel=kernel, dtype=TU.dtype_name(case.dtype),
-                             kind=case.kind, n=case.n, N=case.N, precision=prec,
-                             config=r["label"], **cfg, split=r["split"],
-                             programs=r["programs"], median_ms=r["median_ms"],
-                             p20_ms=r["p20_ms"], p80_ms=r["p80_ms"],
-                             peak_mib=r["peak_mib"],
-                             ratio_to_builtin=(d["median_ms"] / r["median_ms"]
-                                               if r["median_ms"] == r["median_ms"] else ""),
-                             max_rel_diff=r["max_rel_diff"], status=r["status"],
-                             winner=int(res["winner"] is r)))
-        summary.append((case, kernel, res))
-        if res["skipped"]:
-            bar.write(f"autotune: budget reached: {kernel} {case.kind} {case.n}x{case.N} "
-                      f"{TU.dtype_name(case.dtype)}: {len(res['skipped'])} candidates not timed")
+    for case, kernel, cands, mode in work:
+        with fp32_mode(mode):
+            prec = NT._dot_consts(case.dtype, case.D, device)["PRECISION"]
+            res = TU.tune_key(kernel, case, device, target, cands, rep_ms=args.rep_ms,
+                              warmup_ms=5.0, cpu_reps=2, deadline=deadline,
+                              progress=lambda: bar.update(1))
+            bar.update(len(res["skipped"]))
+            entry = TU.make_entry(kernel, case, prec, res)
+            if entry is not None:
+                header["entries"].append(entry)
+            d = res["default"]
+            for r in [d] + res["rows"]:
+                cfg = r["config"] or TU.config_dict(NT.builtin_config(kernel, case.dtype, case.D,
+                                                                      target))
+                rows.append(dict(base, kernel=kernel, dtype=TU.dtype_name(case.dtype),
+                                 kind=case.kind, n=case.n, N=case.N, precision=prec,
+                                 config=r["label"], **cfg, split=r["split"],
+                                 programs=r["programs"], median_ms=r["median_ms"],
+                                 p20_ms=r["p20_ms"], p80_ms=r["p80_ms"],
+                                 peak_mib=r["peak_mib"],
+                                 ratio_to_builtin=(d["median_ms"] / r["median_ms"]
+                                                   if r["median_ms"] == r["median_ms"] else ""),
+                                 max_rel_diff=r["max_rel_diff"], status=r["status"],
+                                 winner=int(res["winner"] is r)))
+            summary.append((case, kernel, res, prec))
+            if res["skipped"]:
+                bar.write(f"autotune: budget reached: {kernel} {case.kind} {case.n}x{case.N} "
+                          f"{TU.dtype_name(case.dtype)} {prec}: {len(res['skipped'])} "
+                          "candidates not timed")
     bar.close()
 
     with open(csv_path, "w", newline="") as f:
@@ -403,12 +430,13 @@ def main(argv=None) -> int:
             w.writerows(sweep)
         print(f"autotune: wrote {rows_path} ({len(sweep)} rows) in "
               f"{time.monotonic() - t_rows:.0f} s")
-    print(f"{'kernel':8s} {'dtype':8s} {'case':16s} {'built-in ms':>11s} {'best ms':>8s} "
+    print(f"{'kernel':8s} {'dtype':15s} {'case':16s} {'built-in ms':>11s} {'best ms':>8s} "
           f"{'x':>5s}  {'best config':22s} {'split':>5s} {'timed':>5s}")
-    for case, kernel, res in summary:
+    for case, kernel, res, prec in summary:
         w, d = res["winner"], res["default"]
         shape = f"{case.kind} {case.n}" + (f"x{case.N}" if case.kind == "queue" else "")
-        print(f"{kernel:8s} {TU.dtype_name(case.dtype):8s} {shape:16s} {d['median_ms']:11.4f} "
+        dname = TU.dtype_name(case.dtype) + (f":{prec}" if case.dtype == torch.float32 else "")
+        print(f"{kernel:8s} {dname:15s} {shape:16s} {d['median_ms']:11.4f} "
               + (f"{w['median_ms']:8.4f} {d['median_ms'] / w['median_ms']:5.2f}  "
                  f"{w['label']:22s} {w['split']:5d}" if w else f"{'-':>8s} {'-':>5s}  "
                                                               f"{'none passed':22s} {'':5s}")

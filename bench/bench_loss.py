@@ -69,7 +69,9 @@ FIELDS = ["timestamp", "host", "device", "torch", "commit", "threads", "kind", "
           "triton", "pct_of_bound", "bound_s", "bound_limiter", "compile_backend",
           "compiled_graphs", "compile_s", "check_inputs", "status",
           # issue 23: how the time was taken, and the machine's load while it was
-          "timer", "loadavg"]
+          "timer", "loadavg",
+          # fp32 rows: the Triton kernels' product mode (NAC_FAST_FP32_DOT: tf32x3, bf16x6, ...)
+          "fp32_dot"]
 
 
 def commit() -> str:
@@ -312,6 +314,17 @@ def roofline_bound(device, dev_name, kind, n, N, D, dtype):
                           dev_name, fp32_mode=fp32_mode)
 
 
+def _fp32_dot(dtype, D) -> str:
+    """The fp32 product mode of the Triton kernels for an fp32 row ("" for other dtypes)."""
+    if dtype != torch.float32:
+        return ""
+    try:
+        from nac_fast.kernels.nac_triton import fp32_precision
+    except Exception:  # noqa: BLE001 - no triton: no Triton rows either
+        return ""
+    return fp32_precision(D)
+
+
 def _triton_version() -> str:
     try:
         import triton
@@ -393,7 +406,8 @@ def main(argv=None):
             for b in variants(backends, args.compile_reference, args.graphs):
                 base = dict(common, kind=kind, n=n, N=N, D=args.D, dtype=str(dtype)[6:], backend=b,
                             bound_s="" if bnd is None else f"{bnd['bound_s']:.9f}",
-                            bound_limiter="" if bnd is None else bnd["limiter"])
+                            bound_limiter="" if bnd is None else bnd["limiter"],
+                            fp32_dot=_fp32_dot(dtype, args.D))
                 counter = None
                 try:
                     if b == "compiled-reference":

@@ -17,8 +17,9 @@ metadata the shared memory, and ``cuobjdump -sass`` the matrix instructions (HGM
 
 It fails (exit 1, a line per problem) when
   - a kernel's shared memory exceeds the arch's opt-in limit (sm_80 163 KB, sm_90 227 KB);
-  - a bf16/fp16 or tf32-family (tf32, tf32x3) configuration spills registers;
-  - the bf16/fp16/tf32-family matrix kernels (fwd, bwd_keys) have no tensor-core instruction;
+  - a bf16/fp16, tf32-family (tf32, tf32x3) or bf16x6 (fp32 in bf16 parts) configuration
+    spills registers;
+  - those paths' matrix kernels (fwd, bwd_keys) have no tensor-core instruction;
   - one kernel takes more than --max-compile-s (20 s) to compile;
   - a CUDA kernel of a 16-bit path spills, any CUDA kernel's shared memory exceeds the limit, or
     a bf16/fp16 CUDA matrix kernel has no HMMA/HGMMA (bench/cuda_resources.py's problems()).
@@ -43,7 +44,7 @@ sys.path.insert(0, ROOT)
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 DS = (16, 64, 128, 256, 512)
 MODES = ("inbatch", "queue")
-FP32_MODES = ("tf32x3", "tf32", "ieee")  # NAC_FAST_FP32_DOT: the default first
+FP32_MODES = ("tf32x3", "tf32", "ieee", "bf16x6")  # NAC_FAST_FP32_DOT: the default first
 FIELDS = ["kernel", "arch", "dtype", "D", "modes", "precision", "blocks", "warps", "stages",
           "smem_bytes", "smem_estimate", "smem_limit", "registers", "spill_store_bytes",
           "spill_load_bytes", "mma_instr", "mma_count", "blocks_per_sm", "compile_s", "problems",
@@ -161,8 +162,12 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
                 # with the target's split, with one split (the fused output modes) and with many
                 # (the split shares and their sums): other batch sizes reach each of them
                 ga = torch.empty((n, D), dtype=acc, **meta)
-                q = torch.empty((n, D), dtype=dtype, **meta)
-                k = torch.empty((n, D) if keys is None else (0,), dtype=dtype, **meta)
+                # the forward's codes, as the op hands them on (in bf16x6 bf16 parts; given
+                # keys: nothing, the keys themselves are read, or in bf16x6 their parts)
+                _, (_, _, _, q, k, _) = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, True,
+                                                            target)
+                if keys is not None and not nac_triton.parts_mode(dtype, D):
+                    k = torch.empty((0,), dtype=dtype, **meta)
                 for t in (target, dataclasses.replace(target, sms=1, occupancy=None),
                           dataclasses.replace(target, sms=1 << 16, occupancy=None)):
                     launches, _ = nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, q, k, 1.1,
@@ -221,10 +226,16 @@ def _candidate_plans(target, dtypes):
 
     meta = dict(device="meta")
     n, N = 8192, 65536
-    os.environ.pop("NAC_FAST_FP32_DOT", None)  # candidates are tuned for the default precision
-    for (kernel, dname, bd), cands in sorted(nac_triton.CANDIDATES.items()):
+    for (kernel, name, bd), cands in sorted(nac_triton.CANDIDATES.items()):
+        # "float32:bf16x6": fp32 in that product mode (kernels/tuning.py candidate_dtype); a
+        # plain name: that dtype, fp32 in its default tf32x3
+        dname, fp32_mode = tuning.split_candidate_dtype(name)
         if dname not in dtypes:
             continue
+        if fp32_mode:
+            os.environ["NAC_FAST_FP32_DOT"] = fp32_mode
+        else:
+            os.environ.pop("NAC_FAST_FP32_DOT", None)
         dtype = getattr(torch, dname)
         D = bd
         a = torch.empty((n, D), dtype=dtype, **meta)
@@ -249,14 +260,19 @@ def _candidate_plans(target, dtypes):
                                 if L.tag == "fwd":
                                     yield case, L
                         continue
-                    k = torch.empty((n, D) if keys is None else (0,), dtype=dtype, **meta)
+                    # the forward's codes, as the op hands them on (bf16x6: their parts)
+                    _, (_, _, _, q, k, _) = nac_triton.fwd_plan(a, a, a, keys, 1.1, 0.1, True,
+                                                                target)
+                    if keys is not None and not nac_triton.parts_mode(dtype, D):
+                        k = torch.empty((0,), dtype=dtype, **meta)
                     for t in (target, dataclasses.replace(target, sms=1, occupancy=None),
                               dataclasses.replace(target, sms=1 << 16, occupancy=None)):
-                        launches, _ = nac_triton.bwd_plan(a, a, a, keys, lse, ga, g, a, k, 1.1,
+                        launches, _ = nac_triton.bwd_plan(a, a, a, keys, lse, ga, g, q, k, 1.1,
                                                           True, True, keys is not None, t)
                         for L in launches:
                             if L.tag.startswith("bwd_keys"):
                                 yield case, L
+    os.environ.pop("NAC_FAST_FP32_DOT", None)
 
 
 def compile_only(job):
@@ -365,17 +381,15 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
                                                             "BLOCK_Q", "BLOCK_G", "NB", "BLOCK")
                                        if k in c),
                        warps=L.num_warps, stages=L.num_stages, smem_limit=target.smem,
-                       smem_estimate=(nac_triton.smem_estimate(
-                           config_kernel(tag), KL.Config(c["BLOCK_M"], c["BLOCK_N"], L.num_warps,
-                                                         L.num_stages),
-                           _torch_dtype(dtype), D) if tag in MATRIX_KERNELS else ""),
+                       smem_estimate=(_smem_estimate(tag, c, L, dtype, D, prec)
+                                      if tag in MATRIX_KERNELS else ""),
                        source="+".join(sorted({x.get("source", "built-in") for x in cases})))
             try:
                 row.update(fut.result())
             except Exception as exc:  # noqa: BLE001 - a failed compile is a finding
                 row.update(registers=-1, spill_store_bytes=-1, spill_load_bytes=-1, smem_bytes=-1,
                            mma_instr="", mma_count=0, compile_s=-1, blocks_per_sm=0)
-                row["problems"] = f"compile failed: {str(exc).splitlines()[0][:300]}"
+                row["problems"] = "compile failed: " + " | ".join(str(exc).splitlines())[-600:]
                 rows.append(row)
                 continue
             row["blocks_per_sm"] = KL.blocks_per_sm(row["registers"], row["smem_bytes"],
@@ -384,6 +398,25 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
             rows.append(row)
     print(f"compile check: Triton part took {time.perf_counter() - t0:.0f} s", flush=True)
     return rows
+
+
+def _smem_estimate(tag, c, L, dtype, D, prec):
+    """nac_triton.smem_estimate of a matrix launch, under the fp32 product mode it was planned
+    in (the estimate depends on it: bf16x6's part tiles, ieee's registers)."""
+    from nac_fast.kernels import launch as KL
+    from nac_fast.kernels import nac_triton
+    old = os.environ.get("NAC_FAST_FP32_DOT")
+    if dtype == "float32":
+        os.environ["NAC_FAST_FP32_DOT"] = prec
+    try:
+        return nac_triton.smem_estimate(
+            config_kernel(tag), KL.Config(c["BLOCK_M"], c["BLOCK_N"], L.num_warps, L.num_stages),
+            _torch_dtype(dtype), D)
+    finally:
+        if old is None:
+            os.environ.pop("NAC_FAST_FP32_DOT", None)
+        else:
+            os.environ["NAC_FAST_FP32_DOT"] = old
 
 
 def _torch_dtype(name):
@@ -395,7 +428,8 @@ def _triton_problems(row, max_compile_s):
     out = []
     if row["smem_bytes"] > row["smem_limit"]:
         out.append(f"shared memory {row['smem_bytes']} B > {row['smem_limit']} B")
-    low = row["dtype"] in ("bfloat16", "float16") or row["precision"] in ("tf32", "tf32x3")
+    low = (row["dtype"] in ("bfloat16", "float16")
+           or row["precision"] in ("tf32", "tf32x3", "bf16x6"))
     if low and (row["spill_store_bytes"] or row["spill_load_bytes"]):
         out.append(f"spills {row['spill_store_bytes']} B stores / {row['spill_load_bytes']} B "
                    "loads on a 16-bit/tf32 path")

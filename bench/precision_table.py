@@ -10,7 +10,8 @@ the same, already rounded, inputs) of the per-row losses and of the gradients of
   - the Triton kernels under the interpreter (TRITON_INTERPRET=1): the GPU kernels' own code and
     arithmetic up to the order of fp32 sums: products of bf16/fp16 operands are exact in fp32 as
     on tensor cores, and fp32 products go through the kernels' own TF32 splits, so each fp32
-    mode (NAC_FAST_FP32_DOT = tf32x3, the default; tf32; ieee) is measured as the GPU runs it.
+    mode (NAC_FAST_FP32_DOT = tf32x3, the default; tf32; ieee; bf16x6, whose bf16 part products
+    are exact in fp32 too) is measured as the GPU runs it.
 GPU figures proper come from the GPU suite (bench/gpu_suite.sh test), which runs the same
 tolerances on CUDA tensors.
 """
@@ -44,7 +45,11 @@ def run(fn, tensors, g):
     return rows.detach(), {k: v.grad for k, v in leaves.items()}
 
 
-def measure(kind, n, N, D, p, seed):
+FP32_MODES = ("tf32x3", "tf32", "ieee", "bf16x6")
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def measure(kind, n, N, D, p, seed, dtypes=DTYPES, fp32_modes=FP32_MODES):
     gen = torch.Generator().manual_seed(seed)
     base = {"a": torch.randn(n, D, generator=gen) * 1.5, "r": torch.randn(n, D, generator=gen) * 2}
     if kind == "keys":
@@ -53,7 +58,7 @@ def measure(kind, n, N, D, p, seed):
     g = torch.randn(n, generator=gen)
     s = nac_fast.channel_scale(p)
     rows = []
-    for dname in ("bfloat16", "float16", "float32", "float64"):
+    for dname in dtypes:
         dtype = getattr(torch, dname)
         t = {k: v.to(dtype) for k, v in base.items()}
         noise = noise32.to(dtype)
@@ -68,7 +73,7 @@ def measure(kind, n, N, D, p, seed):
         avail = nac_fast.available_backends("cpu")
         variants = [(b, b, None) for b in ("reference", "cpu") if b in avail]
         if "triton" in avail:
-            modes = ("tf32x3", "tf32", "ieee") if dtype == torch.float32 and D <= 128 else (None,)
+            modes = fp32_modes if dtype == torch.float32 and D <= 128 else (None,)
             variants += [("triton" + (f" {m}" if m else ""), "triton", m) for m in modes]
         for label, backend, mode in variants:
             old = os.environ.get("NAC_FAST_FP32_DOT")
@@ -93,10 +98,21 @@ def main(argv=None):
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--p", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--fp32-modes", default=",".join(FP32_MODES),
+                    help="the Triton kernels' fp32 product modes to measure (NAC_FAST_FP32_DOT)")
     ap.add_argument("--csv", default=os.path.join(ROOT, "bench", "results", "precision_cpu.csv"))
     args = ap.parse_args(argv)
-    rows = measure("inbatch", args.n, args.n, args.D, args.p, args.seed)
-    rows += measure("keys", args.n, args.N, args.D, args.p, args.seed + 1)
+    dtypes = args.dtypes.split(",")
+    modes = args.fp32_modes.split(",")
+    for d in dtypes:
+        if d not in DTYPES:
+            ap.error(f"--dtypes: {d!r} is not one of {', '.join(DTYPES)}")
+    for m in modes:
+        if m not in FP32_MODES:
+            ap.error(f"--fp32-modes: {m!r} is not one of {', '.join(FP32_MODES)}")
+    rows = measure("inbatch", args.n, args.n, args.D, args.p, args.seed, dtypes, modes)
+    rows += measure("keys", args.n, args.N, args.D, args.p, args.seed + 1, dtypes, modes)
     stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     fields = ["timestamp", "torch", "kind", "n", "N", "D", "dtype", "method", "loss", "grad_a",
               "grad_r", "grad_keys"]

@@ -29,14 +29,17 @@ Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIG
                     epilogue.
   _bwd_rows_kernel  d/dr [M:grad-r] and d/da [M:grad-a], elementwise, in a's dtype.
   _sum_splits_kernel  the given keys' gradient from the query splits' fp32 shares.
+  _parts_kernel     fp32 in bf16x6 with given keys: their (3, N, D) bf16 parts, once a call.
 Split counts fill one wave: the SMs times the resident blocks per SM of the kernel as compiled
 (kernels/launch.py `Target.programs`, `compiled_occupancy`).
 The logits never exist in memory: one (BLOCK_M x BLOCK_N) tile lives in registers.
 
 Precision (docs/kernels.md "Precision"): bf16/fp16 inputs multiply on tensor cores with fp32 accumulation;
 max, logsumexp, the Bernoulli term and every reduction are fp32.  fp32 inputs use tf32x3 (three
-TF32 products, fp32-level accuracy on tensor cores) unless NAC_FAST_FP32_DOT=ieee (exact FMA) or
-=tf32.  fp64 is the correctness path (FMA, fp64 throughout).
+TF32 products, fp32-level accuracy on tensor cores) unless NAC_FAST_FP32_DOT=ieee (exact FMA),
+=tf32, or =bf16x6 (D <= 128: each operand three bf16 parts, six bf16 products, `parts_mode`; the
+prologue / _parts_kernel store the parts, so the loops run the 16-bit tilings).  fp64 is the
+correctness path (FMA, fp64 throughout).
 
 The interpreter (TRITON_INTERPRET=1, CPU tensors, what CI runs) has no tanh: _tanh below is the
 same polynomial/exp formula as csrc/nac_math.h, on the GPU too, so CI checks the math the GPU runs.
@@ -92,6 +95,61 @@ def _round_tf32(x):
     # (the sign is a separate bit), then clear them.  Plain integer ops: the interpreter runs it.
     bits = x.to(tl.int32, bitcast=True)
     return ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rne_bf16(x):
+    # float32 -> the nearest bfloat16 value, ties to even, kept in float32: what torch's cast and
+    # the GPU's cvt.rn.bf16.f32 give.  Triton's interpreter truncates in its bf16 cast (measured:
+    # 1 + 2^-8 + 2^-10 -> 1.0), so the cast after this is exact on both.  NaN stays NaN.
+    bits = x.to(tl.int32, bitcast=True)
+    r = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _bf16(x, RNE: tl.constexpr):
+    # fp32 -> bf16, rounded to nearest even (the GPU's cast; RNE: the interpreter, which
+    # truncates, rounds the bits first: the same bf16 value either way)
+    if RNE:
+        x = _rne_bf16(x)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _parts3(x, RNE: tl.constexpr):
+    # bf16x6's operand split (docs/kernels.md "Precision"): x = x0 + x1 + x2 + e, each part the
+    # bf16 rounding of what the ones before it leave (both differences are exact in fp32), |e| <=
+    # 2^-27 |x|: 24 bits and more, fp32's own 24.  An infinite x gives NaN parts (inf - inf), as
+    # tf32x3's split does.
+    x0 = _bf16(x, RNE)
+    rest = x - x0.to(tl.float32)
+    x1 = _bf16(rest, RNE)
+    return x0, x1, _bf16(rest - x1.to(tl.float32), RNE)
+
+
+@triton.jit
+def _dot16(x, y, acc, UPCAST: tl.constexpr):
+    # acc + x y for bf16 tiles, fp32 accumulation (UPCAST: the interpreter's widened product,
+    # exact, as in _dot)
+    if UPCAST:
+        return tl.dot(x.to(tl.float32), y.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(x, y, acc, out_dtype=tl.float32)
+
+
+@triton.jit
+def _dot6(x0, x1, x2, y0, y1, y2, acc, UPCAST: tl.constexpr):
+    # acc + x y in bf16x6 (fp32 inputs, NAC_FAST_FP32_DOT=bf16x6): the six products xi yj with
+    # i + j <= 2 of the parts of _parts3, smallest first; the three dropped are each <= 2^-27
+    # |x| |y| (x1 y2, x2 y1; x2 y2 less).  Six bf16 tensor-core products cost what tf32x3's three TF32 ones
+    # do at the H100's rates, but the operands are 16-bit tiles: the 16-bit kernels' HGMMA
+    # tilings instead of tf32x3's 32-row HMMA ones (bench/gpu_notes.md "fp32 in bf16x6").
+    acc = _dot16(x2, y0, acc, UPCAST)
+    acc = _dot16(x0, y2, acc, UPCAST)
+    acc = _dot16(x1, y1, acc, UPCAST)
+    acc = _dot16(x1, y0, acc, UPCAST)
+    acc = _dot16(x0, y1, acc, UPCAST)
+    return _dot16(x0, y0, acc, UPCAST)
 
 
 @triton.jit
@@ -156,12 +214,22 @@ def _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, mask, D, stride_a, s
     return m, _tanh(a)
 
 
+@triton.jit
+def _store_parts(P, off, x, mask, part, RNE: tl.constexpr):
+    # the bf16x6 parts of the fp32 tile x (_parts3) at P + off, P + part + off, P + 2 part + off
+    x0, x1, x2 = _parts3(x, RNE)
+    tl.store(P + off, x0, mask=mask)
+    tl.store(P + part + off, x1, mask=mask)
+    tl.store(P + 2 * part + off, x2, mask=mask)
+
+
 @triton.jit(do_not_specialize=["n", "write_k", "seed_val"])
 def _prologue_kernel(A, NOISE, Q, K, SEED, seed_val, n, D, stride_a, stride_m, scale2, write_k, p,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
-                     SEEDED: tl.constexpr):
+                     SEEDED: tl.constexpr, PARTS: tl.constexpr, RNE: tl.constexpr):
     # The in-batch forward's codes: Q = s log2(e) m z and the keys K = z (with given keys the
-    # forward kernel makes its own Q tile: no prologue, `fwd_plan`).
+    # forward kernel makes its own Q tile: no prologue, `fwd_plan`).  PARTS (fp32 in bf16x6):
+    # Q and K are (3, n, D) bf16, the parts of _parts3.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n)[:, None] & (cols < D)[None, :]
@@ -169,9 +237,40 @@ def _prologue_kernel(A, NOISE, Q, K, SEED, seed_val, n, D, stride_a, stride_m, s
     m, z = _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, mask, D, stride_a, stride_m,
                            p, True, ACC, SEEDED)
     out = rows64[:, None] * D + cols[None, :]
-    tl.store(Q + out, (m * z * scale2).to(Q.dtype.element_ty), mask=mask)
-    if write_k != 0:
-        tl.store(K + out, z.to(K.dtype.element_ty), mask=mask)
+    if PARTS:
+        part = n.to(tl.int64) * D
+        _store_parts(Q, out, m * z * scale2, mask, part, RNE)
+        if write_k != 0:
+            _store_parts(K, out, z, mask, part, RNE)
+    else:
+        tl.store(Q + out, (m * z * scale2).to(Q.dtype.element_ty), mask=mask)
+        if write_k != 0:
+            tl.store(K + out, z.to(K.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _parts_kernel(X, OUT, N, D, stride_x, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  RNE: tl.constexpr):
+    # Given fp32 keys in bf16x6: their (3, N, D) parts for the forward and the keys' backward
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < N)[:, None] & (cols < D)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    _store_parts(OUT, rows64[:, None] * D + cols[None, :], x, mask, N.to(tl.int64) * D, RNE)
+
+
+@triton.jit
+def _lse_step(s, kmask, j0, end, m_i, l_i, BLOCK_N: tl.constexpr):
+    # One key tile of the online base-2 logsumexp [M:lse-online]: the logits S of keys past `end`
+    # set to -inf only in a tile that crosses it; returns (new max, alpha = exp2(old - new max),
+    # P = exp2(S - new max), the new running sum).
+    if j0 + BLOCK_N > end:
+        s = tl.where(kmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -185,14 +284,28 @@ def _fwd_tile(q, kp, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N: tl.constexpr,
     kmask = j0 + tl.arange(0, BLOCK_N) < end
     k = tl.load(kp + offs, mask=kmask[:, None] & dmask[None, :], other=0.0)
     s = _dot(q, tl.trans(k), PRECISION, UPCAST)
-    if j0 + BLOCK_N > end:
-        s = tl.where(kmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_i = _lse_step(s, kmask, j0, end, m_i, l_i, BLOCK_N)
     if GRAD:
         acc = acc * alpha[:, None] + _dot(p.to(k.dtype), k, PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _fwd_tile3(q0, q1, q2, kp, part, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N: tl.constexpr,
+               GRAD: tl.constexpr, UPCAST: tl.constexpr):
+    # _fwd_tile in bf16x6 (fp32 inputs): the key tile's three parts at kp, kp + part, kp + 2 part;
+    # S and P K in _dot6, P split in registers (_parts3)
+    kmask = j0 + tl.arange(0, BLOCK_N) < end
+    lmask = kmask[:, None] & dmask[None, :]
+    k0 = tl.load(kp + offs, mask=lmask, other=0.0)
+    k1 = tl.load(kp + part + offs, mask=lmask, other=0.0)
+    k2 = tl.load(kp + 2 * part + offs, mask=lmask, other=0.0)
+    s = _dot6(q0, q1, q2, tl.trans(k0), tl.trans(k1), tl.trans(k2),
+              tl.zeros([q0.shape[0], BLOCK_N], tl.float32), UPCAST)
+    m_new, alpha, p, l_i = _lse_step(s, kmask, j0, end, m_i, l_i, BLOCK_N)
+    if GRAD:
+        p0, p1, p2 = _parts3(p, UPCAST)
+        acc = _dot6(p0, p1, p2, k0, k1, k2, acc * alpha[:, None], UPCAST)
     return m_new, l_i, acc
 
 
@@ -213,22 +326,46 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, n, N, D, stride_k,
     dmask = cols < D
     rows64 = rows.to(tl.int64)
     q_at = Q + rows64[:, None] * D + cols[None, :]
-    if Q_FROM_A:
-        m, z = _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols,
-                               rmask[:, None] & dmask[None, :], D, stride_a, stride_m, flip_p,
-                               sp == 0, ACC, SEEDED)
+    qmask = rmask[:, None] & dmask[None, :]
+    if PRECISION == "bf16x6":
+        # fp32 in bf16x6: Q and K are (3, rows, D) bf16 parts (the prologue's, or _parts_kernel's
+        # for given keys; with Q_FROM_A made here), the loop as the 16-bit one below
+        qpart = n.to(tl.int64) * D
+        if Q_FROM_A:
+            m, z = _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, qmask, D, stride_a,
+                                   stride_m, flip_p, sp == 0, ACC, SEEDED)
+            q0, q1, q2 = _parts3(m * z * scale2, UPCAST)
+            if sp == 0:
+                tl.store(q_at, q0, mask=qmask)
+                tl.store(q_at + qpart, q1, mask=qmask)
+                tl.store(q_at + 2 * qpart, q2, mask=qmask)
+        else:
+            q0 = tl.load(q_at, mask=qmask, other=0.0)
+            q1 = tl.load(q_at + qpart, mask=qmask, other=0.0)
+            q2 = tl.load(q_at + 2 * qpart, mask=qmask, other=0.0)
+    elif Q_FROM_A:
+        m, z = _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, qmask, D, stride_a,
+                               stride_m, flip_p, sp == 0, ACC, SEEDED)
         q = (m * z * scale2).to(Q.dtype.element_ty)
         if sp == 0:
-            tl.store(q_at, q, mask=rmask[:, None] & dmask[None, :])
+            tl.store(q_at, q, mask=qmask)
     else:
-        q = tl.load(q_at, mask=rmask[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(q_at, mask=qmask, other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     start = sp * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, N)
-    if BLOCK_D == 128 and (q.dtype == tl.bfloat16 or q.dtype == tl.float16):
+    if PRECISION == "bf16x6":
+        kpart = N.to(tl.int64) * D
+        offs = tl.arange(0, BLOCK_N)[:, None] * D + cols[None, :]
+        kp = K + start.to(tl.int64) * D
+        for j0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _fwd_tile3(q0, q1, q2, kp, kpart, j0, end, offs, dmask, m_i, l_i, acc,
+                                       BLOCK_N, GRAD, UPCAST)
+            kp += BLOCK_N * D
+    elif BLOCK_D == 128 and (q.dtype == tl.bfloat16 or q.dtype == tl.float16):
         # the tuned 16-bit paths (CANDIDATES): pointers advanced by the loop, the key mask's
         # select only in a tile that crosses the split's end (_fwd_tile).  Elsewhere this cost
         # registers or spilled (fp32 tf32x3, fp64, other D; bench/compile_check.py, 2026-11-27):
@@ -392,6 +529,25 @@ def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, g_scale, gscale, dk
     return dk + _dot(pt.to(q.dtype), q, PRECISION, UPCAST)         # P^T Q (log2 units)
 
 
+@triton.jit
+def _bwd_tile3(k0, k1, k2, qp, part, lp, gp, i0, end, offs, dmask, stride_g, g_scale, dk,
+               BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+    # _bwd_tile in bf16x6 (fp32 inputs): the query tile's three parts at qp, qp + part,
+    # qp + 2 part; S^T and P^T Q in _dot6, P^T split in registers (_parts3)
+    r = tl.arange(0, BLOCK_M)
+    rmask = i0 + r < end
+    lmask = rmask[:, None] & dmask[None, :]
+    q0 = tl.load(qp + offs, mask=lmask, other=0.0)
+    q1 = tl.load(qp + part + offs, mask=lmask, other=0.0)
+    q2 = tl.load(qp + 2 * part + offs, mask=lmask, other=0.0)
+    lse2 = tl.load(lp + r, mask=rmask, other=float("inf"))  # base 2
+    st = _dot6(k0, k1, k2, tl.trans(q0), tl.trans(q1), tl.trans(q2),
+               tl.zeros([k0.shape[0], BLOCK_M], tl.float32), UPCAST)
+    g = tl.load(gp + r * stride_g, mask=rmask, other=0.0) * g_scale
+    p0, p1, p2 = _parts3(tl.exp2(st - lse2[None, :]) * g[None, :], UPCAST)
+    return _dot6(p0, p1, p2, q0, q1, q2, dk, UPCAST)       # P^T Q (log2 units)
+
+
 @triton.jit(do_not_specialize=["n", "N", "blocks_per_split", "need_r", "stride_g"])
 def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride_k, stride_g,
                      stride_a, stride_r, stride_m, blocks_per_split, need_r, g_scale,
@@ -415,7 +571,8 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
     dmask = cols < D
     tile_mask = kmask[:, None] & dmask[None, :]
     kc64 = kc.to(tl.int64)
-    k = tl.load(K + kc64[:, None] * stride_k + cols[None, :], mask=tile_mask, other=0.0)
+    if PRECISION != "bf16x6":  # (bf16x6 loads its key parts below)
+        k = tl.load(K + kc64[:, None] * stride_k + cols[None, :], mask=tile_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     start = sp * blocks_per_split * BLOCK_M
     end = tl.minimum(start + blocks_per_split * BLOCK_M, n)
@@ -429,7 +586,26 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
     else:
         gscale = 1.0
         ginv = 1.0
-    if BLOCK_D == 128 and (k.dtype == tl.bfloat16 or k.dtype == tl.float16):
+    if PRECISION == "bf16x6":
+        # fp32 in bf16x6: K and Q are (3, rows, D) bf16 parts, the loop as the 16-bit one below
+        k_at = K + kc64[:, None] * D + cols[None, :]
+        kpart = N.to(tl.int64) * D
+        k0 = tl.load(k_at, mask=tile_mask, other=0.0)
+        k1 = tl.load(k_at + kpart, mask=tile_mask, other=0.0)
+        k2 = tl.load(k_at + 2 * kpart, mask=tile_mask, other=0.0)
+        offs = tl.arange(0, BLOCK_M)[:, None] * D + cols[None, :]
+        start64 = start.to(tl.int64)
+        qp = Q + start64 * D
+        lp = LSE + start64
+        gp = G + start64 * stride_g
+        qpart = n.to(tl.int64) * D
+        for i0 in range(start, end, BLOCK_M):
+            dk = _bwd_tile3(k0, k1, k2, qp, qpart, lp, gp, i0, end, offs, dmask, stride_g,
+                            g_scale, dk, BLOCK_M, UPCAST)
+            qp += BLOCK_M * D
+            lp += BLOCK_M
+            gp += BLOCK_M * stride_g
+    elif BLOCK_D == 128 and (k.dtype == tl.bfloat16 or k.dtype == tl.float16):
         # the tuned 16-bit paths: pointers advanced by the loop (_bwd_tile); elsewhere the loop
         # stays as it was (as in _fwd_kernel)
         offs = tl.arange(0, BLOCK_M)[:, None] * D + cols[None, :]
@@ -545,9 +721,19 @@ def _sum_splits_kernel(PDK, OUT, numel, split, BLOCK: tl.constexpr):
 # Launch configurations: one table, read by the launchers below and by bench/compile_check.py.
 # ---------------------------------------------------------------------------------------------
 
-def _family(dtype: torch.dtype) -> str:
+def _family(dtype: torch.dtype, D: Optional[int] = None) -> str:
+    """The CONFIGS family: "16", "32", "64"; "32p" for fp32 at D in bf16x6 (16-bit part tiles)."""
+    if D is not None and parts_mode(dtype, D):
+        return "32p"
     return {torch.bfloat16: "16", torch.float16: "16", torch.float32: "32",
             torch.float64: "64"}[dtype]
+
+
+def parts_mode(dtype: torch.dtype, D: int) -> bool:
+    """Whether fp32 products at code width D run in bf16x6 (NAC_FAST_FP32_DOT=bf16x6): the
+    prologue's Q and K are then (3, rows, D) bf16 parts (_parts3), given keys are split by
+    _parts_kernel, and the matrix kernels run the 16-bit tilings with six products each."""
+    return dtype == torch.float32 and fp32_precision(D) == "bf16x6"
 
 
 def block_d(D: int) -> int:
@@ -572,6 +758,14 @@ CONFIGS = {
     ("fwd", "32", 64): [_C(32, 64, 8, 2)], ("fwd", "32", 128): [_C(32, 32, 8, 2)],
     ("bwd_keys", "32", 16): [_C(64, 64, 8, 2)], ("bwd_keys", "32", 32): [_C(64, 64, 8, 2)],
     ("bwd_keys", "32", 64): [_C(64, 32, 8, 2)], ("bwd_keys", "32", 128): [_C(64, 32, 8, 2)],
+    # ---- fp32 in bf16x6 (NAC_FAST_FP32_DOT=bf16x6, D <= 128): three bf16 part tiles per
+    # operand (3x a 16-bit tile's shared memory), so smaller tiles than the 16-bit paths'.  sm_90:
+    # one-warpgroup HGMMA programs, two or more per SM; sm_80: 8 warps (mma.sync holds operand
+    # fragments in registers: the 4-warp tiles spilled there).  bench/compile_check.py, precision
+    # bf16x6; the suite's fp32 stage times the alternatives (bench/fp32_modes.py).
+    **{("fwd", "32p", bd): [_C(64, 32, 4, 2, (90,)), _C(32, 64, 8, 2)] for bd in (16, 32, 64, 128)},
+    **{("bwd_keys", "32p", bd): [_C(32, 64, 4, 2, (90,)), _C(64, 32, 8, 2)]
+       for bd in (16, 32, 64, 128)},
     # ---- fp32, D > 128: exact FMA (every tf32x3 tiling spilled there)
     ("fwd", "32", 256): [_C(16, 16, 8, 2)], ("fwd", "32", 512): [_C(16, 16, 8, 2)],
     ("bwd_keys", "32", 256): [_C(32, 16, 8, 2)], ("bwd_keys", "32", 512): [_C(16, 16, 8, 2)],
@@ -591,6 +785,8 @@ CONFIGS = {
 FUSED_CONFIGS = {
     ("16", 16): _C(64, 64, 8, 3), ("16", 32): _C(64, 64, 8, 3), ("16", 64): _C(64, 64, 8, 3),
     ("16", 128): _C(64, 64, 8, 2), ("16", 256): _C(32, 32, 8, 2), ("16", 512): None,
+    # bf16x6: clean on sm_80 and sm_90 at every D (32 x 64 spilled 236-604 B at D = 128)
+    **{("32p", bd): _C(64, 32, 8, 2) for bd in (16, 32, 64, 128)},
 }
 _INTERP = {"fwd": _C(32, 128), "bwd_keys": _C(32, 128)}  # wide numpy steps under the interpreter
 
@@ -624,11 +820,20 @@ CANDIDATES = {
     ("bwd_keys", "float32", 128): _waves(
         _C(64, 32, 8, 2), _C(64, 32, 8, 3), _C(32, 32, 8, 2), _C(32, 32, 8, 3),
         _C(32, 32, 4, 3)),
+    # fp32 in bf16x6 (NAC_FAST_FP32_DOT=bf16x6; kernels/tuning.py candidate_dtype): three bf16
+    # part tiles per operand, so 32/64-row tiles; sm_90 one-warpgroup HGMMA programs and 8-warp
+    # ones, sm_80 8 warps only (bench/gpu_notes.md "fp32 in bf16x6")
+    ("fwd", "float32:bf16x6", 128): _waves(
+        _C(64, 32, 4, 2, H), _C(64, 32, 4, 3, H), _C(64, 64, 8, 2, H), _C(128, 32, 8, 2, H),
+        _C(32, 64, 8, 2)),
+    ("bwd_keys", "float32:bf16x6", 128): _waves(
+        _C(32, 64, 4, 2, H), _C(32, 64, 4, 3, H), _C(32, 64, 8, 2, H), _C(64, 64, 8, 2, H),
+        _C(64, 32, 8, 2)),
 }
 MAX_D = 512
 TF32_MAX_D = 128  # fp32 above this runs exact FMA products (see CONFIGS)
 # NAC_FAST_FP32_DOT's values (fp32_precision): the default first
-FP32_PRECISIONS = ("tf32x3", "ieee", "tf32")
+FP32_PRECISIONS = ("tf32x3", "ieee", "tf32", "bf16x6")
 
 
 ROW_TILE = 4096  # elements per program of the row-wise kernels (fp64: 1024); `row_tile` sets it
@@ -662,15 +867,20 @@ def row_tile(elems: int):
 
 def smem_estimate(kernel: str, cfg: Config, dtype: torch.dtype, D: int) -> int:
     """Shared memory a configuration needs, in bytes: `num_stages` buffers of the streamed tile,
-    plus the resident tile on the 16-bit and TF32 paths, which stage it in shared memory too (the
-    fp64 and exact-fp32 products keep it in registers), plus 16 KB for the probability tiles and
-    layout conversions.  tests/test_compile_check.py checks that it bounds what Triton allocated
-    in every configuration; the compile check holds the compiled figure against the limit."""
+    plus the resident tile on the 16-bit and fp32 paths, which stage it in shared memory too (the
+    fp64 products keep it in registers; the exact-fp32 ones at D = 16 took 512 B more than
+    without it), plus 16 KB for the probability tiles and layout conversions; in bf16x6
+    (parts_mode) three bf16 tiles for each and P's three parts.  tests/test_compile_check.py
+    checks that it bounds what Triton allocated in every configuration, each estimated under the
+    fp32 mode it was planned in; the compile check holds the compiled figure against the limit."""
     es = torch.empty((), dtype=dtype).element_size()
     resident, streamed = ((cfg.BLOCK_M, cfg.BLOCK_N) if kernel == "fwd" else
                           (cfg.BLOCK_N, cfg.BLOCK_M))
-    if dtype == torch.float64 or (dtype == torch.float32 and fp32_precision(D) == "ieee"):
+    if dtype == torch.float64:
         resident = 0
+    if parts_mode(dtype, D):  # three bf16 part tiles per operand, and P's three parts
+        return 6 * (block_d(D) * (resident + cfg.num_stages * streamed)
+                    + cfg.BLOCK_M * cfg.BLOCK_N) + 16384
     return es * block_d(D) * (resident + cfg.num_stages * streamed) + 16384
 
 
@@ -696,13 +906,13 @@ def config(kernel: str, dtype: torch.dtype, D: int, target: Target, kind: Option
 def builtin_config(kernel: str, dtype: torch.dtype, D: int, target: Target) -> Config:
     """The built-in configuration (the first of CONFIGS that fits the target; the interpreter's
     _INTERP), whatever a tuned table says: the autotune stage's baseline."""
-    return pick(CONFIGS[(kernel, _family(dtype), block_d(D))], target,
+    return pick(CONFIGS[(kernel, _family(dtype, D), block_d(D))], target,
                 lambda c: smem_estimate(kernel, c, dtype, D), _INTERP[kernel])
 
 
 def fp32_precision(D: int) -> str:
-    """How fp32 products run at code width D: NAC_FAST_FP32_DOT = tf32x3 (default), ieee or tf32;
-    above TF32_MAX_D always ieee."""
+    """How fp32 products run at code width D: NAC_FAST_FP32_DOT = tf32x3 (default), ieee, tf32 or
+    bf16x6 (parts_mode); above TF32_MAX_D always ieee."""
     mode = os.environ.get("NAC_FAST_FP32_DOT", "tf32x3")
     if mode not in FP32_PRECISIONS:
         raise ValueError(f"NAC_FAST_FP32_DOT must be one of {', '.join(FP32_PRECISIONS)}, "
@@ -711,8 +921,10 @@ def fp32_precision(D: int) -> str:
 
 
 def _dot_consts(dtype: torch.dtype, D: int, device: torch.device) -> dict:
+    # UPCAST: the interpreter's widened 16-bit products (bf16x6's part tiles are bf16 too)
     return dict(PRECISION=fp32_precision(D) if dtype == torch.float32 else "ieee",
-                UPCAST=device.type == "cpu" and dtype in (torch.bfloat16, torch.float16))
+                UPCAST=device.type == "cpu" and (dtype in (torch.bfloat16, torch.float16)
+                                                 or parts_mode(dtype, D)))
 
 
 def _tl_acc(dtype):
@@ -754,11 +966,14 @@ def _seed_args(seed):
 
 
 def _prologue(a, noise, s, launches, seed=None, p=0.0):
-    """The in-batch forward's Q (log2 units) and keys K = tanh(a): (n, D) in a's dtype.  seed (a
-    one-element int64 tensor or a host seed, an int; noise None): the prologue draws the noise of
-    `seed` and `p` into a buffer it returns as the noise; else `noise` is read and returned."""
+    """The in-batch forward's Q (log2 units) and keys K = tanh(a): (n, D) in a's dtype, or in
+    bf16x6 (parts_mode) their (3, n, D) bf16 parts.  seed (a one-element int64 tensor or a host
+    seed, an int; noise None): the prologue draws the noise of `seed` and `p` into a buffer it
+    returns as the noise; else `noise` is read and returned."""
     n, D = a.shape
-    q, k = buffer((n, D), a.dtype, a), buffer((n, D), a.dtype, a)
+    parts = parts_mode(a.dtype, D)
+    shape, cdt = ((3, n, D), torch.bfloat16) if parts else ((n, D), a.dtype)
+    q, k = buffer(shape, cdt, a), buffer(shape, cdt, a)
     if seed is not None:
         noise = buffer((n, D), a.dtype, a)
     seeded, seed_t, seed_val, seed_scalar = _seed_args(seed)
@@ -767,7 +982,8 @@ def _prologue(a, noise, s, launches, seed=None, p=0.0):
                            (a, noise, q, k, a if seed_t is None else seed_t, seed_val, n, D,
                             a.stride(0), noise.stride(0), s * LOG2E, 1, float(p)),
                            dict(BLOCK_M=bm, BLOCK_D=block_d(D), ACC=_tl_acc(a.dtype),
-                                SEEDED=seeded), 4, 1, "prologue",
+                                SEEDED=seeded, PARTS=parts, RNE=a.device.type == "cpu"), 4, 1,
+                           "prologue",
                            (("scale2", _scale2), ("p", _p)) + seed_scalar))
     return q, k, noise
 
@@ -788,20 +1004,32 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
     reduction "mean"/"sum" their mean/sum, a 0-dim tensor reduced by the finish.  a, r, noise:
     (n, D) with unit column stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column
     stride.  q, k: the prologue's codes (k is `keys` when given), which the backward reuses; with
-    given keys the forward kernel makes q itself (Q_FROM_A) and there is no prologue.  seed, p:
+    given keys the forward kernel makes q itself (Q_FROM_A) and there is no prologue.  In bf16x6
+    (parts_mode) q and k are (3, rows, D) bf16 parts; given keys' parts come from a
+    _parts_kernel launch before the forward, and k is those parts.  seed, p:
     noise None, drawn from this seed by the kernel that makes q, and returned.  rv: None, or the
     (n, D) logits of NAC-MQ's online inference network (a's dtype, unit column stride): each
     row's loss then includes the inference term [M:vi] (the finish's VI)."""
     n, D = a.shape
     launches: list = []
+    parts = parts_mode(a.dtype, D)  # fp32 in bf16x6: q, k are (3, rows, D) bf16 parts
     q_from_a = keys is not None  # given keys: the forward kernel makes its own Q, no prologue
     if q_from_a:
-        q, k = buffer((n, D), a.dtype, a), keys
+        N = keys.shape[0]
+        if parts:  # the keys' parts, made once for the forward and the keys' backward
+            q, k = buffer((3, n, D), torch.bfloat16, a), buffer((3, N, D), torch.bfloat16, a)
+            bm = _rows_block(D, a.dtype)
+            launches.append(Launch(_parts_kernel, (cdiv(N, bm),), (keys, k, N, D, keys.stride(0)),
+                                   dict(BLOCK_M=bm, BLOCK_D=block_d(D),
+                                        RNE=a.device.type == "cpu"), 4, 1, "parts"))
+        else:
+            q, k = buffer((n, D), a.dtype, a), keys
         if seed is not None:
             noise = buffer((n, D), a.dtype, a)
     else:
         q, k, noise = _prologue(a, noise, s, launches, seed, p)
-    N = k.shape[0]
+        N = n
+    stride_k = D if parts else k.stride(0)
     acc = acc_dtype(a.dtype)
     cfg = config("fwd", a.dtype, D, target, kind="inbatch" if keys is None else "queue", n=n,
                  N=N, device=a.device)
@@ -816,7 +1044,7 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
         pacc = buffer((split, n, D) if grad_rows and not probe else (1,), acc, a)
         return Launch(_fwd_kernel, (q_blocks, split),
                       (q, k, pm, pl, pacc, a, noise, a if seed_t is None else seed_t, seed_val,
-                       n, N, D, k.stride(0), a.stride(0), noise.stride(0), cdiv(k_tiles, split),
+                       n, N, D, stride_k, a.stride(0), noise.stride(0), cdiv(k_tiles, split),
                        s * LOG2E, float(p)),
                       dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd,
                            GRAD=bool(grad_rows), ACC=_tl_acc(a.dtype),
@@ -883,13 +1111,15 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
     acc = acc_dtype(a.dtype)
     launches: list = []
     self_keys = keys is None
-    kk = k if self_keys else keys
-    N = kk.shape[0]
+    parts = parts_mode(a.dtype, D)  # bf16x6: q, k are the forward's (3, rows, D) parts
+    kk = k if self_keys or parts else keys
+    N = n if self_keys else keys.shape[0]
+    stride_k = D if parts else kk.stride(0)
     bd = block_d(D)
     empty = lambda: buffer((0,), a.dtype, a)  # noqa: E731
     grad_a = buffer((n, D), a.dtype, a) if need_a else empty()
     grad_r = buffer((n, D), a.dtype, a) if need_r else empty()
-    grad_k = buffer((N, D), kk.dtype, a) if need_keys and not self_keys else empty()
+    grad_k = buffer((N, D), a.dtype, a) if need_keys and not self_keys else empty()
     pdk, split = None, 0
     if (need_a and self_keys) or (need_keys and not self_keys):
         cfg = config("bwd_keys", a.dtype, D, target, kind="inbatch" if self_keys else "queue",
@@ -898,7 +1128,7 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
 
         # the fused rows' epilogue holds more tiles: its own table where one is given (the
         # split is decided with OUT_MODE 0's: one split there is one with fewer keys per block)
-        fcfg = FUSED_CONFIGS.get((_family(a.dtype), bd), cfg) if target.arch else cfg
+        fcfg = FUSED_CONFIGS.get((_family(a.dtype, D), bd), cfg) if target.arch else cfg
         fuse = self_keys and fcfg is not None
 
         def make(split, mode=0, probe=False):
@@ -909,7 +1139,7 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
             rows = ((a, r if need_r else a, noise if need_r else a, ga, grad_r if need_r else out)
                     if mode == 2 else (out,) * 5)
             return Launch(_bwd_keys_kernel, (cdiv(N, c.BLOCK_N), split),
-                          (q, kk, lse, g, out, *rows, n, N, D, kk.stride(0), g.stride(0),
+                          (q, kk, lse, g, out, *rows, n, N, D, stride_k, g.stride(0),
                            a.stride(0), r.stride(0), noise.stride(0), cdiv(n, c.BLOCK_M * split)
                            if split == 1 else cdiv(q_blocks, split), int(need_r and mode == 2),
                            float(g_scale)),
@@ -980,7 +1210,7 @@ def _launcher(launches):
 def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: float = 0.0,
         rv=None, reduction: str = "none"):
     """The forward op's body (nac_fwd_triton): (loss, lse2, ga, q, k, noise) with k empty when
-    keys are given (the backward reads the keys themselves).  noise None: `seed` (a one-element
+    keys are given (the backward reads the keys themselves; in bf16x6, k is their parts).  noise None: `seed` (a one-element
     int64 tensor on a's device, or an int drawn on the host: the kernel's argument) and `p` give
     it, drawn by the kernel that makes q; either way the noise used is returned last (the
     backward's).  rv: fwd_plan's (the rows then include NAC-MQ's inference term).  reduction
@@ -1003,7 +1233,9 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: f
         launches, (loss, lse, ga, q, k, m) = fwd_plan(a, r, noise, given, s, l2, grad_rows,
                                                       target_of(a.device), seed, p, rv,
                                                       reduction)
-        return launches, (loss, lse, ga, q, k if keys is None else buffer((0,), dt, a), m)
+        # given keys: the backward reads the keys themselves (in bf16x6, k: their parts)
+        keep_k = keys is None or parts_mode(dt, a.shape[1])
+        return launches, (loss, lse, ga, q, k if keep_k else buffer((0,), dt, a), m)
 
     key = (a.shape, a.stride(0), r.stride(0), None if noise is None else noise.stride(0), dt,
            a.device, None if given is None else (given.shape[0], given.stride(0)),

@@ -27,17 +27,7 @@ import triton
 import triton.language as tl
 
 from .launch import Launch, PlanCache, cdiv, eager_real, run
-from .nac_triton import MAX_D, _rows_block, _tanh, _tl_acc, block_d, last_to_arrive
-
-
-@triton.jit
-def _rne_bf16(x):
-    # float32 -> the nearest bfloat16 value, ties to even, kept in float32: what torch's cast and
-    # the GPU's cvt.rn.bf16.f32 give.  Triton's interpreter truncates in its bf16 cast (measured:
-    # 1 + 2^-8 + 2^-10 -> 1.0), so the cast after this is exact on both.  NaN stays NaN.
-    bits = x.to(tl.int32, bitcast=True)
-    r = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
+from .nac_triton import MAX_D, _rne_bf16, _rows_block, _tanh, _tl_acc, block_d, last_to_arrive
 
 
 @triton.jit(do_not_specialize=["n0", "n1", "M"])

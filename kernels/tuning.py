@@ -148,14 +148,40 @@ def _same(a: Config, b: Config) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in CONFIG_FIELDS)
 
 
+# fp32 product modes (NAC_FAST_FP32_DOT) with autotune candidates of their own: tf32x3 (the
+# default) under the dtype's name, bf16x6 under "float32:bf16x6" (nac_triton.CANDIDATES)
+TUNED_FP32_MODES = ("tf32x3", "bf16x6")
+
+
+def candidate_dtype(dtype: torch.dtype, D: int) -> Optional[str]:
+    """The dtype part of a `nac_triton.CANDIDATES` key for calls of `dtype` at code width D under
+    the environment's fp32 product mode: the dtype's name, "float32:bf16x6" for fp32 in bf16x6,
+    None for an fp32 mode without candidates (ieee, tf32)."""
+    from . import nac_triton as NT
+    if dtype == torch.float32:
+        mode = NT.fp32_precision(D)
+        if mode not in TUNED_FP32_MODES:
+            return None
+        return "float32" if mode == "tf32x3" else f"float32:{mode}"
+    return dtype_name(dtype)
+
+
+def split_candidate_dtype(name: str) -> Tuple[str, Optional[str]]:
+    """("float32", "bf16x6") of "float32:bf16x6"; (name, None) of a plain dtype name (fp32's
+    default tf32x3 included)."""
+    dname, _, mode = name.partition(":")
+    return dname, (mode or None)
+
+
 def candidates(kernel: str, dtype: torch.dtype, D: int) -> List[Config]:
     """The configurations the autotune stage times for (kernel, dtype, D) (`nac_triton.CANDIDATES`,
-    every one compile-checked for sm_80 and sm_90), [] where none are listed and for fp32 in a
-    product mode other than the default tf32x3 (NAC_FAST_FP32_DOT)."""
+    every one compile-checked for sm_80 and sm_90) under the environment's fp32 product mode
+    (NAC_FAST_FP32_DOT: tf32x3 and bf16x6 have their own), [] where none are listed."""
     from . import nac_triton as NT
-    if dtype == torch.float32 and NT.fp32_precision(D) != "tf32x3":
+    name = candidate_dtype(dtype, D)
+    if name is None:
         return []
-    return list(NT.CANDIDATES.get((kernel, dtype_name(dtype), NT.block_d(D)), ()))
+    return list(NT.CANDIDATES.get((kernel, name, NT.block_d(D)), ()))
 
 
 def candidates_digest() -> str:
@@ -212,7 +238,10 @@ def entry_config(entry: dict, path: str = "<entry>") -> Config:
         raise _bad(path, f"entry {entry.get('kernel')}/{entry.get('dtype')}/{entry.get('kind')}: "
                          f"config must give positive integers {CONFIG_FIELDS}, got {cfg!r}")
     want = Config(**cfg)
-    for c in NT.CANDIDATES.get((entry["kernel"], entry["dtype"], entry["block_d"]), ()):
+    name = entry["dtype"]  # the CANDIDATES key's dtype part: fp32 modes other than tf32x3 own
+    if entry.get("precision") not in ("ieee", "tf32x3", None):
+        name = f"{name}:{entry['precision']}"
+    for c in NT.CANDIDATES.get((entry["kernel"], name, entry["block_d"]), ()):
         if _same(c, want):
             return c
     raise _bad(path, f"entry {entry['kernel']} {entry['dtype']} D={entry['block_d']} "

@@ -62,8 +62,13 @@ def cfg(kernel="fwd", dtype=BF16, target=KL.SM90, **kw):
 # ---- the candidate lists -----------------------------------------------------------------
 
 @pytest.mark.parametrize("key", sorted(NT.CANDIDATES))
-def test_candidates_hold_the_builtin_configuration_and_no_duplicates(key):
-    kernel, dname, bd = key
+def test_candidates_hold_the_builtin_configuration_and_no_duplicates(key, monkeypatch):
+    kernel, name, bd = key
+    dname, mode = TU.split_candidate_dtype(name)  # "float32:bf16x6": fp32 in that product mode
+    if mode:
+        monkeypatch.setenv("NAC_FAST_FP32_DOT", mode)
+    assert TU.candidate_dtype(getattr(torch, dname), bd) == name
+    assert TU.candidates(kernel, getattr(torch, dname), bd) == list(NT.CANDIDATES[key])
     cands = NT.CANDIDATES[key]
     labels = [TU.config_label(c) + str(c.archs) for c in cands]
     assert len(set(labels)) == len(labels)
@@ -212,13 +217,24 @@ def test_forced_configurations_win_and_nest():
             pass
 
 
-def test_fp32_entries_apply_to_the_default_precision_only(monkeypatch):
+def test_fp32_entries_apply_to_their_own_precision_only(monkeypatch):
+    """A table's fp32 entries are per product mode: tf32x3's apply under tf32x3, bf16x6's (their
+    own candidates) under bf16x6, and none under ieee (no candidates: the built-in table)."""
     c = NT.CANDIDATES[("fwd", "float32", 128)][2]
-    ship(table([entry(cfg=c, dtype="float32", precision="tf32x3")]))
+    c6 = NT.CANDIDATES[("fwd", "float32:bf16x6", 128)][4]
+    ship(table([entry(cfg=c, dtype="float32", precision="tf32x3"),
+                entry(cfg=c6, dtype="float32", precision="bf16x6")]))
     assert cfg(dtype=torch.float32, kind="inbatch", n=8192, N=8192) == c
+    monkeypatch.setenv("NAC_FAST_FP32_DOT", "bf16x6")
+    assert cfg(dtype=torch.float32, kind="inbatch", n=8192, N=8192) == c6
     monkeypatch.setenv("NAC_FAST_FP32_DOT", "ieee")
     assert cfg(dtype=torch.float32, kind="inbatch", n=8192, N=8192) == NT.builtin_config(
         "fwd", torch.float32, 128, KL.SM90)
+    # a bf16x6 entry naming a tf32x3 candidate is refused: only its own candidates
+    bad = [x for x in NT.CANDIDATES[("fwd", "float32", 128)]
+           if not any(TU._same(x, y) for y in NT.CANDIDATES[("fwd", "float32:bf16x6", 128)])][0]
+    with pytest.raises(ValueError, match="not one of nac_triton.CANDIDATES"):
+        TU.entry_config(entry(cfg=bad, dtype="float32", precision="bf16x6"))
 
 
 def test_tuned_env_off_and_file(tmp_path, monkeypatch):
@@ -463,6 +479,42 @@ def test_autotune_stage_cpu_mode(tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                            env=dict(os.environ, TRITON_INTERPRET="1"))
     assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+def test_autotune_tunes_fp32_in_each_product_mode_with_candidates(tmp_path):
+    """An fp32 case is tuned once per product mode with candidates of its own (tf32x3, bf16x6):
+    the table holds an entry of each precision, each naming its own mode's candidate, and the
+    caller's NAC_FAST_FP32_DOT is left as it was."""
+    out = tmp_path / "tune"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "autotune.py"), "--cpu", "--out-dir",
+           str(out), "--max-candidates", "2", "--cases", "float32:inbatch:40"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, TRITON_INTERPRET="1", NAC_FAST_FP32_DOT="ieee"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "autotune.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["kernel"], r["precision"]) for r in rows} == {
+        (k, p) for k in ("fwd", "bwd_keys") for p in ("tf32x3", "bf16x6")}
+    # (on the interpreter a candidate's waves change nothing: "no-effect" rows)
+    assert all(r["status"] == "ok" or r["status"].startswith(("no-effect", "same plan"))
+               for r in rows), [r["status"] for r in rows]
+    t = TU.load_table(str(out / "cpu_interpreter.json"))
+    assert sorted((e["kernel"], e["precision"]) for e in t.entries) == sorted(
+        (k, p) for k in ("fwd", "bwd_keys") for p in ("tf32x3", "bf16x6"))
+    for e in t.entries:
+        name = "float32" if e["precision"] == "tf32x3" else "float32:bf16x6"
+        assert TU.entry_config(e) in NT.CANDIDATES[(e["kernel"], name, 128)]
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import autotune
+    os.environ["NAC_FAST_FP32_DOT"] = "ieee"
+    try:
+        work = autotune.work_list([("float32", "queue", 24, 72)], 128, KL.Target(0, 1 << 30, 4),
+                                  0, False)
+        assert [(k, m) for _, k, _, m in work] == [("fwd", "tf32x3"), ("fwd", "bf16x6")]
+        assert work[1][2] == NT.CANDIDATES[("fwd", "float32:bf16x6", 128)]
+        assert os.environ["NAC_FAST_FP32_DOT"] == "ieee"
+    finally:
+        del os.environ["NAC_FAST_FP32_DOT"]
 
 
 def test_rows_sweep_times_each_row_tile_with_the_same_bits(tmp_path):

@@ -55,11 +55,11 @@ def test_the_grid_is_covered(check_rows):
                 fused = nac_triton.FUSED_CONFIGS.get((fam, D), "default") is not None
                 assert (("bwd_keys_out2", arch, dtype, str(D)) in seen) == fused, (arch, dtype, D)
         assert any(r["kernel"] == "sum_splits" and r["arch"] == arch for r in check_rows)
-        # both modes, and fp32's three product modes, were planned
+        # both modes, and fp32's four product modes, were planned
         fwd = [r for r in check_rows if r["kernel"] == "fwd" and r["arch"] == arch]
         assert {m for r in fwd for m in r["modes"].split("+")} == {"inbatch", "queue"}
         assert {r["precision"] for r in fwd if r["dtype"] == "float32"} == {"tf32x3", "tf32",
-                                                                            "ieee"}
+                                                                            "ieee", "bf16x6"}
 
 
 @pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
@@ -75,7 +75,8 @@ def test_smem_estimate_bounds_the_compiled_figure(check_rows):
 def test_matrix_kernels_use_tensor_cores(check_rows):
     for r in check_rows:
         if r["kernel"] in ("fwd", "bwd_keys") and (r["dtype"] in ("bfloat16", "float16")
-                                                   or r["precision"] in ("tf32", "tf32x3")):
+                                                   or r["precision"] in ("tf32", "tf32x3",
+                                                                         "bf16x6")):
             assert int(r["mma_count"]) > 0 and r["mma_instr"], r
     # Hopper's warpgroup MMA on the headline shape (bf16, D = 128)
     hopper = [r for r in check_rows if r["kernel"] in ("fwd", "bwd_keys") and r["arch"] == "90"
@@ -113,6 +114,8 @@ def _row(**kw):
     (_row(smem_bytes=3000), "shared memory"),
     (_row(spill_store_bytes=8), "spills"),
     (_row(dtype="float32", precision="tf32x3", spill_load_bytes=4), "spills"),
+    (_row(dtype="float32", precision="bf16x6", spill_store_bytes=4), "spills"),  # 16-bit parts
+    (_row(dtype="float32", precision="bf16x6", mma_count=0), "tensor-core"),
     (_row(dtype="float32", precision="ieee", spill_store_bytes=64), None),  # FMA path: reported
     (_row(dtype="float64", precision="ieee-fp64", spill_store_bytes=64), None),
     (_row(mma_count=0), "tensor-core"),
@@ -206,6 +209,12 @@ def test_compile_check_records_occupancy(check_rows):
 
 # ---- autotune candidates (issue 38): a tuned table may name only compile-checked ones --------
 
+def _candidate_name(dtype, precision):
+    """The CANDIDATES key's dtype part of a launch or row: "float32:bf16x6" for fp32 in bf16x6
+    (kernels/tuning.py candidate_dtype), else the dtype."""
+    return f"{dtype}:{precision}" if precision == "bf16x6" else dtype
+
+
 def _candidate_keys(arch):
     from nac_fast.kernels import nac_triton
     out = set()
@@ -227,7 +236,7 @@ def test_candidate_plans_cover_every_candidate(arch):
     for case, L in CC._candidate_plans(target, list(CC.DTYPES)):
         assert case["source"] == "candidate"
         c = L.constexprs
-        seen.add((CC.config_kernel(L.tag), case["dtype"],
+        seen.add((CC.config_kernel(L.tag), _candidate_name(case["dtype"], c["PRECISION"]),
                   f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_D']}", L.num_warps, L.num_stages))
     want = _candidate_keys(arch)
     fused = {k for k in seen - want if k[0] == "bwd_keys"}  # the fused mode's own table
@@ -240,8 +249,8 @@ def test_every_autotune_candidate_is_compile_checked(check_rows):
     """Each candidate's launches are rows of the check (whose problems fail the test above) on
     each arch it applies to."""
     for arch in (80, 90):
-        got = {(CC.config_kernel(r["kernel"]), r["dtype"], r["blocks"], int(r["warps"]),
-                int(r["stages"])) for r in check_rows
+        got = {(CC.config_kernel(r["kernel"]), _candidate_name(r["dtype"], r["precision"]),
+                r["blocks"], int(r["warps"]), int(r["stages"])) for r in check_rows
                if "candidate" in r["source"] and r["arch"] == str(arch)}
         missing = _candidate_keys(arch) - got
         assert not missing, (arch, missing)

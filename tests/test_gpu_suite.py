@@ -52,6 +52,10 @@ def test_roofline_queue_fp32_modes_and_h200():
     assert ieee["bytes"] == (3 * n * D + N * D + 2 * n * D) * 4 + 4
     x3 = roofline.bound("queue", n, N, D, "float32", H100)  # the kernels' default, tf32x3
     assert x3["matrix_s"] == pytest.approx(3 * 2 * 2 * n * N * D / 494.7e12)
+    x6 = roofline.bound("queue", n, N, D, "float32", H100, fp32_mode="bf16x6")  # six bf16 products
+    bf = roofline.bound("queue", n, N, D, "bfloat16", H100)
+    assert x6["matrix_s"] == pytest.approx(6 * bf["matrix_s"])
+    assert x6["bytes"] == x3["bytes"] and x6["matrix_unit"] == "bf16x6 tensor cores"
     keys = roofline.bound("queue", n, N, D, "bfloat16", H100, keys_grad=True)
     assert keys["products"] == 4 and keys["exps"] == 2 * n * N
     sheet = roofline.bound("inbatch", 4096, 4096, 128, "bfloat16", H100, ceilings_from="datasheet")
@@ -159,6 +163,33 @@ def test_summary_schema_values_and_goal_checks(tmp_path, capsys):
     assert "n/a" in text  # the queue's missing compile figure
     # --require-goals turns a MISS into exit status 3
     assert gpu_summary.main([str(res), "--out", str(out), "--require-goals"]) == 3
+
+
+def test_summary_fp32_modes_are_their_own_rows_and_judged_against_eager(tmp_path, capsys):
+    """fp32 Triton rows in bf16x6 (bench_loss.py's fp32_dot column) are their own backend,
+    "triton[bf16x6]", beside the default tf32x3's "triton"; where fp32 rows were measured at a goal
+    shape, the fastest fused one is judged against eager (>= 2x, issue 38)."""
+    res, _ = _write_results(tmp_path)
+    rows = [_row("inbatch", 8192, 8192, "float32", "reference", 2.5, 900.0, fp32_dot="tf32x3"),
+            _row("inbatch", 8192, 8192, "float32", "triton+graph", 1.95, 40.0, fp32_dot="tf32x3"),
+            _row("inbatch", 8192, 8192, "float32", "reference", 2.5, 900.0, fp32_dot="bf16x6"),
+            _row("inbatch", 8192, 8192, "float32", "triton+graph", 1.0, 40.0, fp32_dot="bf16x6"),
+            _row("mq", 8192, 65536, "float32", "reference", 16.0, 3000.0, fp32_dot="tf32x3"),
+            _row("mq", 8192, 65536, "float32", "triton", 10.0, 60.0, fp32_dot="tf32x3")]
+    bench_loss.append_rows(str(res / "loss_gpu.csv"), rows)
+    out = tmp_path / "summary.json"
+    assert gpu_summary.main([str(res), "--out", str(out)]) == 0
+    fp32 = {(e["kind"], e["backend"]): e["fused_ms"]
+            for e in json.loads(out.read_text())["loss"] if e["dtype"] == "float32"}
+    assert fp32 == {("inbatch", "triton+graph"): 1.95, ("inbatch", "triton[bf16x6]+graph"): 1.0,
+                    ("queue", "triton"): 10.0}
+    lines = [ln for ln in capsys.readouterr().out.splitlines()
+             if "float32" in ln and ln[:5] in ("PASS ", "MISS ")]
+    assert lines == [
+        "PASS inbatch 8192x8192 D=128 float32 fwd+bwd [triton[bf16x6]+graph, fastest fused, "
+        "1.000 ms] speed vs eager: 2.50x (goal >= 2x)",
+        "MISS queue 8192x65536 D=128 float32 fwd+bwd [triton, fastest fused, 10.000 ms] speed vs "
+        "eager: 1.60x (goal >= 2x)"]
 
 
 def test_summary_rejects_mixed_devices_and_empty_input(tmp_path):
