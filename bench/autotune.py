@@ -46,7 +46,6 @@ interpreter's, meaningless for a GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import os
 import platform
@@ -179,24 +178,6 @@ def commit() -> str:
         return ""
 
 
-@contextlib.contextmanager
-def fp32_mode(mode):
-    """NAC_FAST_FP32_DOT = mode inside the block (None: the environment as it is), restored after:
-    the plans, candidates and table entries of an fp32 case follow it."""
-    if mode is None:
-        yield
-        return
-    old = os.environ.get("NAC_FAST_FP32_DOT")
-    os.environ["NAC_FAST_FP32_DOT"] = mode
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("NAC_FAST_FP32_DOT", None)
-        else:
-            os.environ["NAC_FAST_FP32_DOT"] = old
-
-
 def work_list(cases, D, target, max_candidates, keys_grad):
     """[(Case, kernel, [Config], fp32 mode or None)]: the candidates that apply to the target and
     fit it; an fp32 case once per product mode with candidates of its own (tf32x3, bf16x6)."""
@@ -212,7 +193,7 @@ def work_list(cases, D, target, max_candidates, keys_grad):
             for kernel in ("fwd", "bwd_keys"):
                 if kernel == "bwd_keys" and kind == "queue" and not keys_grad:
                     continue
-                with fp32_mode(mode):
+                with NT.fp32_dot(mode):
                     cands = [c for c in TU.candidates(kernel, dtype, D)
                              if target.arch == 0 or (c.applies(target.arch)
                                                      and NT.smem_estimate(kernel, c, dtype, D)
@@ -240,6 +221,7 @@ def precompile(work, target, jobs):
 
     import torch
     import compile_check as CC
+    from nac_fast.kernels import nac_triton as NT
     from nac_fast.kernels import tuning as TU
     t0 = time.perf_counter()
     unique = {}
@@ -247,7 +229,7 @@ def precompile(work, target, jobs):
         meta = TU.case_inputs(case, "meta")
         for per_sm in (1, 2, 3, 4):
             t = dataclasses.replace(target, sms=target.sms * per_sm, occupancy=None)
-            with fp32_mode(mode):
+            with NT.fp32_dot(mode):
                 fwd_l, _, _, state = TU.plan_call("fwd", case, meta, t, None)
                 plans = [fwd_l]
                 for c in [None] + list(cands):
@@ -358,7 +340,7 @@ def main(argv=None) -> int:
         # seconds, a cache hit well under one)
         case0 = work[0][0]
         t0 = time.perf_counter()
-        with fp32_mode(work[0][3]):
+        with NT.fp32_dot(work[0][3]):
             TU.run_fwd(case0, TU.case_inputs(case0, device), target)
         torch.cuda.synchronize()
         print(f"autotune: first launch of the built-in forward plan took "
@@ -374,7 +356,7 @@ def main(argv=None) -> int:
     rows, summary = [], []
     bar = tqdm(total=total, desc="autotune", unit="cand", file=sys.stdout, mininterval=5.0)
     for case, kernel, cands, mode in work:
-        with fp32_mode(mode):
+        with NT.fp32_dot(mode):
             prec = NT._dot_consts(case.dtype, case.D, device)["PRECISION"]
             res = TU.tune_key(kernel, case, device, target, cands, rep_ms=args.rep_ms,
                               warmup_ms=5.0, cpu_reps=2, deadline=deadline,

@@ -111,6 +111,18 @@ def _fp32_modes(dtypes, fp32_modes):
             yield dname, mode
 
 
+def _saved_codes(a, r, noise, keys, target):
+    """(q, k) the backward plans read, as the op hands them on from its forward (nac_triton
+    `fwd`): the forward plan's codes (bf16x6: their bf16 parts); with given keys, k is empty (the
+    keys themselves are read) except in bf16x6, where it is their parts."""
+    import torch
+    from nac_fast.kernels import nac_triton
+    _, (_, _, _, q, k, _) = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, True, target)
+    if keys is not None and not nac_triton.parts_mode(a.dtype, a.shape[1]):
+        k = torch.empty((0,), dtype=a.dtype, device=a.device)
+    return q, k
+
+
 def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
     """(case, launch) for every launch of every op at every case of the grid on `target`."""
     import torch
@@ -162,12 +174,7 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
                 # with the target's split, with one split (the fused output modes) and with many
                 # (the split shares and their sums): other batch sizes reach each of them
                 ga = torch.empty((n, D), dtype=acc, **meta)
-                # the forward's codes, as the op hands them on (in bf16x6 bf16 parts; given
-                # keys: nothing, the keys themselves are read, or in bf16x6 their parts)
-                _, (_, _, _, q, k, _) = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, True,
-                                                            target)
-                if keys is not None and not nac_triton.parts_mode(dtype, D):
-                    k = torch.empty((0,), dtype=dtype, **meta)
+                q, k = _saved_codes(a, r, noise, keys, target)
                 for t in (target, dataclasses.replace(target, sms=1, occupancy=None),
                           dataclasses.replace(target, sms=1 << 16, occupancy=None)):
                     launches, _ = nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, q, k, 1.1,
@@ -260,11 +267,7 @@ def _candidate_plans(target, dtypes):
                                 if L.tag == "fwd":
                                     yield case, L
                         continue
-                    # the forward's codes, as the op hands them on (bf16x6: their parts)
-                    _, (_, _, _, q, k, _) = nac_triton.fwd_plan(a, a, a, keys, 1.1, 0.1, True,
-                                                                target)
-                    if keys is not None and not nac_triton.parts_mode(dtype, D):
-                        k = torch.empty((0,), dtype=dtype, **meta)
+                    q, k = _saved_codes(a, a, a, keys, target)
                     for t in (target, dataclasses.replace(target, sms=1, occupancy=None),
                               dataclasses.replace(target, sms=1 << 16, occupancy=None)):
                         launches, _ = nac_triton.bwd_plan(a, a, a, keys, lse, ga, g, q, k, 1.1,
@@ -405,18 +408,10 @@ def _smem_estimate(tag, c, L, dtype, D, prec):
     in (the estimate depends on it: bf16x6's part tiles, ieee's registers)."""
     from nac_fast.kernels import launch as KL
     from nac_fast.kernels import nac_triton
-    old = os.environ.get("NAC_FAST_FP32_DOT")
-    if dtype == "float32":
-        os.environ["NAC_FAST_FP32_DOT"] = prec
-    try:
+    with nac_triton.fp32_dot(prec if dtype == "float32" else None):
         return nac_triton.smem_estimate(
             config_kernel(tag), KL.Config(c["BLOCK_M"], c["BLOCK_N"], L.num_warps, L.num_stages),
             _torch_dtype(dtype), D)
-    finally:
-        if old is None:
-            os.environ.pop("NAC_FAST_FP32_DOT", None)
-        else:
-            os.environ["NAC_FAST_FP32_DOT"] = old
 
 
 def _torch_dtype(name):

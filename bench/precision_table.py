@@ -18,6 +18,7 @@ tolerances on CUDA tensors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime as dt
 import os
@@ -46,6 +47,15 @@ def run(fn, tensors, g):
 
 
 FP32_MODES = ("tf32x3", "tf32", "ieee", "bf16x6")
+
+
+def _fp32_dot(mode):
+    """The Triton kernels' fp32 product mode `mode` for a block (None: nothing set; the Triton
+    kernels are imported only for a mode, which only a Triton variant has)."""
+    if mode is None:
+        return contextlib.nullcontext()
+    from nac_fast.kernels.nac_triton import fp32_dot
+    return fp32_dot(mode)
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
@@ -76,15 +86,8 @@ def measure(kind, n, N, D, p, seed, dtypes=DTYPES, fp32_modes=FP32_MODES):
             modes = fp32_modes if dtype == torch.float32 and D <= 128 else (None,)
             variants += [("triton" + (f" {m}" if m else ""), "triton", m) for m in modes]
         for label, backend, mode in variants:
-            old = os.environ.get("NAC_FAST_FP32_DOT")
-            if mode:
-                os.environ["NAC_FAST_FP32_DOT"] = mode
-            try:
+            with _fp32_dot(mode):
                 v, gr = run(loss(backend), t, g)
-            finally:
-                if mode:
-                    os.environ.pop("NAC_FAST_FP32_DOT") if old is None else \
-                        os.environ.__setitem__("NAC_FAST_FP32_DOT", old)
             rows.append(dict(kind=kind, dtype=dname, method=label, loss=rel(v, exact_v),
                              **{f"grad_{k}": rel(gr[k], exact_g[k]) for k in exact_g}))
     return rows

@@ -141,9 +141,10 @@ def _dot16(x, y, acc, UPCAST: tl.constexpr):
 def _dot6(x0, x1, x2, y0, y1, y2, acc, UPCAST: tl.constexpr):
     # acc + x y in bf16x6 (fp32 inputs, NAC_FAST_FP32_DOT=bf16x6): the six products xi yj with
     # i + j <= 2 of the parts of _parts3, smallest first; the three dropped are each <= 2^-27
-    # |x| |y| (x1 y2, x2 y1; x2 y2 less).  Six bf16 tensor-core products cost what tf32x3's three TF32 ones
-    # do at the H100's rates, but the operands are 16-bit tiles: the 16-bit kernels' HGMMA
-    # tilings instead of tf32x3's 32-row HMMA ones (bench/gpu_notes.md "fp32 in bf16x6").
+    # |x| |y| (x1 y2, x2 y1; x2 y2 less).  Six bf16 tensor-core products cost what tf32x3's
+    # three TF32 ones do at the H100's rates, but the operands are 16-bit tiles: the 16-bit
+    # kernels' HGMMA tilings instead of tf32x3's 32-row HMMA ones (bench/gpu_notes.md "fp32 in
+    # bf16x6").
     acc = _dot16(x2, y0, acc, UPCAST)
     acc = _dot16(x0, y2, acc, UPCAST)
     acc = _dot16(x1, y1, acc, UPCAST)
@@ -215,12 +216,26 @@ def _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, mask, D, stride_a, s
 
 
 @triton.jit
-def _store_parts(P, off, x, mask, part, RNE: tl.constexpr):
-    # the bf16x6 parts of the fp32 tile x (_parts3) at P + off, P + part + off, P + 2 part + off
-    x0, x1, x2 = _parts3(x, RNE)
+def _store3(P, off, x0, x1, x2, mask, part):
+    # bf16x6's three part tiles at P + off, P + part + off, P + 2 part + off (a (3, rows, D)
+    # tensor: `part` = rows x D)
     tl.store(P + off, x0, mask=mask)
     tl.store(P + part + off, x1, mask=mask)
     tl.store(P + 2 * part + off, x2, mask=mask)
+
+
+@triton.jit
+def _load3(P, off, mask, part):
+    # the three part tiles _store3 wrote (zeros where masked)
+    return (tl.load(P + off, mask=mask, other=0.0), tl.load(P + part + off, mask=mask, other=0.0),
+            tl.load(P + 2 * part + off, mask=mask, other=0.0))
+
+
+@triton.jit
+def _store_parts(P, off, x, mask, part, RNE: tl.constexpr):
+    # the bf16x6 parts of the fp32 tile x (_parts3), stored by _store3
+    x0, x1, x2 = _parts3(x, RNE)
+    _store3(P, off, x0, x1, x2, mask, part)
 
 
 @triton.jit(do_not_specialize=["n", "write_k", "seed_val"])
@@ -296,10 +311,7 @@ def _fwd_tile3(q0, q1, q2, kp, part, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_
     # _fwd_tile in bf16x6 (fp32 inputs): the key tile's three parts at kp, kp + part, kp + 2 part;
     # S and P K in _dot6, P split in registers (_parts3)
     kmask = j0 + tl.arange(0, BLOCK_N) < end
-    lmask = kmask[:, None] & dmask[None, :]
-    k0 = tl.load(kp + offs, mask=lmask, other=0.0)
-    k1 = tl.load(kp + part + offs, mask=lmask, other=0.0)
-    k2 = tl.load(kp + 2 * part + offs, mask=lmask, other=0.0)
+    k0, k1, k2 = _load3(kp, offs, kmask[:, None] & dmask[None, :], part)
     s = _dot6(q0, q1, q2, tl.trans(k0), tl.trans(k1), tl.trans(k2),
               tl.zeros([q0.shape[0], BLOCK_N], tl.float32), UPCAST)
     m_new, alpha, p, l_i = _lse_step(s, kmask, j0, end, m_i, l_i, BLOCK_N)
@@ -336,13 +348,9 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, n, N, D, stride_k,
                                    stride_m, flip_p, sp == 0, ACC, SEEDED)
             q0, q1, q2 = _parts3(m * z * scale2, UPCAST)
             if sp == 0:
-                tl.store(q_at, q0, mask=qmask)
-                tl.store(q_at + qpart, q1, mask=qmask)
-                tl.store(q_at + 2 * qpart, q2, mask=qmask)
+                _store3(q_at, 0, q0, q1, q2, qmask, qpart)
         else:
-            q0 = tl.load(q_at, mask=qmask, other=0.0)
-            q1 = tl.load(q_at + qpart, mask=qmask, other=0.0)
-            q2 = tl.load(q_at + 2 * qpart, mask=qmask, other=0.0)
+            q0, q1, q2 = _load3(q_at, 0, qmask, qpart)
     elif Q_FROM_A:
         m, z = _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, qmask, D, stride_a,
                                stride_m, flip_p, sp == 0, ACC, SEEDED)
@@ -536,10 +544,7 @@ def _bwd_tile3(k0, k1, k2, qp, part, lp, gp, i0, end, offs, dmask, stride_g, g_s
     # qp + 2 part; S^T and P^T Q in _dot6, P^T split in registers (_parts3)
     r = tl.arange(0, BLOCK_M)
     rmask = i0 + r < end
-    lmask = rmask[:, None] & dmask[None, :]
-    q0 = tl.load(qp + offs, mask=lmask, other=0.0)
-    q1 = tl.load(qp + part + offs, mask=lmask, other=0.0)
-    q2 = tl.load(qp + 2 * part + offs, mask=lmask, other=0.0)
+    q0, q1, q2 = _load3(qp, offs, rmask[:, None] & dmask[None, :], part)
     lse2 = tl.load(lp + r, mask=rmask, other=float("inf"))  # base 2
     st = _dot6(k0, k1, k2, tl.trans(q0), tl.trans(q1), tl.trans(q2),
                tl.zeros([k0.shape[0], BLOCK_M], tl.float32), UPCAST)
@@ -588,11 +593,7 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
         ginv = 1.0
     if PRECISION == "bf16x6":
         # fp32 in bf16x6: K and Q are (3, rows, D) bf16 parts, the loop as the 16-bit one below
-        k_at = K + kc64[:, None] * D + cols[None, :]
-        kpart = N.to(tl.int64) * D
-        k0 = tl.load(k_at, mask=tile_mask, other=0.0)
-        k1 = tl.load(k_at + kpart, mask=tile_mask, other=0.0)
-        k2 = tl.load(k_at + 2 * kpart, mask=tile_mask, other=0.0)
+        k0, k1, k2 = _load3(K, kc64[:, None] * D + cols[None, :], tile_mask, N.to(tl.int64) * D)
         offs = tl.arange(0, BLOCK_M)[:, None] * D + cols[None, :]
         start64 = start.to(tl.int64)
         qp = Q + start64 * D
@@ -762,8 +763,10 @@ CONFIGS = {
     # operand (3x a 16-bit tile's shared memory), so smaller tiles than the 16-bit paths'.  sm_90:
     # one-warpgroup HGMMA programs, two or more per SM; sm_80: 8 warps (mma.sync holds operand
     # fragments in registers: the 4-warp tiles spilled there).  bench/compile_check.py, precision
-    # bf16x6; the suite's fp32 stage times the alternatives (bench/fp32_modes.py).
-    **{("fwd", "32p", bd): [_C(64, 32, 4, 2, (90,)), _C(32, 64, 8, 2)] for bd in (16, 32, 64, 128)},
+    # bf16x6; the suite's bench-quick stage times them, its autotune stage their alternatives
+    # (CANDIDATES "float32:bf16x6").
+    **{("fwd", "32p", bd): [_C(64, 32, 4, 2, (90,)), _C(32, 64, 8, 2)]
+       for bd in (16, 32, 64, 128)},
     **{("bwd_keys", "32p", bd): [_C(32, 64, 4, 2, (90,)), _C(64, 32, 8, 2)]
        for bd in (16, 32, 64, 128)},
     # ---- fp32, D > 128: exact FMA (every tf32x3 tiling spilled there)
@@ -918,6 +921,28 @@ def fp32_precision(D: int) -> str:
         raise ValueError(f"NAC_FAST_FP32_DOT must be one of {', '.join(FP32_PRECISIONS)}, "
                          f"got {mode!r}")
     return mode if block_d(D) <= TF32_MAX_D else "ieee"
+
+
+@contextlib.contextmanager
+def fp32_dot(mode: Optional[str]):
+    """NAC_FAST_FP32_DOT = mode inside the block (None: the environment as it is), restored on the
+    way out: plans, candidates and estimates made inside follow that fp32 product mode (the
+    benches that sweep it: bench/autotune.py, bench/compile_check.py, bench/precision_table.py)."""
+    if mode is None:
+        yield
+        return
+    if mode not in FP32_PRECISIONS:
+        raise ValueError(f"fp32_dot: mode must be one of {', '.join(FP32_PRECISIONS)}, "
+                         f"got {mode!r}")
+    old = os.environ.get("NAC_FAST_FP32_DOT")
+    os.environ["NAC_FAST_FP32_DOT"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("NAC_FAST_FP32_DOT", None)
+        else:
+            os.environ["NAC_FAST_FP32_DOT"] = old
 
 
 def _dot_consts(dtype: torch.dtype, D: int, device: torch.device) -> dict:
@@ -1210,8 +1235,9 @@ def _launcher(launches):
 def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: float = 0.0,
         rv=None, reduction: str = "none"):
     """The forward op's body (nac_fwd_triton): (loss, lse2, ga, q, k, noise) with k empty when
-    keys are given (the backward reads the keys themselves; in bf16x6, k is their parts).  noise None: `seed` (a one-element
-    int64 tensor on a's device, or an int drawn on the host: the kernel's argument) and `p` give
+    keys are given (the backward reads the keys themselves; in bf16x6, k is their parts).  noise
+    None: `seed` (a one-element int64 tensor on a's device, or an int drawn on the host: the
+    kernel's argument) and `p` give
     it, drawn by the kernel that makes q; either way the noise used is returned last (the
     backward's).  rv: fwd_plan's (the rows then include NAC-MQ's inference term).  reduction
     "mean"/"sum" (eager calls): loss is the rows' mean/sum, reduced by the finish."""

@@ -153,6 +153,13 @@ def _same(a: Config, b: Config) -> bool:
 TUNED_FP32_MODES = ("tf32x3", "bf16x6")
 
 
+def candidate_name(dname: str, precision: Optional[str]) -> str:
+    """The dtype part of a `nac_triton.CANDIDATES` key for a dtype name and a product mode (an
+    entry's `precision`): the name, or "float32:bf16x6" for a mode other than the 16-bit paths'
+    "ieee" and fp32's default tf32x3."""
+    return dname if precision in ("ieee", "tf32x3", None) else f"{dname}:{precision}"
+
+
 def candidate_dtype(dtype: torch.dtype, D: int) -> Optional[str]:
     """The dtype part of a `nac_triton.CANDIDATES` key for calls of `dtype` at code width D under
     the environment's fp32 product mode: the dtype's name, "float32:bf16x6" for fp32 in bf16x6,
@@ -160,9 +167,7 @@ def candidate_dtype(dtype: torch.dtype, D: int) -> Optional[str]:
     from . import nac_triton as NT
     if dtype == torch.float32:
         mode = NT.fp32_precision(D)
-        if mode not in TUNED_FP32_MODES:
-            return None
-        return "float32" if mode == "tf32x3" else f"float32:{mode}"
+        return candidate_name("float32", mode) if mode in TUNED_FP32_MODES else None
     return dtype_name(dtype)
 
 
@@ -238,9 +243,7 @@ def entry_config(entry: dict, path: str = "<entry>") -> Config:
         raise _bad(path, f"entry {entry.get('kernel')}/{entry.get('dtype')}/{entry.get('kind')}: "
                          f"config must give positive integers {CONFIG_FIELDS}, got {cfg!r}")
     want = Config(**cfg)
-    name = entry["dtype"]  # the CANDIDATES key's dtype part: fp32 modes other than tf32x3 own
-    if entry.get("precision") not in ("ieee", "tf32x3", None):
-        name = f"{name}:{entry['precision']}"
+    name = candidate_name(entry["dtype"], entry.get("precision"))
     for c in NT.CANDIDATES.get((entry["kernel"], name, entry["block_d"]), ()):
         if _same(c, want):
             return c

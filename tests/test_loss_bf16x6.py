@@ -127,6 +127,23 @@ def test_plan_keeps_bf16_parts(given):
     assert not NT.parts_mode(torch.bfloat16, 128)
 
 
+def test_fp32_dot_sets_the_mode_for_a_block_and_restores_it(monkeypatch):
+    from nac_fast.kernels import nac_triton as NT
+    with NT.fp32_dot("ieee"):
+        assert NT.fp32_precision(128) == "ieee"
+        with NT.fp32_dot(None):  # None: the environment as it is
+            assert NT.fp32_precision(128) == "ieee"
+    assert os.environ["NAC_FAST_FP32_DOT"] == "bf16x6"  # this file's fixture, restored
+    monkeypatch.delenv("NAC_FAST_FP32_DOT")
+    with NT.fp32_dot("bf16x6"):
+        assert NT.parts_mode(torch.float32, 64)
+    assert "NAC_FAST_FP32_DOT" not in os.environ
+    with pytest.raises(ValueError, match="mode"):
+        with NT.fp32_dot("bf16x3"):
+            pass
+    assert "NAC_FAST_FP32_DOT" not in os.environ
+
+
 def test_backward_is_deterministic():
     t, noise = _inputs(97, 97, 128, 11, "inbatch")
     grads = []
