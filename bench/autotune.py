@@ -423,7 +423,31 @@ def main(argv=None) -> int:
                  f"{w['label']:22s} {w['split']:5d}" if w else f"{'-':>8s} {'-':>5s}  "
                                                               f"{'none passed':22s} {'':5s}")
               + f" {len(res['rows']):5d}")
+    for line in fp32_decisions(TU.validate(header, table_path), cases, args.D):
+        print(line)
     return 0
+
+
+def fp32_decisions(table, cases, D: int) -> list:
+    """One line per fp32 case: the product mode the table makes fp32 calls of that case run in
+    (kernels/tuning.py Table.fp32_mode: the faster whole step of tf32x3 and bf16x6, which the
+    launchers then take where NAC_FAST_FP32_DOT is unset), with the steps' figures."""
+    import torch
+    from nac_fast.kernels import nac_triton as NT
+    out = []
+    for dname, kind, n, N in cases:
+        if getattr(torch, dname) != torch.float32:
+            continue
+        steps = table.fp32_step_ms(NT.block_d(D), kind, n, N)
+        mode = table.fp32_mode(NT.block_d(D), kind, n, N)
+        figures = ", ".join(f"{m} {ms:.4f} ms" for m, (_, ms) in steps.items()) or "none"
+        out.append(f"autotune: fp32 {kind} {n}" + (f"x{N}" if kind == "queue" else "")
+                   + f": step (fwd" + (" + keys' bwd" if kind == "inbatch" else "")
+                   + f") {figures} -> "
+                   + (f"{mode} (the launchers' fp32 mode here unless NAC_FAST_FP32_DOT is set)"
+                      if mode else f"no choice (both modes not tuned at one size class): "
+                      f"{NT.FP32_PRECISIONS[0]} stays"))
+    return out
 
 
 if __name__ == "__main__":

@@ -308,21 +308,23 @@ def roofline_bound(device, dev_name, kind, n, N, D, dtype):
     """roofline.bound(...) for this case, or None off a GPU roofline knows."""
     if device != "cuda" or not roofline.known_gpu(dev_name):
         return None
-    from nac_fast.kernels.nac_triton import fp32_precision  # the mode the kernels run (env)
-    fp32_mode = fp32_precision(D)
-    return roofline.bound("queue" if kind == "mq" else "inbatch", n, N, D, str(dtype)[6:],
-                          dev_name, fp32_mode=fp32_mode)
+    # the mode the kernels run (the environment's, or the tuned table's choice for the call)
+    from nac_fast.kernels.nac_triton import fp32_mode_of
+    kname = "queue" if kind == "mq" else "inbatch"
+    fp32_mode = fp32_mode_of(D, kname, n, N, device)
+    return roofline.bound(kname, n, N, D, str(dtype)[6:], dev_name, fp32_mode=fp32_mode)
 
 
-def _fp32_dot(dtype, D) -> str:
-    """The fp32 product mode of the Triton kernels for an fp32 row ("" for other dtypes)."""
+def _fp32_dot(dtype, D, kind, n, N, device) -> str:
+    """The fp32 product mode of the Triton kernels for an fp32 row ("" for other dtypes): the
+    environment's NAC_FAST_FP32_DOT, or the tuned table's choice for the call's shape."""
     if dtype != torch.float32:
         return ""
     try:
-        from nac_fast.kernels.nac_triton import fp32_precision
+        from nac_fast.kernels.nac_triton import fp32_mode_of
     except Exception:  # noqa: BLE001 - no triton: no Triton rows either
         return ""
-    return fp32_precision(D)
+    return fp32_mode_of(D, "queue" if kind == "mq" else "inbatch", n, N, device)
 
 
 def _triton_version() -> str:
@@ -407,7 +409,7 @@ def main(argv=None):
                 base = dict(common, kind=kind, n=n, N=N, D=args.D, dtype=str(dtype)[6:], backend=b,
                             bound_s="" if bnd is None else f"{bnd['bound_s']:.9f}",
                             bound_limiter="" if bnd is None else bnd["limiter"],
-                            fp32_dot=_fp32_dot(dtype, args.D))
+                            fp32_dot=_fp32_dot(dtype, args.D, kind, n, N, args.device))
                 counter = None
                 try:
                     if b == "compiled-reference":

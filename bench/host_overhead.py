@@ -554,9 +554,10 @@ def _bound(kind, n, N, D, dname):
     name = torch.cuda.get_device_name()
     if not roofline.known_gpu(name):
         return None
-    from nac_fast.kernels.nac_triton import fp32_precision
-    return roofline.bound("queue" if kind == "mq" else "inbatch", n, N, D, dname, name,
-                          fp32_mode=fp32_precision(D))["bound_s"]
+    from nac_fast.kernels.nac_triton import fp32_mode_of
+    kname = "queue" if kind == "mq" else "inbatch"
+    return roofline.bound(kname, n, N, D, dname, name,
+                          fp32_mode=fp32_mode_of(D, kname, n, N, "cuda"))["bound_s"]
 
 
 def profile_triton(path: str) -> None:

@@ -38,8 +38,9 @@ Precision (docs/kernels.md "Precision"): bf16/fp16 inputs multiply on tensor cor
 max, logsumexp, the Bernoulli term and every reduction are fp32.  fp32 inputs use tf32x3 (three
 TF32 products, fp32-level accuracy on tensor cores) unless NAC_FAST_FP32_DOT=ieee (exact FMA),
 =tf32, or =bf16x6 (D <= 128: each operand three bf16 parts, six bf16 products, `parts_mode`; the
-prologue / _parts_kernel store the parts, so the loops run the 16-bit tilings).  fp64 is the
-correctness path (FMA, fp64 throughout).
+prologue / _parts_kernel store the parts, so the loops run the 16-bit tilings), or, with it
+unset, where the GPU's tuned table timed bf16x6 faster at the call's shape (`call_fp32_mode`).
+fp64 is the correctness path (FMA, fp64 throughout).
 
 The interpreter (TRITON_INTERPRET=1, CPU tensors, what CI runs) has no tanh: _tanh below is the
 same polynomial/exp formula as csrc/nac_math.h, on the GPU too, so CI checks the math the GPU runs.
@@ -47,6 +48,7 @@ same polynomial/exp formula as csrc/nac_math.h, on the GPU too, so CI checks the
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
 from typing import Optional
@@ -913,14 +915,71 @@ def builtin_config(kernel: str, dtype: torch.dtype, D: int, target: Target) -> C
                 lambda c: smem_estimate(kernel, c, dtype, D), _INTERP[kernel])
 
 
+# The fp32 product mode of the plan being built, where the call decides it rather than the
+# environment: (mode, over_env).  The forward sets the tuned table's choice (`call_fp32_mode`,
+# NAC_FAST_FP32_DOT unset), the backward the mode its saved codes were made in (over_env: its
+# (3, rows, D) parts are bf16x6's whatever the environment says now).
+_CALL_FP32: contextvars.ContextVar = contextvars.ContextVar("nac_fast_call_fp32", default=None)
+
+
 def fp32_precision(D: int) -> str:
-    """How fp32 products run at code width D: NAC_FAST_FP32_DOT = tf32x3 (default), ieee, tf32 or
-    bf16x6 (parts_mode); above TF32_MAX_D always ieee."""
-    mode = os.environ.get("NAC_FAST_FP32_DOT", "tf32x3")
-    if mode not in FP32_PRECISIONS:
+    """How fp32 products run at code width D: NAC_FAST_FP32_DOT = tf32x3, ieee, tf32 or bf16x6
+    (parts_mode); unset, the mode the call's plan was given (`call_fp32_mode`: the tuned table's
+    choice), else tf32x3; above TF32_MAX_D always ieee."""
+    call = _CALL_FP32.get()
+    mode = os.environ.get("NAC_FAST_FP32_DOT")
+    if call is not None and (mode is None or call[1]):
+        mode = call[0]
+    elif mode is None:
+        mode = FP32_PRECISIONS[0]
+    elif mode not in FP32_PRECISIONS:
         raise ValueError(f"NAC_FAST_FP32_DOT must be one of {', '.join(FP32_PRECISIONS)}, "
                          f"got {mode!r}")
     return mode if block_d(D) <= TF32_MAX_D else "ieee"
+
+
+def call_fp32_mode(dtype: torch.dtype, D: int, kind: str, n: int, N: int,
+                   device: torch.device) -> Optional[str]:
+    """The fp32 product mode a forward call of `kind` ("inbatch"/"queue") with n rows and N keys
+    on `device` takes from the tuned table (kernels/tuning.py `fp32_choice`: the faster of tf32x3
+    and bf16x6 in the autotune stage's figures at the call's size class), or None: not fp32, D
+    above TF32_MAX_D, NAC_FAST_FP32_DOT set (it decides), not a GPU, or no such choice in the
+    table (tf32x3 then).  Read when a plan is built, never per cached call."""
+    if (dtype != torch.float32 or block_d(D) > TF32_MAX_D or device.type != "cuda"
+            or os.environ.get("NAC_FAST_FP32_DOT") is not None):
+        return None
+    return tuning.fp32_choice(block_d(D), kind, n, N, target_of(device), device)
+
+
+def fp32_mode_of(D: int, kind: str, n: int, N: int, device) -> str:
+    """The fp32 product mode a forward call of `kind` with n rows and N keys on `device` runs in
+    (`call_fp32_mode`, else `fp32_precision`): what the benches record and bound an fp32 row by."""
+    device = torch.device(device)
+    with _plan_fp32(call_fp32_mode(torch.float32, D, kind, n, N, device)):
+        return fp32_precision(D)
+
+
+@contextlib.contextmanager
+def _plan_fp32(mode: Optional[str], over_env: bool = False):
+    """The plans built inside run fp32 products in `mode` (None: as fp32_precision says)."""
+    if mode is None:
+        yield
+        return
+    token = _CALL_FP32.set((mode, over_env))
+    try:
+        yield
+    finally:
+        _CALL_FP32.reset(token)
+
+
+def saves_parts(a: torch.Tensor, keys: Optional[torch.Tensor]) -> bool:
+    """Whether the forward of (a, keys) saves its codes as bf16x6's (3, rows, D) bf16 parts (the
+    fake forward's shapes must be the real one's)."""
+    n, D = a.shape
+    N = n if keys is None else keys.shape[0]
+    with _plan_fp32(call_fp32_mode(a.dtype, D, "inbatch" if keys is None else "queue", n, N,
+                                   a.device)):
+        return parts_mode(a.dtype, D)
 
 
 @contextlib.contextmanager
@@ -1256,11 +1315,15 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: f
     given = None if keys is None else _rows_operand(keys, dt)
 
     def build():
-        launches, (loss, lse, ga, q, k, m) = fwd_plan(a, r, noise, given, s, l2, grad_rows,
-                                                      target_of(a.device), seed, p, rv,
-                                                      reduction)
-        # given keys: the backward reads the keys themselves (in bf16x6, k: their parts)
-        keep_k = keys is None or parts_mode(dt, a.shape[1])
+        n, D = a.shape
+        mode = call_fp32_mode(dt, D, "inbatch" if given is None else "queue", n,
+                              n if given is None else given.shape[0], a.device)
+        with _plan_fp32(mode):
+            launches, (loss, lse, ga, q, k, m) = fwd_plan(a, r, noise, given, s, l2, grad_rows,
+                                                          target_of(a.device), seed, p, rv,
+                                                          reduction)
+            # given keys: the backward reads the keys themselves (in bf16x6, k: their parts)
+            keep_k = keys is None or parts_mode(dt, D)
         return launches, (loss, lse, ga, q, k if keep_k else buffer((0,), dt, a), m)
 
     key = (a.shape, a.stride(0), r.stride(0), None if noise is None else noise.stride(0), dt,
@@ -1288,8 +1351,14 @@ def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: boo
     g = g if g.dtype == acc else g.to(acc)
 
     def build():
-        return bwd_plan(a, r, noise, given, lse, ga, g, q, k, s, need_a, need_r, need_keys,
-                        target_of(a.device), g_scale, rv, need_rv)
+        # the mode the forward saved its codes in: bf16x6's (3, rows, D) parts, else one whose
+        # codes are (rows, D) in a's dtype (the environment's; tf32x3 where it says bf16x6)
+        mode = "bf16x6" if q.dim() == 3 else (
+            FP32_PRECISIONS[0] if dt == torch.float32
+            and os.environ.get("NAC_FAST_FP32_DOT") == "bf16x6" else None)
+        with _plan_fp32(mode, over_env=True):
+            return bwd_plan(a, r, noise, given, lse, ga, g, q, k, s, need_a, need_r, need_keys,
+                            target_of(a.device), g_scale, rv, need_rv)
 
     key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
            None if given is None else (given.shape[0], given.stride(0)), g.shape, g.stride(),

@@ -33,6 +33,11 @@ Which table a GPU of arch A uses (`table_for`), once per process, announced once
 A tuned configuration that does not fit the GPU (its archs, the shared-memory estimate) is not
 used: the built-in configuration is, and the announcement says so.
 
+fp32's product mode: where a table tuned fp32 in both tf32x3 and bf16x6 at one size class
+(`Table.fp32_mode`), fp32 calls of that kind and class run in the faster whole step (forward plan,
+plus the keys' backward in-batch) when NAC_FAST_FP32_DOT is unset (`fp32_choice`, asked by
+nac_triton.call_fp32_mode when a plan is built); bf16x6 is announced once per class.
+
 `forced` (a context) makes `config` return given configurations: the autotune stage and the
 compile check build the launch plans of every candidate with it.
 """
@@ -228,6 +233,30 @@ class Table:
     def has_class(self, kernel, dtype, block_d, precision, kind, n, N) -> bool:
         e = self.find(kernel, dtype, block_d, precision, kind, n, N)
         return e is not None and tuple(e["size_class"]) == size_class(n, N)
+
+    def fp32_step_ms(self, block_d: int, kind: str, n: int, N: int) -> Dict[str, tuple]:
+        """{fp32 product mode: (size class, ms)} of a training step's Triton kernels at the
+        nearest size class this table tuned in that mode: the forward's plan, plus the keys'
+        backward's for in-batch calls (a queue's backward is the rows' kernel alone, the same in
+        every mode), each the winner's median.  Only the modes of TUNED_FP32_MODES whose step
+        the table holds whole."""
+        out = {}
+        for mode in TUNED_FP32_MODES:
+            kernels = ("fwd", "bwd_keys") if kind == "inbatch" else ("fwd",)
+            es = [self.find(k, "float32", block_d, mode, kind, n, N) for k in kernels]
+            if any(e is None for e in es) or len({tuple(e["size_class"]) for e in es}) != 1:
+                continue
+            out[mode] = (tuple(es[0]["size_class"]), sum(float(e["median_ms"]) for e in es))
+        return out
+
+    def fp32_mode(self, block_d: int, kind: str, n: int, N: int) -> Optional[str]:
+        """The fp32 product mode this table timed faster for a call (`fp32_step_ms`): the faster
+        of tf32x3 and bf16x6 where both were tuned at the same size class (ties: tf32x3, the
+        built-in default), else None (the default stays)."""
+        steps = self.fp32_step_ms(block_d, kind, n, N)
+        if len(steps) < 2 or len({cls for cls, _ in steps.values()}) != 1:
+            return None
+        return min(TUNED_FP32_MODES, key=lambda m: (steps[m][1], TUNED_FP32_MODES.index(m)))
 
 
 def _bad(path: str, what: str) -> ValueError:
@@ -453,6 +482,30 @@ def lookup(kernel: str, dtype: torch.dtype, D: int, target, kind: Optional[str],
                  f"sm_{target.arch} ({dev_name}): the built-in configuration is used")
         return None
     return c
+
+
+def fp32_choice(block_d: int, kind: str, n: int, N: int, target,
+                device: Optional[torch.device]) -> Optional[str]:
+    """The fp32 product mode the tuned table of this GPU chose for a call of `kind` with n query
+    rows and N keys at BLOCK_D `block_d` (`Table.fp32_mode`: the faster of tf32x3 and bf16x6 in
+    the autotune stage's whole-step figures), or None: no table (the interpreter, NAC_FAST_TUNED=0,
+    none for this arch), or one that did not time both modes there.  Never tunes: a first-use
+    autotune tunes the environment's mode only.  A choice of bf16x6 is announced once per size
+    class."""
+    if target.arch == 0 or kind not in KINDS or n < 1 or N < 1:
+        return None
+    source, table = table_for(target.arch, _device_name(_cuda_device(device)))
+    if table is None or source == "off":
+        return None
+    mode = table.fp32_mode(block_d, kind, n, N)
+    if mode is not None and mode != TUNED_FP32_MODES[0]:
+        steps = table.fp32_step_ms(block_d, kind, n, N)
+        cls = steps[mode][0]
+        announce(f"fp32 products of the Triton NAC kernels ({kind}, size class 2^{cls[0]} x "
+                 f"2^{cls[1]}, BLOCK_D {block_d}) run in {mode}: {table.path} timed a step at "
+                 + ", ".join(f"{m} {ms:.3f} ms" for m, (_, ms) in steps.items())
+                 + "; NAC_FAST_FP32_DOT=tf32x3 keeps tf32x3")
+    return mode
 
 
 def _device_name(device: Optional[torch.device]) -> str:

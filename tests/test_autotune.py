@@ -501,6 +501,12 @@ def test_autotune_tunes_fp32_in_each_product_mode_with_candidates(tmp_path):
     t = TU.load_table(str(out / "cpu_interpreter.json"))
     assert sorted((e["kernel"], e["precision"]) for e in t.entries) == sorted(
         (k, p) for k in ("fwd", "bwd_keys") for p in ("tf32x3", "bf16x6"))
+    # the mode the table makes such calls run in, said last with the two steps' figures
+    mode = t.fp32_mode(128, "inbatch", 40, 40)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("autotune: fp32 inbatch 40:")]
+    assert len(line) == 1 and mode in TU.TUNED_FP32_MODES, proc.stdout[-2000:]
+    assert "tf32x3 " in line[0] and "bf16x6 " in line[0] and line[0].split("-> ")[1].startswith(
+        mode)
     for e in t.entries:
         name = "float32" if e["precision"] == "tf32x3" else "float32:bf16x6"
         assert TU.entry_config(e) in NT.CANDIDATES[(e["kernel"], name, 128)]
@@ -549,3 +555,69 @@ def test_autotune_cases_are_checked(bad, match):
     import autotune
     with pytest.raises(ValueError, match=match):
         autotune.parse_cases(bad, 128)
+
+
+# ---- the fp32 product mode a table chooses ------------------------------------------------
+
+F32, F6 = (NT.CANDIDATES[("fwd", "float32", 128)][0],
+           NT.CANDIDATES[("fwd", "float32:bf16x6", 128)][0])
+B32, B6 = (NT.CANDIDATES[("bwd_keys", "float32", 128)][0],
+           NT.CANDIDATES[("bwd_keys", "float32:bf16x6", 128)][0])
+
+
+def fp32_entries(ms32, ms6, kind="inbatch", n=8192, N=8192, n6=None):
+    """fwd (+ bwd_keys in-batch) entries of tf32x3 and bf16x6 with the given medians (fwd, bwd);
+    n6: bf16x6's at another size."""
+    out = []
+    for prec, (f, b), ms, size in (("tf32x3", (F32, B32), ms32, n), ("bf16x6", (F6, B6), ms6,
+                                                                     n6 or n)):
+        if ms is None:
+            continue
+        NN = size if kind == "inbatch" else N
+        for kernel, c, m in (("fwd", f, ms[0]), ("bwd_keys", b, ms[1])):
+            if m is None or (kernel == "bwd_keys" and kind == "queue"):
+                continue
+            e = entry(kernel, kind, size, NN, c, "float32", prec)
+            e["median_ms"] = m
+            out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("ms32,ms6,kind,want", [
+    ((1.0, 0.9), (0.5, 0.4), "inbatch", "bf16x6"),
+    ((0.5, 0.4), (1.0, 0.9), "inbatch", "tf32x3"),
+    ((0.5, 0.5), (0.6, 0.4), "inbatch", "tf32x3"),     # a tie keeps the default
+    ((0.5, 2.0), (1.0, 0.9), "inbatch", "bf16x6"),     # the step, not one kernel
+    ((8.7, None), (4.0, None), "queue", "bf16x6"),     # a queue's step: its forward
+    ((1.0, 0.9), None, "inbatch", None),               # bf16x6 not tuned
+    ((1.0, 0.9), (0.5, None), "inbatch", None),        # its step not whole
+])
+def test_the_table_chooses_the_faster_fp32_step(ms32, ms6, kind, want, caplog):
+    N = 65536 if kind == "queue" else 8192
+    ship(table(fp32_entries(ms32, ms6, kind, 8192, N)))
+    with caplog.at_level(logging.WARNING, logger="nac_fast"):
+        for n_call in (8192, 256):                     # the nearest class serves n = 256 too
+            got = TU.fp32_choice(128, kind, n_call, N if kind == "queue" else n_call, KL.SM90,
+                                 None)
+            assert got == want
+    said = [r.getMessage() for r in caplog.records if "run in bf16x6" in r.getMessage()]
+    assert len(said) == (1 if want == "bf16x6" else 0), said   # once per size class
+    if said:
+        assert "NAC_FAST_FP32_DOT=tf32x3 keeps tf32x3" in said[0] and "tf32x3 " in said[0]
+
+
+def test_no_fp32_choice_across_size_classes_or_without_a_table(monkeypatch):
+    """Modes tuned at different size classes are not compared; no table (NAC_FAST_TUNED=0, the
+    interpreter's arch 0) chooses nothing, and a 16-bit call never asks."""
+    ship(table(fp32_entries((1.0, 0.9), (0.5, 0.4), n6=16384)))
+    assert TU.fp32_choice(128, "inbatch", 8192, 8192, KL.SM90, None) is None
+    ship(table(fp32_entries((1.0, 0.9), (0.5, 0.4))))
+    assert TU.fp32_choice(128, "inbatch", 8192, 8192, KL.Target(0, 1 << 30, 4), None) is None
+    assert TU.fp32_choice(64, "inbatch", 8192, 8192, KL.SM90, None) is None  # other BLOCK_D
+    monkeypatch.setenv(TU.ENV_TUNED, "0")
+    TU.reset()
+    assert TU.fp32_choice(128, "inbatch", 8192, 8192, KL.SM90, None) is None
+    assert NT.call_fp32_mode(torch.bfloat16, 128, "inbatch", 8192, 8192,
+                             torch.device("cpu")) is None
+    assert NT.call_fp32_mode(torch.float32, 128, "inbatch", 8192, 8192,
+                             torch.device("cpu")) is None   # not a GPU

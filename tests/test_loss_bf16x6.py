@@ -171,3 +171,67 @@ def test_torch_compile_matches_eager():
     assert torch.allclose(out, eager, rtol=1e-6)
     assert torch.allclose(ca, ga, rtol=1e-5, atol=1e-7)
     assert torch.allclose(cr, gr, rtol=1e-5, atol=1e-7)
+
+
+def _table_says(monkeypatch, mode):
+    """The tuned table's fp32 choice for every call (`nac_triton.call_fp32_mode`: on a GPU, the
+    faster whole step of the autotune stage's figures; here given), NAC_FAST_FP32_DOT unset."""
+    from nac_fast.kernels import nac_triton as NT
+    monkeypatch.delenv("NAC_FAST_FP32_DOT", raising=False)
+    monkeypatch.setattr(NT, "call_fp32_mode",
+                        lambda dtype, D, kind, n, N, device: mode if dtype == torch.float32
+                        and NT.block_d(D) <= NT.TF32_MAX_D else None)
+    NT.FWD_PLANS.clear()
+    NT.BWD_PLANS.clear()
+
+
+@pytest.mark.parametrize("kind", ["inbatch", "keys", "mq"])
+def test_the_tables_fp32_choice_runs_bf16x6_unless_the_environment_says(kind, monkeypatch):
+    """NAC_FAST_FP32_DOT unset and the tuned table choosing bf16x6 for the call's shape: the plan
+    runs bf16x6, the same bits as NAC_FAST_FP32_DOT=bf16x6, its codes saved as parts (and the
+    fake forward, torch.compile's shapes, agrees); set, the environment decides."""
+    from nac_fast.kernels import nac_triton as NT
+    from nac_fast.ops.nac import _fake_fwd_triton
+    t, noise = _inputs(40, 70, 16, 4, kind)
+    w = torch.randn(40, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    kw = dict(p=0.1, noise=noise, reduction="none")
+    want = run_loss(_fn(kind), t, w, backend="triton", **kw)          # env bf16x6
+    _table_says(monkeypatch, "bf16x6")
+    got = run_loss(_fn(kind), t, w, backend="triton", **kw)
+    assert torch.equal(got[0], want[0])
+    for k in want[1]:  # (NAC-MQ's queue takes no gradient: None in both)
+        assert (got[1][k] is None and want[1][k] is None) or torch.equal(got[1][k], want[1][k])
+    keys = None if kind == "inbatch" else t["keys"].detach()
+    a = t["a"].detach()
+    out = NT.fwd(a, t["r"].detach(), noise, keys, 1.1, 0.1, True)
+    assert out[3].shape == (3, 40, 16) and out[3].dtype == torch.bfloat16
+    fake = _fake_fwd_triton(a, a, noise, keys, 1.1, 0.1, True)
+    assert [x.shape for x in fake[3:5]] == [x.shape for x in out[3:5]]
+    monkeypatch.setenv("NAC_FAST_FP32_DOT", "tf32x3")                 # the environment wins
+    assert NT.fwd(a, t["r"].detach(), noise, keys, 1.1, 0.1, True)[3].shape == (40, 16)
+    assert not NT.saves_parts(a, keys)
+    monkeypatch.delenv("NAC_FAST_FP32_DOT")
+    _table_says(monkeypatch, "tf32x3")
+    assert NT.fwd(a, t["r"].detach(), noise, keys, 1.1, 0.1, True)[3].shape == (40, 16)
+    assert NT.fp32_mode_of(16, "inbatch", 40, 40, DEVICE) == "tf32x3"
+    _table_says(monkeypatch, "bf16x6")
+    assert NT.fp32_mode_of(16, "inbatch", 40, 40, DEVICE) == "bf16x6"
+    assert NT.fp32_mode_of(200, "inbatch", 40, 40, DEVICE) == "ieee"  # D > TF32_MAX_D
+
+
+@pytest.mark.parametrize("fwd_mode,bwd_env", [("bf16x6", "tf32x3"), ("tf32x3", "bf16x6"),
+                                               ("bf16x6", "ieee")])
+def test_the_backward_runs_the_mode_its_saved_codes_were_made_in(fwd_mode, bwd_env,
+                                                                   monkeypatch):
+    """NAC_FAST_FP32_DOT changed between a forward and its backward: the backward follows the
+    saved codes (bf16x6's (3, n, D) parts, or (n, D) codes, which a bf16x6 environment then
+    reads in tf32x3), the same gradients as a call made wholly in the forward's mode."""
+    t, noise = _inputs(33, 33, 64, 9, "inbatch")
+    monkeypatch.setenv("NAC_FAST_FP32_DOT", fwd_mode)
+    a, r = (t[k].detach().clone().requires_grad_() for k in ("a", "r"))
+    nac_fast.nac_loss(a, r, 0.1, noise=noise, backend="triton").backward()
+    a2, r2 = (t[k].detach().clone().requires_grad_() for k in ("a", "r"))
+    loss = nac_fast.nac_loss(a2, r2, 0.1, noise=noise, backend="triton")
+    monkeypatch.setenv("NAC_FAST_FP32_DOT", bwd_env)
+    loss.backward()
+    assert torch.equal(a2.grad, a.grad) and torch.equal(r2.grad, r.grad)

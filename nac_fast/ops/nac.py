@@ -43,9 +43,9 @@ def _fake_bwd(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys):
 
 
 def _fake_fwd_triton(a, r, noise, keys, s, l2, grad_rows):
-    from ..kernels.nac_triton import parts_mode
+    from ..kernels.nac_triton import saves_parts
     n, d = a.shape
-    if parts_mode(a.dtype, d):  # fp32 in bf16x6: the codes are (3, rows, D) bf16 parts
+    if saves_parts(a, keys):  # fp32 in bf16x6: the codes are (3, rows, D) bf16 parts
         nk = n if keys is None else keys.shape[0]
         return (*_fake_fwd(a, r, noise, keys, s, l2, grad_rows),
                 a.new_empty((3, n, d), dtype=torch.bfloat16),
