@@ -9,7 +9,8 @@ and write the winners, with the figures that chose them, to a table the launcher
 
 What it times, per case (GPU default, D = 128: bf16 in-batch 8192 and 16384, queue 8192 x 65536;
 then fp32 in-batch 8192 and queue 8192 x 65536, once in each fp32 product mode with candidates of
-its own, tf32x3 and bf16x6: NAC_FAST_FP32_DOT is set per case, whatever the caller's) and kernel:
+its own, tf32x3, bf16x6 and (in-batch) fp16x3: NAC_FAST_FP32_DOT is set per case, whatever the
+caller's) and kernel:
   fwd        the forward's plan (prologue, _fwd_kernel, finish: the finish merges as many splits
              as the candidate makes) with the rows' gradient, as training runs it;
   bwd_keys   the backward's plan from the forward's saved tensors (_bwd_keys_kernel and the
@@ -180,7 +181,8 @@ def commit() -> str:
 
 def work_list(cases, D, target, max_candidates, keys_grad):
     """[(Case, kernel, [Config], fp32 mode or None)]: the candidates that apply to the target and
-    fit it; an fp32 case once per product mode with candidates of its own (tf32x3, bf16x6)."""
+    fit it; an fp32 case once per product mode with candidates of its own (tf32x3, bf16x6, and
+    in-batch fp16x3)."""
     import torch
     from nac_fast.kernels import nac_triton as NT
     from nac_fast.kernels import tuning as TU
@@ -190,6 +192,8 @@ def work_list(cases, D, target, max_candidates, keys_grad):
         case = TU.Case(kind, n, N, D, dtype)
         modes = TU.TUNED_FP32_MODES if dtype == torch.float32 else (None,)
         for mode in modes:
+            if kind == "queue" and mode in TU.IN_BATCH_ONLY_FP32_MODES:
+                continue  # given keys run bf16x6 there (nac_triton._given_keys_mode)
             for kernel in ("fwd", "bwd_keys"):
                 if kernel == "bwd_keys" and kind == "queue" and not keys_grad:
                     continue

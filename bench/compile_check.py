@@ -17,8 +17,8 @@ metadata the shared memory, and ``cuobjdump -sass`` the matrix instructions (HGM
 
 It fails (exit 1, a line per problem) when
   - a kernel's shared memory exceeds the arch's opt-in limit (sm_80 163 KB, sm_90 227 KB);
-  - a bf16/fp16, tf32-family (tf32, tf32x3) or bf16x6 (fp32 in bf16 parts) configuration
-    spills registers;
+  - a bf16/fp16, tf32-family (tf32, tf32x3), bf16x6 or fp16x3 (fp32 in 16-bit parts)
+    configuration spills registers;
   - those paths' matrix kernels (fwd, bwd_keys) have no tensor-core instruction;
   - one kernel takes more than --max-compile-s (20 s) to compile;
   - a CUDA kernel of a 16-bit path spills, any CUDA kernel's shared memory exceeds the limit, or
@@ -44,7 +44,7 @@ sys.path.insert(0, ROOT)
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 DS = (16, 64, 128, 256, 512)
 MODES = ("inbatch", "queue")
-FP32_MODES = ("tf32x3", "tf32", "ieee", "bf16x6")  # NAC_FAST_FP32_DOT: the default first
+FP32_MODES = ("tf32x3", "tf32", "ieee", "bf16x6", "fp16x3")  # NAC_FAST_FP32_DOT: default first
 FIELDS = ["kernel", "arch", "dtype", "D", "modes", "precision", "blocks", "warps", "stages",
           "smem_bytes", "smem_estimate", "smem_limit", "registers", "spill_store_bytes",
           "spill_load_bytes", "mma_instr", "mma_count", "blocks_per_sm", "compile_s", "problems",
@@ -113,8 +113,9 @@ def _fp32_modes(dtypes, fp32_modes):
 
 def _saved_codes(a, r, noise, keys, target):
     """(q, k) the backward plans read, as the op hands them on from its forward (nac_triton
-    `fwd`): the forward plan's codes (bf16x6: their bf16 parts); with given keys, k is empty (the
-    keys themselves are read) except in bf16x6, where it is their parts."""
+    `fwd`): the forward plan's codes (bf16x6, fp16x3: their 16-bit parts); with given keys, k is
+    empty (the keys themselves are read) except in bf16x6 (which fp16x3 runs there), where it is
+    their parts."""
     import torch
     from nac_fast.kernels import nac_triton
     _, (_, _, _, q, k, _) = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, True, target)
@@ -256,6 +257,8 @@ def _candidate_plans(target, dtypes):
                 continue
             seen.add((c.BLOCK_M, c.BLOCK_N, c.num_warps, c.num_stages))
             for mode in MODES:
+                if fp32_mode == "fp16x3" and mode != "inbatch":
+                    continue  # given keys run bf16x6 (nac_triton._given_keys_mode)
                 keys = None if mode == "inbatch" else torch.empty((N, D), dtype=dtype, **meta)
                 case = dict(dtype=dname, D=D, mode=mode, source="candidate")
                 with tuning.forced(**{kernel: c}):
@@ -424,7 +427,7 @@ def _triton_problems(row, max_compile_s):
     if row["smem_bytes"] > row["smem_limit"]:
         out.append(f"shared memory {row['smem_bytes']} B > {row['smem_limit']} B")
     low = (row["dtype"] in ("bfloat16", "float16")
-           or row["precision"] in ("tf32", "tf32x3", "bf16x6"))
+           or row["precision"] in ("tf32", "tf32x3", "bf16x6", "fp16x3"))
     if low and (row["spill_store_bytes"] or row["spill_load_bytes"]):
         out.append(f"spills {row['spill_store_bytes']} B stores / {row['spill_load_bytes']} B "
                    "loads on a 16-bit/tf32 path")

@@ -13,7 +13,7 @@
 #                and carried with the tree saves the 1-2 minutes of a build on the device.
 #   test         pytest with NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1 (8 xdist workers) of
 #                the loss, noise, input, cached-plan (host_overhead), device-guard, queue
-#                (the fused enqueue) and fp32-in-bf16x6 tests, JUnit
+#                (the fused enqueue), fp32-in-bf16x6 and fp32-in-fp16x3 tests, JUnit
 #                XML pytest_gpu.xml (the Hamming engine's tests run in the hamming stage); fails
 #                on any failure or error, on a skipped triton/cuda test, and unless tests of both
 #                backends passed (gpu_summary.py --check-junit); then bench/compile_check.py
@@ -32,8 +32,8 @@
 #   bench-quick  bench_loss.py, bf16 fwd+bwd, in-batch 8192 and 16384, queue 8192 x 65536 and
 #                8192 x 262144 (D = 128: issue 38's four shapes), every
 #                backend + per-shape torch.compile of the reference; fp32 at in-batch 8192 and
-#                queue 8192 x 65536, Triton in tf32x3 and in bf16x6 (NAC_FAST_FP32_DOT) beside
-#                eager; then gpu_summary.py.
+#                queue 8192 x 65536, Triton in tf32x3, in bf16x6 and (in-batch) in fp16x3
+#                (NAC_FAST_FP32_DOT) beside eager; then gpu_summary.py.
 #   bench        bench_loss.py, bf16 and fp32, in-batch n in {1024, 4096, 8192, 16384}, queue
 #                n = 8192 with N in {65536, 262144}; eager / torch.compile / triton / cuda, median
 #                and p20/p80, peak memory, % of the roofline bound (bench/roofline.py); then
@@ -210,7 +210,7 @@ stage_test() {
     run_tests gpu triton,cuda tests/test_loss_backends.py tests/test_loss_reference.py \
         tests/test_noise.py tests/test_loss_inputs.py tests/test_cuda_mma_gpu.py \
         tests/test_host_overhead.py tests/test_loss_device_guard.py tests/test_queue_triton.py \
-        tests/test_loss_bf16x6.py || rc=1
+        tests/test_loss_bf16x6.py tests/test_loss_fp16x3.py || rc=1
     # resources under the device's own Triton (CI's compile check runs CI's): the configurations
     # the launchers pick here (built-in and tuned) at D = 128, no spill on a 16-bit/tf32 path,
     # within shared memory, with tensor-core instructions
@@ -251,17 +251,23 @@ stage_bench_quick() {
     NAC_FAST_FP32_DOT=bf16x6 $PY bench/bench_loss.py --device cpu --inbatch 64 --queue 256 \
         --mq-n 32 --dtypes float32 --backends triton --reps 2 --min-time 0 \
         --csv "$RES/loss_gpu.csv" || rc=$?
+    NAC_FAST_FP32_DOT=fp16x3 $PY bench/bench_loss.py --device cpu --inbatch 64 --queue "" \
+        --dtypes float32 --backends triton --reps 2 --min-time 0 \
+        --csv "$RES/loss_gpu.csv" || rc=$?
   else
     # issue 38's four shapes (its goals are the +graph rows at each)
     $PY bench/bench_loss.py --device cuda --inbatch 8192,16384 --queue 65536,262144 --mq-n 8192 \
         --dtypes bfloat16 --compile-reference --reps 20 --min-time 0.5 \
         --csv "$RES/loss_gpu.csv" || rc=$?
     # issue 38's fp32 goal (>= 2x eager at in-batch 8192 and queue 8192 x 65536): the Triton
-    # kernels in their default tf32x3 and in bf16x6, beside eager fp32
-    for mode in tf32x3 bf16x6; do
-      NAC_FAST_FP32_DOT=$mode $PY bench/bench_loss.py --device cuda --inbatch 8192 --queue 65536 \
-          --mq-n 8192 --dtypes float32 --backends triton --reps 10 --min-time 0.25 \
-          --csv "$RES/loss_gpu.csv" || rc=$?
+    # kernels in their default tf32x3, in bf16x6 and (in-batch: given keys run bf16x6) in
+    # fp16x3, beside eager fp32
+    for mode in tf32x3 bf16x6 fp16x3; do
+      queue=65536
+      [ $mode = fp16x3 ] && queue=""
+      NAC_FAST_FP32_DOT=$mode $PY bench/bench_loss.py --device cuda --inbatch 8192 \
+          --queue "$queue" --mq-n 8192 --dtypes float32 --backends triton --reps 10 \
+          --min-time 0.25 --csv "$RES/loss_gpu.csv" || rc=$?
     done
   fi
   local brc=$rc

@@ -10,7 +10,8 @@ the same, already rounded, inputs) of the per-row losses and of the gradients of
   - the Triton kernels under the interpreter (TRITON_INTERPRET=1): the GPU kernels' own code and
     arithmetic up to the order of fp32 sums: products of bf16/fp16 operands are exact in fp32 as
     on tensor cores, and fp32 products go through the kernels' own TF32 splits, so each fp32
-    mode (NAC_FAST_FP32_DOT = tf32x3, the default; tf32; ieee; bf16x6, whose bf16 part products
+    mode (NAC_FAST_FP32_DOT = tf32x3, the default; tf32; ieee; fp16x3 (in-batch; given keys run
+    bf16x6), whose fp16 part products are exact in fp32 too; bf16x6, whose bf16 part products
     are exact in fp32 too) is measured as the GPU runs it.
 GPU figures proper come from the GPU suite (bench/gpu_suite.sh test), which runs the same
 tolerances on CUDA tensors.
@@ -46,7 +47,7 @@ def run(fn, tensors, g):
     return rows.detach(), {k: v.grad for k, v in leaves.items()}
 
 
-FP32_MODES = ("tf32x3", "tf32", "ieee", "bf16x6")
+FP32_MODES = ("tf32x3", "tf32", "ieee", "bf16x6", "fp16x3")
 
 
 def _fp32_dot(mode):

@@ -32,7 +32,8 @@ Rates:
             "ieee" (NAC_FAST_FP32_DOT=ieee, and every D > 128): FMA units, 128 lanes x 2 FLOP x
             SMs x clock; "tf32" (NAC_FAST_FP32_DOT=tf32): one tf32 tensor-core product;
             "bf16x6" (NAC_FAST_FP32_DOT=bf16x6): six bf16 tensor-core products per product (the
-            three-part operand splits of kernels/nac_triton.py _dot6).
+            three-part operand splits of kernels/nac_triton.py _dot6); "fp16x3" (in-batch): three
+            fp16 tensor-core products (the two-part splits of _dot3h; fp16's rate is bf16's).
   exp       MUFU ex2: 16 per clock per SM x SMs x clock (exp2 is what the kernels call).
   memory    HBM bandwidth.
 "measured" ceilings are the ones the device tool measured on this workplace's machines (bf16
@@ -69,7 +70,7 @@ GPUS = {
 EX2_PER_CLK_PER_SM = 16
 FMA_LANES_PER_SM = 128  # fp32 lanes; one FMA = 2 FLOPs
 KINDS = ("inbatch", "queue")
-FP32_MODES = ("ieee", "tf32", "tf32x3", "bf16x6")
+FP32_MODES = ("ieee", "tf32", "tf32x3", "bf16x6", "fp16x3")
 _DTYPES = {"bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2),
            "float32": ("float32", 4), "fp32": ("float32", 4)}
 
@@ -163,7 +164,8 @@ def bound(kind: str, n: int, N: int, D: int, dtype: str, gpu_name: str, *,
           keys_grad: bool | None = None) -> dict:
     """The time floor of one forward+backward: max(matrix, exp, memory) time, with the work and
     the rates used.  fp32_mode applies to float32 inputs only ('tf32x3': the kernels' default at
-    D <= 128; 'ieee': FMA units, their mode above; 'tf32'; 'bf16x6': six bf16 products)."""
+    D <= 128; 'ieee': FMA units, their mode above; 'tf32'; 'bf16x6': six bf16 products;
+    'fp16x3': three fp16 products)."""
     if fp32_mode not in FP32_MODES:
         raise ValueError(f"fp32_mode must be one of {FP32_MODES}, got {fp32_mode!r}")
     w = work(kind, n, N, D, dtype, keys_grad=keys_grad)
@@ -176,6 +178,8 @@ def bound(kind: str, n: int, N: int, D: int, dtype: str, gpu_name: str, *,
         unit, rate, flops = "tf32 tensor cores", c["tf32_flops"], w["matrix_flops"]
     elif fp32_mode == "bf16x6":
         unit, rate, flops = "bf16x6 tensor cores", c["bf16_flops"], 6 * w["matrix_flops"]
+    elif fp32_mode == "fp16x3":  # fp16's tensor-core rate is bf16's
+        unit, rate, flops = "fp16x3 tensor cores", c["bf16_flops"], 3 * w["matrix_flops"]
     else:
         unit, rate, flops = "tf32x3 tensor cores", c["tf32_flops"], 3 * w["matrix_flops"]
     times = {"matrix_s": flops / rate, "exp_s": w["exps"] / c["exp_per_s"],

@@ -37,8 +37,10 @@ The logits never exist in memory: one (BLOCK_M x BLOCK_N) tile lives in register
 Precision (docs/kernels.md "Precision"): bf16/fp16 inputs multiply on tensor cores with fp32 accumulation;
 max, logsumexp, the Bernoulli term and every reduction are fp32.  fp32 inputs use tf32x3 (three
 TF32 products, fp32-level accuracy on tensor cores) unless NAC_FAST_FP32_DOT=ieee (exact FMA),
-=tf32, or =bf16x6 (D <= 128: each operand three bf16 parts, six bf16 products, `parts_mode`; the
-prologue / _parts_kernel store the parts, so the loops run the 16-bit tilings), or, with it
+=tf32, =bf16x6 (D <= 128: each operand three bf16 parts, six bf16 products, `parts_mode`; the
+prologue / _parts_kernel store the parts, so the loops run the 16-bit tilings), =fp16x3 (D <= 128,
+in-batch: two fp16 parts of fixed power-of-two scalings, three fp16 products, H_Q / H_K; given
+keys run bf16x6), or, with it
 unset, where the GPU's tuned table timed bf16x6 faster at the call's shape (`call_fp32_mode`).
 fp64 is the correctness path (FMA, fp64 throughout).
 
@@ -155,6 +157,38 @@ def _dot6(x0, x1, x2, y0, y1, y2, acc, UPCAST: tl.constexpr):
     return _dot16(x0, y0, acc, UPCAST)
 
 
+# fp16x3's fixed power-of-two scales (NAC_FAST_FP32_DOT=fp16x3, in-batch): the parts of Q (|Q| <=
+# s log2 e < 74 for any fp32 p) times 2^9, of the keys z = tanh(a) (|z| <= 1) and of P (<= 1)
+# times 2^14: at most 2^15 < fp16's 65504, and the residual parts stay normal (full precision)
+# down to |Q| >= 2^-12, |z|, P >= 2^-17; below, their absolute error is under 2^-34.  The logits
+# come out times 2^23, P K times 2^28: undone exactly in fp32 (bench/split_emulation.py: the
+# same error as tf32x3 on each of the kernels' products).  The keys' backward's P^T g is lifted by
+# the fp16 path's per-split power of two (_pow2_scale, GSCALE).
+H_Q = tl.constexpr(512.0)
+H_K = tl.constexpr(16384.0)
+H_S = tl.constexpr(1.0 / 8388608.0)        # 1 / (H_Q H_K)
+H_PK = tl.constexpr(1.0 / 268435456.0)     # 1 / (H_K H_K)
+H_QINV = tl.constexpr(1.0 / 512.0)
+
+
+@triton.jit
+def _parts2h(x):
+    # fp16x3's operand split of a scaled fp32 tile (H_Q / H_K above): x = x0 + x1 + e with x0 =
+    # fp16(x), x1 = fp16(x - x0) (the difference exact in fp32), |e| <= 2^-22 |x| where x1 is a
+    # normal number: TF32's split precision, on fp16's tensor cores (bf16's rate, twice TF32's)
+    x0 = x.to(tl.float16)
+    return x0, (x - x0.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _dot3h(x0, x1, y0, y1, acc, UPCAST: tl.constexpr):
+    # acc + x y in fp16x3: x0 y0 + x0 y1 + x1 y0 of _parts2h's parts, smallest first; the dropped
+    # x1 y1 is <= 2^-22 |x| |y| (as tf32x3's)
+    acc = _dot16(x1, y0, acc, UPCAST)
+    acc = _dot16(x0, y1, acc, UPCAST)
+    return _dot16(x0, y0, acc, UPCAST)
+
+
 @triton.jit
 def _dot(x, y, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # Accumulates in fp32 (fp64 for fp64 operands).  Triton 3.8's interpreter multiplies bf16
@@ -218,26 +252,36 @@ def _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, mask, D, stride_a, s
 
 
 @triton.jit
-def _store3(P, off, x0, x1, x2, mask, part):
-    # bf16x6's three part tiles at P + off, P + part + off, P + 2 part + off (a (3, rows, D)
-    # tensor: `part` = rows x D)
+def _store3(P, off, x0, x1, x2, mask, part, NP: tl.constexpr = 3):
+    # the NP part tiles (bf16x6: 3, fp16x3: 2, x2 unused) at P + off, P + part + off, ... (an
+    # (NP, rows, D) tensor: `part` = rows x D)
     tl.store(P + off, x0, mask=mask)
     tl.store(P + part + off, x1, mask=mask)
-    tl.store(P + 2 * part + off, x2, mask=mask)
+    if NP == 3:
+        tl.store(P + 2 * part + off, x2, mask=mask)
 
 
 @triton.jit
-def _load3(P, off, mask, part):
-    # the three part tiles _store3 wrote (zeros where masked)
-    return (tl.load(P + off, mask=mask, other=0.0), tl.load(P + part + off, mask=mask, other=0.0),
-            tl.load(P + 2 * part + off, mask=mask, other=0.0))
+def _load3(P, off, mask, part, NP: tl.constexpr = 3):
+    # the part tiles _store3 wrote (zeros where masked); NP = 2: (x0, x1, x1)
+    x0 = tl.load(P + off, mask=mask, other=0.0)
+    x1 = tl.load(P + part + off, mask=mask, other=0.0)
+    x2 = x1
+    if NP == 3:
+        x2 = tl.load(P + 2 * part + off, mask=mask, other=0.0)
+    return x0, x1, x2
 
 
 @triton.jit
-def _store_parts(P, off, x, mask, part, RNE: tl.constexpr):
-    # the bf16x6 parts of the fp32 tile x (_parts3), stored by _store3
-    x0, x1, x2 = _parts3(x, RNE)
-    _store3(P, off, x0, x1, x2, mask, part)
+def _store_parts(P, off, x, mask, part, RNE: tl.constexpr, NP: tl.constexpr = 3):
+    # the parts of the fp32 tile x, stored by _store3: bf16x6's (_parts3), or (NP = 2) fp16x3's
+    # of x as given (scaled by the caller: H_Q, H_K)
+    if NP == 3:
+        x0, x1, x2 = _parts3(x, RNE)
+        _store3(P, off, x0, x1, x2, mask, part)
+    else:
+        x0, x1 = _parts2h(x)
+        _store3(P, off, x0, x1, x1, mask, part, 2)
 
 
 @triton.jit(do_not_specialize=["n", "write_k", "seed_val"])
@@ -245,8 +289,9 @@ def _prologue_kernel(A, NOISE, Q, K, SEED, seed_val, n, D, stride_a, stride_m, s
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
                      SEEDED: tl.constexpr, PARTS: tl.constexpr, RNE: tl.constexpr):
     # The in-batch forward's codes: Q = s log2(e) m z and the keys K = z (with given keys the
-    # forward kernel makes its own Q tile: no prologue, `fwd_plan`).  PARTS (fp32 in bf16x6):
-    # Q and K are (3, n, D) bf16, the parts of _parts3.
+    # forward kernel makes its own Q tile: no prologue, `fwd_plan`).  PARTS 3 (fp32 in bf16x6):
+    # Q and K are (3, n, D) bf16, the parts of _parts3; PARTS 2 (fp16x3): (2, n, D) fp16, the
+    # parts of Q H_Q and K H_K (_parts2h).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n)[:, None] & (cols < D)[None, :]
@@ -254,11 +299,16 @@ def _prologue_kernel(A, NOISE, Q, K, SEED, seed_val, n, D, stride_a, stride_m, s
     m, z = _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, mask, D, stride_a, stride_m,
                            p, True, ACC, SEEDED)
     out = rows64[:, None] * D + cols[None, :]
-    if PARTS:
+    if PARTS == 3:
         part = n.to(tl.int64) * D
         _store_parts(Q, out, m * z * scale2, mask, part, RNE)
         if write_k != 0:
             _store_parts(K, out, z, mask, part, RNE)
+    elif PARTS == 2:
+        part = n.to(tl.int64) * D
+        _store_parts(Q, out, m * z * (scale2 * H_Q), mask, part, RNE, 2)
+        if write_k != 0:
+            _store_parts(K, out, z * H_K, mask, part, RNE, 2)
     else:
         tl.store(Q + out, (m * z * scale2).to(Q.dtype.element_ty), mask=mask)
         if write_k != 0:
@@ -309,17 +359,26 @@ def _fwd_tile(q, kp, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _fwd_tile3(q0, q1, q2, kp, part, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N: tl.constexpr,
-               GRAD: tl.constexpr, UPCAST: tl.constexpr):
+               GRAD: tl.constexpr, UPCAST: tl.constexpr, NP: tl.constexpr = 3):
     # _fwd_tile in bf16x6 (fp32 inputs): the key tile's three parts at kp, kp + part, kp + 2 part;
-    # S and P K in _dot6, P split in registers (_parts3)
+    # S and P K in _dot6, P split in registers (_parts3).  NP = 2, fp16x3: two fp16 parts, S and
+    # P K in _dot3h (acc in units of H_K^2: the kernel undoes it at the store)
     kmask = j0 + tl.arange(0, BLOCK_N) < end
-    k0, k1, k2 = _load3(kp, offs, kmask[:, None] & dmask[None, :], part)
-    s = _dot6(q0, q1, q2, tl.trans(k0), tl.trans(k1), tl.trans(k2),
-              tl.zeros([q0.shape[0], BLOCK_N], tl.float32), UPCAST)
+    k0, k1, k2 = _load3(kp, offs, kmask[:, None] & dmask[None, :], part, NP)
+    if NP == 3:
+        s = _dot6(q0, q1, q2, tl.trans(k0), tl.trans(k1), tl.trans(k2),
+                  tl.zeros([q0.shape[0], BLOCK_N], tl.float32), UPCAST)
+    else:
+        s = _dot3h(q0, q1, tl.trans(k0), tl.trans(k1),
+                   tl.zeros([q0.shape[0], BLOCK_N], tl.float32), UPCAST) * H_S
     m_new, alpha, p, l_i = _lse_step(s, kmask, j0, end, m_i, l_i, BLOCK_N)
     if GRAD:
-        p0, p1, p2 = _parts3(p, UPCAST)
-        acc = _dot6(p0, p1, p2, k0, k1, k2, acc * alpha[:, None], UPCAST)
+        if NP == 3:
+            p0, p1, p2 = _parts3(p, UPCAST)
+            acc = _dot6(p0, p1, p2, k0, k1, k2, acc * alpha[:, None], UPCAST)
+        else:
+            p0, p1 = _parts2h(p * H_K)
+            acc = _dot3h(p0, p1, k0, k1, acc * alpha[:, None], UPCAST)
     return m_new, l_i, acc
 
 
@@ -353,6 +412,11 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, n, N, D, stride_k,
                 _store3(q_at, 0, q0, q1, q2, qmask, qpart)
         else:
             q0, q1, q2 = _load3(q_at, 0, qmask, qpart)
+    elif PRECISION == "fp16x3":
+        # fp32 in fp16x3 (in-batch only: the prologue's (2, n, D) fp16 parts; given keys run
+        # bf16x6, `fwd_plan`)
+        tl.static_assert(not Q_FROM_A, "fp16x3 takes the prologue's Q")
+        q0, q1, q2 = _load3(q_at, 0, qmask, n.to(tl.int64) * D, 2)
     elif Q_FROM_A:
         m, z = _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, qmask, D, stride_a,
                                stride_m, flip_p, sp == 0, ACC, SEEDED)
@@ -367,14 +431,18 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, n, N, D, stride_k,
     acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     start = sp * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, N)
-    if PRECISION == "bf16x6":
+    if PRECISION == "bf16x6" or PRECISION == "fp16x3":
+        # fp32 in 16-bit parts: three bf16 (bf16x6) or two fp16 (fp16x3) part tiles per key tile
+        NP: tl.constexpr = 3 if PRECISION == "bf16x6" else 2
         kpart = N.to(tl.int64) * D
         offs = tl.arange(0, BLOCK_N)[:, None] * D + cols[None, :]
         kp = K + start.to(tl.int64) * D
         for j0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _fwd_tile3(q0, q1, q2, kp, kpart, j0, end, offs, dmask, m_i, l_i, acc,
-                                       BLOCK_N, GRAD, UPCAST)
+                                       BLOCK_N, GRAD, UPCAST, NP)
             kp += BLOCK_N * D
+        if NP == 2:
+            acc = acc * H_PK  # fp16x3's P K came out in units of H_K^2
     elif BLOCK_D == 128 and (q.dtype == tl.bfloat16 or q.dtype == tl.float16):
         # the tuned 16-bit paths (CANDIDATES): pointers advanced by the loop, the key mask's
         # select only in a tile that crosses the split's end (_fwd_tile).  Elsewhere this cost
@@ -541,18 +609,27 @@ def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, g_scale, gscale, dk
 
 @triton.jit
 def _bwd_tile3(k0, k1, k2, qp, part, lp, gp, i0, end, offs, dmask, stride_g, g_scale, dk,
-               BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+               BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, NP: tl.constexpr, gscale):
     # _bwd_tile in bf16x6 (fp32 inputs): the query tile's three parts at qp, qp + part,
-    # qp + 2 part; S^T and P^T Q in _dot6, P^T split in registers (_parts3)
+    # qp + 2 part; S^T and P^T Q in _dot6, P^T split in registers (_parts3).  NP = 2, fp16x3: two
+    # fp16 parts, P^T g lifted by gscale (GSCALE), dK in units of gscale H_Q (undone at the end)
     r = tl.arange(0, BLOCK_M)
     rmask = i0 + r < end
-    q0, q1, q2 = _load3(qp, offs, rmask[:, None] & dmask[None, :], part)
+    q0, q1, q2 = _load3(qp, offs, rmask[:, None] & dmask[None, :], part, NP)
     lse2 = tl.load(lp + r, mask=rmask, other=float("inf"))  # base 2
-    st = _dot6(k0, k1, k2, tl.trans(q0), tl.trans(q1), tl.trans(q2),
-               tl.zeros([k0.shape[0], BLOCK_M], tl.float32), UPCAST)
-    g = tl.load(gp + r * stride_g, mask=rmask, other=0.0) * g_scale
-    p0, p1, p2 = _parts3(tl.exp2(st - lse2[None, :]) * g[None, :], UPCAST)
-    return _dot6(p0, p1, p2, q0, q1, q2, dk, UPCAST)       # P^T Q (log2 units)
+    if NP == 3:
+        st = _dot6(k0, k1, k2, tl.trans(q0), tl.trans(q1), tl.trans(q2),
+                   tl.zeros([k0.shape[0], BLOCK_M], tl.float32), UPCAST)
+        g = tl.load(gp + r * stride_g, mask=rmask, other=0.0) * g_scale
+        p0, p1, p2 = _parts3(tl.exp2(st - lse2[None, :]) * g[None, :], UPCAST)
+        dk = _dot6(p0, p1, p2, q0, q1, q2, dk, UPCAST)       # P^T Q (log2 units)
+    else:
+        st = _dot3h(k0, k1, tl.trans(q0), tl.trans(q1),
+                    tl.zeros([k0.shape[0], BLOCK_M], tl.float32), UPCAST) * H_S
+        g = tl.load(gp + r * stride_g, mask=rmask, other=0.0) * g_scale * gscale
+        p0, p1 = _parts2h(tl.exp2(st - lse2[None, :]) * g[None, :])
+        dk = _dot3h(p0, p1, q0, q1, dk, UPCAST)
+    return dk
 
 
 @triton.jit(do_not_specialize=["n", "N", "blocks_per_split", "need_r", "stride_g"])
@@ -578,7 +655,7 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
     dmask = cols < D
     tile_mask = kmask[:, None] & dmask[None, :]
     kc64 = kc.to(tl.int64)
-    if PRECISION != "bf16x6":  # (bf16x6 loads its key parts below)
+    if PRECISION != "bf16x6" and PRECISION != "fp16x3":  # (they load their key parts below)
         k = tl.load(K + kc64[:, None] * stride_k + cols[None, :], mask=tile_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     start = sp * blocks_per_split * BLOCK_M
@@ -593,9 +670,12 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
     else:
         gscale = 1.0
         ginv = 1.0
-    if PRECISION == "bf16x6":
-        # fp32 in bf16x6: K and Q are (3, rows, D) bf16 parts, the loop as the 16-bit one below
-        k0, k1, k2 = _load3(K, kc64[:, None] * D + cols[None, :], tile_mask, N.to(tl.int64) * D)
+    if PRECISION == "bf16x6" or PRECISION == "fp16x3":
+        # fp32 in 16-bit parts: K and Q are (3, rows, D) bf16 (bf16x6) or (2, rows, D) fp16
+        # (fp16x3, GSCALE: the plan sets it) parts, the loop as the 16-bit one below
+        NP: tl.constexpr = 3 if PRECISION == "bf16x6" else 2
+        k0, k1, k2 = _load3(K, kc64[:, None] * D + cols[None, :], tile_mask, N.to(tl.int64) * D,
+                            NP)
         offs = tl.arange(0, BLOCK_M)[:, None] * D + cols[None, :]
         start64 = start.to(tl.int64)
         qp = Q + start64 * D
@@ -604,10 +684,12 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
         qpart = n.to(tl.int64) * D
         for i0 in range(start, end, BLOCK_M):
             dk = _bwd_tile3(k0, k1, k2, qp, qpart, lp, gp, i0, end, offs, dmask, stride_g,
-                            g_scale, dk, BLOCK_M, UPCAST)
+                            g_scale, dk, BLOCK_M, UPCAST, NP, gscale)
             qp += BLOCK_M * D
             lp += BLOCK_M
             gp += BLOCK_M * stride_g
+        if NP == 2:
+            dk = dk * H_QINV  # fp16x3's Q parts were Q H_Q
     elif BLOCK_D == 128 and (k.dtype == tl.bfloat16 or k.dtype == tl.float16):
         # the tuned 16-bit paths: pointers advanced by the loop (_bwd_tile); elsewhere the loop
         # stays as it was (as in _fwd_kernel)
@@ -725,18 +807,32 @@ def _sum_splits_kernel(PDK, OUT, numel, split, BLOCK: tl.constexpr):
 # ---------------------------------------------------------------------------------------------
 
 def _family(dtype: torch.dtype, D: Optional[int] = None) -> str:
-    """The CONFIGS family: "16", "32", "64"; "32p" for fp32 at D in bf16x6 (16-bit part tiles)."""
+    """The CONFIGS family: "16", "32", "64"; for fp32 at D in parts (16-bit part tiles), "32p"
+    (bf16x6) or "32h" (fp16x3)."""
     if D is not None and parts_mode(dtype, D):
-        return "32p"
+        return "32p" if fp32_precision(D) == "bf16x6" else "32h"
     return {torch.bfloat16: "16", torch.float16: "16", torch.float32: "32",
             torch.float64: "64"}[dtype]
 
 
+# fp32 modes whose codes are 16-bit part tiles: (parts, their dtype)
+PART_MODES = {"bf16x6": (3, torch.bfloat16), "fp16x3": (2, torch.float16)}
+
+
 def parts_mode(dtype: torch.dtype, D: int) -> bool:
-    """Whether fp32 products at code width D run in bf16x6 (NAC_FAST_FP32_DOT=bf16x6): the
-    prologue's Q and K are then (3, rows, D) bf16 parts (_parts3), given keys are split by
-    _parts_kernel, and the matrix kernels run the 16-bit tilings with six products each."""
-    return dtype == torch.float32 and fp32_precision(D) == "bf16x6"
+    """Whether fp32 products at code width D run on 16-bit part tiles (NAC_FAST_FP32_DOT=bf16x6
+    or fp16x3, `parts_of`): the prologue's Q and K are then (parts, rows, D) 16-bit tensors
+    (_parts3 / _parts2h), given keys are split by _parts_kernel (bf16x6), and the matrix kernels
+    run the 16-bit tilings with six (three) products each."""
+    return dtype == torch.float32 and fp32_precision(D) in PART_MODES
+
+
+def parts_of(dtype: torch.dtype, D: int) -> tuple:
+    """(parts, part dtype) of the codes' tiles in the fp32 mode at D: (3, bf16) for bf16x6, (2,
+    fp16) for fp16x3, (0, None) otherwise."""
+    if dtype != torch.float32:
+        return 0, None
+    return PART_MODES.get(fp32_precision(D), (0, None))
 
 
 def block_d(D: int) -> int:
@@ -771,6 +867,12 @@ CONFIGS = {
        for bd in (16, 32, 64, 128)},
     **{("bwd_keys", "32p", bd): [_C(32, 64, 4, 2, (90,)), _C(64, 32, 8, 2)]
        for bd in (16, 32, 64, 128)},
+    # ---- fp32 in fp16x3 (in-batch; NAC_FAST_FP32_DOT=fp16x3, D <= 128): two fp16 part tiles
+    # per operand, three products (bench/compile_check.py, precision fp16x3)
+    **{("fwd", "32h", bd): [_C(64, 32, 4, 2, (90,)), _C(32, 64, 8, 2)]
+       for bd in (16, 32, 64, 128)},
+    **{("bwd_keys", "32h", bd): [_C(32, 64, 4, 2, (90,)), _C(64, 32, 8, 2)]
+       for bd in (16, 32, 64, 128)},
     # ---- fp32, D > 128: exact FMA (every tf32x3 tiling spilled there)
     ("fwd", "32", 256): [_C(16, 16, 8, 2)], ("fwd", "32", 512): [_C(16, 16, 8, 2)],
     ("bwd_keys", "32", 256): [_C(32, 16, 8, 2)], ("bwd_keys", "32", 512): [_C(16, 16, 8, 2)],
@@ -792,6 +894,7 @@ FUSED_CONFIGS = {
     ("16", 128): _C(64, 64, 8, 2), ("16", 256): _C(32, 32, 8, 2), ("16", 512): None,
     # bf16x6: clean on sm_80 and sm_90 at every D (32 x 64 spilled 236-604 B at D = 128)
     **{("32p", bd): _C(64, 32, 8, 2) for bd in (16, 32, 64, 128)},
+    **{("32h", bd): _C(64, 32, 8, 2) for bd in (16, 32, 64, 128)},
 }
 _INTERP = {"fwd": _C(32, 128), "bwd_keys": _C(32, 128)}  # wide numpy steps under the interpreter
 
@@ -834,11 +937,23 @@ CANDIDATES = {
     ("bwd_keys", "float32:bf16x6", 128): _waves(
         _C(32, 64, 4, 2, H), _C(32, 64, 4, 3, H), _C(32, 64, 8, 2, H), _C(64, 64, 8, 2, H),
         _C(64, 32, 8, 2)),
+    # fp32 in fp16x3 (in-batch; kernels/tuning.py candidate_dtype): two fp16 part tiles per
+    # operand and P's two parts in registers, so larger tiles than bf16x6's fit (sm_90: 134-200
+    # registers at 64-row tiles; left out for spills: forward 64x128 w4 (300 B), keys' backward
+    # 128x64 w8 (64 B), 64x128 w4 (436 B) and, under the device's Triton 3.6, 128x64 w4 (192 B);
+    # forward 128x128 w8: over the shared memory estimate; bench/gpu_notes.md "fp32 in fp16x3")
+    ("fwd", "float32:fp16x3", 128): _waves(
+        _C(64, 32, 4, 2, H), _C(64, 32, 4, 3, H), _C(64, 64, 8, 2, H), _C(128, 32, 8, 2, H),
+        _C(32, 64, 8, 2), _C(64, 64, 4, 2, H), _C(64, 64, 4, 3, H), _C(128, 64, 8, 2, H),
+        _C(128, 64, 8, 3, H), _C(64, 128, 8, 2, H)),
+    ("bwd_keys", "float32:fp16x3", 128): _waves(
+        _C(32, 64, 4, 2, H), _C(32, 64, 4, 3, H), _C(32, 64, 8, 2, H), _C(64, 64, 8, 2, H),
+        _C(64, 32, 8, 2), _C(64, 64, 4, 2, H), _C(64, 64, 4, 3, H), _C(64, 128, 8, 2, H)),
 }
 MAX_D = 512
 TF32_MAX_D = 128  # fp32 above this runs exact FMA products (see CONFIGS)
 # NAC_FAST_FP32_DOT's values (fp32_precision): the default first
-FP32_PRECISIONS = ("tf32x3", "ieee", "tf32", "bf16x6")
+FP32_PRECISIONS = ("tf32x3", "ieee", "tf32", "bf16x6", "fp16x3")
 
 
 ROW_TILE = 4096  # elements per program of the row-wise kernels (fp64: 1024); `row_tile` sets it
@@ -875,17 +990,19 @@ def smem_estimate(kernel: str, cfg: Config, dtype: torch.dtype, D: int) -> int:
     plus the resident tile on the 16-bit and fp32 paths, which stage it in shared memory too (the
     fp64 products keep it in registers; the exact-fp32 ones at D = 16 took 512 B more than
     without it), plus 16 KB for the probability tiles and layout conversions; in bf16x6
-    (parts_mode) three bf16 tiles for each and P's three parts.  tests/test_compile_check.py
-    checks that it bounds what Triton allocated in every configuration, each estimated under the
-    fp32 mode it was planned in; the compile check holds the compiled figure against the limit."""
+    (parts_mode) three bf16 tiles for each and P's three parts (fp16x3: two fp16 ones).
+    tests/test_compile_check.py checks that it bounds what Triton allocated in every
+    configuration, each estimated under the fp32 mode it was planned in; the compile check holds
+    the compiled figure against the limit."""
     es = torch.empty((), dtype=dtype).element_size()
     resident, streamed = ((cfg.BLOCK_M, cfg.BLOCK_N) if kernel == "fwd" else
                           (cfg.BLOCK_N, cfg.BLOCK_M))
     if dtype == torch.float64:
         resident = 0
-    if parts_mode(dtype, D):  # three bf16 part tiles per operand, and P's three parts
-        return 6 * (block_d(D) * (resident + cfg.num_stages * streamed)
-                    + cfg.BLOCK_M * cfg.BLOCK_N) + 16384
+    np_, _ = parts_of(dtype, D)
+    if np_:  # the part tiles of each operand (2 bytes each), and P's parts
+        return 2 * np_ * (block_d(D) * (resident + cfg.num_stages * streamed)
+                          + cfg.BLOCK_M * cfg.BLOCK_N) + 16384
     return es * block_d(D) * (resident + cfg.num_stages * streamed) + 16384
 
 
@@ -917,15 +1034,16 @@ def builtin_config(kernel: str, dtype: torch.dtype, D: int, target: Target) -> C
 
 # The fp32 product mode of the plan being built, where the call decides it rather than the
 # environment: (mode, over_env).  The forward sets the tuned table's choice (`call_fp32_mode`,
-# NAC_FAST_FP32_DOT unset), the backward the mode its saved codes were made in (over_env: its
-# (3, rows, D) parts are bf16x6's whatever the environment says now).
+# NAC_FAST_FP32_DOT unset) and, with given keys, bf16x6 for fp16x3 (`fwd_plan`); the backward
+# the mode its saved codes were made in (over_env: its parts are bf16x6's or fp16x3's whatever
+# the environment says now).
 _CALL_FP32: contextvars.ContextVar = contextvars.ContextVar("nac_fast_call_fp32", default=None)
 
 
 def fp32_precision(D: int) -> str:
-    """How fp32 products run at code width D: NAC_FAST_FP32_DOT = tf32x3, ieee, tf32 or bf16x6
-    (parts_mode); unset, the mode the call's plan was given (`call_fp32_mode`: the tuned table's
-    choice), else tf32x3; above TF32_MAX_D always ieee."""
+    """How fp32 products run at code width D: NAC_FAST_FP32_DOT = tf32x3, ieee, tf32, bf16x6 or
+    fp16x3 (parts_mode); unset, the mode the call's plan was given (`call_fp32_mode`: the tuned
+    table's choice), else tf32x3; above TF32_MAX_D always ieee."""
     call = _CALL_FP32.get()
     mode = os.environ.get("NAC_FAST_FP32_DOT")
     if call is not None and (mode is None or call[1]):
@@ -941,8 +1059,9 @@ def fp32_precision(D: int) -> str:
 def call_fp32_mode(dtype: torch.dtype, D: int, kind: str, n: int, N: int,
                    device: torch.device) -> Optional[str]:
     """The fp32 product mode a forward call of `kind` ("inbatch"/"queue") with n rows and N keys
-    on `device` takes from the tuned table (kernels/tuning.py `fp32_choice`: the faster of tf32x3
-    and bf16x6 in the autotune stage's figures at the call's size class), or None: not fp32, D
+    on `device` takes from the tuned table (kernels/tuning.py `fp32_choice`: the fastest of
+    tf32x3, bf16x6 and (in-batch) fp16x3 in the autotune stage's figures at the call's size
+    class), or None: not fp32, D
     above TF32_MAX_D, NAC_FAST_FP32_DOT set (it decides), not a GPU, or no such choice in the
     table (tf32x3 then).  Read when a plan is built, never per cached call."""
     if (dtype != torch.float32 or block_d(D) > TF32_MAX_D or device.type != "cuda"
@@ -951,12 +1070,21 @@ def call_fp32_mode(dtype: torch.dtype, D: int, kind: str, n: int, N: int,
     return tuning.fp32_choice(block_d(D), kind, n, N, target_of(device), device)
 
 
+def _given_keys_mode(mode: str) -> str:
+    """The mode a call with given keys runs for `mode`: fp16x3's fixed scales hold codes in
+    [-1, 1] (the in-batch keys tanh(a)), not any given keys, which run bf16x6 (its parts keep
+    fp32's range; its error is the smaller)."""
+    return "bf16x6" if mode == "fp16x3" else mode
+
+
 def fp32_mode_of(D: int, kind: str, n: int, N: int, device) -> str:
     """The fp32 product mode a forward call of `kind` with n rows and N keys on `device` runs in
-    (`call_fp32_mode`, else `fp32_precision`): what the benches record and bound an fp32 row by."""
+    (`call_fp32_mode`, else `fp32_precision`; given keys: `_given_keys_mode`): what the benches
+    record and bound an fp32 row by."""
     device = torch.device(device)
     with _plan_fp32(call_fp32_mode(torch.float32, D, kind, n, N, device)):
-        return fp32_precision(D)
+        mode = fp32_precision(D)
+    return _given_keys_mode(mode) if kind == "queue" else mode
 
 
 @contextlib.contextmanager
@@ -972,14 +1100,16 @@ def _plan_fp32(mode: Optional[str], over_env: bool = False):
         _CALL_FP32.reset(token)
 
 
-def saves_parts(a: torch.Tensor, keys: Optional[torch.Tensor]) -> bool:
-    """Whether the forward of (a, keys) saves its codes as bf16x6's (3, rows, D) bf16 parts (the
-    fake forward's shapes must be the real one's)."""
+def saved_parts(a: torch.Tensor, keys: Optional[torch.Tensor]) -> tuple:
+    """(parts, part dtype) of the codes the forward of (a, keys) saves (`parts_of`: (3, bf16)
+    in bf16x6, (2, fp16) in fp16x3, (0, None) as (rows, D) codes in a's dtype): the fake
+    forward's shapes must be the real one's."""
+    if a.dtype != torch.float32:
+        return 0, None
     n, D = a.shape
     N = n if keys is None else keys.shape[0]
-    with _plan_fp32(call_fp32_mode(a.dtype, D, "inbatch" if keys is None else "queue", n, N,
-                                   a.device)):
-        return parts_mode(a.dtype, D)
+    mode = fp32_mode_of(D, "inbatch" if keys is None else "queue", n, N, a.device)
+    return PART_MODES.get(mode, (0, None))
 
 
 @contextlib.contextmanager
@@ -1055,8 +1185,8 @@ def _prologue(a, noise, s, launches, seed=None, p=0.0):
     seed, an int; noise None): the prologue draws the noise of `seed` and `p` into a buffer it
     returns as the noise; else `noise` is read and returned."""
     n, D = a.shape
-    parts = parts_mode(a.dtype, D)
-    shape, cdt = ((3, n, D), torch.bfloat16) if parts else ((n, D), a.dtype)
+    parts, pdt = parts_of(a.dtype, D)
+    shape, cdt = ((parts, n, D), pdt) if parts else ((n, D), a.dtype)
     q, k = buffer(shape, cdt, a), buffer(shape, cdt, a)
     if seed is not None:
         noise = buffer((n, D), a.dtype, a)
@@ -1095,6 +1225,9 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
     (n, D) logits of NAC-MQ's online inference network (a's dtype, unit column stride): each
     row's loss then includes the inference term [M:vi] (the finish's VI)."""
     n, D = a.shape
+    if keys is not None and a.dtype == torch.float32 and fp32_precision(D) == "fp16x3":
+        with _plan_fp32(_given_keys_mode("fp16x3"), over_env=True):
+            return fwd_plan(a, r, noise, keys, s, l2, grad_rows, target, seed, p, rv, reduction)
     launches: list = []
     parts = parts_mode(a.dtype, D)  # fp32 in bf16x6: q, k are (3, rows, D) bf16 parts
     q_from_a = keys is not None  # given keys: the forward kernel makes its own Q, no prologue
@@ -1192,10 +1325,20 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
       - several splits: fp32 shares per split, summed in a fixed order by _bwd_rows_kernel (self
         keys) or _sum_splits_kernel (given keys)."""
     n, D = a.shape
+    if a.dtype == torch.float32:
+        # the mode the forward saved its codes in: bf16x6's (3, rows, D) bf16 or fp16x3's (2,
+        # rows, D) fp16 parts, else one whose codes are (rows, D) in a's dtype (the
+        # environment's; tf32x3 where it names a parts mode), whatever NAC_FAST_FP32_DOT says now
+        want = ({torch.bfloat16: "bf16x6", torch.float16: "fp16x3"}[q.dtype] if q.dim() == 3
+                else FP32_PRECISIONS[0] if fp32_precision(D) in PART_MODES else None)
+        if want is not None and fp32_precision(D) != want:
+            with _plan_fp32(want, over_env=True):
+                return bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s, need_a, need_r,
+                                need_keys, target, g_scale, rv, need_rv)
     acc = acc_dtype(a.dtype)
     launches: list = []
     self_keys = keys is None
-    parts = parts_mode(a.dtype, D)  # bf16x6: q, k are the forward's (3, rows, D) parts
+    parts = parts_mode(a.dtype, D)  # bf16x6 / fp16x3: q, k are the forward's parts
     kk = k if self_keys or parts else keys
     N = n if self_keys else keys.shape[0]
     stride_k = D if parts else kk.stride(0)
@@ -1228,7 +1371,8 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
                            if split == 1 else cdiv(q_blocks, split), int(need_r and mode == 2),
                            float(g_scale)),
                           dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_D=bd,
-                               ACC=_tl_acc(a.dtype), GSCALE=a.dtype == torch.float16,
+                               ACC=_tl_acc(a.dtype), GSCALE=a.dtype == torch.float16 or (
+                                   a.dtype == torch.float32 and fp32_precision(D) == "fp16x3"),
                                OUT_MODE=mode, **_dot_consts(a.dtype, D, a.device)),
                           c.num_warps, c.num_stages,
                           "bwd_keys" if mode == 0 else f"bwd_keys_out{mode}",
@@ -1351,14 +1495,8 @@ def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: boo
     g = g if g.dtype == acc else g.to(acc)
 
     def build():
-        # the mode the forward saved its codes in: bf16x6's (3, rows, D) parts, else one whose
-        # codes are (rows, D) in a's dtype (the environment's; tf32x3 where it says bf16x6)
-        mode = "bf16x6" if q.dim() == 3 else (
-            FP32_PRECISIONS[0] if dt == torch.float32
-            and os.environ.get("NAC_FAST_FP32_DOT") == "bf16x6" else None)
-        with _plan_fp32(mode, over_env=True):
-            return bwd_plan(a, r, noise, given, lse, ga, g, q, k, s, need_a, need_r, need_keys,
-                            target_of(a.device), g_scale, rv, need_rv)
+        return bwd_plan(a, r, noise, given, lse, ga, g, q, k, s, need_a, need_r, need_keys,
+                        target_of(a.device), g_scale, rv, need_rv)
 
     key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
            None if given is None else (given.shape[0], given.stride(0)), g.shape, g.stride(),

@@ -33,10 +33,11 @@ Which table a GPU of arch A uses (`table_for`), once per process, announced once
 A tuned configuration that does not fit the GPU (its archs, the shared-memory estimate) is not
 used: the built-in configuration is, and the announcement says so.
 
-fp32's product mode: where a table tuned fp32 in both tf32x3 and bf16x6 at one size class
-(`Table.fp32_mode`), fp32 calls of that kind and class run in the faster whole step (forward plan,
-plus the keys' backward in-batch) when NAC_FAST_FP32_DOT is unset (`fp32_choice`, asked by
-nac_triton.call_fp32_mode when a plan is built); bf16x6 is announced once per class.
+fp32's product mode: where a table tuned fp32 in tf32x3 and another mode (bf16x6; in-batch also
+fp16x3) at one size class (`Table.fp32_mode`), fp32 calls of that kind and class run in the
+fastest whole step (forward plan, plus the keys' backward in-batch) when NAC_FAST_FP32_DOT is
+unset (`fp32_choice`, asked by nac_triton.call_fp32_mode when a plan is built); a mode other than
+tf32x3 is announced once per class.
 
 `forced` (a context) makes `config` return given configurations: the autotune stage and the
 compile check build the launch plans of every candidate with it.
@@ -154,8 +155,10 @@ def _same(a: Config, b: Config) -> bool:
 
 
 # fp32 product modes (NAC_FAST_FP32_DOT) with autotune candidates of their own: tf32x3 (the
-# default) under the dtype's name, bf16x6 under "float32:bf16x6" (nac_triton.CANDIDATES)
-TUNED_FP32_MODES = ("tf32x3", "bf16x6")
+# default) under the dtype's name, bf16x6 and fp16x3 under "float32:<mode>"
+# (nac_triton.CANDIDATES); fp16x3 in-batch only (given keys run bf16x6)
+TUNED_FP32_MODES = ("tf32x3", "bf16x6", "fp16x3")
+IN_BATCH_ONLY_FP32_MODES = ("fp16x3",)
 
 
 def candidate_name(dname: str, precision: Optional[str]) -> str:
@@ -250,13 +253,18 @@ class Table:
         return out
 
     def fp32_mode(self, block_d: int, kind: str, n: int, N: int) -> Optional[str]:
-        """The fp32 product mode this table timed faster for a call (`fp32_step_ms`): the faster
-        of tf32x3 and bf16x6 where both were tuned at the same size class (ties: tf32x3, the
-        built-in default), else None (the default stays)."""
+        """The fp32 product mode this table timed fastest for a call (`fp32_step_ms`): of the
+        modes tuned at the nearest size class where tf32x3 (the built-in default) and at least
+        one other were, the fastest (ties: the earlier of TUNED_FP32_MODES); else None (the
+        default stays).  A mode tuned only at another class is not compared."""
         steps = self.fp32_step_ms(block_d, kind, n, N)
-        if len(steps) < 2 or len({cls for cls, _ in steps.values()}) != 1:
+        if TUNED_FP32_MODES[0] not in steps:
             return None
-        return min(TUNED_FP32_MODES, key=lambda m: (steps[m][1], TUNED_FP32_MODES.index(m)))
+        cls = steps[TUNED_FP32_MODES[0]][0]
+        same = [m for m in TUNED_FP32_MODES if m in steps and steps[m][0] == cls]
+        if len(same) < 2:
+            return None
+        return min(same, key=lambda m: (steps[m][1], TUNED_FP32_MODES.index(m)))
 
 
 def _bad(path: str, what: str) -> ValueError:
@@ -487,11 +495,11 @@ def lookup(kernel: str, dtype: torch.dtype, D: int, target, kind: Optional[str],
 def fp32_choice(block_d: int, kind: str, n: int, N: int, target,
                 device: Optional[torch.device]) -> Optional[str]:
     """The fp32 product mode the tuned table of this GPU chose for a call of `kind` with n query
-    rows and N keys at BLOCK_D `block_d` (`Table.fp32_mode`: the faster of tf32x3 and bf16x6 in
-    the autotune stage's whole-step figures), or None: no table (the interpreter, NAC_FAST_TUNED=0,
-    none for this arch), or one that did not time both modes there.  Never tunes: a first-use
-    autotune tunes the environment's mode only.  A choice of bf16x6 is announced once per size
-    class."""
+    rows and N keys at BLOCK_D `block_d` (`Table.fp32_mode`: the fastest of tf32x3, bf16x6 and
+    (in-batch) fp16x3 in the autotune stage's whole-step figures), or None: no table (the
+    interpreter, NAC_FAST_TUNED=0, none for this arch), or one that did not time tf32x3 and
+    another mode there.  Never tunes: a first-use autotune tunes the environment's mode only.  A
+    choice other than tf32x3 is announced once per size class."""
     if target.arch == 0 or kind not in KINDS or n < 1 or N < 1:
         return None
     source, table = table_for(target.arch, _device_name(_cuda_device(device)))

@@ -403,13 +403,18 @@ def _f64_reference(a, r, noise, keys, p, g, keys_grad):
 
 @pytest.mark.parametrize("kind,n,N,D", [("inbatch", 97, 97, 100), ("queue", 97, 131, 128),
                                         ("keys", 3, 131, 100)])
-@pytest.mark.parametrize("dname", ["bfloat16", "float32"])
-def test_every_candidate_against_float64(kind, n, N, D, dname, monkeypatch):
+@pytest.mark.parametrize("name", ["bfloat16", "float32", "float32:bf16x6", "float32:fp16x3"])
+def test_every_candidate_against_float64(kind, n, N, D, name, monkeypatch):
     """Each candidate block shape of the forward and the keys' backward (the interpreter ignores
     warps and stages), forced into the op's plans at awkward sizes (partial tiles, D < BLOCK_D,
     several splits: 4 interpreter programs), within the tests' budgets against float64: fp32
-    1e-5 (loss) / 1e-4 (gradients), bf16 2.5e-2 (tests/_loss_helpers.py ABS_16)."""
+    1e-5 (loss) / 1e-4 (gradients) in each fp32 mode with candidates of its own, bf16 2.5e-2
+    (tests/_loss_helpers.py ABS_16)."""
+    dname, mode = TU.split_candidate_dtype(name)
+    if mode == "fp16x3" and kind != "inbatch":
+        pytest.skip("fp16x3 is in-batch only: given keys run bf16x6")
     monkeypatch.setenv("NAC_FAST_TRITON_CPU_PROGRAMS", "4")
+    monkeypatch.setenv("NAC_FAST_FP32_DOT", mode or "tf32x3")
     dtype = getattr(torch, dname)
     tol_v, tol_g = (1e-5, 1e-4) if dtype == torch.float32 else (2.5e-2, 2.5e-2)
     gen = torch.Generator().manual_seed(n + N + D)
@@ -424,8 +429,8 @@ def test_every_candidate_against_float64(kind, n, N, D, dname, monkeypatch):
     s = nac_fast.channel_scale(p)
     target = KL.target_of(a.device)
     acc = torch.float32
-    fwd_c = _distinct_blocks(NT.CANDIDATES[("fwd", dname, 128)])
-    bwd_c = _distinct_blocks(NT.CANDIDATES[("bwd_keys", dname, 128)])
+    fwd_c = _distinct_blocks(NT.CANDIDATES[("fwd", name, 128)])
+    bwd_c = _distinct_blocks(NT.CANDIDATES[("bwd_keys", name, 128)])
     for i in range(max(len(fwd_c), len(bwd_c))):
         fc, bc = fwd_c[i % len(fwd_c)], bwd_c[i % len(bwd_c)]
         with TU.forced(fwd=fc, bwd_keys=bc):
@@ -482,9 +487,9 @@ def test_autotune_stage_cpu_mode(tmp_path):
 
 
 def test_autotune_tunes_fp32_in_each_product_mode_with_candidates(tmp_path):
-    """An fp32 case is tuned once per product mode with candidates of its own (tf32x3, bf16x6):
-    the table holds an entry of each precision, each naming its own mode's candidate, and the
-    caller's NAC_FAST_FP32_DOT is left as it was."""
+    """An fp32 case is tuned once per product mode with candidates of its own (tf32x3, bf16x6,
+    in-batch fp16x3): the table holds an entry of each precision, each naming its own mode's
+    candidate, and the caller's NAC_FAST_FP32_DOT is left as it was."""
     out = tmp_path / "tune"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "autotune.py"), "--cpu", "--out-dir",
            str(out), "--max-candidates", "2", "--cases", "float32:inbatch:40"]
@@ -494,21 +499,21 @@ def test_autotune_tunes_fp32_in_each_product_mode_with_candidates(tmp_path):
     with open(out / "autotune.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(r["kernel"], r["precision"]) for r in rows} == {
-        (k, p) for k in ("fwd", "bwd_keys") for p in ("tf32x3", "bf16x6")}
+        (k, p) for k in ("fwd", "bwd_keys") for p in ("tf32x3", "bf16x6", "fp16x3")}
     # (on the interpreter a candidate's waves change nothing: "no-effect" rows)
     assert all(r["status"] == "ok" or r["status"].startswith(("no-effect", "same plan"))
                for r in rows), [r["status"] for r in rows]
     t = TU.load_table(str(out / "cpu_interpreter.json"))
     assert sorted((e["kernel"], e["precision"]) for e in t.entries) == sorted(
-        (k, p) for k in ("fwd", "bwd_keys") for p in ("tf32x3", "bf16x6"))
+        (k, p) for k in ("fwd", "bwd_keys") for p in ("tf32x3", "bf16x6", "fp16x3"))
     # the mode the table makes such calls run in, said last with the two steps' figures
     mode = t.fp32_mode(128, "inbatch", 40, 40)
     line = [x for x in proc.stdout.splitlines() if x.startswith("autotune: fp32 inbatch 40:")]
     assert len(line) == 1 and mode in TU.TUNED_FP32_MODES, proc.stdout[-2000:]
-    assert "tf32x3 " in line[0] and "bf16x6 " in line[0] and line[0].split("-> ")[1].startswith(
-        mode)
+    assert all(f"{m} " in line[0] for m in TU.TUNED_FP32_MODES)
+    assert line[0].split("-> ")[1].startswith(mode)
     for e in t.entries:
-        name = "float32" if e["precision"] == "tf32x3" else "float32:bf16x6"
+        name = "float32" if e["precision"] == "tf32x3" else f"float32:{e['precision']}"
         assert TU.entry_config(e) in NT.CANDIDATES[(e["kernel"], name, 128)]
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import autotune
@@ -516,6 +521,7 @@ def test_autotune_tunes_fp32_in_each_product_mode_with_candidates(tmp_path):
     try:
         work = autotune.work_list([("float32", "queue", 24, 72)], 128, KL.Target(0, 1 << 30, 4),
                                   0, False)
+        # (fp16x3 is in-batch only: given keys run bf16x6)
         assert [(k, m) for _, k, _, m in work] == [("fwd", "tf32x3"), ("fwd", "bf16x6")]
         assert work[1][2] == NT.CANDIDATES[("fwd", "float32:bf16x6", 128)]
         assert os.environ["NAC_FAST_FP32_DOT"] == "ieee"
@@ -621,3 +627,24 @@ def test_no_fp32_choice_across_size_classes_or_without_a_table(monkeypatch):
                              torch.device("cpu")) is None
     assert NT.call_fp32_mode(torch.float32, 128, "inbatch", 8192, 8192,
                              torch.device("cpu")) is None   # not a GPU
+
+
+def test_the_table_chooses_among_three_fp32_modes_in_batch():
+    """In-batch, fp16x3 (in-batch only) competes too: the fastest of the modes tuned at the
+    class where tf32x3 was; without tf32x3 there, no choice."""
+    F16, B16 = (NT.CANDIDATES[("fwd", "float32:fp16x3", 128)][0],
+                NT.CANDIDATES[("bwd_keys", "float32:fp16x3", 128)][0])
+
+    def h(ms):
+        out = []
+        for kernel, c, m in (("fwd", F16, ms[0]), ("bwd_keys", B16, ms[1])):
+            e = entry(kernel, "inbatch", 8192, 8192, c, "float32", "fp16x3")
+            e["median_ms"] = m
+            out.append(e)
+        return out
+    ship(table(fp32_entries((1.0, 0.9), (0.5, 0.4)) + h((0.3, 0.2))))
+    assert TU.fp32_choice(128, "inbatch", 8192, 8192, KL.SM90, None) == "fp16x3"
+    ship(table(fp32_entries((1.0, 0.9), (0.5, 0.4)) + h((0.6, 0.5))))
+    assert TU.fp32_choice(128, "inbatch", 8192, 8192, KL.SM90, None) == "bf16x6"
+    ship(table(fp32_entries(None, (0.5, 0.4)) + h((0.3, 0.2))))
+    assert TU.fp32_choice(128, "inbatch", 8192, 8192, KL.SM90, None) is None

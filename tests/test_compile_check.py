@@ -58,8 +58,8 @@ def test_the_grid_is_covered(check_rows):
         # both modes, and fp32's four product modes, were planned
         fwd = [r for r in check_rows if r["kernel"] == "fwd" and r["arch"] == arch]
         assert {m for r in fwd for m in r["modes"].split("+")} == {"inbatch", "queue"}
-        assert {r["precision"] for r in fwd if r["dtype"] == "float32"} == {"tf32x3", "tf32",
-                                                                            "ieee", "bf16x6"}
+        assert {r["precision"] for r in fwd if r["dtype"] == "float32"} == {
+            "tf32x3", "tf32", "ieee", "bf16x6", "fp16x3"}
 
 
 @pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
@@ -75,8 +75,8 @@ def test_smem_estimate_bounds_the_compiled_figure(check_rows):
 def test_matrix_kernels_use_tensor_cores(check_rows):
     for r in check_rows:
         if r["kernel"] in ("fwd", "bwd_keys") and (r["dtype"] in ("bfloat16", "float16")
-                                                   or r["precision"] in ("tf32", "tf32x3",
-                                                                         "bf16x6")):
+                                                   or r["precision"] in (
+                                                       "tf32", "tf32x3", "bf16x6", "fp16x3")):
             assert int(r["mma_count"]) > 0 and r["mma_instr"], r
     # Hopper's warpgroup MMA on the headline shape (bf16, D = 128)
     hopper = [r for r in check_rows if r["kernel"] in ("fwd", "bwd_keys") and r["arch"] == "90"
@@ -116,6 +116,8 @@ def _row(**kw):
     (_row(dtype="float32", precision="tf32x3", spill_load_bytes=4), "spills"),
     (_row(dtype="float32", precision="bf16x6", spill_store_bytes=4), "spills"),  # 16-bit parts
     (_row(dtype="float32", precision="bf16x6", mma_count=0), "tensor-core"),
+    (_row(dtype="float32", precision="fp16x3", spill_store_bytes=4), "spills"),
+    (_row(dtype="float32", precision="fp16x3", mma_count=0), "tensor-core"),
     (_row(dtype="float32", precision="ieee", spill_store_bytes=64), None),  # FMA path: reported
     (_row(dtype="float64", precision="ieee-fp64", spill_store_bytes=64), None),
     (_row(mma_count=0), "tensor-core"),
@@ -210,9 +212,9 @@ def test_compile_check_records_occupancy(check_rows):
 # ---- autotune candidates (issue 38): a tuned table may name only compile-checked ones --------
 
 def _candidate_name(dtype, precision):
-    """The CANDIDATES key's dtype part of a launch or row: "float32:bf16x6" for fp32 in bf16x6
-    (kernels/tuning.py candidate_dtype), else the dtype."""
-    return f"{dtype}:{precision}" if precision == "bf16x6" else dtype
+    """The CANDIDATES key's dtype part of a launch or row: "float32:bf16x6" / "float32:fp16x3"
+    for fp32 in those modes (kernels/tuning.py candidate_dtype), else the dtype."""
+    return f"{dtype}:{precision}" if precision in ("bf16x6", "fp16x3") else dtype
 
 
 def _candidate_keys(arch):

@@ -56,6 +56,10 @@ def test_roofline_queue_fp32_modes_and_h200():
     bf = roofline.bound("queue", n, N, D, "bfloat16", H100)
     assert x6["matrix_s"] == pytest.approx(6 * bf["matrix_s"])
     assert x6["bytes"] == x3["bytes"] and x6["matrix_unit"] == "bf16x6 tensor cores"
+    h3 = roofline.bound("inbatch", n, n, D, "float32", H100, fp32_mode="fp16x3")  # three fp16
+    bfi = roofline.bound("inbatch", n, n, D, "bfloat16", H100)
+    assert h3["matrix_s"] == pytest.approx(3 * bfi["matrix_s"])
+    assert h3["matrix_unit"] == "fp16x3 tensor cores"
     keys = roofline.bound("queue", n, N, D, "bfloat16", H100, keys_grad=True)
     assert keys["products"] == 4 and keys["exps"] == 2 * n * N
     sheet = roofline.bound("inbatch", 4096, 4096, 128, "bfloat16", H100, ceilings_from="datasheet")

@@ -43,13 +43,13 @@ def _fake_bwd(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys):
 
 
 def _fake_fwd_triton(a, r, noise, keys, s, l2, grad_rows):
-    from ..kernels.nac_triton import saves_parts
+    from ..kernels.nac_triton import saved_parts
     n, d = a.shape
-    if saves_parts(a, keys):  # fp32 in bf16x6: the codes are (3, rows, D) bf16 parts
+    parts, pdt = saved_parts(a, keys)
+    if parts:  # fp32 in bf16x6 / fp16x3: the codes are (parts, rows, D) 16-bit parts
         nk = n if keys is None else keys.shape[0]
         return (*_fake_fwd(a, r, noise, keys, s, l2, grad_rows),
-                a.new_empty((3, n, d), dtype=torch.bfloat16),
-                a.new_empty((3, nk, d), dtype=torch.bfloat16))
+                a.new_empty((parts, n, d), dtype=pdt), a.new_empty((parts, nk, d), dtype=pdt))
     return (*_fake_fwd(a, r, noise, keys, s, l2, grad_rows), a.new_empty((n, d)),
             a.new_empty((n, d) if keys is None else (0,)))
 
