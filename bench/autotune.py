@@ -434,8 +434,8 @@ def main(argv=None) -> int:
 
 def fp32_decisions(table, cases, D: int) -> list:
     """One line per fp32 case: the product mode the table makes fp32 calls of that case run in
-    (kernels/tuning.py Table.fp32_mode: the faster whole step of tf32x3 and bf16x6, which the
-    launchers then take where NAC_FAST_FP32_DOT is unset), with the steps' figures."""
+    (kernels/tuning.py Table.fp32_mode: the fastest whole step of the modes tuned there, which
+    the launchers then take where NAC_FAST_FP32_DOT is unset), with the steps' figures."""
     import torch
     from nac_fast.kernels import nac_triton as NT
     out = []
@@ -449,8 +449,8 @@ def fp32_decisions(table, cases, D: int) -> list:
                    + f": step (fwd" + (" + keys' bwd" if kind == "inbatch" else "")
                    + f") {figures} -> "
                    + (f"{mode} (the launchers' fp32 mode here unless NAC_FAST_FP32_DOT is set)"
-                      if mode else f"no choice (both modes not tuned at one size class): "
-                      f"{NT.FP32_PRECISIONS[0]} stays"))
+                      if mode else "no choice (tf32x3 and another mode not tuned at one size "
+                      f"class): {NT.FP32_PRECISIONS[0]} stays"))
     return out
 
 

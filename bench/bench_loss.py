@@ -304,15 +304,13 @@ def append_rows(path, rows, fields=FIELDS):
         w.writerows(rows)
 
 
-def roofline_bound(device, dev_name, kind, n, N, D, dtype):
-    """roofline.bound(...) for this case, or None off a GPU roofline knows."""
+def roofline_bound(device, dev_name, kind, n, N, D, dtype, fp32_mode=""):
+    """roofline.bound(...) for this case, or None off a GPU roofline knows; fp32_mode: the fp32
+    rows' product mode (`_fp32_dot`; "" for the 16-bit ones)."""
     if device != "cuda" or not roofline.known_gpu(dev_name):
         return None
-    # the mode the kernels run (the environment's, or the tuned table's choice for the call)
-    from nac_fast.kernels.nac_triton import fp32_mode_of
-    kname = "queue" if kind == "mq" else "inbatch"
-    fp32_mode = fp32_mode_of(D, kname, n, N, device)
-    return roofline.bound(kname, n, N, D, str(dtype)[6:], dev_name, fp32_mode=fp32_mode)
+    return roofline.bound("queue" if kind == "mq" else "inbatch", n, N, D, str(dtype)[6:],
+                          dev_name, fp32_mode=fp32_mode or "tf32x3")
 
 
 def _fp32_dot(dtype, D, kind, n, N, device) -> str:
@@ -404,12 +402,13 @@ def main(argv=None):
         flops = (6 if kind == "inbatch" else 4) * n * N * args.D
         for dtype in dtypes:
             ref_t = ref_mem = None
-            bnd = roofline_bound(args.device, dev_name, kind, n, N, args.D, dtype)
+            fp32_dot = _fp32_dot(dtype, args.D, kind, n, N, args.device)
+            bnd = roofline_bound(args.device, dev_name, kind, n, N, args.D, dtype, fp32_dot)
             for b in variants(backends, args.compile_reference, args.graphs):
                 base = dict(common, kind=kind, n=n, N=N, D=args.D, dtype=str(dtype)[6:], backend=b,
                             bound_s="" if bnd is None else f"{bnd['bound_s']:.9f}",
                             bound_limiter="" if bnd is None else bnd["limiter"],
-                            fp32_dot=_fp32_dot(dtype, args.D, kind, n, N, args.device))
+                            fp32_dot=fp32_dot)
                 counter = None
                 try:
                     if b == "compiled-reference":

@@ -115,13 +115,78 @@ def _saved_codes(a, r, noise, keys, target):
     """(q, k) the backward plans read, as the op hands them on from its forward (nac_triton
     `fwd`): the forward plan's codes (bf16x6, fp16x3: their 16-bit parts); with given keys, k is
     empty (the keys themselves are read) except in bf16x6 (which fp16x3 runs there), where it is
-    their parts."""
+    their (3, N, D) parts."""
     import torch
     from nac_fast.kernels import nac_triton
     _, (_, _, _, q, k, _) = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, True, target)
-    if keys is not None and not nac_triton.parts_mode(a.dtype, a.shape[1]):
+    if keys is not None and k.dim() != 3:
         k = torch.empty((0,), dtype=a.dtype, device=a.device)
     return q, k
+
+
+def _split_targets(target):
+    """`target`, and the same arch with 1 SM and with 65536: a backward plan's split then is the
+    target's, one (the fused output modes) and many (the split shares and their sums)."""
+    return (target, dataclasses.replace(target, sms=1, occupancy=None),
+            dataclasses.replace(target, sms=1 << 16, occupancy=None))
+
+
+def _loss_plans(target, dname, ds, modes, n, N, meta):
+    """(case, launch) of the loss's forward and backward plans in `dname` at each D and mode
+    (`_plans`), fp32 in the environment's product mode."""
+    import torch
+    from nac_fast.kernels import nac_triton
+
+    dtype = getattr(torch, dname)
+    for D in ds:
+        a = torch.empty((n, D), dtype=dtype, **meta)
+        r, noise = torch.empty_like(a), torch.empty_like(a)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        lse, g = torch.empty(n, dtype=acc, **meta), torch.empty(n, dtype=acc, **meta)
+        for mode in modes:
+            keys = None if mode == "inbatch" else torch.empty((N, D), dtype=dtype, **meta)
+            case = dict(dtype=dname, D=D, mode=mode)
+            for grad in (True, False):
+                launches, _ = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, grad, target)
+                for L in launches:
+                    yield case, L
+            # the kernel that draws the noise from a seed (the eager calls' with noise=None:
+            # the prologue in-batch, the forward kernel with given keys), the seed in a
+            # tensor (drawn on the device: graph capture) or drawn on the host (an int)
+            for seed in (torch.empty(1, dtype=torch.int64, **meta), 3 << 61):
+                launches, _ = nac_triton.fwd_plan(a, r, None, keys, 1.1, 0.1, True, target,
+                                                  seed=seed, p=0.1)
+                for L in launches:
+                    if L.constexprs.get("SEEDED"):
+                        yield case, L
+            # the finish that reduces the rows itself (eager calls, reduction mean/sum)
+            launches, _ = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, True, target,
+                                              reduction="mean")
+            for L in launches:
+                if L.tag == "finish":
+                    yield case, L
+            if keys is not None:  # NACMQLoss: the inference term in the finish and bwd_rows
+                launches, _ = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, True, target,
+                                                  rv=r)
+                for L in launches:
+                    if L.tag == "finish":
+                        yield case, L
+            # the backward with everything needed (training: a, r; gathered keys: keys too),
+            # with the target's split, with one split (the fused output modes) and with many
+            # (the split shares and their sums): other batch sizes reach each of them
+            ga = torch.empty((n, D), dtype=acc, **meta)
+            q, k = _saved_codes(a, r, noise, keys, target)
+            for t in _split_targets(target):
+                launches, _ = nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, q, k, 1.1,
+                                                  True, True, keys is not None, t)
+                for L in launches:
+                    yield case, L
+            if keys is not None:  # NAC-MQ's backward with the inference term's d/dr
+                launches, _ = nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, q, k, 1.1,
+                                                  True, False, False, target, rv=r,
+                                                  need_rv=True)
+                for L in launches:
+                    yield case, L
 
 
 def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
@@ -132,63 +197,8 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
     meta = dict(device="meta")
     n, N = 8192, 65536
     for dname, fp32_mode in _fp32_modes(dtypes, fp32_modes):
-        dtype = getattr(torch, dname)
-        if fp32_mode:
-            os.environ["NAC_FAST_FP32_DOT"] = fp32_mode
-        else:
-            os.environ.pop("NAC_FAST_FP32_DOT", None)
-        for D in ds:
-            a = torch.empty((n, D), dtype=dtype, **meta)
-            r, noise = torch.empty_like(a), torch.empty_like(a)
-            acc = torch.float64 if dtype == torch.float64 else torch.float32
-            lse, g = torch.empty(n, dtype=acc, **meta), torch.empty(n, dtype=acc, **meta)
-            for mode in modes:
-                keys = None if mode == "inbatch" else torch.empty((N, D), dtype=dtype, **meta)
-                case = dict(dtype=dname, D=D, mode=mode)
-                for grad in (True, False):
-                    launches, _ = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, grad,
-                                                               target)
-                    for L in launches:
-                        yield case, L
-                # the kernel that draws the noise from a seed (the eager calls' with noise=None:
-                # the prologue in-batch, the forward kernel with given keys), the seed in a
-                # tensor (drawn on the device: graph capture) or drawn on the host (an int)
-                for seed in (torch.empty(1, dtype=torch.int64, **meta), 3 << 61):
-                    launches, _ = nac_triton.fwd_plan(a, r, None, keys, 1.1, 0.1, True, target,
-                                                      seed=seed, p=0.1)
-                    for L in launches:
-                        if L.constexprs.get("SEEDED"):
-                            yield case, L
-                # the finish that reduces the rows itself (eager calls, reduction mean/sum)
-                launches, _ = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, True, target,
-                                                  reduction="mean")
-                for L in launches:
-                    if L.tag == "finish":
-                        yield case, L
-                if keys is not None:  # NACMQLoss: the inference term in the finish and bwd_rows
-                    launches, _ = nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.1, True, target,
-                                                      rv=r)
-                    for L in launches:
-                        if L.tag == "finish":
-                            yield case, L
-                # the backward with everything needed (training: a, r; gathered keys: keys too),
-                # with the target's split, with one split (the fused output modes) and with many
-                # (the split shares and their sums): other batch sizes reach each of them
-                ga = torch.empty((n, D), dtype=acc, **meta)
-                q, k = _saved_codes(a, r, noise, keys, target)
-                for t in (target, dataclasses.replace(target, sms=1, occupancy=None),
-                          dataclasses.replace(target, sms=1 << 16, occupancy=None)):
-                    launches, _ = nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, q, k, 1.1,
-                                                      True, True, keys is not None, t)
-                    for L in launches:
-                        yield case, L
-                if keys is not None:  # NAC-MQ's backward with the inference term's d/dr
-                    launches, _ = nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, q, k, 1.1,
-                                                      True, False, False, target, rv=r,
-                                                      need_rv=True)
-                    for L in launches:
-                        yield case, L
-    os.environ.pop("NAC_FAST_FP32_DOT", None)
+        with nac_triton.fp32_dot(fp32_mode):  # restored after: the caller's setting stays
+            yield from _loss_plans(target, dname, ds, modes, n, N, meta)
     out = torch.empty((4096, 128), dtype=torch.float32, **meta)
     seed = torch.empty(1, dtype=torch.int64, **meta)
     for L in nac_noise_triton.noise_plan(out, seed, 0.1):
@@ -240,10 +250,7 @@ def _candidate_plans(target, dtypes):
         dname, fp32_mode = tuning.split_candidate_dtype(name)
         if dname not in dtypes:
             continue
-        if fp32_mode:
-            os.environ["NAC_FAST_FP32_DOT"] = fp32_mode
-        else:
-            os.environ.pop("NAC_FAST_FP32_DOT", None)
+        plan_mode = fp32_mode or (nac_triton.FP32_PRECISIONS[0] if dname == "float32" else None)
         dtype = getattr(torch, dname)
         D = bd
         a = torch.empty((n, D), dtype=dtype, **meta)
@@ -261,7 +268,8 @@ def _candidate_plans(target, dtypes):
                     continue  # given keys run bf16x6 (nac_triton._given_keys_mode)
                 keys = None if mode == "inbatch" else torch.empty((N, D), dtype=dtype, **meta)
                 case = dict(dtype=dname, D=D, mode=mode, source="candidate")
-                with tuning.forced(**{kernel: c}):
+                # (fp32_dot restores the caller's setting after)
+                with tuning.forced(**{kernel: c}), nac_triton.fp32_dot(plan_mode):
                     if kernel == "fwd":
                         for grad in (True, False):
                             launches, _ = nac_triton.fwd_plan(a, a, a, keys, 1.1, 0.1, grad,
@@ -271,14 +279,12 @@ def _candidate_plans(target, dtypes):
                                     yield case, L
                         continue
                     q, k = _saved_codes(a, a, a, keys, target)
-                    for t in (target, dataclasses.replace(target, sms=1, occupancy=None),
-                              dataclasses.replace(target, sms=1 << 16, occupancy=None)):
+                    for t in _split_targets(target):
                         launches, _ = nac_triton.bwd_plan(a, a, a, keys, lse, ga, g, q, k, 1.1,
                                                           True, True, keys is not None, t)
                         for L in launches:
                             if L.tag.startswith("bwd_keys"):
                                 yield case, L
-    os.environ.pop("NAC_FAST_FP32_DOT", None)
 
 
 def compile_only(job):

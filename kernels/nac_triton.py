@@ -38,11 +38,10 @@ Precision (docs/kernels.md "Precision"): bf16/fp16 inputs multiply on tensor cor
 max, logsumexp, the Bernoulli term and every reduction are fp32.  fp32 inputs use tf32x3 (three
 TF32 products, fp32-level accuracy on tensor cores) unless NAC_FAST_FP32_DOT=ieee (exact FMA),
 =tf32, =bf16x6 (D <= 128: each operand three bf16 parts, six bf16 products, `parts_mode`; the
-prologue / _parts_kernel store the parts, so the loops run the 16-bit tilings), =fp16x3 (D <= 128,
-in-batch: two fp16 parts of fixed power-of-two scalings, three fp16 products, H_Q / H_K; given
-keys run bf16x6), or, with it
-unset, where the GPU's tuned table timed bf16x6 faster at the call's shape (`call_fp32_mode`).
-fp64 is the correctness path (FMA, fp64 throughout).
+prologue / _parts_kernel store the parts, so the loops run the 16-bit tilings) or =fp16x3 (D <=
+128, in-batch: two fp16 parts of fixed power-of-two scalings, three fp16 products, H_Q / H_K;
+given keys run bf16x6); with it unset, the mode the GPU's tuned table timed fastest at the call's
+shape (`call_fp32_mode`).  fp64 is the correctness path (FMA, fp64 throughout).
 
 The interpreter (TRITON_INTERPRET=1, CPU tensors, what CI runs) has no tanh: _tanh below is the
 same polynomial/exp formula as csrc/nac_math.h, on the GPU too, so CI checks the math the GPU runs.
@@ -299,16 +298,13 @@ def _prologue_kernel(A, NOISE, Q, K, SEED, seed_val, n, D, stride_a, stride_m, s
     m, z = _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, mask, D, stride_a, stride_m,
                            p, True, ACC, SEEDED)
     out = rows64[:, None] * D + cols[None, :]
-    if PARTS == 3:
+    if PARTS != 0:
         part = n.to(tl.int64) * D
-        _store_parts(Q, out, m * z * scale2, mask, part, RNE)
+        QH: tl.constexpr = H_Q if PARTS == 2 else 1.0  # fp16x3's fixed scales
+        KH: tl.constexpr = H_K if PARTS == 2 else 1.0
+        _store_parts(Q, out, m * z * (scale2 * QH), mask, part, RNE, PARTS)
         if write_k != 0:
-            _store_parts(K, out, z, mask, part, RNE)
-    elif PARTS == 2:
-        part = n.to(tl.int64) * D
-        _store_parts(Q, out, m * z * (scale2 * H_Q), mask, part, RNE, 2)
-        if write_k != 0:
-            _store_parts(K, out, z * H_K, mask, part, RNE, 2)
+            _store_parts(K, out, z * KH, mask, part, RNE, PARTS)
     else:
         tl.store(Q + out, (m * z * scale2).to(Q.dtype.element_ty), mask=mask)
         if write_k != 0:
@@ -809,8 +805,9 @@ def _sum_splits_kernel(PDK, OUT, numel, split, BLOCK: tl.constexpr):
 def _family(dtype: torch.dtype, D: Optional[int] = None) -> str:
     """The CONFIGS family: "16", "32", "64"; for fp32 at D in parts (16-bit part tiles), "32p"
     (bf16x6) or "32h" (fp16x3)."""
-    if D is not None and parts_mode(dtype, D):
-        return "32p" if fp32_precision(D) == "bf16x6" else "32h"
+    parts = parts_of(dtype, D)[0] if D is not None else 0
+    if parts:
+        return "32p" if parts == 3 else "32h"
     return {torch.bfloat16: "16", torch.float16: "16", torch.float32: "32",
             torch.float64: "64"}[dtype]
 
@@ -1061,9 +1058,9 @@ def call_fp32_mode(dtype: torch.dtype, D: int, kind: str, n: int, N: int,
     """The fp32 product mode a forward call of `kind` ("inbatch"/"queue") with n rows and N keys
     on `device` takes from the tuned table (kernels/tuning.py `fp32_choice`: the fastest of
     tf32x3, bf16x6 and (in-batch) fp16x3 in the autotune stage's figures at the call's size
-    class), or None: not fp32, D
-    above TF32_MAX_D, NAC_FAST_FP32_DOT set (it decides), not a GPU, or no such choice in the
-    table (tf32x3 then).  Read when a plan is built, never per cached call."""
+    class), or None: not fp32, D above TF32_MAX_D, NAC_FAST_FP32_DOT set (it decides), not a GPU,
+    or no such choice in the table (tf32x3 then).  Read when a plan is built, never per cached
+    call."""
     if (dtype != torch.float32 or block_d(D) > TF32_MAX_D or device.type != "cuda"
             or os.environ.get("NAC_FAST_FP32_DOT") is not None):
         return None
@@ -1135,7 +1132,7 @@ def fp32_dot(mode: Optional[str]):
 
 
 def _dot_consts(dtype: torch.dtype, D: int, device: torch.device) -> dict:
-    # UPCAST: the interpreter's widened 16-bit products (bf16x6's part tiles are bf16 too)
+    # UPCAST: the interpreter's widened 16-bit products (bf16x6's and fp16x3's part tiles too)
     return dict(PRECISION=fp32_precision(D) if dtype == torch.float32 else "ieee",
                 UPCAST=device.type == "cpu" and (dtype in (torch.bfloat16, torch.float16)
                                                  or parts_mode(dtype, D)))
@@ -1233,8 +1230,9 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
     q_from_a = keys is not None  # given keys: the forward kernel makes its own Q, no prologue
     if q_from_a:
         N = keys.shape[0]
-        if parts:  # the keys' parts, made once for the forward and the keys' backward
-            q, k = buffer((3, n, D), torch.bfloat16, a), buffer((3, N, D), torch.bfloat16, a)
+        if parts:  # the keys' parts, made once for the forward and the keys' backward (bf16x6)
+            np_, pdt = parts_of(a.dtype, D)
+            q, k = buffer((np_, n, D), pdt, a), buffer((np_, N, D), pdt, a)
             bm = _rows_block(D, a.dtype)
             launches.append(Launch(_parts_kernel, (cdiv(N, bm),), (keys, k, N, D, keys.stride(0)),
                                    dict(BLOCK_M=bm, BLOCK_D=block_d(D),
@@ -1329,9 +1327,10 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
         # the mode the forward saved its codes in: bf16x6's (3, rows, D) bf16 or fp16x3's (2,
         # rows, D) fp16 parts, else one whose codes are (rows, D) in a's dtype (the
         # environment's; tf32x3 where it names a parts mode), whatever NAC_FAST_FP32_DOT says now
+        now = fp32_precision(D)
         want = ({torch.bfloat16: "bf16x6", torch.float16: "fp16x3"}[q.dtype] if q.dim() == 3
-                else FP32_PRECISIONS[0] if fp32_precision(D) in PART_MODES else None)
-        if want is not None and fp32_precision(D) != want:
+                else FP32_PRECISIONS[0] if now in PART_MODES else None)
+        if want is not None and now != want:
             with _plan_fp32(want, over_env=True):
                 return bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s, need_a, need_r,
                                 need_keys, target, g_scale, rv, need_rv)
@@ -1371,8 +1370,9 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
                            if split == 1 else cdiv(q_blocks, split), int(need_r and mode == 2),
                            float(g_scale)),
                           dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_D=bd,
-                               ACC=_tl_acc(a.dtype), GSCALE=a.dtype == torch.float16 or (
-                                   a.dtype == torch.float32 and fp32_precision(D) == "fp16x3"),
+                               # fp16 operand tiles (fp16, fp32 in fp16x3): P^T g lifted
+                               ACC=_tl_acc(a.dtype), GSCALE=torch.float16 in (
+                                   a.dtype, parts_of(a.dtype, D)[1]),
                                OUT_MODE=mode, **_dot_consts(a.dtype, D, a.device)),
                           c.num_warps, c.num_stages,
                           "bwd_keys" if mode == 0 else f"bwd_keys_out{mode}",
@@ -1466,8 +1466,8 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: f
             launches, (loss, lse, ga, q, k, m) = fwd_plan(a, r, noise, given, s, l2, grad_rows,
                                                           target_of(a.device), seed, p, rv,
                                                           reduction)
-            # given keys: the backward reads the keys themselves (in bf16x6, k: their parts)
-            keep_k = keys is None or parts_mode(dt, D)
+        # given keys: the backward reads the keys themselves, or (in bf16x6) their parts, k
+        keep_k = keys is None or k.dim() == 3
         return launches, (loss, lse, ga, q, k if keep_k else buffer((0,), dt, a), m)
 
     key = (a.shape, a.stride(0), r.stride(0), None if noise is None else noise.stride(0), dt,

@@ -55,7 +55,7 @@ def test_the_grid_is_covered(check_rows):
                 fused = nac_triton.FUSED_CONFIGS.get((fam, D), "default") is not None
                 assert (("bwd_keys_out2", arch, dtype, str(D)) in seen) == fused, (arch, dtype, D)
         assert any(r["kernel"] == "sum_splits" and r["arch"] == arch for r in check_rows)
-        # both modes, and fp32's four product modes, were planned
+        # both modes, and fp32's five product modes, were planned
         fwd = [r for r in check_rows if r["kernel"] == "fwd" and r["arch"] == arch]
         assert {m for r in fwd for m in r["modes"].split("+")} == {"inbatch", "queue"}
         assert {r["precision"] for r in fwd if r["dtype"] == "float32"} == {
@@ -212,9 +212,11 @@ def test_compile_check_records_occupancy(check_rows):
 # ---- autotune candidates (issue 38): a tuned table may name only compile-checked ones --------
 
 def _candidate_name(dtype, precision):
-    """The CANDIDATES key's dtype part of a launch or row: "float32:bf16x6" / "float32:fp16x3"
-    for fp32 in those modes (kernels/tuning.py candidate_dtype), else the dtype."""
-    return f"{dtype}:{precision}" if precision in ("bf16x6", "fp16x3") else dtype
+    """The CANDIDATES key's dtype part of a candidate launch or row (kernels/tuning.py
+    candidate_name: "float32:bf16x6" / "float32:fp16x3" for fp32 in those modes, else the
+    dtype)."""
+    from nac_fast.kernels import tuning
+    return tuning.candidate_name(dtype, precision)
 
 
 def _candidate_keys(arch):
