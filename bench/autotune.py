@@ -11,10 +11,12 @@ What it times, per case (GPU default, D = 128: bf16 in-batch 8192 and 16384, que
 then fp32 in-batch 8192 and queue 8192 x 65536, once in each fp32 product mode with candidates of
 its own, tf32x3, bf16x6 and (in-batch) fp16x3: NAC_FAST_FP32_DOT is set per case, whatever the
 caller's) and kernel:
-  fwd        the forward's plan (prologue, _fwd_kernel, finish: the finish merges as many splits
-             as the candidate makes) with the rows' gradient, as training runs it;
-  bwd_keys   the backward's plan from the forward's saved tensors (_bwd_keys_kernel and the
-             rows' backward or split sums after it); in-batch only (the queue takes no gradient).
+  fwd        the forward's plan (prologue, _fwd_kernel with its finish folded in, or the finish
+             after it: the finish merges as many splits as the candidate makes) with the rows'
+             gradient, as training runs it;
+  bwd_keys   the backward's plan from the forward's saved tensors (_bwd_keys_kernel with the
+             rows' backward folded in, or the rows' backward or split sums after it); in-batch
+             only (the queue takes no gradient).
 Each candidate: its launches captured in a CUDA graph, the replays timed by triton.testing.do_bench
 (median, p20, p80; L2 flushed between replays), its outputs checked against the built-in
 configuration's (norm-wise relative difference; kernels/tuning.py CHECK_TOL), random data.  The
@@ -232,7 +234,10 @@ def precompile(work, target, jobs):
     for case, kernel, cands, mode in work:
         meta = TU.case_inputs(case, "meta")
         for per_sm in (1, 2, 3, 4):
-            t = dataclasses.replace(target, sms=target.sms * per_sm, occupancy=None)
+            # (no compiler in the loop: the folded kernels are planned, and a folded kernel
+            # that spills, which the timed plan leaves unfolded, compiles when timed)
+            t = dataclasses.replace(target, sms=target.sms * per_sm, occupancy=None,
+                                    spills=None)
             with NT.fp32_dot(mode):
                 fwd_l, _, _, state = TU.plan_call("fwd", case, meta, t, None)
                 plans = [fwd_l]

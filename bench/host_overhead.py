@@ -15,6 +15,8 @@ kernels/launch.py Plan calls on a GPU).  Everything else runs as on a GPU: the l
 checks (value checks off, as on GPU tensors), the noise op, the autograd layer, the plan cache and
 the argument binding.  It prints microseconds per forward+backward for
   triton          nac_loss / nac_mq_loss(backend="triton") as users call them (noise drawn inside)
+  triton-unfolded the same with NAC_FAST_FOLD=0: the finish and (in-batch) the rows' backward
+                  as launches of their own (kernels/nac_triton.py `folding`): the fold's A/B
   triton-op-path  the same through the registered torch.library ops with a plan built per call
                   (the path every eager call took before the cache: the "before" figure)
   triton-criterion  the nn.Module criteria around the same loss, as a training loop calls them:
@@ -27,7 +29,8 @@ triton-op-path rows they miss what runs inside the registered ops.  A CPU has no
 this is the host side without the driver's few microseconds per launch.
 
 --gpu: on a CUDA GPU, per shape (in-batch 512 and 8192, queue 256 and 8192 x 65536 in bf16;
-in-batch 8192 and queue 256 x 65536 in fp32; D = 128) and backend (reference, compiled-reference, triton, cuda, auto):
+in-batch 8192 and queue 256 x 65536 in fp32; D = 128) and backend (reference, compiled-reference,
+triton, triton-unfolded (bf16 shapes only), cuda, auto):
   host_s          48 fwd+bwd issued back to back from an idle GPU, host clock, no sync: the
                   host's time per call (few enough that the launch queue never fills and blocks)
   back_to_back_s  200 fwd+bwd back to back and the sync after them, per call: what a training
@@ -307,15 +310,27 @@ def _per_call(step, calls: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def _folding(backend: str):
+    """The context a backend row runs in: "triton-unfolded" is the Triton backend with the
+    row-wise tails as launches of their own (NAC_FAST_FOLD=0: the finish, and in-batch the rows'
+    backward), the A/B of kernels/nac_triton.py `folding`; the others as the environment says."""
+    from nac_fast.kernels import nac_triton
+    return nac_triton.fold(False) if backend == "triton-unfolded" else contextlib.nullcontext()
+
+
+def _call_backend(backend: str) -> str:
+    return "triton" if backend == "triton-unfolded" else backend
+
+
 def stub_rows(calls: int = 200, repeats: int = 5):
     """The --stub measurement: rows of microseconds per call (see the module docstring)."""
     from nac_fast.kernels import nac_triton
     rows = []
     cases = [("inbatch", 512, 512, 128, torch.bfloat16), ("mq", 256, 4096, 128, torch.bfloat16)]
     for kind, n, N, D, dtype in cases:
-        for backend in ("triton", "triton-op-path"):
+        for backend in ("triton", "triton-unfolded", "triton-op-path"):
             with StubLaunches() as stub, (op_path() if backend.endswith("op-path")
-                                          else contextlib.nullcontext()):
+                                          else contextlib.nullcontext()), _folding(backend):
                 step = user_step(kind, n, N, D, dtype, "cpu", "triton")
                 step()  # records the plans
                 step()  # their first call: the kept scratch is made
@@ -331,7 +346,7 @@ def stub_rows(calls: int = 200, repeats: int = 5):
                              launches=per_call_launches, aten_launches=len(aten.ops),
                              allocations=aten.allocs,
                              aten_ops=" ".join(aten.ops),
-                             plans_recorded=rebuilt if backend == "triton" else "",
+                             plans_recorded=rebuilt if backend != "triton-op-path" else "",
                              status="ok"))
     # the criteria (nn.Module) around the same fused loss: what their glue adds
     for kind, n, N, D, dtype in cases:
@@ -413,6 +428,8 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
     for kind, n, N, dname in cases:
         D, dtype = 128, getattr(torch, dname)
         for backend in backends:
+            if backend == "triton-unfolded" and dname != "bfloat16":
+                continue  # the fold's A/B at the bf16 shapes (the host stage's time)
             row = dict(mode="gpu", kind=kind, n=n, N=N, D=D, dtype=dname, backend=backend)
             try:
                 if backend == "compiled-reference":
@@ -421,20 +438,23 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
                         kind, n, N, D, dtype, device, fn=cfn, noise_inside=False)[0]
                     row["resolved"] = f"torch.compile({compile_backend})"
                 else:
-                    step = user_step(kind, n, N, D, dtype, device, backend)
+                    call = _call_backend(backend)
+                    step = user_step(kind, n, N, D, dtype, device, call)
                     graph_step_fn = lambda: user_step(  # noqa: E731
-                        kind, n, N, D, dtype, device, backend, noise_inside=False)
+                        kind, n, N, D, dtype, device, call, noise_inside=False)
                     row["resolved"] = (dispatch.resolve_backend(
                         "auto", torch.empty(1, device=device, dtype=dtype),
                         keys=None if kind == "inbatch" else torch.empty(1, 1, device=device))
-                        if backend == "auto" else backend)
-                host, total = _host_and_back_to_back(step)
+                        if backend == "auto" else call)
+                with _folding(backend):
+                    host, total = _host_and_back_to_back(step)
                 row.update(host_s=host, back_to_back_s=total, status="ok")
                 if graphs:
                     try:
                         # fresh inputs (their autograd nodes made on the capture's side stream)
                         # and the noise given: no RNG inside the capture
-                        row["graph_s"] = _graph_time(graph_step_fn())
+                        with _folding(backend):
+                            row["graph_s"] = _graph_time(graph_step_fn())
                     except Exception as exc:  # the row's other figures stand; the note says why
                         row["status"] = (f"ok (no graph: {type(exc).__name__}: "
                                          f"{str(exc).splitlines()[0][:120] if str(exc) else ''})")
@@ -678,8 +698,9 @@ def main(argv=None):
     ap.add_argument("--csv", default=None, help="append the rows to this CSV")
     ap.add_argument("--calls", type=int, default=CALLS, help="calls per timing (default 200)")
     ap.add_argument("--repeats", type=int, default=5, help="--stub: timings per row (median)")
-    ap.add_argument("--backends", default="reference,compiled-reference,triton,cuda,auto",
-                    help="--gpu: comma list")
+    ap.add_argument("--backends",
+                    default="reference,compiled-reference,triton,triton-unfolded,cuda,auto",
+                    help="--gpu: comma list (triton-unfolded: triton with NAC_FAST_FOLD=0)")
     ap.add_argument("--cases", default=None,
                     help="--gpu: kind:n:N:dtype,... (default: bf16 in-batch 512 and 8192, queue "
                     "256 and 8192 x 65536; fp32 in-batch 8192 and queue 256 x 65536)")
@@ -712,7 +733,7 @@ def main(argv=None):
         avail = nac_fast.available_backends("cuda")
         backends = []
         for b in args.backends.split(","):
-            if b not in ("compiled-reference", "auto") and b not in avail:
+            if b not in ("compiled-reference", "auto") and _call_backend(b) not in avail:
                 print(f"skipping backend {b!r}: not available ({avail})")
                 continue
             backends.append(b)

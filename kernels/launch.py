@@ -45,6 +45,15 @@ class Target:
     sms: int
     smem_per_sm: int = 0
     occupancy: Optional[Callable[["Launch"], int]] = dataclasses.field(default=None, compare=False)
+    spills: Optional[Callable[["Launch"], int]] = dataclasses.field(default=None, compare=False)
+
+    def clean(self, launch: "Launch") -> bool:
+        """Whether `launch`'s kernel compiles without register spills here (a GPU: the compiled
+        figure, `compiled_figures`; a target without a compiler, the interpreter and the compile
+        check's: True, the check judges the figure itself).  The plans fold a row-wise tail into
+        a matrix kernel only where the folded kernel is clean (kernels/nac_triton.py
+        `folding`)."""
+        return self.spills is None or self.arch == 0 or self.spills(launch) == 0
 
     def programs(self, launch: "Launch") -> int:
         """How many programs of `launch` run at once on the whole machine (one wave)."""
@@ -88,7 +97,8 @@ def _cuda_target(index: int) -> Target:
     smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
     smem_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or smem
     return Target(10 * props.major + props.minor, int(smem), props.multi_processor_count,
-                  int(smem_sm), occupancy=compiled_occupancy)
+                  int(smem_sm), occupancy=compiled_occupancy,
+                  spills=lambda launch: compiled_figures(launch).local_bytes)
 
 
 _OCCUPANCY: dict = {}  # (kernel, device, specialisation, warps, stages) -> CompiledFigures

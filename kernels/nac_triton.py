@@ -18,16 +18,22 @@ Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIG
                     logsumexp, and when gradients are wanted acc += P K in the same loop
                     (flash-attention forward).  Key splits keep every SM busy when there are few
                     query blocks.
-  _finish_kernel    merges the splits' (max, sum, acc) with a run-time loop and writes loss, the
-                    logsumexp in base 2 (what the backward's exp2 reads back, with no round trip
-                    through ln: that cost ~3e-6 in the keys' gradient) and ga.
+  the finish        (_finish_rows) merges the splits' (max, sum, acc) with a run-time loop and
+                    writes loss, the logsumexp in base 2 (what the backward's exp2 reads back,
+                    with no round trip through ln: that cost ~3e-6 in the keys' gradient) and
+                    ga.  Folded into _fwd_kernel (FINISH, `folding`): the last split program of a
+                    query block to arrive (an int32 counter per block) runs it for the block;
+                    NAC_FAST_FOLD=0: _finish_kernel, a launch of its own.
   _bwd_keys_kernel  grid (key blocks, query splits): each program owns its keys, S^T = K Q^T,
                     P^T = exp2(S^T - lse) g, dK += P^T Q; no atomics, splits summed in a fixed
                     order: deterministic.  fp16: g times a power of two, undone at the store
                     ([M:grad-scale]: P g underflowed fp16).  One split: it writes the keys'
                     gradient in their dtype, or (in-batch keys) runs the rows' backward as its
-                    epilogue.
-  _bwd_rows_kernel  d/dr [M:grad-r] and d/da [M:grad-a], elementwise, in a's dtype.
+                    epilogue; several splits with the in-batch keys (folded, OUT_MODE 3): the
+                    last split program of a key block to arrive sums the shares and runs the
+                    rows' backward for the block.
+  _bwd_rows_kernel  (_rows_bwd) d/dr [M:grad-r] and d/da [M:grad-a], elementwise, in a's dtype:
+                    with given keys, and in-batch with NAC_FAST_FOLD=0.
   _sum_splits_kernel  the given keys' gradient from the query splits' fp32 shares.
   _parts_kernel     fp32 in bf16x6 with given keys: their (3, N, D) bf16 parts, once a call.
 Split counts fill one wave: the SMs times the resident blocks per SM of the kernel as compiled
@@ -378,15 +384,23 @@ def _fwd_tile3(q0, q1, q2, kp, part, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["n", "N", "tiles_per_split", "seed_val"])
-def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, n, N, D, stride_k, stride_a,
-                stride_m, tiles_per_split, scale2, flip_p,
+@triton.jit(do_not_specialize=["n", "N", "tiles_per_split", "seed_val", "red_n"])
+def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, R, RV, LOSS, LSE, GA, PART, COUNT,
+                OUT, ROWCNT, n, N, D, stride_k, stride_a, stride_m, stride_r, stride_rv,
+                tiles_per_split, scale2, flip_p, s_fin, l2, log_n_keys, red_n,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 GRAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                UPCAST: tl.constexpr, Q_FROM_A: tl.constexpr, SEEDED: tl.constexpr):
+                UPCAST: tl.constexpr, Q_FROM_A: tl.constexpr, SEEDED: tl.constexpr,
+                FINISH: tl.constexpr, VI: tl.constexpr, REDUCE: tl.constexpr,
+                FIN_M: tl.constexpr):
     # Q_FROM_A (given keys: no prologue): the program makes its own Q tile from a and the noise
     # (_noise_and_tanh, the prologue's arithmetic: the same bits) and the first split's programs
     # write it (and a seeded noise) for the backward and the finish.  Else Q is the prologue's.
+    # FINISH (the finish folded in; NAC_FAST_FOLD=0: _finish_kernel's own launch): the split
+    # programs of a query block count themselves in at ROWCNT[block]; the last to arrive runs
+    # _finish_rows over the block, FIN_M rows at a time (`_fin_rows`; REDUCE: a partial sum per
+    # chunk, and the last block to finish adds them), with R, RV, LOSS, LSE, GA, PART, COUNT,
+    # OUT, s_fin, l2, log_n_keys, red_n, VI and REDUCE as _finish_kernel's.
     pid_m = tl.program_id(0)
     sp = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -471,6 +485,21 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, n, N, D, stride_k,
     if GRAD:
         tl.store(PACC + part[:, None] * D + cols[None, :], acc,
                  mask=rmask[:, None] & dmask[None, :])
+    if FINISH:
+        if _last_of(ROWCNT + pid_m, tl.num_programs(1)):
+            tl.atomic_xchg(ROWCNT + pid_m, 0, sem="relaxed")
+            row0 = pid_m * BLOCK_M
+            for c0 in range(row0, tl.minimum(row0 + BLOCK_M, n), FIN_M):
+                tot = _finish_rows(c0 + tl.arange(0, FIN_M), cols, n, D, A, R, NOISE, PM, PL,
+                                   PACC, LOSS, LSE, GA, RV, stride_a, stride_r, stride_m,
+                                   stride_rv, tl.num_programs(1), GRAD, s_fin, l2, log_n_keys,
+                                   FIN_M, BLOCK_D, ACC, VI, REDUCE, True)
+                if REDUCE:
+                    tl.store(PART + c0 // FIN_M, tot)
+            if REDUCE:
+                if last_to_arrive(COUNT):
+                    _sum_parts(PART, tl.cdiv(n, FIN_M), OUT, red_n, ACC)
+                    tl.atomic_xchg(COUNT, 0, sem="relaxed")
 
 
 @triton.jit
@@ -482,72 +511,72 @@ def _bern2(zt, r, mask):
 
 
 @triton.jit
-def last_to_arrive(COUNT):
-    # Whether this program is the grid's last to count itself in at COUNT (an int32, zero before
-    # the launch; the last program zeroes it again for the next call, tl.atomic_xchg(COUNT, 0)).
-    # The count is one thread's scalar atomic (acq_rel): the barrier before it orders every
-    # thread's earlier memory accesses of this program before the count, so the last program sees
-    # all the others' stores, and its own writes come after all their reads (without it a late
-    # warp's read could follow the last program's write: the PTX had no barrier before the
-    # atomic).  The finish's reduction and the queue's enqueue (kernels/queue_triton.py) use it.
+def _last_of(COUNT, total):
+    # Whether this program is the last of `total` programs to count itself in at COUNT (an int32,
+    # zero before the launch; the last program zeroes it again for the next call,
+    # tl.atomic_xchg(COUNT, 0)).  The count is one thread's scalar atomic (acq_rel): the barrier
+    # before it orders every thread's earlier memory accesses of this program before the count,
+    # so the last program sees all the others' stores (it reads them with volatile loads: no
+    # stale L1 line), and its own writes come after all their reads (without it a late warp's
+    # read could follow the last program's write: the PTX had no barrier before the atomic).
     tl.debug_barrier()
-    return tl.atomic_add(COUNT, 1, sem="acq_rel") == tl.num_programs(0) - 1
+    return tl.atomic_add(COUNT, 1, sem="acq_rel") == total - 1
 
 
 @triton.jit
-def _reduce_rows(loss, rmask, PART, COUNT, OUT, red_n, ACC: tl.constexpr):
-    # The finish's reduction (REDUCE): this program's partial sum to PART; the last program to
-    # arrive (`last_to_arrive`) sums PART in program order, writes OUT and zeroes COUNT for the
-    # next call.
-    nprog = tl.num_programs(0)
-    tl.store(PART + tl.program_id(0), tl.sum(tl.where(rmask, loss, 0.0), 0))
-    if last_to_arrive(COUNT):
-        tot = tl.zeros([REDUCE_BLOCK], ACC)
-        for i in range(0, nprog, REDUCE_BLOCK):
-            idx = i + tl.arange(0, REDUCE_BLOCK)
-            tot += tl.load(PART + idx, mask=idx < nprog, other=0.0, volatile=True)
-        tl.store(OUT, tl.sum(tot, 0) / red_n.to(ACC))
-        tl.atomic_xchg(COUNT, 0, sem="relaxed")
+def last_to_arrive(COUNT):
+    # `_last_of` over the grid's first axis.  The finish's reduction and the queue's enqueue
+    # (kernels/queue_triton.py) use it.
+    return _last_of(COUNT, tl.num_programs(0))
 
 
-@triton.jit(do_not_specialize=["n", "split", "grad", "red_n"])
-def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, RV, PART, COUNT, OUT, n, D,
-                   stride_a, stride_r, stride_m, stride_rv, split, grad, s, l2, log_n_keys,
-                   red_n, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
-                   VI: tl.constexpr, REDUCE: tl.constexpr):
-    # VI: NAC-MQ's inference term [M:vi] added to each row, -bern_i(z~, r_vi) with the logits RV
-    # of the online inference network and the same z~ = m z (a constant of that term).
-    # REDUCE (reduction "mean"/"sum"): no per-row LOSS; OUT = the sum of the rows' losses divided
-    # by red_n (n for the mean, 1 for the sum) in ACC, each program's partial sum to
-    # PART, and the program that finishes last (COUNT, zero before the launch and left zero)
-    # adding them in program order: deterministic, and one launch (torch's mean) fewer.
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
+@triton.jit
+def _sum_parts(PART, nparts, OUT, red_n, ACC: tl.constexpr):
+    # The finish's reduction, by the last program to arrive: PART[0:nparts] summed in program
+    # order (REDUCE_BLOCK at a time), divided by red_n, to OUT.
+    tot = tl.zeros([REDUCE_BLOCK], ACC)
+    for i in range(0, nparts, REDUCE_BLOCK):
+        idx = i + tl.arange(0, REDUCE_BLOCK)
+        tot += tl.load(PART + idx, mask=idx < nparts, other=0.0, volatile=True)
+    tl.store(OUT, tl.sum(tot, 0) / red_n.to(ACC))
+
+
+@triton.jit
+def _finish_rows(rows, cols, n, D, A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, RV, stride_a,
+                 stride_r, stride_m, stride_rv, split, grad, s, l2, log_n_keys,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+                 VI: tl.constexpr, REDUCE: tl.constexpr, VOLATILE: tl.constexpr):
+    # The finish of the BLOCK_M rows `rows` [M:rows]: the key splits' (max, sum, acc) merged, then loss
+    # (LOSS; REDUCE: returned as the rows' sum instead), the logsumexp in base 2 (LSE) and ga
+    # (GA, when grad).  VOLATILE: the splits' partials (and a seeded noise) were written by other
+    # programs of the same launch (the finish folded into _fwd_kernel).
     rmask = rows < n
     tile_mask = rmask[:, None] & (cols < D)[None, :]
     rows64 = rows.to(tl.int64)
     a = tl.load(A + rows64[:, None] * stride_a + cols[None, :], mask=tile_mask, other=0.0).to(ACC)
     r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=tile_mask, other=0.0).to(ACC)
     m = tl.load(NOISE + rows64[:, None] * stride_m + cols[None, :], mask=tile_mask,
-                other=0.0).to(ACC)
+                other=0.0, volatile=VOLATILE).to(ACC)
     z = _tanh(a)
     zt = m * z
 
     # merge the key splits: a run-time loop (a static one unrolls up to 64 copies)
     mx = tl.full([BLOCK_M], float("-inf"), ACC)
     for sp in range(0, split):
-        mx = tl.maximum(mx, tl.load(PM + sp * n + rows64, mask=rmask, other=float("-inf")))
+        mx = tl.maximum(mx, tl.load(PM + sp * n + rows64, mask=rmask, other=float("-inf"),
+                                    volatile=VOLATILE))
     big_l = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     for sp in range(0, split):
         part = sp * n + rows64
-        l_s = tl.load(PL + part, mask=rmask, other=0.0)
+        l_s = tl.load(PL + part, mask=rmask, other=0.0, volatile=VOLATILE)
         # an empty split (l_s = 0) weighs nothing; a NaN one poisons the row
-        w = tl.where(l_s != 0, tl.exp2(tl.load(PM + part, mask=rmask, other=0.0) - mx), 0.0)
+        w = tl.where(l_s != 0, tl.exp2(tl.load(PM + part, mask=rmask, other=0.0,
+                                               volatile=VOLATILE) - mx), 0.0)
         big_l += w * l_s
         if grad != 0:
             acc += w[:, None] * tl.load(PACC + part[:, None] * D + cols[None, :], mask=tile_mask,
-                                        other=0.0)
+                                        other=0.0, volatile=VOLATILE)
     big_l = tl.where(rmask, big_l, 1.0)
     lse2 = mx + tl.log2(big_l)  # base 2, saved as is: a round trip through ln would cost ~1e-6
     lse = lse2 * 0.6931471805599453
@@ -558,15 +587,37 @@ def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, RV, PART, COUNT, OU
         rv = tl.load(RV + rows64[:, None] * stride_rv + cols[None, :], mask=tile_mask,
                      other=0.0).to(ACC)
         loss -= 0.5 * _bern2(zt, rv, tile_mask)
-    if REDUCE:
-        _reduce_rows(loss, rmask, PART, COUNT, OUT, red_n, ACC)
-    else:
+    if not REDUCE:
         tl.store(LOSS + rows64, loss, mask=rmask)
     tl.store(LSE + rows64, lse2, mask=rmask)
     if grad != 0:
         mean_key = acc / big_l[:, None]
         ga = (m * (s * mean_key - 0.5 * r) + 2.0 * l2 * z) * (1.0 - z * z)
         tl.store(GA + rows64[:, None] * D + cols[None, :], ga, mask=tile_mask)
+    return tl.sum(tl.where(rmask, loss, 0.0), 0)
+
+
+@triton.jit(do_not_specialize=["n", "split", "grad", "red_n"])
+def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, RV, PART, COUNT, OUT, n, D,
+                   stride_a, stride_r, stride_m, stride_rv, split, grad, s, l2, log_n_keys,
+                   red_n, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+                   VI: tl.constexpr, REDUCE: tl.constexpr):
+    # The finish as its own launch (NAC_FAST_FOLD=0; else it is _fwd_kernel's FINISH).
+    # VI: NAC-MQ's inference term [M:vi] added to each row, -bern_i(z~, r_vi) with the logits RV
+    # of the online inference network and the same z~ = m z (a constant of that term).
+    # REDUCE (reduction "mean"/"sum"): no per-row LOSS; OUT = the sum of the rows' losses divided
+    # by red_n (n for the mean, 1 for the sum) in ACC, each program's partial sum to
+    # PART, and the program that finishes last (COUNT, zero before the launch and left zero)
+    # adding them in program order: deterministic, and one launch (torch's mean) fewer.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tot = _finish_rows(rows, tl.arange(0, BLOCK_D), n, D, A, R, NOISE, PM, PL, PACC, LOSS, LSE,
+                       GA, RV, stride_a, stride_r, stride_m, stride_rv, split, grad, s, l2,
+                       log_n_keys, BLOCK_M, BLOCK_D, ACC, VI, REDUCE, False)
+    if REDUCE:
+        tl.store(PART + tl.program_id(0), tot)
+        if last_to_arrive(COUNT):
+            _sum_parts(PART, tl.num_programs(0), OUT, red_n, ACC)
+            tl.atomic_xchg(COUNT, 0, sem="relaxed")
 
 
 @triton.jit
@@ -629,11 +680,12 @@ def _bwd_tile3(k0, k1, k2, qp, part, lp, gp, i0, end, offs, dmask, stride_g, g_s
 
 
 @triton.jit(do_not_specialize=["n", "N", "blocks_per_split", "need_r", "stride_g"])
-def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride_k, stride_g,
-                     stride_a, stride_r, stride_m, blocks_per_split, need_r, g_scale,
+def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, GRAD_A, COUNT, n, N, D,
+                     stride_k, stride_g, stride_a, stride_r, stride_m, blocks_per_split, need_r,
+                     g_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                     GSCALE: tl.constexpr, OUT_MODE: tl.constexpr):
+                     GSCALE: tl.constexpr, OUT_MODE: tl.constexpr, FIN_M: tl.constexpr):
     # Row i's weight is g_i * g_scale (an fp32 number): 1, or fl32(1/n) for reduction="mean"
     # (nac_fast/ops/nac.py _FusedNAC: no MeanBackward launch; autograd's own g / n on a GPU is
     # g * fl32(1/n) too).  _bwd_rows_kernel's likewise.
@@ -643,6 +695,11 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
     #          2: (one split, self keys: key j is row j) the rows' backward fused in: OUT = d/da
     #             [M:grad-a] + [M:grad-self-keys], GRAD_R = d/dr [M:grad-r] when need_r, in
     #             their dtype (a's), as _bwd_rows_kernel computes them.
+    #          3: (several splits, self keys) the rows' backward folded in: each split's share
+    #             as in mode 0, then the last split program of a key block to arrive at
+    #             COUNT[block] runs _bwd_rows_kernel's rows' backward (_rows_bwd) over the block,
+    #             FIN_M rows at a time: GRAD_A = d/da, GRAD_R = d/dr when need_r, the same bits.
+    #             (NAC_FAST_FOLD=0: mode 0 and a _bwd_rows_kernel launch.)
     pid_n = tl.program_id(0)
     sp = tl.program_id(1)
     kc = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -714,9 +771,18 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
             pt = tl.exp2(st - lse2[None, :]) * g[None, :]
             dk += _dot(pt.to(q.dtype), q, PRECISION, UPCAST)               # P^T Q (log2 units)
     dk = dk * (0.6931471805599453 * ginv)
-    if OUT_MODE == 0:
+    if OUT_MODE == 0 or OUT_MODE == 3:
         tl.store(OUT + (sp.to(tl.int64) * N + kc64[:, None]) * D + cols[None, :], dk,
                  mask=tile_mask)
+        if OUT_MODE == 3:
+            if _last_of(COUNT + pid_n, tl.num_programs(1)):
+                tl.atomic_xchg(COUNT + pid_n, 0, sem="relaxed")
+                key0 = pid_n * BLOCK_N
+                for c0 in range(key0, tl.minimum(key0 + BLOCK_N, N), FIN_M):
+                    _rows_bwd(c0 + tl.arange(0, FIN_M), cols, A, R, NOISE, GA, G, OUT, GRAD_A,
+                              GRAD_R, A, A, n, D, stride_a, stride_r, stride_m, 0, stride_g, 1,
+                              need_r, 0, 1, tl.num_programs(1), g_scale, FIN_M, BLOCK_D, ACC,
+                              True)
     elif OUT_MODE == 1:
         tl.store(OUT + kc64[:, None] * D + cols[None, :], dk.to(OUT.dtype.element_ty),
                  mask=tile_mask)
@@ -740,18 +806,17 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, n, N, D, stride
         tl.store(OUT + out, dk.to(OUT.dtype.element_ty), mask=tile_mask)
 
 
-@triton.jit(do_not_specialize=["n", "need_a", "need_r", "need_rv", "self_keys", "split",
-                              "stride_g"])
-def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, RV, GRAD_RV, n, D, stride_a,
-                     stride_r, stride_m, stride_rv, stride_g, need_a, need_r, need_rv, self_keys,
-                     split, g_scale,
-                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+@triton.jit
+def _rows_bwd(rows, cols, A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, RV, GRAD_RV, n, D, stride_a,
+              stride_r, stride_m, stride_rv, stride_g, need_a, need_r, need_rv, self_keys, split,
+              g_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+              VOLATILE: tl.constexpr):
     # d/dr = g times docs/math.md [M:grad-r]; d/da as in [M:grad-a] (+ [M:grad-self-keys]), dK
     # summed over the keys' backward's query splits in a fixed order (deterministic); all
     # written in their own dtype (a's).  need_rv: the inference term's d/dr_vi [M:vi], the same
     # formula as d/dr with r_vi (z~ is a constant of that term: nothing of it reaches a).
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
+    # VOLATILE: the split shares PDK were written by other programs of the same launch (the keys'
+    # backward's OUT_MODE 3).
     rmask = rows < n
     tile_mask = rmask[:, None] & (cols < D)[None, :]
     rows64 = rows.to(tl.int64)
@@ -778,10 +843,23 @@ def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, RV, GRAD_RV, n, D,
             dk = tl.zeros([BLOCK_M, BLOCK_D], ACC)
             part = PDK + out
             for _ in range(0, split):
-                dk += tl.load(part, mask=tile_mask, other=0.0)
+                dk += tl.load(part, mask=tile_mask, other=0.0, volatile=VOLATILE)
                 part += n * D  # a 64-bit pointer step: split x n x D may pass 2^31
             ga += dk * (1.0 - z * z)
         tl.store(GRAD_A + out, ga.to(GRAD_A.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit(do_not_specialize=["n", "need_a", "need_r", "need_rv", "self_keys", "split",
+                              "stride_g"])
+def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, RV, GRAD_RV, n, D, stride_a,
+                     stride_r, stride_m, stride_rv, stride_g, need_a, need_r, need_rv, self_keys,
+                     split, g_scale,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    # The rows' backward (_rows_bwd) of BLOCK_M rows a program.
+    _rows_bwd(tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), A, R,
+              NOISE, GA, G, PDK, GRAD_A, GRAD_R, RV, GRAD_RV, n, D, stride_a, stride_r, stride_m,
+              stride_rv, stride_g, need_a, need_r, need_rv, self_keys, split, g_scale, BLOCK_M,
+              BLOCK_D, ACC, False)
 
 
 @triton.jit(do_not_specialize=["numel", "split"])
@@ -1053,6 +1131,22 @@ def fp32_precision(D: int) -> str:
     return mode if block_d(D) <= TF32_MAX_D else "ieee"
 
 
+ENV_FOLD = "NAC_FAST_FOLD"
+
+
+def folding() -> bool:
+    """Whether plans fold the row-wise tails into the matrix kernels: the finish into the
+    forward (_fwd_kernel FINISH) and the rows' backward into the in-batch keys' backward of
+    several splits (_bwd_keys_kernel OUT_MODE 3), two launches fewer a fwd+bwd, the same bits.
+    NAC_FAST_FOLD=0 keeps them separate launches (the benches time both); 1 or unset folds."""
+    v = os.environ.get(ENV_FOLD)
+    if v is None or v == "1":
+        return True
+    if v == "0":
+        return False
+    raise ValueError(f"{ENV_FOLD} must be 0 or 1, got {v!r}")
+
+
 def call_fp32_mode(dtype: torch.dtype, D: int, kind: str, n: int, N: int,
                    device: torch.device) -> Optional[str]:
     """The fp32 product mode a forward call of `kind` ("inbatch"/"queue") with n rows and N keys
@@ -1131,6 +1225,22 @@ def fp32_dot(mode: Optional[str]):
             os.environ["NAC_FAST_FP32_DOT"] = old
 
 
+@contextlib.contextmanager
+def fold(on: bool):
+    """NAC_FAST_FOLD = 1 / 0 inside the block, restored on the way out: plans made inside fold
+    the row-wise tails into the matrix kernels or not (`folding`; bench/compile_check.py plans
+    both, the benches time both)."""
+    old = os.environ.get(ENV_FOLD)
+    os.environ[ENV_FOLD] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV_FOLD, None)
+        else:
+            os.environ[ENV_FOLD] = old
+
+
 def _dot_consts(dtype: torch.dtype, D: int, device: torch.device) -> dict:
     # UPCAST: the interpreter's widened 16-bit products (bf16x6's and fp16x3's part tiles too)
     return dict(PRECISION=fp32_precision(D) if dtype == torch.float32 else "ieee",
@@ -1199,6 +1309,20 @@ def _prologue(a, noise, s, launches, seed=None, p=0.0):
     return q, k, noise
 
 
+FOLD_ELEMS = 8  # elements a thread holds per tile of a folded tail's chunk (FIN_M rows)
+
+
+def _fin_rows(bm: int, block: int, num_warps: int, bd: int) -> int:
+    """Rows per chunk of a tail folded into a matrix kernel (FIN_M): the row-wise kernel's own
+    rows per program (bm), at most the matrix kernel's block, and at most FOLD_ELEMS elements a
+    thread per (rows x BLOCK_D) tile at its warps: the tail's tiles and their 64-bit addresses
+    add to the kernel's registers (sm_90, bf16, D = 128, bench/compile_check.py: with 4 warps
+    the given keys' forward with the inference term at 64 x 128 spilled 120 B in 32-row chunks,
+    the keys' backward at 128 x 64, 3 stages, 8 B in 32-row and 4 B in 16-row ones; 8-row
+    chunks spill nowhere)."""
+    return max(1, min(bm, block, FOLD_ELEMS * 32 * num_warps // bd))
+
+
 def _split(make, outer_blocks: int, inner_tiles: int, target: Target, waves: int = 1) -> int:
     """The split of a matrix kernel's inner loop for `target`: about `waves` (the configuration's
     Config.waves) waves of programs, a wave being the target's SMs times the resident blocks per
@@ -1210,7 +1334,8 @@ def _split(make, outer_blocks: int, inner_tiles: int, target: Target, waves: int
 
 
 def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Target,
-             seed=None, p: float = 0.0, rv=None, reduction: str = "none"):
+             seed=None, p: float = 0.0, rv=None, reduction: str = "none",
+             fold: Optional[bool] = None):
     """(launches, (loss, lse, ga, q, k, noise)) of one forward call; loss: the (n,) rows, or with
     reduction "mean"/"sum" their mean/sum, a 0-dim tensor reduced by the finish.  a, r, noise:
     (n, D) with unit column stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column
@@ -1220,11 +1345,14 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
     _parts_kernel launch before the forward, and k is those parts.  seed, p:
     noise None, drawn from this seed by the kernel that makes q, and returned.  rv: None, or the
     (n, D) logits of NAC-MQ's online inference network (a's dtype, unit column stride): each
-    row's loss then includes the inference term [M:vi] (the finish's VI)."""
+    row's loss then includes the inference term [M:vi] (the finish's VI).  fold: the finish
+    inside the forward (FINISH) or its own launch; None: `folding()`, and a folded forward that
+    spills on the target (`Target.clean`) is planned unfolded."""
     n, D = a.shape
     if keys is not None and a.dtype == torch.float32 and fp32_precision(D) == "fp16x3":
         with _plan_fp32(_given_keys_mode("fp16x3"), over_env=True):
-            return fwd_plan(a, r, noise, keys, s, l2, grad_rows, target, seed, p, rv, reduction)
+            return fwd_plan(a, r, noise, keys, s, l2, grad_rows, target, seed, p, rv, reduction,
+                            fold)
     launches: list = []
     parts = parts_mode(a.dtype, D)  # fp32 in bf16x6: q, k are (3, rows, D) bf16 parts
     q_from_a = keys is not None  # given keys: the forward kernel makes its own Q, no prologue
@@ -1253,30 +1381,16 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
 
     seeded, seed_t, seed_val, seed_scalar = _seed_args(seed if q_from_a else None)
 
-    def make(split, probe=False):
-        pm, pl = buffer((1,) if probe else (split, n), acc, a), buffer((1,) if probe else
-                                                                        (split, n), acc, a)
-        pacc = buffer((split, n, D) if grad_rows and not probe else (1,), acc, a)
-        return Launch(_fwd_kernel, (q_blocks, split),
-                      (q, k, pm, pl, pacc, a, noise, a if seed_t is None else seed_t, seed_val,
-                       n, N, D, stride_k, a.stride(0), noise.stride(0), cdiv(k_tiles, split),
-                       s * LOG2E, float(p)),
-                      dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd,
-                           GRAD=bool(grad_rows), ACC=_tl_acc(a.dtype),
-                           **_dot_consts(a.dtype, D, a.device), Q_FROM_A=q_from_a,
-                           SEEDED=seeded),
-                      cfg.num_warps, cfg.num_stages, "fwd",
-                      (("scale2", _scale2), ("flip_p", _p)) + seed_scalar)
-
-    split = _split(make, q_blocks, k_tiles, target, cfg.waves)
-    fwd = make(split)
-    launches.append(fwd)
-    pm, pl, pacc = fwd.args[2], fwd.args[3], fwd.args[4]
+    # the finish: folded into the forward (FINISH: the last split program of each query block,
+    # fin_m rows at a time), or (NAC_FAST_FOLD=0, or a folded kernel that spills) its own launch
+    # of bm rows a program
+    fold = folding() if fold is None else fold
     bm = _rows_block(D, a.dtype)
+    fin_m = _fin_rows(bm, cfg.BLOCK_M, cfg.num_warps, bd) if fold else bm
     reduce = reduction != "none"
     lse = buffer((n,), acc, a)
     if reduce:  # the finish reduces: partial sums, the last program's counter, the result
-        part = buffer((cdiv(n, bm),), acc, a)
+        part = buffer((cdiv(n, fin_m),), acc, a)
         count = buffer((1,), torch.int32, a, zero=True)
         loss = out = buffer((), acc, a)
         rows = lse  # not written
@@ -1285,6 +1399,37 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
         loss = rows = buffer((n,), acc, a)
     ga = buffer((n, D) if grad_rows else (0,), acc, a)
     red_n = n if reduction == "mean" else 1
+    rv_ = r if rv is None else rv
+    rowcnt = buffer((q_blocks,), torch.int32, a, zero=True) if fold else lse  # lse: not read
+
+    def make(split, probe=False):
+        pm, pl = buffer((1,) if probe else (split, n), acc, a), buffer((1,) if probe else
+                                                                        (split, n), acc, a)
+        pacc = buffer((split, n, D) if grad_rows and not probe else (1,), acc, a)
+        return Launch(_fwd_kernel, (q_blocks, split),
+                      (q, k, pm, pl, pacc, a, noise, a if seed_t is None else seed_t, seed_val,
+                       r, rv_, rows, lse, ga, part, count, out, rowcnt,
+                       n, N, D, stride_k, a.stride(0), noise.stride(0), r.stride(0),
+                       rv_.stride(0), cdiv(k_tiles, split), s * LOG2E, float(p), float(s),
+                       float(l2), math.log(N), red_n),
+                      dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd,
+                           GRAD=bool(grad_rows), ACC=_tl_acc(a.dtype),
+                           **_dot_consts(a.dtype, D, a.device), Q_FROM_A=q_from_a,
+                           SEEDED=seeded, FINISH=fold, VI=rv is not None, REDUCE=reduce,
+                           FIN_M=fin_m),
+                      cfg.num_warps, cfg.num_stages, "fwd",
+                      (("scale2", _scale2), ("flip_p", _p), ("s_fin", _s), ("l2", _l2))
+                      + seed_scalar)
+
+    split = _split(make, q_blocks, k_tiles, target, cfg.waves)
+    fwd = make(split)
+    if fold and not target.clean(fwd):
+        return fwd_plan(a, r, noise, keys, s, l2, grad_rows, target, seed, p, rv, reduction,
+                        fold=False)
+    launches.append(fwd)
+    if fold:
+        return launches, (loss, lse, ga, q, k, noise)
+    pm, pl, pacc = fwd.args[2], fwd.args[3], fwd.args[4]
     launches.append(Launch(_finish_kernel, (cdiv(n, bm),),
                            (a, r, noise, pm, pl, pacc, rows, lse, ga, r if rv is None else rv,
                             part, count, out, n, D, a.stride(0), r.stride(0), noise.stride(0),
@@ -1356,33 +1501,54 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
         # split is decided with OUT_MODE 0's: one split there is one with fewer keys per block)
         fcfg = FUSED_CONFIGS.get((_family(a.dtype, D), bd), cfg) if target.arch else cfg
         fuse = self_keys and fcfg is not None
+        # several splits, self keys: the rows' backward folded in (OUT_MODE 3), its counters
+        # (with self keys the keys' backward runs for d/da alone: need_a)
+        fold = self_keys and folding()
+        kcount = buffer((k_blocks,), torch.int32, a, zero=True) if fold else None
 
         def make(split, mode=0, probe=False):
             c = fcfg if mode == 2 else cfg
-            out = (buffer((1,) if probe else (split, N, D), acc, a) if mode == 0 else
+            out = (buffer((1,) if probe else (split, N, D), acc, a) if mode in (0, 3) else
                    grad_k if mode == 1 else grad_a)
-            # the rows' operands only where the kernel reads them (OUT_MODE 2); else stand-ins
+            # the rows' operands only where the kernel reads them (OUT_MODE 2, 3); else
+            # stand-ins
             rows = ((a, r if need_r else a, noise if need_r else a, ga, grad_r if need_r else out)
-                    if mode == 2 else (out,) * 5)
+                    if mode in (2, 3) else (out,) * 5)
             return Launch(_bwd_keys_kernel, (cdiv(N, c.BLOCK_N), split),
-                          (q, kk, lse, g, out, *rows, n, N, D, stride_k, g.stride(0),
+                          (q, kk, lse, g, out, *rows, grad_a if mode == 3 else out,
+                           kcount if mode == 3 else out, n, N, D, stride_k, g.stride(0),
                            a.stride(0), r.stride(0), noise.stride(0), cdiv(n, c.BLOCK_M * split)
-                           if split == 1 else cdiv(q_blocks, split), int(need_r and mode == 2),
-                           float(g_scale)),
+                           if split == 1 else cdiv(q_blocks, split),
+                           int(need_r and mode in (2, 3)), float(g_scale)),
                           dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_D=bd,
                                # fp16 operand tiles (fp16, fp32 in fp16x3): P^T g lifted
                                ACC=_tl_acc(a.dtype), GSCALE=torch.float16 in (
                                    a.dtype, parts_of(a.dtype, D)[1]),
-                               OUT_MODE=mode, **_dot_consts(a.dtype, D, a.device)),
+                               OUT_MODE=mode, **_dot_consts(a.dtype, D, a.device),
+                               FIN_M=_fin_rows(_rows_block(D, a.dtype), c.BLOCK_N,
+                                               c.num_warps, bd)),
                           c.num_warps, c.num_stages,
                           "bwd_keys" if mode == 0 else f"bwd_keys_out{mode}",
                           (("g_scale", _g_scale_arg),))
 
-        split = _split(make, k_blocks, q_blocks, target, cfg.waves)
+        # the split from the occupancy of the kernel the plan launches with several splits; a
+        # folded kernel that spills on the target (`Target.clean`) is not launched: the split
+        # shares and the rows' backward of their own instead
+        split = _split(lambda sp, probe=False: make(sp, 3 if fold else 0, probe),
+                       k_blocks, q_blocks, target, cfg.waves)
+        folded = None
+        if fold and not (split == 1 and fuse):
+            folded = make(split, 3)
+            if not target.clean(folded):
+                folded = None
+                split = _split(make, k_blocks, q_blocks, target, cfg.waves)
         if split == 1 and (fuse or not self_keys):
             launches.append(make(1, 2 if self_keys else 1))
             if self_keys:
                 return launches, (grad_a, grad_r, grad_k)
+        elif folded is not None:
+            launches.append(folded)
+            return launches, (grad_a, grad_r, grad_k)
         else:
             launches.append(make(split))
             pdk = launches[-1].args[4]

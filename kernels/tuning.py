@@ -108,7 +108,7 @@ def forced_config(kernel: str) -> Optional[Config]:
 # fp32_precision) and the table settings.  Read at every call (a test or a user may change them
 # between calls) from os.environ's own mapping, with the names encoded once: the values only go
 # into cache keys, so they stay encoded (0.02 us a read against os.environ.get's 0.6 us).
-_PLAN_ENV = ("NAC_FAST_FP32_DOT", ENV_TUNED, ENV_AUTOTUNE)
+_PLAN_ENV = ("NAC_FAST_FP32_DOT", ENV_TUNED, ENV_AUTOTUNE, "NAC_FAST_FOLD")
 _ENV_DATA = getattr(os.environ, "_data", None)
 _ENV_KEYS = (tuple(os.environ.encodekey(v) for v in _PLAN_ENV)
              if _ENV_DATA is not None and hasattr(os.environ, "encodekey") else None)
@@ -116,7 +116,8 @@ _ENV_KEYS = (tuple(os.environ.encodekey(v) for v in _PLAN_ENV)
 
 def plan_key() -> tuple:
     """What a cached launch plan depends on beyond its shapes, strides, dtype and device: the
-    forced configurations and the environment's fp32 product mode and table settings (the op
+    forced configurations and the environment's fp32 product mode, table settings and
+    NAC_FAST_FOLD (the op
     layer's plan caches add it to their keys)."""
     forced = _FORCED.get()
     if _ENV_KEYS is not None:

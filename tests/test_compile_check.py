@@ -33,6 +33,10 @@ def check_rows(tmp_path_factory):
 def test_every_configuration_compiles_within_limits(check_rows):
     bad = [r for r in check_rows if r["problems"]]
     assert not bad, bad
+    # a note only on folded kernels that spill (the plans run those configurations unfolded)
+    for r in check_rows:
+        if r["note"]:
+            assert r["folded"] == "1" and int(r["spill_store_bytes"]) > 0, r
 
 
 @pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
@@ -54,6 +58,14 @@ def test_the_grid_is_covered(check_rows):
                 assert ("bwd_keys_out1", arch, dtype, str(D)) in seen, (arch, dtype, D)
                 fused = nac_triton.FUSED_CONFIGS.get((fam, D), "default") is not None
                 assert (("bwd_keys_out2", arch, dtype, str(D)) in seen) == fused, (arch, dtype, D)
+                # the rows' backward folded into the keys' backward of several splits
+                assert ("bwd_keys_out3", arch, dtype, str(D)) in seen, (arch, dtype, D)
+        # the forward with and without its finish folded in, at every dtype and D
+        folds = {(r["dtype"], r["D"], r["folded"]) for r in check_rows
+                 if r["kernel"] == "fwd" and r["arch"] == arch}
+        for dtype in CC.DTYPES:
+            for D in map(str, CC.DS):
+                assert {(dtype, D, "1"), (dtype, D, "0")} <= folds, (arch, dtype, D)
         assert any(r["kernel"] == "sum_splits" and r["arch"] == arch for r in check_rows)
         # both modes, and fp32's five product modes, were planned
         fwd = [r for r in check_rows if r["kernel"] == "fwd" and r["arch"] == arch]
@@ -123,6 +135,11 @@ def _row(**kw):
     (_row(mma_count=0), "tensor-core"),
     (_row(kernel="finish", mma_count=0), None),
     (_row(compile_s=25.0), "compile took"),
+    # a folded kernel that spills: not launched (Target.clean), noted, not a problem; its other
+    # problems stay problems
+    (_row(kernel="bwd_keys_out3", folded=1, spill_store_bytes=8), None),
+    (_row(folded=1, spill_store_bytes=8, smem_bytes=3000), "shared memory"),
+    (_row(folded=1, mma_count=0), "tensor-core"),
 ])
 def test_problem_rules(row, expect):
     got = CC._triton_problems(row, 20.0)
@@ -130,6 +147,8 @@ def test_problem_rules(row, expect):
         assert got == []
     else:
         assert any(expect in p for p in got), got
+    if row.get("folded") and row["spill_store_bytes"]:
+        assert "not launched" in row["note"]
 
 
 # ---- occupancy (issue 23, item 3): programs per SM from each compiled configuration ----------
