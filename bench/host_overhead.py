@@ -655,6 +655,25 @@ def goals(rows) -> list[str]:
                 out.append(f"{'PASS' if host <= 60 else 'MISS'} host time {row['kind']} "
                            f"{row['n']}x{row['N']} {row['backend']}: {host:.1f} us per fwd+bwd "
                            "(goal <= 60 us)")
+    out += fold_lines(rows)
+    return out
+
+
+def fold_lines(rows) -> list[str]:
+    """The fold's A/B (bench/gpu_notes.md "The row-wise tails folded"): per case, the triton row
+    (tails folded) against triton-unfolded (NAC_FAST_FOLD=0) in host, back-to-back and graph
+    time, folded minus unfolded in us (negative: the fold is faster)."""
+    out = []
+    by = {(r["kind"], r["n"], r["N"], r["dtype"], r["backend"]): r for r in rows
+          if r.get("mode") == "gpu" and _ok(r)}
+    for (kind, n, N, dname, backend), f in by.items():
+        u = by.get((kind, n, N, dname, "triton-unfolded"))
+        if backend != "triton" or u is None:
+            continue
+        parts = [f"{k[:-2]} {(f[k] - u[k]) * 1e6:+.1f} us ({f[k] * 1e6:.1f} vs {u[k] * 1e6:.1f})"
+                 for k in ("host_s", "back_to_back_s", "graph_s")
+                 if isinstance(f.get(k), float) and isinstance(u.get(k), float)]
+        out.append(f"fold {kind} {n}x{N} {dname}: " + "; ".join(parts))
     return out
 
 

@@ -769,3 +769,19 @@ def test_the_criterions_vi_term_is_fused_and_right(kernels, dtype, reduction, no
         else:           # r1, r0
             e = torch.finfo(dtype).eps
             torch.testing.assert_close(x, y, rtol=e, atol=e * y.abs().max().item())
+
+
+def test_fold_lines_compare_folded_with_unfolded():
+    """The host stage prints the fold's A/B per case: the triton row against triton-unfolded,
+    folded minus unfolded in us; cases without both rows print nothing."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import host_overhead as H
+    base = dict(mode="gpu", kind="inbatch", n=512, N=512, dtype="bfloat16", status="ok")
+    rows = [dict(base, backend="triton", host_s=300e-6, back_to_back_s=310e-6, graph_s=30e-6),
+            dict(base, backend="triton-unfolded", host_s=340e-6, back_to_back_s=350e-6,
+                 graph_s=34e-6),
+            dict(base, kind="mq", N=65536, backend="triton", host_s=1e-4, back_to_back_s=1e-4)]
+    (line,) = H.fold_lines(rows)
+    assert line.startswith("fold inbatch 512x512 bfloat16: host -40.0 us (300.0 vs 340.0)")
+    assert "back_to_back -40.0 us" in line and "graph -4.0 us (30.0 vs 34.0)" in line
+    assert line in H.goals(rows)

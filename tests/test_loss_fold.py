@@ -189,7 +189,9 @@ def test_counters_are_left_zero_and_calls_repeat(monkeypatch):
         counters = [t for cache in (NT.FWD_PLANS, NT.BWD_PLANS)
                     for plan in cache.plans.values() for held in plan.scratch.values()
                     for i, t in held.items() if plan.zeroed[i]]
-        assert len(counters) == 3  # the reduction's, the query blocks', the key blocks'
+        # the reduction's, the query blocks', the key blocks' (a GPU folds only kernels that
+        # compile clean there: Target.clean)
+        assert len(counters) == 3 if not GPU else 1 <= len(counters) <= 3
         assert all(t.dtype == torch.int32 and not t.any() for t in counters)
     finally:
         launch.release_scratch()
