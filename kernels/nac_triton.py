@@ -497,9 +497,7 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, R, RV, LOSS, LSE, 
                 if REDUCE:
                     tl.store(PART + c0 // FIN_M, tot)
             if REDUCE:
-                if last_to_arrive(COUNT):
-                    _sum_parts(PART, tl.cdiv(n, FIN_M), OUT, red_n, ACC)
-                    tl.atomic_xchg(COUNT, 0, sem="relaxed")
+                _sum_parts(PART, tl.cdiv(n, FIN_M), COUNT, OUT, red_n, ACC)
 
 
 @triton.jit
@@ -531,14 +529,17 @@ def last_to_arrive(COUNT):
 
 
 @triton.jit
-def _sum_parts(PART, nparts, OUT, red_n, ACC: tl.constexpr):
-    # The finish's reduction, by the last program to arrive: PART[0:nparts] summed in program
-    # order (REDUCE_BLOCK at a time), divided by red_n, to OUT.
-    tot = tl.zeros([REDUCE_BLOCK], ACC)
-    for i in range(0, nparts, REDUCE_BLOCK):
-        idx = i + tl.arange(0, REDUCE_BLOCK)
-        tot += tl.load(PART + idx, mask=idx < nparts, other=0.0, volatile=True)
-    tl.store(OUT, tl.sum(tot, 0) / red_n.to(ACC))
+def _sum_parts(PART, nparts, COUNT, OUT, red_n, ACC: tl.constexpr):
+    # The finish's reduction: the last program of the grid's first axis to arrive at COUNT
+    # (`last_to_arrive`) sums PART[0:nparts] in program order (REDUCE_BLOCK at a time), writes
+    # the sum divided by red_n to OUT, and zeroes COUNT for the next call.
+    if last_to_arrive(COUNT):
+        tot = tl.zeros([REDUCE_BLOCK], ACC)
+        for i in range(0, nparts, REDUCE_BLOCK):
+            idx = i + tl.arange(0, REDUCE_BLOCK)
+            tot += tl.load(PART + idx, mask=idx < nparts, other=0.0, volatile=True)
+        tl.store(OUT, tl.sum(tot, 0) / red_n.to(ACC))
+        tl.atomic_xchg(COUNT, 0, sem="relaxed")
 
 
 @triton.jit
@@ -615,9 +616,7 @@ def _finish_kernel(A, R, NOISE, PM, PL, PACC, LOSS, LSE, GA, RV, PART, COUNT, OU
                        log_n_keys, BLOCK_M, BLOCK_D, ACC, VI, REDUCE, False)
     if REDUCE:
         tl.store(PART + tl.program_id(0), tot)
-        if last_to_arrive(COUNT):
-            _sum_parts(PART, tl.num_programs(0), OUT, red_n, ACC)
-            tl.atomic_xchg(COUNT, 0, sem="relaxed")
+        _sum_parts(PART, tl.num_programs(0), COUNT, OUT, red_n, ACC)
 
 
 @triton.jit
@@ -1137,7 +1136,8 @@ ENV_FOLD = "NAC_FAST_FOLD"
 def folding() -> bool:
     """Whether plans fold the row-wise tails into the matrix kernels: the finish into the
     forward (_fwd_kernel FINISH) and the rows' backward into the in-batch keys' backward of
-    several splits (_bwd_keys_kernel OUT_MODE 3), two launches fewer a fwd+bwd, the same bits.
+    several splits (_bwd_keys_kernel OUT_MODE 3), two launches fewer a fwd+bwd, the same bits
+    but a reduced loss's order of additions (its partial sums by FIN_M-row chunks).
     NAC_FAST_FOLD=0 keeps them separate launches (the benches time both); 1 or unset folds."""
     v = os.environ.get(ENV_FOLD)
     if v is None or v == "1":
@@ -1214,15 +1214,8 @@ def fp32_dot(mode: Optional[str]):
     if mode not in FP32_PRECISIONS:
         raise ValueError(f"fp32_dot: mode must be one of {', '.join(FP32_PRECISIONS)}, "
                          f"got {mode!r}")
-    old = os.environ.get("NAC_FAST_FP32_DOT")
-    os.environ["NAC_FAST_FP32_DOT"] = mode
-    try:
+    with _env_set("NAC_FAST_FP32_DOT", mode):
         yield
-    finally:
-        if old is None:
-            os.environ.pop("NAC_FAST_FP32_DOT", None)
-        else:
-            os.environ["NAC_FAST_FP32_DOT"] = old
 
 
 @contextlib.contextmanager
@@ -1230,15 +1223,23 @@ def fold(on: bool):
     """NAC_FAST_FOLD = 1 / 0 inside the block, restored on the way out: plans made inside fold
     the row-wise tails into the matrix kernels or not (`folding`; bench/compile_check.py plans
     both, the benches time both)."""
-    old = os.environ.get(ENV_FOLD)
-    os.environ[ENV_FOLD] = "1" if on else "0"
+    with _env_set(ENV_FOLD, "1" if on else "0"):
+        yield
+
+
+@contextlib.contextmanager
+def _env_set(name: str, value: str):
+    """os.environ[name] = value inside the block; the caller's value (or its absence) restored
+    on the way out."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(ENV_FOLD, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[ENV_FOLD] = old
+            os.environ[name] = old
 
 
 def _dot_consts(dtype: torch.dtype, D: int, device: torch.device) -> dict:
