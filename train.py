@@ -38,7 +38,8 @@ from nac_fast.train.methods import code_stats, collapse_warning, learning_stats,
 from nac_fast.train.monitor import LossWatch, RunLog, summary_lines
 from nac_fast.train.run import (EXIT_USAGE, RunStopped, build, describe_l2, describe_p,
                                 finish, flip_prob_of, lr_at, plan_start, prepare_batch,
-                                print_main, save, start, stop_non_finite, train_step)
+                                print_main, save, start, stop_non_finite, train_step,
+                                write_status)
 
 
 def main(argv=None) -> int:
@@ -51,11 +52,19 @@ def main(argv=None) -> int:
         start(st, plan)  # --resume, or by itself in a restarted torchrun worker group
         train(st, cfg)
         return finish(0, di=di, st=st)
-    except UsageError as exc:  # flags, recipe, data, checkpoint: before any training
-        return finish(EXIT_USAGE, str(exc), di)
+    except UsageError as exc:  # flags, recipe, data, checkpoint (a bad file: also in training)
+        return finish(EXIT_USAGE, str(exc), di, st if st is not None and st.began else None)
     except RunStopped as exc:
-        started = st is not None and st.cfg.run_id is not None and exc.status != EXIT_USAGE
+        started = st is not None and (st.began or st.cfg.run_id is not None
+                                      and exc.status != EXIT_USAGE)
         return finish(exc.status, str(exc), di, st if started else None)
+    except Exception as exc:  # a bug (status 1, traceback): recorded, not left "running"
+        if st is not None and st.began and di is not None and di.is_main:
+            try:
+                write_status(st.cfg, 1, f"{type(exc).__name__}: {exc}", st.step)
+            except OSError:
+                pass
+        raise
     finally:
         if nd.is_dist():
             torch.distributed.destroy_process_group()
@@ -102,6 +111,8 @@ def train(st, flags) -> None:
                     v1, v2 = next(it)
                 except StopIteration:
                     break
+                except ValueError as exc:  # a bad file under --on-bad-file error (status 2)
+                    raise UsageError(f"--data {cfg.data!r}: {exc}") from exc
                 t1 = time.perf_counter()
                 win_wait += t1 - t0
                 x = prepare_batch(st, v1, v2)

@@ -12,7 +12,8 @@ every autotune candidate (nac_triton.CANDIDATES, on the archs it applies to: the
 tuned table, kernels/tuning.py, may name), forced into the same plans; the CSV's `source` column
 says which (built-in, candidate or both).  Each distinct launch (kernel, specialised
 signature, constexprs, warps, stages, arch) is compiled once with ``triton.compile`` in a pool of
-processes; ``ptxas -v`` (Triton's own, with Triton's flags) reports registers and spills, Triton's
+processes; the ``ptxas -v`` that Triton runs to build the cubin (its log, so that Triton
+version's own flags) reports registers and spills, Triton's
 metadata the shared memory, and ``cuobjdump -sass`` the matrix instructions (HGMMA/HMMA).
 
 It fails (exit 1, a line per problem) when
@@ -316,6 +317,27 @@ def compile_only(job):
     return time.perf_counter() - t0
 
 
+def _ptxas_log(compile_fn):
+    """(result of compile_fn(), the log of the ``ptxas -v`` that Triton ran inside it, or None
+    when it ran none: a cache hit).  Triton prints that log when knobs.nvidia.dump_ptxas_log is
+    set (Triton 3.6 and 3.8): these are the figures of the very cubin Triton built, with the
+    flags of that Triton version."""
+    import contextlib
+    import io
+
+    from triton import knobs
+    buf = io.StringIO()
+    prev = knobs.nvidia.dump_ptxas_log
+    knobs.nvidia.dump_ptxas_log = True
+    try:
+        with contextlib.redirect_stdout(buf):
+            out = compile_fn()
+    finally:
+        knobs.nvidia.dump_ptxas_log = prev
+    log = buf.getvalue()
+    return out, (log if re.search(r"Used \d+ registers", log) else None)
+
+
 def _compile_one(job):
     """Worker: compile one launch for one arch; returns measured figures."""
     module, kernel_name, arch, sig, consts, attrs, warps, stages = job
@@ -328,9 +350,9 @@ def _compile_one(job):
     mod = importlib.import_module(module)
     fn = getattr(mod, kernel_name)
     t0 = time.perf_counter()
-    compiled = triton.compile(ASTSource(fn, sig, consts, attrs),
-                              target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=warps, num_stages=stages))
+    compiled, log = _ptxas_log(lambda: triton.compile(
+        ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=warps, num_stages=stages)))
     dt = time.perf_counter() - t0
     gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -340,15 +362,17 @@ def _compile_one(job):
             f.write(compiled.asm["ptx"])
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
-        log = subprocess.run([_triton_bin("ptxas"), "-lineinfo", "-v", "--regAllocOptLevel=2",
-                              f"--gpu-name={gpu}", ptx, "-o", os.path.join(tmp, "v.cubin")],
-                             capture_output=True, text=True)
-        if log.returncode:
-            raise RuntimeError(f"ptxas failed on {kernel_name}: {log.stderr[-2000:]}")
+        if log is None:  # a cache hit (--keep-cache): ptxas again, with Triton 3.8's flags
+            run = subprocess.run([_triton_bin("ptxas"), "-lineinfo", "-v", "--regAllocOptLevel=2",
+                                  f"--gpu-name={gpu}", ptx, "-o", os.path.join(tmp, "v.cubin")],
+                                 capture_output=True, text=True)
+            if run.returncode:
+                raise RuntimeError(f"ptxas failed on {kernel_name}: {run.stderr[-2000:]}")
+            log = run.stderr
         sass = subprocess.run([_triton_bin("cuobjdump"), "-sass", cubin], capture_output=True,
                               text=True).stdout
-    regs = re.search(r"Used (\d+) registers", log.stderr)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.stderr)
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     mma = {m: len(re.findall(rf"\b{m}\b", sass)) for m in ("HGMMA", "HMMA", "DMMA")}
     used = [m for m, c in mma.items() if c]
     return dict(registers=int(regs.group(1)) if regs else -1,

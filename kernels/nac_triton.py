@@ -721,7 +721,6 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, GRAD_A, COUNT, 
         gscale, ginv = _pow2_scale(tl.max(gvec, 0))
     else:
         gscale = 1.0
-        ginv = 1.0
     if PRECISION == "bf16x6" or PRECISION == "fp16x3":
         # fp32 in 16-bit parts: K and Q are (3, rows, D) bf16 (bf16x6) or (2, rows, D) fp16
         # (fp16x3, GSCALE: the plan sets it) parts, the loop as the 16-bit one below
@@ -769,7 +768,11 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, GRAD_A, COUNT, 
             st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
             pt = tl.exp2(st - lse2[None, :]) * g[None, :]
             dk += _dot(pt.to(q.dtype), q, PRECISION, UPCAST)               # P^T Q (log2 units)
-    dk = dk * (0.6931471805599453 * ginv)
+    if GSCALE:
+        dk = dk * (0.6931471805599453 * ginv)
+    else:  # ln 2 as a literal, in the accumulator's dtype: fp64's is not rounded to fp32 (an
+        # assigned 1.0 factor would be an fp32 scalar and take ln 2 to fp32 with it)
+        dk = dk * 0.6931471805599453
     if OUT_MODE == 0 or OUT_MODE == 3:
         tl.store(OUT + (sp.to(tl.int64) * N + kc64[:, None]) * D + cols[None, :], dk,
                  mask=tile_mask)

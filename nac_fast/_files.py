@@ -24,6 +24,63 @@ def check_new_file(flag: str, path: str, overwrite: bool, *, error=ValueError) -
         raise error(f"{flag} {path!r}: {parent!r} is not a folder")
 
 
+def check_writable(flag: str, path: str, *, error=ValueError) -> None:
+    """Refuse an output file ``path`` (named by the option ``flag``) that could not be written:
+    a path component that exists but is not a folder, or a nearest existing folder in which no
+    file can be created (read-only, no permission, /proc, ...); raises ``error`` naming
+    ``flag``.  The folders still missing are not created here (``atomic_write`` makes them).
+    Found by creating (and removing) a temporary file, so it holds for root too.  Callers check
+    before any work, with :func:`check_new_file`, so a long run cannot fail at its end."""
+    path = os.path.abspath(os.fspath(path))
+    d = os.path.dirname(path)
+    while not os.path.lexists(d):
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        raise error(f"{flag} {path!r}: {d!r} is not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-write-check.", dir=d)
+    except OSError as exc:
+        raise error(f"{flag} {path!r}: cannot write in {d!r} "
+                    f"({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def atomic_write_all(items) -> None:
+    """Write several files all or none: ``items`` is a list of ``(path, write, mode)`` as for
+    :func:`atomic_write`.  Every file is written to a temporary file in its target's folder
+    first; only when all are complete are they renamed into place, so a failure while writing
+    (a full disk, an error of one ``write``) leaves every target as it was and no temporary
+    file."""
+    done = []  # (tmp, path) of the complete temporary files
+    try:
+        for path, write, mode in items:
+            path = os.path.abspath(os.fspath(path))
+            d = os.path.dirname(path)
+            os.makedirs(d, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + ".", dir=d)
+            done.append((tmp, path))
+            with os.fdopen(fd, mode) as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        for tmp, _ in done:
+            os.chmod(tmp, 0o666 & ~umask)
+        for i, (tmp, path) in enumerate(done):
+            os.replace(tmp, path)
+            done[i] = (None, path)
+    except BaseException:
+        for tmp, _ in done:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+        raise
+
+
 def atomic_write(path: str, write, *, mode: str = "wb") -> None:
     """Call ``write(f)`` on a temporary file opened with ``mode`` ("wb" or "w"), then rename it
     to ``path`` (replacing what is there: callers decide whether they may)."""

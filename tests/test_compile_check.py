@@ -222,6 +222,53 @@ def test_compiled_occupancy_reads_the_compiled_kernel(monkeypatch):
     KL._OCCUPANCY.clear()
 
 
+_PTXAS_PROBE = r"""
+import json, os, re, subprocess, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import compile_check as CC
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+@triton.jit
+def k(X, Y, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + o, tl.exp(tl.load(X + o, mask=o < n)) * 2.0, mask=o < n)
+
+def build():
+    return triton.compile(ASTSource(k, {"X": "*fp32", "Y": "*fp32", "n": "i32"},
+                                    {"BLOCK": 256}), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=1))
+
+compiled, log = CC._ptxas_log(build)
+again, log2 = CC._ptxas_log(build)          # Triton's cache: no ptxas ran
+with tempfile.TemporaryDirectory() as tmp:  # the same cubin's figures, ptxas asked again
+    ptx = os.path.join(tmp, "k.ptx")
+    open(ptx, "w").write(compiled.asm["ptx"])
+    own = subprocess.run([CC._triton_bin("ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o",
+                          os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
+regs = lambda s: int(re.search(r"Used (\d+) registers", s).group(1))
+print(json.dumps(dict(log=regs(log), own=regs(own), second=log2,
+                      same_cubin=again.asm["cubin"] == compiled.asm["cubin"])))
+"""
+
+
+def test_ptxas_figures_are_tritons_own(tmp_path):
+    """The registers and spills are read from the ptxas that Triton ran to build the cubin (its
+    log, that Triton version's flags), not from a second ptxas run; a cache hit gives no log."""
+    import json
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    probe = tmp_path / "probe.py"  # @triton.jit wants its source in a file
+    probe.write_text(_PTXAS_PROBE)
+    proc = subprocess.run([sys.executable, str(probe), os.path.join(ROOT, "bench")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["log"] == got["own"] > 0
+    assert got["second"] is None and got["same_cubin"]
+
+
 @pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
 def test_compile_check_records_occupancy(check_rows):
     for r in check_rows:

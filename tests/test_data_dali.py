@@ -113,3 +113,47 @@ def test_dali_truncated_file_warns_and_continues(tmp_path):
 def test_dali_gpu_needs_a_cuda_device(root):
     with pytest.raises(ValueError, match="device"):
         _ld(root, loader="dali-gpu", device="cpu")
+
+
+def _one_bit_tiffs(r, n=4):
+    """class a: n one-bit TIFFs (PIL reads them, DALI's decoder does not); class b: n PNGs."""
+    from PIL import Image
+    for c in ("a", "b"):
+        os.makedirs(os.path.join(r, "train", c), exist_ok=True)
+    for i in range(n):
+        Image.new("1", (24, 24), i % 2).save(os.path.join(r, "train", "a", f"{i}.tif"))
+        Image.new("RGB", (24, 24), (40 * i, 80, 120)).save(os.path.join(r, "train", "b",
+                                                                          f"{i}.png"))
+
+
+def test_files_dali_cannot_decode_follow_on_bad_file(tmp_path):
+    r = str(tmp_path / "tif1")
+    _one_bit_tiffs(r)
+    tifs = [os.path.join(r, "train", "a", f"{i}.tif") for i in range(4)]
+    ld = _ld(r, batch_size=2, image_size=16)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        batches = list(ld)
+    msgs = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
+    assert len(batches) == 4 and sorted(ld.skipped_files) == tifs
+    assert msgs and all("DALI cannot decode" in m for m in msgs), msgs
+    with pytest.raises(ValueError, match=r"DALI cannot decode.*\.tif"):
+        list(_ld(str(tmp_path / "tif1"), batch_size=2, image_size=16, on_bad_file="error"))
+
+
+def test_train_records_a_dali_decode_failure_in_status_json(tmp_path, capsys):
+    import json
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import train
+    r = str(tmp_path / "tif2")
+    _one_bit_tiffs(r)
+    out = str(tmp_path / "o")
+    status = train.main(["--data", r, "--loader", "dali-cpu", "--image-size", "16",
+                         "--batch-size", "4", "--max-steps", "1", "--on-bad-file", "error",
+                         "--no-progress", "--out", out])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert ".tif" in err and "DALI cannot decode" in err, err
+    st = json.load(open(os.path.join(out, "status.json")))
+    assert st["status"] == 2 and st["meaning"] != "running", st

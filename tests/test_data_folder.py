@@ -253,3 +253,78 @@ def test_a_bare_folder_too_small_to_hold_out_trains_on_everything(tmp_path):
     assert len(FolderSource.from_root(r).files) == 3
     with pytest.raises(ValueError, match="too small to hold any image out"):
         FolderSource.from_root(r, split="test")
+
+
+# ---- audit regressions: symlink loops, loose root images, 16-bit images, EXIF orientation ----
+
+def _png_classes(root, classes=("a", "b"), n=4, size=(20, 20)):
+    from PIL import Image
+    for k, c in enumerate(classes):
+        os.makedirs(os.path.join(root, c), exist_ok=True)
+        for i in range(n):
+            Image.new("RGB", size, (30 * i, 100 * k, 50)).save(os.path.join(root, c, f"{i}.png"))
+
+
+def test_symlink_loop_is_scanned_once_with_a_warning(tmp_path):
+    from nac_fast.data.sources.imagefolder import FolderSource
+    r = str(tmp_path / "loop")
+    _png_classes(r)
+    for c in ("a", "b"):
+        os.symlink("..", os.path.join(r, c, "all"))      # each class folder links to the root
+    os.symlink(os.path.join(r, "a", "0.png"), os.path.join(r, "b", "linked.png"))  # a file link
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        src = FolderSource._scan(r)
+    msgs = [str(w.message) for w in rec]
+    assert any("symlink loop" in m and os.path.join(r, "a", "all") in m for m in msgs), msgs
+    assert len(src.files) == 9 and np.bincount(src.labels).tolist() == [4, 5]
+    assert os.path.join(r, "b", "linked.png") in src.files
+
+
+def test_images_loose_in_the_root_are_counted_in_a_warning(tmp_path):
+    from PIL import Image
+    from nac_fast.data.sources.imagefolder import FolderSource
+    r = str(tmp_path / "loose")
+    _png_classes(r)
+    for i in range(3):
+        Image.new("RGB", (20, 20)).save(os.path.join(r, f"stray{i}.png"))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        src = FolderSource._scan(r)
+    msgs = [str(w.message) for w in rec]
+    assert any("3 image file(s) directly in" in m and "not used" in m for m in msgs), msgs
+    assert len(src.files) == 8
+
+
+@pytest.mark.parametrize("mode", ["I;16", "F"])
+def test_high_depth_images_are_scaled_not_clipped(tmp_path, mode):
+    """A 16-bit PNG (/257) and a float TIFF in [0, 1] (x 255) decode to their 8-bit values, the
+    way DALI decodes them, not to white/black."""
+    from PIL import Image
+    from nac_fast.data.preprocess import load_image
+    from nac_fast.data.sources.imagefolder import load_rgb
+    ramp = np.tile(np.linspace(0, 1, 16), (16, 1))
+    if mode == "I;16":
+        p = str(tmp_path / "g16.png")
+        Image.fromarray((ramp * 65535).astype(np.uint16)).save(p)
+    else:
+        p = str(tmp_path / "f.tif")
+        Image.fromarray(ramp.astype(np.float32)).save(p)
+    assert Image.open(p).mode.startswith(mode[0])
+    a = np.asarray(load_rgb(p)).astype(float)
+    assert a.shape == (16, 16, 3)
+    assert np.abs(a[..., 0] - ramp * 255).max() <= 1, a[0, :, 0]
+    prep = {"in_channels": 3, "image_size": 16, "resize": "center-crop", "mean": [0.0] * 3,
+            "std": [1.0] * 3}
+    x = load_image(p, prep)
+    assert 0.4 < float(x.mean()) < 0.6
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    from PIL import Image
+    from nac_fast.data.sources.imagefolder import load_rgb
+    p = str(tmp_path / "phone.jpg")
+    exif = Image.Exif()
+    exif[0x0112] = 6                                   # rotate 90 degrees to display
+    Image.new("RGB", (60, 20), (200, 10, 10)).save(p, exif=exif)
+    assert load_rgb(p).size == (20, 60)

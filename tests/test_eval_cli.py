@@ -409,3 +409,61 @@ def test_a_bare_folder_trains_and_evaluates_on_its_held_out_part(tmp_path, capsy
     os.makedirs(tmp_path / "root" / "val")
     assert f"--data {tmp_path / 'root'})" in _split_hint(str(tmp_path / "root" / "train"))
     assert _split_hint(data) == ""
+
+
+def test_paper_protocol_with_no_gallery_left_is_a_usage_error(tmp_path, capsys):
+    """--queries-per-class equal to every class's size makes each pooled image a query: a usage
+    error naming the flag (not an internal "gallery_codes is empty"), before any feature is
+    extracted when the data set's labels say so (here: 2 classes of 5 images, train + test)."""
+    import argparse
+    from nac_fast.data.sources.synthetic import write_jpeg_folder
+    # the split itself, on features already extracted
+    feats = {"a": torch.randn(4, 8), "labels": torch.tensor([0, 0, 1, 1])}
+    args = argparse.Namespace(hash_protocol="paper", queries_per_class=3, seed=0)
+    with pytest.raises(ValueError, match=r"^--queries-per-class 3: too many for the 6 pooled "
+                       r"images \(every class has exactly 3, so all of them would be queries and "
+                       r"the gallery would be empty\)"):
+        nac_eval.run_hash(args, feats, {"a": torch.randn(2, 8), "labels": torch.tensor([0, 1])},
+                          [8])
+    data = write_jpeg_folder(str(tmp_path / "photos"), num_classes=2, per_class=5,
+                             size_range=(40, 56))
+    run = tmp_path / "run"
+    assert train.main(["--data", data, "--max-steps", "1", "--batch-size", "8", "--code-dim",
+                       "16", "--out", str(run), "--no-progress", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "eval"
+    with pytest.raises(SystemExit) as e:
+        nac_eval.main(["--checkpoint", str(run / "last.pt"), "--out", str(out), "--tasks", "hash",
+                       "--hash-protocol", "paper", "--queries-per-class", "5", "--device", "cpu",
+                       "--no-progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert ("--queries-per-class 5: too many for the 10 pooled images (every class has exactly "
+            "5") in err, err
+    assert not out.exists()  # before any feature extraction
+
+
+def test_quick_on_a_small_folder_takes_whole_splits(tmp_path, capsys):
+    """--quick's own --limit-train 5000 / --limit-test 1000 are at most each split: a folder of
+    10 images is evaluated whole (it failed with "--limit-train 5000 exceeds the train split's
+    ... images", a flag never typed); a typed limit beyond the split stays an error."""
+    from nac_fast.data.sources.synthetic import write_jpeg_folder
+    data = write_jpeg_folder(str(tmp_path / "photos"), num_classes=2, per_class=6,
+                             size_range=(40, 56))
+    run = tmp_path / "run"
+    assert train.main(["--data", data, "--max-steps", "1", "--batch-size", "8", "--code-dim",
+                       "16", "--out", str(run), "--no-progress", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    common = ["--checkpoint", str(run / "last.pt"), "--tasks", "hash", "--device", "cpu",
+              "--no-progress"]
+    with pytest.raises(SystemExit) as e:
+        nac_eval.main(common + ["--out", str(tmp_path / "typed"), "--limit-train", "5000"])
+    assert e.value.code == 2
+    assert "--limit-train 5000 exceeds the train split's" in capsys.readouterr().err
+    out = tmp_path / "quick"
+    assert nac_eval.main(common + ["--out", str(out), "--quick"]) in (0, None)
+    report = json.loads((out / "report.json").read_text())
+    assert report["quick"] is True
+    for split in ("train", "test"):
+        sz = report["splits"][split]
+        assert sz["used"] == sz["total"] < 1000, (split, sz)

@@ -130,6 +130,68 @@ def test_pack_layout():
     assert w[1].tolist() == [1 - 2 ** 63, 0, 2]  # bits 0 and 63 of word 0 (int64 view)
 
 
+UNSIGNED = [torch.uint8] + [getattr(torch, f"uint{b}") for b in (16, 32, 64)
+                             if hasattr(torch, f"uint{b}")]
+
+
+@pytest.mark.parametrize("dtype", UNSIGNED)
+def test_unpack_codes_refuses_a_dtype_that_cannot_hold_minus_one(dtype):
+    """An unsigned dtype would wrap -1 to its maximum (255 for uint8): refused for +-1 codes,
+    exact for the 0/1 codes of zero_one=True; a dtype that is no torch.dtype is a TypeError
+    naming it."""
+    p = H.pack_codes(torch.tensor([[1, -1, 1]]))
+    with pytest.raises(TypeError, match=f"^dtype {dtype} cannot hold the -1 of \\+-1 codes"):
+        H.unpack_codes(p, dtype=dtype)
+    assert H.unpack_codes(p, dtype=dtype, zero_one=True).tolist() == [[1, 0, 1]]
+    for bad in ("float32", None, np.float32):
+        with pytest.raises(TypeError, match="^dtype must be a torch.dtype"):
+            H.unpack_codes(p, dtype=bad)
+    with pytest.raises(TypeError, match="^dtype must be a real, complex or bool torch.dtype"):
+        H.unpack_codes(p, dtype=torch.quint8)
+    for ok in (torch.int8, torch.float16, torch.bfloat16, torch.float64, torch.complex64):
+        out = H.unpack_codes(p, dtype=ok)
+        assert out.dtype == ok and (out.real if out.is_complex() else out).tolist() == [[1, -1, 1]]
+
+
+@pytest.mark.parametrize("dtype", UNSIGNED)
+def test_unsigned_codes_are_not_taken_as_minus_one(dtype):
+    """torch compares a uint8 255 equal to -1: +-1 codes in an unsigned dtype are refused (a
+    TypeError naming the argument) everywhere codes are taken, not read as -1; 0/1 codes with
+    zero_one=True stay exact."""
+    top = torch.iinfo(dtype).max
+    wrapped = torch.tensor([[1, 0, 1]], dtype=torch.int64).to(dtype)
+    wrapped[0, 1] = top                                    # what -1 cast to the dtype gives
+    g, gl, ql = torch.tensor([[1, -1, 1]]), torch.tensor([0]), torch.tensor([0])
+    calls = [lambda c: H.pack_codes(c),
+             lambda c: H.HashIndex(3).add(c),
+             lambda c: H.mean_average_precision(c, ql, g, gl),
+             lambda c: H.retrieval_metrics(g, gl, c, ql),
+             lambda c: H.hamming_distance(c, g)]
+    for call in calls:
+        with pytest.raises(TypeError, match=f"codes has the unsigned dtype {dtype}"):
+            call(wrapped)
+    index = H.HashIndex(3)
+    with pytest.raises(TypeError, match="^codes has the unsigned dtype torch.uint8"):
+        index.add(np.array([[1, 255, 1]], dtype=np.uint8))  # numpy: the same
+    with pytest.raises(TypeError, match="looks like 0/1 codes: pass zero_one=True"):
+        index.add(np.array([[1, 0, 1]], dtype=np.uint8))
+    zo = torch.tensor([[1, 0, 1]], dtype=torch.int64).to(dtype)
+    assert torch.equal(H.pack_codes(zo, zero_one=True).words, H.pack_codes(g).words)
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        H.pack_codes(wrapped, zero_one=True)               # 255 is not a 0/1 code either
+
+
+def test_zero_one_must_be_a_bool():
+    c = torch.tensor([[1, 0, 1]])
+    for call in (lambda: H.pack_codes(c, zero_one=1), lambda: H.unpack_codes(H.pack_codes(c > 0),
+                                                                              zero_one="no"),
+                 lambda: H.hamming_distance(c, c, zero_one=1),
+                 lambda: H.mean_average_precision(c, torch.tensor([0]), c, torch.tensor([0]),
+                                                  zero_one=1)):
+        with pytest.raises(TypeError, match="^zero_one must be a bool"):
+            call()
+
+
 # ------------------------------------------------------------------------------------------
 # Distances, top-k, ranking
 # ------------------------------------------------------------------------------------------

@@ -231,6 +231,104 @@ def test_failed_save_leaves_the_old_file(tmp_path, monkeypatch):
     assert not (tmp_path / "y.nacidx").exists()
 
 
+def test_an_empty_add_with_paths_or_ids_does_not_commit_the_index(tmp_path):
+    """An add of 0 codes to an empty index records no ids / paths / labels (its first codes
+    decide), so the index stays consistent and what it saves loads back; once it holds codes, an
+    empty add follows the all-or-nothing rule of every add."""
+    c = rand_codes(0, 5, 9)
+    i = HashIndex(9)
+    i.add(c[:0], paths=[])
+    i.add(c)                                          # no paths: the index has none
+    assert i.ntotal == 5 and i.paths is None
+    i.save(tmp_path / "a.nacidx")
+    assert HashIndex.load(tmp_path / "a.nacidx").ntotal == 5
+    j = HashIndex(9)
+    j.add(c[:0], ids=torch.zeros(0, dtype=torch.int64), labels=[])
+    j.add(c)
+    assert j.ids.tolist() == [0, 1, 2, 3, 4] and j.labels is None
+    assert j.ids[j.search(c, 2)[1]].shape == (5, 2)
+    k = HashIndex(9)
+    k.add(c[:0])
+    k.add(c[:2], ids=[7, 8], paths=["a", "b"])       # the first codes bring ids and paths
+    k.add(c[:0], ids=[], paths=[])                     # (an empty list of ids is int64 here)
+    assert k.ids.tolist() == [7, 8] and k.paths == ["a", "b"]
+    with pytest.raises(ValueError, match="ids: the index holds ids for its 2 codes"):
+        k.add(c[:0])
+    # an index file of 0 codes with (empty) paths: the loaded index takes its first codes' choice
+    HashIndex(9).save(tmp_path / "e0.nacidx")
+    _rewrite(tmp_path / "e0.nacidx", tmp_path / "e.nacidx", lambda h: h.update(has_paths=True))
+    with zipfile.ZipFile(tmp_path / "e.nacidx", "a") as z:
+        z.writestr("paths.json", "[]")
+    back = HashIndex.load(tmp_path / "e.nacidx")
+    assert back.paths == []
+    back.add(c)
+    assert back.paths is None and back.ntotal == 5
+    back.save(tmp_path / "e2.nacidx")
+    assert HashIndex.load(tmp_path / "e2.nacidx").ntotal == 5
+
+
+def test_an_empty_ids_list_matches_an_empty_batch():
+    index = HashIndex(9)
+    index.add(rand_codes(0, 0, 9), ids=[])
+    index.add(rand_codes(0, 2, 9), ids=[3, 4])
+    index.add(rand_codes(0, 0, 9), ids=())
+    assert index.ids.tolist() == [3, 4]
+    with pytest.raises(TypeError, match="ids must be integers, got torch.float32"):
+        index.add(rand_codes(0, 1, 9), ids=[1.5])
+
+
+@pytest.mark.parametrize("text", ["[]", "null", "1", '"x"', "true"])
+def test_a_meta_json_that_is_not_an_object_is_a_value_error(tmp_path, text):
+    import io
+    path = tmp_path / "odd.nacidx"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("meta.json", text)
+        b = io.BytesIO()
+        np.save(b, np.zeros((1, 1), "<u8"))
+        z.writestr("codes.npy", b.getvalue())
+    with pytest.raises(ValueError, match="not a complete nac_fast HashIndex file.*meta.json "
+                       "holds .*, not the JSON object"):
+        HashIndex.load(path)
+
+
+def test_backend_argument_is_checked_before_the_file_is_read(tmp_path):
+    index = HashIndex(8)
+    index.add(rand_codes(0, 3, 8))
+    index.save(tmp_path / "a.nacidx")
+    with pytest.raises(TypeError, match="^backend must be a str, got int$"):
+        HashIndex.load(tmp_path / "a.nacidx", backend=1)
+    with pytest.raises(TypeError, match="^backend must be a str, got int$"):
+        HashIndex.load(tmp_path / "never-read.nacidx", backend=1)   # before the file
+    for make in (lambda: HashIndex(8, backend="bogus"),
+                 lambda: HashIndex.load(tmp_path / "a.nacidx", backend="bogus")):
+        with pytest.raises(ValueError, match="^backend must be one of .*got 'bogus'"):
+            make()
+    assert HashIndex.load(tmp_path / "a.nacidx", backend="reference").backend == "reference"
+
+
+def test_flags_must_be_bools(tmp_path):
+    """overwrite= guards the user's file: "no" is not a yes.  zero_one= likewise."""
+    index = HashIndex(8)
+    index.add(rand_codes(0, 3, 8))
+    path = tmp_path / "a.nacidx"
+    index.save(path)
+    before = path.read_bytes()
+    index.add(rand_codes(1, 3, 8))
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match="^overwrite must be a bool, got"):
+            index.save(path, overwrite=bad)
+    assert path.read_bytes() == before
+    with pytest.raises(TypeError, match="^overwrite must be a bool"):
+        index.save(tmp_path / "new.nacidx", overwrite="no")
+    assert sorted(os.listdir(tmp_path)) == ["a.nacidx"]
+    c = rand_codes(2, 2, 8).int()
+    for call in (lambda: index.add(c, zero_one=1), lambda: index.search(c, 1, zero_one="yes"),
+                 lambda: index.search(c.numpy(), 1, zero_one=1)):
+        with pytest.raises(TypeError, match="^zero_one must be a bool"):
+            call()
+    assert index.ntotal == 6
+
+
 # ------------------------------------------------------------------------------------------
 # A GPU index (device="cuda", .to()): FAISS's GpuIndexBinaryFlat in spirit
 # ------------------------------------------------------------------------------------------

@@ -335,3 +335,95 @@ def test_a_query_file_takes_its_folders_label_when_the_index_has_it(folders, bui
     q = json.loads(out)["queries"]
     assert [x["label"] for x in q[:2]] == ["bag", None]
     assert sorted(x["label"] for x in q[2:]) == sorted(os.listdir(folders / "queries"))
+
+
+def test_unwritable_outputs_are_refused_before_any_encoding(ckpt, folders, built, tmp_path,
+                                                            capsys, monkeypatch):
+    """An output under a file, or in a folder nothing can be created in, is a one-line error
+    naming its flag, found before an image is encoded; nothing is written."""
+    from nac_fast.index.encode import CodeEncoder
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    under = afile / "sub"
+    q = str(folders / "queries" / "bag")
+    enc = ["encode", "--checkpoint", ckpt, "--images", str(folders / "queries"), "--no-progress"]
+    cases = [
+        (enc + ["--npy", str(tmp_path / "n.npy"), "--out", str(under / "x.npz")], "--out", under),
+        (enc + ["--npy", str(under / "n.npy"), "--out", str(tmp_path / "x.npz")], "--npy", under),
+        (["build", "--checkpoint", ckpt, "--images", str(folders / "queries"), "--out",
+          str(under / "x.nacidx"), "--no-progress"], "--out", under),
+        (["search", "--index", str(built), "--png", str(tmp_path / "s.png"), "--json",
+          str(under / "s.json"), "--no-progress", q], "--json", under),
+        (["search", "--index", str(built), "--png", str(under / "s.png"), "--no-progress", q],
+         "--png", under),
+    ]
+    before = sorted(os.listdir(tmp_path))
+    monkeypatch.setattr(CodeEncoder, "encode_files",
+                        lambda *a, **k: pytest.fail("images encoded before the refusal"))
+    for argv, flag, bad in cases:
+        code, _, err = _run(argv, capsys)
+        path = [a for a in argv if a.startswith(str(bad))][0]
+        assert code == 2 and f"{flag} {path!r}: {str(afile)!r} is not a folder" in err, (argv, err)
+        assert err.count("\n") == 1, err
+        assert sorted(os.listdir(tmp_path)) == before and afile.read_text() == "mine"
+    if os.path.isdir("/proc"):  # a folder no file can be created in, whoever runs the test
+        code, _, err = _run(enc + ["--out", "/proc/nac_fast_test.npz"], capsys)
+        assert code == 2 and "--out '/proc/nac_fast_test.npz': cannot write in '/proc'" in err
+
+
+def test_a_failed_write_leaves_neither_output(ckpt, folders, built, tmp_path, capsys,
+                                             monkeypatch):
+    """encode's --out and --npy, search's --json and --png: written together or not at all (a
+    disk that fills while the second is written leaves no first one), one line, exit status 2."""
+    import nac_fast._files as files
+    real = os.fsync
+    calls = []
+
+    def fsync(fd):  # the second file's write fails
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(fd)
+    q = str(folders / "queries" / "bag")
+    runs = [(["encode", "--checkpoint", ckpt, "--images", str(folders / "queries"), "--out",
+              str(tmp_path / "x.npz"), "--npy", str(tmp_path / "x.npy"), "--no-progress"]),
+            (["search", "--index", str(built), "--json", str(tmp_path / "s.json"), "--png",
+              str(tmp_path / "s.png"), "--no-progress", q])]
+    first = sorted(os.listdir(tmp_path))
+    for argv in runs:
+        before = sorted(os.listdir(tmp_path))
+        calls.clear()
+        monkeypatch.setattr(files.os, "fsync", fsync)
+        code, _, err = _run(argv, capsys)
+        monkeypatch.setattr(files.os, "fsync", real)
+        assert code == 2 and "cannot write" in err and "No space left" in err, err
+        assert len(calls) == 2 and sorted(os.listdir(tmp_path)) == before  # no temporary file
+        code, _, err = _run(argv, capsys)                          # the disk has room again
+        assert code == 0, err
+    assert sorted(os.listdir(tmp_path)) == sorted(first + ["x.npz", "x.npy", "s.json", "s.png"])
+
+
+def test_device_and_code_length_errors_name_their_flag(ckpt, folders, tmp_path, capsys):
+    """build / encode check --device first (before the folder scan), as search does; an index of
+    longer codes than its checkpoint makes is the --index's fault (search has no --bits)."""
+    from nac_fast.index.encode import CodeEncoder, file_sha256
+    bad = [("bogus", "--device 'bogus' is not a device (cpu, cuda, cuda:1, ...)")]
+    if not torch.cuda.is_available():
+        bad.append(("cuda", "--device 'cuda': no CUDA device is available"))
+    for sub in ("build", "encode"):
+        for device, match in bad:
+            code, _, err = _run([sub, "--checkpoint", ckpt, "--images", str(tmp_path / "nope"),
+                                 "--out", str(tmp_path / "x.out"), "--device", device,
+                                 "--no-progress"], capsys)
+            assert code == 2 and match in err and "--checkpoint" not in err, (sub, err)
+    with pytest.raises(ValueError, match="^device 'bogus' is not a device"):
+        CodeEncoder(ckpt, device="bogus")
+    wide = nac_fast.HashIndex(D + 32, meta={"checkpoint": ckpt,
+                                            "checkpoint_sha256": file_sha256(ckpt)})
+    wide.add(torch.ones(3, D + 32))
+    wide.save(tmp_path / "wide.nacidx")
+    code, _, err = _run(["search", "--index", str(tmp_path / "wide.nacidx"), "--no-progress",
+                         str(folders / "queries" / "bag")], capsys)
+    assert code == 2 and f"--index {str(tmp_path / 'wide.nacidx')!r} holds {D + 32}-bit codes" \
+        in err and "--bits" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["wide.nacidx"]

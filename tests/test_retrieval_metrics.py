@@ -190,3 +190,30 @@ def test_precision_at_n_and_bad_arguments():
         nac_fast.precision_within_radius(q, ql, g, gl, radius=9)
     with pytest.raises(ValueError, match="query_labels"):
         nac_fast.pr_curve(q, ql[:2], g, gl)
+
+
+def test_map_topk_is_one_int_and_flags_are_bools():
+    """mean_average_precision takes one K (several: retrieval_metrics), named in the error; the
+    return_* switches and progress must be bools, checked before any work."""
+    q, ql, g, gl = (torch.from_numpy(x) for x in _data(5, 4, 20, 8, 3))
+    for several in ((5, 6), [5], (5,)):
+        with pytest.raises(TypeError, match=r"^topk must be an int or None \(for several K: "
+                           r"retrieval_metrics\(topk=\(5"):
+            nac_fast.mean_average_precision(q, ql, g, gl, topk=several)
+    with pytest.raises(TypeError, match="^topk must be an int or None, got True"):
+        nac_fast.mean_average_precision(q, ql, g, gl, topk=True)
+    r = nac_fast.retrieval_metrics(q, ql, g, gl, topk=(5, 6))
+    assert nac_fast.mean_average_precision(q, ql, g, gl, topk=np.int64(5)) == r["map_at"][5]
+    for call, name in ((lambda: nac_fast.mean_average_precision(q, ql, g, gl,
+                                                                 return_num_queries=1),
+                        "return_num_queries"),
+                       (lambda: nac_fast.mean_average_precision(q, ql, g, gl, topk=5,
+                                                                 return_num_queries="no"),
+                        "return_num_queries"),
+                       (lambda: nac_fast.precision_within_radius(q, ql, g, gl,
+                                                                  return_empty_fraction=1),
+                        "return_empty_fraction"),
+                       (lambda: nac_fast.retrieval_metrics(q, ql, g, gl, progress=1), "progress"),
+                       (lambda: nac_fast.pr_curve(q, ql, g, gl, zero_one=0), "zero_one")):
+        with pytest.raises(TypeError, match=f"^{name} must be a bool"):
+            call()

@@ -211,3 +211,38 @@ def test_flags_reach_train_py_through_torchrun():
     assert ns.training_script == "train.py"
     assert ns.training_script_args == ["--flip-prob", "0.3", "--method", "nac-mq"]
     assert parse(ns.training_script_args).flip_prob == 0.3
+
+
+# ---- audit regressions: non-finite floats, synthetic:N, --image-size (typed and read) ----
+
+@pytest.mark.parametrize("flag,value", [("--wd", "nan"), ("--warmup-epochs", "inf"),
+                                        ("--lr", "inf"), ("--tau", "inf"), ("--wd", "inf"),
+                                        ("--collapse-warn", "nan")])
+def test_non_finite_float_flags_are_refused(flag, value, capsys, tmp_path):
+    _fails(["--data", "synthetic:64", "--batch-size", "4", "--max-steps", "1", flag, value,
+            "--out", str(tmp_path / "o")], capsys, f"{flag} must be a finite number")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("data,match", [("synthetic:abc", "'abc'"), ("synthetic:0", "got 0")])
+def test_bad_synthetic_count_names_data(data, match, capsys, tmp_path):
+    _fails(["--data", data, "--batch-size", "4", "--max-steps", "1", "--no-progress",
+            "--out", str(tmp_path / "o")], capsys, f"--data '{data}': synthetic[:N]")
+
+
+def test_typed_image_size_below_8_names_the_flag(capsys, tmp_path):
+    _fails(["--data", "synthetic:64", "--batch-size", "4", "--max-steps", "1",
+            "--image-size", "4", "--out", str(tmp_path / "o")], capsys,
+           "--image-size must be >= 8, got 4")
+
+
+def test_images_below_8_px_exit_2_naming_image_size(capsys, tmp_path):
+    from PIL import Image
+    root = tmp_path / "tiny"
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True)
+        for i in range(5):
+            Image.new("RGB", (7, 5), (40 * i, 90, 200)).save(root / c / f"{i}.png")
+    _fails(["--data", str(root), "--batch-size", "4", "--max-steps", "1", "--loader",
+            "torchvision", "--no-progress", "--out", str(tmp_path / "o")], capsys,
+           "--image-size must be >= 8, got 5 (read from --data")

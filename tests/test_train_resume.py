@@ -198,3 +198,27 @@ def test_compile_flag_trains_like_eager(tmp_path):
     for k, v in got.items():
         assert torch.equal(v, saved[k]), k
         torch.testing.assert_close(v, me.state_dict()[k], rtol=1e-3, atol=1e-5, msg=k)
+
+
+def test_resume_path_into_another_runs_out_is_refused(tmp_path, capsys):
+    """--resume PATH with an --out that holds another run: status 2, nothing touched; with
+    --overwrite the run in --out is replaced by PATH's continuation."""
+    base = ["--data", "synthetic:32", "--image-size", "8", "--batch-size", "8", "--no-progress"]
+    a, b = str(tmp_path / "runA"), str(tmp_path / "runB")
+    assert train.main(base + ["--max-steps", "1", "--seed", "7", "--out", a]) == 0
+    assert train.main(base + ["--max-steps", "1", "--seed", "0", "--out", b]) == 0
+    capsys.readouterr()
+    before = open(os.path.join(a, "last.pt"), "rb").read()
+    cfg_before = open(os.path.join(a, "config.json")).read()
+    argv = base + ["--max-steps", "2", "--out", a, "--resume", os.path.join(b, "last.pt")]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds another run" in err and "--resume" in err and "--overwrite" in err, err
+    assert open(os.path.join(a, "last.pt"), "rb").read() == before
+    assert open(os.path.join(a, "config.json")).read() == cfg_before
+    assert train.main(argv + ["--overwrite"]) == 0
+    ck = load_checkpoint(os.path.join(a, "last.pt"))
+    assert ck["config"]["seed"] == 0 and ck["step"] == 2
+    assert not os.path.exists(os.path.join(a, "prev.pt"))
+    # the checkpoint's own folder: resumed as before
+    assert train.main(base + ["--max-steps", "2", "--out", b, "--resume", b]) == 0

@@ -59,10 +59,42 @@ def dali_available() -> bool:
     return True
 
 
+MIN_IMAGE_SIZE = 8   # the smallest side a loader crops to (typed, or read from the images)
+
+
+class ImageSizeError(ValueError):
+    """The image size (typed, or the natural size read from the images) is below
+    MIN_IMAGE_SIZE; `size` is the value, `from_data` whether it was read from the images."""
+
+    def __init__(self, message, size, from_data):
+        super().__init__(message)
+        self.size, self.from_data = size, from_data
+
+
+def _check_size(size, from_data=False):
+    """The one >= MIN_IMAGE_SIZE check for a typed image_size and a size read from the data."""
+    if not _checks.is_int(size) or size < MIN_IMAGE_SIZE:
+        if from_data:
+            raise ImageSizeError(f"image_size must be an int >= {MIN_IMAGE_SIZE}, got {size!r} "
+                                 "(read from the images: the median short side of a sample of "
+                                 f"them); give an image_size >= {MIN_IMAGE_SIZE} to resize them",
+                                 size, True)
+        raise ImageSizeError(f"image_size must be None or an int >= {MIN_IMAGE_SIZE}, got "
+                             f"{size!r}", size, False)
+    return size
+
+
+def _image_size(image_size, source):
+    """The size the loader crops to: `image_size`, else the source's natural size (checked)."""
+    if image_size is not None:
+        return image_size
+    return _check_size(source.natural_size, from_data=True)
+
+
 def _check_common(batch_size, image_size, num_workers, dtype, channels_last, on_bad_file):
     _checks.positive_int("batch_size", batch_size)
-    if image_size is not None and (not _checks.is_int(image_size) or image_size < 8):
-        raise ValueError(f"image_size must be None or an int >= 8, got {image_size!r}")
+    if image_size is not None:
+        _check_size(image_size)
     if not _checks.is_int(num_workers) or num_workers < 0:
         raise ValueError(f"num_workers must be a non-negative int, got {num_workers!r}")
     if dtype not in _FLOAT_DTYPES:
@@ -106,7 +138,7 @@ def build_pretrain_loader(data="fashion-mnist", batch_size=256, rank=0, world_si
     """
     _check_common(batch_size, image_size, num_workers, dtype, channels_last, on_bad_file)
     source = resolve_source(data, "train")
-    size = image_size if image_size is not None else source.natural_size
+    size = _image_size(image_size, source)
     rec = make_recipe(recipe, size, scale)
     kind = _pick_loader(loader, source, device)
     if isinstance(source, InMemorySource):
@@ -134,7 +166,7 @@ def build_eval_loader(data="fashion-mnist", split="train", batch_size=256, rank=
     if split not in ("train", "test", "val"):
         raise ValueError(f"split must be 'train' or 'test' ('val' is an alias), got {split!r}")
     source = resolve_source(data, "test" if split == "val" else split)
-    size = image_size if image_size is not None else source.natural_size
+    size = _image_size(image_size, source)
     if isinstance(source, InMemorySource):
         return TensorEvalLoader(source, batch_size, rank, world_size, size, device, channels_last, dtype)
     from .loaders.folder import FolderEvalLoader

@@ -25,7 +25,7 @@ import torch
 
 from .augment import center_resize, normalize, pil_center_crop
 from .sources import cifar, fashion_mnist
-from .sources.imagefolder import IMAGENET_MEAN, IMAGENET_STD
+from .sources.imagefolder import IMAGENET_MEAN, IMAGENET_STD, open_image
 
 __all__ = ["checkpoint_preprocessing", "load_image", "RESIZE_RULES"]
 
@@ -80,15 +80,14 @@ def checkpoint_preprocessing(config: dict) -> dict:
 def load_image(path, prep: dict) -> torch.Tensor:
     """One image file -> the model's input (C, S, S) float32, normalised as ``prep`` says.
     Raises what PIL raises for a file it cannot decode (OSError, ValueError, ...)."""
-    from PIL import Image
-    with Image.open(path) as im:
-        im = im.convert("L" if prep["in_channels"] == 1 else "RGB")
-        size = prep["image_size"]
-        if prep["resize"] == "center-crop":
-            u8 = pil_center_crop(im, size)
-        else:
-            a = np.asarray(im, dtype=np.uint8)
-            u8 = torch.from_numpy(a.copy()).reshape(a.shape[0], a.shape[1], -1).permute(2, 0, 1)
+    # as the loaders decode it: EXIF orientation applied, 16-bit/float samples scaled to 8 bits
+    im = open_image(path).convert("L" if prep["in_channels"] == 1 else "RGB")
+    size = prep["image_size"]
+    if prep["resize"] == "center-crop":
+        u8 = pil_center_crop(im, size)
+    else:
+        a = np.asarray(im, dtype=np.uint8)
+        u8 = torch.from_numpy(a.copy()).reshape(a.shape[0], a.shape[1], -1).permute(2, 0, 1)
     if prep["resize"] == "center-crop":
         x = u8.float().div_(255.0)[None]
     else:

@@ -55,6 +55,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 from .._files import atomic_write
@@ -163,10 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args) -> None:
     """Checks that need neither the checkpoint nor the data; raises ValueError naming the flag.
     Fills in --quick's values and the defaults that depend on it."""
+    args.quick_limits = []  # the --limit-* that --quick set: at most the split, not an error
     if getattr(args, "quick", False):
         for k, v in QUICK.items():
             if getattr(args, k) is None:
                 setattr(args, k, v)
+                if k.startswith("limit_"):
+                    args.quick_limits.append(k)
     if args.linear_epochs is None:
         args.linear_epochs = 100
     if args.radius < 0:
@@ -219,15 +223,17 @@ def check_args(args) -> None:
 # Feature extraction with a cache
 # --------------------------------------------------------------------------------------------
 
-def _subset_loader(data, split, limit, batch_size, image_size, device):
+def _subset_loader(data, split, limit, batch_size, image_size, device, cap=False):
     """(loader, n_used, n_split): an evenly strided subset via the loader's rank/world-size
     sharding (rank 0 of world W takes images 0, W, 2W, ...), so no private loader API is needed;
-    with W = n // limit rank 0 holds >= limit images and we stop after the first `limit`."""
+    with W = n // limit rank 0 holds >= limit images and we stop after the first `limit`.
+    A limit beyond the split is a ValueError naming --limit-<split>, or with `cap` (--quick's own
+    limit) the whole split."""
     full = build_eval_loader(data, split=split, batch_size=batch_size, image_size=image_size,
                              device=device)
     n = full.num_images
     if limit is None or limit >= n:
-        if limit is not None and limit > n:
+        if limit is not None and limit > n and not cap:
             raise ValueError(f"--limit-{split} {limit} exceeds the {split} split's {n} images")
         return full, n, n
     stride = n // limit
@@ -299,6 +305,34 @@ def _finite(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
+def paper_split(args, pool_y: torch.Tensor) -> dict:
+    """metrics.retrieval_split of the pooled labels for --hash-protocol paper; a ValueError
+    naming --queries-per-class when a class has too few items or no item is left for the
+    gallery (every class exactly --queries-per-class items)."""
+    q = args.queries_per_class
+    try:
+        idx = retrieval_split(pool_y, queries_per_class=q, train_per_class=None, seed=args.seed)
+    except ValueError as exc:  # class sizes are only known once the labels are loaded
+        raise ValueError(f"--queries-per-class {q}: too many for the {pool_y.numel()} pooled "
+                         f"images ({exc}); lower it or raise the limits") from exc
+    if idx["gallery"].numel() == 0:
+        raise ValueError(f"--queries-per-class {q}: too many for the {pool_y.numel()} pooled "
+                         f"images (every class has exactly {q}, so all of them would be queries "
+                         "and the gallery would be empty); lower it or raise the limits")
+    return idx
+
+
+def _planned_labels(loader, n_used: int):
+    """The labels of the first n_used images a loader will yield (its source's labels at its
+    indices), or None when it does not expose them; for the checks made before extraction (a
+    folder's undecodable file shifts them: the split is checked again on the extracted ones)."""
+    labels = getattr(getattr(loader, "source", None), "labels", None)
+    indices = getattr(loader, "indices", None)
+    if labels is None or indices is None:
+        return None
+    return torch.as_tensor(np.asarray(labels)[np.asarray(indices)[:n_used]], dtype=torch.int64)
+
+
 def run_hash(args, tr, te, bits, device=torch.device("cpu")) -> dict:
     """The hashing scores, on the Hamming engine of `device`: the C++ engine for the CPU, the
     Triton engine (kernels/hamming_triton.py) for a GPU; both exact, with the same tie order."""
@@ -308,13 +342,7 @@ def run_hash(args, tr, te, bits, device=torch.device("cpu")) -> dict:
     else:
         pool_a = torch.cat([tr["a"], te["a"]])
         pool_y = torch.cat([tr["labels"], te["labels"]])
-        try:
-            idx = retrieval_split(pool_y, queries_per_class=args.queries_per_class,
-                                  train_per_class=None, seed=args.seed)
-        except ValueError as exc:  # class sizes are only known once the labels are loaded
-            raise ValueError(f"--queries-per-class {args.queries_per_class}: too many for the "
-                             f"{pool_y.numel()} pooled images ({exc}); lower it or raise the "
-                             "limits") from exc
+        idx = paper_split(args, pool_y)
         qa, ql = pool_a[idx["query"]], pool_y[idx["query"]]
         ga, gl = pool_a[idx["gallery"]], pool_y[idx["gallery"]]
         split = {"queries": f"{args.queries_per_class} per class of train+test (seed "
@@ -550,9 +578,14 @@ def main(argv=None) -> int:
         image_size = int(cfg["image_size"])
         # Build the loaders now (cheap: no images decoded) so data errors and limits beyond the
         # split size are reported before any feature extraction.
-        sizes, held_out = {}, False
+        sizes, held_out, planned = {}, False, []
         for split, limit in (("train", args.limit_train), ("test", args.limit_test)):
-            ld, used, total = _subset_loader(data, split, limit, args.batch_size, image_size, "cpu")
+            quick = f"limit_{split}" in getattr(args, "quick_limits", ())
+            ld, used, total = _subset_loader(data, split, limit, args.batch_size, image_size, "cpu",
+                                             cap=quick)
+            if quick and limit is not None and limit >= total:  # --quick on a small split: all
+                setattr(args, f"limit_{split}", None)
+            planned.append(_planned_labels(ld, used))
             if ld.in_channels != cfg["in_channels"]:
                 raise ValueError(f"--data {data!r} has {ld.in_channels}-channel images, the "
                                  f"checkpoint's model takes {cfg['in_channels']}")
@@ -561,6 +594,9 @@ def main(argv=None) -> int:
                 held_out = bool(getattr(getattr(ld, "source", None), "held_out", 0))
         if held_out:
             sizes["test"]["held_out"] = True
+        if "hash" in args.tasks and args.hash_protocol == "paper" and all(
+                y is not None for y in planned):  # the split of the labels to be extracted
+            paper_split(args, torch.cat(planned))
     except (ValueError, FileNotFoundError, TypeError) as exc:
         parser.error(str(exc))  # exit status 2, before any work
 

@@ -25,8 +25,12 @@ encode  the packed codes and paths only (an .npz: "codes" (n, ceil(bits/64)) uin
         stack; --npy FILE also writes the (n, bits) int8 +-1 codes.
 
 Every output is written atomically (a temporary file, then a rename), after all the checks and
-the work: a failure leaves no half-written file.  Errors are one line on stderr with exit
-status 2 (bad arguments, unreadable queries, another checkpoint, ...).
+the work: a failure leaves no half-written file, and the two outputs of a run (--out and --npy,
+--json and --png) are renamed into place only once both are complete.  Output locations are
+checked before any work: an existing file (without --overwrite), a folder, a path under a file
+or in a folder that cannot be written is refused at once, not after encoding.  Errors are one
+line on stderr with exit status 2 (bad arguments, unwritable outputs, unreadable queries,
+another checkpoint, ...).
 """
 from __future__ import annotations
 
@@ -104,8 +108,31 @@ def _positive(flag: str, v: int) -> None:
 
 
 def _check_new_file(flag: str, path: str, overwrite: bool) -> None:
-    from .._files import check_new_file
+    """An output the run may write: refused (UsageError naming ``flag``) when it exists and
+    ``overwrite`` is not given, names a folder, or cannot be written (a parent that is a file, a
+    read-only folder, ...)."""
+    from .._files import check_new_file, check_writable
     check_new_file(flag, path, overwrite, error=UsageError)
+    check_writable(flag, path, error=UsageError)
+
+
+def _check_device(flag: str, device):
+    from .hash_index import _check_device as check
+    try:
+        return check(flag, device)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _write_all(items) -> None:
+    """``[(flag, path, write, mode), ...]`` written all or none (nac_fast._files.atomic_write_all);
+    an OS error at write time (a full disk, ...) is a UsageError naming the flags."""
+    from .._files import atomic_write_all
+    try:
+        atomic_write_all([(path, write, mode) for _, path, write, mode in items])
+    except OSError as exc:
+        flags = " / ".join(f"{flag} {path!r}" for flag, path, _, _ in items)
+        raise UsageError(f"{flags}: cannot write ({exc}); nothing written") from None
 
 
 def _scan_folder(flag: str, folder: str):
@@ -136,13 +163,17 @@ def _exts():
     return IMAGE_EXTENSIONS
 
 
-def _encoder(args, bits):
+def _encoder(args, bits, bits_flag: str = "--bits"):
+    """The CodeEncoder of --checkpoint; its errors as UsageErrors naming the flag at fault
+    (``bits_flag``: what set ``bits``; --device is checked by the callers first)."""
     from .encode import CodeEncoder
     try:
         return CodeEncoder(args.checkpoint, bits=bits, which=getattr(args, "which", "online"),
                            device=args.device)
     except (ValueError, TypeError, RuntimeError) as exc:
-        flag = "--bits" if str(exc).startswith("bits ") else "--checkpoint"
+        msg = str(exc)
+        flag = ("--device" if msg.startswith("device ") else
+                bits_flag if msg.startswith("bits ") else "--checkpoint")
         raise UsageError(f"{flag}: {exc}") from None
 
 
@@ -162,14 +193,17 @@ def _report_skipped(res, ignored, out=sys.stderr) -> None:
 
 def cmd_build(args) -> int:
     from .hash_index import HashIndex
+    from .._files import check_writable
     _positive("--batch-size", args.batch_size)
     if args.bits is not None:
         _positive("--bits", args.bits)
+    _check_device("--device", args.device)
     existing = None
     if args.append:
         if not os.path.isfile(args.out):
             raise UsageError(f"--append: --out {args.out!r} does not exist (build it first, "
                              "without --append)")
+        check_writable("--out", args.out, error=UsageError)  # it is replaced at the end
         try:
             existing = HashIndex.load(args.out)
         except ValueError as exc:
@@ -203,7 +237,10 @@ def cmd_build(args) -> int:
     index.meta["sources"] = index.meta.get("sources", []) + [
         {"images": os.path.abspath(args.images), "added": len(res.files),
          "unreadable": len(res.unreadable)}]
-    index.save(args.out, overwrite=True)
+    try:
+        index.save(args.out, overwrite=True)
+    except OSError as exc:
+        raise UsageError(f"--out {args.out!r}: cannot write ({exc}); nothing written") from None
     n_lab = len({lab for lab in index.labels if lab is not None})
     print(f"{'appended' if existing else 'indexed'} {len(res.files)} image(s) "
           f"({len(res.unreadable)} unreadable) -> {args.out}: {index.ntotal} codes of "
@@ -236,14 +273,11 @@ def _query_files(items, known=()):
 
 def cmd_search(args) -> int:
     from .encode import describe_paths, file_sha256
-    from .hash_index import HashIndex, _check_device
+    from .hash_index import HashIndex
     if args.k < 1:
         raise UsageError(f"--k must be >= 1, got {args.k}")
     _positive("--batch-size", args.batch_size)
-    try:
-        device = _check_device("--device", args.device)
-    except (ValueError, TypeError) as exc:
-        raise UsageError(str(exc)) from None
+    device = _check_device("--device", args.device)
     try:
         index = HashIndex.load(args.index)
     except (ValueError, FileNotFoundError) as exc:
@@ -274,7 +308,8 @@ def cmd_search(args) -> int:
         raise UsageError(f"--device {args.device}: {exc}") from None
     args.checkpoint = ckpt
     args.which = m.get("which", "online")
-    enc = _encoder(args, index.nbits)
+    enc = _encoder(args, index.nbits, bits_flag=f"--index {args.index!r} holds "
+                   f"{index.nbits}-bit codes, more than the checkpoint {ckpt!r} makes")
     res = enc.encode_files(files, batch_size=args.batch_size, progress=args.progress,
                            desc="queries")
     if res.unreadable:
@@ -303,13 +338,16 @@ def cmd_search(args) -> int:
               "ntotal": index.ntotal, "checkpoint": os.path.abspath(ckpt),
               "tie_order": "equal distances in index insertion order", "queries": queries}
     text = json.dumps(report, indent=1)
+    outputs = []  # both files written all or none
     if args.png:
-        from .sheet import draw_contact_sheet
-        draw_contact_sheet(queries, args.png, title=f"{os.path.basename(args.index)}: "
-                           f"{index.ntotal} codes of {index.nbits} bits, top {k}")
+        from .sheet import contact_sheet
+        sheet = contact_sheet(queries, title=f"{os.path.basename(args.index)}: "
+                              f"{index.ntotal} codes of {index.nbits} bits, top {k}")
+        outputs.append(("--png", args.png, lambda f: sheet.save(f, format="PNG"), "wb"))
     if args.json:
-        from .._files import atomic_write
-        atomic_write(args.json, lambda f: f.write(text + "\n"), mode="w")
+        outputs.append(("--json", args.json, lambda f: f.write(text + "\n"), "w"))
+    _write_all(outputs)
+    if args.json:
         print(f"wrote {len(queries)} queries x top {k} to {args.json}"
               + (f" and {args.png}" if args.png else ""), file=sys.stderr)
     else:
@@ -325,10 +363,10 @@ def cmd_search(args) -> int:
 
 def cmd_encode(args) -> int:
     from ..ops.codes import pack_codes
-    from .._files import atomic_write
     _positive("--batch-size", args.batch_size)
     if args.bits is not None:
         _positive("--bits", args.bits)
+    _check_device("--device", args.device)
     _check_new_file("--out", args.out, args.overwrite)
     if args.npy is not None:
         _check_new_file("--npy", args.npy, args.overwrite)
@@ -350,10 +388,11 @@ def cmd_encode(args) -> int:
         np.savez(buf, codes=words, nbits=np.int64(enc.bits), paths=np.array(res.files),
                  meta=np.array(meta))
         f.write(buf.getvalue())
+    outputs = [("--out", args.out, write_npz, "wb")]
     if args.npy is not None:
         pm1 = np.where(res.codes.numpy(), 1, -1).astype(np.int8)
-        atomic_write(args.npy, lambda f: np.save(f, pm1))
-    atomic_write(args.out, write_npz)
+        outputs.append(("--npy", args.npy, lambda f: np.save(f, pm1), "wb"))
+    _write_all(outputs)  # both or neither
     print(f"encoded {len(res.files)} image(s) ({len(res.unreadable)} unreadable) -> {args.out}"
           + (f" and {args.npy}" if args.npy else "") + f": {enc.bits} bits")
     return 0

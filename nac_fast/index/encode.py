@@ -26,6 +26,7 @@ from .. import _checks
 from ..data.preprocess import checkpoint_preprocessing, load_image
 from ..data.sources.imagefolder import IMAGE_EXTENSIONS
 from ..train.checkpoint import load_checkpoint, load_model
+from .hash_index import _check_device
 
 __all__ = ["CodeEncoder", "EncodeResult", "scan_images", "file_sha256", "describe_paths"]
 
@@ -86,12 +87,14 @@ class CodeEncoder:
     """The frozen model of a train.py checkpoint and its preprocessing (module docstring).
 
     ValueError naming the checkpoint when it is not a train.py checkpoint, has no code head, or
-    does not record its preprocessing; ``bits`` must be in [1, D]."""
+    does not record its preprocessing; ``bits`` must be in [1, D]; ``device`` must be "cpu" or an
+    available "cuda[:i]" (checked first, a ValueError naming it: "device ...")."""
 
     def __init__(self, checkpoint: str, *, bits: int | None = None, which: str = "online",
                  device: str = "cpu"):
         if which not in ("online", "momentum"):
             raise ValueError(f"which must be 'online' or 'momentum', got {which!r}")
+        device = _check_device("device", device)
         ck = load_checkpoint(checkpoint)                    # ValueError for damaged / foreign files
         cfg = ck.get("config")
         state = ck.get("model" if which == "online" else "momentum_model")
@@ -110,7 +113,7 @@ class CodeEncoder:
             raise ValueError(f"checkpoint {checkpoint!r}: {exc}") from None
         self.checkpoint = os.path.abspath(checkpoint)
         self.bits, self.code_dim, self.which = bits, D, which
-        self.device = torch.device(device)
+        self.device = device
         self.model = load_model(checkpoint, which).to(self.device).eval()
         self.meta = {
             "checkpoint": self.checkpoint,

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from .. import _checks
+from ..ops import dispatch
 from ..ops.codes import MAX_BITS, PackedCodes, as_packed, check_packed
 from ..ops.search import cuda_kernels, resolve_backend, topk_words, triton_kernels
 from .._files import atomic_write
@@ -70,6 +71,18 @@ def _check_nbits(nbits) -> int:
     if not 1 <= nbits <= MAX_BITS:
         raise ValueError(f"nbits must be in [1, {MAX_BITS}], got {nbits}")
     return int(nbits)
+
+
+def _check_backend(backend) -> str:
+    """The Hamming engine's backend name ("auto", "cpu", "triton", "cuda", "reference"): a
+    TypeError for a non-str, a ValueError for another name (whether it runs for the index's
+    device is checked at the search, as the device may change)."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    names = dispatch.OPS["hamming"][0] + ("auto",)
+    if backend not in names:
+        raise ValueError(f"backend must be one of {names}, got {backend!r}")
+    return backend
 
 
 def _str_list(name: str, values, n: int, allow_none: bool) -> list:
@@ -132,9 +145,7 @@ class HashIndex:
                  device="cpu"):
         self.nbits = _check_nbits(nbits)
         self.words_per_code = (self.nbits + 63) // 64
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-        self.backend = backend
+        self.backend = _check_backend(backend)
         if meta is not None and not isinstance(meta, dict):
             raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
         self.meta = dict(meta or {})
@@ -210,8 +221,11 @@ class HashIndex:
         """Append ``codes`` (n, nbits) in order: +-1 values, bool (True = +1), 0/1 with
         ``zero_one=True``, or PackedCodes.  ``ids`` (n int64), ``paths`` (n str) and ``labels``
         (n str or None) are stored beside them; an index that holds one of them needs it on every
-        add (and one that does not refuses it), so every code has one.  Everything is checked
-        before anything is added.  numpy arrays are taken as tensors of the same values."""
+        add (and one that does not refuses it), so every code has one.  An empty index holds none
+        of them: its first add of at least one code decides (an add of 0 codes to it records
+        nothing).  Everything is checked before anything is added.  numpy arrays are taken as
+        tensors of the same values."""
+        _checks.flag("zero_one", zero_one)
         p = as_packed("codes", _from_numpy(codes), zero_one)
         if p.nbits != self.nbits:
             raise ValueError(f"codes have {p.nbits} bits but the index holds {self.nbits}-bit codes")
@@ -219,7 +233,8 @@ class HashIndex:
         n = words.shape[0]
         new_ids = None
         if ids is not None:
-            new_ids = torch.as_tensor(ids)
+            new_ids = (torch.zeros(0, dtype=torch.int64) if isinstance(ids, (list, tuple))
+                       and not ids else torch.as_tensor(ids))  # (torch makes [] float32)
             if new_ids.dtype in (torch.bool,) or new_ids.is_floating_point() or new_ids.is_complex():
                 raise TypeError(f"ids must be integers, got {new_ids.dtype}")
             if new_ids.shape != (n,):
@@ -228,7 +243,7 @@ class HashIndex:
             new_ids = new_ids.to("cpu", torch.int64)
         new_paths = None if paths is None else _str_list("paths", paths, n, False)
         new_labels = None if labels is None else _str_list("labels", labels, n, True)
-        if self._n:
+        if self._n:  # (an empty index holds no ids / paths / labels: see the append below)
             for name, have, given in (("ids", self._ids, new_ids), ("paths", self._paths, new_paths),
                                       ("labels", self._labels, new_labels)):
                 if (have is None) != (given is None):
@@ -249,6 +264,11 @@ class HashIndex:
             grown[:self._n] = self._words[:self._n]
             self._words = grown
         self._words[self._n:need] = words.to(self._device)
+        if self._n == 0:  # an empty index takes ids / paths / labels from its first codes, so a
+            # batch of 0 codes never commits it (an index of codes without paths would follow)
+            self._ids = self._paths = self._labels = None
+            if n == 0:
+                new_ids = new_paths = new_labels = None
         if new_ids is not None:
             old = self._ids[:self._n] if self._ids is not None else torch.zeros(0, dtype=torch.int64)
             self._ids = torch.cat([old, new_ids])
@@ -268,6 +288,7 @@ class HashIndex:
         another length are a ValueError.  numpy queries get numpy arrays back (FAISS's
         convention).  A GPU index searches on its GPU (queries on another GPU are a ValueError,
         as is a search that would not fit in its free memory)."""
+        _checks.flag("zero_one", zero_one)
         if isinstance(codes, np.ndarray):
             D, I = self.search(_from_numpy(codes), k, zero_one=zero_one)
             return D.numpy(), I.numpy()
@@ -320,7 +341,8 @@ class HashIndex:
     def save(self, path, *, overwrite: bool = False) -> None:
         """Write the index to ``path`` (format: module docstring), atomically: a temporary file in
         the same folder, then a rename.  An existing ``path`` is a FileExistsError unless
-        ``overwrite=True``."""
+        ``overwrite=True`` (a bool); a missing folder is created."""
+        _checks.flag("overwrite", overwrite)
         path = os.fspath(path)
         if os.path.isdir(path):
             raise IsADirectoryError(f"{path!r} is a directory; name the index file")
@@ -354,8 +376,11 @@ class HashIndex:
     def load(cls, path, *, backend: str = "auto", device="cpu") -> "HashIndex":
         """Read an index written by :meth:`save`, its codes onto ``device`` (as :meth:`to`).  A
         missing file is FileNotFoundError; a file that is not a HashIndex, is truncated or
-        damaged, or has another format version is a ValueError naming it."""
+        damaged, or has another format version is a ValueError naming it.  ``backend`` and
+        ``device`` are checked first, before the file is read (errors naming them, as for the
+        constructor)."""
         path = os.fspath(path)
+        backend = _check_backend(backend)
         dev = _check_device("device", device)
         if not os.path.exists(path):
             raise FileNotFoundError(f"index {path!r}: no such file")
@@ -367,7 +392,11 @@ class HashIndex:
                 if "meta.json" not in names or "codes.npy" not in names:
                     raise ValueError("it holds no meta.json and codes.npy")
                 head = json.loads(z.read("meta.json"))
-                if not isinstance(head, dict) or head.get("format") != FORMAT:
+                if not isinstance(head, dict):
+                    kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number",
+                            float: "a number", type(None): "null"}.get(type(head), "no object")
+                    raise ValueError(f"meta.json holds {kind}, not the JSON object of a HashIndex")
+                if head.get("format") != FORMAT:
                     raise ValueError(f"meta.json names format {head.get('format')!r} if any, "
                                      f"not {FORMAT!r}")
                 if head.get("version") != FORMAT_VERSION:

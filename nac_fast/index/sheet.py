@@ -3,6 +3,7 @@ neighbours nearest first with the Hamming distance and the label under each; a n
 label differs from the query's has a red frame and a red label.  Drawn with PIL only.
 
     draw_contact_sheet(rows, "neighbours.png", title="...")
+    sheet = contact_sheet(rows, title="...")       # the PIL image, to write it yourself
     rows = [{"query": path, "label": str or None,
              "results": [{"path": str, "distance": int, "label": str or None}, ...]}, ...]
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from .._files import atomic_write
 
-__all__ = ["draw_contact_sheet"]
+__all__ = ["draw_contact_sheet", "contact_sheet"]
 
 THUMB = 96          # pixels of the longer side of a thumbnail
 PAD = 6
@@ -47,6 +48,12 @@ def _short(s, n=15):
 
 def draw_contact_sheet(rows, out_path: str, *, title: str | None = None) -> None:
     """Draw ``rows`` (module docstring) to ``out_path`` (PNG, written atomically)."""
+    sheet = contact_sheet(rows, title=title)
+    atomic_write(out_path, lambda f: sheet.save(f, format="PNG"))
+
+
+def contact_sheet(rows, *, title: str | None = None):
+    """The contact sheet of ``rows`` (module docstring) as an RGB PIL image."""
     from PIL import Image, ImageDraw
     if not rows:
         raise ValueError("no rows to draw")
@@ -89,4 +96,4 @@ def draw_contact_sheet(rows, out_path: str, *, title: str | None = None) -> None
                       fill=BLUE if j == 0 else "black", font=f_small)
             draw.text((left + PAD, top + THUMB + 2 * PAD + 13), _short(label), fill=colour,
                       font=f_small)
-    atomic_write(out_path, lambda f: sheet.save(f, format="PNG"))
+    return sheet

@@ -5,8 +5,10 @@
     packed = nac_fast.pack_codes(codes)          # (n, ceil(D/64)) int64 words + nbits
     codes = nac_fast.unpack_codes(packed)         # +-1 float32 again
 
-Codes are +-1 tensors (any real or integer dtype; bool means False = -1, True = +1), or 0/1
-tensors with ``zero_one=True`` (1 = +1, 0 = -1), or a :class:`PackedCodes`.  Bit j of a code is bit
+Codes are +-1 tensors (any real or signed integer dtype; bool means False = -1, True = +1), or
+0/1 tensors with ``zero_one=True`` (1 = +1, 0 = -1; unsigned dtypes too), or a
+:class:`PackedCodes`.  An unsigned integer dtype cannot hold -1, so +-1 codes in one (say -1 cast to
+uint8, 255) are a TypeError.  Bit j of a code is bit
 j % 64 of word j // 64, set for +1; padding bits past ``nbits`` are 0, so they never add to a
 distance.  The search (ops/search.py), the retrieval metrics (ops/retrieval.py), the code
 statistics (nac_fast/codestats.py) and the index (nac_fast/index) all take codes through here.
@@ -44,6 +46,7 @@ def check_tensor(name: str, t) -> None:
 
 def code_bits(name: str, codes: torch.Tensor, zero_one: bool, *, check: bool = True) -> torch.Tensor:
     """(n, D) codes -> (n, D) bool, True meaning +1; checks the values."""
+    _checks.flag("zero_one", zero_one)
     check_tensor(name, codes)
     if codes.dim() != 2:
         raise ValueError(f"{name} must be 2-D (n, bits), got shape {tuple(codes.shape)}")
@@ -56,6 +59,13 @@ def code_bits(name: str, codes: torch.Tensor, zero_one: bool, *, check: bool = T
     if codes.is_complex() or not (codes.is_floating_point() or is_integer_dtype(codes.dtype)):
         raise TypeError(f"{name} must have a real or bool dtype, got {codes.dtype}")
     codes = codes.detach()
+    if not zero_one and is_unsigned_dtype(codes.dtype):
+        # torch compares an unsigned tensor with -1 as with its maximum (255 for uint8): refuse
+        # rather than take 255 for -1
+        zo = bool(((codes == 0) | (codes == 1)).all()) if check else False
+        raise TypeError(f"{name} has the unsigned dtype {codes.dtype}, which cannot hold the -1 "
+                        "of +-1 codes" + (" (it looks like 0/1 codes: pass zero_one=True)" if zo
+                                          else "; use a signed or floating dtype, or bool"))
     if zero_one:
         pos = codes == 1
         if check and not bool((pos | (codes == 0)).all()):
@@ -72,6 +82,15 @@ def code_bits(name: str, codes: torch.Tensor, zero_one: bool, *, check: bool = T
 
 def is_integer_dtype(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+_UNSIGNED = tuple(getattr(torch, f"uint{b}") for b in (8, 16, 32, 64) if hasattr(torch, f"uint{b}"))
+_SIGNED = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def is_unsigned_dtype(dtype: torch.dtype) -> bool:
+    """An integer dtype that cannot hold -1 (uint8, uint16, uint32, uint64)."""
+    return dtype in _UNSIGNED
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -148,20 +167,31 @@ def pack_codes(codes: torch.Tensor, *, zero_one: bool = False) -> PackedCodes:
 def unpack_codes(packed: PackedCodes, *, zero_one: bool = False,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: (n, nbits) codes of ``dtype``, +-1 (or 0/1 with
-    ``zero_one=True``; bool dtype gives True for +1)."""
+    ``zero_one=True``; bool dtype gives True for +1).  ``dtype`` must be a torch.dtype that holds
+    the values: an unsigned one (uint8, ...) only with ``zero_one=True`` (a TypeError else)."""
     if not isinstance(packed, PackedCodes):
         raise TypeError(f"packed must be PackedCodes, got {type(packed).__name__}")
+    _checks.flag("zero_one", zero_one)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
+    if not zero_one and is_unsigned_dtype(dtype):
+        raise TypeError(f"dtype {dtype} cannot hold the -1 of +-1 codes: use a signed or floating "
+                        "dtype, bool, or zero_one=True for 0/1 codes")
+    if not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex
+            or dtype in _SIGNED + _UNSIGNED):
+        raise TypeError(f"dtype must be a real, complex or bool torch.dtype, got {dtype}")
     words, nbits = check_packed("packed", packed)
     bits = unpack_bits(words, nbits)
     if dtype == torch.bool:
         return bits
     if zero_one:
         return bits.to(dtype)
-    return bits.to(dtype) * 2 - 1
+    return (bits.to(torch.int8) * 2 - 1).to(dtype)  # (int8 first: float8 has no arithmetic)
 
 
 def as_packed(name: str, codes, zero_one: bool = False) -> PackedCodes:
     """Any accepted code form -> a checked PackedCodes (the argument named ``name`` in errors)."""
+    _checks.flag("zero_one", zero_one)
     if isinstance(codes, PackedCodes):
         return check_packed(name, codes)
     bits = code_bits(name, codes, zero_one)

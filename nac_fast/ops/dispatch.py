@@ -47,6 +47,10 @@ _TRITON_MODULES = ("nac_triton", "nac_noise_triton", "hamming_triton")
 # 0.083 ms), with host times within that run's noise of each other; 'cuda' is the fused fallback
 # where Triton is missing.
 EXPERIMENTAL: tuple = ()
+# The widest codes (D) each fused GPU backend of op "nac" computes: kernels/nac_triton.py MAX_D,
+# csrc/nac_cuda.cu check_cuda_limits (tests/test_loss_contracts.py holds them equal).  Wider codes
+# on CUDA tensors: backend="auto" runs the next backend that takes them, else the reference.
+FUSED_MAX_D = {"triton": 512, "cuda": 256}
 
 
 def _build_note(name: str):
@@ -217,9 +221,14 @@ def _auto(t: torch.Tensor, op: str, keys, avail) -> tuple:
     """(backend, why) of backend="auto" for `t` (and, for op "nac", its keys: None = the in-batch
     keys, _UNSET = not said)."""
     if t.device.type == "cuda":
+        shape = tuple(getattr(t, "shape", ()))
+        D = shape[1] if op == "nac" and len(shape) == 2 else 0
         for b in ("triton", "cuda"):
-            if b in avail and b not in EXPERIMENTAL:
+            if b in avail and b not in EXPERIMENTAL and D <= FUSED_MAX_D[b]:
                 return b, f"the fused {b!r} kernel of CUDA tensors"
+        if D > min(FUSED_MAX_D.values()):
+            return "reference", (f"D = {D}: wider than the fused GPU kernels take here "
+                                 f"({FUSED_MAX_D})")
         return "reference", "no fused GPU backend is available here"
     if "cpu" not in avail:
         return "reference", "the compiled CPU kernel is not available here"

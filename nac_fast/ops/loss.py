@@ -124,8 +124,9 @@ def check_noise(noise, shape, of: str = "a's") -> None:
     _checks.tensor("noise", noise, "a torch.Tensor of +-1")
     if tuple(noise.shape) != tuple(shape):
         raise ValueError(f"noise must have {of} shape {tuple(shape)}, got {tuple(noise.shape)}")
-    if noise.dtype == torch.bool or noise.is_complex():
-        raise TypeError(f"noise must hold +-1 as a real number dtype, got {noise.dtype}")
+    if noise.dtype == torch.bool or noise.is_complex() or not noise.dtype.is_signed:
+        # unsigned: -1 cannot be held (and uint8's 255 == -1 is True in torch)
+        raise TypeError(f"noise must hold +-1 as a signed real number dtype, got {noise.dtype}")
 
 
 def _compiling() -> bool:
@@ -504,17 +505,39 @@ class NACMQLoss(nn.Module):
         if queue.codes.device != a0.device:
             raise ValueError(f"queue is on {queue.codes.device} but out0[0] is on {a0.device}; "
                              "all inputs must be on one device")
+        # every check before the queue changes (a refused call leaves it as it was): the
+        # criterion's settings (changeable between calls), the noise, the inputs' values and the
+        # backend; the loss repeats those of its own inputs
+        p = _checks.flip_prob("p", self.p)
+        _check_reduction(self.reduction)
+        _check_l2(self.l2)
+        _check_likelihood(self.likelihood, self.backend)
+        if self.likelihood == "multilinear":
+            reference.multilinear_terms(1.0 - 2.0 * p, torch.finfo(
+                reference.acc_dtype(a0.dtype)).eps / 2)
         if noise is not None:
             check_noise(noise, (2 * a0.shape[0], a0.shape[1]), "the rows [view 0; view 1]")
-        # the value checks before the queue changes (a refused call leaves it as it was); the
-        # loss repeats those of its own inputs
-        for name, t in (("out0[0]", a0), ("out0[1]", r0), ("out1[0]", a1), ("out1[1]", r1),
-                        ("momentum_out0[0]", am0), ("momentum_out0[1]", rm0),
-                        ("momentum_out1[0]", am1), ("momentum_out1[1]", rm1)):
-            if t is not None:
-                _check_finite(name, t)
+            if noise.device != a0.device:
+                raise ValueError(f"noise is on {noise.device} but out0[0] is on {a0.device}; "
+                                 "all inputs must be on one device")
+            if value_checks_on(noise.device) and not bool(((noise == 1) | (noise == -1)).all()):
+                raise ValueError("noise must contain only -1 and +1")
+        if value_checks_on(a0.device):  # (one device, checked above: one policy for all)
+            for name, t in (("out0[0]", a0), ("out0[1]", r0), ("out1[0]", a1), ("out1[1]", r1),
+                            ("momentum_out0[0]", am0), ("momentum_out0[1]", rm0),
+                            ("momentum_out1[0]", am1), ("momentum_out1[1]", rm1)):
+                if t is not None:
+                    _check_finite(name, t)
         a, r_hat = torch.cat([a0, a1]), torch.cat([rm1, rm0])
         r = None if r0 is None else torch.cat([r1, r0])
+        dt = a.dtype
+        if _autocast_on(a):
+            dt = loss_dtype(a)
+            a, r_hat = a.to(dt), r_hat.to(dt)
+            r = None if r is None else r.to(dt)
+        # the backend the loss will run (ValueError where it cannot run here), the queue's codes
+        # as the loss reads them standing in for the keys
+        impl = _backend_for(self.backend, a, queue.codes, self.likelihood)
         with torch.no_grad():
             # the keys tanh(am) of both views, tanh in float32 (float64 stays) whatever the AMP
             # dtype, rounded to the queue's dtype; on a GPU one launch (CodeQueue.enqueue_tanh).
@@ -523,21 +546,21 @@ class NACMQLoss(nn.Module):
                      if self.gather_distributed and is_dist() else (am0, am1))
             queue.enqueue_tanh(*parts, backend=self.backend if self.backend in (
                 "reference", "triton") else "auto")
-        dt = a.dtype
-        if _autocast_on(a):
-            dt = loss_dtype(a)
-            a, r_hat = a.to(dt), r_hat.to(dt)
-            r = None if r is None else r.to(dt)
         codes = queue.codes if queue.codes.dtype == dt else queue.codes.to(dt)
+        if codes is queue.codes and impl == "reference" and torch.is_grad_enabled():
+            # the reference's autograd saves the codes it multiplies: a copy, so that the next
+            # enqueue (gradient accumulation: two calls before one backward) leaves this loss's
+            # graph valid, as the fused backends, which read no codes in their backward, do
+            codes = codes.clone()
         if r is not None:
             both = _mq_and_vi_fused(a, r_hat, r, codes, self.p, self.l2, noise, self.reduction,
-                                    self.backend, self.likelihood)
+                                    impl, self.likelihood)
             if both is not None:
                 return both
         if noise is None:  # one channel sample for both terms
             noise = draw_noise(a.shape, self.p, device=a.device, dtype=dt)
         loss = nac_mq_loss(a, r_hat, codes, self.p, l2=self.l2, noise=noise,
-                           reduction=self.reduction, backend=self.backend,
+                           reduction=self.reduction, backend=impl,  # (resolved above, once)
                            likelihood=self.likelihood)
         if r is not None:
             loss = loss + nac_vi_loss(a, r, self.p, noise=noise, reduction=self.reduction)

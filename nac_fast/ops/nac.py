@@ -217,14 +217,38 @@ class _FusedNAC(torch.autograd.Function):
         ctx.self_keys = keys is None
         ctx.dtypes = (a.dtype, r.dtype, None if keys is None else keys.dtype)
         ctx.rv_dtype = None if rv is None else rv.dtype
-        ctx.save_for_backward(a, r, noise, keys, lse, ga, *saved, *extra.values())
+        # given keys that take no gradient (the momentum queue): no backward reads them (ga holds
+        # their part of d/da), so they are held outside save_for_backward, and a later in-place
+        # write to them (the queue's next enqueue: gradient accumulation over two steps' losses)
+        # does not invalidate this graph
+        ctx.const_keys = keys if keys is not None and not keys.requires_grad else None
+        ctx.save_for_backward(a, r, noise, None if ctx.const_keys is not None else keys, lse, ga,
+                              *saved, *extra.values())
         return rows if red else reduce_rows(rows, reduction)
 
     @staticmethod
     def backward(ctx, g):
+        grads = _FusedNAC._grads(ctx, g)
+        # create_graph=True (grad mode on in backward): the kernels have no derivative, so the
+        # gradients carry a node that raises if anything differentiates through them (torch's
+        # once_differentiable looks only at g, which is a constant for a loss's first gradient:
+        # the second derivative would be silently zero)
+        if torch.is_grad_enabled() and any(t is not None for t in grads):
+            err = torch._C._functions.DelayedError(
+                f"nac_fast: the fused {ctx.backend!r} backend's backward is once differentiable "
+                "(its kernels have no derivative); for a second derivative (a gradient penalty, "
+                "create_graph=True) use backend='reference'".encode(), len(grads))
+            alias = [None if t is None else t.detach().requires_grad_() for t in grads]
+            grads = err(*alias)
+        return grads
+
+    @staticmethod
+    def _grads(ctx, g):
         n = ctx.n
         bwd = _eager_ops(ctx.backend)[1]
         tensors, kw = ctx.saved_tensors, {}
+        if ctx.const_keys is not None:
+            tensors = (*tensors[:3], ctx.const_keys, *tensors[4:])
         need_rv = ctx.rv_dtype is not None and ctx.needs_input_grad[11]
         if ctx.rv_dtype is not None:
             tensors, kw = tensors[:-1], dict(rv=tensors[-1], need_rv=need_rv)

@@ -137,6 +137,9 @@ class CodeQueue(nn.Module):
         x0, x1 = rows[0], rows[1] if len(rows) > 1 else rows[0][:0]
         if x0.shape[0] + x1.shape[0]:
             queue_triton.enqueue(self.codes, self.ptr, self._arrived, x0, x1, tanh=tanh)
+            if eager_real(self.codes):  # an in-place write, as index_copy_'s: autograd's check
+                # then sees it wherever a graph saved the codes (a loss of the old queue)
+                torch.autograd.graph.increment_version((self.codes, self.ptr))
 
     def _triton_refusal(self, parts) -> str:
         c = self.codes
@@ -168,5 +171,15 @@ class CodeQueue(nn.Module):
                                  f"run expects {tuple(self.codes.shape)} (--queue-size must match)")
             if not codes.is_floating_point():
                 raise TypeError(f"queue codes in the checkpoint must be floating, got {codes.dtype}")
+        ptr = state_dict.get(prefix + "ptr")
+        if ptr is not None:  # the write pointer: an integer in [0, size) (the Triton enqueue's
+            # index arithmetic assumes it; a negative one would write before the buffer)
+            if not isinstance(ptr, torch.Tensor) or ptr.numel() != 1 or ptr.is_floating_point() \
+                    or ptr.dtype == torch.bool or ptr.is_complex():
+                raise TypeError("queue pointer (ptr) in the checkpoint must be a one-element "
+                                f"integer tensor, got {ptr!r}")
+            if ptr.device.type != "meta" and not 0 <= int(ptr) < self.size:
+                raise ValueError(f"queue pointer (ptr) in the checkpoint is {int(ptr)}, outside "
+                                 f"[0, {self.size}) for this queue's size")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

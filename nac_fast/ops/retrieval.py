@@ -222,10 +222,16 @@ def mean_average_precision(query_codes, query_labels, gallery_codes, gallery_lab
     ``return_num_queries=True`` gives ``(map, queries with a relevant item in the top K)``.
 
     Errors: TypeError / ValueError naming the argument for non-tensors, wrong dtypes, codes that
-    are not +-1 (or 0/1), mismatched bit counts, label shapes that do not match the codes, and
-    empty query or gallery sets.
+    are not +-1 (or 0/1), mismatched bit counts, label shapes that do not match the codes, empty
+    query or gallery sets, a ``topk`` that is not one int (several K: :func:`retrieval_metrics`)
+    and flags that are not bools.
     """
+    _checks.flag("return_num_queries", return_num_queries)
     if topk is not None:
+        if not _checks.is_int(topk, numpy=True):
+            several = (f" (for several K: retrieval_metrics(topk={tuple(topk)!r}))"
+                       if isinstance(topk, (list, tuple)) else "")
+            raise TypeError(f"topk must be an int or None{several}, got {topk!r}")
         (k,) = _positive_ints("topk", topk)
         r = retrieval_metrics(query_codes, query_labels, gallery_codes, gallery_labels,
                               topk=(k,), zero_one=zero_one, backend=backend)
@@ -247,6 +253,7 @@ def precision_within_radius(query_codes, query_labels, gallery_codes, gallery_la
     **0 for a query that retrieves nothing**; the mean over all queries.  With
     ``return_empty_fraction=True``: ``(precision, fraction of queries that retrieved nothing)``.
     ``radius`` must be in [0, D]."""
+    _checks.flag("return_empty_fraction", return_empty_fraction)
     r = retrieval_metrics(query_codes, query_labels, gallery_codes, gallery_labels,
                           radius=(radius,), zero_one=zero_one, backend=backend)
     p, e = r["precision_within_radius"][radius], r["empty_ball_fraction"][radius]
@@ -301,6 +308,7 @@ def retrieval_metrics(query_codes, query_labels, gallery_codes, gallery_labels, 
         if not _checks.is_int(r, numpy=True) or not 0 <= r <= D:
             raise ValueError(f"radius values must be ints in [0, {D}] (the code length), got {r!r}")
     _checks.flag("pr", pr)
+    _checks.flag("progress", progress)
     hist = pr or bool(radii)
     cuts = tuple(dict.fromkeys(min(k, G) for k in ks + ns))
     if query_chunk is None:

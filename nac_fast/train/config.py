@@ -337,9 +337,9 @@ def build_parser() -> _Parser:
       "the given file or directory; stops (status 2) when there is none. Under torchrun "
       "--max-restarts=K a restarted worker group resumes from --out's newest checkpoint by "
       "itself")
-    a("--overwrite", action="store_true", help="start a fresh run in an --out that holds "
-      "another run, deleting its last.pt, prev.pt, log.jsonl, non_finite.json and status.json "
-      "when the new run starts")
+    a("--overwrite", action="store_true", help="start a fresh run (or, with --resume PATH, "
+      "continue PATH's run) in an --out that holds another run, deleting its last.pt, prev.pt, "
+      "log.jsonl, non_finite.json and status.json when the new run starts")
     a("--seed", type=int, help="random seed")
     a("--log-every", type=int, help="log every this many steps (OUT/log.jsonl)")
     a("--save-every", type=int, help="checkpoint every this many steps (and at the end) to "
@@ -575,6 +575,11 @@ def _fit_batch_to_data(cfg: TrainConfig, world: int) -> None:
         cfg.batch_size = b
 
 
+# The float flags that must be finite numbers (check: nan and inf refused, naming the flag)
+FINITE_FLOATS = ("lr", "warmup_epochs", "wd", "tau", "collapse_warn", "a_gain", "flip_prob",
+                 "flip_prob_final", "momentum", "r_gain")  # (l2: its own check, below)
+
+
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
@@ -596,6 +601,8 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
             raise UsageError(f"{name(d)} has no value: give it, or set it in the recipe")
         if v < 1:
             raise UsageError(f"{name(d)} must be >= 1, got {v}")
+    if cfg.image_size is not None and cfg.image_size < 8:   # the loaders' smallest crop
+        raise UsageError(f"{name('image_size')} must be >= 8, got {cfg.image_size}")
     if not 0.0 < cfg.flip_prob < 0.5:
         raise UsageError(f"{name('flip_prob')} must lie in (0, 0.5), got {cfg.flip_prob}")
     if cfg.flip_prob_final is not None and not 0.0 < cfg.flip_prob_final < 0.5:
@@ -605,6 +612,10 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
         raise UsageError(f"{name('loss_backend')} {cfg.loss_backend}: the fused kernels compute "
                          f"the dot likelihood only; {name('channel_likelihood')} multilinear runs "
                          "on the reference loss (give --loss-backend auto or reference)")
+    for d in FINITE_FLOATS:   # nan/inf pass "< 0" tests and train to NaN weights
+        v = getattr(cfg, d)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v):
+            raise UsageError(f"{name(d)} must be a finite number, got {v}")
     if cfg.lr is not None and not cfg.lr > 0:
         raise UsageError(f"{name('lr')} must be > 0, got {cfg.lr}")
     if cfg.warmup_epochs is not None and cfg.warmup_epochs < 0:
@@ -635,9 +646,10 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
         if cfg.queue_size < 2 * cfg.batch_size:
             raise UsageError(f"{name('queue_size')} {cfg.queue_size} must hold at least the two "
                              f"views of one global batch ({2 * cfg.batch_size} codes)")
-    if cfg.resume is not None and cfg.overwrite:
+    if cfg.resume in ("auto", "latest") and cfg.overwrite:
         raise UsageError("--resume and --overwrite contradict each other: --resume continues "
-                         "the run in --out, --overwrite replaces it")
+                         "the run in --out, --overwrite replaces it (--resume PATH --overwrite "
+                         "continues PATH's run in --out, replacing the other run there)")
     if cfg.sync_bn and world == 1:
         raise UsageError("--sync-bn needs several processes (torchrun)")
     if cfg.sync_bn and (cfg.device == "cpu" or not torch.cuda.is_available()):

@@ -55,7 +55,7 @@ RESUME_KEYS = ("arch", "method", "batch_size", "code_dim", "data", "world_size",
 EXIT_USAGE = 2          # train.py's status for bad flags, recipe, data, --out or checkpoint
 EXIT_NON_FINITE = 3     # ... when a non-finite loss stopped the run
 EXIT_UNWRITABLE = 4     # ... when --out or a checkpoint in it could not be written
-EXIT_MEANING = {0: "done", EXIT_USAGE: "bad flags, recipe, data, --out or checkpoint",
+EXIT_MEANING = {0: "done", 1: "error", EXIT_USAGE: "bad flags, recipe, data, --out or checkpoint",
                 EXIT_NON_FINITE: "non-finite loss", EXIT_UNWRITABLE: "--out could not be written"}
 LOG = "log.jsonl"
 NON_FINITE = "non_finite.json"   # OUT/non_finite.json: where and when a run hit one
@@ -93,6 +93,8 @@ class TrainState:
                                      # prev.pt at the next save (else the save replaces it)
     last_r: Any = None               # the last step's inference logits (detached), for the log
     compiled: str | None = None      # what --compile compiled (compile_encoders), or None
+    began: bool = False              # `start` wrote OUT/config.json and status.json: how the
+                                     # run ends is recorded there (finish), whatever the failure
 
     @property
     def ckpt_path(self) -> str:
@@ -107,15 +109,25 @@ def build_loader(cfg: TrainConfig, di, channels_last: bool):
     per_rank = cfg.batch_size // di.world_size
     if cfg.data.startswith("synthetic"):
         from ..data.sources.synthetic_pairs import SyntheticPairLoader
-        n = int(cfg.data.split(":", 1)[1]) if ":" in cfg.data else 4096
-        return SyntheticPairLoader(n, per_rank, di.rank, di.world_size, cfg.seed,
-                                   image_size=cfg.image_size or 32, device=di.device,
-                                   channels_last=channels_last)
+        head, _, count = cfg.data.partition(":")
+        try:
+            if head != "synthetic":
+                raise ValueError("expected synthetic or synthetic:N")
+            n = int(count) if count else 4096
+            if n < 1:
+                raise ValueError(f"N must be a positive integer, got {n}")
+            return SyntheticPairLoader(n, per_rank, di.rank, di.world_size, cfg.seed,
+                                       image_size=cfg.image_size or 32, device=di.device,
+                                       channels_last=channels_last)
+        except ValueError as exc:
+            why = (f"N must be a positive integer, got {count!r}" if "invalid literal" in
+                   str(exc) else str(exc))
+            raise UsageError(f"--data {cfg.data!r}: synthetic[:N] ({why})") from exc
     if cfg.data != "fashion-mnist" and not os.path.exists(cfg.data):
         raise UsageError(f"--data {cfg.data!r}: no such file or directory (expected "
                          "fashion-mnist, a CIFAR-10 python dir, an ImageFolder root or synthetic)")
     try:
-        from ..data import build_pretrain_loader
+        from ..data import ImageSizeError, build_pretrain_loader
     except ImportError as exc:
         raise UsageError(f"the data loaders (nac_fast.data) cannot be imported: {exc}") from exc
     try:
@@ -125,6 +137,10 @@ def build_loader(cfg: TrainConfig, di, channels_last: bool):
                                      num_workers=default_workers(cfg, di.device.type),
                                      device=str(di.device), channels_last=channels_last,
                                      dtype=torch.float32, on_bad_file=cfg.on_bad_file)
+    except ImageSizeError as exc:  # typed, or read from the images: the same rule (>= 8)
+        read = (f" (read from --data {cfg.data!r}: the median short side of its images; give "
+                "--image-size to resize them)" if exc.from_data else "")
+        raise UsageError(f"--image-size must be >= 8, got {exc.size}{read}") from exc
     except (FileNotFoundError, ValueError) as exc:
         # nac_fast.data's messages say how to get the data (e.g. the Debian package)
         raise UsageError(f"--data {cfg.data!r}: {exc}") from exc
@@ -451,10 +467,37 @@ def _choose_start(cfg: TrainConfig, again: bool, owner: dict):
         if path is None:
             raise UsageError(f"--resume {cfg.resume!r}: directory has no checkpoint to resume "
                              f"({LAST}, {PREV}) {'; '.join(notes)}")
-        return path, ck, notes
-    if not os.path.isfile(cfg.resume):
+    elif not os.path.isfile(cfg.resume):
         raise UsageError(f"--resume {cfg.resume!r}: no such checkpoint file")
-    return cfg.resume, load_checkpoint(cfg.resume, require=STATE_KEYS), []
+    else:
+        path, ck, notes = cfg.resume, load_checkpoint(cfg.resume, require=STATE_KEYS), []
+    _refuse_other_run(cfg, owner, path, ck)
+    return path, ck, notes
+
+
+def other_run_files(cfg: TrainConfig, owner: dict, ck: dict) -> list:
+    """The files of --out that belong to another run than checkpoint `ck` (an explicit --resume
+    PATH): [] when --out holds no run, or holds the checkpoint's own run (same run_id)."""
+    held = run_files(cfg.out)
+    if not held:
+        return []
+    theirs = ((ck or {}).get("config") or {}).get("run_id")
+    if owner.get("run_id") is not None and owner.get("run_id") == theirs:
+        return []
+    return held
+
+
+def _refuse_other_run(cfg: TrainConfig, owner: dict, path: str, ck: dict) -> None:
+    """--resume PATH into an --out that holds another run: RunStopped(EXIT_USAGE), nothing
+    touched, unless --overwrite (the other run's files are deleted when the run starts)."""
+    held = other_run_files(cfg, owner, ck)
+    if held and not cfg.overwrite:
+        raise RunStopped(EXIT_USAGE,
+                         f"--out {cfg.out!r} holds another run ({', '.join(held)}) than the "
+                         f"checkpoint given with --resume {path!r}; nothing was changed. "
+                         "Continue that checkpoint's run in its own folder (--out = the folder "
+                         "it came from), write it to a new --out, or replace the run in --out "
+                         "with --overwrite.")
 
 
 @dataclass
@@ -524,6 +567,13 @@ def start(st: TrainState, plan: StartPlan) -> None:
         errs = [e for e in nd.gather_objects(err) if e is not None]
         if errs:
             raise UsageError(errs[0])
+        if di.is_main and cfg.overwrite and not plan.again:
+            # --resume PATH --overwrite: the other run in --out goes (the checkpoint is loaded)
+            for name in RUN_FILES:
+                p = os.path.join(cfg.out, name)
+                if os.path.abspath(p) != os.path.abspath(plan.path):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(p)
         st.resumed_from, st.saved = plan.path, (plan.path, st.step)
         st.rotate = os.path.abspath(plan.path) == os.path.abspath(st.ckpt_path)
         how = f" (restart of torchrun job {job}, restart count {restart})" if plan.again else ""
@@ -548,6 +598,7 @@ def start(st: TrainState, plan: StartPlan) -> None:
                 remove_stale_temp_files(cfg.out)
                 write_json_atomic(cfg.to_dict(), os.path.join(cfg.out, CONFIG))
                 write_status(cfg, None, step=st.step)
+                st.began = True
             except OSError as exc:
                 err = (EXIT_UNWRITABLE, f"--out {cfg.out!r} cannot be written "
                        f"({exc.strerror or type(exc).__name__}); stopping before training.")

@@ -21,7 +21,8 @@ Design (why):
   * Bad files (sources.imagefolder's policy): the scan keeps non-images out of the reader; a file
     that passes the scan but does not decode kills the pipeline.  The file is the one DALI's
     message names or, when it names none (some parser errors), the one of the batches in flight
-    that PIL cannot decode either.  Under "warn" it is counted, replaced by the next decodable
+    that PIL cannot decode either; when PIL decodes them all (a format DALI does not support,
+    e.g. 1-bit or 32-bit integer TIFFs), the ones DALI fails on decoded one by one.  Under "warn" it is counted, replaced by the next decodable
     file (the torchvision loader's rule) and the pipeline rebuilt at the first batch not yet
     yielded; under "error" it stops the run with a ValueError naming it.
 Not run on a GPU yet: the dali-gpu graph is the dali-cpu graph (tested) with the mixed decoder,
@@ -124,9 +125,16 @@ class DaliPretrainLoader(EpochLoaderMixin):
                 # or stop), substitute the next decodable file (the torchvision loader's rule)
                 # and rebuild the pipeline at the first batch not yet yielded.
                 bad = self._undecodable(str(e), self.start_batch + done)
+                why = "undecodable files"
+                if not bad:
+                    # PIL reads them all: a file DALI's decoder does not support (a 1-bit or
+                    # 32-bit integer TIFF...), found by decoding the batches in flight one by one
+                    bad = self._dali_rejects(self.start_batch + done)
+                    why = ("files DALI cannot decode (PIL can: --loader torchvision reads "
+                           "them)")
                 if not bad:
                     raise
-                self._bad.report([self.source.files[i] for i in bad], "undecodable files")
+                self._bad.report([self.source.files[i] for i in bad], why)
                 self._excluded.update(bad)
 
     def _undecodable(self, message, batch):
@@ -145,6 +153,38 @@ class DaliPretrainLoader(EpochLoaderMixin):
                 load_rgb(self.source.files[j])
             except Exception:          # PIL raises OSError, SyntaxError, ValueError... on bad data
                 bad.append(j)
+        return bad
+
+    def _dali_rejects(self, batch):
+        """Indices of the not yet excluded files of the batches in flight, from `batch` on, that
+        DALI's decoder fails on, each decoded alone (one small synchronous pipeline per run of
+        good files)."""
+        rows = self.order.rank_indices(self.epoch, batch)[:_PREFETCH + 2]
+        todo = list(dict.fromkeys(self._substitute(i) for i in rows.ravel().tolist()))
+        dali, fn, types = self._dali, self._dali.fn, self._dali.types
+        bad = []
+        while todo:
+            files = [self.source.files[j] for j in todo]
+
+            @dali.pipeline_def(batch_size=1, num_threads=1, device_id=self.device_id,
+                               exec_async=False, exec_pipelined=False, prefetch_queue_depth=1)
+            def probe():
+                data, _ = fn.readers.file(files=files, random_shuffle=False, name="Reader")
+                return fn.decoders.image(data, device="mixed" if self.gpu else "cpu",
+                                         output_type=types.RGB)
+
+            pipe = probe()
+            k = 0
+            try:
+                pipe.build()
+                for k in range(len(files)):
+                    pipe.run()
+                todo = []
+            except RuntimeError:
+                bad.append(todo[k])
+                todo = todo[k + 1:]
+            finally:
+                del pipe
         return bad
 
     def _substitute(self, i):

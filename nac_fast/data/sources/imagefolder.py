@@ -61,13 +61,30 @@ def _read_head(path):
         return b""
 
 
-def _class_files(folder):
+def _class_files(folder, seen=None, looped=None):
     """Every file under a class folder, its sub-folders included (torchvision's ImageFolder
     reads them too, and so does python -m nac_fast.index), hidden files and folders skipped;
-    sorted by path."""
+    sorted by path.  Symlinked files are read; a symlinked folder is followed only when its real
+    path has not been read yet (`seen`: the real paths of the folders read, shared by the classes
+    of one scan), so a link to an ancestor (a loop) or to a folder read elsewhere is not
+    followed: it is appended to `looped` (the scan warns once) instead."""
+    seen = set() if seen is None else seen
+    looped = [] if looped is None else looped
+    seen.add(os.path.realpath(folder))
     out = []
     for d, subdirs, names in os.walk(folder, followlinks=True):
-        subdirs[:] = [s for s in subdirs if not s.startswith(".")]
+        keep = []
+        for s in subdirs:
+            if s.startswith("."):
+                continue
+            p = os.path.join(d, s)
+            real = os.path.realpath(p)
+            if real in seen:
+                looped.append(p)
+                continue
+            seen.add(real)
+            keep.append(s)
+        subdirs[:] = keep
         out += [os.path.join(d, n) for n in names if not n.startswith(".")]
     return sorted(out)
 
@@ -152,9 +169,12 @@ class FolderSource:
                              f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; "
                              "a test class must be one of the training classes")
         files, labels, odd = [], [], []
+        # every class folder (and d itself) counts as read: a link to one of them is not followed
+        seen = {os.path.realpath(d)} | {os.path.realpath(os.path.join(d, c)) for c in found}
+        looped: list = []
         for c in found:
             k = label[c]
-            entries = _class_files(os.path.join(d, c))
+            entries = _class_files(os.path.join(d, c), seen, looped)
             imgs = [p for p in entries if p.lower().endswith(IMAGE_EXTENSIONS)]
             odd += [p for p in entries if not p.lower().endswith(IMAGE_EXTENSIONS)]
             if not imgs:
@@ -162,6 +182,18 @@ class FolderSource:
                                  f"({', '.join(IMAGE_EXTENSIONS)}); remove it or add images")
             files += imgs
             labels += [k] * len(imgs)
+        if looped:
+            warnings.warn(f"nac_fast.data: not following {len(looped)} symlinked folder(s) "
+                          "whose real folder is read already (a symlink loop, or a second link "
+                          f"to one folder): {_names(sorted(looped), '')}", RuntimeWarning,
+                          stacklevel=2)
+        loose = sorted(e.name for e in os.scandir(d) if e.is_file() and not
+                       e.name.startswith(".") and e.name.lower().endswith(IMAGE_EXTENSIONS))
+        if loose:
+            warnings.warn(f"nac_fast.data: {len(loose)} image file(s) directly in {d} are not "
+                          "in a class folder and are not used (a class's images go in "
+                          f"<root>/<class>/): {_names([os.path.join(d, n) for n in loose], '')}",
+                          RuntimeWarning, stacklevel=2)
         # header check: 16 bytes per file, threads because it is I/O-bound (ImageNet: 1.28M files)
         with ThreadPoolExecutor(16) as ex:
             ok = [_is_image_header(h) for h in ex.map(_read_head, files, chunksize=256)]
@@ -262,11 +294,62 @@ def _names(paths, where=" (all of them: the loader's skipped_files)"):
     return ", ".join(paths[:MAX_NAMED]) + (f" and {more} more{where}" if more > 0 else "")
 
 
-def load_rgb(path):
-    """A file as an RGB PIL image (PIL imported here: only the ImageFolder loaders need it)."""
+def to_8bit(im):
+    """A PIL image with more than 8 bits per sample as an 8-bit one, its values scaled, not
+    clipped (PIL's convert("RGB") clips I;16/I to 255 and F to 0..255: white or black images),
+    the way DALI's decoder reads such files:
+
+      I;16 (16-bit PNG/TIFF)   value / 257                (0..65535 -> 0..255)
+      I    (32-bit integer)    value / 257 when every value lies in 0..65535 (16-bit data, as
+                               PIL opens some 16-bit files), else the image's min..max -> 0..255
+      F    (32-bit float)      value * 255 when every value lies in 0..1, else the image's
+                               min..max -> 0..255
+
+    Other modes are returned as they are.  NaNs become 0."""
+    from PIL import Image
+    mode = im.mode
+    if not (mode.startswith("I") or mode == "F"):
+        return im
+    a = np.asarray(im, dtype=np.float64)
+    if a.ndim == 3:     # a multi-channel high-depth image (rare): its channels as they are
+        a = a[..., :3]
+    a = np.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
+    lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+    if mode.startswith("I;16") or (mode == "I" and lo >= 0 and hi <= 65535):
+        a = a / 257.0
+    elif mode == "F" and lo >= 0 and hi <= 1:
+        a = a * 255.0
+    else:
+        a = (a - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(a)
+    u8 = np.clip(np.rint(a), 0, 255).astype(np.uint8)
+    return Image.fromarray(u8)          # L (2-D) or RGB (H, W, 3)
+
+
+def _as_decoded(im):
+    """`im` (open) with its EXIF orientation applied and its samples in 8 bits: `im` itself when
+    neither changes it."""
+    from PIL import ImageOps
+    out = ImageOps.exif_transpose(im)
+    return to_8bit(out if out is not None else im)
+
+
+def open_image(path):
+    """A file as a PIL image the way every loader decodes it (DALI's decoder too): its EXIF
+    orientation applied (PIL.ImageOps.exif_transpose, a phone photo stands upright) and samples
+    of more than 8 bits scaled to 8 (`to_8bit`); not yet converted to RGB."""
     from PIL import Image
     with Image.open(path) as im:
-        return im.convert("RGB")
+        im.load()
+        out = _as_decoded(im)
+        return out.copy() if out is im else out
+
+
+def load_rgb(path):
+    """A file as an RGB PIL image (PIL imported here: only the ImageFolder loaders need it):
+    `open_image`'s, then RGB (one copy: convert makes it)."""
+    from PIL import Image
+    with Image.open(path) as im:
+        return _as_decoded(im).convert("RGB")
 
 
 def decode_or_next(files, i):
