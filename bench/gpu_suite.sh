@@ -210,7 +210,8 @@ stage_test() {
     run_tests gpu triton,cuda tests/test_loss_backends.py tests/test_loss_reference.py \
         tests/test_noise.py tests/test_loss_inputs.py tests/test_cuda_mma_gpu.py \
         tests/test_host_overhead.py tests/test_loss_device_guard.py tests/test_queue_triton.py \
-        tests/test_loss_bf16x6.py tests/test_loss_fp16x3.py tests/test_loss_fold.py || rc=1
+        tests/test_loss_bf16x6.py tests/test_loss_fp16x3.py tests/test_loss_fold.py \
+        tests/test_loss_contracts.py || rc=1
     # resources under the device's own Triton (CI's compile check runs CI's): the configurations
     # the launchers pick here (built-in and tuned) at D = 128, no spill on a 16-bit/tf32 path,
     # within shared memory, with tensor-core instructions

@@ -84,22 +84,4 @@ def atomic_write_all(items) -> None:
 def atomic_write(path: str, write, *, mode: str = "wb") -> None:
     """Call ``write(f)`` on a temporary file opened with ``mode`` ("wb" or "w"), then rename it
     to ``path`` (replacing what is there: callers decide whether they may)."""
-    path = os.path.abspath(os.fspath(path))
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + ".", dir=d)
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write_all([(path, write, mode)])

@@ -112,6 +112,29 @@ def features_of(checkpoint: str, data: str, splits, batch_size: int = 500) -> di
     return out
 
 
+def check_input(checkpoint: str, data: str, splits) -> None:
+    """ValueError (naming the checkpoint or --data) unless the checkpoint loads as a train.py
+    model and --data has its channels in every split: checked for every checkpoint before the
+    table's header is printed."""
+    from nac_fast.data import build_eval_loader
+    from nac_fast.train.checkpoint import load_checkpoint, load_model
+    cfg = load_checkpoint(checkpoint)["config"]
+    if not isinstance(cfg, dict) or cfg.get("kind") == "vae" or "code_dim" not in cfg:
+        raise ValueError(f"checkpoint {checkpoint!r} is not a train.py checkpoint (no code_dim: "
+                         "a python -m nac_fast.vae checkpoint?)")
+    load_model(checkpoint, "online")
+    size = int(cfg["image_size"])
+    for split in splits:
+        try:
+            ld = build_eval_loader(data, split=split, batch_size=1, image_size=size, device="cpu")
+        except FileNotFoundError as exc:
+            raise ValueError(f"--data {data!r}: {exc}") from None
+        want = cfg.get("in_channels")
+        if want is not None and int(ld.in_channels) != int(want):
+            raise ValueError(f"--data {data!r} has {ld.in_channels}-channel images; the model of "
+                             f"{checkpoint!r} takes {want}-channel images")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("checkpoints", nargs="+", help="train.py checkpoints (last.pt)")
@@ -123,9 +146,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.retrieval < 0:
         ap.error(f"--retrieval must be >= 0, got {args.retrieval}")
+    splits = sorted({args.split, "train", "test"}) if args.retrieval else [args.split]
     for ck in args.checkpoints:
         if not os.path.isfile(ck):
             ap.error(f"checkpoint {ck!r}: no such file")
+        try:
+            check_input(ck, args.data, splits)
+        except (ValueError, FileNotFoundError, RuntimeError, KeyError) as exc:
+            ap.error(str(exc))
     head = ("| checkpoint | mean abs skewness | kurtosis | mean abs(P(+1) - 1/2) | "
             "bits with P(+1) outside [0.3, 0.7] | mean abs(tanh a) | mean abs corr | eff. rank |")
     if args.retrieval:
@@ -133,7 +161,6 @@ def main(argv=None) -> int:
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     for ck in args.checkpoints:
-        splits = sorted({args.split, "train", "test"}) if args.retrieval else [args.split]
         f = features_of(ck, args.data, splits)
         s = shape_stats(f[args.split]["a"])
         row = (f"| {ck} | {s['skewness']:.2f} | {s['kurtosis']:.1f} | {s['balance_dev']:.3f} | "

@@ -26,6 +26,9 @@ import tempfile
 import numpy as np
 from PIL import Image, ImageDraw
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nac_fast._files import check_writable  # noqa: E402
+
 SHAPES = ("disc", "square", "triangle", "cross", "ring", "star", "hbars", "vbars", "diagonal",
           "dots")
 
@@ -113,6 +116,21 @@ def split(labels, val_frac: float, seed: int):
     return val
 
 
+def val_count(n: int, val_frac: float) -> int:
+    """Images of a class of n that split() puts in val/."""
+    return int(round(val_frac * n))
+
+
+def check_sides(counts: dict, val_frac: float) -> None:
+    """ValueError naming --val-frac unless every class keeps >= 1 image in train/ and in val/."""
+    for c, n in sorted(counts.items()):
+        v = val_count(n, val_frac)
+        if not 1 <= v <= n - 1:
+            raise ValueError(f"--val-frac {val_frac} puts {v} of class {c!r}'s {n} images in "
+                             f"val/ and {n - v} in train/: each class needs at least one image on "
+                             "each side (pick a fraction nearer 0.5, or more --per-class)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -125,13 +143,22 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.size < 8:
         ap.error(f"--size must be >= 8, got {args.size}")
-    if args.per_class < 5:
+    if args.source == "shapes" and args.per_class < 5:  # digits has its own class sizes
         ap.error(f"--per-class must be >= 5, got {args.per_class}")
     if not 0 < args.val_frac < 1:
         ap.error(f"--val-frac must lie in (0, 1), got {args.val_frac}")
+    if args.source == "shapes":
+        try:
+            check_sides({"each": args.per_class}, args.val_frac)
+        except ValueError as exc:
+            ap.error(str(exc))
     out = os.path.abspath(args.out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         ap.error(f"{out} exists and is not an empty folder: give a new OUT")
+    try:
+        check_writable("OUT", os.path.join(out, "x"))
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.source == "digits":
         try:
             import sklearn  # noqa: F401
@@ -140,6 +167,10 @@ def main(argv=None) -> int:
                      "(pip install scikit-learn, or `make setup`); 'shapes' needs nothing more")
     imgs, labels = (digits(args.size, args.seed) if args.source == "digits"
                     else shapes(args.size, args.per_class, args.seed))
+    try:
+        check_sides({c: labels.count(c) for c in set(labels)}, args.val_frac)
+    except ValueError as exc:
+        ap.error(str(exc))
     val = split(labels, args.val_frac, args.seed)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)

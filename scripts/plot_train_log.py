@@ -10,7 +10,10 @@ judge a run by (loss_excess = loss - that value, code_mag, r_mag, r_slope with t
 optimum 2(1 - 2p) dotted, balance_score, distinct_frac, mean_hamming), then lr, img/s and data
 wait.  code_sat, the same number as code_mag ([M:code-sat]), is drawn as code_mag when a log
 has no code_mag.  Several logs are overlaid, labelled by their directory.  A resumed run's log
-repeats the steps after its checkpoint: the last record of each step is plotted.
+repeats the steps after its checkpoint: the last record of each step is plotted (the records of
+one step are merged, later values winning, so python -m nac_fast.vae's final {"step", "eval"}
+record does not hide that step's training record).  An empty or unreadable log, or one without
+any quantity drawn here, is a usage error (exit status 2).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nac_fast._files import atomic_write, check_new_file  # noqa: E402
+from nac_fast._files import atomic_write, check_new_file, check_writable  # noqa: E402
 
 KEYS = ("loss", "loss_excess", "code_mag", "r_mag", "r_slope", "balance_score", "distinct_frac",
         "mean_hamming", "lr", "flip_prob", "img_per_s", "data_wait")
@@ -38,11 +41,13 @@ def read_log(path: str) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{i}: not a JSON line ({exc})") from None
-            if "step" not in rec:
+            if not isinstance(rec, dict) or "step" not in rec:
                 raise ValueError(f"{path}:{i}: record has no 'step'")
+            if isinstance(rec["step"], bool) or not isinstance(rec["step"], (int, float)):
+                raise ValueError(f"{path}:{i}: 'step' is not a number: {rec['step']!r}")
             if "code_mag" not in rec and "code_sat" in rec:
                 rec["code_mag"] = rec["code_sat"]
-            by_step[rec["step"]] = rec
+            by_step.setdefault(rec["step"], {}).update(rec)
     if not by_step:
         raise ValueError(f"{path}: empty log")
     return [by_step[s] for s in sorted(by_step)]
@@ -117,15 +122,22 @@ def main(argv=None):
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.logs[0])), "curves.png")
     try:
         check_new_file("--out", out, args.overwrite)
-    except ValueError as exc:
+        check_writable("--out", out)
+        runs = [(os.path.basename(os.path.dirname(os.path.abspath(p))) or p, read_log(p),
+                 run_config(p)) for p in args.logs]
+    except (ValueError, OSError, UnicodeDecodeError) as exc:
         ap.error(str(exc))
+    if not any(k in r for _, recs, _ in runs for r in recs for k in KEYS):
+        ap.error(f"no record of {', '.join(args.logs)} has any of the quantities drawn here "
+                 f"({', '.join(KEYS)})")
     import matplotlib
     matplotlib.use("Agg")
 
-    runs = [(os.path.basename(os.path.dirname(os.path.abspath(p))) or p, read_log(p),
-             run_config(p)) for p in args.logs]
     fig = draw(runs)
-    atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=100))
+    try:
+        atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=100))
+    except OSError as exc:
+        ap.error(f"--out {out!r}: {exc.strerror or exc}")
     print(out)
     return fig
 

@@ -16,8 +16,9 @@ import torch  # noqa: E402
 from PIL import ImageOps  # noqa: E402
 from torchvision.utils import save_image  # noqa: E402
 
-from nac_fast._files import atomic_write, check_new_file  # noqa: E402
-from nac_fast.data import LOADERS, build_pretrain_loader  # noqa: E402
+from nac_fast._files import atomic_write, check_new_file, check_writable  # noqa: E402
+from nac_fast.data import LOADERS, MIN_IMAGE_SIZE, build_pretrain_loader  # noqa: E402
+from nac_fast.data.sources import resolve_source  # noqa: E402
 from nac_fast.data.sources.imagefolder import load_rgb  # noqa: E402
 from nac_fast.data.sources import InMemorySource  # noqa: E402
 
@@ -53,14 +54,28 @@ def main(argv=None):
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     a = ap.parse_args(argv)
     if a.num < 1:
-        ap.error("--num must be >= 1")
+        ap.error(f"--num must be >= 1, got {a.num}")
+    if a.size is not None and a.size < MIN_IMAGE_SIZE:
+        ap.error(f"--size must be >= {MIN_IMAGE_SIZE}, got {a.size}")
+    if a.epoch < 0:
+        ap.error(f"--epoch must be >= 0, got {a.epoch}")
     try:
         check_new_file("--out", a.out, a.overwrite)
+        check_writable("--out", a.out)
     except ValueError as exc:
         ap.error(str(exc))
-    ld = build_pretrain_loader(a.data, batch_size=a.num, seed=a.seed, image_size=a.size,
-                               loader=a.loader, recipe=a.recipe)
-    ld.set_epoch(a.epoch)
+    try:
+        n = len(resolve_source(a.data, "train").labels)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        ap.error(f"--data {a.data!r}: {exc}")
+    if a.num > n:
+        ap.error(f"--num {a.num} exceeds the {n} training images of --data {a.data!r}")
+    try:
+        ld = build_pretrain_loader(a.data, batch_size=a.num, seed=a.seed, image_size=a.size,
+                                   loader=a.loader, recipe=a.recipe)
+        ld.set_epoch(a.epoch)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        ap.error(str(exc))
     idx = ld.batch_indices()[0]
     v1, v2 = next(iter(ld))
     src = ld.source

@@ -411,6 +411,17 @@ def test_a_bare_folder_trains_and_evaluates_on_its_held_out_part(tmp_path, capsy
     assert _split_hint(data) == ""
 
 
+def _tiny_folder_run(tmp_path, per_class):
+    """A 1-step checkpoint trained on a folder of 2 classes of `per_class` JPEGs (its run dir)."""
+    from nac_fast.data.sources.synthetic import write_jpeg_folder
+    data = write_jpeg_folder(str(tmp_path / "photos"), num_classes=2, per_class=per_class,
+                             size_range=(40, 56))
+    run = tmp_path / "run"
+    assert train.main(["--data", data, "--max-steps", "1", "--batch-size", "8", "--code-dim",
+                       "16", "--out", str(run), "--no-progress", "--device", "cpu"]) == 0
+    return run
+
+
 def test_paper_protocol_with_no_gallery_left_is_a_usage_error(tmp_path, capsys):
     """--queries-per-class equal to every class's size makes each pooled image a query: a usage
     error naming the flag (not an internal "gallery_codes is empty"), before any feature is
@@ -425,11 +436,7 @@ def test_paper_protocol_with_no_gallery_left_is_a_usage_error(tmp_path, capsys):
                        r"the gallery would be empty\)"):
         nac_eval.run_hash(args, feats, {"a": torch.randn(2, 8), "labels": torch.tensor([0, 1])},
                           [8])
-    data = write_jpeg_folder(str(tmp_path / "photos"), num_classes=2, per_class=5,
-                             size_range=(40, 56))
-    run = tmp_path / "run"
-    assert train.main(["--data", data, "--max-steps", "1", "--batch-size", "8", "--code-dim",
-                       "16", "--out", str(run), "--no-progress", "--device", "cpu"]) == 0
+    run = _tiny_folder_run(tmp_path, per_class=5)
     capsys.readouterr()
     out = tmp_path / "eval"
     with pytest.raises(SystemExit) as e:
@@ -447,12 +454,7 @@ def test_quick_on_a_small_folder_takes_whole_splits(tmp_path, capsys):
     """--quick's own --limit-train 5000 / --limit-test 1000 are at most each split: a folder of
     10 images is evaluated whole (it failed with "--limit-train 5000 exceeds the train split's
     ... images", a flag never typed); a typed limit beyond the split stays an error."""
-    from nac_fast.data.sources.synthetic import write_jpeg_folder
-    data = write_jpeg_folder(str(tmp_path / "photos"), num_classes=2, per_class=6,
-                             size_range=(40, 56))
-    run = tmp_path / "run"
-    assert train.main(["--data", data, "--max-steps", "1", "--batch-size", "8", "--code-dim",
-                       "16", "--out", str(run), "--no-progress", "--device", "cpu"]) == 0
+    run = _tiny_folder_run(tmp_path, per_class=6)
     capsys.readouterr()
     common = ["--checkpoint", str(run / "last.pt"), "--tasks", "hash", "--device", "cpu",
               "--no-progress"]
@@ -467,3 +469,62 @@ def test_quick_on_a_small_folder_takes_whole_splits(tmp_path, capsys):
     for split in ("train", "test"):
         sz = report["splits"][split]
         assert sz["used"] == sz["total"] < 1000, (split, sz)
+
+
+def test_cached_features_follow_the_data_and_out_is_checked_first(tmp_path, capsys):
+    """Images added to the folder: the features are extracted again (the cache held the old
+    split's rows while the report named the new one's size); an --out that cannot be written is
+    a usage error before any work; --overwrite without the hash task leaves no earlier hash file
+    beside the new report."""
+    from nac_fast.data.sources.synthetic import write_jpeg_folder
+    run = _tiny_folder_run(tmp_path, per_class=5)
+    data = str(tmp_path / "photos")
+    out = tmp_path / "eval"
+    common = ["--checkpoint", str(run / "last.pt"), "--data", data, "--device", "cpu",
+              "--no-progress", "--out", str(out)]
+    assert nac_eval.main(common + ["--tasks", "knn,hash"]) in (0, None)
+    first = json.loads((out / "report.json").read_text())
+    assert (out / "hash_pr_curve.csv").exists()
+    write_jpeg_folder(str(tmp_path / "more"), num_classes=2, per_class=3, size_range=(40, 56),
+                      seed=5)
+    for c in ("class_00", "class_01"):  # three more images a class
+        for f in os.listdir(tmp_path / "more" / c):
+            shutil.copy(tmp_path / "more" / c / f, tmp_path / "photos" / c / ("x" + f))
+    from nac_fast.data.sources import imagefolder
+    imagefolder._scan_cache.clear()  # (a new process: a folder is scanned once per process)
+    capsys.readouterr()
+    assert nac_eval.main(common + ["--tasks", "knn", "--overwrite"]) in (0, None)
+    second = json.loads((out / "report.json").read_text())
+    for split in ("train", "test"):
+        used = second["splits"][split]["used"]
+        feats = torch.load(out / f"features_{split}.pt", weights_only=True)
+        assert feats["h"].shape[0] == used, (split, used)
+    assert sum(second["splits"][s]["used"] for s in ("train", "test")) == \
+        sum(first["splits"][s]["used"] for s in ("train", "test")) + 6
+    assert not second["features"]["train"]["cached"]
+    assert not any((out / f).exists() for f in nac_eval.HASH_FILES)
+    # the same data again: the cache is reused
+    assert nac_eval.main(common + ["--tasks", "knn", "--overwrite"]) in (0, None)
+    assert json.loads((out / "report.json").read_text())["features"]["train"]["cached"]
+    (tmp_path / "afile").write_text("x")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        nac_eval.main(common[:-1] + [str(tmp_path / "afile" / "sub"), "--tasks", "knn"])
+    assert e.value.code == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_tied_learning_rates_are_not_an_edge(tmp_path, capsys):
+    """One class: every rate fits alike, so no "best rate at the edge of the search" note."""
+    from nac_fast.data.sources.synthetic import write_jpeg_folder
+    run = _tiny_folder_run(tmp_path, per_class=5)
+    one = write_jpeg_folder(str(tmp_path / "one"), num_classes=1, per_class=12,
+                            size_range=(40, 56), seed=3)
+    out = tmp_path / "eval"
+    capsys.readouterr()
+    assert nac_eval.main(["--checkpoint", str(run / "last.pt"), "--data", one, "--device", "cpu",
+                          "--no-progress", "--out", str(out), "--tasks", "linear",
+                          "--linear-epochs", "1"]) in (0, None)
+    lin = json.loads((out / "report.json").read_text())["results"]["linear"]
+    assert len(set(lin["val_top1"].values())) == 1 and lin["best_lr_at_edge"] is None
+    assert "a rate beyond it" not in capsys.readouterr().err

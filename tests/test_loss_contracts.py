@@ -3,16 +3,21 @@ fused backend raises instead of being silently zero; a refused NACMQLoss call le
 it was, whatever the reason; noise and draw_noise refuse dtypes that cannot hold -1; the Triton
 fp64 keys' gradient is fp64-accurate; a checkpoint's queue pointer is checked; gradient
 accumulation over two NACMQLoss calls works on every backend, and the Triton enqueue tells
-autograd that it wrote the codes."""
+autograd that it wrote the codes; backend="auto" on CUDA tensors wider than a fused kernel takes.
+The GPU suite runs this file with NAC_FAST_TEST_DEVICE=cuda (the fused GPU backends)."""
+import os
+
 import pytest
 import torch
 
 import nac_fast
-from nac_fast.ops.dispatch import triton_importable
 
-BACKENDS = nac_fast.available_backends("cpu")
-FUSED = [b for b in BACKENDS if b not in ("reference",)]
-needs_triton = pytest.mark.skipif(not triton_importable() or "triton" not in BACKENDS,
+from _loss_helpers import fused_backends
+
+DEVICE = os.environ.get("NAC_FAST_TEST_DEVICE", "cpu")
+BACKENDS = nac_fast.available_backends(DEVICE)
+FUSED = fused_backends(DEVICE)
+needs_triton = pytest.mark.skipif("triton" not in FUSED,
                                   reason="the Triton kernels do not run here")
 
 
@@ -21,7 +26,7 @@ def _inputs(n=6, D=5, dtype=torch.float64, seed=0):
     a = torch.randn(n, D, generator=g, dtype=dtype)
     r = torch.randn(n, D, generator=g, dtype=dtype)
     m = nac_fast.draw_noise((n, D), 0.2, dtype=dtype, generator=g)
-    return a, r, m
+    return a.to(DEVICE), r.to(DEVICE), m.to(DEVICE)
 
 
 # ---- a second derivative -------------------------------------------------------------------
@@ -50,7 +55,7 @@ def test_second_derivative_through_the_reference_is_right():
 
 def _views(K=4, D=3, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(K, D, generator=g) for _ in range(8)]
+    return [torch.randn(K, D, generator=g).to(DEVICE) for _ in range(8)]
 
 
 def _refused(crit, queue, v, exc, match, **kw):
@@ -64,14 +69,16 @@ def _refused(crit, queue, v, exc, match, **kw):
 def test_a_refused_mq_call_leaves_the_queue(backend):
     K, D = 4, 3
     v = _views(K, D)
-    q = nac_fast.CodeQueue(4 * K, D)
+    q = nac_fast.CodeQueue(4 * K, D, device=DEVICE)
     crit = nac_fast.NACMQLoss(0.1, backend=backend)
     crit((v[0], v[1]), (v[2], v[3]), (v[4], v[5]), (v[6], v[7]), q)  # not empty, ptr not 0
-    _refused(crit, q, v, ValueError, "noise must contain only", noise=torch.zeros(2 * K, D))
+    with nac_fast.ops.loss.value_checks(True):  # (on a GPU the data-reading checks are opt-in)
+        _refused(crit, q, v, ValueError, "noise must contain only",
+                 noise=torch.zeros(2 * K, D, device=DEVICE))
     _refused(crit, q, v, ValueError, "noise is on meta",
              noise=torch.ones(2 * K, D, device="meta"))
-    _refused(crit, q, v, TypeError, "noise must hold", noise=torch.ones(2 * K, D,
-                                                                         dtype=torch.uint8))
+    _refused(crit, q, v, TypeError, "noise must hold",
+             noise=torch.ones(2 * K, D, dtype=torch.uint8, device=DEVICE))
     for attr, bad, exc, match in (("p", 0.7, ValueError, "p must"),
                                   ("reduction", "avg", ValueError, "reduction"),
                                   ("l2", -1.0, ValueError, "l2"),
@@ -84,8 +91,8 @@ def test_a_refused_mq_call_leaves_the_queue(backend):
 def test_an_unavailable_backend_or_a_tiny_multilinear_p_leaves_the_queue():
     K, D = 4, 3
     v = _views(K, D)
-    q = nac_fast.CodeQueue(4 * K, D)
-    nac_fast.CodeQueue.enqueue(q, torch.ones(3, D))
+    q = nac_fast.CodeQueue(4 * K, D, device=DEVICE)
+    nac_fast.CodeQueue.enqueue(q, torch.ones(3, D, device=DEVICE))
     if "cuda" not in BACKENDS:
         _refused(nac_fast.NACMQLoss(0.1, backend="cuda"), q, v, ValueError, "not available")
     _refused(nac_fast.NACMQLoss(1e-4, likelihood="multilinear", backend="reference"), q, v,
@@ -126,10 +133,10 @@ def test_triton_fp64_keys_gradient_is_fp64_accurate(n, N, D):
     """The keys' backward multiplied by ln 2 rounded to fp32 (relative error 2.7e-9 on every
     element of d/dkeys, 6e-10 on the in-batch d/da); fp64 is the correctness path."""
     g = torch.Generator().manual_seed(n + N + D)
-    a0 = torch.randn(n, D, generator=g, dtype=torch.float64)
-    r = torch.randn(n, D, generator=g, dtype=torch.float64)
-    keys = torch.tanh(torch.randn(N, D, generator=g, dtype=torch.float64))
-    m = nac_fast.draw_noise((n, D), 0.1, dtype=torch.float64, generator=g)
+    a0 = torch.randn(n, D, generator=g, dtype=torch.float64).to(DEVICE)
+    r = torch.randn(n, D, generator=g, dtype=torch.float64).to(DEVICE)
+    keys = torch.tanh(torch.randn(N, D, generator=g, dtype=torch.float64)).to(DEVICE)
+    m = nac_fast.draw_noise((n, D), 0.1, dtype=torch.float64, generator=g).to(DEVICE)
     for given in (True, False):
         out = {}
         for b in ("reference", "triton"):
@@ -170,12 +177,12 @@ def test_two_mq_calls_before_one_backward(backend, qdtype):
     codes, when stored in the loss dtype, were the live buffer the next call writes in place."""
     K, D = 4, 3
     g = torch.Generator().manual_seed(7)
-    online = [torch.randn(K, D, generator=g) for _ in range(4)]
-    moms = [[torch.randn(K, D, generator=g) for _ in range(4)] for _ in range(2)]
-    noises = [nac_fast.draw_noise((2 * K, D), 0.1, generator=g) for _ in range(2)]
+    online = [torch.randn(K, D, generator=g).to(DEVICE) for _ in range(4)]
+    moms = [[torch.randn(K, D, generator=g).to(DEVICE) for _ in range(4)] for _ in range(2)]
+    noises = [nac_fast.draw_noise((2 * K, D), 0.1, generator=g).to(DEVICE) for _ in range(2)]
 
     def run(together):
-        q = nac_fast.CodeQueue(8 * K, D, dtype=qdtype)
+        q = nac_fast.CodeQueue(8 * K, D, dtype=qdtype, device=DEVICE)
         crit = nac_fast.NACMQLoss(0.1, backend=backend)
         leaves = [t.clone().requires_grad_() for t in online]
         grads, total = [torch.zeros_like(t) for t in leaves], 0
@@ -198,9 +205,9 @@ def test_two_mq_calls_before_one_backward(backend, qdtype):
 
 @needs_triton
 def test_the_triton_enqueue_bumps_the_codes_version():
-    q = nac_fast.CodeQueue(8, 3)
+    q = nac_fast.CodeQueue(8, 3, device=DEVICE)
     before = (q.codes._version, q.ptr._version)
-    q.enqueue(torch.ones(2, 3), backend="triton")
+    q.enqueue(torch.ones(2, 3, device=DEVICE), backend="triton")
     assert q.codes._version > before[0] and q.ptr._version > before[1]
     assert int(q.ptr) == 2 and bool((q.codes[:2] == 1).all())
 
@@ -235,3 +242,17 @@ def test_auto_on_cuda_skips_a_fused_backend_too_narrow_for_d(D, avail, want):
     assert b == want, why
     if want == "reference":
         assert f"D = {D}" in why
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA tensors (the GPU suite's test stage)")
+def test_auto_runs_wide_codes_on_cuda():
+    """D = 640 (over every fused GPU kernel's limit): auto runs the reference, which is right."""
+    a, r, m = _inputs(n=9, D=640, dtype=torch.float32)
+    a.requires_grad_()
+    from nac_fast.ops import dispatch
+    assert dispatch.resolve_backend("auto", a) == "reference"
+    loss = nac_fast.nac_loss(a, r, 0.2, noise=m)
+    ref = nac_fast.nac_loss(a, r, 0.2, noise=m, backend="reference")
+    torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+    loss.backward()
+    assert torch.isfinite(a.grad).all()

@@ -187,3 +187,98 @@ def test_plot_train_log_follows_a_p_schedule(tmp_path, plot_train_log):
     assert list(axes["flip_prob"].get_lines()[0].get_ydata()) == [0.25, 0.3, 0.4]
     slope = {ln.get_label(): ln for ln in axes["r_slope"].get_lines()}
     assert list(slope["2(1-2p) at each step's p"].get_ydata()) == pytest.approx([1.0, 0.8, 0.4])
+
+
+# ---- regressions of the audit (/tmp/audit_vae/REPORT.md, bugs 10-15) -----------------------
+
+def _usage_error(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_export_images_overwrite_replaces_the_export(tmp_path, capsys):
+    """Bug 10: --overwrite mixed the new export with the old one's files."""
+    import export_images
+    out = tmp_path / "ex"
+    assert export_images.main(["--out", str(out), "--per-class", "2", "--split", "train"]) == 0
+    (out / "notes.txt").write_text("mine")
+    assert export_images.main(["--out", str(out), "--per-class", "1", "--split", "test",
+                               "--overwrite"]) == 0
+    pngs = sorted(p.name for p in out.rglob("*.png"))
+    assert len(pngs) == 10 and all(n.startswith("test_") for n in pngs), pngs
+    assert (out / "notes.txt").read_text() == "mine"  # not a file of the export: kept
+
+
+def test_export_images_bad_out_and_offset(tmp_path, capsys):
+    """Bug 11: --out naming a file gave a traceback; --offset past the data wrote 0 images."""
+    import export_images
+    (tmp_path / "afile").write_text("")
+    for extra in ([], ["--overwrite"]):
+        assert "--out" in _usage_error(capsys, export_images.main,
+                                       ["--out", str(tmp_path / "afile"), "--per-class", "1"]
+                                       + extra)
+    assert "--offset" in _usage_error(capsys, export_images.main,
+                                      ["--out", str(tmp_path / "o"), "--offset", "100000"])
+    assert not (tmp_path / "o").exists()
+
+
+def test_make_image_folder_refuses_an_empty_side(tmp_path, capsys):
+    """Bug 12: --val-frac leaving train/ or val/ empty was reported as a success."""
+    import make_image_folder
+    for frac in ("0.95", "0.05"):
+        msg = _usage_error(capsys, make_image_folder.main,
+                           ["shapes", str(tmp_path / f"m{frac}"), "--per-class", "5", "--size",
+                            "8", "--val-frac", frac])
+        assert "--val-frac" in msg, msg
+        assert not (tmp_path / f"m{frac}").exists()
+    (tmp_path / "afile").write_text("")
+    assert "afile" in _usage_error(capsys, make_image_folder.main,
+                                   ["shapes", str(tmp_path / "afile" / "x"), "--per-class", "5",
+                                    "--size", "8"])
+
+
+def test_plot_train_log_bad_logs_and_a_vae_log(tmp_path, capsys, plot_train_log):
+    """Bug 13: empty / bad logs gave tracebacks; a VAE log's eval record replaced its last
+    training record (so nothing was left to draw)."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"step": 1, "loss": 1\n')
+    (tmp_path / "none.jsonl").write_text('{"step": 1, "foo": 1}\n')
+    for name in ("empty", "bad", "none"):
+        _usage_error(capsys, plot_train_log.main, [str(tmp_path / f"{name}.jsonl"), "--out",
+                                                   str(tmp_path / f"{name}.png")])
+        assert not (tmp_path / f"{name}.png").exists()
+    vae = tmp_path / "vae.jsonl"
+    vae.write_text('{"step": 4, "epoch": 0, "loss": 500.0, "lr": 0.0005, "img_per_s": 90}\n'
+                   '{"step": 4, "eval": {"elbo": -480.0}}\n')
+    assert plot_train_log.read_log(str(vae))[-1]["loss"] == 500.0
+    assert plot_train_log.main([str(vae), "--out", str(tmp_path / "vae.png")]) is not None
+    assert "--out" in _usage_error(capsys, plot_train_log.main,
+                                   [str(vae), "--out", "/proc/nac_fast_x/p.png"])
+
+
+def test_show_augmentations_bad_arguments(tmp_path, capsys):
+    """Bug 14: bad --data / --size / --num / --epoch gave tracebacks."""
+    import show_augmentations
+    out = str(tmp_path / "a.png")
+    for argv, flag in ((["--data", str(tmp_path / "none")], "--data"),
+                       (["--data", "fashion-mnist", "--size", "0"], "--size"),
+                       (["--data", "fashion-mnist", "--epoch", "-1"], "--epoch"),
+                       (["--data", "fashion-mnist", "--num", "100000"], "--num")):
+        assert flag in _usage_error(capsys, show_augmentations.main, argv + ["--out", out])
+    assert not os.path.exists(out)
+
+
+def test_code_shape_bad_checkpoints_and_data(tmp_path, capsys):
+    """Bug 15: a corrupt or VAE checkpoint, or bad --data, gave a traceback after the header."""
+    import code_shape
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    vae = tmp_path / "vae.pt"
+    torch.save({"model": {}, "config": {"kind": "vae", "image_size": 28}}, vae)
+    for argv in ([str(bad)], [str(vae)]):
+        _usage_error(capsys, code_shape.main, argv + ["--data", "fashion-mnist"])
+    assert capsys.readouterr().out == ""  # no table header before the failure

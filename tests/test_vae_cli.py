@@ -237,3 +237,123 @@ def test_damaged_last_checkpoint_falls_back_to_prev(tmp_path, capsys):
     sa = load_checkpoint(str(a / "last.pt"), require=cli.STATE_KEYS)["model"]
     sb = load_checkpoint(str(b / "last.pt"), require=cli.STATE_KEYS)["model"]
     assert all(torch.equal(v, sb[k]) for k, v in sa.items())
+
+
+# ---- regressions of the audit (/tmp/audit_vae/REPORT.md, bugs 1-3, 5-9) ---------------------
+
+@pytest.fixture(scope="module")
+def finished_vae(tmp_path_factory):
+    """A finished tiny VAE run (1 epoch of 4 steps), copied by the tests that change it."""
+    out = tmp_path_factory.mktemp("vae_done") / "run"
+    assert _run(["--init", "random", "--epochs", "1", "--out", str(out)] + TINY) == 0
+    return out
+
+
+def _copy(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _snapshot(d):
+    return {n: (d / n).read_bytes() for n in sorted(os.listdir(d)) if (d / n).is_file()}
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_vae_run(tmp_path, capsys):
+    """Bug 1: --overwrite deleted a train.py run (its last.pt, the --init checkpoint) and an
+    eval output; the error suggested --overwrite.  Now refused, nothing deleted."""
+    trun = tmp_path / "trainrun"
+    trun.mkdir()
+    _fake_checkpoint(trun / "last.pt", {"encoder.x": torch.zeros(1)})
+    (trun / "config.json").write_text(json.dumps({"method": "nac"}))
+    (trun / "log.jsonl").write_text('{"step": 1}\n')
+    before = _snapshot(trun)
+    for extra in ([], ["--overwrite"], ["--resume"]):
+        msg = _error(capsys, ["--epochs", "1", "--out", str(trun)] + extra + TINY)
+        assert "not a run of python -m nac_fast.vae" in msg, msg
+        assert "pass --overwrite" not in msg
+        assert _snapshot(trun) == before
+    ev = tmp_path / "evalout"
+    ev.mkdir()
+    (ev / "report.json").write_text("{}")
+    assert "not a run of" in _error(capsys, ["--out", str(ev), "--overwrite"] + TINY)
+    assert (ev / "report.json").read_text() == "{}"
+
+
+def test_usage_errors_with_overwrite_delete_nothing(finished_vae, tmp_path, capsys):
+    """Bug 2: --overwrite deleted the finished run, then failed on --limit-test / --batch-size."""
+    out = _copy(finished_vae, tmp_path / "v")
+    before = _snapshot(out)
+    base = ["--epochs", "1", "--out", str(out), "--overwrite"] + TINY
+    assert "--limit-test 20000" in _error(capsys, base + ["--limit-test", "20000"])
+    assert _snapshot(out) == before
+    assert "--batch-size 128" in _error(capsys, base + ["--batch-size", "128"])
+    assert _snapshot(out) == before
+
+
+def test_resume_refuses_other_data(tmp_path, monkeypatch, capsys):
+    """Bug 3: --data was compared as a string, so a relative path from another folder (or a
+    folder whose images changed) resumed on other data."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import make_image_folder
+    for d, n in (("A", 5), ("B", 7)):
+        assert make_image_folder.main(["shapes", str(tmp_path / d / "v"), "--per-class", str(n),
+                                       "--size", "16"]) == 0
+    argv = ["--data", "v", "--epochs", "1", "--batch-size", "8", "--latent-dim", "4",
+            "--iwae-k", "2", "--iwae-images", "2", "--iwae-chunk", "2", "--eval-batch-size", "8",
+            "--no-progress", "--device", "cpu", "--out", str(tmp_path / "out")]
+    monkeypatch.chdir(tmp_path / "A")
+    assert _run(argv + ["--stop-at-step", "1"]) == 0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["data"] == str(tmp_path / "A" / "v")
+    monkeypatch.chdir(tmp_path / "B")
+    msg = _error(capsys, argv + ["--resume"])
+    assert "--data" in msg and "differs from the run's" in msg, msg
+
+
+def test_unwritable_out_is_a_usage_error(tmp_path, capsys):
+    """Bug 5 (VAE): an --out under a file, or in an unwritable place, gave a traceback."""
+    (tmp_path / "afile").write_text("")
+    for out in (str(tmp_path / "afile" / "sub"), "/proc/nac_fast_vae_x"):
+        msg = _error(capsys, ["--out", out] + TINY)
+        assert "--out" in msg and "Traceback" not in msg, msg
+
+
+def test_overwrite_with_a_folder_named_like_a_run_file(tmp_path, capsys):
+    """Bug 6: --overwrite crashed (IsADirectoryError) on a folder named last.pt."""
+    (tmp_path / "c" / "last.pt").mkdir(parents=True)
+    msg = _error(capsys, ["--epochs", "1", "--out", str(tmp_path / "c"), "--overwrite"] + TINY)
+    assert "last.pt" in msg and "not a regular file" in msg, msg
+    assert (tmp_path / "c" / "last.pt").is_dir()
+
+
+def test_seed_out_of_range_is_a_usage_error(tmp_path, capsys):
+    """Bug 7: a huge --seed gave a traceback after config.json and log.jsonl were written."""
+    out = tmp_path / "s"
+    for seed in ("9223372036854775807", "99999999999999999999"):
+        assert "--seed" in _error(capsys, ["--seed", seed, "--out", str(out)] + TINY)
+    assert not out.exists()
+
+
+def test_resume_of_a_finished_run_with_other_evaluation_flags_reevaluates(finished_vae, tmp_path,
+                                                                          capsys):
+    """Bug 8: "nothing to do" although --iwae-k changed; now the run is evaluated again."""
+    out = _copy(finished_vae, tmp_path / "v")
+    k = TINY.index("--iwae-k")
+    argv = ["--init", "random", "--epochs", "1", "--out", str(out), "--resume"]
+    assert _run(argv + TINY[:k] + ["--iwae-k", "7"] + TINY[k + 2:]) == 0
+    assert "re-evaluat" in capsys.readouterr().out
+    assert json.loads((out / "report.json").read_text())["test"]["iwae_k"] == 7
+    assert load_checkpoint(str(out / "last.pt"), require=cli.STATE_KEYS)["step"] == 4
+    assert _run(argv + TINY[:k] + ["--iwae-k", "7"] + TINY[k + 2:]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_resume_with_a_stop_step_already_passed(tmp_path, capsys):
+    """Bug 9: --resume --stop-at-step N <= the checkpoint's step trained one more step."""
+    out = tmp_path / "ss"
+    base = ["--epochs", "1", "--out", str(out)] + TINY
+    assert _run(base + ["--stop-at-step", "2"]) == 0
+    msg = _error(capsys, base + ["--stop-at-step", "1", "--resume"])
+    assert "--stop-at-step 1" in msg and "step 2" in msg, msg
+    assert load_checkpoint(str(out / "last.pt"), require=cli.STATE_KEYS)["step"] == 2

@@ -58,7 +58,7 @@ import time
 import numpy as np
 import torch
 
-from .._files import atomic_write
+from .._files import atomic_write, check_writable
 from ..train.checkpoint import load_checkpoint, load_model, save_atomic, write_json_atomic
 from ..data import build_eval_loader
 from .metrics import itq_codes, itq_fit, knn_accuracy, linear_probe, retrieval_split
@@ -71,6 +71,8 @@ PRECISION_AT_N = (1, 10, 50, 100, 200, 500, 1000)
 PAPER_LINEAR_LRS = (0.01, 0.1, 1.0, 10.0)  # docs/math.md [M:linear-probe]
 QUICK = {"limit_train": 5000, "limit_test": 1000, "linear_epochs": 10}
 FEATURE_FILE = "features_{}.pt"
+# write_hash_curves's files: the PR curve, P@N, their PNG
+HASH_FILES = ("hash_pr_curve.csv", "hash_precision_at_n.csv", "hash_curves.png")
 HELD_OUT = (" (the test split: a part of each class of a folder without train/ and val/, held out "
             "of training by file name)")
 # Bump when the cached tensors' meaning changes, so stale caches are recomputed, never misread.
@@ -207,6 +209,7 @@ def check_args(args) -> None:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out!r} is not a folder")
     report = os.path.join(args.out, "report.json")
+    check_writable("--out", report)  # a parent that is a file, read-only: before any work
     if os.path.lexists(report) and not args.overwrite:
         try:
             with open(report) as f:
@@ -242,12 +245,26 @@ def _subset_loader(data, split, limit, batch_size, image_size, device, cap=False
     return sub, limit, n
 
 
-def _cache_meta(args, data, split, limit, image_size) -> dict:
+def _data_key(data) -> str:
+    """--data as the cache knows it: a path made absolute (the same relative name from another
+    folder is other data), a named data set as it is."""
+    data = str(data)
+    return os.path.abspath(data) if os.path.exists(data) else data
+
+
+def _cache_meta(args, data, split, limit, image_size, size=None) -> dict:
+    """What a split's cached features must match to be reused: the checkpoint (path, size,
+    mtime), which network, the data (absolute path), the split, the limit, the image size and,
+    `size` = {"used", "total"}, the images used of the split's images now (a folder whose images
+    were added or removed is other data)."""
     st = os.stat(args.checkpoint)
-    return {"version": CACHE_VERSION, "checkpoint": os.path.abspath(args.checkpoint),
+    meta = {"version": CACHE_VERSION, "checkpoint": os.path.abspath(args.checkpoint),
             "checkpoint_size": st.st_size, "checkpoint_mtime_ns": st.st_mtime_ns,
-            "which": args.which, "data": str(data), "split": split, "limit": limit,
+            "which": args.which, "data": _data_key(data), "split": split, "limit": limit,
             "image_size": image_size}
+    if size is not None:
+        meta.update(used=int(size["used"]), total=int(size["total"]))
+    return meta
 
 
 def extract_features(model, loader, n_used, device, progress, desc) -> dict:
@@ -271,16 +288,22 @@ def extract_features(model, loader, n_used, device, progress, desc) -> dict:
     return {"h": torch.cat(hs), "a": torch.cat(as_), "labels": torch.cat(ys)}
 
 
-def load_or_extract(args, model, data, split, limit, image_size, device, model_device):
-    """Cached features for a split if their meta matches this run, else extract and save."""
-    meta = _cache_meta(args, data, split, limit, image_size)
+def load_or_extract(args, model, data, split, limit, image_size, device, model_device,
+                    size=None):
+    """Cached features for a split if their meta matches this run (`_cache_meta`; `size`: the
+    split's {"used", "total"} images now) and they hold one row per image used, else extract
+    and save."""
+    meta = _cache_meta(args, data, split, limit, image_size, size)
     path = os.path.join(args.out, FEATURE_FILE.format(split))
     if os.path.isfile(path):
         try:
             cached = torch.load(path, map_location="cpu", weights_only=True)
         except Exception:  # a corrupt or foreign file is recomputed, not trusted
             cached = None
-        if isinstance(cached, dict) and cached.get("meta") == meta:
+        if (isinstance(cached, dict) and cached.get("meta") == meta
+                and all(isinstance(cached.get(k), torch.Tensor) for k in ("h", "a", "labels"))
+                and (size is None or all(int(cached[k].shape[0]) == int(size["used"])
+                                         for k in ("h", "a", "labels")))):
             return cached, True, 0.0, path
     loader, n_used, _ = _subset_loader(data, split, limit, args.batch_size, image_size, device)
     t0 = time.perf_counter()
@@ -415,7 +438,7 @@ def write_hash_curves(out_dir: str, curves: dict, info: dict) -> dict:
         for i in c["radius"]:
             w.writerow([k, i, c["precision"][i], c["recall"][i], c["precision_empty_as_zero"][i],
                         c["nonempty_fraction"][i], c["mean_retrieved"][i]])
-    files["pr_curve_csv"] = os.path.join(out_dir, "hash_pr_curve.csv")
+    files["pr_curve_csv"] = os.path.join(out_dir, HASH_FILES[0])
     atomic_write(files["pr_curve_csv"], lambda f: f.write(buf.getvalue()), mode="w")
     buf = io.StringIO()
     w = csv.writer(buf)
@@ -423,7 +446,7 @@ def write_hash_curves(out_dir: str, curves: dict, info: dict) -> dict:
     for k, r in curves.items():
         for n, v in r["precision_at_n"].items():
             w.writerow([k, n, v])
-    files["precision_at_n_csv"] = os.path.join(out_dir, "hash_precision_at_n.csv")
+    files["precision_at_n_csv"] = os.path.join(out_dir, HASH_FILES[1])
     atomic_write(files["precision_at_n_csv"], lambda f: f.write(buf.getvalue()), mode="w")
     try:
         import matplotlib
@@ -454,7 +477,7 @@ def write_hash_curves(out_dir: str, curves: dict, info: dict) -> dict:
         a.legend(fontsize=8)
     fig.suptitle(proto, fontsize=8)
     fig.tight_layout()
-    files["curves_png"] = os.path.join(out_dir, "hash_curves.png")
+    files["curves_png"] = os.path.join(out_dir, HASH_FILES[2])
     atomic_write(files["curves_png"], lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     return files
@@ -620,7 +643,7 @@ def main(argv=None) -> int:
     feats, feat_info = {}, {}
     for split, limit in (("train", args.limit_train), ("test", args.limit_test)):
         f, cached, dt, path = load_or_extract(args, model, data, split, limit, image_size,
-                                              "cpu", device)
+                                              "cpu", device, sizes[split])
         feats[split] = f
         feat_info[split] = {"path": path, "cached": cached, "h_dim": int(f["h"].shape[1]),
                             "a_dim": int(f["a"].shape[1])}
@@ -638,8 +661,11 @@ def main(argv=None) -> int:
                                lrs=args.linear_lrs, progress=args.progress)
             lrs = list(res.val_accuracy)        # the rates searched, in order
             # the best rate at an end of the search: a rate outside it may fit better
-            edge = (None if len(lrs) == 1 else "largest" if res.best_lr == max(lrs) else
-                    "smallest" if res.best_lr == min(lrs) else None)
+            # (not when another rate ties with it: every rate fit alike, e.g. one class)
+            val = res.val_accuracy
+            tied = sum(1 for v in val.values() if v == val[res.best_lr]) > 1
+            edge = (None if len(lrs) == 1 or tied else "largest" if res.best_lr == max(lrs)
+                    else "smallest" if res.best_lr == min(lrs) else None)
             paper = tuple(lrs) == PAPER_LINEAR_LRS
             if edge:
                 whose = ("the paper's; docs/math.md [M:linear-probe]" if paper
@@ -683,5 +709,11 @@ def main(argv=None) -> int:
     write_json_atomic(report, os.path.join(args.out, "report.json"))
     table = markdown_table(report)
     atomic_write(os.path.join(args.out, "report.md"), lambda f: f.write(table), mode="w")
+    if "hash" not in args.tasks:  # (--overwrite) an earlier evaluation's hash files would sit
+        # beside a report without them: the evaluation in --out is this one, whole
+        for name in HASH_FILES:
+            p = os.path.join(args.out, name)
+            if os.path.isfile(p):
+                os.unlink(p)
     print(table)
     return 0

@@ -38,8 +38,14 @@ kl); iwae is the K-sample bound [M:vae-iwae] (K = --iwae-k) on --iwae-images eve
 images (every (n // m)-th image, the first m; eval.json also has that subset's K-sample ELBO).
 
 A folder that holds a finished run is not overwritten (error) unless --overwrite; one that holds
-an unfinished run needs --resume (continue) or --overwrite (start again).  --resume on a finished
-run with a larger --epochs extends it (training continues, the evaluation is redone).
+an unfinished run needs --resume (continue) or --overwrite (start again).  --overwrite deletes only
+the files above of a run of this CLI (recognised by its config.json / checkpoints of kind "vae"),
+and only once every argument, the data included, has been checked; a folder holding another
+program's files under these names (a train.py run, an evaluation) is refused, never deleted.
+--resume needs the same data (compared by absolute path and image count) and training flags; on a
+finished run with a larger --epochs it extends it (training continues, the evaluation is redone),
+and with other evaluation flags (--iwae-k, --iwae-images, --limit-test) it evaluates the trained
+model again with them (no training).  Usage errors exit with status 2 before anything is written.
 """
 from __future__ import annotations
 
@@ -52,12 +58,14 @@ import time
 
 import torch
 
-from ..train.checkpoint import (LAST, PREV, capture_rng_state, pick_checkpoint,
-                                remove_stale_temp_files, restore_rng_state, save_atomic,
-                                write_json_atomic)
+from .._checks import int_in
+from .._files import check_writable
+from ..train.checkpoint import (LAST, PREV, capture_rng_state, load_checkpoint, pick_checkpoint,
+                                read_json, remove_stale_temp_files, restore_rng_state,
+                                save_atomic, write_json_atomic)
 from ..train.models import ARCHS
 from .bounds import elbo_terms, iwae_bound
-from .data import epoch_order, load_images, probe
+from .data import DEFAULT_MAX_BYTES, epoch_order, load_images, probe
 from .encoder import load_pretrained_encoder
 from .images import grid, save_png, to_u8
 from .likelihood import decoder_mean
@@ -69,6 +77,11 @@ STATE_KEYS = ("model", "optimizer", "config", "step", "epoch", "batch", "rng")
 # Flags a resumed run must share with its checkpoint (epochs may grow; the rest is bookkeeping).
 SAME_ON_RESUME = ("data", "init", "which", "freeze", "arch", "latent_dim", "batch_size", "lr",
                   "encoder_lr", "image_size", "limit_train", "seed")
+# Flags of the evaluation only: a finished run resumed with other values is evaluated again.
+EVAL_FLAGS = ("limit_test", "test_images", "iwae_k", "iwae_images")
+RUN_FILES = (LAST, PREV, REPORT, EVAL, CONFIG, LOG) + PNGS
+# --seed range: epoch_order seeds a generator with 1_000_003 * seed + epoch (a signed 64-bit int)
+SEED_MAX = 2 ** 40
 VERSION = 1
 
 
@@ -158,29 +171,72 @@ def check_args(args) -> None:
                          "momentum model)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
+    int_in("--seed", args.seed, -SEED_MAX, SEED_MAX)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out!r} exists and is not a folder")
+    check_writable("--out", os.path.join(args.out, CONFIG))
 
 
 # --------------------------------------------------------------------------------------------
 # The run folder: a finished run is kept unless --overwrite
 # --------------------------------------------------------------------------------------------
 
-def prepare_out(args) -> None:
+def _is_vae_checkpoint(path: str):
+    """True / False for a checkpoint that loads (of this CLI or not), None when it does not load
+    (a torn write of a run: its kind is unknown)."""
+    try:
+        ck = load_checkpoint(path, require=("config",))
+    except ValueError:
+        return None
+    return isinstance(ck["config"], dict) and ck["config"].get("kind") == "vae"
+
+
+def check_out(args) -> str:
+    """What --out holds, deleting nothing: "empty" (none of this CLI's file names), "finished" or
+    "started" (a run of this CLI), after refusing (ValueError naming --out) a folder whose files
+    of those names are not this CLI's run (a train.py run, an evaluation, ...) or are not regular
+    files, and a run that needs --resume or --overwrite."""
     out = args.out
+    present = [n for n in RUN_FILES if os.path.lexists(os.path.join(out, n))]
+    if not present:
+        return "empty"
+    for n in present:
+        p = os.path.join(out, n)
+        if not (os.path.islink(p) or os.path.isfile(p)):
+            raise ValueError(f"--out {out!r}: {n!r} is not a regular file (a folder?); this CLI "
+                             "does not delete it: remove or rename it, or name another --out")
+    cfg = read_json(os.path.join(out, CONFIG))
+    kinds = [_is_vae_checkpoint(os.path.join(out, n)) for n in (LAST, PREV) if n in present]
+    if CONFIG in present:
+        ours = isinstance(cfg, dict) and cfg.get("kind") == "vae" and False not in kinds
+    else:
+        ours = True in kinds and False not in kinds
+    if not ours:
+        raise ValueError(f"--out {out!r} holds {', '.join(present)} that are not a run of "
+                         "python -m nac_fast.vae (a train.py run, an evaluation, ...?): nothing "
+                         "there is replaced or deleted; name another --out")
     finished = os.path.isfile(os.path.join(out, REPORT))
-    started = any(os.path.exists(os.path.join(out, n)) for n in (LAST, PREV))
+    started = any(n in present for n in (LAST, PREV))
+    if args.overwrite or args.resume:
+        pass
+    elif finished:
+        raise ValueError(f"--out {out!r} holds a finished run ({REPORT}); pass --overwrite to "
+                         "replace it, or --resume with a larger --epochs to extend it")
+    elif started:
+        raise ValueError(f"--out {out!r} holds an unfinished run ({LAST}); pass --resume to "
+                         "continue it or --overwrite to start again")
+    return "finished" if finished else "started"
+
+
+def prepare_out(args) -> None:
+    """Create --out; with --overwrite delete this CLI's run files there (check_out has vouched
+    that they are a VAE run's).  Called once every argument has been checked."""
+    out = args.out
     if args.overwrite:
-        for n in (LAST, PREV, REPORT, EVAL, CONFIG, LOG) + PNGS:
+        for n in RUN_FILES:
             p = os.path.join(out, n)
             if os.path.lexists(p):
                 os.unlink(p)
-    elif finished and not args.resume:
-        raise ValueError(f"--out {out!r} holds a finished run ({REPORT}); pass --overwrite to "
-                         "replace it, or --resume with a larger --epochs to extend it")
-    elif started and not args.resume:
-        raise ValueError(f"--out {out!r} holds an unfinished run ({LAST}); pass --resume to "
-                         "continue it or --overwrite to start again")
     os.makedirs(out, exist_ok=True)
     remove_stale_temp_files(out)
 
@@ -341,7 +397,8 @@ def _setup(args):
         arch = info["arch"]
     else:
         arch = args.arch or "resnet-tiny"
-    channels, size, _ = probe(args.data, "train", args.image_size)
+    channels, size, n_train = probe(args.data, "train", args.image_size)
+    _, _, n_test = probe(args.data, "test", args.image_size)
     if info is not None:
         if channels != info["in_channels"]:
             raise ValueError(f"--data {args.data!r} has {channels}-channel images; the encoder of "
@@ -353,9 +410,28 @@ def _setup(args):
             raise ValueError(f"{what} the encoder of --init {args.init!r} was trained on "
                              f"{info['image_size']} px images (pass --image-size "
                              f"{info['image_size']} to resize the data to that size)")
+    # the checks load_images would make, made before anything is written or deleted
+    for split, n, limit in (("train", n_train, args.limit_train), ("test", n_test, args.limit_test)):
+        if limit is not None and limit > n:
+            raise ValueError(f"--limit-{split} {limit} exceeds the {split} split's {n} images")
+        need = (limit or n) * channels * size * size
+        if need > DEFAULT_MAX_BYTES:
+            raise ValueError(f"--data {args.data!r}: {limit or n} {split} images of {channels}x"
+                             f"{size}x{size} need {need / 2 ** 30:.1f} GiB in memory (limit "
+                             f"{DEFAULT_MAX_BYTES / 2 ** 30:.1f} GiB): use --limit-{split} or "
+                             "--image-size")
+    train_images = args.limit_train or n_train
+    if train_images // args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} exceeds the {train_images} training "
+                         "images")
     cfg = {k: getattr(args, k) for k in ("data", "which", "freeze", "epochs", "latent_dim",
                                          "batch_size", "lr", "encoder_lr", "limit_train",
                                          "limit_test", "iwae_k", "iwae_images", "seed")}
+    # a folder is named by its absolute path: a resume from another working directory compares
+    # the same data (a data set's name stays a name)
+    cfg["data"] = os.path.abspath(args.data) if os.path.exists(args.data) else args.data
+    cfg.update(train_images=train_images, steps_per_epoch=train_images // args.batch_size,
+               test_images=args.limit_test or n_test)
     cfg.update(kind="vae", version=VERSION, arch=arch, in_channels=channels, image_size=size,
                init=args.init if args.init == "random" else os.path.abspath(args.init),
                init_info=info, pretrained=info is not None)
@@ -371,28 +447,63 @@ def _same(a, b):
     return a == b
 
 
+def _same_data(cfg, old) -> bool:
+    """The run's data: the same absolute path (a checkpoint of an older version may hold the
+    path as given, relative) and the same number of training images."""
+    a, b = cfg["data"], old.get("data")
+    same_path = a == b or (isinstance(b, str) and os.path.exists(b) and os.path.abspath(b) == a)
+    return same_path and cfg["train_images"] == old.get("train_images")
+
+
+def _resume_checks(args, cfg, path, ck) -> str | None:
+    """ValueError naming the flag when the command cannot continue the checkpoint's run;
+    "done" for a finished run with the same evaluation flags, "reevaluate" for a finished run
+    whose evaluation flags changed (printed), else None."""
+    old = ck["config"]
+    diff = [f"--{k.replace('_', '-')} {cfg[k]!r} (checkpoint: {old.get(k)!r})"
+            for k in SAME_ON_RESUME if k != "data" and not _same(cfg[k], old.get(k))]
+    if not _same_data(cfg, old):
+        diff.insert(0, f"--data {args.data!r} = {cfg['data']!r} with {cfg['train_images']} "
+                    f"training images (checkpoint: {old.get('data')!r} with "
+                    f"{old.get('train_images')!r})")
+    if diff:
+        raise ValueError(f"--resume {path}: this command differs from the run's: "
+                         + "; ".join(diff))
+    total = args.epochs * old["steps_per_epoch"]
+    if ck["step"] > total:
+        raise ValueError(f"--epochs {args.epochs}: the run in {args.out!r} is already at "
+                         f"step {ck['step']} (epoch {ck['epoch']}); it may be extended, "
+                         "not shortened")
+    if args.stop_at_step is not None and ck["step"] < total and args.stop_at_step <= ck["step"]:
+        raise ValueError(f"--stop-at-step {args.stop_at_step}: the run in {args.out!r} is "
+                         f"already at step {ck['step']}; name a later step, or leave "
+                         "--stop-at-step out to finish it")
+    if os.path.isfile(os.path.join(args.out, REPORT)) and ck["step"] == total:
+        evaluated = read_json(os.path.join(args.out, CONFIG)) or {}
+        changed = [f"--{k.replace('_', '-')} {cfg[k]!r} (report: {evaluated.get(k)!r})"
+                   for k in EVAL_FLAGS if not _same(cfg[k], evaluated.get(k))]
+        if not changed:
+            return "done"
+        print(f"{args.out}: finished run, re-evaluating it (no training) with other evaluation "
+              "flags: " + "; ".join(changed))
+        return "reevaluate"
+    return None
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         cfg, pre_encoder = _setup(args)
-        prepare_out(args)
+        check_out(args)
         path, ck = pick_vae_checkpoint(args.out) if args.resume else (None, None)
+        reevaluate = False
         if ck is not None:
-            old = ck["config"]
-            diff = [f"--{k.replace('_', '-')} {cfg[k]!r} (checkpoint: {old.get(k)!r})"
-                    for k in SAME_ON_RESUME if not _same(cfg[k], old.get(k))]
-            if diff:
-                raise ValueError(f"--resume {path}: this command differs from the run's: "
-                                 + "; ".join(diff))
-            if ck["step"] > args.epochs * old["steps_per_epoch"]:
-                raise ValueError(f"--epochs {args.epochs}: the run in {args.out!r} is already at "
-                                 f"step {ck['step']} (epoch {ck['epoch']}); it may be extended, "
-                                 "not shortened")
-            if (os.path.isfile(os.path.join(args.out, REPORT))
-                    and ck["step"] == args.epochs * old["steps_per_epoch"]):
+            what = _resume_checks(args, cfg, path, ck)
+            if what == "done":
                 print(f"{args.out}: finished run ({REPORT}), nothing to do")
                 return 0
+            reevaluate = what == "reevaluate"
     except (ValueError, FileNotFoundError, TypeError) as exc:
         parser.error(str(exc))  # exit status 2, nothing written
 
@@ -405,12 +516,22 @@ def main(argv=None) -> int:
         train = load_images(args.data, "train", cfg["image_size"], args.limit_train, args.progress)
         test = load_images(args.data, "test", cfg["image_size"], args.limit_test, args.progress)
     except (ValueError, FileNotFoundError) as exc:
-        parser.error(str(exc))
+        parser.error(str(exc))  # nothing written or deleted yet
     spe = len(train) // args.batch_size
-    if spe < 1:
-        parser.error(f"--batch-size {args.batch_size} exceeds the {len(train)} training images")
-    cfg.update(steps_per_epoch=spe, train_images=len(train), test_images=len(test),
-               mean=list(train.mean), std=list(train.std))
+    if spe < 1 or len(train) != cfg["train_images"] or len(test) != cfg["test_images"]:
+        parser.error(f"--data {args.data!r}: read {len(train)} training and {len(test)} test "
+                     f"images, expected {cfg['train_images']} and {cfg['test_images']} (did the "
+                     "data change while loading?)")
+    cfg.update(mean=list(train.mean), std=list(train.std))
+    try:
+        # every check has passed: only now may --overwrite delete the old run's files
+        prepare_out(args)
+        if reevaluate:  # the old figures are stale; a failure below leaves no report to trust
+            for n in (REPORT, EVAL):
+                if os.path.lexists(os.path.join(args.out, n)):
+                    os.unlink(os.path.join(args.out, n))
+    except OSError as exc:
+        parser.error(f"--out {args.out!r}: {exc.strerror or exc}")
     total = args.epochs * spe
 
     torch.manual_seed(args.seed)
