@@ -54,7 +54,6 @@ Triton engine under the interpreter, which proves the plumbing and nothing about
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -76,6 +75,7 @@ except ImportError:  # running from a checkout that is not installed
 from nac_fast.ops import dispatch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loss import commit  # noqa: E402  (the bench scripts' one git-commit helper)
+from bench_csv import append_rows, check_flip, check_least, check_output_file  # noqa: E402
 
 CSV_PATH = os.path.join(ROOT, "bench", "results", "hamming_cpu.csv")
 CSV_FIELDS = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method",
@@ -513,15 +513,9 @@ def run_gpu(args, ap):
             "threads": args.threads, "torch": torch.__version__, "triton": triton.__version__,
             "git_commit": commit()}
     csv_path = args.csv if args.csv != CSV_PATH else GPU_CSV_PATH
-    if csv_path:
-        os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
-        new = not os.path.exists(csv_path)
-        with open(csv_path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=GPU_FIELDS)
-            if new:
-                w.writeheader()
-            for r in rows:
-                w.writerow({**meta, **r, "note": "; ".join(x for x in (r["note"], args.note) if x)})
+    if csv_path:  # a CSV with another header is rewritten with GPU_FIELDS first (bench_csv)
+        append_rows(csv_path, [{**meta, **r, "note": "; ".join(x for x in (r["note"], args.note)
+                                                                if x)} for r in rows], GPU_FIELDS)
         print(f"  appended {len(rows)} rows to {csv_path}")
     elapsed = time.perf_counter() - t_start
     print(f"\n{'row':<34} {'median s':>10} {'p20-p80 s':>19} {'GPU MiB':>8} {'vs cpu':>7} "
@@ -542,6 +536,23 @@ def run_gpu(args, ap):
 
 
 
+def check_args(ap, args) -> None:
+    """Usage errors (ap.error, exit status 2) before any measurement: counts below their least
+    value, a bit-flip probability outside [0, 0.5] (0.5: codes unrelated to their class), an
+    output file that could not be written."""
+    check_least(ap, args, {"--queries": 1, "--gallery": 1, "--bits": 1, "--classes": 1,
+                           "--repeats": 1, "--slow-repeats": 1, "--chunk": 1,
+                           "--torch-queries": 0, "--faiss-heap-queries": 0, "--threads": 1,
+                           "--map-queries": 1, "--index-queries": 1, "--k": 1,
+                           "--check-queries": 0, "--gpu-repeats": 1})
+    check_flip(ap, args)
+    if args.csv:
+        check_output_file(ap, "--csv", args.csv if not args.gpu or args.csv != CSV_PATH
+                          else GPU_CSV_PATH)
+    if args.gpu and args.profile_out:
+        check_output_file(ap, "--profile-out", args.profile_out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--queries", type=int, default=10000)
@@ -549,7 +560,7 @@ def main(argv=None):
     ap.add_argument("--bits", type=int, default=128)
     ap.add_argument("--classes", type=int, default=10)
     ap.add_argument("--flip", type=float, default=0.3, help="bit-flip probability around the "
-                    "class prototype (0.3 gives mAP ~0.5 at 128 bits)")
+                    "class prototype, in [0, 0.5] (0.3 gives mAP ~0.5 at 128 bits)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of the nac_fast mAP row")
     ap.add_argument("--slow-repeats", type=int, default=1,
                     help="runs of the full-ranking and FAISS rows (the slow rows at paper size; "
@@ -597,6 +608,7 @@ def main(argv=None):
     ap.add_argument("--csv", default=CSV_PATH, help="CSV to append to ('' = none)")
     ap.add_argument("--note", default="", help="free text stored in the CSV rows")
     args = ap.parse_args(argv)
+    check_args(ap, args)
 
     torch.set_num_threads(args.threads)
     if args.gpu:
@@ -700,15 +712,9 @@ def main(argv=None):
             "host": socket.gethostname(), "cpu": cpu_name(), "threads": args.threads,
             "torch": torch.__version__, "faiss": getattr(faiss, "__version__", "") if faiss else "",
             "git_commit": commit(), "gallery": G, "bits": D}
-    if args.csv:
-        os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
-        new = not os.path.exists(args.csv)
-        with open(args.csv, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-            if new:
-                w.writeheader()
-            for r in rows:
-                w.writerow({**meta, **r, "note": "; ".join(x for x in (r["note"], args.note) if x)})
+    if args.csv:  # a CSV with another header is rewritten with CSV_FIELDS first (bench_csv)
+        append_rows(args.csv, [{**meta, **r, "note": "; ".join(x for x in (r["note"], args.note)
+                                                                if x)} for r in rows], CSV_FIELDS)
         print(f"  appended {len(rows)} rows to {os.path.relpath(args.csv, ROOT)}")
 
     summary = {"bench": "hamming_cpu", "queries": Q, "gallery": G, "bits": D,

@@ -24,7 +24,6 @@ prints one JSON line last.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -41,6 +40,7 @@ sys.path.insert(0, HERE)
 import nac_fast  # noqa: E402
 from bench_hamming import cpu_name, make_data, timed  # noqa: E402  (the bench helpers)
 from bench_loss import commit  # noqa: E402
+from bench_csv import append_rows, check_flip, check_least, check_output_file  # noqa: E402
 from nac_fast.ops import dispatch  # noqa: E402
 
 CSV_PATH = os.path.join(ROOT, "bench", "results", "index_cpu.csv")
@@ -62,7 +62,8 @@ def main(argv=None):
     ap.add_argument("--map-queries", type=int, default=10000, help="queries of the mAP@all row "
                     "(0 = skip)")
     ap.add_argument("--bits", type=int, default=128)
-    ap.add_argument("--flip", type=float, default=0.3)
+    ap.add_argument("--flip", type=float, default=0.3, help="bit-flip probability around the "
+                    "class prototype, in [0, 0.5]")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--map-repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -71,6 +72,11 @@ def main(argv=None):
     ap.add_argument("--csv", default=CSV_PATH, help="CSV to append to ('' = none)")
     ap.add_argument("--note", default="")
     args = ap.parse_args(argv)
+    check_least(ap, args, {"--gallery": 1, "--queries": 1, "--k": 1, "--map-queries": 0,
+                           "--bits": 1, "--repeats": 1, "--map-repeats": 1, "--threads": 1})
+    check_flip(ap, args)
+    if args.csv:
+        check_output_file(ap, "--csv", args.csv)  # before any measurement
 
     torch.set_num_threads(args.threads)
     why = dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
@@ -144,15 +150,9 @@ def main(argv=None):
             "host": socket.gethostname(), "cpu": cpu_name(), "threads": args.threads,
             "torch": torch.__version__, "faiss": getattr(faiss, "__version__", "") if faiss else "",
             "git_commit": commit(), "gallery": G, "bits": D, "bytes_per_code": bytes_per_code}
-    if args.csv:
-        os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
-        new = not os.path.exists(args.csv)
-        with open(args.csv, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-            if new:
-                w.writeheader()
-            for r in rows:
-                w.writerow({**meta, **r, "note": "; ".join(x for x in (r["note"], args.note) if x)})
+    if args.csv:  # a CSV with another header is rewritten with CSV_FIELDS first (bench_csv)
+        append_rows(args.csv, [{**meta, **r, "note": "; ".join(x for x in (r["note"], args.note)
+                                                                if x)} for r in rows], CSV_FIELDS)
         print(f"  appended {len(rows)} rows to {os.path.relpath(args.csv, ROOT)}")
     summary = {"bench": "index_cpu", "gallery": G, "bits": D, "threads": args.threads,
                "topk_median_s": rows[0]["median_s"], "topk_goal_s": 0.3,

@@ -41,7 +41,6 @@ written with status "failed: ..." and makes the script exit with status 1.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import json
 import os
@@ -231,7 +230,15 @@ def time_step(step, device, reps: int, min_time: float):
 
 
 def _quantiles(times):
-    q = statistics.quantiles(times, n=5) if len(times) >= 5 else [min(times)] * 4
+    """(median, p20, p80) of the samples, interpolated between them, so min <= p20 <= median
+    <= p80 <= max for any number of samples >= 1: statistics.quantiles' default ("exclusive")
+    from 5 samples on, as always; below 5, where "exclusive" would reach past the samples, its
+    "inclusive" method (numpy's default percentile); one sample is all three."""
+    if not times:
+        raise ValueError("no timing samples")
+    if len(times) == 1:
+        return times[0], times[0], times[0]
+    q = statistics.quantiles(times, n=5, method="exclusive" if len(times) >= 5 else "inclusive")
     return statistics.median(times), q[0], q[3]
 
 
@@ -276,32 +283,16 @@ def variants(backends, compile_reference: bool, graphs: bool):
     return out
 
 
-def read_csv_rows(path):
-    """(header, rows) of an existing CSV, ([], []) if there is none."""
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
-        return [], []
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        rows = list(reader)
-        return list(reader.fieldnames or []), rows
+# the bench scripts' shared CSV helpers (read_csv_rows: re-exported for its importers)
+from bench_csv import check_output_file, read_csv_rows  # noqa: E402,F401
+from bench_csv import append_rows as _append_rows  # noqa: E402
 
 
 def append_rows(path, rows, fields=FIELDS):
     """Append rows; a CSV with another header is rewritten first with fields (+ its own extra
-    columns), so its old rows keep their values and the columns stay aligned."""
-    header, old = read_csv_rows(path)
-    if header and header != list(fields):
-        cols = list(fields) + [c for c in header if c not in fields]
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=cols)
-            w.writeheader()
-            w.writerows(old)
-        fields = cols
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        if not header:
-            w.writeheader()
-        w.writerows(rows)
+    columns), so its old rows keep their values and the columns stay aligned
+    (bench_csv.append_rows, with this script's FIELDS by default)."""
+    _append_rows(path, rows, fields)
 
 
 def roofline_bound(device, dev_name, kind, n, N, D, dtype, fp32_mode=""):
@@ -363,6 +354,18 @@ def main(argv=None):
         ap.error("--graphs needs --device cuda (CUDA graphs)")
     if args.quick:
         args.inbatch, args.queue, args.dtypes, args.reps, args.min_time = "256", "4096", "float32", 3, 0.1
+    for flag, val in (("--reps", args.reps), ("--mq-n", args.mq_n), ("--D", args.D)):
+        if val < 1:
+            ap.error(f"{flag} must be >= 1, got {val}")
+    if not args.min_time >= 0:
+        ap.error(f"--min-time must be >= 0, got {args.min_time}")
+    for flag, text in (("--inbatch", args.inbatch), ("--queue", args.queue)):
+        try:
+            bad = [x for x in text.split(",") if x.strip() and int(x) < 1]
+        except ValueError:
+            ap.error(f"{flag}: a comma list of integers, got {text!r}")
+        if bad:
+            ap.error(f"{flag}: sizes must be >= 1, got {','.join(bad)}")
     dtypes = []
     for d in args.dtypes.split(","):
         if not isinstance(getattr(torch, d, None), torch.dtype):
@@ -381,7 +384,7 @@ def main(argv=None):
         except Exception as exc:
             ap.error(f"--compile-backend {args.compile_backend!r}: {exc}")
     csv_path = args.csv or os.path.join(ROOT, "bench", "results", f"loss_{args.device}.csv")
-    os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
+    check_output_file(ap, "--csv", csv_path)  # before any timing: a bad path costs nothing
     dev_name = device_name(args.device)
     from nac_fast.ops import loss as _loss_mod
     common = dict(timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -729,8 +729,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.calls < 1 or args.repeats < 1:
         ap.error("--calls and --repeats must be >= 1")
-    if args.csv and os.path.isdir(args.csv):
-        ap.error(f"--csv {args.csv!r} is a folder; give a file path")
+    if args.csv:  # a folder, a path under a file, an unwritable place: before any timing
+        from bench_csv import check_output_file
+        check_output_file(ap, "--csv", args.csv)
     print(HEADER)
     if args.gpu:
         if not torch.cuda.is_available():

@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import sys
 from collections import OrderedDict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def load(path):
@@ -33,12 +36,17 @@ def main(argv=None):
     ap.add_argument("csv")
     ap.add_argument("--out", default=None, help="folder for the PNGs (default: beside the CSV)")
     args = ap.parse_args(argv)
+    from bench_csv import check_output_folder  # the bench scripts' output-path check
+    if not os.path.isfile(args.csv):
+        ap.error(f"csv {args.csv!r}: " + ("is a folder; give a bench_loss.py CSV"
+                                          if os.path.isdir(args.csv) else "no such file"))
+    out = args.out or os.path.dirname(os.path.abspath(args.csv))
+    check_output_folder(ap, "--out", out)  # before reading and drawing
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = load(args.csv)
-    out = args.out or os.path.dirname(os.path.abspath(args.csv))
     os.makedirs(out, exist_ok=True)
     stem = os.path.splitext(os.path.basename(args.csv))[0]
     panels = sorted({(r["kind"], r["dtype"]) for r in rows})

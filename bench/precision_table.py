@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import datetime as dt
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
 
 import nac_fast  # noqa: E402
+from bench_csv import append_rows, check_output_file  # noqa: E402  (the bench scripts' CSV helpers)
 
 
 
@@ -115,20 +116,19 @@ def main(argv=None):
     for m in modes:
         if m not in FP32_MODES:
             ap.error(f"--fp32-modes: {m!r} is not one of {', '.join(FP32_MODES)}")
+    for flag, val in (("--n", args.n), ("--N", args.N), ("--D", args.D)):
+        if val < 1:
+            ap.error(f"{flag} must be >= 1, got {val}")
+    check_output_file(ap, "--csv", args.csv)  # before the measurement (a bare name: ./NAME)
     rows = measure("inbatch", args.n, args.n, args.D, args.p, args.seed, dtypes, modes)
     rows += measure("keys", args.n, args.N, args.D, args.p, args.seed + 1, dtypes, modes)
     stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     fields = ["timestamp", "torch", "kind", "n", "N", "D", "dtype", "method", "loss", "grad_a",
               "grad_r", "grad_keys"]
-    new = not os.path.exists(args.csv)
-    os.makedirs(os.path.dirname(args.csv), exist_ok=True)
-    with open(args.csv, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        if new:
-            w.writeheader()
-        for r in rows:
-            w.writerow(dict(r, timestamp=stamp, torch=torch.__version__, n=args.n,
-                            N=args.n if r["kind"] == "inbatch" else args.N, D=args.D))
+    # a CSV with another header is rewritten with these fields first (bench_csv.append_rows)
+    append_rows(args.csv, [dict(r, timestamp=stamp, torch=torch.__version__, n=args.n,
+                                N=args.n if r["kind"] == "inbatch" else args.N, D=args.D)
+                           for r in rows], fields)
     print(f"{'kind':8s} {'dtype':9s} {'method':24s} {'loss':>9s} {'grad_a':>9s} {'grad_r':>9s} "
           f"{'grad_keys':>9s}")
     for r in rows:

@@ -206,9 +206,16 @@ def main(argv=None):
     ap.add_argument("--fp32", default="tf32x3", choices=FP32_MODES, help="fp32 matrix mode")
     ap.add_argument("--D", type=int, default=128)
     args = ap.parse_args(argv)
+    gpus = args.gpu.split(",")
+    bad = [g for g in gpus if not known_gpu(g)]
+    if bad:  # before any table line
+        ap.error(f"--gpu: no ceilings known for {', '.join(repr(g) for g in bad)} (known: "
+                 f"{', '.join(GPUS)}; the H100 is the SXM part, not PCIe/NVL)")
+    if args.D < 1:
+        ap.error(f"--D must be >= 1, got {args.D}")
     print(f"{'gpu':5s} {'kind':8s} {'n':>6s} {'N':>7s} {'dtype':9s} {'GFLOP':>8s} {'Mexp':>7s} "
           f"{'MB':>6s} {'matrix us':>10s} {'exp us':>8s} {'mem us':>8s} {'bound us':>9s} limiter")
-    for gpu in args.gpu.split(","):
+    for gpu in gpus:
         for kind, n, N in BENCH_SHAPES:
             for dtype in ("bfloat16", "float32"):
                 b = bound(kind, n, N, args.D, dtype, gpu, fp32_mode=args.fp32,
@@ -217,7 +224,7 @@ def main(argv=None):
                       f"{b['matrix_flops_executed'] / 1e9:8.1f} {b['exps'] / 1e6:7.0f} "
                       f"{b['bytes'] / 1e6:6.1f} {b['matrix_s'] * 1e6:10.1f} {b['exp_s'] * 1e6:8.1f} "
                       f"{b['memory_s'] * 1e6:8.1f} {b['bound_s'] * 1e6:9.1f} {b['limiter']}")
-    c = ceilings(args.gpu.split(",")[0], args.ceilings)
+    c = ceilings(gpus[0], args.ceilings)
     print(f"\nrates ({args.ceilings}; {c['label']}): bf16 {c['bf16_flops'] / 1e12:.0f} TFLOP/s "
           f"({c['bf16_source']}), fp32 FMA {c['fp32_fma_flops'] / 1e12:.1f} TFLOP/s "
           f"({c['fp32_fma_source']}), tf32 {c['tf32_flops'] / 1e12:.0f} TFLOP/s "

@@ -392,6 +392,20 @@ def test_refused_calls_leave_the_queue_and_the_momentum_model_as_they_were():
         mq(v, v, noise=torch.ones(K, D))
     with pytest.raises(RuntimeError):  # the model refuses 7 features
         mq(torch.randn(K, 7), torch.randn(K, 7))
+    # refused by the criterion, after the online forward: still before the EMA update
+    small = NACMQ(model, queue_size=K)  # room for one view's keys, not both
+    small.momentum_model.load_state_dict(mq.momentum_model.state_dict())
+    with pytest.raises(ValueError, match="cannot enqueue"):
+        small(v, v)
+    _assert_same(before, list(small.momentum_model.parameters()), "momentum model")
+    nan = v.clone()
+    nan[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"out0\[0\] contains NaN"):
+        mq(nan, nan)
+    mq.criterion.p = 0.7  # set between steps
+    with pytest.raises(ValueError, match="p must lie"):
+        mq(v, v)
+    mq.criterion.p = P
     assert int(mq.queue.ptr) == 0
     _assert_same(before, list(mq.momentum_model.parameters()), "momentum model")
     for kw, err, msg in [(dict(p=0.7), ValueError, "p must lie"),

@@ -486,28 +486,34 @@ class NACMQLoss(nn.Module):
         self.backend = _check_backend_name(backend)
         self.likelihood = _check_likelihood(likelihood, backend)
 
-    def forward(self, out0, out1, momentum_out0, momentum_out1, queue: CodeQueue,
-                noise: torch.Tensor | None = None) -> torch.Tensor:
+    def check(self, out0, out1, queue, noise=None):
+        """The checks of a call that do not read the momentum network's outputs: the online
+        views' outputs, the queue (its D, device and room for the keys of both views), the
+        criterion's settings (changeable between calls), the noise and the backend (ValueError /
+        TypeError naming the argument).  Returns (a0, r0, a1, r1, the backend the loss runs).
+        `forward` makes them first; NACMQ makes them before its EMA update, so that a refused
+        call leaves the momentum model as it was."""
         a0, r0 = _view_pair("out0", out0, r_optional=True)
         like = ("out0[0]", a0)
         a1, r1 = _view_pair("out1", out1, like, r_optional=True)
         if (r0 is None) != (r1 is None):
             raise ValueError("out0[1] and out1[1] (the online inference logits) must both be "
                              "tensors (with the VI term) or both None (without it)")
-        am0, rm0 = _view_pair("momentum_out0", momentum_out0, like)
-        am1, rm1 = _view_pair("momentum_out1", momentum_out1, like)
         if not isinstance(queue, CodeQueue):
             raise TypeError(f"queue must be a nac_fast.CodeQueue (the criterion enqueues the "
                             f"momentum keys), got {type(queue).__name__}")
-        if queue.codes.shape[1] != a0.shape[1]:
-            raise ValueError(f"queue must hold codes of D={a0.shape[1]} like out0[0], got "
-                             f"D={queue.codes.shape[1]}")
+        size, D = queue.codes.shape
+        if D != a0.shape[1]:
+            raise ValueError(f"queue must hold codes of D={a0.shape[1]} like out0[0], got D={D}")
         if queue.codes.device != a0.device:
             raise ValueError(f"queue is on {queue.codes.device} but out0[0] is on {a0.device}; "
                              "all inputs must be on one device")
-        # every check before the queue changes (a refused call leaves it as it was): the
-        # criterion's settings (changeable between calls), the noise, the inputs' values and the
-        # backend; the loss repeats those of its own inputs
+        keys = 2 * a0.shape[0] * (torch.distributed.get_world_size()
+                                  if self.gather_distributed and is_dist() else 1)
+        if keys > size:
+            raise ValueError(f"cannot enqueue {keys} keys (both views"
+                             f"{' of every rank' if keys > 2 * a0.shape[0] else ''}) into a "
+                             f"queue of size {size}")
         p = _checks.flip_prob("p", self.p)
         _check_reduction(self.reduction)
         _check_l2(self.l2)
@@ -523,11 +529,28 @@ class NACMQLoss(nn.Module):
             if value_checks_on(noise.device) and not bool(((noise == 1) | (noise == -1)).all()):
                 raise ValueError("noise must contain only -1 and +1")
         if value_checks_on(a0.device):  # (one device, checked above: one policy for all)
-            for name, t in (("out0[0]", a0), ("out0[1]", r0), ("out1[0]", a1), ("out1[1]", r1),
-                            ("momentum_out0[0]", am0), ("momentum_out0[1]", rm0),
-                            ("momentum_out1[0]", am1), ("momentum_out1[1]", rm1)):
+            for name, t in (("out0[0]", a0), ("out0[1]", r0), ("out1[0]", a1), ("out1[1]", r1)):
                 if t is not None:
                     _check_finite(name, t)
+        # the backend the loss will run (ValueError where it cannot run here) for the rows in
+        # the loss dtype, the queue's codes standing in for the keys
+        dt = loss_dtype(a0) if _autocast_on(a0) else a0.dtype
+        impl = _backend_for(self.backend, a0 if dt == a0.dtype else a0.detach()[:1].to(dt),
+                            queue.codes, self.likelihood)
+        return a0, r0, a1, r1, impl
+
+    def forward(self, out0, out1, momentum_out0, momentum_out1, queue: CodeQueue,
+                noise: torch.Tensor | None = None) -> torch.Tensor:
+        # every check before the queue changes (a refused call leaves it as it was); the loss
+        # repeats those of its own inputs
+        a0, r0, a1, r1, impl = self.check(out0, out1, queue, noise)
+        like = ("out0[0]", a0)
+        am0, rm0 = _view_pair("momentum_out0", momentum_out0, like)
+        am1, rm1 = _view_pair("momentum_out1", momentum_out1, like)
+        if value_checks_on(a0.device):
+            for name, t in (("momentum_out0[0]", am0), ("momentum_out0[1]", rm0),
+                            ("momentum_out1[0]", am1), ("momentum_out1[1]", rm1)):
+                _check_finite(name, t)
         a, r_hat = torch.cat([a0, a1]), torch.cat([rm1, rm0])
         r = None if r0 is None else torch.cat([r1, r0])
         dt = a.dtype
@@ -535,9 +558,6 @@ class NACMQLoss(nn.Module):
             dt = loss_dtype(a)
             a, r_hat = a.to(dt), r_hat.to(dt)
             r = None if r is None else r.to(dt)
-        # the backend the loss will run (ValueError where it cannot run here), the queue's codes
-        # as the loss reads them standing in for the keys
-        impl = _backend_for(self.backend, a, queue.codes, self.likelihood)
         with torch.no_grad():
             # the keys tanh(am) of both views, tanh in float32 (float64 stays) whatever the AMP
             # dtype, rounded to the queue's dtype; on a GPU one launch (CodeQueue.enqueue_tanh).

@@ -165,8 +165,11 @@ class NACMQ(nn.Module):
         if r is None:
             raise ValueError("model returned no inference logits r: NAC-MQ needs an inference "
                              "network")
-        # after the online forward (it does not read the momentum model), so that a call the
-        # model refuses leaves the momentum model as it was
+        # after the online forward (it does not read the momentum model) and the criterion's
+        # checks of what does not depend on the momentum outputs (the online outputs' values,
+        # the queue's room and D, the settings, the noise, the backend), so that a call the model
+        # or the criterion refuses leaves the momentum model as it was
+        self.criterion.check((a[:k], r[k:]), (a[k:], r[:k]), self.queue, noise)
         self.update_momentum()
         if freeze_codes:
             a = a.detach()

@@ -411,7 +411,8 @@ def _setup(args):
                              f"{info['image_size']} px images (pass --image-size "
                              f"{info['image_size']} to resize the data to that size)")
     # the checks load_images would make, made before anything is written or deleted
-    for split, n, limit in (("train", n_train, args.limit_train), ("test", n_test, args.limit_test)):
+    for split, n, limit in (("train", n_train, args.limit_train),
+                            ("test", n_test, args.limit_test)):
         if limit is not None and limit > n:
             raise ValueError(f"--limit-{split} {limit} exceeds the {split} split's {n} images")
         need = (limit or n) * channels * size * size

@@ -22,9 +22,10 @@ Design (why):
     that passes the scan but does not decode kills the pipeline.  The file is the one DALI's
     message names or, when it names none (some parser errors), the one of the batches in flight
     that PIL cannot decode either; when PIL decodes them all (a format DALI does not support,
-    e.g. 1-bit or 32-bit integer TIFFs), the ones DALI fails on decoded one by one.  Under "warn" it is counted, replaced by the next decodable
-    file (the torchvision loader's rule) and the pipeline rebuilt at the first batch not yet
-    yielded; under "error" it stops the run with a ValueError naming it.
+    e.g. 1-bit or 32-bit integer TIFFs), the ones DALI fails on decoded one by one.  Under
+    "warn" it is counted, replaced by the next decodable file (the torchvision loader's rule)
+    and the pipeline rebuilt at the first batch not yet yielded; under "error" it stops the run
+    with a ValueError naming it.
 Not run on a GPU yet: the dali-gpu graph is the dali-cpu graph (tested) with the mixed decoder,
 GPU ops, and the contrast by arithmetic (also tested on the CPU).
 """
