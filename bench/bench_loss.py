@@ -284,7 +284,7 @@ def variants(backends, compile_reference: bool, graphs: bool):
 
 
 # the bench scripts' shared CSV helpers (read_csv_rows: re-exported for its importers)
-from bench_csv import check_output_file, read_csv_rows  # noqa: E402,F401
+from bench_csv import check_least, check_output_file, read_csv_rows  # noqa: E402,F401
 from bench_csv import append_rows as _append_rows  # noqa: E402
 
 
@@ -354,9 +354,7 @@ def main(argv=None):
         ap.error("--graphs needs --device cuda (CUDA graphs)")
     if args.quick:
         args.inbatch, args.queue, args.dtypes, args.reps, args.min_time = "256", "4096", "float32", 3, 0.1
-    for flag, val in (("--reps", args.reps), ("--mq-n", args.mq_n), ("--D", args.D)):
-        if val < 1:
-            ap.error(f"{flag} must be >= 1, got {val}")
+    check_least(ap, args, {"--reps": 1, "--mq-n": 1, "--D": 1})
     if not args.min_time >= 0:
         ap.error(f"--min-time must be >= 0, got {args.min_time}")
     for flag, text in (("--inbatch", args.inbatch), ("--queue", args.queue)):

@@ -32,7 +32,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 import torch  # noqa: E402
 
 import nac_fast  # noqa: E402
-from bench_csv import append_rows, check_output_file  # noqa: E402  (the bench scripts' CSV helpers)
+from bench_csv import append_rows, check_least, check_output_file  # noqa: E402
 
 
 
@@ -116,9 +116,7 @@ def main(argv=None):
     for m in modes:
         if m not in FP32_MODES:
             ap.error(f"--fp32-modes: {m!r} is not one of {', '.join(FP32_MODES)}")
-    for flag, val in (("--n", args.n), ("--N", args.N), ("--D", args.D)):
-        if val < 1:
-            ap.error(f"{flag} must be >= 1, got {val}")
+    check_least(ap, args, {"--n": 1, "--N": 1, "--D": 1})
     check_output_file(ap, "--csv", args.csv)  # before the measurement (a bare name: ./NAME)
     rows = measure("inbatch", args.n, args.n, args.D, args.p, args.seed, dtypes, modes)
     rows += measure("keys", args.n, args.N, args.D, args.p, args.seed + 1, dtypes, modes)

@@ -12,16 +12,15 @@ import tempfile
 def check_new_file(flag: str, path: str, overwrite: bool, *, error=ValueError) -> None:
     """Refuse an output file ``path`` (named by the option ``flag``) that would replace one
     already there unless ``overwrite`` (nothing of the user's is replaced without being asked),
-    that names a folder, or whose parent is not a folder; raises ``error`` naming ``flag``.
+    that names a folder, or that could not be written (:func:`check_writable`: a parent that is
+    not a folder, a folder where no file can be created); raises ``error`` naming ``flag``.
     Callers check before any work, so a refusal costs nothing."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise error(f"{flag} {path!r} is a directory; name a file")
     if os.path.lexists(path) and not overwrite:
         raise error(f"{flag} {path!r} exists; pass --overwrite to replace it")
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(parent) and not os.path.isdir(parent):
-        raise error(f"{flag} {path!r}: {parent!r} is not a folder")
+    check_writable(flag, path, error=error)
 
 
 def check_writable(flag: str, path: str, *, error=ValueError) -> None:
@@ -30,7 +29,7 @@ def check_writable(flag: str, path: str, *, error=ValueError) -> None:
     file can be created (read-only, no permission, /proc, ...); raises ``error`` naming
     ``flag``.  The folders still missing are not created here (``atomic_write`` makes them).
     Found by creating (and removing) a temporary file, so it holds for root too.  Callers check
-    before any work, with :func:`check_new_file`, so a long run cannot fail at its end."""
+    before any work (:func:`check_new_file` includes it), so a long run cannot fail at its end."""
     path = os.path.abspath(os.fspath(path))
     d = os.path.dirname(path)
     while not os.path.lexists(d):

@@ -23,7 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nac_fast._files import atomic_write, check_new_file, check_writable  # noqa: E402
+from nac_fast._files import atomic_write, check_new_file  # noqa: E402
 
 KEYS = ("loss", "loss_excess", "code_mag", "r_mag", "r_slope", "balance_score", "distinct_frac",
         "mean_hamming", "lr", "flip_prob", "img_per_s", "data_wait")
@@ -121,8 +121,7 @@ def main(argv=None):
             ap.error(f"no such log file: {p}")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.logs[0])), "curves.png")
     try:
-        check_new_file("--out", out, args.overwrite)
-        check_writable("--out", out)
+        check_new_file("--out", out, args.overwrite)  # (it checks the place is writable too)
         runs = [(os.path.basename(os.path.dirname(os.path.abspath(p))) or p, read_log(p),
                  run_config(p)) for p in args.logs]
     except (ValueError, OSError, UnicodeDecodeError) as exc:

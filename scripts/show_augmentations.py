@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from PIL import ImageOps  # noqa: E402
 from torchvision.utils import save_image  # noqa: E402
 
-from nac_fast._files import atomic_write, check_new_file, check_writable  # noqa: E402
+from nac_fast._files import atomic_write, check_new_file  # noqa: E402
 from nac_fast.data import LOADERS, MIN_IMAGE_SIZE, build_pretrain_loader  # noqa: E402
 from nac_fast.data.sources import resolve_source  # noqa: E402
 from nac_fast.data.sources.imagefolder import load_rgb  # noqa: E402
@@ -60,8 +60,7 @@ def main(argv=None):
     if a.epoch < 0:
         ap.error(f"--epoch must be >= 0, got {a.epoch}")
     try:
-        check_new_file("--out", a.out, a.overwrite)
-        check_writable("--out", a.out)
+        check_new_file("--out", a.out, a.overwrite)  # (it checks the place is writable too)
     except ValueError as exc:
         ap.error(str(exc))
     try:

@@ -110,10 +110,9 @@ def _positive(flag: str, v: int) -> None:
 def _check_new_file(flag: str, path: str, overwrite: bool) -> None:
     """An output the run may write: refused (UsageError naming ``flag``) when it exists and
     ``overwrite`` is not given, names a folder, or cannot be written (a parent that is a file, a
-    read-only folder, ...)."""
-    from .._files import check_new_file, check_writable
+    read-only folder, ...: nac_fast._files.check_new_file)."""
+    from .._files import check_new_file
     check_new_file(flag, path, overwrite, error=UsageError)
-    check_writable(flag, path, error=UsageError)
 
 
 def _check_device(flag: str, device):
@@ -193,7 +192,6 @@ def _report_skipped(res, ignored, out=sys.stderr) -> None:
 
 def cmd_build(args) -> int:
     from .hash_index import HashIndex
-    from .._files import check_writable
     _positive("--batch-size", args.batch_size)
     if args.bits is not None:
         _positive("--bits", args.bits)
@@ -203,7 +201,7 @@ def cmd_build(args) -> int:
         if not os.path.isfile(args.out):
             raise UsageError(f"--append: --out {args.out!r} does not exist (build it first, "
                              "without --append)")
-        check_writable("--out", args.out, error=UsageError)  # it is replaced at the end
+        _check_new_file("--out", args.out, True)  # it is replaced at the end: writable?
         try:
             existing = HashIndex.load(args.out)
         except ValueError as exc:

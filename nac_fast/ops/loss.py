@@ -129,6 +129,13 @@ def check_noise(noise, shape, of: str = "a's") -> None:
         raise TypeError(f"noise must hold +-1 as a signed real number dtype, got {noise.dtype}")
 
 
+def _check_noise_values(noise) -> None:
+    """An explicit channel sample holds only -1 and +1 (ValueError), checked where the value-check
+    policy reads data on noise's device."""
+    if value_checks_on(noise.device) and not bool(((noise == 1) | (noise == -1)).all()):
+        raise ValueError("noise must contain only -1 and +1")
+
+
 def _compiling() -> bool:
     try:
         return torch.compiler.is_compiling()
@@ -167,8 +174,7 @@ def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys", d
         if draw:
             noise = _draw((n, d), p, device=a.device, dtype=a.dtype)
     else:
-        if value_checks_on(noise.device) and not bool(((noise == 1) | (noise == -1)).all()):
-            raise ValueError("noise must contain only -1 and +1")
+        _check_noise_values(noise)
         noise = noise.to(a.dtype)
     return p, _scale(p), noise
 
@@ -526,8 +532,7 @@ class NACMQLoss(nn.Module):
             if noise.device != a0.device:
                 raise ValueError(f"noise is on {noise.device} but out0[0] is on {a0.device}; "
                                  "all inputs must be on one device")
-            if value_checks_on(noise.device) and not bool(((noise == 1) | (noise == -1)).all()):
-                raise ValueError("noise must contain only -1 and +1")
+            _check_noise_values(noise)
         if value_checks_on(a0.device):  # (one device, checked above: one policy for all)
             for name, t in (("out0[0]", a0), ("out0[1]", r0), ("out1[0]", a1), ("out1[1]", r1)):
                 if t is not None:

@@ -181,6 +181,7 @@ class NACMQ(nn.Module):
             # a BatchNorm in phi sums its statistics as the online model's does
             r_hat = self.momentum_model.infer_logits(_swap_views(hm))
         # the views' own outputs: the model's r (and r_hat) rows come from the partner view
+        # (called as a module, its forward: it repeats check, a few microseconds of host)
         loss = self.criterion((a[:k], r[k:]), (a[k:], r[:k]),
                               (am[:k], r_hat[k:]), (am[k:], r_hat[:k]), self.queue, noise=noise)
         return NACMQOutput(loss, a.detach(), r.detach())
