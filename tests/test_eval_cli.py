@@ -528,3 +528,18 @@ def test_tied_learning_rates_are_not_an_edge(tmp_path, capsys):
     lin = json.loads((out / "report.json").read_text())["results"]["linear"]
     assert len(set(lin["val_top1"].values())) == 1 and lin["best_lr_at_edge"] is None
     assert "a rate beyond it" not in capsys.readouterr().err
+
+
+def test_hash_file_names_in_a_folder_without_a_report_are_left_alone(tmp_path, capsys):
+    """Only --overwrite of an earlier evaluation removes its hash files: files of those names in
+    an --out that held no report are the user's."""
+    run = _tiny_folder_run(tmp_path, per_class=5)
+    out = tmp_path / "eval"
+    out.mkdir()
+    mine = out / nac_eval.HASH_FILES[2]
+    mine.write_bytes(b"the user's own")
+    capsys.readouterr()
+    assert nac_eval.main(["--checkpoint", str(run / "last.pt"), "--data", str(tmp_path / "photos"),
+                          "--device", "cpu", "--no-progress", "--out", str(out),
+                          "--tasks", "knn"]) in (0, None)
+    assert mine.read_bytes() == b"the user's own"

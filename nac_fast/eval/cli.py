@@ -210,6 +210,8 @@ def check_args(args) -> None:
         raise ValueError(f"--out {args.out!r} is not a folder")
     report = os.path.join(args.out, "report.json")
     check_writable("--out", report)  # a parent that is a file, read-only: before any work
+    # --overwrite of an earlier evaluation: its files are this run's to replace (and only then)
+    args.replaces_report = os.path.lexists(report)
     if os.path.lexists(report) and not args.overwrite:
         try:
             with open(report) as f:
@@ -709,8 +711,10 @@ def main(argv=None) -> int:
     write_json_atomic(report, os.path.join(args.out, "report.json"))
     table = markdown_table(report)
     atomic_write(os.path.join(args.out, "report.md"), lambda f: f.write(table), mode="w")
-    if "hash" not in args.tasks:  # (--overwrite) an earlier evaluation's hash files would sit
-        # beside a report without them: the evaluation in --out is this one, whole
+    if "hash" not in args.tasks and getattr(args, "replaces_report", False):
+        # --overwrite: the earlier evaluation's hash files would sit beside a report without
+        # them (the evaluation in --out is this one, whole); files of those names in a folder
+        # that held no report are the user's, left alone
         for name in HASH_FILES:
             p = os.path.join(args.out, name)
             if os.path.isfile(p):
