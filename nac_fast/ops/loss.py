@@ -416,7 +416,9 @@ class NACLoss(nn.Module):
     gather_distributed: under torch.distributed (more than one process), the keys are the clean
         codes of the GLOBAL batch, all-gathered with gradient, and this rank's 2K rows are the
         queries (docs/math.md [M:inbatch] "Under DDP"): with DDP's gradient averaging the
-        gradient is that of the loss over the global batch.  One process: no effect.
+        gradient is that of the loss over the global batch (reduction "mean"; with "sum" or
+        "none" summed, DDP's averaging makes it 1/world_size of the gradient of the global
+        batch's summed loss, as for any summed loss under DDP).  One process: no effect.
     reduction: "mean" | "sum" | "none" ((2K,) rows in the order [view 0; view 1]).
     backend: "auto" | "reference" | "cpu" | "triton" | "cuda" (nac_fast.available_backends()).
     likelihood: "dot" (the paper's) | "multilinear" (docs/math.md [M:multilinear]; reference

@@ -34,14 +34,20 @@ def ema_update_(momentum_model: nn.Module, online_model: nn.Module, decay: float
 
     Buffers (BatchNorm running statistics) are not averaged: as in MoCo, the momentum model's BN
     layers keep the statistics of the batches it sees itself.  `online_model` may be wrapped in
-    DistributedDataParallel or torch.compile; parameters are matched by order.
+    DistributedDataParallel or torch.compile; parameters are matched by order (a wrapper's
+    parameters() are its module's, in the same order: no unwrapping needed, and none that could
+    mistake a model's own submodule named `module` for the model), shape, dtype and device.
     """
     _checks.unit_float("decay", decay)
-    online_model = unwrap(online_model)
     mp = list(momentum_model.parameters())
     op = list(online_model.parameters())
     if len(mp) != len(op):
         raise ValueError(f"momentum model has {len(mp)} parameters, online model {len(op)}")
+    for i, (m, o) in enumerate(zip(mp, op)):  # (metadata only: no device work)
+        if m.shape != o.shape or m.dtype != o.dtype or m.device != o.device:
+            raise ValueError(f"momentum model's parameter {i} is {tuple(m.shape)} {m.dtype} on "
+                             f"{m.device} but the online model's is {tuple(o.shape)} {o.dtype} "
+                             f"on {o.device}: the models must have the same architecture")
     # lerp: m + (1-decay)*(o - m) == decay*m + (1-decay)*o: one foreach launch per chunk of
     # tensors of a dtype/device, no kernel per parameter, no host sync (the weight is a Python
     # number); under no_grad the online parameters are read as they are (no detached copies).
@@ -49,14 +55,25 @@ def ema_update_(momentum_model: nn.Module, online_model: nn.Module, decay: float
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module under DistributedDataParallel and/or torch.compile wrappers."""
+    """The plain module under DistributedDataParallel and/or torch.compile wrappers: an attribute
+    `module` (DDP, DataParallel) or `_orig_mod` (torch.compile) that holds every parameter of the
+    wrapper.  A model that merely has a submodule named `module` beside parameters of its own is
+    no wrapper and is returned as it is (unwrapping it would drop those parameters from the
+    EMA)."""
     while True:
-        if hasattr(model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
+        inner = None
+        for attr in ("_orig_mod", "module"):  # (a compiled module forwards `module` to its
+            # model: _orig_mod first)
+            cand = getattr(model, attr, None)
+            if isinstance(cand, nn.Module) and cand is not model:
+                inner = cand
+                break
+        # the inner module's parameters are the wrapper's own or a subset: equal counts, the
+        # same parameters (parameters() lists each once)
+        if inner is None or sum(1 for _ in model.parameters()) != \
+                sum(1 for _ in inner.parameters()):
             return model
+        model = inner
 
 
 class NACMQOutput(NamedTuple):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import _checks
 from ..ops.collectives import is_dist
 
 
@@ -51,9 +52,17 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    _checks.positive_number("timeout_s", timeout_s)
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
+    if world < 1:
+        raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {world}")
+    if not 0 <= rank < world:
+        raise ValueError(f"environment variable RANK must be in [0, WORLD_SIZE = {world}), "
+                         f"got {rank}")
+    if local_rank < 0:
+        raise ValueError(f"environment variable LOCAL_RANK must be >= 0, got {local_rank}")
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but CUDA is not available")

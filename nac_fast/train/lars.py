@@ -23,6 +23,9 @@ def param_groups_for_lars(model: nn.Module, weight_decay: float = 1e-6) -> list[
     A parameter is excluded when it belongs to a normalisation layer or is named `bias`; each
     parameter is listed once even when shared between modules.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    _checks.nonnegative_float("weight_decay", weight_decay, finite=True)
     seen, decay, exclude = set(), [], []
     for mod in model.modules():
         for name, p in mod.named_parameters(recurse=False):
@@ -46,12 +49,30 @@ class LARS(Optimizer):
                  trust_coefficient: float = 0.001):
         for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay),
                         ("trust_coefficient", trust_coefficient)):
-            _checks.nonnegative_float(name, v)
+            _checks.nonnegative_float(name, v, finite=True)
         if momentum >= 1:
             raise ValueError(f"momentum must be < 1, got {momentum}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, lars_exclude=False)
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group, with the group's own settings checked as the constructor's
+        (ValueError/TypeError naming the group and the setting): a group's value overrides the
+        default, so an unchecked one (weight_decay < 0, momentum >= 1, a NaN lr, lars_exclude
+        "yes") would go into every update unseen."""
+        if isinstance(param_group, dict):
+            i = len(getattr(self, "param_groups", ()))
+            for name in ("lr", "momentum", "weight_decay", "trust_coefficient"):
+                if name in param_group:
+                    _checks.nonnegative_float(f"param_groups[{i}]['{name}']", param_group[name],
+                                              finite=True)
+            if param_group.get("momentum", 0.0) >= 1:
+                raise ValueError(f"param_groups[{i}]['momentum'] must be < 1, got "
+                                 f"{param_group['momentum']}")
+            if "lars_exclude" in param_group:
+                _checks.flag(f"param_groups[{i}]['lars_exclude']", param_group["lars_exclude"])
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -52,6 +52,18 @@ def step_value_checks():
     return _loss.value_checks(True if _loss.CHECK_VALUES is True else False)
 
 
+def _check_views(x) -> int:
+    """K, the images of this rank's batch x = cat([view1, view2]); ValueError naming x unless it
+    is a tensor of an even number >= 2 of rows (with an odd count the halves are not the two
+    views of the same images: SimCLR would pair rows with the wrong positives)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[0] < 2 or x.shape[0] % 2:
+        raise ValueError(f"x must be cat([view1, view2]) of one batch: an even number >= 2 of "
+                         f"rows, got shape {tuple(x.shape)}")
+    return x.shape[0] // 2
+
+
 def view_outputs(a: torch.Tensor, r: torch.Tensor):
     """NACModel's outputs (a, r) on x = cat([view1, view2]) as the two views' outputs the criteria
     take, ((a_1, r_1), (a_2, r_2)) with r_v = phi(h_v): the model's r rows come from the partner
@@ -72,6 +84,7 @@ def nac_step(model, x, p, noise=None, backend="auto", *, out=None, freeze_codes=
     detached): the inference network's warm-up (train.py --infer-warmup-steps).
     Returns (loss, a) with a = the head pre-activations (for code statistics).
     """
+    _check_views(x)
     _, a, r = model(x, detach_r_input=freeze_codes)
     if out is not None:
         out["r"] = r.detach()
@@ -87,7 +100,7 @@ def nac_mq_step(mq, x, noise=None, *, out=None, freeze_codes=False):
     before the loss.  noise, out, freeze_codes: as for nac_step (r: the online inference net's
     logits; with freeze_codes only the VI term trains, the codes get no gradient).
     """
-    k = x.shape[0] // 2
+    k = _check_views(x)
     res = mq(x[:k], x[k:], noise=noise, freeze_codes=freeze_codes)
     if out is not None:
         out["r"] = res.r
@@ -96,6 +109,7 @@ def nac_mq_step(mq, x, noise=None, *, out=None, freeze_codes=False):
 
 def simclr_step(model, x, tau=0.5):
     """SimCLR's NT-Xent on the head outputs, negatives from the global batch (with gradient)."""
+    _check_views(x)
     _, a, _ = model(x, with_r=False)
     z = F.normalize(a if a.dtype in (torch.float32, torch.float64) else a.float(), dim=1)
     keys = collectives.all_gather_with_grad(z)

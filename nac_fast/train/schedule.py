@@ -22,6 +22,8 @@ class WarmupCosine:
         self.warmup_steps, self.total_steps = warmup_steps, total_steps
 
     def __call__(self, step: int) -> float:
+        # a negative step would give a negative (or zero) lr, a float one an lr between steps
+        _checks.int_in("step", step, 0)
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         span = max(1, self.total_steps - self.warmup_steps)
@@ -32,7 +34,10 @@ class WarmupCosine:
 def get_lr(step: int, base_lr: float, warmup_steps: int, total_steps: int) -> float:
     """The learning rate of the update at optimizer step `step` (0-based), as nanoGPT's get_lr: a
     function of the step alone, so a resumed or extended run needs no scheduler state (the
-    multiplication LambdaLR did, base_lr * factor, in the same order: the same float)."""
+    multiplication LambdaLR did, base_lr * factor, in the same order: the same float).
+    ValueError naming the argument for a step that is not an int >= 0 or a base_lr that is not
+    a finite float >= 0."""
+    _checks.nonnegative_float("base_lr", base_lr, finite=True)
     return base_lr * WarmupCosine(warmup_steps, total_steps)(step)
 
 
