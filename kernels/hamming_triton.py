@@ -503,8 +503,11 @@ def _engine():
 
 
 def kth_bound(qw: torch.Tensor, gview: torch.Tensor, k: int) -> torch.Tensor:
-    """(Q,) int32 >= the k-th smallest distance over the rows of gview (hamming_topk.kth_bound)."""
-    return hamming_topk.kth_bound(_engine(), qw, gview, k)
+    """(Q,) int32 >= the k-th smallest distance over the rows of gview (hamming_topk.kth_bound).
+    gview may stride its rows, not its words; qw is made contiguous."""
+    if gview.shape[1] > 1 and gview.stride(1) != 1:
+        gview = gview.contiguous()
+    return hamming_topk.kth_bound(_engine(), qw.contiguous(), gview, k)
 
 
 def topk_workspace_bytes(Q: int, G: int, k: int, W: int, device: torch.device) -> int:
@@ -521,9 +524,11 @@ def topk_workspace_bytes(Q: int, G: int, k: int, W: int, device: torch.device) -
 def topk(qw: torch.Tensor, gw: torch.Tensor, k: int):
     """The k nearest rows of gw for each row of qw: (int32 distances, int64 indices), (Q, k),
     nearest first, equal distances in index order; exact, no Q x G matrix
-    (nac_fast/ops/hamming_topk.py).  qw, gw: contiguous int64 words on one device; 1 <= k <= G."""
+    (nac_fast/ops/hamming_topk.py).  qw, gw: int64 words on one device (any strides: the filter
+    kernel reads a query row at qw + row * W and a gallery word at row * stride(0) + w, so both
+    are made contiguous here); 1 <= k <= G."""
     _check_rows(gw.shape[0])
-    return hamming_topk.topk(_engine(), qw, gw, k)
+    return hamming_topk.topk(_engine(), qw.contiguous(), gw.contiguous(), k)
 
 
 def retrieval(qw, gw, ql, gl, nbits: int, cuts=(), hist: bool = False):

@@ -98,13 +98,42 @@ def knn_predict(train_features, train_labels, test_features, *, k: int = 200,
     for s in tqdm(range(0, te.shape[0], chunk_size), desc=f"kNN (k={k})", unit="chunk",
                   disable=not progress, leave=False, file=sys.stderr):
         sim = F.normalize(te[s:s + chunk_size].float(), dim=1) @ trn.T
-        top_sim, top_idx = sim.topk(k, dim=1)
+        top_sim, top_idx = _topk_lowest_index(sim, k)
         votes = torch.zeros(sim.shape[0], C, dtype=torch.float64, device=sim.device)
         # Weights in float64: exp(1/0.1) ~ 2e4 per vote, summed over 200 votes, stays exact
-        # enough that near-ties are decided by the weights, not by rounding.
-        votes.scatter_add_(1, ytr[top_idx], torch.exp(top_sim.double() / temperature))
+        # enough that near-ties are decided by the weights, not by rounding.  They are taken
+        # relative to the row's largest similarity, exp((s - s_max) / T) (the same vote up to a
+        # factor per row, so the same winner): exp(s / T) itself overflows to inf for
+        # T < 1 / 709.78, and classes tied at inf would go to the lower index.
+        sd = top_sim.double()
+        votes.scatter_add_(1, ytr[top_idx],
+                           torch.exp((sd - sd.amax(1, keepdim=True)) / temperature))
         out.append(votes.argmax(1))  # first maximum: ties go to the lower class index
     return torch.cat(out)
+
+
+def _topk_lowest_index(sim: torch.Tensor, k: int):
+    """(values, indices) of the k largest entries of each row of `sim`, a tie at the k-th value
+    going to the lower index ([M:knn]).  torch.topk leaves that tie's order unspecified (it
+    differs between devices and sizes), and hash codes' similarities tie often.  Rows where
+    more than k entries reach the k-th value are re-selected: every entry above it, then the
+    lowest-index entries equal to it."""
+    top_sim, top_idx = sim.topk(k, dim=1)
+    kth = top_sim[:, -1:]
+    tied = (sim >= kth).sum(1) > k
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(1)
+        s, t = sim[rows], kth[rows]
+        above = s > t
+        need = k - above.sum(1, keepdim=True)
+        eq = s == t
+        take = above | (eq & (eq.cumsum(1) <= need))
+        idx = take.nonzero()[:, 1].view(len(rows), k)  # row-major: ascending index per row
+        val = s.gather(1, idx)
+        order = val.argsort(dim=1, descending=True, stable=True)
+        top_idx[rows] = idx.gather(1, order)
+        top_sim[rows] = val.gather(1, order)
+    return top_sim, top_idx
 
 
 def accuracy(pred: torch.Tensor, labels: torch.Tensor) -> float:
@@ -194,11 +223,16 @@ def _sgd_epochs(x, onehot, W, b, bW, bb, Wf, bWf, lr0, gen, epochs, batch_size, 
             bar.update(1)
 
 
-def _check_probe_args(lr_list, epochs, batch_size):
+def _check_probe_args(lr_list, epochs, batch_size, momentum=0.9, seed=0):
     for lr in lr_list:
-        _checks.positive_number("lr", lr)
+        # finite: lr = inf passes "positive" but trains NaN weights (a probe that predicts class 0)
+        if not _checks.is_number(lr) or not 0 < lr < math.inf:
+            raise ValueError(f"lr must be a finite positive number, got {lr!r}")
     _checks.positive_int("epochs", epochs)
     _checks.positive_int("batch_size", batch_size)
+    if not _checks.is_number(momentum) or not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+    return _checks.integer("seed", seed, numpy=True)  # (a numpy int as an int: manual_seed)
 
 
 def train_linear_probe(features, labels, *, num_classes: int | None = None, lr: float = 0.1,
@@ -209,7 +243,7 @@ def train_linear_probe(features, labels, *, num_classes: int | None = None, lr: 
     (One rate of :func:`_fit_linear`, which trains several at once.)"""
     x = _features("features", features)
     y = _labels("labels", labels, x.shape[0])
-    _check_probe_args([lr], epochs, batch_size)
+    seed = _check_probe_args([lr], epochs, batch_size, momentum, seed)
     C = _num_classes(num_classes, y)
     return _fit_linear(x.float(), y, C, [lr], epochs=epochs, batch_size=batch_size,
                        momentum=momentum, seed=seed, progress=progress)[0]
@@ -244,12 +278,15 @@ def linear_probe(train_features, train_labels, test_features, test_labels, *,
     ytr = _labels("train_labels", train_labels, tr.shape[0])
     te = _features("test_features", test_features, dim=tr.shape[1])
     yte = _labels("test_labels", test_labels, te.shape[0])
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
-    lrs = tuple(lrs)
+    if not _checks.is_number(val_fraction) or not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be a number in (0, 1), got {val_fraction!r}")
+    try:
+        lrs = tuple(lrs)
+    except TypeError:
+        raise TypeError(f"lrs must be a sequence of learning rates, got {lrs!r}") from None
     if not lrs:
         raise ValueError("lrs must name at least one learning rate")
-    _check_probe_args(lrs, epochs, batch_size)
+    seed = _check_probe_args(lrs, epochs, batch_size, 0.9, seed)
     n_val = max(1, int(round(val_fraction * tr.shape[0])))
     if n_val >= tr.shape[0]:
         raise ValueError(f"the training set ({tr.shape[0]} rows) is too small to hold out "

@@ -303,7 +303,11 @@ def retrieval_metrics(query_codes, query_labels, gallery_codes, gallery_labels, 
     ns = _positive_ints("at_n", at_n, most=G)
     if _checks.is_int(radius, numpy=True):
         radius = (radius,)
-    radii = tuple(radius)
+    try:
+        radii = tuple(radius)
+    except TypeError:
+        raise TypeError(f"radius must be an int or a sequence of ints, got "
+                        f"{type(radius).__name__}") from None
     for r in radii:
         if not _checks.is_int(r, numpy=True) or not 0 <= r <= D:
             raise ValueError(f"radius values must be ints in [0, {D}] (the code length), got {r!r}")
