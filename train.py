@@ -8,8 +8,9 @@ One process (CPU or one GPU), or several with torchrun (DDP; gloo on CPU, NCCL o
 Several machines: the same command on every node plus torchrun's rendezvous flags
 (--nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 --rdzv_id=JOB).
 
-Recipes are TOML files of flag values (configs/): an ImageFolder root gets configs/imagenet.toml,
-other data configs/small.toml, and any flag on the command line overrides the recipe
+Recipes are TOML files of flag values (configs/): without --config, data of more than 200,000
+training images or larger than 96 px gets configs/imagenet.toml, smaller data configs/small.toml
+(nac_fast/train/config.py auto_recipe), and any flag on the command line overrides the recipe
 (train.py --help shows the values a run uses and the recipe file).  --batch-size is GLOBAL (all
 processes).  Outputs in --out: last.pt and prev.pt (the newest checkpoint and the one before),
 log.jsonl (and tensorboard/ with --tensorboard), config.json (the resolved configuration),

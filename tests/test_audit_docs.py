@@ -1,0 +1,334 @@
+"""The docs' claims against the code and the results files (fast: no training, no subprocess).
+
+What tests/test_math_doc.py (labels), tests/test_readme.py (the two commands, the examples) and
+tests/test_train_exit.py (--help, recipe value checks) do not cover:
+
+- every configs/*.toml loads through the config loader, key for key, and the paper's recipes
+  hold the paper's values (docs/math.md [M:recipe]), the ImageNet ones a ResNet-50;
+- every repository path the README and docs/*.md name exists, and every markdown link lands on
+  a file and, with an anchor, on a heading or an <a id> of that file;
+- every --flag in the README is an option of the command it is written with (or, in prose, of
+  one of the project's commands);
+- the README's GPU figures and its results table are what the results files hold
+  (bench/results/NVIDIA-H100-80GB-HBM3_2026-11-27*/, docs/results_summary.json).
+"""
+import argparse
+import csv
+import glob
+import json
+import math
+import os
+import re
+import statistics
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.toml")))
+H100 = os.path.join(ROOT, "bench", "results", "NVIDIA-H100-80GB-HBM3_2026-11-27")
+
+
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _toml(path):
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11
+        import tomli as tomllib
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+# ---- recipes -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_every_recipe_key_is_an_option_of_the_loader(path):
+    from nac_fast.train.config import build_parser, load_recipe, parse
+    raw = {k: v for k, v in _toml(path).items() if k != "description"}
+    recipe = load_recipe(path, build_parser())   # UsageError on a key that is not a flag
+    assert set(recipe) == set(raw)
+    cfg = parse(["--config", path, "--data", "synthetic"])
+    for key, value in recipe.items():
+        assert getattr(cfg, key) == value, (key, getattr(cfg, key), value)
+
+
+# The paper's Experimental Details (docs/math.md [M:recipe]); lr None = 0.075 sqrt(batch).
+AUTHORS_HEADS = dict(head_bn=False, infer_bn=False, a_gain=1.0, r_gain=1.0, learn_gain=False,
+                     infer_init="independent", scale_codes=True, code_dim=128)
+PAPER_LOSS = dict(flip_prob=0.1, flip_prob_final=None, channel_likelihood="dot", l2=0.1,
+                  wd=1e-6, warmup_epochs=None)
+PAPER = {
+    "cifar10.toml": dict(arch="resnet50", method="nac", batch_size=1000, epochs=1000, lr=3.0,
+                         queue_size=50000, momentum=0.99, image=32, want_lr=3.0),
+    "imagenet.toml": dict(arch="resnet50", method="nac", batch_size=512, epochs=200, lr=None,
+                          queue_size=65536, momentum=0.999, image=224, want_lr=1.7),
+    "imagenet_nac_mq.toml": dict(arch="resnet50", method="nac-mq", batch_size=512, epochs=200,
+                                 lr=None, queue_size=65536, momentum=0.999, image=224,
+                                 want_lr=1.7),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_paper_recipes_hold_the_papers_values(name):
+    from nac_fast.train.config import parse, resolve
+    want = dict(PAPER[name])
+    image, want_lr = want.pop("image"), want.pop("want_lr")
+    cfg = parse(["--config", os.path.join(ROOT, "configs", name), "--data", "synthetic"])
+    for key, value in {**want, **AUTHORS_HEADS, **PAPER_LOSS}.items():
+        assert getattr(cfg, key) == value, (name, key, getattr(cfg, key), value)
+    steps = 100
+    run = resolve(cfg, world_size=1, device_type="cpu", steps_per_epoch=steps, image_size=image,
+                  in_channels=3, num_images=steps * cfg.batch_size)
+    assert run.lr == pytest.approx(want_lr, abs=0.005)           # 0.075 sqrt(512) = 1.697
+    assert run.warmup_steps == 10 * steps                          # 10 epochs of warm-up
+    assert run.momentum == want["momentum"]
+    if cfg.method == "nac-mq":
+        assert run.queue_size == want["queue_size"]
+
+
+def test_math_recipe_table_matches_the_recipes():
+    text = _read(os.path.join(ROOT, "docs", "math.md"))
+    c, i = (_toml(os.path.join(ROOT, "configs", f)) for f in ("cifar10.toml", "imagenet.toml"))
+    assert f"| batch (images) | {c['batch_size']} | {i['batch_size']} |" in text
+    assert f"| epochs | {c['epochs']} | {i['epochs']} |" in text
+    assert f"lr {c['lr']:.1f} |" in text
+    assert f"M = {c['queue_size']}, EMA decay {c['momentum']:g}" in text
+    assert f"M = {i['queue_size']}, EMA decay {i['momentum']:g}" in text
+
+
+def test_paper_faithful_small_recipe_keeps_the_papers_loss():
+    """README: the paper-faithful small-data run is `--config configs/fashion_mnist_paper.toml`;
+    it scales the budget (docs/math.md [M:recipe], "Where the recipes differ") but keeps p,
+    lambda and the authors' heads."""
+    from nac_fast.train.config import parse
+    cfg = parse(["--config", os.path.join(ROOT, "configs", "fashion_mnist_paper.toml")])
+    for key, value in {**AUTHORS_HEADS, **PAPER_LOSS}.items():
+        assert getattr(cfg, key) == value, (key, getattr(cfg, key), value)
+    assert cfg.lr is None and cfg.min_steps is None
+
+
+# ---- paths and links ---------------------------------------------------------------------------
+
+PATH = re.compile(r"(?<![\w./-])((?:docs|bench|configs|scripts|nac_fast|tests|csrc|kernels)"
+                  r"/[\w.*/-]*[\w*/])")
+
+
+def _path_exists(rel):
+    rel = rel.rstrip("/")
+    full = os.path.join(ROOT, rel)
+    if any(ch in rel for ch in "*"):
+        return bool(glob.glob(full))
+    return os.path.exists(full) or os.path.exists(full + ".py")
+
+
+@pytest.mark.parametrize("doc", [README] + DOCS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_named_repository_paths_exist(doc):
+    bad = []
+    for lineno, line in enumerate(_read(doc).splitlines(), 1):
+        for m in PATH.finditer(line):
+            rel = m.group(1)
+            # placeholders (sm<arch>, loss_<device>), brace expansions ({time,memory}) and what
+            # a build writes (the extension for another Python) are not repository paths
+            if line[m.end():m.end() + 1] in ("<", "{") or "..." in rel or ".cpython-" in rel:
+                continue
+            if not _path_exists(rel):
+                bad.append(f"{os.path.relpath(doc, ROOT)}:{lineno}: {rel}")
+    assert not bad, "paths that do not exist:\n" + "\n".join(bad)
+
+
+def _anchors(path):
+    text = _read(path)
+    out = set(re.findall(r'<a id="([^"]+)"', text))
+    for heading in re.findall(r"^#+ (.*)$", text, re.M):
+        heading = re.sub(r"<a id=\"[^\"]*\"></a>", "", heading)
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+@pytest.mark.parametrize("doc", [README] + DOCS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_markdown_links_land(doc):
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", _read(doc)):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        full = doc if not path else os.path.normpath(os.path.join(os.path.dirname(doc), path))
+        if not os.path.exists(full):
+            bad.append(f"{target}: no such file")
+        elif anchor and full.endswith(".md") and anchor not in _anchors(full):
+            bad.append(f"{target}: no such anchor")
+    assert not bad, f"{os.path.relpath(doc, ROOT)}: links that do not land:\n" + "\n".join(bad)
+
+
+# ---- flags -------------------------------------------------------------------------------------
+
+def _options(parser):
+    opts = set()
+    for action in parser._actions:
+        opts.update(action.option_strings)
+    return opts
+
+
+def _parsers():
+    from nac_fast.eval.cli import build_parser as eval_parser
+    from nac_fast.index.cli import build_parser as index_parser
+    from nac_fast.train.config import build_parser as train_parser
+    from nac_fast.vae.cli import build_parser as vae_parser
+    out = {"train.py": _options(train_parser()), "nac_fast.eval": _options(eval_parser()),
+           "nac_fast.vae": _options(vae_parser())}
+    index = index_parser()
+    sub = next(a for a in index._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        out[f"index {name}"] = _options(p)
+    for script in glob.glob(os.path.join(ROOT, "scripts", "*.py")):
+        src = _read(script)
+        out[f"scripts/{os.path.basename(script)}"] = set(re.findall(r"[\"'](--[\w-]+)[\"']", src))
+    return out
+
+
+def _readme_snippets():
+    """Each code-block line (backslash continuations joined) and each inline code span."""
+    text = _read(README)
+    blocks = re.findall(r"```(?:text|bash)\n(.*?)```", text, re.S)
+    lines = []
+    for block in blocks:
+        lines += [ln.split("#")[0] for ln in block.replace("\\\n", " ").splitlines()]
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    spans = [s.replace("\n", " ") for s in re.findall(r"`([^`]+)`", prose, re.S)]
+    return lines + spans
+
+
+def _command_of(snippet):
+    m = re.search(r"(?:nac_fast\.)?index (build|search|encode)\b", snippet)
+    if m:
+        return f"index {m.group(1)}"
+    for key in ("nac_fast.eval", "nac_fast.vae", "train.py"):
+        if key in snippet:
+            return key
+    m = re.search(r"scripts/(\w+\.py)", snippet)
+    return f"scripts/{m.group(1)}" if m else None
+
+
+def test_readme_flags_are_options_of_their_command():
+    parsers = _parsers()
+    everything = set().union(*parsers.values())
+    bad = []
+    for snippet in _readme_snippets():
+        if re.search(r"\bpip\b", snippet):
+            continue
+        cmd = _command_of(snippet)
+        tail = snippet.split("train.py", 1)[1] if cmd == "train.py" else snippet
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", tail):
+            known = parsers[cmd] if cmd in parsers else everything
+            if flag not in known:
+                bad.append(f"{cmd or 'prose'}: {flag} in {snippet.strip()!r}")
+    assert not bad, "README flags that no command has:\n" + "\n".join(bad)
+
+
+# ---- figures -----------------------------------------------------------------------------------
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_readme_h100_figures_are_the_results_files():
+    readme = _read(README)
+    rows = _rows(os.path.join(H100 + "_run3", "loss_gpu.csv"))
+
+    def row(kind, backend):
+        (r,) = [r for r in rows if r["kind"] == kind and r["dtype"] == "bfloat16"
+                and r["backend"] == backend and r["N"] == ("8192" if kind == "inbatch"
+                                                           else "65536")]
+        return r
+    for kind in ("inbatch", "mq"):
+        graph, eager = row(kind, "triton+graph"), row(kind, "reference")
+        compiled = row(kind, "compiled-reference")
+        ms = float(graph["median_s"]) * 1e3
+        x_eager = float(eager["median_s"]) / float(graph["median_s"])
+        x_compile = float(compiled["median_s"]) / float(graph["median_s"])
+        pct = float(graph["pct_of_bound"])
+        assert (f"{ms:.3f} ms" in readme or f"{ms:.2f} ms" in readme), (kind, ms)
+        assert f"({math.floor(pct)}%" in readme or f"({round(pct)}%" in readme, (kind, pct)
+        assert f"{round(x_eager)}x" in readme, (kind, x_eager)
+        assert f"{x_compile:.1f}x" in readme, (kind, x_compile)
+    train = json.load(open(os.path.join(H100 + "_run2", "train.json")))
+    assert f"{round(train['img_per_s']):,} img/s" in readme
+    assert f"{round(train['compile_s'])} s once" in readme
+    ham = [float(r["speedup_vs_cpu"]) for r in _rows(os.path.join(H100 + "_run2",
+                                                                   "hamming_gpu.csv"))
+           if r["speedup_vs_cpu"]]
+    assert f"{min(ham):.2f}-{max(ham):.1f}x" in readme, (min(ham), max(ham))
+
+
+def _mean_std(xs):
+    xs = [100 * x for x in xs]
+    return f"{statistics.mean(xs):.1f} ± {statistics.stdev(xs):.1f}%"
+
+
+# README results table row -> (group of docs/results_summary.json, budget, NAC variant, bits)
+TABLE = {
+    "2 epochs": ("budgets", "2 epochs,", "nac:default", "128"),
+    "10 epochs": ("budgets", "10 epochs,", "nac:default", "128"),
+    "20 epochs": ("budgets", "20 epochs,", "nac:default", "128"),
+    "batch 64, 2400 steps": ("extra:fashion-mnist:2400 steps", "2400 steps,", "nac:p-constant",
+                             "128"),
+    "held-out digits folder, 150 steps": ("heldout:digits:150 steps", "150 steps,",
+                                          "nac:default", "64"),
+    "held-out digits folder, 600 steps": ("heldout:digits:600 steps", "600 steps,",
+                                          "nac:default", "64"),
+    "held-out digits folder, 1200 steps": ("heldout:digits:1200 steps", "1200 steps,",
+                                           "nac:p-constant", "64"),
+    "held-out digits folder, 2400 steps": ("heldout:digits:2400 steps", "2400 steps,",
+                                           "nac:p-constant", "64"),
+    "held-out digits folder, 7040 steps": ("heldout:digits:7040 steps", "7040 steps,",
+                                           "nac:default", "64"),
+}
+
+
+def test_readme_results_table_is_the_results_summary():
+    summary = json.load(open(os.path.join(ROOT, "docs", "results_summary.json")))
+    table = {}
+    for line in _read(README).splitlines():
+        cells = [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 5:
+            table[cells[0].split(" (")[0]] = cells[1:]
+    assert set(TABLE) <= set(table), set(TABLE) - set(table)
+    for label, (group, budget, nac, bits) in TABLE.items():
+        (key,) = [k for k in summary if k.startswith(group)]
+        runs = [r for r in summary[key] if r["budget"].startswith(budget)]
+        got = []
+        for variant in (nac, "simclr"):
+            rs = [r for r in runs if r["variant"] == variant]
+            assert len(rs) >= 2, (label, variant)
+            got.append((variant, [r["map"][bits] for r in rs], [r["linear_top1"] for r in rs]))
+        want = [_mean_std(got[0][1]), _mean_std(got[1][1]), _mean_std(got[0][2]),
+                _mean_std(got[1][2])]
+        assert table[label] == want, (label, table[label], want)
+
+
+def test_kernels_and_training_docs_gpu_figures_are_the_results_files():
+    """docs/kernels.md "GPU figures (H100)" and docs/training.md "Measured": the graph-replay
+    times of the first and third runs and the compiled training rate, as their files hold them."""
+    kernels = _read(os.path.join(ROOT, "docs", "kernels.md"))
+    for run in ("", "_run3"):
+        rows = [r for r in _rows(os.path.join(H100 + run, "loss_gpu.csv"))
+                if r["backend"] == "triton+graph" and r["dtype"] == "bfloat16"
+                and r["n"] == "8192" and r["N"] in ("8192", "65536")]
+        for N in ("8192", "65536"):
+            ms = sorted(float(r["median_s"]) * 1e3 for r in rows if r["N"] == N)
+            shown = (f"{ms[0]:.3f}" if ms[0] == ms[-1] or f"{ms[0]:.3f}" == f"{ms[-1]:.3f}"
+                     else f"{ms[0]:.3f}-{ms[-1]:.3f}")
+            assert shown in kernels, (run or "_run1", N, shown)
+    training = _read(os.path.join(ROOT, "docs", "training.md"))
+    train = json.load(open(os.path.join(H100 + "_run2", "train.json")))
+    assert f"**{round(train['img_per_s']):,}\nimg/s**" in training \
+        or f"**{round(train['img_per_s']):,} img/s**" in training
+    assert f"{round(train['peak_mem_mib']):,} MiB" in training
+    assert f"compilation of {train['compile_s']:.1f} s" in training
