@@ -121,6 +121,21 @@ def triton_importable() -> bool:
     return triton_import_error() is None
 
 
+def func_transform_active() -> bool:
+    """Whether a torch.func transform (grad, vmap, jvp, jacrev, functional_call under them, ...)
+    is running.  The compiled kernels read their inputs' data pointers and their autograd layers
+    have no functorch rules, so under a transform only the reference (plain PyTorch ops, which
+    every transform understands) runs: backend="auto" resolves to it, an explicit compiled
+    backend is refused (resolve_backend).  False while torch.compile traces (its tracing runs
+    under functorch's interpreters; the registered ops serve it)."""
+    try:
+        if torch.compiler.is_compiling():
+            return False
+        return torch._C._functorch.peek_interpreter_stack() is not None
+    except AttributeError:  # a torch without functorch's interpreter stack
+        return False
+
+
 def eager_real(t: torch.Tensor) -> bool:
     """Whether a call on `t` runs eagerly on real data: a plain tensor (or Parameter), no
     torch.compile tracing, no dispatch mode (FakeTensorMode, ...).  Such calls take the fused ops'
@@ -220,6 +235,9 @@ def _keys_take_grad(t: torch.Tensor, keys) -> bool:
 def _auto(t: torch.Tensor, op: str, keys, avail) -> tuple:
     """(backend, why) of backend="auto" for `t` (and, for op "nac", its keys: None = the in-batch
     keys, _UNSET = not said)."""
+    if func_transform_active():
+        return "reference", ("a torch.func transform (grad, vmap, ...) is running: the compiled "
+                             "kernels have no functorch rules")
     if t.device.type == "cuda":
         shape = tuple(getattr(t, "shape", ()))
         D = shape[1] if op == "nac" and len(shape) == 2 else 0
@@ -254,6 +272,11 @@ def resolve_backend(backend, t: torch.Tensor, op: str = "nac", *, keys=_UNSET) -
     avail = _available(t.device.type, op)
     if backend == "auto":
         return _auto(t, op, keys, avail)[0]
+    if backend != "reference" and func_transform_active():
+        raise ValueError(f"backend {backend!r} cannot run under a torch.func transform (grad, "
+                         "vmap, jvp, ...): its compiled kernels read the tensors' data and have "
+                         "no functorch rules; use backend='reference' (or 'auto', which runs it "
+                         "there)")
     if backend not in avail:
         raise ValueError(f"backend {backend!r} is not available for {t.device.type} tensors in "
                          f"this install ({_reason(backend, t.device.type, op)}); available: "

@@ -30,7 +30,7 @@ from .. import _checks
 from . import nac as _nac
 from . import reference
 from .collectives import all_gather_nograd, all_gather_with_grad, is_dist
-from .dispatch import BACKENDS, resolve_backend
+from .dispatch import BACKENDS, func_transform_active, resolve_backend
 from .noise import _draw, _scale, _seed, draw_noise, host_seed
 from .queue import CodeQueue
 
@@ -70,12 +70,13 @@ CHECK_VALUES = _parse_check_values(os.environ.get(_CHECK_ENV, "auto"))
 def value_checks_on(device) -> bool:
     """Whether the data-reading checks (NaN/inf, noise +-1) run for tensors on `device` under the
     current policy CHECK_VALUES (True, False or "auto": CPU only).  Never while torch.compile
-    traces, never on the meta device (no data)."""
+    traces, never under a torch.func transform (vmap has no data to branch on), never on the
+    meta device (no data)."""
     mode = CHECK_VALUES
     if mode is not True and mode is not False and mode != "auto":
         raise ValueError(f"nac_fast.ops.loss.CHECK_VALUES must be True, False or 'auto', got {mode!r}")
     dev = torch.device(device).type
-    if mode is False or dev == "meta" or _compiling():
+    if mode is False or dev == "meta" or _compiling() or func_transform_active():
         return False
     return mode is True or dev == "cpu"
 
