@@ -117,6 +117,20 @@ def _rne_bf16(x):
 
 
 @triton.jit
+def _rn(x, dtype: tl.constexpr, RNE: tl.constexpr):
+    # x (fp32) cast to `dtype`, rounded to nearest even.  The GPU's cast rounds so; the
+    # interpreter's bf16 cast (and a store that converts) truncates, which biased every bf16 code,
+    # probability tile and gradient of the interpreted kernels towards zero (a bf16 in-batch loss
+    # at D = 512 came out 4e-3 off, three times the bf16 reference's error): RNE (the
+    # interpreter) rounds the bits first, as _bf16 does.  Every down-cast to a 16-bit dtype in
+    # these kernels goes through here.
+    if RNE:
+        if dtype == tl.bfloat16:
+            x = _rne_bf16(x)
+    return x.to(dtype)
+
+
+@triton.jit
 def _bf16(x, RNE: tl.constexpr):
     # fp32 -> bf16, rounded to nearest even (the GPU's cast; RNE: the interpreter, which
     # truncates, rounds the bits first: the same bf16 value either way)
@@ -312,9 +326,9 @@ def _prologue_kernel(A, NOISE, Q, K, SEED, seed_val, n, D, stride_a, stride_m, s
         if write_k != 0:
             _store_parts(K, out, z * KH, mask, part, RNE, PARTS)
     else:
-        tl.store(Q + out, (m * z * scale2).to(Q.dtype.element_ty), mask=mask)
+        tl.store(Q + out, _rn(m * z * scale2, Q.dtype.element_ty, RNE), mask=mask)
         if write_k != 0:
-            tl.store(K + out, z.to(K.dtype.element_ty), mask=mask)
+            tl.store(K + out, _rn(z, K.dtype.element_ty, RNE), mask=mask)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -355,7 +369,7 @@ def _fwd_tile(q, kp, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N: tl.constexpr,
     s = _dot(q, tl.trans(k), PRECISION, UPCAST)
     m_new, alpha, p, l_i = _lse_step(s, kmask, j0, end, m_i, l_i, BLOCK_N)
     if GRAD:
-        acc = acc * alpha[:, None] + _dot(p.to(k.dtype), k, PRECISION, UPCAST)
+        acc = acc * alpha[:, None] + _dot(_rn(p, k.dtype, UPCAST), k, PRECISION, UPCAST)
     return m_new, l_i, acc
 
 
@@ -430,7 +444,7 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, R, RV, LOSS, LSE, 
     elif Q_FROM_A:
         m, z = _noise_and_tanh(A, NOISE, SEED, seed_val, rows64, cols, qmask, D, stride_a,
                                stride_m, flip_p, sp == 0, ACC, SEEDED)
-        q = (m * z * scale2).to(Q.dtype.element_ty)
+        q = _rn(m * z * scale2, Q.dtype.element_ty, UPCAST)
         if sp == 0:
             tl.store(q_at, q, mask=qmask)
     else:
@@ -477,7 +491,8 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, R, RV, LOSS, LSE, 
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if GRAD:
-                acc = acc * alpha[:, None] + _dot(p.to(k.dtype), k, PRECISION, UPCAST)
+                acc = acc * alpha[:, None] + _dot(_rn(p, k.dtype, UPCAST), k, PRECISION,
+                                                  UPCAST)
             m_i = m_new
     part = sp.to(tl.int64) * n + rows64
     tl.store(PM + part, m_i, mask=rmask)
@@ -650,7 +665,7 @@ def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, g_scale, gscale, dk
     # bench/compile_check.py under the device's Triton, bench/gpu_notes.md)
     g = tl.load(gp + r * stride_g, mask=rmask, other=0.0).to(ACC) * g_scale * gscale
     pt = tl.exp2(st - lse2[None, :]) * g[None, :]
-    return dk + _dot(pt.to(q.dtype), q, PRECISION, UPCAST)         # P^T Q (log2 units)
+    return dk + _dot(_rn(pt, q.dtype, UPCAST), q, PRECISION, UPCAST)  # P^T Q (log2 units)
 
 
 @triton.jit
@@ -767,7 +782,7 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, GRAD_A, COUNT, 
             g = tl.load(G + rows64 * stride_g, mask=rmask, other=0.0).to(ACC) * g_scale * gscale
             st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
             pt = tl.exp2(st - lse2[None, :]) * g[None, :]
-            dk += _dot(pt.to(q.dtype), q, PRECISION, UPCAST)               # P^T Q (log2 units)
+            dk += _dot(_rn(pt, q.dtype, UPCAST), q, PRECISION, UPCAST)     # P^T Q (log2 units)
     if GSCALE:
         dk = dk * (0.6931471805599453 * ginv)
     else:  # ln 2 as a literal, in the accumulator's dtype: fp64's is not rounded to fp32 (an
@@ -784,9 +799,9 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, GRAD_A, COUNT, 
                     _rows_bwd(c0 + tl.arange(0, FIN_M), cols, A, R, NOISE, GA, G, OUT, GRAD_A,
                               GRAD_R, A, A, n, D, stride_a, stride_r, stride_m, 0, stride_g, 1,
                               need_r, 0, 1, tl.num_programs(1), g_scale, FIN_M, BLOCK_D, ACC,
-                              True)
+                              True, UPCAST)
     elif OUT_MODE == 1:
-        tl.store(OUT + kc64[:, None] * D + cols[None, :], dk.to(OUT.dtype.element_ty),
+        tl.store(OUT + kc64[:, None] * D + cols[None, :], _rn(dk, OUT.dtype.element_ty, UPCAST),
                  mask=tile_mask)
     else:
         # in an order that keeps few (BLOCK_N x BLOCK_D) tiles live at once (a spill otherwise):
@@ -801,18 +816,18 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, GRAD_A, COUNT, 
             zt = tl.load(NOISE + kc64[:, None] * stride_m + cols[None, :], mask=tile_mask,
                          other=0.0).to(ACC) * z
             tl.store(GRAD_R + kc64[:, None] * D + cols[None, :],
-                     (g[:, None] * _grad_r(r, zt)).to(GRAD_R.dtype.element_ty),
+                     _rn(g[:, None] * _grad_r(r, zt), GRAD_R.dtype.element_ty, UPCAST),
                      mask=tile_mask)
         out = kc64[:, None] * D + cols[None, :]
         dk += g[:, None] * tl.load(GA + out, mask=tile_mask, other=0.0)
-        tl.store(OUT + out, dk.to(OUT.dtype.element_ty), mask=tile_mask)
+        tl.store(OUT + out, _rn(dk, OUT.dtype.element_ty, UPCAST), mask=tile_mask)
 
 
 @triton.jit
 def _rows_bwd(rows, cols, A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, RV, GRAD_RV, n, D, stride_a,
               stride_r, stride_m, stride_rv, stride_g, need_a, need_r, need_rv, self_keys, split,
               g_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
-              VOLATILE: tl.constexpr):
+              VOLATILE: tl.constexpr, RNE: tl.constexpr):
     # d/dr = g times docs/math.md [M:grad-r]; d/da as in [M:grad-a] (+ [M:grad-self-keys]), dK
     # summed over the keys' backward's query splits in a fixed order (deterministic); all
     # written in their own dtype (a's).  need_rv: the inference term's d/dr_vi [M:vi], the same
@@ -832,13 +847,13 @@ def _rows_bwd(rows, cols, A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, RV, GRAD_RV, 
         if need_r != 0:
             r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=tile_mask,
                         other=0.0).to(ACC)
-            tl.store(GRAD_R + out, (g[:, None] * _grad_r(r, zt)).to(
-                GRAD_R.dtype.element_ty), mask=tile_mask)
+            tl.store(GRAD_R + out, _rn(g[:, None] * _grad_r(r, zt), GRAD_R.dtype.element_ty, RNE),
+                     mask=tile_mask)
         if need_rv != 0:
             rv = tl.load(RV + rows64[:, None] * stride_rv + cols[None, :], mask=tile_mask,
                          other=0.0).to(ACC)
-            tl.store(GRAD_RV + out, (g[:, None] * _grad_r(rv, zt)).to(
-                GRAD_RV.dtype.element_ty), mask=tile_mask)
+            tl.store(GRAD_RV + out, _rn(g[:, None] * _grad_r(rv, zt), GRAD_RV.dtype.element_ty,
+                                        RNE), mask=tile_mask)
     if need_a != 0:
         ga = g[:, None] * tl.load(GA + out, mask=tile_mask, other=0.0)
         if self_keys != 0:
@@ -848,7 +863,7 @@ def _rows_bwd(rows, cols, A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, RV, GRAD_RV, 
                 dk += tl.load(part, mask=tile_mask, other=0.0, volatile=VOLATILE)
                 part += n * D  # a 64-bit pointer step: split x n x D may pass 2^31
             ga += dk * (1.0 - z * z)
-        tl.store(GRAD_A + out, ga.to(GRAD_A.dtype.element_ty), mask=tile_mask)
+        tl.store(GRAD_A + out, _rn(ga, GRAD_A.dtype.element_ty, RNE), mask=tile_mask)
 
 
 @triton.jit(do_not_specialize=["n", "need_a", "need_r", "need_rv", "self_keys", "split",
@@ -856,12 +871,13 @@ def _rows_bwd(rows, cols, A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, RV, GRAD_RV, 
 def _bwd_rows_kernel(A, R, NOISE, GA, G, PDK, GRAD_A, GRAD_R, RV, GRAD_RV, n, D, stride_a,
                      stride_r, stride_m, stride_rv, stride_g, need_a, need_r, need_rv, self_keys,
                      split, g_scale,
-                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
-    # The rows' backward (_rows_bwd) of BLOCK_M rows a program.
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+                     RNE: tl.constexpr):
+    # The rows' backward (_rows_bwd) of BLOCK_M rows a program (RNE: the interpreter, _rn).
     _rows_bwd(tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), A, R,
               NOISE, GA, G, PDK, GRAD_A, GRAD_R, RV, GRAD_RV, n, D, stride_a, stride_r, stride_m,
               stride_rv, stride_g, need_a, need_r, need_rv, self_keys, split, g_scale, BLOCK_M,
-              BLOCK_D, ACC, False)
+              BLOCK_D, ACC, False, RNE)
 
 
 @triton.jit(do_not_specialize=["numel", "split"])
@@ -875,7 +891,9 @@ def _sum_splits_kernel(PDK, OUT, numel, split, BLOCK: tl.constexpr):
     for _ in range(0, split):
         acc += tl.load(part, mask=mask, other=0.0)
         part += numel  # a 64-bit pointer step: split x numel may pass 2^31
-    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=mask)
+    # rounded to nearest on every target (_rn: the GPU's own cast gives the same bits; the
+    # interpreter's truncated)
+    tl.store(OUT + offs, _rn(acc, OUT.dtype.element_ty, True), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1091,8 +1109,8 @@ def config(kernel: str, dtype: torch.dtype, D: int, target: Target, kind: Option
     the tuned table's entry for the call's kind ("inbatch" / "queue"), n query rows and N keys
     (kernels/tuning.py `lookup`; not without them); else the first of CONFIGS that fits."""
     if D > MAX_D:
-        raise ValueError(f"the Triton NAC kernels handle D <= {MAX_D} code bits, got D={D}; "
-                         "use backend='reference' or 'cpu'")
+        raise ValueError(f"a must have at most D = {MAX_D} columns (code bits) for the Triton NAC "
+                         f"kernels, got D={D}; use backend='reference' or 'cpu'")
     cfg = tuning.forced_config(kernel)
     if cfg is not None:
         return cfg
@@ -1576,7 +1594,8 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
              r.stride(0), noise.stride(0), rv.stride(0) if need_rv else 0, g.stride(0),
              int(need_a), int(need_r), int(need_rv), int(self_dk), split if self_dk else 0,
              float(g_scale)),
-            dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype)), 4, 1, "bwd_rows",
+            dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype), RNE=a.device.type == "cpu"), 4, 1,
+            "bwd_rows",
             (("g_scale", _g_scale_arg),)))
     if rv is not None:
         return launches, (grad_a, grad_r, grad_k, grad_rv if need_rv else empty())

@@ -47,8 +47,9 @@ _REDUCTIONS = ("mean", "sum", "none")
 #   False  (NAC_FAST_CHECK_INPUTS=0)                    never check values
 # Unchecked, NaN and inf propagate to the loss (tests/test_sync_free.py checks every backend): a NaN
 # anywhere (a, r, keys, queue, noise) gives a NaN loss, +-inf in r a non-finite loss, +-inf in the
-# keys a non-finite loss or gradient; +-inf in a is a legitimate limit (tanh(+-inf) = +-1), not an
-# error.  Noise that is not +-1 goes into the formula unchecked.  train.py turns the checks off in
+# keys a non-finite loss or gradient; +-inf in a is a legitimate limit there (tanh(+-inf) = +-1:
+# a finite loss, zero gradient), though the checks, where on, refuse it with the rest (an infinite
+# activation is an overflow upstream).  Noise that is not +-1 goes into the formula unchecked.  train.py turns the checks off in
 # its training step (nac_fast.train.methods.step_value_checks) and checks the loss itself instead.
 _CHECK_ENV = "NAC_FAST_CHECK_INPUTS"
 

@@ -12,6 +12,7 @@ inputs).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -83,7 +84,23 @@ def nac_rows_reference(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor, s:
                        likelihood: str = "dot") -> torch.Tensor:
     """Per-row loss (n,) in the input dtype; keys=None means the batch's own clean codes.
     likelihood "dot": the logits s z~ . k ([M:channel]); "multilinear": sum_d log(1 + (1-2p)
-    z~_d k_d) ([M:multilinear], 1 - 2p = tanh(s); float32 logits for 16-bit inputs)."""
+    z~_d k_d) ([M:multilinear], 1 - 2p = tanh(s); float32 logits for 16-bit inputs).
+    Autocast is off inside (as in the fused losses and nac_vi_loss): under it the logits' matmul
+    ran in the autocast dtype, so fp32 inputs got bf16-precision rows (7.6e-4 off float64 at
+    n = 64, D = 128, where the fused kernels are 1e-7 off) and the multilinear series' float32
+    matmul ran in bf16 (4.2e-4)."""
+    with _autocast_off(a.device.type):
+        return _rows(a, r, noise, s, keys, l2, likelihood)
+
+
+def _autocast_off(device_type: str):
+    """A context that disables autocast on `device_type` if it is on there (else a no-op)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _rows(a, r, noise, s, keys, l2, likelihood):
     z = torch.tanh(a)
     zt = noise.to(a.dtype) * z
     k = z if keys is None else keys
