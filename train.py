@@ -5,6 +5,7 @@ One process (CPU or one GPU), or several with torchrun (DDP; gloo on CPU, NCCL o
     torchrun --nproc_per_node=2 train.py --out runs/demo   # what `make train` runs (2 CPU processes)
     torchrun --nproc_per_node=2 train.py --flip-prob 0.4 --out runs/p04
     torchrun --nproc_per_node=8 train.py --config configs/imagenet_nac_mq.toml --data /path/imagenet
+    torchrun --nproc_per_node=8 train.py --config configs/cifar10_hashing.toml --data /path/cifar10
 Several machines: the same command on every node plus torchrun's rendezvous flags
 (--nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 --rdzv_id=JOB).
 

@@ -222,3 +222,23 @@ def test_resume_path_into_another_runs_out_is_refused(tmp_path, capsys):
     assert not os.path.exists(os.path.join(a, "prev.pt"))
     # the checkpoint's own folder: resumed as before
     assert train.main(base + ["--max-steps", "2", "--out", b, "--resume", b]) == 0
+
+
+def test_resume_applies_the_weight_decay_it_is_given(tmp_path):
+    """A --wd given to a resumed run is the one its optimizer uses from then on, as config.json
+    records (--lr likewise: a function of the step).  Before: the optimizer's state_dict
+    brought back the checkpoint's weight decay, config.json said 0.5 and the groups held 1e-06.
+    The excluded group (BN parameters, biases) stays at 0."""
+    out = str(tmp_path / "run")
+    args = ["--data", "synthetic:128", "--image-size", "8", "--batch-size", "32", "--max-steps",
+            "4", "--method", "nac", "--log-every", "1", "--save-every", "2", "--no-progress",
+            "--out", out]
+    assert train.main(args + ["--wd", "1e-6", "--stop-at-step", "2"]) == 0
+    ck = load_checkpoint(os.path.join(out, "last.pt"))
+    assert [g["weight_decay"] for g in ck["optimizer"]["param_groups"]] == [1e-6, 0.0]
+    assert train.main(args + ["--wd", "0.5", "--resume"]) == 0
+    ck = load_checkpoint(os.path.join(out, "last.pt"))
+    assert ck["step"] == 4
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["wd"] == 0.5
+    assert [g["weight_decay"] for g in ck["optimizer"]["param_groups"]] == [0.5, 0.0]

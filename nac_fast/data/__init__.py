@@ -41,14 +41,15 @@ import torch
 from .. import _checks
 from .augment import Recipe, make_recipe
 from .loaders.tensor import TensorEvalLoader, TensorPretrainLoader
-from .sources import InMemorySource, resolve_source
+from .sources import InMemorySource, hash_train_source, resolve_source
 from .sources.imagefolder import check_policy
+from .sources.subset import TRAIN_SUBSETS, HashSubset
 
 LOADERS = ("auto", "torchvision", "dali-cpu", "dali-gpu")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 __all__ = ["build_pretrain_loader", "build_eval_loader", "resolve_source", "dali_available",
-           "make_recipe", "Recipe", "LOADERS"]
+           "make_recipe", "Recipe", "LOADERS", "HashSubset", "TRAIN_SUBSETS"]
 
 
 def dali_available() -> bool:
@@ -124,20 +125,27 @@ def _pick_loader(loader, source, device):
 def build_pretrain_loader(data="fashion-mnist", batch_size=256, rank=0, world_size=1, seed=0,
                           image_size=None, loader="auto", num_workers=0, device="cpu",
                           channels_last=False, dtype=torch.float32, recipe="auto", scale=None,
-                          on_bad_file="warn"):
+                          on_bad_file="warn", subset=None):
     """Two-view pretraining loader; see the module docstring.
 
     Yields (view1, view2), each (batch_size, C, image_size, image_size) normalised `dtype` on
     `device` (channels_last memory format if asked; DALI's NHWC output is returned as that view
     without a copy).  len() = batches per epoch for this rank.  set_epoch(epoch, start_batch=0).
     rank/world_size: the GLOBAL rank and the number of processes; batch_size is per rank.
-    recipe: "small" | "imagenet" | "auto" (imagenet at >= 96 px); scale: crop area range, default
-    (0.08, 1).  on_bad_file (ImageFolders): "warn" skips an unreadable file (counted in
-    loader.skipped_files, named in one warning), "error" raises naming it.  ValueError when
-    batch_size x world_size exceeds the data set (an epoch would have no batch).
+    recipe: "small" | "imagenet" | "auto" (imagenet at >= 96 px); scale: crop area range (lo, hi),
+    default the recipe's (0.08, 1); every loader crops with it (the crop windows come from
+    augment.view_params, DALI's too).  on_bad_file (ImageFolders): "warn" skips an unreadable
+    file (counted in loader.skipped_files, named in one warning), "error" raises naming it.
+    subset: None (the training split), or a HashSubset: the paper's hashing training images of
+    the pool train + test (sources.subset; the source keeps the pool's order), which the
+    evaluation's paper protocol assumes.  ValueError when batch_size x world_size exceeds the
+    data set (an epoch would have no batch).
     """
     _check_common(batch_size, image_size, num_workers, dtype, channels_last, on_bad_file)
-    source = resolve_source(data, "train")
+    if subset is not None and not isinstance(subset, HashSubset):
+        raise TypeError(f"subset must be None or a HashSubset, got {type(subset).__name__}")
+    source = (resolve_source(data, "train") if subset is None
+              else hash_train_source(data, subset)[0])
     size = _image_size(image_size, source)
     rec = make_recipe(recipe, size, scale)
     kind = _pick_loader(loader, source, device)

@@ -14,7 +14,8 @@ grayscale and blur each (seed, epoch, image, view) gets:
 
 Semantics (docs/math.md [M:recipe], the NAC paper's Experimental Details = SimCLR/MoCo-v2
 augmentations; each image gives the two views of [M:notation]):
-  random resized crop, area scale (0.08, 1) (configurable), aspect ratio (3/4, 4/3); torchvision's
+  random resized crop, area scale (0.08, 1) (configurable: train.py --crop-scale; the ImageNet
+      recipes' 0.2), aspect ratio (3/4, 4/3); torchvision's
       algorithm (10 attempts, then a whole-image fallback) but with sub-pixel windows (no rounding:
       DALI's resize takes float ROIs, PIL's resize takes a float box, grid_sample is continuous);
   horizontal flip p=0.5;

@@ -9,6 +9,9 @@
                                                              # --linear-epochs 10
     python -m nac_fast.eval --checkpoint CKPT --out DIR --tasks hash --hash-protocol paper \\
         --queries-per-class 1000                             # the paper's CIFAR-10-style split
+    python -m nac_fast.eval --checkpoint CKPT --out DIR      # a run of train.py --train-subset
+                                                             # paper-hash: the paper protocol,
+                                                             # the split it trained on
 
 What it does:
   1. Loads the frozen model (``--which online|momentum``) in eval mode and, under torch.no_grad,
@@ -24,8 +27,11 @@ What it does:
      - hash: codes c = sgn(a) [M:code], mAP@all with Hamming ranking [M:ap] (and mAP@K
        [M:ap-at-k], P@H<=r [M:radius], P@N [M:precision-at-n], the PR curve [M:pr-curve]: CSVs
        and hash_curves.png in DIR), under the
-       "standard" or "paper" protocol of [M:hash-split] (paper: metrics.retrieval_split; its
-       500 training images per class are a property of the training run, not checked here).
+       "standard" or "paper" protocol of [M:hash-split] (paper: metrics.retrieval_split).  A
+       checkpoint trained with train.py --train-subset paper-hash gets the paper protocol by
+       default, with the split it trained on (its --queries-per-class and --split-seed; other
+       values, or limits, which change the pool, are usage errors) and checked: the split's
+       training images must be the ones the run trained on (their digest, recorded by train.py).
        Bit counts: the model's D by default; for every k < D named in --bits the figure is the
        mAP of the first k bits of the same D-bit code (a k-bit PREFIX of one D-bit model, NOT a
        separately trained k-bit model as in the paper's tables) [M:prefix].
@@ -61,6 +67,7 @@ import torch
 from .._files import atomic_write, check_writable
 from ..train.checkpoint import load_checkpoint, load_model, save_atomic, write_json_atomic
 from ..data import build_eval_loader
+from ..data.sources.subset import indices_digest
 from .metrics import itq_codes, itq_fit, knn_accuracy, linear_probe, retrieval_split
 from ..codestats import code_statistics
 from ..ops.retrieval import mean_average_precision, retrieval_metrics
@@ -145,10 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--batch-size", type=int, default=256, help="feature-extraction batch size")
     a("--which", default="online", choices=("online", "momentum"),
       help="which model of the checkpoint (momentum: NAC-MQ's EMA model)")
-    a("--hash-protocol", default="standard", choices=("standard", "paper"),
+    a("--hash-protocol", default=None, choices=("standard", "paper"),
       help="standard: queries = test split, gallery = train split; paper: pooled splits, "
-      "--queries-per-class queries per class, the rest the gallery")
-    a("--queries-per-class", type=int, default=1000, help="queries per class (paper protocol)")
+      "--queries-per-class queries per class, the rest the gallery (default: paper for a "
+      "checkpoint trained with train.py --train-subset paper-hash, else standard)")
+    a("--queries-per-class", type=int, default=None, help="queries per class (paper protocol; "
+      "default: the checkpoint's --queries-per-class when it trained on the paper-hash subset, "
+      "else 1000)")
+    a("--split-seed", type=int, default=None, help="seed of the paper protocol's split "
+      "(default: the checkpoint's --split-seed when it trained on the paper-hash subset, else "
+      "--seed)")
     a("--map-at", type=int_list, default=[1000, 5000], help="K values of mAP@K "
       "(DeepHash-pytorch convention, docs/math.md [M:ap-at-k]); capped at the gallery size")
     a("--radius", type=int, default=2, help="Hamming radius of the hash-lookup precision P@H<=r")
@@ -157,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--itq", action="store_true", help="also report the mAP of ITQ-rotated codes "
       "(docs/math.md [M:itq]: a rotation fitted on the gallery's a, no labels; a post-processing "
       "for comparison, not NAC's code sgn(a))")
-    a("--seed", type=int, default=0, help="seed of the linear probe and the paper split")
+    a("--seed", type=int, default=0, help="seed of the linear probe (and of the paper split "
+      "unless --split-seed or the checkpoint names one)")
     a("--device", default="auto", choices=("auto", "cpu", "cuda"))
     a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
     return ap
@@ -183,8 +197,10 @@ def check_args(args) -> None:
                              f"{getattr(args, flag)}")
     for flag in ("linear_epochs", "linear_batch_size", "knn_k", "batch_size", "queries_per_class"):
         v = getattr(args, flag)
-        if v < 1:
+        if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if args.split_seed is not None and args.split_seed < 0:
+        raise ValueError(f"--split-seed must be >= 0, got {args.split_seed}")
     for flag in ("limit_train", "limit_test"):
         v = getattr(args, flag)
         if v is not None and v < 1:
@@ -330,13 +346,93 @@ def _finite(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
+def trained_subset(cfg: dict) -> dict | None:
+    """The hashing subset a checkpoint's run trained on (train.py --train-subset paper-hash):
+    {"queries_per_class", "train_per_class", "split_seed", "sha256"}, or None (it trained on
+    its data's training split)."""
+    if not isinstance(cfg, dict) or cfg.get("train_subset", "all") == "all":
+        return None
+    return {"train_subset": cfg["train_subset"],
+            **{k: cfg.get(k) for k in ("queries_per_class", "train_per_class", "split_seed")},
+            "sha256": cfg.get("train_subset_sha256")}
+
+
+def resolve_hash_args(args, cfg: dict) -> None:
+    """--hash-protocol, --queries-per-class and --split-seed left open, from the checkpoint's
+    config: a run trained on the paper-hash subset gets the paper protocol with its own split;
+    a value given that differs from it is a ValueError naming the flag (another split could put
+    the training images among the queries).  Otherwise standard, 1000, --seed."""
+    sub = args.trained_subset = trained_subset(cfg)
+    if args.hash_protocol is None:
+        args.hash_protocol = "paper" if sub is not None else "standard"
+    if sub is not None and args.hash_protocol == "paper":
+        for flag in ("queries_per_class", "split_seed"):   # train.py's flags of the same names
+            v, want = getattr(args, flag), sub[flag]
+            if v is None:
+                setattr(args, flag, want)
+            elif v != want:
+                name = flag.replace("_", "-")
+                raise ValueError(f"--{name} {v}: the checkpoint trained on the paper-hash "
+                                 f"subset of the split with --{name} {want} (train.py "
+                                 "--train-subset paper-hash); another split could put its "
+                                 f"training images among the queries: leave the flag out, or "
+                                 f"give {want}")
+    if args.queries_per_class is None:
+        args.queries_per_class = 1000
+    if args.split_seed is None:
+        args.split_seed = args.seed
+
+
+def check_hash_limits(args) -> None:
+    """A checkpoint trained on the paper-hash subset, scored under the paper protocol: the pool
+    must be the whole of both splits (the subset was drawn from them), so --limit-train and
+    --limit-test (and --quick's) are a ValueError naming the flag."""
+    if getattr(args, "trained_subset", None) is None or args.hash_protocol != "paper" \
+            or "hash" not in args.tasks:
+        return
+    for split in ("train", "test"):
+        v = getattr(args, f"limit_{split}")
+        if v is not None:
+            how = (f"--quick (its --limit-{split} {v})"
+                   if f"limit_{split}" in getattr(args, "quick_limits", ()) else
+                   f"--limit-{split} {v}")
+            raise ValueError(f"{how}: the checkpoint trained on the paper-hash subset of the "
+                             "whole pooled training and test splits, and a smaller pool is "
+                             "another split (its training images could be queries); evaluate "
+                             "the hash task on the whole splits, or with --hash-protocol "
+                             "standard")
+
+
 def paper_split(args, pool_y: torch.Tensor) -> dict:
-    """metrics.retrieval_split of the pooled labels for --hash-protocol paper; a ValueError
-    naming --queries-per-class when a class has too few items or no item is left for the
-    gallery (every class exactly --queries-per-class items)."""
+    """metrics.retrieval_split of the pooled labels for --hash-protocol paper (seed
+    --split-seed); a ValueError naming --queries-per-class when a class has too few items or no
+    item is left for the gallery (every class exactly --queries-per-class items).  For a
+    checkpoint trained on the paper-hash subset (args.trained_subset), also the split's training
+    images, which must be the ones the run trained on (their digest): else a ValueError naming
+    --hash-protocol."""
     q = args.queries_per_class
+    seed = getattr(args, "split_seed", None)
+    seed = args.seed if seed is None else seed
+    sub = getattr(args, "trained_subset", None)
+    if sub is not None:
+        try:
+            idx = retrieval_split(pool_y, queries_per_class=q,
+                                  train_per_class=sub["train_per_class"], seed=seed)
+        except ValueError as exc:
+            raise ValueError(f"--hash-protocol paper: the checkpoint trained on the paper-hash "
+                             f"subset ({q} queries and {sub['train_per_class']} training images "
+                             f"per class), which these {pool_y.numel()} pooled images cannot "
+                             f"hold ({exc}): not the data it trained on") from exc
+        got = indices_digest(idx["train"])
+        if sub["sha256"] is not None and got != sub["sha256"]:
+            raise ValueError(f"--hash-protocol paper: the checkpoint trained on the paper-hash "
+                             f"subset with digest {sub['sha256']}, this split of the data's "
+                             f"{pool_y.numel()} pooled labels gives {got}: other data than the "
+                             "run's (or another version of it), whose split could put the "
+                             "training images among the queries")
+        return idx
     try:
-        idx = retrieval_split(pool_y, queries_per_class=q, train_per_class=None, seed=args.seed)
+        idx = retrieval_split(pool_y, queries_per_class=q, train_per_class=None, seed=seed)
     except ValueError as exc:  # class sizes are only known once the labels are loaded
         raise ValueError(f"--queries-per-class {q}: too many for the {pool_y.numel()} pooled "
                          f"images ({exc}); lower it or raise the limits") from exc
@@ -370,8 +466,12 @@ def run_hash(args, tr, te, bits, device=torch.device("cpu")) -> dict:
         idx = paper_split(args, pool_y)
         qa, ql = pool_a[idx["query"]], pool_y[idx["query"]]
         ga, gl = pool_a[idx["gallery"]], pool_y[idx["gallery"]]
+        seed = getattr(args, "split_seed", None)
         split = {"queries": f"{args.queries_per_class} per class of train+test (seed "
-                 f"{args.seed})", "gallery": "the rest of train+test"}
+                 f"{args.seed if seed is None else seed})", "gallery": "the rest of train+test"}
+    sub = getattr(args, "trained_subset", None)
+    if sub is not None:  # what the encoder trained on (train.py --train-subset)
+        split["trained_on"] = sub
     qc, gc = sign_codes(qa).to(device), sign_codes(ga).to(device)
     ql, gl = ql.to(device), gl.to(device)  # the engine is the one of the codes' device
     G = int(gc.shape[0])
@@ -568,6 +668,13 @@ def markdown_table(report: dict) -> str:
                  f"mAP@all and mAP@K ({', '.join(next(iter(x['map_at'].values()), {}).keys())}); "
                  f"codes: sgn(a), {x['code_bits']} bits, shorter lengths are its prefixes. "
                  "PR curve and P@N: hash_pr_curve.csv, hash_precision_at_n.csv, hash_curves.png.\n")
+        t = x.get("trained_on")
+        if t:
+            tail += (f"The encoder trained on the paper-hash subset: {t['train_per_class']} "
+                     f"images per class of the gallery of {t['queries_per_class']} queries per "
+                     f"class, split seed {t['split_seed']} (train.py --train-subset "
+                     f"{t['train_subset']}; subset digest {t['sha256']}"
+                     + (", the split's, checked" if x["protocol"] == "paper" else "") + ").\n")
     if report.get("quick"):
         tail += ("\n**Quick look** (--quick): subsets and a 10-epoch probe; not the protocol, "
                  "not comparable with docs/results.md.\n")
@@ -596,6 +703,7 @@ def main(argv=None) -> int:
         if max(bits) > D:
             raise ValueError(f"--bits {args.bits}: the model's codes have D={D} bits; values "
                              f"must lie in [1, {D}]")
+        resolve_hash_args(args, cfg)
         data = args.data if args.data is not None else cfg.get("data")
         if not isinstance(data, str) or data.startswith("synthetic"):
             raise ValueError(f"--data: the checkpoint was trained on {data!r}; name a real data "
@@ -619,6 +727,7 @@ def main(argv=None) -> int:
                 held_out = bool(getattr(getattr(ld, "source", None), "held_out", 0))
         if held_out:
             sizes["test"]["held_out"] = True
+        check_hash_limits(args)
         if "hash" in args.tasks and args.hash_protocol == "paper" and all(
                 y is not None for y in planned):  # the split of the labels to be extracted
             paper_split(args, torch.cat(planned))
@@ -693,7 +802,7 @@ def main(argv=None) -> int:
             try:
                 results["hash"] = run_hash(args, tr, te, bits, device)
             except ValueError as exc:
-                if not str(exc).startswith("--queries-per-class"):
+                if not str(exc).startswith(("--queries-per-class", "--hash-protocol")):
                     raise
                 parser.error(str(exc))  # the features stay cached: a rerun is cheap
         elif task == "expressivity":

@@ -318,34 +318,12 @@ def retrieval_split(labels, *, queries_per_class: int = 1000, train_per_class: i
     train the encoder (None: no training subset).  Deterministic for a seed.
 
     Returns int64 index tensors ``{"query", "gallery", "train"}``, each sorted ascending (so the
-    gallery keeps the data set's order, which fixes the tie order of the Hamming ranking)."""
-    _checks.tensor("labels", labels)
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool \
-            or labels.dim() != 1 or labels.numel() == 0:
-        raise ValueError(f"labels must be non-empty 1-D integer class ids, got {labels.dtype} "
-                         f"of shape {tuple(labels.shape)}")
-    for name, v in (("queries_per_class", queries_per_class), ("train_per_class", train_per_class)):
-        if v is not None:
-            _checks.positive_int(name, v)
-    y = labels.detach().cpu().to(torch.int64)
-    gen = torch.Generator().manual_seed(seed)
-    query, train = [], []
-    for c in torch.unique(y).tolist():
-        idx = torch.nonzero(y == c).flatten()
-        need = queries_per_class + (train_per_class or 0)
-        if idx.numel() < need:
-            raise ValueError(f"class {c} has {idx.numel()} items, fewer than queries_per_class + "
-                             f"train_per_class = {need}")
-        idx = idx[torch.randperm(idx.numel(), generator=gen)]
-        query.append(idx[:queries_per_class])
-        if train_per_class:
-            train.append(idx[queries_per_class:queries_per_class + train_per_class])
-    q = torch.sort(torch.cat(query)).values
-    is_query = torch.zeros(y.numel(), dtype=torch.bool)
-    is_query[q] = True
-    g = torch.nonzero(~is_query).flatten()
-    t = torch.sort(torch.cat(train)).values if train else torch.zeros(0, dtype=torch.int64)
-    return {"query": q, "gallery": g, "train": t}
+    gallery keeps the data set's order, which fixes the tie order of the Hamming ranking).  The
+    split is the one train.py --train-subset paper-hash trains on: one implementation,
+    nac_fast.data.sources.subset.class_split (a class with too few items: ValueError)."""
+    from ..data.sources.subset import class_split
+    return class_split(labels, queries_per_class=queries_per_class,
+                       train_per_class=train_per_class, seed=seed)
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import torch
 from .. import _checks
 from ..ops.loss import mq_l2
 from ..ops.reference import LIKELIHOODS, MULTILINEAR_BACKENDS
+from ..data.sources.subset import TRAIN_SUBSETS, HashSubset
 from .methods import METHODS
 from .models import ARCHS, INFER_INITS, resolve_r_gain
 
@@ -110,6 +111,11 @@ class TrainConfig:
     sync_bn: bool = False
     shuffle_bn: bool = True
     image_size: int | None = None
+    crop_scale: list = field(default_factory=lambda: [0.08, 1.0])  # the crop's area [lo, hi]
+    train_subset: str = "all"          # or "paper-hash" (docs/math.md [M:hash-split])
+    queries_per_class: int = 1000      # paper-hash: queries per class of train + test
+    train_per_class: int = 500         # paper-hash: training images per class of the gallery
+    split_seed: int = 0                # paper-hash: the split's seed
     loader: str = "auto"
     on_bad_file: str = "warn"
     workers: int | None = None
@@ -131,6 +137,7 @@ class TrainConfig:
     in_channels: int | None = None
     num_images: int | None = None
     batch_note: str | None = None      # parse: why the batch is not the recipe's (fit_batch)
+    train_subset_sha256: str | None = None  # paper-hash: the subset's indices_digest (eval checks)
     # ---- the run's identity (run.start) ----
     run_id: str | None = None
     elastic_run_id: str | None = None
@@ -192,6 +199,32 @@ def _optional_float(v):
 
 
 _optional_float.__name__ = "number or 'none'"
+
+
+def _crop_scale(v):
+    """--crop-scale: "LO" (the area range (LO, 1)) or "LO,HI"; a recipe may also write a number
+    or a list [LO, HI].  0 < LO <= HI <= 1.  Returns [LO, HI] (a list: config.json and the
+    checkpoints hold the same value)."""
+    if isinstance(v, bool):
+        raise ValueError(f"expected LO or LO,HI with 0 < LO <= HI <= 1, got {v!r}")
+    if isinstance(v, (int, float)):
+        parts = [v]
+    elif isinstance(v, (list, tuple)):
+        parts = list(v)
+    else:
+        parts = [t.strip() for t in str(v).split(",")]
+    try:
+        if not 1 <= len(parts) <= 2 or any(isinstance(x, bool) for x in parts):
+            raise ValueError
+        lo, hi = (float(parts[0]), float(parts[1]) if len(parts) == 2 else 1.0)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected LO or LO,HI with 0 < LO <= HI <= 1, got {v!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi) and 0.0 < lo <= hi <= 1.0):
+        raise ValueError(f"expected LO or LO,HI with 0 < LO <= HI <= 1, got {v!r}")
+    return [lo, hi]
+
+
+_crop_scale.__name__ = "crop scale (LO or LO,HI with 0 < LO <= HI <= 1)"
 
 
 def _queue(v):
@@ -322,6 +355,22 @@ def build_parser() -> _Parser:
     a("--no-shuffle-bn", dest="shuffle_bn", action="store_false",
       help="disable MoCo's batch shuffle for the momentum branch (NAC-MQ, DDP)")
     a("--image-size", type=int, help="crop size")
+    a("--crop-scale", dest="crop_scale", type=_crop_scale, metavar="LO[,HI]",
+      help="area range of the random resized crop, as a fraction of the image: LO (= LO,1) or "
+      "LO,HI; 0.08 is SimCLR's and the authors' CIFAR code's, 0.2 MoCo v2's and the authors' "
+      "ImageNet code's (docs/math.md [M:recipe]); every loader crops with it")
+    a("--train-subset", choices=TRAIN_SUBSETS, help="all: the training split; paper-hash: the "
+      "paper's hashing protocol (docs/math.md [M:hash-split]): pool the training and test "
+      "splits, --queries-per-class random queries per class, the rest the gallery, and train on "
+      "--train-per-class random gallery images per class (seed --split-seed): the images that "
+      "python -m nac_fast.eval --hash-protocol paper assumes (it reads these flags from the "
+      "checkpoint)")
+    a("--queries-per-class", type=int, metavar="N",
+      help="--train-subset paper-hash: queries per class")
+    a("--train-per-class", type=int, metavar="N",
+      help="--train-subset paper-hash: training images per class")
+    a("--split-seed", type=int, metavar="S", help="--train-subset paper-hash: seed of the "
+      "split (the evaluation's paper protocol takes the checkpoint's)")
     a("--loader", choices=("auto", "torchvision", "dali-cpu", "dali-gpu"), help="data loader")
     a("--on-bad-file", choices=("warn", "error"),
       help="an ImageFolder file that cannot be read: warn = skip it (named in one warning, "
@@ -546,6 +595,15 @@ def parse(argv=None) -> TrainConfig:
     return cfg
 
 
+def hash_subset(cfg) -> HashSubset | None:
+    """The run's --train-subset as the data layer takes it: None (the training split), or the
+    paper's hashing subset (a HashSubset of --queries-per-class, --train-per-class,
+    --split-seed)."""
+    if cfg.train_subset == "all":
+        return None
+    return HashSubset(cfg.queries_per_class, cfg.train_per_class, cfg.split_seed)
+
+
 def fit_batch(batch: int, num_images: int, world: int) -> int:
     """A recipe's global batch for a data set of `num_images` training images: halved while it
     is more than a quarter of them (so that an epoch has at least 4 batches) and its half is
@@ -565,7 +623,7 @@ def _fit_batch_to_data(cfg: TrainConfig, world: int) -> None:
     message."""
     try:
         from ..data.sources import data_scale
-        n = data_scale(cfg.data)[0]
+        n = data_scale(cfg.data, hash_subset(cfg))[0]
     except (OSError, ValueError, TypeError):
         return
     b = fit_batch(cfg.batch_size, n, world)
@@ -594,6 +652,8 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
             pos[d] = getattr(cfg, d)
     if isinstance(cfg.queue_size, int):
         pos["queue_size"] = cfg.queue_size
+    if cfg.train_subset != "all":
+        pos.update(queries_per_class=cfg.queries_per_class, train_per_class=cfg.train_per_class)
     for d, v in pos.items():
         if v is None:
             if d == "epochs" and cfg.max_steps is not None:
@@ -603,6 +663,12 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
             raise UsageError(f"{name(d)} must be >= 1, got {v}")
     if cfg.image_size is not None and cfg.image_size < 8:   # the loaders' smallest crop
         raise UsageError(f"{name('image_size')} must be >= 8, got {cfg.image_size}")
+    try:
+        cfg.crop_scale = _crop_scale(cfg.crop_scale)
+    except ValueError as exc:
+        raise UsageError(f"{name('crop_scale')}: {exc}") from None
+    if cfg.train_subset != "all" and cfg.split_seed < 0:
+        raise UsageError(f"{name('split_seed')} must be >= 0, got {cfg.split_seed}")
     if not 0.0 < cfg.flip_prob < 0.5:
         raise UsageError(f"{name('flip_prob')} must lie in (0, 0.5), got {cfg.flip_prob}")
     if cfg.flip_prob_final is not None and not 0.0 < cfg.flip_prob_final < 0.5:
@@ -687,9 +753,11 @@ def _queue_size(value, batch: int, method: str) -> int | None:
 
 
 def resolve(cfg: TrainConfig, *, world_size: int, device_type: str, steps_per_epoch: int,
-            image_size: int, in_channels: int, num_images: int) -> TrainConfig:
+            image_size: int, in_channels: int, num_images: int,
+            train_subset_sha256: str | None = None) -> TrainConfig:
     """The configuration with every value the run uses (the module docstring's rules), as a new
-    TrainConfig; UsageError naming the flag."""
+    TrainConfig (`train_subset_sha256`: the --train-subset's indices_digest, None for all of
+    the training split); UsageError naming the flag."""
     total = cfg.max_steps or max(cfg.epochs * steps_per_epoch, cfg.min_steps or 0)
     if cfg.warmup_epochs is None:
         warmup = min(10 * steps_per_epoch, total // 10)
@@ -704,7 +772,7 @@ def resolve(cfg: TrainConfig, *, world_size: int, device_type: str, steps_per_ep
     return replace(
         cfg, world_size=world_size, device=device_type, steps_per_epoch=steps_per_epoch,
         total_steps=total, warmup_steps=warmup, image_size=image_size, in_channels=in_channels,
-        num_images=num_images, amp=amp, workers=default_workers(cfg, device_type),
+        num_images=num_images, train_subset_sha256=train_subset_sha256, amp=amp, workers=default_workers(cfg, device_type),
         compile=cfg.compile if cfg.compile is not None else device_type == "cuda",
         lr=cfg.lr if cfg.lr is not None else 0.075 * math.sqrt(cfg.batch_size),
         momentum=(cfg.momentum if cfg.momentum is not None else

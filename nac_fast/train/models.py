@@ -3,13 +3,19 @@
     model = build_model("resnet18", in_channels=1, image_size=28, code_dim=128, inference_net=True)
     h, a, r = model(torch.cat([view1, view2]))    # r: cross-pathway inference logits (see forward)
 
-Architectures (``ARCHS``):
+Architectures (``ARCHS``; `build_encoder` builds any of them):
   resnet18, resnet34, resnet50   torchvision ResNets (widths 64..512, 2048 for resnet50)
   resnet18-small                 ResNet-18 layout at half width (32..256): CPU experiments
   resnet-tiny                    one BasicBlock per stage, widths 16..128: CPU defaults and tests
-For inputs of at most 64 px the stem is replaced by a 3x3 stride-1 convolution without max-pool
-(the CIFAR variant the paper uses); larger inputs keep the ImageNet stem.  Any number of input
-channels is supported (grayscale Fashion-MNIST has 1).
+  vgg16-bn                       torchvision's vgg16_bn(weights=None).features + global average
+                                 pool -> 512-d: the paper's hashing encoder (Tables 3-4; the
+                                 authors' model.py: vgg16_bn, avgpool 1x1, no classifier)
+For inputs of at most 64 px the ResNet stem is replaced by a 3x3 stride-1 convolution without
+max-pool (the CIFAR variant the paper uses); larger inputs keep the ImageNet stem.  The VGG is the
+same at every size (the authors train it on 32 px CIFAR-10 as it is: five 2x2 max-pools, 1x1 at
+the end); its pools round up (ceil_mode), which changes nothing at multiples of 32 px and keeps a
+1x1 map for sizes that are not (28 px Fashion-MNIST would reach 0x0).  Any number of input
+channels is supported (grayscale Fashion-MNIST has 1): the first convolution takes them.
 """
 from __future__ import annotations
 
@@ -22,9 +28,9 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from .. import _checks
 
-# name -> (block, layers, widths); widths are the base width of each stage (the output width is
-# widths[-1] * block.expansion).
-ARCHS = {
+# ResNets: name -> (block, layers, widths); widths are the base width of each stage (the output
+# width is widths[-1] * block.expansion).
+RESNETS = {
     "resnet18": (BasicBlock, (2, 2, 2, 2), (64, 128, 256, 512)),
     "resnet34": (BasicBlock, (3, 4, 6, 3), (64, 128, 256, 512)),
     "resnet50": (Bottleneck, (3, 4, 6, 3), (64, 128, 256, 512)),
@@ -33,6 +39,12 @@ ARCHS = {
 }
 _TORCHVISION = {"resnet18": torchvision.models.resnet18, "resnet34": torchvision.models.resnet34,
                 "resnet50": torchvision.models.resnet50}
+
+# VGGs: name -> torchvision's constructor (its .features is the trunk; 512 channels at the end).
+VGGS = {"vgg16-bn": torchvision.models.vgg16_bn}
+VGG_OUT_DIM = 512
+# Every encoder: name -> its spec (a ResNet's (block, layers, widths), a VGG's constructor).
+ARCHS = {**RESNETS, **VGGS}
 
 SMALL_IMAGE_MAX = 64  # inputs up to this size get the 3x3 stride-1 stem without max-pool
 
@@ -67,11 +79,12 @@ class ResNetEncoder(nn.Module):
 
     def __init__(self, arch: str = "resnet18", in_channels: int = 3, image_size: int = 224):
         super().__init__()
-        if arch not in ARCHS:
-            raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+        if arch not in RESNETS:
+            more = f" ({arch!r} is not a ResNet: build_encoder)" if arch in ARCHS else ""
+            raise ValueError(f"arch must be one of {sorted(RESNETS)}, got {arch!r}{more}")
         _checks.positive_int("in_channels", in_channels)
         _checks.int_in("image_size", image_size, 8)
-        block, layers, widths = ARCHS[arch]
+        block, layers, widths = RESNETS[arch]
         net = (_TORCHVISION[arch]() if arch in _TORCHVISION else _resnet_trunk(block, layers, widths))
         self.small_stem = image_size <= SMALL_IMAGE_MAX
         if self.small_stem:
@@ -89,6 +102,49 @@ class ResNetEncoder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+class VGGEncoder(nn.Module):
+    """torchvision VGG's convolutional trunk (`features`, BatchNorm in vgg16-bn) + global average
+    pool: (B, C, H, W) -> (B, 512) features h.  The authors' hashing encoder (their model.py:
+    vgg16_bn() with avgpool = AdaptiveAvgPool2d(1) and classifier = Identity), trained from
+    scratch (weights=None: torchvision's init).  `in_channels` != 3 replaces the first
+    convolution (same shape otherwise, torchvision's init); the max-pools round up (ceil_mode) so
+    that every size >= 8 px keeps a 1x1 map after the fifth pool (identical to torchvision's at
+    multiples of 32 px)."""
+
+    def __init__(self, arch: str = "vgg16-bn", in_channels: int = 3, image_size: int = 32):
+        super().__init__()
+        if arch not in VGGS:
+            raise ValueError(f"arch must be one of {sorted(VGGS)}, got {arch!r}")
+        _checks.positive_int("in_channels", in_channels)
+        _checks.int_in("image_size", image_size, 8)
+        features = VGGS[arch](weights=None).features
+        if in_channels != 3:
+            first = features[0]
+            features[0] = nn.Conv2d(in_channels, first.out_channels, first.kernel_size,
+                                    stride=first.stride, padding=first.padding)
+            nn.init.kaiming_normal_(features[0].weight, mode="fan_out", nonlinearity="relu")
+            nn.init.constant_(features[0].bias, 0)
+        for m in features:
+            if isinstance(m, nn.MaxPool2d):
+                m.ceil_mode = True
+        self.features = features
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.out_dim = VGG_OUT_DIM
+        self.arch, self.in_channels, self.image_size = arch, in_channels, image_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.flatten(self.pool(self.features(x)), 1)
+
+
+def build_encoder(arch: str = "resnet18", in_channels: int = 3, image_size: int = 224) -> nn.Module:
+    """The encoder f of `arch` (any name in ARCHS): a module (B, C, H, W) -> (B, out_dim)."""
+    if arch in VGGS:
+        return VGGEncoder(arch, in_channels, image_size)
+    if arch not in RESNETS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    return ResNetEncoder(arch, in_channels, image_size)
 
 
 def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
@@ -191,7 +247,7 @@ class NACModel(nn.Module):
                         ("bn_per_view", bn_per_view), ("scale_codes", scale_codes)):
             _checks.flag(name, v)
         r_gain = resolve_r_gain(r_gain, a_gain, p) if r_gain == "auto" else r_gain
-        self.encoder = ResNetEncoder(arch, in_channels, image_size)
+        self.encoder = build_encoder(arch, in_channels, image_size)
         d = self.encoder.out_dim
         self.head = head(d, code_dim, head_bn)
         self.infer = head(d, code_dim, infer_bn) if inference_net else None

@@ -42,7 +42,7 @@ from . import distributed as nd
 from .checkpoint import (CONFIG, LAST, PREV, STATE_KEYS, capture_rng_state, load_checkpoint,
                          pick_checkpoint, plain_state_dict, read_json, remove_stale_temp_files,
                          restore_rng_state, save_atomic, write_json_atomic)
-from .config import TrainConfig, UsageError, default_workers, resolve
+from .config import TrainConfig, UsageError, default_workers, hash_subset, resolve
 from .lars import LARS, param_groups_for_lars
 from .methods import nac_mq_step, nac_step, simclr_step, step_value_checks
 from .models import build_model, model_kwargs_from_config
@@ -50,8 +50,13 @@ from .schedule import flip_prob_at, get_lr, p_schedule_applies, p_schedule_short
 
 # Must match for a checkpoint to continue a run exactly; except that total_steps may grow (an
 # extended run, see `resume`) and warmup_steps is the checkpoint's unless --warmup-epochs is given.
+# The images trained on are part of it (--train-subset and its split's digest); the augmentation
+# flags (--image-size, --crop-scale) are not: a resumed run takes the values given and records
+# them in config.json and its checkpoints.
 RESUME_KEYS = ("arch", "method", "batch_size", "code_dim", "data", "world_size", "total_steps",
-               "warmup_steps", "queue_size", "seed")
+               "warmup_steps", "queue_size", "seed", "train_subset", "train_subset_sha256")
+# What a checkpoint written before a key existed had (its value then)
+RESUME_DEFAULTS = {"train_subset": "all", "train_subset_sha256": None}
 EXIT_USAGE = 2          # train.py's status for bad flags, recipe, data, --out or checkpoint
 EXIT_NON_FINITE = 3     # ... when a non-finite loss stopped the run
 EXIT_UNWRITABLE = 4     # ... when --out or a checkpoint in it could not be written
@@ -108,6 +113,10 @@ class TrainState:
 def build_loader(cfg: TrainConfig, di, channels_last: bool):
     per_rank = cfg.batch_size // di.world_size
     if cfg.data.startswith("synthetic"):
+        if cfg.train_subset != "all":
+            raise UsageError(f"--train-subset {cfg.train_subset}: --data {cfg.data} has no "
+                             "classes and no test split to pool (a labelled data set: "
+                             "fashion-mnist, a CIFAR-10 dir, an ImageFolder root)")
         from ..data.sources.synthetic_pairs import SyntheticPairLoader
         head, _, count = cfg.data.partition(":")
         try:
@@ -116,6 +125,7 @@ def build_loader(cfg: TrainConfig, di, channels_last: bool):
             n = int(count) if count else 4096
             if n < 1:
                 raise ValueError(f"N must be a positive integer, got {n}")
+            # generated patterns with random shifts, not crops: --crop-scale does not apply
             return SyntheticPairLoader(n, per_rank, di.rank, di.world_size, cfg.seed,
                                        image_size=cfg.image_size or 32, device=di.device,
                                        channels_last=channels_last)
@@ -128,6 +138,7 @@ def build_loader(cfg: TrainConfig, di, channels_last: bool):
                          "fashion-mnist, a CIFAR-10 python dir, an ImageFolder root or synthetic)")
     try:
         from ..data import ImageSizeError, build_pretrain_loader
+        from ..data.sources.subset import SubsetSizeError
     except ImportError as exc:
         raise UsageError(f"the data loaders (nac_fast.data) cannot be imported: {exc}") from exc
     try:
@@ -136,7 +147,12 @@ def build_loader(cfg: TrainConfig, di, channels_last: bool):
                                      image_size=cfg.image_size, loader=cfg.loader,
                                      num_workers=default_workers(cfg, di.device.type),
                                      device=str(di.device), channels_last=channels_last,
-                                     dtype=torch.float32, on_bad_file=cfg.on_bad_file)
+                                     dtype=torch.float32, on_bad_file=cfg.on_bad_file,
+                                     scale=cfg.crop_scale, subset=hash_subset(cfg))
+    except SubsetSizeError as exc:
+        raise UsageError(f"--train-subset {cfg.train_subset} --queries-per-class "
+                         f"{cfg.queries_per_class} --train-per-class {cfg.train_per_class}: too "
+                         f"many for --data {cfg.data!r} ({exc}); lower them") from exc
     except ImageSizeError as exc:  # typed, or read from the images: the same rule (>= 8)
         read = (f" (read from --data {cfg.data!r}: the median short side of its images; give "
                 "--image-size to resize them)" if exc.from_data else "")
@@ -144,6 +160,17 @@ def build_loader(cfg: TrainConfig, di, channels_last: bool):
     except (FileNotFoundError, ValueError) as exc:
         # nac_fast.data's messages say how to get the data (e.g. the Debian package)
         raise UsageError(f"--data {cfg.data!r}: {exc}") from exc
+
+
+def subset_digest(cfg: TrainConfig) -> str | None:
+    """The --train-subset's indices_digest (None: the whole training split): what config.json
+    records and what python -m nac_fast.eval --hash-protocol paper checks its split against."""
+    subset = hash_subset(cfg)
+    if subset is None:
+        return None
+    from ..data.sources import hash_subset_indices
+    from ..data.sources.subset import indices_digest
+    return indices_digest(hash_subset_indices(cfg.data, subset))
 
 
 def _split_hint(data: str) -> str:
@@ -171,6 +198,13 @@ def build(cfg: TrainConfig, di) -> TrainState:
     if len(loader) < 1:
         raise UsageError(f"--batch-size {cfg.batch_size} leaves no full batch per rank")
     held_out = getattr(getattr(loader, "source", None), "held_out", 0)
+    if cfg.train_subset != "all":
+        print_main(di, f"data: {cfg.data}, --train-subset {cfg.train_subset}: training on "
+                       f"{loader.num_images} images, {cfg.train_per_class} per class from the "
+                       f"gallery of the pooled training and test splits ({cfg.queries_per_class} "
+                       f"queries per class held out, --split-seed {cfg.split_seed}; docs/math.md "
+                       "[M:hash-split]); evaluate with python -m nac_fast.eval --hash-protocol "
+                       "paper")
     if held_out:
         from ..data.sources.imagefolder import HOLDOUT_FRACTION
         print_main(di, f"data: {cfg.data} is a folder of class folders without train/ and val/: "
@@ -179,7 +213,8 @@ def build(cfg: TrainConfig, di) -> TrainState:
                        f"test split, held out for python -m nac_fast.eval{_split_hint(cfg.data)}")
     cfg = resolve(cfg, world_size=di.world_size, device_type=di.device.type,
                   steps_per_epoch=len(loader), image_size=loader.image_size,
-                  in_channels=loader.in_channels, num_images=loader.num_images)
+                  in_channels=loader.in_channels, num_images=loader.num_images,
+                  train_subset_sha256=subset_digest(cfg))
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
 
     model = build_model(**model_kwargs_from_config(cfg.to_dict()))  # with the head options
@@ -628,16 +663,22 @@ def resume(st: TrainState, path: str, ck: dict | None = None) -> dict:
         cfg.warmup_steps = old["warmup_steps"]
     new = cfg.to_dict()
     for k in RESUME_KEYS:
-        if old[k] != new[k] and not (k == "total_steps" and extend):
+        was = old.get(k, RESUME_DEFAULTS[k]) if k in RESUME_DEFAULTS else old[k]
+        if was != new[k] and not (k == "total_steps" and extend):
             more = (" (a resumed run may extend the schedule, not shorten it)"
                     if k == "total_steps" else "")
-            raise ValueError(f"--resume {path}: checkpoint has {k}={old[k]!r}, this run "
+            raise ValueError(f"--resume {path}: checkpoint has {k}={was!r}, this run "
                              f"{new[k]!r}{more}")
     st.model.load_state_dict(plain_state_dict(ck["model"]))
     if st.mom_model is not None:
         st.mom_model.load_state_dict(plain_state_dict(ck["momentum_model"]))
         st.queue.load_state_dict(ck["queue"])
     st.optimizer.load_state_dict(ck["optimizer"])
+    # the settings this run gives, not the checkpoint's, as for --lr (a function of the step):
+    # load_state_dict restored the saved groups' weight decay, which a --wd given now (and
+    # recorded in config.json) would otherwise silently not change
+    for g in st.optimizer.param_groups:
+        g["weight_decay"] = 0.0 if g.get("lars_exclude") else cfg.wd
     st.scaler.load_state_dict(ck["scaler"])
     st.step = ck["step"]
     restore_rng_state(ck["rng"][st.di.rank])

@@ -63,7 +63,7 @@ from .._files import check_writable
 from ..train.checkpoint import (LAST, PREV, capture_rng_state, load_checkpoint, pick_checkpoint,
                                 read_json, remove_stale_temp_files, restore_rng_state,
                                 save_atomic, write_json_atomic)
-from ..train.models import ARCHS
+from ..train.models import RESNETS
 from .bounds import elbo_terms, iwae_bound
 from .data import DEFAULT_MAX_BYTES, epoch_order, load_images, probe
 from .encoder import load_pretrained_encoder
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--resume", action="store_true", help="continue the run in --out from its newest good "
       "checkpoint (a fresh start if it has none)")
     a("--overwrite", action="store_true", help="delete the run files in --out first")
-    a("--arch", default=None, choices=sorted(ARCHS), help="encoder for --init random "
+    a("--arch", default=None, choices=sorted(RESNETS), help="encoder for --init random "
       "(default resnet-tiny); with a checkpoint, its own (naming another is an error)")
     a("--latent-dim", type=int, default=32, help="dimension of z")
     a("--batch-size", type=int, default=128, help="training batch (paper: 128)")

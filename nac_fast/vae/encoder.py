@@ -11,7 +11,7 @@ model.  Every failure is a ValueError naming the file and what is wrong.
 from __future__ import annotations
 
 from ..train.checkpoint import load_checkpoint
-from ..train.models import ARCHS, ResNetEncoder
+from ..train.models import RESNETS, ResNetEncoder
 
 WHICH = ("online", "momentum")
 PREFIX = "encoder."
@@ -31,9 +31,9 @@ def load_pretrained_encoder(path: str, which: str = "online"):
     if missing:
         raise ValueError(f"--init {path!r}: its config lacks {', '.join(missing)}: not a train.py "
                          "checkpoint")
-    if cfg["arch"] not in ARCHS:
-        raise ValueError(f"--init {path!r}: unknown encoder architecture {cfg['arch']!r} "
-                         f"(known: {sorted(ARCHS)})")
+    if cfg["arch"] not in RESNETS:
+        raise ValueError(f"--init {path!r}: encoder architecture {cfg['arch']!r} is not one the "
+                         f"VAE's decoder mirrors (a ResNet: {sorted(RESNETS)})")
     key = "model" if which == "online" else "momentum_model"
     state = ck.get(key)
     if state is None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..train.models import ARCHS, SMALL_IMAGE_MAX, ResNetEncoder
+from ..train.models import RESNETS, SMALL_IMAGE_MAX, ResNetEncoder
 from .likelihood import discretized_gaussian_log_prob
 
 
@@ -78,7 +78,7 @@ class Decoder(nn.Module):
 
     def __init__(self, arch: str, out_channels: int, image_size: int, latent_dim: int):
         super().__init__()
-        block, layers, widths = ARCHS[arch]
+        block, layers, widths = RESNETS[arch]
         sizes = encoder_sizes(image_size)       # [S, stage1, stage2, stage3, stage4]
         self.start, self.c0 = sizes[-1], widths[-1]
         self.fc = nn.Linear(latent_dim, widths[-1] * self.start * self.start)

@@ -11,9 +11,12 @@ sources -> order -> augment -> loaders.  Imports nothing else from nac_fast.data
   synthetic       write_jpeg_folder: JPEG ImageFolders for tests and benchmarks
   synthetic_pairs SyntheticPairLoader: generated two-view batches (`--data synthetic[:N]`), a
                   source that is its own loader (it needs no order, augment or loader stage)
+  subset          HashSubset, class_split: the paper's hashing subset of train + test
+                  (train.py --train-subset paper-hash; docs/math.md [M:hash-split])
 
 resolve_source(data, split) picks the source for a `data` argument; data_scale(data) says how
-large its training split is (images, side), which picks train.py's default recipe.
+large its training split is (images, side), which picks train.py's default recipe;
+hash_subset_indices / hash_train_source give the paper's hashing subset of `data`.
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ import os
 from . import cifar, fashion_mnist
 from .imagefolder import FolderSource
 from .in_memory import InMemorySource
+from .subset import HashSubset, class_split, pooled_labels, take_pooled
 
-__all__ = ["data_scale", "resolve_source", "InMemorySource", "FolderSource"]
+__all__ = ["data_scale", "resolve_source", "hash_subset_indices", "hash_train_source",
+           "InMemorySource", "FolderSource", "HashSubset"]
 
 
 def resolve_source(data, split: str = "train"):
@@ -46,14 +51,36 @@ def resolve_source(data, split: str = "train"):
     return FolderSource.from_root(data, split)
 
 
-def data_scale(data) -> tuple[int, int]:
-    """(images, side) of `data`'s training split: the number of training images and the side
-    they are trained at by default (the source's natural size).  `synthetic[:N]` is (N, 32).
-    The errors of resolve_source for data that does not exist."""
+def data_scale(data, subset: HashSubset | None = None) -> tuple[int, int]:
+    """(images, side) of `data`'s training split (with `subset`: of that subset of train +
+    test): the number of training images and the side they are trained at by default (the
+    source's natural size).  `synthetic[:N]` is (N, 32).  The errors of resolve_source for data
+    that does not exist."""
     name = os.fspath(data) if isinstance(data, (str, os.PathLike)) else data
     if isinstance(name, str) and name.startswith("synthetic"):
         n = name.split(":", 1)[1] if ":" in name else "4096"
         return (int(n) if n.isdigit() else 4096), 32
     src = resolve_source(data, "train")
     n = len(src.files) if isinstance(src, FolderSource) else int(src.images.shape[0])
+    if subset is not None:
+        n = int(hash_subset_indices(data, subset).numel())
     return n, int(src.natural_size)
+
+
+def hash_subset_indices(data, subset: HashSubset):
+    """The indices, into the pool train + test of `data` (the training split's images first),
+    of `subset`'s training images: class_split(pooled labels, ...)["train"], sorted.
+    SubsetSizeError when a class is too small; the errors of resolve_source."""
+    if not isinstance(subset, HashSubset):
+        raise TypeError(f"subset must be a HashSubset, got {type(subset).__name__}")
+    labels = pooled_labels(resolve_source(data, "train"), resolve_source(data, "test"))
+    return class_split(labels, queries_per_class=subset.queries_per_class,
+                       train_per_class=subset.train_per_class, seed=subset.seed)["train"]
+
+
+def hash_train_source(data, subset: HashSubset):
+    """(source, indices): the source of `subset`'s training images of `data` (the pool train +
+    test, in pool order) and their pool indices (hash_subset_indices)."""
+    train, test = resolve_source(data, "train"), resolve_source(data, "test")
+    idx = hash_subset_indices(data, subset)
+    return take_pooled(train, test, idx), idx
