@@ -23,7 +23,7 @@ from nac_fast.train.config import TrainConfig, UsageError, parse
 from nac_fast.train.models import (ARCHS, RESNETS, ResNetEncoder, VGGEncoder, build_encoder,
                                    build_model)
 
-from test_recipe_crop_scale import write_idx_dir
+from test_recipe_crop_scale import _loader_kinds, write_idx_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -116,17 +116,7 @@ def folder(tmp_path_factory):
     return r
 
 
-def _kinds():
-    kinds = ["torchvision"]
-    try:
-        import nvidia.dali  # noqa: F401
-        kinds.append("dali-cpu")
-    except ImportError:
-        pass
-    return kinds
-
-
-@pytest.mark.parametrize("kind", _kinds())
+@pytest.mark.parametrize("kind", _loader_kinds())
 def test_training_subset_is_the_evaluations_image_folder(folder, kind):
     sub = HashSubset(queries_per_class=2, train_per_class=4, seed=0)
     idx = hash_subset_indices(folder, sub)
