@@ -403,6 +403,12 @@ def check_hash_limits(args) -> None:
                              "standard")
 
 
+def _split_seed(args) -> int:
+    """The paper split's seed: --split-seed as resolve_hash_args left it, else --seed."""
+    seed = getattr(args, "split_seed", None)
+    return args.seed if seed is None else seed
+
+
 def paper_split(args, pool_y: torch.Tensor) -> dict:
     """metrics.retrieval_split of the pooled labels for --hash-protocol paper (seed
     --split-seed); a ValueError naming --queries-per-class when a class has too few items or no
@@ -411,8 +417,7 @@ def paper_split(args, pool_y: torch.Tensor) -> dict:
     images, which must be the ones the run trained on (their digest): else a ValueError naming
     --hash-protocol."""
     q = args.queries_per_class
-    seed = getattr(args, "split_seed", None)
-    seed = args.seed if seed is None else seed
+    seed = _split_seed(args)
     sub = getattr(args, "trained_subset", None)
     if sub is not None:
         try:
@@ -466,9 +471,8 @@ def run_hash(args, tr, te, bits, device=torch.device("cpu")) -> dict:
         idx = paper_split(args, pool_y)
         qa, ql = pool_a[idx["query"]], pool_y[idx["query"]]
         ga, gl = pool_a[idx["gallery"]], pool_y[idx["gallery"]]
-        seed = getattr(args, "split_seed", None)
         split = {"queries": f"{args.queries_per_class} per class of train+test (seed "
-                 f"{args.seed if seed is None else seed})", "gallery": "the rest of train+test"}
+                 f"{_split_seed(args)})", "gallery": "the rest of train+test"}
     sub = getattr(args, "trained_subset", None)
     if sub is not None:  # what the encoder trained on (train.py --train-subset)
         split["trained_on"] = sub

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _checks
+from ..data.sources.subset import class_split
 
 __all__ = ["knn_predict", "knn_accuracy", "train_linear_probe", "linear_predict", "accuracy",
            "linear_probe",
@@ -321,7 +322,6 @@ def retrieval_split(labels, *, queries_per_class: int = 1000, train_per_class: i
     gallery keeps the data set's order, which fixes the tie order of the Hamming ranking).  The
     split is the one train.py --train-subset paper-hash trains on: one implementation,
     nac_fast.data.sources.subset.class_split (a class with too few items: ValueError)."""
-    from ..data.sources.subset import class_split
     return class_split(labels, queries_per_class=queries_per_class,
                        train_per_class=train_per_class, seed=seed)
 

@@ -772,7 +772,8 @@ def resolve(cfg: TrainConfig, *, world_size: int, device_type: str, steps_per_ep
     return replace(
         cfg, world_size=world_size, device=device_type, steps_per_epoch=steps_per_epoch,
         total_steps=total, warmup_steps=warmup, image_size=image_size, in_channels=in_channels,
-        num_images=num_images, train_subset_sha256=train_subset_sha256, amp=amp, workers=default_workers(cfg, device_type),
+        num_images=num_images, train_subset_sha256=train_subset_sha256, amp=amp,
+        workers=default_workers(cfg, device_type),
         compile=cfg.compile if cfg.compile is not None else device_type == "cuda",
         lr=cfg.lr if cfg.lr is not None else 0.075 * math.sqrt(cfg.batch_size),
         momentum=(cfg.momentum if cfg.momentum is not None else
