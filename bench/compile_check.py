@@ -2,7 +2,9 @@
 choose, compiled for sm_80 and sm_90, with its shared memory, registers, spills and tensor-core
 instructions; plus the CUDA kernels' resource usage (nvcc).
 
-    python bench/compile_check.py --csv bench/results/compile_check.csv     # what CI runs
+    python bench/compile_check.py --csv bench/results/compile_check.csv     # the full table
+    python bench/compile_check.py --reuse bench/results/compile_check.csv --verify 64 --csv X.csv
+                                                                   # what CI runs (minutes)
     python bench/compile_check.py --archs 90 --dtypes bfloat16 --D 128       # one slice
 
 The Triton part builds each op's launch plan (kernels/launch.py) from meta tensors for each
@@ -15,6 +17,18 @@ signature, constexprs, warps, stages, arch) is compiled once with ``triton.compi
 processes; the ``ptxas -v`` that Triton runs to build the cubin (its log, so that Triton
 version's own flags) reports registers and spills, Triton's
 metadata the shared memory, and ``cuobjdump -sass`` the matrix instructions (HGMMA/HMMA).
+
+Each row carries its launch's `key`: the sha256 of Triton's own compile-cache key (Triton's
+library, the kernel's source and everything it calls, the specialised signature, constexprs,
+warps, stages, the arch and ptxas' version: what decides whether Triton compiles again) and of
+this file's measuring code.  ``--reuse CSV`` takes the compiled figures (registers, spills,
+shared memory, MMA count, compile seconds) of every launch whose key is in CSV instead of
+compiling it again, exactly as Triton's cache would, and compiles the rest; everything derived
+from a plan (limits, occupancy, problems) is computed afresh.  ``--verify N`` compiles N of the
+reused launches anyway (one of every kernel and arch, the rest drawn at random; the seed is
+printed) and reports a problem where a fresh figure differs from the reused one.  Column
+`checked` says which (compiled, reused, verified).  CI reuses the committed table, so a change
+to a kernel recompiles that kernel's launches and nothing else.
 
 It fails (exit 1, a line per problem) when
   - a kernel's shared memory exceeds the arch's opt-in limit (sm_80 163 KB, sm_90 227 KB);
@@ -34,6 +48,7 @@ import argparse
 import concurrent.futures as cf
 import csv
 import dataclasses
+import hashlib
 import os
 import re
 import shutil
@@ -52,7 +67,10 @@ FP32_MODES = ("tf32x3", "tf32", "ieee", "bf16x6", "fp16x3")  # NAC_FAST_FP32_DOT
 FIELDS = ["kernel", "arch", "dtype", "D", "modes", "precision", "blocks", "warps", "stages",
           "smem_bytes", "smem_estimate", "smem_limit", "registers", "spill_store_bytes",
           "spill_load_bytes", "mma_instr", "mma_count", "blocks_per_sm", "compile_s", "problems",
-          "source", "folded", "note"]
+          "source", "folded", "note", "key", "checked"]
+# the compiled figures a reused row supplies (--reuse), and --verify compares (not compile_s)
+COMPILED = ("registers", "spill_store_bytes", "spill_load_bytes", "smem_bytes", "mma_instr",
+            "mma_count", "compile_s")
 # The matrix kernels' launch tags: the forward, and the keys' backward in its four output modes
 # (fp32 split shares; one split: the keys' gradient, or the rows' backward fused in; several
 # splits with the rows' backward folded in).
@@ -388,8 +406,69 @@ def _job(launch, arch):
             launch.num_warps, launch.num_stages)
 
 
+def _measuring_code_digest() -> str:
+    """What the figures of a compiled launch also depend on: the code that measures them."""
+    import inspect
+    text = "".join(inspect.getsource(f) for f in (_compile_one, _ptxas_log))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def launch_key(job) -> str:
+    """The content key of one compiled launch: Triton's compile-cache key of the job (as
+    ``triton.compile`` computes it) and the measuring code's digest, hashed."""
+    module, kernel_name, arch, sig, consts, attrs, warps, stages = job
+    import importlib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compiler as TC
+    if not (hasattr(TC, "get_cache_key") and hasattr(TC, "get_cache_invalidating_env_vars")):
+        raise RuntimeError("this Triton has no triton.compiler.compiler.get_cache_key: launches "
+                           "cannot be keyed, so --reuse is unavailable")
+    fn = getattr(importlib.import_module(module), kernel_name)
+    src = ASTSource(fn, sig, consts, attrs)
+    backend = TC.make_backend(GPUTarget("cuda", arch, 32))
+    options = backend.parse_options(dict(dict(num_warps=warps, num_stages=stages),
+                                         **src.parse_options()))
+    key = TC.get_cache_key(src, backend, options, TC.get_cache_invalidating_env_vars())
+    return hashlib.sha256(f"{key}-{_measuring_code_digest()}".encode()).hexdigest()
+
+
+def read_reusable(path) -> dict:
+    """key -> the compiled figures of a previous check's CSV (rows with a key; CUDA rows have
+    none).  ValueError naming `path` when it is not such a CSV."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--reuse: {path} is not a file")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "key" not in rows[0]:
+        raise ValueError(f"--reuse: {path} has no `key` column (not a compile check table of "
+                         "this version: regenerate it without --reuse)")
+    out = {}
+    for r in rows:
+        if not r["key"] or r["problems"].startswith("compile failed"):
+            continue
+        out[r["key"]] = {k: (r[k] if k == "mma_instr" else
+                             float(r[k]) if k == "compile_s" else int(r[k])) for k in COMPILED}
+    return out
+
+
+def _verify_sample(reused, n, seed):
+    """n reused launches to compile anyway: one per (kernel, arch) first, then at random."""
+    import random
+    rng = random.Random(seed)
+    groups: dict = {}
+    for k in sorted(reused):
+        u = reused[k]
+        groups.setdefault((u["launch"].tag, u["arch"]), []).append(k)
+    picked = [rng.choice(ks) for _, ks in sorted(groups.items())][:n]
+    rest = sorted(set(reused) - set(picked))
+    rng.shuffle(rest)
+    return set(picked + rest[:max(0, n - len(picked))])
+
+
 def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_MODES,
-                candidates=True):
+                candidates=True, reuse=None, verify=0, seed=None):
     from nac_fast.kernels import launch as KL
     from nac_fast.kernels import nac_triton
 
@@ -406,13 +485,39 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
                 unique[k] = dict(launch=L, arch=arch, cases=[])
             unique[k]["cases"].append(case)
     print(f"compile check: {len(unique)} distinct Triton launches for archs {archs}", flush=True)
+    try:
+        for u in unique.values():
+            u["key"] = launch_key(_job(u["launch"], u["arch"]))
+    except Exception as exc:  # noqa: BLE001 - another Triton's internals: keys are optional
+        if reuse is not None:
+            raise RuntimeError(f"--reuse: the launches cannot be keyed: {exc}") from exc
+        print(f"compile check: launches not keyed (column `key` left empty): {exc}", flush=True)
+        for u in unique.values():
+            u["key"] = ""
+    reused = {u["key"]: u for u in unique.values() if reuse and u["key"] and u["key"] in reuse}
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    verified = _verify_sample(reused, verify, seed) if verify else set()
+    todo = [u for u in unique.values() if not u["key"] or u["key"] not in reused
+            or u["key"] in verified]
+    if reuse is not None:
+        print(f"compile check: {len(reused)} launches reused by key, {len(verified)} of them "
+              f"compiled again to verify (seed {seed}), {len(todo) - len(verified)} to compile",
+              flush=True)
     rows = []
     t0 = time.perf_counter()
-    with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
-        futs = {pool.submit(_compile_one, _job(u["launch"], u["arch"])): u
-                for u in unique.values()}
-        for fut in cf.as_completed(futs):
-            u = futs[fut]
+    done = [(None, u) for u in unique.values()
+            if u["key"] and u["key"] in reused and u["key"] not in verified]
+    import itertools
+
+    from tqdm.auto import tqdm
+    with cf.ProcessPoolExecutor(max_workers=jobs) as pool, \
+            tqdm(total=len(todo), desc="compile check", unit="launch", file=sys.stderr,
+                 disable=not todo) as bar:
+        futs = {pool.submit(_compile_one, _job(u["launch"], u["arch"])): u for u in todo}
+        for fut, u in itertools.chain(done, ((f, futs[f]) for f in cf.as_completed(futs))):
+            if fut is not None:
+                bar.update(1)
             L, arch, cases = u["launch"], u["arch"], u["cases"]
             target = targets[arch]
             tag = L.tag
@@ -434,9 +539,11 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
                        source="+".join(sorted({x.get("source", "built-in") for x in cases})),
                        folded=int(bool(tag == "bwd_keys_out3"
                                        or (tag == "fwd" and c.get("FINISH")))),
-                       note="")
+                       note="", key=u["key"],
+                       checked=("reused" if fut is None else
+                                "verified" if u["key"] in verified else "compiled"))
             try:
-                row.update(fut.result())
+                row.update(reuse[u["key"]] if fut is None else fut.result())
             except Exception as exc:  # noqa: BLE001 - a failed compile is a finding
                 row.update(registers=-1, spill_store_bytes=-1, spill_load_bytes=-1, smem_bytes=-1,
                            mma_instr="", mma_count=0, compile_s=-1, blocks_per_sm=0)
@@ -445,7 +552,14 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
                 continue
             row["blocks_per_sm"] = KL.blocks_per_sm(row["registers"], row["smem_bytes"],
                                                     L.num_warps, target.smem_per_sm)
-            row["problems"] = "; ".join(_triton_problems(row, max_compile_s))
+            problems = _triton_problems(row, max_compile_s)
+            if row["checked"] == "verified":
+                differ = [f"{k} {reuse[u['key']][k]} reused, {row[k]} compiled"
+                          for k in COMPILED if k != "compile_s" and reuse[u["key"]][k] != row[k]]
+                if differ:
+                    problems.append("a fresh compile differs from the reused row: "
+                                    + ", ".join(differ))
+            row["problems"] = "; ".join(problems)
             rows.append(row)
     print(f"compile check: Triton part took {time.perf_counter() - t0:.0f} s", flush=True)
     return rows
@@ -538,9 +652,27 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cuda", action="store_true", help="skip the .cu file's check")
     ap.add_argument("--no-candidates", action="store_true",
                     help="skip the autotune candidates (nac_triton.CANDIDATES)")
+    ap.add_argument("--reuse", default=None, metavar="CSV",
+                    help="take the compiled figures of launches whose key is in CSV (a table this "
+                         "script wrote) instead of compiling them again")
+    ap.add_argument("--verify", type=int, default=0, metavar="N",
+                    help="with --reuse: compile N reused launches anyway and compare (default 0)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="the --verify draw's seed (default: a random one, printed)")
     ap.add_argument("--keep-cache", action="store_true",
                     help="reuse Triton's cache (default: a fresh one, so compile times are real)")
     args = ap.parse_args(argv)
+    if args.verify < 0:
+        ap.error(f"--verify: a count >= 0, got {args.verify}")
+    if args.verify and args.reuse is None:
+        ap.error("--verify needs --reuse")
+    if args.csv and args.reuse and os.path.abspath(args.csv) == os.path.abspath(args.reuse):
+        ap.error("--csv: the table --reuse reads would be overwritten by a table of reused rows; "
+                 "write it elsewhere")
+    try:
+        reuse = read_reusable(args.reuse) if args.reuse else None
+    except ValueError as exc:
+        ap.error(str(exc))
     # compile for real (the tests' conftest sets the interpreter); before triton is imported, and
     # only here: importing this module (the tests do) must not change the caller's environment
     os.environ.pop("TRITON_INTERPRET", None)
@@ -556,7 +688,8 @@ def main(argv=None) -> int:
     try:
         rows = triton_rows(archs, args.dtypes.split(","), [int(x) for x in args.D.split(",")],
                            args.modes.split(","), args.jobs, args.max_compile_s,
-                           args.fp32_modes.split(","), candidates=not args.no_candidates)
+                           args.fp32_modes.split(","), candidates=not args.no_candidates,
+                           reuse=reuse, verify=args.verify, seed=args.seed)
         if not args.no_cuda:
             rows += cuda_rows(archs, args.jobs)
     finally:
@@ -565,10 +698,12 @@ def main(argv=None) -> int:
     rows.sort(key=lambda r: (str(r["kernel"]), r["arch"], str(r["dtype"]), str(r["D"])))
     if args.csv:
         os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
-        with open(args.csv, "w", newline="") as f:
+        part = args.csv + ".part"  # never a half-written table
+        with open(part, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=FIELDS)
             w.writeheader()
             w.writerows(rows)
+        os.replace(part, args.csv)
     _print_table(rows)
     bad = [r for r in rows if r["problems"]]
     print(f"compile check: {len(rows)} rows, {len(bad)} with problems, "

@@ -153,3 +153,20 @@ def test_retrieval_metrics_radius_none_names_the_argument():
     with pytest.raises(TypeError, match="radius must be an int or a sequence"):
         H.retrieval_metrics(q, torch.zeros(2, dtype=torch.long), g, torch.zeros(3, dtype=torch.long),
                             radius=None, backend="reference")
+
+
+def test_numpy_integers_count_as_ints_where_the_index_takes_them():
+    """topk's and knn_predict's k take a numpy int as HashIndex.search's does, with the same
+    result as the int; a float or a bool is still a TypeError naming k."""
+    g = torch.randint(0, 2, (40, 24)).float() * 2 - 1
+    q = g[:5]
+    d, i = H.topk(q, g, np.int64(3))
+    d2, i2 = H.topk(q, g, 3)
+    assert torch.equal(d, d2) and torch.equal(i, i2)
+    x, y = torch.randn(30, 4, dtype=torch.float64), torch.arange(30) % 3
+    assert torch.equal(knn_predict(x, y, x[:7], k=np.int32(5)), knn_predict(x, y, x[:7], k=5))
+    for bad in (3.0, True):
+        with pytest.raises(TypeError, match="k must be an int"):
+            H.topk(q, g, bad)
+        with pytest.raises(TypeError, match="k must be an int"):
+            knn_predict(x, y, x[:7], k=bad)

@@ -1,7 +1,10 @@
 """The compile-only GPU check (bench/compile_check.py): every Triton kernel configuration the
 launchers can choose, compiled for sm_80 and sm_90 on this CPU, fits shared memory, does not spill
 on the 16-bit and TF32 paths and uses tensor cores there; the CUDA kernels likewise (nvcc).  It
-runs once per test session (duration: bench/results/notes.md), in a child process without TRITON_INTERPRET."""
+runs once per test session, in a child process without TRITON_INTERPRET.  It reuses the committed
+table's figures of every launch whose content key (Triton's compile-cache key) is unchanged, and
+compiles 64 of those again to verify them (a few minutes); a launch whose kernel changed is
+compiled, and test_the_committed_table_is_current then asks for the table to be regenerated."""
 import csv
 import os
 import subprocess
@@ -14,15 +17,24 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import compile_check as CC  # noqa: E402
 
 NAC_KERNELS = ("prologue", "fwd", "finish", "bwd_keys", "bwd_rows")
+COMMITTED = os.path.join(ROOT, "bench", "results", "compile_check.csv")
+REGENERATE = ("python bench/compile_check.py --reuse bench/results/compile_check.csv "
+              "--csv /tmp/cc.csv && mv /tmp/cc.csv bench/results/compile_check.csv")
+
+
+def _run_check(args, timeout):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "compile_check.py"),
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def check_rows(tmp_path_factory):
     out_csv = tmp_path_factory.mktemp("cc") / "compile_check.csv"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "compile_check.py"),
-                           "--csv", str(out_csv), "--jobs", str(max(2, os.cpu_count() or 2))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    # a stale table costs time (its changed launches compile), never coverage
+    proc = _run_check(["--csv", str(out_csv), "--jobs", str(max(2, os.cpu_count() or 2)),
+                       "--reuse", COMMITTED, "--verify", "64"], timeout=3600)
     print(proc.stdout[-4000:])
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
     with open(out_csv) as f:
@@ -37,6 +49,81 @@ def test_every_configuration_compiles_within_limits(check_rows):
     for r in check_rows:
         if r["note"]:
             assert r["folded"] == "1" and int(r["spill_store_bytes"]) > 0, r
+
+
+@pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
+def test_the_committed_table_is_current(check_rows):
+    """Every launch's figures came from bench/results/compile_check.csv (the table the docs
+    cite), and the 64 compiled again to verify them matched (test above: a mismatch is a
+    problem)."""
+    triton = [r for r in check_rows if not r["kernel"].startswith("cuda:")]
+    assert sum(r["checked"] == "verified" for r in triton) == 64
+    stale = [(r["kernel"], r["arch"], r["dtype"], r["D"], r["blocks"]) for r in triton
+             if r["checked"] == "compiled"]
+    assert not stale, (f"{len(stale)} launches changed since bench/results/compile_check.csv "
+                       f"was written (e.g. {stale[:3]}): regenerate it: {REGENERATE}")
+
+
+@pytest.mark.slow  # compiles a slice (about 30 s)
+def test_verify_catches_a_wrong_reused_figure(tmp_path):
+    """--verify compiles reused launches again: a reused figure that is not what the compiler
+    gives is a problem (exit 1), and the rest of the slice is clean."""
+    with open(COMMITTED, newline="") as f:
+        rows = list(csv.DictReader(f))
+    args = ["--archs", "90", "--dtypes", "float64", "--D", "16", "--modes", "inbatch",
+            "--no-candidates", "--no-cuda", "--jobs", "2"]
+    # the slice's keys, from a reuse run that compiles nothing
+    probe = _run_check(args + ["--reuse", COMMITTED, "--csv", str(tmp_path / "a.csv")], 600)
+    assert probe.returncode == 0, probe.stdout[-4000:] + probe.stderr[-4000:]
+    with open(tmp_path / "a.csv", newline="") as f:
+        keys = {r["key"] for r in csv.DictReader(f)}
+    assert keys and all(r["checked"] == "reused" for r in csv.DictReader(open(tmp_path / "a.csv")))
+    victim = next(r for r in rows if r["key"] in keys and r["kernel"] == "finish")
+    victim["registers"] = str(int(victim["registers"]) + 8)
+    tampered = tmp_path / "tampered.csv"
+    with open(tampered, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(r for r in rows if r["key"] in keys)
+    proc = _run_check(args + ["--reuse", str(tampered), "--verify", str(len(keys)),
+                              "--csv", str(tmp_path / "b.csv")], 600)
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    bad = [line for line in proc.stdout.splitlines() if line.startswith("PROBLEM")]
+    assert len(bad) == 1 and "finish" in bad[0] and "registers" in bad[0], bad
+    assert f"registers {victim['registers']} reused" in bad[0]
+
+
+def test_verify_sample_takes_every_kernel_then_draws(monkeypatch):
+    import types
+    reused = {}
+    for i in range(30):
+        tag = ("fwd", "finish", "noise")[i % 3] if i < 27 else "fwd"
+        reused[f"k{i:02d}"] = dict(launch=types.SimpleNamespace(tag=tag), arch=80 + 10 * (i % 2))
+    groups = {(u["launch"].tag, u["arch"]) for u in reused.values()}
+    a = CC._verify_sample(reused, 10, seed=3)
+    assert len(a) == 10 and a == CC._verify_sample(reused, 10, seed=3)
+    assert {(reused[k]["launch"].tag, reused[k]["arch"]) for k in a} == groups
+    assert len(CC._verify_sample(reused, 3, seed=3)) == 3
+    assert CC._verify_sample(reused, 100, seed=1) == set(reused)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--verify", "3"], "--verify needs --reuse"),
+    (["--reuse", "/nonexistent.csv"], "is not a file"),
+    (["--reuse", COMMITTED, "--verify", "-1"], "--verify"),
+    (["--reuse", COMMITTED, "--csv", COMMITTED], "would be overwritten"),
+])
+def test_reuse_arguments_are_checked(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        CC.main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_reuse_refuses_a_table_without_keys(tmp_path):
+    old = tmp_path / "old.csv"
+    old.write_text("kernel,arch,registers\nfwd,90,128\n")
+    with pytest.raises(ValueError, match="no `key` column"):
+        CC.read_reusable(str(old))
 
 
 @pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
@@ -324,3 +411,26 @@ def test_every_autotune_candidate_is_compile_checked(check_rows):
                if "candidate" in r["source"] and r["arch"] == str(arch)}
         missing = _candidate_keys(arch) - got
         assert not missing, (arch, missing)
+
+
+def test_launch_keys_follow_what_the_compiler_sees(monkeypatch):
+    """A launch's key (no compile: Triton's cache key) is the same for the same launch, and
+    differs when the arch, the warps, the stages, a constexpr or the measuring code differ."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # keys of the compiled path
+    from nac_fast.kernels import launch as KL
+    target = {t.arch: t for t in KL.CHECKED_TARGETS}[90]
+    _, L = next(iter(CC._plans(target, ["bfloat16"], [64], ["inbatch"], ["tf32x3"])))
+    job = CC._job(L, 90)
+    key = CC.launch_key(job)
+    assert len(key) == 64 and key == CC.launch_key(CC._job(L, 90))
+    module, name, arch, sig, consts, attrs, warps, stages = job
+    others = [(module, name, 80, sig, consts, attrs, warps, stages),
+              (module, name, arch, sig, consts, attrs, warps * 2, stages),
+              (module, name, arch, sig, consts, attrs, warps, stages + 1)]
+    c = next(k for k, v in consts.items() if isinstance(v, int) and not isinstance(v, bool))
+    others.append((module, name, arch, sig, {**consts, c: consts[c] * 2}, attrs, warps, stages))
+    keys = {CC.launch_key(j) for j in others}
+    assert key not in keys and len(keys) == len(others)
+    # the measuring code is part of the key: figures measured another way are not reused
+    monkeypatch.setattr(CC, "_measuring_code_digest", lambda: "another")
+    assert CC.launch_key(job) != key

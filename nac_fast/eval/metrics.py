@@ -87,7 +87,7 @@ def knn_predict(train_features, train_labels, test_features, *, k: int = 200,
     tr = _features("train_features", train_features)
     ytr = _labels("train_labels", train_labels, tr.shape[0])
     te = _features("test_features", test_features, dim=tr.shape[1])
-    _checks.integer("k", k)
+    k = _checks.integer("k", k, numpy=True)
     if not 1 <= k <= tr.shape[0]:
         raise ValueError(f"k must be in [1, {tr.shape[0]}] (the training set size), got {k}")
     _checks.positive_number("temperature", temperature)

@@ -177,7 +177,7 @@ def topk(query_codes, gallery_codes, k: int, *, zero_one: bool = False, backend:
     [1, G]."""
     q, g = pair(query_codes, gallery_codes, zero_one)
     G = g.words.shape[0]
-    _checks.integer("k", k)
+    k = _checks.integer("k", k, numpy=True)  # as HashIndex.search: a numpy int is an int
     if not 1 <= k <= G:
         raise ValueError(f"k must be in [1, {G}] (the gallery size), got {k}")
     return topk_words(q.words, g.words, k, resolve_backend(backend, q.words))
