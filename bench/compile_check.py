@@ -48,6 +48,7 @@ import argparse
 import concurrent.futures as cf
 import csv
 import dataclasses
+import functools
 import hashlib
 import os
 import re
@@ -406,6 +407,7 @@ def _job(launch, arch):
             launch.num_warps, launch.num_stages)
 
 
+@functools.lru_cache(maxsize=None)
 def _measuring_code_digest() -> str:
     """What the figures of a compiled launch also depend on: the code that measures them."""
     import inspect
@@ -445,11 +447,16 @@ def read_reusable(path) -> dict:
         raise ValueError(f"--reuse: {path} has no `key` column (not a compile check table of "
                          "this version: regenerate it without --reuse)")
     out = {}
-    for r in rows:
-        if not r["key"] or r["problems"].startswith("compile failed"):
-            continue
-        out[r["key"]] = {k: (r[k] if k == "mma_instr" else
-                             float(r[k]) if k == "compile_s" else int(r[k])) for k in COMPILED}
+    for i, r in enumerate(rows, start=2):
+        try:
+            if not r["key"] or r["problems"].startswith("compile failed"):
+                continue
+            out[r["key"]] = {k: (r[k] if k == "mma_instr" else
+                                 float(r[k]) if k == "compile_s" else int(r[k]))
+                             for k in COMPILED}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"--reuse: {path} line {i} is not a compile check row: "
+                             f"{exc!r}") from exc
     return out
 
 
@@ -465,6 +472,39 @@ def _verify_sample(reused, n, seed):
     rest = sorted(set(reused) - set(picked))
     rng.shuffle(rest)
     return set(picked + rest[:max(0, n - len(picked))])
+
+
+class _PlainProgress:
+    """A progress line with an ETA every tenth of the work, where tqdm is not installed (the
+    GPU machine need not have it)."""
+
+    def __init__(self, total):
+        self.total, self.n, self.t0, self.next = total, 0, time.perf_counter(), total / 10
+
+    def update(self, k):
+        self.n += k
+        if self.n >= self.next or self.n == self.total:
+            el = time.perf_counter() - self.t0
+            eta = el / self.n * (self.total - self.n)
+            print(f"compile check: {self.n}/{self.total} launches, {el:.0f} s, ETA {eta:.0f} s",
+                  file=sys.stderr, flush=True)
+            self.next += self.total / 10
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _progress(total):
+    """tqdm's bar over `total` launches to compile (stderr), or a plain line without tqdm."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _PlainProgress(total)
+    return tqdm(total=total, desc="compile check", unit="launch", file=sys.stderr,
+                disable=not total)
 
 
 def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_MODES,
@@ -509,11 +549,7 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
     done = [(None, u) for u in unique.values()
             if u["key"] and u["key"] in reused and u["key"] not in verified]
     import itertools
-
-    from tqdm.auto import tqdm
-    with cf.ProcessPoolExecutor(max_workers=jobs) as pool, \
-            tqdm(total=len(todo), desc="compile check", unit="launch", file=sys.stderr,
-                 disable=not todo) as bar:
+    with cf.ProcessPoolExecutor(max_workers=jobs) as pool, _progress(len(todo)) as bar:
         futs = {pool.submit(_compile_one, _job(u["launch"], u["arch"])): u for u in todo}
         for fut, u in itertools.chain(done, ((f, futs[f]) for f in cf.as_completed(futs))):
             if fut is not None:

@@ -413,24 +413,54 @@ def test_every_autotune_candidate_is_compile_checked(check_rows):
         assert not missing, (arch, missing)
 
 
-def test_launch_keys_follow_what_the_compiler_sees(monkeypatch):
+_KEY_PROBE = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import compile_check as CC
+from nac_fast.kernels import launch as KL
+target = {t.arch: t for t in KL.CHECKED_TARGETS}[90]
+_, L = next(iter(CC._plans(target, ["bfloat16"], [64], ["inbatch"], ["tf32x3"])))
+job = CC._job(L, 90)
+key = CC.launch_key(job)
+assert len(key) == 64 and key == CC.launch_key(CC._job(L, 90))
+module, name, arch, sig, consts, attrs, warps, stages = job
+others = [(module, name, 80, sig, consts, attrs, warps, stages),
+          (module, name, arch, sig, consts, attrs, warps * 2, stages),
+          (module, name, arch, sig, consts, attrs, warps, stages + 1)]
+c = next(k for k, v in consts.items() if isinstance(v, int) and not isinstance(v, bool))
+others.append((module, name, arch, sig, {**consts, c: consts[c] * 2}, attrs, warps, stages))
+keys = {CC.launch_key(j) for j in others}
+assert key not in keys and len(keys) == len(others), keys
+CC._measuring_code_digest = lambda: "another"
+assert CC.launch_key(job) != key
+print("ok")
+"""
+
+
+def test_launch_keys_follow_what_the_compiler_sees():
     """A launch's key (no compile: Triton's cache key) is the same for the same launch, and
-    differs when the arch, the warps, the stages, a constexpr or the measuring code differ."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # keys of the compiled path
-    from nac_fast.kernels import launch as KL
-    target = {t.arch: t for t in KL.CHECKED_TARGETS}[90]
-    _, L = next(iter(CC._plans(target, ["bfloat16"], [64], ["inbatch"], ["tf32x3"])))
-    job = CC._job(L, 90)
-    key = CC.launch_key(job)
-    assert len(key) == 64 and key == CC.launch_key(CC._job(L, 90))
-    module, name, arch, sig, consts, attrs, warps, stages = job
-    others = [(module, name, 80, sig, consts, attrs, warps, stages),
-              (module, name, arch, sig, consts, attrs, warps * 2, stages),
-              (module, name, arch, sig, consts, attrs, warps, stages + 1)]
-    c = next(k for k, v in consts.items() if isinstance(v, int) and not isinstance(v, bool))
-    others.append((module, name, arch, sig, {**consts, c: consts[c] * 2}, attrs, warps, stages))
-    keys = {CC.launch_key(j) for j in others}
-    assert key not in keys and len(keys) == len(others)
-    # the measuring code is part of the key: figures measured another way are not reused
-    monkeypatch.setattr(CC, "_measuring_code_digest", lambda: "another")
-    assert CC.launch_key(job) != key
+    differs when the arch, the warps, the stages, a constexpr or the measuring code differ.  In
+    a child process: the kernels of the compiled path, not the interpreter's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _KEY_PROBE, os.path.join(ROOT, "bench")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+def test_reuse_names_a_bad_row(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text(",".join(CC.FIELDS) + "\n" + ",".join(
+        "abc" if f == "key" else "many" if f == "registers" else "" for f in CC.FIELDS) + "\n")
+    with pytest.raises(ValueError, match=r"line 2 is not a compile check row"):
+        CC.read_reusable(str(bad))
+
+
+def test_plain_progress_without_tqdm(capsys):
+    """The GPU machine need not have tqdm: a line with the ETA every tenth of the launches."""
+    p = CC._PlainProgress(20)
+    with p:
+        for _ in range(20):
+            p.update(1)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("compile check:")]
+    assert len(lines) == 10 and lines[-1].startswith("compile check: 20/20 launches")
+    assert all("ETA" in x for x in lines)
