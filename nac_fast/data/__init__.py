@@ -28,7 +28,8 @@ Loaders (`loader`):
       and crop with PIL in DataLoader workers and do the colour ops batched (loaders/folder.py);
   "dali-cpu" / "dali-gpu": ImageFolders only, NVIDIA DALI (loaders/dali.py);
   "auto": in-memory -> torchvision; ImageFolder -> dali-gpu if DALI and CUDA are there, dali-cpu
-      if DALI is there, else torchvision.
+      if DALI is there, else torchvision (also when a file name is not UTF-8: DALI cannot open
+      it; an explicit dali-* loader is then a ValueError naming the files).
 Every loader draws the same augmentation parameters from (seed, epoch, image index, view), shards
 by global rank with equal batch counts (drop_last), and yields the same batch format.  Bad
 ImageFolder files follow `on_bad_file` (sources/imagefolder.py): "warn" skips and counts them
@@ -42,7 +43,7 @@ from .. import _checks
 from .augment import Recipe, make_recipe
 from .loaders.tensor import TensorEvalLoader, TensorPretrainLoader
 from .sources import InMemorySource, hash_train_source, resolve_source
-from .sources.imagefolder import check_policy
+from .sources.imagefolder import check_policy, non_utf8_names
 from .sources.subset import TRAIN_SUBSETS, HashSubset
 
 LOADERS = ("auto", "torchvision", "dali-cpu", "dali-gpu")
@@ -116,8 +117,14 @@ def _pick_loader(loader, source, device):
         if loader.startswith("dali") and not dali_available():
             raise ValueError(f"loader={loader!r} needs NVIDIA DALI: pip install nvidia-dali-cuda130 "
                              "(nvidia-dali-cuda120 for CUDA 12 drivers), or use loader='torchvision'")
+        odd = non_utf8_names(source.files) if loader.startswith("dali") else []
+        if odd:
+            raise ValueError(f"loader={loader!r}: DALI reads files by UTF-8 names only, and "
+                             f"{len(odd)} file name(s) of {source.root} are not UTF-8: "
+                             f"{', '.join(odd[:5])}{' ...' if len(odd) > 5 else ''}; rename them "
+                             "or use loader='torchvision'")
         return loader
-    if not dali_available():
+    if not dali_available() or non_utf8_names(source.files):   # DALI cannot open those names
         return "torchvision"
     return "dali-gpu" if torch.device(device).type == "cuda" else "dali-cpu"
 

@@ -338,14 +338,24 @@ def pil_crop_flip_views(img, recipe: Recipe, seed: int, epoch: int, index: int, 
 
 def pil_center_crop(img, size: int) -> torch.Tensor:
     """Eval view of one decoded PIL image: short side resized to size/0.875, centre crop; uint8
-    CHW."""
+    CHW.
+
+    An image whose resized whole would exceed 16 crops (aspect ratio over about 16) is cropped in
+    the source image's coordinates and resized in one step (PIL's resize with a float `box`):
+    the same sampling grid and filter as resizing the whole image to (w, h) and cropping it
+    (within one level of rounding), without making that whole image, which for a very elongated
+    image (a 2 x 60000 strip: 256 x 7.7M pixels) took gigabytes and tens of seconds."""
     from PIL import Image
     short = round(size / 0.875)          # 256 -> 224, the ImageNet convention
     scale = short / min(img.width, img.height)
     w, h = max(size, round(img.width * scale)), max(size, round(img.height * scale))
-    img = img.resize((w, h), Image.BILINEAR)
     left, top = (w - size) // 2, (h - size) // 2
-    return to_uint8_chw(img.crop((left, top, left + size, top + size)))
+    if w * h <= 16 * size * size:  # the usual image: resize, then crop (the same bits as before)
+        img = img.resize((w, h), Image.BILINEAR)
+        return to_uint8_chw(img.crop((left, top, left + size, top + size)))
+    sx, sy = img.width / w, img.height / h        # source pixels per pixel of the (w, h) image
+    box = (left * sx, top * sy, (left + size) * sx, (top + size) * sy)
+    return to_uint8_chw(img.resize((size, size), Image.BILINEAR, box=box))
 
 
 # --------------------------------------------------------------------------------------------

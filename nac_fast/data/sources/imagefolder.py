@@ -8,7 +8,15 @@ split, so that train.py never sees the images the evaluation scores; the split d
 file names alone, not on the scan order or where the folder lies (`holdout_split`).  A class's
 images may sit in sub-folders of its folder (as torchvision's ImageFolder reads them); a test
 split's labels are the training split's class indices.  The scan validates every file's magic
-bytes once (16 bytes read, threaded), so DALI's decoders never meet a non-image.
+bytes once (16 bytes read, threaded), so DALI's decoders never meet a non-image; a split in which
+no file passes is a ValueError naming the folder (not "0 images" later).  Classes are sorted by
+name and files by path, whatever order the file system lists them in.
+
+A folder is scanned once per process (`_scan_cache`) and scanned again when one of the folders
+read has changed since (its mtime: a file or folder added, removed or renamed in it; or it was
+changed less than RACY_NS before the scan), so a data set edited between two calls in one process
+(a notebook, train.main then eval.main) is not read from a stale file list; a file overwritten in
+place is not noticed.
 
 Bad files, one policy for every ImageFolder loader (`on_bad_file`, train.py --on-bad-file):
   "warn" (default): skip the file and count it.  A file that fails the scan (not an image, or a
@@ -26,9 +34,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -47,6 +56,7 @@ _scan_cache: dict = {}
 _warned: set = set()          # files already reported in a warning by this process
 MAX_NAMED = 5                 # file names in one warning (the count is always given)
 MAX_WARNINGS = 5              # bad-file warnings per loader; later skips are only counted
+RACY_NS = 2_000_000_000       # a scan is cached only for folders unchanged this long before it
 
 
 def _is_image_header(head: bytes) -> bool:
@@ -61,20 +71,49 @@ def _read_head(path):
         return b""
 
 
-def _class_files(folder, seen=None, looped=None):
+def _mtime(path):
+    """`path`'s mtime in ns (the link's target's), None when it cannot be read."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _stamp(dirs) -> tuple:
+    """((folder, mtime), ...) of the folders a scan read: what `_unchanged` compares."""
+    return tuple((d, _mtime(d)) for d in dirs)
+
+
+def _unchanged(stamp) -> bool:
+    """Whether a cached scan may be reused: `stamp` is (the scan's start, ns since the epoch,
+    ((folder, mtime), ...)), and every folder still has its mtime (nothing added, removed or
+    renamed in it since), an mtime at least RACY_NS older than the scan (a file system stamps
+    mtimes coarsely, a few ms on ext4, 2 s on FAT: a folder changed again within that tick of
+    the scan keeps its mtime, so a folder that recent is scanned again; git's "racy" rule)."""
+    if not stamp:
+        return False
+    start, dirs = stamp
+    return all(t is not None and t < start - RACY_NS and _mtime(d) == t for d, t in dirs)
+
+
+def _class_files(folder, seen=None, looped=None, walked=None):
     """Every file under a class folder, its sub-folders included (torchvision's ImageFolder
     reads them too, and so does python -m nac_fast.index), hidden files and folders skipped;
     sorted by path.  Symlinked files are read; a symlinked folder is followed only when its real
     path has not been read yet (`seen`: the real paths of the folders read, shared by the classes
     of one scan), so a link to an ancestor (a loop) or to a folder read elsewhere is not
-    followed: it is appended to `looped` (the scan warns once) instead."""
+    followed: it is appended to `looped` (the scan warns once) instead.  Sub-folders are visited
+    in sorted order, so which of two links to one folder is followed does not depend on the
+    order the file system lists them in.  `walked` (a list) receives every folder read."""
     seen = set() if seen is None else seen
     looped = [] if looped is None else looped
+    walked = [] if walked is None else walked
     seen.add(os.path.realpath(folder))
     out = []
     for d, subdirs, names in os.walk(folder, followlinks=True):
+        walked.append(d)
         keep = []
-        for s in subdirs:
+        for s in sorted(subdirs):
             if s.startswith("."):
                 continue
             p = os.path.join(d, s)
@@ -102,6 +141,8 @@ class FolderSource:
     natural_size: int = NATURAL_MAX  # the scan sets it from the images (`natural_side`)
     in_channels: int = 3
     held_out: int = 0     # a bare folder's training split: how many images its test split holds
+    # (scan start ns, ((folder, mtime), ...)) of the folders the scan read (`_unchanged`)
+    stamp: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def num_classes(self) -> int:
@@ -121,9 +162,11 @@ class FolderSource:
         d = os.path.join(root, sub)
         labels_from = train if sub != "train" else None  # test labels: the training classes
         key = (os.path.realpath(d),) + ((os.path.realpath(labels_from),) if labels_from else ())
-        if key not in _scan_cache:
-            _scan_cache[key] = cls._scan(d, cls._class_names(labels_from) if labels_from
-                                         else None)
+        if key not in _scan_cache or not _unchanged(_scan_cache[key].stamp):
+            _scan_cache.pop(key, None)
+            before = _stamp([labels_from]) if labels_from else ()   # its class names are read
+            src = cls._scan(d, cls._class_names(labels_from) if labels_from else None)
+            _scan_cache[key] = replace(src, stamp=(src.stamp[0], src.stamp[1] + before))
         return _scan_cache[key]
 
     @classmethod
@@ -132,7 +175,8 @@ class FolderSource:
         small to hold any image out (every class a single image) trains on all of them and has
         no test split."""
         key = (os.path.realpath(root), "bare")
-        if key not in _scan_cache:
+        if key not in _scan_cache or not _unchanged(_scan_cache[key]["train"].stamp):
+            _scan_cache.pop(key, None)
             whole = replace(cls._scan(root), name=os.path.basename(root.rstrip(os.sep)) or root)
             test = holdout_split(whole.files, whole.labels, root)
 
@@ -160,6 +204,8 @@ class FolderSource:
     def _scan(cls, d, train_classes=None):
         """The class folders of ``d``; with ``train_classes`` (a test split) each must be one of
         the training split's, and its label is that class's index there."""
+        start = time.time_ns()
+        stamp = _stamp([d])              # before the listing: a change during the scan rescans
         found = cls._class_names(d)
         classes = list(train_classes) if train_classes is not None else found
         label = {c: k for k, c in enumerate(classes)}
@@ -172,9 +218,12 @@ class FolderSource:
         # every class folder (and d itself) counts as read: a link to one of them is not followed
         seen = {os.path.realpath(d)} | {os.path.realpath(os.path.join(d, c)) for c in found}
         looped: list = []
+        walked: list = []
         for c in found:
             k = label[c]
-            entries = _class_files(os.path.join(d, c), seen, looped)
+            before = len(walked)
+            entries = _class_files(os.path.join(d, c), seen, looped, walked)
+            stamp += _stamp(walked[before:])
             imgs = [p for p in entries if p.lower().endswith(IMAGE_EXTENSIONS)]
             odd += [p for p in entries if not p.lower().endswith(IMAGE_EXTENSIONS)]
             if not imgs:
@@ -199,10 +248,16 @@ class FolderSource:
             ok = [_is_image_header(h) for h in ex.map(_read_head, files, chunksize=256)]
         bad = odd + [p for p, good in zip(files, ok) if not good]
         keep = np.flatnonzero(ok)
+        if not len(keep):
+            # else the loaders' "a batch exceeds the 0 images of the data set" hides the cause
+            raise ValueError(f"data: none of the {len(files)} image file(s) under {d} is an image "
+                             f"(their first bytes are no JPEG, PNG, BMP, TIFF or WebP header): "
+                             f"{_names(sorted(bad), '')}")
         files = [files[i] for i in keep]
         return cls(name=os.path.basename(os.path.dirname(d.rstrip("/"))) or d, root=d,
                    files=files, labels=np.asarray(labels, np.int64)[keep],
-                   classes=classes, bad_files=bad, natural_size=natural_side(files))
+                   classes=classes, bad_files=bad, natural_size=natural_side(files),
+                   stamp=(start, stamp))
 
 
 def holdout_split(files, labels, root) -> np.ndarray:
@@ -221,7 +276,9 @@ def holdout_split(files, labels, root) -> np.ndarray:
         if len(idx) < 2:
             continue
         n_test = max(1, round(HOLDOUT_FRACTION * len(idx)))
-        keys = [hashlib.md5(_within_class(files[i], root).encode()).hexdigest() for i in idx]
+        # os.fsencode: a name that is not UTF-8 (a Latin-1 name from an old archive, held as
+        # surrogates) hashes as its bytes; str.encode() raised UnicodeEncodeError on it
+        keys = [hashlib.md5(os.fsencode(_within_class(files[i], root))).hexdigest() for i in idx]
         test[idx[np.argsort(keys, kind="stable")[:n_test]]] = True
     return test
 
@@ -251,6 +308,24 @@ def natural_side(files) -> int:
     if not sides:
         return NATURAL_MAX
     return int(min(NATURAL_MAX, sorted(sides)[len(sides) // 2]))
+
+
+def non_utf8_names(files) -> list:
+    """The paths of `files` that are not UTF-8 (a Latin-1 name from an old archive: Python holds
+    its odd bytes as surrogates), each with those bytes escaped for a message.  DALI's file
+    reader takes UTF-8 names only (it raised "Unsupported argument type with name files")."""
+    try:
+        "\0".join(files).encode("utf-8")            # the common case: one encode, no list
+        return []
+    except UnicodeEncodeError:
+        pass
+    out = []
+    for p in files:
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError:
+            out.append(p.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
+    return out
 
 
 def check_policy(on_bad_file):
