@@ -40,12 +40,12 @@ from nac_fast.train.methods import code_stats, collapse_warning, learning_stats,
 from nac_fast.train.monitor import LossWatch, RunLog, summary_lines
 from nac_fast.train.run import (EXIT_USAGE, RunStopped, build, describe_l2, describe_p,
                                 finish, flip_prob_of, lr_at, plan_start, prepare_batch,
-                                print_main, save, start, stop_non_finite, train_step,
-                                write_status)
+                                print_main, remove_unused_out, save, start,
+                                stop_non_finite, train_step, write_status)
 
 
 def main(argv=None) -> int:
-    di = st = None
+    di = st = plan = None
     try:
         cfg = parse(argv)  # the command line over the recipe over the built-in values
         di = nd.init_distributed(cfg.device)
@@ -55,10 +55,15 @@ def main(argv=None) -> int:
         train(st, cfg)
         return finish(0, di=di, st=st)
     except UsageError as exc:  # flags, recipe, data, checkpoint (a bad file: also in training)
-        return finish(EXIT_USAGE, str(exc), di, st if st is not None and st.began else None)
+        began = st is not None and st.began
+        if not began and plan is not None:
+            remove_unused_out(plan.created)  # the --out this call made, still empty
+        return finish(EXIT_USAGE, str(exc), di, st if began else None)
     except RunStopped as exc:
         started = st is not None and (st.began or st.cfg.run_id is not None
                                       and exc.status != EXIT_USAGE)
+        if not started and plan is not None:
+            remove_unused_out(plan.created)
         return finish(exc.status, str(exc), di, st if started else None)
     except Exception as exc:  # a bug (status 1, traceback): recorded, not left "running"
         if st is not None and st.began and di is not None and di.is_main:
@@ -66,6 +71,8 @@ def main(argv=None) -> int:
                 write_status(st.cfg, 1, f"{type(exc).__name__}: {exc}", st.step)
             except OSError:
                 pass
+        elif plan is not None:
+            remove_unused_out(plan.created)
         raise
     finally:
         if nd.is_dist():

@@ -488,3 +488,24 @@ def test_the_printed_commands_replace_earlier_outputs_only_by_saying_so(tmp_path
     r = subprocess.run([sys.executable] + plot[1:], env=_env(), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and (out / "curves.png").read_bytes()[:4] == b"\x89PNG", r.stderr
+
+
+def test_a_run_stopped_before_it_began_leaves_no_out_folder(tmp_path, capsys):
+    """Bad data stops the run after --out was checked (created, probed) and before anything was
+    written: the folders train.py made for --out go again; a folder that existed stays."""
+    for c in ("a", "b"):
+        os.makedirs(tmp_path / "d" / c)
+        for i in range(3):
+            (tmp_path / "d" / c / f"{i}.png").write_bytes(b"not an image at all")
+    args = ["--data", str(tmp_path / "d"), "--image-size", "8", "--batch-size", "4",
+            "--code-dim", "16", "--no-progress", "--max-steps", "2"]
+    out = tmp_path / "new" / "deeper" / "run"
+    assert train.main(args + ["--out", str(out)]) == 2
+    assert "is an image" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert train.main(args + ["--out", str(kept / "run")]) == 2
+    assert kept.is_dir() and os.listdir(kept) == []
+    assert train.main(args + ["--out", str(kept)]) == 2
+    assert kept.is_dir()

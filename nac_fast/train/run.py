@@ -460,9 +460,15 @@ def run_files(out: str) -> list:
     return found
 
 
-def check_writable(out: str) -> None:
+def check_writable(out: str) -> tuple:
     """RunStopped(EXIT_UNWRITABLE), one line naming the folder, when `out` cannot be created or
-    written (read-only file system, permissions, a file in the way): probed with a temp file."""
+    written (read-only file system, permissions, a file in the way): probed with a temp file.
+    Returns the folders it created, deepest first (`remove_unused_out` takes them away again
+    when the run stops before it begins)."""
+    created, d = [], os.path.abspath(out)
+    while d and not os.path.lexists(d):
+        created.append(d)
+        d = os.path.dirname(d) if os.path.dirname(d) != d else ""
     try:
         os.makedirs(out, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".tmp-probe.", dir=out)
@@ -472,6 +478,18 @@ def check_writable(out: str) -> None:
         why = exc.strerror or type(exc).__name__
         raise RunStopped(EXIT_UNWRITABLE, f"--out {out!r} cannot be written ({why}); nothing "
                                           "was written. Choose a writable --out.") from exc
+    return tuple(created)
+
+
+def remove_unused_out(created) -> None:
+    """Remove the folders `check_writable` created for a run that stopped before it began (bad
+    data, a model that does not fit): an empty --out left behind is a half-made run.  A folder
+    that is no longer empty (something else wrote there) is kept."""
+    for d in created:
+        try:
+            os.rmdir(d)
+        except OSError:
+            return
 
 
 def _choose_start(cfg: TrainConfig, again: bool, owner: dict):
@@ -543,6 +561,7 @@ class StartPlan:
     restart: int              # TORCHELASTIC_RESTART_COUNT
     job: str | None           # TORCHELASTIC_RUN_ID
     ck: dict | None = None    # the checkpoint, loaded (rank 0 only)
+    created: tuple = ()       # the folders check_writable made for --out (rank 0 only)
 
 
 def plan_start(cfg: TrainConfig, di) -> StartPlan:
@@ -557,13 +576,13 @@ def plan_start(cfg: TrainConfig, di) -> StartPlan:
 
     UsageError (naming the file) when the checkpoint cannot be used."""
     restart, job = nd.restart_count(), os.environ.get("TORCHELASTIC_RUN_ID")
-    ck, choice = None, None
+    ck, choice, created = None, None, ()
     if di.is_main:
         try:
             owner = read_json(os.path.join(cfg.out, CONFIG)) or {}
             again = is_restart(owner, restart, job)
             path, ck, notes = _choose_start(cfg, again, owner)
-            check_writable(cfg.out)
+            created = check_writable(cfg.out)
             choice = (path, notes, again, None)
         except RunStopped as exc:
             choice = (None, [], False, (exc.status, str(exc)))
@@ -572,7 +591,8 @@ def plan_start(cfg: TrainConfig, di) -> StartPlan:
     path, notes, again, err = nd.broadcast_object(choice)
     if err is not None:
         raise RunStopped(*err)
-    return StartPlan(path=path, notes=notes, again=again, restart=restart, job=job, ck=ck)
+    return StartPlan(path=path, notes=notes, again=again, restart=restart, job=job, ck=ck,
+                     created=created)
 
 
 def start(st: TrainState, plan: StartPlan) -> None:
