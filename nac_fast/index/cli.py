@@ -6,8 +6,9 @@ it, and look at what was found.
     python -m nac_fast.index search --index photos.nacidx --k 10 --json hits.json --png hits.png query.png queries/
     python -m nac_fast.index encode --checkpoint runs/default/last.pt --images photos/ --out codes.npz --npy codes.npy
 
-build   encodes every image under --images (recursively; the first-level sub-folders are the
-        labels, like an ImageFolder's classes; files directly in the folder have none) with the
+build   encodes every image under --images (recursively, symlinked folders followed as in
+        training's ImageFolder; the first-level sub-folders are the labels, like an ImageFolder's
+        classes; files directly in the folder have none) with the
         checkpoint's own evaluation preprocessing (nac_fast.data.preprocess: recorded in its
         config, not guessed), keeps the first --bits bits of the code, and saves a
         nac_fast.HashIndex with the paths, labels and the checkpoint's path and SHA-256.
@@ -28,7 +29,9 @@ Every output is written atomically (a temporary file, then a rename), after all 
 the work: a failure leaves no half-written file, and the two outputs of a run (--out and --npy,
 --json and --png) are renamed into place only once both are complete.  Output locations are
 checked before any work: an existing file (without --overwrite), a folder, a path under a file
-or in a folder that cannot be written is refused at once, not after encoding.  Errors are one
+or in a folder that cannot be written is refused at once, not after encoding; so is, even with
+--overwrite, an output that names one of the run's inputs (the checkpoint, the index searched, a
+query image).  Errors are one
 line on stderr with exit status 2 (bad arguments, unwritable outputs, unreadable queries,
 another checkpoint, ...).
 """
@@ -83,11 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "--png file")
     s.add_argument("--checkpoint", default=None, help="the checkpoint to encode the queries "
                    "with (default: the one the index records; its SHA-256 must match)")
-    s.add_argument("--batch-size", type=int, default=256)
+    s.add_argument("--batch-size", type=int, default=256, help="query images per forward pass")
     s.add_argument("--device", default="cpu", help="where the queries are encoded and the index "
                    "searched: cpu, or cuda (the index's codes are copied to the GPU; Triton's "
                    "exact top-k)")
-    s.add_argument("--no-progress", dest="progress", action="store_false")
+    s.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no tqdm bar")
     s.add_argument("queries", nargs="+", metavar="IMAGE_OR_DIR", help="query images or folders")
 
     e = sub.add_parser("encode", help="packed codes + paths of a folder (.npz)",
@@ -113,6 +117,24 @@ def _check_new_file(flag: str, path: str, overwrite: bool) -> None:
     read-only folder, ...: nac_fast._files.check_new_file)."""
     from .._files import check_new_file
     check_new_file(flag, path, overwrite, error=UsageError)
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (through links too, when both exist)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _not_an_input(flag: str, path: str, inputs) -> None:
+    """Refuse an output that names one of the run's inputs (``[(what, path), ...]``: the
+    checkpoint, the index searched, a query image): --overwrite is for replacing an earlier
+    output, and would otherwise let a slip of the keyboard replace a trained checkpoint or the
+    index with a PNG, JSON or .npz (after the run read it, so the input is lost)."""
+    for what, other in inputs:
+        if other is not None and os.path.exists(path) and _same_file(path, other):
+            raise UsageError(f"{flag} {path!r} is {what}; name another output file")
 
 
 def _check_device(flag: str, device):
@@ -208,6 +230,7 @@ def cmd_build(args) -> int:
             raise UsageError(f"--out: {exc}") from None
     else:
         _check_new_file("--out", args.out, args.overwrite)
+    _not_an_input("--out", args.out, [("the --checkpoint file", args.checkpoint)])
     files, labels, ignored = _scan_folder("--images", args.images)
     bits = args.bits
     if existing is not None and bits is None:
@@ -293,6 +316,11 @@ def cmd_search(args) -> int:
     ckpt = args.checkpoint or m.get("checkpoint")
     if not ckpt:
         raise UsageError(f"--index {args.index!r} records no checkpoint; pass --checkpoint")
+    if args.checkpoint is not None and not os.path.isfile(ckpt):
+        # (the user's own --checkpoint: name it, rather than blame the one the index records)
+        raise UsageError(f"--checkpoint {ckpt!r}: "
+                         + ("a folder, not a checkpoint file" if os.path.isdir(ckpt) else
+                            "no such file"))
     if not os.path.isfile(ckpt):
         raise UsageError(f"the checkpoint {ckpt!r} the index was built with is not there; pass "
                          "--checkpoint with a copy of it")
@@ -300,6 +328,12 @@ def cmd_search(args) -> int:
         raise UsageError(f"checkpoint {ckpt!r} is not the one {args.index!r} was built with "
                          f"(SHA-256 differs): its codes would not be comparable")
     files, qlabels = _query_files(args.queries, set(index.labels or ()) - {None})
+    inputs = [("the --index file", args.index), (f"the checkpoint {ckpt!r}", ckpt)]
+    for flag in ("json", "png"):
+        path = getattr(args, flag)
+        if path is not None:
+            _not_an_input(f"--{flag}", path, inputs + [("a query image", f) for f in files
+                                                       if _same_file(path, f)])
     try:  # a GPU index: its codes copied to the GPU (room checked first), searched there
         index.to(device)
     except ValueError as exc:
@@ -370,6 +404,10 @@ def cmd_encode(args) -> int:
         _check_new_file("--npy", args.npy, args.overwrite)
         if os.path.abspath(args.npy) == os.path.abspath(args.out):
             raise UsageError("--npy and --out name the same file")
+    for flag in ("--out", "--npy"):
+        path = args.out if flag == "--out" else args.npy
+        if path is not None:
+            _not_an_input(flag, path, [("the --checkpoint file", args.checkpoint)])
     files, _, ignored = _scan_folder("--images", args.images)
     enc = _encoder(args, args.bits)
     res = enc.encode_files(files, batch_size=args.batch_size, progress=args.progress)

@@ -56,11 +56,23 @@ def scan_images(root: str):
     skipped): ``(files, labels, ignored)``.  ``labels[i]`` is the name of the first-level
     sub-folder of ``root`` that holds files[i] (a class folder), or None for a file directly
     in ``root``; ``ignored`` lists the files whose extension is not an image's
-    (``IMAGE_EXTENSIONS``).  Paths are absolute."""
+    (``IMAGE_EXTENSIONS``).  Paths are absolute.  Symlinked folders are followed, as the
+    training ImageFolder (nac_fast/data/sources/imagefolder.py) follows them, so a class folder
+    that is a link is indexed rather than silently left out; a link to a folder already read (a
+    loop back to an ancestor, or a second link to one folder) is not followed again."""
     root = os.path.abspath(root)
     files, labels, ignored = [], [], []
-    for d, subdirs, names in os.walk(root):
-        subdirs[:] = sorted(s for s in subdirs if not s.startswith("."))
+    seen = {os.path.realpath(root)}
+    for d, subdirs, names in os.walk(root, followlinks=True):
+        keep = []
+        for s in sorted(subdirs):
+            if s.startswith("."):
+                continue
+            real = os.path.realpath(os.path.join(d, s))
+            if real not in seen:
+                seen.add(real)
+                keep.append(s)
+        subdirs[:] = keep
         rel = os.path.relpath(d, root)
         label = None if rel == "." else rel.split(os.sep)[0]
         for name in sorted(names):

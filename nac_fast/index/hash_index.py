@@ -98,6 +98,37 @@ def _str_list(name: str, values, n: int, allow_none: bool) -> list:
     return out
 
 
+_INT64_MAX = 2 ** 63 - 1
+
+
+def _ids_tensor(ids, n: int) -> torch.Tensor:
+    """``ids`` given to add() for ``n`` codes as a CPU int64 tensor.  Integers only (any integer
+    dtype, a list, a tensor), each in the int64 range: a uint64 id of 2**63 or more would wrap to
+    a negative one and silently name another item, so it is a ValueError; anything torch cannot
+    read as integers (strings, None, ...) is a TypeError naming ``ids``."""
+    if isinstance(ids, (str, bytes)):
+        raise TypeError(f"ids must be {n} integers, got {type(ids).__name__}")
+    if isinstance(ids, (list, tuple)) and not ids:
+        t = torch.zeros(0, dtype=torch.int64)  # (torch makes [] float32)
+    else:
+        try:
+            t = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            if "overflow" in str(exc).lower():
+                raise ValueError(f"ids must be in the int64 range [-2**63, 2**63 - 1] ({exc})") \
+                    from None
+            raise TypeError(f"ids must be {n} integers, got {type(ids).__name__} ({exc})") from None
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"ids must be integers, got {t.dtype}")
+    if t.shape != (n,):
+        raise ValueError(f"ids must have shape ({n},) to match the codes, got {tuple(t.shape)}")
+    if t.dtype == torch.uint64 and n and bool((t.view(torch.int64) < 0).any()):
+        # (torch has no comparisons for uint64: a value >= 2**63 is a negative int64 bit pattern)
+        raise ValueError(f"ids must be in the int64 range [-2**63, 2**63 - 1], got a uint64 id "
+                         f"above {_INT64_MAX}")
+    return t.to("cpu", torch.int64)
+
+
 def _check_device(name: str, device) -> torch.device:
     """A torch.device for "cpu" or an available "cuda[:i]" (a ValueError naming `name` else)."""
     if not isinstance(device, (str, torch.device)):
@@ -231,16 +262,7 @@ class HashIndex:
             raise ValueError(f"codes have {p.nbits} bits but the index holds {self.nbits}-bit codes")
         words = p.words.detach()
         n = words.shape[0]
-        new_ids = None
-        if ids is not None:
-            new_ids = (torch.zeros(0, dtype=torch.int64) if isinstance(ids, (list, tuple))
-                       and not ids else torch.as_tensor(ids))  # (torch makes [] float32)
-            if new_ids.dtype in (torch.bool,) or new_ids.is_floating_point() or new_ids.is_complex():
-                raise TypeError(f"ids must be integers, got {new_ids.dtype}")
-            if new_ids.shape != (n,):
-                raise ValueError(f"ids must have shape ({n},) to match the codes, got "
-                                 f"{tuple(new_ids.shape)}")
-            new_ids = new_ids.to("cpu", torch.int64)
+        new_ids = None if ids is None else _ids_tensor(ids, n)
         new_paths = None if paths is None else _str_list("paths", paths, n, False)
         new_labels = None if labels is None else _str_list("labels", labels, n, True)
         if self._n:  # (an empty index holds no ids / paths / labels: see the append below)
@@ -269,13 +291,26 @@ class HashIndex:
             self._ids = self._paths = self._labels = None
             if n == 0:
                 new_ids = new_paths = new_labels = None
+        # ids, paths and labels grow in place (a buffer of spare capacity, list.extend), so many
+        # small adds cost what one large add does, not a copy of everything held per add
         if new_ids is not None:
-            old = self._ids[:self._n] if self._ids is not None else torch.zeros(0, dtype=torch.int64)
-            self._ids = torch.cat([old, new_ids])
-        if new_paths is not None:
-            self._paths = (self._paths or []) + new_paths
+            held = 0 if self._ids is None else self._ids.shape[0]
+            if need > held:
+                grown_ids = torch.empty(max(need, 2 * held, 1024), dtype=torch.int64)
+                if self._ids is not None:
+                    grown_ids[:self._n] = self._ids[:self._n]
+                self._ids = grown_ids
+            self._ids[self._n:need] = new_ids
+        if new_paths is not None:  # (the lists are the index's own: the properties copy them)
+            if self._paths is None:
+                self._paths = new_paths
+            else:
+                self._paths.extend(new_paths)
         if new_labels is not None:
-            self._labels = (self._labels or []) + new_labels
+            if self._labels is None:
+                self._labels = new_labels
+            else:
+                self._labels.extend(new_labels)
         self._n = need
         self._device_words = None
 
@@ -346,6 +381,12 @@ class HashIndex:
         path = os.fspath(path)
         if os.path.isdir(path):
             raise IsADirectoryError(f"{path!r} is a directory; name the index file")
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.lexists(parent):  # the nearest part of the path that exists must be a
+            parent = os.path.dirname(parent)  # folder (else os.makedirs' "File exists" would hint
+        if not os.path.isdir(parent):         # at overwrite=True, which cannot help)
+            raise NotADirectoryError(f"{path!r}: {parent!r} is a file, not a folder, so the "
+                                     "index cannot be written under it")
         if os.path.lexists(path) and not overwrite:
             raise FileExistsError(f"{path!r} exists; pass overwrite=True to replace it")
         head = {"format": FORMAT, "version": FORMAT_VERSION, "nbits": self.nbits,
@@ -399,13 +440,20 @@ class HashIndex:
                 if head.get("format") != FORMAT:
                     raise ValueError(f"meta.json names format {head.get('format')!r} if any, "
                                      f"not {FORMAT!r}")
-                if head.get("version") != FORMAT_VERSION:
-                    raise _VersionError(head.get("version"))
+                version = head.get("version")
+                if type(version) is not int or version != FORMAT_VERSION:  # (not True or 1.0)
+                    raise _VersionError(version)
+                has = {}
+                for key in ("has_ids", "has_paths", "has_labels"):
+                    has[key] = head.get(key, False)
+                    if not isinstance(has[key], bool):  # ("no" would read as true)
+                        raise ValueError(f"meta.json's {key} must be true or false, got "
+                                         f"{has[key]!r}")
                 words = np.load(io.BytesIO(z.read("codes.npy")), allow_pickle=False)
                 ids = (np.load(io.BytesIO(z.read("ids.npy")), allow_pickle=False)
-                       if head.get("has_ids") else None)
-                paths = json.loads(z.read("paths.json")) if head.get("has_paths") else None
-                labels = json.loads(z.read("labels.json")) if head.get("has_labels") else None
+                       if has["has_ids"] else None)
+                paths = json.loads(z.read("paths.json")) if has["has_paths"] else None
+                labels = json.loads(z.read("labels.json")) if has["has_labels"] else None
         except _VersionError as exc:
             raise ValueError(f"index {path!r} was written in HashIndex format version "
                              f"{exc.args[0]!r}; this nac_fast reads version {FORMAT_VERSION} "
@@ -415,8 +463,16 @@ class HashIndex:
             raise ValueError(f"index {path!r} is not a complete nac_fast HashIndex file "
                              f"(truncated, damaged or another kind of file): {exc}") from None
         try:
-            nbits, ntotal = _check_nbits(head["nbits"]), int(head["ntotal"])
+            nbits, ntotal = _check_nbits(head["nbits"]), head["ntotal"]
+            if type(ntotal) is not int or ntotal < 0:  # (not "97", 97.9 or true)
+                raise ValueError(f"ntotal must be an int >= 0, got {ntotal!r}")
             W = (nbits + 63) // 64
+            if head.get("words_per_code", W) != W or type(head.get("words_per_code", W)) is not int:
+                raise ValueError(f"words_per_code is {head.get('words_per_code')!r}, but "
+                                 f"{nbits}-bit codes take {W}")
+            if head.get("byte_order", "little") != "little":
+                raise ValueError(f"byte_order is {head.get('byte_order')!r}; version "
+                                 f"{FORMAT_VERSION} files are little-endian")
             if words.dtype != np.dtype("<u8") or words.shape != (ntotal, W):
                 raise ValueError(f"codes.npy is {words.dtype} {words.shape}, expected little-endian "
                                  f"uint64 ({ntotal}, {W})")
