@@ -464,3 +464,37 @@ def test_cli_search_equals_the_oracle_on_the_index_codes(small, capsys):
         assert [x["distance"] for x in r["results"]] == drow.tolist()
         assert [x["path"] for x in r["results"]] == [index.paths[i] for i in irow]
         assert [x["id"] for x in r["results"]] == irow.tolist()
+
+
+def test_a_contact_sheet_too_large_to_hold_is_refused_before_the_search(small, tmp_path, capsys,
+                                                                        monkeypatch):
+    """--png draws the whole sheet in memory (1000 queries x top 100: 4.5 GB).  Past
+    sheet.MAX_PIXELS it is refused with exit 2 naming --png, before any query is encoded;
+    contact_sheet refuses it too; a sheet within the limit is drawn as before."""
+    from nac_fast.index import sheet
+    w, h = sheet.sheet_size(1000, 100)
+    assert w * h * 3 > 4e9
+    with pytest.raises(ValueError, match="1000 queries x 100 neighbours"):
+        sheet.check_sheet_size(1000, 100)
+    sheet.check_sheet_size(100, 10)
+    monkeypatch.setattr(sheet, "MAX_PIXELS", sheet.sheet_size(2, 5)[0] * sheet.sheet_size(2, 5)[1])
+    index = HashIndex.load(small / "photos.nacidx")
+    queries = index.paths[:3]
+    real_encoder = cli._encoder
+
+    def no_encoder(*a, **kw):
+        raise AssertionError("the queries were encoded before the sheet's size was checked")
+    monkeypatch.setattr(cli, "_encoder", no_encoder)
+    code, out, err = _run(["search", "--index", str(small / "photos.nacidx"), "--k", "5",
+                           "--png", str(tmp_path / "s.png"), "--no-progress"] + queries, capsys)
+    assert code == 2 and "error: --png" in err and "3 queries x 5 neighbours" in err, err
+    assert not (tmp_path / "s.png").exists()
+    monkeypatch.setattr(cli, "_encoder", real_encoder)
+    code, out, err = _run(["search", "--index", str(small / "photos.nacidx"), "--k", "5",
+                           "--png", str(tmp_path / "s.png"), "--no-progress"] + queries[:2],
+                          capsys)
+    assert code == 0 and (tmp_path / "s.png").exists(), err
+    rows = [{"query": q, "label": None, "results": [{"path": q, "distance": 0}] * 5}
+            for q in queries]
+    with pytest.raises(ValueError, match="3 queries x 5 neighbours"):
+        sheet.contact_sheet(rows)

@@ -334,6 +334,12 @@ def cmd_search(args) -> int:
         if path is not None:
             _not_an_input(f"--{flag}", path, inputs + [("a query image", f) for f in files
                                                        if _same_file(path, f)])
+    if args.png is not None:  # the sheet is drawn in memory: refused now, not after the search
+        from .sheet import check_sheet_size
+        try:
+            check_sheet_size(len(files), min(args.k, index.ntotal))
+        except ValueError as exc:
+            raise UsageError(f"--png: {exc} (--k; --json has no such limit)") from None
     try:  # a GPU index: its codes copied to the GPU (room checked first), searched there
         index.to(device)
     except ValueError as exc:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from .._files import atomic_write
 
-__all__ = ["draw_contact_sheet", "contact_sheet"]
+__all__ = ["draw_contact_sheet", "contact_sheet", "sheet_size", "MAX_PIXELS"]
 
 THUMB = 96          # pixels of the longer side of a thumbnail
 PAD = 6
 TEXT_H = 30
+HEAD_H = 44         # the title and the legend
+MAX_PIXELS = 100_000_000  # 300 MB of RGB in memory: past it a sheet is refused, not drawn
 BLUE, RED, GREEN, GREY = (40, 90, 220), (215, 30, 30), (30, 140, 60), (110, 110, 110)
 
 
@@ -52,12 +54,31 @@ def draw_contact_sheet(rows, out_path: str, *, title: str | None = None) -> None
     atomic_write(out_path, lambda f: sheet.save(f, format="PNG"))
 
 
+def sheet_size(n_queries: int, k: int) -> tuple:
+    """(width, height) in pixels of the sheet of ``n_queries`` rows of a query and ``k``
+    neighbours, not counting the heading's own width (a short row is widened to show it)."""
+    cell_w, cell_h = THUMB + 2 * PAD, THUMB + 2 * PAD + TEXT_H
+    return (1 + k) * cell_w + 2 * PAD, HEAD_H + n_queries * cell_h + PAD
+
+
+def check_sheet_size(n_queries: int, k: int) -> None:
+    """ValueError when the sheet of ``n_queries`` x ``k`` would exceed MAX_PIXELS: it is held in
+    memory whole (1000 queries x top 100 would be 4.5 GB)."""
+    w, h = sheet_size(n_queries, k)
+    if w * h > MAX_PIXELS:
+        raise ValueError(f"a contact sheet of {n_queries} queries x {k} neighbours would be "
+                         f"{w} x {h} pixels ({3 * w * h / 1e9:.1f} GB in memory), more than "
+                         f"{MAX_PIXELS:,} pixels: draw it for fewer queries or a smaller k")
+
+
 def contact_sheet(rows, *, title: str | None = None):
-    """The contact sheet of ``rows`` (module docstring) as an RGB PIL image."""
+    """The contact sheet of ``rows`` (module docstring) as an RGB PIL image.  ValueError when
+    there are no rows, or when the sheet would exceed MAX_PIXELS (`check_sheet_size`)."""
     from PIL import Image, ImageDraw
     if not rows:
         raise ValueError("no rows to draw")
     ncol = 1 + max(len(r["results"]) for r in rows)
+    check_sheet_size(len(rows), ncol - 1)
     cell_w, cell_h = THUMB + 2 * PAD, THUMB + 2 * PAD + TEXT_H
     f_small, f_title = _font(11), _font(13)
     heading = ([(title, "black", f_title)] if title else []) + [
