@@ -6,7 +6,8 @@ FAISS's ``IndexBinaryFlat`` (docs/math.md [M:hamming], [M:rank]).
     index.add(codes, paths=files, labels=names)           # +-1, bool or PackedCodes; in order
     D, I = index.search(query_codes, 10)                  # (Q, k) int32 distances, int64 positions
                                                           # (numpy arrays for a numpy query)
-    index.paths[I[0, 0]], index.ids[I]                    # what was found
+    paths = index.paths                                   # a copy, O(ntotal): take it once
+    paths[I[0, 0]], index.ids[I]                          # what was found
     index.save("gallery.nacidx"); index = nac_fast.HashIndex.load("gallery.nacidx")
 
 As in FAISS: ``add`` appends in order; ``search`` returns positions in insertion order
@@ -235,10 +236,14 @@ class HashIndex:
 
     @property
     def paths(self) -> list | None:
+        """A copy of the paths given to add(), in position order, or None if none were.  Each
+        access copies all ntotal of them: take it once, not once per lookup."""
         return None if self._paths is None else list(self._paths)
 
     @property
     def labels(self) -> list | None:
+        """A copy of the labels given to add() (None for an item without one), or None if none
+        were.  Each access copies all ntotal of them: take it once, not once per lookup."""
         return None if self._labels is None else list(self._labels)
 
     def __repr__(self) -> str:
