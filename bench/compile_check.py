@@ -538,20 +538,20 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
     verified = _verify_sample(reused, verify, seed) if verify else set()
-    todo = [u for u in unique.values() if not u["key"] or u["key"] not in reused
-            or u["key"] in verified]
+    todo, done = [], []  # to compile; reused as they are (fut None below)
+    for u in unique.values():
+        (done if u["key"] in reused and u["key"] not in verified else todo).append(u)
     if reuse is not None:
         print(f"compile check: {len(reused)} launches reused by key, {len(verified)} of them "
               f"compiled again to verify (seed {seed}), {len(todo) - len(verified)} to compile",
               flush=True)
     rows = []
     t0 = time.perf_counter()
-    done = [(None, u) for u in unique.values()
-            if u["key"] and u["key"] in reused and u["key"] not in verified]
     import itertools
     with cf.ProcessPoolExecutor(max_workers=jobs) as pool, _progress(len(todo)) as bar:
         futs = {pool.submit(_compile_one, _job(u["launch"], u["arch"])): u for u in todo}
-        for fut, u in itertools.chain(done, ((f, futs[f]) for f in cf.as_completed(futs))):
+        for fut, u in itertools.chain(((None, u) for u in done),
+                                      ((f, futs[f]) for f in cf.as_completed(futs))):
             if fut is not None:
                 bar.update(1)
             L, arch, cases = u["launch"], u["arch"], u["cases"]

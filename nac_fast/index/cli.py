@@ -332,8 +332,7 @@ def cmd_search(args) -> int:
     for flag in ("json", "png"):
         path = getattr(args, flag)
         if path is not None:
-            _not_an_input(f"--{flag}", path, inputs + [("a query image", f) for f in files
-                                                       if _same_file(path, f)])
+            _not_an_input(f"--{flag}", path, inputs + [("a query image", f) for f in files])
     if args.png is not None:  # the sheet is drawn in memory: refused now, not after the search
         from .sheet import check_sheet_size
         try:
@@ -410,8 +409,7 @@ def cmd_encode(args) -> int:
         _check_new_file("--npy", args.npy, args.overwrite)
         if os.path.abspath(args.npy) == os.path.abspath(args.out):
             raise UsageError("--npy and --out name the same file")
-    for flag in ("--out", "--npy"):
-        path = args.out if flag == "--out" else args.npy
+    for flag, path in (("--out", args.out), ("--npy", args.npy)):
         if path is not None:
             _not_an_input(flag, path, [("the --checkpoint file", args.checkpoint)])
     files, _, ignored = _scan_folder("--images", args.images)

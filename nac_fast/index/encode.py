@@ -24,7 +24,7 @@ import torch
 
 from .. import _checks
 from ..data.preprocess import checkpoint_preprocessing, load_image
-from ..data.sources.imagefolder import IMAGE_EXTENSIONS
+from ..data.sources.imagefolder import IMAGE_EXTENSIONS, walk_following_links
 from ..train.checkpoint import load_checkpoint, load_model
 from .hash_index import _check_device
 
@@ -62,17 +62,7 @@ def scan_images(root: str):
     loop back to an ancestor, or a second link to one folder) is not followed again."""
     root = os.path.abspath(root)
     files, labels, ignored = [], [], []
-    seen = {os.path.realpath(root)}
-    for d, subdirs, names in os.walk(root, followlinks=True):
-        keep = []
-        for s in sorted(subdirs):
-            if s.startswith("."):
-                continue
-            real = os.path.realpath(os.path.join(d, s))
-            if real not in seen:
-                seen.add(real)
-                keep.append(s)
-        subdirs[:] = keep
+    for d, names in walk_following_links(root, {os.path.realpath(root)}):
         rel = os.path.relpath(d, root)
         label = None if rel == "." else rel.split(os.sep)[0]
         for name in sorted(names):

@@ -16,6 +16,7 @@ __all__ = ["draw_contact_sheet", "contact_sheet", "sheet_size", "MAX_PIXELS"]
 THUMB = 96          # pixels of the longer side of a thumbnail
 PAD = 6
 TEXT_H = 30
+CELL_W, CELL_H = THUMB + 2 * PAD, THUMB + 2 * PAD + TEXT_H   # a thumbnail and its two lines
 HEAD_H = 44         # the title and the legend
 MAX_PIXELS = 100_000_000  # 300 MB of RGB in memory: past it a sheet is refused, not drawn
 BLUE, RED, GREEN, GREY = (40, 90, 220), (215, 30, 30), (30, 140, 60), (110, 110, 110)
@@ -57,8 +58,7 @@ def draw_contact_sheet(rows, out_path: str, *, title: str | None = None) -> None
 def sheet_size(n_queries: int, k: int) -> tuple:
     """(width, height) in pixels of the sheet of ``n_queries`` rows of a query and ``k``
     neighbours, not counting the heading's own width (a short row is widened to show it)."""
-    cell_w, cell_h = THUMB + 2 * PAD, THUMB + 2 * PAD + TEXT_H
-    return (1 + k) * cell_w + 2 * PAD, HEAD_H + n_queries * cell_h + PAD
+    return (1 + k) * CELL_W + 2 * PAD, HEAD_H + n_queries * CELL_H + PAD
 
 
 def check_sheet_size(n_queries: int, k: int) -> None:
@@ -79,7 +79,7 @@ def contact_sheet(rows, *, title: str | None = None):
         raise ValueError("no rows to draw")
     ncol = 1 + max(len(r["results"]) for r in rows)
     check_sheet_size(len(rows), ncol - 1)
-    cell_w, cell_h = THUMB + 2 * PAD, THUMB + 2 * PAD + TEXT_H
+    cell_w, cell_h = CELL_W, CELL_H
     f_small, f_title = _font(11), _font(13)
     heading = ([(title, "black", f_title)] if title else []) + [
         ("query (blue) | neighbours by Hamming distance, nearest first; red: label differs from "

@@ -466,9 +466,9 @@ def check_writable(out: str) -> tuple:
     Returns the folders it created, deepest first (`remove_unused_out` takes them away again
     when the run stops before it begins)."""
     created, d = [], os.path.abspath(out)
-    while d and not os.path.lexists(d):
+    while not os.path.lexists(d):  # (the file system's root exists: the loop ends there)
         created.append(d)
-        d = os.path.dirname(d) if os.path.dirname(d) != d else ""
+        d = os.path.dirname(d)
     try:
         os.makedirs(out, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".tmp-probe.", dir=out)

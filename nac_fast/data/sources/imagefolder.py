@@ -96,6 +96,30 @@ def _unchanged(stamp) -> bool:
     return all(t is not None and t < start - RACY_NS and _mtime(d) == t for d, t in dirs)
 
 
+def walk_following_links(folder, seen, looped=None):
+    """``(folder, file names)`` of `folder` and every folder under it, hidden ones skipped, as
+    os.walk(followlinks=True) visits them, sub-folders in name order (so which of two links to
+    one folder is followed does not depend on the order the file system lists them in).  A
+    sub-folder whose real path is in `seen` (a loop back to an ancestor, a second link to one
+    folder) is not entered: its path is appended to `looped` when given.  `seen` (a set of real
+    paths) grows with every folder entered; the caller adds `folder`'s own."""
+    for d, subdirs, names in os.walk(folder, followlinks=True):
+        keep = []
+        for s in sorted(subdirs):
+            if s.startswith("."):
+                continue
+            p = os.path.join(d, s)
+            real = os.path.realpath(p)
+            if real in seen:
+                if looped is not None:
+                    looped.append(p)
+                continue
+            seen.add(real)
+            keep.append(s)
+        subdirs[:] = keep
+        yield d, names
+
+
 def _class_files(folder, seen=None, looped=None, walked=None):
     """Every file under a class folder, its sub-folders included (torchvision's ImageFolder
     reads them too, and so does python -m nac_fast.index), hidden files and folders skipped;
@@ -110,20 +134,8 @@ def _class_files(folder, seen=None, looped=None, walked=None):
     walked = [] if walked is None else walked
     seen.add(os.path.realpath(folder))
     out = []
-    for d, subdirs, names in os.walk(folder, followlinks=True):
+    for d, names in walk_following_links(folder, seen, looped):
         walked.append(d)
-        keep = []
-        for s in sorted(subdirs):
-            if s.startswith("."):
-                continue
-            p = os.path.join(d, s)
-            real = os.path.realpath(p)
-            if real in seen:
-                looped.append(p)
-                continue
-            seen.add(real)
-            keep.append(s)
-        subdirs[:] = keep
         out += [os.path.join(d, n) for n in names if not n.startswith(".")]
     return sorted(out)
 
