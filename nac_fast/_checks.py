@@ -26,8 +26,10 @@ def is_int(v, *, numpy: bool = False) -> bool:
 
 
 def is_number(v) -> bool:
-    """v is an int or a float and not a bool."""
-    return not isinstance(v, bool) and isinstance(v, (int, float))
+    """v is a real number and not a bool: an int or a float, or a numpy integer or floating
+    scalar (np.float32(0.1) as well as np.float64, which is a float)."""
+    return (not isinstance(v, (bool, np.bool_))
+            and isinstance(v, (int, float, np.integer, np.floating)))
 
 
 def integer(name: str, v, *, numpy: bool = False) -> int:

@@ -31,6 +31,8 @@ import warnings
 
 import torch
 
+from .. import _checks
+
 BACKENDS = ("reference", "cpu", "triton", "cuda")
 OPS = {  # op -> (backends, the torch.ops.nac_fast op the compiled backends register)
     "nac": (BACKENDS, "nac_fwd"),
@@ -201,7 +203,11 @@ def _device_type(device) -> str:
         return "any"
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-    return torch.device(device).type
+    try:
+        return torch.device(device).type
+    except RuntimeError as exc:  # torch's message for a bad device string
+        raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:0', ...), got "
+                         f"{device!r}") from exc
 
 
 def available_backends(device: str | torch.device | None = None, *, op: str = "nac",
@@ -286,6 +292,9 @@ def resolve_backend(backend, t: torch.Tensor, op: str = "nac", *, keys=_UNSET) -
 
 def explain_auto(t: torch.Tensor, op: str = "nac", *, keys=_UNSET) -> str:
     """What backend="auto" runs for `t` (and `keys`, as resolve_backend takes them), and why."""
+    _checks.tensor("t", t)
+    if keys is not _UNSET and keys is not None:
+        _checks.tensor("keys", keys)
     _check_op(op)
     b, why = _auto(t, op, keys, _available(t.device.type, op))
     return f"backend='auto' runs {b!r}: {why}"

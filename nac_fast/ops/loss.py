@@ -121,14 +121,19 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 
 
 def check_noise(noise, shape, of: str = "a's") -> None:
-    """An explicit channel sample: a real tensor of `shape` (TypeError/ValueError naming noise);
-    its values (+-1) are checked by the loss under the value-check policy."""
+    """An explicit channel sample: a real tensor of `shape` that does not require grad
+    (TypeError/ValueError naming noise); its values (+-1) are checked by the loss under the
+    value-check policy."""
     _checks.tensor("noise", noise, "a torch.Tensor of +-1")
     if tuple(noise.shape) != tuple(shape):
         raise ValueError(f"noise must have {of} shape {tuple(shape)}, got {tuple(noise.shape)}")
     if noise.dtype == torch.bool or noise.is_complex() or not noise.dtype.is_signed:
         # unsigned: -1 cannot be held (and uint8's 255 == -1 is True in torch)
         raise TypeError(f"noise must hold +-1 as a signed real number dtype, got {noise.dtype}")
+    if noise.requires_grad:  # the reference would differentiate through it, the fused kernels
+        # not: a sample of the channel, a constant of the loss (as the queue is)
+        raise ValueError("noise must not require grad (it is a sample of the channel, a constant "
+                         "of the loss); pass noise.detach()")
 
 
 def _check_noise_values(noise) -> None:
@@ -596,6 +601,6 @@ class NACMQLoss(nn.Module):
         return loss
 
     def extra_repr(self) -> str:
-        return (f"p={self.p}, l2={self.l2}, gather_distributed={self.gather_distributed}, "
+        return (f"p={self.p}, l2={self.l2!r}, gather_distributed={self.gather_distributed}, "
                 f"reduction={self.reduction!r}, backend={self.backend!r}, "
                 f"likelihood={self.likelihood!r}")

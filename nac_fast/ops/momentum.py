@@ -38,7 +38,7 @@ def ema_update_(momentum_model: nn.Module, online_model: nn.Module, decay: float
     parameters() are its module's, in the same order: no unwrapping needed, and none that could
     mistake a model's own submodule named `module` for the model), shape, dtype and device.
     """
-    _checks.unit_float("decay", decay)
+    decay = _checks.unit_float("decay", decay)
     mp = list(momentum_model.parameters())
     op = list(online_model.parameters())
     if len(mp) != len(op):

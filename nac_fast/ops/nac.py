@@ -232,14 +232,21 @@ class _FusedNAC(torch.autograd.Function):
         # create_graph=True (grad mode on in backward): the kernels have no derivative, so the
         # gradients carry a node that raises if anything differentiates through them (torch's
         # once_differentiable looks only at g, which is a constant for a loss's first gradient:
-        # the second derivative would be silently zero)
+        # the second derivative would be silently zero).  The node also takes the forward's
+        # inputs that require grad, so that every path from the gradients back to them (and to
+        # what made them: the weights of a gradient penalty) runs through it; with the gradients
+        # alone it is reached only from the gradients' own leaves, and autograd.grad of the
+        # weights or of the inputs skips it (a silently wrong or missing second derivative).
         if torch.is_grad_enabled() and any(t is not None for t in grads):
+            saved = ctx.saved_tensors
+            ins = [t for t in (*saved[:4], saved[-1] if ctx.rv_dtype is not None else None)
+                   if t is not None and t.requires_grad]
             err = torch._C._functions.DelayedError(
                 f"nac_fast: the fused {ctx.backend!r} backend's backward is once differentiable "
                 "(its kernels have no derivative); for a second derivative (a gradient penalty, "
-                "create_graph=True) use backend='reference'".encode(), len(grads))
+                "create_graph=True) use backend='reference'".encode(), len(grads) + len(ins))
             alias = [None if t is None else t.detach().requires_grad_() for t in grads]
-            grads = err(*alias)
+            grads = err(*alias, *ins)[:len(grads)]
         return grads
 
     @staticmethod

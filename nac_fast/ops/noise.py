@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from .. import _checks
 from . import reference
 from .dispatch import eager_real, resolve_backend
 
@@ -30,16 +31,7 @@ def _scale(p: float) -> float:  # p already checked
 
 def check_p(p) -> float:
     """p as a float in (0, 0.5), or ValueError/TypeError naming p."""
-    if isinstance(p, torch.Tensor):
-        if p.numel() != 1:
-            raise TypeError(f"p must be a float in (0, 0.5), got a tensor of shape {tuple(p.shape)}")
-        p = p.item()
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
-        raise TypeError(f"p must be a float in (0, 0.5), got {type(p).__name__}")
-    p = float(p)
-    if not (0.0 < p < 0.5):
-        raise ValueError(f"p must lie in the open interval (0, 0.5), got {p}")
-    return p
+    return _checks.flip_prob("p", p)
 
 
 def draw_noise(shape, p: float, *, device=None, dtype=torch.float32,

@@ -13,6 +13,7 @@ from .. import _checks
 from .dispatch import eager_real, triton_importable, triton_runs_on
 
 ENQUEUE_BACKENDS = ("auto", "reference", "triton")
+_SIGNED_INTS = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class CodeQueue(nn.Module):
@@ -60,11 +61,12 @@ class CodeQueue(nn.Module):
 
     @torch.no_grad()
     def enqueue(self, keys: torch.Tensor, *, backend: str = "auto") -> None:
-        """Write the (n, D) codes `keys` at the pointer (converted to the queue's dtype) and
-        advance it, wrapping around the end.  backend: "reference" (torch ops: an index_copy_
-        and the pointer's modular arithmetic, about seven launches), "triton" (one launch,
-        kernels/queue_triton.py, the same codes), or "auto": "triton" on CUDA tensors when the
-        Triton kernels import and the call runs eagerly, else "reference"."""
+        """Write the (n, D) codes `keys` (a floating or signed integer dtype: TypeError else) at
+        the pointer (converted to the queue's dtype) and advance it, wrapping around the end.
+        backend: "reference" (torch ops: an index_copy_ and the pointer's modular arithmetic,
+        about seven launches), "triton" (one launch, kernels/queue_triton.py, the same codes), or
+        "auto": "triton" on CUDA tensors when the Triton kernels import and the call runs
+        eagerly, else "reference"."""
         self._check("keys", (keys,), floating=False)
         if self._backend(backend, (keys,)) == "reference":
             self._enqueue_reference(keys)
@@ -100,6 +102,12 @@ class CodeQueue(nn.Module):
             _checks.tensor(what, t)
             if floating and not t.is_floating_point():
                 raise TypeError(f"{what} must be floating, got {t.dtype}")
+            if not floating and not (t.is_floating_point() or t.dtype in _SIGNED_INTS):
+                # codes lie in [-1, 1]: complex keys would lose their imaginary part, bool ones
+                # become 0/1 (the package's bool codes mean False = -1), unsigned ones hold 255
+                # for a -1 cast to uint8
+                raise TypeError(f"{what} must have a floating or signed integer dtype (codes in "
+                                f"[-1, 1]), got {t.dtype}")
             if t.dim() != 2 or t.shape[1] != D:
                 raise ValueError(f"{what} must have shape (n, {D}), got {tuple(t.shape)}")
             if t.dtype != parts[0].dtype:
@@ -181,5 +189,9 @@ class CodeQueue(nn.Module):
             if ptr.device.type != "meta" and not 0 <= int(ptr) < self.size:
                 raise ValueError(f"queue pointer (ptr) in the checkpoint is {int(ptr)}, outside "
                                  f"[0, {self.size}) for this queue's size")
+            if ptr.dtype != torch.int64:  # as the queue keeps it: load_state_dict(assign=True)
+                # takes the tensor as it is, and a narrower one wraps in `ptr.add_(n)` (a uint8
+                # pointer at 256); torch hands this method its own copy of the state dict
+                state_dict[prefix + "ptr"] = ptr.to(torch.int64)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
