@@ -199,6 +199,9 @@ def load_checkpoint(path: str, map_location="cpu", require=MODEL_KEYS) -> dict:
     if missing:
         raise ValueError(f"checkpoint {path!r} is not a train.py checkpoint: it has no "
                          f"{', '.join(missing)} (keys: {sorted(map(str, ck))[:8]})")
+    if "config" in require and not isinstance(ck["config"], dict):
+        raise ValueError(f"checkpoint {path!r} is not a train.py checkpoint: its config is a "
+                         f"{type(ck['config']).__name__}, not a dict")
     return ck
 
 

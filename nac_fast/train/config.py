@@ -21,7 +21,7 @@ Values left open (None) follow the rules of `resolve`:
     warmup        10 epochs, at most 10% of the run                 (the paper's 10 epochs)
     momentum      EMA decay 0.99 for images of <= 64 px, else 0.999
     queue_size    16 x the global batch; a recipe may also write "<k>x" (k x the global batch)
-                  or a number, rounded down to a multiple of the global batch
+                  or a number of codes, which must be a multiple of the global batch (check)
     compile       on with CUDA (torch.compile of the encoders, inductor), off on CPU
     r_gain        "auto" = 2 (1 - 2 flip_prob) a_gain
     l2            (NAC-MQ) "auto" = 0.1 ((1 - 2p) / 0.8)^2 at the p of each step   ([M:mq-l2])
@@ -60,6 +60,7 @@ SMALL_DATA_IMAGES = 200_000
 SMALL_DATA_SIDE = 96
 AUTO_RECIPES = {"small": "small.toml", "large": "imagenet.toml"}
 COMPILE_BACKENDS = ("inductor", "aot_eager")
+MAX_SEED = 2**32 - 1    # --seed: numpy's range; every seed derived from it fits torch's 64 bits
 
 
 class UsageError(ValueError):
@@ -316,8 +317,8 @@ def build_parser() -> _Parser:
       "docs/math.md [M:mq-l2]")
     a("--tau", type=float, help="SimCLR temperature")
     a("--code-dim", type=int, help="code bits D")
-    a("--no-scale-codes", dest="scale_codes", action="store_false",
-      help="do not divide a and r by sqrt(D) (the authors' initial scale)")
+    a("--scale-codes", action=argparse.BooleanOptionalAction,
+      help="divide a and r by sqrt(D); --no-scale-codes: the authors' initial scale")
     # Head options (nac_fast/train/models.py NACModel; docs/math.md [M:heads]).
     a("--head-bn", action=argparse.BooleanOptionalAction,
       help="BatchNorm1d(affine=False) at the end of the code head g")
@@ -351,9 +352,11 @@ def build_parser() -> _Parser:
     a("--loss-backend", choices=("auto", "reference", "cpu", "triton", "cuda"),
       help="NAC loss backend (nac_fast.nac_loss's backend); auto = cpu on CPU, triton on GPU "
       "(cuda, the experimental tensor-core backend, only when named)")
-    a("--sync-bn", action="store_true", help="SyncBatchNorm in the online model (DDP)")
-    a("--no-shuffle-bn", dest="shuffle_bn", action="store_false",
-      help="disable MoCo's batch shuffle for the momentum branch (NAC-MQ, DDP)")
+    a("--sync-bn", action=argparse.BooleanOptionalAction,
+      help="SyncBatchNorm in the online model (DDP)")
+    a("--shuffle-bn", action=argparse.BooleanOptionalAction,
+      help="MoCo's batch shuffle for the momentum branch (NAC-MQ, DDP); --no-shuffle-bn "
+      "disables it")
     a("--image-size", type=int, help="crop size")
     a("--crop-scale", dest="crop_scale", type=_crop_scale, metavar="LO[,HI]",
       help="area range of the random resized crop, as a fraction of the image: LO (= LO,1) or "
@@ -388,16 +391,17 @@ def build_parser() -> _Parser:
       "itself")
     a("--overwrite", action="store_true", help="start a fresh run (or, with --resume PATH, "
       "continue PATH's run) in an --out that holds another run, deleting its last.pt, prev.pt, "
-      "log.jsonl, non_finite.json and status.json when the new run starts")
+      "log.jsonl, non_finite.json, status.json and tensorboard/ event files when the new run "
+      "starts")
     a("--seed", type=int, help="random seed")
     a("--log-every", type=int, help="log every this many steps (OUT/log.jsonl)")
     a("--save-every", type=int, help="checkpoint every this many steps (and at the end) to "
       "OUT/last.pt, the previous one kept as OUT/prev.pt; a crash loses at most this many steps")
-    a("--tensorboard", action="store_true",
+    a("--tensorboard", action=argparse.BooleanOptionalAction,
       help="also log to OUT/tensorboard (torch.utils.tensorboard; needs the tensorboard package)")
     a("--stop-at-step", type=int, help="save and exit after this step although the schedule runs "
       "to --max-steps (split a run over job time limits)")
-    a("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    a("--progress", action=argparse.BooleanOptionalAction, help="a tqdm bar with an ETA")
     built_in = TrainConfig()
     ap.set_defaults(**{d: getattr(built_in, d) for d in ap.flags})
     return ap
@@ -504,11 +508,13 @@ def load_recipe(path: str, parser: _Parser) -> dict:
                              "package") from exc
     if not os.path.isfile(path):
         raise UsageError(f"--config {path!r}: no such recipe file (recipes: {CONFIG_DIR})")
-    with open(path, "rb") as f:
-        try:
+    try:
+        with open(path, "rb") as f:
             recipe = tomllib.load(f)
-        except tomllib.TOMLDecodeError as exc:
-            raise UsageError(f"--config {path!r}: not valid TOML: {exc}") from exc
+    except OSError as exc:
+        raise UsageError(f"--config {path!r} cannot be read: {exc.strerror or exc}") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8
+        raise UsageError(f"--config {path!r}: not valid TOML: {exc}") from exc
     out = {}
     for key, value in recipe.items():
         if key == "description":
@@ -667,6 +673,8 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
         cfg.crop_scale = _crop_scale(cfg.crop_scale)
     except ValueError as exc:
         raise UsageError(f"{name('crop_scale')}: {exc}") from None
+    if not 0 <= cfg.seed <= MAX_SEED:   # seed * 1000 + rank seeds torch: within its 64 bits
+        raise UsageError(f"{name('seed')} must lie in [0, {MAX_SEED}], got {cfg.seed}")
     if cfg.train_subset != "all" and cfg.split_seed < 0:
         raise UsageError(f"{name('split_seed')} must be >= 0, got {cfg.split_seed}")
     if not 0.0 < cfg.flip_prob < 0.5:
@@ -717,9 +725,9 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
                          "the run in --out, --overwrite replaces it (--resume PATH --overwrite "
                          "continues PATH's run in --out, replacing the other run there)")
     if cfg.sync_bn and world == 1:
-        raise UsageError("--sync-bn needs several processes (torchrun)")
+        raise UsageError(f"{name('sync_bn')} needs several processes (torchrun)")
     if cfg.sync_bn and (cfg.device == "cpu" or not torch.cuda.is_available()):
-        raise UsageError("--sync-bn needs CUDA (PyTorch's SyncBatchNorm is GPU-only); on CPU the "
+        raise UsageError(f"{name('sync_bn')} needs CUDA (PyTorch's SyncBatchNorm is GPU-only); on CPU the "
                          "NAC-MQ momentum branch uses shuffle BN")
     if cfg.amp == "fp16" and cfg.device == "cpu":
         raise UsageError("--amp fp16 needs a GPU (use bf16 or off on CPU)")
@@ -727,7 +735,7 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
         try:
             import tensorboard  # noqa: F401
         except ImportError as exc:
-            raise UsageError("--tensorboard needs the tensorboard package (pip install "
+            raise UsageError(f"{name('tensorboard')} needs the tensorboard package (pip install "
                              "tensorboard, or the [dev] extra)") from exc
 
 

@@ -19,6 +19,8 @@ import torch
 
 from . import distributed as nd
 
+TENSORBOARD = "tensorboard"   # OUT/tensorboard/: --tensorboard's event files (--overwrite deletes them)
+
 
 class LossWatch:
     """What the loop needs from the per-step losses, kept on the device so that a step never
@@ -94,7 +96,7 @@ class RunLog:
         self._f = open(os.path.join(out, "log.jsonl"), "a" if append else "w")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(out, "tensorboard"))
+            self._tb = SummaryWriter(os.path.join(out, TENSORBOARD))
         if progress_total is not None:
             try:
                 from tqdm import tqdm
@@ -157,14 +159,18 @@ def summary_lines(st, flags, first_step: int, first_loss, last: dict | None, zer
     cfg = st.cfg
     out, ck = cfg.out, st.ckpt_path
     zname = f"{ZERO_CODE_NAME[cfg.method]} = {zero_loss:.2f}, the loss of codes that carry nothing"
-    if first_loss is None:
+    if first_loss is None and st.step < cfg.total_steps:   # resumed at or past --stop-at-step
+        lines = [f"done: step {st.step}/{cfg.total_steps}: nothing to train (the checkpoint is at "
+                 f"or past --stop-at-step {cfg.stop_at_step}; continue with --resume and a larger "
+                 "--stop-at-step, or none)"]
+    elif first_loss is None:
         lines = [f"done: step {st.step}/{cfg.total_steps}: nothing to train (the checkpoint is at "
                  f"the end of the schedule; a larger --max-steps with --resume extends it)"]
     else:
         now = last["loss"] if last else float("nan")
         lines = [f"done: step {st.step}/{cfg.total_steps} in {seconds / 60:.1f} min; loss "
                  f"{first_loss:.3f} (step {first_step + 1}) -> {now:.3f} ({zname})"]
-    if st.step < cfg.total_steps:
+    if st.step < cfg.total_steps and first_loss is not None:
         lines.append(f"  stopped at --stop-at-step {cfg.stop_at_step}: continue with the same "
                      "command plus --resume")
     if last:

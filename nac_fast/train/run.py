@@ -46,17 +46,26 @@ from .config import TrainConfig, UsageError, default_workers, hash_subset, resol
 from .lars import LARS, param_groups_for_lars
 from .methods import nac_mq_step, nac_step, simclr_step, step_value_checks
 from .models import build_model, model_kwargs_from_config
+from .monitor import TENSORBOARD
 from .schedule import flip_prob_at, get_lr, p_schedule_applies, p_schedule_shortfalls
 
 # Must match for a checkpoint to continue a run exactly; except that total_steps may grow (an
 # extended run, see `resume`) and warmup_steps is the checkpoint's unless --warmup-epochs is given.
-# The images trained on are part of it (--train-subset and its split's digest); the augmentation
-# flags (--image-size, --crop-scale) are not: a resumed run takes the values given and records
-# them in config.json and its checkpoints.
+# The images trained on are part of it (their number, --train-subset and its split's digest);
+# the augmentation flags (--image-size, --crop-scale) are not: a resumed run takes the values
+# given and records them in config.json and its checkpoints (an --image-size that changes a
+# ResNet's stem no longer fits the weights: `resume` says so).
 RESUME_KEYS = ("arch", "method", "batch_size", "code_dim", "data", "world_size", "total_steps",
-               "warmup_steps", "queue_size", "seed", "train_subset", "train_subset_sha256")
+               "warmup_steps", "queue_size", "seed", "train_subset", "train_subset_sha256",
+               "num_images")
 # What a checkpoint written before a key existed had (its value then)
 RESUME_DEFAULTS = {"train_subset": "all", "train_subset_sha256": None}
+# The model the checkpoint's weights are, beyond arch, method and code_dim: a run that builds
+# another fails to load them (other state keys) or, with the same keys, records them as a model
+# they are not (evaluation builds the model from the config).  The gains count while fixed
+# (learn_gain false); learnable ones are parameters, and infer_init, an initialisation, is not.
+RESUME_MODEL_KEYS = ("head_bn", "infer_bn", "learn_gain", "scale_codes")
+RESUME_GAIN_KEYS = ("a_gain", "r_gain")
 EXIT_USAGE = 2          # train.py's status for bad flags, recipe, data, --out or checkpoint
 EXIT_NON_FINITE = 3     # ... when a non-finite loss stopped the run
 EXIT_UNWRITABLE = 4     # ... when --out or a checkpoint in it could not be written
@@ -595,6 +604,26 @@ def plan_start(cfg: TrainConfig, di) -> StartPlan:
                      created=created)
 
 
+def remove_run_files(out: str, keep: str | None = None) -> None:
+    """--overwrite: delete the other run's RUN_FILES in `out` (but `keep`, the checkpoint being
+    resumed) and its TensorBoard event files (OUT/tensorboard/events.out.tfevents.*, the folder
+    too once empty), so that neither its log nor its curves mix with the new run's; nothing
+    else in `out` is touched."""
+    for name in RUN_FILES:
+        p = os.path.join(out, name)
+        if keep is None or os.path.abspath(p) != os.path.abspath(keep):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+    tb = os.path.join(out, TENSORBOARD)
+    if os.path.isdir(tb) and not os.path.islink(tb):
+        for name in os.listdir(tb):
+            p = os.path.join(tb, name)
+            if name.startswith("events.out.tfevents.") and os.path.isfile(p):
+                os.unlink(p)
+        with contextlib.suppress(OSError):
+            os.rmdir(tb)   # only if empty: a user's own files there stay
+
+
 def start(st: TrainState, plan: StartPlan) -> None:
     """Start the run as planned, on every rank: resume the checkpoint (loaded on every rank), or
     a fresh start (--overwrite: the other run's files deleted first); then OUT/config.json and
@@ -610,9 +639,7 @@ def start(st: TrainState, plan: StartPlan) -> None:
     if plan.path is None:
         cfg.run_id = nd.broadcast_object(uuid.uuid4().hex)
         if di.is_main and cfg.overwrite and not plan.again:
-            for name in RUN_FILES:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(cfg.out, name))
+            remove_run_files(cfg.out)
     else:
         err = None
         try:
@@ -624,11 +651,7 @@ def start(st: TrainState, plan: StartPlan) -> None:
             raise UsageError(errs[0])
         if di.is_main and cfg.overwrite and not plan.again:
             # --resume PATH --overwrite: the other run in --out goes (the checkpoint is loaded)
-            for name in RUN_FILES:
-                p = os.path.join(cfg.out, name)
-                if os.path.abspath(p) != os.path.abspath(plan.path):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(p)
+            remove_run_files(cfg.out, keep=plan.path)
         st.resumed_from, st.saved = plan.path, (plan.path, st.step)
         st.rotate = os.path.abspath(plan.path) == os.path.abspath(st.ckpt_path)
         how = f" (restart of torchrun job {job}, restart count {restart})" if plan.again else ""
@@ -678,21 +701,41 @@ def resume(st: TrainState, path: str, ck: dict | None = None) -> dict:
     if ck is None:
         ck = load_checkpoint(path, map_location="cpu", require=STATE_KEYS)  # CPU RNG states
     old, cfg = ck["config"], st.cfg
+    keys = RESUME_KEYS + RESUME_MODEL_KEYS + (() if old.get("learn_gain") else RESUME_GAIN_KEYS)
+    missing = [k for k in keys + ("run_id",) if k not in old and k not in RESUME_DEFAULTS]
+    if missing:
+        raise ValueError(f"--resume {path}: the checkpoint's config has no {', '.join(missing)}: "
+                         "not a checkpoint of this train.py")
     extend = old["total_steps"] < cfg.total_steps
     if cfg.warmup_epochs is None:  # a resumed run keeps its warm-up
         cfg.warmup_steps = old["warmup_steps"]
     new = cfg.to_dict()
-    for k in RESUME_KEYS:
+    for k in keys:
         was = old.get(k, RESUME_DEFAULTS[k]) if k in RESUME_DEFAULTS else old[k]
         if was != new[k] and not (k == "total_steps" and extend):
-            more = (" (a resumed run may extend the schedule, not shorten it)"
-                    if k == "total_steps" else "")
+            more = {"total_steps": " (a resumed run may extend the schedule, not shorten it)",
+                    "num_images": f" (--data {cfg.data!r} changed since the checkpoint: the run "
+                                  "cannot continue exactly)"}.get(k, "")
+            if k in RESUME_MODEL_KEYS + RESUME_GAIN_KEYS:
+                more = (" (the checkpoint's model: resume with the flags or recipe it was "
+                        "trained with)")
             raise ValueError(f"--resume {path}: checkpoint has {k}={was!r}, this run "
                              f"{new[k]!r}{more}")
-    st.model.load_state_dict(plain_state_dict(ck["model"]))
-    if st.mom_model is not None:
-        st.mom_model.load_state_dict(plain_state_dict(ck["momentum_model"]))
-        st.queue.load_state_dict(ck["queue"])
+    step, rng = ck["step"], ck["rng"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"--resume {path}: the checkpoint's step is {step!r}, not an int >= 0")
+    if not isinstance(rng, (list, tuple)) or len(rng) != cfg.world_size:
+        raise ValueError(f"--resume {path}: the checkpoint's rng is not one state per process "
+                         f"of its world_size {cfg.world_size}")
+    try:
+        st.model.load_state_dict(plain_state_dict(ck["model"]))
+        if st.mom_model is not None:
+            st.mom_model.load_state_dict(plain_state_dict(ck["momentum_model"]))
+            st.queue.load_state_dict(ck["queue"])
+    except (RuntimeError, TypeError, AttributeError) as exc:  # load_state_dict's mismatches
+        raise ValueError(f"--resume {path}: the checkpoint's weights do not fit the model this "
+                         f"run builds ({' '.join(str(exc).split())[:400]}); resume with the flags "
+                         f"it was trained with (its {CONFIG})") from exc
     st.optimizer.load_state_dict(ck["optimizer"])
     # the settings this run gives, not the checkpoint's, as for --lr (a function of the step):
     # load_state_dict restored the saved groups' weight decay, which a --wd given now (and
@@ -700,8 +743,8 @@ def resume(st: TrainState, path: str, ck: dict | None = None) -> dict:
     for g in st.optimizer.param_groups:
         g["weight_decay"] = 0.0 if g.get("lars_exclude") else cfg.wd
     st.scaler.load_state_dict(ck["scaler"])
-    st.step = ck["step"]
-    restore_rng_state(ck["rng"][st.di.rank])
+    st.step = step
+    restore_rng_state(rng[st.di.rank])
     cfg.run_id = old["run_id"]
     cfg.extended = list(old.get("extended") or [])
     if extend:

@@ -13,6 +13,11 @@ import torch
 from ... import _checks
 
 
+def _fit(x: int) -> int:
+    """A derived seed within torch.Generator.manual_seed's range (those within it unchanged)."""
+    return x if -2**63 <= x < 2**64 else x % 2**64
+
+
 class SyntheticPairLoader:
     skipped_files = ()          # generated images: nothing to skip (the loaders' interface)
 
@@ -40,14 +45,15 @@ class SyntheticPairLoader:
         self.epoch, self.start_batch = epoch, start_batch
 
     def _image(self, i: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        g = torch.Generator().manual_seed(_fit(self.seed * 1_000_003 + i))
         s = self.image_size
         low = torch.randn(self.in_channels, 4, 4, generator=g)  # smooth pattern, some structure
         return torch.nn.functional.interpolate(low[None], size=(s, s), mode="bilinear",
                                                align_corners=False)[0]
 
     def _view(self, img: torch.Tensor, i: int, v: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(((self.seed * 7919 + self.epoch) * 1_000_003 + i) * 2 + v)
+        g = torch.Generator().manual_seed(
+            _fit(((self.seed * 7919 + self.epoch) * 1_000_003 + i) * 2 + v))
         dx, dy = torch.randint(-2, 3, (2,), generator=g).tolist()
         out = torch.roll(img, shifts=(dy, dx), dims=(1, 2))
         if torch.rand((), generator=g) < 0.5:
@@ -55,7 +61,7 @@ class SyntheticPairLoader:
         return out
 
     def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed * 31 + self.epoch)
+        g = torch.Generator().manual_seed(_fit(self.seed * 31 + self.epoch))
         order = torch.randperm(self.num_images, generator=g)
         per_step = self.batch_size * self.world_size
         for b in range(self.start_batch, len(self)):
