@@ -562,21 +562,34 @@ def write_doc(args, variants, seeds) -> int:
     return 0
 
 
-# two-sided 5% critical values of Student's t by degrees of freedom (paired t-test over seeds)
-T_CRIT = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-          9: 2.262}
+def _t_within(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with integer df >= 1, exactly (Abramowitz & Stegun 26.7.3,
+    26.7.4: a finite series in cos(theta), theta = atan(t / sqrt(df)))."""
+    th = math.atan(abs(t) / math.sqrt(df))
+    c2 = math.cos(th) ** 2
+    if df % 2:  # odd: (2 / pi) (theta + sin cos (1 + 2/3 cos^2 + 2 4 / (3 5) cos^4 + ...))
+        term = total = 1.0 if df > 1 else 0.0
+        for j in range(3, df - 1, 2):
+            term *= (j - 1) / j * c2
+            total += term
+        return 2.0 / math.pi * (th + math.sin(th) * math.cos(th) * total)
+    term = total = 1.0  # even: sin (1 + 1/2 cos^2 + 1 3 / (2 4) cos^4 + ...)
+    for j in range(2, df - 1, 2):
+        term *= (j - 1) / j * c2
+        total += term
+    return math.sin(th) * total
 
 
 def _sig(d):
     """(mean, significant): the paired differences' mean and whether a two-sided paired t-test
-    over the seeds rejects a zero mean at 5%."""
+    over the seeds rejects a zero mean at 5% (any number of seeds: the exact t distribution)."""
     m, s = mean_std(d)
     if m is None or len(d) < 2:
         return m, False
     if not s:
         return m, m != 0
     t = m / (s / math.sqrt(len(d)))
-    return m, abs(t) > T_CRIT.get(len(d) - 1, 2.0)
+    return m, 1.0 - _t_within(t, len(d) - 1) < 0.05
 
 
 def paired(res, a, b, metric, seeds):
@@ -705,8 +718,9 @@ def statements(args, res, stats, seeds) -> list:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    seeds = _ints(args.seeds)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    # de-duplicated, order kept: a run named twice was launched twice at once into one folder
+    seeds = list(dict.fromkeys(_ints(args.seeds)))
+    variants = list(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise SystemExit(f"--variants: unknown {bad}; choose from {','.join(VARIANTS)}")
@@ -719,6 +733,11 @@ def main(argv=None) -> int:
     args.runs = os.path.abspath(args.runs)
     if args.notes is not None and not os.path.isfile(args.notes):
         raise SystemExit(f"--notes {args.notes!r}: no such file")
+    for flag in ("doc", "figure", "curves"):  # written at the end: checked before any run
+        path = getattr(args, flag)
+        folder = os.path.dirname(os.path.abspath(path)) if path is not None else None
+        if folder is not None and not os.path.isdir(folder):
+            raise SystemExit(f"--{flag} {path!r}: no such folder {folder!r}")
     if args.doc_only:
         if not args.doc:
             raise SystemExit("--doc-only needs --doc PATH")

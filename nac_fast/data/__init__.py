@@ -42,6 +42,7 @@ import torch
 from .. import _checks
 from .augment import Recipe, make_recipe
 from .loaders.tensor import TensorEvalLoader, TensorPretrainLoader
+from .order import evenly_spaced
 from .sources import InMemorySource, hash_train_source, resolve_source
 from .sources.imagefolder import check_policy, non_utf8_names
 from .sources.subset import TRAIN_SUBSETS, HashSubset
@@ -170,20 +171,32 @@ def build_pretrain_loader(data="fashion-mnist", batch_size=256, rank=0, world_si
 
 def build_eval_loader(data="fashion-mnist", split="train", batch_size=256, rank=0, world_size=1,
                       image_size=None, num_workers=0, device="cpu", channels_last=False,
-                      dtype=torch.float32, on_bad_file="warn"):
+                      dtype=torch.float32, on_bad_file="warn", limit=None):
     """(images, labels) batches in a fixed order, one centred view: in-memory sources are resized
     whole to image_size (identity at the natural size); ImageFolders are resized to
     image_size/0.875 on the short side and centre-cropped (224 <- 256).  Rank r gets every
     world_size-th image (disjoint, covering the split; the last batch may be smaller).
-    on_bad_file as for build_pretrain_loader (a skipped file's place is taken by the next
-    decodable file, with its label)."""
+    limit: `limit` of those images spread evenly over them (`evenly_spaced`: every
+    (n / limit)-th where limit divides their number n), so that a class-sorted folder keeps
+    every class; a limit above n is a ValueError.  on_bad_file as for build_pretrain_loader (a
+    skipped file's place is taken by the next decodable file, with its label)."""
     _check_common(batch_size, image_size, num_workers, dtype, channels_last, on_bad_file)
     if split not in ("train", "test", "val"):
         raise ValueError(f"split must be 'train' or 'test' ('val' is an alias), got {split!r}")
+    if limit is not None:
+        _checks.positive_int("limit", limit)
     source = resolve_source(data, "test" if split == "val" else split)
     size = _image_size(image_size, source)
     if isinstance(source, InMemorySource):
-        return TensorEvalLoader(source, batch_size, rank, world_size, size, device, channels_last, dtype)
-    from .loaders.folder import FolderEvalLoader
-    return FolderEvalLoader(source, batch_size, rank, world_size, size, device, channels_last, dtype,
-                            num_workers, on_bad_file)
+        loader = TensorEvalLoader(source, batch_size, rank, world_size, size, device,
+                                  channels_last, dtype)
+    else:
+        from .loaders.folder import FolderEvalLoader
+        loader = FolderEvalLoader(source, batch_size, rank, world_size, size, device,
+                                  channels_last, dtype, num_workers, on_bad_file)
+    if limit is not None:
+        if limit > loader.num_images:
+            raise ValueError(f"limit {limit} exceeds the {loader.num_images} images of the "
+                             f"{split} split{' for this rank' if world_size > 1 else ''}")
+        loader.indices = loader.indices[evenly_spaced(loader.num_images, limit)]
+    return loader

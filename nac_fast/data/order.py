@@ -57,6 +57,16 @@ def uniform(seed: int, epoch: int, index: np.ndarray, stream: int, n: int) -> np
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+def evenly_spaced(n: int, k: int) -> np.ndarray:
+    """k of the positions 0..n-1 spread evenly: floor(i n / k) for i < k (increasing, distinct
+    for k <= n; i (n / k) when k divides n).  Evaluation limits take these, so that a
+    class-sorted split keeps every class whatever k (the first k of every (n // k)-th position
+    would keep only the first k images for k > n / 2)."""
+    _checks.int_in("n", n, 0)
+    _checks.int_in("k", k, 0, n)
+    return (np.arange(k, dtype=np.int64) * n) // k if k else np.zeros(0, np.int64)
+
+
 def epoch_permutation(num_images: int, seed: int, epoch: int) -> np.ndarray:
     """The epoch's global order; identical on every rank."""
     key = int(hash_key(seed, epoch, 0x5EED))

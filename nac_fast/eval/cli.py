@@ -43,14 +43,21 @@ What it does:
   3. Writes DIR/report.json (checkpoint, data, split sizes, training config, every task's
      numbers, timings) and DIR/report.md (a markdown table and the hash protocol), atomically,
      and prints the table.  A DIR that holds an earlier report is refused before any work
-     unless --overwrite (which replaces the report and reuses the matching feature cache).
+     unless --overwrite (which replaces the report and reuses the matching feature cache; the
+     earlier report and hash files are removed before this run writes its first file of them,
+     so a run that fails half-way leaves none beside files it does not describe); a report.json
+     that is not an evaluation's (a python -m nac_fast.vae run's) is refused, --overwrite or not.
      Feature extraction, the probe's epochs, kNN and hashing show tqdm bars with an ETA
      (--no-progress: none).
 
---limit-train / --limit-test N evaluate on N images of the split, an evenly strided subset
-(every (n // N)-th image, the first N of those) so that class-sorted folders keep all classes.
+--limit-train / --limit-test N evaluate on N images of the split spread evenly over it (image
+floor(i n / N) for i < N: every (n / N)-th where N divides n), so that class-sorted folders keep
+all classes.
 Bad arguments (missing checkpoint, unknown task, bits outside [1, D], bad limits, data that does
-not match the checkpoint) stop with a usage error (exit status 2) before any feature extraction.
+not match the checkpoint, --itq with a gallery of 1 image) stop with a usage error (exit
+status 2) before any feature extraction; so do weights that do not fit the checkpoint's config
+(when the model is loaded) and features that hold NaN or inf (a diverged run: sgn(NaN) would be
+a bit -1 of every code), once extracted, before any task.
 """
 from __future__ import annotations
 
@@ -83,7 +90,7 @@ HASH_FILES = ("hash_pr_curve.csv", "hash_precision_at_n.csv", "hash_curves.png")
 HELD_OUT = (" (the test split: a part of each class of a folder without train/ and val/, held out "
             "of training by file name)")
 # Bump when the cached tensors' meaning changes, so stale caches are recomputed, never misread.
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: a --limit that does not divide the split spreads over all of it
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,16 +235,22 @@ def check_args(args) -> None:
     check_writable("--out", report)  # a parent that is a file, read-only: before any work
     # --overwrite of an earlier evaluation: its files are this run's to replace (and only then)
     args.replaces_report = os.path.lexists(report)
-    if os.path.lexists(report) and not args.overwrite:
+    if os.path.lexists(report):
         try:
             with open(report) as f:
                 old = json.load(f)
             what = f" (checkpoint {old['checkpoint']!r}, tasks {','.join(old['tasks'])})"
-        except (OSError, ValueError, KeyError, TypeError):
-            what = ""
-        raise ValueError(f"--out {args.out!r} holds the report of an earlier evaluation{what}; "
-                         "pass --overwrite to replace it (its cached features are reused where "
-                         "they match) or name another --out")
+            ours = isinstance(old.get("results"), dict)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            ours = False
+        if not ours:  # another program's (a python -m nac_fast.vae run's: its finished mark)
+            raise ValueError(f"--out {args.out!r} holds a report.json that is not the report of "
+                             "an evaluation (a python -m nac_fast.vae run? a damaged file?): "
+                             "nothing there is replaced, --overwrite or not; name another --out")
+        if not args.overwrite:
+            raise ValueError(f"--out {args.out!r} holds the report of an earlier evaluation"
+                             f"{what}; pass --overwrite to replace it (its cached features are "
+                             "reused where they match) or name another --out")
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,11 +258,10 @@ def check_args(args) -> None:
 # --------------------------------------------------------------------------------------------
 
 def _subset_loader(data, split, limit, batch_size, image_size, device, cap=False):
-    """(loader, n_used, n_split): an evenly strided subset via the loader's rank/world-size
-    sharding (rank 0 of world W takes images 0, W, 2W, ...), so no private loader API is needed;
-    with W = n // limit rank 0 holds >= limit images and we stop after the first `limit`.
-    A limit beyond the split is a ValueError naming --limit-<split>, or with `cap` (--quick's own
-    limit) the whole split."""
+    """(loader, n_used, n_split): `limit` images spread evenly over the split (image
+    floor(i n / limit), i < limit: every (n / limit)-th where limit divides n), so that a
+    class-sorted folder keeps every class.  A limit beyond the split is a ValueError naming
+    --limit-<split>, or with `cap` (--quick's own limit) the whole split."""
     full = build_eval_loader(data, split=split, batch_size=batch_size, image_size=image_size,
                              device=device)
     n = full.num_images
@@ -257,9 +269,8 @@ def _subset_loader(data, split, limit, batch_size, image_size, device, cap=False
         if limit is not None and limit > n and not cap:
             raise ValueError(f"--limit-{split} {limit} exceeds the {split} split's {n} images")
         return full, n, n
-    stride = n // limit
-    sub = build_eval_loader(data, split=split, batch_size=batch_size, rank=0, world_size=stride,
-                            image_size=image_size, device=device)
+    sub = build_eval_loader(data, split=split, batch_size=batch_size, image_size=image_size,
+                            device=device, limit=limit)
     return sub, limit, n
 
 
@@ -336,6 +347,27 @@ def load_or_extract(args, model, data, split, limit, image_size, device, model_d
 # --------------------------------------------------------------------------------------------
 # Tasks
 # --------------------------------------------------------------------------------------------
+
+# the cached tensor each task reads: the encoder's h or the head's pre-activations a
+TASK_FEATURES = {"linear": "h", "knn": "h", "hash": "a", "expressivity": "a"}
+
+
+def check_finite_features(parser, args, feats) -> None:
+    """A usage error naming --checkpoint when the features some task reads hold NaN or inf (a
+    diverged run): sgn(NaN) would silently be a bit -1 of every code, and the probe and kNN
+    refuse such features.  The cache is kept (it is what the checkpoint gives)."""
+    bad = []
+    for key in dict.fromkeys(TASK_FEATURES[t] for t in args.tasks):
+        for split in ("train", "test"):
+            x = feats[split][key]
+            rows = int((~torch.isfinite(x)).any(1).sum()) if x.numel() else 0
+            if rows:
+                bad.append(f"{key} ({rows} of the {x.shape[0]} {split} images)")
+    if bad:
+        parser.error(f"--checkpoint {args.checkpoint!r}: its {args.which} model gives NaN or inf "
+                     f"features {', '.join(bad)} (a diverged run?); tasks on them would score "
+                     "nothing meaningful")
+
 
 def sign_codes(a: torch.Tensor) -> torch.Tensor:
     """c = sgn(a) with 0 -> +1 (docs/math.md [M:code]), as int8 +-1."""
@@ -459,6 +491,15 @@ def _planned_labels(loader, n_used: int):
     return torch.as_tensor(np.asarray(labels)[np.asarray(indices)[:n_used]], dtype=torch.int64)
 
 
+def check_itq_gallery(args, gallery: int) -> None:
+    """--itq fits its rotation on the gallery's a, standardised per bit: a ValueError naming
+    --itq for a gallery of fewer than 2 images (metrics.itq_fit)."""
+    if getattr(args, "itq", False) and gallery < 2:
+        raise ValueError(f"--itq: the gallery has {gallery} image(s); the ITQ rotation is fitted "
+                         "on the gallery's standardised a and needs at least 2 (raise "
+                         "--limit-train, or leave --itq out)")
+
+
 def run_hash(args, tr, te, bits, device=torch.device("cpu")) -> dict:
     """The hashing scores, on the Hamming engine of `device`: the C++ engine for the CPU, the
     Triton engine (kernels/hamming_triton.py) for a GPU; both exact, with the same tie order."""
@@ -479,6 +520,7 @@ def run_hash(args, tr, te, bits, device=torch.device("cpu")) -> dict:
     qc, gc = sign_codes(qa).to(device), sign_codes(ga).to(device)
     ql, gl = ql.to(device), gl.to(device)  # the engine is the one of the codes' device
     G = int(gc.shape[0])
+    check_itq_gallery(args, G)
     ks = sorted(set(args.map_at))
     ns = sorted(n for n in set(args.precision_at_n) if n <= G)
     radius = args.radius
@@ -517,6 +559,7 @@ def run_hash(args, tr, te, bits, device=torch.device("cpu")) -> dict:
         out["empty_ball_fraction"][str(k)] = r["empty_ball_fraction"][min(radius, k)]
         out["precision_at_n"][str(k)] = {str(n): v for n, v in r["precision_at_n"].items()}
         curves[k] = r
+    retire_earlier_report(args)  # its hash files are about to be replaced
     out["files"] = write_hash_curves(args.out, curves, out)
     if getattr(args, "itq", False):
         out["map_itq"], out["itq_quant_error"] = {}, {}
@@ -527,6 +570,20 @@ def run_hash(args, tr, te, bits, device=torch.device("cpu")) -> dict:
                 gl))
             out["itq_quant_error"][str(k)] = [fit["quant_error"][0], fit["quant_error"][-1]]
     return out
+
+
+def retire_earlier_report(args) -> None:
+    """--overwrite of an earlier evaluation: remove its report and hash files before this run
+    writes the first file of its own (once), so that a run failing half-way leaves no earlier
+    report beside files it does not describe (the features cache is keyed by its meta and
+    stays).  Files of those names in a folder that held no report are the user's, left alone."""
+    if not getattr(args, "replaces_report", False) or getattr(args, "retired_report", False):
+        return
+    for name in ("report.json", "report.md") + HASH_FILES:
+        p = os.path.join(args.out, name)
+        if os.path.isfile(p) or os.path.islink(p):
+            os.unlink(p)
+    args.retired_report = True
 
 
 def write_hash_curves(out_dir: str, curves: dict, info: dict) -> dict:
@@ -734,7 +791,9 @@ def main(argv=None) -> int:
         check_hash_limits(args)
         if "hash" in args.tasks and args.hash_protocol == "paper" and all(
                 y is not None for y in planned):  # the split of the labels to be extracted
-            paper_split(args, torch.cat(planned))
+            check_itq_gallery(args, int(paper_split(args, torch.cat(planned))["gallery"].numel()))
+        elif "hash" in args.tasks and args.hash_protocol == "standard":
+            check_itq_gallery(args, sizes["train"]["used"])
     except (ValueError, FileNotFoundError, TypeError) as exc:
         parser.error(str(exc))  # exit status 2, before any work
 
@@ -751,7 +810,16 @@ def main(argv=None) -> int:
     def model():  # loaded only when some split's features are not cached
         if not _model:
             t0 = time.perf_counter()
-            _model.append(load_model(args.checkpoint, args.which).to(device).eval())
+            try:
+                m = load_model(args.checkpoint, args.which)
+            except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+                # a config that names another model than the weights (method, code_dim, arch)
+                detail = " ".join(" ".join(str(exc).splitlines()[:2]).split())[:400]
+                parser.error(f"--checkpoint {args.checkpoint!r}: its {args.which} model's "
+                             f"weights do not fit the model its config describes (method "
+                             f"{cfg.get('method')!r}, arch {cfg.get('arch')!r}, code_dim {D}): "
+                             f"{detail}")
+            _model.append(m.to(device).eval())
             timings["load_model_s"] = time.perf_counter() - t0
         return _model[0]
 
@@ -764,6 +832,7 @@ def main(argv=None) -> int:
                             "a_dim": int(f["a"].shape[1])}
         timings[f"features_{split}_s"] = dt
     tr, te = feats["train"], feats["test"]
+    check_finite_features(parser, args, feats)
 
     results = {}
     for task in args.tasks:
@@ -806,7 +875,8 @@ def main(argv=None) -> int:
             try:
                 results["hash"] = run_hash(args, tr, te, bits, device)
             except ValueError as exc:
-                if not str(exc).startswith(("--queries-per-class", "--hash-protocol")):
+                if not str(exc).startswith(("--queries-per-class", "--hash-protocol",
+                                             "--itq")):
                     raise
                 parser.error(str(exc))  # the features stay cached: a rerun is cheap
         elif task == "expressivity":
@@ -821,16 +891,11 @@ def main(argv=None) -> int:
               "timings": timings, "quick": bool(args.quick), "threads": torch.get_num_threads(),
               "command": "python -m nac_fast.eval " + " ".join(
                   sys.argv[1:] if argv is None else argv)}
+    # --overwrite: the earlier evaluation's hash files would sit beside a report without them
+    # (the evaluation in --out is this one, whole)
+    retire_earlier_report(args)
     write_json_atomic(report, os.path.join(args.out, "report.json"))
     table = markdown_table(report)
     atomic_write(os.path.join(args.out, "report.md"), lambda f: f.write(table), mode="w")
-    if "hash" not in args.tasks and getattr(args, "replaces_report", False):
-        # --overwrite: the earlier evaluation's hash files would sit beside a report without
-        # them (the evaluation in --out is this one, whole); files of those names in a folder
-        # that held no report are the user's, left alone
-        for name in HASH_FILES:
-            p = os.path.join(args.out, name)
-            if os.path.isfile(p):
-                os.unlink(p)
     print(table)
     return 0

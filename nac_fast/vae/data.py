@@ -50,17 +50,17 @@ class ImageSet:
 
 
 def _loader(data, split, image_size, limit, batch_size=1024):
-    """(loader, n_used, n_split): the first `limit` images of an evenly strided subset (every
-    (n // limit)-th image), as nac_fast.eval does, so class-sorted folders keep every class."""
+    """(loader, n_used, n_split): `limit` images spread evenly over the split (image
+    floor(i n / limit): every (n / limit)-th where limit divides n), as nac_fast.eval takes
+    them, so that class-sorted folders keep every class."""
     full = build_eval_loader(data, split=split, batch_size=batch_size, image_size=image_size)
     n = full.num_images
     if limit is None:
         return full, n, n
     if limit > n:
         raise ValueError(f"--limit-{split} {limit} exceeds the {split} split's {n} images")
-    stride = max(1, n // limit)
-    sub = build_eval_loader(data, split=split, batch_size=batch_size, rank=0, world_size=stride,
-                            image_size=image_size)
+    sub = build_eval_loader(data, split=split, batch_size=batch_size, image_size=image_size,
+                            limit=limit)
     return sub, limit, n
 
 

@@ -10,6 +10,8 @@ model.  Every failure is a ValueError naming the file and what is wrong.
 """
 from __future__ import annotations
 
+import torch
+
 from ..train.checkpoint import load_checkpoint
 from ..train.models import RESNETS, ResNetEncoder
 
@@ -47,6 +49,12 @@ def load_pretrained_encoder(path: str, which: str = "online"):
     if not enc_state:
         raise ValueError(f"--init {path!r}: the checkpoint's {which} model has no encoder weights "
                          f"(no '{PREFIX}*' keys among {len(state)} entries)")
+    bad = [k for k, v in enc_state.items() if isinstance(v, torch.Tensor)
+           and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:  # the VAE would stop at its first step with a non-finite loss
+        raise ValueError(f"--init {path!r}: the checkpoint's {which} encoder holds NaN or inf "
+                         f"weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): a "
+                         "diverged run; start from another checkpoint")
     enc = ResNetEncoder(cfg["arch"], int(cfg["in_channels"]), int(cfg["image_size"]))
     try:
         enc.load_state_dict(enc_state, strict=True)
