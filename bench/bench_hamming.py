@@ -550,7 +550,7 @@ def check_args(ap, args) -> None:
         check_output_file(ap, "--csv", args.csv if not args.gpu or args.csv != CSV_PATH
                           else GPU_CSV_PATH)
     if args.gpu and args.profile_out:
-        check_output_file(ap, "--profile-out", args.profile_out)
+        check_output_file(ap, "--profile-out", args.profile_out, csv_file=False)
 
 
 def main(argv=None):

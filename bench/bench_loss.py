@@ -359,23 +359,32 @@ def main(argv=None):
         ap.error(f"--min-time must be >= 0, got {args.min_time}")
     for flag, text in (("--inbatch", args.inbatch), ("--queue", args.queue)):
         try:
-            bad = [x for x in text.split(",") if x.strip() and int(x) < 1]
+            vals = [int(x) for x in text.split(",") if x.strip()]
         except ValueError:
             ap.error(f"{flag}: a comma list of integers, got {text!r}")
-        if bad:
-            ap.error(f"{flag}: sizes must be >= 1, got {','.join(bad)}")
+        if any(v < 1 for v in vals):
+            ap.error(f"{flag}: sizes must be >= 1, got {','.join(str(v) for v in vals if v < 1)}")
+        if len(set(vals)) != len(vals):
+            ap.error(f"{flag}: a size is given twice in {text!r}")
+    if not any(x.strip() for x in f"{args.inbatch},{args.queue}".split(",")):
+        ap.error("--inbatch and --queue are both empty: no case to measure")
     dtypes = []
     for d in args.dtypes.split(","):
-        if not isinstance(getattr(torch, d, None), torch.dtype):
-            ap.error(f"--dtypes: {d!r} is not a torch dtype")
+        if not isinstance(getattr(torch, d, None), torch.dtype) or \
+                not getattr(torch, d).is_floating_point:
+            ap.error(f"--dtypes: {d!r} is not a floating-point torch dtype")
+        if getattr(torch, d) in dtypes:
+            ap.error(f"--dtypes: {d!r} is given twice (or under two names)")
         dtypes.append(getattr(torch, d))
     avail = nac_fast.available_backends(args.device)
     backends = args.backends.split(",") if args.backends else avail
     for b in backends:
         if b not in avail:
             ap.error(f"backend {b!r} is not available on {args.device}: {avail}")
-    if "reference" not in backends:
-        backends = ["reference"] + backends
+    if len(set(backends)) != len(backends):
+        ap.error(f"--backends: a backend is given twice in {args.backends!r}")
+    # the reference first: every other row's ratios are to its figures of the same case
+    backends = ["reference"] + [b for b in backends if b != "reference"]
     if args.compile_reference:
         try:
             CountingBackend(args.compile_backend)

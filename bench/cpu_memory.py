@@ -34,7 +34,6 @@ row per backend is appended to the CSV (default bench/results/cpu_memory.csv).
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import gc
 import json
@@ -199,10 +198,13 @@ def main(argv=None):
     import nac_fast
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_loss import commit, device_name  # the bench scripts' shared CSV labels
+    from bench_csv import append_rows, check_output_file
     avail = nac_fast.available_backends("cpu")
     for b in backends:
         if b not in avail:
             ap.error(f"backend {b!r} is not available on cpu: {avail}")
+    if args.csv:  # a folder, a path under a file, a damaged CSV: before the processes run
+        check_output_file(ap, "--csv", args.csv)
     threads = args.threads or torch.get_num_threads()
     warmup_n = default_warmup_n(threads) if args.warmup_n is None else args.warmup_n
     res = measure(backends, args.n, args.D, args.dtype, threads, args.runs, warmup_n)
@@ -221,16 +223,9 @@ def main(argv=None):
         print(f"{row['backend']:>10} {row['extra_rss_mib']:>19.2f} "
               f"{row['extra_rss_min_mib']:>8.2f} {row['extra_rss_max_mib']:>8.2f} "
               f"{row['ratio']:>7.4f} {row['ratio_worst']:>7.4f}   {per_run}")
-    if args.csv:
-        new = not os.path.exists(args.csv)
-        os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
-        with open(args.csv, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-            for row in rows:
-                w.writerow({**meta, **{k: (f"{v:.4f}" if isinstance(v, float) else v)
-                                       for k, v in row.items()}})
+    if args.csv:  # a CSV with another header is rewritten with FIELDS first (bench_csv)
+        append_rows(args.csv, [{**meta, **{k: (f"{v:.4f}" if isinstance(v, float) else v)
+                                           for k, v in row.items()}} for row in rows], FIELDS)
         print(f"appended {len(rows)} rows to {args.csv}")
     return rows
 

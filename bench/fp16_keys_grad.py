@@ -60,18 +60,31 @@ def main(argv=None) -> int:
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--no-emulation", action="store_true")
     args = ap.parse_args(argv)
+    try:
+        ns = [int(x) for x in args.n.split(",")]
+    except ValueError:
+        ap.error(f"--n: a comma list of integers, got {args.n!r}")
+    if min(ns) < 1 or args.D < 1:
+        ap.error(f"--n and --D must be >= 1, got --n {args.n} --D {args.D}")
+    reductions = args.reductions.split(",")
+    if not set(reductions) <= {"mean", "sum"}:
+        ap.error(f"--reductions: a comma list of mean and sum, got {args.reductions!r}")
+    if args.interp_blocks:
+        try:
+            bm, bn = (int(x) for x in args.interp_blocks.split("x"))
+        except ValueError:
+            ap.error(f"--interp-blocks: BMxBN, e.g. 128x512, got {args.interp_blocks!r}")
     triton = not args.no_triton
     if triton and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("set TRITON_INTERPRET=1 (the Triton kernels run under the interpreter here)")
     import test_cuda_mma_numerics as emu
     if args.interp_blocks and triton:
         from nac_fast.kernels import launch, nac_triton
-        bm, bn = (int(x) for x in args.interp_blocks.split("x"))
         nac_triton._INTERP = {k: launch.Config(bm, bn) for k in nac_triton._INTERP}
     rows = []
-    for n in [int(x) for x in args.n.split(",")]:
+    for n in ns:
         a, r, keys, noise = emu.fp16_inputs(n, n, args.D, args.scale)
-        for reduction in args.reductions.split(","):
+        for reduction in reductions:
             row = dict(n=n, D=args.D, scale=args.scale, reduction=reduction)
             g64 = keys_grad(a, r, keys, noise, reduction, "reference", torch.float64)
             row["reference_fp16"] = rel_err(keys_grad(a, r, keys, noise, reduction, "reference"),

@@ -37,6 +37,7 @@ import argparse
 import csv
 import json
 import os
+import math
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -99,8 +100,14 @@ def collect(inputs):
 
 
 def _ok(row) -> bool:
+    """A row that succeeded and has a finite positive median time (a NaN would be no figure,
+    and no JSON either)."""
     status = (row.get("status") or "").strip()
-    return bool(row.get("median_s")) and status in ("", "ok")
+    try:
+        med = float(row.get("median_s") or "nan")
+    except ValueError:
+        return False
+    return math.isfinite(med) and med > 0 and status in ("", "ok")
 
 
 def load_loss_rows(paths, device=None):
@@ -136,7 +143,11 @@ def _backend_label(row) -> str:
 
 
 def _f(x, nd=4):
-    return None if x in (None, "") else round(float(x), nd)
+    """x rounded to nd places; None for an empty or non-finite figure (JSON has no NaN)."""
+    if x in (None, ""):
+        return None
+    v = float(x)
+    return round(v, nd) if math.isfinite(v) else None
 
 
 def loss_entries(latest, gpu_name=""):
@@ -171,8 +182,14 @@ def load_train(paths):
         return None, {}
     with open(paths[-1]) as f:
         text = f.read().strip()
+    if not text:
+        raise ValueError(f"{paths[-1]} is empty (train_throughput.py's JSON line expected)")
     res = json.loads(text.splitlines()[-1])  # train_throughput.py prints one JSON line last
+    if not isinstance(res, dict):
+        raise ValueError(f"{paths[-1]}: the last line is not a JSON object")
     world = int(res.get("world_size", 1))
+    if world < 1:
+        raise ValueError(f"{paths[-1]}: world_size must be >= 1, got {world}")
     train = {"arch": res["arch"], "method": res["method"],
              "batch_per_gpu": int(res["batch_size"]) // world,
              "img_per_s": round(float(res["img_per_s"]) / world, 1),
@@ -357,6 +374,12 @@ def junit_line(res) -> str:
 
 # ---- CLI -------------------------------------------------------------------------------------------
 
+def _write(path, text) -> None:
+    """`text` to `path` whole or not at all (its folder made)."""
+    from nac_fast._files import atomic_write  # (bench_csv put the source tree on sys.path)
+    atomic_write(path, lambda f: f.write(text), mode="w")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="*", help="result folders or loss CSV / train.json / versions.json")
@@ -371,6 +394,11 @@ def main(argv=None):
                     "backends that must appear in a passed test's parameters")
     ap.add_argument("--status-file", default=None, help="write the one-line verdict here too")
     args = ap.parse_args(argv)
+    from bench_csv import check_output_file  # a folder, a path under a file: before any work
+    for flag in ("--out", "--markdown", "--status-file"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path:
+            check_output_file(ap, flag, path, csv_file=False)
 
     if args.check_junit:
         res = check_junit(args.check_junit, [b for b in args.require_passed.split(",") if b])
@@ -381,8 +409,8 @@ def main(argv=None):
             print(f"  {v}")
         print(f"junit {args.check_junit}: {line}: {'OK' if res['ok'] else 'FAIL'}")
         if args.status_file:
-            with open(args.status_file, "w") as f:
-                f.write(line + ("" if res["ok"] else f"; {len(res['violations'])} problem(s)") + "\n")
+            _write(args.status_file, line + ("" if res["ok"] else
+                                             f"; {len(res['violations'])} problem(s)") + "\n")
         return 0 if res["ok"] else 1
 
     if not args.inputs:
@@ -394,23 +422,20 @@ def main(argv=None):
         return 2
     out = args.out or (os.path.join(args.inputs[0], "summary.json") if os.path.isdir(args.inputs[0])
                        else "summary.json")
-    with open(out, "w") as f:
-        json.dump(summary, f, indent=1)
-        f.write("\n")
+    check_output_file(ap, "--out", out, csv_file=False)  # (the default: in the first folder)
+    _write(out, json.dumps(summary, indent=1, allow_nan=False) + "\n")
     checks = goal_checks(summary)
     print(f"wrote {out}")
     for _, line in checks:
         print(line)
     md = markdown(summary, checks, train_raw)
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md)
+        _write(args.markdown, md)
         print(f"wrote {args.markdown}")
     print("\n--- README snippet ---\n" + md)
     missed = sum(not ok for ok, _ in checks)
     if args.status_file:
-        with open(args.status_file, "w") as f:
-            f.write(f"goals: {len(checks) - missed} PASS, {missed} MISS\n")
+        _write(args.status_file, f"goals: {len(checks) - missed} PASS, {missed} MISS\n")
     return 3 if args.require_goals and missed else 0
 
 

@@ -708,6 +708,9 @@ def write_csv(path: str, rows) -> None:
     append_rows(path, out, FIELDS)
 
 
+GPU_BACKENDS = "reference,compiled-reference,triton,triton-unfolded,cuda,auto"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -717,25 +720,34 @@ def main(argv=None):
     ap.add_argument("--csv", default=None, help="append the rows to this CSV")
     ap.add_argument("--calls", type=int, default=CALLS, help="calls per timing (default 200)")
     ap.add_argument("--repeats", type=int, default=5, help="--stub: timings per row (median)")
-    ap.add_argument("--backends",
-                    default="reference,compiled-reference,triton,triton-unfolded,cuda,auto",
-                    help="--gpu: comma list (triton-unfolded: triton with NAC_FAST_FOLD=0)")
+    ap.add_argument("--backends", default=None,
+                    help="--gpu: comma list (default: " + GPU_BACKENDS + "; triton-unfolded: "
+                    "triton with NAC_FAST_FOLD=0)")
     ap.add_argument("--cases", default=None,
                     help="--gpu: kind:n:N:dtype,... (default: bf16 in-batch 512 and 8192, queue "
                     "256 and 8192 x 65536; fp32 in-batch 8192 and queue 256 x 65536)")
     ap.add_argument("--no-graphs", action="store_true", help="--gpu: skip the CUDA-graph rows")
-    ap.add_argument("--compile-backend", default="inductor")
+    ap.add_argument("--compile-backend", default=None,
+                    help="--gpu: torch.compile backend of the compiled-reference rows (inductor)")
     ap.add_argument("--profile-out", default=None, help="--gpu: cProfile of 100 triton calls")
     args = ap.parse_args(argv)
     if args.calls < 1 or args.repeats < 1:
         ap.error("--calls and --repeats must be >= 1")
+    if not args.gpu:  # the --gpu options are not silently ignored
+        for flag in ("--backends", "--cases", "--no-graphs", "--compile-backend", "--profile-out"):
+            if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
+                ap.error(f"{flag} is an option of --gpu (the stubbed run has no such choice)")
+    elif not torch.cuda.is_available():
+        ap.error("--gpu but no GPU is visible")
+    from bench_csv import check_output_file
     if args.csv:  # a folder, a path under a file, an unwritable place: before any timing
-        from bench_csv import check_output_file
         check_output_file(ap, "--csv", args.csv)
+    if args.profile_out:
+        check_output_file(ap, "--profile-out", args.profile_out, csv_file=False)
     print(HEADER)
     if args.gpu:
-        if not torch.cuda.is_available():
-            ap.error("--gpu but no GPU is visible")
+        args.backends = args.backends or GPU_BACKENDS
+        args.compile_backend = args.compile_backend or "inductor"
         cases = GPU_CASES
         if args.cases:
             try:

@@ -212,9 +212,12 @@ def main(argv=None) -> int:
                     help="the compile check's CSV (blocks_per_sm per configuration)")
     ap.add_argument("--json", action="store_true", help="also print the launches as JSON")
     args = ap.parse_args(argv)
+    for flag in ("--n", "--queue", "--D"):
+        if getattr(args, flag[2:]) < 1:
+            ap.error(f"{flag} must be >= 1, got {getattr(args, flag[2:])}")
     dtype = getattr(torch, args.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        ap.error(f"--dtype: {args.dtype!r} is not a torch dtype")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        ap.error(f"--dtype: {args.dtype!r} is not a floating-point torch dtype")
     result = {}
     for kind, N in (("inbatch", args.n), ("queue", args.queue)):
         log = measure(kind, args.n, N, args.D, dtype, args.csv)

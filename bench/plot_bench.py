@@ -1,7 +1,9 @@
 """Draw PNG plots of a bench_loss.py CSV: time and peak extra memory against size, one line per
-backend, one panel per (kind, dtype).  Uses each (device, backend, kind, dtype, n, N)'s newest row
-that succeeded (rows with a "status" other than "ok", i.e. failed cases, are left out; CSVs from
-before the status column count every row).
+backend, one panel per (kind, dtype).  Uses each (device, backend, kind, dtype, n, N, D)'s newest
+row that succeeded (rows with a "status" other than "ok", i.e. failed cases, and rows without a
+finite positive median time are left out; CSVs from before the status column count every row).
+A CSV with rows of several devices or D values gets one line per (backend, device, D), labelled
+with what differs.
 
     python bench/plot_bench.py bench/results/loss_cpu.csv [--out bench/results]
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import sys
 from collections import OrderedDict
@@ -16,16 +19,38 @@ from collections import OrderedDict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+NEEDED = ("device", "backend", "kind", "dtype", "n", "N", "D", "median_s", "p20_s", "p80_s",
+          "peak_extra_mib", "torch")
+
+
+def _num(x):
+    """float(x), or None for an empty, non-numeric, non-finite or non-positive value."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) and v > 0 else None
+
+
 def load(path):
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        rows = list(reader)
     if not rows:
         raise SystemExit(f"{path} has no rows")
+    missing = [c for c in NEEDED if c not in (reader.fieldnames or [])]
+    if missing:
+        raise SystemExit(f"{path} has no column {', '.join(missing)}: not a bench_loss.py CSV")
     latest = OrderedDict()
     for row in rows:  # rows are appended in time order: the last one of a key wins
-        if (row.get("status") or "ok") != "ok" or not row.get("median_s"):
+        if (row.get("status") or "ok") != "ok" or _num(row["median_s"]) is None:
             continue
-        latest[(row["device"], row["backend"], row["kind"], row["dtype"], row["n"], row["N"])] = row
+        try:
+            int(row["n"]), int(row["N"]), int(row["D"])
+        except ValueError:  # a damaged row
+            continue
+        latest[(row["device"], row["backend"], row["kind"], row["dtype"], row["n"], row["N"],
+                row["D"])] = row
     if not latest:
         raise SystemExit(f"{path} has no successful rows")
     return list(latest.values())
@@ -50,31 +75,42 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     stem = os.path.splitext(os.path.basename(args.csv))[0]
     panels = sorted({(r["kind"], r["dtype"]) for r in rows})
+    devices, Ds = sorted({r["device"] for r in rows}), sorted({r["D"] for r in rows}, key=int)
+
+    def series(r, ns):  # one line per backend, and per device, D and queue n where several
+        return (r["backend"],) + ((r["device"],) if len(devices) > 1 else ()) + \
+            ((f"D={r['D']}",) if len(Ds) > 1 else ()) + \
+            ((f"n={r['n']}",) if len(ns) > 1 and r["kind"] != "inbatch" else ())
     written = []
     for metric, label, fname in (("median_s", "fwd+bwd time, median (s)", "time"),
                                  ("peak_extra_mib", "peak extra memory (MiB)", "memory")):
         fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
         for ax, (kind, dtype) in zip(axes[0], panels):
-            sel = [r for r in rows if r["kind"] == kind and r["dtype"] == dtype and r[metric]]
-            for backend in sorted({r["backend"] for r in sel}):
-                pts = sorted((int(r["N"]), float(r[metric]), r) for r in sel if r["backend"] == backend)
+            sel = [r for r in rows if r["kind"] == kind and r["dtype"] == dtype
+                   and _num(r[metric]) is not None]
+            ns = {r["n"] for r in sel}
+            for key in sorted({series(r, ns) for r in sel}):
+                pts = sorted(((int(r["N"]), _num(r[metric]), r) for r in sel
+                              if series(r, ns) == key), key=lambda p: p[:2])
                 xs = [p[0] for p in pts]
                 ys = [p[1] for p in pts]
-                line, = ax.plot(xs, ys, marker="o", label=backend)
-                if metric == "median_s":  # p20-p80 band
-                    ax.fill_between(xs, [float(p[2]["p20_s"]) for p in pts],
-                                    [float(p[2]["p80_s"]) for p in pts], alpha=0.2,
+                line, = ax.plot(xs, ys, marker="o", label=", ".join(key))
+                if metric == "median_s":  # p20-p80 band (the median where a bound is missing)
+                    ax.fill_between(xs, [_num(p[2]["p20_s"]) or p[1] for p in pts],
+                                    [_num(p[2]["p80_s"]) or p[1] for p in pts], alpha=0.2,
                                     color=line.get_color())
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            n_desc = "n = N" if kind == "inbatch" else f"n = {sel[0]['n'] if sel else '?'}"
+            n_desc = "n = N" if kind == "inbatch" else f"n = {','.join(sorted(ns, key=int)) or '?'}"
             ax.set_title(f"{kind} ({n_desc}), {dtype}")
             ax.set_xlabel("keys N" if kind == "inbatch" else "queue size M")
             ax.set_ylabel(label)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend()
-        device = rows[-1]["device"]
-        fig.suptitle(f"NAC loss, D={rows[-1]['D']}, {device}, torch {rows[-1]['torch']}")
+            if sel:  # (no memory figures: --no-memory rows)
+                ax.legend()
+        device = devices[0] if len(devices) == 1 else f"{len(devices)} devices"
+        d_desc = f"D={Ds[0]}" if len(Ds) == 1 else "D=" + ",".join(Ds)
+        fig.suptitle(f"NAC loss, {d_desc}, {device}, torch {rows[-1]['torch']}")
         fig.tight_layout()
         path = os.path.join(out, f"{stem}_{fname}.png")
         fig.savefig(path, dpi=110)

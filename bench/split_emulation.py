@@ -164,6 +164,9 @@ def main(argv=None) -> int:
         ap.error("--n, --D and every --N must be >= 1")
     if not ps or not all(0.0 < p < 0.5 for p in ps):
         ap.error("--p: flip probabilities must be in (0, 0.5)")
+    if args.csv:  # a folder, a path under a file, a damaged CSV: before any measurement
+        from bench_csv import check_output_file
+        check_output_file(ap, "--csv", args.csv)
     base = dict(timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 host=socket.gethostname(), torch=torch.__version__, commit=_commit())
     rows = []
