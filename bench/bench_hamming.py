@@ -535,17 +535,26 @@ def run_gpu(args, ap):
     return 1 if failures else 0
 
 
+def gpu_options(ap):
+    """The actions of the parser's "--gpu" argument group."""
+    return next(g for g in ap._action_groups if g.title == "--gpu")._group_actions
+
 
 def check_args(ap, args) -> None:
     """Usage errors (ap.error, exit status 2) before any measurement: counts below their least
     value, a bit-flip probability outside [0, 0.5] (0.5: codes unrelated to their class), an
-    output file that could not be written."""
+    option of the --gpu run given without --gpu, an output file that could not be written."""
     check_least(ap, args, {"--queries": 1, "--gallery": 1, "--bits": 1, "--classes": 1,
                            "--repeats": 1, "--slow-repeats": 1, "--chunk": 1,
                            "--torch-queries": 0, "--faiss-heap-queries": 0, "--threads": 1,
                            "--map-queries": 1, "--index-queries": 1, "--k": 1,
                            "--check-queries": 0, "--gpu-repeats": 1})
     check_flip(ap, args)
+    if not args.gpu:  # the "--gpu" group's options would be silently ignored
+        given = [a.option_strings[0] for a in gpu_options(ap)
+                 if getattr(args, a.dest) != a.default]
+        if given:
+            ap.error(f"{', '.join(given)}: options of the --gpu run (add --gpu)")
     if args.csv:
         check_output_file(ap, "--csv", args.csv if not args.gpu or args.csv != CSV_PATH
                           else GPU_CSV_PATH)

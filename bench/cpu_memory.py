@@ -186,6 +186,8 @@ def main(argv=None):
     backends = [b for b in args.backends.split(",") if b]
     if not backends:
         ap.error("--backends is empty")
+    if len(set(backends)) != len(backends):  # each would be measured twice, its rows doubled
+        ap.error(f"--backends names a backend twice: {args.backends!r}")
 
     if args.child:
         wb = args.warmup_backends.split(",") if args.warmup_backends else backends

@@ -303,3 +303,24 @@ def test_launch_traffic_bad_args_are_usage_errors(capsys, monkeypatch, argv, fla
 def test_fp16_keys_grad_bad_args_are_usage_errors(capsys, argv, flag):
     mod = _load("fp16_keys_grad")
     _usage_error(mod.main, ["--no-triton", "--no-emulation"] + argv, capsys, flag)
+
+
+# ---- bench_hamming: the --gpu run's options without --gpu ----------------------------------------
+
+@pytest.mark.parametrize("extra", [["--tiny"], ["--k", "5"], ["--device", "cpu"],
+                                   ["--only", "map"], ["--map-sizes", "100"]])
+def test_bench_hamming_gpu_options_need_gpu(capsys, monkeypatch, extra):
+    """Bug: --tiny, --k, --device, ... belong to the --gpu run; without --gpu they were silently
+    ignored and the CPU table was measured at its own sizes."""
+    import bench_hamming
+    monkeypatch.setattr(bench_hamming, "make_data", _boom)
+    _usage_error(bench_hamming.main, ["--queries", "5", "--gallery", "200", "--bits", "64",
+                                      "--csv", ""] + extra, capsys, extra[0], "--gpu")
+
+
+def test_cpu_memory_refuses_a_backend_named_twice(capsys, monkeypatch):
+    """Bug: --backends cpu,cpu measured cpu twice (twice the minutes) and wrote its rows twice."""
+    mod = _load("cpu_memory")
+    monkeypatch.setattr(mod, "measure", _boom)
+    _usage_error(mod.main, ["--n", "4", "--D", "4", "--runs", "1", "--backends", "cpu,cpu",
+                            "--csv", ""], capsys, "--backends", "twice")
