@@ -290,3 +290,18 @@ def test_a_limit_over_half_the_split_keeps_every_class(tmp_path):
         assert set(got.tolist()) == set(labels.tolist()), got
     with pytest.raises(ValueError, match="limit"):
         build_eval_loader(data, split="train", batch_size=64, image_size=8, limit=n + 1)
+
+
+def test_map_at_k_beyond_the_gallery_says_it_is_capped(run, tmp_path):
+    """mAP@K for K above the gallery's size is mAP over the whole gallery (K capped, as --help
+    says); report.md labelled it mAP@1000 on an 8-image gallery without a word."""
+    out = tmp_path / "e"
+    assert _eval(run, out, "--tasks", "hash", "--map-at", "2,1000") == 0
+    table = (out / "report.md").read_text()
+    rep = json.loads((out / "report.json").read_text())["results"]["hash"]
+    g = rep["num_gallery"]
+    assert g < 1000
+    line = next(ln for ln in table.splitlines() if "mAP@1000" in ln)
+    assert f"K capped at the gallery's {g}" in line, line
+    line = next(ln for ln in table.splitlines() if "mAP@2 " in ln or "mAP@2|" in ln)
+    assert "capped" not in line, line

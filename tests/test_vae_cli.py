@@ -349,6 +349,20 @@ def test_resume_of_a_finished_run_with_other_evaluation_flags_reevaluates(finish
     assert "nothing to do" in capsys.readouterr().out
 
 
+def test_iwae_images_beyond_the_test_split_are_recorded_as_evaluated(finished_vae, tmp_path,
+                                                                      capsys):
+    """config.json recorded --iwae-images as given, not as evaluated (capped at the test
+    images), so a resume with another value above the split evaluated the same subset again."""
+    out = _copy(finished_vae, tmp_path / "v")
+    k = TINY.index("--iwae-images")
+    argv = ["--init", "random", "--epochs", "1", "--out", str(out), "--resume"]
+    assert _run(argv + TINY[:k] + ["--iwae-images", "100"] + TINY[k + 2:]) == 0
+    assert "re-evaluat" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["iwae_images"] == 12
+    assert _run(argv + TINY[:k] + ["--iwae-images", "50"] + TINY[k + 2:]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
 def test_resume_with_a_stop_step_already_passed(tmp_path, capsys):
     """Bug 9: --resume --stop-at-step N <= the checkpoint's step trained one more step."""
     out = tmp_path / "ss"

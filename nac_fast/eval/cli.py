@@ -686,8 +686,10 @@ def markdown_table(report: dict) -> str:
             rows.append((f"hash {k} bits", "mAP@all", _fmt(m, True),
                          f"{x['protocol']}, {x['num_queries']} q x {x['num_gallery']} g, {kind}"))
             for K, v in x.get("map_at", {}).get(k, {}).items():
+                capped = (f"; K capped at the gallery's {x['num_gallery']}"
+                          if int(K) > x["num_gallery"] else "")
                 rows.append((f"hash {k} bits", f"mAP@{K}", _fmt(v, True),
-                             "DeepHash-pytorch convention (no hit in the top K: AP 0)"))
+                             f"DeepHash-pytorch convention (no hit in the top K: AP 0){capped}"))
             if k in x.get("precision_within_radius", {}):
                 rows.append((f"hash {k} bits", f"P@H<={x['radius']}",
                              _fmt(x["precision_within_radius"][k], True),

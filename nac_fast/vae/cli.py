@@ -433,6 +433,9 @@ def _setup(args):
     cfg["data"] = os.path.abspath(args.data) if os.path.exists(args.data) else args.data
     cfg.update(train_images=train_images, steps_per_epoch=train_images // args.batch_size,
                test_images=args.limit_test or n_test)
+    # the IWAE subset as evaluated (strided_subset caps it at the test images): another value
+    # above the test split's size is the same evaluation, not a reason to evaluate again
+    cfg["iwae_images"] = min(args.iwae_images, cfg["test_images"])
     cfg.update(kind="vae", version=VERSION, arch=arch, in_channels=channels, image_size=size,
                init=args.init if args.init == "random" else os.path.abspath(args.init),
                init_info=info, pretrained=info is not None)
