@@ -235,11 +235,17 @@ def check_args(args):
     """(variants, seeds, curve steps, curve seeds); ValueError naming the flag."""
     if args.grid is None and args.doc is None:
         raise ValueError("give --grid (run a grid) or --doc (write the page), or both")
-    seeds = _ints(args.seeds, "--seeds")
+    # de-duplicated, order kept: a run named twice would be launched twice into one folder
+    seeds = list(dict.fromkeys(_ints(args.seeds, "--seeds")))
     if not seeds:
         raise ValueError("--seeds needs at least one seed")
-    curve, curve_seeds = _ints(args.curve_steps, "--curve-steps"), _ints(args.curve_seeds,
-                                                                          "--curve-seeds")
+    curve, curve_seeds = _ints(args.curve_steps, "--curve-steps"), list(dict.fromkeys(
+        _ints(args.curve_seeds, "--curve-seeds")))
+    from nac_fast.train.config import MAX_SEED
+    for flag, values in (("--seeds", seeds), ("--curve-seeds", curve_seeds)):
+        bad = [v for v in values if not 0 <= v <= MAX_SEED]
+        if bad:  # train.py's range: every run would stop at its start
+            raise ValueError(f"{flag} must lie in [0, {MAX_SEED}] (train.py --seed), got {bad}")
     if any(s < 1 for s in curve) or curve != sorted(set(curve)):
         raise ValueError(f"--curve-steps must be increasing steps >= 1, got {args.curve_steps!r}")
     for flag in ("epochs", "batch_size", "nproc", "linear_epochs", "bn_batches", "log_every"):

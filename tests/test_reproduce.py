@@ -368,3 +368,18 @@ def test_heldout_section_lists_every_grid_of_its_root(tmp_path):
     empty.mkdir()
     with pytest.raises(SystemExit, match="no results in"):
         R.main(["--out", str(main_root), "--doc", str(doc), "--heldout", str(empty)])
+
+
+def test_seeds_named_twice_are_run_once_and_out_of_range_refused(tmp_path):
+    """--seeds 0,0 planned every run twice, both launched into the same folder; a seed train.py
+    refuses (--seed in [0, 2^32 - 1]) failed every run at its start instead of the script at
+    its own."""
+    args = R.build_parser().parse_args(["--grid", "main", "--out", str(tmp_path),
+                                        "--seeds", "1,0,1", "--curve-seeds", "2,2"])
+    _, seeds, _, curve_seeds = R.check_args(args)
+    assert seeds == [1, 0] and curve_seeds == [2]
+    for flag in ("--seeds", "--curve-seeds"):
+        args = R.build_parser().parse_args(["--grid", "main", "--out", str(tmp_path),
+                                            flag, "0,-1"])
+        with pytest.raises(ValueError, match=f"{flag} must lie in"):
+            R.check_args(args)
