@@ -86,7 +86,10 @@ def output_file_problem(flag: str, path: str, csv_file: bool = True):
     """Why the output file `path` (option `flag`) could not be written, or None: a folder, a
     path under a file, a place where no file can be created (nac_fast._files.check_writable),
     and for a CSV to append to (`csv_file`) an existing one that is damaged (csv_problem).
-    A bare file name is the current folder's."""
+    A bare file name is the current folder's; an empty path names no file (a script that takes
+    '' as "no file" does not check it)."""
+    if not path:
+        return f"{flag} is empty; give a file path"
     if os.path.isdir(path):
         return f"{flag} {path!r} is a folder; give a file path"
     try:

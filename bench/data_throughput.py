@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from nac_fast.data import LOADERS, build_pretrain_loader, dali_available  # noqa: E402
+from nac_fast.data import (LOADERS, MIN_IMAGE_SIZE, build_pretrain_loader,  # noqa: E402
+                           dali_available)
 from nac_fast.data.sources.synthetic import write_jpeg_folder  # noqa: E402
 
 
@@ -79,15 +80,34 @@ def main(argv=None):
     for name in ("batch", "batches"):
         if getattr(a, name) < 1:
             ap.error(f"--{name} must be >= 1")
+    for name in ("warmup", "workers", "make_jpegs"):
+        if getattr(a, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        ap.error(f"--device {a.device!r} is not a device (cpu, cuda, cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {a.device!r}: no CUDA device on this machine")
+    if a.loader == "dali-gpu" and device.type != "cuda":
+        ap.error(f"--loader dali-gpu decodes on the GPU: it needs --device cuda, got {a.device!r}")
+    if a.size is not None and a.size < MIN_IMAGE_SIZE:
+        ap.error(f"--size must be >= {MIN_IMAGE_SIZE}, got {a.size}")
+    if a.make_jpegs and os.path.lexists(a.data) and not os.path.isdir(a.data):
+        ap.error(f"--make-jpegs: --data {a.data!r} exists and is not a folder")
 
     if a.make_jpegs and not os.path.isdir(a.data):
         # under train/: a folder of class folders alone would hold 20% of each class out
         write_jpeg_folder(os.path.join(a.data, "train"), num_classes=8,
                           per_class=-(-a.make_jpegs // 8))
     warnings.simplefilter("once")
-    loader = build_pretrain_loader(a.data, batch_size=a.batch, image_size=a.size, loader=a.loader,
-                                   num_workers=a.workers, device=a.device, channels_last=a.channels_last,
-                                   dtype=getattr(torch, a.dtype), recipe=a.recipe)
+    try:
+        loader = build_pretrain_loader(a.data, batch_size=a.batch, image_size=a.size,
+                                       loader=a.loader, num_workers=a.workers, device=a.device,
+                                       channels_last=a.channels_last,
+                                       dtype=getattr(torch, a.dtype), recipe=a.recipe)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:  # bad --data, --size, --batch
+        ap.error(str(exc))
     sync = torch.cuda.synchronize if torch.device(a.device).type == "cuda" else (lambda: None)
 
     def batches():

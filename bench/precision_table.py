@@ -106,7 +106,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--fp32-modes", default=",".join(FP32_MODES),
                     help="the Triton kernels' fp32 product modes to measure (NAC_FAST_FP32_DOT)")
-    ap.add_argument("--csv", default=os.path.join(ROOT, "bench", "results", "precision_cpu.csv"))
+    ap.add_argument("--csv", default=os.path.join(ROOT, "bench", "results", "precision_cpu.csv"),
+                    help="CSV to append to ('' = none)")
     args = ap.parse_args(argv)
     dtypes = args.dtypes.split(",")
     modes = args.fp32_modes.split(",")
@@ -116,24 +117,32 @@ def main(argv=None):
     for m in modes:
         if m not in FP32_MODES:
             ap.error(f"--fp32-modes: {m!r} is not one of {', '.join(FP32_MODES)}")
+    for flag, items in (("--dtypes", dtypes), ("--fp32-modes", modes)):
+        if len(set(items)) != len(items):  # each would be measured twice, its rows doubled
+            ap.error(f"{flag}: an item is given twice in {','.join(items)!r}")
     check_least(ap, args, {"--n": 1, "--N": 1, "--D": 1})
-    check_output_file(ap, "--csv", args.csv)  # before the measurement (a bare name: ./NAME)
+    if not 0 < args.p < 0.5:
+        ap.error(f"--p: a flip probability in the open interval (0, 0.5), got {args.p}")
+    if args.csv:
+        check_output_file(ap, "--csv", args.csv)  # before the measurement (a bare name: ./NAME)
     rows = measure("inbatch", args.n, args.n, args.D, args.p, args.seed, dtypes, modes)
     rows += measure("keys", args.n, args.N, args.D, args.p, args.seed + 1, dtypes, modes)
     stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     fields = ["timestamp", "torch", "kind", "n", "N", "D", "dtype", "method", "loss", "grad_a",
               "grad_r", "grad_keys"]
     # a CSV with another header is rewritten with these fields first (bench_csv.append_rows)
-    append_rows(args.csv, [dict(r, timestamp=stamp, torch=torch.__version__, n=args.n,
-                                N=args.n if r["kind"] == "inbatch" else args.N, D=args.D)
-                           for r in rows], fields)
+    if args.csv:
+        append_rows(args.csv, [dict(r, timestamp=stamp, torch=torch.__version__, n=args.n,
+                                    N=args.n if r["kind"] == "inbatch" else args.N, D=args.D)
+                               for r in rows], fields)
     print(f"{'kind':8s} {'dtype':9s} {'method':24s} {'loss':>9s} {'grad_a':>9s} {'grad_r':>9s} "
           f"{'grad_keys':>9s}")
     for r in rows:
         print(f"{r['kind']:8s} {r['dtype']:9s} {r['method']:24s} {r['loss']:9.2e} "
               f"{r['grad_a']:9.2e} {r['grad_r']:9.2e} "
               f"{r['grad_keys'] if isinstance(r.get('grad_keys'), str) else format(r.get('grad_keys', float('nan')), '9.2e')}")
-    print(f"appended {len(rows)} rows to {args.csv}")
+    if args.csv:
+        print(f"appended {len(rows)} rows to {args.csv}")
 
 
 if __name__ == "__main__":

@@ -211,6 +211,8 @@ def main(argv=None):
     if bad:  # before any table line
         ap.error(f"--gpu: no ceilings known for {', '.join(repr(g) for g in bad)} (known: "
                  f"{', '.join(GPUS)}; the H100 is the SXM part, not PCIe/NVL)")
+    if len({resolve_gpu(g) for g in gpus}) != len(gpus):  # its table would be printed twice
+        ap.error(f"--gpu: a GPU is named twice in {args.gpu!r}")
     if args.D < 1:
         ap.error(f"--D must be >= 1, got {args.D}")
     print(f"{'gpu':5s} {'kind':8s} {'n':>6s} {'N':>7s} {'dtype':9s} {'GFLOP':>8s} {'Mexp':>7s} "

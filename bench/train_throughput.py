@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import datetime
 import gc
 import json
@@ -85,7 +84,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from bench_csv import append_rows, check_output_file  # noqa: E402
 from bench_loss import commit  # noqa: E402  (NAC_FAST_COMMIT, else git: the benches' one)
+from nac_fast._files import atomic_write  # noqa: E402
 from nac_fast.data.sources.synthetic_pairs import SyntheticPairLoader  # noqa: E402
 
 # a step's work in units of one supervised step (forward + backward of one view of the batch)
@@ -199,9 +200,9 @@ def profile_step(step_fn, device, path) -> dict:
         step_fn()
         sync()
     text, n_kernels = kernel_table(prof, cuda)
-    with open(path, "w") as f:
-        f.write(f"device: {torch.cuda.get_device_name(device) if cuda else 'cpu'}; torch "
-                f"{torch.__version__}\n{text}")
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    atomic_write(path, lambda f: f.write(f"device: {name}; torch {torch.__version__}\n{text}"),
+                 mode="w")
     if cuda and n_kernels == 0:
         return {"profile": "FAIL: no CUDA kernel events recorded (CUPTI unavailable?)",
                 "profile_file": path}
@@ -522,13 +523,14 @@ def csv_rows(res) -> list:
 
 
 def append_csv(path, rows) -> None:
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        if new:
-            w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+    """The benches' appender (bench_csv.append_rows: all or nothing, a damaged CSV refused, a CSV
+    with another header rewritten with these columns first)."""
+    append_rows(path, [{k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS}
+                       for r in rows], CSV_FIELDS)
+
+
+def write_json(path, res) -> None:
+    atomic_write(path, lambda f: (json.dump(res, f), f.write("\n")), mode="w")
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -545,7 +547,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20, help="measured steps")
     ap.add_argument("--warmup", type=int, default=5,
                     help="unmeasured first steps; also the steps of each timed window")
-    ap.add_argument("--amp", default="auto")
+    ap.add_argument("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"))
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="train.py's --compile / --no-compile (default: neither, train.py's own "
@@ -573,14 +575,19 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         ap.error("--steps and --warmup must be >= 1")
-    if args.budget_s < 0:
-        ap.error("--budget-s must be >= 0")
+    if not args.budget_s >= 0:  # (NaN too: it would skip every later part)
+        ap.error(f"--budget-s must be >= 0, got {args.budget_s}")
+    # the output paths, before any measurement: a folder, a path under a file, an unwritable
+    # place, a damaged --csv-out (a missing folder is made)
+    for flag, path in (("--json-out", args.json_out), ("--profile-out", args.profile_out)):
+        if path is not None:
+            check_output_file(ap, flag, path, csv_file=False)
+    if args.csv_out is not None:
+        check_output_file(ap, "--csv-out", args.csv_out)
     if args.supervised:
         res = supervised_measure(args, args.supervised)
         if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(res, f)
-                f.write("\n")
+            write_json(args.json_out, res)
         print(json.dumps(res))
         return
     budget = Budget(args.budget_s)
@@ -607,9 +614,7 @@ def main(argv=None):
     if args.csv_out:
         append_csv(args.csv_out, csv_rows(res))
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(res, f)
-            f.write("\n")
+        write_json(args.json_out, res)
     print(table(res))
     print(json.dumps(res))
     if failed:

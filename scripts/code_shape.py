@@ -112,10 +112,10 @@ def features_of(checkpoint: str, data: str, splits, batch_size: int = 500) -> di
     return out
 
 
-def check_input(checkpoint: str, data: str, splits) -> None:
+def check_input(checkpoint: str, data: str, splits) -> dict:
     """ValueError (naming the checkpoint or --data) unless the checkpoint loads as a train.py
     model and --data has its channels in every split: checked for every checkpoint before the
-    table's header is printed."""
+    table's header is printed.  Returns {split: its number of images}."""
     from nac_fast.data import build_eval_loader
     from nac_fast.train.checkpoint import load_checkpoint, load_model
     cfg = load_checkpoint(checkpoint)["config"]
@@ -124,6 +124,7 @@ def check_input(checkpoint: str, data: str, splits) -> None:
                          "a python -m nac_fast.vae checkpoint?)")
     load_model(checkpoint, "online")
     size = int(cfg["image_size"])
+    sizes = {}
     for split in splits:
         try:
             ld = build_eval_loader(data, split=split, batch_size=1, image_size=size, device="cpu")
@@ -133,6 +134,8 @@ def check_input(checkpoint: str, data: str, splits) -> None:
         if want is not None and int(ld.in_channels) != int(want):
             raise ValueError(f"--data {data!r} has {ld.in_channels}-channel images; the model of "
                              f"{checkpoint!r} takes {want}-channel images")
+        sizes[split] = int(ld.num_images)
+    return sizes
 
 
 def main(argv=None) -> int:
@@ -151,9 +154,12 @@ def main(argv=None) -> int:
         if not os.path.isfile(ck):
             ap.error(f"checkpoint {ck!r}: no such file")
         try:
-            check_input(ck, args.data, splits)
+            sizes = check_input(ck, args.data, splits)
         except (ValueError, FileNotFoundError, RuntimeError, KeyError) as exc:
             ap.error(str(exc))
+        if args.retrieval > sizes["test"]:  # the header would name more queries than are run
+            ap.error(f"--retrieval {args.retrieval} exceeds the {sizes['test']} test images of "
+                     f"--data {args.data!r}")
     head = ("| checkpoint | mean abs skewness | kurtosis | mean abs(P(+1) - 1/2) | "
             "bits with P(+1) outside [0.3, 0.7] | mean abs(tanh a) | mean abs corr | eff. rank |")
     if args.retrieval:

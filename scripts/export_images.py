@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     if args.offset < 0:
         ap.error(f"--offset must be >= 0, got {args.offset}")
     out = args.out
+    if not out:
+        ap.error("--out must name a folder, got ''")
     if os.path.lexists(out) and not os.path.isdir(out):
         ap.error(f"--out {out!r} exists and is not a folder")
     if os.path.isdir(out) and os.listdir(out) and not args.overwrite:
@@ -114,6 +116,11 @@ def main(argv=None) -> int:
         ap.error(f"--offset {args.offset} skips every image: the largest class of the "
                  f"{args.split} split has {largest}")
     names = _class_names(src)
+    for name in names:  # a class's folder taken by a file of the user's: refused before any change
+        d = os.path.join(out, name)
+        if os.path.lexists(d) and (os.path.islink(d) or not os.path.isdir(d)):
+            ap.error(f"--out {out!r}: {d!r} is not a folder, and the export writes its "
+                     f"{name!r} images there; move it away or give another --out")
     parent = os.path.dirname(os.path.abspath(out))
     try:
         os.makedirs(parent, exist_ok=True)

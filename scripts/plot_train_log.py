@@ -33,7 +33,11 @@ ZERO_NAME = {"nac": "D ln 2", "nac-mq": "2 D ln 2", "simclr": "ln(2B - 1)"}
 def read_log(path: str) -> list[dict]:
     by_step = {}
     with open(path) as f:
-        for i, line in enumerate(f, 1):
+        try:
+            lines = f.readlines()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not a text log ({exc.reason} at byte {exc.start})") from None
+        for i, line in enumerate(lines, 1):
             line = line.strip()
             if not line:
                 continue
@@ -81,7 +85,9 @@ def draw(runs):
     for ax, key in zip(axes.flat, keys):
         for name, recs, cfg in runs:
             pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
-            line, = ax.plot([s for s, _ in pts], [v for _, v in pts], label=name)
+            # a lone point (a log of one record) is a line of no length: drawn as a marker
+            line, = ax.plot([s for s, _ in pts], [v for _, v in pts], label=name,
+                            marker="o" if len(pts) == 1 else None)
             if key == "loss" and zero_code_value(recs) is not None:
                 z = zero_code_value(recs)
                 what = ZERO_NAME.get(cfg.get("method"), "zero-code value")
@@ -92,7 +98,8 @@ def draw(runs):
             if key == "r_slope" and cfg.get("flip_prob_final") is not None and sched:
                 # a p schedule ([M:p-schedule]): the small-code optimum moves with p
                 ax.plot([s for s, _ in sched], [2 * (1 - 2 * q) for _, q in sched], ls=":",
-                        lw=1, color=line.get_color(), label="2(1-2p) at each step's p")
+                        lw=1, color=line.get_color(), label="2(1-2p) at each step's p",
+                        marker="_" if len(sched) == 1 else None)
             elif key == "r_slope" and isinstance(p, (int, float)):
                 ax.axhline(2 * (1 - 2 * p), ls=":", lw=1, color=line.get_color(),
                            label=f"2(1-2p) = {2 * (1 - 2 * p):.2f}")

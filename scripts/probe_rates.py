@@ -25,6 +25,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from nac_fast._files import atomic_write, check_writable  # noqa: E402
 from nac_fast.eval.cli import float_list  # noqa: E402
 from nac_fast.eval.metrics import accuracy, linear_predict, train_linear_probe  # noqa: E402
 
@@ -51,29 +52,49 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load(eval_dir: str) -> tuple[dict, dict, dict]:
-    """(linear result + settings from report.json, train features, test features)."""
+    """(linear result + settings from report.json, train features, test features); ValueError
+    naming the directory when one of them is missing, damaged or of another kind."""
     rep_path = os.path.join(eval_dir, "report.json")
     if not os.path.isfile(rep_path):
         raise ValueError(f"eval_dirs: {eval_dir!r} has no report.json (not an nac_fast.eval "
                          "output directory)")
-    with open(rep_path) as f:
-        rep = json.load(f)
-    lin = rep.get("results", {}).get("linear")
+    try:
+        with open(rep_path) as f:
+            rep = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"eval_dirs: {rep_path!r} is not a JSON report ({exc})") from None
+    res = rep.get("results") if isinstance(rep, dict) else None
+    lin = res.get("linear") if isinstance(res, dict) else None
     if lin is None:
         raise ValueError(f"eval_dirs: {eval_dir!r}: its report has no linear result (run "
                          "nac_fast.eval with --tasks linear)")
+    missing = [k for k in ("lrs", "epochs", "batch_size", "best_lr", "test_top1")
+               if not isinstance(lin, dict) or k not in lin]
+    if missing:
+        raise ValueError(f"eval_dirs: {rep_path!r}: its linear result has no "
+                         f"{', '.join(missing)} (a damaged report?)")
     feats = []
     for split in ("train", "test"):
         p = os.path.join(eval_dir, f"features_{split}.pt")
         if not os.path.isfile(p):
             raise ValueError(f"eval_dirs: {eval_dir!r} has no cached {split} features ({p})")
-        feats.append(torch.load(p, map_location="cpu", weights_only=True))
+        try:
+            f = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - torch.load's errors of a damaged file vary
+            raise ValueError(f"eval_dirs: {p!r} is not a feature cache "
+                             f"({type(exc).__name__}: {exc})") from None
+        if not (isinstance(f, dict) and isinstance(f.get("h"), torch.Tensor)
+                and isinstance(f.get("labels"), torch.Tensor)):
+            raise ValueError(f"eval_dirs: {p!r} is not a feature cache of nac_fast.eval (no "
+                             "'h' and 'labels' tensors)")
+        feats.append(f)
     return dict(lin, seed=rep.get("seed", 0)), feats[0], feats[1]
 
 
-def rates_table(eval_dir: str, lrs=None, progress: bool = False) -> dict:
-    """{"dir", "protocol_lr", "protocol_top1", "test_top1": {lr: top-1}} for one directory."""
-    lin, tr, te = load(eval_dir)
+def rates_table(eval_dir: str, lrs=None, progress: bool = False, loaded=None) -> dict:
+    """{"dir", "protocol_lr", "protocol_top1", "test_top1": {lr: top-1}} for one directory
+    (``loaded``: what load(eval_dir) returned, when it was loaded already)."""
+    lin, tr, te = load(eval_dir) if loaded is None else loaded
     lrs = list(lrs or lin["lrs"])
     got = {}
     for lr in lrs:
@@ -88,12 +109,16 @@ def rates_table(eval_dir: str, lrs=None, progress: bool = False) -> dict:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.csv and os.path.exists(args.csv):
+    if args.csv and os.path.lexists(args.csv):
         ap.error(f"--csv {args.csv!r} exists; give another path")
+    dirs = list(dict.fromkeys(args.eval_dirs))  # a directory named twice is fitted once
     try:
-        rows = [rates_table(d, args.lrs, args.progress) for d in args.eval_dirs]
+        if args.csv:  # before any fit: a path under a file or in an unwritable place
+            check_writable("--csv", args.csv)
+        loaded = [load(d) for d in dirs]  # every directory checked before the first fit
     except ValueError as exc:
         ap.error(str(exc))
+    rows = [rates_table(d, args.lrs, args.progress, ld) for d, ld in zip(dirs, loaded)]
     lrs = list(dict.fromkeys(lr for r in rows for lr in r["test_top1"]))
     print("test top-1 (%) of the linear probe fitted at each rate (judged on the test split: "
           "a diagnostic, not the protocol)\n")
@@ -105,14 +130,13 @@ def main(argv=None) -> int:
         print(f"| {r['dir']} | {r['protocol_lr']:g} | {100 * r['protocol_top1']:.1f} | " +
               " | ".join(cells) + " |")
     if args.csv:
-        tmp = args.csv + ".tmp"
-        with open(tmp, "w", newline="") as f:
+        def write(f):  # the folder is made; the file appears whole or not at all
             w = csv.writer(f)
             w.writerow(["eval_dir", "protocol_lr", "protocol_top1"] + [f"lr_{lr:g}" for lr in lrs])
             for r in rows:
                 w.writerow([r["dir"], r["protocol_lr"], r["protocol_top1"]] +
                            [r["test_top1"].get(lr, "") for lr in lrs])
-        os.replace(tmp, args.csv)
+        atomic_write(args.csv, write, mode="w")
     return 0
 
 

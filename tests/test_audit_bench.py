@@ -324,3 +324,10 @@ def test_cpu_memory_refuses_a_backend_named_twice(capsys, monkeypatch):
     monkeypatch.setattr(mod, "measure", _boom)
     _usage_error(mod.main, ["--n", "4", "--D", "4", "--runs", "1", "--backends", "cpu,cpu",
                             "--csv", ""], capsys, "--backends", "twice")
+
+
+def test_an_empty_output_path_is_a_problem():
+    """output_file_problem('') passed ('' is no folder, and check_writable took it as the
+    current folder's), so a script that checked it crashed after its measurement."""
+    assert "--csv is empty" in bench_csv.output_file_problem("--csv", "")
+    assert bench_csv.output_file_problem("--csv", "x.csv") is None

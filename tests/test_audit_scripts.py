@@ -1,0 +1,280 @@
+"""Audit of the scripts and benchmarks run as a demanding user would (scripts/code_shape.py,
+probe_rates.py, export_images.py, plot_train_log.py; bench/data_throughput.py,
+train_throughput.py, precision_table.py, roofline.py): damaged inputs, bad and GPU-only options on
+a CPU machine and bad output paths are usage errors (exit status 2, the argument named, no
+traceback) before any work; a one-record training log is drawn; outputs are written whole.
+Tiny sizes, nothing timed for real (the measurements are replaced where they would run)."""
+import csv
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import data_throughput  # noqa: E402
+import export_images  # noqa: E402
+import precision_table  # noqa: E402
+import probe_rates  # noqa: E402
+import roofline  # noqa: E402
+import train_throughput  # noqa: E402
+
+
+def _boom(*a, **k):
+    raise AssertionError("worked before the arguments were checked")
+
+
+def _usage_error(capsys, fn, argv, *words):
+    """fn(argv) exits with status 2, no traceback, a message naming each of `words`."""
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+# ---- plot_train_log.py ---------------------------------------------------------------------------
+
+def test_plot_train_log_draws_a_log_of_one_record(tmp_path, capsys):
+    """A short train.py run logs one record: each quantity is one point, which a plain line
+    does not draw (every panel came out empty).  A log that is not text names the log."""
+    pytest.importorskip("matplotlib")
+    import plot_train_log
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.jsonl").write_text(json.dumps({"step": 2, "loss": 14.1, "loss_excess": 3.0,
+                                               "r_slope": 0.3, "flip_prob": 0.25,
+                                               "lr": 0.15}) + "\n")
+    (run / "config.json").write_text(json.dumps({"method": "nac", "flip_prob": 0.25,
+                                                 "flip_prob_final": 0.4}))
+    fig = plot_train_log.main([str(run / "log.jsonl"), "--out", str(tmp_path / "c.png")])
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    for key in ("loss", "loss_excess", "lr", "r_slope"):
+        line = axes[key].get_lines()[0]
+        assert list(line.get_ydata()) and line.get_marker() not in (None, "None", "", " "), key
+    sched = {ln.get_label(): ln for ln in axes["r_slope"].get_lines()}["2(1-2p) at each step's p"]
+    assert sched.get_marker() not in (None, "None", "", " ")
+    (tmp_path / "bin.jsonl").write_bytes(b'{"step": 1}\n\x80\x81\xff\n')
+    _usage_error(capsys, plot_train_log.main, [str(tmp_path / "bin.jsonl"), "--out",
+                                               str(tmp_path / "b.png")], "bin.jsonl")
+    assert not (tmp_path / "b.png").exists()
+
+
+# ---- probe_rates.py ------------------------------------------------------------------------------
+
+def _eval_dir(path, n=40, d=4):
+    """An nac_fast.eval output folder with a linear result and tiny cached features."""
+    path.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "test"):
+        torch.save({"h": torch.randn(n, d, generator=g), "labels": torch.arange(n) % 2},
+                   path / f"features_{split}.pt")
+    rep = {"seed": 0, "results": {"linear": {"test_top1": 0.5, "best_lr": 0.1, "epochs": 1,
+                                             "batch_size": 16, "lrs": [0.1]}}}
+    (path / "report.json").write_text(json.dumps(rep))
+    return path
+
+
+def test_probe_rates_damaged_eval_dirs_are_usage_errors_before_any_fit(tmp_path, capsys,
+                                                                        monkeypatch):
+    """A report.json that is not an object, a linear result without its settings, a damaged or
+    foreign feature cache gave tracebacks (AttributeError, KeyError), and a bad directory after
+    a good one was found only after the good one's fits."""
+    good = _eval_dir(tmp_path / "good")
+    bad = {name: _eval_dir(tmp_path / name) for name in ("list", "noepochs", "junk", "foreign")}
+    (bad["list"] / "report.json").write_text("[1, 2]")
+    rep = json.loads((good / "report.json").read_text())
+    del rep["results"]["linear"]["epochs"]
+    (bad["noepochs"] / "report.json").write_text(json.dumps(rep))
+    (bad["junk"] / "features_train.pt").write_bytes(b"junk")
+    torch.save({"x": 1}, bad["foreign"] / "features_test.pt")
+    monkeypatch.setattr(probe_rates, "train_linear_probe", _boom)
+    for name, d in bad.items():
+        _usage_error(capsys, probe_rates.main, [str(good), str(d), "--no-progress"], name)
+
+
+def test_probe_rates_csv_path_checked_before_the_fits_and_written_whole(tmp_path, capsys,
+                                                                         monkeypatch):
+    """--csv under a file gave a traceback after every fit; in a missing folder it failed too
+    (the folder is made now)."""
+    good = _eval_dir(tmp_path / "good")
+    (tmp_path / "afile").write_text("x")
+    real = probe_rates.train_linear_probe
+    monkeypatch.setattr(probe_rates, "train_linear_probe", _boom)
+    _usage_error(capsys, probe_rates.main, [str(good), "--no-progress", "--csv",
+                                            str(tmp_path / "afile" / "r.csv")], "--csv")
+    monkeypatch.setattr(probe_rates, "train_linear_probe", real)
+    out = tmp_path / "new" / "sub" / "r.csv"
+    assert probe_rates.main([str(good), str(good), "--no-progress", "--csv", str(out)]) == 0
+    with open(out, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["eval_dir", "protocol_lr", "protocol_top1", "lr_0.1"]
+    assert len(rows) == 2  # a directory named twice is one row
+    assert sorted(os.listdir(out.parent)) == ["r.csv"]
+
+
+# ---- code_shape.py -------------------------------------------------------------------------------
+
+def test_code_shape_retrieval_beyond_the_test_split_is_refused(tmp_path, capsys, monkeypatch):
+    """--retrieval Q larger than the test split ran fewer queries than the header's "(Q q)"."""
+    import code_shape
+    import make_image_folder
+    import train
+    ck = tmp_path / "run"
+    assert train.main(["--data", "synthetic:32", "--image-size", "8", "--batch-size", "16",
+                       "--code-dim", "8", "--max-steps", "1", "--no-progress", "--out",
+                       str(ck)]) == 0
+    data = tmp_path / "shapes"
+    assert make_image_folder.main(["shapes", str(data), "--per-class", "5", "--size", "8"]) == 0
+    capsys.readouterr()
+    sizes = code_shape.check_input(str(ck / "last.pt"), str(data), ["test", "train"])
+    assert sizes == {"test": 10, "train": 40}
+    monkeypatch.setattr(code_shape, "features_of", _boom)
+    _usage_error(capsys, code_shape.main, [str(ck / "last.pt"), "--data", str(data),
+                                           "--retrieval", "11"], "--retrieval", "10 test images")
+    assert capsys.readouterr().out == ""
+
+
+# ---- export_images.py ----------------------------------------------------------------------------
+
+def test_export_images_empty_out_and_a_class_folder_taken_by_a_file(tmp_path, capsys):
+    """--out '' wrote the export, then failed renaming it (traceback); --overwrite where a class's
+    folder is a file of the user's deleted the old export's files, then failed half-way."""
+    _usage_error(capsys, export_images.main, ["--out", "", "--per-class", "1"], "--out")
+    out = tmp_path / "ex"
+    assert export_images.main(["--out", str(out), "--per-class", "1"]) == 0
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.png"))
+    for p in (out / "trouser").iterdir():
+        p.unlink()
+    (out / "trouser").rmdir()
+    (out / "trouser").write_text("mine")
+    _usage_error(capsys, export_images.main, ["--out", str(out), "--per-class", "2",
+                                              "--overwrite"], "--out", "trouser")
+    after = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.png"))
+    assert after == [p for p in before if not p.startswith("trouser/")]
+    assert (out / "trouser").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ex"]  # no temporary folder left
+
+
+# ---- bench/data_throughput.py --------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--device", "bogus"], "--device"),
+    (["--loader", "dali-gpu", "--device", "cpu"], "--loader dali-gpu"),
+    (["--workers", "-1"], "--workers"), (["--warmup", "-1"], "--warmup"),
+    (["--size", "0"], "--size"), (["--make-jpegs", "-8"], "--make-jpegs")],
+    ids=["bad-device", "dali-gpu-on-cpu", "workers", "warmup", "size", "make-jpegs"])
+def test_data_throughput_bad_options_are_usage_errors(tmp_path, capsys, monkeypatch, argv, flag):
+    monkeypatch.setattr(data_throughput, "build_pretrain_loader", _boom)
+    monkeypatch.setattr(data_throughput, "write_jpeg_folder", _boom)
+    _usage_error(capsys, data_throughput.main, ["--data", str(tmp_path / "none"), "--batches",
+                                                "1"] + argv, flag)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_data_throughput_cuda_without_a_gpu_and_bad_data(tmp_path, capsys, monkeypatch):
+    """--device cuda on a CPU machine, a missing --data and --make-jpegs into a file gave
+    tracebacks (RuntimeError, FileNotFoundError, NotADirectoryError)."""
+    _usage_error(capsys, data_throughput.main, ["--data", str(tmp_path), "--device", "cuda"],
+                 "--device", "no CUDA device")
+    _usage_error(capsys, data_throughput.main, ["--data", str(tmp_path / "none"), "--device",
+                                                "cpu"], "none")
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setattr(data_throughput, "write_jpeg_folder", _boom)
+    _usage_error(capsys, data_throughput.main, ["--data", str(tmp_path / "afile"), "--device",
+                                                "cpu", "--make-jpegs", "8"], "--make-jpegs")
+
+
+# ---- bench/precision_table.py --------------------------------------------------------------------
+
+PRECISION = ["--n", "4", "--N", "8", "--D", "4", "--dtypes", "float32", "--fp32-modes", "tf32"]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--p", "0.5"], "--p"), (["--p", "0"], "--p"), (["--p", "nan"], "--p"),
+    (["--dtypes", "float32,float32"], "--dtypes"), (["--fp32-modes", "tf32,tf32"], "--fp32-modes")])
+def test_precision_table_bad_p_and_items_named_twice(tmp_path, capsys, monkeypatch, argv, flag):
+    """--p outside (0, 0.5) gave nac_fast's traceback; an item named twice was measured twice and
+    its rows appended twice."""
+    monkeypatch.setattr(precision_table, "measure", _boom)
+    path = tmp_path / "p.csv"
+    _usage_error(capsys, precision_table.main, PRECISION + argv + ["--csv", str(path)], flag)
+    assert not path.exists()
+
+
+def test_precision_table_empty_csv_writes_no_csv(tmp_path, capsys, monkeypatch):
+    """--csv '' passed the path check and failed after the measurement (the current folder was
+    the target); it means no CSV, as bench_hamming's."""
+    monkeypatch.chdir(tmp_path)
+    precision_table.main(PRECISION + ["--csv", ""])
+    out = capsys.readouterr().out
+    assert "triton" in out or "reference" in out
+    assert "appended" not in out and os.listdir(tmp_path) == []
+
+
+# ---- bench/train_throughput.py -------------------------------------------------------------------
+
+TT = ["--data", "synthetic:64", "--image-size", "8", "--batch-size", "16", "--steps", "1",
+      "--warmup", "1", "--no-anchors", "--no-eager-baseline"]
+
+
+@pytest.mark.parametrize("which", ["csv-under-file", "csv-damaged", "json-folder",
+                                   "profile-under-file", "budget-nan", "amp"])
+def test_train_throughput_outputs_and_options_checked_before_the_run(tmp_path, capsys,
+                                                                     monkeypatch, which):
+    """Bad --csv-out / --json-out / --profile-out paths gave tracebacks after the whole
+    measurement, a damaged --csv-out was appended to; --budget-s nan skipped every later part;
+    --amp took any word (a KeyError in --supervised)."""
+    monkeypatch.setattr(train_throughput, "measure", _boom)
+    monkeypatch.setattr(train_throughput, "supervised_measure", _boom)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "dmg.csv").write_text("a,b\n1,2,3,4\n")
+    argv, flag = {
+        "csv-under-file": (["--csv-out", str(tmp_path / "afile" / "t.csv")], "--csv-out"),
+        "csv-damaged": (["--csv-out", str(tmp_path / "dmg.csv")], "--csv-out"),
+        "json-folder": (["--json-out", str(tmp_path)], "--json-out"),
+        "profile-under-file": (["--profile-out", str(tmp_path / "afile" / "p.txt")],
+                               "--profile-out"),
+        "budget-nan": (["--budget-s", "nan"], "--budget-s"),
+        "amp": (["--supervised", "eager", "--amp", "bogus"], "--amp")}[which]
+    _usage_error(capsys, train_throughput.main, TT + argv, flag)
+    assert (tmp_path / "dmg.csv").read_text() == "a,b\n1,2,3,4\n"
+
+
+def test_train_throughput_csv_rows_stay_aligned_and_json_lands_in_a_new_folder(
+        tmp_path, capsys, monkeypatch):
+    """--csv-out was appended with its own writer: rows under another header got misaligned;
+    --json-out in a missing folder failed after the measurement."""
+    path = tmp_path / "t.csv"
+    path.write_text("a,b,c\n1,2,3\n")
+    row = {k: None for k in train_throughput.CSV_FIELDS}
+    row.update(config="nac-defaults", img_per_s=10.0, status="ok")
+    train_throughput.append_csv(str(path), [row])
+    with open(path, newline="") as f:
+        lines = list(csv.reader(f))
+    assert lines[0] == train_throughput.CSV_FIELDS + ["a", "b", "c"]
+    assert {len(x) for x in lines} == {len(lines[0])}
+    rows = list(csv.DictReader(open(path, newline="")))
+    assert (rows[0]["a"], rows[1]["config"], rows[1]["img_per_s"]) == ("1", "nac-defaults", "10.0")
+    monkeypatch.setattr(train_throughput, "supervised_measure", lambda args, kind: {"k": kind})
+    out = tmp_path / "new" / "t.json"
+    train_throughput.main(TT + ["--supervised", "eager", "--json-out", str(out)])
+    assert json.loads(out.read_text()) == {"k": "eager"}
+
+
+# ---- bench/roofline.py ---------------------------------------------------------------------------
+
+def test_roofline_a_gpu_named_twice_is_a_usage_error(capsys):
+    """--gpu H100,<H100's full name> printed the H100 table twice."""
+    with pytest.raises(SystemExit) as e:
+        roofline.main(["--gpu", "H100,NVIDIA H100 80GB HBM3"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and "--gpu" in err and "twice" in err and out == ""
