@@ -298,3 +298,12 @@ def test_overwrite_deletes_the_other_runs_tensorboard_events_only(tmp_path):
     status, _, err = _main(SMALL + ["--max-steps", "2", "--out", str(out), "--overwrite"])
     assert status == 0, err
     assert sorted(os.listdir(tb)) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("loader", ["dali-cpu", "dali-gpu"])
+def test_a_dali_loader_on_synthetic_data_is_refused(tmp_path, loader):
+    """--loader dali-gpu on synthetic data was silently ignored (the in-memory pairs were used),
+    while an in-memory data set refuses a DALI loader by name."""
+    out = str(tmp_path / "run")
+    _refused(SMALL + ["--max-steps", "1", "--loader", loader, "--out", out], out, "--loader",
+             loader, "in memory")

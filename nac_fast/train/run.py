@@ -126,6 +126,10 @@ def build_loader(cfg: TrainConfig, di, channels_last: bool):
             raise UsageError(f"--train-subset {cfg.train_subset}: --data {cfg.data} has no "
                              "classes and no test split to pool (a labelled data set: "
                              "fashion-mnist, a CIFAR-10 dir, an ImageFolder root)")
+        if cfg.loader.startswith("dali"):   # as an in-memory data set refuses it
+            raise UsageError(f"--loader {cfg.loader}: DALI reads ImageFolders of JPEG/PNG files; "
+                             f"--data {cfg.data} generates its pairs in memory (use --loader "
+                             "auto or torchvision)")
         from ..data.sources.synthetic_pairs import SyntheticPairLoader
         head, _, count = cfg.data.partition(":")
         try:
