@@ -8,11 +8,14 @@ Counts images (each with its two views) delivered per second on the requested de
 --warmup batches (pipeline build, worker start-up and the first epoch's file-cache misses are not
 measured).  Also reports the CPU time the pipeline burnt per image (this process, its threads and
 its worker processes): on a shared machine the wall-clock rate depends on the neighbours' load,
-the CPU time much less.  The last line printed is one JSON object with `images_per_s`.
+the CPU time much less.  The last line printed is one JSON object with `images_per_s`; with
+--csv PATH the same figures, and the median / p20 / p80 of the measured batches' times, are
+appended as one row (bench/bench_csv.py: atomic, a damaged CSV refused before any work).
 """
 from __future__ import annotations
 
 import argparse
+import datetime as dt_mod
 import json
 import os
 import platform
@@ -22,11 +25,21 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from nac_fast.data import (LOADERS, MIN_IMAGE_SIZE, build_pretrain_loader,  # noqa: E402
                            dali_available)
 from nac_fast.data.sources.synthetic import write_jpeg_folder  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_csv import append_rows, check_output_file  # noqa: E402
+from bench_loss import commit  # noqa: E402  (the bench scripts' shared labels)
+
+CSV_FIELDS = ["timestamp", "host", "device", "torch", "dali", "commit", "data", "loader",
+              "num_images", "size", "batch", "batches", "workers", "dtype", "recipe",
+              "view_shape", "seconds", "median_batch_s", "p20_batch_s", "p80_batch_s",
+              "images_per_s", "views_per_s", "cpu_ms_per_image", "load_avg_1m", "cpus"]
 
 
 def _tree_cpu_seconds() -> float:
@@ -76,7 +89,11 @@ def main(argv=None):
     ap.add_argument("--make-jpegs", type=int, default=0, metavar="N",
                     help="first write N synthetic 256-500 px JPEGs (8 classes) to DATA/train if "
                          "DATA is missing (a train/ split: every image is read)")
+    ap.add_argument("--csv", default="", help="append the figures as a row to this CSV "
+                    "(e.g. bench/results/data_cpu.csv; '' = none)")
     a = ap.parse_args(argv)
+    if a.csv:  # a folder, a path under a file, a damaged CSV: before any work
+        check_output_file(ap, "--csv", a.csv)
     for name in ("batch", "batches"):
         if getattr(a, name) < 1:
             ap.error(f"--{name} must be >= 1")
@@ -122,22 +139,35 @@ def main(argv=None):
         v1, v2 = next(it)
     sync()
     c0, t0 = _tree_cpu_seconds(), time.perf_counter()
+    times, last = [], t0
     for _ in range(a.batches):
         v1, v2 = next(it)
-    sync()
+        sync()  # per batch: the batch times' spread (a GPU pipeline's own queue still overlaps)
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
     dt = time.perf_counter() - t0
     cpu = _tree_cpu_seconds() - c0
     n = a.batches * a.batch
-    print(json.dumps({
+    q = np.quantile(np.asarray(times), [0.5, 0.2, 0.8])
+    result = {
         "loader": getattr(loader, "kind", a.loader), "data": a.data, "num_images": loader.num_images,
         "size": loader.image_size, "batch": a.batch, "batches": a.batches, "workers": a.workers,
         "device": a.device, "dtype": a.dtype, "recipe": loader.recipe.name,
         "view_shape": list(v1.shape), "seconds": round(dt, 3),
+        "median_batch_s": round(float(q[0]), 6), "p20_batch_s": round(float(q[1]), 6),
+        "p80_batch_s": round(float(q[2]), 6),
         "images_per_s": round(n / dt, 1), "views_per_s": round(2 * n / dt, 1),
         "cpu_ms_per_image": round(1e3 * cpu / n, 2), "load_avg_1m": os.getloadavg()[0],
         "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
         "dali": dali_available(), "host": platform.node(),
-    }))
+    }
+    if a.csv:
+        row = {k: v for k, v in result.items() if k in CSV_FIELDS}
+        row.update(timestamp=dt_mod.datetime.now(dt_mod.timezone.utc).isoformat(
+            timespec="seconds"), commit=commit(), view_shape="x".join(map(str, v1.shape)))
+        append_rows(a.csv, [row], CSV_FIELDS)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -278,3 +278,26 @@ def test_roofline_a_gpu_named_twice_is_a_usage_error(capsys):
         roofline.main(["--gpu", "H100,NVIDIA H100 80GB HBM3"])
     out, err = capsys.readouterr()
     assert e.value.code == 2 and "--gpu" in err and "twice" in err and out == ""
+
+
+def test_data_throughput_appends_a_csv_row_with_its_spread(tmp_path, capsys):
+    """The data benchmark printed its JSON line only: no CSV row, no spread.  --csv appends one
+    row per run (the JSON's figures, the commit, median / p20 / p80 of the batch times), under
+    the same header; a damaged CSV is refused before the data is read."""
+    data, path = str(tmp_path / "jpegs"), str(tmp_path / "d" / "data.csv")
+    argv = ["--data", data, "--size", "16", "--batch", "4", "--batches", "3", "--workers", "0",
+            "--loader", "torchvision", "--csv", path]
+    data_throughput.main(argv + ["--make-jpegs", "16"])
+    data_throughput.main(argv)
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and list(rows[0]) == data_throughput.CSV_FIELDS
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for r in rows:
+        p20, med, p80 = (float(r[k]) for k in ("p20_batch_s", "median_batch_s", "p80_batch_s"))
+        assert 0 < p20 <= med <= p80
+        assert r["num_images"] == "16" and r["view_shape"] == "4x3x16x16" and r["commit"]
+    assert float(rows[1]["images_per_s"]) == last["images_per_s"]
+    with open(path, "a") as f:
+        f.write("1,2,3," * 20 + "\n")   # a row wider than the header
+    _usage_error(capsys, data_throughput.main, argv, "--csv")
