@@ -116,6 +116,17 @@ def draw(runs):
     return fig
 
 
+def run_names(paths: list[str]) -> list[str]:
+    """Each log's label: its folder's name, or as many of the folders above it as tell the logs
+    apart (runs/a/seed0 and runs/b/seed0: a/seed0 and b/seed0)."""
+    parts = [os.path.dirname(p).split(os.sep) for p in paths]
+    for depth in range(1, max(map(len, parts)) + 1):
+        names = ["/".join(x[-depth:]).lstrip("/") or p for x, p in zip(parts, paths)]
+        if len(set(names)) == len(names):
+            return names
+    return paths
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("logs", nargs="+", help="log.jsonl files")
@@ -129,8 +140,8 @@ def main(argv=None):
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.logs[0])), "curves.png")
     try:
         check_new_file("--out", out, args.overwrite)  # (it checks the place is writable too)
-        runs = [(os.path.basename(os.path.dirname(os.path.abspath(p))) or p, read_log(p),
-                 run_config(p)) for p in args.logs]
+        logs = list(dict.fromkeys(os.path.abspath(p) for p in args.logs))  # each drawn once
+        runs = [(name, read_log(p), run_config(p)) for name, p in zip(run_names(logs), logs)]
     except (ValueError, OSError, UnicodeDecodeError) as exc:
         ap.error(str(exc))
     if not any(k in r for _, recs, _ in runs for r in recs for k in KEYS):

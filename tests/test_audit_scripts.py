@@ -301,3 +301,32 @@ def test_data_throughput_appends_a_csv_row_with_its_spread(tmp_path, capsys):
     with open(path, "a") as f:
         f.write("1,2,3," * 20 + "\n")   # a row wider than the header
     _usage_error(capsys, data_throughput.main, argv, "--csv")
+
+
+def test_plot_train_log_tells_runs_apart_and_draws_a_log_once(tmp_path, monkeypatch):
+    """Two logs in folders of one name (runs/a/seed0, runs/b/seed0) had the same legend label,
+    and a log named twice was drawn twice."""
+    import plot_train_log
+    assert plot_train_log.run_names(["/r/a/seed0/log.jsonl", "/r/b/seed0/log.jsonl"]) == [
+        "a/seed0", "b/seed0"]
+    assert plot_train_log.run_names(["/r/a/log.jsonl", "/r/b/log.jsonl"]) == ["a", "b"]
+    logs = []
+    for parent in ("a", "b"):
+        d = tmp_path / parent / "seed0"
+        d.mkdir(parents=True)
+        (d / "log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n"
+                                             for s in (1, 2)))
+        logs.append(str(d / "log.jsonl"))
+    seen = {}
+
+    class Drawn(Exception):
+        pass
+
+    def draw(runs):   # the runs drawn are what matters: stop there
+        seen["names"] = [n for n, _, _ in runs]
+        raise Drawn
+
+    monkeypatch.setattr(plot_train_log, "draw", draw)
+    with pytest.raises(Drawn):
+        plot_train_log.main(logs + [logs[0], "--out", str(tmp_path / "c.png")])
+    assert seen["names"] == ["a/seed0", "b/seed0"]
