@@ -49,22 +49,28 @@ def _class_names(src):
     return [names[c] if c < len(names) else str(c) for c in range(src.num_classes)]
 
 
-def export(data: str, split: str, per_class: int, out: str, offset: int = 0, src=None) -> list:
-    """Write the PNGs; returns their paths."""
+def export(data: str, split: str, per_class: int, out: str, offset: int = 0, src=None,
+           progress: bool = False) -> list:
+    """Write the PNGs (a tqdm bar with an ETA on stderr with `progress`); returns their paths."""
     from PIL import Image
+    from tqdm.auto import tqdm
     src = _source(data, split) if src is None else src
     names = _class_names(src)
+    per = [(c, (src.labels == c).nonzero().flatten()[offset:offset + per_class].tolist())
+           for c in range(src.num_classes)]
     written = []
-    for c in range(src.num_classes):
-        idx = (src.labels == c).nonzero().flatten()[offset:offset + per_class].tolist()
-        d = os.path.join(out, names[c])
-        os.makedirs(d, exist_ok=True)
-        for i in idx:
-            a = src.images[i].permute(1, 2, 0).numpy()
-            im = Image.fromarray(a[:, :, 0] if a.shape[2] == 1 else a)
-            p = os.path.join(d, f"{split}_{i:05d}.png")
-            im.save(p)
-            written.append(p)
+    with tqdm(total=sum(len(idx) for _, idx in per), unit="img", desc="export",
+              disable=not progress) as bar:
+        for c, idx in per:
+            d = os.path.join(out, names[c])
+            os.makedirs(d, exist_ok=True)
+            for i in idx:
+                a = src.images[i].permute(1, 2, 0).numpy()
+                im = Image.fromarray(a[:, :, 0] if a.shape[2] == 1 else a)
+                p = os.path.join(d, f"{split}_{i:05d}.png")
+                im.save(p)
+                written.append(p)
+                bar.update()
     return written
 
 
@@ -94,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--no-progress", dest="progress", action="store_false",
+                    help="no progress bar (on stderr, with an ETA)")
     args = ap.parse_args(argv)
     if args.per_class < 1:
         ap.error(f"--per-class must be >= 1, got {args.per_class}")
@@ -128,7 +136,8 @@ def main(argv=None) -> int:
     except OSError as exc:
         ap.error(f"--out {out!r}: {exc.strerror or exc}")
     try:
-        n = len(export(args.data, args.split, args.per_class, tmp, args.offset, src=src))
+        n = len(export(args.data, args.split, args.per_class, tmp, args.offset, src=src,
+                       progress=args.progress))
         if not os.path.isdir(out):
             os.rename(tmp, out)
         else:
