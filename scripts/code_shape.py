@@ -94,7 +94,8 @@ def retrieval_maps(a_query, y_query, a_gallery, y_gallery, chunk: int = 256) -> 
             "cosine_map": torch.cat(cos).mean().item()}
 
 
-def features_of(checkpoint: str, data: str, splits, batch_size: int = 500) -> dict:
+def features_of(checkpoint: str, data: str, splits, batch_size: int = 500,
+                progress: bool = False) -> dict:
     """{split: {"a", "labels"}}: the head pre-activations a of each split's images and their
     labels, extracted as `python -m nac_fast.eval` does (its extract_features, at the
     checkpoint's image size), the checkpoint loaded once."""
@@ -107,7 +108,8 @@ def features_of(checkpoint: str, data: str, splits, batch_size: int = 500) -> di
     for split in splits:
         loader = build_eval_loader(data, split=split, batch_size=batch_size,
                                    image_size=size, device="cpu")
-        f = extract_features(model, loader, loader.num_images, "cpu", False, "codes")
+        f = extract_features(model, loader, loader.num_images, "cpu", progress,
+                             f"codes ({split})")
         out[split] = {"a": f["a"], "labels": f["labels"]}
     return out
 
@@ -143,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("checkpoints", nargs="+", help="train.py checkpoints (last.pt)")
     ap.add_argument("--data", default="fashion-mnist", help="the data the codes are taken on")
     ap.add_argument("--split", default="test", choices=("train", "test"))
+    ap.add_argument("--no-progress", dest="progress", action="store_false",
+                    help="no progress bar for the feature extraction (on stderr, with an ETA)")
     ap.add_argument("--retrieval", type=int, default=0, metavar="Q",
                     help="also the Hamming, median-centred Hamming and cosine mAP of Q random "
                          "test queries (seed 0) against the training images; 0: off")
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     for ck in args.checkpoints:
-        f = features_of(ck, args.data, splits)
+        f = features_of(ck, args.data, splits, progress=args.progress)
         s = shape_stats(f[args.split]["a"])
         row = (f"| {ck} | {s['skewness']:.2f} | {s['kurtosis']:.1f} | {s['balance_dev']:.3f} | "
                f"{s['skewed_bits']:.2f} | {s['code_mag']:.3f} | {s['mean_abs_corr']:.3f} | "
