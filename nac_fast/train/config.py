@@ -393,7 +393,7 @@ def build_parser() -> _Parser:
       "continue PATH's run) in an --out that holds another run, deleting its last.pt, prev.pt, "
       "log.jsonl, non_finite.json, status.json and tensorboard/ event files when the new run "
       "starts")
-    a("--seed", type=int, help="random seed")
+    a("--seed", type=int, help="random seed, in [0, 2^32 - 1]")
     a("--log-every", type=int, help="log every this many steps (OUT/log.jsonl)")
     a("--save-every", type=int, help="checkpoint every this many steps (and at the end) to "
       "OUT/last.pt, the previous one kept as OUT/prev.pt; a crash loses at most this many steps")
