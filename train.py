@@ -108,7 +108,8 @@ def train(st, flags) -> None:
     last, spe, first_step = None, cfg.steps_per_epoch, st.step
     zero_loss = zero_code_loss(cfg.method, cfg.code_dim, cfg.batch_size)
     warned = cfg.method == "simclr"  # the collapse warning (once): NAC's codes only
-    win_t, win_wait, win_img, t_start = time.perf_counter(), 0.0, 0, time.perf_counter()
+    win_t, win_wait, win_img = time.perf_counter(), 0.0, 0
+    st.t_start = time.perf_counter()   # the log's elapsed_s goes on from the checkpoint's
     compile_pending, compile_s = st.compiled is not None, None
     try:
         while st.step < stop:
@@ -150,7 +151,7 @@ def train(st, flags) -> None:
                     dt = time.perf_counter() - win_t
                     rec = {"step": step, "epoch": (step - 1) // spe, "loss": loss_now,
                            "loss_avg": loss_avg,
-                           "elapsed_s": round(time.perf_counter() - t_start, 3), "lr": lr_now,
+                           "elapsed_s": round(st.elapsed(), 3), "lr": lr_now,
                            "img_per_s": win_img / dt, "data_wait": win_wait / dt}
                     if cfg.method != "simclr":  # the channel's p of this update
                         rec["flip_prob"] = flip_prob_of(cfg, step - 1)
@@ -178,7 +179,7 @@ def train(st, flags) -> None:
     first_loss = watch.first_loss()
     if di.is_main:
         print("\n".join(summary_lines(st, flags, first_step, first_loss, last, zero_loss,
-                                      time.perf_counter() - t_start)), flush=True)
+                                      time.perf_counter() - st.t_start)), flush=True)
 
 
 def first_step_seconds(device, t0: float) -> float:

@@ -307,3 +307,23 @@ def test_a_dali_loader_on_synthetic_data_is_refused(tmp_path, loader):
     out = str(tmp_path / "run")
     _refused(SMALL + ["--max-steps", "1", "--loader", loader, "--out", out], out, "--loader",
              loader, "in memory")
+
+
+def test_a_resumed_runs_log_time_goes_on_from_its_checkpoint(tmp_path):
+    """A resumed run's log.jsonl started elapsed_s at 0 again, so its time axis jumped back at
+    every resume.  The checkpoint keeps the run's elapsed_s; the resumed log goes on from it."""
+    import json
+    out = tmp_path / "run"
+    argv = SMALL + ["--max-steps", "4", "--save-every", "2", "--out", str(out)]
+    status, _, err = _main(argv + ["--stop-at-step", "2"])
+    assert status == 0, err
+    ck = load_checkpoint(str(out / "last.pt"))
+    recs = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+    before = ck["elapsed_s"]
+    assert before >= recs[-1]["elapsed_s"] > 0
+    status, _, err = _main(argv + ["--resume"])
+    assert status == 0, err
+    recs = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+    resumed = [r for r in recs if r["step"] > 2]
+    assert resumed and all(r["elapsed_s"] > before for r in resumed), (before, resumed)
+    assert load_checkpoint(str(out / "last.pt"))["elapsed_s"] > before

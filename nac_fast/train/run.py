@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .. import _checks
 from ..ops.dispatch import available_backends
 from ..ops.loss import mq_l2
 from ..ops.momentum import NACMQ
@@ -109,6 +110,14 @@ class TrainState:
     compiled: str | None = None      # what --compile compiled (compile_encoders), or None
     began: bool = False              # `start` wrote OUT/config.json and status.json: how the
                                      # run ends is recorded there (finish), whatever the failure
+    elapsed_before: float = 0.0      # seconds the run trained before this process (the resumed
+                                     # checkpoint's elapsed_s), so the log's time goes on
+    t_start: float | None = None     # time.perf_counter() when this process's loop began
+
+    def elapsed(self) -> float:
+        """Seconds the run has trained: before this process, and in its loop so far."""
+        return self.elapsed_before + (0.0 if self.t_start is None
+                                      else time.perf_counter() - self.t_start)
 
     @property
     def ckpt_path(self) -> str:
@@ -414,7 +423,8 @@ def save(st: TrainState) -> None:
                  "momentum_model": st.mom_model.state_dict() if st.mom_model else None,
                  "queue": st.queue.state_dict() if st.queue is not None else None,
                  "scaler": st.scaler.state_dict(), "step": step, "epoch": step // spe,
-                 "batch": step % spe, "rng": rng, "config": st.cfg.to_dict()}
+                 "batch": step % spe, "rng": rng, "config": st.cfg.to_dict(),
+                 "elapsed_s": st.elapsed()}
         try:
             save_atomic(state, st.ckpt_path, previous=st.prev_path if st.rotate else None)
         except Exception as exc:  # noqa: BLE001  (any failure to write stops the run alike)
@@ -748,6 +758,9 @@ def resume(st: TrainState, path: str, ck: dict | None = None) -> dict:
         g["weight_decay"] = 0.0 if g.get("lars_exclude") else cfg.wd
     st.scaler.load_state_dict(ck["scaler"])
     st.step = step
+    el = ck.get("elapsed_s")   # (none in a checkpoint written before it was kept)
+    st.elapsed_before = float(el) if _checks.is_number(el) and math.isfinite(el) and el >= 0 \
+        else 0.0
     restore_rng_state(rng[st.di.rank])
     cfg.run_id = old["run_id"]
     cfg.extended = list(old.get("extended") or [])
