@@ -29,6 +29,7 @@ from PIL import Image, ImageDraw
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nac_fast._files import check_writable  # noqa: E402
 
+MAX_SIZE = 4096  # --size: a small labelled folder, 3 x size^2 bytes an image
 SHAPES = ("disc", "square", "triangle", "cross", "ring", "star", "hbars", "vbars", "diagonal",
           "dots")
 
@@ -141,8 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--val-frac", type=float, default=0.2, help="fraction held out as val/")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.size < 8:
-        ap.error(f"--size must be >= 8, got {args.size}")
+    if not 8 <= args.size <= MAX_SIZE:   # a small labelled folder: 3 x size^2 bytes an image
+        ap.error(f"--size must lie in [8, {MAX_SIZE}], got {args.size}")
     if args.source == "shapes" and args.per_class < 5:  # digits has its own class sizes
         ap.error(f"--per-class must be >= 5, got {args.per_class}")
     if not 0 < args.val_frac < 1:

@@ -42,6 +42,17 @@ def loss_at(t: float, images: int, D: int, p: float, gen: torch.Generator):
     return float(lse.mean()), float((per_row - lse).mean()), float(per_row.mean())
 
 
+MATRICES = 4   # n x n float64 matrices alive at once in the reference loss and the lse
+
+
+def available_bytes() -> int | None:
+    """The memory this machine has available (Linux: SC_AVPHYS_PAGES), or None if unknown."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--images", type=int, default=256, help="images per batch (n = 2 x images rows)")
@@ -55,6 +66,12 @@ def main(argv=None):
         ap.error("--images and --dim must be >= 1")
     if not 0 < args.p < 0.5:
         ap.error("--p must lie in (0, 0.5)")
+    # the reference (and the lse here) hold a few n x n float64 logits at once, n = 2 x images
+    need, have = MATRICES * 8 * (2 * args.images) ** 2, available_bytes()
+    if have is not None and need > have:
+        most = int(math.isqrt(have // (MATRICES * 8)) // 2)
+        ap.error(f"--images {args.images}: about {need / 2**30:.1f} GiB of n x n logits, this "
+                 f"machine has {have / 2**30:.1f} GiB available (at most --images {most})")
     try:
         ts = [float(x) for x in args.magnitudes.split(",")]
     except ValueError:

@@ -330,3 +330,24 @@ def test_plot_train_log_tells_runs_apart_and_draws_a_log_once(tmp_path, monkeypa
     with pytest.raises(Drawn):
         plot_train_log.main(logs + [logs[0], "--out", str(tmp_path / "c.png")])
     assert seen["names"] == ["a/seed0", "b/seed0"]
+
+
+def test_nac_loss_floor_refuses_more_images_than_memory_holds(capsys, monkeypatch):
+    """--images had no upper bound: the reference's n x n float64 logits (n = 2 x images) of
+    --images 100000 ask for ~1 TiB, and the machine ran out of memory instead of an error."""
+    import nac_loss_floor
+    monkeypatch.setattr(nac_loss_floor, "available_bytes", lambda: 2**30)
+    monkeypatch.setattr(nac_loss_floor, "loss_at", _boom)
+    err = _usage_error(capsys, nac_loss_floor.main, ["--images", "10000"], "--images 10000",
+                       "GiB")
+    most = int(err.split("at most --images ")[1].split(")")[0])
+    assert nac_loss_floor.MATRICES * 8 * (2 * most) ** 2 <= 2**30 < \
+        nac_loss_floor.MATRICES * 8 * (2 * (most + 1)) ** 2
+
+
+def test_make_image_folder_size_has_an_upper_bound(tmp_path, capsys):
+    """--size had no upper bound: --size 100000 would draw 30 GB images."""
+    import make_image_folder
+    _usage_error(capsys, make_image_folder.main, ["shapes", str(tmp_path / "f"), "--size",
+                                                  "100000"], "--size", "[8, 4096]")
+    assert not (tmp_path / "f").exists()
