@@ -380,7 +380,8 @@ stage_train() {
   BUILT_FIRST=""
   ensure_built || { detail "build failed"; return 1; }
   local rc=0
-  rm -f "$RES/train.json"
+  rm -f "$RES/train.json" "$RES/train_kernels_top15.txt"  # this run's (train_throughput refuses
+  # to replace a file without --overwrite)
   if [ "$CPU_MODE" = 1 ]; then
     $PY bench/train_throughput.py --data synthetic-device:256 --arch resnet-tiny --method nac-mq \
         --batch-size 32 --image-size 16 --amp off --queue-size 128 --warmup 1 --steps 2 \

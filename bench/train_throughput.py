@@ -420,7 +420,8 @@ def run_supervised(args, kind: str, budget: Budget) -> dict:
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--supervised", kind, "--arch", args.arch,
            "--batch-size", str(args.batch_size), "--amp", args.amp, "--warmup",
-           str(args.warmup), "--steps", str(args.steps), "--json-out", path]
+           str(args.warmup), "--steps", str(args.steps), "--json-out", path,
+           "--overwrite"]   # (path: mkstemp's own empty file)
     for flag, v in (("--image-size", args.image_size), ("--compile-backend",
                                                          args.compile_backend)):
         if v is not None:
@@ -570,6 +571,8 @@ def main(argv=None):
     ap.add_argument("--sync-check", action="store_true", help="host-sync check of one step")
     ap.add_argument("--json-out", default=None, help="also write the result JSON here")
     ap.add_argument("--csv-out", default=None, help="append one CSV row per configuration here")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --json-out or "
+                    "--profile-out (without it they are refused)")
     ap.add_argument("--supervised", choices=("eager", "compiled"), default=None,
                     help="measure only this supervised anchor (part 4) and print its JSON")
     args = ap.parse_args(argv)
@@ -582,6 +585,8 @@ def main(argv=None):
     for flag, path in (("--json-out", args.json_out), ("--profile-out", args.profile_out)):
         if path is not None:
             check_output_file(ap, flag, path, csv_file=False)
+            if os.path.lexists(path) and not args.overwrite:
+                ap.error(f"{flag} {path!r} exists; pass --overwrite to replace it")
     if args.csv_out is not None:
         check_output_file(ap, "--csv-out", args.csv_out)
     if args.supervised:

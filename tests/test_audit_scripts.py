@@ -351,3 +351,18 @@ def test_make_image_folder_size_has_an_upper_bound(tmp_path, capsys):
     _usage_error(capsys, make_image_folder.main, ["shapes", str(tmp_path / "f"), "--size",
                                                   "100000"], "--size", "[8, 4096]")
     assert not (tmp_path / "f").exists()
+
+
+def test_train_throughput_does_not_replace_its_outputs_without_overwrite(tmp_path, capsys,
+                                                                          monkeypatch):
+    """--json-out and --profile-out replaced an existing file without being asked."""
+    monkeypatch.setattr(train_throughput, "supervised_measure", lambda args, kind: {"k": kind})
+    for flag in ("--json-out", "--profile-out"):
+        old = tmp_path / f"old{flag}.txt"
+        old.write_text("mine")
+        _usage_error(capsys, train_throughput.main, TT + ["--supervised", "eager", flag,
+                                                         str(old)], flag, "--overwrite")
+        assert old.read_text() == "mine"
+    out = tmp_path / "old--json-out.txt"
+    train_throughput.main(TT + ["--supervised", "eager", "--json-out", str(out), "--overwrite"])
+    assert json.loads(out.read_text()) == {"k": "eager"}
