@@ -51,9 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def load(eval_dir: str) -> tuple[dict, dict, dict]:
+def load(eval_dir: str, mmap: bool = False) -> tuple[dict, dict, dict]:
     """(linear result + settings from report.json, train features, test features); ValueError
-    naming the directory when one of them is missing, damaged or of another kind."""
+    naming the directory when one of them is missing, damaged or of another kind.  mmap: the
+    features mapped, not read (a check of every directory before the fits, in little memory)."""
     rep_path = os.path.join(eval_dir, "report.json")
     if not os.path.isfile(rep_path):
         raise ValueError(f"eval_dirs: {eval_dir!r} has no report.json (not an nac_fast.eval "
@@ -79,7 +80,7 @@ def load(eval_dir: str) -> tuple[dict, dict, dict]:
         if not os.path.isfile(p):
             raise ValueError(f"eval_dirs: {eval_dir!r} has no cached {split} features ({p})")
         try:
-            f = torch.load(p, map_location="cpu", weights_only=True)
+            f = torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
         except Exception as exc:  # noqa: BLE001 - torch.load's errors of a damaged file vary
             raise ValueError(f"eval_dirs: {p!r} is not a feature cache "
                              f"({type(exc).__name__}: {exc})") from None
@@ -91,10 +92,9 @@ def load(eval_dir: str) -> tuple[dict, dict, dict]:
     return dict(lin, seed=rep.get("seed", 0)), feats[0], feats[1]
 
 
-def rates_table(eval_dir: str, lrs=None, progress: bool = False, loaded=None) -> dict:
-    """{"dir", "protocol_lr", "protocol_top1", "test_top1": {lr: top-1}} for one directory
-    (``loaded``: what load(eval_dir) returned, when it was loaded already)."""
-    lin, tr, te = load(eval_dir) if loaded is None else loaded
+def rates_table(eval_dir: str, lrs=None, progress: bool = False) -> dict:
+    """{"dir", "protocol_lr", "protocol_top1", "test_top1": {lr: top-1}} for one directory."""
+    lin, tr, te = load(eval_dir)
     lrs = list(lrs or lin["lrs"])
     got = {}
     for lr in lrs:
@@ -115,10 +115,11 @@ def main(argv=None) -> int:
     try:
         if args.csv:  # before any fit: a path under a file or in an unwritable place
             check_writable("--csv", args.csv)
-        loaded = [load(d) for d in dirs]  # every directory checked before the first fit
+        for d in dirs:  # every directory checked before the first fit (mapped, then let go)
+            load(d, mmap=True)
     except ValueError as exc:
         ap.error(str(exc))
-    rows = [rates_table(d, args.lrs, args.progress, ld) for d, ld in zip(dirs, loaded)]
+    rows = [rates_table(d, args.lrs, args.progress) for d in dirs]
     lrs = list(dict.fromkeys(lr for r in rows for lr in r["test_top1"]))
     print("test top-1 (%) of the linear probe fitted at each rate (judged on the test split: "
           "a diagnostic, not the protocol)\n")
