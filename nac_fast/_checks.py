@@ -32,6 +32,12 @@ def is_number(v) -> bool:
             and isinstance(v, (int, float, np.integer, np.floating)))
 
 
+def signed_real(dtype: torch.dtype) -> bool:
+    """A dtype that holds -1 and +1 exactly as numbers: a floating or signed integer one (not
+    bool, whose False is 0; not unsigned, whose -1 is 255; not complex)."""
+    return dtype != torch.bool and not dtype.is_complex and dtype.is_signed
+
+
 def integer(name: str, v, *, numpy: bool = False) -> int:
     """TypeError "<name> must be an int, got <type>" unless ``is_int(v, numpy=numpy)``."""
     if not is_int(v, numpy=numpy):

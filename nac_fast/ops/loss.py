@@ -127,7 +127,7 @@ def check_noise(noise, shape, of: str = "a's") -> None:
     _checks.tensor("noise", noise, "a torch.Tensor of +-1")
     if tuple(noise.shape) != tuple(shape):
         raise ValueError(f"noise must have {of} shape {tuple(shape)}, got {tuple(noise.shape)}")
-    if noise.dtype == torch.bool or noise.is_complex() or not noise.dtype.is_signed:
+    if not _checks.signed_real(noise.dtype):
         # unsigned: -1 cannot be held (and uint8's 255 == -1 is True in torch)
         raise TypeError(f"noise must hold +-1 as a signed real number dtype, got {noise.dtype}")
     if noise.requires_grad:  # the reference would differentiate through it, the fused kernels

@@ -49,7 +49,7 @@ def draw_noise(shape, p: float, *, device=None, dtype=torch.float32,
         raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-    if dtype == torch.bool or dtype.is_complex or not dtype.is_signed:
+    if not _checks.signed_real(dtype):
         raise TypeError(f"dtype must be a signed real dtype that holds -1 and +1, got {dtype}")
     return _draw(tuple(shape), check_p(p), device=device, dtype=dtype, generator=generator)
 

@@ -13,7 +13,6 @@ from .. import _checks
 from .dispatch import eager_real, triton_importable, triton_runs_on
 
 ENQUEUE_BACKENDS = ("auto", "reference", "triton")
-_SIGNED_INTS = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class CodeQueue(nn.Module):
@@ -102,7 +101,7 @@ class CodeQueue(nn.Module):
             _checks.tensor(what, t)
             if floating and not t.is_floating_point():
                 raise TypeError(f"{what} must be floating, got {t.dtype}")
-            if not floating and not (t.is_floating_point() or t.dtype in _SIGNED_INTS):
+            if not floating and not _checks.signed_real(t.dtype):
                 # codes lie in [-1, 1]: complex keys would lose their imaginary part, bool ones
                 # become 0/1 (the package's bool codes mean False = -1), unsigned ones hold 255
                 # for a -1 cast to uint8

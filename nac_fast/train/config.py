@@ -727,8 +727,8 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
     if cfg.sync_bn and world == 1:
         raise UsageError(f"{name('sync_bn')} needs several processes (torchrun)")
     if cfg.sync_bn and (cfg.device == "cpu" or not torch.cuda.is_available()):
-        raise UsageError(f"{name('sync_bn')} needs CUDA (PyTorch's SyncBatchNorm is GPU-only); on CPU the "
-                         "NAC-MQ momentum branch uses shuffle BN")
+        raise UsageError(f"{name('sync_bn')} needs CUDA (PyTorch's SyncBatchNorm is GPU-only); "
+                         "on CPU the NAC-MQ momentum branch uses shuffle BN")
     if cfg.amp == "fp16" and cfg.device == "cpu":
         raise UsageError("--amp fp16 needs a GPU (use bf16 or off on CPU)")
     if cfg.tensorboard:

@@ -19,7 +19,8 @@ import torch
 
 from . import distributed as nd
 
-TENSORBOARD = "tensorboard"   # OUT/tensorboard/: --tensorboard's event files (--overwrite deletes them)
+# OUT/tensorboard/: --tensorboard's event files (--overwrite deletes them)
+TENSORBOARD = "tensorboard"
 
 
 class LossWatch:

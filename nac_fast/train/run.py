@@ -736,7 +736,7 @@ def resume(st: TrainState, path: str, ck: dict | None = None) -> dict:
             raise ValueError(f"--resume {path}: checkpoint has {k}={was!r}, this run "
                              f"{new[k]!r}{more}")
     step, rng = ck["step"], ck["rng"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not _checks.is_int(step) or step < 0:
         raise ValueError(f"--resume {path}: the checkpoint's step is {step!r}, not an int >= 0")
     if not isinstance(rng, (list, tuple)) or len(rng) != cfg.world_size:
         raise ValueError(f"--resume {path}: the checkpoint's rng is not one state per process "
