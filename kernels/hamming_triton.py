@@ -6,7 +6,7 @@ XORed words, docs/math.md [M:hamming].  Nothing of size Q x G exists in the top-
 retrieval pass; only :func:`cdist` (hamming_distance, whose output is the Q x G matrix) and the
 small exact steps below write distances.
 
-    cdist(q, g)                (Q, G) int32 distances                     grid (Q tiles, G tiles)
+    cdist(q, g)                (Q, G) int32 distances          grid (Q tiles x G tiles,), 1-D
     topk(q, g, k)              the k nearest, ties by gallery index [M:rank], exact
     retrieval(q, g, ...)       per-query AP over the full ranking [M:ap] by counting sort
                                [M:ap-count], the hits and precision sums at rank cut-offs
@@ -115,8 +115,13 @@ def _popc(x, ASM: tl.constexpr):
 @triton.jit(do_not_specialize=["Q", "G"])
 def _cdist_kernel(q_ptr, g_ptr, out_ptr, Q, G, W,
                   BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, ASM: tl.constexpr):
-    rq = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    rg = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    # a 1-D grid over (query tile, gallery tile), query tiles fastest (`cdist_plan`): CUDA caps a
+    # grid's second dimension at 65535 blocks, which a (Q tiles, G tiles) grid passed at
+    # G > 65535 x BLOCK_G (4.2M codes: hamming_distance, the top-k's chunked path for large k)
+    pid = tl.program_id(0)
+    nq = tl.cdiv(Q, BLOCK_Q)
+    rq = (pid % nq) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    rg = (pid // nq) * BLOCK_G + tl.arange(0, BLOCK_G)
     mq = rq < Q
     mg = rg < G
     rq64 = rq.to(tl.int64)
@@ -379,7 +384,8 @@ def cdist_plan(qw: torch.Tensor, gw: torch.Tensor, out: torch.Tensor):
     Q, W = qw.shape
     G = gw.shape[0]
     BQ, BG = CDIST_BLOCKS
-    return [Launch(_cdist_kernel, (cdiv(Q, BQ), cdiv(G, BG)), (qw, gw, out, Q, G, W),
+    # one grid dimension (gridDim.x: up to 2^31 - 1 programs; y and z stop at 65535)
+    return [Launch(_cdist_kernel, (cdiv(Q, BQ) * cdiv(G, BG),), (qw, gw, out, Q, G, W),
                    dict(BLOCK_Q=BQ, BLOCK_G=BG, ASM=_asm(qw.device)), 4, 1, "hamming_cdist")]
 
 
