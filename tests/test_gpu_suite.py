@@ -196,6 +196,31 @@ def test_summary_fp32_modes_are_their_own_rows_and_judged_against_eager(tmp_path
         "eager: 1.60x (goal >= 2x)"]
 
 
+def test_summary_judges_the_larger_shapes_against_the_bound_where_measured(tmp_path, capsys):
+    """Issue 38's in-batch 16384 and queue 8192 x 262144 (bf16): the fastest fused row against
+    50% of the bound, graph rows included; a folder without them prints no line for them."""
+    res, _ = _write_results(tmp_path)
+    out = tmp_path / "summary.json"
+    assert gpu_summary.main([str(res), "--out", str(out)]) == 0
+    assert not [ln for ln in capsys.readouterr().out.splitlines()
+                if "16384" in ln or "262144" in ln]
+    b16 = roofline.bound("inbatch", 16384, 16384, 128, "bfloat16", H100)["bound_s"] * 1e3
+    bq = roofline.bound("queue", 8192, 262144, 128, "bfloat16", H100)["bound_s"] * 1e3
+    bench_loss.append_rows(str(res / "loss_gpu.csv"), [
+        _row("inbatch", 16384, 16384, "bfloat16", "reference", 4.0, 3000.0),
+        _row("inbatch", 16384, 16384, "bfloat16", "triton", b16 / 0.45, 40.0),
+        _row("inbatch", 16384, 16384, "bfloat16", "triton+graph", b16 / 0.55, 40.0),
+        _row("mq", 8192, 262144, "bfloat16", "reference", 30.0, 9000.0),
+        _row("mq", 8192, 262144, "bfloat16", "triton+graph", bq / 0.40, 60.0)])
+    assert gpu_summary.main([str(res), "--out", str(out)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines()
+             if ("16384" in ln or "262144" in ln) and ln[:5] in ("PASS ", "MISS ")]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("PASS inbatch 16384x16384 D=128 bfloat16 fwd+bwd "
+                               "[triton+graph, fastest fused") and "55.0% of bound" in lines[0]
+    assert lines[1].startswith("MISS queue 8192x262144") and "40.0% of bound" in lines[1]
+
+
 def test_summary_rejects_mixed_devices_and_empty_input(tmp_path):
     res, _ = _write_results(tmp_path)
     bench_loss.append_rows(str(res / "loss_gpu.csv"),
