@@ -69,7 +69,7 @@ def seed_args(seed):
     if seed is None:
         return NOISE_GIVEN, None, NO_HOST_SEED
     if isinstance(seed, int):
-        return SEED_FROM_HOST, None, seed
+        return SEED_FROM_HOST, None, host_seed_value(seed)  # checked (below the kernels)
     return SEED_FROM_TENSOR, seed, NO_HOST_SEED
 
 
@@ -93,6 +93,27 @@ def _noise_kernel(out_ptr, seed_ptr, seed_val, p, numel, BLOCK: tl.constexpr,
              mask=mask)
 
 
+# (Host-side, below the kernels: lines added above them would change their Triton cache keys.)
+# A host seed reaches the kernels as an int64 argument only outside [-2^31, 2^32): Triton types an
+# int of the int32 range as int32 (philox_sign_of's 64-bit split of it does not compile), and the
+# interpreter (CPU tensors, CI) passes one in [2^31, 2^32) as uint32 data under an int64 type,
+# whose arithmetic shift it reads as negative: k1 = 0xFFFFFFFF, the noise of another seed, where
+# the GPU's int64 gives k1 = 0.  host_seed draws in [2^62, 2^63).
+HOST_SEED_GAP = (-(1 << 31), 1 << 32)
+
+
+def host_seed_value(seed) -> int:
+    """seed, an int drawn on the host, checked to be an int64 outside HOST_SEED_GAP (ValueError
+    else): what the kernels take as seed_val."""
+    if (isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 63
+            or HOST_SEED_GAP[0] <= seed < HOST_SEED_GAP[1]):
+        raise ValueError(f"a host seed must be an int64 outside [-2^31, 2^32) (the kernels take "
+                         f"it as an int64 argument; nac_fast/ops/noise.py host_seed draws in "
+                         f"[2^62, 2^63)), got {seed!r}; pass a smaller seed as a one-element int64 "
+                         f"tensor")
+    return seed
+
+
 BLOCK = 1024
 
 
@@ -100,8 +121,8 @@ def _p(p, seed=0):
     return float(p)
 
 
-def _seed_val(p, seed=0):
-    return int(seed)
+def _seed_val(p, seed=0):  # a cached plan's later calls: their seeds checked too
+    return host_seed_value(seed)
 
 
 def noise_plan(out: torch.Tensor, seed, p: float):

@@ -68,7 +68,7 @@ from torch.library import triton_op
 from nac_fast.ops.reference import acc_dtype
 
 from . import tuning
-from .nac_noise_triton import seed_args, seed_operand, seed_sign
+from .nac_noise_triton import host_seed_value, seed_args, seed_operand, seed_sign
 from .launch import (Config, Launch, PlanCache, Target, buffer, cdiv, eager_real, next_pow2, pick,
                      run, split_count, target_of)
 
@@ -1296,8 +1296,8 @@ def _p(s, l2, p, seed=0):
     return float(p)
 
 
-def _seed_val(s, l2, p, seed=0):
-    return int(seed)
+def _seed_val(s, l2, p, seed=0):  # a cached plan's later calls: their host seeds checked too
+    return host_seed_value(seed)
 
 
 def _seed_args(seed):
