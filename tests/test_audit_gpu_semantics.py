@@ -93,3 +93,18 @@ def test_host_seed_value_bounds():
     for s in GAP_SEEDS + (1 << 63, -(1 << 63) - 1, True, 2.0 ** 40):
         with pytest.raises(ValueError, match="host seed"):
             host_seed_value(s)
+
+
+def test_the_interpreter_does_not_take_cuda_tensors(monkeypatch):
+    """The kernels choose their arithmetic by the tensors' device: on CPU tensors the
+    interpreter's (rounding casts emulated, no inline PTX), on CUDA tensors the GPU's.  So with
+    TRITON_INTERPRET=1 on a machine with a GPU, CUDA tensors are not Triton's (an interpreted
+    run of them would truncate bf16 casts and fail on the inline PTX); CPU tensors are."""
+    from nac_fast.ops import dispatch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not dispatch.triton_runs_on("cuda")
+    assert dispatch.triton_runs_on("cpu") and dispatch.triton_runs_on("any")
+    assert "TRITON_INTERPRET unset" in dispatch._reason("triton", "cuda", "nac")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert dispatch.triton_runs_on("cuda") and not dispatch.triton_runs_on("cpu")

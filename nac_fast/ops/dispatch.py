@@ -98,10 +98,14 @@ def triton_interpreted() -> bool:
 
 
 def triton_runs_on(device_type: str) -> bool:
-    """Triton kernels run on CUDA tensors with a GPU, on CPU tensors under the interpreter
-    ("any": either).  Import availability is checked separately."""
-    return ((torch.cuda.is_available() and device_type in ("any", "cuda"))
-            or (triton_interpreted() and device_type in ("any", "cpu")))
+    """Triton kernels run compiled on CUDA tensors with a GPU, or on CPU tensors under the
+    interpreter ("any": either).  Not on CUDA tensors under the interpreter: the kernels choose
+    their GPU or interpreter arithmetic by the tensors' device (the interpreter's casts, inline
+    PTX), so an interpreted run of CUDA tensors would compute neither.  Import availability is
+    checked separately."""
+    interpreted = triton_interpreted()
+    return ((torch.cuda.is_available() and not interpreted and device_type in ("any", "cuda"))
+            or (interpreted and device_type in ("any", "cpu")))
 
 
 @functools.cache
@@ -167,8 +171,8 @@ def _reason(backend: str, device_type: str, op: str) -> str | None:
         return None
     if backend == "triton":
         if not triton_runs_on(device_type):
-            return ("Triton needs CUDA tensors and a visible GPU, or CPU tensors with "
-                    "TRITON_INTERPRET=1 set before triton is imported")
+            return ("Triton needs CUDA tensors and a visible GPU with TRITON_INTERPRET unset, "
+                    "or CPU tensors with TRITON_INTERPRET=1 set before triton is imported")
         return triton_import_error()
     if backend == "cpu" and device_type not in ("any", "cpu"):
         return "the 'cpu' backend runs on CPU tensors only"
