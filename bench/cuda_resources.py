@@ -3,7 +3,10 @@ hamming_cuda.cu) as ptxas reports them: registers, spills, static shared memory 
 plus the tensor-core instructions in the SASS (HMMA/HGMMA count), per target arch, with no GPU
 needed.
 
-    python bench/cuda_resources.py --csv results/cuda_resources.csv [--archs 80,90] [--jobs 2]
+    python bench/cuda_resources.py --csv /tmp/cuda_resources.csv [--archs 80,90] [--jobs 2]
+
+(the committed figures are the `cuda:` rows of bench/results/compile_check.csv, which
+bench/compile_check.py makes with this module)
 
 Each (source, arch) is one device-only nvcc compile (-cubin: no host compile, no link) with the
 flags and include paths of the real build (csrc/build_flags.py, which setup.py uses too) plus

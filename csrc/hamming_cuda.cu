@@ -60,6 +60,19 @@ void set_smem(K kernel, int64_t bytes, int64_t lanes, const char* op) {
                                         static_cast<int>(bytes)));
 }
 
+// A block of `lanes` threads must fit the kernel as compiled: check_lanes allows 1024, but its
+// registers per thread cap the block below that (sm_90: 72 for filter_kernel<16>, 896 lanes; up to
+// 128 for the retrieval kernels, 512 lanes), where the launch would fail with "too many resources
+// requested for launch" (the CPU emulation runs any lanes).
+template <typename K>
+void check_block(K kernel, int64_t lanes, const char* op) {
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  TORCH_CHECK(lanes <= attr.maxThreadsPerBlock, op, ": ", lanes, " lanes per block; this kernel (",
+              attr.numRegs, " registers per thread) runs at most ", attr.maxThreadsPerBlock,
+              " per block on this device: use fewer lanes");
+}
+
 dim3 lane_grid(int64_t Q, int64_t S, int64_t lanes) {
   return dim3(static_cast<unsigned>((Q + lanes - 1) / lanes), static_cast<unsigned>(S));
 }
@@ -74,6 +87,7 @@ void launch_retrieval(const RetrievalArgs& a, int64_t S, int64_t lanes, bool mul
   with_max_words(a.W, [&](auto m) {
     constexpr int M = decltype(m)::value;
     auto kernel = multi ? retrieval_kernel<P, M, true> : retrieval_kernel<P, M, false>;
+    check_block(kernel, lanes, op);
     set_smem(kernel, bytes, lanes, op);
     kernel<<<lane_grid(a.Q, S, lanes), static_cast<unsigned>(lanes), bytes, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -107,6 +121,7 @@ std::tuple<at::Tensor, at::Tensor> lanes_filter_cuda(const at::Tensor& q, const 
   auto stream = at::cuda::getCurrentCUDAStream();
   with_max_words(c.a.W, [&](auto m) {
     constexpr int M = decltype(m)::value;
+    check_block(filter_kernel<M>, lanes, "hamming_lanes_filter");
     filter_kernel<M><<<lane_grid(c.a.Q, c.a.S, lanes), static_cast<unsigned>(lanes), 0, stream>>>(
         c.a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
