@@ -13,7 +13,8 @@
 #                and carried with the tree saves the 1-2 minutes of a build on the device.
 #   test         pytest with NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1 (8 xdist workers) of
 #                the loss, noise, input, cached-plan (host_overhead), device-guard, queue
-#                (the fused enqueue), fp32-in-bf16x6, fp32-in-fp16x3 and folded-tails tests, JUnit
+#                (the fused enqueue), fp32-in-bf16x6, fp32-in-fp16x3, folded-tails and host-seed
+#                (the Philox noise of int64 seeds at the edges of their range) tests, JUnit
 #                XML pytest_gpu.xml (the Hamming engine's tests run in the hamming stage); fails
 #                on any failure or error, on a skipped triton/cuda test, and unless tests of both
 #                backends passed (gpu_summary.py --check-junit); then bench/compile_check.py
@@ -212,7 +213,7 @@ stage_test() {
         tests/test_noise.py tests/test_loss_inputs.py tests/test_cuda_mma_gpu.py \
         tests/test_host_overhead.py tests/test_loss_device_guard.py tests/test_queue_triton.py \
         tests/test_loss_bf16x6.py tests/test_loss_fp16x3.py tests/test_loss_fold.py \
-        tests/test_loss_contracts.py || rc=1
+        tests/test_loss_contracts.py tests/test_audit_gpu_semantics.py || rc=1
     # resources under the device's own Triton (CI's compile check runs CI's): the configurations
     # the launchers pick here (built-in and tuned) at D = 128, no spill on a 16-bit/tf32 path,
     # within shared memory, with tensor-core instructions
