@@ -57,7 +57,8 @@ import torch
 from .. import _checks
 from ..ops import dispatch
 from ..ops.codes import MAX_BITS, PackedCodes, as_packed, check_packed
-from ..ops.search import cuda_kernels, resolve_backend, topk_words, triton_kernels
+from ..ops.search import (cuda_kernels, ref_topk_workspace_bytes, resolve_backend, topk_words,
+                          triton_kernels)
 from .._files import atomic_write
 
 __all__ = ["HashIndex", "FORMAT", "FORMAT_VERSION"]
@@ -363,6 +364,8 @@ class HashIndex:
             if be in ("triton", "cuda"):
                 kernels = triton_kernels() if be == "triton" else cuda_kernels()
                 need += kernels.topk_workspace_bytes(Q, self._n, k, self.words_per_code, run_on)
+            elif be == "reference":  # torch ops in query chunks: their temporaries
+                need += ref_topk_workspace_bytes(Q, self._n, k, self.words_per_code)
             check_gpu_memory(run_on, need, f"searching {Q:,} queries (top {k}) in "
                              f"{self._n:,} codes")
         gw = self._gallery_on(run_on)

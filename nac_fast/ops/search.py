@@ -143,9 +143,22 @@ def _ref_topk(qw, gw, k: int):
     for s in range(0, qw.shape[0], step):
         d = ref_cdist(qw[s:s + step], gw)
         sd, si = torch.sort(d, dim=1, stable=True)  # stable: equal distances keep index order
-        dists.append(sd[:, :k])
-        idxs.append(si[:, :k])
+        # copies of the k columns: a view would keep each chunk's whole (rows, G) sort alive
+        # until the cat, a Q x G matrix in all
+        dists.append(sd[:, :k].clone())
+        idxs.append(si[:, :k].clone())
     return torch.cat(dists), torch.cat(idxs)
+
+
+def ref_topk_workspace_bytes(Q: int, G: int, k: int, W: int) -> int:
+    """An upper bound of the memory :func:`_ref_topk` allocates beyond its outputs (the GPU
+    memory check of nac_fast.HashIndex): per query chunk the XOR words and the popcount's
+    temporaries (at most 8 int64 tensors of the chunk's pairs x W words), the (rows, G) int32
+    distances, the stable sort's values, int64 indices and its workspace (as much again), and
+    the chunks' kept top-k columns."""
+    rows = min(Q, ref_chunk_rows(G, W))
+    pairs = rows * G
+    return pairs * W * 8 * 8 + pairs * (4 + 4 + 8) * 2 + Q * k * 12
 
 
 def _triton_topk(qw, gw, k: int):
