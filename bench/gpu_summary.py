@@ -228,6 +228,15 @@ def build_summary(inputs, device=None, commit=None):
 
 # ---- goals --------------------------------------------------------------------------------------
 
+def _roofline_check(tag, pct):
+    """(ok, line) of the >= GOAL_PCT_BOUND% roofline goal for the fused row `tag` describes."""
+    if pct is None:
+        return False, f"MISS {tag} roofline: no bound for this GPU"
+    ok = pct >= GOAL_PCT_BOUND
+    return ok, (f"{'PASS' if ok else 'MISS'} {tag} roofline: {pct:.1f}% of bound "
+                f"(goal >= {GOAL_PCT_BOUND:g}%)")
+
+
 def goal_checks(summary):
     """[(ok: bool, line)] for the goals in the module docstring."""
     lines = []
@@ -249,13 +258,7 @@ def goal_checks(summary):
             return x >= goal, f"{'PASS' if x >= goal else 'MISS'} {tag} {what}: {x:.2f}x (goal >= {goal:g}x)"
         lines.append(ratio_line("speed vs eager", best["eager_ms"], GOAL_X_EAGER))
         lines.append(ratio_line("speed vs torch.compile", best["compile_ms"], GOAL_X_COMPILE))
-        pct = best["pct_of_bound"]
-        if pct is None:
-            lines.append((False, f"MISS {tag} roofline: no bound for this GPU"))
-        else:
-            ok = pct >= GOAL_PCT_BOUND
-            lines.append((ok, f"{'PASS' if ok else 'MISS'} {tag} roofline: {pct:.1f}% of bound "
-                              f"(goal >= {GOAL_PCT_BOUND:g}%)"))
+        lines.append(_roofline_check(tag, best["pct_of_bound"]))
         fm, em = best["fused_peak_mb"], best["eager_peak_mb"]
         if fm is None or em is None:
             lines.append((False, f"MISS {tag} memory: peak memory not measured"))
@@ -271,13 +274,7 @@ def goal_checks(summary):
             best = min(ents, key=lambda e: e["fused_ms"])
             tag = (f"{kind} {n}x{N} D={GOAL_D} {GOAL_DTYPE} fwd+bwd [{best['backend']}, fastest "
                    f"fused, {best['fused_ms']:.3f} ms]")
-            pct = best["pct_of_bound"]
-            if pct is None:
-                lines.append((False, f"MISS {tag} roofline: no bound for this GPU"))
-            else:
-                ok = pct >= GOAL_PCT_BOUND
-                lines.append((ok, f"{'PASS' if ok else 'MISS'} {tag} roofline: {pct:.1f}% of "
-                                  f"bound (goal >= {GOAL_PCT_BOUND:g}%)"))
+            lines.append(_roofline_check(tag, best["pct_of_bound"]))
     for kind, n, N in GOAL_SHAPES:  # fp32: judged where fp32 rows were measured
         ents = [e for e in summary["loss"] if (e["kind"], e["n"], e["N"], e["D"], e["dtype"]) ==
                 (kind, n, N, GOAL_D, "float32") and e["eager_ms"] is not None]

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAMMING_CU = os.path.join(ROOT, "csrc", "hamming_cuda.cu")
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import cuda_resources  # noqa: E402  (its top-level comma split of template argument lists)
 
 
 def _strip_comments(src: str) -> str:
@@ -64,22 +68,6 @@ def _function_bodies(src: str) -> dict:
 _LAUNCH = re.compile(r"([\w:<>]+)\s*<<<\s*(.*?)>>>", re.S)
 
 
-def _split_args(s: str) -> list:
-    args, depth, cur = [], 0, ""
-    for ch in s:
-        if ch in "(<[":
-            depth += 1
-        elif ch in ")>]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            args.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    args.append(cur.strip())
-    return args
-
-
 def unchecked_lane_launches(src: str) -> list:
     """The launches of `src` whose block size is `lanes` with no check_block(<that kernel>, ...)
     before them in their function, as 'function: kernel'."""
@@ -87,7 +75,7 @@ def unchecked_lane_launches(src: str) -> list:
     bad = []
     for fname, body in bodies.items():
         for m in _LAUNCH.finditer(body):
-            kernel, cfg = m.group(1), _split_args(m.group(2))
+            kernel, cfg = m.group(1), cuda_resources._split_top(m.group(2))
             if len(cfg) < 2 or not re.search(r"\blanes\b", cfg[1]):
                 continue
             before = body[:m.start()]
