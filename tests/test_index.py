@@ -148,6 +148,42 @@ def test_ids_paths_labels_stay_aligned_and_are_all_or_nothing():
     assert plain.ids.tolist() == [0, 1, 2] and plain.paths is None
 
 
+def test_ids_at_maps_search_positions_on_their_device():
+    """ids_at(I): the ids of search()'s positions, I's shape, dtype int64, on I's device (ids[I]
+    is refused for CUDA indices: the ids live on the CPU); numpy in, numpy out; positions outside
+    the index and non-integer positions named."""
+    index = HashIndex(16)
+    g = rand_codes(3, 40, 16)
+    index.add(g[:25], ids=torch.arange(25) * 7 + 100)
+    index.add(g[25:], ids=np.arange(25, 40) * 7 + 100)
+    D, I = index.search(g[:5], 4)
+    got = index.ids_at(I)
+    assert got.dtype == torch.int64 and got.shape == I.shape
+    assert torch.equal(got, I * 7 + 100)
+    Dn, In = index.search(g[:5].numpy(), 4)
+    gotn = index.ids_at(In)
+    assert isinstance(gotn, np.ndarray) and gotn.dtype == np.int64
+    np.testing.assert_array_equal(gotn, In * 7 + 100)
+    assert torch.equal(index.ids_at(torch.tensor([39, 0], dtype=torch.int32)),
+                       torch.tensor([373, 100]))
+    assert index.ids_at(torch.zeros((3, 0), dtype=torch.int64)).shape == (3, 0)
+    with pytest.raises(ValueError, match=r"positions holds 40, outside 0\.\.39"):
+        index.ids_at(torch.tensor([1, 40]))
+    with pytest.raises(ValueError, match=r"positions holds -1, outside"):
+        index.ids_at(np.array([-1, 2]))
+    with pytest.raises(TypeError, match="positions must hold integers"):
+        index.ids_at(torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="positions must hold integers"):
+        index.ids_at(np.array([1.0]))
+    with pytest.raises(TypeError, match="positions must be a torch.Tensor or numpy array"):
+        index.ids_at([1, 2])
+    plain = HashIndex(16)  # no ids given: an id is its position
+    plain.add(g)
+    pos = torch.tensor([[3, 1]])
+    out = plain.ids_at(pos)
+    assert torch.equal(out, pos) and out.data_ptr() != pos.data_ptr()
+
+
 def test_save_load_round_trip_and_format(tmp_path):
     index = HashIndex(65, meta={"checkpoint": "x.pt", "checkpoint_sha256": "ab" * 32})
     index.add(rand_codes(0, 50, 65), paths=[f"p{i}" for i in range(50)],
@@ -383,6 +419,9 @@ def test_gpu_index_search_add_save_and_move(tmp_path):
         np.testing.assert_array_equal(np.asarray(D if isinstance(D, np.ndarray) else D.cpu()), wd)
         np.testing.assert_array_equal(np.asarray(I if isinstance(I, np.ndarray) else I.cpu()), wi)
     assert torch.equal(gpu.ids, cpu.ids)
+    I = gpu.search(q.cuda(), 10)[1]  # CUDA positions: their ids on the GPU too
+    ids = gpu.ids_at(I)
+    assert ids.device == I.device and torch.equal(ids.cpu(), torch.from_numpy(wi) * 3)
     gpu.save(tmp_path / "g.nacidx")
     back = HashIndex.load(tmp_path / "g.nacidx", device="cuda")
     assert back.device.type == "cuda"

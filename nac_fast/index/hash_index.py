@@ -7,7 +7,7 @@ FAISS's ``IndexBinaryFlat`` (docs/math.md [M:hamming], [M:rank]).
     D, I = index.search(query_codes, 10)                  # (Q, k) int32 distances, int64 positions
                                                           # (numpy arrays for a numpy query)
     paths = index.paths                                   # a copy, O(ntotal): take it once
-    paths[I[0, 0]], index.ids[I]                          # what was found
+    paths[I[0, 0]], index.ids_at(I)                       # what was found (I's device)
     index.save("gallery.nacidx"); index = nac_fast.HashIndex.load("gallery.nacidx")
 
 As in FAISS: ``add`` appends in order; ``search`` returns positions in insertion order
@@ -234,6 +234,34 @@ class HashIndex:
         if self._ids is None:
             return torch.arange(self._n, dtype=torch.int64)
         return self._ids[:self._n]
+
+    def ids_at(self, positions):
+        """The ids of `positions` (search()'s indices), of their shape, on their device: int64
+        tensors for a tensor (CUDA indices from a GPU search included, which ``ids[I]`` would
+        refuse: the ids are kept on the CPU), an int64 numpy array for a numpy array.  A position
+        outside 0..ntotal-1 is a ValueError naming it."""
+        if isinstance(positions, np.ndarray):
+            if positions.dtype.kind not in "iu":
+                raise TypeError(f"positions must hold integers, got a numpy array of "
+                                f"{positions.dtype}")
+            return self.ids_at(torch.from_numpy(
+                np.ascontiguousarray(positions).astype(np.int64))).numpy()
+        if not isinstance(positions, torch.Tensor):
+            raise TypeError(f"positions must be a torch.Tensor or numpy array (search()'s "
+                            f"indices), got {type(positions).__name__}")
+        if positions.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8,
+                                   torch.uint8):
+            raise TypeError(f"positions must hold integers, got {positions.dtype}")
+        if positions.numel():
+            lo, hi = int(positions.min()), int(positions.max())
+            if lo < 0 or hi >= self._n:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"positions holds {bad}, outside 0..{self._n - 1} (the index "
+                                 f"has {self._n:,} codes)")
+        if self._ids is None:
+            return positions.to(torch.int64, copy=True)
+        pos = positions.to("cpu", torch.int64)
+        return self._ids[:self._n][pos].to(positions.device)
 
     @property
     def paths(self) -> list | None:
