@@ -417,3 +417,20 @@ def test_graphs_need_a_gpu(capsys):
     with pytest.raises(SystemExit):
         bench_loss.main(["--device", "cpu", "--graphs", "--quick"])
     assert "--graphs needs --device cuda" in capsys.readouterr().err
+
+
+def test_every_test_the_suite_names_exists_and_collects():
+    """Each tests/... file and ::test node bench/gpu_suite.sh hands to pytest exists and collects
+    (a renamed test would otherwise cost a GPU run's stage: the device is lent for minutes)."""
+    import re
+    text = open(os.path.join(ROOT, "bench", "gpu_suite.sh")).read()
+    named = sorted(set(re.findall(r"tests/[A-Za-z0-9_]+\.py(?:::[A-Za-z0-9_]+)?", text)))
+    assert len(named) >= 10, named
+    missing = [t for t in named if not os.path.isfile(os.path.join(ROOT, t.split("::")[0]))]
+    assert not missing, missing
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                        "-p", "no:cacheprovider", *named], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for node in (t for t in named if "::" in t):
+        assert node in r.stdout, f"{node} collected no test"
