@@ -139,6 +139,10 @@ class CodeQueue(nn.Module):
     def _enqueue_triton(self, parts, tanh: bool) -> None:
         from ..kernels import queue_triton
         rows = [t if t.stride(1) == 1 else t.contiguous() for t in parts]
+        if not tanh and self.codes.dtype == torch.float16 and rows[0].dtype == torch.float64:
+            # torch rounds float64 to float16 through float32 (twice), the kernel's cast once: keys
+            # in float32 give enqueue's bits on both paths (a copy, in this rare pairing only)
+            rows = [t.float() for t in rows]
         while len(rows) > 2:  # the kernel reads two parts: fold the rest (a copy of those rows)
             rows = [rows[0], torch.cat(rows[1:])]
         x0, x1 = rows[0], rows[1] if len(rows) > 1 else rows[0][:0]
@@ -171,23 +175,29 @@ class CodeQueue(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        # the errors name the state dict's key (prefix: where the queue sits in a larger module)
         codes = state_dict.get(prefix + "codes")
         if codes is not None:
+            if not isinstance(codes, torch.Tensor):
+                raise TypeError(f"queue codes in the checkpoint must be a torch.Tensor, got "
+                                f"{type(codes).__name__} (key {prefix + 'codes'!r})")
             if tuple(codes.shape) != tuple(self.codes.shape):
                 raise ValueError(f"queue in the checkpoint has shape {tuple(codes.shape)}, this "
-                                 f"run expects {tuple(self.codes.shape)} (--queue-size must match)")
+                                 f"run expects {tuple(self.codes.shape)} (key {prefix + 'codes'!r};"
+                                 " the queue's size and dim must match: --queue-size)")
             if not codes.is_floating_point():
-                raise TypeError(f"queue codes in the checkpoint must be floating, got {codes.dtype}")
+                raise TypeError(f"queue codes in the checkpoint must be floating, got "
+                                f"{codes.dtype} (key {prefix + 'codes'!r})")
         ptr = state_dict.get(prefix + "ptr")
         if ptr is not None:  # the write pointer: an integer in [0, size) (the Triton enqueue's
             # index arithmetic assumes it; a negative one would write before the buffer)
             if not isinstance(ptr, torch.Tensor) or ptr.numel() != 1 or ptr.is_floating_point() \
                     or ptr.dtype == torch.bool or ptr.is_complex():
                 raise TypeError("queue pointer (ptr) in the checkpoint must be a one-element "
-                                f"integer tensor, got {ptr!r}")
+                                f"integer tensor, got {ptr!r} (key {prefix + 'ptr'!r})")
             if ptr.device.type != "meta" and not 0 <= int(ptr) < self.size:
                 raise ValueError(f"queue pointer (ptr) in the checkpoint is {int(ptr)}, outside "
-                                 f"[0, {self.size}) for this queue's size")
+                                 f"[0, {self.size}) for this queue's size (key {prefix + 'ptr'!r})")
             if ptr.dtype != torch.int64:  # as the queue keeps it: load_state_dict(assign=True)
                 # takes the tensor as it is, and a narrower one wraps in `ptr.add_(n)` (a uint8
                 # pointer at 256); torch hands this method its own copy of the state dict
