@@ -50,8 +50,17 @@ __all__ = ["average_precision", "mean_average_precision", "precision_within_radi
            "pr_curve", "precision_at_n", "retrieval_metrics"]
 
 # Queries per call of the compiled retrieval pass when histograms are wanted: bounds the two
-# (chunk, D + 1) int64 histograms (4096 x 129 x 16 bytes = 8 MiB at 128 bits).
+# (chunk, bins) int64 histograms, bins = 64 x words + 1 (4096 x 129 x 16 bytes = 8 MiB at 128
+# bits).  Wider codes take fewer queries a call, so the histograms stay within
+# _HIST_BYTES (64 MiB: 4096 queries up to 1024 bits); a fixed 4096 made them 4.3 GB at MAX_BITS,
+# ~14 GB peak with retrieval_metrics' temporaries of the same shape.
 _HIST_QUERY_CHUNK = 4096
+_HIST_BYTES = _HIST_QUERY_CHUNK * (16 * 64 + 1) * 16
+
+
+def hist_query_chunk(words: int) -> int:
+    """Default queries per call when histograms are wanted, for codes of ``words`` int64 words."""
+    return max(1, min(_HIST_QUERY_CHUNK, _HIST_BYTES // ((64 * words + 1) * 16)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,7 +325,8 @@ def retrieval_metrics(query_codes, query_labels, gallery_codes, gallery_labels, 
     hist = pr or bool(radii)
     cuts = tuple(dict.fromkeys(min(k, G) for k in ks + ns))
     if query_chunk is None:
-        query_chunk = _HIST_QUERY_CHUNK if (hist or progress) else Q
+        query_chunk = (hist_query_chunk(q.words.shape[1]) if hist
+                       else _HIST_QUERY_CHUNK if progress else Q)
     _checks.positive_int("query_chunk", query_chunk)
 
     ap_sum, n_rel_q = 0.0, 0
