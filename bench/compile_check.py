@@ -254,6 +254,10 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
         case = dict(dtype="int64", D=bits, mode="")
         for L in hamming_triton.cdist_plan(qw, gw, dist):
             yield case, L
+        # the top-k's filter pass (HashIndex.search on a GPU): 1,000 queries, top 10
+        t = torch.empty(1000, dtype=torch.int32, **meta)
+        for L in hamming_triton.topk_plan(qw, gw, t, 10, 1.0)[0]:
+            yield case, L
         for multi in (False, True):
             ql = torch.empty((1000, 1) if multi else (1000,), dtype=torch.int64, **meta)
             gl = torch.empty((50000, 1) if multi else (50000,), dtype=torch.int64, **meta)

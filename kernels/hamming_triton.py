@@ -229,7 +229,9 @@ def _topk_filter_kernel(q_ptr, g_ptr, t_ptr, key_ptr, na_ptr, Q, G, GS, L, CA, K
     t = tl.load(t_ptr + rq, mask=mq, other=-1)  # -1: a padding lane takes nothing
     q0, q1, q2, q3 = _lane_words(q_ptr, rq64, mq, W)
     slot0 = key_ptr + (rq64 * NSPLIT + s) * (CA + KB)
-    start = s * L
+    # int64 rows: near G = MAX_ROWS the last slice's s L + L (and the tile loop's g0 + BG) pass
+    # 2^31 - 1, and in int32 the slice would end at a negative row and be skipped
+    start = s.to(tl.int64) * L
     end = tl.minimum(start + L, G)
     cnt_a = tl.zeros([BQ], dtype=tl.int32)
     cnt_b = tl.zeros([BQ], dtype=tl.int32)
@@ -274,7 +276,7 @@ def _ap_hist_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, h_ptr, Q, G, L, QP, NB,
         l1 = l0
     row = h_ptr + s.to(tl.int64) * NB * QP + rq64
     start = s * L
-    end = tl.minimum(start + L, G)
+    end = start + tl.minimum(L, G - start)  # not min(s L + L, G): past 2^31 - 1 near MAX_ROWS
     for g0 in range(start, end, U):
         rg = g0 + tl.arange(0, U)
         mg = rg < end
@@ -314,7 +316,7 @@ def _ap_rank_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, c_ptr, psum_ptr, cut_ptr, cps_
     row = c_ptr + s64 * NB * QP + rq64
     psum = tl.zeros([BQ], dtype=tl.float64)
     start = s * L
-    end = tl.minimum(start + L, G)
+    end = start + tl.minimum(L, G - start)  # not min(s L + L, G): past 2^31 - 1 near MAX_ROWS
     for g0 in range(start, end, U):
         rg = g0 + tl.arange(0, U)
         mg = rg < end
