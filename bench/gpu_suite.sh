@@ -49,7 +49,7 @@
 #                triton and cuda engines; its Triton grids at 100M codes and its kernels under
 #                red zones, tests/test_redzone.py; the paths users reach on a GPU: the eval's
 #                hash scores, every engine the reference included, index search --device
-#                cuda), then bench_hamming.py --gpu: mAP@all and
+#                cuda; a gallery of 2^31 - 1 codes, the engines' row limit), then bench_hamming.py --gpu: mAP@all and
 #                HashIndex.search of both engines beside the C++ engine, and hamming_kernels.txt:
 #                the kernels of one 1M search and one mAP per engine (torch.profiler).
 #   all          test autotune host train hamming (the order of what matters most when time
@@ -352,6 +352,7 @@ stage_hamming() {
         tests/test_hamming_cuda.py tests/test_retrieval_metrics.py tests/test_index.py \
         tests/test_audit_overflow.py tests/test_gpu_user_paths.py \
         tests/test_index_cli.py::test_search_on_the_gpu_gives_the_cpus_answer \
+        tests/test_audit_topk_exact.py::test_max_rows_gallery_on_a_gpu \
         tests/test_redzone.py::test_hamming_kernels_stay_in_bounds || trc=1
     junit=$(cat "$RES/.junit_hamming" 2>/dev/null || echo "no JUnit verdict")
     $PY bench/bench_hamming.py --gpu --csv "$RES/hamming_gpu.csv" \
