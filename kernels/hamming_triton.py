@@ -229,12 +229,13 @@ def _topk_filter_kernel(q_ptr, g_ptr, t_ptr, key_ptr, na_ptr, Q, G, GS, L, CA, K
     t = tl.load(t_ptr + rq, mask=mq, other=-1)  # -1: a padding lane takes nothing
     q0, q1, q2, q3 = _lane_words(q_ptr, rq64, mq, W)
     slot0 = key_ptr + (rq64 * NSPLIT + s) * (CA + KB)
-    # int64 rows: near G = MAX_ROWS the last slice's s L + L (and the tile loop's g0 + BG) pass
-    # 2^31 - 1, and in int32 the slice would end at a negative row and be skipped
-    start = s.to(tl.int64) * L
-    end = tl.minimum(start + L, G)
+    start = s * L
+    end = start + tl.minimum(L, G - start)  # not min(s L + L, G): s L + L may pass 2^31 - 1
     cnt_a = tl.zeros([BQ], dtype=tl.int32)
     cnt_b = tl.zeros([BQ], dtype=tl.int32)
+    # rows in int32: the gallery is at most MAX_ROWS rows, whose margin keeps g0 + BG and
+    # g0 + arange below 2^31 (int64 rows cost a block per SM under Triton 3.6: 128 -> 161
+    # registers at 128 bits on sm_90)
     for g0 in range(start, end, BG):
         rg = g0 + tl.arange(0, BG)
         mg = rg < end
@@ -276,7 +277,7 @@ def _ap_hist_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, h_ptr, Q, G, L, QP, NB,
         l1 = l0
     row = h_ptr + s.to(tl.int64) * NB * QP + rq64
     start = s * L
-    end = start + tl.minimum(L, G - start)  # not min(s L + L, G): past 2^31 - 1 near MAX_ROWS
+    end = start + tl.minimum(L, G - start)  # not min(s L + L, G): s L + L may pass 2^31 - 1
     for g0 in range(start, end, U):
         rg = g0 + tl.arange(0, U)
         mg = rg < end
@@ -316,7 +317,7 @@ def _ap_rank_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, c_ptr, psum_ptr, cut_ptr, cps_
     row = c_ptr + s64 * NB * QP + rq64
     psum = tl.zeros([BQ], dtype=tl.float64)
     start = s * L
-    end = start + tl.minimum(L, G - start)  # not min(s L + L, G): past 2^31 - 1 near MAX_ROWS
+    end = start + tl.minimum(L, G - start)  # not min(s L + L, G): s L + L may pass 2^31 - 1
     for g0 in range(start, end, U):
         rg = g0 + tl.arange(0, U)
         mg = rg < end
@@ -488,7 +489,9 @@ def cdist(qw: torch.Tensor, gw: torch.Tensor) -> torch.Tensor:
     return out
 
 
-MAX_ROWS = (1 << 31) - 1  # gallery rows are int32 in the kernels (and counts in 32-bit halves)
+# gallery rows are int32 in the kernels (and counts in 32-bit halves); the margin of 2^16 keeps
+# a tile's rows past the gallery's end (the filter's g0 + BG and g0 + arange) below 2^31
+MAX_ROWS = (1 << 31) - (1 << 16)
 
 
 def _check_rows(G: int) -> None:

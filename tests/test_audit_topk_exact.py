@@ -9,9 +9,11 @@ Found: the Triton kernels' slice bounds, ``end = min(s L + L, G)`` in int32, wra
 2^31 - 1 for the last slice of a gallery within a few slices' rounding of MAX_ROWS
 (G = 2^31 - 1 always): that slice ended at a negative row and was skipped, so the top-k missed
 its rows and the retrieval passes did not count them (the filter's tile loop, g0 + BG, wrapped
-there too).  The filter now walks int64 rows; the retrieval passes (U = 1 row a step on a GPU)
-compute ``s L + min(L, G - s L)``.  A gallery that large needs a GPU (the end-to-end test below
-skips without one); on the CPU the kernels' own bound statements run in the interpreter.
+there too).  The three kernels compute ``s L + min(L, G - s L)``, and the Triton engine takes
+at most 2^31 - 2^16 rows (hamming_triton.MAX_ROWS), so the filter's int32 tiles past the last row
+stay below 2^31 (int64 rows would cost it a block per SM under Triton 3.6).  A gallery that large
+needs a GPU (the end-to-end test below skips without one); on the CPU the kernels' own bound
+statements run in the interpreter.
 
 Everything else held: all adversarial cases below equal the C++ engine exactly."""
 from __future__ import annotations
@@ -171,8 +173,8 @@ def test_last_rows_found_small_gallery():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a gallery of 2^31 - 1 codes: a GPU")
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_max_rows_gallery_on_a_gpu(backend):
-    """G = MAX_ROWS one-word codes (16 GiB, labels 16 GiB more): the last slice's rows are found
-    by the top-k and counted by the retrieval passes."""
+    """G = the engine's MAX_ROWS one-word codes (16 GiB, labels 16 GiB more): the last slice's
+    rows are found by the top-k and counted by the retrieval passes."""
     if backend == "triton" and not ("triton" in H.available_backends("cuda", op="hamming")):
         pytest.skip("no Triton on CUDA tensors")
     if backend == "cuda" and not dispatch.cuda_extension_built():
@@ -180,7 +182,19 @@ def test_max_rows_gallery_on_a_gpu(backend):
     free, _ = torch.cuda.mem_get_info()
     if free < 40 * 2 ** 30:
         pytest.skip("needs 40 GiB of free GPU memory")
-    check_last_rows_found(HT if backend == "triton" else HC, torch.device("cuda"), MAX_ROWS)
+    E = HT if backend == "triton" else HC
+    check_last_rows_found(E, torch.device("cuda"), E.MAX_ROWS)
+
+
+def test_triton_row_limit_leaves_room_for_a_tile():
+    """The filter walks int32 rows in tiles of BG (kernels/hamming_triton.py): at the largest
+    gallery the engine accepts, the tile after its last row still indexes below 2^31, and one
+    row more is refused before any launch."""
+    bg = max(cfg[1] for cfg in HT.TOPK_CONFIG.values())
+    assert HT.MAX_ROWS + bg <= MAX_ROWS
+    with pytest.raises(ValueError, match="galleries of at most 2,147,418,112 codes"):
+        HT._check_rows(HT.MAX_ROWS + 1)
+    HT._check_rows(HT.MAX_ROWS)
 
 
 # ------------------------------------------------------------------------------------------
