@@ -1046,12 +1046,42 @@ CANDIDATES = {
         _C(64, 32, 8, 2), _C(64, 64, 4, 2, H), _C(64, 64, 4, 3, H), _C(64, 128, 8, 2, H)),
 }
 MAX_D = 512
+# The most rows of a and of the keys (n, N) the kernels take: their row and key indices are int32
+# (program ids, tile loops, a split's end sp T B + T B clamped to N), and those run past the last
+# row by up to (64 splits + 1) blocks of <= 128 (split_count's cap; CONFIGS, CANDIDATES): 2^16
+# rows of room below 2^31.  At N = 2^31 - 1 the last split's end wrapped negative and its keys were
+# skipped (tests/test_audit_limits.py).  Byte and element offsets are int64 throughout.
+MAX_ROWS = (1 << 31) - (1 << 16)
+# The widest row stride (elements) of the operands the kernels step through with 32-bit offsets
+# in a tile (given keys in the 16-bit forward's loop, _fwd_tile; g in the keys' backward,
+# _bwd_tile): a (<= 1024)-row tile then spans under 2^31.  `fwd` / `bwd` copy rows farther apart.
+MAX_ROW_STRIDE = 1 << 20
 TF32_MAX_D = 128  # fp32 above this runs exact FMA products (see CONFIGS)
 # NAC_FAST_FP32_DOT's values (fp32_precision): the default first
 FP32_PRECISIONS = ("tf32x3", "ieee", "tf32", "bf16x6", "fp16x3")
 
 
 ROW_TILE = 4096  # elements per program of the row-wise kernels (fp64: 1024); `row_tile` sets it
+
+
+def check_rows(n: int, N: int) -> None:
+    """ValueError unless n (a's rows) and N (the keys') are at most MAX_ROWS."""
+    for name, rows in (("a", n), ("keys", N)):
+        if rows > MAX_ROWS:
+            raise ValueError(f"{name} has {rows:,} rows; the Triton NAC kernels take at most "
+                             f"{MAX_ROWS:,} (2^31 - 2^16: their row indices are int32)")
+
+
+def _far_rows(t: torch.Tensor) -> bool:
+    """Whether the rows of t lie more than MAX_ROW_STRIDE elements apart (two rows or more)."""
+    return t.shape[0] > 1 and t.stride(0) > MAX_ROW_STRIDE
+
+
+def _check_stride(name: str, t: torch.Tensor) -> None:
+    if _far_rows(t):
+        raise ValueError(f"{name} has rows {t.stride(0):,} elements apart; the Triton NAC plans "
+                         f"take at most {MAX_ROW_STRIDE:,} (32-bit offsets in a tile): pass a "
+                         f"contiguous copy (the op does)")
 
 
 def _rows_block(D: int, dtype: torch.dtype) -> int:
@@ -1371,6 +1401,9 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
     inside the forward (FINISH) or its own launch; None: `folding()`, and a folded forward that
     spills on the target (`Target.clean`) is planned unfolded."""
     n, D = a.shape
+    check_rows(n, n if keys is None else keys.shape[0])
+    if keys is not None:
+        _check_stride("keys", keys)
     if keys is not None and a.dtype == torch.float32 and fp32_precision(D) == "fp16x3":
         with _plan_fp32(_given_keys_mode("fp16x3"), over_env=True):
             return fwd_plan(a, r, noise, keys, s, l2, grad_rows, target, seed, p, rv, reduction,
@@ -1490,6 +1523,8 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
       - several splits: fp32 shares per split, summed in a fixed order by _bwd_rows_kernel (self
         keys) or _sum_splits_kernel (given keys)."""
     n, D = a.shape
+    check_rows(n, n if keys is None else keys.shape[0])
+    _check_stride("g", g)
     if a.dtype == torch.float32:
         # the mode the forward saved its codes in: bf16x6's (3, rows, D) bf16 or fp16x3's (2,
         # rows, D) fp16 parts, else one whose codes are (rows, D) in a's dtype (the
@@ -1646,6 +1681,8 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: f
         noise = _rows_operand(noise, dt)
         seed = None
     given = None if keys is None else _rows_operand(keys, dt)
+    if given is not None and _far_rows(given):
+        given = given.contiguous()  # rows too far apart for the tile's 32-bit offsets
 
     def build():
         n, D = a.shape
@@ -1682,6 +1719,8 @@ def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: boo
     lse = lse if lse.dtype == acc and lse.is_contiguous() else lse.to(acc).contiguous()
     ga = ga if ga.dtype == acc and ga.is_contiguous() else ga.to(acc).contiguous()
     g = g if g.dtype == acc else g.to(acc)
+    if _far_rows(g):
+        g = g.contiguous()  # rows too far apart for the tile's 32-bit offsets
 
     def build():
         return bwd_plan(a, r, noise, given, lse, ga, g, q, k, s, need_a, need_r, need_keys,

@@ -70,6 +70,10 @@ def enqueue_plan(codes: torch.Tensor, ptr: torch.Tensor, count: torch.Tensor,
     if D > MAX_D:
         raise ValueError(f"the Triton enqueue handles codes of D <= {MAX_D}, got D={D}")
     n0, n1 = x0.shape[0], x1.shape[0]
+    from .nac_triton import MAX_ROWS  # (here: an import above the kernel moves its lines)
+    if n0 + n1 > MAX_ROWS:  # the kernel's rows, and n0 + n1, are int32
+        raise ValueError(f"the Triton enqueue writes at most {MAX_ROWS:,} keys a call, got "
+                         f"{n0 + n1:,}")
     rows = _rows_block(D, x0.dtype)  # (rows x BLOCK_D) tiles of 4096 elements (fp64: 1024)
     return [Launch(_enqueue_kernel, (cdiv(n0 + n1, rows),),
                    (x0, x1, codes, ptr, count, n0, n1, M, D, x0.stride(0), x1.stride(0)),

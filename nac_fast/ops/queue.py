@@ -156,7 +156,7 @@ class CodeQueue(nn.Module):
         c = self.codes
         if not triton_importable():
             return "the Triton kernels do not import (nac_fast.ops.dispatch.triton_import_error)"
-        from ..kernels.nac_triton import MAX_D
+        from ..kernels.nac_triton import MAX_D, MAX_ROWS
         if not triton_runs_on(c.device.type):
             return (f"Triton does not run on {c.device.type} tensors here (a GPU, or CPU tensors "
                     "under TRITON_INTERPRET=1)")
@@ -166,6 +166,8 @@ class CodeQueue(nn.Module):
             return "the queue's codes are not contiguous"
         if not parts[0].is_floating_point():
             return f"keys of dtype {parts[0].dtype} (the kernel reads floating keys)"
+        if sum(t.shape[0] for t in parts) > MAX_ROWS:
+            return f"more than {MAX_ROWS:,} keys in one call (the kernel's rows are int32)"
         return ""
 
     def _triton_ok(self, parts) -> bool:
