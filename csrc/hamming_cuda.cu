@@ -10,6 +10,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdint>
+#include <limits>
+
 #include "hamming_lanes.h"
 #include "hamming_lanes_ops.h"
 
@@ -73,8 +76,19 @@ void check_block(K kernel, int64_t lanes, const char* op) {
               " per block on this device: use fewer lanes");
 }
 
-dim3 lane_grid(int64_t Q, int64_t S, int64_t lanes) {
-  return dim3(static_cast<unsigned>((Q + lanes - 1) / lanes), static_cast<unsigned>(S));
+// (query blocks, slices).  S <= 65535 (check_slices: gridDim.y); the query blocks are gridDim.x,
+// at most 2^31 - 1, and nothing else bounds the queries: with few lanes (a direct op call with
+// lanes = 1: the filter's ~24 bytes per query fit 2^32 queries in 96 GiB) 2^31 .. 2^32 - 1 blocks
+// failed to launch ("invalid configuration argument") and from 2^32 on the cast to unsigned
+// wrapped: the kernel silently ran only the first (blocks mod 2^32) blocks' queries.  The engine
+// (nac_fast/ops/hamming_cuda.py: 128 filter lanes; retrieval outputs of >= 520 bytes per query)
+// never comes near; this error names the limit for direct calls.
+dim3 lane_grid(int64_t Q, int64_t S, int64_t lanes, const char* op) {
+  const int64_t blocks = (Q + lanes - 1) / lanes;
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), op, ": ", Q,
+              " queries in blocks of ", lanes, " lanes need ", blocks,
+              " blocks, more than the grid's 2^31 - 1: use more lanes or fewer queries per call");
+  return dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(S));
 }
 
 // Pass P on the current stream: blocks of `lanes` threads over (query blocks, slices).
@@ -89,7 +103,7 @@ void launch_retrieval(const RetrievalArgs& a, int64_t S, int64_t lanes, bool mul
     auto kernel = multi ? retrieval_kernel<P, M, true> : retrieval_kernel<P, M, false>;
     check_block(kernel, lanes, op);
     set_smem(kernel, bytes, lanes, op);
-    kernel<<<lane_grid(a.Q, S, lanes), static_cast<unsigned>(lanes), bytes, stream>>>(a);
+    kernel<<<lane_grid(a.Q, S, lanes, op), static_cast<unsigned>(lanes), bytes, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -122,8 +136,8 @@ std::tuple<at::Tensor, at::Tensor> lanes_filter_cuda(const at::Tensor& q, const 
   with_max_words(c.a.W, [&](auto m) {
     constexpr int M = decltype(m)::value;
     check_block(filter_kernel<M>, lanes, "hamming_lanes_filter");
-    filter_kernel<M><<<lane_grid(c.a.Q, c.a.S, lanes), static_cast<unsigned>(lanes), 0, stream>>>(
-        c.a);
+    filter_kernel<M><<<lane_grid(c.a.Q, c.a.S, lanes, "hamming_lanes_filter"),
+                       static_cast<unsigned>(lanes), 0, stream>>>(c.a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {c.keys, c.na};
