@@ -22,7 +22,6 @@ Nothing here allocates more than a few KB: plans on meta tensors, the kernels' o
 probes under the interpreter."""
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import textwrap
 
@@ -30,6 +29,7 @@ import pytest
 import torch
 
 from nac_fast.ops import dispatch
+from _probes import bounds_probe
 
 pytestmark = pytest.mark.skipif(dispatch.triton_import_error() is not None,
                                 reason="the Triton kernels do not import")
@@ -79,26 +79,9 @@ def _bounds_probe(kernel, tmp_path, rows_name, per_split, block):
     split sp = program_id(0), with the rows (N or n) and the tiles per split as the kernel types
     them (int32 below 2^31, do_not_specialize), and the value its tile loop reaches past its last
     tile, start + ceil((end - start) / B) B, in the same int32 arithmetic."""
-    src = inspect.getsource(kernel.fn)
-    lines = [ln.strip() for ln in src.splitlines()
-             if ln.strip().startswith(("start = ", "end = "))]
-    assert len(lines) == 2, lines
-    body = textwrap.indent("\n".join(lines), " " * 4)
-    path = tmp_path / f"probe_{kernel.fn.__name__}.py"
-    path.write_text(
-        "import triton\nimport triton.language as tl\n\n\n"
-        f"@triton.jit(do_not_specialize=['{rows_name}', '{per_split}'])\n"
-        f"def probe(out_ptr, {rows_name}, {per_split}, {block}: tl.constexpr):\n"
-        "    sp = tl.program_id(0)\n"
-        f"{body}\n"
-        f"    after = start + (tl.maximum(end - start, 0) + {block} - 1) // {block} * {block}\n"
-        "    tl.store(out_ptr + 3 * sp, start.to(tl.int64))\n"
-        "    tl.store(out_ptr + 3 * sp + 1, end.to(tl.int64))\n"
-        "    tl.store(out_ptr + 3 * sp + 2, after.to(tl.int64))\n")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.probe
+    after = f"start + (tl.maximum(end - start, 0) + {block} - 1) // {block} * {block}"
+    return bounds_probe(kernel, tmp_path, pid="sp", ints=(rows_name, per_split),
+                        constexprs=(block,), stores=("start", "end", after))
 
 
 def _run_bounds(probe, split, rows, per_split, block):

@@ -19,11 +19,8 @@ Everything else held: all adversarial cases below equal the C++ engine exactly."
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import inspect
 import math
 import random
-import textwrap
 
 import numpy as np
 import pytest
@@ -34,7 +31,9 @@ import nac_fast.ops.retrieval as R
 from nac_fast.kernels import hamming_triton as HT
 from nac_fast.ops import dispatch, hamming_cuda as HC
 from nac_fast.ops.codes import pack_bits_torch
+from _probes import bounds_probe
 from test_hamming_gpu import SKIP_REASON, TRITON_DEVICE, triton_runs
+from test_hamming_gpu import words as device_words
 
 pytestmark = pytest.mark.skipif(dispatch.extension() is None, reason="no compiled extension")
 
@@ -42,13 +41,7 @@ MAX_ROWS = (1 << 31) - 1
 
 
 def words(seed, n, bits, distinct=None):
-    g = torch.Generator().manual_seed(seed)
-    if distinct is None:
-        b = torch.randint(0, 2, (n, bits), generator=g).bool()
-    else:
-        base = torch.randint(0, 2, (distinct, bits), generator=g).bool()
-        b = base[torch.randint(0, distinct, (n,), generator=g)]
-    return H.pack_codes(b).words
+    return device_words(seed, n, bits, "cpu", distinct)
 
 
 @contextlib.contextmanager
@@ -103,26 +96,10 @@ SMALL = dict(BASE_ROWS=24, SAMPLE_RATIO=4, BASE_PAIRS=256, MIN_SLICE_ROWS=8, TOP
 # The defect: Triton slice bounds near MAX_ROWS
 # ------------------------------------------------------------------------------------------
 
-def slice_bounds_probe(kernel_source: str, tmp_path, name: str):
+def slice_bounds_probe(kernel, tmp_path):
     """A Triton function of (G, L) running a kernel's own `start = ...` / `end = ...` statements
     for slices s = 0, 1 (typed as in the kernel: program id and scalars in int32)."""
-    lines = [ln.strip() for ln in kernel_source.splitlines()
-             if ln.strip().startswith(("start = ", "end = "))]
-    assert len(lines) == 2, lines
-    body = textwrap.indent("\n".join(lines), " " * 4)
-    path = tmp_path / f"probe_{name}.py"
-    path.write_text(
-        "import triton\nimport triton.language as tl\n\n\n"
-        "@triton.jit(do_not_specialize=['G', 'L'])\n"
-        "def probe(out_ptr, G, L):\n"
-        "    s = tl.program_id(0)\n"
-        f"{body}\n"
-        "    tl.store(out_ptr + 2 * s, start.to(tl.int64))\n"
-        "    tl.store(out_ptr + 2 * s + 1, end.to(tl.int64))\n")
-    spec = importlib.util.spec_from_file_location(f"probe_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.probe
+    return bounds_probe(kernel, tmp_path, pid="s", ints=("G", "L"), stores=("start", "end"))
 
 
 @pytest.mark.parametrize("kernel", ["_topk_filter_kernel", "_ap_hist_kernel", "_ap_rank_kernel"])
@@ -132,7 +109,7 @@ def test_triton_last_slice_ends_at_the_gallery_end_near_max_rows(tmp_path, kerne
     end and the slice was skipped."""
     if not (triton_runs() and TRITON_DEVICE == "cpu"):
         pytest.skip("the probe runs under TRITON_INTERPRET=1")
-    probe = slice_bounds_probe(inspect.getsource(getattr(HT, kernel).fn), tmp_path, kernel)
+    probe = slice_bounds_probe(getattr(HT, kernel), tmp_path)
     L = (1 << 30) + 32
     out = torch.zeros(4, dtype=torch.int64)
     probe[(2,)](out, MAX_ROWS, L)
