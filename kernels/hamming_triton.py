@@ -59,7 +59,7 @@ import triton.language as tl
 from nac_fast.ops import hamming_topk
 from nac_fast.ops.hamming_topk import EMPTY_KEY, KEY_INDEX_MASK, KEY_SHIFT  # noqa: F401
 
-from .launch import Launch, cdiv, run, target_of
+from .launch import INT32_ROWS_MAX, Launch, cdiv, run, target_of
 
 # The kernels' integer arguments (sizes, slice lengths, slot counts) change from call to call:
 # do_not_specialize keeps one compiled kernel per code length and configuration, instead of one
@@ -491,7 +491,7 @@ def cdist(qw: torch.Tensor, gw: torch.Tensor) -> torch.Tensor:
 
 # gallery rows are int32 in the kernels (and counts in 32-bit halves); the margin of 2^16 keeps
 # a tile's rows past the gallery's end (the filter's g0 + BG and g0 + arange) below 2^31
-MAX_ROWS = (1 << 31) - (1 << 16)
+MAX_ROWS = INT32_ROWS_MAX
 
 
 def _check_rows(G: int) -> None:

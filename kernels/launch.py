@@ -75,6 +75,10 @@ REG_ALLOC_UNIT = 256
 MAX_WARPS_PER_SM = 64
 MAX_BLOCKS_PER_SM = 32
 SMEM_RESERVED_PER_BLOCK = 1024
+# The most rows (of a, the keys, a gallery) a kernel that indexes rows in int32 takes: its tiles
+# and splits run past the last row by up to 2^16 rows (nac_triton: 64 splits + 1 blocks of <= 128;
+# hamming_triton: the filter's g0 + BG), which must stay below 2^31
+INT32_ROWS_MAX = (1 << 31) - (1 << 16)
 
 
 def blocks_per_sm(registers: int, smem_bytes: int, num_warps: int, smem_per_sm: int) -> int:

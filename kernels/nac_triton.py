@@ -70,7 +70,7 @@ from nac_fast.ops.reference import acc_dtype
 from . import tuning
 from .nac_noise_triton import host_seed_value, seed_args, seed_operand, seed_sign
 from .launch import (Config, Launch, PlanCache, Target, buffer, cdiv, eager_real, next_pow2, pick,
-                     run, split_count, target_of)
+                     run, split_count, target_of, INT32_ROWS_MAX)
 
 LOG2E = 1.4426950408889634
 REDUCE_BLOCK = tl.constexpr(128)  # partial sums the finish's reduction adds per step
@@ -1051,7 +1051,7 @@ MAX_D = 512
 # row by up to (64 splits + 1) blocks of <= 128 (split_count's cap; CONFIGS, CANDIDATES): 2^16
 # rows of room below 2^31.  At N = 2^31 - 1 the last split's end wrapped negative and its keys were
 # skipped (tests/test_audit_limits.py).  Byte and element offsets are int64 throughout.
-MAX_ROWS = (1 << 31) - (1 << 16)
+MAX_ROWS = INT32_ROWS_MAX
 # The widest row stride (elements) of the operands the kernels step through with 32-bit offsets
 # in a tile (given keys in the 16-bit forward's loop, _fwd_tile; g in the keys' backward,
 # _bwd_tile): a (<= 1024)-row tile then spans under 2^31.  `fwd` / `bwd` copy rows farther apart.
