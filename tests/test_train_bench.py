@@ -146,7 +146,9 @@ def test_train_throughput_cpu_stage(tmp_path):
     assert e["compile"] is False and e["measured_steps"] == 2 and "first_step_s" not in e
     assert se["compile"] is False and sc["compile"] is True and sc["compile_backend"] == "aot_eager"
     assert abs(sc["compile_s"] - (sc["first_step_s"] - sc["step_ms"] / 1000)) <= 0.0056
-    assert res["ceiling_img_per_s"] == round(sc["img_per_s"] * 3 / 8, 1)
+    # the ceiling is the rounded supervised figure / (8/3), rounded to 0.1: half a unit either way
+    # (x / (8/3) and x * 3 / 8 can round a .x5 tie differently in binary floating point)
+    assert abs(res["ceiling_img_per_s"] - sc["img_per_s"] * 3 / 8) <= 0.05 + 1e-9
     assert res["pct_of_ceiling"] == round(100 * res["img_per_s"] / res["ceiling_img_per_s"], 1)
     assert 0 < res["elapsed_s"] < 400
     text = prof.read_text()
