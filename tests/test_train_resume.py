@@ -98,10 +98,15 @@ def test_resume_rejects_other_config(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_sigkill_loses_at_most_one_save_interval(tmp_path):
+    # The kill must land before the run ends: a step takes ~10 ms here, so the steps after the
+    # 10th record are all the slack this test's polling (every 50 ms, on a loaded machine) has.
+    # With 30 steps that was ~0.25 s, and a kill after the final save (step 30, not a multiple
+    # of 4) failed the checks below; 100 steps give ~1 s.
+    total = 100
     out = str(tmp_path / "k")
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data", "synthetic:512",
-           "--image-size", "8", "--batch-size", "32", "--max-steps", "30", "--save-every", "4",
-           "--log-every", "1", "--no-progress", "--out", out]
+           "--image-size", "8", "--batch-size", "32", "--max-steps", str(total),
+           "--save-every", "4", "--log-every", "1", "--no-progress", "--out", out]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     log = os.path.join(out, "log.jsonl")
     deadline = time.time() + 120
@@ -124,13 +129,13 @@ def test_sigkill_loses_at_most_one_save_interval(tmp_path):
     r = subprocess.run(cmd + ["--resume"], env=_env(), capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     after = _losses(out)[len(killed):]
-    assert after[0][0] == ck + 1 and after[-1][0] == 30
+    assert after[0][0] == ck + 1 and after[-1][0] == total
     # the steps the killed run had done after its checkpoint are recomputed identically
     redo = dict(after)
     for s, v in killed:
         if s > ck:
             assert redo[s] == v, s
-    assert load_checkpoint(os.path.join(out, "last.pt"))["step"] == 30
+    assert load_checkpoint(os.path.join(out, "last.pt"))["step"] == total
 
 
 def _torchrun(args, timeout=240):
