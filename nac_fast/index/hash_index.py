@@ -253,7 +253,8 @@ class HashIndex:
                                    torch.uint8):
             raise TypeError(f"positions must hold integers, got {positions.dtype}")
         if positions.numel():
-            lo, hi = int(positions.min()), int(positions.max())
+            # one pass and one read back (a CUDA I: one sync, not one per bound)
+            lo, hi = torch.stack(torch.aminmax(positions)).tolist()
             if lo < 0 or hi >= self._n:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"positions holds {bad}, outside 0..{self._n - 1} (the index "

@@ -178,31 +178,32 @@ class CodeQueue(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         # the errors name the state dict's key (prefix: where the queue sits in a larger module)
-        codes = state_dict.get(prefix + "codes")
+        codes_key, ptr_key = prefix + "codes", prefix + "ptr"
+        codes = state_dict.get(codes_key)
         if codes is not None:
             if not isinstance(codes, torch.Tensor):
                 raise TypeError(f"queue codes in the checkpoint must be a torch.Tensor, got "
-                                f"{type(codes).__name__} (key {prefix + 'codes'!r})")
+                                f"{type(codes).__name__} (key {codes_key!r})")
             if tuple(codes.shape) != tuple(self.codes.shape):
                 raise ValueError(f"queue in the checkpoint has shape {tuple(codes.shape)}, this "
-                                 f"run expects {tuple(self.codes.shape)} (key {prefix + 'codes'!r};"
+                                 f"run expects {tuple(self.codes.shape)} (key {codes_key!r};"
                                  " the queue's size and dim must match: --queue-size)")
             if not codes.is_floating_point():
                 raise TypeError(f"queue codes in the checkpoint must be floating, got "
-                                f"{codes.dtype} (key {prefix + 'codes'!r})")
-        ptr = state_dict.get(prefix + "ptr")
+                                f"{codes.dtype} (key {codes_key!r})")
+        ptr = state_dict.get(ptr_key)
         if ptr is not None:  # the write pointer: an integer in [0, size) (the Triton enqueue's
             # index arithmetic assumes it; a negative one would write before the buffer)
             if not isinstance(ptr, torch.Tensor) or ptr.numel() != 1 or ptr.is_floating_point() \
                     or ptr.dtype == torch.bool or ptr.is_complex():
                 raise TypeError("queue pointer (ptr) in the checkpoint must be a one-element "
-                                f"integer tensor, got {ptr!r} (key {prefix + 'ptr'!r})")
+                                f"integer tensor, got {ptr!r} (key {ptr_key!r})")
             if ptr.device.type != "meta" and not 0 <= int(ptr) < self.size:
                 raise ValueError(f"queue pointer (ptr) in the checkpoint is {int(ptr)}, outside "
-                                 f"[0, {self.size}) for this queue's size (key {prefix + 'ptr'!r})")
+                                 f"[0, {self.size}) for this queue's size (key {ptr_key!r})")
             if ptr.dtype != torch.int64:  # as the queue keeps it: load_state_dict(assign=True)
                 # takes the tensor as it is, and a narrower one wraps in `ptr.add_(n)` (a uint8
                 # pointer at 256); torch hands this method its own copy of the state dict
-                state_dict[prefix + "ptr"] = ptr.to(torch.int64)
+                state_dict[ptr_key] = ptr.to(torch.int64)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
