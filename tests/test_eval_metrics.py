@@ -217,3 +217,176 @@ def test_batched_rates_equal_separate_runs():
         scale = want.weight.abs().max().item()
         assert torch.allclose(m.weight, want.weight, rtol=1e-4, atol=1e-5 * scale), lr
         assert torch.allclose(m.bias, want.bias, rtol=1e-4, atol=1e-5 * scale), lr
+
+
+# --------------------------------------------------------------------------------------------
+# The probe at full size (issue 55): 16-bit or memmapped features, no copies, no one-hot,
+# streamed chunks.  The reference is the probe as it was before (main at 46d7d72), kept here.
+# --------------------------------------------------------------------------------------------
+
+def _reference_fit(x, y, C, lrs, epochs, batch_size, momentum, seed):
+    """metrics._fit_linear before issue 55: float32 x copied whole, dense one-hot."""
+    import math
+    n, d = x.shape
+    L = len(lrs)
+    gen = torch.Generator().manual_seed(seed)
+    bound = 1.0 / math.sqrt(d)
+    w0 = torch.empty(C, d).uniform_(-bound, bound, generator=gen)
+    W = w0.T.unsqueeze(1).repeat(1, L, 1).contiguous()
+    b = torch.zeros(L, C)
+    bW, bb = torch.zeros_like(W), torch.zeros_like(b)
+    lr0 = torch.tensor([float(v) for v in lrs])
+    onehot = torch.nn.functional.one_hot(y, C).to(x.dtype)
+    steps = epochs * math.ceil(n / batch_size)
+    Wf, bWf = W.view(d, L * C), bW.view(d, L * C)
+    t = 0
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=gen)
+        for s in range(0, n, batch_size):
+            idx = perm[s:s + batch_size]
+            xb, m = x[idx], idx.numel()
+            logits = (xb @ Wf).view(m, L, C) + b
+            g = (torch.softmax(logits, dim=-1) - onehot[idx][:, None, :]).div_(m)
+            gW = xb.T @ g.view(m, L * C)
+            gb = g.sum(0)
+            bWf.mul_(momentum).add_(gW)
+            bb.mul_(momentum).add_(gb)
+            lr_t = (lr0 * (0.5 * (1.0 + math.cos(math.pi * t / steps)))).view(L, 1)
+            Wf.sub_((gW.add_(bWf, alpha=momentum).view(d, L, C) * lr_t).view(d, L * C))
+            b.sub_(gb.add_(bb, alpha=momentum) * lr_t)
+            t += 1
+    return W, b
+
+
+def _reference_probe(tr, ytr, te, yte, lrs, epochs, batch_size, seed):
+    """metrics.linear_probe before issue 55 (tr[fit_idx].float() copies, a one-hot): (held-out
+    accuracies, best lr, final W (d, C), final b, test accuracy)."""
+    n_val = max(1, int(round(0.1 * tr.shape[0])))
+    C = int(max(ytr.max(), yte.max())) + 1
+    perm = torch.randperm(tr.shape[0], generator=torch.Generator().manual_seed(seed))
+    val_idx, fit_idx = perm[:n_val], perm[n_val:]
+    W, b = _reference_fit(tr[fit_idx].float(), ytr[fit_idx], C, lrs, epochs, batch_size, 0.9, seed)
+    xv = tr[val_idx].float()
+    val = {lr: float(((xv @ W[:, i, :] + b[i]).argmax(1) == ytr[val_idx]).double().mean())
+           for i, lr in enumerate(lrs)}
+    best = min(lrs, key=lambda lr: (-val[lr], lr))
+    W, b = _reference_fit(tr.float(), ytr, C, [best], epochs, batch_size, 0.9, seed)
+    acc = float(((te.float() @ W[:, 0, :] + b[0]).argmax(1) == yte).double().mean())
+    return val, best, W[:, 0, :], b[0], acc
+
+
+def _probe_data():
+    x, y = blobs(150, 6, 12, 2.5, seed=21)
+    return x[:750], y[:750], x[750:], y[750:]
+
+
+def test_probe_float32_is_the_reference_bit_for_bit():
+    """Index lists instead of copies and the one-hot subtracted by index change nothing: float32
+    features give the reference probe's weights exactly (the 1e-6 of issue 55, with 0)."""
+    tr, ytr, te, yte = _probe_data()
+    val, best, W, b, acc = _reference_probe(tr, ytr, te, yte, (0.01, 0.1, 1.0, 10.0), 3, 64, 4)
+    got = E.linear_probe(tr, ytr, te, yte, epochs=3, batch_size=64, seed=4)
+    assert got.val_accuracy == val and got.best_lr == best and got.test_accuracy == acc
+    assert torch.equal(got.model.weight, W.T) and torch.equal(got.model.bias, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_probe_16_bit_is_the_reference_on_the_rounded_features(dtype):
+    """16-bit storage: the probe upcasts each batch, so it is exactly the reference probe run on
+    the features rounded to 16 bits.  The rounding itself moves the weights by about one rounding
+    unit of the storage, relative to their scale (here 4.3e-4 for float16, unit 2^-11 = 4.9e-4;
+    4.1e-3 for bfloat16, unit 2^-8 = 3.9e-3; bound: 4 units), and leaves the chosen rate and the
+    test accuracy as they are."""
+    tr, ytr, te, yte = _probe_data()
+    tr16, te16 = tr.to(dtype), te.to(dtype)
+    val, best, W, b, acc = _reference_probe(tr16.float(), ytr, te16.float(), yte,
+                                            (0.01, 0.1, 1.0, 10.0), 3, 64, 4)
+    got = E.linear_probe(tr16, ytr, te16, yte, epochs=3, batch_size=64, seed=4)
+    assert got.val_accuracy == val and got.best_lr == best and got.test_accuracy == acc
+    assert torch.equal(got.model.weight, W.T) and torch.equal(got.model.bias, b)
+    val32, best32, W32, _, acc32 = _reference_probe(tr, ytr, te, yte, (0.01, 0.1, 1.0, 10.0),
+                                                    3, 64, 4)
+    assert (best, acc) == (best32, acc32)
+    rel = ((got.model.weight - W32.T).abs().max() / W32.abs().max()).item()
+    assert 0 < rel < (2e-3 if dtype == torch.float16 else 1.6e-2), rel
+
+
+def test_probe_streamed_chunks_equal_the_in_memory_epoch():
+    """A device-memory bound smaller than the features streams them in chunks of whole batches
+    (here 2 batches of 64 per chunk, the last chunk and batch partial): the same batches in the
+    same order, so the same weights bit for bit, and the plan says so."""
+    tr, ytr, te, yte = _probe_data()
+    tr16 = tr.half()
+    d, n = tr.shape[1], tr.shape[0]
+    budget = E._probe_state_bytes(n, d, 1, 6, 64) + 150 * d * 2   # 150 rows -> 128 (2 batches)
+    plan = E.probe_plan(n, d, 2, num_rates=1, num_classes=6, batch_size=64, device_mem=budget)
+    assert plan["stream"] and plan["chunk"] == 128
+    assert plan["device_bytes"] <= budget
+    rows = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:700]
+    want = E._fit_linear(tr16, ytr, 6, [0.5], epochs=2, batch_size=64, momentum=0.9, seed=1,
+                         rows=rows)[0]
+    got_plan = {}
+    got = E._fit_linear(tr16, ytr, 6, [0.5], epochs=2, batch_size=64, momentum=0.9, seed=1,
+                        rows=rows, device_mem=budget, stream=True, plan_out=got_plan)[0]
+    assert got_plan["stream"] and got_plan["chunk"] == 128
+    assert torch.equal(got.weight, want.weight) and torch.equal(got.bias, want.bias)
+    res = E.linear_probe(tr16, ytr, te.half(), yte, epochs=2, batch_size=64, seed=4,
+                         device_mem=E._probe_state_bytes(n, d, 4, 6, 64) + 200 * d * 2,
+                         stream=True)
+    ref = E.linear_probe(tr16, ytr, te.half(), yte, epochs=2, batch_size=64, seed=4)
+    assert res.plan["stream"] and res.val_accuracy == ref.val_accuracy
+    assert torch.equal(res.model.weight, ref.model.weight)
+
+
+def test_probe_plan_and_device_mem_errors():
+    # ImageNet: 1.28M x 2048 16-bit features are 5.2 GB; a 4 GB bound streams them
+    p = E.probe_plan(1281167, 2048, 2, num_rates=4, num_classes=1000, device_mem="4G")
+    assert p["stream"] and p["device_bytes"] <= 4 << 30 and p["chunk"] % 256 == 0
+    p = E.probe_plan(1281167, 2048, 2, num_rates=4, num_classes=1000, device_mem="8G")
+    assert not p["stream"] and p["feature_bytes"] == 1281167 * 2048 * 2
+    assert E.parse_bytes("x", "512M") == 512 << 20 and E.parse_bytes("x", "1.5k") == 1536
+    with pytest.raises(ValueError, match="device_mem .* too small"):
+        E.probe_plan(1000, 2048, 2, num_rates=4, num_classes=1000, device_mem="1M")
+    x, y = torch.randn(20, 4), torch.arange(20) % 3
+    for bad, exc in (("eight", ValueError), (-5, ValueError), (1.5, TypeError)):
+        with pytest.raises(exc, match="device_mem"):
+            E.linear_probe(x, y, x, y, device_mem=bad, epochs=1)
+
+
+def test_feature_buffer_fills_in_place_and_memmaps(tmp_path):
+    from nac_fast.eval.features import FeatureBuffer, open_features
+    x = torch.randn(10, 3) * 100
+    buf = FeatureBuffer(10, 3)
+    base = buf.tensor.data_ptr()
+    buf.write(x[:4])
+    with pytest.raises(ValueError, match="4 of 10 rows written"):
+        buf.commit()
+    buf.write(x[4:])
+    got = buf.commit()
+    assert got.dtype == torch.float16 and got.data_ptr() == base   # no second buffer
+    assert torch.equal(got, x.half())
+    with pytest.raises(ValueError, match="exceed"):
+        buf.write(x[:1])
+    big = FeatureBuffer(3, 2, name="h train")
+    with pytest.raises(ValueError, match=r"h train: row 2 holds .*float16's range"):
+        big.write(torch.tensor([[1.0, 2.0], [3.0, 4.0], [7e4, 0.0]]))
+    assert big.filled == 0
+    with pytest.raises(ValueError, match="row 1 holds NaN"):
+        big.write(torch.tensor([[1.0, 2.0], [float("nan"), 4.0]]))
+    path = str(tmp_path / "h.npy")
+    mm = FeatureBuffer(10, 3, path=path)
+    mm.write(x)
+    assert not (tmp_path / "h.npy").exists() and (tmp_path / "h.npy.partial").exists()
+    mm.commit()
+    assert not (tmp_path / "h.npy.partial").exists()
+    back = open_features(path)
+    assert torch.equal(back, x.half())
+    with pytest.raises(ValueError, match="exists"):
+        FeatureBuffer(10, 3, path=path)
+    with pytest.raises(ValueError, match="bfloat16"):
+        FeatureBuffer(10, 3, torch.bfloat16, path=str(tmp_path / "b.npy"))
+    # the probe trains on the memmap in place, as on the in-memory tensor
+    y = torch.arange(10) % 2
+    a = E.train_linear_probe(back, y, epochs=2, batch_size=4)
+    b = E.train_linear_probe(x.half(), y, epochs=2, batch_size=4)
+    assert torch.equal(a.weight, b.weight)

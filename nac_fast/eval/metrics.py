@@ -46,9 +46,16 @@ def _features(name: str, x, rows: int | None = None, dim: int | None = None) -> 
         raise ValueError(f"{name} has {x.shape[0]} rows, expected {rows}")
     if dim is not None and x.shape[1] != dim:
         raise ValueError(f"{name} has {x.shape[1]} columns but the training features have {dim}")
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise ValueError(f"{name} contains NaN or inf")
     return x.detach()
+
+
+def all_finite(x: torch.Tensor, block_bytes: int = 1 << 24) -> bool:
+    """Whether every entry of a 2-D tensor is finite, checked a block of rows at a time (a
+    whole-tensor torch.isfinite of 1.28M x 2048 features would be a 2.6 GB mask)."""
+    step = max(1, block_bytes // max(1, x.shape[1]))
+    return all(bool(torch.isfinite(x[s:s + step]).all()) for s in range(0, x.shape[0], step))
 
 
 def _labels(name: str, y, rows: int) -> torch.Tensor:
@@ -155,18 +162,163 @@ def knn_accuracy(train_features, train_labels, test_features, test_labels, **kw)
 # Linear probe
 # --------------------------------------------------------------------------------------------
 
+def _parse_bytes(name: str, v) -> int:
+    """A byte count: an int, or a string such as "8G", "512M", "64k" (powers of 1024)."""
+    if _checks.is_int(v, numpy=True) and not isinstance(v, bool):
+        n = int(v)
+    elif isinstance(v, str):
+        t = v.strip().upper().removesuffix("B").removesuffix("I")
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+        try:
+            n = int(float(t[:-1] if mult > 1 else t) * mult)
+        except ValueError:
+            raise ValueError(f"{name} must be a byte count such as 8G, 512M or 1000000, got "
+                             f"{v!r}") from None
+    else:
+        raise TypeError(f"{name} must be an int or a string such as '8G', got {v!r}")
+    if n < 1:
+        raise ValueError(f"{name} must be positive, got {v!r}")
+    return n
+
+
+parse_bytes = _parse_bytes
+
+
+def _probe_state_bytes(n: int, d: int, L: int, C: int, batch_size: int) -> int:
+    """Device bytes of the probe besides the features: W, its momentum and the step's gradient
+    and update temporaries (5 d L C floats), the bias terms, a step's logits / probabilities
+    (3 m L C), the batch upcast to float32 (m d), and the labels and one epoch's order (int64)."""
+    return 4 * (5 * d * L * C + 4 * L * C + 3 * batch_size * L * C + batch_size * d) + 16 * n
+
+
+class _Feed:
+    """The training rows of one probe fit, batch by batch, on the training device ``dev``.
+
+    Resident: the features live on ``dev`` (already there, or copied there once in their own
+    dtype) and each batch is gathered there.  Streamed: they stay where they are (host memory,
+    a memmap) and every ``chunk`` rows of an epoch's order (a whole number of batches) are
+    gathered into a host staging buffer (pinned for CUDA; two of them, so the host fills one
+    while the device copies from the other) and copied to one device buffer of ``chunk``
+    rows; the batches are then slices of it.  Either way a batch holds the same rows in the same
+    order, upcast to float32 the same way: the epochs are the same, bit for bit."""
+
+    def __init__(self, x, y, dev, *, stream, chunk):
+        self.x, self.dev, self.stream = x, dev, stream
+        self.y = y.to(dev)
+        if not stream:
+            self.x = x if x.device == dev else x.to(dev)   # its own dtype: 16 bits stay 16
+            return
+        self.chunk = chunk
+        pin = dev.type == "cuda"
+        self.stage = [torch.empty(chunk, x.shape[1], dtype=x.dtype, pin_memory=pin)
+                      for _ in range(2 if pin else 1)]
+        self.events = [None] * len(self.stage)
+        self.buf = torch.empty(chunk, x.shape[1], dtype=x.dtype, device=dev)
+        self.k = 0
+
+    def chunks(self, order: torch.Tensor, batch_size: int):
+        """(x rows, labels) of consecutive pieces of ``order`` (row ids, CPU int64): the whole
+        order at once when resident, else ``chunk`` rows at a time."""
+        if not self.stream:
+            o = order.to(self.dev)
+            yield _Rows(self.x, o), self.y[o]
+            return
+        for s in range(0, order.numel(), self.chunk):
+            o = order[s:s + self.chunk]
+            i = self.k % len(self.stage)
+            self.k += 1
+            if self.events[i] is not None:
+                self.events[i].synchronize()   # its previous copy to the device has finished
+            st = self.stage[i][:o.numel()]
+            torch.index_select(self.x, 0, o.to(self.x.device), out=st)
+            buf = self.buf[:o.numel()]
+            buf.copy_(st, non_blocking=True)
+            if self.dev.type == "cuda":
+                self.events[i] = torch.cuda.Event()
+                self.events[i].record()
+            yield _Slices(buf), self.y[o.to(self.dev)]
+
+
+class _Rows:
+    """Batches gathered from resident features: rows ``order[s:e]``."""
+
+    def __init__(self, x, order):
+        self.x, self.order = x, order
+
+    def __len__(self):
+        return self.order.numel()
+
+    def batch(self, s, e):
+        return self.x[self.order[s:e]].float()
+
+
+class _Slices:
+    """Batches that are slices of a streamed chunk (already in order)."""
+
+    def __init__(self, buf):
+        self.buf = buf
+
+    def __len__(self):
+        return self.buf.shape[0]
+
+    def batch(self, s, e):
+        return self.buf[s:e].float()
+
+
+def probe_plan(n: int, d: int, itemsize: int, *, num_rates: int, num_classes: int,
+               batch_size: int = 256, device_mem=None, on_device: bool = False) -> dict:
+    """How a probe fit holds ``n`` x ``d`` features of ``itemsize`` bytes on its device under a
+    budget of ``device_mem`` bytes (None: no bound): {"stream": bool, "chunk": rows per
+    streamed chunk, "feature_bytes", "state_bytes", "device_bytes": the planned total}.
+    Features already on the device (``on_device``) are used where they are.  Too small a budget
+    for the probe's state and one batch is a ValueError naming device_mem."""
+    state = _probe_state_bytes(n, d, num_rates, num_classes, batch_size)
+    feat = n * d * itemsize
+    if on_device or device_mem is None:
+        return {"stream": False, "chunk": n, "feature_bytes": feat, "state_bytes": state,
+                "device_bytes": state + (0 if on_device else feat)}
+    budget = _parse_bytes("device_mem", device_mem)
+    if state + feat <= budget:
+        return {"stream": False, "chunk": n, "feature_bytes": feat, "state_bytes": state,
+                "device_bytes": state + feat}
+    rows = (budget - state) // (d * itemsize) // batch_size * batch_size
+    if rows < batch_size:
+        need = state + batch_size * d * itemsize
+        raise ValueError(f"device_mem {device_mem!r} ({budget} bytes) is too small for the linear "
+                         f"probe: its state and one streamed batch of {batch_size} x {d} features "
+                         f"take {need} bytes")
+    return {"stream": True, "chunk": int(min(rows, n)), "feature_bytes": feat,
+            "state_bytes": state, "device_bytes": state + int(min(rows, n)) * d * itemsize}
+
+
 def _fit_linear(x, y, C: int, lrs, *, epochs: int, batch_size: int, momentum: float, seed: int,
-                progress: bool = False, desc: str = "linear probe"):
+                progress: bool = False, desc: str = "linear probe", rows=None, device=None,
+                device_mem=None, stream=None, plan_out=None):
     """Train one linear classifier per learning rate in ``lrs`` on the same data order, as one
     batched layer: W (d, L, C), b (L, C).  SGD with Nesterov momentum (PyTorch's update:
     buf = m buf + g, p -= lr_t (g + m buf)), cosine schedule per iteration lr_t = lr (1 +
     cos(pi t / T)) / 2 (CosineAnnealingLR, eta_min 0), mean cross-entropy, no weight decay;
-    gradients in closed form, (softmax - onehot) / batch.  Every rate starts from the same
-    uniform(-1/sqrt(d), 1/sqrt(d)) weights (zero bias) and sees the same per-epoch permutations,
-    all drawn from ``seed``: the L runs are exactly the L separate runs, in one pass."""
-    n, d = x.shape
+    gradients in closed form, (softmax - onehot) / batch, the onehot subtracted at the label's
+    index (no dense one-hot).  Every rate starts from the same uniform(-1/sqrt(d), 1/sqrt(d))
+    weights (zero bias) and sees the same per-epoch permutations, all drawn from ``seed``: the
+    L runs are exactly the L separate runs, in one pass.
+
+    ``x`` (N, d): any float dtype (16-bit storage is upcast to float32 a batch at a time), on any
+    device, a memmap's tensor included; it is never copied whole on the host.  ``rows``: the
+    training rows (int64 ids into x; None: all), gathered a batch at a time in place of a copy
+    x[rows].  ``device``: where to train (default x's).  ``device_mem`` / ``stream``: see
+    :func:`probe_plan` (``stream`` True / False forces the mode, for tests); a streamed epoch
+    is the resident epoch, bit for bit (:class:`_Feed`)."""
+    N, d = x.shape
+    n = N if rows is None else int(rows.numel())
     L = len(lrs)
-    dev = x.device
+    dev = x.device if device is None else torch.device(device)
+    plan = probe_plan(n, d, x.element_size(), num_rates=L, num_classes=C, batch_size=batch_size,
+                      device_mem=device_mem, on_device=x.device == dev and stream is None)
+    if stream is not None:
+        plan["stream"] = bool(stream)
+    if plan_out is not None:
+        plan_out.update(plan)
     gen = torch.Generator().manual_seed(seed)
     bound = 1.0 / math.sqrt(d)
     w0 = torch.empty(C, d).uniform_(-bound, bound, generator=gen)  # nn.Linear's (C, d) layout
@@ -174,7 +326,6 @@ def _fit_linear(x, y, C: int, lrs, *, epochs: int, batch_size: int, momentum: fl
     b = torch.zeros(L, C, device=dev)
     bW, bb = torch.zeros_like(W), torch.zeros_like(b)
     lr0 = torch.tensor([float(v) for v in lrs], device=dev)
-    onehot = F.one_hot(y, C).to(x.dtype)
     steps = epochs * math.ceil(n / batch_size)
     Wf, bWf = W.view(d, L * C), bW.view(d, L * C)
     # One thread: the per-step ops are tiny (256 x d x 4C), and a second OpenMP thread only adds
@@ -183,8 +334,10 @@ def _fit_linear(x, y, C: int, lrs, *, epochs: int, batch_size: int, momentum: fl
     if dev.type == "cpu":
         torch.set_num_threads(1)
     try:
-        _sgd_epochs(x, onehot, W, b, bW, bb, Wf, bWf, lr0, gen, epochs, batch_size, momentum,
-                    steps, progress, desc)
+        feed = _Feed(x, y, dev, stream=plan["stream"], chunk=plan["chunk"])
+        rows = None if rows is None else rows.to("cpu", torch.int64)
+        _sgd_epochs(feed, n, W, b, bW, bb, Wf, bWf, lr0, gen, epochs, batch_size, momentum,
+                    steps, progress, desc, rows)
     finally:
         torch.set_num_threads(threads)
     models = []
@@ -197,30 +350,34 @@ def _fit_linear(x, y, C: int, lrs, *, epochs: int, batch_size: int, momentum: fl
     return models
 
 
-def _sgd_epochs(x, onehot, W, b, bW, bb, Wf, bWf, lr0, gen, epochs, batch_size, momentum, steps,
-                progress, desc):
+def _sgd_epochs(feed, n, W, b, bW, bb, Wf, bWf, lr0, gen, epochs, batch_size, momentum, steps,
+                progress, desc, rows):
     from tqdm.auto import tqdm
-    n, d = x.shape
+    d = W.shape[0]
     L, C = b.shape
-    dev = x.device
     t = 0
     with tqdm(total=epochs, desc=desc, unit="epoch", disable=not progress, leave=False,
               file=sys.stderr) as bar:
         for _ in range(epochs):
-            perm = torch.randperm(n, generator=gen).to(dev)
-            for s in range(0, n, batch_size):
-                idx = perm[s:s + batch_size]
-                xb, m = x[idx], idx.numel()
-                logits = (xb @ Wf).view(m, L, C) + b
-                g = (torch.softmax(logits, dim=-1) - onehot[idx][:, None, :]).div_(m)
-                gW = xb.T @ g.view(m, L * C)                       # (d, L C)
-                gb = g.sum(0)                                        # (L, C)
-                bWf.mul_(momentum).add_(gW)
-                bb.mul_(momentum).add_(gb)
-                lr_t = (lr0 * (0.5 * (1.0 + math.cos(math.pi * t / steps)))).view(L, 1)
-                Wf.sub_((gW.add_(bWf, alpha=momentum).view(d, L, C) * lr_t).view(d, L * C))
-                b.sub_(gb.add_(bb, alpha=momentum) * lr_t)
-                t += 1
+            perm = torch.randperm(n, generator=gen)
+            order = perm if rows is None else rows[perm]
+            for xs, ys in feed.chunks(order, batch_size):
+                for s in range(0, len(xs), batch_size):
+                    xb = xs.batch(s, s + batch_size)
+                    yb = ys[s:s + batch_size]
+                    m = xb.shape[0]
+                    logits = (xb @ Wf).view(m, L, C) + b
+                    g = torch.softmax(logits, dim=-1)
+                    g[torch.arange(m, device=g.device), :, yb] -= 1.0   # - onehot, by index
+                    g.div_(m)
+                    gW = xb.T @ g.view(m, L * C)                       # (d, L C)
+                    gb = g.sum(0)                                        # (L, C)
+                    bWf.mul_(momentum).add_(gW)
+                    bb.mul_(momentum).add_(gb)
+                    lr_t = (lr0 * (0.5 * (1.0 + math.cos(math.pi * t / steps)))).view(L, 1)
+                    Wf.sub_((gW.add_(bWf, alpha=momentum).view(d, L, C) * lr_t).view(d, L * C))
+                    b.sub_(gb.add_(bb, alpha=momentum) * lr_t)
+                    t += 1
             bar.update(1)
 
 
@@ -238,24 +395,34 @@ def _check_probe_args(lr_list, epochs, batch_size, momentum=0.9, seed=0):
 
 def train_linear_probe(features, labels, *, num_classes: int | None = None, lr: float = 0.1,
                        epochs: int = 100, batch_size: int = 256, momentum: float = 0.9,
-                       seed: int = 0, progress: bool = False) -> torch.nn.Linear:
+                       seed: int = 0, progress: bool = False, device=None, device_mem=None,
+                       stream=None) -> torch.nn.Linear:
     """A linear classifier trained on fixed features: SGD, Nesterov momentum, cosine schedule
     stepped per iteration, cross-entropy, no weight decay.  Deterministic for a given seed.
-    (One rate of :func:`_fit_linear`, which trains several at once.)"""
+    (One rate of :func:`_fit_linear`, which trains several at once; ``device``, ``device_mem``,
+    ``stream`` as there.)"""
     x = _features("features", features)
     y = _labels("labels", labels, x.shape[0])
     seed = _check_probe_args([lr], epochs, batch_size, momentum, seed)
     C = _num_classes(num_classes, y)
-    return _fit_linear(x.float(), y, C, [lr], epochs=epochs, batch_size=batch_size,
-                       momentum=momentum, seed=seed, progress=progress)[0]
+    return _fit_linear(x, y, C, [lr], epochs=epochs, batch_size=batch_size,
+                       momentum=momentum, seed=seed, progress=progress, device=device,
+                       device_mem=device_mem, stream=stream)[0]
 
 
-def linear_predict(model: torch.nn.Linear, x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """The class a fitted probe (:func:`train_linear_probe`) predicts for each row of x, in
-    chunks of `chunk` rows."""
+def linear_predict(model: torch.nn.Linear, x: torch.Tensor, chunk: int = 8192,
+                   rows=None) -> torch.Tensor:
+    """The class a fitted probe (:func:`train_linear_probe`) predicts for each row of x (or for
+    x[rows]), in chunks of `chunk` rows, each moved to the model's device and upcast to float32
+    there (x may be 16-bit, on the host, a memmap's)."""
+    dev = model.weight.device
+    n = x.shape[0] if rows is None else int(rows.numel())
+    out = []
     with torch.no_grad():
-        return torch.cat([model(x[s:s + chunk].float()).argmax(1)
-                          for s in range(0, x.shape[0], chunk)])
+        for s in range(0, n, chunk):
+            xb = x[s:s + chunk] if rows is None else x[rows[s:s + chunk].to(x.device)]
+            out.append(model(xb.to(dev).float()).argmax(1))
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.int64, device=dev)
 
 
 @dataclasses.dataclass
@@ -264,17 +431,26 @@ class LinearProbeResult:
     best_lr: float
     val_accuracy: dict  # lr -> held-out accuracy
     model: torch.nn.Linear
+    plan: dict = dataclasses.field(default_factory=dict)  # probe_plan of the final fit
 
 
 def linear_probe(train_features, train_labels, test_features, test_labels, *,
                  lrs=(0.01, 0.1, 1.0, 10.0), val_fraction: float = 0.1, epochs: int = 100,
-                 batch_size: int = 256, seed: int = 0, progress: bool = False) -> LinearProbeResult:
+                 batch_size: int = 256, seed: int = 0, progress: bool = False, device=None,
+                 device_mem=None, stream=None) -> LinearProbeResult:
     """The paper's linear evaluation on cached features (see the module docstring).
 
     The held-out split is a seeded random ``val_fraction`` of the training rows; the best rate
     (highest held-out accuracy, the smaller rate on a tie) is retrained on all training rows.
     The rates of the search train together as one batched layer (:func:`_fit_linear`: the same
-    runs as one at a time, in one pass over the data); ``progress``: tqdm bars over the epochs."""
+    runs as one at a time, in one pass over the data); ``progress``: tqdm bars over the epochs.
+
+    Full size: the features may be 16-bit (float16 / bfloat16: upcast to float32 a batch at a
+    time, so the probe is today's on the rounded features) and a memmap's tensor; the held-out
+    and fitting rows are index lists, never copies.  ``device``: where to train (default the
+    features' device); ``device_mem`` (bytes, or "8G"): the device memory the fit may take;
+    features that do not fit in it stay on the host and are streamed in chunks, with the same
+    epochs as in memory (:func:`probe_plan`, :class:`_Feed`)."""
     tr = _features("train_features", train_features)
     ytr = _labels("train_labels", train_labels, tr.shape[0])
     te = _features("test_features", test_features, dim=tr.shape[1])
@@ -288,23 +464,27 @@ def linear_probe(train_features, train_labels, test_features, test_labels, *,
     if not lrs:
         raise ValueError("lrs must name at least one learning rate")
     seed = _check_probe_args(lrs, epochs, batch_size, 0.9, seed)
+    if device_mem is not None:
+        _parse_bytes("device_mem", device_mem)
     n_val = max(1, int(round(val_fraction * tr.shape[0])))
     if n_val >= tr.shape[0]:
         raise ValueError(f"the training set ({tr.shape[0]} rows) is too small to hold out "
                          f"{n_val} rows for the learning-rate search")
     C = _num_classes(None, ytr, yte)
-    perm = torch.randperm(tr.shape[0], generator=torch.Generator().manual_seed(seed)).to(tr.device)
+    perm = torch.randperm(tr.shape[0], generator=torch.Generator().manual_seed(seed))
     val_idx, fit_idx = perm[:n_val], perm[n_val:]
-    searched = _fit_linear(tr[fit_idx].float(), ytr[fit_idx], C, lrs, epochs=epochs,
-                           batch_size=batch_size, momentum=0.9, seed=seed, progress=progress,
-                           desc=f"linear probe: lr search ({len(lrs)} rates at once)")
-    val_acc = {lr: accuracy(linear_predict(m, tr[val_idx]), ytr[val_idx])
+    kw = dict(epochs=epochs, batch_size=batch_size, momentum=0.9, seed=seed, progress=progress,
+              device=device, device_mem=device_mem, stream=stream)
+    searched = _fit_linear(tr, ytr, C, lrs, rows=fit_idx,
+                           desc=f"linear probe: lr search ({len(lrs)} rates at once)", **kw)
+    yv = ytr[val_idx.to(ytr.device)]
+    val_acc = {lr: accuracy(linear_predict(m, tr, rows=val_idx), yv)
                for lr, m in zip(lrs, searched)}
     best = min(lrs, key=lambda lr: (-val_acc[lr], lr))
-    model = _fit_linear(tr.float(), ytr, C, [best], epochs=epochs, batch_size=batch_size,
-                        momentum=0.9, seed=seed, progress=progress,
-                        desc=f"linear probe: final fit, lr {best:g}")[0]
-    return LinearProbeResult(accuracy(linear_predict(model, te), yte), best, val_acc, model)
+    plan = {}
+    model = _fit_linear(tr, ytr, C, [best], desc=f"linear probe: final fit, lr {best:g}",
+                        plan_out=plan, **kw)[0]
+    return LinearProbeResult(accuracy(linear_predict(model, te), yte), best, val_acc, model, plan)
 
 
 # --------------------------------------------------------------------------------------------
