@@ -47,6 +47,10 @@ from nac_fast.train.run import (EXIT_USAGE, RunStopped, build, describe_l2, desc
 def main(argv=None) -> int:
     di = st = plan = None
     try:
+        nd.adopt_slurm_env()  # `srun python train.py`: SLURM's variables as torchrun's
+    except nd.LaunchError as exc:  # a partial or contradictory set: one line, nothing written
+        return finish(EXIT_USAGE, str(exc))
+    try:
         cfg = parse(argv)  # the command line over the recipe over the built-in values
         di = nd.init_distributed(cfg.device)
         plan = plan_start(cfg, di)  # before the data is read: --out free or resumable, writable
@@ -57,13 +61,13 @@ def main(argv=None) -> int:
     except UsageError as exc:  # flags, recipe, data, checkpoint (a bad file: also in training)
         began = st is not None and st.began
         if not began and plan is not None:
-            remove_unused_out(plan.created)  # the --out this call made, still empty
+            give_up(plan)  # the --out this call made, still empty
         return finish(EXIT_USAGE, str(exc), di, st if began else None)
     except RunStopped as exc:
         started = st is not None and (st.began or st.cfg.run_id is not None
                                       and exc.status != EXIT_USAGE)
         if not started and plan is not None:
-            remove_unused_out(plan.created)
+            give_up(plan)
         return finish(exc.status, str(exc), di, st if started else None)
     except Exception as exc:  # a bug (status 1, traceback): recorded, not left "running"
         if st is not None and st.began and di is not None and di.is_main:
@@ -72,11 +76,21 @@ def main(argv=None) -> int:
             except OSError:
                 pass
         elif plan is not None:
-            remove_unused_out(plan.created)
+            give_up(plan)
         raise
     finally:
+        if plan is not None and plan.lock is not None:
+            plan.lock.release()  # after the last write to --out (finish: status.json)
         if nd.is_dist():
             torch.distributed.destroy_process_group()
+
+
+def give_up(plan) -> None:
+    """A run that stopped before it began: its lock (and lock file) go, then the --out folders
+    this call created, when empty."""
+    if plan.lock is not None:
+        plan.lock.release()
+    remove_unused_out(plan.created)
 
 
 def train(st, flags) -> None:

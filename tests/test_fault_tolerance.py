@@ -23,6 +23,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -88,7 +89,7 @@ def _env():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT",
-              "TORCHELASTIC_RUN_ID"):
+              "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
         env.pop(k, None)
     return env
 
@@ -235,6 +236,107 @@ def test_two_nodes_c10d_shard_by_global_rank_and_restart(ddp_reference, tmp_path
     _killed_then_resumed(out, ddp_reference)
     assert _losses(out) == _losses(ddp_reference)
     _same_state(out, ddp_reference)
+
+
+# ---- SLURM: `srun python train.py` (one task per GPU) forms one run -------------------------------
+
+SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
+              "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_ID",
+              "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+
+
+def test_slurm_host_list_first_host():
+    from nac_fast.train.distributed import slurm_hosts
+    cases = {"node[01-04,07],gpu5": ["node01", "node02", "node03", "node04", "node07", "gpu5"],
+             "gpu5,node[01-02]": ["gpu5", "node01", "node02"],
+             "a1": ["a1"], "n[8-11]": ["n8", "n9", "n10", "n11"],
+             "n[098-101]": ["n098", "n099", "n100", "n101"],
+             "rack[1-2]-n[1-2]": ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"],
+             "10.0.0.[3-4]": ["10.0.0.3", "10.0.0.4"]}
+    for text, hosts in cases.items():
+        assert list(slurm_hosts(text)) == hosts, text
+    assert next(slurm_hosts("node[00001-99999]")) == "node00001"      # lazily: the first one
+    for bad, why in (("node[01-04", "'[' without ']'"), ("node01]", "']' without '['"),
+                     ("n[1-[2]]", "nested"), ("n[a-b]", "not a list of numbers"),
+                     ("n[4-2]", "goes down"), ("a,,b", "empty host name"), ("", "non-empty")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            list(slurm_hosts(bad))
+
+
+def test_slurm_launch_env_forms_one_run_or_names_what_is_missing():
+    from nac_fast.train.distributed import LaunchError, slurm_launch_env
+    task = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+            "SLURM_NTASKS_PER_NODE": "8", "SLURM_JOB_NODELIST": "gpu[07-08]",
+            "SLURM_JOB_ID": "123456"}
+    assert slurm_launch_env(task) == {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1",
+                                      "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "gpu07",
+                                      "MASTER_PORT": str(15000 + 123456 % 15000)}
+    # the step's node list before the job's; MASTER_ADDR / MASTER_PORT win
+    got = slurm_launch_env({**task, "SLURM_STEP_NODELIST": "gpu[08]", "MASTER_PORT": "29400"})
+    assert (got["MASTER_ADDR"], got["MASTER_PORT"]) == ("gpu08", "29400")
+    assert slurm_launch_env({**task, "MASTER_ADDR": "10.1.2.3"})["MASTER_ADDR"] == "10.1.2.3"
+    # not a SLURM task launch: torchrun's variables (srun torchrun ...), or one task at most
+    assert slurm_launch_env({**task, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}) is None
+    assert slurm_launch_env({"SLURM_NTASKS": "1", "SLURM_JOB_ID": "5"}) is None
+    assert slurm_launch_env({}) is None
+    refused = {
+        "without SLURM_PROCID, SLURM_LOCALID": {"SLURM_NTASKS": "2"},
+        "without SLURM_NTASKS": {"SLURM_PROCID": "0", "SLURM_LOCALID": "0"},
+        "SLURM_PROCID and SLURM_LOCALID must lie in [0, SLURM_NTASKS)":
+            {**task, "SLURM_PROCID": "16"},
+        "SLURM_LOCALID must be < SLURM_NTASKS_PER_NODE": {**task, "SLURM_LOCALID": "8"},
+        "SLURM_NTASKS='two' is not an integer": {**task, "SLURM_NTASKS": "two"},
+        "without SLURM_JOB_NODELIST": {k: v for k, v in task.items() if k != "SLURM_JOB_NODELIST"},
+        "without MASTER_PORT or SLURM_JOB_ID": {k: v for k, v in task.items()
+                                                if k != "SLURM_JOB_ID"},
+        "SLURM_JOB_NODELIST: host list 'gpu[07-08'": {**task, "SLURM_JOB_NODELIST": "gpu[07-08"},
+        "MASTER_PORT='70000' is not a port number": {**task, "MASTER_PORT": "70000"},
+    }
+    for why, env in refused.items():
+        with pytest.raises(LaunchError, match=re.escape(why)):
+            slurm_launch_env(env)
+
+
+def test_slurm_bad_launch_is_status_2_in_one_line_and_writes_nothing(tmp_path, monkeypatch,
+                                                                     capsys):
+    out = tmp_path / "run"
+    for k in SLURM_VARS + ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    for env, why in (({"SLURM_NTASKS": "2"}, "without SLURM_PROCID, SLURM_LOCALID"),
+                     ({"SLURM_NTASKS": "2", "SLURM_PROCID": "2", "SLURM_LOCALID": "0"},
+                      "must lie in [0, SLURM_NTASKS)")):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            assert train.main(MQ + ["--max-steps", "2", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 2 and err[0].startswith("train.py: error: SLURM launch") \
+            and why in err[0] and err[1].startswith("train.py: exit status 2"), err
+        assert not out.exists() and "RANK" not in os.environ
+
+
+def test_srun_tasks_form_one_run(tmp_path):
+    """Two processes with SLURM's variables of `srun --ntasks=2 python train.py` and none of
+    torchrun's: one run of world size 2 (rank 0 prints and logs, each step once)."""
+    out, port = tmp_path / "run", _free_port()
+    args = MQ + ["--max-steps", "4", "--save-every", "2", "--out", str(out)]
+    procs = []
+    for rank in (0, 1):
+        env = {k: v for k, v in _env().items() if k not in SLURM_VARS}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                   SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost,node[02-03]",
+                   SLURM_JOB_ID="77", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    res = [p.communicate(timeout=TIMEOUT) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], res
+    assert "world=2" in res[0][0] and res[1][0] == "", res
+    assert [r["step"] for r in _log(str(out))] == [1, 2, 3, 4]
+    ck = load_checkpoint(str(out / "last.pt"))
+    assert ck["config"]["world_size"] == 2 and len(ck["rng"]) == 2 and ck["step"] == 4
+    assert sorted(os.listdir(out)) == ["config.json", "last.pt", "log.jsonl", "prev.pt",
+                                       "status.json"]
 
 
 # ---- in-process runs (3-6) --------------------------------------------------------------------

@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -33,7 +34,8 @@ def _env():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT",
-              "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"):
+              "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "SLURM_PROCID", "SLURM_NTASKS",
+              "SLURM_LOCALID"):
         env.pop(k, None)
     return env
 
@@ -115,6 +117,74 @@ def test_resume_with_nothing_to_resume_stops(tmp_path, capsys):
 def test_resume_and_overwrite_contradict(tmp_path, capsys):
     assert train.main(SMALL + ["--out", str(tmp_path), "--resume", "--overwrite"]) == 2
     assert "--resume and --overwrite contradict" in capsys.readouterr().err
+
+
+# ---- two runs at once into one --out: exactly one runs (the lock) ----------------------------------
+
+STARTER = """import os, sys, time
+sys.path.insert(0, {root!r})
+import train  # TEST ONLY: imported first, then every starter calls main() at the same moment
+open({ready!r}, "w").close()
+while not os.path.exists({go!r}):
+    time.sleep(0.01)
+sys.exit(train.main({args!r}))
+"""
+
+
+def test_two_runs_started_at_once_into_one_out_exactly_one_runs(tmp_path):
+    """Two train.py processes, both past their imports, call main() within milliseconds of each
+    other into one empty --out: both would pass a check of the folder; the lock lets one in."""
+    out = tmp_path / "run"
+    out.mkdir()
+    args = SMALL + ["--max-steps", "30", "--save-every", "10", "--out", str(out)]
+    procs = []
+    for i in range(2):
+        script = tmp_path / f"start{i}.py"
+        script.write_text(STARTER.format(root=ROOT, ready=str(tmp_path / f"ready{i}"),
+                                         go=str(tmp_path / "go"), args=args))
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=_env(), cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    res = [(p.wait(300), *p.communicate()) for p in procs]
+    assert sorted(rc for rc, _, _ in res) == [0, 2], res
+    (_, _, err), = [r for r in res if r[0] == 2]
+    msg = [ln for ln in err.splitlines() if ln.startswith("train.py: error:")]
+    assert len(msg) == 1 and f"--out {str(out)!r} is in use by another train.py run" in msg[0] \
+        and "nothing was changed" in msg[0], err
+    assert STATUS_LINE.match(_last_line(err)).group(1) == "2"
+    # one run's files, one log, the lock file gone with the run
+    assert sorted(os.listdir(out)) == ["config.json", "last.pt", "log.jsonl", "prev.pt",
+                                       "status.json"]
+    assert [json.loads(x)["step"] for x in open(out / "log.jsonl")] == list(range(1, 31))
+    assert json.load(open(out / "status.json"))["status"] == 0
+
+
+def test_run_lock_is_taken_before_the_folder_is_read(tmp_path, capsys):
+    """A run holding --out (its lock): another stops at once with status 2 and touches nothing,
+    also with --overwrite; a run killed with its lock file left behind does not block the next
+    (the kernel dropped the lock)."""
+    from nac_fast.train.run import LOCK, RunLock
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    held = RunLock.acquire(out)
+    try:
+        before = _snapshot(out)
+        for extra in ([], ["--overwrite"]):
+            assert train.main(SMALL + ["--max-steps", "2", "--out", out] + extra) == 2
+            err = capsys.readouterr().err
+            assert "is in use by another train.py run" in err and f"pid {os.getpid()}" in err
+            assert _snapshot(out) == before
+    finally:
+        held.release()
+    assert os.listdir(out) == []
+    with open(os.path.join(out, LOCK), "w") as f:        # what a kill -9 leaves
+        f.write("pid 1 on elsewhere\n")
+    assert train.main(SMALL + ["--max-steps", "2", "--out", out]) == 0
+    assert LOCK not in os.listdir(out)
 
 
 # ---- an unwritable --out at start-up: status 4, one line ----------------------------------------

@@ -8,7 +8,9 @@ training code runs in one process.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -43,8 +45,156 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {v!r}") from None
 
 
+class LaunchError(ValueError):
+    """The launcher's variables are incomplete or inconsistent (train.py: one line, status 2)."""
+
+
+# The variables that make a process one task of a `srun` launch (one task per GPU)
+SLURM_TASK_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+SLURM_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+# A SLURM launch without MASTER_PORT meets on SLURM_PORT_BASE + SLURM_JOB_ID mod SLURM_PORT_SPAN:
+# below Linux's ephemeral ports (32768 on), and two jobs that share a node meet on different
+# ports unless their ids are a multiple of SLURM_PORT_SPAN apart
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 15000
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def slurm_hosts(nodelist: str):
+    """The host names of a SLURM compressed host list, in order (a generator: the first one of
+    ten thousand costs nothing):  "node[01-03,07],gpu5" -> node01 node02 node03 node07 gpu5;
+    "rack[1-2]-n[1-2]" -> rack1-n1 rack1-n2 rack2-n1 rack2-n2.  Zero padding is kept (the width
+    of the range's first bound).  ValueError naming the list when it is not one."""
+    if not isinstance(nodelist, str) or not nodelist.strip():
+        raise ValueError(f"host list must be a non-empty string, got {nodelist!r}")
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(nodelist):          # top-level commas separate the items
+        if c == "[":
+            depth += 1
+            if depth > 1:
+                raise ValueError(f"host list {nodelist!r}: nested '['")
+        elif c == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"host list {nodelist!r}: ']' without '['")
+        elif c == "," and depth == 0:
+            items.append(nodelist[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"host list {nodelist!r}: '[' without ']'")
+    items.append(nodelist[start:])
+    parts = [_host_item(item.strip(), nodelist) for item in items]
+    for choices in parts:
+        yield from ("".join(p) for p in itertools.product(*choices))
+
+
+def _host_item(item: str, nodelist: str) -> list:
+    """One item of a host list as a list of choices per segment: literals are one choice, a
+    bracket group the names of its ranges."""
+    if not item:
+        raise ValueError(f"host list {nodelist!r}: an empty host name")
+    out, pos = [], 0
+    for m in re.finditer(r"\[([^\]]*)\]", item):
+        out.append([item[pos:m.start()]])
+        out.append(_host_range(m.group(1), nodelist))
+        pos = m.end()
+    out.append([item[pos:]])
+    return out
+
+
+def _host_range(spec: str, nodelist: str) -> list:
+    names = []
+    for part in spec.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"host list {nodelist!r}: [{spec}] is not a list of numbers and "
+                             "ranges (e.g. [01-04,07])")
+        a, b = int(lo), int(hi) if dash else int(lo)
+        if b < a:
+            raise ValueError(f"host list {nodelist!r}: range {part.strip()} goes down")
+        names.extend(str(k).zfill(len(lo)) for k in range(a, b + 1))
+    return names
+
+
+def slurm_launch_env(env=None) -> dict | None:
+    """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) for a task of `srun python train.py` (one task per GPU), from SLURM's:
+    SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE (when a plain number), the
+    first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST, SLURM_NODELIST) and MASTER_PORT,
+    else SLURM_PORT_BASE + SLURM_JOB_ID mod SLURM_PORT_SPAN.  MASTER_ADDR and MASTER_PORT, when
+    set, win.
+
+    None when this is no SLURM task launch: torchrun's variables are set (`srun torchrun ...`:
+    torchrun's win), or no SLURM_PROCID and at most one SLURM_NTASKS (a one-process run, e.g.
+    in an salloc shell).  LaunchError, one line naming what is missing or inconsistent, for a
+    partial or contradictory set."""
+    env = os.environ if env is None else env
+    if any(env.get(k, "") != "" for k in TORCHRUN_VARS):
+        return None
+    got = {k: env.get(k, "") for k in SLURM_TASK_VARS}
+    if got["SLURM_PROCID"] == "" and got["SLURM_NTASKS"] in ("", "1"):
+        return None
+    ints = {}
+    for k, v in got.items():
+        if v != "":
+            try:
+                ints[k] = int(v)
+            except ValueError:
+                raise LaunchError(f"SLURM launch: {k}={v!r} is not an integer") from None
+    shown = ", ".join(f"{k}={got[k]}" for k in SLURM_TASK_VARS if got[k] != "")
+    missing = [k for k in SLURM_TASK_VARS if k not in ints]
+    if missing:
+        raise LaunchError(f"SLURM launch ({shown}) without {', '.join(missing)}: start one "
+                          "task per GPU with srun (srun python train.py ...), or unset the "
+                          "SLURM_* variables for a one-process run")
+    rank, world, local = ints["SLURM_PROCID"], ints["SLURM_NTASKS"], ints["SLURM_LOCALID"]
+    if world < 1 or not 0 <= rank < world or not 0 <= local < world:
+        raise LaunchError(f"SLURM launch ({shown}): inconsistent, SLURM_PROCID and "
+                          "SLURM_LOCALID must lie in [0, SLURM_NTASKS)")
+    out = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local)}
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+    if per_node.isdigit():
+        if not local < int(per_node):
+            raise LaunchError(f"SLURM launch ({shown}, SLURM_NTASKS_PER_NODE={per_node}): "
+                              "SLURM_LOCALID must be < SLURM_NTASKS_PER_NODE")
+        out["LOCAL_WORLD_SIZE"] = per_node
+    addr = env.get("MASTER_ADDR", "")
+    if not addr:
+        lists = [k for k in SLURM_NODELIST_VARS if env.get(k, "")]
+        if not lists:
+            raise LaunchError(f"SLURM launch ({shown}) without SLURM_JOB_NODELIST (or "
+                              "SLURM_STEP_NODELIST, MASTER_ADDR): no host to meet on")
+        try:
+            addr = next(slurm_hosts(env[lists[0]]))
+        except ValueError as exc:
+            raise LaunchError(f"SLURM launch: {lists[0]}: {exc}") from None
+    port = env.get("MASTER_PORT", "")
+    if not port:
+        job = env.get("SLURM_JOB_ID", "")
+        if not job.isdigit():
+            raise LaunchError(f"SLURM launch ({shown}) without MASTER_PORT or SLURM_JOB_ID "
+                              f"(got {job!r}): no port to meet on")
+        port = str(SLURM_PORT_BASE + int(job) % SLURM_PORT_SPAN)
+    elif not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(f"MASTER_PORT={port!r} is not a port number")
+    out.update(MASTER_ADDR=addr, MASTER_PORT=port)
+    return out
+
+
+def adopt_slurm_env() -> dict | None:
+    """A task of `srun python train.py`: sets torchrun's variables in os.environ from SLURM's
+    (slurm_launch_env), so that everything after it (the flags' checks of the world size, the
+    process group, the workers per process) sees one run of SLURM_NTASKS processes.  Returns
+    what it set (None: not a SLURM task launch; nothing set).  LaunchError as
+    slurm_launch_env."""
+    found = slurm_launch_env()
+    if found:
+        os.environ.update(found)
+    return found
+
+
 def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
-    """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+    """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT),
+    or from SLURM's for a `srun python train.py` task (adopt_slurm_env: train.py calls it first).
 
     device: "auto" (cuda:LOCAL_RANK when CUDA is present, else cpu), "cpu" or "cuda".
     One process without WORLD_SIZE (plain `python train.py`) gets rank 0 of 1 and no process group.

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -585,6 +586,78 @@ class StartPlan:
     job: str | None           # TORCHELASTIC_RUN_ID
     ck: dict | None = None    # the checkpoint, loaded (rank 0 only)
     created: tuple = ()       # the folders check_writable made for --out (rank 0 only)
+    lock: RunLock | None = None  # --out's RunLock, held until the process ends (rank 0 only)
+
+
+LOCK = ".train.lock"      # OUT/.train.lock: held (flock) by rank 0 for the run's life
+LOCK_WAIT_RESTART_S = 180.0  # a restarted torchrun group waits this long for its lock (below)
+
+
+class RunLock:
+    """The lock that makes a run the only one in its --out: fcntl.flock (exclusive) on
+    OUT/.train.lock, taken by rank 0 before it looks at what --out holds and held until the
+    process ends (`release` removes the file: a run that stopped before it began leaves --out as
+    it was).  Two runs started at once into one --out: the one that gets the lock goes on, the
+    other stops (RunStopped(EXIT_USAGE), touching nothing), whatever the timing; a check of the
+    folder followed by a write could let both through.  The kernel drops the lock when the
+    process dies (kill -9 included), so a crashed run leaves at most the file, never a held
+    lock; a file that an exiting run unlinked between another's open and flock is detected (the
+    inode check) and the lock taken again on the new file."""
+
+    def __init__(self, path: str, fd: int):
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def acquire(cls, out: str, wait_s: float = 0.0) -> RunLock | None:
+        """The lock of `out` (which exists); RunStopped(EXIT_USAGE) when another process holds
+        it `wait_s` seconds on; None, with a note, on a file system without flock (e.g. Lustre
+        mounted without -o flock): the run goes on unprotected and says so."""
+        import fcntl
+        path = os.path.join(out, LOCK)
+        deadline = time.monotonic() + wait_s
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+                os.close(fd)
+                if time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    continue
+                raise RunStopped(EXIT_USAGE,
+                                 f"--out {out!r} is in use by another train.py run ({LOCK} is "
+                                 f"locked{': ' + holder if holder else ''}); nothing was "
+                                 "changed. Wait for that run to end, or write this run to "
+                                 "another --out.") from None
+            except OSError as exc:
+                os.close(fd)
+                print(f"note: --out {out!r}: no file locks there ({exc.strerror}); two runs "
+                      "started at once into it are not kept apart", file=sys.stderr, flush=True)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                return None
+            try:
+                on_disk, held = os.stat(path), os.fstat(fd)
+                same = (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # a run that ended unlinked it after our open: lock the new file
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{datetime.datetime.now().isoformat(timespec='seconds')}\n".encode(), 0)
+        return cls(path, fd)
+
+    def release(self) -> None:
+        """Unlink the file (while still holding the lock), then drop the lock."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
 
 
 def plan_start(cfg: TrainConfig, di) -> StartPlan:
@@ -599,23 +672,29 @@ def plan_start(cfg: TrainConfig, di) -> StartPlan:
 
     UsageError (naming the file) when the checkpoint cannot be used."""
     restart, job = nd.restart_count(), os.environ.get("TORCHELASTIC_RUN_ID")
-    ck, choice, created = None, None, ()
+    ck, choice, created, lock = None, None, (), None
     if di.is_main:
         try:
+            created = check_writable(cfg.out)
+            # the lock first, then what --out holds (RunLock); a restarted group of this job
+            # waits for it (the failed group's rank 0, on another node, may still be exiting)
+            wait = is_restart(read_json(os.path.join(cfg.out, CONFIG)) or {}, restart, job)
+            lock = RunLock.acquire(cfg.out, LOCK_WAIT_RESTART_S if wait else 0.0)
             owner = read_json(os.path.join(cfg.out, CONFIG)) or {}
             again = is_restart(owner, restart, job)
             path, ck, notes = _choose_start(cfg, again, owner)
-            created = check_writable(cfg.out)
             choice = (path, notes, again, None)
-        except RunStopped as exc:
-            choice = (None, [], False, (exc.status, str(exc)))
-        except ValueError as exc:
-            choice = (None, [], False, (EXIT_USAGE, str(exc)))
+        except (RunStopped, ValueError) as exc:
+            status = exc.status if isinstance(exc, RunStopped) else EXIT_USAGE
+            choice = (None, [], False, (status, str(exc)))
+            if lock is not None:
+                lock.release()
+            remove_unused_out(created)
     path, notes, again, err = nd.broadcast_object(choice)
     if err is not None:
         raise RunStopped(*err)
     return StartPlan(path=path, notes=notes, again=again, restart=restart, job=job, ck=ck,
-                     created=created)
+                     created=created, lock=lock)
 
 
 def remove_run_files(out: str, keep: str | None = None) -> None:
