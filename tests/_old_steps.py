@@ -1,18 +1,55 @@
 """The training steps as nac_fast 0.1.0 wrote them out by hand (nac_fast/train/methods.py before the
 trainer used its own public criteria), frozen here as the oracle the new path must equal bit for
 bit: tests/test_loss_api.py (one process, several optimizer steps) and tests/test_train_ddp.py
-(two processes).  Only the functional losses, the collectives and the queue are shared with the
+(two processes).  The momentum branch's batch shuffle is the old all-gather one as well
+(old_batch_shuffle; the new one is an all-to-all that must give the same rows for the same
+permutation).  Only the functional losses, the collectives and the queue are shared with the
 code under test; the view pairing, the dtype policy, the enqueue and the EMA's place are the old
 ones.  In 0.1.0 the EMA followed each optimizer step (the caller's ema_update_); NACMQ makes the
 same update at the start of its next call."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from nac_fast.ops.collectives import (all_gather_nograd, all_gather_with_grad, batch_shuffle,
-                                      batch_unshuffle, is_dist)
+from nac_fast.ops.collectives import (_check_batch, all_gather_nograd, all_gather_with_grad,
+                                      is_dist, world_size)
 from nac_fast.ops.loss import nac_loss, nac_mq_loss, nac_vi_loss
 from nac_fast.ops.noise import draw_noise
+
+
+@torch.no_grad()
+def old_batch_shuffle(x, generator=None):
+    """MoCo's batch shuffle as nac_fast wrote it before the all-to-all (issue 54): all-gather the
+    whole global batch on every rank, permute it (drawn on rank 0, broadcast), keep n rows.
+    Returns (x_local_shuffled, idx_unshuffle); the identity in one process."""
+    if not is_dist():
+        return x, None
+    _check_batch("x", x)
+    rk = dist.get_rank()
+    x_all = all_gather_nograd(x)
+    n_all = x_all.shape[0]
+    if rk == 0:
+        perm = torch.randperm(n_all, generator=generator, device=x.device if generator is None
+                              else generator.device)
+        perm = perm.to(x.device, non_blocking=True)
+    else:
+        perm = torch.empty(n_all, dtype=torch.long, device=x.device)
+    dist.broadcast(perm, src=0)
+    idx_unshuffle = torch.argsort(perm)
+    n = x.shape[0]
+    return x_all[perm[rk * n:(rk + 1) * n]], idx_unshuffle
+
+
+@torch.no_grad()
+def old_batch_unshuffle(y, idx_unshuffle):
+    """old_batch_shuffle's inverse: all-gather the outputs, keep this rank's rows."""
+    if idx_unshuffle is None:
+        return y
+    assert idx_unshuffle.numel() == y.shape[0] * world_size()
+    y_all = all_gather_nograd(y)
+    n, rk = y.shape[0], dist.get_rank()
+    return y_all[idx_unshuffle[rk * n:(rk + 1) * n]]
 
 
 def _acc(t):
@@ -47,9 +84,9 @@ def old_nac_mq_step(model, momentum_model, queue, x, p, l2, noise=None, shuffle_
                     backend="auto", *, freeze_codes=False):
     _, a, r = model(x, detach_r_input=True)
     with torch.no_grad():
-        xs, idx = batch_shuffle(x) if shuffle_bn else (x, None)
+        xs, idx = old_batch_shuffle(x) if shuffle_bn else (x, None)
         hm, am = momentum_model.encode(xs)
-        hm, am = batch_unshuffle(hm, idx), batch_unshuffle(am, idx)
+        hm, am = old_batch_unshuffle(hm, idx), old_batch_unshuffle(am, idx)
         r_hat = momentum_model.infer_logits(_swap_halves(hm))
         queue.enqueue(all_gather_nograd(torch.tanh(_acc(am))))
     dt = _loss_dtype(a)

@@ -78,11 +78,11 @@ def _worker(rank, port, out_dir):
         # batch shuffle of an odd batch: one permutation, exact inverse
         torch.manual_seed(100 + rank)  # only rank 0 draws: the ranks' RNGs differ on purpose
         xb = torch.arange(N * 2, dtype=torch.float64).view(N, 2) + 100 * rank
-        xs, idx = C.batch_shuffle(xb)
-        res["idx"] = idx.clone()
+        xs, plan = C.batch_shuffle(xb)
+        res["idx"] = plan.idx_unshuffle.clone()
         res["xs"] = xs.clone()
-        res["back"] = torch.equal(C.batch_unshuffle(xs, idx), xb)
-        res["bad_idx"] = _expect_value_error(lambda: C.batch_unshuffle(xs[:2], idx))
+        res["back"] = torch.equal(C.batch_unshuffle(xs, plan), xb)
+        res["bad_idx"] = _expect_value_error(lambda: C.batch_unshuffle(xs[:2], plan))
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -127,4 +127,6 @@ def test_batch_shuffle_odd_batch_one_permutation_exact_inverse(results):
     for r in range(WORLD):
         assert results[r]["back"]
         assert torch.equal(results[r]["xs"], glob[perm[r * N:(r + 1) * N]])
-        assert results[r]["bad_idx"] is not None and "idx_unshuffle" in results[r]["bad_idx"]
+        msg = results[r]["bad_idx"]
+        assert msg is not None and msg.startswith("y must have as many rows as batch_shuffle's x"), \
+            msg

@@ -192,3 +192,234 @@ def test_all_gather_with_grad_is_identity_in_one_process():
     assert nd.all_gather_with_grad(x) is x
     y, idx = nd.batch_shuffle(x)
     assert y is x and idx is None and nd.batch_unshuffle(y, idx) is y
+
+
+# --- shuffle BN by all-to-all (issue 54, point 1) ---------------------------------------------
+# Under 2 and 4 gloo ranks: batch_shuffle / batch_unshuffle equal the old all-gather version
+# (tests/_old_steps.py old_batch_shuffle) bit for bit for the same permutation, in the input's
+# dtype and memory format; an NACMQ step with them equals the step with the old ones; and a
+# byte-counting wrapper of torch.distributed measures what the shuffle delivers per rank.
+
+SH_K, SH_D, SH_PX = 2, 16, 32  # images per rank, code width, image side of the NACMQ step
+
+
+class _ByteCounter:
+    """Wraps torch.distributed's all_to_all_single, all_gather and broadcast (the collectives the
+    shuffle and check_same_shape call) and, while `on`, adds up per call the bytes the collective
+    delivers into this rank's buffers: an all-to-all's and an all-gather's whole output (this
+    rank's own block included: an upper bound of what crosses the network), a broadcast's tensor
+    on the ranks other than its source."""
+
+    def __init__(self):
+        self.on, self.calls, self.saved = False, [], {}
+
+    def _wrap(self, name, count):
+        orig = self.saved[name] = getattr(dist, name)
+
+        def wrapper(*args, **kwargs):
+            if self.on:
+                self.calls.append((name, count(*args, **kwargs)))
+            return orig(*args, **kwargs)
+        setattr(dist, name, wrapper)
+
+    def __enter__(self):
+        nbytes = lambda t: t.numel() * t.element_size()
+        self._wrap("all_to_all_single", lambda out, *a, **k: nbytes(out))
+        self._wrap("all_gather", lambda outs, *a, **k: sum(nbytes(t) for t in outs))
+        self._wrap("broadcast", lambda t, src=0, *a, **k: 0 if dist.get_rank() == src
+                   else nbytes(t))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+    def counting(self, fn):
+        def wrapper(*args, **kwargs):
+            self.on = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.on = False
+        return wrapper
+
+    @property
+    def total(self):
+        return sum(b for _, b in self.calls)
+
+
+def _bn_model(bn=True):
+    """resnet-tiny on 3 x SH_PX x SH_PX images (BatchNorm in the encoder), or with bn=False its
+    encoder replaced by a linear layer without BatchNorm."""
+    torch.manual_seed(0)
+    m = build_model("resnet-tiny", 3, SH_PX, code_dim=SH_D)
+    if not bn:
+        m.encoder = nn.Sequential(nn.Flatten(), nn.Linear(3 * SH_PX ** 2, m.feature_dim),
+                                  nn.Tanh())
+    return m
+
+
+def _mq_step(shuffle, unshuffle, x, **mq_kw):
+    """One NACMQ call on this rank's x with the momentum branch's (un)shuffle replaced by the
+    given functions, counted: (loss, queue codes, byte counter)."""
+    import nac_fast.ops.momentum as M
+    mq = NACMQ(_bn_model(not mq_kw.pop("no_bn", False)), queue_size=8 * dist.get_world_size() * SH_K, p=P, l2=0.1, **mq_kw)
+    saved = M.batch_shuffle, M.batch_unshuffle
+    torch.manual_seed(7 + dist.get_rank())  # the noise (every rank its own) and rank 0's perm
+    with _ByteCounter() as bc:
+        M.batch_shuffle, M.batch_unshuffle = bc.counting(shuffle), bc.counting(unshuffle)
+        try:
+            loss = mq(x[:SH_K], x[SH_K:]).loss
+        finally:
+            M.batch_shuffle, M.batch_unshuffle = saved
+    return loss.detach(), mq.queue.codes.clone(), bc
+
+
+def _shuffle_worker(rank, world, port, out_dir):
+    from _old_steps import old_batch_shuffle, old_batch_unshuffle
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        res = {"cases": {}}
+        base = torch.arange(3 * 3 * 8 * 8, dtype=torch.float32).view(3, 3, 8, 8) / 7 + rank * 1000
+        cases = {"fp32 odd n": base, "bf16": base[:2].bfloat16(),
+                 "uint8": (base[:2] % 251).to(torch.uint8),
+                 "channels-last": base[:2].contiguous(memory_format=torch.channels_last),
+                 "codes fp64": torch.randn(5, 7, dtype=torch.float64) + rank}
+        f = lambda t: t * 2 + 1  # a per-row function: what the momentum encoder stands for
+        for name, x in cases.items():
+            torch.manual_seed(11)  # only rank 0 draws: the same permutation both times
+            new, plan = nd.batch_shuffle(x)
+            torch.manual_seed(11)
+            old, idx = old_batch_shuffle(x)
+            g = lambda s: torch.Generator().manual_seed(s)
+            new_g, _ = nd.batch_shuffle(x, generator=g(5))
+            old_g, _ = old_batch_shuffle(x, generator=g(5))
+            y = f(new.double()).to(x.dtype) if x.dtype != torch.uint8 else new + 1
+            y_old = f(old.double()).to(x.dtype) if x.dtype != torch.uint8 else old + 1
+            back, back_old = nd.batch_unshuffle(y, plan), old_batch_unshuffle(y_old, idx)
+            res["cases"][name] = {
+                "equal": torch.equal(new, old) and torch.equal(new_g, old_g),
+                "dtype": new.dtype == x.dtype and back.dtype == x.dtype,
+                "cl": new.is_contiguous(memory_format=torch.channels_last),
+                "idx": torch.equal(plan.idx_unshuffle, idx),
+                "back": torch.equal(back, back_old),
+                "ident": torch.equal(nd.batch_unshuffle(new, plan), x),
+                "moved": not torch.equal(new, x)}
+        x = torch.randn(2 * SH_K, 3, SH_PX, SH_PX, generator=torch.Generator().manual_seed(rank))
+        res["own_fp32"] = x.numel() * 4
+        loss, codes, bc = _mq_step(nd.batch_shuffle, nd.batch_unshuffle, x)
+        loss_o, codes_o, bc_o = _mq_step(old_batch_shuffle, old_batch_unshuffle, x)
+        res["step_equal"] = torch.equal(loss, loss_o) and torch.equal(codes, codes_o)
+        res["new_calls"], res["old_calls"] = bc.calls, bc_o.calls
+        # momentum_bn="sync" never shuffles (a model without BN: gloo's CPU has no SyncBN), and
+        # its step equals the unshuffled one
+        loss_s, codes_s, bc_s = _mq_step(nd.batch_shuffle, nd.batch_unshuffle, x, no_bn=True,
+                                         momentum_bn="sync")
+        loss_u, codes_u, _ = _mq_step(nd.batch_shuffle, nd.batch_unshuffle, x, no_bn=True,
+                                      shuffle_bn=False)
+        res["sync_calls"] = bc_s.calls
+        res["sync_equal"] = torch.equal(loss_s, loss_u) and torch.equal(codes_s, codes_u)
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def shuffle_results(tmp_path_factory):
+    """{world size: [rank 0's results, ...]} at 2 and 4 gloo ranks."""
+    out = {}
+    for world in (2, 4):
+        d = tmp_path_factory.mktemp(f"shuffle{world}")
+        mp.spawn(_shuffle_worker, args=(world, _free_port(), str(d)), nprocs=world, join=True)
+        out[world] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
+    return out
+
+
+def test_batch_shuffle_all_to_all_equals_the_all_gather_version(shuffle_results):
+    for world, ranks in shuffle_results.items():
+        for r, res in enumerate(ranks):
+            for name, c in res["cases"].items():
+                assert c["equal"] and c["idx"] and c["back"] and c["ident"], (world, r, name, c)
+                assert c["dtype"], (world, r, name)  # bf16 / uint8 stay so, both ways
+                assert c["cl"] == (name == "channels-last"), (world, r, name)
+            # rows really move between ranks (every rank's first case is changed)
+            assert any(c["moved"] for c in res["cases"].values()), (world, r)
+            # the NACMQ step (BatchNorm in the momentum encoder) equals the old shuffle's
+            assert res["step_equal"], (world, r)
+
+
+def _shuffle_bytes(calls):
+    return sum(b for _, b in calls)
+
+
+def test_batch_shuffle_bytes_per_rank_at_most_1_5x_own_views_and_flat_in_world_size(
+        shuffle_results):
+    ratios = {}
+    for world, ranks in shuffle_results.items():
+        for r, res in enumerate(ranks):
+            own = res["own_fp32"]
+            new, old = _shuffle_bytes(res["new_calls"]), _shuffle_bytes(res["old_calls"])
+            ratios[world, r] = (new / own, old / own)
+            # the images: ONE all-to-all delivering exactly this rank's 2K rows (fp32 here)
+            a2a = [b for name, b in res["new_calls"] if name == "all_to_all_single"]
+            assert len(a2a) == 3 and a2a[0] == own, (world, r, res["new_calls"])  # + h, a back
+            assert new <= 1.5 * own, (world, r, new / own)
+            assert old >= world * own  # the all-gather of the global batch
+            assert res["sync_calls"] == [] and res["sync_equal"], (world, r)
+    print("shuffle bytes received per rank per step / own two views in fp32 (new, old):",
+          {k: (round(a, 4), round(b, 4)) for k, (a, b) in ratios.items()})
+    for r in range(2):
+        n2 = [b for name, b in shuffle_results[2][r]["new_calls"] if name == "all_to_all_single"]
+        n4 = [b for name, b in shuffle_results[4][r]["new_calls"] if name == "all_to_all_single"]
+        assert n2 == n4  # what moves the rows does not grow with the ranks
+        # the rest (the broadcast permutation, 8 bytes a global row, and the shape check) grows
+        # by less than 1% of the views here
+        assert ratios[4, r][0] - ratios[2, r][0] < 0.01, ratios
+        assert ratios[4, r][1] - ratios[2, r][1] > 1.9, ratios  # the old one: + 1x per rank
+
+
+def test_momentum_bn_sync_converts_the_momentum_copy_only():
+    mq = NACMQ(_bn_model(), queue_size=16, momentum_bn="sync")
+    kinds = lambda m: {type(x).__name__ for x in m.modules() if "BatchNorm" in type(x).__name__}
+    assert kinds(mq.momentum_model) == {"SyncBatchNorm"} and kinds(mq.model) == {"BatchNorm2d"}
+    assert not mq.shuffle_bn and "momentum_bn=sync" in repr(mq)
+    ref = NACMQ(_bn_model(), queue_size=16)  # shuffle: plain BatchNorm, the same state
+    assert ref.shuffle_bn and kinds(ref.momentum_model) == {"BatchNorm2d"}
+    sd, sd_ref = mq.state_dict(), ref.state_dict()
+    assert list(sd) == list(sd_ref) and all(torch.equal(sd[k], sd_ref[k]) for k in sd)
+    # one process: SyncBatchNorm is BatchNorm, so both give the same step
+    x = torch.randn(2 * SH_K, 3, SH_PX, SH_PX, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(3)
+    loss = mq(x[:SH_K], x[SH_K:]).loss
+    torch.manual_seed(3)
+    assert torch.equal(loss, ref(x[:SH_K], x[SH_K:]).loss)
+    assert NACMQ(_bn_model(), queue_size=16, shuffle_bn=False).shuffle_bn is False
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(momentum_bn="local"), ValueError, "momentum_bn must be one of shuffle, sync"),
+    (dict(momentum_bn="sync", shuffle_bn=True), ValueError, "shuffle_bn=True contradicts"),
+    (dict(shuffle_bn="yes"), TypeError, "shuffle_bn must be a bool")])
+def test_momentum_bn_bad_values(kw, err, match):
+    with pytest.raises(err, match=match):
+        NACMQ(_bn_model(), queue_size=16, **kw)
+
+
+def test_momentum_bn_flag(monkeypatch):
+    from nac_fast.train.config import UsageError, parse
+    base = ["--data", "synthetic:64", "--batch-size", "16", "--max-steps", "2", "--method",
+            "nac-mq"]
+    assert parse(base).momentum_bn == "shuffle"
+    with pytest.raises(UsageError, match="--momentum-bn sync needs several processes"):
+        parse(base + ["--momentum-bn", "sync"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="--momentum-bn sync needs CUDA"):
+            parse(base + ["--momentum-bn", "sync"])
+    else:
+        assert parse(base + ["--momentum-bn", "sync"]).momentum_bn == "sync"
+    assert parse(base + ["--method", "nac", "--momentum-bn", "sync"]).momentum_bn == "sync"
+    with pytest.raises(UsageError, match="--momentum-bn: invalid choice: 'local'"):
+        parse(base + ["--momentum-bn", "local"])

@@ -1,7 +1,8 @@
 """The collectives the criteria and NACMQ use across ranks: all-gather with gradient (the in-batch
 negatives of the global batch, docs/math.md [M:inbatch] "Under DDP"), all-gather without it (the
 momentum keys every rank enqueues, [M:mq]) and MoCo's batch shuffle for the momentum branch's
-BatchNorm.
+BatchNorm (one all-to-all that moves each rank only the rows it encodes, and one that sends the
+outputs back).
 
 Every function is the identity when torch.distributed is not initialised (or has one process),
 so the same code runs in one process.  The process group itself (torchrun's environment, SyncBN,
@@ -10,6 +11,7 @@ rank-aware reductions) is the trainer's: nac_fast.train.distributed.
 from __future__ import annotations
 
 import zlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -124,24 +126,79 @@ def all_gather_nograd(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
+class ShufflePlan(NamedTuple):
+    """What `batch_unshuffle` needs to send the momentum encoder's outputs back to their owners:
+    returned by `batch_shuffle` (None in one process).
+
+    idx_unshuffle: argsort of the global permutation (the position of global row g in the
+        shuffled global batch), the same tensor on every rank.
+    send_order: this rank's rows in the order the shuffle sent them (grouped by the rank that
+        encodes them).
+    recv_order: for each row the shuffle received (grouped by the rank it came from), its row in
+        this rank's shuffled batch.
+    send_sizes, recv_sizes: the rows sent to / received from each rank (host lists: the split
+        sizes of all_to_all_single)."""
+    idx_unshuffle: torch.Tensor
+    send_order: torch.Tensor
+    recv_order: torch.Tensor
+    send_sizes: list
+    recv_sizes: list
+
+
+def _row_major(t: torch.Tensor):
+    """t as a tensor whose rows (dim 0) are contiguous blocks in memory order, and the function
+    that turns a tensor of that layout back: a channels-last batch is moved as its NHWC view (no
+    conversion copy, and the shuffled batch stays channels-last), anything else as it is or
+    made contiguous."""
+    if t.is_contiguous():
+        return t, lambda u: u
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return t.permute(0, 2, 3, 1), lambda u: u.permute(0, 3, 1, 2)
+    return t.contiguous(), lambda u: u
+
+
+@torch.no_grad()
+def _exchange_rows(t: torch.Tensor, send_order: torch.Tensor, recv_order: torch.Tensor,
+                   send_sizes: list, recv_sizes: list) -> torch.Tensor:
+    """One all_to_all_single: rows t[send_order] go out in blocks of send_sizes to ranks 0, 1,
+    ...; the blocks of recv_sizes that arrive are placed at rows recv_order of the result.
+    Every row moves in t's dtype (bf16 / uint8 images stay so)."""
+    v, back = _row_major(t)
+    out = v.new_empty((sum(recv_sizes),) + tuple(v.shape[1:]))
+    dist.all_to_all_single(out, v.index_select(0, send_order), recv_sizes, send_sizes)
+    res = torch.empty_like(out)
+    res[recv_order] = out
+    return back(res)
+
+
 @torch.no_grad()
 def batch_shuffle(x: torch.Tensor, generator: torch.Generator | None = None):
-    """MoCo's batch shuffle: gather the global batch, permute it, give each rank a slice.
+    """MoCo's batch shuffle: permute the global batch and give each rank n rows of it, moving
+    only those rows (one all-to-all), in x's dtype.
 
-    Returns (x_local_shuffled, idx_unshuffle).  The permutation is drawn on rank 0 (from
-    `generator` or torch's global RNG of the batch's device, so a restored RNG state reproduces
-    it), on the batch's device, and broadcast: no host round trip (a permutation drawn on the
-    CPU and copied to a GPU would make the host wait for the GPU every step).
+    Returns (x_local_shuffled, plan): rows perm[rank * n:(rank + 1) * n] of the global batch (the
+    ranks' x concatenated in rank order) for a permutation perm of the n * world_size global
+    rows, and the ShufflePlan that `batch_unshuffle` takes.  The permutation is drawn on rank 0
+    (from `generator` or torch's global RNG of the batch's device, so a restored RNG state
+    reproduces it), on the batch's device, and broadcast (8 bytes a global row).  Each rank then
+    receives exactly the n rows it encodes, in x's dtype and memory format: n rows per rank at
+    any number of ranks (an all-gather of the global batch, MoCo's way, delivers n * world_size;
+    tests/test_train_ddp.py counts the bytes).  The split sizes of the all-to-all must be known
+    on the host: one read of 2 x world_size counts per call (free for a CPU batch; on a GPU a
+    host wait for the queued work).
     With BN computed per rank, the momentum encoder's batch statistics then mix samples of other
     ranks, so a query cannot find its positive key through shared BN statistics (MoCo, sec. 3.3).
     In one process this is the identity: there is no other rank to mix with.
+    Batches that differ across ranks in shape or dtype: ValueError naming x on every rank (on GPU
+    tensors only under NAC_FAST_CHECK_INPUTS=1, as all_gather_nograd).
     """
     if not is_dist():
         return x, None
     _check_batch("x", x)
-    rk = dist.get_rank()
-    x_all = all_gather_nograd(x)
-    n_all = x_all.shape[0]
+    if _shape_checks_on(x):
+        check_same_shape(x, "x", "batch shuffle")
+    ws, rk, n = dist.get_world_size(), dist.get_rank(), x.shape[0]
+    n_all = n * ws
     if rk == 0:
         perm = torch.randperm(n_all, generator=generator, device=x.device if generator is None
                               else generator.device)
@@ -150,8 +207,16 @@ def batch_shuffle(x: torch.Tensor, generator: torch.Generator | None = None):
         perm = torch.empty(n_all, dtype=torch.long, device=x.device)
     dist.broadcast(perm, src=0)
     idx_unshuffle = torch.argsort(perm)
-    n = x.shape[0]
-    return x_all[perm[rk * n:(rk + 1) * n]], idx_unshuffle
+    mine = perm[rk * n:(rk + 1) * n]                # the global rows this rank encodes, in order
+    dest = idx_unshuffle[rk * n:(rk + 1) * n] // n  # the rank that encodes each of this rank's rows
+    # sent grouped by destination, each group in row order; so the rows arrive grouped by
+    # source in ascending global row: the sorted `mine`, whose sort order places them
+    send_order = torch.argsort(dest, stable=True)
+    recv_order = torch.sort(mine, stable=True).indices
+    sizes = torch.stack([torch.bincount(dest, minlength=ws),
+                         torch.bincount(mine // n, minlength=ws)]).tolist()  # the host read
+    plan = ShufflePlan(idx_unshuffle, send_order, recv_order, sizes[0], sizes[1])
+    return _exchange_rows(x, send_order, recv_order, plan.send_sizes, plan.recv_sizes), plan
 
 
 def _check_batch(name: str, t) -> None:
@@ -162,18 +227,19 @@ def _check_batch(name: str, t) -> None:
 
 
 @torch.no_grad()
-def batch_unshuffle(y: torch.Tensor, idx_unshuffle: torch.Tensor | None) -> torch.Tensor:
-    """Undo `batch_shuffle` on outputs: row i of the result belongs to this rank's input row i."""
-    if idx_unshuffle is None:
+def batch_unshuffle(y: torch.Tensor, plan: ShufflePlan | None) -> torch.Tensor:
+    """Undo `batch_shuffle` on outputs (the momentum encoder's codes): row i of the result
+    belongs to this rank's input row i.  One all-to-all sends each row back to its owner rank
+    (n rows received per rank), in y's dtype.  plan: batch_shuffle's (None: y as it is)."""
+    if plan is None:
         return y
+    if not isinstance(plan, ShufflePlan):
+        raise TypeError(f"plan must be the ShufflePlan batch_shuffle returned, got "
+                        f"{type(plan).__name__}")
     _check_batch("y", y)
-    if not isinstance(idx_unshuffle, torch.Tensor) or idx_unshuffle.dim() != 1 \
-            or idx_unshuffle.numel() != y.shape[0] * world_size():
-        got = (tuple(idx_unshuffle.shape) if isinstance(idx_unshuffle, torch.Tensor)
-               else type(idx_unshuffle).__name__)
-        raise ValueError(f"idx_unshuffle must be batch_shuffle's permutation of the global batch, "
-                         f"{y.shape[0]} rows x {world_size()} ranks, got {got} (y must have as "
-                         "many rows as batch_shuffle's x)")
-    y_all = all_gather_nograd(y)
-    n, rk = y.shape[0], dist.get_rank()
-    return y_all[idx_unshuffle[rk * n:(rk + 1) * n]]
+    n = plan.send_order.numel()
+    if y.shape[0] != n:
+        raise ValueError(f"y must have as many rows as batch_shuffle's x ({n}, the rows of this "
+                         f"rank's shuffled batch), got shape {tuple(y.shape)}")
+    # the reverse exchange: what arrived from a rank goes back to it, in the order it came
+    return _exchange_rows(y, plan.recv_order, plan.send_order, plan.recv_sizes, plan.send_sizes)

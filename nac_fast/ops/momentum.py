@@ -76,6 +76,9 @@ def unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
+MOMENTUM_BN = ("shuffle", "sync")  # NACMQ's momentum_bn (train.py's --momentum-bn)
+
+
 class NACMQOutput(NamedTuple):
     """What NACMQ.forward returns: the loss to minimise (MQ + VI terms) and, detached, the online
     model's head pre-activations a and inference logits r of the rows [view 0; view 1] (as the
@@ -104,7 +107,8 @@ class NACMQ(nn.Module):
          so the loop needs no second call (at the first call both models are equal and the
          update leaves the copy exactly as it is);
       3. the momentum forward without gradient, with MoCo's batch shuffle across ranks around its
-         encoder (shuffle BN; the identity in one process);
+         encoder (shuffle BN; the identity in one process) or, with momentum_bn="sync",
+         SyncBatchNorm in it;
       4. the criterion, NACMQLoss(gather_distributed=True): the keys of the global batch are
          enqueued, then the MQ term and the online inference network's VI term with one channel
          sample.
@@ -113,11 +117,20 @@ class NACMQ(nn.Module):
         model(x, detach_r_input=True) -> (h, a, r) on x = cat([view0, view1]), with r the
         inference logits phi(sg(h)) of each row's partner view; model.encode(x) -> (h, a) and
         model.infer_logits(h) -> r (the momentum branch).  Build NACMQ before converting the
-        model to SyncBatchNorm: the momentum copy keeps plain BatchNorm for shuffle BN.
+        model to SyncBatchNorm: the momentum copy keeps plain BatchNorm for shuffle BN (or is
+        converted by momentum_bn="sync").
         Under DDP, wrap the NACMQ (not the model) in DistributedDataParallel, as MoCo does.
     queue_size: M, the number of momentum codes.  code_dim: D (default: model.code_dim).
     p, l2, reduction, backend, likelihood: NACMQLoss's.  momentum: the EMA decay in [0, 1].
-    shuffle_bn: MoCo's batch shuffle for the momentum encoder (has an effect only under DDP).
+    momentum_bn: how the momentum encoder's BatchNorm sees the batch under DDP: "shuffle"
+        (MoCo's shuffle BN: per-rank BN over rows shuffled across ranks, one all-to-all of the
+        images and one of each output back) or "sync" (MoCo v3's: the momentum copy's BatchNorm
+        layers become SyncBatchNorm, statistics of the global batch, one all-gather of
+        statistics per BN layer, no shuffle; SyncBatchNorm needs a GPU under DDP).
+        docs/training.md "The momentum encoder's BatchNorm" weighs them.
+    shuffle_bn: with momentum_bn="shuffle", whether to shuffle (False: per-rank BN on the rank's
+        own rows; it has an effect only under DDP).  None: True for "shuffle"; "sync" never
+        shuffles (True with "sync" is refused).
     queue_dtype: the queue's storage dtype: the loss dtype (the autocast dtype under AMP) saves
         a conversion of M x D elements per step.
 
@@ -129,7 +142,8 @@ class NACMQ(nn.Module):
 
     def __init__(self, model: nn.Module, *, queue_size: int, code_dim: int | None = None,
                  p: float = 0.1, l2: float | str = 0.1, momentum: float = 0.99,
-                 shuffle_bn: bool = True, queue_dtype: torch.dtype = torch.float32,
+                 momentum_bn: str = "shuffle", shuffle_bn: bool | None = None,
+                 queue_dtype: torch.dtype = torch.float32,
                  reduction: str = "mean", backend: str = "auto", likelihood: str = "dot"):
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -147,11 +161,23 @@ class NACMQ(nn.Module):
         if not isinstance(queue_dtype, torch.dtype) or not queue_dtype.is_floating_point:
             raise TypeError(f"queue_dtype must be a floating torch.dtype, got {queue_dtype!r}")
         self.momentum = _checks.unit_float("momentum", momentum)
+        if momentum_bn not in MOMENTUM_BN:
+            raise ValueError(f"momentum_bn must be one of {', '.join(MOMENTUM_BN)}, got "
+                             f"{momentum_bn!r}")
+        if shuffle_bn is None:
+            shuffle_bn = momentum_bn == "shuffle"
         self.shuffle_bn = _checks.flag("shuffle_bn", shuffle_bn)
+        if momentum_bn == "sync" and self.shuffle_bn:
+            raise ValueError("shuffle_bn=True contradicts momentum_bn='sync': SyncBatchNorm "
+                             "normalises with the global batch's statistics, which a shuffle "
+                             "does not change (leave shuffle_bn None or False)")
+        self.momentum_bn = momentum_bn
         self.criterion = NACMQLoss(p, l2=l2, gather_distributed=True, reduction=reduction,
                                    backend=backend, likelihood=likelihood)
         self.model = model
         self.momentum_model = make_momentum_copy(model)
+        if momentum_bn == "sync":  # (parameters and buffers kept, by name and order)
+            self.momentum_model = nn.SyncBatchNorm.convert_sync_batchnorm(self.momentum_model)
         param = next(model.parameters(), None)
         self.queue = CodeQueue(queue_size, code_dim, device=None if param is None else
                                param.device, dtype=queue_dtype)
@@ -191,9 +217,9 @@ class NACMQ(nn.Module):
         if freeze_codes:
             a = a.detach()
         with torch.no_grad():
-            xs, idx = batch_shuffle(x) if self.shuffle_bn else (x, None)
+            xs, plan = batch_shuffle(x) if self.shuffle_bn else (x, None)
             hm, am = self.momentum_model.encode(xs)
-            hm, am = batch_unshuffle(hm, idx), batch_unshuffle(am, idx)
+            hm, am = batch_unshuffle(hm, plan), batch_unshuffle(am, plan)
             # phi_mom on the rows in the online cross pathway's order [view 1; view 0], so that
             # a BatchNorm in phi sums its statistics as the online model's does
             r_hat = self.momentum_model.infer_logits(_swap_views(hm))
@@ -204,4 +230,5 @@ class NACMQ(nn.Module):
         return NACMQOutput(loss, a.detach(), r.detach())
 
     def extra_repr(self) -> str:
-        return f"momentum={self.momentum}, shuffle_bn={self.shuffle_bn}"
+        return (f"momentum={self.momentum}, momentum_bn={self.momentum_bn}, "
+                f"shuffle_bn={self.shuffle_bn}")

@@ -38,6 +38,7 @@ import torch
 
 from .. import _checks
 from ..ops.loss import mq_l2
+from ..ops.momentum import MOMENTUM_BN
 from ..ops.reference import LIKELIHOODS, MULTILINEAR_BACKENDS
 from ..data.sources.subset import TRAIN_SUBSETS, HashSubset
 from .methods import METHODS
@@ -111,6 +112,7 @@ class TrainConfig:
     loss_backend: str = "auto"
     sync_bn: bool = False
     shuffle_bn: bool = True
+    momentum_bn: str = "shuffle"       # or "sync": SyncBatchNorm in the momentum encoder
     image_size: int | None = None
     crop_scale: list = field(default_factory=lambda: [0.08, 1.0])  # the crop's area [lo, hi]
     train_subset: str = "all"          # or "paper-hash" (docs/math.md [M:hash-split])
@@ -357,6 +359,12 @@ def build_parser() -> _Parser:
     a("--shuffle-bn", action=argparse.BooleanOptionalAction,
       help="MoCo's batch shuffle for the momentum branch (NAC-MQ, DDP); --no-shuffle-bn "
       "disables it")
+    a("--momentum-bn", choices=MOMENTUM_BN,
+      help="the NAC-MQ momentum encoder's BatchNorm under DDP: shuffle = MoCo's shuffle BN "
+      "(per-rank statistics of rows shuffled across ranks: one all-to-all of the images, one of "
+      "the codes back; --shuffle-bn applies), sync = SyncBatchNorm, the global batch's "
+      "statistics (MoCo v3; no shuffle; a collective per BN layer; needs CUDA). "
+      "docs/training.md weighs them")
     a("--image-size", type=int, help="crop size")
     a("--crop-scale", dest="crop_scale", type=_crop_scale, metavar="LO[,HI]",
       help="area range of the random resized crop, as a fraction of the image: LO (= LO,1) or "
@@ -724,6 +732,12 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
         raise UsageError("--resume and --overwrite contradict each other: --resume continues "
                          "the run in --out, --overwrite replaces it (--resume PATH --overwrite "
                          "continues PATH's run in --out, replacing the other run there)")
+    if cfg.momentum_bn == "sync" and cfg.method == "nac-mq":
+        if world == 1:
+            raise UsageError(f"{name('momentum_bn')} sync needs several processes (torchrun)")
+        if cfg.device == "cpu" or not torch.cuda.is_available():
+            raise UsageError(f"{name('momentum_bn')} sync needs CUDA (PyTorch's SyncBatchNorm "
+                             "is GPU-only); on CPU use --momentum-bn shuffle")
     if cfg.sync_bn and world == 1:
         raise UsageError(f"{name('sync_bn')} needs several processes (torchrun)")
     if cfg.sync_bn and (cfg.device == "cpu" or not torch.cuda.is_available()):

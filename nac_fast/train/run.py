@@ -246,11 +246,13 @@ def build(cfg: TrainConfig, di) -> TrainState:
         model.to(memory_format=torch.channels_last)
     mq = None
     if cfg.method == "nac-mq":
-        # before SyncBN: the key branch uses shuffle BN.  Codes stored in the loss's dtype (bf16
+        # before SyncBN: the key branch keeps BatchNorm for shuffle BN (--momentum-bn sync:
+        # NACMQ converts its copy itself).  Codes stored in the loss's dtype (bf16
         # under the GPU's default AMP): the loss reads the queue as it is, with no per-step
         # conversion of M x D elements
         mq = NACMQ(model, queue_size=cfg.queue_size, code_dim=cfg.code_dim, p=cfg.flip_prob,
-                   l2=cfg.l2, momentum=cfg.momentum, shuffle_bn=cfg.shuffle_bn,
+                   l2=cfg.l2, momentum=cfg.momentum, momentum_bn=cfg.momentum_bn,
+                   shuffle_bn=cfg.shuffle_bn if cfg.momentum_bn == "shuffle" else None,
                    queue_dtype=amp_dtype or torch.float32, backend=cfg.loss_backend,
                    likelihood=cfg.channel_likelihood)
     # From here on each rank draws its own channel noise (the loader seeds itself)
