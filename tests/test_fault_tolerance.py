@@ -22,6 +22,7 @@ it replaces train.train_step by one that SIGKILLs global rank 1 once, before a g
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -337,6 +339,129 @@ def test_srun_tasks_form_one_run(tmp_path):
     assert ck["config"]["world_size"] == 2 and len(ck["rng"]) == 2 and ck["step"] == 4
     assert sorted(os.listdir(out)) == ["config.json", "last.pt", "log.jsonl", "prev.pt",
                                        "status.json"]
+
+
+# ---- elastic resize: a run resumes on another world size that divides its global batch -----------
+
+RECORDER = """import json, os, sys
+sys.path.insert(0, {root!r})
+import train
+from nac_fast.data.sources.synthetic_pairs import SyntheticPairLoader
+
+seen = []
+real_image, real_step = SyntheticPairLoader._image, train.train_step
+
+
+def image(self, i):  # TEST ONLY: the images of this rank's batch, in order
+    seen.append(int(i))
+    return real_image(self, i)
+
+
+def step(st, x):  # TEST ONLY: records (step, rank, the batch's image ids) for each step
+    with open(os.path.join({rec!r}, "rank%s.jsonl" % os.environ["RANK"]), "a") as f:
+        f.write(json.dumps({{"step": st.step + 1, "ids": seen}}) + "\\n")
+    seen.clear()
+    return real_step(st, x)
+
+
+SyntheticPairLoader._image, train.train_step = image, step
+sys.exit(train.main())
+"""
+
+
+def _recorder(tmp_path, name):
+    rec = tmp_path / f"ids-{name}"
+    rec.mkdir()
+    script = tmp_path / f"record_{name}.py"
+    script.write_text(RECORDER.format(root=ROOT, rec=str(rec)))
+    return str(script), rec
+
+
+def _global_batches(rec):
+    """{step: the image ids of the global batch, rank 0's slice first}: the last record of each
+    step on each rank (a resumed run may repeat steps)."""
+    per_rank = {}
+    for f in sorted(rec.glob("rank*.jsonl"), key=lambda p: int(p.stem[4:])):
+        per_rank[int(f.stem[4:])] = {r["step"]: r["ids"] for r in map(json.loads, open(f))}
+    steps = set.intersection(*(set(d) for d in per_rank.values()))
+    return {s: [i for r in sorted(per_rank) for i in per_rank[r][s]] for s in sorted(steps)}
+
+
+def test_sharded_order_global_batches_do_not_depend_on_the_world_size():
+    from nac_fast.data.order import ShardedOrder
+    G, n = 48, 1000
+    ref = {e: ShardedOrder(n, G, 0, 1, seed=7).rank_indices(e) for e in (0, 3)}  # (steps, G)
+    assert ref[0].shape == (n // G, G) and not np.array_equal(ref[0], ref[3])
+    for world in (2, 3, 4, 6, 8, 16):
+        orders = [ShardedOrder(n, G // world, r, world, seed=7) for r in range(world)]
+        assert {o.num_batches for o in orders} == {n // G}
+        for epoch in (0, 3):
+            for k in (0, 5):   # from the epoch's start, and resumed at its batch 5
+                got = np.concatenate([o.rank_indices(epoch, k) for o in orders], axis=1)
+                assert np.array_equal(got, ref[epoch][k:]), (world, epoch, k)
+
+
+RESIZE = ["--method", "nac-mq", "--data", "synthetic:128", "--image-size", "8", "--batch-size",
+          "32", "--queue-size", "256", "--max-steps", "6", "--log-every", "1", "--save-every", "3",
+          "--no-progress"]
+
+
+@pytest.mark.slow
+def test_resume_on_another_world_size_continues_the_global_run(tmp_path):
+    """4 processes to step 6 (a checkpoint at 3, mid-epoch: prev.pt), that checkpoint resumed on
+    2 processes to step 6 (across the epoch boundary at 4), and 2 processes uninterrupted: the
+    global batch of every step is the same images in the same order at 4 and at 2 processes,
+    and the resumed run's schedule, steps, queue and sample order are the 4-process run's."""
+    four, resized, two = (str(tmp_path / n) for n in ("four", "resized", "two"))
+    script, rec4 = _recorder(tmp_path, "four")
+    _torchrun(["--standalone", "--nproc_per_node=4", "--local_addr=127.0.0.1"], script,
+              RESIZE + ["--out", four], timeout=2 * TIMEOUT)
+    assert _step(four) == 6 and _step(four, "prev.pt") == 3
+    script, rec_r = _recorder(tmp_path, "resized")
+    r = _torchrun(_standalone(), script,
+                  RESIZE + ["--resume", os.path.join(four, "prev.pt"), "--out", resized])
+    assert ("resized: world size 4 -> 2 at step 3 (per process batch 8 -> 16 of the global 32)"
+            in r.stdout), r.stdout
+    script, rec2 = _recorder(tmp_path, "two")
+    _torchrun(_standalone(), script, RESIZE + ["--out", two])
+
+    g4, gr, g2 = (_global_batches(d) for d in (rec4, rec_r, rec2))
+    assert sorted(g4) == sorted(g2) == list(range(1, 7)) and sorted(gr) == [4, 5, 6]
+    assert all(len(g4[s]) == 32 and len(set(g4[s])) == 32 for s in g4)
+    assert g4 == g2                                      # the order is global: any world size
+    assert {s: g4[s] for s in gr} == gr                  # the resumed run goes on with it
+    # the schedule and the step count go on; the log has the resumed steps once
+    log4, log_r, log2 = (_last_occurrence(d) for d in (four, resized, two))
+    assert sorted(log_r) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert log_r[s]["lr"] == log4[s]["lr"] == log2[s]["lr"]
+        assert log_r[s]["epoch"] == log4[s]["epoch"] == (s - 1) // 4
+        assert math.isfinite(log_r[s]["loss"])
+    # the queue: the same pointer, and the rows written before the resize (step 3's, which
+    # steps 4..6 do not reach: 64 codes a step in a queue of 256) are the 4-process run's
+    c4, cr, c2 = (load_checkpoint(os.path.join(d, "last.pt")) for d in (four, resized, two))
+    assert cr["queue"]["ptr"] == c4["queue"]["ptr"] == c2["queue"]["ptr"] == (6 * 64) % 256
+    assert torch.equal(cr["queue"]["codes"][128:192], c4["queue"]["codes"][128:192])
+    assert not torch.equal(cr["queue"]["codes"][:128], c4["queue"]["codes"][:128])
+    assert cr["step"] == 6 and len(cr["rng"]) == 2 and cr["config"]["world_size"] == 2
+    assert cr["config"]["resized"] == [{"step": 3, "from_world_size": 4, "to_world_size": 2}]
+    assert cr["config"]["run_id"] == c4["config"]["run_id"]
+
+
+def test_resume_on_a_world_size_the_global_batch_does_not_divide_is_refused(
+        mq_reference, tmp_path, monkeypatch, capsys):
+    _clear_elastic_env(monkeypatch)
+    out = str(tmp_path / "run")
+    shutil.copytree(mq_reference, out)
+    before = {n: _sha(os.path.join(out, n)) for n in os.listdir(out)}
+    monkeypatch.setenv("WORLD_SIZE", "3")            # 3 processes: the global 16 does not divide
+    monkeypatch.setenv("RANK", "0")
+    assert train.main(MQ + ["--max-steps", "8", "--save-every", "2", "--resume",
+                            "--out", out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "--batch-size 16 (global) is not divisible by the world size 3" \
+        in err[0] and err[1].startswith("train.py: exit status 2"), err
+    assert {n: _sha(os.path.join(out, n)) for n in os.listdir(out)} == before
 
 
 # ---- in-process runs (3-6) --------------------------------------------------------------------

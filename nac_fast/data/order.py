@@ -79,6 +79,11 @@ class ShardedOrder:
     Global batch k is perm[k*B*W:(k+1)*B*W]; rank r takes its r-th slice of B.  Shards are
     disjoint, together they cover the epoch (minus the < B*W remainder dropped so every rank runs
     the same number of steps — a rank with one step more would hang the collectives).
+
+    The order is global: for a global batch G = B*W, global batch k (its images, and their order
+    from rank 0's slice to the last rank's) and the number of batches per epoch are the same at
+    every world size W that divides G.  A run resumed on another world size (the elastic
+    resize, nac_fast.train.run.resize) sees the images it would have seen.
     """
 
     def __init__(self, num_images: int, batch_size: int, rank: int, world_size: int, seed: int):

@@ -145,6 +145,8 @@ class TrainConfig:
     run_id: str | None = None
     elastic_run_id: str | None = None
     extended: list = field(default_factory=list)   # extensions: [{step, from_total_steps, ...}]
+    resized: list = field(default_factory=list)    # world-size changes: [{step, from_world_size,
+                                                   # to_world_size}] (run.resize)
 
     def to_dict(self) -> dict:
         """What config.json and the checkpoints store (plain values: weights_only loads them)."""

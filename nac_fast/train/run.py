@@ -57,7 +57,9 @@ from .schedule import flip_prob_at, get_lr, p_schedule_applies, p_schedule_short
 # the augmentation flags (--image-size, --crop-scale) are not: a resumed run takes the values
 # given and records them in config.json and its checkpoints (an --image-size that changes a
 # ResNet's stem no longer fits the weights: `resume` says so).
-RESUME_KEYS = ("arch", "method", "batch_size", "code_dim", "data", "world_size", "total_steps",
+# The number of processes is not among them: a run resumes on another world size when the
+# global batch divides by it (`resume`: the elastic resize).
+RESUME_KEYS = ("arch", "method", "batch_size", "code_dim", "data", "total_steps",
                "warmup_steps", "queue_size", "seed", "train_subset", "train_subset_sha256",
                "num_images")
 # What a checkpoint written before a key existed had (its value then)
@@ -819,9 +821,17 @@ def resume(st: TrainState, path: str, ck: dict | None = None) -> dict:
     step, rng = ck["step"], ck["rng"]
     if not _checks.is_int(step) or step < 0:
         raise ValueError(f"--resume {path}: the checkpoint's step is {step!r}, not an int >= 0")
-    if not isinstance(rng, (list, tuple)) or len(rng) != cfg.world_size:
+    was_world = old.get("world_size")
+    if not _checks.is_int(was_world) or was_world < 1:
+        raise ValueError(f"--resume {path}: the checkpoint's world_size is {was_world!r}, not an "
+                         "int >= 1")
+    if not isinstance(rng, (list, tuple)) or len(rng) != was_world:
         raise ValueError(f"--resume {path}: the checkpoint's rng is not one state per process "
-                         f"of its world_size {cfg.world_size}")
+                         f"of its world_size {was_world}")
+    if cfg.batch_size % cfg.world_size:   # (parse refuses it first; here for any caller)
+        raise ValueError(f"--resume {path}: the global batch {cfg.batch_size} does not divide "
+                         f"by this run's {cfg.world_size} processes (the checkpoint's "
+                         f"{was_world}); resume on a world size that divides it")
     try:
         st.model.load_state_dict(plain_state_dict(ck["model"]))
         if st.mom_model is not None:
@@ -842,9 +852,13 @@ def resume(st: TrainState, path: str, ck: dict | None = None) -> dict:
     el = ck.get("elapsed_s")   # (none in a checkpoint written before it was kept)
     st.elapsed_before = float(el) if _checks.is_number(el) and math.isfinite(el) and el >= 0 \
         else 0.0
-    restore_rng_state(rng[st.di.rank])
     cfg.run_id = old["run_id"]
     cfg.extended = list(old.get("extended") or [])
+    cfg.resized = list(old.get("resized") or [])
+    if was_world == cfg.world_size:
+        restore_rng_state(rng[st.di.rank])
+    else:
+        resize(st, was_world)
     if extend:
         cfg.extended.append({"step": st.step, "from_total_steps": old["total_steps"],
                              "to_total_steps": cfg.total_steps})
@@ -853,6 +867,36 @@ def resume(st: TrainState, path: str, ck: dict | None = None) -> dict:
                           f"{old['total_steps']}); lr at step {st.step}: {was:.4g} -> "
                           f"{lr_at(cfg, st.step):.4g}")
     return ck
+
+
+def resize(st: TrainState, was_world: int) -> None:
+    """The elastic resize: a run of `was_world` processes goes on with st.cfg.world_size (its
+    global batch divides by both; docs/training.md "Fault tolerance").  What is global continues
+    exactly, whatever the world size: the step, the schedule (a function of the step), the
+    weights, momentum model, optimiser and queue (every rank held the same), and the sample
+    order (global batch k is the same images in the same order at any world size, each rank
+    taking its slice of batch_size / world_size: order.ShardedOrder).  What is per rank cannot:
+    each rank's RNG streams (the channel noise) restart from a seed of (seed, step, rank, world
+    size), the checkpoint's per-rank states being of other ranks; and the per-rank BatchNorm
+    statistics (shuffle BN, the online encoder's BN without --sync-bn) are taken over
+    batch_size / world_size images instead of batch_size / was_world.  cfg.resized records it."""
+    import random
+
+    import numpy as np
+
+    from ..data.order import hash_key
+    cfg, di = st.cfg, st.di
+    key = int(hash_key(cfg.seed, st.step, di.rank, cfg.world_size, 0xE1A5))
+    torch.manual_seed(key)
+    np.random.seed(key % 2**32)
+    random.seed(key)
+    cfg.resized.append({"step": st.step, "from_world_size": was_world,
+                        "to_world_size": cfg.world_size})
+    print_main(di, f"resized: world size {was_world} -> {cfg.world_size} at step {st.step} (per "
+                   f"process batch {cfg.batch_size // was_world} -> "
+                   f"{cfg.batch_size // cfg.world_size} of the global {cfg.batch_size}); the "
+                   "sample order, queue and schedule go on, the per-process RNG streams are "
+                   "reseeded and BatchNorm statistics are per process")
 
 
 def write_status(cfg: TrainConfig, status: int | None, message: str | None = None,
