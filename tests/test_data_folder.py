@@ -328,3 +328,302 @@ def test_exif_orientation_is_applied(tmp_path):
     exif[0x0112] = 6                                   # rotate 90 degrees to display
     Image.new("RGB", (60, 20), (200, 10, 10)).save(p, exif=exif)
     assert load_rgb(p).size == (20, 60)
+
+
+# ---- ILSVRC2012's tree as distributed: the flat val/ and its labels files --------------------
+
+def _ilsvrc(out, *extra):
+    """A tree of scripts/make_ilsvrc_tree.py (its folders' mtimes set 10 s back, so that a scan
+    of it may be cached at once: imagefolder.RACY_NS)."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import make_ilsvrc_tree
+    assert make_ilsvrc_tree.main(["--out", str(out), "--classes", "4", "--train-per-class", "5",
+                                  "--val-per-class", "3", "--size", "16", "--workers", "1",
+                                  "--no-progress", *extra]) == 0
+    _age(out)
+    return str(out)
+
+
+def _age(root, seconds=10):
+    t = os.stat(root).st_mtime - seconds
+    for d, _, _ in os.walk(root):
+        os.utime(d, (t, t))
+
+
+def _sorted_copy(tree, dst):
+    """`tree` with its flat val/ sorted into class folders (by LOC_val_solution.csv), as users
+    do with a script from elsewhere."""
+    import csv
+    import shutil
+    shutil.copytree(os.path.join(tree, "train"), os.path.join(dst, "train"))
+    with open(os.path.join(tree, "LOC_val_solution.csv")) as f:
+        for row in csv.DictReader(f):
+            d = os.path.join(dst, "val", row["PredictionString"].split()[0])
+            os.makedirs(d, exist_ok=True)
+            shutil.copy(os.path.join(tree, "val", row["ImageId"] + ".JPEG"), d)
+    _age(dst)
+    return str(dst)
+
+
+def _same_images(a, b):
+    """Same classes, same images (by name and bytes) in the same order, same labels."""
+    assert a.classes == b.classes
+    assert [os.path.basename(p) for p in a.files] == [os.path.basename(p) for p in b.files]
+    assert np.array_equal(a.labels, b.labels)
+    for p, q in zip(a.files, b.files):
+        with open(p, "rb") as f, open(q, "rb") as g:
+            assert f.read() == g.read()
+
+
+def test_a_flat_val_loads_as_the_same_images_sorted_into_class_folders(tmp_path):
+    """ILSVRC's val/ as distributed (flat, LOC_val_solution.csv at the root, or the devkit's
+    ground truth with its synset order) gives the files, order and labels of the same images
+    sorted into class folders, so any evaluation of the two is identical."""
+    from nac_fast.data.sources import resolve_source
+    tree = _ilsvrc(tmp_path / "tree", "--devkit")
+    flat = resolve_source(tree, "test")
+    assert all(os.path.dirname(p) == os.path.join(tree, "val") for p in flat.files)
+    assert len(flat.files) == 12 and sorted(np.bincount(flat.labels)) == [3, 3, 3, 3]
+    _same_images(flat, resolve_source(_sorted_copy(tree, tmp_path / "sorted"), "test"))
+    gt = os.path.join(tree, "ILSVRC2012_devkit_t12", "data",
+                      "ILSVRC2012_validation_ground_truth.txt")
+    _same_images(flat, resolve_source(tree, "test", val_labels=gt))
+    # the labels file found in the tree's parent (Kaggle's layout puts the tree lower down)
+    os.rename(os.path.join(tree, "LOC_val_solution.csv"), tmp_path / "LOC_val_solution.csv")
+    os.rename(os.path.join(tree, "ILSVRC2012_devkit_t12"), tmp_path / "devkit")
+    _same_images(flat, resolve_source(tree, "test"))
+    # the eval loader's batches: same images, same labels
+    ld = build_eval_loader(tree, "val", batch_size=5, image_size=16)
+    lbl = torch.cat([y for _, y in ld])
+    assert lbl.tolist() == flat.labels.tolist()
+
+
+def test_flat_val_labels_file_errors_name_the_file_and_the_row(tmp_path):
+    from nac_fast.data.sources import resolve_source
+    from nac_fast.data.sources import imagefolder
+    tree = _ilsvrc(tmp_path / "tree", "--devkit")
+    csv = os.path.join(tree, "LOC_val_solution.csv")
+    good = open(csv).read().splitlines()
+
+    def check(lines, match, **kw):
+        p = tmp_path / "labels.csv"
+        p.write_text("\n".join(lines) + "\n")
+        imagefolder._scan_cache.clear()
+        with pytest.raises(ValueError, match=match):
+            resolve_source(tree, "test", val_labels=str(p), **kw)
+
+    first = good[1].split(",")[0]
+    check(good[:1] + good[2:], f"--val-labels: data: labels file .*labels.csv has no row for "
+          f"the val image .*{first}.JPEG")
+    check(good[:1] + [good[1].replace(good[1].split(",")[1][:9], "n99999999")] + good[2:],
+          "labels.csv row 2: class n99999999 of image .* is not a class folder of train/")
+    check(["ImageId,Label"] + good[1:], "labels.csv row 1: expected the header")
+    check(good[:3] + [first + ",n01"] + good[3:], "labels.csv row 4: expected 'ImageId,wnid")
+    check(good[:3] + [good[1]] + good[3:], f"labels.csv row 4: image {first} has a second row")
+    check(good[:2] + [good[2].split(",")[0] + ",n1 1 2 x 4"] + good[3:],
+          "labels.csv row 3: a box coordinate is not an integer")
+    w = good[1].split(",")[1].split()[0]
+    check(good[:2] + [good[2].split(",")[0] + f",{w} 1 2 3 4 n2 1 2 3 4"] + good[3:],
+          "row 3: image .* has boxes of several classes")
+    gt = os.path.join(tree, "ILSVRC2012_devkit_t12", "data",
+                      "ILSVRC2012_validation_ground_truth.txt")
+    with open(gt, "a") as f:
+        f.write("9\n")
+    imagefolder._scan_cache.clear()
+    with pytest.raises(ValueError, match=r"ground_truth.txt row 13: expected an ILSVRC2012_ID in "
+                                         r"1\.\.4"):
+        resolve_source(tree, "test", val_labels=gt)
+    os.unlink(os.path.join(os.path.dirname(gt), "synsets.txt"))
+    with pytest.raises(ValueError, match="synsets.txt .*which is missing"):
+        resolve_source(tree, "test", val_labels=gt)
+    # no labels file anywhere: the flag is named; a sorted val/ refuses a labels file
+    os.unlink(csv)
+    os.rename(os.path.dirname(os.path.dirname(gt)), tmp_path / "away")
+    imagefolder._scan_cache.clear()
+    with pytest.raises(ValueError, match="is a flat folder of images .* --val-labels FILE"):
+        resolve_source(tree, "test")
+
+
+def test_a_sorted_val_refuses_a_labels_file_and_other_data_refuses_one_too(tmp_path):
+    from nac_fast.data.sources import resolve_source
+    tree = _ilsvrc(tmp_path / "tree")
+    srt = _sorted_copy(tree, tmp_path / "sorted")
+    csv = os.path.join(tree, "LOC_val_solution.csv")
+    with pytest.raises(ValueError, match="--val-labels: .*sorted into class folders"):
+        resolve_source(srt, "test", val_labels=csv)
+    with pytest.raises(ValueError, match="val_labels labels the flat val/ of an ImageFolder"):
+        resolve_source("fashion-mnist", "test", val_labels=csv)
+    with pytest.raises(FileNotFoundError, match="val_labels .*nope.csv.*: no such file"):
+        resolve_source(tree, "test", val_labels=str(tmp_path / "nope.csv"))
+
+
+# ---- listed once per run: the cache between runs and the broadcast within one ---------------
+
+class _Opens:
+    """Counts the files and folders opened under `root` (audit events open, os.scandir,
+    os.listdir) while active."""
+
+    def __init__(self, root):
+        self.root, self.n, self.on = os.path.realpath(root) + os.sep, 0, False
+
+    def hook(self, event, args):
+        if self.on and event in ("open", "os.scandir", "os.listdir") and args and isinstance(
+                args[0], (str, bytes, os.PathLike)):
+            if os.path.realpath(os.fsdecode(args[0])).startswith(self.root):
+                self.n += 1
+
+
+@pytest.fixture(scope="module")
+def _opens_hook():
+    import sys
+    box = []                      # an audit hook cannot be removed: one for the module
+    sys.addaudithook(lambda e, a: box and box[-1].hook(e, a))
+    return box
+
+
+def test_the_cache_is_reused_while_the_folder_is_unchanged(tmp_path, _opens_hook):
+    from nac_fast.data.sources import Listing, data_scale, resolve_source
+    from nac_fast.data.sources import imagefolder, listing
+    tree = _ilsvrc(tmp_path / "tree")
+    cache = str(tmp_path / "out")
+    lst = Listing(cache_dir=cache)
+    ops = _Opens(tree)
+    _opens_hook.append(ops)
+    ops.on = True
+    first = resolve_source(tree, "train", listing=lst)
+    assert ops.n >= len(first.files) == 20
+    (name,) = os.listdir(cache)
+    assert name.startswith(listing.CACHE_PREFIX) and name.endswith(".json.gz")
+    imagefolder._scan_cache.clear()                       # a new process: a restart
+    ops.n = 0
+    again = resolve_source(tree, "train", listing=lst)
+    assert data_scale(tree, listing=lst) == (20, 16)
+    assert ops.n == 0                                     # nothing under the tree opened
+    assert again.files == first.files and np.array_equal(again.labels, first.labels)
+    assert again.classes == first.classes and again.natural_size == first.natural_size
+    # a file added: the class folder's mtime changes, the cache no longer holds
+    cls = os.path.join(tree, "train", first.classes[0])
+    with open(first.files[0], "rb") as f, open(os.path.join(cls, "zz_new.JPEG"), "wb") as g:
+        g.write(f.read())
+    _age(tree)
+    imagefolder._scan_cache.clear()
+    ops.n = 0
+    assert data_scale(tree, listing=lst) == (21, 16)      # a walk: the cache no longer holds
+    third = resolve_source(tree, "train", listing=lst)
+    ops.on = False
+    assert len(third.files) == 21 and ops.n >= 21
+    assert len(os.listdir(cache)) == 1                     # the same key, rewritten
+
+
+def test_one_process_scans_and_the_others_receive_its_list(tmp_path, _opens_hook):
+    """The first process's scan (or its error) is what the others get; they open nothing."""
+    from nac_fast.data.sources import Listing, resolve_source
+    from nac_fast.data.sources import imagefolder
+    tree = _ilsvrc(tmp_path / "tree", "--quirks", "png=0.1,truncated=0.1")
+    sent = []
+
+    def first_bcast(obj):
+        sent.append(obj)
+        return obj
+    ops = _Opens(tree)
+    _opens_hook.append(ops)
+    ops.on = True
+    mine = resolve_source(tree, "test", listing=Listing(first=True, broadcast=first_bcast))
+    assert ops.n > 12 and len(sent) == 1 and sent[0][0] == "ok"
+    imagefolder._scan_cache.clear()
+    ops.n = 0
+    theirs = resolve_source(tree, "test", listing=Listing(first=False,
+                                                          broadcast=lambda obj: sent[0]))
+    ops.on = False
+    assert ops.n == 0
+    assert theirs.files == mine.files and np.array_equal(theirs.labels, mine.labels)
+    assert theirs.bad_files == mine.bad_files and theirs.classes == mine.classes
+    # an error on the first process is raised on every process, with its message
+    os.unlink(os.path.join(tree, "LOC_val_solution.csv"))
+    imagefolder._scan_cache.clear()
+    sent.clear()
+    with pytest.raises(ValueError, match="is a flat folder of images"):
+        resolve_source(tree, "test", listing=Listing(first=True, broadcast=first_bcast))
+    with pytest.raises(ValueError, match="is a flat folder of images"):
+        resolve_source(tree, "test", listing=Listing(first=False, broadcast=lambda o: sent[0]))
+    with pytest.raises(TypeError, match="listing must be None or a Listing"):
+        resolve_source(tree, "train", listing="cache")
+
+
+OPEN_COUNTER = """import json, os, sys
+sys.path.insert(0, {root!r})
+DATA = os.path.realpath({data!r}) + os.sep
+counts = {{"listing": 0, "decoding": 0}}
+
+
+def hook(event, args):
+    # files and folders opened under the data root: by the listing and checks, or by the
+    # decoding of the images a step trains on (load_rgb / open_image, counted apart)
+    if event not in ("open", "os.scandir", "os.listdir") or not args:
+        return
+    if not isinstance(args[0], (str, bytes)) or not os.path.realpath(
+            os.fsdecode(args[0])).startswith(DATA):
+        return
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_name not in ("load_rgb", "open_image"):
+        f = f.f_back
+    counts["listing" if f is None else "decoding"] += 1
+
+
+sys.addaudithook(hook)
+import train
+rc = train.main()
+with open(os.path.join({logs!r}, f"opens.{{os.environ['RANK']}}.json"), "w") as f:
+    json.dump(counts, f)
+sys.exit(rc)
+"""
+
+
+def test_a_run_lists_the_tree_once_and_a_restart_not_at_all(tmp_path):
+    """Files (and folders) opened under the data root by 3 gloo ranks of train.py, all ranks
+    together, besides the images decoded: at most 1.2 N + 1,000 on a first start (rank 0 checks
+    every header, the others only walk the folders to choose the recipe) and at most 1,000 on a
+    restart (the list rank 0 cached in --out); every rank checking every file, as before,
+    opened 3 x 600 (+ the walks) > 1.2 N + 1,000."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tree = os.path.realpath(str(tmp_path / "tree"))
+    sys.path.insert(0, os.path.join(root, "scripts"))
+    import make_ilsvrc_tree
+    assert make_ilsvrc_tree.main(["--out", tree, "--classes", "20", "--train-per-class", "30",
+                                  "--val-per-class", "2", "--size", "16", "--workers", "1",
+                                  "--no-progress"]) == 0
+    _age(tree)
+    n = sum(len(fs) for _, _, fs in os.walk(tree))
+    out, logs = str(tmp_path / "run"), str(tmp_path / "logs")
+    script = tmp_path / "count_opens.py"
+    script.write_text(OPEN_COUNTER.format(root=root, data=tree, logs=logs))
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT",
+              "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    opened = []
+    for extra in (["--max-steps", "1"], ["--max-steps", "2", "--resume", "auto"]):
+        os.makedirs(logs, exist_ok=True)
+        for f in os.listdir(logs):
+            os.unlink(os.path.join(logs, f))
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc_per_node=3", "--local_addr=127.0.0.1", str(script),
+                            "--data", tree, "--image-size", "16", "--batch-size", "15",
+                            "--loader", "torchvision", "--workers", "0", "--no-progress",
+                            "--save-every", "1", "--out", out, *extra],
+                           env=env, cwd=root, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        counts = [json.load(open(os.path.join(logs, f"opens.{k}.json"))) for k in range(3)]
+        assert all(c["decoding"] > 0 for c in counts)          # the ranks did train
+        opened.append([c["listing"] for c in counts])
+    first, restart = opened
+    print(f"files opened under the data root by the listing, per rank: first start {first}, "
+          f"restart {restart} ({n} files)")
+    assert n == 643          # 600 train/, 40 val/, 3 labels and meta files
+    assert sum(first) <= 1.2 * n + 1000 < 3 * 600, first
+    assert first[0] >= 600 and max(first[1:]) <= 100, first  # rank 0 checks, the others walk
+    assert sum(restart) <= 1000 and sum(restart) == 0, restart

@@ -16,7 +16,7 @@ ALLOWED = {
     "_files": set(),            # atomic writes: a leaf every layer may use
     "_omp": set(),              # the CLIs' OpenMP wait policy: a leaf
     "ops": {"kernels", "_C", "_build_info", "_files", "_checks"},
-    "data": {"_checks"},
+    "data": {"_files", "_checks"},  # _files: the data list cached between runs (sources/listing.py)
     "codestats": {"ops", "_checks"},
     "train": {"ops", "data", "codestats", "_files", "_checks"},
     "eval": {"ops", "data", "codestats", "train", "_files", "_omp", "_checks"},

@@ -282,3 +282,100 @@ def test_code_shape_bad_checkpoints_and_data(tmp_path, capsys):
     for argv in ([str(bad)], [str(vae)]):
         _usage_error(capsys, code_shape.main, argv + ["--data", "fashion-mnist"])
     assert capsys.readouterr().out == ""  # no table header before the failure
+
+
+# ---- scripts/make_ilsvrc_tree.py ------------------------------------------------------------
+
+QUIRKY = "grey=0.1,cmyk=0.1,png=0.1,exif=0.1,truncated=0.1"
+
+
+def test_make_ilsvrc_tree_shape_labels_and_quirks(tmp_path, capsys):
+    """The tree's shape and names, its labels files (LOC_val_solution.csv, LOC_synset_mapping,
+    the devkit's ground truth in its synset order), and each quirk present and read as the
+    loaders read it: greyscale, CMYK, PNG-named-.JPEG and EXIF-rotated files decode to RGB (the
+    EXIF one upright), a truncated one passes the scan and is skipped ("warn") or named
+    ("error") by the on_bad_file policy."""
+    import csv
+    import re
+    import warnings
+    import make_ilsvrc_tree
+    from PIL import Image
+    from nac_fast.data import build_eval_loader
+    from nac_fast.data.sources import resolve_source
+    from nac_fast.data.sources.imagefolder import load_rgb
+    out = tmp_path / "tree"
+    assert make_ilsvrc_tree.main(["--out", str(out), "--classes", "5", "--train-per-class", "8",
+                                  "--val-per-class", "4", "--size", "24", "--seed", "3",
+                                  "--quirks", QUIRKY, "--devkit", "--workers", "2"]) == 0
+    meta = json.loads((out / "make_ilsvrc_tree.json").read_text())
+    wnids = meta["wnids"]
+    assert len(wnids) == 5 and all(re.fullmatch(r"n\d{8}", w) for w in wnids)
+    assert sorted(os.listdir(out / "train")) == wnids
+    for w in wnids:
+        names = os.listdir(out / "train" / w)
+        assert len(names) == 8 and all(re.fullmatch(w + r"_\d+\.JPEG", n) for n in names)
+    val = sorted(os.listdir(out / "val"))
+    assert val == [f"ILSVRC2012_val_{i:08d}.JPEG" for i in range(1, 21)]
+    with open(out / "LOC_val_solution.csv") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["ImageId", "PredictionString"] and len(rows) == 21
+    labels = {}
+    for image, pred in rows[1:]:
+        toks = pred.split()
+        assert len(toks) in (5, 10) and set(toks[0::5]) <= set(wnids)
+        x0, y0, x1, y1 = map(int, toks[1:5])
+        assert 0 <= x0 <= x1 < 24 and 0 <= y0 <= y1 < 24
+        labels[image] = toks[0]
+    assert sorted(labels.values()) == sorted(wnids * 4)
+    syn = (out / "LOC_synset_mapping.txt").read_text().splitlines()
+    assert [s.split()[0] for s in syn] == wnids
+    dev = out / "ILSVRC2012_devkit_t12" / "data"
+    order = [s.split()[0] for s in (dev / "synsets.txt").read_text().splitlines()]
+    assert sorted(order) == wnids
+    gt = [int(v) for v in (dev / "ILSVRC2012_validation_ground_truth.txt").read_text().split()]
+    assert [order[k - 1] for k in gt] == [labels[v[:-5]] for v in val]
+    # the quirks: 6 files each (10% of 60, train and val together), each as its name says
+    quirks = meta["quirk_files"]
+    assert sorted(quirks) == sorted(make_ilsvrc_tree.QUIRKS)
+    assert all(len(v) == 6 for v in quirks.values())
+    assert len({p for v in quirks.values() for p in v}) == 30
+    for p in quirks["grey"]:
+        assert Image.open(out / p).mode == "L" and load_rgb(str(out / p)).mode == "RGB"
+    for p in quirks["cmyk"]:
+        assert Image.open(out / p).mode == "CMYK" and load_rgb(str(out / p)).size == (24, 24)
+    for p in quirks["png"]:
+        assert p.endswith(".JPEG") and Image.open(out / p).format == "PNG"
+        assert load_rgb(str(out / p)).size == (24, 24)
+    for p in quirks["exif"]:
+        im = Image.open(out / p)
+        assert im.getexif()[0x0112] == 6 and im.size == (18, 24)   # stored on its side
+        assert load_rgb(str(out / p)).size == (24, 18)              # upright
+    for p in quirks["truncated"]:
+        raw = (out / p).read_bytes()
+        assert raw[:3] == b"\xff\xd8\xff"                          # the scan's magic bytes
+        with pytest.raises(OSError):
+            load_rgb(str(out / p))
+    src = resolve_source(str(out), "train")
+    assert len(src.files) == 40 and src.bad_files == []             # every header passes
+    trunc = [str(out / p) for p in quirks["truncated"] if p.startswith("val")]
+    assert trunc   # (seed 3 puts some in val/)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ld = build_eval_loader(str(out), "val", batch_size=20, image_size=16)
+        next(iter(ld))
+    assert sorted(ld.skipped_files) == sorted(trunc) and any("skipping" in str(x.message)
+                                                              for x in w)
+    ld = build_eval_loader(str(out), "val", batch_size=20, image_size=16, on_bad_file="error")
+    with pytest.raises(ValueError, match=re.escape(sorted(trunc)[0])):
+        next(iter(ld))
+    # a non-empty --out is refused unless --overwrite; bad flags are one line, exit 2
+    assert "--out" in _usage_error(capsys, make_ilsvrc_tree.main, ["--out", str(out)])
+    for bad in (["--quirks", "blur=0.1"], ["--quirks", "grey=2"], ["--quirks", "grey=0.6,png=0.6"],
+                ["--size", "4"], ["--classes", "0"]):
+        assert bad[0] in _usage_error(capsys, make_ilsvrc_tree.main,
+                                      ["--out", str(tmp_path / "b")] + bad)
+    assert not (tmp_path / "b").exists()
+    assert make_ilsvrc_tree.main(["--out", str(out), "--classes", "2", "--train-per-class", "1",
+                                  "--val-per-class", "0", "--overwrite", "--workers", "1"]) == 0
+    assert len(os.listdir(out / "train")) == 2 and os.listdir(out / "val") == []
+    assert [p.name for p in tmp_path.iterdir()] == ["tree"]           # no temporary left

@@ -43,7 +43,7 @@ from .. import _checks
 from .augment import Recipe, make_recipe
 from .loaders.tensor import TensorEvalLoader, TensorPretrainLoader
 from .order import evenly_spaced
-from .sources import InMemorySource, hash_train_source, resolve_source
+from .sources import InMemorySource, Listing, hash_train_source, resolve_source
 from .sources.imagefolder import check_policy, non_utf8_names
 from .sources.subset import TRAIN_SUBSETS, HashSubset
 
@@ -51,7 +51,7 @@ LOADERS = ("auto", "torchvision", "dali-cpu", "dali-gpu")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 __all__ = ["build_pretrain_loader", "build_eval_loader", "resolve_source", "dali_available",
-           "make_recipe", "Recipe", "LOADERS", "HashSubset", "TRAIN_SUBSETS"]
+           "make_recipe", "Recipe", "LOADERS", "HashSubset", "TRAIN_SUBSETS", "Listing"]
 
 
 def dali_available() -> bool:
@@ -133,7 +133,7 @@ def _pick_loader(loader, source, device):
 def build_pretrain_loader(data="fashion-mnist", batch_size=256, rank=0, world_size=1, seed=0,
                           image_size=None, loader="auto", num_workers=0, device="cpu",
                           channels_last=False, dtype=torch.float32, recipe="auto", scale=None,
-                          on_bad_file="warn", subset=None):
+                          on_bad_file="warn", subset=None, val_labels=None, listing=None):
     """Two-view pretraining loader; see the module docstring.
 
     Yields (view1, view2), each (batch_size, C, image_size, image_size) normalised `dtype` on
@@ -147,13 +147,16 @@ def build_pretrain_loader(data="fashion-mnist", batch_size=256, rank=0, world_si
     subset: None (the training split), or a HashSubset: the paper's hashing training images of
     the pool train + test (sources.subset; the source keeps the pool's order), which the
     evaluation's paper protocol assumes.  ValueError when batch_size x world_size exceeds the
-    data set (an epoch would have no batch).
+    data set (an epoch would have no batch).  ImageFolders: val_labels, the labels file of a
+    flat val/ (ILSVRC2012's as distributed; read by a subset, which pools train + test);
+    listing, a sources.Listing: the folder scanned by one process of the run and cached between
+    runs (sources/listing.py).
     """
     _check_common(batch_size, image_size, num_workers, dtype, channels_last, on_bad_file)
     if subset is not None and not isinstance(subset, HashSubset):
         raise TypeError(f"subset must be None or a HashSubset, got {type(subset).__name__}")
-    source = (resolve_source(data, "train") if subset is None
-              else hash_train_source(data, subset)[0])
+    source = (resolve_source(data, "train", listing=listing) if subset is None
+              else hash_train_source(data, subset, val_labels=val_labels, listing=listing)[0])
     size = _image_size(image_size, source)
     rec = make_recipe(recipe, size, scale)
     kind = _pick_loader(loader, source, device)
@@ -171,7 +174,8 @@ def build_pretrain_loader(data="fashion-mnist", batch_size=256, rank=0, world_si
 
 def build_eval_loader(data="fashion-mnist", split="train", batch_size=256, rank=0, world_size=1,
                       image_size=None, num_workers=0, device="cpu", channels_last=False,
-                      dtype=torch.float32, on_bad_file="warn", limit=None):
+                      dtype=torch.float32, on_bad_file="warn", limit=None, val_labels=None,
+                      listing=None):
     """(images, labels) batches in a fixed order, one centred view: in-memory sources are resized
     whole to image_size (identity at the natural size); ImageFolders are resized to
     image_size/0.875 on the short side and centre-cropped (224 <- 256).  Rank r gets every
@@ -179,13 +183,16 @@ def build_eval_loader(data="fashion-mnist", split="train", batch_size=256, rank=
     limit: `limit` of those images spread evenly over them (`evenly_spaced`: every
     (n / limit)-th where limit divides their number n), so that a class-sorted folder keeps
     every class; a limit above n is a ValueError.  on_bad_file as for build_pretrain_loader (a
-    skipped file's place is taken by the next decodable file, with its label)."""
+    skipped file's place is taken by the next decodable file, with its label).  val_labels,
+    listing: as for build_pretrain_loader (a flat val/ is ordered as the same images sorted into
+    class folders, so both evaluate alike)."""
     _check_common(batch_size, image_size, num_workers, dtype, channels_last, on_bad_file)
     if split not in ("train", "test", "val"):
         raise ValueError(f"split must be 'train' or 'test' ('val' is an alias), got {split!r}")
     if limit is not None:
         _checks.positive_int("limit", limit)
-    source = resolve_source(data, "test" if split == "val" else split)
+    source = resolve_source(data, "test" if split == "val" else split,
+                            val_labels=val_labels if split != "train" else None, listing=listing)
     size = _image_size(image_size, source)
     if isinstance(source, InMemorySource):
         loader = TensorEvalLoader(source, batch_size, rank, world_size, size, device,

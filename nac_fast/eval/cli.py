@@ -67,6 +67,7 @@ import math
 import os
 import sys
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -79,6 +80,9 @@ from .metrics import itq_codes, itq_fit, knn_accuracy, linear_probe, retrieval_s
 from ..codestats import code_statistics
 from ..ops.retrieval import mean_average_precision, retrieval_metrics
 from ..ops.search import resolve_backend
+from ..train.distributed import broadcast_object, gather_objects, init_distributed
+from .extraction import (CPU_MICRO_BATCH, MAX_DEFAULT_WORKERS, default_workers,
+                         extraction_network, gather_rows, shard_bounds)
 
 TASKS = ("linear", "hash", "knn", "expressivity")
 PRECISION_AT_N = (1, 10, 50, 100, 200, 500, 1000)
@@ -137,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
       "val/, or class folders alone: their test split is the part of each class train.py held "
       "out); default: the data set recorded in the checkpoint")
     a("--out", required=True, help="output directory (feature cache, report.json, report.md)")
+    a("--val-labels", metavar="FILE", default=None, help="labels of a flat val/ (ILSVRC2012's as "
+      "distributed: LOC_val_solution.csv, or the devkit's ILSVRC2012_validation_ground_truth.txt "
+      "with a synsets.txt beside it); default: the one at the --data root or its parent")
     a("--overwrite", action="store_true", help="replace the report of an earlier evaluation in "
       "--out (its cached features are reused where they match); without it such an --out is "
       "refused")
@@ -157,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--limit-train", type=int, default=None, help="use N images of the train split")
     a("--limit-test", type=int, default=None, help="use N images of the test split")
     a("--batch-size", type=int, default=256, help="feature-extraction batch size")
+    a("--workers", type=int, default=None, help="loader worker processes of feature extraction "
+      "(per rank under torchrun) that decode an image folder's files; 0: decode in the main "
+      "process.  Default: the CPU cores of this process's share of the node (its cores / the "
+      f"processes torchrun started on the node), at most {MAX_DEFAULT_WORKERS}.  In-memory data "
+      "sets (fashion-mnist, CIFAR-10) need none: a batch is one tensor gather")
+    a("--eager-extraction", action="store_true", help="extract with the network as trained "
+      "(eager, NCHW, whole batches) instead of its copy with batch norm folded into the "
+      "convolutions, channels-last, in CPU micro-batches (the default: ~1.9x the images/s on "
+      "a CPU, features equal to ~1e-6; bench/results/eval_extract_cpu.md)")
     a("--which", default="online", choices=("online", "momentum"),
       help="which model of the checkpoint (momentum: NAC-MQ's EMA model)")
     a("--hash-protocol", default=None, choices=("standard", "paper"),
@@ -206,6 +222,10 @@ def check_args(args) -> None:
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if getattr(args, "workers", None) is None:
+        args.workers = default_workers()
+    elif args.workers < 0:
+        raise ValueError(f"--workers must be >= 0, got {args.workers}")
     if args.split_seed is not None and args.split_seed < 0:
         raise ValueError(f"--split-seed must be >= 0, got {args.split_seed}")
     for flag in ("limit_train", "limit_test"):
@@ -227,6 +247,8 @@ def check_args(args) -> None:
         raise FileNotFoundError(f"--checkpoint {args.checkpoint!r}: no such file")
     if not os.path.isfile(args.checkpoint):
         raise ValueError(f"--checkpoint {args.checkpoint!r} is not a file")
+    if args.val_labels is not None and not os.path.isfile(args.val_labels):
+        raise FileNotFoundError(f"--val-labels {args.val_labels!r}: no such file")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -257,20 +279,21 @@ def check_args(args) -> None:
 # Feature extraction with a cache
 # --------------------------------------------------------------------------------------------
 
-def _subset_loader(data, split, limit, batch_size, image_size, device, cap=False):
+def _subset_loader(data, split, limit, batch_size, image_size, device, cap=False,
+                   val_labels=None):
     """(loader, n_used, n_split): `limit` images spread evenly over the split (image
     floor(i n / limit), i < limit: every (n / limit)-th where limit divides n), so that a
     class-sorted folder keeps every class.  A limit beyond the split is a ValueError naming
     --limit-<split>, or with `cap` (--quick's own limit) the whole split."""
     full = build_eval_loader(data, split=split, batch_size=batch_size, image_size=image_size,
-                             device=device)
+                             device=device, val_labels=val_labels)
     n = full.num_images
     if limit is None or limit >= n:
         if limit is not None and limit > n and not cap:
             raise ValueError(f"--limit-{split} {limit} exceeds the {split} split's {n} images")
         return full, n, n
     sub = build_eval_loader(data, split=split, batch_size=batch_size, image_size=image_size,
-                            device=device, limit=limit)
+                            device=device, limit=limit, val_labels=val_labels)
     return sub, limit, n
 
 
@@ -293,6 +316,8 @@ def _cache_meta(args, data, split, limit, image_size, size=None) -> dict:
             "image_size": image_size}
     if size is not None:
         meta.update(used=int(size["used"]), total=int(size["total"]))
+    if getattr(args, "val_labels", None) is not None and split != "train":
+        meta["val_labels"] = os.path.abspath(args.val_labels)
     return meta
 
 
@@ -334,7 +359,8 @@ def load_or_extract(args, model, data, split, limit, image_size, device, model_d
                 and (size is None or all(int(cached[k].shape[0]) == int(size["used"])
                                          for k in ("h", "a", "labels")))):
             return cached, True, 0.0, path
-    loader, n_used, _ = _subset_loader(data, split, limit, args.batch_size, image_size, device)
+    loader, n_used, _ = _subset_loader(data, split, limit, args.batch_size, image_size, device,
+                                       val_labels=getattr(args, "val_labels", None))
     t0 = time.perf_counter()
     feats = extract_features(model(), loader, n_used, model_device, args.progress,
                              f"features {split}")
@@ -778,7 +804,7 @@ def main(argv=None) -> int:
         for split, limit in (("train", args.limit_train), ("test", args.limit_test)):
             quick = f"limit_{split}" in getattr(args, "quick_limits", ())
             ld, used, total = _subset_loader(data, split, limit, args.batch_size, image_size, "cpu",
-                                             cap=quick)
+                                             cap=quick, val_labels=args.val_labels)
             if quick and limit is not None and limit >= total:  # --quick on a small split: all
                 setattr(args, f"limit_{split}", None)
             planned.append(_planned_labels(ld, used))

@@ -121,6 +121,7 @@ class TrainConfig:
     split_seed: int = 0                # paper-hash: the split's seed
     loader: str = "auto"
     on_bad_file: str = "warn"
+    val_labels: str | None = None      # a flat val/'s labels file (ILSVRC2012's as distributed)
     workers: int | None = None
     device: str = "auto"
     out: str = "runs/default"
@@ -389,6 +390,10 @@ def build_parser() -> _Parser:
       help="an ImageFolder file that cannot be read: warn = skip it (named in one warning, "
       "replaced by the next readable image, counted in the loader's skipped_files), error = "
       "stop with an error naming it")
+    a("--val-labels", metavar="FILE", help="labels of a flat val/ (ILSVRC2012's as distributed: "
+      "LOC_val_solution.csv, or the devkit's ILSVRC2012_validation_ground_truth.txt with a "
+      "synsets.txt beside it); default: the one at the --data root or its parent. Read by "
+      "--train-subset paper-hash, which pools train/ and val/")
     a("--workers", type=int, help="data workers per process")
     a("--device", choices=("auto", "cpu", "cuda"), help="auto = cuda when available")
     a("--out", help="output directory: last.pt, prev.pt, log.jsonl, config.json, status.json. "
@@ -484,13 +489,21 @@ def _display(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-def auto_recipe(data: str) -> tuple[str, str]:
+def data_listing(out):
+    """The Listing with which every rank reads an ImageFolder's scale before the run's processes
+    know each other: the scan that rank 0 cached in --out (a restart), else a walk of the
+    folders (nac_fast/data/sources/listing.py)."""
+    from ..data.sources import Listing
+    return Listing(cache_dir=out) if isinstance(out, str) else None
+
+
+def auto_recipe(data: str, out: str | None = None) -> tuple[str, str]:
     """(recipe file, why) for a run without --config: by the scale of `data`'s training split
     (SMALL_DATA_IMAGES, SMALL_DATA_SIDE).  Data that cannot be read gets the small recipe; the
     run then stops at the data with the loader's message."""
     try:
         from ..data.sources import data_scale
-        n, side = data_scale(data)
+        n, side = data_scale(data, listing=data_listing(out))
     except (OSError, ValueError, TypeError) as exc:
         return (os.path.join(CONFIG_DIR, AUTO_RECIPES["small"]),
                 f"--data {data!r} could not be read ({exc})")
@@ -579,9 +592,10 @@ def parse(argv=None) -> TrainConfig:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     pre.add_argument("--data", default=TrainConfig.data)
+    pre.add_argument("--out", default=TrainConfig.out)
     known, _ = pre.parse_known_args(argv)
     path, why = ((known.config, "given with --config") if known.config else
-                 auto_recipe(known.data))
+                 auto_recipe(known.data, known.out))
     recipe = load_recipe(path, parser)
     parser.set_defaults(**recipe)
     parser.set_defaults(recipe=os.path.abspath(path))
@@ -639,7 +653,8 @@ def _fit_batch_to_data(cfg: TrainConfig, world: int) -> None:
     message."""
     try:
         from ..data.sources import data_scale
-        n = data_scale(cfg.data, hash_subset(cfg))[0]
+        n = data_scale(cfg.data, hash_subset(cfg), val_labels=cfg.val_labels,
+                       listing=data_listing(cfg.out))[0]
     except (OSError, ValueError, TypeError):
         return
     b = fit_batch(cfg.batch_size, n, world)
@@ -660,6 +675,8 @@ def _flag(dest: str) -> str:
 
 def check(cfg: TrainConfig, world: int, name=_flag) -> None:
     """Checks that need no data; UsageError naming the flag (`name(dest)`: as the user gave it)."""
+    if cfg.val_labels is not None and not os.path.isfile(cfg.val_labels):
+        raise UsageError(f"{name('val_labels')} {cfg.val_labels!r}: no such file")
     pos = {d: getattr(cfg, d) for d in ("batch_size", "epochs", "log_every", "save_every",
                                          "code_dim")}
     for d in ("max_steps", "min_steps", "image_size", "stop_at_step",

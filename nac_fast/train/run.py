@@ -173,7 +173,8 @@ def build_loader(cfg: TrainConfig, di, channels_last: bool):
                                      num_workers=default_workers(cfg, di.device.type),
                                      device=str(di.device), channels_last=channels_last,
                                      dtype=torch.float32, on_bad_file=cfg.on_bad_file,
-                                     scale=cfg.crop_scale, subset=hash_subset(cfg))
+                                     scale=cfg.crop_scale, subset=hash_subset(cfg),
+                                     val_labels=cfg.val_labels, listing=data_listing(cfg, di))
     except SubsetSizeError as exc:
         raise UsageError(f"--train-subset {cfg.train_subset} --queries-per-class "
                          f"{cfg.queries_per_class} --train-per-class {cfg.train_per_class}: too "
@@ -187,6 +188,15 @@ def build_loader(cfg: TrainConfig, di, channels_last: bool):
         raise UsageError(f"--data {cfg.data!r}: {exc}") from exc
 
 
+def data_listing(cfg: TrainConfig, di):
+    """An ImageFolder listed once per run: rank 0 scans it (or reuses its scan cached in --out,
+    while the folder is unchanged) and broadcasts the file list to the other ranks
+    (nac_fast/data/sources/listing.py)."""
+    from ..data.sources import Listing
+    return Listing(cache_dir=cfg.out, first=di.is_main,
+                   broadcast=nd.broadcast_object if nd.is_dist() else None)
+
+
 def subset_digest(cfg: TrainConfig) -> str | None:
     """The --train-subset's indices_digest (None: the whole training split): what config.json
     records and what python -m nac_fast.eval --hash-protocol paper checks its split against."""
@@ -195,7 +205,7 @@ def subset_digest(cfg: TrainConfig) -> str | None:
         return None
     from ..data.sources import hash_subset_indices
     from ..data.sources.subset import indices_digest
-    return indices_digest(hash_subset_indices(cfg.data, subset))
+    return indices_digest(hash_subset_indices(cfg.data, subset, val_labels=cfg.val_labels))
 
 
 def _split_hint(data: str) -> str:
@@ -512,7 +522,14 @@ def check_writable(out: str) -> tuple:
 def remove_unused_out(created) -> None:
     """Remove the folders `check_writable` created for a run that stopped before it began (bad
     data, a model that does not fit): an empty --out left behind is a half-made run.  A folder
-    that is no longer empty (something else wrote there) is kept."""
+    that is no longer empty (something else wrote there) is kept; the data list that rank 0
+    cached there (data_list-*.json.gz, `data_listing`) goes with it."""
+    from ..data.sources.listing import CACHE_PREFIX
+    for d in created[:1]:           # deepest first: --out itself
+        with contextlib.suppress(OSError):
+            for name in os.listdir(d):
+                if name.startswith(CACHE_PREFIX) and name.endswith(".json.gz"):
+                    os.unlink(os.path.join(d, name))
     for d in created:
         try:
             os.rmdir(d)

@@ -41,6 +41,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from . import ilsvrc
+from .listing import Listing, check_listing, read_cache, shared, write_cache
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 HOW_TO_GET = ("pass a folder of class folders (<root>/<class>/<image>; a part of each class is "
@@ -155,17 +158,32 @@ class FolderSource:
     held_out: int = 0     # a bare folder's training split: how many images its test split holds
     # (scan start ns, ((folder, mtime), ...)) of the folders the scan read (`_unchanged`)
     stamp: tuple = field(default=(), repr=False, compare=False)
+    # (images, side) of the split before the header check: what data_scale reports, so that a
+    # listing without the check (train.py's recipe choice) and a cached scan agree
+    scale: tuple = field(default=(0, NATURAL_MAX), repr=False, compare=False)
 
     @property
     def num_classes(self) -> int:
         return len(self.classes)
 
     @classmethod
-    def from_root(cls, root, split="train"):
+    def from_root(cls, root, split="train", *, val_labels=None, listing=None):
+        """The `split` ("train", or the test split: val/ or test/) of the ImageFolder `root`.
+        A flat val/ (ILSVRC2012's as distributed) takes its labels from `val_labels` (a
+        LOC_val_solution.csv or the devkit's ground truth), else from the one found at the
+        tree's root or its parent (ilsvrc.find_labels).  `listing` (a Listing): the folder is
+        scanned once per run and cached between runs (listing.py)."""
+        check_listing(listing)
         root = os.path.abspath(root)
         train = os.path.join(root, "train")
+        if val_labels is not None and not os.path.isfile(val_labels):
+            raise FileNotFoundError(f"val_labels {os.fspath(val_labels)!r}: no such file")
         if not os.path.isdir(train):
-            return cls._bare(root, split)
+            if val_labels is not None:
+                raise ValueError(f"val_labels: {root} has no train/ and val/ (a folder of classes "
+                                 "holds its test split out of each class): a labels file labels "
+                                 "a flat val/ beside train/")
+            return cls._bare(root, split, listing)
         sub = "train" if split == "train" else next(
             (s for s in ("val", "test") if os.path.isdir(os.path.join(root, s))), None)
         if sub is None:
@@ -173,37 +191,69 @@ class FolderSource:
                                     f"{split!r} split; {HOW_TO_GET}")
         d = os.path.join(root, sub)
         labels_from = train if sub != "train" else None  # test labels: the training classes
+        labels_file = None
+        if labels_from:
+            labels_file = (os.path.abspath(val_labels) if val_labels is not None
+                           else ilsvrc.find_labels(root))
         key = (os.path.realpath(d),) + ((os.path.realpath(labels_from),) if labels_from else ())
-        if key not in _scan_cache or not _unchanged(_scan_cache[key].stamp):
-            _scan_cache.pop(key, None)
+        key += (os.path.realpath(labels_file),) if labels_file else ()
+
+        def make():
             before = _stamp([labels_from]) if labels_from else ()   # its class names are read
-            src = cls._scan(d, cls._class_names(labels_from) if labels_from else None)
-            _scan_cache[key] = replace(src, stamp=(src.stamp[0], src.stamp[1] + before))
-        return _scan_cache[key]
+            src = cls._scan(d, cls._class_names(labels_from) if labels_from else None,
+                            labels_file=labels_file, labels_named=val_labels is not None)
+            return replace(src, stamp=(src.stamp[0], src.stamp[1] + before))
+        return _shared_scan(key, make, listing)
 
     @classmethod
-    def _bare(cls, root, split):
+    def _bare(cls, root, split, listing=None):
         """A bare folder of classes: its training or test split (holdout_split).  A folder too
         small to hold any image out (every class a single image) trains on all of them and has
         no test split."""
         key = (os.path.realpath(root), "bare")
-        if key not in _scan_cache or not _unchanged(_scan_cache[key]["train"].stamp):
-            _scan_cache.pop(key, None)
-            whole = replace(cls._scan(root), name=os.path.basename(root.rstrip(os.sep)) or root)
+        whole = _shared_scan(key, lambda: replace(
+            cls._scan(root, bare=True), name=os.path.basename(root.rstrip(os.sep)) or root),
+            listing)
+        part = _split_cache.get(key)
+        if part is None or part["whole"] is not whole:
             test = holdout_split(whole.files, whole.labels, root)
 
             def take(keep, **kw):
                 idx = np.flatnonzero(keep)
                 return replace(whole, files=[whole.files[i] for i in idx],
                                labels=whole.labels[idx], **kw)
-            _scan_cache[key] = {"train": take(~test, held_out=int(test.sum())),
-                                "test": take(test)}
-        part = _scan_cache[key]
+            part = _split_cache[key] = {"whole": whole, "train": take(~test,
+                                                                     held_out=int(test.sum())),
+                                        "test": take(test)}
         if split != "train" and not part["test"].files:
             raise ValueError(f"data: {root} is a folder of classes too small to hold any image "
                              f"out for its {split!r} split (a class needs at least 2 images); "
                              f"{HOW_TO_GET}")
         return part["train" if split == "train" else "test"]
+
+    @classmethod
+    def scale_of(cls, root, listing=None) -> tuple:
+        """(images, side) of the training split of the ImageFolder `root` before the header
+        check (`scale`): from a scan made already (this process's, or the cache of `listing`),
+        else from a walk of its folders alone (no file opened but the SIZE_SAMPLE images whose
+        headers set the side).  What train.py reads on every rank before the run's processes
+        know each other, to choose its recipe and batch."""
+        check_listing(listing)
+        root = os.path.abspath(root)
+        train = os.path.join(root, "train")
+        bare = not os.path.isdir(train)
+        key = (os.path.realpath(root), "bare") if bare else (os.path.realpath(train),)
+        src = _cached_scan(key, listing)
+        if src is not None:
+            return tuple(src.scale)
+        d = root if bare else train
+        hit = _walk_cache.get(key)
+        if hit is None or not _unchanged(hit[1]):
+            start = time.time_ns()
+            imgs, labels, _, _, stamp = cls._walk(d)
+            hit = _walk_cache[key] = ((imgs, labels), (start, stamp))
+        imgs, labels = hit[0]
+        return _scale(imgs, labels, d, bare)
 
     @staticmethod
     def _class_names(d):
@@ -213,10 +263,10 @@ class FolderSource:
         return classes
 
     @classmethod
-    def _scan(cls, d, train_classes=None):
-        """The class folders of ``d``; with ``train_classes`` (a test split) each must be one of
-        the training split's, and its label is that class's index there."""
-        start = time.time_ns()
+    def _walk(cls, d, train_classes=None):
+        """(image files, labels, classes, other files, stamp) of the class folders of ``d``, no
+        file opened; with ``train_classes`` (a test split) each must be one of the training
+        split's, and its label is that class's index there."""
         stamp = _stamp([d])              # before the listing: a change during the scan rescans
         found = cls._class_names(d)
         classes = list(train_classes) if train_classes is not None else found
@@ -247,14 +297,56 @@ class FolderSource:
             warnings.warn(f"nac_fast.data: not following {len(looped)} symlinked folder(s) "
                           "whose real folder is read already (a symlink loop, or a second link "
                           f"to one folder): {_names(sorted(looped), '')}", RuntimeWarning,
-                          stacklevel=2)
+                          stacklevel=3)
         loose = sorted(e.name for e in os.scandir(d) if e.is_file() and not
                        e.name.startswith(".") and e.name.lower().endswith(IMAGE_EXTENSIONS))
         if loose:
             warnings.warn(f"nac_fast.data: {len(loose)} image file(s) directly in {d} are not "
                           "in a class folder and are not used (a class's images go in "
                           f"<root>/<class>/): {_names([os.path.join(d, n) for n in loose], '')}",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=3)
+        return files, labels, classes, odd, stamp
+
+    @staticmethod
+    def _walk_flat(d, classes, labels_file, labels_named):
+        """_walk's answer for a flat val/ (ILSVRC2012's as distributed): its image files with
+        the labels of `labels_file`, in the order of the same images sorted into class folders
+        (class-major, by name within a class), so that both layouts evaluate alike."""
+        stamp = _stamp([d])
+        if labels_file is None:
+            raise ValueError(f"data: {d} is a flat folder of images (ILSVRC2012's val/ as "
+                             f"distributed) and no labels file was found ({ilsvrc.CSV_NAME} at "
+                             f"{os.path.dirname(d)} or its parent, or the devkit's "
+                             f"{ilsvrc.DEVKIT_NAME} in {ilsvrc.DEVKIT_DIR}); name it with "
+                             "--val-labels FILE, or sort val/ into class folders")
+        names = sorted(e.name for e in os.scandir(d) if e.is_file() and not e.name.startswith("."))
+        files = [os.path.join(d, n) for n in names if n.lower().endswith(IMAGE_EXTENSIONS)]
+        odd = [os.path.join(d, n) for n in names if not n.lower().endswith(IMAGE_EXTENSIONS)]
+        try:
+            labels = np.asarray(ilsvrc.flat_labels(files, labels_file, classes), np.int64)
+        except ValueError as exc:
+            if labels_named:
+                raise ValueError(f"--val-labels: {exc}") from None
+            raise
+        order = np.argsort(labels, kind="stable")
+        stamp += _stamp(ilsvrc.label_files(labels_file))
+        return [files[i] for i in order], labels[order].tolist(), list(classes), odd, stamp
+
+    @classmethod
+    def _scan(cls, d, train_classes=None, *, labels_file=None, labels_named=False, bare=False):
+        """The class folders of ``d`` (`_walk`), or with ``train_classes`` a flat ``d`` labelled
+        by ``labels_file`` (`_walk_flat`), their files' headers checked."""
+        start = time.time_ns()
+        if train_classes is not None and _is_flat(d):
+            files, labels, classes, odd, stamp = cls._walk_flat(d, train_classes, labels_file,
+                                                                labels_named)
+        else:
+            if labels_named:
+                raise ValueError(f"--val-labels: {d} is sorted into class folders, which label "
+                                 "its images; a labels file labels a flat val/ (leave the flag "
+                                 "out)")
+            files, labels, classes, odd, stamp = cls._walk(d, train_classes)
+        scale = _scale(files, labels, d, bare)
         # header check: 16 bytes per file, threads because it is I/O-bound (ImageNet: 1.28M files)
         with ThreadPoolExecutor(16) as ex:
             ok = [_is_image_header(h) for h in ex.map(_read_head, files, chunksize=256)]
@@ -268,8 +360,112 @@ class FolderSource:
         files = [files[i] for i in keep]
         return cls(name=os.path.basename(os.path.dirname(d.rstrip("/"))) or d, root=d,
                    files=files, labels=np.asarray(labels, np.int64)[keep],
-                   classes=classes, bad_files=bad, natural_size=natural_side(files),
-                   stamp=(start, stamp))
+                   classes=classes, bad_files=bad, natural_size=scale[1],
+                   stamp=(start, stamp), scale=scale)
+
+
+def _is_flat(d) -> bool:
+    """Whether folder `d` holds image files and no class folder (a flat val/)."""
+    subdirs, images = False, False
+    for e in os.scandir(d):
+        if e.name.startswith("."):
+            continue
+        if e.is_dir():
+            subdirs = True
+        elif e.name.lower().endswith(IMAGE_EXTENSIONS):
+            images = True
+    return images and not subdirs
+
+
+def _scale(files, labels, root, bare) -> tuple:
+    """(images, side) of a split before the header check: `files` (a bare folder: the part
+    holdout_split leaves for training) and natural_side of `files`."""
+    n = len(files)
+    if bare and n:
+        n -= int(holdout_split(files, labels, root).sum())
+    return n, natural_side(files)
+
+
+_split_cache: dict = {}   # a bare folder's key: {"whole": its scan, "train": ..., "test": ...}
+_walk_cache: dict = {}    # scale_of's walks: key -> ((files, labels), (start, stamp))
+
+
+def _cached_scan(key, listing):
+    """A scan of `key` that still holds (`_unchanged`): this process's, else the one in the
+    cache of `listing`; None."""
+    src = _scan_cache.get(key)
+    if src is not None and _unchanged(src.stamp):
+        return src
+    if listing is not None and listing.cache_dir is not None:
+        packed = read_cache(listing.cache_dir, key)
+        if packed is not None:
+            src = _unpack(packed)
+            if _unchanged(src.stamp):
+                _scan_cache[key] = src
+                return src
+    return None
+
+
+def _shared_scan(key, make, listing: Listing | None):
+    """The scan `key`: made by `make()` on the first process of `listing` (or reused from this
+    process's scans or from the listing's cache, which a new scan is written to) and received
+    by the others (listing.shared)."""
+    def produce():
+        src = _cached_scan(key, listing)
+        if src is None:
+            _scan_cache.pop(key, None)
+            src = make()
+            if listing is not None and listing.cache_dir is not None and listing.first:
+                try:
+                    write_cache(listing.cache_dir, key, _pack(src))
+                except OSError as exc:
+                    warnings.warn(f"nac_fast.data: the data list cache cannot be written in "
+                                  f"{listing.cache_dir} ({exc.strerror or exc}); a restart "
+                                  "scans the folder again", RuntimeWarning, stacklevel=4)
+        return src
+    if listing is None or listing.broadcast is None:
+        src = produce()
+    else:
+        mine: dict = {}
+
+        def make_packed():
+            mine["src"] = produce()
+            return _pack(mine["src"])
+        packed = shared(listing, make_packed)
+        src = mine["src"] if "src" in mine else _unpack(packed)
+    _scan_cache[key] = src
+    return src
+
+
+def _pack(src) -> dict:
+    """A FolderSource as plain data (paths relative to its root): what the first process
+    broadcasts and the cache stores."""
+    prefix = src.root.rstrip(os.sep) + os.sep
+
+    def rel(paths):
+        return [p[len(prefix):] if p.startswith(prefix) else p for p in paths]
+    return {"name": src.name, "root": src.root, "files": rel(src.files),
+            "labels": np.asarray(src.labels).tolist(), "classes": list(src.classes),
+            "bad_files": rel(src.bad_files), "natural_size": int(src.natural_size),
+            "in_channels": int(src.in_channels), "held_out": int(src.held_out),
+            "stamp": [src.stamp[0], [[d, t] for d, t in src.stamp[1]]] if src.stamp else [],
+            "scale": [int(v) for v in src.scale]}
+
+
+def _unpack(packed) -> FolderSource:
+    prefix = packed["root"].rstrip(os.sep) + os.sep
+
+    def absolute(paths):
+        return [p if p.startswith(os.sep) else prefix + p for p in paths]
+    stamp = packed["stamp"]
+    return FolderSource(name=packed["name"], root=packed["root"],
+                        files=absolute(packed["files"]),
+                        labels=np.asarray(packed["labels"], np.int64).reshape(-1),
+                        classes=list(packed["classes"]), bad_files=absolute(packed["bad_files"]),
+                        natural_size=packed["natural_size"], in_channels=packed["in_channels"],
+                        held_out=packed["held_out"],
+                        stamp=(stamp[0], tuple((d, t) for d, t in stamp[1])) if stamp else (),
+                        scale=tuple(packed["scale"]))
 
 
 def holdout_split(files, labels, root) -> np.ndarray:

@@ -16,8 +16,10 @@ def synth_image(rng: np.random.Generator, width: int, height: int) -> Image.Imag
     img = Image.fromarray(low).resize((width, height), Image.BICUBIC)
     draw = ImageDraw.Draw(img)
     for _ in range(int(rng.integers(2, 6))):
-        x0, y0 = int(rng.integers(0, width - 8)), int(rng.integers(0, height - 8))
-        x1, y1 = x0 + int(rng.integers(8, width // 2)), y0 + int(rng.integers(8, height // 2))
+        # (the bounds clamped for images under 18 px: the draws of larger ones are unchanged)
+        x0, y0 = int(rng.integers(0, max(1, width - 8))), int(rng.integers(0, max(1, height - 8)))
+        x1 = x0 + int(rng.integers(8, max(9, width // 2)))
+        y1 = y0 + int(rng.integers(8, max(9, height // 2)))
         fill = tuple(int(v) for v in rng.integers(0, 256, 3))
         (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x1, y1], fill=fill)
     arr = np.asarray(img, dtype=np.int16) + rng.integers(-12, 13, (height, width, 3))
