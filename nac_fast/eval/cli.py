@@ -67,7 +67,6 @@ import math
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 import torch
@@ -80,9 +79,6 @@ from .metrics import itq_codes, itq_fit, knn_accuracy, linear_probe, retrieval_s
 from ..codestats import code_statistics
 from ..ops.retrieval import mean_average_precision, retrieval_metrics
 from ..ops.search import resolve_backend
-from ..train.distributed import broadcast_object, gather_objects, init_distributed
-from .extraction import (CPU_MICRO_BATCH, MAX_DEFAULT_WORKERS, default_workers,
-                         extraction_network, gather_rows, shard_bounds)
 
 TASKS = ("linear", "hash", "knn", "expressivity")
 PRECISION_AT_N = (1, 10, 50, 100, 200, 500, 1000)
@@ -164,15 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--limit-train", type=int, default=None, help="use N images of the train split")
     a("--limit-test", type=int, default=None, help="use N images of the test split")
     a("--batch-size", type=int, default=256, help="feature-extraction batch size")
-    a("--workers", type=int, default=None, help="loader worker processes of feature extraction "
-      "(per rank under torchrun) that decode an image folder's files; 0: decode in the main "
-      "process.  Default: the CPU cores of this process's share of the node (its cores / the "
-      f"processes torchrun started on the node), at most {MAX_DEFAULT_WORKERS}.  In-memory data "
-      "sets (fashion-mnist, CIFAR-10) need none: a batch is one tensor gather")
-    a("--eager-extraction", action="store_true", help="extract with the network as trained "
-      "(eager, NCHW, whole batches) instead of its copy with batch norm folded into the "
-      "convolutions, channels-last, in CPU micro-batches (the default: ~1.9x the images/s on "
-      "a CPU, features equal to ~1e-6; bench/results/eval_extract_cpu.md)")
     a("--which", default="online", choices=("online", "momentum"),
       help="which model of the checkpoint (momentum: NAC-MQ's EMA model)")
     a("--hash-protocol", default=None, choices=("standard", "paper"),
@@ -222,10 +209,6 @@ def check_args(args) -> None:
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
-    if getattr(args, "workers", None) is None:
-        args.workers = default_workers()
-    elif args.workers < 0:
-        raise ValueError(f"--workers must be >= 0, got {args.workers}")
     if args.split_seed is not None and args.split_seed < 0:
         raise ValueError(f"--split-seed must be >= 0, got {args.split_seed}")
     for flag in ("limit_train", "limit_test"):
