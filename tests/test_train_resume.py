@@ -102,12 +102,15 @@ def test_sigkill_loses_at_most_one_save_interval(tmp_path):
     # The kill must land before the run ends: a step takes ~10 ms here, so the steps after the
     # 10th record are all the slack this test's polling (every 50 ms, on a loaded machine) has.
     # With 30 steps that was ~0.25 s, and a kill after the final save (step 30, not a multiple
-    # of 4) failed the checks below; 100 steps give ~1 s.
+    # of 4) failed the checks below; 100 steps give ~1 s.  --save-mode sync: the bound of one
+    # interval is the synchronous save's (an async save's write may still be in flight at the
+    # kill: test_sigkill_during_background_write_resumes_previous_checkpoint)
     total = 100
     out = str(tmp_path / "k")
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data", "synthetic:512",
            "--image-size", "8", "--batch-size", "32", "--max-steps", str(total),
-           "--save-every", "4", "--log-every", "1", "--no-progress", "--out", out]
+           "--save-every", "4", "--log-every", "1", "--no-progress", "--save-mode", "sync",
+           "--out", out]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     log = os.path.join(out, "log.jsonl")
     deadline = time.time() + 120
@@ -248,3 +251,140 @@ def test_resume_applies_the_weight_decay_it_is_given(tmp_path):
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["wd"] == 0.5
     assert [g["weight_decay"] for g in ck["optimizer"]["param_groups"]] == [0.5, 0.0]
+
+
+# ---- --save-mode async (the default): the step goes on while the checkpoint is written ----------
+
+def _sha(path):
+    import hashlib
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _temp_files(out):
+    return sorted(n for n in os.listdir(out) if n.startswith(".tmp-last.pt."))
+
+
+def test_background_save_one_in_flight_copy_isolated_and_errors_kept(tmp_path):
+    """BackgroundSave: the host copy does not see later changes of the state, start() and
+    snapshot() refuse while a write is in flight, the copy reuses the previous one's memory, and
+    a write that fails reports its error from wait() leaving the file it would replace intact."""
+    from nac_fast.train.checkpoint import BackgroundSave, snapshot
+    p, prev = str(tmp_path / "last.pt"), str(tmp_path / "prev.pt")
+    w = BackgroundSave()
+    assert not w.busy and w.wait() is None
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    state = {"model": model.state_dict(), "step": 1, "rng": [torch.arange(3)]}
+    w0 = model[0].weight.detach().clone()
+    copy1 = w.snapshot(state)
+    assert copy1["model"]._metadata == state["model"]._metadata        # BN's version kept
+    with torch.no_grad():
+        model[0].weight.add_(1.0)                                       # a later step
+    assert not torch.equal(copy1["model"]["0.weight"], model[0].weight)
+    w.start(copy1, p, previous=prev, label=1)
+    with pytest.raises(RuntimeError, match="in flight"):
+        w.start(copy1, p, label=2)
+    with pytest.raises(RuntimeError, match="in flight"):
+        w.snapshot(state)
+    out = w.wait()
+    assert (out.label, out.path, out.error) == (1, p, None) and out.seconds >= 0 and not w.busy
+    ck = load_checkpoint(p, require=("model",))
+    assert torch.equal(ck["model"]["0.weight"], w0)
+    assert ck["model"]._metadata == state["model"]._metadata
+    # the next copy goes into the memory of the written one: same buffer, new values
+    copy2 = w.snapshot({"model": model.state_dict(), "step": 2, "rng": [torch.arange(3)]})
+    assert copy2["model"]["0.weight"].data_ptr() == copy1["model"]["0.weight"].data_ptr()
+    assert torch.equal(copy2["model"]["0.weight"], model[0].weight)
+    # a tensor that appears twice is copied once (one object, as torch.save would store it)
+    t = torch.ones(2)
+    twice = snapshot({"a": t, "b": [t]})
+    assert twice["a"] is twice["b"][0] and twice["a"] is not t
+    # a write that fails (unpicklable state): the error comes back, last.pt and prev.pt stay
+    before = _sha(p)
+    w.start({"step": 3, "bad": lambda: 0}, p, previous=prev, label=3)
+    out = w.wait()
+    assert out.label == 3 and out.error is not None and "pickle" in str(out.error).lower()
+    assert _sha(p) == before and not os.path.exists(prev) and _temp_files(tmp_path) == []
+
+
+def _enospc_at(call, seen):
+    """torch.save that writes 1000 bytes and raises ENOSPC at its `call`-th call (1-based)."""
+    import errno
+    import threading
+    real = torch.save
+
+    def save(obj, f, *a, **k):
+        seen.append(threading.current_thread().name)
+        if len(seen) != call:
+            return real(obj, f, *a, **k)
+        f.write(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return save
+
+
+@pytest.mark.parametrize("fail_call,failed_step,logged", [(2, 4, 6), (4, 8, 8)])
+def test_async_save_error_surfaces_at_next_save_or_run_end(tmp_path, monkeypatch, capsys,
+                                                           fail_call, failed_step, logged):
+    """A background write that fails (disk full) stops the run with status 4, as a synchronous
+    one does, at the next save (a save at step 4 fails: the save at step 6 stops the run), or at
+    the run's end (the final save waits for its write: a failure there is not lost); the
+    message names the step, the file and the cause, and the checkpoint before it is intact."""
+    out = str(tmp_path / "run")
+    args = MQ + ["--max-steps", "8", "--save-every", "2", "--out", out]
+    seen = []
+    monkeypatch.setattr(torch, "save", _enospc_at(fail_call, seen))
+    assert train.main(args) == 4
+    err = capsys.readouterr().err
+    last = os.path.join(out, "last.pt")
+    assert (f"checkpoint of step {failed_step} could not be written to {last}: OSError: "
+            "[Errno 28] No space left on device") in err, err
+    assert f"stopping (status 4); {last} (step {failed_step - 2}) is intact" in err, err
+    assert all(name.startswith("nac_fast-save-") for name in seen), seen   # in the background
+    assert load_checkpoint(last)["step"] == failed_step - 2
+    assert max(r["step"] for r in _log(out)) == logged
+    assert _temp_files(out) == []
+    assert json.loads(open(os.path.join(out, "status.json")).read())["status"] == 4
+
+
+@pytest.mark.slow
+def test_sigkill_during_background_write_resumes_previous_checkpoint(tmp_path):
+    """kill -9 while the background write of step 8's checkpoint is half done (the test hook
+    NAC_FAST_TEST_SAVE_PAUSE holds it after its first bytes): the steps went on during the
+    write, the save at step 12 waited for it (at most one in flight), last.pt is step 4's
+    checkpoint byte for byte, and --resume continues from it exactly."""
+    out = str(tmp_path / "k")
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--data", "synthetic:512",
+           "--image-size", "8", "--batch-size", "32", "--max-steps", "40", "--save-every", "4",
+           "--log-every", "1", "--no-progress", "--out", out]
+    env = dict(_env(), NAC_FAST_TEST_SAVE_PAUSE="8:600")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    last, log = os.path.join(out, "last.pt"), os.path.join(out, "log.jsonl")
+    deadline = time.time() + 180
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(log) and len(open(log).readlines()) >= 12:
+                break
+            time.sleep(0.05)
+        time.sleep(1.0)  # the save at step 12 waits for step 8's write: no step 13 comes
+        assert proc.poll() is None, proc.stderr.read().decode()
+        held = _temp_files(out)
+        step4 = _sha(last)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    killed = _losses(out)
+    assert [s for s, _ in killed] == list(range(1, 13)), killed
+    assert len(held) == 1 and _temp_files(out) == held     # step 8's write, cut short
+    assert 0 < os.path.getsize(os.path.join(out, held[0])) < os.path.getsize(last)
+    assert _sha(last) == step4 and load_checkpoint(last)["step"] == 4
+    assert not os.path.exists(os.path.join(out, "prev.pt"))  # step 8's rotation never came
+    r = subprocess.run(cmd + ["--resume", "--stop-at-step", "12"], env=_env(),
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "at step 4" in r.stdout, r.stdout[-2000:]
+    assert _temp_files(out) == []                            # the next start removed it
+    after = _losses(out)[len(killed):]
+    assert after == killed[4:]                               # steps 5..12, bit for bit
+    assert load_checkpoint(last)["step"] == 12

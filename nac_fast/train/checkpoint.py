@@ -2,6 +2,8 @@
 from, RNG state capture, and loading a trained model for evaluation.
 
     save_atomic(state, path, previous=None)   # temp file, fsync, rename, fsync the dir
+    w = BackgroundSave(); w.start(w.snapshot(state), path, previous)   # the same, in a thread:
+    outcome = w.wait()                        # at most one in flight; its error in outcome.error
     path, ck, notes = pick_checkpoint(out)    # the newest good one: out/last.pt, else out/prev.pt
     ck = load_checkpoint(path)                # weights_only: tensors, numbers, strings, containers
     model = load_model(path)                  # NACModel with the trained (online or momentum) weights
@@ -12,14 +14,24 @@ written to a temp file and fsynced, prev.pt becomes a hard link to the current l
 where the file system has no hard links), and only then does os.replace give the new file the
 name last.pt.  So a failed write (disk full, read-only directory) leaves last.pt as it was, and
 a checkpoint that is damaged later (a truncated copy, bad storage) still has prev.pt behind it.
+
+A save need not stall training (train.py --save-mode async, the default): `snapshot` copies the
+state to host memory at the step boundary (later steps cannot change the copy), and a
+`BackgroundSave` thread writes the copy with save_atomic while the steps go on; a kill during
+that write leaves the checkpoints of before, as above.
 """
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
 import random
 import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,9 +45,13 @@ CONFIG = "config.json"
 MODEL_KEYS = ("model", "config")
 STATE_KEYS = MODEL_KEYS + ("optimizer", "scaler", "step", "rng")
 _TMP = ".tmp-"      # prefix of save_atomic's temp files
+# TEST HOOK: "STEP:SECONDS" makes the BackgroundSave of label STEP pause SECONDS after the first
+# bytes of its temp file are written (tests/test_train_resume.py kills a run during that write)
+PAUSE_ENV = "NAC_FAST_TEST_SAVE_PAUSE"
 
 
-def save_atomic(state: dict, path: str, previous: str | None = None) -> None:
+def save_atomic(state: dict, path: str, previous: str | None = None, *,
+                _pause_s: float = 0.0) -> None:
     """Write `state` to `path` so that `path` is always a complete file (old or new).
 
     previous: a path in the same directory that takes over the file now at `path` (if any) just
@@ -51,7 +67,7 @@ def save_atomic(state: dict, path: str, previous: str | None = None) -> None:
     link = tmp + ".prev"
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            torch.save(state, _PausedFile(f, _pause_s) if _pause_s > 0 else f)
             f.flush()
             os.fsync(f.fileno())
         # mkstemp creates the file 0600; give it the mode a plain open() would have
@@ -80,6 +96,152 @@ def save_atomic(state: dict, path: str, previous: str | None = None) -> None:
         os.fsync(dfd)  # make the renames themselves durable
     finally:
         os.close(dfd)
+
+
+class _PausedFile:
+    """TEST HOOK (PAUSE_ENV): a file whose first write is flushed, then followed by a pause of
+    `seconds`, so that a test can kill the process while a checkpoint is half written."""
+
+    def __init__(self, f, seconds: float):
+        self._f, self._seconds, self._paused = f, seconds, False
+
+    def write(self, b):
+        n = self._f.write(b)
+        if not self._paused:
+            self._paused = True
+            self._f.flush()
+            time.sleep(self._seconds)
+        return n
+
+    def flush(self):
+        self._f.flush()
+
+
+def snapshot(state):
+    """A copy of `state` (a checkpoint's dict) that later training steps cannot change: every
+    tensor copied to host memory (same values, dtype, shape and strides; a tensor that appears
+    twice is copied once and stays one object), containers rebuilt (a dict subclass such as a
+    state dict's OrderedDict keeps its type and its attributes, e.g. _metadata), numbers,
+    strings, None and other immutable values kept, anything else deep-copied.  Taken
+    synchronously at the step boundary; on a GPU, one device-to-host copy per tensor.
+    (BackgroundSave.snapshot: the same into the host memory of the previous save.)"""
+    return _copy(state, {}, set(), (), None)
+
+
+def _copy(obj, memo: dict, taken: set, path: tuple, pool: dict | None):
+    """snapshot's recursion.  memo: {id(source tensor): its copy}; taken: ids of the pool's
+    tensors this copy uses (one buffer never holds two tensors); pool: {key path: host tensor}
+    of an earlier copy, whose tensors are overwritten where shape, dtype and strides match, and
+    which is updated with this copy's."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            t = obj.detach()
+            old = pool.get(path) if pool is not None else None
+            if (old is not None and id(old) not in taken and old.shape == t.shape
+                    and old.dtype == t.dtype and old.stride() == t.stride()):
+                memo[id(obj)] = old.copy_(t)
+            else:
+                memo[id(obj)] = t.to("cpu", copy=True)
+            taken.add(id(memo[id(obj)]))
+        if pool is not None:
+            pool[path] = memo[id(obj)]
+        return memo[id(obj)]
+    if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))):
+        return obj
+    if isinstance(obj, dict):
+        out = type(obj)()
+        for k, v in obj.items():
+            out[k] = _copy(v, memo, taken, path + (k,), pool)
+        if getattr(obj, "__dict__", None):   # OrderedDict._metadata of a module state dict
+            out.__dict__.update(copy.deepcopy(obj.__dict__))
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(_copy(v, memo, taken, path + (i,), pool) for i, v in enumerate(obj))
+    return copy.deepcopy(obj)
+
+
+@dataclass
+class SaveOutcome:
+    """What a BackgroundSave's write came to: error None = `path` holds the state of `label`."""
+    label: Any
+    path: str
+    error: BaseException | None
+    seconds: float          # the write itself (save_atomic), in the background thread
+
+
+class BackgroundSave:
+    """save_atomic in a background thread, at most one write at a time.
+
+        w = BackgroundSave()
+        w.start(w.snapshot(state), path, previous, label=step)   # returns at once
+        outcome = w.wait()      # blocks until the write is done: SaveOutcome, or None if idle
+
+    start() refuses (RuntimeError) while a write is in flight: wait() first, so that no
+    outcome, and no error, is lost.  The thread is not a daemon: an interpreter that exits with a
+    write in flight finishes it first.  The state passed must not change while it is written
+    (`snapshot`)."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._outcome: SaveOutcome | None = None
+        self._pause = _parse_pause(os.environ.get(PAUSE_ENV))
+        self._pool: dict = {}   # the last snapshot's host tensors by key path (snapshot)
+
+    def snapshot(self, state):
+        """`snapshot(state)`, written into the host memory of the previous save's copy where the
+        tensors fit (no new allocation, no page faults: the copy is a plain memcpy), so the
+        BackgroundSave keeps one host copy of the state between saves.  RuntimeError while a
+        write is in flight (it reads that memory): wait() first."""
+        if self._thread is not None:
+            raise RuntimeError("BackgroundSave.snapshot: a write is in flight; wait() for it "
+                               "first")
+        return _copy(state, {}, set(), (), self._pool)
+
+    @property
+    def busy(self) -> bool:
+        """A write was started and its outcome not yet collected by wait()."""
+        return self._thread is not None
+
+    def start(self, state: dict, path: str, previous: str | None = None, label=None) -> None:
+        if self._thread is not None:
+            raise RuntimeError("BackgroundSave.start: a write is in flight; wait() for it first")
+        pause = self._pause[1] if self._pause is not None and self._pause[0] == label else 0.0
+
+        def write():
+            t0, err = time.perf_counter(), None
+            try:
+                save_atomic(state, path, previous=previous, _pause_s=pause)
+            except BaseException as exc:  # noqa: BLE001  (reported by wait(), never lost)
+                err = exc
+            self._outcome = SaveOutcome(label, path, err, time.perf_counter() - t0)
+
+        self._outcome = None
+        self._thread = threading.Thread(target=write, name=f"nac_fast-save-{label}")
+        self._thread.start()
+
+    def wait(self) -> SaveOutcome | None:
+        """Block until the write in flight is done; its outcome (None when there was none)."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread = None
+        out, self._outcome = self._outcome, None
+        return out
+
+
+def _parse_pause(v: str | None):
+    """PAUSE_ENV's value "STEP:SECONDS" as (STEP, SECONDS); None when unset or empty."""
+    if v is None or not v.strip():
+        return None
+    try:
+        step, seconds = v.split(":")
+        step, seconds = int(step), float(seconds)
+    except ValueError:
+        step = seconds = None
+    if step is None or not (seconds >= 0 and seconds < float("inf")):
+        raise ValueError(f"environment variable {PAUSE_ENV} must be STEP:SECONDS (a test hook), "
+                         f"got {v!r}")
+    return step, seconds
 
 
 def remove_stale_temp_files(out_dir: str) -> list:

@@ -130,6 +130,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     save_every: int = 200
+    save_mode: str = "async"           # a save's write: in a background thread, or "sync"
     tensorboard: bool = False
     stop_at_step: int | None = None
     progress: bool = True
@@ -411,7 +412,12 @@ def build_parser() -> _Parser:
     a("--seed", type=int, help="random seed, in [0, 2^32 - 1]")
     a("--log-every", type=int, help="log every this many steps (OUT/log.jsonl)")
     a("--save-every", type=int, help="checkpoint every this many steps (and at the end) to "
-      "OUT/last.pt, the previous one kept as OUT/prev.pt; a crash loses at most this many steps")
+      "OUT/last.pt, the previous one kept as OUT/prev.pt; a crash loses at most this many steps "
+      "(with --save-mode async, plus those taken while the newest save was being written)")
+    a("--save-mode", choices=("async", "sync"), help="async: a save copies the state to host "
+      "memory and a background thread writes it while training goes on (the next save, and the "
+      "run's end, wait for it; a failed write stops the run there, status 4); sync: every rank "
+      "waits until rank 0 has written the file")
     a("--tensorboard", action=argparse.BooleanOptionalAction,
       help="also log to OUT/tensorboard (torch.utils.tensorboard; needs the tensorboard package)")
     a("--stop-at-step", type=int, help="save and exit after this step although the schedule runs "

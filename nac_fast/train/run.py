@@ -41,9 +41,10 @@ from ..ops.loss import mq_l2
 from ..ops.momentum import NACMQ
 from ..ops.queue import CodeQueue
 from . import distributed as nd
-from .checkpoint import (CONFIG, LAST, PREV, STATE_KEYS, capture_rng_state, load_checkpoint,
-                         pick_checkpoint, plain_state_dict, read_json, remove_stale_temp_files,
-                         restore_rng_state, save_atomic, write_json_atomic)
+from .checkpoint import (CONFIG, LAST, PREV, STATE_KEYS, BackgroundSave, capture_rng_state,
+                         load_checkpoint, pick_checkpoint, plain_state_dict, read_json,
+                         remove_stale_temp_files, restore_rng_state, save_atomic,
+                         write_json_atomic)
 from .config import TrainConfig, UsageError, default_workers, hash_subset, resolve
 from .lars import LARS, param_groups_for_lars
 from .methods import nac_mq_step, nac_step, simclr_step, step_value_checks
@@ -109,6 +110,8 @@ class TrainState:
     saved: tuple | None = None       # (path, step): the newest good checkpoint of this run
     rotate: bool = False             # OUT/last.pt is a good checkpoint of this run: keep it as
                                      # prev.pt at the next save (else the save replaces it)
+    saver: Any = None                # rank 0, --save-mode async: the BackgroundSave writing
+                                     # checkpoints (its write in flight: `save`, `settle_save`)
     last_r: Any = None               # the last step's inference logits (detached), for the log
     compiled: str | None = None      # what --compile compiled (compile_encoders), or None
     began: bool = False              # `start` wrote OUT/config.json and status.json: how the
@@ -429,30 +432,68 @@ def save(st: TrainState) -> None:
     """Checkpoint the run at st.step (a collective: every rank's RNG goes to rank 0, which writes
     OUT/last.pt, the previous one becoming OUT/prev.pt).  RunStopped(EXIT_UNWRITABLE) on every
     rank when the write failed (disk full, unwritable --out, ...): the message names the file and
-    the cause, and the checkpoints already there are left intact (checkpoint.save_atomic)."""
+    the cause, and the checkpoints already there are left intact (checkpoint.save_atomic).
+
+    --save-mode async (the default): rank 0 waits for the previous save's background write (the
+    only wait the ranks share; its failure stops the run here), copies the state to host memory
+    (BackgroundSave.snapshot) and hands it to a background thread, and the steps go on while it is
+    written; the run's last save (its final step, or --stop-at-step) waits for its write.
+    --save-mode sync: every rank waits until rank 0 has written the file."""
     rng = nd.gather_objects(capture_rng_state())
-    err, step = None, st.step
+    step = st.step
+    failed = None  # rank 0: (step, error) of a checkpoint that could not be written
     if st.di.is_main:
-        spe = st.cfg.steps_per_epoch
-        state = {"model": st.model.state_dict(), "optimizer": st.optimizer.state_dict(),
-                 "momentum_model": st.mom_model.state_dict() if st.mom_model else None,
-                 "queue": st.queue.state_dict() if st.queue is not None else None,
-                 "scaler": st.scaler.state_dict(), "step": step, "epoch": step // spe,
-                 "batch": step % spe, "rng": rng, "config": st.cfg.to_dict(),
-                 "elapsed_s": st.elapsed()}
-        try:
-            save_atomic(state, st.ckpt_path, previous=st.prev_path if st.rotate else None)
-        except Exception as exc:  # noqa: BLE001  (any failure to write stops the run alike)
-            err = f"{type(exc).__name__}: {exc}"
-    err = nd.broadcast_object(err)  # also the barrier: no rank goes on before the file is there
-    if err is not None:
+        failed = settle_save(st)  # async: the previous save's write
+        if failed is None:
+            spe = st.cfg.steps_per_epoch
+            state = {"model": st.model.state_dict(), "optimizer": st.optimizer.state_dict(),
+                     "momentum_model": st.mom_model.state_dict() if st.mom_model else None,
+                     "queue": st.queue.state_dict() if st.queue is not None else None,
+                     "scaler": st.scaler.state_dict(), "step": step, "epoch": step // spe,
+                     "batch": step % spe, "rng": rng, "config": st.cfg.to_dict(),
+                     "elapsed_s": st.elapsed()}
+            previous = st.prev_path if st.rotate else None
+            if st.cfg.save_mode == "sync":
+                try:
+                    save_atomic(state, st.ckpt_path, previous=previous)
+                except Exception as exc:  # noqa: BLE001  (any failure to write stops the run alike)
+                    failed = (step, f"{type(exc).__name__}: {exc}")
+                else:
+                    st.saved, st.rotate = (st.ckpt_path, step), True
+            else:
+                if st.saver is None:
+                    st.saver = BackgroundSave()
+                st.saver.start(st.saver.snapshot(state), st.ckpt_path, previous=previous,
+                               label=step)
+                if step >= _last_step(st.cfg):  # the run's end: its checkpoint is on disk
+                    failed = settle_save(st)
+    # also the barrier: no rank goes on before rank 0's file is there (async: the previous one)
+    failed, st.saved = nd.broadcast_object((failed, st.saved))
+    if failed is not None:
         kept = (f"{st.saved[0]} (step {st.saved[1]}) is intact" if st.saved else
                 "this run has no checkpoint yet")
         raise RunStopped(EXIT_UNWRITABLE,
-                         f"checkpoint of step {step} could not be written to {st.ckpt_path}: "
-                         f"{err}; stopping (status {EXIT_UNWRITABLE}); {kept}. Free space or fix "
-                         f"--out, then continue with --resume.")
-    st.saved, st.rotate = (st.ckpt_path, step), True
+                         f"checkpoint of step {failed[0]} could not be written to {st.ckpt_path}: "
+                         f"{failed[1]}; stopping (status {EXIT_UNWRITABLE}); {kept}. Free space "
+                         f"or fix --out, then continue with --resume.")
+
+
+def settle_save(st: TrainState):
+    """Rank 0, --save-mode async: wait for the background write in flight (if any) and take its
+    outcome: (step, error) when it failed, else None (st.saved is then its checkpoint).  Not a
+    collective: `save` shares the result with the other ranks."""
+    out = st.saver.wait() if st.saver is not None else None
+    if out is None:
+        return None
+    if out.error is not None:
+        return out.label, f"{type(out.error).__name__}: {out.error}"
+    st.saved, st.rotate = (out.path, out.label), True
+    return None
+
+
+def _last_step(cfg: TrainConfig) -> int:
+    """The step after which train.py's loop ends (--stop-at-step, else the schedule's end)."""
+    return min(cfg.total_steps, cfg.stop_at_step or cfg.total_steps)
 
 
 def stop_non_finite(st: TrainState, bad: tuple) -> None:
@@ -462,7 +503,10 @@ def stop_non_finite(st: TrainState, bad: tuple) -> None:
     it: the caller checks before each save."""
     step = st.step
     later = f" (found at step {step})" if bad[0] != step else ""
+    unsaved = settle_save(st) if st.di.is_main else None  # a save before it, still being written
     kept = f"{st.saved[0]} (step {st.saved[1]})" if st.saved else "none"
+    if unsaved is not None:
+        kept += f" (the checkpoint of step {unsaved[0]} could not be written: {unsaved[1]})"
     if st.di.is_main:
         try:
             write_json_atomic({"step": bad[0], "loss": repr(bad[1]), "found_at": step,
@@ -968,6 +1012,12 @@ def finish(status: int, message: str | None = None, di=None, st: TrainState | No
     so that the other ranks, which may reach this point later, can record their failure too; the
     other ranks record one short line when they exit (_follower_exit).  Returns `status`."""
     rank = di.rank if di is not None else int(os.environ.get("RANK", "0") or 0)
+    if st is not None and st.saver is not None:  # a save still being written when a run stops
+        unsaved = settle_save(st)                # early: it completes (or fails) before exit
+        if unsaved is not None:
+            message = ((message + "; " if message else "") + f"the checkpoint of step "
+                       f"{unsaved[0]} could not be written to {st.ckpt_path}: {unsaved[1]}")
+            status = status or EXIT_UNWRITABLE
     stream = sys.stderr if status else sys.stdout
     line = f"train.py: exit status {status} ({EXIT_MEANING.get(status, 'error')})"
     if rank == 0:
