@@ -14,6 +14,11 @@
    every rank with status 4;
 7. bad data (--on-bad-file, a data set smaller than one global batch, DALI sharding by global
    rank) is tested in tests/test_data_bad.py;
+8. `srun python train.py`: SLURM's variables form one run (SLURM's host lists parsed), and a
+   partial or contradictory set stops with status 2 in one line;
+9. the elastic resize: a checkpoint of 4 processes resumed on 2 continues the global sample
+   order, schedule and queue; torchrun --nnodes=1:2 with a lost node goes on by itself on the
+   survivor from the last checkpoint;
 and docs/training.md's "Fault tolerance" commands use the launcher flags tested here.
 
 The kills in 1 and 2 come from a test-only wrapper script (written here, never part of train.py):
@@ -446,6 +451,85 @@ def test_resume_on_another_world_size_continues_the_global_run(tmp_path):
     assert cr["step"] == 6 and len(cr["rng"]) == 2 and cr["config"]["world_size"] == 2
     assert cr["config"]["resized"] == [{"step": 3, "from_world_size": 4, "to_world_size": 2}]
     assert cr["config"]["run_id"] == c4["config"]["run_id"]
+
+
+NODE_LOSS = """import os, signal, sys
+sys.path.insert(0, {root!r})
+import train
+
+victim = os.environ.get("NACFT_VICTIM") == "1"
+if victim:
+    with open(os.path.join({pids!r}, "worker" + os.environ["LOCAL_RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+real_step = train.train_step
+
+
+def step(st, x):  # TEST ONLY: the victim node is lost (its agent, both workers) before step {step}
+    if victim and os.environ["LOCAL_RANK"] == "0" and st.step + 1 == {step} \\
+            and not os.path.exists({flag!r}):
+        open({flag!r}, "w").close()
+        sibling = int(open(os.path.join({pids!r}, "worker1")).read())
+        for pid in (os.getppid(), sibling, os.getpid()):   # torchrun's agent is the parent
+            os.kill(pid, signal.SIGKILL)
+    return real_step(st, x)
+
+
+train.train_step = step
+sys.exit(train.main())
+"""
+
+
+@pytest.mark.slow
+def test_lost_node_the_run_continues_on_the_survivor(tmp_path):
+    """torchrun --nnodes=1:2: two agents of 2 processes each (c10d rendezvous on 127.0.0.1,
+    agent 0 hosts the store).  Before step 6 the other node is lost: its agent and both its
+    workers die by SIGKILL.  The surviving agent restarts its workers; the rendezvous closes with
+    the one node left (min 1), and the new group of world size 2 resumes by itself from the
+    checkpoint of step 3 (written at world size 4: the elastic resize) and trains to the end."""
+    out, port, rid = str(tmp_path / "run"), _free_port(), f"nacft-{uuid.uuid4().hex[:8]}"
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = tmp_path / "node_loss.py"
+    script.write_text(NODE_LOSS.format(root=ROOT, pids=str(pids), step=6,
+                                       flag=str(tmp_path / "lost.flag")))
+    procs = []
+    try:
+        for node in (0, 1):
+            conf = (f"is_host={int(node == 0)},join_timeout=120,last_call_timeout=10,"
+                    "keep_alive_interval=1,keep_alive_max_attempt=2")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
+                   "--nproc_per_node=2", "--rdzv_backend=c10d",
+                   f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={rid}",
+                   f"--rdzv_conf={conf}", "--local_addr=127.0.0.1", "--max-restarts=2",
+                   str(script), *DDP, "--out", out]
+            log = open(tmp_path / f"node{node}.log", "w")
+            env = {**_env(), "NACFT_VICTIM": str(node)}
+            procs.append((subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True),
+                          log))
+        procs[0][0].wait(2 * TIMEOUT)
+        procs[1][0].wait(30)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(30)
+            log.close()
+    text = (tmp_path / "node0.log").read_text()
+    assert os.path.exists(tmp_path / "lost.flag")
+    assert procs[1][0].returncode == -signal.SIGKILL
+    assert procs[0][0].returncode == 0, text[-4000:]
+    assert "world=4" in text or "world=4" in (tmp_path / "node1.log").read_text()
+    assert "resized: world size 4 -> 2 at step 3" in text, text[-4000:]
+    assert f"(restart of torchrun job {rid}, restart count 1)" in text
+    ck = load_checkpoint(os.path.join(out, "last.pt"))
+    assert ck["step"] == 8 and ck["config"]["world_size"] == 2 and len(ck["rng"]) == 2
+    assert ck["config"]["resized"] == [{"step": 3, "from_world_size": 4, "to_world_size": 2}]
+    steps = [r["step"] for r in _log(out)]
+    k = len(steps) - 5             # the lost group's steps 1..k (k: 5, or fewer where rank 0
+    # was stopped before logging them), then the resumed group's 4..8
+    assert steps[:k] == list(range(1, k + 1)) and 3 <= k <= 5 and steps[k:] == [4, 5, 6, 7, 8]
+    assert json.load(open(os.path.join(out, "status.json")))["status"] == 0
 
 
 def test_resume_on_a_world_size_the_global_batch_does_not_divide_is_refused(
