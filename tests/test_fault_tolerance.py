@@ -880,3 +880,31 @@ def test_readme_fault_tolerance_commands_are_the_tested_ones():
         args = parse(train_args.split() + ["--out", "x"])
         assert args.resume is None                     # restarts resume without --resume
     assert "--max-restarts=" in cmds[0] and "--rdzv_backend=c10d" in cmds[1]
+
+
+def test_slurm_launches_of_the_docs_and_the_sbatch_script():
+    """docs/training.md "Several machines" and scripts/slurm_train.sbatch show both launches
+    (srun python train.py; srun torchrun with --nnodes=MIN:MAX), with train.py flags that parse
+    and torchrun flags that the tests above run; the script is valid bash."""
+    import re
+
+    from nac_fast.train.config import parse
+    script = os.path.join(ROOT, "scripts", "slurm_train.sbatch")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    text = open(os.path.join(ROOT, "docs", "training.md")).read()
+    section = re.search(r"## Several machines[^\n]*\n(.*?)(?=\n## |\Z)", text, re.S).group(1)
+    (block,) = re.findall(r"```text\n(.*?)```", section, re.S)
+    cmds = [c.strip() for c in block.splitlines() if c.strip().startswith("srun")]
+    assert len(cmds) == 2 and " python train.py " in cmds[0] and " torchrun " in cmds[1]
+    sbatch = re.sub(r"\\\n\s*", "", open(script).read())
+    assert re.search(r"srun [^\n]*python train\.py", sbatch)
+    assert re.search(r"srun [^\n]*torchrun --nnodes=\S+:\S+ [^\n]* train\.py", sbatch)
+    tested = open(__file__).read().split("def test_slurm_launches_of_the_docs")[0]
+    launches = [c for c in cmds + re.findall(r"srun [^\n]*", sbatch) if "torchrun " in c]
+    assert len(launches) >= 2
+    for cmd in launches:
+        for flag in re.findall(r"(--(?:nnodes|nproc_per_node|max-restarts|rdzv_\w+))=", cmd):
+            assert f"{flag}=" in tested, flag
+    for cmd in cmds:
+        args = parse(cmd.split(" train.py ")[1].split())
+        assert args.out == "/shared/in1k" and args.resume is None
