@@ -322,6 +322,7 @@ def test_slurm_bad_launch_is_status_2_in_one_line_and_writes_nothing(tmp_path, m
         assert not out.exists() and "RANK" not in os.environ
 
 
+@pytest.mark.slow
 def test_srun_tasks_form_one_run(tmp_path):
     """Two processes with SLURM's variables of `srun --ntasks=2 python train.py` and none of
     torchrun's: one run of world size 2 (rank 0 prints and logs, each step once)."""

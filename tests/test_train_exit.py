@@ -131,6 +131,7 @@ sys.exit(train.main({args!r}))
 """
 
 
+@pytest.mark.slow
 def test_two_runs_started_at_once_into_one_out_exactly_one_runs(tmp_path):
     """Two train.py processes, both past their imports, call main() within milliseconds of each
     other into one empty --out: both would pass a check of the folder; the lock lets one in."""
