@@ -1,7 +1,9 @@
 """2-process gloo DDP equals 1 process over the global batch (loss and gradients), for nac,
 nac-mq and simclr; under DDP the trainer's steps on the public criteria (NACLoss with
 gather_distributed, NACMQ) equal 0.1.0's hand-written formula bit for bit; MoCo's batch
-shuffle/unshuffle is exact.
+shuffle/unshuffle is exact.  The shuffle's all-to-all (issue 54) gives the old all-gather's rows
+bit for bit at 2 and 4 ranks, in the input's dtype, and a byte-counting wrapper of
+torch.distributed measures what it delivers per rank; NACMQ's momentum_bn="sync" skips it.
 
 The encoder here has no BatchNorm: with BN each rank normalises with its own batch statistics,
 which legitimately differs from one big batch (SyncBN is the option that removes that).  With
