@@ -1,6 +1,8 @@
 """Tests of nac_fast.eval.metrics (kNN and linear probe) on synthetic features."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -390,3 +392,208 @@ def test_feature_buffer_fills_in_place_and_memmaps(tmp_path):
     a = E.train_linear_probe(back, y, epochs=2, batch_size=4)
     b = E.train_linear_probe(x.half(), y, epochs=2, batch_size=4)
     assert torch.equal(a.weight, b.weight)
+
+
+# --------------------------------------------------------------------------------------------
+# ImageNet-100 hashing protocol: list files and the seeded rule (nac_fast.eval.hashlists)
+# --------------------------------------------------------------------------------------------
+
+def _write_list(path, rows):
+    path.write_text("".join(f"{p} {' '.join(map(str, v))}\n" for p, v in rows))
+    return str(path)
+
+
+def test_hash_lists_parse_and_match(tmp_path):
+    from nac_fast.eval import hashlists as H
+    hot = lambda c, C=4: [int(i == c) for i in range(C)]  # noqa: E731
+    f = _write_list(tmp_path / "test.txt", [("val_image/ILSVRC2012_val_00000003.JPEG", hot(2)),
+                                            ("val_image/ILSVRC2012_val_00000001.JPEG", hot(0))])
+    paths, y = H.read_list(f)
+    assert paths[0].endswith("00000003.JPEG") and y.tolist() == [2, 0]
+    split = ["/d/val/n1/ILSVRC2012_val_00000001.JPEG", "/d/val/n3/ILSVRC2012_val_00000003.JPEG"]
+    assert H.match_list(paths, split).tolist() == [1, 0]
+    multi = _write_list(tmp_path / "m.txt", [("a.jpg", [1, 1, 0]), ("b.jpg", [0, 0, 1])])
+    _, ym = H.read_list(multi)
+    assert ym.dtype == torch.int8 and ym.tolist() == [[1, 1, 0], [0, 0, 1]]
+    with pytest.raises(ValueError, match=r"--hash-query-list .*test.txt: row 2: .*00000001"):
+        H.match_list(paths, split[1:], flag="--hash-query-list", path=f)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("a.jpg 0 1\nb.jpg 0 1 0\n", r"row 2: 3 label entries, the first row has 2"),
+    ("a.jpg 0 1\nb.jpg\n", r"row 2: expected '<path> <0/1 label vector>'"),
+    ("a.jpg 0 1\n\nb.jpg 0 2\n", r"row 3: label entries must be 0 or 1, got '2'"),
+    ("a.jpg 0 0\n", r"row 1: the label vector has no 1"),
+    ("a.jpg 0 1\na.jpg 1 0\n", r"row 2: 'a.jpg' is listed again \(first at row 1\)"),
+    ("\n", r"no rows"),
+])
+def test_hash_list_errors_name_the_file_and_row(tmp_path, text, match):
+    from nac_fast.eval import hashlists as H
+    p = tmp_path / "database.txt"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=r"--hash-database-list .*database.txt: " + match):
+        H.read_list(str(p), flag="--hash-database-list")
+    with pytest.raises(ValueError, match="cannot be read"):
+        H.read_list(str(tmp_path / "missing.txt"))
+
+
+def test_imagenet100_seeded_rule():
+    from nac_fast.eval import hashlists as H
+    g = torch.Generator().manual_seed(0)
+    ytr = torch.arange(20).repeat_interleave(torch.randint(8, 12, (20,), generator=g))
+    ytr = ytr[torch.randperm(len(ytr), generator=g)]
+    yva = torch.arange(20).repeat_interleave(3)
+    s = H.imagenet100_split(ytr, yva, classes=5, train_per_class=4, seed=7)
+    cls = s["classes"]
+    assert len(cls) == 5 and torch.equal(cls, cls.sort().values)
+    assert torch.equal(s["database"], torch.isin(ytr, cls).nonzero().squeeze(1))
+    assert torch.equal(s["query"], torch.isin(yva, cls).nonzero().squeeze(1))
+    assert len(s["query"]) == 15
+    assert torch.bincount(ytr[s["train"]], minlength=20)[cls].tolist() == [4] * 5
+    assert set(s["train"].tolist()) <= set(s["database"].tolist())
+    again = H.imagenet100_split(ytr, yva, classes=5, train_per_class=4, seed=7)
+    assert all(torch.equal(s[k], again[k]) for k in s)
+    other = H.imagenet100_split(ytr, yva, classes=5, train_per_class=4, seed=8)
+    assert not torch.equal(s["classes"], other["classes"])
+    with pytest.raises(ValueError, match="fewer than train_per_class 50"):
+        H.imagenet100_split(ytr, yva, classes=5, train_per_class=50)
+    with pytest.raises(ValueError, match="classes 21 exceeds the 20"):
+        H.imagenet100_split(ytr, yva, classes=21)
+
+
+# --------------------------------------------------------------------------------------------
+# The augmented probe (nac_fast.eval.augprobe): fresh crops every epoch through the encoder
+# --------------------------------------------------------------------------------------------
+
+class _PixelEncoder(torch.nn.Module):
+    """encode(x) = (the pixels, None): the augmented probe's features are then its views."""
+
+    def encode(self, x):
+        return x.flatten(1), None
+
+
+def _fmnist_loader(split, limit):
+    from nac_fast.data import build_eval_loader
+    return build_eval_loader("fashion-mnist", split, batch_size=64, limit=limit)
+
+
+def test_augmented_probe_is_the_cached_probe_on_its_crops():
+    """One epoch of the augmented probe is metrics._fit_linear (same init, permutation, steps)
+    on the crops of that epoch: the crops are drawn per (seed, epoch, image) and each differs
+    from the centre view and from the next epoch's."""
+    from nac_fast.eval import augprobe as A
+    ld = _fmnist_loader("train", 120)
+    views = A._Views(ld, 5, torch.device("cpu"), 0)
+    x0 = torch.cat(list(views.batches(0, [ld.indices[:50], ld.indices[50:]])))
+    x0b = next(views.batches(0, [ld.indices]))
+    x1 = next(views.batches(1, [ld.indices]))
+    assert torch.allclose(x0, x0b, atol=1e-6) and not torch.allclose(x0, x1, atol=0.1)
+    centre = torch.cat([x for x, _ in ld])
+    assert (x0 - centre).abs().mean() > 0.1
+    y = torch.as_tensor(ld.source.labels[ld.indices])
+    rows = torch.randperm(120, generator=torch.Generator().manual_seed(1))[:100]
+    got = A._fit_augmented(_PixelEncoder(), views, ld.indices, y, rows, 10, [0.1, 1.0], epochs=1,
+                           batch_size=32, seed=3, device=torch.device("cpu"), progress=False,
+                           desc="")
+    want = E._fit_linear(x0b.flatten(1), y, 10, [0.1, 1.0], epochs=1, batch_size=32,
+                         momentum=0.9, seed=3, rows=rows)
+    for g, w in zip(got, want):
+        assert torch.allclose(g.weight, w.weight, atol=1e-6) and torch.allclose(g.bias, w.bias,
+                                                                               atol=1e-6)
+
+
+def test_augmented_probe_on_a_tiny_checkpoint(tmp_path):
+    """The whole path on a train.py checkpoint: frozen encoder, crops, lr search on the cached
+    centre features, final fit, test score; bad inputs named."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import train  # train.py lives at the repository root
+    from nac_fast.eval.augprobe import augmented_linear_probe
+    from nac_fast.eval.cli import extract_features
+    from nac_fast.train.checkpoint import load_model
+    assert train.main(["--max-steps", "1", "--batch-size", "32", "--code-dim", "16", "--out",
+                       str(tmp_path), "--no-progress", "--device", "cpu"]) == 0
+    model = load_model(str(tmp_path / "last.pt"), "online").eval()
+    ld, lt = _fmnist_loader("train", 24), _fmnist_loader("test", 10)
+    tr = extract_features(model, ld, 24, "cpu", False, "")
+    te = extract_features(model, lt, 10, "cpu", False, "")
+    run = lambda **kw: augmented_linear_probe(model, ld, tr["h"], tr["labels"], te["h"],  # noqa
+                                              te["labels"], epochs=1, batch_size=8, **kw)
+    a = run(lrs=(0.1, 1.0))
+    assert set(a.val_accuracy) == {0.1, 1.0} and 0 <= a.test_accuracy <= 1
+    assert a.plan["protocol"] == "augmented" and a.model.weight.shape[1] == tr["h"].shape[1]
+    one = run(lrs=(0.5,))
+    assert one.val_accuracy == {} and one.best_lr == 0.5   # one rate: no search
+    with pytest.raises(ValueError, match="train_loader has 10 images, train_h 24 rows"):
+        augmented_linear_probe(model, lt, tr["h"], tr["labels"], te["h"], te["labels"])
+    with pytest.raises(ValueError, match="num_workers"):
+        run(num_workers=-1)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--hash-database-list", "{db}", "--hash-query-list", "{q}"],
+     r"--hash-database-list .*database.txt: row 2: 3 label entries, the first row has 2"),
+    (["--hash-query-list", "{q}"], "--hash-database-list and --hash-query-list go together"),
+    (["--hash-classes", "0"], "--hash-classes 0"),
+    (["--probe-device-mem", "lots"], "--probe-device-mem must be a byte count"),
+    (["--probe", "augmented", "--probe-device-mem", "1G"], "--probe-device-mem bounds"),
+])
+def test_cli_list_and_probe_flags_stop_before_any_work(tmp_path, capsys, extra, match):
+    """Bad list files and probe flags: one line naming the flag, the file and the row, exit
+    status 2, before the checkpoint is even loaded (a placeholder file stands in for it)."""
+    from nac_fast.eval import cli
+    ck = tmp_path / "ck.pt"
+    ck.write_bytes(b"not loaded")
+    db = _write_list(tmp_path / "database.txt", [("a.JPEG", [1, 0]), ("b.JPEG", [0, 1, 0])])
+    q = _write_list(tmp_path / "test.txt", [("c.JPEG", [1, 0])])
+    argv = ["--checkpoint", str(ck), "--out", str(tmp_path / "out"), "--hash-protocol",
+            "imagenet100"] + [a.format(db=db, q=q) for a in extra]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(match, err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_imagenet100_sets_from_lists_and_rule(tmp_path):
+    """The CLI's imagenet100 sets: list rows matched by file name to the feature rows of the
+    train (database) and val (query) splits, the lists' labels; a training list must lie in the
+    database; without lists the seeded rule on the extracted labels."""
+    from types import SimpleNamespace as NS
+    from nac_fast.eval import hashlists as H
+    train_files = [f"/data/train/n{c}/n{c}_{i}.JPEG" for c in range(3) for i in range(140)]
+    val_files = [f"/data/val/ILSVRC2012_val_{i:08d}.JPEG" for i in range(6)]
+    loader = lambda files: (NS(source=NS(files=files), indices=np.arange(len(files))),  # noqa
+                            len(files))
+    ytr = torch.arange(3).repeat_interleave(140)
+    tr = {"a": torch.randn(420, 8), "labels": ytr}
+    te = {"a": torch.randn(6, 8), "labels": torch.tensor([0, 1, 2, 0, 1, 2])}
+    hot = lambda c: [int(i == c) for i in range(3)]  # noqa: E731
+    db = _write_list(tmp_path / "database.txt", [(f"image/n{c}_{i}.JPEG", hot(c))
+                                                 for c in (2, 0) for i in range(5)])
+    q = _write_list(tmp_path / "test.txt", [("val_image/ILSVRC2012_val_00000004.JPEG", hot(1))])
+    t = _write_list(tmp_path / "train.txt", [("image/n0_3.JPEG", hot(0))])
+    args = NS(hash_protocol="imagenet100", hash_database_list=db, hash_query_list=q,
+              hash_train_list=t, hash_classes=None, split_seed=None, seed=0,
+              split_loaders={"train": loader(train_files), "test": loader(val_files)})
+    H.check_list_flags(args)
+    qa, ql, ga, gl, info = H.imagenet100_sets(args, tr, te)
+    assert torch.equal(qa, te["a"][[4]]) and ql.tolist() == [1]
+    assert torch.equal(ga[:5], tr["a"][280:285]) and torch.equal(ga[5:], tr["a"][:5])
+    assert gl.tolist() == [2] * 5 + [0] * 5 and info["train_list"]["images"] == 1
+    _write_list(tmp_path / "train.txt", [("image/n1_3.JPEG", hot(1))])
+    H.check_list_flags(args)
+    with pytest.raises(ValueError, match=r"--hash-train-list .*train.txt: row 1: .*n1_3.JPEG' is "
+                                         r"not in the database list"):
+        H.imagenet100_sets(args, tr, te)
+    rule = NS(**{**vars(args), "hash_database_list": None, "hash_query_list": None,
+                 "hash_train_list": None, "hash_classes": 2})
+    H.check_list_flags(rule)
+    qa, ql, ga, gl, info = H.imagenet100_sets(rule, tr, te)
+    assert len(info["classes"]) == 2 and set(gl.tolist()) == set(info["classes"])
+    assert ga.shape == (280, 8) and len(ql) == 4 and info["train_subset"]["images"] == 260
+    with pytest.raises(ValueError, match="--hash-protocol imagenet100: .*130 training images"):
+        H.imagenet100_sets(NS(**{**vars(rule), "hash_classes": 3}),
+                           {"a": tr["a"][::2], "labels": ytr[::2]}, te)

@@ -353,8 +353,6 @@ def _fit_linear(x, y, C: int, lrs, *, epochs: int, batch_size: int, momentum: fl
 def _sgd_epochs(feed, n, W, b, bW, bb, Wf, bWf, lr0, gen, epochs, batch_size, momentum, steps,
                 progress, desc, rows):
     from tqdm.auto import tqdm
-    d = W.shape[0]
-    L, C = b.shape
     t = 0
     with tqdm(total=epochs, desc=desc, unit="epoch", disable=not progress, leave=False,
               file=sys.stderr) as bar:
@@ -363,22 +361,33 @@ def _sgd_epochs(feed, n, W, b, bW, bb, Wf, bWf, lr0, gen, epochs, batch_size, mo
             order = perm if rows is None else rows[perm]
             for xs, ys in feed.chunks(order, batch_size):
                 for s in range(0, len(xs), batch_size):
-                    xb = xs.batch(s, s + batch_size)
-                    yb = ys[s:s + batch_size]
-                    m = xb.shape[0]
-                    logits = (xb @ Wf).view(m, L, C) + b
-                    g = torch.softmax(logits, dim=-1)
-                    g[torch.arange(m, device=g.device), :, yb] -= 1.0   # - onehot, by index
-                    g.div_(m)
-                    gW = xb.T @ g.view(m, L * C)                       # (d, L C)
-                    gb = g.sum(0)                                        # (L, C)
-                    bWf.mul_(momentum).add_(gW)
-                    bb.mul_(momentum).add_(gb)
-                    lr_t = (lr0 * (0.5 * (1.0 + math.cos(math.pi * t / steps)))).view(L, 1)
-                    Wf.sub_((gW.add_(bWf, alpha=momentum).view(d, L, C) * lr_t).view(d, L * C))
-                    b.sub_(gb.add_(bb, alpha=momentum) * lr_t)
+                    _sgd_step(xs.batch(s, s + batch_size), ys[s:s + batch_size], W, b, bW, bb,
+                              Wf, bWf, lr0, t, steps, momentum)
                     t += 1
             bar.update(1)
+
+
+def _sgd_step(xb, yb, W, b, bW, bb, Wf, bWf, lr0, t, steps, momentum, total=None, reduce=None):
+    """One step of :func:`_fit_linear`'s batched SGD on the float32 batch ``xb`` (m, d) with
+    class ids ``yb``.  ``total``: the batch's size over all processes when ``xb`` is this
+    process's share of it (default m); ``reduce``: sums the gradient over the processes
+    (an all-reduce), so that every process takes the step of the whole batch."""
+    d = W.shape[0]
+    L, C = b.shape
+    m = xb.shape[0]
+    logits = (xb @ Wf).view(m, L, C) + b
+    g = torch.softmax(logits, dim=-1)
+    g[torch.arange(m, device=g.device), :, yb] -= 1.0   # - onehot, by index
+    g.div_(m if total is None else total)
+    gW = xb.T @ g.view(m, L * C)                       # (d, L C)
+    gb = g.sum(0)                                        # (L, C)
+    if reduce is not None:
+        reduce(gW, gb)
+    bWf.mul_(momentum).add_(gW)
+    bb.mul_(momentum).add_(gb)
+    lr_t = (lr0 * (0.5 * (1.0 + math.cos(math.pi * t / steps)))).view(L, 1)
+    Wf.sub_((gW.add_(bWf, alpha=momentum).view(d, L, C) * lr_t).view(d, L * C))
+    b.sub_(gb.add_(bb, alpha=momentum) * lr_t)
 
 
 def _check_probe_args(lr_list, epochs, batch_size, momentum=0.9, seed=0):
