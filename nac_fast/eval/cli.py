@@ -76,6 +76,8 @@ from ..train.checkpoint import load_checkpoint, load_model, save_atomic, write_j
 from ..data import build_eval_loader
 from ..data.sources.subset import indices_digest
 from .metrics import itq_codes, itq_fit, knn_accuracy, linear_probe, retrieval_split
+from .augprobe import check_probe_flags, run_linear_probe
+from .hashlists import check_list_flags, imagenet100_sets
 from ..codestats import code_statistics
 from ..ops.retrieval import mean_average_precision, retrieval_metrics
 from ..ops.search import resolve_backend
@@ -162,10 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--batch-size", type=int, default=256, help="feature-extraction batch size")
     a("--which", default="online", choices=("online", "momentum"),
       help="which model of the checkpoint (momentum: NAC-MQ's EMA model)")
-    a("--hash-protocol", default=None, choices=("standard", "paper"),
+    a("--hash-protocol", default=None, choices=("standard", "paper", "imagenet100"),
       help="standard: queries = test split, gallery = train split; paper: pooled splits, "
       "--queries-per-class queries per class, the rest the gallery (default: paper for a "
-      "checkpoint trained with train.py --train-subset paper-hash, else standard)")
+      "checkpoint trained with train.py --train-subset paper-hash, else standard); "
+      "imagenet100: the literature's ImageNet-100 (HashNet): --hash-database-list / "
+      "--hash-query-list, or a seeded rule without them (docs/evaluation.md)")
     a("--queries-per-class", type=int, default=None, help="queries per class (paper protocol; "
       "default: the checkpoint's --queries-per-class when it trained on the paper-hash subset, "
       "else 1000)")
@@ -180,6 +184,22 @@ def build_parser() -> argparse.ArgumentParser:
     a("--itq", action="store_true", help="also report the mAP of ITQ-rotated codes "
       "(docs/math.md [M:itq]: a rotation fitted on the gallery's a, no labels; a post-processing "
       "for comparison, not NAC's code sgn(a))")
+    # issue 55: the probe at full size, the anchors' probe, ImageNet-100 (augprobe, hashlists)
+    a("--probe", default="cached", choices=("cached", "augmented"), help="linear probe on the "
+      "cached centre-crop features, or on fresh random-resized crops + flips through the frozen "
+      "encoder every epoch (MoCo's protocol; docs/evaluation.md 'Which probe')")
+    a("--probe-device-mem", default=None, metavar="BYTES", help="device memory the cached "
+      "probe may take (e.g. 8G); features beyond it stay on the host and are streamed in "
+      "chunks, with the same epochs (default: no bound)")
+    a("--hash-database-list", default=None, metavar="FILE", help="imagenet100: the database "
+      "list ('<path> <0/1 label vector>' per line, HashNet / DeepHash-pytorch database.txt), "
+      "images of the train split matched by file name")
+    a("--hash-query-list", default=None, metavar="FILE", help="imagenet100: the query list "
+      "(test.txt), images of the val split")
+    a("--hash-train-list", default=None, metavar="FILE", help="imagenet100: the training list "
+      "(train.txt), checked to lie in the database and reported")
+    a("--hash-classes", type=int, default=None, help="imagenet100 without lists: classes drawn "
+      "by the seeded rule (default 100)")
     a("--seed", type=int, default=0, help="seed of the linear probe (and of the paper split "
       "unless --split-seed or the checkpoint names one)")
     a("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -234,6 +254,8 @@ def check_args(args) -> None:
         raise FileNotFoundError(f"--val-labels {args.val_labels!r}: no such file")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
+    check_probe_flags(args)   # --probe, --probe-device-mem
+    check_list_flags(args)    # --hash-*-list: read and checked before any work
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out!r} is not a folder")
     report = os.path.join(args.out, "report.json")
@@ -515,6 +537,8 @@ def run_hash(args, tr, te, bits, device=torch.device("cpu")) -> dict:
     if args.hash_protocol == "standard":
         qa, ql, ga, gl = te["a"], te["labels"], tr["a"], tr["labels"]
         split = {"queries": "test split", "gallery": "train split"}
+    elif args.hash_protocol == "imagenet100":   # hashlists: the lists, or the seeded rule
+        qa, ql, ga, gl, split = imagenet100_sets(args, tr, te)
     else:
         pool_a = torch.cat([tr["a"], te["a"]])
         pool_y = torch.cat([tr["labels"], te["labels"]])
@@ -683,7 +707,9 @@ def markdown_table(report: dict) -> str:
         searched = ("" if x.get("paper_lrs", True) else
                     ", searched " + "/".join(f"{v:g}" for v in x["lrs"]) + " (not the paper's)")
         rows.append(("linear probe (h)", "test top-1", _fmt(x["test_top1"], True),
-                     f"lr {x['best_lr']:g}{edge}{searched}, {x['epochs']} epochs"))
+                     f"lr {x['best_lr']:g}{edge}{searched}, {x['epochs']} epochs"
+                     + (", augmented crops (--probe augmented)"
+                        if x.get("probe") == "augmented" else "")))
     if "knn" in r:
         x = r["knn"]
         rows.append(("kNN (h)", "test top-1", _fmt(x["test_top1"], True),
@@ -791,6 +817,7 @@ def main(argv=None) -> int:
             if quick and limit is not None and limit >= total:  # --quick on a small split: all
                 setattr(args, f"limit_{split}", None)
             planned.append(_planned_labels(ld, used))
+            args.split_loaders = {**getattr(args, "split_loaders", {}), split: (ld, used)}
             if ld.in_channels != cfg["in_channels"]:
                 raise ValueError(f"--data {data!r} has {ld.in_channels}-channel images, the "
                                  f"checkpoint's model takes {cfg['in_channels']}")
@@ -849,12 +876,11 @@ def main(argv=None) -> int:
     for task in args.tasks:
         t0 = time.perf_counter()
         if task == "linear":
-            # The probe runs where the features fit best: the eval device (GPU if any).
-            res = linear_probe(tr["h"].to(device), tr["labels"].to(device), te["h"].to(device),
-                               te["labels"].to(device), epochs=args.linear_epochs,
-                               batch_size=args.linear_batch_size, seed=args.seed,
-                               lrs=args.linear_lrs, progress=args.progress)
-            lrs = list(res.val_accuracy)        # the rates searched, in order
+            # The probe trains on the eval device (GPU if any); the cached features stay on
+            # the host and are moved there whole or in chunks (--probe-device-mem).
+            res = run_linear_probe(args, tr, te, device, model,
+                                   lambda: args.split_loaders["train"][0])
+            lrs = list(res.val_accuracy) or [res.best_lr]   # the rates searched, in order
             # the best rate at an end of the search: a rate outside it may fit better
             # (not when another rate ties with it: every rate fit alike, e.g. one class)
             val = res.val_accuracy
@@ -873,7 +899,7 @@ def main(argv=None) -> int:
                                  "val_top1": {str(k): v for k, v in res.val_accuracy.items()},
                                  "epochs": args.linear_epochs, "val_fraction": 0.1,
                                  "batch_size": args.linear_batch_size, "lrs": lrs,
-                                 "paper_lrs": paper,
+                                 "paper_lrs": paper, "probe": args.probe, "plan": res.plan,
                                  "features": "h (encoder, head dropped)"}
         elif task == "knn":
             k = min(args.knn_k, int(tr["h"].shape[0]))
@@ -886,8 +912,7 @@ def main(argv=None) -> int:
             try:
                 results["hash"] = run_hash(args, tr, te, bits, device)
             except ValueError as exc:
-                if not str(exc).startswith(("--queries-per-class", "--hash-protocol",
-                                             "--itq")):
+                if not str(exc).startswith(("--queries-per-class", "--hash-", "--itq")):
                     raise
                 parser.error(str(exc))  # the features stay cached: a rerun is cheap
         elif task == "expressivity":
