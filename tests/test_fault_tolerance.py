@@ -123,7 +123,9 @@ def _same_state(a, b):
 # NAC-MQ (queue, EMA model, batch shuffle across ranks), 4 steps an epoch, 2 epochs
 DDP = ["--method", "nac-mq", "--data", "synthetic:128", "--image-size", "8", "--batch-size", "32",
        "--queue-size", "128", "--max-steps", "8", "--log-every", "1", "--save-every", "3",
-       "--no-progress"]
+       "--no-progress", "--save-mode", "sync"]  # sync: step 3's checkpoint is on disk before
+# step 4, whenever the kill before step 6 lands (async: its write may still be in flight then,
+# and the restart would resume an older one; tests/test_train_resume.py tests that case)
 TIMEOUT = 240  # seconds for any one launch (they take ~10-30 s here)
 
 KILLER = """import os, signal, sys

@@ -195,7 +195,15 @@ class BackgroundSave:
         if self._thread is not None:
             raise RuntimeError("BackgroundSave.snapshot: a write is in flight; wait() for it "
                                "first")
-        return _copy(state, {}, set(), (), self._pool)
+        # one thread: a copy is memory-bound, and on a CPU shared with other work OpenMP's
+        # spinning threads turned the ~800 parallel copies of a ResNet-50 state into seconds
+        # (bench/results/checkpoint_save_cpu.md)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _copy(state, {}, set(), (), self._pool)
+        finally:
+            torch.set_num_threads(threads)
 
     @property
     def busy(self) -> bool:
