@@ -627,3 +627,46 @@ def test_a_run_lists_the_tree_once_and_a_restart_not_at_all(tmp_path):
     assert sum(first) <= 1.2 * n + 1000 < 3 * 600, first
     assert first[0] >= 600 and max(first[1:]) <= 100, first  # rank 0 checks, the others walk
     assert sum(restart) <= 1000 and sum(restart) == 0, restart
+
+
+def test_evaluating_a_flat_val_gives_the_report_of_the_same_images_sorted(tmp_path, capsys):
+    """End to end: train.py on the tree (its train/; the flat val/ beside it), then python -m
+    nac_fast.eval on the flat val/ and on the same images sorted into class folders: the same
+    results.  A labels file naming an unknown class: status 2, one line naming file and row."""
+    import json
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    import train
+    from nac_fast.eval import cli as nac_eval
+    tree = _ilsvrc(tmp_path / "tree")
+    srt = _sorted_copy(tree, tmp_path / "sorted")
+    run = tmp_path / "run"
+    assert train.main(["--data", tree, "--max-steps", "1", "--batch-size", "8", "--code-dim",
+                       "16", "--image-size", "16", "--out", str(run), "--no-progress",
+                       "--device", "cpu", "--loader", "torchvision", "--workers", "0"]) == 0
+    reports = []
+    for data, out in ((tree, "ev_flat"), (srt, "ev_sorted")):
+        assert nac_eval.main(["--checkpoint", str(run / "last.pt"), "--data", data, "--out",
+                              str(tmp_path / out), "--tasks", "knn,hash", "--bits", "8,16",
+                              "--device", "cpu", "--no-progress"]) == 0
+        reports.append(json.load(open(tmp_path / out / "report.json")))
+    for r in reports:                     # (the paths of its curve files: in each --out)
+        r["results"]["hash"].pop("files")
+    assert reports[0]["results"] == reports[1]["results"]
+    assert reports[0]["splits"] == reports[1]["splits"]
+    for name in ("hash_pr_curve.csv", "hash_precision_at_n.csv"):
+        assert ((tmp_path / "ev_flat" / name).read_text()
+                == (tmp_path / "ev_sorted" / name).read_text())
+    bad = tmp_path / "bad.csv"
+    lines = open(os.path.join(tree, "LOC_val_solution.csv")).read().splitlines()
+    w = lines[3].split(",")[1].split()[0]
+    bad.write_text("\n".join(lines[:3] + [lines[3].replace(w, "n00000001")] + lines[4:]) + "\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:          # argparse's error: status 2, one line
+        nac_eval.main(["--checkpoint", str(run / "last.pt"), "--data", tree, "--out",
+                       str(tmp_path / "ev_bad"), "--tasks", "knn", "--val-labels", str(bad),
+                       "--device", "cpu", "--no-progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--val-labels: data: labels file " in err and "bad.csv row 4: class n00000001" in err
