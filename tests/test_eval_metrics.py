@@ -597,3 +597,47 @@ def test_imagenet100_sets_from_lists_and_rule(tmp_path):
     with pytest.raises(ValueError, match="--hash-protocol imagenet100: .*130 training images"):
         H.imagenet100_sets(NS(**{**vars(rule), "hash_classes": 3}),
                            {"a": tr["a"][::2], "labels": ytr[::2]}, te)
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _augmented_fit(world=1, rank=0):
+    from nac_fast.eval import augprobe as A
+    ld = _fmnist_loader("train", 90)
+    y = torch.as_tensor(ld.source.labels[ld.indices])
+    views = A._Views(ld, 2, torch.device("cpu"), 0)
+    m = A._fit_augmented(_PixelEncoder(), views, ld.indices, y, torch.arange(90), 10, [0.3, 3.0],
+                         epochs=2, batch_size=32, seed=1, device=torch.device("cpu"),
+                         progress=False, desc="")
+    return torch.stack([x.weight for x in m]).detach(), torch.stack([x.bias for x in m]).detach()
+
+
+def _augmented_worker(rank, port, out):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        torch.save(_augmented_fit(), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow   # two spawned processes (as the multi-process train.py tests: 30-70 s here)
+def test_augmented_probe_under_a_process_group_takes_the_whole_batch_step(tmp_path):
+    """Two gloo processes: each encodes half of every global batch (rows rank::2) and the
+    gradients are summed before the step, so both end with the one-process weights (float32
+    summation order only) and with each other's exactly."""
+    import torch.multiprocessing as mp
+    mp.spawn(_augmented_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    w0, b0 = torch.load(tmp_path / "rank0.pt")
+    w1, b1 = torch.load(tmp_path / "rank1.pt")
+    assert torch.equal(w0, w1) and torch.equal(b0, b1)
+    w, b = _augmented_fit()
+    assert torch.allclose(w0, w, atol=1e-5) and torch.allclose(b0, b, atol=1e-5)
+    assert not torch.equal(w, torch.zeros_like(w))
