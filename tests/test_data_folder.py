@@ -670,3 +670,32 @@ def test_evaluating_a_flat_val_gives_the_report_of_the_same_images_sorted(tmp_pa
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--val-labels: data: labels file " in err and "bad.csv row 4: class n00000001" in err
+
+
+def test_a_damaged_or_unwritable_cache_is_reported_and_the_folder_scanned(tmp_path):
+    from nac_fast.data.sources import Listing, resolve_source
+    from nac_fast.data.sources import imagefolder
+    tree = _ilsvrc(tmp_path / "tree")
+    cache = tmp_path / "out"
+    want = resolve_source(tree, "train", listing=Listing(cache_dir=str(cache)))
+    (name,) = os.listdir(cache)
+    (cache / name).write_bytes(b"\x1f\x8b not gzip")
+    imagefolder._scan_cache.clear()
+    with pytest.warns(RuntimeWarning, match=f"the data list cache .*{name} cannot be read"):
+        got = resolve_source(tree, "train", listing=Listing(cache_dir=str(cache)))
+    assert got.files == want.files
+    imagefolder._scan_cache.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # rewritten: read without a warning
+        assert resolve_source(tree, "train", listing=Listing(cache_dir=str(cache))).files \
+            == want.files
+    (tmp_path / "afile").write_text("")
+    imagefolder._scan_cache.clear()
+    with pytest.warns(RuntimeWarning, match="the data list cache cannot be written in .*afile"):
+        got = resolve_source(tree, "train", listing=Listing(cache_dir=str(tmp_path / "afile")))
+    assert got.files == want.files
+    for bad, match in (({"cache_dir": 3}, "cache_dir must be None or a path"),
+                       ({"first": 1}, "first must be a bool"),
+                       ({"broadcast": "all"}, "broadcast must be None or callable")):
+        with pytest.raises(TypeError, match=match):
+            Listing(**bad)

@@ -1,7 +1,9 @@
 """ImageFolder sources (ImageNet layout): the file list, how a file becomes an image, and what
 happens to a file that does not.
 
-Layout: root/train/<class>/<image> and root/val/<class>/<image> (or test/).  A root made of class
+Layout: root/train/<class>/<image> and root/val/<class>/<image> (or test/), or ILSVRC2012's val/
+as distributed: flat, labelled by LOC_val_solution.csv or the devkit's ground truth (ilsvrc.py;
+read in the order of the same images sorted into class folders).  A root made of class
 folders alone (a "bare" folder) is split in two: HOLDOUT_FRACTION of each class's images, chosen
 by a hash of their path inside the class folder, are its test split and the rest its training
 split, so that train.py never sees the images the evaluation scores; the split depends on the
@@ -16,7 +18,8 @@ A folder is scanned once per process (`_scan_cache`) and scanned again when one 
 read has changed since (its mtime: a file or folder added, removed or renamed in it; or it was
 changed less than RACY_NS before the scan), so a data set edited between two calls in one process
 (a notebook, train.main then eval.main) is not read from a stale file list; a file overwritten in
-place is not noticed.
+place is not noticed.  With a `Listing` (listing.py) one process of a run scans and the others
+receive its list, and the scan is cached on disk between runs under the same rule.
 
 Bad files, one policy for every ImageFolder loader (`on_bad_file`, train.py --on-bad-file):
   "warn" (default): skip the file and count it.  A file that fails the scan (not an image, or a
@@ -48,8 +51,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 HOW_TO_GET = ("pass a folder of class folders (<root>/<class>/<image>; a part of each class is "
               "held out as its test split), or <root>/train/<class>/ and <root>/val/<class>/ "
-              "(ImageNet: download ILSVRC2012 from image-net.org and sort val/ into class "
-              "folders)")
+              "(ImageNet: ILSVRC2012 from image-net.org as distributed, its flat val/ labelled "
+              "by LOC_val_solution.csv or the devkit's ground truth)")
 HOLDOUT_FRACTION = 0.2  # a bare folder of classes: this part of each class is its test split
 BAD_FILE_POLICIES = ("warn", "error")
 _MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"BM", b"II*\x00", b"MM\x00*")
