@@ -625,7 +625,8 @@ def test_a_run_lists_the_tree_once_and_a_restart_not_at_all(tmp_path):
           f"restart {restart} ({n} files)")
     assert n == 643          # 600 train/, 40 val/, 3 labels and meta files
     assert sum(first) <= 1.2 * n + 1000 < 3 * 600, first
-    assert first[0] >= 600 and max(first[1:]) <= 100, first  # rank 0 checks, the others walk
+    assert 600 <= first[0] <= 700 and max(first[1:]) <= 100, first  # rank 0 checks (one walk),
+    # the others walk to choose the recipe
     assert sum(restart) <= 1000 and sum(restart) == 0, restart
 
 

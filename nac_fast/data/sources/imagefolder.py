@@ -251,12 +251,12 @@ class FolderSource:
             return tuple(src.scale)
         d = root if bare else train
         hit = _walk_cache.get(key)
-        if hit is None or not _unchanged(hit[1]):
+        if hit is None or not _unchanged(hit["stamp"]):
             start = time.time_ns()
-            imgs, labels, _, _, stamp = cls._walk(d)
-            hit = _walk_cache[key] = ((imgs, labels), (start, stamp))
-        imgs, labels = hit[0]
-        return _scale(imgs, labels, d, bare)
+            walk = cls._walk(d)
+            hit = _walk_cache[key] = {"walk": walk, "stamp": (start, walk[4]),
+                                      "scale": _scale(walk[0], walk[1], d, bare)}
+        return hit["scale"]
 
     @staticmethod
     def _class_names(d):
@@ -340,7 +340,12 @@ class FolderSource:
         """The class folders of ``d`` (`_walk`), or with ``train_classes`` a flat ``d`` labelled
         by ``labels_file`` (`_walk_flat`), their files' headers checked."""
         start = time.time_ns()
-        if train_classes is not None and _is_flat(d):
+        walked = (_walk_cache.pop((os.path.realpath(d),) + (("bare",) if bare else ()), None)
+                  if train_classes is None else None)
+        if walked is not None and _unchanged(walked["stamp"]):   # scale_of's walk, still true
+            start = walked["stamp"][0]
+            files, labels, classes, odd, stamp = walked["walk"]
+        elif train_classes is not None and _is_flat(d):
             files, labels, classes, odd, stamp = cls._walk_flat(d, train_classes, labels_file,
                                                                 labels_named)
         else:
@@ -349,7 +354,8 @@ class FolderSource:
                                  "its images; a labels file labels a flat val/ (leave the flag "
                                  "out)")
             files, labels, classes, odd, stamp = cls._walk(d, train_classes)
-        scale = _scale(files, labels, d, bare)
+        scale = walked["scale"] if walked is not None and start == walked["stamp"][0] else \
+            _scale(files, labels, d, bare)
         # header check: 16 bytes per file, threads because it is I/O-bound (ImageNet: 1.28M files)
         with ThreadPoolExecutor(16) as ex:
             ok = [_is_image_header(h) for h in ex.map(_read_head, files, chunksize=256)]
@@ -390,7 +396,8 @@ def _scale(files, labels, root, bare) -> tuple:
 
 
 _split_cache: dict = {}   # a bare folder's key: {"whole": its scan, "train": ..., "test": ...}
-_walk_cache: dict = {}    # scale_of's walks: key -> ((files, labels), (start, stamp))
+_walk_cache: dict = {}    # scale_of's walks: key -> {"walk": _walk's answer, "stamp", "scale"};
+                          # the scan of the same folder takes it over (one walk, not two)
 
 
 def _cached_scan(key, listing):
