@@ -313,10 +313,12 @@ def _fit_linear(x, y, C: int, lrs, *, epochs: int, batch_size: int, momentum: fl
     n = N if rows is None else int(rows.numel())
     L = len(lrs)
     dev = x.device if device is None else torch.device(device)
-    plan = probe_plan(n, d, x.element_size(), num_rates=L, num_classes=C, batch_size=batch_size,
+    # the plan of all N rows: a resident copy holds x whole (the held-out rows too)
+    plan = probe_plan(N, d, x.element_size(), num_rates=L, num_classes=C, batch_size=batch_size,
                       device_mem=device_mem, on_device=x.device == dev and stream is None)
     if stream is not None:
         plan["stream"] = bool(stream)
+    plan["chunk"] = min(plan["chunk"], n)
     if plan_out is not None:
         plan_out.update(plan)
     gen = torch.Generator().manual_seed(seed)
