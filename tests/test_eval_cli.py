@@ -223,6 +223,7 @@ def test_paper_protocol(ckpt, tmp_path, capsys):
     (["--linear-lrs", ","], "expected at least one number"),
     (["--which", "momentum"], "--which momentum: the checkpoint has no momentum model"),
     (["--data", "/nonexistent/data"], "'/nonexistent/data' is neither"),
+    (["--workers", "-1"], "--workers must be >= 0, got -1"),
 ])
 def test_bad_arguments(ckpt, tmp_path, capsys, extra, match):
     out = tmp_path / "never"
@@ -543,3 +544,182 @@ def test_hash_file_names_in_a_folder_without_a_report_are_left_alone(tmp_path, c
                           "--device", "cpu", "--no-progress", "--out", str(out),
                           "--tasks", "knn"]) in (0, None)
     assert mine.read_bytes() == b"the user's own"
+
+
+# --------------------------------------------------------------------------------------------
+# Under torchrun: extraction sharded over the ranks, failures agreed on; loader workers
+# --------------------------------------------------------------------------------------------
+
+def _eval_rank(rank, world, port, argv, log, fail):
+    """One rank of a torchrun job, in a spawned process: python -m nac_fast.eval's main with
+    torchrun's environment (one thread per rank, as torchrun sets it), stdout and stderr to `log`.
+    fail = (rank, "extract" | "args"): that rank alone meets an exception in its feature
+    extraction, or a usage error in the argument checks (a test hook)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    if fail is not None and fail[0] == rank:
+        if fail[1] == "extract":
+            def extract_features(*a, **k):
+                raise RuntimeError("injected failure")
+            nac_eval.extract_features = extract_features
+        else:
+            check = nac_eval.check_args
+
+            def check_args(args):
+                check(args)
+                raise ValueError("--data: injected usage error")
+            nac_eval.check_args = check_args
+    try:
+        code = nac_eval.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)
+
+
+def _run_ranks(argv, logs_dir, world=2, fail=None, timeout=240):
+    """Exit codes and logs of `world` ranks of python -m nac_fast.eval (gloo on loopback); a
+    rank still running after `timeout` s (a hang) fails the test."""
+    import multiprocessing
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    logs = [str(logs_dir / f"rank{r}.log") for r in range(world)]
+    procs = [ctx.Process(target=_eval_rank, args=(r, world, port, argv, logs[r], fail))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    texts = [open(f).read() if os.path.exists(f) else "" for f in logs]
+    assert not hung, f"ranks {hung} hung:\n" + "\n".join(texts)
+    return [p.exitcode for p in procs], texts
+
+
+DIST = ["--tasks", "expressivity", "--limit-train", "650", "--limit-test", "50", "--batch-size",
+        "64", "--device", "cpu", "--no-progress"]
+
+
+def test_torchrun_ranks_extract_what_one_process_does(ckpt, tmp_path):
+    """Two ranks (gloo) shard the extraction by whole batches (650 train images: 6 and 5 batches
+    of 64; 50 test images: one batch, rank 1 gets none), gather to rank 0 in the split's order:
+    the features one process extracts, bit for bit; only rank 0 writes (the cache once, the
+    report), and the cache is one: a torchrun job reuses one process's and the other way round."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert nac_eval.main(["--checkpoint", ckpt, "--out", str(one)] + DIST) == 0
+    codes, logs = _run_ranks(["--checkpoint", ckpt, "--out", str(two)] + DIST, tmp_path)
+    assert codes == [0, 0], logs
+    assert "| codes 32 bits | distinct |" in logs[0] and "| task |" not in logs[1]
+    assert sorted(os.listdir(two)) == ["features_test.pt", "features_train.pt", "report.json",
+                                       "report.md"]
+    for split, n in (("train", 650), ("test", 50)):
+        a = torch.load(one / f"features_{split}.pt", weights_only=True)
+        b = torch.load(two / f"features_{split}.pt", weights_only=True)
+        assert b["h"].shape[0] == n and a["meta"] == b["meta"]
+        for k in ("h", "a", "labels"):
+            assert torch.equal(a[k], b[k]), (split, k)
+    rep = json.loads((two / "report.json").read_text())
+    assert rep["extraction"]["ranks"] == 2 and not rep["features"]["train"]["cached"]
+    assert rep["results"] == json.loads((one / "report.json").read_text())["results"]
+    # the cache one process wrote serves a torchrun job (rank 0 reads it, no rank extracts)
+    mtimes = {s: os.stat(one / f"features_{s}.pt").st_mtime_ns for s in ("train", "test")}
+    codes, logs = _run_ranks(["--checkpoint", ckpt, "--out", str(one), "--overwrite"] + DIST,
+                             tmp_path)
+    assert codes == [0, 0], logs
+    rep = json.loads((one / "report.json").read_text())
+    assert rep["features"]["train"]["cached"] and rep["features"]["test"]["cached"]
+    assert {s: os.stat(one / f"features_{s}.pt").st_mtime_ns for s in mtimes} == mtimes
+    # and the torchrun job's cache serves one process
+    assert nac_eval.main(["--checkpoint", ckpt, "--out", str(two), "--overwrite"] + DIST) == 0
+    assert json.loads((two / "report.json").read_text())["features"]["test"]["cached"]
+
+
+@pytest.mark.parametrize("where, status, message", [
+    ("extract", 1, "rank 1 of 2 failed extracting the train split's features: RuntimeError: "
+                   "injected failure"),
+    ("args", 2, "--data: injected usage error"),
+])
+def test_torchrun_a_failing_rank_stops_every_rank(ckpt, tmp_path, where, status, message):
+    """A failure that one rank alone meets (an exception in its extraction, a usage error in its
+    checks) stops every rank, none hangs: each exits with the same status and message, and
+    nothing is written (no feature cache, no report)."""
+    out = tmp_path / "out"
+    codes, logs = _run_ranks(["--checkpoint", ckpt, "--out", str(out)] + DIST, tmp_path,
+                             fail=(1, where))
+    assert codes == [status, status], logs
+    for log in logs:
+        assert f"python -m nac_fast.eval: error: {message}" in log, log
+    if where == "extract":
+        assert "Traceback" in logs[1] and "Traceback" not in logs[0]
+        assert os.listdir(out) == []  # rank 0 made the folder, nothing in it
+    else:
+        assert "usage:" in logs[0] and not out.exists()
+
+
+def test_shard_bounds_are_whole_batches_that_cover_the_split():
+    from nac_fast.eval.extraction import shard_bounds
+    for n, bs, world in ((650, 64, 2), (50, 64, 2), (1, 1, 3), (1000, 7, 8), (64, 64, 1)):
+        bounds = [shard_bounds(n, bs, r, world) for r in range(world)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(bounds[r][1] == bounds[r + 1][0] for r in range(world - 1))
+        assert all(x % bs == 0 or x == n for b in bounds for x in b)
+        batches = [-(-(hi - lo) // bs) for lo, hi in bounds]  # balanced: within one batch
+        assert max(batches) - min(batches) <= 1 and batches[0] == max(batches)
+    assert shard_bounds(650, 64, 0, 2) == (0, 384) and shard_bounds(50, 64, 1, 2) == (50, 50)
+
+
+@pytest.mark.parametrize("arch", ["resnet-tiny", "resnet18", "vgg16-bn"])
+def test_folded_network_gives_the_models_features(arch):
+    """extraction_network folds every BatchNorm2d of the encoder into its convolution and runs
+    channels-last: the same h and a up to float32 rounding, with trained-like statistics."""
+    from nac_fast.eval.extraction import extraction_network
+    from nac_fast.train.models import build_model
+    torch.manual_seed(0)
+    model = build_model(arch=arch, in_channels=3, image_size=32, code_dim=D).eval()
+    for m in model.encoder.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-1, 1)
+    net = extraction_network(model)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in net.modules())
+    assert extraction_network(model, eager=True) is model
+    x = torch.randn(5, 3, 32, 32)
+    with torch.inference_mode():
+        h0, a0 = model.encode(x)
+        h1, a1 = net.encode(x.contiguous(memory_format=torch.channels_last))
+    assert torch.allclose(h1, h0, rtol=1e-5, atol=1e-5 * float(h0.abs().max()))
+    assert torch.allclose(a1, a0, rtol=1e-5, atol=1e-5 * float(a0.abs().max()))
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())  # left as it was
+
+
+def test_workers_decode_a_folder_with_the_features_of_the_main_process(tmp_path, capsys):
+    """--workers N decodes an image folder's files in N loader processes: the same features as
+    decoding in the main process (--workers 0); the report records the workers."""
+    run = _tiny_folder_run(tmp_path, per_class=10)
+    feats = {}
+    for w in (0, 2):
+        out = tmp_path / f"w{w}"
+        assert nac_eval.main(["--checkpoint", str(run / "last.pt"), "--out", str(out),
+                              "--tasks", "expressivity", "--workers", str(w), "--batch-size",
+                              "3", "--device", "cpu", "--no-progress"]) == 0
+        assert json.loads((out / "report.json").read_text())["extraction"]["workers"] == w
+        feats[w] = torch.load(out / "features_train.pt", weights_only=True)
+    for k in ("h", "a", "labels"):
+        assert torch.equal(feats[0][k], feats[2][k]), k
+    from nac_fast.eval.extraction import MAX_DEFAULT_WORKERS, default_workers
+    assert 0 <= default_workers() <= MAX_DEFAULT_WORKERS
