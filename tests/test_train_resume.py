@@ -307,6 +307,14 @@ def test_background_save_one_in_flight_copy_isolated_and_errors_kept(tmp_path):
     assert _sha(p) == before and not os.path.exists(prev) and _temp_files(tmp_path) == []
 
 
+@pytest.mark.parametrize("value", ["8", "8:x", "a:1", "8:-1", "8:inf", "1:2:3"])
+def test_background_save_test_hook_value_is_checked(monkeypatch, value):
+    from nac_fast.train.checkpoint import PAUSE_ENV, BackgroundSave
+    monkeypatch.setenv(PAUSE_ENV, value)
+    with pytest.raises(ValueError, match=f"{PAUSE_ENV} must be STEP:SECONDS"):
+        BackgroundSave()
+
+
 def _enospc_at(call, seen):
     """torch.save that writes 1000 bytes and raises ENOSPC at its `call`-th call (1-based)."""
     import errno
