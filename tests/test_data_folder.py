@@ -671,6 +671,11 @@ def test_evaluating_a_flat_val_gives_the_report_of_the_same_images_sorted(tmp_pa
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--val-labels: data: labels file " in err and "bad.csv row 4: class n00000001" in err
+    assert train.main(["--data", tree, "--val-labels", str(tmp_path / "nope.csv"), "--out",
+                       str(tmp_path / "run2"), "--no-progress", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--val-labels " in err and "nope.csv': no such file" in err, err
+    assert not (tmp_path / "run2").exists()
 
 
 def test_a_damaged_or_unwritable_cache_is_reported_and_the_folder_scanned(tmp_path):
