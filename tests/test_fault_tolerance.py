@@ -35,6 +35,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -533,6 +535,37 @@ def test_lost_node_the_run_continues_on_the_survivor(tmp_path):
     # was stopped before logging them), then the resumed group's 4..8
     assert steps[:k] == list(range(1, k + 1)) and 3 <= k <= 5 and steps[k:] == [4, 5, 6, 7, 8]
     assert json.load(open(os.path.join(out, "status.json")))["status"] == 0
+
+
+def test_restarted_group_waits_for_the_lock_of_the_failed_one(mq_reference, tmp_path,
+                                                              monkeypatch, capsys):
+    """A restarted worker group of the job that owns --out waits for the run lock (the failed
+    group's rank 0 may still be exiting) and then resumes; a new launch does not wait."""
+    from nac_fast.train.run import RunLock
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-w")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    out = str(tmp_path / "run")
+    args = MQ + ["--max-steps", "8", "--save-every", "2", "--out", out]
+    assert train.main(args + ["--stop-at-step", "4"]) == 0
+    monkeypatch.setattr(run_mod, "LOCK_WAIT_RESTART_S", 60.0)
+    held = RunLock.acquire(out)                         # the failed group's rank 0, exiting
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-other")     # a new launch: refused at once
+    assert train.main(args + ["--resume"]) == 2
+    assert "is in use by another train.py run" in capsys.readouterr().err
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-w")          # the job's restart: waits
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    timer = threading.Timer(2.0, held.release)
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        assert train.main(args) == 0
+    finally:
+        timer.cancel()
+        held.release()
+    assert time.monotonic() - t0 >= 2.0
+    assert "at step 4 (epoch 1, batch 0) (restart of torchrun job job-w, restart count 1)" \
+        in capsys.readouterr().out
+    assert _losses(out) == _losses(mq_reference) and _step(out) == 8
 
 
 def test_resume_on_a_world_size_the_global_batch_does_not_divide_is_refused(
