@@ -1,5 +1,6 @@
-"""Write an ILSVRC2012-shaped tree of generated JPEGs: the layout, names, labels files and quirks of
-ImageNet as distributed, at any size, for tests and start-up benchmarks (no download).
+"""Write an ILSVRC2012-shaped tree of generated JPEGs, for tests and start-up benchmarks.
+
+The layout, names, labels files and quirks of ImageNet as distributed, at any size (no download):
 
     python scripts/make_ilsvrc_tree.py --out tree --classes 100 --train-per-class 1000 --size 32
     python scripts/make_ilsvrc_tree.py --out tree --classes 10 --train-per-class 20 \\
@@ -20,8 +21,8 @@ OUT/ILSVRC2012_devkit_t12/data/      with --devkit: ILSVRC2012_validation_ground
                                      in meta.mat)
 OUT/make_ilsvrc_tree.json            the arguments and which files carry which quirk
 
-Images are --size px squares (an EXIF-rotated one is stored --size x 3/4 --size, upright after
-its rotation) of smooth colour fields and shapes, a few templates per class encoded once; each
+Images are --size px squares (an EXIF-rotated one is stored 3/4 --size wide and --size high,
+and is --size wide and 3/4 --size high once its rotation is applied) of smooth colour fields and shapes, a few templates per class encoded once; each
 file is a template's bytes with its own name in a JPEG comment (distinct files, cheap to write).
 --quirks NAME=FRACTION,...: that fraction of all files (train and val; rounded, at least one when
 the fraction is > 0) carries the quirk, as ImageNet's files do at lower rates:

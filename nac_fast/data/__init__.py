@@ -22,7 +22,10 @@ Sources (`data`):
   directory holding the IDX files / a torchvision FashionMNIST root;
   a CIFAR-10 python-batches directory;
   an ImageFolder root (train/ and val/ of class folders; a root of class folders is its own
-  train split).
+  train split), ILSVRC2012's tree as distributed among them (a flat val/ labelled by
+  LOC_val_solution.csv or the devkit's ground truth: `val_labels`).  A multi-process run passes
+  a sources.Listing (`listing`): one process scans the folder, the others receive its list, and
+  the list is cached between runs (sources/listing.py).
 Loaders (`loader`):
   "torchvision": in-memory sources use batched tensor ops (loaders/tensor.py); ImageFolders decode
       and crop with PIL in DataLoader workers and do the colour ops batched (loaders/folder.py);
