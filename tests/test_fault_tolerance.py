@@ -289,6 +289,8 @@ def test_slurm_launch_env_forms_one_run_or_names_what_is_missing():
     # not a SLURM task launch: torchrun's variables (srun torchrun ...), or one task at most
     assert slurm_launch_env({**task, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}) is None
     assert slurm_launch_env({"SLURM_NTASKS": "1", "SLURM_JOB_ID": "5"}) is None
+    assert slurm_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}) \
+        is None
     assert slurm_launch_env({}) is None
     refused = {
         "without SLURM_PROCID, SLURM_LOCALID": {"SLURM_NTASKS": "2"},

@@ -124,8 +124,8 @@ def slurm_launch_env(env=None) -> dict | None:
     set, win.
 
     None when this is no SLURM task launch: torchrun's variables are set (`srun torchrun ...`:
-    torchrun's win), or no SLURM_PROCID and at most one SLURM_NTASKS (a one-process run, e.g.
-    in an salloc shell).  LaunchError, one line naming what is missing or inconsistent, for a
+    torchrun's win), or one task (SLURM_NTASKS=1, or no SLURM_PROCID and at most one
+    SLURM_NTASKS, e.g. an salloc shell): a one-process run.  LaunchError, one line naming what is missing or inconsistent, for a
     partial or contradictory set."""
     env = os.environ if env is None else env
     if any(env.get(k, "") != "" for k in TORCHRUN_VARS):
@@ -150,6 +150,8 @@ def slurm_launch_env(env=None) -> dict | None:
     if world < 1 or not 0 <= rank < world or not 0 <= local < world:
         raise LaunchError(f"SLURM launch ({shown}): inconsistent, SLURM_PROCID and "
                           "SLURM_LOCALID must lie in [0, SLURM_NTASKS)")
+    if world == 1:   # one task (e.g. `srun -n1`, a one-task batch script): a one-process run
+        return None
     out = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local)}
     per_node = env.get("SLURM_NTASKS_PER_NODE", "")
     if per_node.isdigit():
