@@ -22,8 +22,9 @@ OUT/ILSVRC2012_devkit_t12/data/      with --devkit: ILSVRC2012_validation_ground
 OUT/make_ilsvrc_tree.json            the arguments and which files carry which quirk
 
 Images are --size px squares (an EXIF-rotated one is stored 3/4 --size wide and --size high,
-and is --size wide and 3/4 --size high once its rotation is applied) of smooth colour fields and shapes, a few templates per class encoded once; each
-file is a template's bytes with its own name in a JPEG comment (distinct files, cheap to write).
+and is --size wide and 3/4 --size high once its rotation is applied) of smooth colour fields and
+shapes, a few templates per class encoded once; each file is a template's bytes with its own
+name in a JPEG comment (distinct files, cheap to write).
 --quirks NAME=FRACTION,...: that fraction of all files (train and val; rounded, at least one when
 the fraction is > 0) carries the quirk, as ImageNet's files do at lower rates:
   grey       a one-channel (L) JPEG
@@ -119,7 +120,7 @@ def _quirk_bytes(im: Image.Image, quirk: str) -> bytes:
         w, h = im.size
         upright = im.resize((w, max(1, h * 3 // 4)))
         exif = Image.Exif()
-        exif[0x0112] = 6          # orientation 6: the stored image is shown rotated 90 deg clockwise
+        exif[0x0112] = 6          # orientation 6: shown rotated 90 degrees clockwise
         return _encode(upright.transpose(Image.Transpose.ROTATE_90), quality=QUALITY,
                        exif=exif.tobytes())
     if quirk == "truncated":

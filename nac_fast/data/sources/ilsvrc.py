@@ -52,8 +52,8 @@ def _is_devkit(path) -> bool:
 
 
 def read_labels(path) -> dict:
-    """{image id (file name without extension): (WordNet id, row)} of a labels file (CSV or the devkit's
-    ground truth).  ValueError naming the file and the row when it is malformed."""
+    """{image id (file name without extension): (WordNet id, row)} of a labels file (CSV or the
+    devkit's ground truth).  ValueError naming the file and the row when it is malformed."""
     return _read_devkit(path) if _is_devkit(path) else _read_csv(path)
 
 
