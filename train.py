@@ -58,6 +58,8 @@ def main(argv=None) -> int:
         start(st, plan)  # --resume, or by itself in a restarted torchrun worker group
         train(st, cfg)
         return finish(0, di=di, st=st)
+    except nd.LaunchError as exc:  # torchrun's variables, or the GPUs, do not fit: one line
+        return finish(EXIT_USAGE, str(exc), di)
     except UsageError as exc:  # flags, recipe, data, checkpoint (a bad file: also in training)
         began = st is not None and st.began
         if not began and plan is not None:

@@ -328,6 +328,37 @@ def test_slurm_bad_launch_is_status_2_in_one_line_and_writes_nothing(tmp_path, m
         assert not out.exists() and "RANK" not in os.environ
 
 
+def test_each_process_takes_its_gpu_or_the_only_one_it_sees(monkeypatch, tmp_path, capsys):
+    """cuda:LOCAL_RANK, or the one GPU a process sees where the launcher binds one GPU to each
+    task (srun --gpus-per-task=1); several GPUs but fewer than LOCAL_RANK + 1, or launcher
+    variables that do not fit, stop with status 2 in one line (no traceback)."""
+    from nac_fast.train import distributed as nd
+    for k in SLURM_VARS + ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    picked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    for count, gpu in ((8, 3), (4, 3), (1, 0)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda c=count: c)
+        di = nd.init_distributed("cuda")
+        assert (di.device, di.local_rank) == (torch.device("cuda", gpu), 3)
+        assert picked[-1] == torch.device("cuda", gpu)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(nd.LaunchError, match=re.escape("LOCAL_RANK=3, but this process sees 2 "
+                                                       "GPUs")):
+        nd.init_distributed("cuda")
+    monkeypatch.undo()
+    for k in SLURM_VARS + ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "-1")
+    out = tmp_path / "run"
+    assert train.main(MQ + ["--max-steps", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "LOCAL_RANK must be >= 0, got -1" in err[0], err
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_srun_tasks_form_one_run(tmp_path):
     """Two processes with SLURM's variables of `srun --ntasks=2 python train.py` and none of

@@ -42,7 +42,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(v)
     except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {v!r}") from None
+        raise LaunchError(f"environment variable {name} must be an integer, got {v!r}") from None
 
 
 class LaunchError(ValueError):
@@ -198,7 +198,9 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
     """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT),
     or from SLURM's for a `srun python train.py` task (adopt_slurm_env: train.py calls it first).
 
-    device: "auto" (cuda:LOCAL_RANK when CUDA is present, else cpu), "cpu" or "cuda".
+    device: "auto" (cuda:LOCAL_RANK when CUDA is present, else cpu; a process that sees one
+    GPU only takes that one), "cpu" or "cuda".  LaunchError (a ValueError) for launcher
+    variables that do not fit.
     One process without WORLD_SIZE (plain `python train.py`) gets rank 0 of 1 and no process group.
     The backend is NCCL for CUDA and gloo for CPU.
     """
@@ -209,18 +211,18 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     if world < 1:
-        raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {world}")
+        raise LaunchError(f"environment variable WORLD_SIZE must be >= 1, got {world}")
     if not 0 <= rank < world:
-        raise ValueError(f"environment variable RANK must be in [0, WORLD_SIZE = {world}), "
-                         f"got {rank}")
+        raise LaunchError(f"environment variable RANK must be in [0, WORLD_SIZE = {world}), "
+                          f"got {rank}")
     if local_rank < 0:
-        raise ValueError(f"environment variable LOCAL_RANK must be >= 0, got {local_rank}")
+        raise LaunchError(f"environment variable LOCAL_RANK must be >= 0, got {local_rank}")
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but CUDA is not available")
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        dev = torch.device("cuda", _gpu_of(local_rank))
+        torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
@@ -236,6 +238,21 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
                       world_size=world)
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout, **kw)
     return DistInfo(rank, world, local_rank, dev)
+
+
+def _gpu_of(local_rank: int) -> int:
+    """The GPU of the process of LOCAL_RANK: cuda:LOCAL_RANK of the GPUs it sees, or the only one
+    it sees (a launcher that binds one GPU to each process: `srun --gpus-per-task=1`,
+    CUDA_VISIBLE_DEVICES set per process); LaunchError when it sees several but fewer than
+    LOCAL_RANK + 1."""
+    count = torch.cuda.device_count()
+    if local_rank < count:
+        return local_rank
+    if count == 1:
+        return 0
+    raise LaunchError(f"LOCAL_RANK={local_rank}, but this process sees {count} GPUs "
+                      f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): at "
+                      f"most {count} processes per node, one per GPU")
 
 
 def fresh_namespace(store, rank: int, world: int, timeout_s: float) -> str:

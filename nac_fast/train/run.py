@@ -293,7 +293,7 @@ def build(cfg: TrainConfig, di) -> TrainState:
         # which DDP's reducer refuses unless told to look for unused parameters (their .grad
         # stays None, as in one process); the search costs a graph walk per step, so only then.
         net = torch.nn.parallel.DistributedDataParallel(  # nac-mq: around the NACMQ (MoCo)
-            net, device_ids=[di.local_rank] if di.device.type == "cuda" else None,
+            net, device_ids=[di.device.index] if di.device.type == "cuda" else None,
             gradient_as_bucket_view=True, find_unused_parameters=cfg.infer_warmup_steps > 0,
             **ddp_kw)
     autocast = (torch.autocast(di.device.type, dtype=amp_dtype) if amp_dtype is not None
