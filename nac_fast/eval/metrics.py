@@ -421,11 +421,14 @@ def train_linear_probe(features, labels, *, num_classes: int | None = None, lr: 
                        device_mem=device_mem, stream=stream)[0]
 
 
-def linear_predict(model: torch.nn.Linear, x: torch.Tensor, chunk: int = 8192,
+def linear_predict(model: torch.nn.Linear, x: torch.Tensor, chunk: int = 2048,
                    rows=None) -> torch.Tensor:
     """The class a fitted probe (:func:`train_linear_probe`) predicts for each row of x (or for
     x[rows]), in chunks of `chunk` rows, each moved to the model's device and upcast to float32
-    there (x may be 16-bit, on the host, a memmap's)."""
+    there (x may be 16-bit, on the host, a memmap's).  2048 rows: a chunk's 1000-class logits
+    are 8 MB; at 8192 rows (33 MB, just under glibc's largest mmap threshold) the freed chunks
+    fragmented the heap and a probe on 1.28M rows peaked ~190 MB higher per call
+    (bench/results/eval_probe_cpu.md)."""
     dev = model.weight.device
     n = x.shape[0] if rows is None else int(rows.numel())
     out = []
