@@ -387,6 +387,19 @@ def test_feature_buffer_fills_in_place_and_memmaps(tmp_path):
         FeatureBuffer(10, 3, path=path)
     with pytest.raises(ValueError, match="bfloat16"):
         FeatureBuffer(10, 3, torch.bfloat16, path=str(tmp_path / "b.npy"))
+    # rows written by id (a rank's share), each once; NaN kept for a later check if asked
+    part = FeatureBuffer(4, 3, nonfinite="keep")
+    part.write(x[[1, 3]], rows=torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="written twice"):
+        part.write(x[:1], rows=torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, 4\)"):
+        part.write(x[:1], rows=torch.tensor([4]))
+    part.write(torch.tensor([[float("nan"), 0.0, 1.0], [1.0, 2.0, 3.0]]),
+               rows=torch.tensor([2, 0]))
+    got = part.commit()
+    assert torch.equal(got[[1, 3]], x[[1, 3]].half()) and torch.isnan(got[2, 0])
+    with pytest.raises(ValueError, match="row 0 holds a value beyond"):
+        FeatureBuffer(1, 2, nonfinite="keep").write(torch.tensor([[1e5, 0.0]]))
     # the probe trains on the memmap in place, as on the in-memory tensor
     y = torch.arange(10) % 2
     a = E.train_linear_probe(back, y, epochs=2, batch_size=4)

@@ -9,6 +9,11 @@ a batch at a time, in memory or as a memory-mapped .npy file (issue 55).
         buf.write(h)                                       # rows [filled, filled + len(h))
     x = buf.commit()                                       # the (N, D) tensor, every row written
 
+    buf.write(h_shard, rows=ids)                           # or by row id (a rank's gathered
+                                                           # share), each row once
+    FeatureBuffer(n, dim, nonfinite="keep")                # NaN / inf stored as they are, for a
+                                                           # later check that names the run
+
 Why 16 bits, and why float16: 1.28M x 2048 ImageNet features are 10.5 GB in float32, 5.2 GB in
 16 bits.  float16 keeps 11 significant bits (a stored value is within a relative 2^-11 = 4.9e-4
 of the float32 one; below 6.1e-5 the absolute error is at most 2^-25 = 3.0e-8), bfloat16 only 8
@@ -48,13 +53,16 @@ class FeatureBuffer:
     existing ``path`` is refused unless ``overwrite``.  ``name``: how errors call the features."""
 
     def __init__(self, rows: int, dim: int, dtype=torch.float16, *, path: str | None = None,
-                 overwrite: bool = False, name: str = "features"):
+                 overwrite: bool = False, name: str = "features", nonfinite: str = "error"):
         _checks.positive_int("rows", rows)
         _checks.positive_int("dim", dim)
         if dtype not in _FINITE_MAX:
             raise ValueError(f"dtype must be one of {list(FEATURE_DTYPES)}, got {dtype!r}")
+        if nonfinite not in ("error", "keep"):
+            raise ValueError(f"nonfinite must be 'error' or 'keep', got {nonfinite!r}")
         self.rows, self.dim, self.dtype, self.name = int(rows), int(dim), dtype, name
-        self.path, self.filled, self._mm = path, 0, None
+        self.path, self.filled, self._mm, self.nonfinite = path, 0, None, nonfinite
+        self.written = torch.zeros(self.rows, dtype=torch.bool)
         if path is None:
             self.tensor = torch.empty(self.rows, self.dim, dtype=dtype)
             return
@@ -67,32 +75,55 @@ class FeatureBuffer:
                                              shape=(self.rows, self.dim))
         self.tensor = torch.from_numpy(self._mm)
 
-    def write(self, values: torch.Tensor) -> None:
-        """Store ``values`` (m, dim), any float dtype and device, as the next m rows.  NaN, inf
-        and values beyond the storage dtype's range (float16: 65504) are a ValueError naming the
-        row, and nothing of the batch is stored."""
+    def write(self, values: torch.Tensor, rows=None) -> None:
+        """Store ``values`` (m, dim), any float dtype and device, as the next m rows, or as the
+        rows ``rows`` (int64 ids, e.g. one rank's share gathered from a process group), each
+        written once.  A finite value beyond the storage dtype's range (float16: 65504) is a
+        ValueError naming the row (it would be stored as inf), and so are NaN and inf unless
+        ``nonfinite="keep"`` (stored as they are, for a later check that names the run); nothing
+        of a refused batch is stored."""
         _checks.tensor("values", values)
         if values.dim() != 2 or values.shape[1] != self.dim or not values.is_floating_point():
             raise ValueError(f"values must be a float (m, {self.dim}) tensor, got "
                              f"{values.dtype} {tuple(values.shape)}")
         m = values.shape[0]
-        if self.filled + m > self.rows:
-            raise ValueError(f"{self.name}: {self.filled} + {m} rows exceed the buffer's "
-                             f"{self.rows}")
+        if rows is None:
+            if self.filled + m > self.rows:
+                raise ValueError(f"{self.name}: {self.filled} + {m} rows exceed the buffer's "
+                                 f"{self.rows}")
+            where = torch.arange(self.filled, self.filled + m)
+        else:
+            _checks.tensor("rows", rows)
+            where = rows.to("cpu", torch.int64).reshape(-1)
+            if where.numel() != m:
+                raise ValueError(f"rows has {where.numel()} ids for {m} rows of values")
+            if m and (int(where.min()) < 0 or int(where.max()) >= self.rows):
+                raise ValueError(f"{self.name}: rows must lie in [0, {self.rows})")
+            if bool(self.written[where].any()) or where.unique().numel() != m:
+                raise ValueError(f"{self.name}: a row of rows is written twice")
         v = values.detach()
-        bad = ~torch.isfinite(v) | (v.abs() > _FINITE_MAX[self.dtype])
+        bad = v.abs() > _FINITE_MAX[self.dtype]
+        if self.nonfinite == "error":
+            bad |= ~torch.isfinite(v)
+        else:
+            bad &= torch.isfinite(v)
         if bool(bad.any()):
             r = int(bad.any(1).nonzero()[0, 0])
-            raise ValueError(f"{self.name}: row {self.filled + r} holds NaN, inf or a value "
+            raise ValueError(f"{self.name}: row {int(where[r])} holds "
+                             f"{'NaN, inf or ' if self.nonfinite == 'error' else ''}a value "
                              f"beyond {self.dtype}'s range ±{_FINITE_MAX[self.dtype]:g} "
                              f"(e.g. {float(v[r][bad[r]][0])!r})")
-        self.tensor[self.filled:self.filled + m].copy_(v)
+        if rows is None:
+            self.tensor[self.filled:self.filled + m].copy_(v)
+        else:
+            self.tensor[where] = v.to("cpu", self.dtype)
+        self.written[where] = True
         self.filled += m
 
     def commit(self) -> torch.Tensor:
         """The filled tensor; a memmap is flushed and renamed to its final path.  A buffer with
         rows never written is a ValueError."""
-        if self.filled != self.rows:
+        if self.filled != self.rows or not bool(self.written.all()):
             raise ValueError(f"{self.name}: {self.filled} of {self.rows} rows written")
         if self._mm is not None:
             self._mm.flush()
