@@ -705,3 +705,58 @@ def test_a_damaged_or_unwritable_cache_is_reported_and_the_folder_scanned(tmp_pa
                        ({"broadcast": "all"}, "broadcast must be None or callable")):
         with pytest.raises(TypeError, match=match):
             Listing(**bad)
+
+
+def _gloo_listing_worker(rank, port, trees, out):
+    """One of 2 gloo ranks: for each tree, build a pretraining loader with the run's Listing
+    (rank 0 scans, torch.distributed broadcasts); write what this rank got (its file list, or
+    its error).  A rank left waiting fails after 60 s (the group's timeout), not never."""
+    import datetime
+    import json
+    import torch.distributed as dist
+    from nac_fast.data.sources import Listing
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
+
+    def broadcast(obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    got = []
+    try:
+        for tree in trees:
+            try:
+                ld = build_pretrain_loader(tree, batch_size=2, rank=rank, world_size=2,
+                                           image_size=16, loader="torchvision",
+                                           listing=Listing(first=rank == 0, broadcast=broadcast))
+                got.append({"files": ld.source.files})
+            except ValueError as exc:
+                got.append({"error": str(exc)})
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def test_rank_0s_list_or_its_error_reaches_every_rank_over_gloo(tmp_path):
+    """Over torch.distributed (2 gloo ranks, no launcher to stop the others): every rank gets
+    rank 0's file list, or, when no file of the tree is an image (only rank 0 checks the
+    headers), rank 0's error with its message, instead of waiting for a list that never comes."""
+    import json
+    import socket
+    import torch.multiprocessing as mp
+    tree = _ilsvrc(tmp_path / "tree")
+    bad = tmp_path / "bad"
+    for c in ("n01", "n02"):
+        os.makedirs(bad / "train" / c)
+        for i in range(4):
+            (bad / "train" / c / f"{c}_{i}.JPEG").write_bytes(b"not an image")
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    mp.spawn(_gloo_listing_worker, args=(port, [tree, str(bad)], str(tmp_path)), nprocs=2,
+             join=True)
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in range(2))
+    assert r0 == r1
+    assert len(r0[0]["files"]) == 20
+    assert "none of the 8 image file(s)" in r0[1]["error"]
