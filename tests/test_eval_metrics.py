@@ -621,10 +621,10 @@ def _free_port():
 
 def _augmented_fit(world=1, rank=0):
     from nac_fast.eval import augprobe as A
-    ld = _fmnist_loader("train", 90)
+    ld = _fmnist_loader("train", 65)   # the last global batch of 32 has 1 row: rank 1 none
     y = torch.as_tensor(ld.source.labels[ld.indices])
     views = A._Views(ld, 2, torch.device("cpu"), 0)
-    m = A._fit_augmented(_PixelEncoder(), views, ld.indices, y, torch.arange(90), 10, [0.3, 3.0],
+    m = A._fit_augmented(_PixelEncoder(), views, ld.indices, y, torch.arange(65), 10, [0.3, 3.0],
                          epochs=2, batch_size=32, seed=1, device=torch.device("cpu"),
                          progress=False, desc="")
     return torch.stack([x.weight for x in m]).detach(), torch.stack([x.bias for x in m]).detach()
@@ -643,14 +643,16 @@ def _augmented_worker(rank, port, out):
 
 @pytest.mark.slow   # two spawned processes (as the multi-process train.py tests: 30-70 s here)
 def test_augmented_probe_under_a_process_group_takes_the_whole_batch_step(tmp_path):
-    """Two gloo processes: each encodes half of every global batch (rows rank::2) and the
-    gradients are summed before the step, so both end with the one-process weights (float32
-    summation order only) and with each other's exactly."""
+    """Two gloo processes: each encodes half of every global batch (rows rank::2; rank 1's share
+    of the last batch is empty and it still joins the all-reduce) and the gradients are summed
+    before the step, so both end with the one-process weights (float32 summation order only)
+    and with each other's exactly."""
     import torch.multiprocessing as mp
     mp.spawn(_augmented_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     w0, b0 = torch.load(tmp_path / "rank0.pt")
     w1, b1 = torch.load(tmp_path / "rank1.pt")
     assert torch.equal(w0, w1) and torch.equal(b0, b1)
     w, b = _augmented_fit()
-    assert torch.allclose(w0, w, atol=1e-5) and torch.allclose(b0, b, atol=1e-5)
+    scale = w.abs().max()   # float32 sums in another order: ~5e-6 of the weights' scale here
+    assert torch.allclose(w0, w, atol=2e-5 * scale) and torch.allclose(b0, b, atol=2e-5 * scale)
     assert not torch.equal(w, torch.zeros_like(w))

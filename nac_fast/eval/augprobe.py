@@ -148,10 +148,14 @@ def _fit_augmented(model, views, dataset_index, y, rows, C, lrs, *, epochs, batc
             order = rows[torch.randperm(n, generator=gen)]
             mine = [order[s:s + batch_size][rank::world] for s in range(0, n, batch_size)]
             totals = [min(batch_size, n - s) for s in range(0, n, batch_size)]
-            for r, total, x in zip(mine, totals,
-                                   views.batches(epoch, [dataset_index[r.numpy()] for r in mine])):
-                with torch.no_grad():
-                    h = model.encode(x)[0].float()
+            # a rank whose share of the last batch is empty still joins its all-reduce
+            xs = views.batches(epoch, [dataset_index[r.numpy()] for r in mine if r.numel()])
+            for r, total in zip(mine, totals):
+                if r.numel():
+                    with torch.no_grad():
+                        h = model.encode(next(xs))[0].float()
+                else:
+                    h = torch.zeros(0, d, device=device)
                 _sgd_step(h, y[r.to(device)], W, b, bW, bb, Wf, bWf, lr0, t, steps, 0.9,
                           total=total, reduce=reduce if world > 1 else None)
                 t += 1
