@@ -51,7 +51,7 @@ def _features(name: str, x, rows: int | None = None, dim: int | None = None) -> 
     return x.detach()
 
 
-def all_finite(x: torch.Tensor, block_bytes: int = 1 << 24) -> bool:
+def all_finite(x: torch.Tensor, block_bytes: int = 1 << 22) -> bool:
     """Whether every entry of a 2-D tensor is finite, checked a block of rows at a time (a
     whole-tensor torch.isfinite of 1.28M x 2048 features would be a 2.6 GB mask)."""
     step = max(1, block_bytes // max(1, x.shape[1]))
@@ -431,12 +431,25 @@ def linear_predict(model: torch.nn.Linear, x: torch.Tensor, chunk: int = 2048,
     (bench/results/eval_probe_cpu.md)."""
     dev = model.weight.device
     n = x.shape[0] if rows is None else int(rows.numel())
-    out = []
+    out = torch.empty(n, dtype=torch.int64, device=dev)
+    # one float32 input and one logits buffer for all chunks (nn.Linear's own addmm, into
+    # them): no allocation per chunk for the allocator to keep
+    fb = torch.empty(min(chunk, n), x.shape[1], device=dev)
+    lb = torch.empty(min(chunk, n), model.weight.shape[0], device=dev)
+    gb = None if rows is None else torch.empty(min(chunk, n), x.shape[1], dtype=x.dtype,
+                                                device=x.device)
     with torch.no_grad():
         for s in range(0, n, chunk):
-            xb = x[s:s + chunk] if rows is None else x[rows[s:s + chunk].to(x.device)]
-            out.append(model(xb.to(dev).float()).argmax(1))
-    return torch.cat(out) if out else torch.empty(0, dtype=torch.int64, device=dev)
+            if rows is None:
+                xb = x[s:s + chunk]
+            else:
+                idx = rows[s:s + chunk].to(x.device)
+                xb = torch.index_select(x, 0, idx, out=gb[:idx.numel()])
+            m = xb.shape[0]
+            fb[:m].copy_(xb)
+            torch.addmm(model.bias, fb[:m], model.weight.t(), out=lb[:m])
+            torch.argmax(lb[:m], 1, out=out[s:s + m])
+    return out
 
 
 @dataclasses.dataclass
