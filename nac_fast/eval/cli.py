@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
       "sets (fashion-mnist, CIFAR-10) need none: a batch is one tensor gather")
     a("--eager-extraction", action="store_true", help="extract with the network as trained "
       "(eager, NCHW, whole batches) instead of its copy with batch norm folded into the "
-      "convolutions, channels-last, in CPU micro-batches (the default: ~1.9x the images/s on "
-      "a CPU, features equal to ~1e-6; bench/results/eval_extract_cpu.md)")
+      "convolutions, channels-last, in CPU micro-batches (the default: 1.65x the images/s on "
+      "a 2-core CPU, features equal to ~1e-6; bench/results/eval_extract_cpu.md)")
     a("--which", default="online", choices=("online", "momentum"),
       help="which model of the checkpoint (momentum: NAC-MQ's EMA model)")
     a("--hash-protocol", default=None, choices=("standard", "paper", "imagenet100"),

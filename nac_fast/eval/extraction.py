@@ -9,8 +9,9 @@ gives ~400,000 images/s), the convolutions are (83% of the time; batch norm 12%)
 BatchNorm2d into the convolution before it removes the norm's passes; channels-last lets oneDNN
 run the convolutions without reordering activations; and on the CPU the network sees at most
 CPU_MICRO_BATCH images at a time, whose activations stay in cache (a 256-image batch of 16 x 28 x
-28 activations is 12.8 MB).  Together about 1.9x the images/s of the eager network on whole
-batches, features equal to 4.8e-7 (float32 rounding of the folded weights).
+28 activations is 12.8 MB).  Together 1.65x the images/s of the eager network on whole
+batches (1.56x per CPU-second; old and new interleaved in one run, bench/eval_extract.py),
+features equal to 4.8e-7 (float32 rounding of the folded weights).
 """
 from __future__ import annotations
 
