@@ -176,7 +176,11 @@ def _split_files(args, split: str) -> list[str]:
     """The image files of an evaluation split in its feature order (the loader the CLI built
     for it: args.split_loaders[split] = (loader, n_used)); a ValueError naming
     --hash-database-list for data that are not image files."""
-    loader, used = args.split_loaders[split]
+    got = getattr(args, "split_loaders", {}).get(split)
+    if got is None:
+        raise RuntimeError(f"imagenet100 lists: the {split} split's loader was not recorded "
+                           "(args.split_loaders, set where the CLI builds its loaders)")
+    loader, used = got
     files = getattr(getattr(loader, "source", None), "files", None)
     if files is None:
         raise ValueError(f"--hash-database-list / --hash-query-list match images by file name; "
