@@ -580,6 +580,7 @@ __attribute__((target("avx512f,avx512vpopcntdq"))) void scan_topk_avx512(
 }
 #endif
 
+#if NAC_HAMMING_X86  // the nibble levels are x86 only (little-endian bytes of the words)
 // ---------------------------------------------------------------------------------------------
 // Nibble planes (levels 2 = AVX2 and 3 = AVX-512BW): gallery tile byte-sliced into 16 W planes
 // of nibbles, query as 16 W tables of 16 nibble distances (the header comment)
@@ -622,6 +623,7 @@ void prep_nibbles(const u64* gp, int64_t W, int64_t j0, int64_t n, int64_t S, vo
     }
   }
 }
+#endif
 
 // Word-major layouts (levels 0, 1, 4): the query as its words; gallery rows [j0, j0 + n) ->
 // out[w * S + col + j].
