@@ -1341,14 +1341,14 @@ void finalize_query(int64_t i, int64_t G, int64_t nb, const uint32_t* cnt, const
 
 template <class Rel>
 void retrieval_loop(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t W,
-                    const Engine& eng, const Rel& rel, const RetrievalOut& o) {
+                    const Engine& eng, const Rel& rel, const RetrievalOut& o, int64_t maxrel) {
   const int64_t T = eng.tile_items(W), qbytes = eng.query_bytes(W);
-
   const int64_t nb = W * 64 + 1;
-  // Queries per block: each holds up to 6 bytes of records per relevant gallery item, so the
-  // block shrinks as the gallery grows (<= 2^24 item slots, ~96 MiB per thread if all relevant).
+  // Queries per block: each holds up to 6 bytes of records per relevant gallery item, at most
+  // maxrel of them (the most any query has: G for multi-hot labels), so the block shrinks as
+  // that grows (<= 2^24 item slots, ~96 MiB per thread).  A block reads the whole gallery once.
   const int64_t threads = at::get_num_threads();
-  int64_t qb = std::max<int64_t>(1, std::min<int64_t>(64, (int64_t{1} << 24) / std::max<int64_t>(G, 1)));
+  int64_t qb = std::max<int64_t>(1, std::min<int64_t>(64, (int64_t{1} << 24) / std::max<int64_t>(maxrel + T, 1)));
   qb = std::max<int64_t>(1, std::min(qb, (Q + threads - 1) / threads));
   const int64_t nblk = (Q + qb - 1) / qb;
   // Nibble planes are prepared once for the whole gallery when there are several query blocks
@@ -1426,6 +1426,21 @@ void retrieval_loop(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t 
   });
 }
 
+// The most gallery items of one class any query asks for (class ids): the records a query of the
+// retrieval pass holds at most.
+int64_t max_relevant(const at::Tensor& gl, const at::Tensor& ql) {
+  const at::Tensor sorted = std::get<0>(gl.sort()).contiguous();
+  const int64_t* s = sorted.data_ptr<int64_t>();
+  const int64_t* q = ql.data_ptr<int64_t>();
+  const int64_t G = sorted.numel(), Q = ql.numel();
+  int64_t most = 0;
+  for (int64_t i = 0; i < Q; ++i) {
+    const auto r = std::equal_range(s, s + G, q[i]);
+    most = std::max<int64_t>(most, r.second - r.first);
+  }
+  return most;
+}
+
 void check_labels(const at::Tensor& q, const at::Tensor& g, int64_t Q, int64_t G, const char* op) {
   TORCH_CHECK(q.device().is_cpu() && g.device().is_cpu(), op, ": labels must be CPU tensors");
   TORCH_CHECK(q.scalar_type() == at::kLong && g.scalar_type() == at::kLong, op,
@@ -1475,12 +1490,12 @@ hamming_retrieval_cpu(const at::Tensor& query_in, const at::Tensor& gallery_in,
         rel.gl32 = gl32.data_ptr<int32_t>();
       }
     }
-    retrieval_loop(qp, gp, Q, G, W, eng, rel, o);
+    retrieval_loop(qp, gp, Q, G, W, eng, rel, o, max_relevant(gl, ql));
   } else {
     const at::Tensor ql = qlab_in.contiguous(), glT = word_major(glab_in);
     MultiLabel rel{reinterpret_cast<const u64*>(glT.data_ptr<int64_t>()),
                    reinterpret_cast<const u64*>(ql.data_ptr<int64_t>()), qlab_in.size(1), G};
-    retrieval_loop(qp, gp, Q, G, W, eng, rel, o);
+    retrieval_loop(qp, gp, Q, G, W, eng, rel, o, G);
   }
   return {ap, nrel, hits, psum, h, rh};
 }
