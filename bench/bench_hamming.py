@@ -80,7 +80,30 @@ from bench_csv import append_rows, check_flip, check_least, check_output_file  #
 CSV_PATH = os.path.join(ROOT, "bench", "results", "hamming_cpu.csv")
 CSV_FIELDS = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method",
               "queries", "gallery", "bits", "repeats", "median_s", "p20_s", "p80_s",
-              "peak_rss_mb", "map", "note"]
+              "peak_rss_mb", "map", "isa", "note"]
+
+
+def add_isa_flag(ap) -> None:
+    """--isa: the C++ engine's instruction-set level for every row (NAC_FAST_HAMMING_ISA,
+    nac_fast/ops/search.py), shared with bench_index.py."""
+    from nac_fast.ops.search import ISA_LEVELS
+    ap.add_argument("--isa", default="auto", choices=("auto",) + ISA_LEVELS,
+                    help="force the C++ engine's instruction-set level (NAC_FAST_HAMMING_ISA); "
+                    "auto = the best this CPU has")
+
+
+def apply_isa(ap, isa: str) -> str:
+    """Set NAC_FAST_HAMMING_ISA for --isa (a level the CPU lacks: the flag's error, exit status 2)
+    and return the level the C++ rows run: its name, with "(forced)" when not auto."""
+    from nac_fast.ops import search
+    runs = search.cpu_isa_levels()
+    if isa == "auto":
+        os.environ.pop(search.HAMMING_ISA_ENV, None)
+        return runs[-1]
+    if isa not in runs:
+        ap.error(f"--isa {isa}: this CPU runs only {', '.join(runs)}")
+    os.environ[search.HAMMING_ISA_ENV] = isa
+    return f"{isa} (forced; best here: {runs[-1]})"
 
 
 class PeakRSS:
@@ -611,6 +634,7 @@ def main(argv=None):
                    "first --index-sizes size beside the shipped one, rows 'topk-variant' ('' = "
                    "none)")
     ap.add_argument("--no-faiss", action="store_true")
+    add_isa_flag(ap)
     ap.add_argument("--no-rank", action="store_true", help="skip the nac_fast full-ranking row")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--seed", type=int, default=0)
@@ -625,6 +649,7 @@ def main(argv=None):
     why = dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
     if why is not None:
         sys.exit(f"the nac_fast hamming C++ kernel is not available: {why}")
+    isa = apply_isa(ap, args.isa)
     faiss = None
     if not args.no_faiss:
         try:
@@ -646,8 +671,7 @@ def main(argv=None):
               flush=True)
 
     print(f"Hamming engine, {Q} queries x {G} gallery x {D} bits, {args.classes} classes, "
-          f"flip {args.flip}, {args.threads} threads, simd level "
-          f"{int(torch.ops.nac_fast.hamming_simd_level())} (2 = AVX-512 VPOPCNTDQ)", flush=True)
+          f"flip {args.flip}, {args.threads} threads, C++ engine level {isa}", flush=True)
 
     # 1. nac_fast C++ mAP@all
     stats, res = timed(lambda: H.mean_average_precision(qc, ql, gc, gl, backend="cpu",
@@ -720,13 +744,13 @@ def main(argv=None):
     meta = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": socket.gethostname(), "cpu": cpu_name(), "threads": args.threads,
             "torch": torch.__version__, "faiss": getattr(faiss, "__version__", "") if faiss else "",
-            "git_commit": commit(), "gallery": G, "bits": D}
+            "git_commit": commit(), "gallery": G, "bits": D, "isa": isa}
     if args.csv:  # a CSV with another header is rewritten with CSV_FIELDS first (bench_csv)
         append_rows(args.csv, [{**meta, **r, "note": "; ".join(x for x in (r["note"], args.note)
                                                                 if x)} for r in rows], CSV_FIELDS)
         print(f"  appended {len(rows)} rows to {os.path.relpath(args.csv, ROOT)}")
 
-    summary = {"bench": "hamming_cpu", "queries": Q, "gallery": G, "bits": D,
+    summary = {"bench": "hamming_cpu", "isa": isa, "queries": Q, "gallery": G, "bits": D,
                "threads": args.threads, "map": nac_map, "nac_map_median_s": nac_stats["median_s"],
                "nac_map_peak_rss_mb": round(nac_stats["peak_rss_mb"], 1),
                "target_s": 5.0, "meets_target": nac_stats["median_s"] <= 5.0}

@@ -3,6 +3,8 @@
     python bench/bench_index.py                       # 1,000 queries x top-10 over 1M x 128 bits;
                                                       # mAP@all of 10,000 queries over the same 1M
     python bench/bench_index.py --gallery 100000 --map-queries 1000 --repeats 1   # a quick look
+    python bench/bench_index.py --isa avx2 --threads 1 --map-queries 0   # a level forced (issue 56:
+                                      # the AVX2 path measured on an AVX-512 machine)
 
 Synthetic CIFAR-10-like codes (bench_hamming.make_data: 10 class prototypes, each bit flipped
 with probability --flip).  Rows, each timed on the same data in the same run:
@@ -38,7 +40,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 import nac_fast  # noqa: E402
-from bench_hamming import cpu_name, make_data, timed  # noqa: E402  (the bench helpers)
+from bench_hamming import add_isa_flag, apply_isa, cpu_name, make_data, timed  # noqa: E402
 from bench_loss import commit  # noqa: E402
 from bench_csv import append_rows, check_flip, check_least, check_output_file  # noqa: E402
 from nac_fast.ops import dispatch  # noqa: E402
@@ -47,7 +49,7 @@ CSV_PATH = os.path.join(ROOT, "bench", "results", "index_cpu.csv")
 CSV_FIELDS = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method",
               "queries", "gallery", "bits", "k", "repeats", "median_s", "p20_s", "p80_s",
               "gpairs_per_s", "peak_rss_mb", "bytes_per_code", "load1_before", "load1_after",
-              "goal_s", "meets_goal", "note"]
+              "goal_s", "meets_goal", "isa", "note"]
 
 
 def main(argv=None):
@@ -68,6 +70,7 @@ def main(argv=None):
     ap.add_argument("--map-repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--no-faiss", action="store_true")
+    add_isa_flag(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--csv", default=CSV_PATH, help="CSV to append to ('' = none)")
     ap.add_argument("--note", default="")
@@ -82,6 +85,7 @@ def main(argv=None):
     why = dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
     if why is not None:
         sys.exit(f"the nac_fast hamming C++ kernel is not available: {why}")
+    isa = apply_isa(ap, args.isa)
     faiss = None
     if not args.no_faiss:
         try:
@@ -119,7 +123,7 @@ def main(argv=None):
         return stats, out
 
     print(f"HashIndex benchmark: {G} codes of {D} bits ({bytes_per_code} bytes each), "
-          f"{args.threads} threads, simd level {int(torch.ops.nac_fast.hamming_simd_level())}, "
+          f"{args.threads} threads, C++ engine level {isa}, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
 
     index.search(qp, args.k)  # warm-up (page faults of the output, thread pool start)
@@ -149,12 +153,13 @@ def main(argv=None):
     meta = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": socket.gethostname(), "cpu": cpu_name(), "threads": args.threads,
             "torch": torch.__version__, "faiss": getattr(faiss, "__version__", "") if faiss else "",
-            "git_commit": commit(), "gallery": G, "bits": D, "bytes_per_code": bytes_per_code}
+            "git_commit": commit(), "gallery": G, "bits": D, "bytes_per_code": bytes_per_code,
+            "isa": isa}
     if args.csv:  # a CSV with another header is rewritten with CSV_FIELDS first (bench_csv)
         append_rows(args.csv, [{**meta, **r, "note": "; ".join(x for x in (r["note"], args.note)
                                                                 if x)} for r in rows], CSV_FIELDS)
         print(f"  appended {len(rows)} rows to {os.path.relpath(args.csv, ROOT)}")
-    summary = {"bench": "index_cpu", "gallery": G, "bits": D, "threads": args.threads,
+    summary = {"bench": "index_cpu", "isa": isa, "gallery": G, "bits": D, "threads": args.threads,
                "topk_median_s": rows[0]["median_s"], "topk_goal_s": 0.3,
                "map_median_s": map_s, "map_goal_s": 5.0,
                "load1": os.getloadavg()[0]}

@@ -416,6 +416,125 @@ def test_ap_all_simd_levels_and_reference_agree(cpu_kernel):
 
 
 # ------------------------------------------------------------------------------------------
+# Instruction-set levels forced through NAC_FAST_HAMMING_ISA (csrc/hamming.cpp)
+# ------------------------------------------------------------------------------------------
+
+# Bits across the nibble kernels' byte sums (<= 192 bits: one chunk of planes) and their 16-bit
+# path (> 192), odd word counts (the 8-byte last group of the nibble transposes), 1024 bits.
+ISA_BITS = [1, 63, 64, 65, 128, 192, 193, 320, 1024]
+ISA_SIZES = [1, 3, 97, 1031]
+
+
+def forced(monkeypatch, name, fn):
+    """fn() run with NAC_FAST_HAMMING_ISA=name (the public functions read it at every call)."""
+    monkeypatch.setenv(H.ops.search.HAMMING_ISA_ENV, name)
+    try:
+        return fn()
+    finally:
+        monkeypatch.delenv(H.ops.search.HAMMING_ISA_ENV)
+
+
+def test_isa_levels_listed(cpu_kernel):
+    levels = H.ops.search.cpu_isa_levels()
+    assert levels == H.ops.search.ISA_LEVELS[:int(cpu_kernel.hamming_simd_level()) + 1]
+    assert levels[:2] == ("portable", "scalar") or levels == ("portable",)
+
+
+@pytest.mark.parametrize("bits", ISA_BITS)
+def test_forced_isa_levels_same_distances_and_topk(cpu_kernel, monkeypatch, bits):
+    """Every level this CPU runs, forced by name, against the scalar POPCNT path (and that
+    against numpy): distances, top-k for k from 1 to G with ties by index (a block of
+    duplicated codes, and an all-tied gallery), the full ranking; at 1, 3, 97 and 1031 codes."""
+    rng = np.random.default_rng(1000 + bits)
+    base = "scalar" if "scalar" in H.ops.search.cpu_isa_levels() else "portable"
+    for G in ISA_SIZES:
+        q = rand_pm1(rng, 3, bits)
+        for g in (rand_pm1(rng, G, bits), torch.ones(G, bits)):  # random, then all tied
+            if G > 20:
+                g[10:20] = g[3]  # equal distances at scattered indices
+            d_np = np_hamming(q.numpy(), g.numpy())
+            ks = sorted({min(G, k) for k in (1, 2, 128, 129)} | {G})
+            qp, gp = H.pack_codes(q), H.pack_codes(g)  # packed once: the calls below time the engine
+            want = forced(monkeypatch, base, lambda: (
+                H.hamming_distance(qp, gp, backend="cpu"),
+                [H.topk(qp, gp, k, backend="cpu") for k in ks]))
+            np.testing.assert_array_equal(want[0].numpy(), d_np)
+            order = np.argsort(d_np, axis=1, kind="stable")
+            np.testing.assert_array_equal(want[1][-1][1].numpy(), order)
+            for level in H.ops.search.cpu_isa_levels():
+                got = forced(monkeypatch, level, lambda: (
+                    H.hamming_distance(qp, gp, backend="cpu"),
+                    [H.topk(qp, gp, k, backend="cpu") for k in ks]))
+                msg = f"level={level} bits={bits} G={G}"
+                assert torch.equal(got[0], want[0]), msg
+                for k, (gd, gi), (wd, wi) in zip(ks, got[1], want[1]):
+                    assert torch.equal(gd, wd) and torch.equal(gi, wi), f"{msg} k={k}"
+
+
+@pytest.mark.parametrize("bits", [1, 64, 65, 128, 193, 1024])
+def test_forced_isa_levels_same_retrieval_scores(cpu_kernel, monkeypatch, bits):
+    """mAP@all, mAP@K, P@N, P@H<=r and the PR curve (the per-distance histograms) of every level
+    equal the scalar path's bit for bit: class ids (int32-sized, and ids beyond int32, which the
+    AVX2 mask compares as int64), multi-hot labels; 1 query (tile by tile) and 40 (several query
+    blocks: the nibble levels prepare the whole gallery)."""
+    rng = np.random.default_rng(2000 + bits)
+    base = "scalar" if "scalar" in H.ops.search.cpu_isa_levels() else "portable"
+    for G, nq, labels in [(1, 1, "ids"), (97, 40, "ids"), (1031, 1, "ids"), (1031, 40, "big"),
+                          (1031, 40, "multi")]:
+        q, g = H.pack_codes(rand_pm1(rng, nq, bits)), H.pack_codes(rand_pm1(rng, G, bits))
+        if labels == "multi":
+            ql, gl = torch.from_numpy(rng.random((nq, 5)) < 0.3), torch.from_numpy(rng.random((G, 5)) < 0.3)
+        else:
+            off = 2 ** 40 if labels == "big" else -3
+            ql = torch.from_numpy(rng.integers(0, 4, nq)) + off
+            gl = torch.from_numpy(rng.integers(0, 4, G)) + off
+        kw = dict(topk=(1, min(G, 50)), at_n=(1, G), radius=(0, bits // 2, bits), pr=True,
+                  backend="cpu")
+        want = forced(monkeypatch, base, lambda: H.retrieval_metrics(q, ql, g, gl, **kw))
+        want_ap = forced(monkeypatch, base, lambda: H.average_precision(q, ql, g, gl, backend="cpu"))
+        for level in H.ops.search.cpu_isa_levels():
+            got = forced(monkeypatch, level, lambda: H.retrieval_metrics(q, ql, g, gl, **kw))
+            got_ap = forced(monkeypatch, level,
+                            lambda: H.average_precision(q, ql, g, gl, backend="cpu"))
+            msg = f"level={level} bits={bits} G={G} labels={labels}"
+            assert repr(got) == repr(want), msg  # floats bit for bit, NaN included
+            assert torch.equal(got_ap[0].nan_to_num(-1.0), want_ap[0].nan_to_num(-1.0)), msg
+            assert torch.equal(got_ap[1], want_ap[1]), msg
+
+
+def test_isa_env_bad_name_and_missing_level(cpu_kernel, monkeypatch):
+    q = torch.ones(2, 64)
+    monkeypatch.setenv("NAC_FAST_HAMMING_ISA", "sse9")
+    with pytest.raises(ValueError, match="NAC_FAST_HAMMING_ISA must be one of auto"):
+        H.topk(q, q, 1, backend="cpu")
+    with pytest.raises(ValueError, match="NAC_FAST_HAMMING_ISA"):
+        H.mean_average_precision(q, torch.zeros(2, dtype=torch.int64), q,
+                                 torch.zeros(2, dtype=torch.int64), backend="cpu")
+    # an AVX2-only CPU asked for AVX-512BW: a named error, not a slower or faster level
+    monkeypatch.setattr(H.ops.search, "cpu_isa_levels", lambda: ("portable", "scalar", "avx2"))
+    monkeypatch.setenv("NAC_FAST_HAMMING_ISA", "avx512bw")
+    with pytest.raises(ValueError, match="NAC_FAST_HAMMING_ISA=avx512bw but this CPU runs only "
+                                         "portable, scalar, avx2"):
+        H.hamming_distance(q, q, backend="cpu")
+    monkeypatch.setenv("NAC_FAST_HAMMING_ISA", " AVX2 ")  # case and spaces as a shell leaves them
+    assert torch.equal(H.hamming_distance(q, q, backend="cpu"), torch.zeros(2, 2, dtype=torch.int32))
+    monkeypatch.setenv("NAC_FAST_HAMMING_ISA", "auto")
+    assert torch.equal(H.hamming_distance(q, q, backend="cpu"), torch.zeros(2, 2, dtype=torch.int32))
+
+
+def test_kernel_names_a_missing_level(cpu_kernel):
+    """The op itself refuses a level above the CPU's best, naming both (only checkable on a CPU
+    without VPOPCNTDQ; every CPU refuses a level above 4)."""
+    best = int(cpu_kernel.hamming_simd_level())
+    qw = H.pack_codes(torch.ones(2, 64)).words
+    with pytest.raises(RuntimeError, match="simd must be -1 \\(auto\\) or a level 0-4"):
+        cpu_kernel.hamming_topk(qw, qw, 1, 5)
+    if best < 4:
+        with pytest.raises(RuntimeError, match=f"supports at most {best}"):
+            cpu_kernel.hamming_topk(qw, qw, 1, best + 1)
+
+
+# ------------------------------------------------------------------------------------------
 # Bad inputs
 # ------------------------------------------------------------------------------------------
 

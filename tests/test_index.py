@@ -53,6 +53,25 @@ def test_search_matches_oracle_in_several_adds(backend, bits, n, k):
     np.testing.assert_array_equal(I.numpy(), wi)
 
 
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the C++ engine is not built")
+@pytest.mark.parametrize("bits,n,k", [(64, 1031, 10), (128, 4099, 129), (193, 97, 97)])
+def test_search_same_at_every_forced_isa_level(monkeypatch, bits, n, k):
+    """HashIndex's CPU search gives the oracle's answer at every instruction-set level this CPU
+    runs, forced with NAC_FAST_HAMMING_ISA (the AVX2 and AVX-512BW nibble paths on an AVX-512
+    machine): the auto choice of level changes the speed, never the result."""
+    from nac_fast.ops.search import HAMMING_ISA_ENV, cpu_isa_levels
+    g, q = rand_codes(bits, n, bits), rand_codes(3, 9, bits)
+    g[n // 2:n // 2 + 5] = g[0]  # ties at scattered indices
+    index = HashIndex(bits)
+    index.add(g)
+    wd, wi = np_topk(q.numpy(), g.numpy(), k)
+    for level in cpu_isa_levels():
+        monkeypatch.setenv(HAMMING_ISA_ENV, level)
+        D, I = index.search(q, k)
+        np.testing.assert_array_equal(D.numpy(), wd, err_msg=level)
+        np.testing.assert_array_equal(I.numpy(), wi, err_msg=level)
+
+
 def test_same_distances_as_faiss_index_binary_flat():
     faiss = pytest.importorskip("faiss")
     g, q = rand_codes(1, 5000, 128), rand_codes(2, 50, 128)

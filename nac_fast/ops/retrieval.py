@@ -30,7 +30,8 @@ Conventions (docs/math.md):
 
 Backends as for the search (nac_fast/ops/search.py): ``"cpu"`` runs one pass of the compiled
 kernel per query chunk (csrc/hamming.cpp ``hamming_retrieval``: no Q x G matrix, no sort, exact
-[M:ap-count]); ``"reference"`` sorts chunks of the distance matrix with torch (any device);
+[M:ap-count]; its instruction-set level as for the search: ``NAC_FAST_HAMMING_ISA``);
+``"reference"`` sorts chunks of the distance matrix with torch (any device);
 ``"triton"`` is the same counting-sort pass on the GPU (kernels/hamming_triton.py: one program per
 block of queries and slice of the gallery, two passes, every score of this module; no Q x G
 matrix).
@@ -43,7 +44,7 @@ import torch
 
 from .. import _checks
 from .codes import is_integer_dtype, pack_bits, pack_bits_torch
-from .search import (cdist_words, cuda_kernels, pair, ref_chunk_rows, resolve_backend,
+from .search import (cdist_words, cpu_simd, cuda_kernels, pair, ref_chunk_rows, resolve_backend,
                      triton_kernels)
 
 __all__ = ["average_precision", "mean_average_precision", "precision_within_radius",
@@ -176,7 +177,8 @@ def _pass(q, g, ql, gl, be, cuts=(), hist=False):
     if be == "cpu":
         if ql.dim() == 2:  # multi-hot -> packed words, relevance = (q & g) != 0
             ql, gl = pack_bits(ql), pack_bits(gl)
-        out = torch.ops.nac_fast.hamming_retrieval(q.words, g.words, ql, gl, list(cuts), hist)
+        out = torch.ops.nac_fast.hamming_retrieval(q.words, g.words, ql, gl, list(cuts), hist,
+                                                   cpu_simd())
         if hist:  # the kernel's histograms have W * 64 + 1 bins; keep the D + 1 that can be hit
             out = (*out[:4], out[4][:, :q.nbits + 1], out[5][:, :q.nbits + 1])
         return out
@@ -206,7 +208,7 @@ def average_precision(query_codes, query_labels, gallery_codes, gallery_labels, 
     if be == "cpu":
         if ql.dim() == 2:  # multi-hot -> packed words, relevance = (q & g) != 0
             ql, gl = pack_bits(ql), pack_bits(gl)
-        return torch.ops.nac_fast.hamming_average_precision(q.words, g.words, ql, gl)
+        return torch.ops.nac_fast.hamming_average_precision(q.words, g.words, ql, gl, cpu_simd())
     return _pass(q, g, ql, gl, be)[:2]
 
 

@@ -12,8 +12,10 @@ codes with paths and labels, see nac_fast.HashIndex (nac_fast/index).
 
 Backends (``backend=``, chosen by the one dispatcher nac_fast/ops/dispatch.py, op "hamming"):
 ``"cpu"`` is the compiled kernel ``torch.ops.nac_fast.hamming_*`` of ``nac_fast._C``
-(csrc/hamming.cpp: packed words, AVX-512 VPOPCNTDQ chosen at run time; top-k with k <= 128 scans
-query blocks x gallery tiles and rejects a candidate with one compare against the k-th distance);
+(csrc/hamming.cpp: packed words, the best instruction-set level of the CPU chosen at run time:
+AVX-512 VPOPCNTDQ, else AVX-512BW or AVX2 nibble-table popcounts, else scalar POPCNT; top-k with
+k <= 128 scans query blocks x gallery tiles and rejects a candidate with one compare against the
+k-th distance);
 ``"reference"`` is plain PyTorch, runs on any device and works in query chunks of bounded memory;
 ``"triton"`` (kernels/hamming_triton.py) runs on CUDA tensors (and on CPU tensors under
 ``TRITON_INTERPRET=1``, which is how CI tests it); ``"cuda"`` (csrc/hamming_cuda.cu through
@@ -23,8 +25,17 @@ CPU tensors).  ``"auto"`` picks ``"cpu"`` for CPU tensors when the extension is 
 for CUDA tensors when Triton imports, then ``"cuda"``, else ``"reference"``.
 Timings: ``python bench/bench_index.py`` (top-k over 1M codes) and ``python bench/bench_hamming.py``
 (mAP@all), results in bench/results/.
+
+The C++ engine's instruction-set level (every level returns the same integers; what differs is
+the speed): the environment variable ``NAC_FAST_HAMMING_ISA`` forces one, read at every call:
+``portable`` (plain C++, what a non-x86 CPU runs), ``scalar`` (POPCNT), ``avx2``, ``avx512bw``,
+``avx512vpopcnt``, or ``auto`` / unset (the best the CPU has).  A level the CPU lacks, or an
+unknown name, is a ValueError naming the variable when a "cpu" search runs.
+:func:`cpu_isa_levels` lists the levels this CPU runs, best last.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -32,7 +43,12 @@ from .. import _checks
 from . import dispatch
 from .codes import as_packed
 
-__all__ = ["hamming_distance", "topk", "rank"]
+__all__ = ["hamming_distance", "topk", "rank", "cpu_isa_levels", "HAMMING_ISA_ENV", "ISA_LEVELS"]
+
+# The C++ engine's instruction-set levels, lowest first: the position is the `simd` argument of
+# the torch.ops.nac_fast.hamming_* ops (csrc/hamming.cpp), and each level needs those below it.
+ISA_LEVELS = ("portable", "scalar", "avx2", "avx512bw", "avx512vpopcnt")
+HAMMING_ISA_ENV = "NAC_FAST_HAMMING_ISA"
 
 # The reference backend works on this many (query, gallery) pairs at a time (int64/float64
 # temporaries of ~8 bytes each: ~8 MiB per temporary), so memory stays bounded for any Q.  Larger
@@ -92,6 +108,32 @@ def pair(query_codes, gallery_codes, zero_one: bool, *, allow_empty_query: bool 
     return q, g
 
 
+def cpu_isa_levels() -> tuple:
+    """The instruction-set levels of the C++ engine this CPU runs, lowest first (the last is what
+    ``NAC_FAST_HAMMING_ISA`` unset or ``auto`` runs).  RuntimeError when the extension is not
+    built (dispatch.available_backends says why)."""
+    why = dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
+    if why is not None:
+        raise RuntimeError(f"the C++ Hamming engine is not available: {why}")
+    return ISA_LEVELS[:int(torch.ops.nac_fast.hamming_simd_level()) + 1]
+
+
+def cpu_simd() -> int:
+    """The `simd` argument for the C++ ops: -1 (the best level) unless ``NAC_FAST_HAMMING_ISA``
+    names one; ValueError naming the variable for an unknown name or a level this CPU lacks."""
+    name = os.environ.get(HAMMING_ISA_ENV, "").strip().lower()
+    if name in ("", "auto"):
+        return -1
+    if name not in ISA_LEVELS:
+        raise ValueError(f"{HAMMING_ISA_ENV} must be one of auto, {', '.join(ISA_LEVELS)}; "
+                         f"got {os.environ[HAMMING_ISA_ENV]!r}")
+    runs = cpu_isa_levels()
+    if name not in runs:
+        raise ValueError(f"{HAMMING_ISA_ENV}={name} but this CPU runs only {', '.join(runs)} "
+                         f"(best last)")
+    return ISA_LEVELS.index(name)
+
+
 # --------------------------------------------------------------------------------------------
 # Reference and Triton search helpers
 # --------------------------------------------------------------------------------------------
@@ -129,7 +171,7 @@ def ref_cdist(qw: torch.Tensor, gw: torch.Tensor) -> torch.Tensor:
 def cdist_words(qw: torch.Tensor, gw: torch.Tensor, backend: str) -> torch.Tensor:
     """(Q, G) int32 distances of packed words by a resolved backend (no argument checks)."""
     if backend == "cpu":
-        return torch.ops.nac_fast.hamming_cdist(qw, gw)
+        return torch.ops.nac_fast.hamming_cdist(qw, gw, cpu_simd())
     if backend == "triton":
         return triton_kernels().cdist(qw, gw)
     if backend == "cuda":
@@ -199,7 +241,7 @@ def topk(query_codes, gallery_codes, k: int, *, zero_one: bool = False, backend:
 def topk_words(qw: torch.Tensor, gw: torch.Tensor, k: int, backend: str):
     """:func:`topk` on checked packed words and a resolved backend (nac_fast.HashIndex's path)."""
     if backend == "cpu":
-        return torch.ops.nac_fast.hamming_topk(qw, gw, k)
+        return torch.ops.nac_fast.hamming_topk(qw, gw, k, cpu_simd())
     if backend == "triton":
         return _triton_topk(qw, gw, k)
     if backend == "cuda":  # the same bound and filter pass, csrc/hamming_cuda.cu's kernels
