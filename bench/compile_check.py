@@ -38,6 +38,8 @@ It fails (exit 1, a line per problem) when
     GPU does not launch where it spills (kernels/launch.py `Target.clean`: it runs the tail as
     a launch of its own, the unfolded plans this check also compiles); column `note` says so;
   - those paths' matrix kernels (fwd, bwd_keys) have no tensor-core instruction;
+  - the Hamming top-k's int8 filter (hamming_topk_mma) has no integer tensor-core instruction
+    (IMMA, IGMMA: counted by `_compile_int_mma`) or spills;
   - one kernel takes more than --max-compile-s (20 s) to compile;
   - a CUDA kernel of a 16-bit path spills, any CUDA kernel's shared memory exceeds the limit, or
     a bf16/fp16 CUDA matrix kernel has no HMMA/HGMMA (bench/cuda_resources.py's problems()).

@@ -397,7 +397,7 @@ stage_hamming_tc() {
           --launch-count 8 --section SpeedOfLight --section ComputeWorkloadAnalysis \
           $PY bench/bench_hamming_tc.py --profile-run > "$RES/hamming_tc_ncu.txt" 2>&1 || nrc=$?
       timeout 120 "$ncu" --target-processes all --kernel-name regex:_topk_mma_kernel \
-          --launch-count 8 --csv --metrics gpu__time_duration.sum,sm__inst_executed_pipe_tensor_op_gmma.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active \
+          --launch-count 8 --csv --print-units base --metrics gpu__time_duration.sum,sm__inst_executed_pipe_tensor_op_gmma.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active \
           $PY bench/bench_hamming_tc.py --profile-run > "$RES/hamming_tc_ncu.csv" 2>&1 || nrc=$?
       note=$($PY - "$RES/hamming_tc_ncu.csv" <<'EOF' 2>/dev/null || echo "ncu: no readable metrics"
 import csv, io, sys
