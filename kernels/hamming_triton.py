@@ -614,7 +614,7 @@ TOPK_METHODS = ("popc", "mma")
 MMA_MIN_BITS = None
 # (BQ, BG, warps) of the tensor-core filter: BQ >= 16 and BG >= 16 (tl.dot); on sm_90 a warp group
 # of 4 warps takes an m64 product
-MMA_CONFIG = {"gpu": (64, 128, 4), "interpreter": (16, 64, 1)}
+MMA_CONFIG = {"gpu": (64, 64, 4), "interpreter": (16, 64, 1)}
 
 
 def topk_method(nbits: int, device: torch.device) -> str:

@@ -594,3 +594,54 @@ def test_gpu_bench_cpu_mode_runs_every_row(tmp_path):
         twin = [c for c in rows if c["engine"] == "cpu" and c["method"] == r["method"]
                 and c["gallery"] == r["gallery"] and c["queries"] == r["queries"]]
         assert bool(r["speedup_vs_cpu"]) == bool(twin)
+
+
+def _tc_bench(args, tmp_path, env=None):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, os.path.join(root, "bench", "bench_hamming_tc.py"),
+                           *args], capture_output=True, text=True, cwd=root, timeout=600,
+                          env=dict(os.environ, **(env or {})))
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--sizes", "0"], "--sizes: positive gallery sizes"),
+    (["--sizes", "10,x"], "--sizes: a comma list of integers"),
+    (["--sizes", "50", "--k", "51"], "--k: at most the smallest gallery (50), got 51"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_tc_bench_refuses_bad_arguments(args, msg, capsys, monkeypatch):
+    """bench/bench_hamming_tc.py (the hamming-tc stage): a usage error (exit status 2) naming
+    the flag, before any measurement."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "bench"))
+    import bench_hamming_tc
+    with pytest.raises(SystemExit) as exc:
+        bench_hamming_tc.main(args)
+    assert exc.value.code == 2 and msg in capsys.readouterr().err
+
+
+@pytest.mark.slow  # ~45 s on the 2-core machine: the interpreter runs every row
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="interpreter plumbing, CI's: on a GPU machine the stage runs the real "
+                    "command")
+def test_tc_bench_cpu_mode_checks_every_row(tmp_path):
+    """The hamming-tc stage's command on toy sizes (the Triton engine under the interpreter):
+    both top-k filters at two gallery sizes and the mAP, each checked against the C++ engine,
+    appended to --csv with the int8 floor; a table, then one JSON line."""
+    import csv
+    import json
+    out = tmp_path / "hamming_tc.csv"
+    proc = _tc_bench(["--device", "cpu", "--tiny", "--csv", str(out)], tmp_path,
+                     dict(TRITON_INTERPRET="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["failures"] == [] and summary["rows"] == 5 and summary["goals"] == {}
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["method"], r["engine"], r["gallery"]) for r in rows] == [
+        ("topk", "triton-popc", "4200"), ("topk", "triton-mma", "4200"),
+        ("topk", "triton-popc", "9000"), ("topk", "triton-mma", "9000"),
+        ("map_all", "triton", "600")]
+    assert all(r["check"].startswith("ok") and float(r["bound_s"]) > 0 for r in rows)
