@@ -38,6 +38,8 @@ It fails (exit 1, a line per problem) when
     GPU does not launch where it spills (kernels/launch.py `Target.clean`: it runs the tail as
     a launch of its own, the unfolded plans this check also compiles); column `note` says so;
   - those paths' matrix kernels (fwd, bwd_keys) have no tensor-core instruction;
+  - the Hamming top-k's int8 filter (hamming_topk_mma) has no integer tensor-core instruction
+    (IMMA, IGMMA: counted by `_compile_int_mma`) or spills;
   - one kernel takes more than --max-compile-s (20 s) to compile;
   - a CUDA kernel of a 16-bit path spills, any CUDA kernel's shared memory exceeds the limit, or
     a bf16/fp16 CUDA matrix kernel has no HMMA/HGMMA (bench/cuda_resources.py's problems()).
@@ -258,6 +260,9 @@ def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
         t = torch.empty(1000, dtype=torch.int32, **meta)
         for L in hamming_triton.topk_plan(qw, gw, t, 10, 1.0)[0]:
             yield case, L
+        # its tensor-core filter (int8 products of +-1 codes; method "mma")
+        for L in hamming_triton.topk_mma_plan(qw, gw, t, 10, 1.0, bits)[0]:
+            yield case, L
         for multi in (False, True):
             ql = torch.empty((1000, 1) if multi else (1000,), dtype=torch.int64, **meta)
             gl = torch.empty((50000, 1) if multi else (50000,), dtype=torch.int64, **meta)
@@ -405,6 +410,41 @@ def _compile_one(job):
                 mma_instr="+".join(used), mma_count=sum(mma.values()), compile_s=round(dt, 2))
 
 
+# Kernels whose products are int8 on the tensor cores: their SASS is searched for the integer
+# matrix instructions too (IMMA: mma.sync on s8, sm_80 and sm_90; IGMMA: wgmma on s8, sm_90a),
+# by `_compile_int_mma` (kept apart from `_compile_one`, whose source keys every other launch).
+INT_MMA_KERNELS = ("hamming_topk_mma",)
+INT_MMA_INSTRS = ("IGMMA", "IMMA")
+
+
+def _compile_int_mma(job):
+    """`_compile_one`, and the integer matrix instructions (INT_MMA_INSTRS) of the same cubin
+    (Triton's cache returns it: the compile `_compile_one` just ran) added to mma_instr and
+    mma_count."""
+    row = _compile_one(job)
+    module, kernel_name, arch, sig, consts, attrs, warps, stages = job
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(module), kernel_name)
+    compiled = triton.compile(ASTSource(fn, sig, consts, attrs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([_triton_bin("cuobjdump"), "-sass", cubin], capture_output=True,
+                              text=True).stdout
+    ints = {m: len(re.findall(rf"\b{m}(?=[.\s])", sass)) for m in INT_MMA_INSTRS}
+    used = [m for m in str(row["mma_instr"]).split("+") if m] + [m for m, c in ints.items() if c]
+    row.update(mma_instr="+".join(used), mma_count=row["mma_count"] + sum(ints.values()))
+    return row
+
+
 def _job(launch, arch):
     sig, consts, attrs = _signature(launch)
     return (launch.kernel.__module__, launch.kernel.__name__, arch, sig, consts, attrs,
@@ -419,9 +459,16 @@ def _measuring_code_digest() -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def launch_key(job) -> str:
+@functools.lru_cache(maxsize=None)
+def _int_mma_digest() -> str:
+    import inspect
+    return hashlib.sha256(inspect.getsource(_compile_int_mma).encode()).hexdigest()
+
+
+def launch_key(job, int_mma: bool = False) -> str:
     """The content key of one compiled launch: Triton's compile-cache key of the job (as
-    ``triton.compile`` computes it) and the measuring code's digest, hashed."""
+    ``triton.compile`` computes it) and the measuring code's digest (with `_compile_int_mma`'s
+    for an int8 tensor-core kernel, `int_mma`), hashed."""
     module, kernel_name, arch, sig, consts, attrs, warps, stages = job
     import importlib
 
@@ -437,7 +484,8 @@ def launch_key(job) -> str:
     options = backend.parse_options(dict(dict(num_warps=warps, num_stages=stages),
                                          **src.parse_options()))
     key = TC.get_cache_key(src, backend, options, TC.get_cache_invalidating_env_vars())
-    return hashlib.sha256(f"{key}-{_measuring_code_digest()}".encode()).hexdigest()
+    digest = _measuring_code_digest() + ("-" + _int_mma_digest() if int_mma else "")
+    return hashlib.sha256(f"{key}-{digest}".encode()).hexdigest()
 
 
 def read_reusable(path) -> dict:
@@ -531,7 +579,8 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
     print(f"compile check: {len(unique)} distinct Triton launches for archs {archs}", flush=True)
     try:
         for u in unique.values():
-            u["key"] = launch_key(_job(u["launch"], u["arch"]))
+            u["key"] = launch_key(_job(u["launch"], u["arch"]),
+                                  int_mma=u["launch"].tag in INT_MMA_KERNELS)
     except Exception as exc:  # noqa: BLE001 - another Triton's internals: keys are optional
         if reuse is not None:
             raise RuntimeError(f"--reuse: the launches cannot be keyed: {exc}") from exc
@@ -553,7 +602,8 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
     t0 = time.perf_counter()
     import itertools
     with cf.ProcessPoolExecutor(max_workers=jobs) as pool, _progress(len(todo)) as bar:
-        futs = {pool.submit(_compile_one, _job(u["launch"], u["arch"])): u for u in todo}
+        futs = {pool.submit(_compile_int_mma if u["launch"].tag in INT_MMA_KERNELS
+                            else _compile_one, _job(u["launch"], u["arch"])): u for u in todo}
         for fut, u in itertools.chain(((None, u) for u in done),
                                       ((f, futs[f]) for f in cf.as_completed(futs))):
             if fut is not None:
@@ -639,6 +689,13 @@ def _triton_problems(row, max_compile_s):
                        f"{row['spill_load_bytes']} B loads on a 16-bit/tf32 path")
     if low and row["kernel"] in MATRIX_KERNELS and not row["mma_count"]:
         out.append("no tensor-core instruction (HGMMA/HMMA) in a 16-bit/tf32 matrix kernel")
+    if row["kernel"] in INT_MMA_KERNELS:
+        if row["spill_store_bytes"] or row["spill_load_bytes"]:
+            out.append(f"spills {row['spill_store_bytes']} B stores / "
+                       f"{row['spill_load_bytes']} B loads in an int8 tensor-core kernel")
+        if not any(m in str(row["mma_instr"]).split("+") for m in INT_MMA_INSTRS):
+            out.append("no integer tensor-core instruction (IMMA/IGMMA) in an int8 tensor-core "
+                       "kernel")
     if row["compile_s"] > max_compile_s:
         out.append(f"compile took {row['compile_s']} s > {max_compile_s} s")
     if "blocks_per_sm" in row and row["blocks_per_sm"] == 0:

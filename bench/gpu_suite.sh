@@ -2,7 +2,7 @@
 # The GPU suite, in stages, for a lent H100/H200 reached one shell command at a time:
 #
 #   bash bench/gpu_suite.sh STAGE...   STAGE: build test autotune host bench-quick bench train
-#                                             hamming | all
+#                                             hamming hamming-tc | all
 #
 #   build        python setup.py build_ext --inplace with the CUDA kernels (NAC_FAST_FORCE_CUDA=1,
 #                TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16), then from the source tree (PYTHONPATH =
@@ -52,6 +52,14 @@
 #                cuda; a gallery of 2^31 - 1 codes, the engines' row limit), then bench_hamming.py --gpu: mAP@all and
 #                HashIndex.search of both engines beside the C++ engine, and hamming_kernels.txt:
 #                the kernels of one 1M search and one mAP per engine (torch.profiler).
+#   hamming-tc   bench/bench_hamming_tc.py: the Hamming engine's GPU goals (issue 56), 128 bits:
+#                top-10 of 1,000 queries over 1M and over 100M codes by the Triton engine's
+#                popcount and tensor-core filters and the CUDA engine, mAP@all 10,000 x 1M by the
+#                Triton and CUDA engines, each checked against the C++ engine in the same run
+#                (hamming_tc.csv, with each row's int8 tensor-core floor); then Nsight Compute
+#                (ncu) on one tensor-core search of the 100M codes: hamming_tc_ncu.txt (speed of
+#                light, compute workload) and hamming_tc_ncu.csv (the filter kernel's time and
+#                tensor-pipe activity per launch; the longest is the full pass).  2-4 min.
 #   all          test autotune host train hamming (the order of what matters most when time
 #                runs out)
 #
@@ -82,7 +90,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
 CPU_MODE=${NAC_FAST_SUITE_CPU:-0}
-STAGES=(build test host autotune bench-quick bench train hamming)
+STAGES=(build test host autotune bench-quick bench train hamming hamming-tc)
 
 usage() {
   sed -n '2,/^# Every stage/p' "$ROOT/bench/gpu_suite.sh" | sed '$d' | sed 's/^# \{0,1\}//' >&2
@@ -366,6 +374,67 @@ stage_hamming() {
   return $rc
 }
 
+# The GPU goals of issue 56 (bench/bench_hamming_tc.py), then Nsight Compute on the tensor-core
+# filter.  A missing ncu, or one refused the GPU's counters, is said in the detail line and in
+# hamming_tc_ncu.txt; the stage's verdict is the bench's (its checks against the C++ engine).
+stage_hamming_tc() {
+  BUILT_FIRST=""
+  ensure_built || { detail "build failed"; return 1; }
+  local rc=0 nrc=0 ncu="" note
+  if [ "$CPU_MODE" = 1 ]; then
+    $PY bench/bench_hamming_tc.py --device cpu --tiny --csv "$RES/hamming_tc.csv" || rc=$?
+    note="ncu: not run in CPU mode"
+  else
+    $PY bench/bench_hamming_tc.py --csv "$RES/hamming_tc.csv" || rc=$?
+    ncu=$(command -v ncu || { [ -x /usr/local/cuda/bin/ncu ] && echo /usr/local/cuda/bin/ncu; } || true)
+    if [ -z "$ncu" ]; then
+      note="ncu: not found"
+      echo "$note" > "$RES/hamming_tc_ncu.txt"
+    else
+      # sections every ncu knows; then the tensor pipes' counters (their names differ between
+      # ncu versions: a refused name fails that call alone)
+      timeout 150 "$ncu" --target-processes all --kernel-name regex:_topk_mma_kernel \
+          --launch-count 8 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+          $PY bench/bench_hamming_tc.py --profile-run > "$RES/hamming_tc_ncu.txt" 2>&1 || nrc=$?
+      timeout 120 "$ncu" --target-processes all --kernel-name regex:_topk_mma_kernel \
+          --launch-count 8 --csv --print-units base --metrics gpu__time_duration.sum,sm__inst_executed_pipe_tensor_op_gmma.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active \
+          $PY bench/bench_hamming_tc.py --profile-run > "$RES/hamming_tc_ncu.csv" 2>&1 || nrc=$?
+      note=$($PY - "$RES/hamming_tc_ncu.csv" <<'EOF' 2>/dev/null || echo "ncu: no readable metrics"
+import csv, io, sys
+text = open(sys.argv[1]).read()
+rows = list(csv.DictReader(io.StringIO(text[text.find('"ID"'):]))) if '"ID"' in text else []
+by = {}
+for r in rows:
+    by.setdefault(r["ID"], {})[r["Metric Name"]] = r["Metric Value"].replace(",", "")
+if not by:
+    sys.exit(1)
+big = max(by.values(), key=lambda m: float(m.get("gpu__time_duration.sum", 0) or 0))
+pipe = [f"{k.split('_cycles')[0].split('op_')[1]} pipe {float(v):.1f}% of peak"
+        for k, v in big.items() if k.endswith("pct_of_peak_sustained_active")]
+print(f"ncu: full pass {float(big['gpu__time_duration.sum']):.0f} ns, " + ", ".join(pipe))
+EOF
+)
+      [ $nrc = 0 ] || note="$note (ncu exit status $nrc: see hamming_tc_ncu.*)"
+    fi
+  fi
+  local d
+  d=$($PY - "$RES/hamming_tc.csv" <<'EOF' 2>/dev/null || echo "no hamming_tc.csv"
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+last = rows[-1]["timestamp"] if rows else ""
+out = []
+for r in (r for r in rows if r["timestamp"] == last):
+    g = f" goal {r['goal_s']} {'MET' if r['meets_goal'] == 'True' else 'MISSED'}" if r["goal_s"] else ""
+    out.append(f"{r['method']} {r['engine']} {r['queries']}x{r['gallery']} "
+               f"{float(r['median_s']) * 1e3:.3g} ms{g}")
+print("; ".join(out))
+EOF
+)
+  [ $rc = 0 ] || d="bench_hamming_tc exit status $rc; $d"
+  detail "${BUILT_FIRST}$d; $note"
+  return $rc
+}
+
 stage_autotune() {
   BUILT_FIRST=""
   ensure_built || { detail "build failed"; return 1; }
@@ -447,7 +516,7 @@ REQ=()
 for a in "$@"; do
   case "$a" in
     all) REQ+=(test autotune host train hamming) ;;
-    build|test|host|autotune|bench-quick|bench|train|hamming) REQ+=("$a") ;;
+    build|test|host|autotune|bench-quick|bench|train|hamming|hamming-tc) REQ+=("$a") ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu_suite.sh: unknown stage '$a'" >&2; usage; exit 2 ;;
   esac

@@ -584,3 +584,202 @@ def average_precision(qw, gw, ql, gl, nbits: int):
     """(ap float64 (Q,), num_relevant int64 (Q,)) over the full Hamming ranking, ties by gallery
     index.  ql/gl: int64 (n,) class ids, or int64 (n, LW) packed multi-hot words."""
     return retrieval(qw, gw, ql, gl, nbits)[:2]
+
+
+# --------------------------------------------------------------------------------------------
+# Top-k on the tensor cores (issue 56): the filter pass as int8 products of +-1 codes
+# --------------------------------------------------------------------------------------------
+#
+# (Kept below every other kernel of this file: Triton's compile-cache key holds a kernel's first
+# line, and the compile check reuses the committed figures of each unchanged launch by that key.)
+#
+# A code bit b maps to +1 (clear) or -1 (set); over D real bits, <a, b> = D - 2 d(a, b), so the
+# Hamming distance is (D - <a, b>) / 2, exactly, from an int8 x int8 -> int32 product
+# [M:hamming].  The queries are unpacked once per filter pass (`unpack_pm1`, torch: (Q, 64 W)
+# int8, their padding bits 0 so that those products are 0 whatever the gallery's padding holds);
+# the gallery is unpacked on the fly, 32 bits of a word at a time (two int8 products of K = 32 per
+# word), from the packed words the popcount kernels read.  The candidates need no scan and no
+# branch: every distance below the bound T reserves a slot of its query's pool by an atomic add on
+# the query's counter, every distance equal to T one of its tie pool; the counters say how many
+# there were.  A pool that overflows is detected from its counter: too many below T, and the
+# query runs again with a lower bound, as the popcount engine's does (hamming_topk.topk); too many
+# at T (and not below), and the kept ties, taken in no particular order, may miss the first by
+# index, so those queries run the ordered popcount filter (`_filter`) at the same bound, whose
+# slots for the items below T hold them all (so the answer is exact, ties by index).
+
+TOPK_METHODS = ("popc", "mma")
+# The switch point of method="auto" (`topk_method`): codes of at least MMA_MIN_BITS bits take the
+# tensor-core filter on a GPU.  None: never, until the GPU suite's `hamming` stage has measured
+# both methods on one GPU (hamming_gpu.csv, engine triton-mma; docs/evaluation.md).
+MMA_MIN_BITS = None
+# (BQ, BG, warps) of the tensor-core filter: BQ >= 16 and BG >= 16 (tl.dot); on sm_90 a warp group
+# of 4 warps takes an m64 product
+MMA_CONFIG = {"gpu": (64, 64, 4), "interpreter": (16, 64, 1)}
+
+
+def topk_method(nbits: int, device: torch.device) -> str:
+    """What method="auto" runs: "mma" on a GPU for codes of at least MMA_MIN_BITS bits (when it
+    is set), else "popc"."""
+    if device.type == "cuda" and MMA_MIN_BITS is not None and nbits >= MMA_MIN_BITS:
+        return "mma"
+    return "popc"
+
+
+@triton.jit
+def _pm1_bits(x, j):
+    """(32, n) int8: bit j of each int32 x (n,) as -1 (set) or +1 (clear)."""
+    v = ((x[None, :] << (31 - j)[:, None]) >> 31) | 1
+    return v.to(tl.int8)
+
+
+@triton.jit(do_not_specialize=["Q", "G", "GS", "L", "CAP", "NB"])
+def _topk_mma_kernel(qb_ptr, g_ptr, t_ptr, pool_ptr, cnt_ptr, Q, G, GS, L, CAP, NB,
+                     W: tl.constexpr, BQ: tl.constexpr, BG: tl.constexpr):
+    """Program (query block, slice s): rows [s L, s L + L) of the gallery view (row stride GS
+    words).  The distance of (query, row) is (NB - <q, g>) / 2 over int8 +-1 bits (qb: (Q, 64 W)
+    int8, padding 0).  A row with d < T takes slot cnt[q, 0]++ of pool[q, 0:CAP], one with
+    d == T slot cnt[q, 1]++ of pool[q, CAP:2 CAP] (atomic adds, no order), as key d << 40 | row;
+    the counters end at the number of such rows (they may exceed CAP: an overflow)."""
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    rq = pid * BQ + tl.arange(0, BQ)
+    mq = rq < Q
+    rq64 = rq.to(tl.int64)
+    t = tl.load(t_ptr + rq, mask=mq, other=-1)  # -1: a padding lane takes nothing
+    j = tl.arange(0, 32)
+    qrow = qb_ptr + rq64[:, None] * (64 * W) + j[None, :]
+    pool = pool_ptr + rq64 * (2 * CAP)
+    start = s * L
+    end = start + tl.minimum(L, G - start)  # not min(s L + L, G): s L + L may pass 2^31 - 1
+    for g0 in range(start, end, BG):
+        rg = g0 + tl.arange(0, BG)
+        mg = rg < end
+        rg64 = rg.to(tl.int64)
+        dot = tl.zeros((BQ, BG), dtype=tl.int32)
+        for w in range(0, W):
+            word = tl.load(g_ptr + rg64 * GS + w, mask=mg, other=0)
+            qa = tl.load(qrow + 64 * w, mask=mq[:, None], other=0)
+            dot = tl.dot(qa, _pm1_bits(word.to(tl.int32), j), dot, out_dtype=tl.int32)
+            qb = tl.load(qrow + (64 * w + 32), mask=mq[:, None], other=0)
+            dot = tl.dot(qb, _pm1_bits((word >> 32).to(tl.int32), j), dot, out_dtype=tl.int32)
+        d = tl.where(mg[None, :], (NB - dot) >> 1, 1 << 30)
+        lt = d < t[:, None]
+        eq = d == t[:, None]
+        key = (d.to(tl.int64) << 40) | rg64[None, :]
+        cnt = cnt_ptr + rq64[:, None] * 2 + (eq.to(tl.int64))
+        slot = tl.atomic_add(cnt, 1, mask=lt | eq, sem="relaxed")
+        tl.store(pool[:, None] + eq.to(tl.int64) * CAP + slot, key, mask=(lt | eq) & (slot < CAP))
+
+
+def unpack_pm1(qw: torch.Tensor, nbits: int) -> torch.Tensor:
+    """(Q, 64 W) int8 of packed codes (Q, W) int64: bit b of the code (bit b % 64 of word b // 64)
+    as -1 (set) or +1 (clear), 0 past nbits (the padding)."""
+    Q, W = qw.shape
+    sh = torch.arange(64, device=qw.device, dtype=torch.int64)
+    bits = ((qw[:, :, None] >> sh) & 1).reshape(Q, 64 * W).to(torch.int8)
+    out = 1 - 2 * bits
+    out[:, nbits:] = 0
+    return out
+
+
+def mma_capacity(k: int, expect: float) -> int:
+    """Slots of each query's pool (below the bound; its tie pool as many): k, or twice `expect`
+    (the items below the bound expected over the whole view) plus 8, if more."""
+    return hamming_topk.topk_capacity(k, expect, 1)
+
+
+def topk_mma_plan(qw, gview, t, k: int, expect: float, nbits: int, target=None, capacity=None):
+    """(launches, pool (Q, 2 CAP) int64, counters (Q, 2) int32, CAP, unpacked queries) of the
+    tensor-core filter pass over the gallery view `gview` with bounds t (Q,) int32."""
+    Q, W = qw.shape
+    G = gview.shape[0]
+    tg = _target(qw.device, target)
+    bq, bg, warps = MMA_CONFIG[_kind(tg)]
+    qb = torch.empty((Q, 64 * W), dtype=torch.int8, device=qw.device)
+    if qw.device.type != "meta":
+        qb.copy_(unpack_pm1(qw, nbits))
+    cap = capacity if capacity is not None else mma_capacity(k, expect)
+    pool = torch.full((Q, 2 * cap), EMPTY_KEY, dtype=torch.int64, device=qw.device)
+    cnt = torch.zeros((Q, 2), dtype=torch.int32, device=qw.device)
+    programs = tg.sms if tg.arch == 0 else TOPK_WAVES * tg.programs(
+        Launch(_topk_mma_kernel, (1, 1), (qb, gview, t, pool, cnt, 1, 1, gview.stride(0), bg, 1,
+                                          nbits), dict(W=W, BQ=bq, BG=bg), warps, 1))
+    nsplit = topk_split(Q, G, programs, bq, bg)
+    L = cdiv(cdiv(G, nsplit), bg) * bg
+    nsplit = cdiv(G, L)
+    launch = Launch(_topk_mma_kernel, (cdiv(Q, bq), nsplit),
+                    (qb, gview, t, pool, cnt, Q, G, gview.stride(0), L, cap, nbits),
+                    dict(W=W, BQ=bq, BG=bg), warps, 1, "hamming_topk_mma")
+    return [launch], pool, cnt, cap, qb
+
+
+def _filter_mma(qw, gview, t, k: int, expect: float, capacity=None, nbits=None):
+    """The tensor-core filter pass, as `_filter` answers: (candidate keys (Q, slots), the count
+    below the bound (Q, 1), CAP).  Queries whose tie pool overflowed (with none below the bound
+    lost) get the k smallest keys of the ordered popcount filter at the same bound instead."""
+    nbits = qw.shape[1] * 64 if nbits is None else nbits
+    t = t.contiguous()  # the kernel reads t[q] at t + q
+    launches, pool, cnt, cap, _ = topk_mma_plan(qw, gview, t, k, expect, nbits,
+                                                capacity=capacity)
+    run(launches)
+    ties_over = (cnt[:, 1] > cap) & (cnt[:, 0] <= cap)
+    if bool(ties_over.any()):  # host sync: more items tie at the bound than the tie pool holds
+        rows = ties_over.nonzero()[:, 0]
+        # slots for every item below the bound in each slice (there are at most cap): exact
+        keys, _, _ = _filter(qw[rows], gview, t[rows], k, expect, capacity=cap)
+        pool[rows] = EMPTY_KEY
+        pool[rows, :k] = hamming_topk.smallest_keys(keys, k)
+    return pool, cnt[:, :1], cap
+
+
+def topk_mma_workspace_bytes(Q: int, G: int, k: int, W: int, device: torch.device) -> int:
+    """An upper bound of the GPU memory ``topk_with(..., method="mma")`` allocates beyond its
+    outputs: the popcount engine's (:func:`topk_workspace_bytes`: its outright step, and the
+    ordered filter of queries whose tie pool overflowed, at most all of them), plus, for the full
+    pass, a rerun and the sample levels (3 x), the pools (2 CAP keys a query, and torch.topk's
+    copy), the counters and the unpacked queries (with unpack_pm1's int64 bits)."""
+    cap = mma_capacity(k, (k - 1) * SAMPLE_RATIO)
+    per_query = 2 * cap * 8 * 2 + 2 * 4 + 64 * W * (8 + 1 + 1 + 1)
+    return topk_workspace_bytes(Q, G, k, W, device) + 3 * Q * per_query
+
+
+class _MmaEngine:
+    """This module as the engine of nac_fast/ops/hamming_topk.py with the tensor-core filter:
+    the module's constants and distances (the outright base of the bound), `_filter_mma` as the
+    filter pass (the sampled bound's levels and the full pass)."""
+
+    def __init__(self, nbits: int):
+        self.nbits = nbits
+
+    def __getattr__(self, name):
+        return getattr(sys.modules[__name__], name)
+
+    def _filter(self, qw, gview, t, k, expect, capacity=None):
+        return sys.modules[__name__]._filter_mma(qw, gview, t, k, expect, capacity, self.nbits)
+
+
+def _check_method(method) -> str:
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a str, got {type(method).__name__}")
+    if method not in TOPK_METHODS + ("auto",):
+        raise ValueError(f"method must be one of {TOPK_METHODS + ('auto',)}, got {method!r}")
+    return method
+
+
+def topk_with(qw: torch.Tensor, gw: torch.Tensor, k: int, method: str = "auto",
+              nbits: int | None = None):
+    """:func:`topk` by a named method: "popc" (the popcount filter), "mma" (the tensor-core
+    filter: int8 products of +-1 codes), "auto" (`topk_method`).  nbits: the codes' real bits
+    (default all 64 W; bits past them must be equal in the query and gallery words for "popc",
+    and are ignored by "mma")."""
+    method = _check_method(method)
+    W = qw.shape[1]
+    nbits = W * 64 if nbits is None else int(nbits)
+    if not 1 <= nbits <= 64 * W:
+        raise ValueError(f"nbits must be in [1, {64 * W}] for {W}-word codes, got {nbits}")
+    if method == "auto":
+        method = topk_method(nbits, qw.device)
+    if method == "popc":
+        return topk(qw, gw, k)
+    _check_rows(gw.shape[0])
+    return hamming_topk.topk(_MmaEngine(nbits), qw.contiguous(), gw.contiguous(), k)

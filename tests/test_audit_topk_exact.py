@@ -102,7 +102,8 @@ def slice_bounds_probe(kernel, tmp_path):
     return bounds_probe(kernel, tmp_path, pid="s", ints=("G", "L"), stores=("start", "end"))
 
 
-@pytest.mark.parametrize("kernel", ["_topk_filter_kernel", "_ap_hist_kernel", "_ap_rank_kernel"])
+@pytest.mark.parametrize("kernel", ["_topk_filter_kernel", "_topk_mma_kernel", "_ap_hist_kernel",
+                                    "_ap_rank_kernel"])
 def test_triton_last_slice_ends_at_the_gallery_end_near_max_rows(tmp_path, kernel):
     """G = 2^31 - 1 in two slices of L = 2^30 + 32 rows (a multiple of the tiles, as the plans
     make them): the second slice is [L, G).  In int32, s L + L = 2^31 + 64 wrapped to a negative
@@ -167,7 +168,7 @@ def test_triton_row_limit_leaves_room_for_a_tile():
     """The filter walks int32 rows in tiles of BG (kernels/hamming_triton.py): at the largest
     gallery the engine accepts, the tile after its last row still indexes below 2^31, and one
     row more is refused before any launch."""
-    bg = max(cfg[1] for cfg in HT.TOPK_CONFIG.values())
+    bg = max(cfg[1] for table in (HT.TOPK_CONFIG, HT.MMA_CONFIG) for cfg in table.values())
     assert HT.MAX_ROWS + bg <= MAX_ROWS
     with pytest.raises(ValueError, match="galleries of at most 2,147,418,112 codes"):
         HT._check_rows(HT.MAX_ROWS + 1)
@@ -230,6 +231,27 @@ def test_staircase_reruns_triton(monkeypatch):
     spy.capacities.clear()
     assert_topk(HT, qw, gw, 1, **one)
     assert spy.reruns >= 10
+
+
+@pytest.mark.skipif(not (triton_runs() and TRITON_DEVICE == "cpu"), reason=SKIP_REASON)
+def test_tensor_core_filter_on_ties_and_staircases():
+    """The Triton engine's tensor-core filter (topk_with, method "mma") on this file's inputs:
+    every gallery code equal (k from 1 to G: its tie pools overflow, the ordered filter takes
+    over) and three distinct codes (ties at the k-th distance).  Its reruns: test_hamming_gpu.py
+    (the staircase's dozens of reruns take minutes in the interpreter)."""
+    def check(qw, gw, k):
+        wd, wi = torch.ops.nac_fast.hamming_topk(qw, gw, k)
+        with constants(HT, **SMALL):
+            d, i = HT.topk_with(qw, gw, k, "mma")
+        assert torch.equal(d, wd) and torch.equal(i, wi), (k, d, wd, i, wi)
+    G = 301
+    gw = words(1, 1, 65).expand(G, 2).contiguous()
+    qw = torch.cat([gw[:1], words(2, 4, 65)])
+    for k in (1, 5, 75, G):
+        check(qw, gw, k)
+    qw, gw = words(3, 7, 129, distinct=3), words(3, 900, 129, distinct=3)
+    for k in (1, 9):
+        check(qw, gw, k)
 
 
 @pytest.mark.parametrize("E", engines(), ids=lambda e: e.__name__.rsplit(".", 1)[-1])

@@ -184,6 +184,19 @@ def test_matrix_kernels_use_tensor_cores(check_rows):
 
 
 @pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
+def test_hamming_topk_mma_runs_on_the_tensor_cores(check_rows):
+    """The Hamming top-k's int8 filter (kernels/hamming_triton.py `_topk_mma_kernel`) at every
+    word count of the grid's code lengths (one launch per word count: the bits are a run-time
+    argument): IGMMA (wgmma) on sm_90, IMMA on sm_80, no spill."""
+    rows = [r for r in check_rows if r["kernel"] == "hamming_topk_mma"]
+    assert {(r["arch"], -(-int(r["D"]) // 64)) for r in rows} == {
+        (a, -(-d // 64)) for a in ("80", "90") for d in CC.DS}
+    for r in rows:
+        assert ("IGMMA" if r["arch"] == "90" else "IMMA") in r["mma_instr"].split("+"), r
+        assert r["spill_store_bytes"] == "0" and r["spill_load_bytes"] == "0", r
+
+
+@pytest.mark.slow  # compiles every configuration (minutes): CI's make test runs it
 def test_cuda_kernels_checked_when_nvcc_is_present(check_rows):
     cuda = [r for r in check_rows if r["kernel"].startswith("cuda:")]
     try:
@@ -227,6 +240,17 @@ def _row(**kw):
     (_row(kernel="bwd_keys_out3", folded=1, spill_store_bytes=8), None),
     (_row(folded=1, spill_store_bytes=8, smem_bytes=3000), "shared memory"),
     (_row(folded=1, mma_count=0), "tensor-core"),
+    # the int8 tensor-core filter of the Hamming top-k: IMMA / IGMMA and no spill, or a problem
+    (_row(kernel="hamming_topk_mma", dtype="int64", precision="", mma_instr="IGMMA"), None),
+    (_row(kernel="hamming_topk_mma", dtype="int64", precision="", mma_instr="IMMA"), None),
+    (_row(kernel="hamming_topk_mma", dtype="int64", precision="", mma_instr=""),
+     "integer tensor-core"),
+    (_row(kernel="hamming_topk_mma", dtype="int64", precision="", mma_instr="HMMA"),
+     "integer tensor-core"),
+    (_row(kernel="hamming_topk_mma", dtype="int64", precision="", mma_instr="IGMMA",
+          spill_load_bytes=4), "int8 tensor-core kernel"),
+    (_row(kernel="hamming_topk", dtype="int64", precision="", mma_instr="", mma_count=0,
+          spill_store_bytes=8), None),  # the popcount filter: no matrix instruction to find
 ])
 def test_problem_rules(row, expect):
     got = CC._triton_problems(row, 20.0)

@@ -273,6 +273,192 @@ def test_topk_peak_gpu_memory_is_not_q_by_g():
 
 
 # ------------------------------------------------------------------------------------------
+# Top-k on the tensor cores (method "mma": int8 products of +-1 codes)
+# ------------------------------------------------------------------------------------------
+
+def check_topk_mma(qw, gw, k, nbits=None):
+    bits = qw.shape[1] * 64 if nbits is None else nbits
+    d, i = HT.topk_with(qw, gw, k, "mma", bits)
+    assert d.device == qw.device and d.dtype == torch.int32 and i.dtype == torch.int64
+    assert d.shape == i.shape == (qw.shape[0], k)
+    wd, wi = ref_topk(qw, gw, k)
+    assert torch.equal(d.cpu(), wd), (d.cpu(), wd)
+    assert torch.equal(i.cpu(), wi), (i.cpu(), wi)
+
+
+class MmaCalls:
+    """Counts the tensor-core filter's passes (and its reruns) and the ordered popcount passes
+    its overflowing tie pools fall back to."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.fallbacks = [], []
+        real, real_popc = HT._filter_mma, HT._filter
+
+        def spy(qw, gview, t, k, expect, capacity=None, nbits=None):
+            out = real(qw, gview, t, k, expect, capacity, nbits)
+            self.calls.append(dict(Q=qw.shape[0], rerun=capacity is not None,
+                                   overflow=bool((out[1] > out[2]).any())))
+            return out
+
+        def popc(qw, gview, t, k, expect, capacity=None):
+            self.fallbacks.append(qw.shape[0])
+            return real_popc(qw, gview, t, k, expect, capacity=capacity)
+        monkeypatch.setattr(HT, "_filter_mma", spy)
+        monkeypatch.setattr(HT, "_filter", popc)
+
+
+@pytest.mark.parametrize("bits,Q,G", [(1, 17, 1031), (64, 17, 1031), (65, 3, 97), (128, 17, 700),
+                                      (200, 3, 97), (1024, 3, 97)])
+def test_topk_mma_equals_the_reference(dev, small_engine, bits, Q, G):
+    """1 to 16 words a code (1 bit: 63 padding bits; 1024: the widest), partial query blocks
+    and tiles, every level of the sampled bound (the same kernel at each level)."""
+    qw, gw = words(bits * 5 + Q, Q, bits, dev), words(bits + 3 * G, G, bits, dev)
+    for k in sorted({1, 5, min(13, G)}):
+        check_topk_mma(qw, gw, k, bits)
+
+
+@pytest.mark.parametrize("distinct", [None, 3])
+def test_topk_mma_filter_holds_the_top_k_for_every_k(dev, distinct):
+    """The kernel alone, at the exact k-th distance as its bound, for every k from 1 to G (ties:
+    3 distinct codes): the k smallest of its candidates are the top-k, ties by index."""
+    Q, G, bits = 5, 45, 70
+    qw, gw = words(40, Q, bits, dev, distinct), words(41, G, bits, dev, distinct)
+    wd, wi = ref_topk(qw, gw, G)
+    for k in range(1, G + 1):
+        t = wd[:, k - 1].to(torch.int32).to(dev)
+        keys, na, cap = HT._filter_mma(qw, gw, t, k, float(k), nbits=bits)
+        assert na.shape == (Q, 1) and (na <= cap).all()
+        top = smallest_keys_cpu(keys, k)
+        assert torch.equal(top >> 40, wd[:, :k].to(torch.int64)), k
+        assert torch.equal(top & ((1 << 40) - 1), wi[:, :k]), k
+
+
+def smallest_keys_cpu(keys, k):
+    return torch.topk(keys.cpu(), k, dim=1, largest=False, sorted=True).values
+
+
+@pytest.mark.parametrize("distinct", [1, 2, 5])
+def test_topk_mma_ties_by_gallery_index(dev, small_engine, distinct):
+    qw, gw = words(1, 7, 65, dev, distinct), words(2, 1031, 65, dev, distinct)
+    for k in (1, 4, 11):
+        check_topk_mma(qw, gw, k, 65)
+
+
+def test_topk_mma_every_gallery_code_equal(dev, small_engine, monkeypatch):
+    """1500 equal codes: every row ties at the bound, far more than a tie pool holds, so the
+    queries take the ordered popcount filter at the same bound (and the first k by index)."""
+    spy = MmaCalls(monkeypatch)
+    qw, gw = words(5, 3, 128, dev), words(6, 1, 128, dev).expand(1500, 2).contiguous()
+    check_topk_mma(qw, gw, 7)
+    assert spy.fallbacks, "the tie pools did not overflow"
+    d, i = HT.topk_with(gw[:2], gw, 5, "mma")
+    assert (d == 0).all() and torch.equal(i.cpu(), torch.arange(5).expand(2, 5))
+
+
+def test_topk_mma_overflowing_pool_reruns_with_a_lower_bound(dev, small_engine, monkeypatch):
+    """Copies of query 0 off the sample's stride (as in the popcount test above): hundreds of
+    rows below the bound, more than the pool's slots; the query runs again with its
+    candidates' k-th distance as the bound, and the answer is exact."""
+    spy = MmaCalls(monkeypatch)
+    G, bits = 2000, 128
+    qw, gw = words(3, 4, bits, dev), words(4, G, bits, dev)
+    near = torch.arange(G, device=dev)
+    near = near[(near % HT.SAMPLE_RATIO != 0) & (near >= 700) & (near < 1300)]
+    gw[near] = qw[0]
+    gw[near[::7]] = qw[1] ^ 1
+    for k in (3, 10):
+        spy.calls.clear()
+        check_topk_mma(qw, gw, k)
+        reruns = [c for c in spy.calls if c["rerun"]]
+        assert reruns and reruns[0]["Q"] < qw.shape[0], spy.calls
+        assert not reruns[-1]["overflow"]
+
+
+def test_topk_mma_ignores_padding_bits(dev, small_engine):
+    """The distance is over the nbits real bits: whatever the words hold past them (the
+    queries' padding unpacks to 0)."""
+    bits = 70
+    qw, gw = words(50, 6, bits, dev), words(51, 600, bits, dev)
+    d, i = HT.topk_with(qw, gw, 9, "mma", bits)
+    noise_q = qw.clone()
+    noise_g = gw.clone()
+    noise_q[:, 1] |= torch.randint(0, 2 ** 40, (6,), device=dev) << 6
+    noise_g[:, 1] |= torch.randint(0, 2 ** 40, (600,), device=dev) << 6
+    d2, i2 = HT.topk_with(noise_q, noise_g, 9, "mma", bits)
+    assert torch.equal(d, d2) and torch.equal(i, i2)
+    wd, wi = H.topk(H.PackedCodes(qw.cpu(), bits), H.PackedCodes(gw.cpu(), bits), 9,
+                    backend="reference")
+    assert torch.equal(d.cpu(), wd) and torch.equal(i.cpu(), wi)
+
+
+def test_topk_method_choice_and_arguments(monkeypatch):
+    """method="auto" keeps the popcount filter until MMA_MIN_BITS is set from GPU figures, and
+    then takes the tensor cores only on a GPU and from that code length on."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert HT.MMA_MIN_BITS is None
+    assert HT.topk_method(1024, cuda) == "popc" and HT.topk_method(128, cpu) == "popc"
+    monkeypatch.setattr(HT, "MMA_MIN_BITS", 128)
+    assert HT.topk_method(128, cuda) == "mma" and HT.topk_method(127, cuda) == "popc"
+    assert HT.topk_method(128, cpu) == "popc"
+    qw = torch.zeros((2, 2), dtype=torch.int64)
+    with pytest.raises(ValueError, match="method must be one of"):
+        HT.topk_with(qw, qw, 1, "imma")
+    with pytest.raises(TypeError, match="method must be a str"):
+        HT.topk_with(qw, qw, 1, None)
+    with pytest.raises(ValueError, match=r"nbits must be in \[1, 128\]"):
+        HT.topk_with(qw, qw, 1, "mma", 129)
+
+
+def test_topk_mma_refuses_galleries_past_int32_rows(dev, monkeypatch):
+    monkeypatch.setattr(HT, "MAX_ROWS", 50)
+    qw, gw = words(30, 2, 64, dev), words(31, 51, 64, dev)
+    with pytest.raises(ValueError, match="galleries of at most 50 codes, got 51"):
+        HT.topk_with(qw, gw, 3, "mma")
+
+
+def test_topk_mma_workspace_does_not_grow_with_the_gallery():
+    cpu = torch.device("cpu")
+    a = HT.topk_mma_workspace_bytes(1000, 10 ** 6, 10, 2, cpu)
+    b = HT.topk_mma_workspace_bytes(1000, 10 ** 8, 10, 2, cpu)
+    assert a == b and a < 1000 * 10 ** 6 * 4 / 50  # 2% of a Q x G int32 matrix
+    assert a > HT.topk_workspace_bytes(1000, 10 ** 6, 10, 2, cpu)
+
+
+def test_hash_index_topk_method(dev, small_engine):
+    """HashIndex(topk_method=...): "mma" searches with the tensor-core filter (the same answer
+    as the default), on the Triton backend only; bad values are named."""
+    bits = 100
+    codes = H.PackedCodes(words(60, 700, bits, dev), bits)
+    query = H.PackedCodes(words(61, 9, bits, dev), bits)
+    found = []
+    for method in ("auto", "popc", "mma"):
+        index = H.HashIndex(bits, backend="triton", device=dev, topk_method=method)
+        index.add(codes)
+        found.append(index.search(query, 6))
+    for d, i in found[1:]:
+        assert torch.equal(d, found[0][0]) and torch.equal(i, found[0][1])
+    with pytest.raises(ValueError, match="topk_method must be one of"):
+        H.HashIndex(bits, topk_method="tensor")
+    with pytest.raises(TypeError, match="topk_method must be a str"):
+        H.HashIndex(bits, topk_method=1)
+    cpu_index = H.HashIndex(bits, backend="reference", topk_method="mma")
+    cpu_index.add(H.PackedCodes(codes.words.cpu(), bits))
+    with pytest.raises(ValueError, match="topk_method 'mma' is a filter of the Triton engine"):
+        cpu_index.search(H.PackedCodes(query.words.cpu(), bits), 3)
+
+
+class _MmaMethod:
+    """The Triton engine's tensor-core top-k as an engine for check_topk_peak_memory."""
+    topk = staticmethod(lambda qw, gw, k: HT.topk_with(qw, gw, k, "mma"))
+    topk_workspace_bytes = staticmethod(HT.topk_mma_workspace_bytes)
+
+
+@pytest.mark.skipif(TRITON_DEVICE != "cuda", reason="peak GPU memory: needs a GPU")
+def test_topk_mma_peak_gpu_memory_is_not_q_by_g():
+    check_topk_peak_memory(_MmaMethod)
+
+
+# ------------------------------------------------------------------------------------------
 # Retrieval (AP, cut-offs, histograms)
 # ------------------------------------------------------------------------------------------
 
@@ -408,3 +594,54 @@ def test_gpu_bench_cpu_mode_runs_every_row(tmp_path):
         twin = [c for c in rows if c["engine"] == "cpu" and c["method"] == r["method"]
                 and c["gallery"] == r["gallery"] and c["queries"] == r["queries"]]
         assert bool(r["speedup_vs_cpu"]) == bool(twin)
+
+
+def _tc_bench(args, tmp_path, env=None):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, os.path.join(root, "bench", "bench_hamming_tc.py"),
+                           *args], capture_output=True, text=True, cwd=root, timeout=600,
+                          env=dict(os.environ, **(env or {})))
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--sizes", "0"], "--sizes: positive gallery sizes"),
+    (["--sizes", "10,x"], "--sizes: a comma list of integers"),
+    (["--sizes", "50", "--k", "51"], "--k: at most the smallest gallery (50), got 51"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_tc_bench_refuses_bad_arguments(args, msg, capsys, monkeypatch):
+    """bench/bench_hamming_tc.py (the hamming-tc stage): a usage error (exit status 2) naming
+    the flag, before any measurement."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "bench"))
+    import bench_hamming_tc
+    with pytest.raises(SystemExit) as exc:
+        bench_hamming_tc.main(args)
+    assert exc.value.code == 2 and msg in capsys.readouterr().err
+
+
+@pytest.mark.slow  # ~45 s on the 2-core machine: the interpreter runs every row
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="interpreter plumbing, CI's: on a GPU machine the stage runs the real "
+                    "command")
+def test_tc_bench_cpu_mode_checks_every_row(tmp_path):
+    """The hamming-tc stage's command on toy sizes (the Triton engine under the interpreter):
+    both top-k filters at two gallery sizes and the mAP, each checked against the C++ engine,
+    appended to --csv with the int8 floor; a table, then one JSON line."""
+    import csv
+    import json
+    out = tmp_path / "hamming_tc.csv"
+    proc = _tc_bench(["--device", "cpu", "--tiny", "--csv", str(out)], tmp_path,
+                     dict(TRITON_INTERPRET="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["failures"] == [] and summary["rows"] == 5 and summary["goals"] == {}
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["method"], r["engine"], r["gallery"]) for r in rows] == [
+        ("topk", "triton-popc", "4200"), ("topk", "triton-mma", "4200"),
+        ("topk", "triton-popc", "9000"), ("topk", "triton-mma", "9000"),
+        ("map_all", "triton", "600")]
+    assert all(r["check"].startswith("ok") and float(r["bound_s"]) > 0 for r in rows)

@@ -75,6 +75,19 @@ def _check_nbits(nbits) -> int:
     return int(nbits)
 
 
+TOPK_METHODS = ("auto", "popc", "mma")  # kernels/hamming_triton.py TOPK_METHODS, and "auto"
+
+
+def _check_topk_method(method) -> str:
+    """The Triton engine's top-k filter: "auto", "popc" or "mma" (TypeError / ValueError
+    naming topk_method otherwise)."""
+    if not isinstance(method, str):
+        raise TypeError(f"topk_method must be a str, got {type(method).__name__}")
+    if method not in TOPK_METHODS:
+        raise ValueError(f"topk_method must be one of {TOPK_METHODS}, got {method!r}")
+    return method
+
+
 def _check_backend(backend) -> str:
     """The Hamming engine's backend name ("auto", "cpu", "triton", "cuda", "reference"): a
     TypeError for a non-str, a ValueError for another name (whether it runs for the index's
@@ -172,13 +185,18 @@ class HashIndex:
 
     ``backend``: the Hamming engine's backend for searches ("auto", "cpu", "triton", "cuda",
     "reference"); ``meta``: a JSON-able dict saved with the index; ``device``: where the codes
-    live and searches run ("cpu", or "cuda[:i]": a GPU index)."""
+    live and searches run ("cpu", or "cuda[:i]": a GPU index).  ``topk_method``: the Triton
+    engine's top-k filter ("auto"; "popc", popcounts; "mma", int8 products of +-1 codes on the
+    tensor cores): "auto" takes what kernels/hamming_triton.py `topk_method` picks for the code
+    length and device (its switch point MMA_MIN_BITS, set from the GPU suite's figures);
+    "popc" / "mma" need the Triton backend (a search on another is a ValueError)."""
 
     def __init__(self, nbits: int, *, backend: str = "auto", meta: dict | None = None,
-                 device="cpu"):
+                 device="cpu", topk_method: str = "auto"):
         self.nbits = _check_nbits(nbits)
         self.words_per_code = (self.nbits + 63) // 64
         self.backend = _check_backend(backend)
+        self.topk_method = _check_topk_method(topk_method)
         if meta is not None and not isinstance(meta, dict):
             raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
         self.meta = dict(meta or {})
@@ -385,6 +403,12 @@ class HashIndex:
         # checked before any copy
         be = resolve_backend(self.backend,
                              torch.empty((0, self.words_per_code), dtype=torch.int64, device=run_on))
+        if self.topk_method != "auto" and be != "triton":
+            raise ValueError(f"topk_method {self.topk_method!r} is a filter of the Triton engine, "
+                             f"but this search runs on backend {be!r}: use topk_method='auto' or "
+                             "backend='triton'")
+        method = ("popc" if be != "triton" else self.topk_method if self.topk_method != "auto"
+                  else triton_kernels().topk_method(self.nbits, run_on))
         if run_on.type == "cuda":
             need = Q * (self.words_per_code * 8 + k * 12)  # the queries and the results
             if self._device.type == "cpu" and (self._device_words is None or
@@ -392,13 +416,20 @@ class HashIndex:
                 need += self._n * self.words_per_code * 8  # the copy of the codes
             if be in ("triton", "cuda"):
                 kernels = triton_kernels() if be == "triton" else cuda_kernels()
-                need += kernels.topk_workspace_bytes(Q, self._n, k, self.words_per_code, run_on)
+                need += (kernels.topk_workspace_bytes(Q, self._n, k, self.words_per_code, run_on)
+                         if method == "popc" else
+                         kernels.topk_mma_workspace_bytes(Q, self._n, k, self.words_per_code,
+                                                          run_on))
             elif be == "reference":  # torch ops in query chunks: their temporaries
                 need += ref_topk_workspace_bytes(Q, self._n, k, self.words_per_code)
             check_gpu_memory(run_on, need, f"searching {Q:,} queries (top {k}) in "
                              f"{self._n:,} codes")
         gw = self._gallery_on(run_on)
-        D, I = topk_words(q.words.to(run_on).contiguous(), gw, k, be)
+        if method == "mma":
+            D, I = triton_kernels().topk_with(q.words.to(run_on).contiguous(), gw, k, "mma",
+                                              self.nbits)
+        else:
+            D, I = topk_words(q.words.to(run_on).contiguous(), gw, k, be)
         return (D.to(qdev), I.to(qdev)) if qdev != run_on else (D, I)
 
     def _gallery_on(self, device: torch.device) -> torch.Tensor:
@@ -451,14 +482,16 @@ class HashIndex:
         atomic_write(path, write)
 
     @classmethod
-    def load(cls, path, *, backend: str = "auto", device="cpu") -> "HashIndex":
+    def load(cls, path, *, backend: str = "auto", device="cpu",
+             topk_method: str = "auto") -> "HashIndex":
         """Read an index written by :meth:`save`, its codes onto ``device`` (as :meth:`to`).  A
         missing file is FileNotFoundError; a file that is not a HashIndex, is truncated or
-        damaged, or has another format version is a ValueError naming it.  ``backend`` and
-        ``device`` are checked first, before the file is read (errors naming them, as for the
-        constructor)."""
+        damaged, or has another format version is a ValueError naming it.  ``backend``,
+        ``device`` and ``topk_method`` are checked first, before the file is read (errors naming
+        them, as for the constructor)."""
         path = os.fspath(path)
         backend = _check_backend(backend)
+        topk_method = _check_topk_method(topk_method)
         dev = _check_device("device", device)
         if not os.path.exists(path):
             raise FileNotFoundError(f"index {path!r}: no such file")
@@ -518,7 +551,8 @@ class HashIndex:
             for name, v in (("paths", paths), ("labels", labels)):
                 if v is not None:
                     _str_list(name, v, ntotal, name == "labels")
-            index = cls(nbits, backend=backend, meta=head.get("meta") or {})
+            index = cls(nbits, backend=backend, meta=head.get("meta") or {},
+                        topk_method=topk_method)
             t = torch.from_numpy(words.astype("=u8", copy=False).view(np.int64).copy())
             check_packed("codes.npy", PackedCodes(t, nbits))
         except (KeyError, TypeError, ValueError) as exc:
