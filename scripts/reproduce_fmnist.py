@@ -326,7 +326,11 @@ def eval_cmd(args, ckpt, out, seed, tasks="linear,knn,hash,expressivity", limits
 
 
 def show(cmd) -> str:
-    return " ".join("python" if c == sys.executable else shlex.quote(c) for c in cmd)
+    """The command as a user of this checkout types it: `python`, and paths below the working
+    directory relative to it (no machine's paths in the results page or its summary)."""
+    here = os.getcwd().rstrip(os.sep) + os.sep
+    return " ".join("python" if c == sys.executable else
+                    shlex.quote(c[len(here):] if c.startswith(here) else c) for c in cmd)
 
 
 def run_cmd(cmd, log_path, dry) -> None:
