@@ -157,3 +157,115 @@ def test_train_records_a_dali_decode_failure_in_status_json(tmp_path, capsys):
     assert ".tif" in err and "DALI cannot decode" in err, err
     st = json.load(open(os.path.join(out, "status.json")))
     assert st["status"] == 2 and st["meaning"] != "running", st
+
+
+# ---- ILSVRC2012's quirks (scripts/make_ilsvrc_tree.py): greyscale, CMYK, PNG bytes named .JPEG,
+# EXIF rotation, truncated files -------------------------------------------------------------
+
+QUIRKS = "grey=0.15,cmyk=0.15,png=0.15,exif=0.15,truncated=0.05"
+
+
+def _quirky_tree(out, classes=3, per_class=8, size=40):
+    """An ILSVRC-shaped tree with every quirk (most files carry one); its quirk_files by kind."""
+    import json
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import make_ilsvrc_tree
+    assert make_ilsvrc_tree.main(["--out", str(out), "--classes", str(classes),
+                                  "--train-per-class", str(per_class), "--val-per-class", "1",
+                                  "--size", str(size), "--quirks", QUIRKS, "--workers", "1",
+                                  "--no-progress"]) == 0
+    meta = json.load(open(os.path.join(out, "make_ilsvrc_tree.json")))
+    quirks = {k: [os.path.join(str(out), f) for f in v if f.startswith("train")]
+              for k, v in meta["quirk_files"].items()}
+    assert all(quirks[k] for k in ("grey", "cmyk", "png", "exif", "truncated")), quirks
+    return str(out), quirks
+
+
+@pytest.fixture(scope="module")
+def quirky(tmp_path_factory):
+    return _quirky_tree(tmp_path_factory.mktemp("ilsvrc") / "tree")
+
+
+def test_dali_decoder_reads_every_ilsvrc_quirk_as_the_torchvision_loader_does(quirky):
+    """Greyscale, CMYK, PNG-named-.JPEG and EXIF-rotated files: DALI's CPU decoder gives the
+    image load_rgb (the torchvision loader's decode) gives: same shape (the EXIF orientation
+    applied: a rotated file comes out --size wide and 3/4 --size high), same pixels within a
+    uint8 level, and fn.peek_image_shape (the crop windows' input) the oriented shape too."""
+    import numpy as np
+    from nvidia import dali
+    from nvidia.dali import fn, types
+
+    from nac_fast.data.sources.imagefolder import load_rgb
+    _, quirks = quirky
+    files = [f for k in ("grey", "cmyk", "png", "exif") for f in quirks[k]]
+
+    @dali.pipeline_def(batch_size=1, num_threads=1, device_id=None)
+    def probe():
+        data, _ = fn.readers.file(files=files, random_shuffle=False)
+        return fn.decoders.image(data, device="cpu", output_type=types.RGB), fn.peek_image_shape(data)
+
+    pipe = probe()
+    pipe.build()
+    for f in files:
+        img, shape = pipe.run()
+        a, b = np.asarray(img[0]), np.asarray(load_rgb(f))
+        assert a.shape == b.shape == tuple(np.asarray(shape[0])), (f, a.shape, b.shape)
+        assert np.abs(a.astype(int) - b.astype(int)).mean() < 1.0, f
+        if f in quirks["exif"]:
+            assert a.shape[1] > a.shape[0], (f, a.shape)     # upright: wider than high
+
+
+def test_dali_and_torchvision_agree_on_an_ilsvrc_tree_with_every_quirk(quirky):
+    """Both loaders on the quirky tree: the same files skipped (the truncated ones, under
+    on_bad_file='warn', the same substitution), and image by image the same views up to
+    rounding (no hue: DALI's differs by design), the EXIF-rotated, CMYK, grey and PNG ones
+    included.  A loader that did not apply the EXIF orientation would crop another window."""
+    root, quirks = quirky
+    rec = Recipe("nohue", hue=0.0, blur_p=0.5)
+    d = _ld(root, recipe=rec, seed=7, batch_size=6)
+    t = _ld(root, loader="torchvision", recipe=rec, seed=7, batch_size=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bd, bt = list(d), list(t)
+    assert len(bd) == len(bt) == 4
+    assert sorted(d.skipped_files) == sorted(t.skipped_files) == sorted(quirks["truncated"])
+    files = d.source.files
+    rows = d.batch_indices()
+    seen = set()
+    for k, ((d1, d2), (t1, t2)) in enumerate(zip(bd, bt)):
+        for a, b in ((d1, t1), (d2, t2)):
+            per_image = (a - b).abs().flatten(1).mean(1)
+            for j, i in enumerate(rows[k]):
+                seen.add(files[i])
+                assert per_image[j] < 0.03, (files[i], float(per_image[j]))
+    for kind in ("grey", "cmyk", "png", "exif"):
+        assert set(quirks[kind]) <= seen, kind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loader", ["dali-cpu", "torchvision"])
+def test_train_py_two_processes_on_an_ilsvrc_tree_with_every_quirk(tmp_path, quirky, loader):
+    """torchrun, 2 processes (gloo on loopback), a few steps past one epoch on the quirky tree:
+    exit 0, and each truncated file skipped with a warning naming it."""
+    import json
+    import subprocess
+    import sys
+    root, quirks = quirky
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1")
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT",
+              "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    out = str(tmp_path / loader)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", "--local_addr=127.0.0.1", "train.py",
+                        "--data", root, "--loader", loader, "--arch", "resnet-tiny",
+                        "--method", "nac-mq", "--image-size", "16", "--batch-size", "8",
+                        "--queue-size", "32", "--max-steps", "4", "--workers", "1",
+                        "--no-compile", "--no-progress", "--out", out],
+                       env=env, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.load(open(os.path.join(out, "status.json")))["status"] == 0
+    for f in quirks["truncated"]:
+        assert f"skipping 1 undecodable files: {f}" in r.stderr, r.stderr[-3000:]

@@ -26,6 +26,11 @@ Design (why):
     "warn" it is counted, replaced by the next decodable file (the torchvision loader's rule)
     and the pipeline rebuilt at the first batch not yet yielded; under "error" it stops the run
     with a ValueError naming it.
+  * ILSVRC2012's quirks (scripts/make_ilsvrc_tree.py --quirks): greyscale, CMYK and PNG bytes
+    named .JPEG decode to the RGB image load_rgb gives; an EXIF-rotated file is decoded upright
+    and its shape read upright (adjust_orientation, said explicitly), as load_rgb does; a
+    truncated file follows the bad-file rule above.  tests/test_data_dali.py checks each on the
+    CPU decoder, file by file and through both loaders.
 Not run on a GPU yet: the dali-gpu graph is the dali-cpu graph (tested) with the mixed decoder,
 GPU ops, and the contrast by arithmetic (also tested on the CPU).
 """
@@ -67,8 +72,11 @@ def _build_pipeline(dali, files, labels, rank, world_size, batch_size, num_threa
         jpegs, index = fn.readers.file(files=files, labels=labels, shard_id=rank,
                                        num_shards=world_size, random_shuffle=False,
                                        pad_last_batch=False, name="Reader")
-        hw = fn.cast(fn.peek_image_shape(jpegs), dtype=types.FLOAT)
-        images = fn.decoders.image(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)
+        # EXIF orientation applied to the shape (the crop windows' input) and to the pixels, as
+        # load_rgb does (ImageOps.exif_transpose): said here, not left to DALI's defaults
+        hw = fn.cast(fn.peek_image_shape(jpegs, adjust_orientation=True), dtype=types.FLOAT)
+        images = fn.decoders.image(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB,
+                                   adjust_orientation=True)
         params = fn.external_source(source=source_cb, num_outputs=2 * len(DALI_PARAMS), batch=True,
                                     batch_info=True)
         v1, v2 = views(images, hw, params)
@@ -172,7 +180,7 @@ class DaliPretrainLoader(EpochLoaderMixin):
             def probe():
                 data, _ = fn.readers.file(files=files, random_shuffle=False, name="Reader")
                 return fn.decoders.image(data, device="mixed" if self.gpu else "cpu",
-                                         output_type=types.RGB)
+                                         output_type=types.RGB, adjust_orientation=True)
 
             pipe = probe()
             k = 0
