@@ -6,6 +6,7 @@ instructions; plus the CUDA kernels' resource usage (nvcc).
     python bench/compile_check.py --reuse bench/results/compile_check.csv --verify 64 --csv X.csv
                                                                    # what CI runs (minutes)
     python bench/compile_check.py --archs 90 --dtypes bfloat16 --D 128       # one slice
+    python bench/compile_check.py --check-keys bench/results/compile_check.csv  # current? (s)
 
 The Triton part builds each op's launch plan (kernels/launch.py) from meta tensors for each
 target, exactly as the op builds it for real tensors on that GPU, so the check covers the
@@ -18,16 +19,20 @@ processes; the ``ptxas -v`` that Triton runs to build the cubin (its log, so tha
 version's own flags) reports registers and spills, Triton's
 metadata the shared memory, and ``cuobjdump -sass`` the matrix instructions (HGMMA/HMMA).
 
-Each row carries its launch's `key`: the sha256 of Triton's own compile-cache key (Triton's
-library, the kernel's source and everything it calls, the specialised signature, constexprs,
-warps, stages, the arch and ptxas' version: what decides whether Triton compiles again) and of
-this file's measuring code.  ``--reuse CSV`` takes the compiled figures (registers, spills,
+Each row carries its launch's `key` (`launch_key`): the sha256 of what decides the compiled code
+-- the kernel's source text and that of everything it calls, with the values of the globals they
+read, but no line number (`source_digest`; Triton's own cache key holds the starting line, so an
+edit that only moves a kernel changed it), the specialised signature, constexprs, warps, stages,
+the arch, the Triton version and its compile-changing environment -- and of this file's measuring
+code.  ``--reuse CSV`` takes the compiled figures (registers, spills,
 shared memory, MMA count, compile seconds) of every launch whose key is in CSV instead of
-compiling it again, exactly as Triton's cache would, and compiles the rest; everything derived
+compiling it again, as Triton's cache would; everything derived
 from a plan (limits, occupancy, problems) is computed afresh.  ``--verify N`` compiles N of the
 reused launches anyway (one of every kernel and arch, the rest drawn at random; the seed is
 printed) and reports a problem where a fresh figure differs from the reused one.  Column
-`checked` says which (compiled, reused, verified).  CI reuses the committed table, so a change
+`checked` says which (compiled, reused, verified).  ``--check-keys CSV`` compiles nothing: it
+lists the launches whose key is not in CSV (seconds; exit 1 if any).  CI reuses the committed
+table, so a change
 to a kernel recompiles that kernel's launches and nothing else.
 
 It fails (exit 1, a line per problem) when
@@ -59,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -465,27 +471,94 @@ def _int_mma_digest() -> str:
     return hashlib.sha256(inspect.getsource(_compile_int_mma).encode()).hexdigest()
 
 
-def launch_key(job, int_mma: bool = False) -> str:
-    """The content key of one compiled launch: Triton's compile-cache key of the job (as
-    ``triton.compile`` computes it) and the measuring code's digest (with `_compile_int_mma`'s
-    for an int8 tensor-core kernel, `int_mma`), hashed."""
+KEY_FORMAT = 2  # 1: the sha256 of Triton's compile-cache key (which holds source line numbers)
+
+
+def _is_jit(v) -> bool:
+    from triton.runtime.jit import JITFunction
+    return isinstance(v, JITFunction)
+
+
+def _jit_source(fn) -> str:
+    """A Triton function's source text (decorators included, no line numbers)."""
+    import inspect
+    import textwrap
+    src = getattr(fn, "src", None)
+    return src if isinstance(src, str) else textwrap.dedent(inspect.getsource(fn.fn))
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest(fn) -> str:
+    """The sha256 of what a kernel's compiled code follows from in this repository: its source
+    text and that of every Triton function it calls (transitively, by name through its module's
+    globals, or `module.name`), and the values of the globals they read (tl.constexpr and plain
+    numbers), each under its qualified name.  Unlike Triton's own cache key it holds no line
+    number (those reach the binary only as debug line info, none of the figures), so an edit that
+    moves a kernel without changing it keeps its key; Triton's own functions (tl.*) are covered
+    by the Triton version in `launch_key`."""
+    import ast
+    import types
+
+    import triton.language as tl
+    parts, seen, todo = [], set(), [fn]
+    while todo:
+        f = todo.pop()
+        name = f"{f.fn.__module__}.{f.fn.__qualname__}"
+        if name in seen:
+            continue
+        seen.add(name)
+        src = _jit_source(f)
+        parts.append(f"fn {name}\n{src}")
+        glob = f.fn.__globals__
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Name):
+                ref, v = node.id, glob.get(node.id, None)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and isinstance(glob.get(node.value.id), types.ModuleType)):
+                mod = glob[node.value.id]
+                if mod.__name__.split(".")[0] == "triton":
+                    continue  # tl.*: Triton's, its version is keyed
+                ref, v = f"{mod.__name__}.{node.attr}", getattr(mod, node.attr, None)
+            else:
+                continue
+            if _is_jit(v):
+                if v.fn.__module__.split(".")[0] != "triton":
+                    todo.append(v)
+            elif isinstance(v, tl.constexpr):
+                parts.append(f"const {name}:{ref}={v.value!r}")
+            elif isinstance(v, (bool, int, float, str)) and not isinstance(node.ctx, ast.Store):
+                parts.append(f"value {name}:{ref}={v!r}")
+    return hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()
+
+
+def launch_key(job, int_mma: bool = False, triton_version: Optional[str] = None) -> str:
+    """The content key of one compiled launch: what decides the compiled code -- the kernel's
+    `source_digest` (no line numbers), the specialised signature, constexprs and divisibility
+    attributes, warps, stages, the arch, the Triton version (its compiler and bundled ptxas) and
+    the Triton settings in the environment that change a compile -- and the measuring code's
+    digest (with `_compile_int_mma`'s for an int8 tensor-core kernel, `int_mma`), hashed.
+    `triton_version`: the Triton a table was compiled under (default: the one imported here)."""
     module, kernel_name, arch, sig, consts, attrs, warps, stages = job
     import importlib
+    import json
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler import compiler as TC
-    if not (hasattr(TC, "get_cache_key") and hasattr(TC, "get_cache_invalidating_env_vars")):
-        raise RuntimeError("this Triton has no triton.compiler.compiler.get_cache_key: launches "
-                           "cannot be keyed, so --reuse is unavailable")
     fn = getattr(importlib.import_module(module), kernel_name)
-    src = ASTSource(fn, sig, consts, attrs)
-    backend = TC.make_backend(GPUTarget("cuda", arch, 32))
-    options = backend.parse_options(dict(dict(num_warps=warps, num_stages=stages),
-                                         **src.parse_options()))
-    key = TC.get_cache_key(src, backend, options, TC.get_cache_invalidating_env_vars())
-    digest = _measuring_code_digest() + ("-" + _int_mma_digest() if int_mma else "")
-    return hashlib.sha256(f"{key}-{digest}".encode()).hexdigest()
+    if triton_version is None:
+        import triton
+        triton_version = triton.__version__
+    env = {}
+    try:
+        from triton.compiler import compiler as TC
+        env = {k: v for k, v in TC.get_cache_invalidating_env_vars().items() if v}
+    except (ImportError, AttributeError):
+        pass
+    what = dict(format=KEY_FORMAT, kernel=kernel_name, source=source_digest(fn),
+                signature=sorted(sig.items()), constexprs=sorted((k, repr(v)) for k, v in
+                                                                 consts.items()),
+                attrs=sorted((repr(k), repr(v)) for k, v in attrs.items()), num_warps=warps,
+                num_stages=stages, arch=arch, triton=triton_version, env=sorted(env.items()),
+                measuring=_measuring_code_digest() + ("-" + _int_mma_digest() if int_mma else ""))
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
 def read_reusable(path) -> dict:
@@ -559,10 +632,9 @@ def _progress(total):
                 disable=not total)
 
 
-def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_MODES,
-                candidates=True, reuse=None, verify=0, seed=None):
+def unique_launches(archs, dtypes, ds, modes, fp32_modes=FP32_MODES, candidates=True) -> dict:
+    """The distinct Triton launches of the grid: `_key` -> dict(launch, arch, cases)."""
     from nac_fast.kernels import launch as KL
-    from nac_fast.kernels import nac_triton
 
     targets = {t.arch: t for t in KL.CHECKED_TARGETS}
     unique: dict = {}
@@ -576,11 +648,56 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
             if k not in unique:
                 unique[k] = dict(launch=L, arch=arch, cases=[])
             unique[k]["cases"].append(case)
+    return unique
+
+
+def keyed(u) -> str:
+    """`launch_key` of one of `unique_launches`' values."""
+    return launch_key(_job(u["launch"], u["arch"]), int_mma=u["launch"].tag in INT_MMA_KERNELS)
+
+
+def stale_launches(path, archs, dtypes, ds, modes, fp32_modes=FP32_MODES, candidates=True):
+    """The launches of the grid whose key is not in the table at `path` (nothing compiled: a
+    table is current when this is empty), as (tag, arch, key) triples."""
+    have = read_reusable(path)
+    out = []
+    for u in unique_launches(archs, dtypes, ds, modes, fp32_modes, candidates).values():
+        k = keyed(u)
+        if k not in have:
+            out.append((u["launch"].tag, u["arch"], k))
+    return out
+
+
+def describe(u, target) -> dict:
+    """The columns of a launch's row that say what it is (kernel .. folded, no figures)."""
+    L, cases = u["launch"], u["cases"]
+    tag, c = L.tag, L.constexprs
+    dtype, D = cases[0]["dtype"], cases[0]["D"]
+    prec = c.get("PRECISION", "")
+    if tag in MATRIX_KERNELS and dtype == "float64":
+        prec = "ieee-fp64"
+    return dict(kernel=tag, arch=u["arch"], dtype=dtype, D=D,
+                modes="+".join(sorted({x["mode"] for x in cases if x["mode"]})),
+                precision=prec,
+                blocks="x".join(str(c[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_Q",
+                                                     "BLOCK_G", "NB", "BLOCK") if k in c),
+                warps=L.num_warps, stages=L.num_stages, smem_limit=target.smem,
+                smem_estimate=(_smem_estimate(tag, c, L, dtype, D, prec)
+                               if tag in MATRIX_KERNELS else ""),
+                source="+".join(sorted({x.get("source", "built-in") for x in cases})),
+                folded=int(bool(tag == "bwd_keys_out3" or (tag == "fwd" and c.get("FINISH")))))
+
+
+def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_MODES,
+                candidates=True, reuse=None, verify=0, seed=None):
+    from nac_fast.kernels import launch as KL
+
+    targets = {t.arch: t for t in KL.CHECKED_TARGETS}
+    unique = unique_launches(archs, dtypes, ds, modes, fp32_modes, candidates)
     print(f"compile check: {len(unique)} distinct Triton launches for archs {archs}", flush=True)
     try:
         for u in unique.values():
-            u["key"] = launch_key(_job(u["launch"], u["arch"]),
-                                  int_mma=u["launch"].tag in INT_MMA_KERNELS)
+            u["key"] = keyed(u)
     except Exception as exc:  # noqa: BLE001 - another Triton's internals: keys are optional
         if reuse is not None:
             raise RuntimeError(f"--reuse: the launches cannot be keyed: {exc}") from exc
@@ -608,28 +725,10 @@ def triton_rows(archs, dtypes, ds, modes, jobs, max_compile_s, fp32_modes=FP32_M
                                       ((f, futs[f]) for f in cf.as_completed(futs))):
             if fut is not None:
                 bar.update(1)
-            L, arch, cases = u["launch"], u["arch"], u["cases"]
+            L, arch = u["launch"], u["arch"]
             target = targets[arch]
-            tag = L.tag
-            c = L.constexprs
-            dtype = cases[0]["dtype"]
-            D = cases[0]["D"]
-            prec = c.get("PRECISION", "")
-            if tag in MATRIX_KERNELS and dtype == "float64":
-                prec = "ieee-fp64"
-            row = dict(kernel=tag, arch=arch, dtype=dtype, D=D,
-                       modes="+".join(sorted({x["mode"] for x in cases if x["mode"]})),
-                       precision=prec,
-                       blocks="x".join(str(c[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D",
-                                                            "BLOCK_Q", "BLOCK_G", "NB", "BLOCK")
-                                       if k in c),
-                       warps=L.num_warps, stages=L.num_stages, smem_limit=target.smem,
-                       smem_estimate=(_smem_estimate(tag, c, L, dtype, D, prec)
-                                      if tag in MATRIX_KERNELS else ""),
-                       source="+".join(sorted({x.get("source", "built-in") for x in cases})),
-                       folded=int(bool(tag == "bwd_keys_out3"
-                                       or (tag == "fwd" and c.get("FINISH")))),
-                       note="", key=u["key"],
+            row = describe(u, target)
+            row.update(note="", key=u["key"],
                        checked=("reused" if fut is None else
                                 "verified" if u["key"] in verified else "compiled"))
             try:
@@ -756,6 +855,9 @@ def main(argv=None) -> int:
                     help="with --reuse: compile N reused launches anyway and compare (default 0)")
     ap.add_argument("--seed", type=int, default=None,
                     help="the --verify draw's seed (default: a random one, printed)")
+    ap.add_argument("--check-keys", default=None, metavar="CSV",
+                    help="compile nothing: list the launches of the grid whose key is not in CSV "
+                         "and exit 1 if there are any (whether CSV is current)")
     ap.add_argument("--keep-cache", action="store_true",
                     help="reuse Triton's cache (default: a fresh one, so compile times are real)")
     args = ap.parse_args(argv)
@@ -766,10 +868,14 @@ def main(argv=None) -> int:
     if args.csv and args.reuse and os.path.abspath(args.csv) == os.path.abspath(args.reuse):
         ap.error("--csv: the table --reuse reads would be overwritten by a table of reused rows; "
                  "write it elsewhere")
+    if args.check_keys and (args.reuse or args.csv):
+        ap.error("--check-keys compiles and writes nothing: leave out --reuse and --csv")
     try:
         reuse = read_reusable(args.reuse) if args.reuse else None
+        if args.check_keys:
+            read_reusable(args.check_keys)
     except ValueError as exc:
-        ap.error(str(exc))
+        ap.error(str(exc).replace("--reuse:", "--check-keys:" if args.check_keys else "--reuse:"))
     # compile for real (the tests' conftest sets the interpreter); before triton is imported, and
     # only here: importing this module (the tests do) must not change the caller's environment
     os.environ.pop("TRITON_INTERPRET", None)
@@ -777,6 +883,14 @@ def main(argv=None) -> int:
     for a in archs:
         if a not in (80, 90):
             ap.error(f"--archs: only 80 and 90 are checked, got {a}")
+    if args.check_keys:
+        stale = stale_launches(args.check_keys, archs, args.dtypes.split(","),
+                               [int(x) for x in args.D.split(",")], args.modes.split(","),
+                               args.fp32_modes.split(","), candidates=not args.no_candidates)
+        for tag, arch, key in stale:
+            print(f"STALE {tag} sm_{arch} {key}")
+        print(f"compile check: {len(stale)} launches without a row in {args.check_keys}")
+        return 1 if stale else 0
     tmp_cache = None
     if not args.keep_cache:
         tmp_cache = tempfile.mkdtemp(prefix="nac_triton_cache_")

@@ -453,8 +453,8 @@ others = [(module, name, 80, sig, consts, attrs, warps, stages),
           (module, name, arch, sig, consts, attrs, warps, stages + 1)]
 c = next(k for k, v in consts.items() if isinstance(v, int) and not isinstance(v, bool))
 others.append((module, name, arch, sig, {**consts, c: consts[c] * 2}, attrs, warps, stages))
-keys = {CC.launch_key(j) for j in others}
-assert key not in keys and len(keys) == len(others), keys
+keys = {CC.launch_key(j) for j in others} | {CC.launch_key(job, triton_version="0.0")}
+assert key not in keys and len(keys) == len(others) + 1, keys
 CC._measuring_code_digest = lambda: "another"
 assert CC.launch_key(job) != key
 print("ok")
@@ -462,13 +462,94 @@ print("ok")
 
 
 def test_launch_keys_follow_what_the_compiler_sees():
-    """A launch's key (no compile: Triton's cache key) is the same for the same launch, and
-    differs when the arch, the warps, the stages, a constexpr or the measuring code differ.  In
+    """A launch's key (no compile) is the same for the same launch, and differs when the arch,
+    the warps, the stages, a constexpr, the Triton version or the measuring code differ.  In
     a child process: the kernels of the compiled path, not the interpreter's."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _KEY_PROBE, os.path.join(ROOT, "bench")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+# Runs the compile check's --check-keys with nac_fast.kernels loaded from a copy of kernels/
+# (argv: the copy, the bench folder, then the check's arguments); prints the kernels' file and the
+# forward kernel's starting line first.
+_COPY_PROBE = r"""
+import importlib.util, os, sys
+copy = sys.argv[1]
+spec = importlib.util.spec_from_file_location("nac_fast.kernels", os.path.join(copy, "__init__.py"),
+                                              submodule_search_locations=[copy])
+mod = importlib.util.module_from_spec(spec)
+sys.modules["nac_fast.kernels"] = mod
+spec.loader.exec_module(mod)
+import nac_fast
+from nac_fast.kernels import nac_triton
+print("FROM", nac_triton.__file__, nac_triton._fwd_kernel.starting_line_number, flush=True)
+sys.path.insert(0, sys.argv[2])
+import compile_check as CC
+sys.exit(CC.main(sys.argv[3:]))
+"""
+_SLICE = ["--archs", "90", "--dtypes", "bfloat16", "--D", "128", "--modes", "inbatch"]
+
+
+def _check_kernel_copy(tmp_path, edit):
+    """--check-keys of the committed table over a slice, with the kernels of a copy of kernels/
+    that `edit(name, text)` rewrote: (exit status, output, the copy's forward kernel line)."""
+    import shutil
+    copy = tmp_path / "kernels"
+    shutil.copytree(os.path.join(ROOT, "kernels"), copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for f in copy.glob("*.py"):
+        f.write_text(edit(f.name, f.read_text()))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COPY_PROBE, str(copy), os.path.join(ROOT, "bench"),
+                           "--check-keys", COMMITTED, *_SLICE], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=600)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("FROM "))
+    assert line.split()[1] == str(copy / "nac_triton.py"), line
+    return proc.returncode, proc.stdout + proc.stderr, int(line.split()[2])
+
+
+def test_a_blank_line_in_a_kernel_file_leaves_the_table_current(tmp_path):
+    """Issue 57: the table's keys hold no source line.  A blank line at the top of every kernel
+    file (every kernel's starting line moves) keeps each launch's key in the committed table; a
+    changed kernel body (the control) does not."""
+    lines = open(os.path.join(ROOT, "kernels", "nac_triton.py")).read().splitlines()
+    decorator = lines.index(next(x for x in lines if x.startswith("def _fwd_kernel("))) - 1
+    assert lines[decorator].startswith("@triton.jit")  # (1-based: decorator + 1 here)
+    rc, out, line = _check_kernel_copy(tmp_path / "blank", lambda name, text: "\n" + text)
+    assert rc == 0 and "compile check: 0 launches without a row" in out, out[-4000:]
+    assert line == decorator + 2  # the copy's kernel starts a line lower
+
+    def changed(name, text):
+        if name != "nac_triton.py":
+            return text
+        assert text.count("def _fwd_kernel(") == 1
+        head, tail = text.split("def _fwd_kernel(")
+        return head + "def _fwd_kernel(" + tail.replace("\n    pid", "\n    pid_unused = 0\n    pid", 1)
+    rc, out, _ = _check_kernel_copy(tmp_path / "changed", changed)
+    assert rc == 1 and "STALE fwd sm_90" in out, out[-4000:]
+    assert "STALE prologue" not in out  # only the changed kernel's launches
+
+
+def test_the_committed_tables_keys_are_current():
+    """Every launch of the full grid has its key in bench/results/compile_check.csv (seconds:
+    nothing compiled); test_the_committed_table_is_current (slow) compiles a sample to verify."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "compile_check.py"),
+                           "--check-keys", COMMITTED], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-2000:]
+                                  + f"\nregenerate it: {REGENERATE}")
+
+
+def test_check_keys_arguments_are_checked(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        CC.main(["--check-keys", COMMITTED, "--csv", str(tmp_path / "x.csv")])
+    assert e.value.code == 2 and "--check-keys compiles and writes nothing" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        CC.main(["--check-keys", str(tmp_path / "none.csv")])
+    assert e.value.code == 2 and "--check-keys: " in capsys.readouterr().err
 
 
 def test_reuse_names_a_bad_row(tmp_path):
