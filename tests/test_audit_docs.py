@@ -215,15 +215,35 @@ def _command_of(snippet):
     return f"scripts/{m.group(1)}" if m else None
 
 
+# srun's options the README uses (SLURM is not installed here to ask it)
+SRUN_FLAGS = {"--ntasks-per-node", "--nodes", "--ntasks", "--gpus-per-task", "--gpus-per-node"}
+
+
+def _launcher_flags() -> set:
+    """torchrun's own options (its parser) and srun's: a launcher's flags before the command."""
+    from torch.distributed.run import get_args_parser
+    opts = {o for a in get_args_parser()._actions for o in a.option_strings if o.startswith("--")}
+    return opts | SRUN_FLAGS
+
+
 def test_readme_flags_are_options_of_their_command():
     parsers = _parsers()
     everything = set().union(*parsers.values())
+    launcher = _launcher_flags()
     bad = []
     for snippet in _readme_snippets():
         if re.search(r"\bpip\b", snippet):
             continue
         cmd = _command_of(snippet)
-        tail = snippet.split("train.py", 1)[1] if cmd == "train.py" else snippet
+        head, tail = "", snippet
+        if re.match(r"\s*(torchrun|srun)\b", snippet):  # the launcher's flags, then the command's
+            key = cmd.split()[0] if cmd and cmd.startswith("index") else cmd
+            head, tail = snippet.split(key, 1) if key and key in snippet else (snippet, "")
+        elif cmd == "train.py":
+            tail = snippet.split("train.py", 1)[1]
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", head):
+            if flag not in launcher:
+                bad.append(f"launcher: {flag} in {snippet.strip()!r}")
         for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", tail):
             known = parsers[cmd] if cmd in parsers else everything
             if flag not in known:
@@ -279,16 +299,6 @@ TABLE = {
     "20 epochs": ("budgets", "20 epochs,", "nac:default", "128"),
     "batch 64, 2400 steps": ("extra:fashion-mnist:2400 steps", "2400 steps,", "nac:p-constant",
                              "128"),
-    "held-out digits folder, 150 steps": ("heldout:digits:150 steps", "150 steps,",
-                                          "nac:default", "64"),
-    "held-out digits folder, 600 steps": ("heldout:digits:600 steps", "600 steps,",
-                                          "nac:default", "64"),
-    "held-out digits folder, 1200 steps": ("heldout:digits:1200 steps", "1200 steps,",
-                                           "nac:p-constant", "64"),
-    "held-out digits folder, 2400 steps": ("heldout:digits:2400 steps", "2400 steps,",
-                                           "nac:p-constant", "64"),
-    "held-out digits folder, 7040 steps": ("heldout:digits:7040 steps", "7040 steps,",
-                                           "nac:default", "64"),
 }
 
 
@@ -332,3 +342,25 @@ def test_kernels_and_training_docs_gpu_figures_are_the_results_files():
         or f"**{round(train['img_per_s']):,} img/s**" in training
     assert f"{round(train['peak_mem_mib']):,} MiB" in training
     assert f"compilation of {train['compile_s']:.1f} s" in training
+
+
+# ---- a newcomer's README, and no machine's paths ------------------------------------------------
+
+def test_readme_is_at_most_200_lines():
+    """Issue 57: the README is the newcomer's page; details live in docs/."""
+    n = len(_read(README).splitlines())
+    assert n <= 200, f"README.md has {n} lines"
+
+
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root|home|Users|mnt)/[\w.-]+")
+
+
+def test_no_machine_paths_in_readme_docs_and_results():
+    """README, docs/ and bench/results/*.md name paths a user of a checkout can type (relative
+    to it, or placeholders like /path/imagenet), never the machine a run was made on."""
+    files = [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + sorted(
+        glob.glob(os.path.join(ROOT, "docs", "*.json"))) + sorted(
+        glob.glob(os.path.join(ROOT, "bench", "results", "*.md")))
+    bad = [f"{os.path.relpath(f, ROOT)}: {m.group(0)}" for f in files
+           for m in MACHINE_PATH.finditer(_read(f))]
+    assert not bad, "machine paths:\n" + "\n".join(bad[:20])
