@@ -2,7 +2,7 @@
 # The GPU suite, in stages, for a lent H100/H200 reached one shell command at a time:
 #
 #   bash bench/gpu_suite.sh STAGE...   STAGE: build test autotune host bench-quick bench train
-#                                             hamming hamming-tc | all
+#                                             hamming hamming-tc train-jpeg | all
 #
 #   build        python setup.py build_ext --inplace with the CUDA kernels (NAC_FAST_FORCE_CUDA=1,
 #                TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16), then from the source tree (PYTHONPATH =
@@ -60,6 +60,19 @@
 #                (ncu) on one tensor-core search of the 100M codes: hamming_tc_ncu.txt (speed of
 #                light, compute workload) and hamming_tc_ncu.csv (the filter kernel's time and
 #                tensor-pipe activity per launch; the longest is the full pass).  2-4 min.
+#   train-jpeg   train.py from JPEG files (issue 54): a tree of scripts/make_ilsvrc_tree.py on the
+#                machine's local disk (NAC_FAST_JPEG_TREE, default /tmp/nac_fast_jpeg_tree: 100
+#                classes of 500 px JPEGs, grey/CMYK/PNG/EXIF quirks at ImageNet-like rates, no
+#                truncated files in it; enough files that the run stays in one epoch; made once
+#                per machine, ~1-2 min, kept on a warm one), then a check of the quirks on a small
+#                tree (dali-gpu against the torchvision loader: each quirk's views, the truncated
+#                files skipped; train_jpeg_quirks.csv), then ResNet-50 NAC-MQ, --loader dali-gpu,
+#                bf16, channels-last, batch 256, compiled (train.py's defaults) for
+#                NAC_FAST_JPEG_STEPS (240) steps: the median img/s and data wait of train.py's
+#                log windows (20 steps) after NAC_FAST_JPEG_WARMUP (60), beside the train stage's
+#                synthetic-data 2,181 img/s: train_jpeg.csv, train_jpeg/log.jsonl.  Needs DALI,
+#                which the image lacks: carry it first (bench/carry_wheel.sh, bench/gpu_notes.md).
+#                Not part of `all`.
 #   all          test autotune host train hamming (the order of what matters most when time
 #                runs out)
 #
@@ -90,7 +103,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 PY=${PYTHON:-python3}
 CPU_MODE=${NAC_FAST_SUITE_CPU:-0}
-STAGES=(build test host autotune bench-quick bench train hamming hamming-tc)
+STAGES=(build test host autotune bench-quick bench train hamming hamming-tc train-jpeg)
 
 usage() {
   sed -n '2,/^# Every stage/p' "$ROOT/bench/gpu_suite.sh" | sed '$d' | sed 's/^# \{0,1\}//' >&2
@@ -499,6 +512,135 @@ EOF
   return $rc
 }
 
+# train-jpeg (issue 54): train.py on a JPEG tree on the machine's local disk, ResNet-50 NAC-MQ
+# with --loader dali-gpu, beside the synthetic-data figure of the train stage.  DALI is not in
+# the device image: carry it first (bench/carry_wheel.sh, bench/gpu_notes.md).
+JPEG_SYNTHETIC_IMG_S=2181   # train stage, synthetic images (NVIDIA-H100-80GB-HBM3_2026-11-27_run2)
+stage_train_jpeg() {
+  BUILT_FIRST=""
+  ensure_built || { detail "build failed"; return 1; }
+  local tree=${NAC_FAST_JPEG_TREE:-/tmp/nac_fast_jpeg_tree} run=${NAC_FAST_JPEG_RUN:-/tmp/nac_fast_jpeg_run}
+  local steps=${NAC_FAST_JPEG_STEPS:-240} warm=${NAC_FAST_JPEG_WARMUP:-60} every=20
+  local classes=100 size=500 batch=256 quirks="grey=0.01,cmyk=0.001,png=0.001,exif=0.001"
+  local train_args=(--loader dali-gpu --arch resnet50 --method nac-mq --image-size 224
+                    --amp bf16 --channels-last --queue-size 65536 --workers 0)
+  local qsize=128 qloader=dali-gpu qdevice=cuda
+  if [ "$CPU_MODE" = 1 ]; then   # the plumbing only: a tiny tree and model, dali-cpu
+    tree=${NAC_FAST_JPEG_TREE:-/tmp/nac_fast_jpeg_tree_cpu}; run=${NAC_FAST_JPEG_RUN:-/tmp/nac_fast_jpeg_run_cpu}
+    steps=${NAC_FAST_JPEG_STEPS:-6}; warm=${NAC_FAST_JPEG_WARMUP:-2}; every=2
+    classes=4; size=64; batch=8
+    train_args=(--loader dali-cpu --arch resnet-tiny --method nac-mq --image-size 32 --amp off
+                --queue-size 64 --no-compile --workers 2)
+    qsize=48; qloader=dali-cpu; qdevice=cpu
+  fi
+  [[ "$steps" =~ ^[0-9]+$ && "$warm" =~ ^[0-9]+$ && $warm -lt $steps && $((warm % every)) = 0 ]] || {
+    detail "NAC_FAST_JPEG_STEPS ($steps) must exceed NAC_FAST_JPEG_WARMUP ($warm), a multiple of $every"; return 2; }
+  $PY -c "import nvidia.dali" 2>/dev/null || {
+    detail "NVIDIA DALI is not importable ($PY): carry it first (bench/carry_wheel.sh, bench/gpu_notes.md)"; return 1; }
+  # one epoch covers the run (no epoch boundary, whose pipeline rebuild would enter the figure)
+  local per_class=$(( ((steps + 10) * batch + classes - 1) / classes ))
+  local want="$classes $per_class $size $quirks"
+  # 1. the tree: made once per machine (kept on a warm one), remade when its arguments differ
+  local t0=$SECONDS gen_s=reused
+  local have
+  have=$($PY -c "import json,sys; d=json.load(open(sys.argv[1])); q=','.join(f'{k}={v}' for k, v in d['quirks'].items()); print(d['classes'], d['train_per_class'], d['size'], q)" \
+         "$tree/make_ilsvrc_tree.json" 2>/dev/null || true)
+  if [ "$have" != "$want" ]; then
+    local over=()
+    if [ -e "$tree" ]; then
+      [ -f "$tree/make_ilsvrc_tree.json" ] || { detail "$tree exists and is not a make_ilsvrc_tree.py tree: not replaced (NAC_FAST_JPEG_TREE names another)"; return 2; }
+      over=(--overwrite)
+    fi
+    $PY scripts/make_ilsvrc_tree.py --out "$tree" --classes "$classes" --train-per-class "$per_class" \
+        --val-per-class 1 --size "$size" --quirks "$quirks" --workers "$(nproc)" "${over[@]}"
+    gen_s=$((SECONDS - t0))
+  fi
+  # 2. the bad-file and quirk behaviour of this loader, on a small tree with every quirk, against
+  # the torchvision loader (the CPU tests' check, here on the GPU decoder)
+  rm -rf "$tree.quirks"
+  $PY scripts/make_ilsvrc_tree.py --out "$tree.quirks" --classes 3 --train-per-class 16 \
+      --val-per-class 1 --size "$qsize" --quirks grey=0.15,cmyk=0.15,png=0.15,exif=0.15,truncated=0.05 \
+      --workers 1 --no-progress > /dev/null
+  local qrc=0
+  $PY - "$tree.quirks" "$qloader" "$qdevice" "$RES/train_jpeg_quirks.csv" <<'EOF' || qrc=$?
+import csv, json, os, sys, warnings
+import torch
+from nac_fast.data import Recipe, build_pretrain_loader
+root, loader, device, out = sys.argv[1:]
+meta = json.load(open(os.path.join(root, "make_ilsvrc_tree.json")))["quirk_files"]
+kind_of = {os.path.join(root, f): k for k, fs in meta.items() for f in fs}
+rec = Recipe("nohue", hue=0.0, blur_p=0.5)
+kw = dict(batch_size=8, image_size=64, seed=7, recipe=rec, num_workers=2)
+d = build_pretrain_loader(root, loader=loader, device=device, **kw)
+t = build_pretrain_loader(root, loader="torchvision", **kw)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    bd, bt = list(d), list(t)
+worst = {}
+for k, ((d1, d2), (t1, t2)) in enumerate(zip(bd, bt)):
+    for a, b in ((d1, t1), (d2, t2)):
+        diff = (a.float().cpu() - b.float()).abs().flatten(1).mean(1)
+        for j, i in enumerate(d.batch_indices()[k]):
+            kind = kind_of.get(d.source.files[i], "plain")
+            worst[kind] = max(worst.get(kind, 0.0), float(diff[j]))
+same_skips = sorted(d.skipped_files) == sorted(t.skipped_files)
+truncated = sorted(os.path.join(root, f) for f in meta["truncated"] if f.startswith("train"))
+rows = [{"loader": loader, "kind": k, "max_image_mean_abs_diff": f"{v:.4f}"} for k, v in sorted(worst.items())]
+rows.append({"loader": loader, "kind": "skipped_files",
+             "max_image_mean_abs_diff": f"{len(d.skipped_files)} vs torchvision {len(t.skipped_files)}"
+                                        f" (truncated: {len(truncated)})"})
+with open(out, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+bad = [k for k, v in worst.items() if v > 0.1]   # an unrotated or miscoloured image: ~1
+print(f"quirks vs torchvision: {', '.join(f'{k} {v:.3f}' for k, v in sorted(worst.items()))}; "
+      f"skipped {len(d.skipped_files)} (torchvision {len(t.skipped_files)})")
+sys.exit(1 if bad or not same_skips or sorted(d.skipped_files) != truncated else 0)
+EOF
+  # 3. the timed run (train.py's defaults: compiled on a GPU); its log's windows after warm-up
+  rm -rf "$run"
+  local rc=0
+  $PY train.py --data "$tree" "${train_args[@]}" --batch-size "$batch" --max-steps "$steps" \
+      --log-every "$every" --save-every 100000 --no-progress --out "$run" || rc=$?
+  mkdir -p "$RES/train_jpeg"
+  cp "$run/log.jsonl" "$run/status.json" "$RES/train_jpeg/" 2>/dev/null || true
+  local d
+  d=$($PY - "$run/log.jsonl" "$RES/train_jpeg.csv" "$warm" "$tree" "$gen_s" "$qrc" "$rc" \
+        "$JPEG_SYNTHETIC_IMG_S" "$batch" "${train_args[*]}" <<'EOF' || echo "no log.jsonl"
+import json, os, statistics, sys
+sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
+from bench_csv import append_rows
+log, out, warm, tree, gen_s, qrc, rc, synth, batch, args = sys.argv[1:]
+recs = [json.loads(l) for l in open(log) if l.strip()]
+timed = [r for r in recs if r["step"] > int(warm)]
+first = next((r["first_step_s"] for r in recs if "first_step_s" in r), "")
+ips = [r["img_per_s"] for r in timed]
+wait = [r["data_wait"] for r in timed]
+meta = json.load(open(os.path.join(tree, "make_ilsvrc_tree.json")))
+n = meta["classes"] * meta["train_per_class"]
+row = {"commit": os.environ.get("NAC_FAST_COMMIT", "unknown"), "args": args, "batch": batch,
+       "tree": f"{n} JPEGs of {meta['size']} px, quirks "
+               + ",".join(f"{k}={v}" for k, v in meta["quirks"].items()), "tree_gen_s": gen_s,
+       "steps_timed": timed[-1]["step"] - int(warm) if timed else 0,
+       "windows": len(timed), "img_per_s": f"{statistics.median(ips):.1f}" if ips else "",
+       "img_per_s_min": f"{min(ips):.1f}" if ips else "", "img_per_s_max": f"{max(ips):.1f}" if ips else "",
+       "data_wait": f"{statistics.median(wait):.4f}" if wait else "",
+       "synthetic_img_per_s": synth,
+       "vs_synthetic": f"{statistics.median(ips) / float(synth):.3f}" if ips else "",
+       "first_step_s": first, "quirk_check": "PASS" if qrc == "0" else "FAIL",
+       "train_status": rc}
+append_rows(out, [row], list(row))
+print(f"{row['img_per_s'] or 'no'} img/s (median of {len(timed)} windows after step {warm}), "
+      f"data wait {100 * float(row['data_wait'] or 0):.1f}%, {row['vs_synthetic']} of synthetic "
+      f"{synth}; tree {n} files, made in {gen_s} s; quirk check {row['quirk_check']}")
+EOF
+)
+  [ $rc = 0 ] || d="train.py exit status $rc; $d"
+  detail "${BUILT_FIRST}$d"
+  [ $rc = 0 ] && [ $qrc = 0 ]
+}
+
 if [ "${1:-}" = "--run-stage" ]; then  # internal: one stage, in this child process
   STAGE=$2
   set -e
@@ -516,7 +658,7 @@ REQ=()
 for a in "$@"; do
   case "$a" in
     all) REQ+=(test autotune host train hamming) ;;
-    build|test|host|autotune|bench-quick|bench|train|hamming|hamming-tc) REQ+=("$a") ;;
+    build|test|host|autotune|bench-quick|bench|train|hamming|hamming-tc|train-jpeg) REQ+=("$a") ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu_suite.sh: unknown stage '$a'" >&2; usage; exit 2 ;;
   esac
@@ -602,7 +744,7 @@ package_out() {
   fi
   local f
   for f in suite_summary.txt summary.md host_gpu.csv loss_gpu.csv hamming_gpu.csv train.json \
-           train_kernels_top15.txt; do
+           train_kernels_top15.txt train_jpeg.csv; do
     [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/$f"
   done
   local n

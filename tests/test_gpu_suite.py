@@ -434,3 +434,64 @@ def test_every_test_the_suite_names_exists_and_collects():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for node in (t for t in named if "::" in t):
         assert node in r.stdout, f"{node} collected no test"
+
+
+# ---- gpu_suite.sh train-jpeg (issue 54): its plumbing in CPU mode ------------------------------
+
+def _suite(tmp_path, *stages, **env):
+    e = dict(os.environ, NAC_FAST_SUITE_CPU="1", PYTHON=sys.executable, OMP_NUM_THREADS="1",
+             NAC_FAST_SUITE_RESULTS=str(tmp_path / "res"), **env)
+    e.pop("OUT", None)
+    return subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_suite.sh"), *stages],
+                          capture_output=True, text=True, timeout=600, env=e, cwd=ROOT)
+
+
+def test_train_jpeg_is_a_stage_and_not_part_of_all():
+    r = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_suite.sh"), "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "train-jpeg" in r.stderr
+    text = open(os.path.join(ROOT, "bench", "gpu_suite.sh")).read()
+    assert "all) REQ+=(test autotune host train hamming) ;;" in text   # DALI must be carried first
+
+
+def test_train_jpeg_refuses_a_folder_it_did_not_make(tmp_path):
+    """NAC_FAST_JPEG_TREE naming a folder of the user's (no make_ilsvrc_tree.json): the stage
+    fails naming it and leaves it as it was."""
+    mine = tmp_path / "photos"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("x")
+    r = _suite(tmp_path, "train-jpeg", NAC_FAST_JPEG_TREE=str(mine))
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"SUITE train-jpeg FAIL" in r.stdout and "is not a make_ilsvrc_tree.py tree" in r.stdout
+    assert os.listdir(mine) == ["keep.txt"]
+
+
+@pytest.mark.slow
+def test_train_jpeg_stage_runs_in_cpu_mode(tmp_path):
+    """The whole stage on the CPU (dali-cpu, a tiny tree and model): the tree made, the quirk
+    check PASS, train.py run, one train_jpeg.csv row with img/s and data wait beside the
+    synthetic figure; a second run reuses the tree."""
+    pytest.importorskip("nvidia.dali")
+    env = dict(NAC_FAST_JPEG_TREE=str(tmp_path / "tree"), NAC_FAST_JPEG_RUN=str(tmp_path / "run"),
+               NAC_FAST_JPEG_STEPS="4")
+    r = _suite(tmp_path, "train-jpeg", **env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    line = [x for x in r.stdout.splitlines() if x.startswith("SUITE train-jpeg")][-1]
+    assert line.startswith("SUITE train-jpeg PASS") and "quirk check PASS" in line, line
+    with open(tmp_path / "res" / "train_jpeg.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1 and rows[0]["synthetic_img_per_s"] == "2181", rows
+    row = rows[0]
+    assert float(row["img_per_s"]) > 0 and 0 <= float(row["data_wait"]) < 1
+    assert row["windows"] == "1" and row["steps_timed"] == "2" and row["train_status"] == "0"
+    # (4 + 10) x 8 / 4 classes = 28 files a class: one epoch covers the run
+    assert row["tree"].startswith("112 JPEGs of 64 px") and row["tree_gen_s"] != "reused"
+    assert "--loader dali-cpu" in row["args"]
+    with open(tmp_path / "res" / "train_jpeg_quirks.csv", newline="") as f:
+        kinds = {x["kind"] for x in csv.DictReader(f)}
+    assert {"grey", "cmyk", "png", "exif", "truncated", "skipped_files"} <= kinds
+    r = _suite(tmp_path, "train-jpeg", **env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(tmp_path / "res" / "train_jpeg.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and rows[1]["tree_gen_s"] == "reused", rows
