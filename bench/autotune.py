@@ -85,8 +85,8 @@ def step_plan(case, inputs, target):
     """(launches, outputs) of one training step's forward and backward as a call plans them (the
     tuned table's configurations, the rows' gradients; the queue's keys take none)."""
     from nac_fast.kernels import nac_triton as NT
-    from nac_fast.kernels import tuning as TU
-    s = TU.channel_scale(TU.P_CHANNEL)
+    from nac_fast.kernels import autotuner as AT
+    s = AT.channel_scale(AT.P_CHANNEL)
     l2 = 0.1 if case.kind == "queue" else 0.0
     a, r, noise, keys, g = (inputs[k] for k in ("a", "r", "noise", "keys", "g"))
     fl, st = NT.fwd_plan(a, r, noise, keys, s, l2, True, target)
@@ -97,18 +97,18 @@ def step_plan(case, inputs, target):
 
 def rows_sweep(cases, device, target, base: dict, rep_ms: float, deadline: float) -> list:
     """Time a training step's plans (`step_plan`) with each of ROW_TILES (nac_triton.row_tile)
-    per case: CUDA-graph replays on a GPU (tuning._time_gpu), the interpreter's wall time on a
+    per case: CUDA-graph replays on a GPU (autotuner._time_gpu), the interpreter's wall time on a
     CPU.  Every tile must give the default's bits (the tile changes which program computes a
     row, not how).  Rows for the CSV; cases past `deadline` are left out, and said."""
     import torch
     from nac_fast.kernels import launch as KL
     from nac_fast.kernels import nac_triton as NT
-    from nac_fast.kernels import tuning as TU
+    from nac_fast.kernels import autotuner as AT
     gpu = torch.device(device).type == "cuda"
     rows = []
     for dname, kind, n, N in cases:
-        case = TU.Case(kind, n, N, 128, getattr(torch, dname))
-        inputs = TU.case_inputs(case, device)
+        case = AT.Case(kind, n, N, 128, getattr(torch, dname))
+        inputs = AT.case_inputs(case, device)
         ref, ref_ms = None, None
         for elems in ROW_TILES:
             if time.monotonic() > deadline:
@@ -125,8 +125,8 @@ def rows_sweep(cases, device, target, base: dict, rep_ms: float, deadline: float
                         if L.tag in ("prologue", "finish", "bwd_rows"))
                     # the timed runs leave the outputs in place (graph replays write the
                     # launches' own buffers)
-                    med, p20, p80 = (TU._time_gpu(lambda: KL.run(launches), rep_ms, 5.0) if gpu
-                                     else TU._time_cpu(lambda: KL.run(launches), 2))
+                    med, p20, p80 = (AT._time_gpu(lambda: KL.run(launches), rep_ms, 5.0) if gpu
+                                     else AT._time_cpu(lambda: KL.run(launches), 2))
                     outs = {k: v.clone() for k, v in outputs.items()}
                 if ref is None:
                     ref, ref_ms = outs, med
@@ -187,11 +187,12 @@ def work_list(cases, D, target, max_candidates, keys_grad):
     in-batch fp16x3)."""
     import torch
     from nac_fast.kernels import nac_triton as NT
+    from nac_fast.kernels import autotuner as AT
     from nac_fast.kernels import tuning as TU
     out = []
     for dname, kind, n, N in cases:
         dtype = getattr(torch, dname)
-        case = TU.Case(kind, n, N, D, dtype)
+        case = AT.Case(kind, n, N, D, dtype)
         modes = TU.TUNED_FP32_MODES if dtype == torch.float32 else (None,)
         for mode in modes:
             if kind == "queue" and mode in TU.IN_BATCH_ONLY_FP32_MODES:
@@ -228,21 +229,21 @@ def precompile(work, target, jobs):
     import torch
     import compile_check as CC
     from nac_fast.kernels import nac_triton as NT
-    from nac_fast.kernels import tuning as TU
+    from nac_fast.kernels import autotuner as AT
     t0 = time.perf_counter()
     unique = {}
     for case, kernel, cands, mode in work:
-        meta = TU.case_inputs(case, "meta")
+        meta = AT.case_inputs(case, "meta")
         for per_sm in (1, 2, 3, 4):
             # (no compiler in the loop: the folded kernels are planned, and a folded kernel
             # that spills, which the timed plan leaves unfolded, compiles when timed)
             t = dataclasses.replace(target, sms=target.sms * per_sm, occupancy=None,
                                     spills=None)
             with NT.fp32_dot(mode):
-                fwd_l, _, _, state = TU.plan_call("fwd", case, meta, t, None)
+                fwd_l, _, _, state = AT.plan_call("fwd", case, meta, t, None)
                 plans = [fwd_l]
                 for c in [None] + list(cands):
-                    plans.append(TU.plan_call(kernel, case, meta, t, c, state)[0])
+                    plans.append(AT.plan_call(kernel, case, meta, t, c, state)[0])
             for launches in plans:
                 for L in launches:
                     if all(g > 0 for g in L.grid):
@@ -317,6 +318,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
     from nac_fast.kernels import launch as KL
     from nac_fast.kernels import nac_triton as NT
+    from nac_fast.kernels import autotuner as AT
     from nac_fast.kernels import tuning as TU
 
     device = torch.device("cuda" if gpu else "cpu")
@@ -350,7 +352,7 @@ def main(argv=None) -> int:
         case0 = work[0][0]
         t0 = time.perf_counter()
         with NT.fp32_dot(work[0][3]):
-            TU.run_fwd(case0, TU.case_inputs(case0, device), target)
+            AT.run_fwd(case0, AT.case_inputs(case0, device), target)
         torch.cuda.synchronize()
         print(f"autotune: first launch of the built-in forward plan took "
               f"{time.perf_counter() - t0:.2f} s", flush=True)
@@ -367,7 +369,7 @@ def main(argv=None) -> int:
     for case, kernel, cands, mode in work:
         with NT.fp32_dot(mode):
             prec = NT._dot_consts(case.dtype, case.D, device)["PRECISION"]
-            res = TU.tune_key(kernel, case, device, target, cands, rep_ms=args.rep_ms,
+            res = AT.tune_key(kernel, case, device, target, cands, rep_ms=args.rep_ms,
                               warmup_ms=5.0, cpu_reps=2, deadline=deadline,
                               progress=lambda: bar.update(1))
             bar.update(len(res["skipped"]))

@@ -14,7 +14,7 @@ small exact steps below write distances.
                                ([M:radius], [M:pr-curve]): what the C++ hamming_retrieval returns
     average_precision(...)     retrieval's AP alone
 
-**Top-k** (exact, ties by index [M:rank]; the host side below is nac_fast/ops/hamming_topk.py,
+**Top-k** (exact, ties by index [M:rank]; the host side below is kernels/hamming_topk.py,
 shared with the CUDA engine nac_fast/ops/hamming_cuda.py, which runs its own filter kernel).  A bound T_q >= the k-th smallest distance of each query
 comes first: the exact k-th distance over a strided sample of the gallery (every
 SAMPLE_RATIO-th code; recursively, the sample's own bound comes from its sample, down to
@@ -56,8 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nac_fast.ops import hamming_topk
-from nac_fast.ops.hamming_topk import EMPTY_KEY, KEY_INDEX_MASK, KEY_SHIFT  # noqa: F401
+from . import hamming_topk
+from .hamming_topk import EMPTY_KEY, KEY_INDEX_MASK, KEY_SHIFT  # noqa: F401
 
 from .launch import INT32_ROWS_MAX, Launch, cdiv, run, target_of
 
@@ -508,7 +508,7 @@ def _filter(qw, gview, t, k: int, expect: float, capacity=None):
 
 
 def _engine():
-    """This module as the engine of nac_fast/ops/hamming_topk.py (its constants read at each call,
+    """This module as the engine of kernels/hamming_topk.py (its constants read at each call,
     so a test may shrink them)."""
     return sys.modules[__name__]
 
@@ -535,7 +535,7 @@ def topk_workspace_bytes(Q: int, G: int, k: int, W: int, device: torch.device) -
 def topk(qw: torch.Tensor, gw: torch.Tensor, k: int):
     """The k nearest rows of gw for each row of qw: (int32 distances, int64 indices), (Q, k),
     nearest first, equal distances in index order; exact, no Q x G matrix
-    (nac_fast/ops/hamming_topk.py).  qw, gw: int64 words on one device (any strides: the filter
+    (kernels/hamming_topk.py).  qw, gw: int64 words on one device (any strides: the filter
     kernel reads a query row at qw + row * W and a gallery word at row * stride(0) + w, so both
     are made contiguous here); 1 <= k <= G."""
     _check_rows(gw.shape[0])
@@ -744,7 +744,7 @@ def topk_mma_workspace_bytes(Q: int, G: int, k: int, W: int, device: torch.devic
 
 
 class _MmaEngine:
-    """This module as the engine of nac_fast/ops/hamming_topk.py with the tensor-core filter:
+    """This module as the engine of kernels/hamming_topk.py with the tensor-core filter:
     the module's constants and distances (the outright base of the bound), `_filter_mma` as the
     filter pass (the sampled bound's levels and the full pass)."""
 

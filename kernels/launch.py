@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from nac_fast.ops.dispatch import eager_real  # noqa: F401  (the kernels' ops read it from here)
+from nac_fast._tensors import eager_real  # noqa: F401  (the kernels' ops read it from here)
 
 
 @dataclasses.dataclass(frozen=True)

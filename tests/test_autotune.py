@@ -17,6 +17,7 @@ import torch
 import nac_fast
 from nac_fast.kernels import launch as KL
 from nac_fast.kernels import nac_triton as NT
+from nac_fast.kernels import autotuner as AT
 from nac_fast.kernels import tuning as TU
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -282,12 +283,12 @@ def test_first_use_autotune_times_once_per_class_and_caches(monkeypatch, caplog,
     monkeypatch.setattr(TU, "candidates", lambda kernel, dtype, D: two)
     monkeypatch.setattr(TU, "_device_name", lambda device: "Fake GPU 7")
     calls = []
-    real = TU.tune_key
+    real = AT.tune_key
 
     def counted(kernel, case, *a, **k):
         calls.append((kernel, case.n, case.N))
         return real(kernel, case, *a, **k, cpu_reps=1)
-    monkeypatch.setattr(TU, "tune_key", counted)
+    monkeypatch.setattr(AT, "tune_key", counted)
     monkeypatch.setenv(TU.ENV_AUTOTUNE, "1")
     target = KL.Target(100, 227 * 1024, 4)  # an arch with no table (the interpreter runs it)
     cpu = torch.device("cpu")
@@ -341,9 +342,9 @@ def test_a_candidate_that_spills_is_refused_untimed(monkeypatch):
         c = L.constexprs
         key = (c["BLOCK_M"], c["BLOCK_N"], L.num_warps, L.num_stages)
         return KL.CompiledFigures(255, 32 if key == bad else 0, 1024, L.num_warps)
-    monkeypatch.setattr(TU, "_time_cpu", lambda fn, reps: (fn(), (1.0, 0.9, 1.1))[1])
-    case = TU.Case("inbatch", 40, 40, 128, BF16)
-    res = TU.tune_key("bwd_keys", case, "cpu", KL.Target(0, 1 << 30, 4), cands, cpu_reps=1,
+    monkeypatch.setattr(AT, "_time_cpu", lambda fn, reps: (fn(), (1.0, 0.9, 1.1))[1])
+    case = AT.Case("inbatch", 40, 40, 128, BF16)
+    res = AT.tune_key("bwd_keys", case, "cpu", KL.Target(0, 1 << 30, 4), cands, cpu_reps=1,
                       figures=figures)
     by = {r["label"]: r for r in res["rows"]}
     refused = by[TU.config_label(cands[1])]
@@ -353,7 +354,7 @@ def test_a_candidate_that_spills_is_refused_untimed(monkeypatch):
     assert res["winner"] is by[TU.config_label(cands[0])]
     assert asked and all(t.startswith("bwd_keys") for t in asked)  # only the tuned kernel's
     # with no figures (the interpreter by default) nothing is refused
-    res = TU.tune_key("bwd_keys", case, "cpu", KL.Target(0, 1 << 30, 4), cands, cpu_reps=1)
+    res = AT.tune_key("bwd_keys", case, "cpu", KL.Target(0, 1 << 30, 4), cands, cpu_reps=1)
     assert all(r["status"] == "ok" for r in res["rows"])
 
 
@@ -364,9 +365,9 @@ def test_spilling_lists_the_kernels_launches_that_use_local_memory():
     figs = {"bwd_keys": 0, "bwd_keys_out2": 8, "bwd_rows": 64, "fwd": 16}
     f = lambda L: KL.CompiledFigures(200, figs[L.tag], 0, 4)  # noqa: E731
     launches = [mk("bwd_keys"), mk("bwd_keys_out2"), mk("bwd_rows"), mk("fwd")]
-    assert TU.spilling(launches, "bwd_keys", f) == ["bwd_keys_out2: 8 B"]
-    assert TU.spilling(launches, "fwd", f) == ["fwd: 16 B"]
-    assert TU.spilling([mk("fwd", (0, 2))], "fwd", f) == []  # an empty grid launches nothing
+    assert AT.spilling(launches, "bwd_keys", f) == ["bwd_keys_out2: 8 B"]
+    assert AT.spilling(launches, "fwd", f) == ["fwd: 16 B"]
+    assert AT.spilling([mk("fwd", (0, 2))], "fwd", f) == []  # an empty grid launches nothing
 
 
 def test_autotune_env_must_be_0_or_1(monkeypatch):

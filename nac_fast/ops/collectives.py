@@ -16,6 +16,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .dispatch import value_checks_on
+
 
 def is_dist() -> bool:
     """Whether torch.distributed is initialised with more than one process."""
@@ -35,14 +37,13 @@ _SHAPE_SLOTS = 8  # dimensions compared exactly by check_same_shape (the rest: b
 
 def _shape_checks_on(x: torch.Tensor) -> bool:
     """Whether check_same_shape runs for x: always for CPU tensors (the check is a tiny
-    collective of host data, no device sync), on other devices only under
-    the loss's value-check policy True (NAC_FAST_CHECK_INPUTS=1: reading the ranks' shapes back
-    is a host sync), never while torch.compile traces."""
+    collective of host data, no device sync), on other devices only under the value-check policy
+    True (nac_fast/ops/dispatch.py; NAC_FAST_CHECK_INPUTS=1: reading the ranks' shapes back is a
+    host sync), never while torch.compile traces."""
     if torch.compiler.is_compiling() or x.device.type == "meta":
         return False
     if x.device.type == "cpu":
         return True
-    from .loss import value_checks_on  # (loss imports this module)
     return value_checks_on(x.device)
 
 

@@ -23,6 +23,7 @@ through `torch._dynamo.assume_constant_result`, so `torch.compile` sees constant
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -32,6 +33,7 @@ import warnings
 import torch
 
 from .. import _checks
+from .._tensors import eager_real  # noqa: F401  (the ops read it from here)
 
 BACKENDS = ("reference", "cpu", "triton", "cuda")
 OPS = {  # op -> (backends, the torch.ops.nac_fast op the compiled backends register)
@@ -39,7 +41,8 @@ OPS = {  # op -> (backends, the torch.ops.nac_fast op the compiled backends regi
     "noise": (BACKENDS, "nac_noise"),
     "hamming": (BACKENDS, "hamming_lanes_cdist"),
 }
-_TRITON_MODULES = ("nac_triton", "nac_noise_triton", "hamming_triton")
+_TRITON_MODULES = ("nac_triton", "nac_noise_triton", "hamming_triton", "autotuner")  # autotuner:
+# importing it registers the first-use autotune (NAC_FAST_AUTOTUNE=1) with kernels/tuning.py
 # Backends that run when asked by name but that backend="auto" never picks.  Empty: 'cuda' (the
 # tensor-core kernels of csrc/nac_cuda_mma.cu) passed the GPU suite against the float64 reference
 # on an H100 (bench/results/NVIDIA-H100-80GB-HBM3_2026-11-27_run3/pytest_gpu.xml: 557 passed).
@@ -140,21 +143,6 @@ def func_transform_active() -> bool:
         return torch._C._functorch.peek_interpreter_stack() is not None
     except AttributeError:  # a torch without functorch's interpreter stack
         return False
-
-
-def eager_real(t: torch.Tensor) -> bool:
-    """Whether a call on `t` runs eagerly on real data: a plain tensor (or Parameter), no
-    torch.compile tracing, no dispatch mode (FakeTensorMode, ...).  Such calls take the fused ops'
-    fast path (nac_fast/ops/nac.py `_FusedNAC`, the cached launch plans of kernels/launch.py);
-    any other goes through the registered torch.library ops, which tracing understands."""
-    try:
-        if torch.compiler.is_compiling():  # first: dynamo folds it, and traces nothing after
-            return False
-    except AttributeError:  # torch < 2.3
-        pass
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-        return False
-    return torch._C._len_torch_dispatch_stack() == 0
 
 
 def _check_op(op) -> None:
@@ -302,3 +290,70 @@ def explain_auto(t: torch.Tensor, op: str = "nac", *, keys=_UNSET) -> str:
     _check_op(op)
     b, why = _auto(t, op, keys, _available(t.device.type, op))
     return f"backend='auto' runs {b!r}: {why}"
+
+
+# ---- value-check policy (the loss's inputs, collectives.check_same_shape) ----------------------
+# Shape, dtype and device checks read only metadata and always run.  The value checks (NaN/inf in
+# a, r, keys/queue; noise entries +-1) read the data: on a CPU tensor that is free of host syncs,
+# on a GPU tensor each one is a device-to-host copy that stalls the host until the GPU has caught
+# up.  Policy, CHECK_VALUES (from the environment variable NAC_FAST_CHECK_INPUTS at import):
+#   "auto" (NAC_FAST_CHECK_INPUTS unset, "" or "auto")  check CPU tensors, skip every other device
+#   True   (NAC_FAST_CHECK_INPUTS=1)                    check every device (a host sync per input
+#                                                       on a GPU: for debugging)
+#   False  (NAC_FAST_CHECK_INPUTS=0)                    never check values
+# Unchecked, NaN and inf propagate to the loss (tests/test_sync_free.py checks every backend): a NaN
+# anywhere (a, r, keys, queue, noise) gives a NaN loss, +-inf in r a non-finite loss, +-inf in the
+# keys a non-finite loss or gradient; +-inf in a is a legitimate limit there (tanh(+-inf) = +-1:
+# a finite loss, zero gradient), though the checks, where on, refuse it with the rest (an infinite
+# activation is an overflow upstream).  Noise that is not +-1 goes into the formula unchecked.  train.py turns the checks off in
+# its training step (nac_fast.train.methods.step_value_checks) and checks the loss itself instead.
+_CHECK_ENV = "NAC_FAST_CHECK_INPUTS"
+
+
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # torch < 2.3
+        return False
+
+
+def _parse_check_values(v: str):
+    key = v.strip().lower()
+    if key in ("", "auto"):
+        return "auto"
+    if key in ("1", "true", "on", "yes"):
+        return True
+    if key in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"environment variable {_CHECK_ENV} must be 0, 1 or auto, got {v!r}")
+
+
+CHECK_VALUES = _parse_check_values(os.environ.get(_CHECK_ENV, "auto"))
+
+
+def value_checks_on(device) -> bool:
+    """Whether the data-reading checks (NaN/inf, noise +-1) run for tensors on `device` under the
+    current policy CHECK_VALUES (True, False or "auto": CPU only).  Never while torch.compile
+    traces, never under a torch.func transform (vmap has no data to branch on), never on the
+    meta device (no data)."""
+    mode = CHECK_VALUES
+    if mode is not True and mode is not False and mode != "auto":
+        raise ValueError(f"nac_fast.ops.loss.CHECK_VALUES must be True, False or 'auto' (the policy of "
+                         f"nac_fast.ops.dispatch), got {mode!r}")
+    dev = torch.device(device).type
+    if mode is False or dev == "meta" or _compiling() or func_transform_active():
+        return False
+    return mode is True or dev == "cpu"
+
+
+@contextlib.contextmanager
+def value_checks(mode):
+    """Set CHECK_VALUES (True, False or "auto") inside a with-block and restore it after."""
+    global CHECK_VALUES
+    if mode is not True and mode is not False and mode != "auto":
+        raise ValueError(f"mode must be True, False or 'auto', got {mode!r}")
+    old, CHECK_VALUES = CHECK_VALUES, mode
+    try:
+        yield
+    finally:
+        CHECK_VALUES = old

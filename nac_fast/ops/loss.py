@@ -21,78 +21,47 @@ waits for the device; tests/test_sync_free.py proves it for the training steps.
 from __future__ import annotations
 
 import contextlib
-import os
+import sys
+import types
 
 import torch
 import torch.nn as nn
 
 from .. import _checks
+from . import dispatch as _dispatch
 from . import nac as _nac
 from . import reference
 from .collectives import all_gather_nograd, all_gather_with_grad, is_dist
-from .dispatch import BACKENDS, func_transform_active, resolve_backend
+from .dispatch import BACKENDS, resolve_backend
 from .noise import _draw, _scale, _seed, draw_noise, host_seed
 from .queue import CodeQueue
 
 _REDUCTIONS = ("mean", "sum", "none")
 
 # ---- value checks ---------------------------------------------------------------------------
-# Shape, dtype and device checks read only metadata and always run.  The value checks (NaN/inf in
-# a, r, keys/queue; noise entries +-1) read the data: on a CPU tensor that is free of host syncs,
-# on a GPU tensor each one is a device-to-host copy that stalls the host until the GPU has caught
-# up.  Policy, CHECK_VALUES (from the environment variable NAC_FAST_CHECK_INPUTS at import):
-#   "auto" (NAC_FAST_CHECK_INPUTS unset, "" or "auto")  check CPU tensors, skip every other device
-#   True   (NAC_FAST_CHECK_INPUTS=1)                    check every device (a host sync per input
-#                                                       on a GPU: for debugging)
-#   False  (NAC_FAST_CHECK_INPUTS=0)                    never check values
-# Unchecked, NaN and inf propagate to the loss (tests/test_sync_free.py checks every backend): a NaN
-# anywhere (a, r, keys, queue, noise) gives a NaN loss, +-inf in r a non-finite loss, +-inf in the
-# keys a non-finite loss or gradient; +-inf in a is a legitimate limit there (tanh(+-inf) = +-1:
-# a finite loss, zero gradient), though the checks, where on, refuse it with the rest (an infinite
-# activation is an overflow upstream).  Noise that is not +-1 goes into the formula unchecked.  train.py turns the checks off in
-# its training step (nac_fast.train.methods.step_value_checks) and checks the loss itself instead.
-_CHECK_ENV = "NAC_FAST_CHECK_INPUTS"
+# The value-check policy (CHECK_VALUES, NAC_FAST_CHECK_INPUTS, value_checks_on, value_checks) lives
+# with the dispatcher (nac_fast/ops/dispatch.py), where collectives.py reads it too; its names stay
+# importable from here, and nac_fast.ops.loss.CHECK_VALUES reads and sets the dispatcher's policy.
+_CHECK_ENV = _dispatch._CHECK_ENV
+_parse_check_values = _dispatch._parse_check_values
+value_checks_on = _dispatch.value_checks_on
+value_checks = _dispatch.value_checks
 
 
-def _parse_check_values(v: str):
-    key = v.strip().lower()
-    if key in ("", "auto"):
-        return "auto"
-    if key in ("1", "true", "on", "yes"):
-        return True
-    if key in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"environment variable {_CHECK_ENV} must be 0, 1 or auto, got {v!r}")
+class _LossModule(types.ModuleType):
+    """This module's type: `CHECK_VALUES` is nac_fast.ops.dispatch.CHECK_VALUES (read and set), so
+    the documented switch `nac_fast.ops.loss.CHECK_VALUES = False` keeps working."""
+
+    @property
+    def CHECK_VALUES(self):
+        return _dispatch.CHECK_VALUES
+
+    @CHECK_VALUES.setter
+    def CHECK_VALUES(self, mode):
+        _dispatch.CHECK_VALUES = mode
 
 
-CHECK_VALUES = _parse_check_values(os.environ.get(_CHECK_ENV, "auto"))
-
-
-def value_checks_on(device) -> bool:
-    """Whether the data-reading checks (NaN/inf, noise +-1) run for tensors on `device` under the
-    current policy CHECK_VALUES (True, False or "auto": CPU only).  Never while torch.compile
-    traces, never under a torch.func transform (vmap has no data to branch on), never on the
-    meta device (no data)."""
-    mode = CHECK_VALUES
-    if mode is not True and mode is not False and mode != "auto":
-        raise ValueError(f"nac_fast.ops.loss.CHECK_VALUES must be True, False or 'auto', got {mode!r}")
-    dev = torch.device(device).type
-    if mode is False or dev == "meta" or _compiling() or func_transform_active():
-        return False
-    return mode is True or dev == "cpu"
-
-
-@contextlib.contextmanager
-def value_checks(mode):
-    """Set CHECK_VALUES (True, False or "auto") inside a with-block and restore it after."""
-    global CHECK_VALUES
-    if mode is not True and mode is not False and mode != "auto":
-        raise ValueError(f"mode must be True, False or 'auto', got {mode!r}")
-    old, CHECK_VALUES = CHECK_VALUES, mode
-    try:
-        yield
-    finally:
-        CHECK_VALUES = old
+sys.modules[__name__].__class__ = _LossModule
 
 
 def _check_matrix(name: str, t, *, d: int | None = None, rows: int | None = None,
@@ -141,13 +110,6 @@ def _check_noise_values(noise) -> None:
     policy reads data on noise's device."""
     if value_checks_on(noise.device) and not bool(((noise == 1) | (noise == -1)).all()):
         raise ValueError("noise must contain only -1 and +1")
-
-
-def _compiling() -> bool:
-    try:
-        return torch.compiler.is_compiling()
-    except AttributeError:  # torch < 2.3
-        return False
 
 
 def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys", draw=True):
