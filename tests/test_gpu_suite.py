@@ -495,3 +495,94 @@ def test_train_jpeg_stage_runs_in_cpu_mode(tmp_path):
     with open(tmp_path / "res" / "train_jpeg.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 and rows[1]["tree_gen_s"] == "reused", rows
+
+
+# ---- bench/carry_wheel.sh: DALI's wheels in pieces to the device ------------------------------
+
+CARRY = os.path.join(ROOT, "bench", "carry_wheel.sh")
+
+
+def _carry(cmd, cwd, **env):
+    e = dict(os.environ, PYTHON=sys.executable, **env)
+    return subprocess.run(["bash", CARRY, cmd], cwd=str(cwd), capture_output=True, text=True,
+                          timeout=120, env=e)
+
+
+def _tiny_wheel(folder, version="0.0.1"):
+    """A real (installable) wheel of nvidia/__init__.py (no extend_path, as some NVIDIA wheels
+    ship it) and nvidia/dali/__init__.py with __version__."""
+    import zipfile
+    name = f"nvidia_dali_test-{version}-py3-none-any.whl"
+    info = f"nvidia_dali_test-{version}.dist-info"
+    files = {"nvidia/__init__.py": "# license header only\n",
+             "nvidia/dali/__init__.py": f"__version__ = {version!r}\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: nvidia-dali-test\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{k},,\n" for k in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(os.path.join(folder, name), "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+
+
+def test_carry_wheel_pieces_join_and_a_missing_or_corrupt_piece_is_named(tmp_path):
+    here = tmp_path / "here"
+    (here / ".dali_carry" / "wheels").mkdir(parents=True)
+    rng = __import__("random").Random(0)
+    for i, n in enumerate((1_500_000, 1_100_000)):
+        (here / ".dali_carry" / "wheels" / f"w{i}-1-py3-none-any.whl").write_bytes(rng.randbytes(n))
+    assert _carry("cut", here, NAC_FAST_PIECE_MIB="61").returncode == 2     # > 60 MiB refused
+    r = _carry("cut", here, NAC_FAST_PIECE_MIB="1")
+    assert r.returncode == 0, r.stderr
+    d = here / ".dali_carry"
+    pieces = sorted(p.name for p in d.glob("piece.*"))
+    assert pieces == ["piece.000", "piece.001", "piece.002"], pieces
+    assert all((d / p).stat().st_size <= 2**20 for p in pieces)
+    assert b"".join((d / p).read_bytes() for p in pieces) == (d / "bundle.tar").read_bytes()
+    assert "ok: 3 pieces" in _carry("check", here).stdout
+    # there: one piece per call, into the persistent folder
+    dev, store = tmp_path / "device", tmp_path / "pieces"
+    env = dict(NAC_FAST_DALI_PIECES=str(store))
+    for p in pieces:
+        (dev / ".dali_carry").mkdir(parents=True, exist_ok=True)
+        for f in (dev / ".dali_carry").iterdir():
+            f.unlink()
+        for f in ("MANIFEST", p):
+            (dev / ".dali_carry" / f).write_bytes((d / f).read_bytes())
+        r = _carry("receive", dev, **env)
+        assert r.returncode == 0, r.stderr
+    assert "3 of 3 now in" in r.stdout
+    for f in (dev / ".dali_carry").glob("piece.*"):
+        f.unlink()
+    assert _carry("check", dev, **env).returncode == 0
+    # a corrupt piece, then a missing one: named, exit 1
+    good = (store / "piece.001").read_bytes()
+    (store / "piece.001").write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    r = _carry("check", dev, **env)
+    assert r.returncode == 1 and f"corrupt piece {store}/piece.001" in r.stderr, r.stderr
+    (store / "piece.001").write_bytes(good)
+    (store / "piece.002").unlink()
+    r = _carry("check", dev, **env)
+    assert r.returncode == 1 and "missing piece piece.002" in r.stderr, r.stderr
+    r = _carry("install", dev, **env, NAC_FAST_DALI_SITE=str(tmp_path / "site"))
+    assert r.returncode == 1 and "missing piece piece.002" in r.stderr
+    assert not (tmp_path / "site").exists()
+    # a corrupt piece on its way in is refused before it reaches the store
+    (dev / ".dali_carry" / "piece.002").write_bytes(b"x" + (d / "piece.002").read_bytes()[1:])
+    r = _carry("receive", dev, **env)
+    assert r.returncode == 1 and "corrupt piece" in r.stderr and not (store / "piece.002").exists()
+
+
+def test_carry_wheel_installs_once_and_keeps_the_nvidia_namespace_open(tmp_path):
+    here = tmp_path / "here"
+    (here / ".dali_carry" / "wheels").mkdir(parents=True)
+    _tiny_wheel(here / ".dali_carry" / "wheels", "0.0.7")
+    assert _carry("cut", here, NAC_FAST_PIECE_MIB="1").returncode == 0
+    env = dict(NAC_FAST_DALI_PIECES=str(tmp_path / "pieces"), NAC_FAST_DALI_SITE=str(tmp_path / "site"))
+    assert _carry("receive", here, **env).returncode == 0
+    r = _carry("install", here, **env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "installed 1 wheels" in r.stdout and "nvidia.dali 0.0.7" in r.stdout
+    assert f"export PYTHONPATH={tmp_path / 'site'}" in r.stdout
+    assert "extend_path" in (tmp_path / "site" / "nvidia" / "__init__.py").read_text()
+    r = _carry("install", here, **env)
+    assert r.returncode == 0 and "already installed" in r.stdout, r.stdout + r.stderr
