@@ -74,6 +74,11 @@ def test_cached_features_match_report(evaluated):
     assert tr["h"].shape == (600, rep["features"]["train"]["h_dim"])
     assert tr["a"].shape == (600, D) and te["a"].shape == (200, D)
     assert te["labels"].dtype == torch.int64
+    # h in 16 bits (half the memory; the probe and kNN upcast a batch at a time), a in float32
+    # (its signs are the codes: a float16 -0 would read as a +1 bit), under cache version 3
+    assert tr["h"].dtype == te["h"].dtype == torch.float16
+    assert tr["a"].dtype == te["a"].dtype == torch.float32
+    assert tr["meta"]["version"] == nac_eval.CACHE_VERSION == 3
     # strided subset of Fashion-MNIST test: all 10 classes present
     assert te["labels"].unique().numel() == 10
     qc = torch.where(te["a"] >= 0, 1, -1)

@@ -45,6 +45,29 @@ def test_knn_matches_brute_force():
         np.testing.assert_array_equal(got.numpy(), np_knn(tr, ytr, te, k, t, 5), err_msg=f"k={k}")
 
 
+def test_knn_streamed_train_chunks_give_the_unbounded_predictions():
+    """device_mem bounds kNN's device memory: the train features (16 bits, on the host) are
+    streamed in whole blocks of KNN_TRAIN_BLOCK rows, each test chunk's top-k merged with each
+    block's; a tie at the k-th similarity still goes to the lowest train index (+-1 codes tie
+    all the time), so the predictions are the unbounded run's, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    n, d, m, k = 5000, 32, 700, 50
+    cases = [(torch.randn(n, d, generator=g).half(), torch.randn(m, d, generator=g).half()),
+             (torch.where(torch.rand(n, d, generator=g) < 0.5, -1.0, 1.0),
+              torch.where(torch.rand(m, d, generator=g) < 0.5, -1.0, 1.0))]
+    y = torch.randint(0, 10, (n,), generator=g)
+    for tr, te in cases:
+        ref = E.knn_predict(tr, y, te, k=k, chunk_size=256)
+        for mem, rows in ((6_000_000, 1024), (12_000_000, 2048), (20_000_000, 4096)):
+            plan = E.knn_plan(n, d, k=k, chunk_size=256, device_mem=mem)
+            assert plan["train_chunk"] == rows and plan["device_bytes"] <= mem
+            got = E.knn_predict(tr, y, te, k=k, chunk_size=256, device_mem=mem)
+            assert torch.equal(got, ref), (tr.dtype, mem)
+    assert E.knn_plan(n, d, k=k, chunk_size=256, device_mem="1G")["train_chunk"] == n
+    with pytest.raises(ValueError, match="device_mem .* too small for kNN"):
+        E.knn_predict(tr, y, te, k=k, chunk_size=256, device_mem="1M")
+
+
 def test_knn_temperature_weighting_changes_the_vote():
     # Query along e0: one very similar class-1 item, two less similar class-0 items.
     tr = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.6, -0.8]])

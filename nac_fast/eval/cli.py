@@ -17,7 +17,9 @@ What it does:
   1. Loads the frozen model (``--which online|momentum``) in eval mode and, under torch.no_grad,
      extracts for every image of the train and test splits (one centred view, deterministic
      order) the encoder features h and the projection-head pre-activations a.  They are cached
-     in ``DIR/features_{train,test}.pt`` ({"h", "a", "labels", "meta"}); a later run with the
+     in ``DIR/features_{train,test}.pt`` ({"h", "a", "labels", "meta"}: h in float16, each
+     split's rows written once into buffers of its final size, a in float32 so that its signs
+     are kept exactly; extraction.SplitFeatures); a later run with the
      same checkpoint file (path, size, mtime), --which, data, limit and image size reuses them
      (the report says so under "features"), anything else recomputes them.
   2. Runs the tasks on the cached tensors:
@@ -83,8 +85,9 @@ from ..codestats import code_statistics
 from ..ops.retrieval import mean_average_precision, retrieval_metrics
 from ..ops.search import resolve_backend
 from ..train.distributed import broadcast_object, gather_objects, init_distributed
-from .extraction import (CPU_MICRO_BATCH, MAX_DEFAULT_WORKERS, default_workers,
-                         extraction_network, gather_rows, shard_bounds)
+from .extraction import (CPU_MICRO_BATCH, H_DTYPE, MAX_DEFAULT_WORKERS, SplitFeatures,
+                         default_workers, extraction_network, gather_rows, shard_bounds)
+from .features import FeatureRangeError
 
 TASKS = ("linear", "hash", "knn", "expressivity")
 PRECISION_AT_N = (1, 10, 50, 100, 200, 500, 1000)
@@ -96,7 +99,8 @@ HASH_FILES = ("hash_pr_curve.csv", "hash_precision_at_n.csv", "hash_curves.png")
 HELD_OUT = (" (the test split: a part of each class of a folder without train/ and val/, held out "
             "of training by file name)")
 # Bump when the cached tensors' meaning changes, so stale caches are recomputed, never misread.
-CACHE_VERSION = 2  # 2: a --limit that does not divide the split spreads over all of it
+CACHE_VERSION = 3  # 2: a --limit that does not divide the split spreads over all of it;
+#                   3: h stored in float16 (extraction.H_DTYPE), a float32 as before
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
       "encoder every epoch (MoCo's protocol; docs/evaluation.md 'Which probe')")
     a("--probe-device-mem", default=None, metavar="BYTES", help="device memory the cached "
       "probe may take (e.g. 8G); features beyond it stay on the host and are streamed in "
-      "chunks, with the same epochs (default: no bound)")
+      "chunks, with the same epochs (default: no bound); kNN's train features are streamed "
+      "within it too, with the same predictions")
     a("--hash-database-list", default=None, metavar="FILE", help="imagenet100: the database "
       "list ('<path> <0/1 label vector>' per line, HashNet / DeepHash-pytorch database.txt), "
       "images of the train split matched by file name")
@@ -344,13 +349,18 @@ def _cache_meta(args, data, split, limit, image_size, size=None) -> dict:
 
 
 def extract_features(model, loader, n_used, device, progress, desc, *, micro_batch=None,
-                     channels_last=False) -> dict:
-    """{"h", "a", "labels"} (CPU, float32 / int64) for the first n_used images of loader.
-    micro_batch: the network sees at most that many images at a time (each loader batch split
-    in order); channels_last: the images go in channels-last (the network of
-    extraction.extraction_network expects it)."""
+                     channels_last=False, rows=None, commit=True):
+    """{"h", "a", "labels"} (CPU; h in extraction.H_DTYPE = float16, a float32, labels int64)
+    for the first n_used images of loader, written into an extraction.SplitFeatures allocated
+    once (no list of batches concatenated: no second copy).  micro_batch: the network sees at
+    most that many images at a time (each loader batch split in order); channels_last: the
+    images go in channels-last (the network of extraction.extraction_network expects it).
+    rows (default n_used): the store's size, its first n_used rows extracted here; with
+    commit=False the SplitFeatures itself comes back (rank 0 under torchrun: the other ranks'
+    rows are gathered into it).  A value of h beyond float16's range is a
+    features.FeatureRangeError naming the row."""
     from tqdm.auto import tqdm
-    hs, as_, ys = [], [], []
+    store = SplitFeatures(n_used if rows is None else rows, desc)
     got = 0
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     with torch.inference_mode(), tqdm(total=n_used, desc=desc, unit="img",
@@ -360,16 +370,15 @@ def extract_features(model, loader, n_used, device, progress, desc, *, micro_bat
             x, y = x[:take].to(device, non_blocking=True, memory_format=fmt), y[:take]
             for xs in (x.split(micro_batch) if micro_batch else (x,)):
                 h, a = model.encode(xs)  # h = f(x), a = g(h) (scaled pre-activations)
-                hs.append(h.float().cpu())
-                as_.append(a.float().cpu())
-            ys.append(y.cpu().to(torch.int64))
+                store.write(h, a)
+            store.put(got, "labels", y.cpu().to(torch.int64))
             got += take
             bar.update(take)
             if got >= n_used:
                 break
     if got != n_used:
         raise RuntimeError(f"{desc}: the loader gave {got} images, {n_used} were planned")
-    return {"h": torch.cat(hs), "a": torch.cat(as_), "labels": torch.cat(ys)}
+    return store.commit() if commit else store
 
 
 def _extract_options(args, device) -> dict:
@@ -501,26 +510,33 @@ def _extract_shard(args, model, loader, n_used, device, split, ranks):
     world = ranks.world_size
     bounds = [shard_bounds(n_used, args.batch_size, r, world) for r in range(world)]
     lo, hi = bounds[ranks.rank]
-    feats, problem = None, None
+    store, problem = None, None
     try:
-        if hi > lo:  # fewer batches than ranks leaves some rank none
+        if hi > lo:  # fewer batches than ranks leaves some rank none (never rank 0)
             loader.indices = loader.indices[:n_used][lo:hi]
-            feats = extract_features(model(), loader, hi - lo, device,
+            # rank 0 extracts into a store of the whole split: the others' rows are put into it
+            # as they arrive (no second copy, no list of chunks)
+            store = extract_features(model(), loader, hi - lo, device,
                                      args.progress and ranks.rank == 0,
                                      f"features {split} (rank 0's shard of {world})",
+                                     rows=n_used if ranks.rank == 0 else None, commit=False,
                                      **_extract_options(args, device))
-    except UsageError as exc:
+    except (UsageError, FeatureRangeError) as exc:
         problem = 2, str(exc)
     except Exception as exc:
         problem = _crash(exc, ranks, f"extracting the {split} split's features")
-    widths = stop_if_failed(ranks, problem, None if feats is None else
-                            {k: tuple(feats[k].shape[1:]) for k in ("h", "a", "labels")})
+    mine = None if store is None else {"h": store.h.tensor, "a": store.a, "labels": store.labels}
+    widths = stop_if_failed(ranks, problem, None if mine is None else
+                            {k: tuple(mine[k].shape[1:]) for k in ("h", "a", "labels")})
     widths = next(w for w in widths if w is not None)
     counts = [b - a for a, b in bounds]
-    out = {k: gather_rows(None if feats is None else feats[k], counts, widths[k],
-                          torch.int64 if k == "labels" else torch.float32, ranks.device)
-           for k in ("h", "a", "labels")}
-    return out if ranks.rank == 0 else None
+    dtypes = {"h": H_DTYPE, "a": torch.float32, "labels": torch.int64}
+    for k in ("h", "a", "labels"):
+        # the rows sent were stored by their rank's own SplitFeatures, which checked h's range
+        put = (lambda start, rows, k=k: store.put(start, k, rows)) if ranks.rank == 0 else None
+        gather_rows(None if mine is None else mine[k][:counts[ranks.rank]], counts, widths[k],
+                    dtypes[k], ranks.device, put=put)
+    return store.commit() if ranks.rank == 0 else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -539,7 +555,10 @@ def check_finite_features(parser, args, feats) -> None:
     for key in dict.fromkeys(TASK_FEATURES[t] for t in args.tasks):
         for split in ("train", "test"):
             x = feats[split][key]
-            rows = int((~torch.isfinite(x)).any(1).sum()) if x.numel() else 0
+            # a block of rows at a time: a whole-tensor mask of 1.28M x 2048 would be 2.6 GB
+            step = max(1, (1 << 22) // max(1, x.shape[1])) if x.dim() == 2 else max(1, len(x))
+            rows = sum(int((~torch.isfinite(x[s:s + step])).any(1).sum())
+                       for s in range(0, x.shape[0], step)) if x.numel() else 0
             if rows:
                 bad.append(f"{key} ({rows} of the {x.shape[0]} {split} images)")
     if bad:
@@ -1026,8 +1045,12 @@ def main(argv=None) -> int:
 
     feats, feat_info = {}, {}
     for split, limit in (("train", args.limit_train), ("test", args.limit_test)):
-        f, cached, dt, path = load_or_extract(args, model, data, split, limit, image_size,
-                                              "cpu", device, sizes[split], ranks)
+        try:
+            f, cached, dt, path = load_or_extract(args, model, data, split, limit, image_size,
+                                                  "cpu", device, sizes[split], ranks)
+        except FeatureRangeError as exc:  # one process (under torchrun the ranks agree on it)
+            parser.error(f"--checkpoint {args.checkpoint!r}: its {args.which} model's "
+                         f"features {exc}")
         if f is None:  # a rank other than 0: its shard went to rank 0
             continue
         feats[split] = f
@@ -1080,9 +1103,11 @@ def main(argv=None) -> int:
                                  "features": "h (encoder, head dropped)"}
         elif task == "knn":
             k = min(args.knn_k, int(tr["h"].shape[0]))
-            acc = knn_accuracy(tr["h"].to(device), tr["labels"].to(device), te["h"].to(device),
-                               te["labels"].to(device), k=k, temperature=args.knn_temperature,
-                               progress=args.progress)
+            # the features stay on the host (16 bits); moved and upcast a chunk at a time,
+            # the train features streamed when --probe-device-mem bounds the device's memory
+            acc = knn_accuracy(tr["h"], tr["labels"], te["h"], te["labels"], k=k,
+                               temperature=args.knn_temperature, progress=args.progress,
+                               device=device, device_mem=args.probe_device_mem)
             results["knn"] = {"test_top1": acc, "k": k, "temperature": args.knn_temperature,
                               "features": "h (encoder)"}
         elif task == "hash":

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..data.augment import one_cpu_thread
+from .features import FeatureBuffer, FeatureRangeError
 
 # Images the CPU network sees at a time (a loader batch is split into chunks of this size).
 CPU_MICRO_BATCH = 64
@@ -32,6 +33,11 @@ GATHER_CHUNK_BYTES = 1 << 26
 # The default of --workers: one loader worker per CPU core of this process's share of the node,
 # at most this many.
 MAX_DEFAULT_WORKERS = 8
+# How the probe's and kNN's features h are stored (features.FeatureBuffer): 16 bits, half of
+# float32's memory (1.28M x 2048: 5.2 GB instead of 10.5 GB).  The head's pre-activations a stay
+# float32: a tiny negative a rounds to -0 in float16, whose sign bit the code rule would read as
+# a +1 ([M:code]: sgn(a) with 0 -> +1), and a is small (code_dim wide).
+H_DTYPE = torch.float16
 
 
 def default_workers() -> int:
@@ -124,16 +130,20 @@ def shard_bounds(n: int, batch_size: int, rank: int, world_size: int) -> tuple[i
 
 
 def gather_rows(t: torch.Tensor | None, counts: list[int], width: tuple, dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor | None:
+                device: torch.device, put=None) -> torch.Tensor | None:
     """Every rank's rows concatenated in rank order, on rank 0 (on the CPU), None on the others.
     `t`: this rank's (counts[rank], *width) rows (None when it has none); `counts`: every rank's
     row count.  Sent in chunks of at most GATHER_CHUNK_BYTES per rank (padded to the longest
-    shard) through `device`: the CPU under gloo, the rank's GPU under NCCL."""
+    shard) through `device`: the CPU under gloo, the rank's GPU under NCCL.  With `put`, rank 0
+    allocates nothing: its own rows are already where they belong (e.g. extracted into
+    SplitFeatures of the whole split), and every other rank's chunk goes to put(start, rows)
+    as it arrives (rows: its position in the split, so no list of chunks is concatenated);
+    then None is returned on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     row_bytes = max(1, torch.empty((), dtype=dtype).element_size() * int(torch.Size(width).numel()))
     chunk = max(1, GATHER_CHUNK_BYTES // row_bytes)
     starts = [sum(counts[:r]) for r in range(world)]
-    out = torch.empty((sum(counts), *width), dtype=dtype) if rank == 0 else None
+    out = torch.empty((sum(counts), *width), dtype=dtype) if rank == 0 and put is None else None
     for s in range(0, max(counts), chunk):
         e = min(s + chunk, max(counts))
         buf = torch.zeros((e - s, *width), dtype=dtype, device=device)
@@ -145,6 +155,57 @@ def gather_rows(t: torch.Tensor | None, counts: list[int], width: tuple, dtype: 
         if rank == 0:
             for r, part in enumerate(parts):
                 k = min(e, counts[r]) - s
-                if k > 0:
+                if k > 0 and put is None:
                     out[starts[r] + s:starts[r] + s + k] = part[:k].cpu()
+                elif k > 0 and r != 0:
+                    put(starts[r] + s, part[:k].cpu())
     return out
+
+
+class SplitFeatures:
+    """A split's features as extraction fills them, each allocated once at the split's `rows`
+    (no list of batches concatenated at the end, so no second copy): h in a
+    features.FeatureBuffer of H_DTYPE (a finite value beyond its range is a FeatureRangeError
+    naming the row; NaN and inf are kept for the CLI's check that names the checkpoint), a in
+    float32, the labels in int64.  h and a are allocated when the first batch gives their widths.
+    :meth:`write` stores the next rows, :meth:`put` the rows [start, start + m) (a rank's
+    gathered share); :meth:`commit` gives {"h", "a", "labels"}, every row written."""
+
+    def __init__(self, rows: int, name: str):
+        self.rows, self.name, self.filled = int(rows), name, 0
+        self.h = self.a = None
+        self.labels = torch.empty(self.rows, dtype=torch.int64)
+
+    def _alloc(self, h_dim: int, a_dim: int) -> None:
+        with torch.inference_mode(False):  # normal tensors: the gather writes them afterwards
+            self._alloc_now(h_dim, a_dim)
+
+    def _alloc_now(self, h_dim: int, a_dim: int) -> None:
+        self.h = FeatureBuffer(self.rows, h_dim, H_DTYPE, name=f"{self.name}: h",
+                               nonfinite="keep")
+        self.a = torch.empty(self.rows, a_dim, dtype=torch.float32)
+
+    def put(self, start: int, key: str, values: torch.Tensor) -> None:
+        """Store `values` (any device) as the rows [start, start + m) of `key` ("h", "a" or
+        "labels"); h and a once :meth:`write` has allocated them."""
+        if key == "labels":
+            self.labels[start:start + values.shape[0]].copy_(values)
+        elif self.h is None:
+            raise ValueError(f"{self.name}: {key} is put before any row was written")
+        elif key == "h":
+            self.h.write(values, rows=torch.arange(start, start + values.shape[0]))
+        else:
+            self.a[start:start + values.shape[0]].copy_(values)
+
+    def write(self, h, a) -> None:
+        """Store h and a as the next rows (the first call allocates them)."""
+        if self.h is None:
+            self._alloc(h.shape[1], a.shape[1])
+        self.h.write(h)
+        self.a[self.filled:self.filled + a.shape[0]].copy_(a)
+        self.filled += h.shape[0]
+
+    def commit(self) -> dict:
+        if self.h is None:
+            raise ValueError(f"{self.name}: no row was extracted")
+        return {"h": self.h.commit(), "a": self.a, "labels": self.labels}

@@ -37,12 +37,17 @@ import torch
 
 from .. import _checks
 
-__all__ = ["FeatureBuffer", "open_features", "FEATURE_DTYPES"]
+__all__ = ["FeatureBuffer", "FeatureRangeError", "open_features", "FEATURE_DTYPES"]
 
 FEATURE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _NUMPY = {torch.float16: np.float16, torch.float32: np.float32}
 _FINITE_MAX = {torch.float16: 65504.0, torch.bfloat16: float(torch.finfo(torch.bfloat16).max),
                torch.float32: float(torch.finfo(torch.float32).max)}
+
+
+class FeatureRangeError(ValueError):
+    """A feature row that the buffer cannot store as it is (beyond the dtype's range, or NaN /
+    inf where they are refused); the message names the row."""
 
 
 class FeatureBuffer:
@@ -109,7 +114,7 @@ class FeatureBuffer:
             bad &= torch.isfinite(v)
         if bool(bad.any()):
             r = int(bad.any(1).nonzero()[0, 0])
-            raise ValueError(f"{self.name}: row {int(where[r])} holds "
+            raise FeatureRangeError(f"{self.name}: row {int(where[r])} holds "
                              f"{'NaN, inf or ' if self.nonfinite == 'error' else ''}a value "
                              f"beyond {self.dtype}'s range ±{_FINITE_MAX[self.dtype]:g} "
                              f"(e.g. {float(v[r][bad[r]][0])!r})")

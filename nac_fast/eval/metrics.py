@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .. import _checks
 from ..data.sources.subset import class_split
 
-__all__ = ["knn_predict", "knn_accuracy", "train_linear_probe", "linear_predict", "accuracy",
+__all__ = ["knn_predict", "knn_plan", "knn_accuracy", "train_linear_probe", "linear_predict", "accuracy",
            "linear_probe",
            "LinearProbeResult", "retrieval_split", "itq_fit", "itq_codes"]
 
@@ -84,13 +84,53 @@ def _num_classes(num_classes, *labels: torch.Tensor) -> int:
 # kNN
 # --------------------------------------------------------------------------------------------
 
+# Streamed kNN's train chunks are whole blocks of this many rows: the similarity products keep
+# large shapes, for which the CPU's matrix product gives each entry bit for bit as the whole
+# product does (tested; a product only a few columns wide is computed otherwise and can differ in
+# the last bit, which could flip an exact near-tie).
+KNN_TRAIN_BLOCK = 1024
+
+
+def knn_plan(n_train: int, d: int, *, k: int, chunk_size: int = 1024, device_mem=None) -> dict:
+    """How :func:`knn_predict` holds the train features on its device under a budget of
+    ``device_mem`` bytes (None: no bound): {"train_chunk": train rows per streamed chunk (all of
+    them when they fit), "device_bytes": the planned peak}.  A train row costs its normalized
+    float32 copy (4 d) and its column of a test chunk's similarities and of the merge with the
+    running top-k (chunk_size (4 + 4 + 8) bytes); the running top-k (values and indices) of a
+    test chunk and its votes are fixed.  Streamed chunks are whole KNN_TRAIN_BLOCKs; too small a
+    budget for one is a ValueError naming device_mem."""
+    per_row = 4 * d + 16 * chunk_size
+    fixed = chunk_size * (4 * d + 24 * k) + 16 * chunk_size * k
+    if device_mem is None:
+        return {"train_chunk": n_train, "device_bytes": fixed + per_row * n_train}
+    budget = _parse_bytes("device_mem", device_mem)
+    rows = (budget - fixed) // per_row
+    if rows < n_train:  # streamed: whole blocks (the products' shapes stay large)
+        if rows < KNN_TRAIN_BLOCK:
+            raise ValueError(f"device_mem {device_mem!r} ({budget} bytes) is too small for kNN: "
+                             f"a test chunk of {chunk_size}, its top-{k} and a streamed block "
+                             f"of {KNN_TRAIN_BLOCK} train rows take "
+                             f"{fixed + per_row * KNN_TRAIN_BLOCK} bytes")
+        rows = rows // KNN_TRAIN_BLOCK * KNN_TRAIN_BLOCK
+    rows = int(min(rows, n_train))
+    return {"train_chunk": rows, "device_bytes": fixed + per_row * rows}
+
+
 def knn_predict(train_features, train_labels, test_features, *, k: int = 200,
                 temperature: float = 0.1, num_classes: int | None = None,
-                chunk_size: int = 1024, progress: bool = False) -> torch.Tensor:
-    """Weighted kNN predictions (int64, one per test row); see the module docstring.
+                chunk_size: int = 1024, progress: bool = False, device=None,
+                device_mem=None) -> torch.Tensor:
+    """Weighted kNN predictions (int64, one per test row, on ``device``); see the module
+    docstring.
 
     ``k`` must be in [1, n_train].  Similarity matrices are built ``chunk_size`` test rows at a
-    time (chunk_size x n_train floats)."""
+    time.  ``device`` (default: the train features' device) computes them; the features may
+    live elsewhere (host memory, 16 bits, a memmap): they are moved and upcast a chunk at a
+    time.  ``device_mem`` (bytes or "8G"; None: no bound) bounds the device memory
+    (:func:`knn_plan`): the train features are then streamed in chunks of rows, each test
+    chunk's top-k merged with each train chunk's (a tie at the k-th similarity still goes to
+    the lowest train index, the merge keeping the earlier rows first), so the predictions are
+    those of the unbounded run, bit for bit (tests/test_eval_metrics.py)."""
     tr = _features("train_features", train_features)
     ytr = _labels("train_labels", train_labels, tr.shape[0])
     te = _features("test_features", test_features, dim=tr.shape[1])
@@ -100,14 +140,40 @@ def knn_predict(train_features, train_labels, test_features, *, k: int = 200,
     _checks.positive_number("temperature", temperature)
     _checks.positive_int("chunk_size", chunk_size)
     C = _num_classes(num_classes, ytr)
+    dev = tr.device if device is None else torch.device(device)
+    n = tr.shape[0]
+    step = knn_plan(n, tr.shape[1], k=k, chunk_size=min(chunk_size, te.shape[0]),
+                    device_mem=device_mem)["train_chunk"]
+    ytr = ytr.to(dev)
     from tqdm.auto import tqdm
-    trn = F.normalize(tr.float(), dim=1)
+    trn = F.normalize(tr.to(dev).float(), dim=1) if step >= n else None  # resident: once
     out = []
     for s in tqdm(range(0, te.shape[0], chunk_size), desc=f"kNN (k={k})", unit="chunk",
                   disable=not progress, leave=False, file=sys.stderr):
-        sim = F.normalize(te[s:s + chunk_size].float(), dim=1) @ trn.T
-        top_sim, top_idx = _topk_lowest_index(sim, k)
-        votes = torch.zeros(sim.shape[0], C, dtype=torch.float64, device=sim.device)
+        q = F.normalize(te[s:s + chunk_size].to(dev).float(), dim=1)
+        if trn is not None:
+            top_sim, top_idx = _topk_lowest_index(q @ trn.T, k)
+        else:
+            top_sim = top_idx = None
+            for t in range(0, n, step):
+                sim = q @ F.normalize(tr[t:t + step].to(dev).float(), dim=1).T
+                if top_sim is not None:
+                    # the running top-k first, in ascending train index: a position's order is
+                    # then its index's, which _topk_lowest_index's tie rule goes by
+                    sim = torch.cat([top_sim, sim], 1)
+                vals, pos = _topk_lowest_index(sim, min(k, sim.shape[1]))
+                r = 0 if top_idx is None else top_idx.shape[1]
+                idx = pos - r + t
+                if top_idx is not None:
+                    idx = torch.where(pos < r, top_idx.gather(1, pos.clamp(max=r - 1)), idx)
+                order = idx.argsort(dim=1)
+                top_sim, top_idx = vals.gather(1, order), idx.gather(1, order)
+                del sim
+            # by similarity, largest first, as topk gives them: each class's votes are then
+            # summed in the same order as the unbounded run's (equal weights may swap)
+            order = top_sim.argsort(dim=1, descending=True, stable=True)
+            top_sim, top_idx = top_sim.gather(1, order), top_idx.gather(1, order)
+        votes = torch.zeros(q.shape[0], C, dtype=torch.float64, device=dev)
         # Weights in float64: exp(1/0.1) ~ 2e4 per vote, summed over 200 votes, stays exact
         # enough that near-ties are decided by the weights, not by rounding.  They are taken
         # relative to the row's largest similarity, exp((s - s_max) / T) (the same vote up to a
