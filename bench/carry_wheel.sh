@@ -30,7 +30,7 @@
 #
 # DIR defaults to .dali_carry (ignored by git: never commit the wheels or the pieces).
 # NAC_FAST_DALI_PIECES and NAC_FAST_DALI_SITE override PIECES and SITE; PYTHON (default python3)
-# is the interpreter that installs (the device's python3 is 3.12, CUDA 13: docs KINDS.md).
+# is the interpreter that installs (the device image's python3: 3.12, CUDA 13).
 # Errors name what is wrong (a missing piece, a piece or bundle whose sha256 differs, a wheel pip
 # refuses) and exit 1; bad usage exits 2.  Nothing is half-installed: pip installs into a new
 # folder renamed to SITE only when it succeeded.
