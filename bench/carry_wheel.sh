@@ -36,7 +36,7 @@
 # folder renamed to SITE only when it succeeded.
 set -uo pipefail
 
-# the wheels: DALI for CUDA 13 and what it needs that the device image (KINDS.md's package list)
+# the wheels: DALI for CUDA 13 and what it needs that the device image (its package list, as the device tool gives it)
 # lacks, at the versions tested here with tests/test_data_dali.py
 WHEELS=(nvidia-dali-cuda130==2.4.0 nvidia-nvimgcodec-cu13==0.9.0.20 nvidia-libnvcomp-cu13==5.3.0.16
         nvidia-nvjpeg==13.3.2.43 nvidia-nvjpeg2k-cu13==0.11.0.51 libcst==1.9.0 optree==0.20.0
