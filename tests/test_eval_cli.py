@@ -728,3 +728,30 @@ def test_workers_decode_a_folder_with_the_features_of_the_main_process(tmp_path,
         assert torch.equal(feats[0][k], feats[2][k]), k
     from nac_fast.eval.extraction import MAX_DEFAULT_WORKERS, default_workers
     assert 0 <= default_workers() <= MAX_DEFAULT_WORKERS
+
+
+def test_an_undecodable_image_is_recorded_with_the_features(tmp_path, capsys):
+    """A file that passes the scan but cannot be decoded is skipped by extraction (the next
+    file's features take its row): the features record it (skipped_files, which the imagenet100
+    lists refuse: tests/test_eval_metrics.py), and such features are extracted again, not
+    reused (the file may have been repaired)."""
+    import glob
+    run = _tiny_folder_run(tmp_path, per_class=10)
+    bad = sorted(glob.glob(str(tmp_path / "photos" / "*" / "*")))[3]
+    with open(bad, "r+b") as f:  # the JPEG header stays: the scan lets it through
+        f.truncate(200)
+    out = tmp_path / "ev"
+    argv = ["--checkpoint", str(run / "last.pt"), "--out", str(out), "--tasks", "expressivity",
+            "--workers", "0", "--device", "cpu", "--no-progress"]
+    with pytest.warns(RuntimeWarning):
+        assert nac_eval.main(argv) == 0
+    feats = {s: torch.load(out / f"features_{s}.pt", weights_only=True) for s in ("train", "test")}
+    skipped = feats["train"]["skipped_files"] + feats["test"]["skipped_files"]
+    assert skipped == [bad], skipped
+    import warnings
+    with warnings.catch_warnings():  # the skip warns again (or not: warnings are shown once)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert nac_eval.main(argv + ["--overwrite"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    split = "train" if feats["train"]["skipped_files"] else "test"
+    assert rep["features"][split]["cached"] is False

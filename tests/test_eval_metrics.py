@@ -624,6 +624,15 @@ def test_imagenet100_sets_from_lists_and_rule(tmp_path):
     with pytest.raises(ValueError, match=r"--hash-train-list .*train.txt: row 1: .*n1_3.JPEG' is "
                                          r"not in the database list"):
         H.imagenet100_sets(args, tr, te)
+    # an image extraction skipped (undecodable) shifts the rows after it against the file
+    # names: the CLI records it with the features (skipped_files), the lists refuse them
+    for key, flag, split in (("tr", "--hash-database-list", "train"),
+                             ("te", "--hash-query-list", "val")):
+        bad = {"tr": tr, "te": te}
+        bad[key] = {**bad[key], "skipped_files": ["/data/x/n1_7.JPEG", "/data/x/n2_1.JPEG"]}
+        with pytest.raises(ValueError, match=rf"^{flag}: the {split} split's image "
+                                             r"'/data/x/n1_7.JPEG' could not be decoded .*\(2 "):
+            H.imagenet100_sets(args, bad["tr"], bad["te"])
     rule = NS(**{**vars(args), "hash_database_list": None, "hash_query_list": None,
                  "hash_train_list": None, "hash_classes": 2})
     H.check_list_flags(rule)

@@ -389,6 +389,13 @@ def _extract_options(args, device) -> dict:
             "channels_last": True}
 
 
+def _skipped(loader) -> list[str]:
+    """The files `loader` skipped as undecodable (a folder's loader; [] for others).  Each takes
+    no row: the next decodable file's features take its place, so the rows no longer line up
+    with the split's file list (imagenet100 lists are matched by file name: hashlists)."""
+    return [str(p) for p in (getattr(loader, "skipped_files", None) or [])]
+
+
 def load_or_extract(args, model, data, split, limit, image_size, device, model_device,
                     size=None, ranks=None):
     """Cached features for a split if their meta matches this run (`_cache_meta`; `size`: the
@@ -408,7 +415,8 @@ def load_or_extract(args, model, data, split, limit, image_size, device, model_d
         if (isinstance(cached, dict) and cached.get("meta") == meta
                 and all(isinstance(cached.get(k), torch.Tensor) for k in ("h", "a", "labels"))
                 and (size is None or all(int(cached[k].shape[0]) == int(size["used"])
-                                         for k in ("h", "a", "labels")))):
+                                         for k in ("h", "a", "labels")))
+                and not cached.get("skipped_files")):  # extracted again: it may be repaired
             hit = cached
     if (hit is not None) if ranks is None else broadcast_object(hit is not None):
         return hit, True, 0.0, path
@@ -424,6 +432,7 @@ def load_or_extract(args, model, data, split, limit, image_size, device, model_d
                                  f"features {split}", **_extract_options(args, model_device))
     dt = time.perf_counter() - t0
     if ranks is None:
+        feats["skipped_files"] = _skipped(loader)
         feats["meta"] = meta
         save_atomic(feats, path)
         return feats, False, dt, path
@@ -526,9 +535,10 @@ def _extract_shard(args, model, loader, n_used, device, split, ranks):
     except Exception as exc:
         problem = _crash(exc, ranks, f"extracting the {split} split's features")
     mine = None if store is None else {"h": store.h.tensor, "a": store.a, "labels": store.labels}
-    widths = stop_if_failed(ranks, problem, None if mine is None else
-                            {k: tuple(mine[k].shape[1:]) for k in ("h", "a", "labels")})
-    widths = next(w for w in widths if w is not None)
+    shape = None if mine is None else {k: tuple(mine[k].shape[1:]) for k in ("h", "a", "labels")}
+    got = stop_if_failed(ranks, problem, (_skipped(loader), shape))
+    widths = next(w for _, w in got if w is not None)
+    skipped = [f for sk, _ in got for f in sk]  # every rank's, in rank order
     counts = [b - a for a, b in bounds]
     dtypes = {"h": H_DTYPE, "a": torch.float32, "labels": torch.int64}
     for k in ("h", "a", "labels"):
@@ -536,7 +546,7 @@ def _extract_shard(args, model, loader, n_used, device, split, ranks):
         put = (lambda start, rows, k=k: store.put(start, k, rows)) if ranks.rank == 0 else None
         gather_rows(None if mine is None else mine[k][:counts[ranks.rank]], counts, widths[k],
                     dtypes[k], ranks.device, put=put)
-    return store.commit() if ranks.rank == 0 else None
+    return {**store.commit(), "skipped_files": skipped} if ranks.rank == 0 else None
 
 
 # --------------------------------------------------------------------------------------------

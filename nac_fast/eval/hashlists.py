@@ -197,6 +197,15 @@ def imagenet100_sets(args, tr: dict, te: dict):
     lists = getattr(args, "hash_lists", {})
     if "hash_database_list" in lists:
         (db_paths, db_y), (q_paths, q_y) = lists["hash_database_list"], lists["hash_query_list"]
+        for flag, feats, split in (("--hash-database-list", tr, "train"),
+                                   ("--hash-query-list", te, "val")):
+            skipped = feats.get("skipped_files") or []
+            if skipped:  # the rows after it hold the next files' features: matching would shift
+                raise ValueError(f"{flag}: the {split} split's image {skipped[0]!r} could not be "
+                                 f"decoded and extraction skipped it ({len(skipped)} such files), "
+                                 "so the features no longer line up with the file names the "
+                                 "lists match; repair or remove it and rerun (features with a skipped file "
+                                 "are extracted again, not reused)")
         if db_y.dim() != q_y.dim() or (db_y.dim() == 2 and db_y.shape[1] != q_y.shape[1]):
             raise ValueError(f"--hash-query-list {args.hash_query_list}: its label vectors do "
                              f"not match --hash-database-list's ({tuple(q_y.shape[1:])} vs "
