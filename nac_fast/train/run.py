@@ -114,6 +114,8 @@ class TrainState:
                                      # checkpoints (its write in flight: `save`, `settle_save`)
     last_r: Any = None               # the last step's inference logits (detached), for the log
     compiled: str | None = None      # what --compile compiled (compile_encoders), or None
+    listing: Any = None              # the data's Listing (data_listing): its scan is cached at
+                                     # `start`, once the run has begun
     began: bool = False              # `start` wrote OUT/config.json and status.json: how the
                                      # run ends is recorded there (finish), whatever the failure
     elapsed_before: float = 0.0      # seconds the run trained before this process (the resumed
@@ -134,7 +136,7 @@ class TrainState:
         return os.path.join(self.cfg.out, PREV)
 
 
-def build_loader(cfg: TrainConfig, di, channels_last: bool):
+def build_loader(cfg: TrainConfig, di, channels_last: bool, listing=None):
     per_rank = cfg.batch_size // di.world_size
     if cfg.data.startswith("synthetic"):
         if cfg.train_subset != "all":
@@ -177,7 +179,8 @@ def build_loader(cfg: TrainConfig, di, channels_last: bool):
                                      device=str(di.device), channels_last=channels_last,
                                      dtype=torch.float32, on_bad_file=cfg.on_bad_file,
                                      scale=cfg.crop_scale, subset=hash_subset(cfg),
-                                     val_labels=cfg.val_labels, listing=data_listing(cfg, di))
+                                     val_labels=cfg.val_labels,
+                                     listing=listing or data_listing(cfg, di))
     except SubsetSizeError as exc:
         raise UsageError(f"--train-subset {cfg.train_subset} --queries-per-class "
                          f"{cfg.queries_per_class} --train-per-class {cfg.train_per_class}: too "
@@ -194,9 +197,10 @@ def build_loader(cfg: TrainConfig, di, channels_last: bool):
 def data_listing(cfg: TrainConfig, di):
     """An ImageFolder listed once per run: rank 0 scans it (or reuses its scan cached in --out,
     while the folder is unchanged) and broadcasts the file list to the other ranks
-    (nac_fast/data/sources/listing.py)."""
+    (nac_fast/data/sources/listing.py).  A new scan is cached once the run has begun (`start`
+    flushes it): a run refused at its start leaves --out as it was."""
     from ..data.sources import Listing
-    return Listing(cache_dir=cfg.out, first=di.is_main,
+    return Listing(cache_dir=cfg.out, first=di.is_main, defer=True,
                    broadcast=nd.broadcast_object if nd.is_dist() else None)
 
 
@@ -229,7 +233,8 @@ def build(cfg: TrainConfig, di) -> TrainState:
                          f"{di.device.type} tensors in this install; available: "
                          f"{available_backends(di.device)}")
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    loader = build_loader(cfg, di, cfg.channels_last)
+    listing = data_listing(cfg, di)
+    loader = build_loader(cfg, di, cfg.channels_last, listing)
     if loader.num_images < cfg.batch_size:
         raise UsageError(f"--batch-size {cfg.batch_size} is larger than the data set "
                          f"({loader.num_images} images)")
@@ -302,7 +307,8 @@ def build(cfg: TrainConfig, di) -> TrainState:
                       scaler=scaler, autocast=autocast,
                       mom_model=None if mq is None else mq.momentum_model,
                       queue=None if mq is None else mq.queue,
-                      mq_criterion=None if mq is None else mq.criterion, compiled=compiled)
+                      mq_criterion=None if mq is None else mq.criterion, compiled=compiled,
+                      listing=listing)
 
 
 def compile_encoders(cfg: TrainConfig, model: torch.nn.Module, mom_model) -> str | None:
@@ -835,6 +841,8 @@ def start(st: TrainState, plan: StartPlan) -> None:
                 write_json_atomic(cfg.to_dict(), os.path.join(cfg.out, CONFIG))
                 write_status(cfg, None, step=st.step)
                 st.began = True
+                if st.listing is not None:
+                    st.listing.flush()   # the data list scanned at build, kept from now on
             except OSError as exc:
                 err = (EXIT_UNWRITABLE, f"--out {cfg.out!r} cannot be written "
                        f"({exc.strerror or type(exc).__name__}); stopping before training.")

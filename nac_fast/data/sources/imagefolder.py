@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from . import ilsvrc
-from .listing import Listing, check_listing, read_cache, shared, write_cache
+from .listing import Listing, check_listing, read_cache, shared
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -426,12 +426,7 @@ def _shared_scan(key, make, listing: Listing | None):
             _scan_cache.pop(key, None)
             src = make()
             if listing is not None and listing.cache_dir is not None and listing.first:
-                try:
-                    write_cache(listing.cache_dir, key, _pack(src))
-                except OSError as exc:
-                    warnings.warn(f"nac_fast.data: the data list cache cannot be written in "
-                                  f"{listing.cache_dir} ({exc.strerror or exc}); a restart "
-                                  "scans the folder again", RuntimeWarning, stacklevel=4)
+                listing.store(key, _pack(src))
         return src
     if listing is None or listing.broadcast is None:
         src = produce()

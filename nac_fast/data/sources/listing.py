@@ -14,6 +14,9 @@ every restart.  A `Listing` says how the processes of one run share the work:
              mtimes of the folders the scan read, imagefolder._unchanged) still holds, scanned
              again when a file or folder was added, removed or renamed since.  Never inside the
              data; train.py keeps it in its --out.
+  defer      True: a new scan is held (`pending`) until `flush()` writes it; train.py flushes
+             once the run has begun, so a run refused at its start (a checkpoint that does not
+             fit the grown folder, a bad flag) leaves --out as it found it.
 
 Why rank 0 of the run and not one process per node: the sample order, the shards and the labels
 are indices into the file list, so every rank must hold the same list; one scan broadcast to all
@@ -27,7 +30,7 @@ import hashlib
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..._files import atomic_write
@@ -42,6 +45,8 @@ class Listing:
     cache_dir: str | None = None
     first: bool = True
     broadcast: Callable | None = None
+    defer: bool = False
+    pending: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
@@ -52,6 +57,35 @@ class Listing:
         if self.broadcast is not None and not callable(self.broadcast):
             raise TypeError(f"broadcast must be None or callable, got "
                             f"{type(self.broadcast).__name__}")
+        if not isinstance(self.defer, bool):
+            raise TypeError(f"defer must be a bool, got {type(self.defer).__name__}")
+
+    def store(self, key, packed) -> None:
+        """Keep the first process's new scan `packed` of `key` in the cache: now, or at `flush()`
+        when deferred."""
+        if self.cache_dir is None or not self.first:
+            return
+        if self.defer:
+            self.pending[key] = packed
+        else:
+            self._write(key, packed)
+
+    def flush(self) -> None:
+        """Write the scans held back by `defer` (see `store`)."""
+        held = list(self.pending.items())
+        self.pending.clear()
+        for key, packed in held:
+            self._write(key, packed)
+
+    def _write(self, key, packed) -> None:
+        """A cache that cannot be written is reported (RuntimeWarning) and the run goes on: a
+        restart then scans the folder again."""
+        try:
+            write_cache(self.cache_dir, key, packed)
+        except OSError as exc:
+            warnings.warn(f"nac_fast.data: the data list cache cannot be written in "
+                          f"{self.cache_dir} ({exc.strerror or exc}); a restart scans the folder "
+                          "again", RuntimeWarning, stacklevel=4)
 
 
 def check_listing(listing) -> None:
