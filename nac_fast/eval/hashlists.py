@@ -204,8 +204,8 @@ def imagenet100_sets(args, tr: dict, te: dict):
                 raise ValueError(f"{flag}: the {split} split's image {skipped[0]!r} could not be "
                                  f"decoded and extraction skipped it ({len(skipped)} such files), "
                                  "so the features no longer line up with the file names the "
-                                 "lists match; repair or remove it and rerun (features with a skipped file "
-                                 "are extracted again, not reused)")
+                                 "lists match; repair or remove it and rerun (features with a "
+                                 "skipped file are extracted again, not reused)")
         if db_y.dim() != q_y.dim() or (db_y.dim() == 2 and db_y.shape[1] != q_y.shape[1]):
             raise ValueError(f"--hash-query-list {args.hash_query_list}: its label vectors do "
                              f"not match --hash-database-list's ({tuple(q_y.shape[1:])} vs "

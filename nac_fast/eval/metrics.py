@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from .. import _checks
 from ..data.sources.subset import class_split
 
-__all__ = ["knn_predict", "knn_plan", "knn_accuracy", "train_linear_probe", "linear_predict", "accuracy",
-           "linear_probe",
+__all__ = ["knn_predict", "knn_plan", "knn_accuracy", "train_linear_probe", "linear_predict",
+           "accuracy", "linear_probe",
            "LinearProbeResult", "retrieval_split", "itq_fit", "itq_codes"]
 
 
