@@ -755,3 +755,28 @@ def test_an_undecodable_image_is_recorded_with_the_features(tmp_path, capsys):
     rep = json.loads((out / "report.json").read_text())
     split = "train" if feats["train"]["skipped_files"] else "test"
     assert rep["features"][split]["cached"] is False
+
+
+def test_split_features_store_h_in_float16_a_in_float32_once():
+    """extraction.SplitFeatures, what extract_features writes into: h rounded to float16 (a value
+    beyond its range is a FeatureRangeError naming the row; NaN is kept for the check that names
+    the checkpoint), a in float32 with its signs (a float16 -1e-30 would be -0), rows put by
+    position (a rank's gathered share), and no commit before every row is written."""
+    from nac_fast.eval.extraction import SplitFeatures
+    from nac_fast.eval.features import FeatureRangeError
+    st = SplitFeatures(5, "features train")
+    h, a = torch.randn(3, 4), torch.tensor([[-1e-30, 1e-30]] * 3)
+    st.write(h, a)
+    st.put(0, "labels", torch.arange(5))
+    st.put(3, "h", h[:2] * 2)
+    st.put(3, "a", a[:2])
+    f = st.commit()
+    assert f["h"].dtype == torch.float16 and torch.equal(f["h"][:3], h.half())
+    assert torch.equal(f["h"][3:], (h[:2] * 2).half()) and f["labels"].tolist() == [0, 1, 2, 3, 4]
+    assert f["a"].dtype == torch.float32 and bool((f["a"][:, 0] < 0).all())
+    st = SplitFeatures(2, "features test")
+    with pytest.raises(FeatureRangeError, match=r"features test: h: row 1 holds a value beyond"):
+        st.write(torch.tensor([[1.0], [7e4]]), torch.zeros(2, 1))
+    st.write(torch.tensor([[float("nan")]]), torch.zeros(1, 1))
+    with pytest.raises(ValueError, match="1 of 2 rows written"):
+        st.commit()
