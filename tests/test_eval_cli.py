@@ -674,6 +674,36 @@ def test_torchrun_a_failing_rank_stops_every_rank(ckpt, tmp_path, where, status,
         assert "usage:" in logs[0] and not out.exists()
 
 
+AUG = ["--tasks", "linear", "--probe", "augmented", "--linear-epochs", "2", "--linear-lrs",
+       "0.1,1", "--limit-train", "260", "--limit-test", "50", "--batch-size", "64",
+       "--linear-batch-size", "64", "--device", "cpu", "--no-progress"]
+
+
+def test_torchrun_augmented_probe_fits_on_every_rank(ckpt, tmp_path):
+    """--probe augmented under torchrun: both ranks encode their share of every batch's crops
+    and sum the gradients (augprobe's process-group path), rank 0 scores and writes: the rate
+    and the test accuracy of one process (the weights differ only in the summation order of
+    the gradients, ~1e-7, which moves no prediction here), and only rank 0 reports."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert nac_eval.main(["--checkpoint", ckpt, "--out", str(one)] + AUG) == 0
+    codes, logs = _run_ranks(["--checkpoint", ckpt, "--out", str(two)] + AUG, tmp_path)
+    assert codes == [0, 0], logs
+    a = json.loads((one / "report.json").read_text())["results"]["linear"]
+    b = json.loads((two / "report.json").read_text())["results"]["linear"]
+    assert a["plan"]["world_size"] == 1 and b["plan"]["world_size"] == 2
+    assert (a["best_lr"], a["test_top1"], a["val_top1"]) == (b["best_lr"], b["test_top1"],
+                                                             b["val_top1"]), (a, b)
+    assert "| task |" not in logs[1]
+
+
+def test_augmented_probe_without_scoring_features_is_only_for_other_ranks():
+    """train_h=None (the scores left to rank 0) is refused in one process: a ValueError."""
+    from nac_fast.eval.augprobe import augmented_linear_probe
+    with pytest.raises(ValueError, match="train_h is None"):
+        augmented_linear_probe(torch.nn.Identity(), None, None, torch.zeros(4, dtype=torch.long),
+                               None, None)
+
+
 def test_shard_bounds_are_whole_batches_that_cover_the_split():
     from nac_fast.eval.extraction import shard_bounds
     for n, bs, world in ((650, 64, 2), (50, 64, 2), (1, 1, 3), (1000, 7, 8), (64, 64, 1)):

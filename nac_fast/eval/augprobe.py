@@ -178,11 +178,27 @@ def augmented_linear_probe(model, train_loader, train_h, train_labels, test_h, t
     ``encode(x)`` gives (h, a)); ``train_loader``: the evaluation loader of the training split
     whose images gave ``train_h`` (row i is image ``train_loader.indices[i]`` of its source);
     ``train_h`` / ``test_h``: the cached centre-crop features, for the held-out and test
-    scores.  With world > 1 (torch.distributed), ``batch_size`` is the global batch size."""
-    tr = _features("train_h", train_h)
-    ytr = _labels("train_labels", train_labels, tr.shape[0])
-    te = _features("test_h", test_h, dim=tr.shape[1])
-    yte = _labels("test_labels", test_labels, te.shape[0])
+    scores.  With world > 1 (torch.distributed), ``batch_size`` is the global batch size, and
+    the processes other than rank 0 may pass ``train_h=None, test_h=None, test_labels=None``:
+    the scores are rank 0's (its chosen rate is broadcast, so every process fits the same
+    layer); theirs are None in the result."""
+    rank, world = _dist()
+    scorer = train_h is not None
+    if not scorer and (world == 1 or rank == 0):
+        raise ValueError("train_h is None: only a process other than rank 0 of a process group "
+                         "may leave the scoring features to rank 0")
+    if scorer:
+        tr = _features("train_h", train_h)
+        ytr = _labels("train_labels", train_labels, tr.shape[0])
+        te = _features("test_h", test_h, dim=tr.shape[1])
+        yte = _labels("test_labels", test_labels, te.shape[0])
+    else:
+        if test_h is not None:
+            raise ValueError("test_h must be None where train_h is")
+        if not isinstance(train_labels, torch.Tensor):
+            raise TypeError("train_labels must be a tensor of class indices")
+        ytr = _labels("train_labels", train_labels, train_labels.shape[0])
+        tr = te = yte = None
     try:
         lrs = tuple(lrs)
     except TypeError:
@@ -195,15 +211,17 @@ def augmented_linear_probe(model, train_loader, train_h, train_labels, test_h, t
     if not _checks.is_int(num_workers) or num_workers < 0:
         raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
     index = np.asarray(getattr(train_loader, "indices", ()))
-    if index.shape != (tr.shape[0],):
-        raise ValueError(f"train_loader has {index.shape[0]} images, train_h {tr.shape[0]} rows: "
+    n = ytr.shape[0]
+    if index.shape != (n,):
+        raise ValueError(f"train_loader has {index.shape[0]} images, train_h {n} rows: "
                          "the features must be the loader's images, in its order")
-    dev = torch.device(device) if device is not None else tr.device
+    dev = torch.device(device) if device is not None else ytr.device
     model = model.to(dev).eval()
-    C = _num_classes(None, ytr, yte)
+    C = _num_classes(None, ytr, yte) if scorer else None
+    if world > 1:   # the class count (the layer's width) is rank 0's, which sees the test labels
+        C = _broadcast_from_0(C)
     views = _Views(train_loader, seed, dev, num_workers)
     kw = dict(epochs=epochs, batch_size=batch_size, seed=seed, device=dev, progress=progress)
-    n = tr.shape[0]
     val_acc = {}
     if len(lrs) > 1:
         n_val = max(1, int(round(val_fraction * n)))
@@ -215,14 +233,26 @@ def augmented_linear_probe(model, train_loader, train_h, train_labels, test_h, t
         searched = _fit_augmented(model, views, index, ytr, fit_idx, C, lrs,
                                   desc=f"augmented probe: lr search ({len(lrs)} rates at once)",
                                   **kw)
-        yv = ytr[val_idx.to(ytr.device)]
-        val_acc = {lr: accuracy(linear_predict(m, tr, rows=val_idx), yv)
-                   for lr, m in zip(lrs, searched)}
+        if scorer:
+            yv = ytr[val_idx.to(ytr.device)]
+            val_acc = {lr: accuracy(linear_predict(m, tr, rows=val_idx), yv)
+                       for lr, m in zip(lrs, searched)}
     best = min(lrs, key=lambda lr: (-val_acc.get(lr, 0.0), lr))
+    if world > 1:   # the rate rank 0's scores chose, for every process's final fit
+        best = _broadcast_from_0(best)
     final = _fit_augmented(model, views, index, ytr, torch.arange(n), C, [best],
                            desc=f"augmented probe: final fit, lr {best:g}", **kw)[0]
-    return LinearProbeResult(accuracy(linear_predict(final, te), yte), best, val_acc, final,
-                             {"protocol": "augmented", "world_size": _dist()[1]})
+    test = accuracy(linear_predict(final, te), yte) if scorer else None
+    return LinearProbeResult(test, best, val_acc, final,
+                             {"protocol": "augmented", "world_size": world})
+
+
+def _broadcast_from_0(obj):
+    """obj as rank 0 of the process group has it (one broadcast_object_list)."""
+    import torch.distributed as dist
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 # --------------------------------------------------------------------------------------------

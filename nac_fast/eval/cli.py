@@ -960,6 +960,36 @@ def markdown_table(report: dict) -> str:
 # Main
 # --------------------------------------------------------------------------------------------
 
+def augmented_probe_on_every_rank(args, feats, device, model, ranks):
+    """--probe augmented under torchrun: every rank encodes its share of each batch's crops and
+    the gradients are summed (augprobe's process-group path), so the probe's 100 epochs of
+    crops take all the node's GPUs, not rank 0's alone.  Rank 0 holds the cached features that
+    score the rates and the test split; the others get the training labels from it.  Rank 0
+    gets the result, the others None.  A failure on a rank before the fit stops every rank
+    (stop_if_failed); one during it ends the rank's process, and torchrun stops the others."""
+    import torch.distributed as dist
+    from .augprobe import augmented_linear_probe
+    box = [feats["train"]["labels"] if ranks.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    problem = res = None
+    try:
+        loader = args.split_loaders["train"][0]
+        if ranks.rank == 0:
+            tr, te = feats["train"], feats["test"]
+            scoring = dict(train_h=tr["h"], test_h=te["h"], test_labels=te["labels"])
+        else:
+            scoring = dict(train_h=None, test_h=None, test_labels=None)
+        net = model()
+    except Exception as exc:
+        problem = _crash(exc, ranks, "preparing the augmented probe")
+    stop_if_failed(ranks, problem)
+    res = augmented_linear_probe(net, loader, train_labels=box[0], epochs=args.linear_epochs,
+                                 batch_size=args.linear_batch_size, seed=args.seed,
+                                 lrs=args.linear_lrs, progress=args.progress, device=device,
+                                 num_workers=getattr(args, "workers", 0) or 0, **scoring)
+    return res if ranks.rank == 0 else None
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1067,6 +1097,7 @@ def main(argv=None) -> int:
         feat_info[split] = {"path": path, "cached": cached, "h_dim": int(f["h"].shape[1]),
                             "a_dim": int(f["a"].shape[1])}
         timings[f"features_{split}_s"] = dt
+    probe_done = None   # --probe augmented under torchrun: fitted by every rank together
     if ranks is not None:  # the tasks run once, on rank 0; the other ranks are done
         problem = None
         if ranks.rank == 0:
@@ -1075,6 +1106,10 @@ def main(argv=None) -> int:
             except UsageError as exc:
                 problem = 2, str(exc)
         stop_if_failed(ranks, problem)
+        if "linear" in args.tasks and args.probe == "augmented":
+            t0 = time.perf_counter()
+            probe_done = augmented_probe_on_every_rank(args, feats, device, model, ranks)
+            timings["linear_ranks_s"] = time.perf_counter() - t0
         end_ranks()
         if ranks.rank != 0:
             return 0
@@ -1088,8 +1123,8 @@ def main(argv=None) -> int:
         if task == "linear":
             # The probe trains on the eval device (GPU if any); the cached features stay on
             # the host and are moved there whole or in chunks (--probe-device-mem).
-            res = run_linear_probe(args, tr, te, device, model,
-                                   lambda: args.split_loaders["train"][0])
+            res = probe_done or run_linear_probe(args, tr, te, device, model,
+                                                 lambda: args.split_loaders["train"][0])
             lrs = list(res.val_accuracy) or [res.best_lr]   # the rates searched, in order
             # the best rate at an end of the search: a rate outside it may fit better
             # (not when another rate ties with it: every rate fit alike, e.g. one class)
