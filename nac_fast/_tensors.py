@@ -19,6 +19,6 @@ def eager_real(t: torch.Tensor) -> bool:
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The losses' output and accumulation dtype for inputs of `dtype`, on every backend
-    (nac_fast/ops/reference.py names the same rule)."""
+    """The losses' output and accumulation dtype for inputs of `dtype`, on every backend (the
+    reference, nac_fast/ops/reference.py, re-exports it)."""
     return torch.float64 if dtype == torch.float64 else torch.float32

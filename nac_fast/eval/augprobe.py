@@ -32,8 +32,8 @@ import torch
 
 from .. import _checks
 from ..data.augment import Recipe, crop_windows, normalize, resized_crop_flip, view_params
-from .metrics import (LinearProbeResult, _check_probe_args, _features, _labels, _num_classes,
-                      _sgd_step, accuracy, linear_predict)
+from .metrics import (LinearProbeResult, _check_probe_args, _features, _labels, _layers,
+                      _num_classes, _sgd_step, accuracy, linear_predict)
 
 __all__ = ["augmented_linear_probe", "CROP_RECIPE"]
 
@@ -160,14 +160,7 @@ def _fit_augmented(model, views, dataset_index, y, rows, C, lrs, *, epochs, batc
                           total=total, reduce=reduce if world > 1 else None)
                 t += 1
             bar.update(1)
-    models = []
-    for l in range(L):
-        lin = torch.nn.Linear(d, C).to(device)
-        with torch.no_grad():
-            lin.weight.copy_(W[:, l, :].T)
-            lin.bias.copy_(b[l])
-        models.append(lin.eval())
-    return models
+    return _layers(W, b)
 
 
 def augmented_linear_probe(model, train_loader, train_h, train_labels, test_h, test_labels, *,

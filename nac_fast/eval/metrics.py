@@ -408,9 +408,16 @@ def _fit_linear(x, y, C: int, lrs, *, epochs: int, batch_size: int, momentum: fl
                     steps, progress, desc, rows)
     finally:
         torch.set_num_threads(threads)
+    return _layers(W, b)
+
+
+def _layers(W: torch.Tensor, b: torch.Tensor) -> list:
+    """The L linear layers (eval mode, on W's device) of the rates trained together:
+    W (d, L, C) and b (L, C) as _sgd_step updates them."""
+    d, L, C = W.shape
     models = []
     for l in range(L):
-        lin = torch.nn.Linear(d, C).to(dev)
+        lin = torch.nn.Linear(d, C).to(W.device)
         with torch.no_grad():
             lin.weight.copy_(W[:, l, :].T)
             lin.bias.copy_(b[l])

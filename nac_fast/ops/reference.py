@@ -18,10 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The losses' output and accumulation dtype for inputs of `dtype`, on every backend."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .._tensors import acc_dtype  # the output / accumulation dtype rule of every backend
 
 
 def bernoulli_term(z_noisy: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
