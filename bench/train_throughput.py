@@ -141,7 +141,7 @@ class DeviceSyntheticPairLoader(SyntheticPairLoader):
 
 
 def _device_loader_factory(num_images):
-    def build_loader(args, dist_info, channels_last):
+    def build_loader(args, dist_info, channels_last, listing=None):  # no folder to list
         per_rank = args.batch_size // dist_info.world_size
         return DeviceSyntheticPairLoader(num_images, per_rank, dist_info.rank,
                                          dist_info.world_size, args.seed,
