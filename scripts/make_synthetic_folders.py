@@ -1,0 +1,441 @@
+"""Write a labelled ImageFolder (OUT/train/<class>/*.png, OUT/val/<class>/*.png) of images drawn
+here, offline, whose train/val split is by *source*: no source of a val image made any train
+image (issue 58: folders no recipe was tuned on, a check that a method's lead transfers).
+
+    python scripts/make_synthetic_folders.py --kind glyphs   --out runs/folders/glyphs   --seed 0
+    python scripts/make_synthetic_folders.py --kind textures --out runs/folders/textures --seed 0
+    python scripts/make_synthetic_folders.py --kind shapes   --out runs/folders/shapes   --seed 0
+
+glyphs    classes = 10 characters; source = a font file of this machine (`fc-list`); each image
+          a random size, rotation, stroke, position, ink and paper colour and pixel noise.
+          The val fonts draw no train image.
+textures  classes = 10 texture families (stripes, checks, dots, blobs, waves, rings, grid,
+          zigzag, speckle, sectors); source = one draw of the generator's hidden parameters
+          (a palette, a frequency range, an edge sharpness, a noise level); each image a random
+          orientation, phase, frequency within its source's range and two of its palette's
+          colours.
+shapes    classes = 10 shapes (disc, triangle, square, pentagon, hexagon, star, cross, arrow,
+          crescent, heart); source = a drawing style (filled / outlined / filled with an
+          outline of another colour, the stroke width, the ink palette, the background: flat,
+          a gradient, stripes or noise, its palette, the size range, the noise level); each
+          image a random shape size, position and rotation.
+
+Every class gets --train-per-class images in train/ (spread evenly over the train sources) and
+--val-per-class in val/ (over the val sources); a share --val-sources of the sources (at least
+one, leaving at least one for train), chosen by --seed, is val's.  OUT/sources.json says which
+source each split has, the classes, the counts and the command.  Images are --size px RGB,
+drawn at twice that and reduced (antialiased).  The same arguments give the same pixels.
+
+Writes into a temporary folder beside OUT and renames it into place at the end (no
+half-written folder); refuses an OUT that exists and is not an empty folder unless
+--overwrite, which replaces it only once the new folder is complete.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nac_fast._files import check_writable  # noqa: E402
+
+KINDS = ("glyphs", "textures", "shapes")
+GLYPHS = tuple("ABEGKMRSWZ")
+TEXTURES = ("stripes", "checks", "dots", "blobs", "waves", "rings", "grid", "zigzag", "speckle",
+            "sectors")
+SHAPES = ("disc", "triangle", "square", "pentagon", "hexagon", "star", "cross", "arrow",
+          "crescent", "heart")
+N_SOURCES = {"textures": 40, "shapes": 40}  # glyphs: the fonts found
+FONT_EXTENSIONS = (".ttf", ".otf")
+MAX_SIZE = 256
+
+
+# ----------------------------------------------------------------------------------- sources
+def find_fonts() -> list[str]:
+    """The font files `fc-list` names (TrueType/OpenType), sorted; [] when there is none or no
+    fc-list."""
+    try:
+        out = subprocess.run(["fc-list", "--format", "%{file}\n"], capture_output=True,
+                             text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    files = {line.strip() for line in out.splitlines()}
+    return sorted(f for f in files if f.lower().endswith(FONT_EXTENSIONS) and os.path.isfile(f))
+
+
+def usable_fonts(files, chars=GLYPHS) -> list[str]:
+    """The fonts that draw every one of `chars` with some ink (a font without a glyph draws a
+    box or nothing, which would put one picture in several classes)."""
+    good = []
+    for f in files:
+        try:
+            font = ImageFont.truetype(f, 40)
+        except OSError:
+            continue
+        boxes = []
+        for c in chars:
+            im = Image.new("L", (64, 64), 0)
+            ImageDraw.Draw(im).text((32, 32), c, font=font, fill=255, anchor="mm")
+            boxes.append(np.asarray(im).tobytes())
+        if all(any(b) for b in boxes) and len(set(boxes)) == len(chars):
+            good.append(f)
+    return good
+
+
+def _colour(rng, lo=0, hi=256):
+    return tuple(int(v) for v in rng.integers(lo, hi, 3))
+
+
+def _far_colour(rng, other, dist=150):
+    """A colour at least `dist` (L1 over RGB) from `other`."""
+    while True:
+        c = _colour(rng)
+        if sum(abs(a - b) for a, b in zip(c, other)) > dist:
+            return c
+
+
+def texture_source(seed: int, k: int) -> dict:
+    """The hidden parameters of texture source k: a 4-colour palette, a frequency range (cycles
+    an image), an edge sharpness and a noise level."""
+    rng = np.random.default_rng([seed, 101, k])
+    f_lo = float(rng.uniform(1.5, 3.5))
+    return {"palette": [_colour(rng) for _ in range(4)], "freq": [f_lo, f_lo * float(
+        rng.uniform(1.3, 2.0))], "sharp": float(rng.uniform(2.0, 12.0)),
+        "noise": float(rng.uniform(0.0, 18.0))}
+
+
+def shape_source(seed: int, k: int) -> dict:
+    """Drawing style k: how the shape is inked, its palette, the background and its palette,
+    the size range and the noise level."""
+    rng = np.random.default_rng([seed, 202, k])
+    return {"mode": str(rng.choice(["fill", "outline", "fill+outline"])),
+            "width": int(rng.integers(2, 6)), "ink": [_colour(rng) for _ in range(3)],
+            "background": str(rng.choice(["flat", "gradient", "stripes", "noise"])),
+            "paper": [_colour(rng) for _ in range(3)],
+            "radius": [float(rng.uniform(0.22, 0.3)), float(rng.uniform(0.32, 0.42))],
+            "noise": float(rng.uniform(0.0, 15.0))}
+
+
+def sources_of(kind: str, seed: int, fonts=None) -> list:
+    """[(name, parameters)] of the kind's sources."""
+    if kind == "glyphs":
+        return [(os.path.splitext(os.path.basename(f))[0], f) for f in fonts]
+    make = texture_source if kind == "textures" else shape_source
+    return [(f"{kind[:-1]}-style-{k:02d}", make(seed, k)) for k in range(N_SOURCES[kind])]
+
+
+def split_sources(n: int, frac: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, val) source indices: a seeded permutation, its first round(frac n) (at least one,
+    at most n - 1) for val."""
+    if n < 2:
+        raise ValueError(f"a split by source needs at least 2 sources, got {n}")
+    n_val = min(n - 1, max(1, int(round(frac * n))))
+    perm = np.random.default_rng([seed, 7]).permutation(n)
+    return sorted(int(i) for i in perm[n_val:]), sorted(int(i) for i in perm[:n_val])
+
+
+# ----------------------------------------------------------------------------------- drawing
+def _noise(im: Image.Image, sigma: float, rng) -> Image.Image:
+    if sigma <= 0:
+        return im
+    x = np.asarray(im, dtype=np.float32) + rng.normal(0, sigma, (im.height, im.width, 3))
+    return Image.fromarray(np.uint8(np.clip(x + 0.5, 0, 255)))
+
+
+def draw_glyph(c: str, font_file: str, size: int, rng) -> Image.Image:
+    big = 2 * size
+    paper = _colour(rng)
+    ink = _far_colour(rng, paper)
+    font = ImageFont.truetype(font_file, int(rng.uniform(0.5, 0.8) * big))
+    layer = Image.new("L", (big, big), 0)
+    stroke = int(rng.integers(0, 3))
+    ImageDraw.Draw(layer).text((big / 2, big / 2), c, font=font, fill=255, anchor="mm",
+                               stroke_width=stroke, stroke_fill=255)
+    layer = layer.rotate(float(rng.uniform(-20, 20)), resample=Image.BILINEAR,
+                         translate=tuple(float(v) for v in rng.uniform(-0.1, 0.1, 2) * big))
+    im = Image.composite(Image.new("RGB", (big, big), ink), Image.new("RGB", (big, big), paper),
+                         layer)
+    return _noise(im.resize((size, size), Image.LANCZOS), float(rng.uniform(0, 10)), rng)
+
+
+def texture_field(family: str, n: int, f: float, rng) -> np.ndarray:
+    """A field in [-1, 1] (roughly) of the family on an n x n grid; f cycles per image."""
+    y, x = np.mgrid[0:n, 0:n] / n
+    th = rng.uniform(0, math.pi)
+    u = x * math.cos(th) + y * math.sin(th)
+    v = -x * math.sin(th) + y * math.cos(th)
+    ph = rng.uniform(0, 2 * math.pi, 2)
+    tau = 2 * math.pi
+    if family == "stripes":
+        return np.sin(tau * f * u + ph[0])
+    if family == "checks":
+        return np.sin(tau * f * u + ph[0]) * np.sin(tau * f * v + ph[1]) * 2
+    if family == "dots":
+        du = (f * u + ph[0] / tau) % 1 - 0.5
+        dv = (f * v + ph[1] / tau) % 1 - 0.5
+        return 1.0 - 2 * (np.hypot(du, dv) / 0.25)
+    if family == "blobs":
+        g = rng.normal(size=(max(3, int(f * 1.5)) + 1,) * 2)
+        up = np.asarray(Image.fromarray(np.float32(g)).resize((n, n), Image.BICUBIC))
+        return up / (np.abs(up).max() + 1e-6) * 1.5
+    if family == "waves":
+        return np.sin(tau * f * (u + 0.08 * np.sin(tau * 2.0 * v + ph[1])) + ph[0])
+    if family == "rings":
+        cx, cy = rng.uniform(0.2, 0.8, 2)
+        return np.sin(tau * f * np.hypot(x - cx, y - cy) + ph[0])
+    if family == "grid":
+        a = np.abs(np.sin(math.pi * f * u + ph[0]))
+        b = np.abs(np.sin(math.pi * f * v + ph[1]))
+        return 1.0 - 2 * np.minimum(a, b) / 0.35
+    if family == "zigzag":
+        tri = 2 * np.abs((f * v + ph[1] / tau) % 1 - 0.5) - 0.5
+        return np.sin(tau * f * (u + 0.5 * tri / f) + ph[0])
+    if family == "speckle":
+        g = rng.normal(size=(n // 2, n // 2))
+        return np.asarray(Image.fromarray(np.float32(g)).resize((n, n), Image.NEAREST))
+    if family == "sectors":
+        cx, cy = rng.uniform(0.3, 0.7, 2)
+        k = max(3, int(round(f * 1.5)))
+        return np.sin(k * np.arctan2(y - cy, x - cx) + ph[0])
+    raise ValueError(f"family {family!r}: not one of {TEXTURES}")
+
+
+def draw_texture(family: str, src: dict, size: int, rng) -> Image.Image:
+    big = 2 * size
+    f = float(rng.uniform(*src["freq"]))
+    field = texture_field(family, big, f, rng)
+    t = 1 / (1 + np.exp(-src["sharp"] * field))  # 0..1, hard edges at high sharpness
+    i, j = rng.choice(len(src["palette"]), 2, replace=False)
+    c0, c1 = (np.asarray(src["palette"][k], dtype=np.float32) for k in (i, j))
+    if np.abs(c0 - c1).sum() < 120:  # too alike to see the texture: darken one
+        c1 = c1 * 0.35
+    rgb = c0 + (c1 - c0) * t[..., None]
+    im = Image.fromarray(np.uint8(np.clip(rgb + 0.5, 0, 255)))
+    return _noise(im.resize((size, size), Image.LANCZOS), src["noise"], rng)
+
+
+def shape_points(kind: str, cx, cy, r, angle) -> list:
+    """The polygon of a shape of radius r about (cx, cy), turned by angle."""
+    tau = 2 * math.pi
+
+    def ring(k, rad=1.0, off=-math.pi / 2):
+        return [(rad * math.cos(off + tau * i / k), rad * math.sin(off + tau * i / k))
+                for i in range(k)]
+    if kind == "disc":
+        pts = ring(48)
+    elif kind == "triangle":
+        pts = ring(3)
+    elif kind == "square":
+        pts = ring(4, 1.0, math.pi / 4)
+    elif kind == "pentagon":
+        pts = ring(5)
+    elif kind == "hexagon":
+        pts = ring(6)
+    elif kind == "star":
+        pts = [(p[0] * (1 if i % 2 == 0 else 0.4), p[1] * (1 if i % 2 == 0 else 0.4))
+               for i, p in enumerate(ring(10))]
+    elif kind == "cross":
+        w = 0.33
+        pts = [(-w, -1), (w, -1), (w, -w), (1, -w), (1, w), (w, w), (w, 1), (-w, 1), (-w, w),
+               (-1, w), (-1, -w), (-w, -w)]
+    elif kind == "arrow":
+        pts = [(-1, -0.3), (0.2, -0.3), (0.2, -0.75), (1, 0), (0.2, 0.75), (0.2, 0.3), (-1, 0.3)]
+    elif kind == "crescent":
+        outer = [(math.cos(t), math.sin(t)) for t in np.linspace(-math.pi / 2, math.pi / 2, 24)]
+        inner = [(0.35 * math.cos(t), math.sin(t))
+                 for t in np.linspace(math.pi / 2, -math.pi / 2, 24)]
+        pts = outer + inner
+    elif kind == "heart":
+        t = np.linspace(0, tau, 48, endpoint=False)
+        hx = 16 * np.sin(t) ** 3
+        hy = -(13 * np.cos(t) - 5 * np.cos(2 * t) - 2 * np.cos(3 * t) - np.cos(4 * t))
+        pts = list(zip(hx / 17, (hy + 2.5) / 17))
+    else:
+        raise ValueError(f"shape {kind!r}: not one of {SHAPES}")
+    c, s = math.cos(angle), math.sin(angle)
+    return [(cx + r * (c * px - s * py), cy + r * (s * px + c * py)) for px, py in pts]
+
+
+def _background(src: dict, big: int, rng) -> Image.Image:
+    i, j = rng.choice(len(src["paper"]), 2, replace=False)
+    a, b = (np.asarray(src["paper"][k], dtype=np.float32) for k in (i, j))
+    y, x = np.mgrid[0:big, 0:big] / big
+    kind = src["background"]
+    if kind == "flat":
+        t = np.zeros((big, big))
+    elif kind == "gradient":
+        th = rng.uniform(0, 2 * math.pi)
+        t = (x * math.cos(th) + y * math.sin(th)) % 1.0
+    elif kind == "stripes":
+        th = rng.uniform(0, math.pi)
+        t = (np.sin(2 * math.pi * rng.uniform(3, 6) * (x * math.cos(th) + y * math.sin(th)))
+             > 0).astype(np.float64) * 0.5
+    else:
+        g = rng.normal(size=(8, 8))
+        t = np.asarray(Image.fromarray(np.float32(g)).resize((big, big), Image.BICUBIC))
+        t = np.clip(0.5 + 0.25 * t, 0, 1)
+    rgb = a + (b - a) * t[..., None]
+    return Image.fromarray(np.uint8(np.clip(rgb + 0.5, 0, 255)))
+
+
+def draw_shape(kind: str, src: dict, size: int, rng) -> Image.Image:
+    big = 2 * size
+    im = _background(src, big, rng)
+    mean_bg = tuple(int(v) for v in np.asarray(im).reshape(-1, 3).mean(0))
+    ink = src["ink"][int(rng.integers(len(src["ink"])))]
+    if sum(abs(a - b) for a, b in zip(ink, mean_bg)) < 150:  # the style's ink on its paper
+        ink = tuple(255 - v for v in mean_bg)
+    r = float(rng.uniform(*src["radius"])) * big
+    cx, cy = rng.uniform(r, big - r, 2)
+    pts = shape_points(kind, cx, cy, r, float(rng.uniform(0, 2 * math.pi)))
+    draw = ImageDraw.Draw(im)
+    w = 2 * src["width"]
+    if src["mode"] == "fill":
+        draw.polygon(pts, fill=ink)
+    elif src["mode"] == "outline":
+        draw.polygon(pts, outline=ink, width=w)
+    else:
+        draw.polygon(pts, fill=ink, outline=tuple(255 - v for v in ink), width=w)
+    return _noise(im.resize((size, size), Image.LANCZOS), src["noise"], rng)
+
+
+# ----------------------------------------------------------------------------------- the folder
+def plan(kind: str, seed: int, train_per_class: int, val_per_class: int, val_frac: float,
+         fonts=None) -> dict:
+    """What the folder holds: classes, sources, the split of the sources, the counts."""
+    classes = {"glyphs": GLYPHS, "textures": TEXTURES, "shapes": SHAPES}[kind]
+    srcs = sources_of(kind, seed, fonts)
+    train_idx, val_idx = split_sources(len(srcs), val_frac, seed)
+    return {"kind": kind, "seed": seed, "classes": list(classes), "sources": srcs,
+            "train_sources": train_idx, "val_sources": val_idx,
+            "per_class": {"train": train_per_class, "val": val_per_class}}
+
+
+def images(p: dict, size: int):
+    """(split, class, source index, i, image) for every image of plan p, in a fixed order; the
+    image's random draws come from its own seed (seed, split, class, i), so one image does not
+    depend on how many others are drawn."""
+    draw = {"glyphs": lambda c, s, r: draw_glyph(c, s, size, r),
+            "textures": lambda c, s, r: draw_texture(c, s, size, r),
+            "shapes": lambda c, s, r: draw_shape(c, s, size, r)}[p["kind"]]
+    for si, split in enumerate(("train", "val")):
+        idx = p[f"{split}_sources"]
+        for ci, c in enumerate(p["classes"]):
+            for i in range(p["per_class"][split]):
+                k = idx[i % len(idx)]
+                rng = np.random.default_rng([p["seed"], si, ci, i])
+                yield split, c, k, i, draw(c, p["sources"][k][1], rng)
+
+
+def write_folder(p: dict, size: int, out: str, overwrite: bool, command: str,
+                 progress: bool = True) -> dict:
+    """Write plan p's images into a temporary folder beside `out`, then rename it into place
+    (an `out` already there is replaced only with `overwrite`, once the new one is complete).
+    Returns the counts."""
+    from tqdm import tqdm
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out) + "-", dir=parent)
+    counts = {"train": {}, "val": {}}
+    total = len(p["classes"]) * (p["per_class"]["train"] + p["per_class"]["val"])
+    try:
+        for split, c, k, i, im in tqdm(images(p, size), total=total, disable=not progress,
+                                       desc=f"{p['kind']} -> {os.path.basename(out)}",
+                                       unit="img"):
+            d = os.path.join(tmp, split, c)
+            os.makedirs(d, exist_ok=True)
+            im.save(os.path.join(d, f"s{k:02d}-{i:05d}.png"))
+            counts[split][c] = counts[split].get(c, 0) + 1
+        names = [n for n, _ in p["sources"]]
+        meta = {"kind": p["kind"], "seed": p["seed"], "size": size, "classes": p["classes"],
+                "split_by": "source: no source of a val image made any train image",
+                "sources": {"train": {f"s{k:02d}": names[k] for k in p["train_sources"]},
+                            "val": {f"s{k:02d}": names[k] for k in p["val_sources"]}},
+                "counts": counts, "command": command}
+        if p["kind"] != "glyphs":  # the hidden parameters of each source (a font is its file)
+            meta["source_parameters"] = {f"s{k:02d}": p["sources"][k][1]
+                                         for k in range(len(p["sources"]))}
+        with open(os.path.join(tmp, "sources.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+            f.write("\n")
+        old = None
+        if os.path.lexists(out):
+            if os.path.isdir(out) and not os.listdir(out):
+                os.rmdir(out)
+            else:  # --overwrite (checked by main): the old folder goes only once the new is whole
+                old = tempfile.mkdtemp(prefix=".old-" + os.path.basename(out) + "-", dir=parent)
+                os.rename(out, os.path.join(old, "x"))
+        os.rename(tmp, out)
+        if old:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return counts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--out", required=True, help="the folder to create")
+    ap.add_argument("--kind", required=True, choices=KINDS)
+    ap.add_argument("--seed", type=int, default=0, help="sources, their split and every image")
+    ap.add_argument("--size", type=int, default=32, help="image side in pixels")
+    ap.add_argument("--train-per-class", type=int, default=1400, help="train images per class")
+    ap.add_argument("--val-per-class", type=int, default=250, help="val images per class")
+    ap.add_argument("--val-sources", type=float, default=0.25,
+                    help="share of the sources whose images go to val/ (and none to train/)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace OUT if it exists (once the new folder is complete)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    if not 8 <= args.size <= MAX_SIZE:
+        ap.error(f"--size must lie in [8, {MAX_SIZE}], got {args.size}")
+    if args.seed < 0:
+        ap.error(f"--seed must be >= 0, got {args.seed}")
+    for flag in ("train_per_class", "val_per_class"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 0 < args.val_sources < 1:
+        ap.error(f"--val-sources must lie in (0, 1), got {args.val_sources}")
+    out = os.path.abspath(args.out)
+    if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        if not args.overwrite:
+            ap.error(f"--out {args.out}: exists and is not an empty folder; pass --overwrite to "
+                     "replace it")
+        if not os.path.isdir(out):
+            ap.error(f"--out {args.out}: is a file, not a folder")
+    try:
+        check_writable("--out", os.path.join(out, "x"))
+    except ValueError as exc:
+        ap.error(str(exc))
+    fonts = None
+    if args.kind == "glyphs":
+        fonts = usable_fonts(find_fonts())
+        if len(fonts) < 2:
+            ap.error(f"--kind glyphs: needs at least 2 fonts that draw {''.join(GLYPHS)} "
+                     f"(`fc-list` lists the fonts), found {len(fonts)}")
+    p = plan(args.kind, args.seed, args.train_per_class, args.val_per_class, args.val_sources,
+             fonts)
+    command = " ".join(["python", "scripts/make_synthetic_folders.py"] +
+                       [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
+    counts = write_folder(p, args.size, out, args.overwrite, command,
+                          progress=not args.no_progress)
+    n_tr, n_va = sum(counts["train"].values()), sum(counts["val"].values())
+    print(f"{out}: {n_tr} train / {n_va} val images, {len(p['classes'])} classes, {args.size} "
+          f"px; sources {len(p['train_sources'])} train / {len(p['val_sources'])} val")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

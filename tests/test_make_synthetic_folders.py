@@ -1,0 +1,147 @@
+"""scripts/make_synthetic_folders.py: image folders split by source (issue 58), small and fast."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import make_synthetic_folders as msf  # noqa: E402
+
+SMALL = ["--size", "8", "--train-per-class", "6", "--val-per-class", "3", "--no-progress"]
+
+
+def _make(out, kind="textures", seed=0, extra=()):
+    assert msf.main(["--out", str(out), "--kind", kind, "--seed", str(seed)] + SMALL
+                    + list(extra)) == 0
+
+
+def _files(root):
+    """{relative path: bytes} of every file under root."""
+    got = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            with open(p, "rb") as f:
+                got[os.path.relpath(p, root)] = f.read()
+    return got
+
+
+def _usage_error(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        msf.main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["textures", "shapes", "glyphs"])
+def test_split_by_source_and_class_counts(tmp_path, kind):
+    if kind == "glyphs" and len(msf.usable_fonts(msf.find_fonts())) < 2:
+        pytest.skip("this machine has fewer than 2 fonts that draw the glyph classes")
+    out = tmp_path / kind
+    _make(out, kind)
+    meta = json.loads((out / "sources.json").read_text())
+    train, val = set(meta["sources"]["train"]), set(meta["sources"]["val"])
+    assert train and val and not train & val
+    classes = meta["classes"]
+    assert len(classes) == 10 and len(set(classes)) == 10
+    for split, n, own in (("train", 6, train), ("val", 3, val)):
+        assert sorted(os.listdir(out / split)) == sorted(classes)
+        for c in classes:
+            names = os.listdir(out / split / c)
+            assert len(names) == n and meta["counts"][split][c] == n
+            # every image's source (the file name's prefix) is one of its split's sources
+            assert {name.split("-")[0] for name in names} <= own
+        with Image.open(out / split / classes[0] / sorted(os.listdir(out / split / classes[0]))[0]) as im:
+            assert im.size == (8, 8) and im.mode == "RGB"
+    # no temporary folder left beside it
+    assert sorted(os.listdir(tmp_path)) == [kind]
+
+
+def test_split_sources_disjoint_and_complete():
+    for n, frac in ((2, 0.5), (22, 0.25), (40, 0.25), (5, 0.01), (5, 0.99)):
+        tr, va = msf.split_sources(n, frac, seed=3)
+        assert not set(tr) & set(va) and sorted(tr + va) == list(range(n))
+        assert tr and va
+    assert msf.split_sources(40, 0.25, 1) != msf.split_sources(40, 0.25, 2)
+    with pytest.raises(ValueError, match="at least 2 sources"):
+        msf.split_sources(1, 0.5, 0)
+
+
+def test_same_seed_same_pixels_other_seed_other(tmp_path):
+    _make(tmp_path / "a", "shapes", seed=5)
+    _make(tmp_path / "b", "shapes", seed=5)
+    _make(tmp_path / "c", "shapes", seed=6)
+    a, b, c = (_files(tmp_path / x) for x in "abc")
+    pa, pc = ({k: v for k, v in f.items() if k.endswith(".png")} for f in (a, c))
+    ja, jb = (json.loads(f["sources.json"]) for f in (a, b))
+    assert ja["command"] != jb["command"]  # the --out differs; all else is the same
+    ja.pop("command"), jb.pop("command")
+    assert ja == jb
+    assert {k: v for k, v in a.items() if k != "sources.json"} == \
+        {k: v for k, v in b.items() if k != "sources.json"}
+    assert pa.keys() != pc.keys() or any(pa[k] != pc[k] for k in pa)
+
+
+def test_refuses_to_overwrite_unless_asked(tmp_path, capsys):
+    out = tmp_path / "f"
+    _make(out, seed=0)
+    before = _files(out)
+    err = _usage_error(capsys, ["--out", str(out), "--kind", "textures", "--seed", "1"] + SMALL)
+    assert "--out" in err and "--overwrite" in err
+    assert _files(out) == before
+    _make(out, seed=1, extra=["--overwrite"])
+    after = _files(out)
+    assert after != before and json.loads(after["sources.json"])["seed"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["f"]
+    (tmp_path / "afile").write_text("x")
+    err = _usage_error(capsys, ["--out", str(tmp_path / "afile"), "--kind", "textures",
+                                "--overwrite"] + SMALL)
+    assert "afile" in err and (tmp_path / "afile").read_text() == "x"
+    # an empty folder is taken without --overwrite
+    (tmp_path / "empty").mkdir()
+    _make(tmp_path / "empty")
+
+
+def test_a_failure_leaves_nothing(tmp_path, monkeypatch):
+    calls = []
+
+    def boom(kind, src, size, rng):
+        calls.append(kind)
+        if len(calls) > 5:
+            raise RuntimeError("disk full")
+        return Image.new("RGB", (size, size))
+    monkeypatch.setattr(msf, "draw_texture", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        _make(tmp_path / "f")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("flag,value", [("--val-sources", "1"), ("--val-sources", "0"),
+                                        ("--size", "4"), ("--train-per-class", "0"),
+                                        ("--val-per-class", "0"), ("--seed", "-1")])
+def test_bad_flags_name_the_flag(tmp_path, capsys, flag, value):
+    err = _usage_error(capsys, ["--out", str(tmp_path / "f"), "--kind", "shapes"] + SMALL
+                       + [flag, value])
+    assert flag in err
+    assert not (tmp_path / "f").exists()
+
+
+def test_every_class_draws_something(tmp_path):
+    """A class whose picture were blank (or the same as another's) would be unlearnable."""
+    rng = np.random.default_rng(0)
+    src = msf.texture_source(0, 0)
+    for fam in msf.TEXTURES:
+        x = np.asarray(msf.draw_texture(fam, dict(src, noise=0.0), 32, rng), dtype=np.float32)
+        assert x.std() > 10, fam
+    style = dict(msf.shape_source(0, 0), noise=0.0, background="flat", mode="fill")
+    seen = set()
+    for kind in msf.SHAPES:
+        pts = msf.shape_points(kind, 32, 32, 20, 0.0)
+        seen.add(tuple(np.round(np.asarray(pts), 3).ravel()))
+        x = np.asarray(msf.draw_shape(kind, style, 32, np.random.default_rng(1)), dtype=np.float32)
+        assert x.reshape(-1, 3).std(0).max() > 10, kind
+    assert len(seen) == len(msf.SHAPES)
