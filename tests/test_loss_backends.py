@@ -143,11 +143,11 @@ def test_fp16_keys_gradient_does_not_underflow(backend, n, reduction, monkeypatc
     so P g (~1e-8 at 8192) fell below fp16's smallest subnormal where the keys' backward rounds it
     to fp16 for the second product.  The kernels scale g by a power of two (docs/math.md
     [M:grad-scale]).  Budget: 1e-2 absolute (the fp16 reference is as broken as the unscaled
-    kernel was: 0.08 at 8192).  Inputs: tests/test_cuda_mma_numerics.fp16_inputs (a nearly flat
+    kernel was: 0.08 at 8192).  Inputs: tests/test_loss_cuda.fp16_inputs (a nearly flat
     softmax, a keys' gradient fp16 can hold).  The interpreter runs wide tiles here (its time is
     per tile step; tiles change only the fp32 summation order), still ~2 min at 4096: slow
     (tests/test_loss_triton_scale.py checks the Triton kernel's scale itself, fast)."""
-    from test_cuda_mma_numerics import fp16_inputs
+    from test_loss_cuda import fp16_inputs
     if backend == "triton" and INTERPRETED:
         from nac_fast.kernels import launch, nac_triton
         monkeypatch.setattr(nac_triton, "_INTERP", {k: launch.Config(128, 512)

@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from nac_fast.kernels import nac_triton  # noqa: E402
-from test_cuda_mma_numerics import fp16_inputs, pow2_scale  # noqa: E402
+from test_loss_cuda import fp16_inputs, pow2_scale  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,0 +1,259 @@
+"""What runs only on a GPU, or differs between the Triton interpreter and compiled GPU code.
+The same CUDA kernels checked without a GPU (build, layouts, numerics): tests/test_loss_cuda.py.
+
+The tensor-core kernels on a GPU (csrc/nac_cuda_mma.cu): both 16-bit dtypes, every loss and code
+width, against the float64 reference.  Skips without a GPU; bench/gpu_suite.sh's test stage runs
+it.
+
+Interpreter vs GPU: where the Triton interpreter (CI: CPU tensors, TRITON_INTERPRET=1) and the
+compiled GPU code would compute different things for the same call, the guards that keep the
+kernels' inputs out of those ranges (host seeds; CUDA tensors are not the interpreter's).  Runs
+on CUDA tensors on a GPU machine, else on CPU tensors under the interpreter.
+
+GPU Python paths: Python that runs only with CUDA tensors, or matters most there (the Hamming
+reference engine, the GPU's fallback, and a GPU index's memory check), tested on the CPU.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import nac_fast
+from nac_fast.index import hash_index as HI
+from nac_fast.index.hash_index import HashIndex
+from nac_fast.ops import search as S
+
+from _loss_helpers import rel_err, run_loss
+
+DEVICE = os.environ.get("NAC_FAST_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+
+needs_cuda_kernels = pytest.mark.skipif(
+    not torch.cuda.is_available() or "cuda" not in nac_fast.available_backends("cuda"),
+    reason="needs a GPU and the extension built with its CUDA kernels")
+needs_triton = pytest.mark.skipif(
+    "triton" not in nac_fast.available_backends(DEVICE),
+    reason=f"the Triton backend on {DEVICE} tensors (CPU: needs triton and TRITON_INTERPRET=1)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensor-core kernels on a GPU
+# ---------------------------------------------------------------------------------------------
+
+SHAPES = [  # (n, N, D): DPAD 32, 64, 128, 256; splits; partial tiles; D % 8 != 0
+    (300, 300, 20), (129, 1031, 64), (97, 517, 100), (64, 300, 250), (1000, 4099, 128),
+    (33, 17, 7), (2048, 8192, 256)]
+
+
+def _inputs(n, N, D, dtype, seed, keys_given, p=0.1):
+    g = torch.Generator().manual_seed(seed)
+    t = {"a": torch.randn(n, D, generator=g) * 1.5, "r": torch.randn(n, D, generator=g) * 2}
+    if keys_given:
+        t["keys"] = torch.tanh(torch.randn(N, D, generator=g) * 1.5)
+    noise = nac_fast.draw_noise((n, D), p, generator=g)
+    return ({k: v.to("cuda", dtype).requires_grad_() for k, v in t.items()},
+            noise.to("cuda", dtype))
+
+
+def _fn(kind):
+    if kind == "mq":
+        return lambda a, r, keys, **kw: nac_fast.nac_mq_loss(a, r, keys.detach(), kw.pop("p"),
+                                                             l2=0.1, **kw)
+    return lambda a, r, keys=None, **kw: nac_fast.nac_loss(a, r, kw.pop("p"), keys=keys, **kw)
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("n,N,D", SHAPES, ids=["-".join(map(str, s)) for s in SHAPES])
+@pytest.mark.parametrize("kind", ["inbatch", "keys", "mq"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_tensor_core_path_against_float64(dtype, kind, n, N, D):
+    """bf16 and fp16 inputs, both losses (in-batch keys, given keys, the queue loss), every code
+    width the kernels are built for (DPAD 32, 64, 128, 256, with D below, at and between them;
+    given keys read in place when D % 8 == 0, else through the padded copy), shapes with several
+    key / query splits and partial tiles; forward value and every gradient against the float64
+    reference, within twice the error of the reference computed in the same 16-bit dtype (the
+    bf16 rule of the loss's numerics tests), and the backward bit-for-bit deterministic.  It
+    passed on an H100 (bench/results/NVIDIA-H100-80GB-HBM3_2026-11-27_run3/), which took 'cuda'
+    out of nac_fast.ops.dispatch.EXPERIMENTAL."""
+    t, noise = _inputs(n, N, D, dtype, seed=n + N + D, keys_given=kind != "inbatch")
+    w = torch.randn(n, generator=torch.Generator().manual_seed(3)).to("cuda")
+    fn = _fn(kind)
+    kw = dict(p=0.1, reduction="none")
+    exact = {k: x.detach().double().requires_grad_() for k, x in t.items()}
+    v64, g64 = run_loss(fn, exact, w, backend="reference", noise=noise.double(), **kw)
+    vref, gref = run_loss(fn, t, w, backend="reference", noise=noise, **kw)
+    v, g = run_loss(fn, t, w, backend="cuda", noise=noise, **kw)
+    assert torch.isfinite(v).all()
+    assert rel_err(v, v64) <= 2 * rel_err(vref, v64) + 1e-7, (rel_err(v, v64), rel_err(vref, v64))
+    for name in g64:
+        if kind == "mq" and name == "keys":
+            continue
+        assert g[name].dtype == dtype and torch.isfinite(g[name]).all(), name
+        e, eref = rel_err(g[name], g64[name]), rel_err(gref[name], g64[name])
+        assert e <= 2 * eref + 1e-7, (name, e, eref)
+    _, g2 = run_loss(fn, t, w, backend="cuda", noise=noise, **kw)
+    for name in g:
+        if g[name] is None:  # the queue's keys take no gradient (they are detached)
+            assert g2[name] is None, name
+            continue
+        assert torch.equal(g[name], g2[name]), f"{name}: backward not deterministic"
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpreter vs GPU: host seeds, and the devices the interpreter takes
+# ---------------------------------------------------------------------------------------------
+
+# ints the kernels cannot take as an int64 seed_val: int32-typed, or (interpreter) uint32 data
+GAP_SEEDS = (0, 5, -5, -(1 << 31), (1 << 31) - 1, 1 << 31, 3_000_000_000, (1 << 32) - 1)
+# int64 seeds outside the gap, at its edges and the ends of the int64 range
+GOOD_SEEDS = (1 << 32, -(1 << 31) - 1, (3 << 61) + 123456789, (1 << 63) - 1, -(1 << 63))
+
+
+@pytest.fixture
+def kernels():
+    from nac_fast.kernels import nac_noise_triton, nac_triton
+    for c in (nac_triton.FWD_PLANS, nac_triton.BWD_PLANS, nac_noise_triton.PLANS):
+        c.clear()
+    yield nac_triton, nac_noise_triton
+    for c in (nac_triton.FWD_PLANS, nac_triton.BWD_PLANS, nac_noise_triton.PLANS):
+        c.clear()
+
+
+def _want(like, seed, p):
+    from nac_fast.ops.noise import noise_from_seed
+    return noise_from_seed(like, torch.tensor([seed], dtype=torch.int64, device=like.device), p,
+                           backend="reference")
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", GAP_SEEDS)
+def test_noise_op_refuses_a_host_seed_the_kernels_cannot_take_as_int64(kernels, seed):
+    """Host seeds (kernels/nac_noise_triton.py host_seed_value): an int seed is the kernels'
+    seed_val argument, typed by its value.  In [-2^31, 2^31) Triton types it int32, and
+    philox_sign_of's 64-bit split of it does not compile (on the GPU either); in [2^31, 2^32) the
+    GPU types it int64 (the right noise) while the interpreter passes uint32 data under an int64
+    type, whose arithmetic shift `seed >> 32` it reads as negative: the key's high word
+    0xFFFFFFFF instead of 0, the noise of another seed, and a CPU test of that seed would disagree
+    with the GPU.  Such seeds are refused with a ValueError on every device, on a plan's first
+    call and on the cached plan's later ones; the range host_seed draws in, [2^62, 2^63), and
+    every other int64 keep working, bit for bit.
+
+    Before the guard: 0 .. 2^31 - 1 and the negatives down to -2^31 failed to compile
+    (InterpreterError / CompilationError, not a ValueError); 2^31 .. 2^32 - 1 gave, under the
+    interpreter, the noise of another seed (key high word 0xFFFFFFFF), not the reference's."""
+    _, N = kernels
+    like = torch.empty(33, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="host seed"):
+        N.noise(like, seed, 0.3)
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", (1 << 31, 3_000_000_000, 7))
+def test_a_cached_plan_checks_each_calls_host_seed(kernels, seed):
+    """A later call binds its seed to the first call's plan (kernels/launch.py Plan scalars):
+    the check runs there too (the noise op and the loss's forward, in-batch and given keys)."""
+    nac_triton, N = kernels
+    like = torch.empty(33, 8, device=DEVICE)
+    good = GOOD_SEEDS[2]
+    assert torch.equal(N.noise(like, good, 0.3), _want(like, good, 0.3))
+    with pytest.raises(ValueError, match="host seed"):
+        N.noise(like, seed, 0.3)
+    a, r = torch.randn(29, 16, device=DEVICE), torch.randn(29, 16, device=DEVICE)
+    for keys in (None, torch.tanh(torch.randn(40, 16, device=DEVICE))):
+        out = nac_triton.fwd(a, r, None, keys, 1.0, 0.0, True, good, 0.2)
+        assert torch.equal(out[5], _want(a, good, 0.2))
+        with pytest.raises(ValueError, match="host seed"):
+            nac_triton.fwd(a, r, None, keys, 1.0, 0.0, True, seed, 0.2)
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", GOOD_SEEDS)
+def test_int64_host_seeds_outside_the_gap_give_the_reference_noise(kernels, seed):
+    """Every int64 outside [-2^31, 2^32), the edges included, is the kernels' int64 argument on
+    both the GPU and the interpreter: the noise of that seed, bit for bit."""
+    _, N = kernels
+    like = torch.empty(33, 8, device=DEVICE)
+    assert torch.equal(N.noise(like, seed, 0.3), _want(like, seed, 0.3))
+
+
+@needs_triton
+def test_host_seed_value_bounds():
+    from nac_fast.kernels.nac_noise_triton import host_seed_value
+    for s in GOOD_SEEDS:
+        assert host_seed_value(s) == s
+    for s in GAP_SEEDS + (1 << 63, -(1 << 63) - 1, True, 2.0 ** 40):
+        with pytest.raises(ValueError, match="host seed"):
+            host_seed_value(s)
+
+
+@needs_triton
+def test_the_interpreter_does_not_take_cuda_tensors(monkeypatch):
+    """The kernels choose their arithmetic by the tensors' device: on CPU tensors the
+    interpreter's (rounding casts emulated, no inline PTX), on CUDA tensors the GPU's.  So with
+    TRITON_INTERPRET=1 on a machine with a GPU, CUDA tensors are not Triton's (an interpreted
+    run of them would truncate bf16 casts and fail on the inline PTX); CPU tensors are."""
+    from nac_fast.ops import dispatch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not dispatch.triton_runs_on("cuda")
+    assert dispatch.triton_runs_on("cpu") and dispatch.triton_runs_on("any")
+    assert "TRITON_INTERPRET unset" in dispatch._reason("triton", "cuda", "nac")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert dispatch.triton_runs_on("cuda") and not dispatch.triton_runs_on("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU Python paths, tested on the CPU
+# ---------------------------------------------------------------------------------------------
+
+def _words(seed, n, W):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2 ** 62, 2 ** 62, (n, W), generator=g, dtype=torch.int64)
+
+
+def test_reference_topk_keeps_no_chunk_matrix(monkeypatch):
+    """_ref_topk (the reference engine, the GPU's fallback) must hold only the k columns of each
+    query chunk until the final cat, not a view into the chunk's whole (rows, G) sort: those views
+    kept a Q x G matrix alive (12 bytes a pair), an OOM on a GPU for a large gallery."""
+    q, g, k = _words(1, 300, 2), _words(2, 5000, 2), 10
+    held = []
+    cat = torch.cat
+
+    def spy(ts, *a, **kw):
+        held.extend(t.untyped_storage().nbytes() for t in ts)
+        return cat(ts, *a, **kw)
+
+    monkeypatch.setattr(torch, "cat", spy)
+    D, I = S._ref_topk(q, g, k)
+    monkeypatch.setattr(torch, "cat", cat)
+    assert D.shape == (300, k) and I.shape == (300, k)
+    # the outputs' own bytes (int32 + int64), not 300 x 5000 x 12
+    assert sum(held) == 300 * k * (4 + 8)
+    d = S.ref_cdist(q, g)
+    sd, si = torch.sort(d, dim=1, stable=True)
+    assert torch.equal(D, sd[:, :k]) and torch.equal(I, si[:, :k])
+
+
+def test_gpu_index_reference_search_checks_its_workspace(monkeypatch):
+    """A GPU index searched by the reference engine: its chunks' temporaries count in the free
+    memory check (a ValueError before any copy), as the Triton and CUDA engines' workspace does;
+    before, only the queries and results were counted and the search ran into a CUDA OOM.  The GPU
+    is pretended: the check raises before anything touches it."""
+    index = HashIndex(128, backend="reference")
+    index.add(_words(3, 1 << 16, 2).ne(0).repeat_interleave(64, 1)[:, :128])
+    index._device = torch.device("cuda", 0)   # a GPU index (its codes are never read here)
+    monkeypatch.setattr(HI, "resolve_backend", lambda backend, words, nbits=None: "reference")
+    monkeypatch.setattr(HI, "gpu_free_bytes", lambda device: 1 << 20)
+    empty = torch.empty
+
+    def meta_empty(*a, device=None, **kw):  # the engine's probe tensor, on no real GPU
+        cuda = device is not None and torch.device(device).type == "cuda"
+        return empty(*a, device="meta" if cuda else device, **kw)
+
+    monkeypatch.setattr(torch, "empty", meta_empty)
+    q = torch.ones(4, 128, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"searching 4 queries \(top 10\) in 65,536 codes needs "
+                                         r"\d+ MiB on cuda:0, which has 1 MiB free"):
+        index.search(q, 10)
+    assert S.ref_topk_workspace_bytes(4, 1 << 16, 10, 2) > 1 << 25
