@@ -69,7 +69,7 @@ def _say(msg: str) -> None:
 
 def load_build_flags():
     """csrc/build_flags.py: the compiler flags and toolkit discovery, shared with
-    bench/cuda_resources.py (loaded by path: csrc/ is not a package)."""
+    tools/cuda_resources.py (loaded by path: csrc/ is not a package)."""
     spec = importlib.util.spec_from_file_location("nac_build_flags",
                                                   os.path.join(ROOT, "csrc", "build_flags.py"))
     mod = importlib.util.module_from_spec(spec)

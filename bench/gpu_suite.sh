@@ -17,11 +17,11 @@
 #                (the Philox noise of int64 seeds at the edges of their range) tests, JUnit
 #                XML pytest_gpu.xml (the Hamming engine's tests run in the hamming stage); fails
 #                on any failure or error, on a skipped triton/cuda test, and unless tests of both
-#                backends passed (gpu_summary.py --check-junit); then bench/compile_check.py
+#                backends passed (gpu_summary.py --check-junit); then tools/compile_check.py
 #                under the device's own Triton (sm_80/sm_90, D = 128, the built-in and tuned
 #                configurations: compile_check_device.csv), failing on a problem of a 16-bit path
 #                (a spill, shared memory, no tensor-core instruction) and reporting fp32's.
-#   autotune     bench/autotune.py: every candidate configuration of the fwd / bwd_keys kernels
+#   autotune     tools/autotune.py: every candidate configuration of the fwd / bwd_keys kernels
 #                timed (graph replays) per case, the winners checked and written to
 #                autotune.csv and sm<arch>.json, and installed in kernels/tuned/ so the later
 #                stages use them (NAC_FAST_AUTOTUNE_BUDGET_S, default 120); then the row-tile
@@ -71,7 +71,7 @@
 #                NAC_FAST_JPEG_STEPS (240) steps: the median img/s and data wait of train.py's
 #                log windows (20 steps) after NAC_FAST_JPEG_WARMUP (60), beside the train stage's
 #                synthetic-data 2,181 img/s: train_jpeg.csv, train_jpeg/log.jsonl.  Needs DALI,
-#                which the image lacks: carry it first (bench/carry_wheel.sh, bench/gpu_notes.md).
+#                which the image lacks: carry it first (tools/carry_wheel.sh, docs/gpu.md).
 #                Not part of `all`.
 #   all          test autotune host train hamming (the order of what matters most when time
 #                runs out)
@@ -243,12 +243,12 @@ stage_test() {
     local arch crc=0
     arch=$($PY -c "import torch; M, m = torch.cuda.get_device_capability(); print(10 * M + m)")
     if [ "$arch" = 90 ] || [ "$arch" = 80 ]; then
-      env -u TRITON_INTERPRET $PY bench/compile_check.py --archs "$arch" \
+      env -u TRITON_INTERPRET $PY tools/compile_check.py --archs "$arch" \
           --dtypes bfloat16,float16,float32 --D 128 --no-cuda --no-candidates --jobs 8 \
           --csv "$RES/compile_check_device.csv" > "$RES/compile_check_device.log" 2>&1 || crc=$?
       grep -E "^(compile check:|PROBLEM)" "$RES/compile_check_device.log" || true
       # a problem on a 16-bit path fails the stage; fp32's (tf32x3) are reported: Triton 3.6
-      # spills 4-24 B in its keys' backward at every configuration (bench/gpu_notes.md)
+      # spills 4-24 B in its keys' backward at every configuration (docs/gpu.md)
       local p16 p32
       p16=$(grep -cE '^PROBLEM .* (bfloat16|float16) ' "$RES/compile_check_device.log" || true)
       p32=$(grep -cE '^PROBLEM .* float32 ' "$RES/compile_check_device.log" || true)
@@ -453,11 +453,11 @@ stage_autotune() {
   ensure_built || { detail "build failed"; return 1; }
   local rc=0
   if [ "$CPU_MODE" = 1 ]; then
-    $PY bench/autotune.py --cpu --out-dir "$RES" --overwrite --rows-sweep || rc=$?
+    $PY tools/autotune.py --cpu --out-dir "$RES" --overwrite --rows-sweep || rc=$?
   else
     # the table goes to kernels/tuned/ on this machine, so the stages after this one use it;
     # it comes back in $RES (sm90.json) to be reviewed and committed
-    $PY bench/autotune.py --out-dir "$RES" --install --overwrite \
+    $PY tools/autotune.py --out-dir "$RES" --install --overwrite \
         --budget-s "${NAC_FAST_AUTOTUNE_BUDGET_S:-120}" \
         --rows-sweep --rows-budget-s "${NAC_FAST_ROWS_BUDGET_S:-30}" || rc=$?
   fi
@@ -514,7 +514,7 @@ EOF
 
 # train-jpeg (issue 54): train.py on a JPEG tree on the machine's local disk, ResNet-50 NAC-MQ
 # with --loader dali-gpu, beside the synthetic-data figure of the train stage.  DALI is not in
-# the device image: carry it first (bench/carry_wheel.sh, bench/gpu_notes.md).
+# the device image: carry it first (tools/carry_wheel.sh, docs/gpu.md).
 JPEG_SYNTHETIC_IMG_S=2181   # train stage, synthetic images (NVIDIA-H100-80GB-HBM3_2026-11-27_run2)
 stage_train_jpeg() {
   BUILT_FIRST=""
@@ -536,7 +536,7 @@ stage_train_jpeg() {
   [[ "$steps" =~ ^[0-9]+$ && "$warm" =~ ^[0-9]+$ && $warm -lt $steps && $((warm % every)) = 0 ]] || {
     detail "NAC_FAST_JPEG_STEPS ($steps) must exceed NAC_FAST_JPEG_WARMUP ($warm), a multiple of $every"; return 2; }
   $PY -c "import nvidia.dali" 2>/dev/null || {
-    detail "NVIDIA DALI is not importable ($PY): carry it first (bench/carry_wheel.sh, bench/gpu_notes.md)"; return 1; }
+    detail "NVIDIA DALI is not importable ($PY): carry it first (tools/carry_wheel.sh, docs/gpu.md)"; return 1; }
   # one epoch covers the run (no epoch boundary, whose pipeline rebuild would enter the figure)
   local per_class=$(( ((steps + 10) * batch + classes - 1) / classes ))
   local want="$classes $per_class $size $quirks"

@@ -1,5 +1,5 @@
 """Compiler flags and toolkit discovery of the nac_fast._C extension: one definition for setup.py
-(the build) and bench/cuda_resources.py (ptxas' per-kernel register/spill/shared-memory report),
+(the build) and tools/cuda_resources.py (ptxas' per-kernel register/spill/shared-memory report),
 so the report describes the code that is built.
 
 Plain Python, standard library only, no side effects at import.  csrc/ is not a package: both

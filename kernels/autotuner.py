@@ -1,7 +1,7 @@
 """The runtime autotuner of the Triton NAC kernels: times the candidate configurations of one
 tuned-table key (kernels/tuning.py) on random data of the call's shape, checks each against the
 built-in configuration, refuses spilling ones, and writes the first-use cache (NAC_FAST_AUTOTUNE=1)
-or feeds the autotune stage (bench/autotune.py).
+or feeds the autotune stage (tools/autotune.py).
 
 It imports nac_triton (the plans it times) one way: nac_triton and tuning never import this
 module.  Importing it registers `first_use_autotune` with kernels/tuning.py (`register_autotuner`);

@@ -5,7 +5,7 @@ helpers they are keyed by (block_d, fp32_precision, parts_of) and the shared-mem
 A leaf: it imports nothing of nac_triton (tests/test_layering.py), so the tuned-table lookup
 (kernels/tuning.py) reads it without the kernels, and nac_triton re-exports every name here
 (nac_triton.CONFIGS, nac_triton.CANDIDATES, ... as before).  Read by the launchers, the tuned
-tables, bench/compile_check.py and bench/autotune.py.
+tables, tools/compile_check.py and tools/autotune.py.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def block_d(D: int) -> int:
 # (kernel, dtype family, BLOCK_D) -> candidates, best first (the first whose shared-memory estimate
 # fits the target wins).  fwd: BLOCK_M query rows per program, BLOCK_N keys per loop step;
 # bwd_keys: BLOCK_N keys per program, BLOCK_M query rows per loop step.  Chosen with
-# bench/compile_check.py (sm_80 and sm_90: shared memory, registers, spills); see its CSV.
+# tools/compile_check.py (sm_80 and sm_90: shared memory, registers, spills); see its CSV.
 _C = Config
 CONFIGS = {
     # ---- bf16 / fp16: tensor cores (HGMMA on sm_90 where BLOCK_M >= 64), fp32 accumulators
@@ -74,7 +74,7 @@ CONFIGS = {
     # ---- fp32 in bf16x6 (NAC_FAST_FP32_DOT=bf16x6, D <= 128): three bf16 part tiles per
     # operand (3x a 16-bit tile's shared memory), so smaller tiles than the 16-bit paths'.  sm_90:
     # one-warpgroup HGMMA programs, two or more per SM; sm_80: 8 warps (mma.sync holds operand
-    # fragments in registers: the 4-warp tiles spilled there).  bench/compile_check.py, precision
+    # fragments in registers: the 4-warp tiles spilled there).  tools/compile_check.py, precision
     # bf16x6; the suite's bench-quick stage times them, its autotune stage their alternatives
     # (CANDIDATES "float32:bf16x6").
     **{("fwd", "32p", bd): [_C(64, 32, 4, 2, (90,)), _C(32, 64, 8, 2)]
@@ -82,7 +82,7 @@ CONFIGS = {
     **{("bwd_keys", "32p", bd): [_C(32, 64, 4, 2, (90,)), _C(64, 32, 8, 2)]
        for bd in (16, 32, 64, 128)},
     # ---- fp32 in fp16x3 (in-batch; NAC_FAST_FP32_DOT=fp16x3, D <= 128): two fp16 part tiles
-    # per operand, three products (bench/compile_check.py, precision fp16x3)
+    # per operand, three products (tools/compile_check.py, precision fp16x3)
     **{("fwd", "32h", bd): [_C(64, 32, 4, 2, (90,)), _C(32, 64, 8, 2)]
        for bd in (16, 32, 64, 128)},
     **{("bwd_keys", "32h", bd): [_C(32, 64, 4, 2, (90,)), _C(64, 32, 8, 2)]
@@ -100,7 +100,7 @@ CONFIGS = {
     ("bwd_keys", "64", 512): [_C(16, 16, 8, 2)],
 }
 # The keys' backward with the rows' backward fused in (OUT_MODE 2, one split, self keys): the
-# epilogue's extra tiles spilled in the bwd_keys configurations (sm_90, bench/compile_check.py:
+# epilogue's extra tiles spilled in the bwd_keys configurations (sm_90, tools/compile_check.py:
 # 24-196 B at D = 64/128).  Fewer keys per block here; None: no fused configuration without a
 # spill was found, the rows' backward stays its own launch.
 FUSED_CONFIGS = {
@@ -118,12 +118,12 @@ def _waves(*configs: Config, waves=(1, 2)) -> list:
             for c in configs for w in waves]
 
 
-# Autotune candidates (kernels/tuning.py, bench/autotune.py): (kernel, dtype, BLOCK_D) -> the
+# Autotune candidates (kernels/tuning.py, tools/autotune.py): (kernel, dtype, BLOCK_D) -> the
 # configurations the autotune stage times, each with one and two waves of programs (Config.waves);
 # a tuned table may name only these.  Each compiles for sm_80 and sm_90 (archs: where it fits)
 # within shared memory, without spills and with tensor-core instructions, in every launch a plan
-# makes of it (bench/compile_check.py, rows with source "candidate"); the built-in configuration
-# is among them.  Grid searched and why each is here: bench/gpu_notes.md "Autotune candidates".
+# makes of it (tools/compile_check.py, rows with source "candidate"); the built-in configuration
+# is among them.  Grid searched and why each is here: docs/gpu.md "Autotune candidates".
 H = (90,)  # candidates that spilled on sm_80 (mma.sync holds operand fragments in registers)
 CANDIDATES = {
     ("fwd", "bfloat16", 128): _waves(
@@ -144,7 +144,7 @@ CANDIDATES = {
         _C(32, 32, 4, 3)),
     # fp32 in bf16x6 (NAC_FAST_FP32_DOT=bf16x6; kernels/tuning.py candidate_dtype): three bf16
     # part tiles per operand, so 32/64-row tiles; sm_90 one-warpgroup HGMMA programs and 8-warp
-    # ones, sm_80 8 warps only (bench/gpu_notes.md "fp32 in bf16x6")
+    # ones, sm_80 8 warps only (docs/gpu.md "fp32 in bf16x6")
     ("fwd", "float32:bf16x6", 128): _waves(
         _C(64, 32, 4, 2, H), _C(64, 32, 4, 3, H), _C(64, 64, 8, 2, H), _C(128, 32, 8, 2, H),
         _C(32, 64, 8, 2)),
@@ -155,7 +155,7 @@ CANDIDATES = {
     # operand and P's two parts in registers, so larger tiles than bf16x6's fit (sm_90: 134-200
     # registers at 64-row tiles; left out for spills: forward 64x128 w4 (300 B), keys' backward
     # 128x64 w8 (64 B), 64x128 w4 (436 B) and, under the device's Triton 3.6, 128x64 w4 (192 B);
-    # forward 128x128 w8: over the shared memory estimate; bench/gpu_notes.md "fp32 in fp16x3")
+    # forward 128x128 w8: over the shared memory estimate; docs/gpu.md "fp32 in fp16x3")
     ("fwd", "float32:fp16x3", 128): _waves(
         _C(64, 32, 4, 2, H), _C(64, 32, 4, 3, H), _C(64, 64, 8, 2, H), _C(128, 32, 8, 2, H),
         _C(32, 64, 8, 2), _C(64, 64, 4, 2, H), _C(64, 64, 4, 3, H), _C(128, 64, 8, 2, H),

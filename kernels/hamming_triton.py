@@ -44,7 +44,7 @@ the relevant items (and per rank cut-off).  The sums over slices are taken in a 
 The popcount is ``popc.b64`` (PTX, ``tl.inline_asm_elementwise``) on a GPU, and SWAR on the two
 32-bit halves of each word under the interpreter (TRITON_INTERPRET=1, what CI runs on CPU tensors;
 it cannot run inline assembly): the constexpr ASM picks, from the tensors' device (a meta tensor,
-as bench/compile_check.py plans with, counts as a GPU).  The reference backend of
+as tools/compile_check.py plans with, counts as a GPU).  The reference backend of
 nac_fast/ops/search.py uses the same SWAR formula in torch ops.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every Triton op of nac_fast builds a *plan* before it launches anything: the list of kernel
 launches (kernel, grid, arguments, constexprs, warps, stages) that one call makes, for a given
-:class:`Target`.  The op runs its plan; ``bench/compile_check.py`` builds the same plans from
+:class:`Target`.  The op runs its plan; ``tools/compile_check.py`` builds the same plans from
 meta tensors for sm_80 and sm_90 and compiles every launch with ``triton.compile`` on the CPU,
 so the configurations the launchers choose and the ones CI checks cannot drift apart.
 
@@ -38,7 +38,7 @@ class Target:
     each).  smem_per_sm: the shared memory one SM holds for all its resident blocks.
     occupancy: None, or a function (Launch) -> resident blocks per SM of that launch's compiled
     kernel (a GPU: `compiled_occupancy`, measured from the kernel Triton compiled); None counts
-    one block per SM, the figure every compiled configuration reaches (bench/compile_check.py
+    one block per SM, the figure every compiled configuration reaches (tools/compile_check.py
     records each configuration's own figure, column blocks_per_sm)."""
     arch: int
     smem: int

@@ -960,7 +960,7 @@ def _rows_block(D: int, dtype: torch.dtype) -> int:
 
 @contextlib.contextmanager
 def row_tile(elems: int):
-    """ROW_TILE = elems inside the block (bench/autotune.py --rows-sweep times the plans built
+    """ROW_TILE = elems inside the block (tools/autotune.py --rows-sweep times the plans built
     there); the cached plans are dropped on the way in and out, so none outlives its setting."""
     global ROW_TILE
     if elems < 16 or elems & (elems - 1):
@@ -1080,7 +1080,7 @@ def saved_parts(a: torch.Tensor, keys: Optional[torch.Tensor]) -> tuple:
 def fp32_dot(mode: Optional[str]):
     """NAC_FAST_FP32_DOT = mode inside the block (None: the environment as it is), restored on the
     way out: plans, candidates and estimates made inside follow that fp32 product mode (the
-    benches that sweep it: bench/autotune.py, bench/compile_check.py, bench/precision_table.py)."""
+    benches that sweep it: tools/autotune.py, tools/compile_check.py, bench/precision_table.py)."""
     if mode is None:
         yield
         return
@@ -1094,7 +1094,7 @@ def fp32_dot(mode: Optional[str]):
 @contextlib.contextmanager
 def fold(on: bool):
     """NAC_FAST_FOLD = 1 / 0 inside the block, restored on the way out: plans made inside fold
-    the row-wise tails into the matrix kernels or not (`folding`; bench/compile_check.py plans
+    the row-wise tails into the matrix kernels or not (`folding`; tools/compile_check.py plans
     both, the benches time both)."""
     with _env_set(ENV_FOLD, "1" if on else "0"):
         yield
@@ -1190,7 +1190,7 @@ def _fin_rows(bm: int, block: int, num_warps: int, bd: int) -> int:
     """Rows per chunk of a tail folded into a matrix kernel (FIN_M): the row-wise kernel's own
     rows per program (bm), at most the matrix kernel's block, and at most FOLD_ELEMS elements a
     thread per (rows x BLOCK_D) tile at its warps: the tail's tiles and their 64-bit addresses
-    add to the kernel's registers (sm_90, bf16, D = 128, bench/compile_check.py: with 4 warps
+    add to the kernel's registers (sm_90, bf16, D = 128, tools/compile_check.py: with 4 warps
     the given keys' forward with the inference term at 64 x 128 spilled 120 B in 32-row chunks,
     the keys' backward at 128 x 64, 3 stages, 8 B in 32-row and 4 B in 16-row ones; 8-row
     chunks spill nowhere)."""

@@ -2,7 +2,7 @@
 
 The launchers (kernels/nac_triton.py `config`) take a kernel's block configuration from a *table*
 of timed winners when one applies, else from the built-in `CONFIGS`.  A table is a JSON file
-written by the autotune stage (``python bench/autotune.py``, a GPU suite stage) for one GPU
+written by the autotune stage (``python tools/autotune.py``, a GPU suite stage) for one GPU
 architecture: ``kernels/tuned/sm<arch>.json`` (shipped with the package), with the device, the
 triton/torch versions and, per entry, the figures that chose the winner.
 
@@ -444,7 +444,7 @@ def table_for(arch: int, device_name: str) -> Tuple[str, Optional[Table]]:
                 out = ("none", None)
                 announce(f"no tuned kernel table (kernels/tuned/ has none for sm_{arch} or any "
                          "arch): the built-in kernel configurations are used; "
-                         f"`python bench/autotune.py` makes one, {ENV_AUTOTUNE}=1 tunes on "
+                         f"`python tools/autotune.py` makes one, {ENV_AUTOTUNE}=1 tunes on "
                          "first use")
     _TABLES[key] = out
     return out

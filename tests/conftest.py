@@ -24,7 +24,7 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _triton_interpreter_stays_on():
     """A test or a module it imports that unsets TRITON_INTERPRET would turn every later Triton
-    test into a silent skip (it happened once: bench/compile_check.py popped it at import)."""
+    test into a silent skip (it happened once: tools/compile_check.py popped it at import)."""
     yield
     if not torch.cuda.is_available():
         assert os.environ.get("TRITON_INTERPRET") == "1", "TRITON_INTERPRET was unset by this test"

@@ -1,8 +1,8 @@
 """The autotune stage (issue 38) on the CPU: tuned tables (format, validation, lookup by size
 class and kind, nearest arch, NAC_FAST_TUNED), the first-use autotune and its disk cache, the
 split's waves, every candidate configuration's kernels under the interpreter against float64,
-and bench/autotune.py's CPU mode end to end.  GPU timings come from the GPU suite's autotune
-stage (bench/autotune.py on a GPU), never from here."""
+and tools/autotune.py's CPU mode end to end.  GPU timings come from the GPU suite's autotune
+stage (tools/autotune.py on a GPU), never from here."""
 import copy
 import csv
 import json
@@ -452,11 +452,11 @@ def rel(x, ref):
     return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
-# ---- bench/autotune.py's CPU mode ----------------------------------------------------------
+# ---- tools/autotune.py's CPU mode ----------------------------------------------------------
 
 def test_autotune_stage_cpu_mode(tmp_path):
     out = tmp_path / "tune"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "autotune.py"), "--cpu", "--out-dir",
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "autotune.py"), "--cpu", "--out-dir",
            str(out), "--max-candidates", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, TRITON_INTERPRET="1"))
@@ -466,7 +466,7 @@ def test_autotune_stage_cpu_mode(tmp_path):
     assert head and len(lines) - head[-1] - 1 == 3, lines[-6:]  # the table is printed last
     with open(out / "autotune.csv") as f:
         rows = list(csv.DictReader(f))
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import autotune
     assert set(rows[0]) == set(autotune.FIELDS)
     assert {(r["kernel"], r["kind"]) for r in rows} == {("fwd", "inbatch"),
@@ -492,7 +492,7 @@ def test_autotune_tunes_fp32_in_each_product_mode_with_candidates(tmp_path):
     in-batch fp16x3): the table holds an entry of each precision, each naming its own mode's
     candidate, and the caller's NAC_FAST_FP32_DOT is left as it was."""
     out = tmp_path / "tune"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "autotune.py"), "--cpu", "--out-dir",
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "autotune.py"), "--cpu", "--out-dir",
            str(out), "--max-candidates", "2", "--cases", "float32:inbatch:40"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, TRITON_INTERPRET="1", NAC_FAST_FP32_DOT="ieee"))
@@ -516,7 +516,7 @@ def test_autotune_tunes_fp32_in_each_product_mode_with_candidates(tmp_path):
     for e in t.entries:
         name = "float32" if e["precision"] == "tf32x3" else f"float32:{e['precision']}"
         assert TU.entry_config(e) in NT.CANDIDATES[(e["kernel"], name, 128)]
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import autotune
     os.environ["NAC_FAST_FP32_DOT"] = "ieee"
     try:
@@ -533,7 +533,7 @@ def test_autotune_tunes_fp32_in_each_product_mode_with_candidates(tmp_path):
 def test_rows_sweep_times_each_row_tile_with_the_same_bits(tmp_path):
     """--rows-sweep (interpreter, tiny cases): a row per (case, row tile), each tile's step
     giving the default tile's bits, the tiles' programs in the row; ROW_TILE restored after."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import time
 
     import autotune
@@ -560,7 +560,7 @@ def test_rows_sweep_times_each_row_tile_with_the_same_bits(tmp_path):
                                        ("bfloat16:keys:8", "kind"),
                                        ("bfloat16:inbatch", "dtype:kind")])
 def test_autotune_cases_are_checked(bad, match):
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import autotune
     with pytest.raises(ValueError, match=match):
         autotune.parse_cases(bad, 128)

@@ -1,4 +1,4 @@
-"""The compile-only GPU check (bench/compile_check.py): every Triton kernel configuration the
+"""The compile-only GPU check (tools/compile_check.py): every Triton kernel configuration the
 launchers can choose, compiled for sm_80 and sm_90 on this CPU, fits shared memory, does not spill
 on the 16-bit and TF32 paths and uses tensor cores there; the CUDA kernels likewise (nvcc).  It
 runs once per test session, in a child process without TRITON_INTERPRET.  It reuses the committed
@@ -13,18 +13,18 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 import compile_check as CC  # noqa: E402
 
 NAC_KERNELS = ("prologue", "fwd", "finish", "bwd_keys", "bwd_rows")
 COMMITTED = os.path.join(ROOT, "bench", "results", "compile_check.csv")
-REGENERATE = ("python bench/compile_check.py --reuse bench/results/compile_check.csv "
+REGENERATE = ("python tools/compile_check.py --reuse bench/results/compile_check.csv "
               "--csv /tmp/cc.csv && mv /tmp/cc.csv bench/results/compile_check.csv")
 
 
 def _run_check(args, timeout):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "compile_check.py"),
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "compile_check.py"),
                            *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -372,7 +372,7 @@ def test_ptxas_figures_are_tritons_own(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     probe = tmp_path / "probe.py"  # @triton.jit wants its source in a file
     probe.write_text(_PTXAS_PROBE)
-    proc = subprocess.run([sys.executable, str(probe), os.path.join(ROOT, "bench")],
+    proc = subprocess.run([sys.executable, str(probe), os.path.join(ROOT, "tools")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -466,7 +466,7 @@ def test_launch_keys_follow_what_the_compiler_sees():
     the warps, the stages, a constexpr, the Triton version or the measuring code differ.  In
     a child process: the kernels of the compiled path, not the interpreter's."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _KEY_PROBE, os.path.join(ROOT, "bench")],
+    proc = subprocess.run([sys.executable, "-c", _KEY_PROBE, os.path.join(ROOT, "tools")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
@@ -502,7 +502,7 @@ def _check_kernel_copy(tmp_path, edit):
     for f in copy.glob("*.py"):
         f.write_text(edit(f.name, f.read_text()))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COPY_PROBE, str(copy), os.path.join(ROOT, "bench"),
+    proc = subprocess.run([sys.executable, "-c", _COPY_PROBE, str(copy), os.path.join(ROOT, "tools"),
                            "--check-keys", COMMITTED, *_SLICE], cwd=str(tmp_path), env=env,
                           capture_output=True, text=True, timeout=600)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("FROM "))
@@ -536,7 +536,7 @@ def test_the_committed_tables_keys_are_current():
     """Every launch of the full grid has its key in bench/results/compile_check.csv (seconds:
     nothing compiled); test_the_committed_table_is_current (slow) compiles a sample to verify."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "compile_check.py"),
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "compile_check.py"),
                            "--check-keys", COMMITTED], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -497,9 +497,9 @@ def test_train_jpeg_stage_runs_in_cpu_mode(tmp_path):
     assert len(rows) == 2 and rows[1]["tree_gen_s"] == "reused", rows
 
 
-# ---- bench/carry_wheel.sh: DALI's wheels in pieces to the device ------------------------------
+# ---- tools/carry_wheel.sh: DALI's wheels in pieces to the device ------------------------------
 
-CARRY = os.path.join(ROOT, "bench", "carry_wheel.sh")
+CARRY = os.path.join(ROOT, "tools", "carry_wheel.sh")
 
 
 def _carry(cmd, cwd, **env):

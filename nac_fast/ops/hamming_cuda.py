@@ -6,7 +6,7 @@ Each kernel gives a thread one query and a slice of the gallery, walked in index
 (csrc/hamming_lanes.h).  The retrieval passes keep a query's per-distance counters in its thread's
 own column of shared memory, so a (query, gallery item) pair costs its popcounts and one
 conflict-free shared-memory update, where the Triton kernels (kernels/hamming_triton.py) read and
-write an int64 counter in global memory.  bench/gpu_notes.md "The CUDA Hamming engine" has the
+write an int64 counter in global memory.  docs/gpu.md "The CUDA Hamming engine" has the
 design, its floors and predictions.
 
 On CPU tensors the same ops run the kernels' lane functions in emulation: every function here runs

@@ -2,11 +2,11 @@
 choose, compiled for sm_80 and sm_90, with its shared memory, registers, spills and tensor-core
 instructions; plus the CUDA kernels' resource usage (nvcc).
 
-    python bench/compile_check.py --csv bench/results/compile_check.csv     # the full table
-    python bench/compile_check.py --reuse bench/results/compile_check.csv --verify 64 --csv X.csv
+    python tools/compile_check.py --csv bench/results/compile_check.csv     # the full table
+    python tools/compile_check.py --reuse bench/results/compile_check.csv --verify 64 --csv X.csv
                                                                    # what CI runs (minutes)
-    python bench/compile_check.py --archs 90 --dtypes bfloat16 --D 128       # one slice
-    python bench/compile_check.py --check-keys bench/results/compile_check.csv  # current? (s)
+    python tools/compile_check.py --archs 90 --dtypes bfloat16 --D 128       # one slice
+    python tools/compile_check.py --check-keys bench/results/compile_check.csv  # current? (s)
 
 The Triton part builds each op's launch plan (kernels/launch.py) from meta tensors for each
 target, exactly as the op builds it for real tensors on that GPU, so the check covers the
@@ -47,7 +47,7 @@ It fails (exit 1, a line per problem) when
     (IMMA, IGMMA: counted by `_compile_int_mma`) or spills;
   - one kernel takes more than --max-compile-s (20 s) to compile;
   - a CUDA kernel of a 16-bit path spills, any CUDA kernel's shared memory exceeds the limit, or
-    a bf16/fp16 CUDA matrix kernel has no HMMA/HGMMA (bench/cuda_resources.py's problems()).
+    a bf16/fp16 CUDA matrix kernel has no HMMA/HGMMA (tools/cuda_resources.py's problems()).
 """
 from __future__ import annotations
 
@@ -335,7 +335,7 @@ def _candidate_plans(target, dtypes):
 
 
 def compile_only(job):
-    """Worker of the autotune stage (bench/autotune.py): compile one launch with triton.compile
+    """Worker of the autotune stage (tools/autotune.py): compile one launch with triton.compile
     into Triton's cache, where the JIT finds it when the launch first runs; returns seconds."""
     module, kernel_name, arch, sig, consts, attrs, warps, stages = job
     import importlib
@@ -803,9 +803,9 @@ def _triton_problems(row, max_compile_s):
 
 
 def cuda_rows(archs, jobs):
-    """The .cu files' kernels (bench/cuda_resources.py: nvcc's resource report and the HMMA
+    """The .cu files' kernels (tools/cuda_resources.py: nvcc's resource report and the HMMA
     count per arch), or [] with the reason printed when there is no CUDA toolkit here."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import cuda_resources
     t0 = time.perf_counter()
     try:

@@ -3,10 +3,10 @@ hamming_cuda.cu) as ptxas reports them: registers, spills, static shared memory 
 plus the tensor-core instructions in the SASS (HMMA/HGMMA count), per target arch, with no GPU
 needed.
 
-    python bench/cuda_resources.py --csv /tmp/cuda_resources.csv [--archs 80,90] [--jobs 2]
+    python tools/cuda_resources.py --csv /tmp/cuda_resources.csv [--archs 80,90] [--jobs 2]
 
 (the committed figures are the `cuda:` rows of bench/results/compile_check.csv, which
-bench/compile_check.py makes with this module)
+tools/compile_check.py makes with this module)
 
 Each (source, arch) is one device-only nvcc compile (-cubin: no host compile, no link) with the
 flags and include paths of the real build (csrc/build_flags.py, which setup.py uses too) plus
@@ -15,7 +15,7 @@ instructions per kernel.  Mangled names are demangled (cu++filt from the toolkit
 else libstdc++'s abi::__cxa_demangle) into a readable kernel name with its template arguments,
 from which come the input dtype (bf16/fp16/fp32/fp64) and D (the DPAD template value).
 
-Library use (bench/compile_check.py): cuda_resource_rows() -> rows, problems(rows) -> messages.
+Library use (tools/compile_check.py): cuda_resource_rows() -> rows, problems(rows) -> messages.
 Importing this module has no side effects; cuda_resource_rows raises RuntimeError with the
 reason when nvcc, cuobjdump or torch is missing, for the caller to turn into a skip.
 

@@ -3,9 +3,9 @@ Triton NAC kernels (kernels/nac_triton.py `CANDIDATES`) per (arch, dtype, D, kin
 and write the winners, with the figures that chose them, to a table the launchers read
 (kernels/tuning.py; kernels/tuned/sm<arch>.json).
 
-    python bench/autotune.py --out-dir bench/results/<gpu>_<date>_tune          # GPU, <= 150 s
-    python bench/autotune.py --out-dir DIR --install      # and copy the table to kernels/tuned/
-    python bench/autotune.py --cpu --out-dir /tmp/tune    # CPU mode: interpreter, tiny shapes
+    python tools/autotune.py --out-dir bench/results/<gpu>_<date>_tune          # GPU, <= 150 s
+    python tools/autotune.py --out-dir DIR --install      # and copy the table to kernels/tuned/
+    python tools/autotune.py --cpu --out-dir /tmp/tune    # CPU mode: interpreter, tiny shapes
 
 What it times, per case (GPU default, D = 128: bf16 in-batch 8192 and 16384, queue 8192 x 65536;
 then fp32 in-batch 8192 and queue 8192 x 65536, once in each fp32 product mode with candidates of
@@ -60,7 +60,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 GPU_CASES = "bfloat16:inbatch:8192,bfloat16:inbatch:16384,bfloat16:queue:8192x65536," \
             "float32:inbatch:8192,float32:queue:8192x65536"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Carry NVIDIA DALI (and the wheels it needs that the device image lacks) to a lent GPU machine,
 # which reaches no package registry and takes at most 64 MiB of working tree per call: the
-# wheels travel as one tar cut into pieces, one piece per call, on one warm machine (bench/gpu_notes.md
+# wheels travel as one tar cut into pieces, one piece per call, on one warm machine (docs/gpu.md
 # "DALI on the device" gives the exact sequence of calls).
 #
-#   here:  bash bench/carry_wheel.sh pack      [DIR]   download (pip download, CPython 3.12,
+#   here:  bash tools/carry_wheel.sh pack      [DIR]   download (pip download, CPython 3.12,
 #                                                      manylinux x86_64, no dependencies resolved:
 #                                                      the list below) into DIR/wheels, tar them
 #                                                      into DIR/bundle.tar, cut it into
@@ -13,19 +13,19 @@
 #                                                      DIR/MANIFEST (sha256 of every piece and of
 #                                                      the bundle; DIR/wheels and bundle.tar stay
 #                                                      here only)
-#   here:  bash bench/carry_wheel.sh cut       [DIR]   pack's tar, pieces and MANIFEST from the
+#   here:  bash tools/carry_wheel.sh cut       [DIR]   pack's tar, pieces and MANIFEST from the
 #                                                      wheels already in DIR/wheels (no download)
-#   there: bash bench/carry_wheel.sh receive   [DIR]   copy the pieces carried in DIR (with MANIFEST)
+#   there: bash tools/carry_wheel.sh receive   [DIR]   copy the pieces carried in DIR (with MANIFEST)
 #                                                      to the persistent folder PIECES
 #                                                      (/tmp/dali_pieces), each checked against
 #                                                      MANIFEST
-#   there: bash bench/carry_wheel.sh install   [DIR]   all pieces in PIECES checked, joined, the
+#   there: bash tools/carry_wheel.sh install   [DIR]   all pieces in PIECES checked, joined, the
 #                                                      bundle's sum checked, the wheels installed
 #                                                      with pip --target SITE (/tmp/dali_site);
 #                                                      prints the PYTHONPATH line to export.  Done
 #                                                      once per machine: a second install finds SITE
 #                                                      ready and returns at once
-#   either: bash bench/carry_wheel.sh check    [DIR]   like install's checks, no install (here:
+#   either: bash tools/carry_wheel.sh check    [DIR]   like install's checks, no install (here:
 #                                                      the pieces in DIR joined equal the bundle)
 #
 # DIR defaults to .dali_carry (ignored by git: never commit the wheels or the pieces).
@@ -58,7 +58,7 @@ manifest_pieces() { awk '$2 ~ /^piece\.[0-9]+$/ {print $2}' "$1/MANIFEST"; }
 # bundle's sum.  A missing or corrupt piece is named.
 check_pieces() {
   local mdir=$1 pdir=$2 p want got n=0
-  [ -f "$mdir/MANIFEST" ] || die "no MANIFEST in $mdir (bash bench/carry_wheel.sh pack makes it)"
+  [ -f "$mdir/MANIFEST" ] || die "no MANIFEST in $mdir (bash tools/carry_wheel.sh pack makes it)"
   while read -r p; do
     n=$((n + 1))
     want=$(awk -v p="$p" '$2 == p {print $1}' "$mdir/MANIFEST")
@@ -96,7 +96,7 @@ case "$cmd" in
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         --platform manylinux1_x86_64 --platform any -d "$DIR/wheels" "${WHEELS[@]}" \
-      || die "pip download failed (the wheel list is at the top of bench/carry_wheel.sh)"
+      || die "pip download failed (the wheel list is at the top of tools/carry_wheel.sh)"
     ;;&
   pack|cut)
     piece_mib=${NAC_FAST_PIECE_MIB:-48}
@@ -146,7 +146,7 @@ case "$cmd" in
     ;;
   install)
     want=$(awk '$2 == "bundle.tar" {print $1}' "$PIECES/MANIFEST" 2>/dev/null)
-    [ -n "$want" ] || die "no MANIFEST in $PIECES: receive the pieces first (bench/gpu_notes.md)"
+    [ -n "$want" ] || die "no MANIFEST in $PIECES: receive the pieces first (docs/gpu.md)"
     if [ -f "$SITE/.carry_wheel_ok" ] && [ "$(cat "$SITE/.carry_wheel_ok")" = "$want" ]; then
       echo "already installed in $SITE"
     else
