@@ -75,7 +75,7 @@ except ImportError:  # running from a checkout that is not installed
 from nac_fast.ops import dispatch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loss import commit  # noqa: E402  (the bench scripts' one git-commit helper)
-from bench_csv import append_rows, check_flip, check_least, check_output_file  # noqa: E402
+from common import append_rows, check_flip, check_least, check_output_file  # noqa: E402
 
 CSV_PATH = os.path.join(ROOT, "bench", "results", "hamming_cpu.csv")
 CSV_FIELDS = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method",
@@ -536,7 +536,7 @@ def run_gpu(args, ap):
             "threads": args.threads, "torch": torch.__version__, "triton": triton.__version__,
             "git_commit": commit()}
     csv_path = args.csv if args.csv != CSV_PATH else GPU_CSV_PATH
-    if csv_path:  # a CSV with another header is rewritten with GPU_FIELDS first (bench_csv)
+    if csv_path:  # a CSV with another header is rewritten with GPU_FIELDS first (common)
         append_rows(csv_path, [{**meta, **r, "note": "; ".join(x for x in (r["note"], args.note)
                                                                 if x)} for r in rows], GPU_FIELDS)
         print(f"  appended {len(rows)} rows to {csv_path}")
@@ -745,7 +745,7 @@ def main(argv=None):
             "host": socket.gethostname(), "cpu": cpu_name(), "threads": args.threads,
             "torch": torch.__version__, "faiss": getattr(faiss, "__version__", "") if faiss else "",
             "git_commit": commit(), "gallery": G, "bits": D, "isa": isa}
-    if args.csv:  # a CSV with another header is rewritten with CSV_FIELDS first (bench_csv)
+    if args.csv:  # a CSV with another header is rewritten with CSV_FIELDS first (common)
         append_rows(args.csv, [{**meta, **r, "note": "; ".join(x for x in (r["note"], args.note)
                                                                 if x)} for r in rows], CSV_FIELDS)
         print(f"  appended {len(rows)} rows to {os.path.relpath(args.csv, ROOT)}")

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_hamming import (_ap_check, cpu_name, flip_bits, gpu_timed,  # noqa: E402
                            packed_class_codes, random_codes)
 from bench_loss import commit  # noqa: E402
-from bench_csv import append_rows, check_least, check_output_file  # noqa: E402
+from common import append_rows, check_least, check_output_file  # noqa: E402
 
 import nac_fast as H  # noqa: E402
 from nac_fast.ops import dispatch  # noqa: E402

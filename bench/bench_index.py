@@ -42,7 +42,7 @@ sys.path.insert(0, HERE)
 import nac_fast  # noqa: E402
 from bench_hamming import add_isa_flag, apply_isa, cpu_name, make_data, timed  # noqa: E402
 from bench_loss import commit  # noqa: E402
-from bench_csv import append_rows, check_flip, check_least, check_output_file  # noqa: E402
+from common import append_rows, check_flip, check_least, check_output_file  # noqa: E402
 from nac_fast.ops import dispatch  # noqa: E402
 
 CSV_PATH = os.path.join(ROOT, "bench", "results", "index_cpu.csv")
@@ -155,7 +155,7 @@ def main(argv=None):
             "torch": torch.__version__, "faiss": getattr(faiss, "__version__", "") if faiss else "",
             "git_commit": commit(), "gallery": G, "bits": D, "bytes_per_code": bytes_per_code,
             "isa": isa}
-    if args.csv:  # a CSV with another header is rewritten with CSV_FIELDS first (bench_csv)
+    if args.csv:  # a CSV with another header is rewritten with CSV_FIELDS first (common)
         append_rows(args.csv, [{**meta, **r, "note": "; ".join(x for x in (r["note"], args.note)
                                                                 if x)} for r in rows], CSV_FIELDS)
         print(f"  appended {len(rows)} rows to {os.path.relpath(args.csv, ROOT)}")

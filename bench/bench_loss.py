@@ -4,63 +4,32 @@
     python bench/bench_loss.py --quick                  # one small shape per kind (smoke run)
     python bench/bench_loss.py --device cuda --compile-reference   # GPU: also torch.compile(ref)
     python bench/bench_loss.py --quick --compile-reference --compile-backend aot_eager   # CPU check
+    python bench/bench_loss.py --roofline H100,H200 [--ceilings datasheet] [--fp32 bf16x6]
     python bench/plot_bench.py bench/results/loss_cpu.csv          # PNG plots of the CSV
 
-Shapes (issue #2): in-batch n = N in {1000, 2048, 4096}; queue n = 512 with M in {16384, 65536,
-262144}; D = 128.  For each (kind, shape, dtype, backend) it reports the median and p20/p80 of the
-forward+backward time, the peak extra memory (what the step allocates beyond its inputs; CPU: from
-the profiler's allocation events, GPU: max_memory_allocated), GFLOP/s of the useful matrix work
-(forward 2nND, backward 2nND per gradient product: in-batch 6nND in all, MQ 4nND) and the ratio to
-the reference's time and memory.  Every row is appended to a CSV with host, device, torch version,
-commit and timestamp; a table is printed and, last, one JSON line with the rows.
-
---compile-reference adds a "compiled-reference" row: torch.compile(reference, dynamic=False,
-fullgraph=True) built afresh for EVERY (shape, dtype) after torch._dynamo.reset(), so no case runs
-past dynamo's recompile limit (8) and falls back to eager.  The compiler backend (default inductor;
-aot_eager is a cheap one for CPU checks) is wrapped to count the graphs it compiles and the calls
-into them: a row whose case compiled other than exactly one graph, or whose steps did not all run
-the compiled graph, is recorded as failed ("not compiled: ...").  compile_s is the first call's time
-(tracing + compiling + one step).
-
-Timing (column timer): on the CPU, the host clock around each step (perf_counter: the step is
-synchronous there).  On a GPU, triton.testing.do_bench (CUDA events around each replay, L2 flushed
-between replays, warm-up first; median and p20/p80 of its samples), so the figures are the
-device's and not the host's launch overhead; "cuda-events" (the same with a plain event loop) where
-Triton is not installed.  --graphs (default on a GPU) adds a "<backend>+graph" row per fused
-backend: the step captured once in a CUDA graph and its replays timed, i.e. the kernels with no
-Python or launch overhead at all.  Each row records os.getloadavg() (column loadavg: on a shared
-CPU, other processes' load disturbs the timings).
-
-On a GPU that bench/roofline.py knows (H100 SXM, H200) each row gets bound_s (the time floor of
-the problem on that chip: max of matrix, exp and memory time of our algorithm), its limiter and
-pct_of_bound = bound_s / median_s x 100.  Columns added after the first version are appended at the
-end of FIELDS; appending to a CSV with an older header rewrites it with the new header (old rows
-keep their values, new columns empty).  Any failed row (error, out of memory, not compiled) is
-written with status "failed: ..." and makes the script exit with status 1.
+Rows (median, p20/p80, peak extra memory, GFLOP/s, ratios to the reference, % of the roofline
+bound) are appended to a CSV; a failed row makes the exit status 1.  What each column means and
+how it is timed: docs/kernels.md "Benchmarks".
 """
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import socket
-import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import nac_fast  # noqa: E402
-import roofline  # noqa: E402
+import common  # noqa: E402  (puts the source tree on sys.path)
+from common import INBATCH, QUEUE, ROOT, check_least, check_output_file  # noqa: E402,F401
+# re-exported: the other bench scripts and tests take them from here
+from common import commit, device_name, read_csv_rows  # noqa: E402,F401
+from common import quantiles as _quantiles  # noqa: E402
 
-INBATCH = [1000, 2048, 4096]
-QUEUE = [16384, 65536, 262144]
+import nac_fast  # noqa: E402
+
 FIELDS = ["timestamp", "host", "device", "torch", "commit", "threads", "kind", "n", "N", "D",
           "dtype", "backend", "median_s", "p20_s", "p80_s", "peak_extra_mib", "gflops",
           "time_ratio_to_ref", "mem_ratio_to_ref", "reps",
@@ -71,32 +40,6 @@ FIELDS = ["timestamp", "host", "device", "torch", "commit", "threads", "kind", "
           "timer", "loadavg",
           # fp32 rows: the Triton kernels' product mode (NAC_FAST_FP32_DOT: tf32x3, bf16x6, ...)
           "fp32_dot"]
-
-
-def commit() -> str:
-    """NAC_FAST_COMMIT if set (the GPU machine gets a copy of the tree without .git), else git."""
-    if os.environ.get("NAC_FAST_COMMIT"):
-        return os.environ["NAC_FAST_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except Exception:
-        return "unknown"
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    name = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{name} x{os.cpu_count()}"
 
 
 def _inputs(kind, n, N, D, dtype, device):
@@ -229,19 +172,6 @@ def time_step(step, device, reps: int, min_time: float):
     return med, p20, p80, len(times), first, "perf_counter"
 
 
-def _quantiles(times):
-    """(median, p20, p80) of the samples, interpolated between them, so min <= p20 <= median
-    <= p80 <= max for any number of samples >= 1: statistics.quantiles' default ("exclusive")
-    from 5 samples on, as always; below 5, where "exclusive" would reach past the samples, its
-    "inclusive" method (numpy's default percentile); one sample is all three."""
-    if not times:
-        raise ValueError("no timing samples")
-    if len(times) == 1:
-        return times[0], times[0], times[0]
-    q = statistics.quantiles(times, n=5, method="exclusive" if len(times) >= 5 else "inclusive")
-    return statistics.median(times), q[0], q[3]
-
-
 def _cuda_event_times(step, reps: int, min_time: float):
     """(median, p20, p80, reps) in seconds from CUDA events around each call."""
     times, t_start = [], time.perf_counter()
@@ -283,24 +213,18 @@ def variants(backends, compile_reference: bool, graphs: bool):
     return out
 
 
-# the bench scripts' shared CSV helpers (read_csv_rows: re-exported for its importers)
-from bench_csv import check_least, check_output_file, read_csv_rows  # noqa: E402,F401
-from bench_csv import append_rows as _append_rows  # noqa: E402
-
-
 def append_rows(path, rows, fields=FIELDS):
-    """Append rows; a CSV with another header is rewritten first with fields (+ its own extra
-    columns), so its old rows keep their values and the columns stay aligned
-    (bench_csv.append_rows, with this script's FIELDS by default)."""
-    _append_rows(path, rows, fields)
+    """common.append_rows with this script's FIELDS by default (a CSV with another header is
+    rewritten first, its old rows keeping their values)."""
+    common.append_rows(path, rows, fields)
 
 
 def roofline_bound(device, dev_name, kind, n, N, D, dtype, fp32_mode=""):
-    """roofline.bound(...) for this case, or None off a GPU roofline knows; fp32_mode: the fp32
-    rows' product mode (`_fp32_dot`; "" for the 16-bit ones)."""
-    if device != "cuda" or not roofline.known_gpu(dev_name):
+    """common.bound(...) for this case, or None off a GPU it knows; fp32_mode: the fp32 rows'
+    product mode (`_fp32_dot`; "" for the 16-bit ones)."""
+    if device != "cuda" or not common.known_gpu(dev_name):
         return None
-    return roofline.bound("queue" if kind == "mq" else "inbatch", n, N, D, str(dtype)[6:],
+    return common.bound("queue" if kind == "mq" else "inbatch", n, N, D, str(dtype)[6:],
                           dev_name, fp32_mode=fp32_mode or "tf32x3")
 
 
@@ -316,12 +240,24 @@ def _fp32_dot(dtype, D, kind, n, N, device) -> str:
     return fp32_mode_of(D, "queue" if kind == "mq" else "inbatch", n, N, device)
 
 
-def _triton_version() -> str:
-    try:
-        import triton
-        return triton.__version__
-    except Exception:
-        return ""
+def print_bounds(gpus, which: str = "measured", fp32_mode: str = "tf32x3", D: int = 128) -> None:
+    """The floors of BENCH_SHAPES in bf16 and fp32 on each of `gpus`, and the rates used."""
+    print(f"{'gpu':5s} {'kind':8s} {'n':>6s} {'N':>7s} {'dtype':9s} {'GFLOP':>8s} {'Mexp':>7s} "
+          f"{'MB':>6s} {'matrix us':>10s} {'exp us':>8s} {'mem us':>8s} {'bound us':>9s} limiter")
+    for gpu in gpus:
+        for kind, n, N in common.BENCH_SHAPES:
+            for dtype in ("bfloat16", "float32"):
+                b = common.bound(kind, n, N, D, dtype, gpu, fp32_mode=fp32_mode, ceilings_from=which)
+                print(f"{b['gpu']:5s} {kind:8s} {n:6d} {N:7d} {dtype:9s} "
+                      f"{b['matrix_flops_executed'] / 1e9:8.1f} {b['exps'] / 1e6:7.0f} "
+                      f"{b['bytes'] / 1e6:6.1f} {b['matrix_s'] * 1e6:10.1f} {b['exp_s'] * 1e6:8.1f} "
+                      f"{b['memory_s'] * 1e6:8.1f} {b['bound_s'] * 1e6:9.1f} {b['limiter']}")
+    c = common.ceilings(gpus[0], which)
+    print(f"\nrates ({which}; {c['label']}): bf16 {c['bf16_flops'] / 1e12:.0f} TFLOP/s "
+          f"({c['bf16_source']}), fp32 FMA {c['fp32_fma_flops'] / 1e12:.1f} TFLOP/s "
+          f"({c['fp32_fma_source']}), tf32 {c['tf32_flops'] / 1e12:.0f} TFLOP/s "
+          f"({c['tf32_source']}), exp {c['exp_per_s'] / 1e12:.2f} T/s ({c['exp_source']}), "
+          f"HBM {c['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({c['hbm_source']})")
 
 
 def main(argv=None):
@@ -345,7 +281,25 @@ def main(argv=None):
     ap.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="add a CUDA-graph replay row per fused backend (default: on a GPU)")
+    ap.add_argument("--roofline", nargs="?", const="H100,H200", default=None, metavar="GPUS",
+                    help="print the time floors of the GPU suite's shapes on these GPUs (comma "
+                    "list, default H100,H200) and exit; nothing is measured")
+    ap.add_argument("--ceilings", default="measured", choices=("measured", "datasheet"),
+                    help="--roofline: the chips' measured or datasheet rates")
+    ap.add_argument("--fp32", default="tf32x3", choices=common.FP32_MODES,
+                    help="--roofline: the fp32 rows' matrix mode")
     args = ap.parse_args(argv)
+    if args.roofline is not None:
+        gpus = args.roofline.split(",")
+        bad = [g for g in gpus if not common.known_gpu(g)]
+        if bad:  # before any table line
+            ap.error(f"--roofline: no ceilings known for {', '.join(repr(g) for g in bad)} "
+                     f"(known: {', '.join(common.GPUS)}; the H100 is the SXM part, not PCIe/NVL)")
+        if len({common.resolve_gpu(g) for g in gpus}) != len(gpus):  # a table printed twice
+            ap.error(f"--roofline: a GPU is named twice in {args.roofline!r}")
+        check_least(ap, args, {"--D": 1})
+        print_bounds(gpus, args.ceilings, args.fp32, args.D)
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but no GPU is visible")
     if args.graphs is None:
@@ -394,10 +348,8 @@ def main(argv=None):
     check_output_file(ap, "--csv", csv_path)  # before any timing: a bad path costs nothing
     dev_name = device_name(args.device)
     from nac_fast.ops import loss as _loss_mod
-    common = dict(timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                  host=socket.gethostname(), device=dev_name,
-                  torch=torch.__version__, commit=commit(), threads=torch.get_num_threads(),
-                  triton=_triton_version(), check_inputs=int(bool(_loss_mod.CHECK_VALUES)))
+    run = dict(common.run_fields(dev_name), threads=torch.get_num_threads(),
+               check_inputs=int(bool(_loss_mod.CHECK_VALUES)))
 
     def sizes(text):  # "" means none of that kind
         return [int(x) for x in text.split(",") if x.strip()]
@@ -415,7 +367,7 @@ def main(argv=None):
             fp32_dot = _fp32_dot(dtype, args.D, kind, n, N, args.device)
             bnd = roofline_bound(args.device, dev_name, kind, n, N, args.D, dtype, fp32_dot)
             for b in variants(backends, args.compile_reference, args.graphs):
-                base = dict(common, kind=kind, n=n, N=N, D=args.D, dtype=str(dtype)[6:], backend=b,
+                base = dict(run, kind=kind, n=n, N=N, D=args.D, dtype=str(dtype)[6:], backend=b,
                             bound_s="" if bnd is None else f"{bnd['bound_s']:.9f}",
                             bound_limiter="" if bnd is None else bnd["limiter"],
                             fp32_dot=fp32_dot)
@@ -459,7 +411,7 @@ def main(argv=None):
                         torch._dynamo.reset()
                 if b == "reference":
                     ref_t, ref_mem = med, mem
-                pct = "" if bnd is None else f"{roofline.pct_of_bound(bnd['bound_s'], med):.2f}"
+                pct = "" if bnd is None else f"{common.pct_of_bound(bnd['bound_s'], med):.2f}"
                 row = dict(base, median_s=f"{med:.6f}", p20_s=f"{p20:.6f}", p80_s=f"{p80:.6f}",
                            peak_extra_mib="" if mem is None else f"{mem / 2**20:.2f}",
                            gflops=f"{flops / med / 1e9:.1f}",

@@ -10,7 +10,7 @@ measured).  Also reports the CPU time the pipeline burnt per image (this process
 its worker processes): on a shared machine the wall-clock rate depends on the neighbours' load,
 the CPU time much less.  The last line printed is one JSON object with `images_per_s`; with
 --csv PATH the same figures, and the median / p20 / p80 of the measured batches' times, are
-appended as one row (bench/bench_csv.py: atomic, a damaged CSV refused before any work).
+appended as one row (bench/common.py: atomic, a damaged CSV refused before any work).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from nac_fast.data import (LOADERS, MIN_IMAGE_SIZE, build_pretrain_loader,  # no
 from nac_fast.data.sources.synthetic import write_jpeg_folder  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_csv import append_rows, check_output_file  # noqa: E402
+from common import append_rows, check_output_file  # noqa: E402
 from bench_loss import commit  # noqa: E402  (the bench scripts' shared labels)
 
 CSV_FIELDS = ["timestamp", "host", "device", "torch", "dali", "commit", "data", "loader",

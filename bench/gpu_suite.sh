@@ -37,7 +37,7 @@
 #                (NAC_FAST_FP32_DOT) beside eager; then gpu_summary.py.
 #   bench        bench_loss.py, bf16 and fp32, in-batch n in {1024, 4096, 8192, 16384}, queue
 #                n = 8192 with N in {65536, 262144}; eager / torch.compile / triton / cuda, median
-#                and p20/p80, peak memory, % of the roofline bound (bench/roofline.py); then
+#                and p20/p80, peak memory, % of the roofline bound (bench/common.py); then
 #                bench_hamming.py --gpu, plot_bench.py and gpu_summary.py.
 #   train        train_throughput.py: ResNet-50, NAC-MQ, bf16 autocast, channels-last, batch 256
 #                (one GPU), synthetic images made on the GPU, train.py's defaults (compiled on a
@@ -234,7 +234,7 @@ stage_test() {
     export NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1
     run_tests gpu triton,cuda tests/test_loss_backends.py tests/test_loss_reference.py \
         tests/test_noise.py tests/test_loss_inputs.py tests/test_cuda_mma_gpu.py \
-        tests/test_host_overhead.py tests/test_loss_device_guard.py tests/test_queue_triton.py \
+        tests/test_loss_host.py tests/test_loss_device_guard.py tests/test_queue_triton.py \
         tests/test_loss_bf16x6.py tests/test_loss_fp16x3.py tests/test_loss_fold.py \
         tests/test_loss_contracts.py tests/test_audit_gpu_semantics.py || rc=1
     # resources under the device's own Triton (CI's compile check runs CI's): the configurations
@@ -610,7 +610,7 @@ EOF
         "$JPEG_SYNTHETIC_IMG_S" "$batch" "${train_args[*]}" <<'EOF' || echo "no log.jsonl"
 import json, os, statistics, sys
 sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
-from bench_csv import append_rows
+from common import append_rows
 log, out, warm, tree, gen_s, qrc, rc, synth, batch, args = sys.argv[1:]
 recs = [json.loads(l) for l in open(log) if l.strip()]
 timed = [r for r in recs if r["step"] > int(warm)]

@@ -45,7 +45,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import roofline  # noqa: E402
+import common  # noqa: E402  (puts the source tree on sys.path)
 
 REFERENCE, COMPILED = "reference", "compiled-reference"
 GOAL_SHAPES = [("inbatch", 8192, 8192), ("queue", 8192, 65536)]
@@ -64,7 +64,7 @@ ALLOWED_SKIPS: list = [
     # (the Triton Hamming tests' "run on CPU tensors only" skip is gone: they run on CUDA
     # tensors there, issue 39, and such a skip is now a violation)
     # fake cuda:1 / cuda:3 tensors on a machine with fewer GPUs (the logic is CI's, without CUDA)
-    (r"test_loss_device_guard", r"fake cuda:\d+ tensors need \d+ GPUs"),
+    (r"test_loss\.TestDeviceGuard", r"fake cuda:\d+ tensors need \d+ GPUs"),
     # the Hamming GPU command's interpreter plumbing: CI's; the stage runs the real command
     (r"test_gpu_bench_cpu_mode_runs_every_row", r"interpreter plumbing, CI's"),
 ]
@@ -164,10 +164,10 @@ def loss_entries(latest, gpu_name=""):
         ref = latest.get(key[:5] + (REFERENCE,))
         comp = latest.get(key[:5] + (COMPILED,))
         pct = _f(row.get("pct_of_bound"), 2)
-        if pct is None and roofline.known_gpu(row.get("device", "") or gpu_name):
-            b = roofline.bound("queue" if kind == "mq" else "inbatch", n, N, D, dtype,
+        if pct is None and common.known_gpu(row.get("device", "") or gpu_name):
+            b = common.bound("queue" if kind == "mq" else "inbatch", n, N, D, dtype,
                                row.get("device", "") or gpu_name)
-            pct = round(roofline.pct_of_bound(b["bound_s"], float(row["median_s"])), 2)
+            pct = round(common.pct_of_bound(b["bound_s"], float(row["median_s"])), 2)
         out.append({
             "kind": "queue" if kind == "mq" else kind, "n": n, "N": N, "D": D, "dtype": dtype,
             "backend": backend,
@@ -391,7 +391,7 @@ def junit_line(res) -> str:
 
 def _write(path, text) -> None:
     """`text` to `path` whole or not at all (its folder made)."""
-    from nac_fast._files import atomic_write  # (bench_csv put the source tree on sys.path)
+    from nac_fast._files import atomic_write  # (common put the source tree on sys.path)
     atomic_write(path, lambda f: f.write(text), mode="w")
 
 
@@ -409,7 +409,7 @@ def main(argv=None):
                     "backends that must appear in a passed test's parameters")
     ap.add_argument("--status-file", default=None, help="write the one-line verdict here too")
     args = ap.parse_args(argv)
-    from bench_csv import check_output_file  # a folder, a path under a file: before any work
+    from common import check_output_file  # a folder, a path under a file: before any work
     for flag in ("--out", "--markdown", "--status-file"):
         path = getattr(args, flag[2:].replace("-", "_"))
         if path:

@@ -79,7 +79,7 @@ FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "mode", "k
           "aten_launches", "aten_ops",
           # --stub: the tensors with memory of their own that one call allocates
           "allocations",
-          # the case's floor on this GPU (bench/roofline.py) and graph_s against it
+          # the case's floor on this GPU (common.bound) and graph_s against it
           "bound_s", "pct_of_bound"]
 GPU_CASES = [("inbatch", 512, 512, "bfloat16"), ("inbatch", 8192, 8192, "bfloat16"),
              ("mq", 256, 65536, "bfloat16"), ("mq", 8192, 65536, "bfloat16"),
@@ -257,16 +257,31 @@ class StubLaunches:
         return False
 
 
+_NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select",
+              "narrow", "as_strided", "detach", "alias", "empty", "empty_like", "empty_strided",
+              "new_empty", "new_empty_strided", "unsqueeze", "squeeze", "reshape", "_to_copy_noop",
+              "lift_fresh", "is_same_size", "_reshape_alias", "sym_size", "sym_stride",
+              "sym_numel", "sym_storage_offset", "_local_scalar_dense", "set_", "resize_",
+              "split", "unbind", "clone_noop", "_has_compatible_shallow_copy_type"}
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple, dict)):
+        for y in (x.values() if isinstance(x, dict) else x):
+            yield from _tensors(y)
+
+
 class AtenLaunches:
-    """Counts the ATen ops of a call that would launch a kernel on a GPU (bench/launch_traffic.py's
-    rule: views, allocations and metadata ops launch none), the call still taking its eager path:
+    """Counts the ATen ops of a call that would launch a kernel on a GPU (views, allocations and
+    metadata ops launch none: _NO_KERNEL), the call still taking its eager path:
     a dispatch mode records them, and the eager-path test (dispatch.eager_real: no mode on the
     stack) is told the stack is empty while it does."""
 
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from launch_traffic import _NO_KERNEL, _tensors
         counter = self
         self.ops: list = []
         self.allocs = 0  # tensors with memory of their own made by the call's ATen ops
@@ -567,16 +582,16 @@ def _ok(row) -> bool:
 
 
 def _bound(kind, n, N, D, dname):
-    """The time floor of the case on this GPU (bench/roofline.py, the kernels' fp32 mode), or
+    """The time floor of the case on this GPU (common.bound, the kernels' fp32 mode), or
     None on a GPU it does not know.  The queue rows' r_hat takes no gradient: its bytes are
     counted all the same (a few percent of a floor that is matrix-bound)."""
-    import roofline
+    import common
     name = torch.cuda.get_device_name()
-    if not roofline.known_gpu(name):
+    if not common.known_gpu(name):
         return None
     from nac_fast.kernels.nac_triton import fp32_mode_of
     kname = "queue" if kind == "mq" else "inbatch"
-    return roofline.bound(kname, n, N, D, dname, name,
+    return common.bound(kname, n, N, D, dname, name,
                           fp32_mode=fp32_mode_of(D, kname, n, N, "cuda"))["bound_s"]
 
 
@@ -660,7 +675,7 @@ def goals(rows) -> list[str]:
 
 
 def fold_lines(rows) -> list[str]:
-    """The fold's A/B (bench/gpu_notes.md "The row-wise tails folded"): per case, the triton row
+    """The fold's A/B (docs/gpu.md "The row-wise tails folded"): per case, the triton row
     (tails folded) against triton-unfolded (NAC_FAST_FOLD=0) in host, back-to-back and graph
     time, folded minus unfolded in us (negative: the fold is faster)."""
     out = []
@@ -678,12 +693,12 @@ def fold_lines(rows) -> list[str]:
 
 
 def _commit() -> str:
-    from bench_loss import commit
+    from common import commit
     return commit()
 
 
 def write_csv(path: str, rows) -> None:
-    from bench_loss import append_rows
+    from common import append_rows
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     try:
@@ -739,7 +754,7 @@ def main(argv=None):
                 ap.error(f"{flag} is an option of --gpu (the stubbed run has no such choice)")
     elif not torch.cuda.is_available():
         ap.error("--gpu but no GPU is visible")
-    from bench_csv import check_output_file
+    from common import check_output_file
     if args.csv:  # a folder, a path under a file, an unwritable place: before any timing
         check_output_file(ap, "--csv", args.csv)
     if args.profile_out:

@@ -61,7 +61,7 @@ def main(argv=None):
     ap.add_argument("csv")
     ap.add_argument("--out", default=None, help="folder for the PNGs (default: beside the CSV)")
     args = ap.parse_args(argv)
-    from bench_csv import check_output_folder  # the bench scripts' output-path check
+    from common import check_output_folder  # the bench scripts' output-path check
     if not os.path.isfile(args.csv):
         ap.error(f"csv {args.csv!r}: " + ("is a folder; give a bench_loss.py CSV"
                                           if os.path.isdir(args.csv) else "no such file"))

@@ -84,7 +84,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from bench_csv import append_rows, check_output_file  # noqa: E402
+from common import append_rows, check_output_file  # noqa: E402
 from bench_loss import commit  # noqa: E402  (NAC_FAST_COMMIT, else git: the benches' one)
 from nac_fast._files import atomic_write  # noqa: E402
 from nac_fast.data.sources.synthetic_pairs import SyntheticPairLoader  # noqa: E402
@@ -524,7 +524,7 @@ def csv_rows(res) -> list:
 
 
 def append_csv(path, rows) -> None:
-    """The benches' appender (bench_csv.append_rows: all or nothing, a damaged CSV refused, a CSV
+    """The benches' appender (common.append_rows: all or nothing, a damaged CSV refused, a CSV
     with another header rewritten with these columns first)."""
     append_rows(path, [{k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS}
                        for r in rows], CSV_FIELDS)

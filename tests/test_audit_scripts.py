@@ -1,6 +1,6 @@
 """Audit of the scripts and benchmarks run as a demanding user would (scripts/code_shape.py,
 probe_rates.py, export_images.py, plot_train_log.py; bench/data_throughput.py,
-train_throughput.py, precision_table.py, roofline.py): damaged inputs, bad and GPU-only options on
+train_throughput.py): damaged inputs, bad and GPU-only options on
 a CPU machine and bad output paths are usage errors (exit status 2, the argument named, no
 traceback) before any work; a one-record training log is drawn; outputs are written whole.
 Tiny sizes, nothing timed for real (the measurements are replaced where they would run)."""
@@ -19,9 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import data_throughput  # noqa: E402
 import export_images  # noqa: E402
-import precision_table  # noqa: E402
 import probe_rates  # noqa: E402
-import roofline  # noqa: E402
 import train_throughput  # noqa: E402
 
 
@@ -193,33 +191,6 @@ def test_data_throughput_cuda_without_a_gpu_and_bad_data(tmp_path, capsys, monke
                                                 "cpu", "--make-jpegs", "8"], "--make-jpegs")
 
 
-# ---- bench/precision_table.py --------------------------------------------------------------------
-
-PRECISION = ["--n", "4", "--N", "8", "--D", "4", "--dtypes", "float32", "--fp32-modes", "tf32"]
-
-
-@pytest.mark.parametrize("argv,flag", [
-    (["--p", "0.5"], "--p"), (["--p", "0"], "--p"), (["--p", "nan"], "--p"),
-    (["--dtypes", "float32,float32"], "--dtypes"), (["--fp32-modes", "tf32,tf32"], "--fp32-modes")])
-def test_precision_table_bad_p_and_items_named_twice(tmp_path, capsys, monkeypatch, argv, flag):
-    """--p outside (0, 0.5) gave nac_fast's traceback; an item named twice was measured twice and
-    its rows appended twice."""
-    monkeypatch.setattr(precision_table, "measure", _boom)
-    path = tmp_path / "p.csv"
-    _usage_error(capsys, precision_table.main, PRECISION + argv + ["--csv", str(path)], flag)
-    assert not path.exists()
-
-
-def test_precision_table_empty_csv_writes_no_csv(tmp_path, capsys, monkeypatch):
-    """--csv '' passed the path check and failed after the measurement (the current folder was
-    the target); it means no CSV, as bench_hamming's."""
-    monkeypatch.chdir(tmp_path)
-    precision_table.main(PRECISION + ["--csv", ""])
-    out = capsys.readouterr().out
-    assert "triton" in out or "reference" in out
-    assert "appended" not in out and os.listdir(tmp_path) == []
-
-
 # ---- bench/train_throughput.py -------------------------------------------------------------------
 
 TT = ["--data", "synthetic:64", "--image-size", "8", "--batch-size", "16", "--steps", "1",
@@ -268,16 +239,6 @@ def test_train_throughput_csv_rows_stay_aligned_and_json_lands_in_a_new_folder(
     out = tmp_path / "new" / "t.json"
     train_throughput.main(TT + ["--supervised", "eager", "--json-out", str(out)])
     assert json.loads(out.read_text()) == {"k": "eager"}
-
-
-# ---- bench/roofline.py ---------------------------------------------------------------------------
-
-def test_roofline_a_gpu_named_twice_is_a_usage_error(capsys):
-    """--gpu H100,<H100's full name> printed the H100 table twice."""
-    with pytest.raises(SystemExit) as e:
-        roofline.main(["--gpu", "H100,NVIDIA H100 80GB HBM3"])
-    out, err = capsys.readouterr()
-    assert e.value.code == 2 and "--gpu" in err and "twice" in err and out == ""
 
 
 def test_data_throughput_appends_a_csv_row_with_its_spread(tmp_path, capsys):

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import bench_loss  # noqa: E402
 import gpu_summary  # noqa: E402
-import roofline  # noqa: E402
+import common as roofline  # noqa: E402
 
 H100 = "NVIDIA H100 80GB HBM3"
 EXP_RATE = 16 * 132 * 1.98e9  # MUFU ex2: 16 per clock per SM

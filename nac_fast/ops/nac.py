@@ -133,7 +133,7 @@ if extension() is not None:  # one op, two dispatch keys (CPU kernel here, CUDA 
 # eager calls go through _FusedNAC below: the Triton bodies directly (their plans cached,
 # kernels/launch.py Plan), the compiled ops below the autograd key (C++ dispatch only).  The
 # autograd formula is the same `_backward` the registered ops use, and the tests compare the two
-# paths (tests/test_host_overhead.py).  Traced calls (torch.compile, fake tensors, dispatch modes,
+# paths (tests/test_loss_host.py).  Traced calls (torch.compile, fake tensors, dispatch modes,
 # tensor subclasses) keep the registered ops, which tracing understands.
 
 def _below_autograd(op):

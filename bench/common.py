@@ -1,0 +1,335 @@
+"""The bench scripts' one helper module: the CSV appender and output-path checks, quantiles, the
+row fields every CSV carries (commit, device, versions), the benchmark shapes, and the roofline
+bound of the NAC losses on an H100 SXM / H200 (the model: docs/kernels.md "Roofline bound").
+
+    from common import append_rows, check_output_file, quantiles, commit, bound, pct_of_bound
+
+(Not named _csv.py: bench/ is first on sys.path when a bench script runs, and a bench/_csv.py
+would shadow the standard library's _csv module that `import csv` loads.)
+"""
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import io
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from nac_fast._files import atomic_write, check_writable  # noqa: E402
+
+# ---- shapes -------------------------------------------------------------------------------------
+INBATCH = [1000, 2048, 4096]      # bench_loss.py's default in-batch n = N (issue #2)
+QUEUE = [16384, 65536, 262144]    # its default queue sizes M (n = --mq-n)
+# the shapes of bench/gpu_suite.sh's bench stage: (kind, n, N)
+BENCH_SHAPES = [("inbatch", n, n) for n in (1024, 4096, 8192, 16384)] + \
+               [("queue", 8192, N) for N in (65536, 262144)]
+
+
+# ---- CSV ----------------------------------------------------------------------------------------
+
+def read_csv_rows(path):
+    """(header, rows) of an existing CSV, ([], []) if there is none."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return [], []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        return list(reader.fieldnames or []), rows
+
+
+def csv_problem(path):
+    """Why the existing CSV `path` could not be appended to without damaging it, or None (no
+    file, an empty one, a readable CSV): not text, no header line, a row with more values than
+    the header (its extra values would have no column)."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return None
+    try:
+        with open(path, newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, [])
+            if not any(c.strip() for c in header):
+                return "has no header line (an empty first line)"
+            for row in reader:
+                if len(row) > len(header):
+                    return (f"line {reader.line_num} has {len(row)} values, the header "
+                            f"{len(header)} (a damaged CSV)")
+    except UnicodeDecodeError:
+        return "is not a text CSV"
+    except csv.Error as exc:
+        return f"is not a readable CSV ({exc})"
+    return None
+
+
+def append_rows(path, rows, fields):
+    """Append rows (dicts; missing keys are written empty) to the CSV `path` with columns
+    `fields`; a CSV with another header is rewritten first with fields (+ its own extra columns),
+    so its old rows keep their values and the columns stay aligned.  The folder is made.
+    All or nothing (nac_fast._files.atomic_write): an error (a damaged CSV: ValueError naming it,
+    a row with a column not in the header, a full disk) leaves the old file as it was; a last
+    line without its newline (a cut row) keeps its own line."""
+    why = csv_problem(path)
+    if why:
+        raise ValueError(f"CSV {path!r} {why}: not appending to it (repair it or give another "
+                         "--csv)")
+    header, old = read_csv_rows(path)
+    buf = io.StringIO(newline="")
+    keep = b""  # the old file's bytes, when its header is the one written
+    if header and header != list(fields):
+        fields = list(fields) + [c for c in header if c not in fields]
+        w = csv.DictWriter(buf, fieldnames=fields)
+        w.writeheader()
+        w.writerows(old)
+    elif header:
+        with open(path, "rb") as f:
+            keep = f.read()
+        if not keep.endswith(b"\n"):
+            keep += b"\r\n"
+    w = csv.DictWriter(buf, fieldnames=fields)
+    if not header:
+        w.writeheader()
+    w.writerows(rows)
+    text = buf.getvalue()
+    atomic_write(os.path.realpath(path), lambda f: (f.write(keep), f.write(text.encode())))
+
+
+def output_file_problem(flag: str, path: str, csv_file: bool = True):
+    """Why the output file `path` (option `flag`) could not be written, or None: empty, a folder,
+    a path under a file, a place where no file can be created, and for a CSV to append to
+    (`csv_file`) an existing one that is damaged (csv_problem)."""
+    if not path:
+        return f"{flag} is empty; give a file path"
+    if os.path.isdir(path):
+        return f"{flag} {path!r} is a folder; give a file path"
+    try:
+        check_writable(flag, path)
+    except ValueError as exc:
+        return str(exc)
+    why = csv_problem(path) if csv_file else None
+    return f"{flag} {path!r} {why}" if why else None
+
+
+def check_output_file(ap, flag: str, path: str, csv_file: bool = True) -> None:
+    """ap.error (exit status 2) naming `flag` when `path` could not be written; call it right
+    after parse_args, before any measurement."""
+    why = output_file_problem(flag, path, csv_file)
+    if why:
+        ap.error(why)
+
+
+def check_output_folder(ap, flag: str, path: str) -> None:
+    """ap.error naming `flag` when files could not be written in the folder `path` (existing or
+    to be made): a file there, a path under a file, an unwritable place."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        ap.error(f"{flag} {path!r} is not a folder")
+    try:
+        check_writable(flag, os.path.join(path, "x"))
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+def check_least(ap, args, least: dict) -> None:
+    """Usage errors (exit status 2) for the flags of `least` ({"--flag": least value}) below it."""
+    for flag, lo in least.items():
+        val = getattr(args, flag[2:].replace("-", "_"))
+        if val < lo:
+            ap.error(f"{flag} must be >= {lo}, got {val}")
+
+
+def check_flip(ap, args) -> None:
+    """--flip: a bit-flip probability in [0, 0.5] (0.5: codes unrelated to their class)."""
+    if not 0.0 <= args.flip <= 0.5:
+        ap.error(f"--flip: a bit-flip probability in [0, 0.5], got {args.flip}")
+
+
+# ---- timing and row fields ----------------------------------------------------------------------
+
+def quantiles(times):
+    """(median, p20, p80) of the samples, interpolated, so min <= p20 <= median <= p80 <= max for
+    any number of samples >= 1: statistics.quantiles' "exclusive" method from 5 samples on, its
+    "inclusive" one (numpy's default) below 5; one sample is all three."""
+    if not times:
+        raise ValueError("no timing samples")
+    if len(times) == 1:
+        return times[0], times[0], times[0]
+    q = statistics.quantiles(times, n=5, method="exclusive" if len(times) >= 5 else "inclusive")
+    return statistics.median(times), q[0], q[3]
+
+
+def commit() -> str:
+    """NAC_FAST_COMMIT if set (the GPU machine gets a copy of the tree without .git), else git."""
+    if os.environ.get("NAC_FAST_COMMIT"):
+        return os.environ["NAC_FAST_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or the CPU's model name and core count."""
+    if device == "cuda":
+        import torch
+        return torch.cuda.get_device_name()
+    name = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{name} x{os.cpu_count()}"
+
+
+def triton_version() -> str:
+    try:
+        import triton
+        return triton.__version__
+    except Exception:
+        return ""
+
+
+def run_fields(device: str) -> dict:
+    """The columns every row of a run carries: timestamp, host, device, torch, triton, commit."""
+    import torch
+    return dict(timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                host=socket.gethostname(), device=device, torch=torch.__version__,
+                triton=triton_version(), commit=commit())
+
+
+# ---- roofline bound (docs/kernels.md "Roofline bound") ------------------------------------------
+# Datasheet values: NVIDIA H100 / H200 SXM datasheets (dense, no sparsity).  Measured values:
+# docs/gpu.md "Rates" (the device tool's H100 and H200 machines).
+GPUS = {
+    "H100": {"label": "H100 SXM5 80GB", "sms": 132, "clock_ghz": 1.98,
+             "datasheet": {"bf16_tflops": 989.4, "tf32_tflops": 494.7, "fp32_tflops": 66.9,
+                           "hbm_tbs": 3.35},
+             "measured": {"bf16_tflops": 798.0, "hbm_tbs": 3.0}},
+    "H200": {"label": "H200 SXM 141GB", "sms": 132, "clock_ghz": 1.98,
+             "datasheet": {"bf16_tflops": 989.4, "tf32_tflops": 494.7, "fp32_tflops": 66.9,
+                           "hbm_tbs": 4.8},
+             "measured": {"bf16_tflops": 788.0, "hbm_tbs": 4.3}},
+}
+EX2_PER_CLK_PER_SM = 16
+FMA_LANES_PER_SM = 128  # fp32 lanes; one FMA = 2 FLOPs
+KINDS = ("inbatch", "queue")
+FP32_MODES = ("ieee", "tf32", "tf32x3", "bf16x6", "fp16x3")
+_DTYPES = {"bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2),
+           "float32": ("float32", 4), "fp32": ("float32", 4)}
+
+
+def resolve_gpu(gpu_name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'H100', 'NVIDIA H200' -> 'H200'; ValueError otherwise."""
+    if not isinstance(gpu_name, str):
+        raise TypeError(f"gpu_name must be a str, got {type(gpu_name).__name__}")
+    name = gpu_name.upper()
+    if re.search(r"H200", name):
+        return "H200"
+    if re.search(r"H100", name):
+        if re.search(r"PCIE|NVL", name):
+            raise ValueError(f"gpu_name {gpu_name!r}: only the H100 SXM (HBM3) and the H200 have "
+                             "ceilings here (the PCIe/NVL parts have fewer SMs and clocks)")
+        return "H100"
+    raise ValueError(f"gpu_name {gpu_name!r}: no ceilings known (known: H100 SXM, H200)")
+
+
+def known_gpu(gpu_name: str) -> bool:
+    try:
+        resolve_gpu(gpu_name)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def ceilings(gpu_name: str, which: str = "measured") -> dict:
+    """Rates in units per second and where each comes from."""
+    if which not in ("measured", "datasheet"):
+        raise ValueError(f"ceilings must be 'measured' or 'datasheet', got {which!r}")
+    g = GPUS[resolve_gpu(gpu_name)]
+    clock = g["clock_ghz"] * 1e9
+
+    def pick(key):
+        if which == "measured" and key in g["measured"]:
+            return g["measured"][key], "measured"
+        return g["datasheet"][key], "datasheet"
+    (bf16, bf16_src), (hbm, hbm_src), (tf32, tf32_src) = map(pick, ("bf16_tflops", "hbm_tbs",
+                                                                    "tf32_tflops"))
+    return {"gpu": resolve_gpu(gpu_name), "label": g["label"], "sms": g["sms"],
+            "clock_ghz": g["clock_ghz"], "bf16_flops": bf16 * 1e12, "bf16_source": bf16_src,
+            "tf32_flops": tf32 * 1e12, "tf32_source": tf32_src,
+            "fp32_fma_flops": FMA_LANES_PER_SM * 2 * g["sms"] * clock,
+            "fp32_fma_source": "computed peak (128 lanes x 2 x SMs x clock)",
+            "exp_per_s": EX2_PER_CLK_PER_SM * g["sms"] * clock,
+            "exp_source": "computed peak (MUFU ex2 16/clk/SM x SMs x clock)",
+            "hbm_bytes_per_s": hbm * 1e12, "hbm_source": hbm_src}
+
+
+def work(kind: str, n: int, N: int, D: int, dtype: str, *, keys_grad: bool | None = None) -> dict:
+    """Matrix FLOPs, exps and bytes of one forward+backward of our algorithm."""
+    if kind == "mq":
+        kind = "queue"
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS} (or 'mq'), got {kind!r}")
+    for name, v in (("n", n), ("N", N), ("D", D)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if kind == "inbatch" and N != n:
+        raise ValueError(f"in-batch keys are the batch's own codes: N must equal n, got n={n}, "
+                         f"N={N}")
+    dname, b = _DTYPES[dtype]
+    if keys_grad is None:
+        keys_grad = kind == "inbatch"
+    if kind == "inbatch" and not keys_grad:
+        raise ValueError("in-batch keys always get a gradient (keys_grad must be True or None)")
+    products = 4 if keys_grad else 2
+    in_elems = 3 * n * D + (N * D if kind == "queue" else 0)            # a, r, noise (+ keys)
+    out_elems = 2 * n * D + (N * D if kind == "queue" and keys_grad else 0)  # grads a, r (+ keys)
+    return {"kind": kind, "n": n, "N": N, "D": D, "dtype": dname, "keys_grad": keys_grad,
+            "products": products, "matrix_flops": products * 2 * n * N * D,
+            "exps": (2 if keys_grad else 1) * n * N, "bytes": (in_elems + out_elems) * b + 4}
+
+
+_MATRIX_UNITS = {  # fp32 mode -> (unit, rate key, products run per product)
+    "ieee": ("fp32 FMA", "fp32_fma_flops", 1), "tf32": ("tf32 tensor cores", "tf32_flops", 1),
+    "tf32x3": ("tf32x3 tensor cores", "tf32_flops", 3),
+    "bf16x6": ("bf16x6 tensor cores", "bf16_flops", 6),
+    "fp16x3": ("fp16x3 tensor cores", "bf16_flops", 3)}  # fp16's tensor-core rate is bf16's
+
+
+def bound(kind: str, n: int, N: int, D: int, dtype: str, gpu_name: str, *,
+          fp32_mode: str = "tf32x3", ceilings_from: str = "measured",
+          keys_grad: bool | None = None) -> dict:
+    """The time floor of one forward+backward: max(matrix, exp, memory) time, with the work and
+    the rates used.  fp32_mode applies to float32 inputs only (FP32_MODES)."""
+    if fp32_mode not in FP32_MODES:
+        raise ValueError(f"fp32_mode must be one of {FP32_MODES}, got {fp32_mode!r}")
+    w = work(kind, n, N, D, dtype, keys_grad=keys_grad)
+    c = ceilings(gpu_name, ceilings_from)
+    unit, key, times_run = (("bf16 tensor cores", "bf16_flops", 1) if w["dtype"] == "bfloat16"
+                            else _MATRIX_UNITS[fp32_mode])
+    rate, flops = c[key], times_run * w["matrix_flops"]
+    times = {"matrix_s": flops / rate, "exp_s": w["exps"] / c["exp_per_s"],
+             "memory_s": w["bytes"] / c["hbm_bytes_per_s"]}
+    return {**w, "gpu": c["gpu"], "gpu_label": c["label"], "ceilings": ceilings_from,
+            "fp32_mode": fp32_mode if w["dtype"] == "float32" else None,
+            "matrix_unit": unit, "matrix_rate": rate, "matrix_flops_executed": flops,
+            "exp_rate": c["exp_per_s"], "hbm_rate": c["hbm_bytes_per_s"], **times,
+            "bound_s": max(times.values()), "limiter": max(times, key=times.get)[:-2]}
+
+
+def pct_of_bound(bound_s: float, measured_s: float) -> float:
+    """How close a measurement is to the floor: bound / measured x 100 (100 = at the floor)."""
+    if not measured_s > 0:
+        raise ValueError(f"measured_s must be > 0, got {measured_s!r}")
+    return 100.0 * bound_s / measured_s

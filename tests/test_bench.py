@@ -1,0 +1,281 @@
+"""The bench scripts: one smoke test per script kept (tiny sizes, nothing timed for real), and
+the shared helper module's own correctness (bench/common.py: the CSV appender refuses a damaged
+CSV and leaves it as it was, rows under another header stay aligned, quantiles of few samples).
+The host path of the fused loss that bench/host_overhead.py measures is tested in
+tests/test_loss_host.py."""
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nac_fast
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import bench_loss  # noqa: E402
+import common  # noqa: E402
+import gpu_summary  # noqa: E402
+
+LOSS = ["--device", "cpu", "--inbatch", "8", "--queue", "", "--D", "8", "--min-time", "0",
+        "--dtypes", "float32", "--backends", "reference", "--no-memory", "--reps", "1"]
+
+
+def _loss_csv(path, rows):
+    bench_loss.append_rows(str(path), [dict(dict.fromkeys(bench_loss.FIELDS, ""), **r)
+                                       for r in rows])
+    return str(path)
+
+
+def _row(device="cpu A", backend="reference", N=8, D=8, med="0.001", **kw):
+    return dict(dict(device=device, backend=backend, kind="inbatch", dtype="float32", n=N, N=N,
+                     D=D, median_s=med, p20_s=med, p80_s=med, peak_extra_mib="1.0",
+                     torch="2", status="ok"), **kw)
+
+
+# ---- bench/common.py: the shared appender, all or nothing, never glued onto a cut line ----------
+
+def test_append_after_an_unterminated_last_line_starts_a_new_line(tmp_path):
+    path = tmp_path / "c.csv"
+    path.write_text("a,b,c\n1,2,3\n4,5")  # the last line was cut (or saved without a newline)
+    common.append_rows(str(path), [{"a": 7, "b": 8, "c": 9}], ["a", "b", "c"])
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows == [["a", "b", "c"], ["1", "2", "3"], ["4", "5"], ["7", "8", "9"]]
+
+
+@pytest.mark.parametrize("text", [b"a,b\n1,2,3\n", b"\xff\xfe\x00a,b\n1,2\n", b"\n1,2\n"],
+                         ids=["wide-row", "not-utf8", "no-header"])
+def test_a_damaged_csv_is_refused_and_left_as_it_was(tmp_path, text):
+    path = tmp_path / "c.csv"
+    path.write_bytes(text)
+    with pytest.raises(ValueError) as e:
+        common.append_rows(str(path), [{"a": 7, "b": 8, "c": 9}], ["a", "b", "c"])
+    assert str(path) in str(e.value)
+    assert path.read_bytes() == text
+    assert os.listdir(tmp_path) == ["c.csv"]  # no temporary file left
+
+
+def test_a_row_with_an_unknown_column_writes_nothing(tmp_path):
+    path = tmp_path / "c.csv"
+    with pytest.raises(ValueError):
+        common.append_rows(str(path), [{"a": 1}, {"zz": 2}], ["a", "b"])
+    assert not path.exists()
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError):
+        common.append_rows(str(path), [{"a": 3}, {"zz": 2}], ["a", "b"])
+    assert path.read_text() == "a,b\n1,2\n"
+
+
+def test_one_appender_for_every_bench_script(tmp_path):
+    """Rows appended under another (older) header: the file is rewritten with the new fields
+    plus its own extra columns, every line as wide as the header, the old row's values kept
+    (bench_loss.append_rows: common.append_rows with bench_loss's FIELDS by default)."""
+    path = tmp_path / "o.csv"
+    path.write_text("a,b,c\n1,2,3\n")
+    bench_loss.append_rows(str(path), [{"kind": "mq"}])
+    with open(path, newline="") as f:
+        lines = list(csv.reader(f))
+    assert lines[0] == bench_loss.FIELDS + ["a", "b", "c"]
+    assert {len(x) for x in lines} == {len(lines[0])}
+    with open(path, newline="") as f:
+        old, new = csv.DictReader(f)
+    assert (old["a"], old["b"], old["c"]) == ("1", "2", "3") and new["kind"] == "mq"
+
+
+def test_an_empty_output_path_is_a_problem():
+    assert "--csv is empty" in common.output_file_problem("--csv", "")
+    assert common.output_file_problem("--csv", "x.csv") is None
+
+
+@pytest.mark.parametrize("times", [[3.0], [2.0, 1.0], [1.0, 2.0, 4.0], [4.0, 1.0, 2.0, 8.0]])
+def test_quantiles_of_few_samples_lie_around_the_median(times):
+    med, p20, p80 = common.quantiles(times)
+    assert min(times) <= p20 <= med <= p80 <= max(times)
+    if len(times) > 1:
+        assert p20 < med < p80
+
+
+def test_quantiles_of_five_or_more_samples_are_as_before():
+    times = [5.0, 1.0, 4.0, 2.0, 3.0, 9.0]
+    q = statistics.quantiles(times, n=5)
+    assert common.quantiles(times) == (statistics.median(times), q[0], q[3])
+
+
+# ---- bench/bench_loss.py ------------------------------------------------------------------------
+
+def test_bench_loss_smoke(tmp_path, capsys):
+    """A CPU run appends one row per (case, backend) under FIELDS with p20 <= median <= p80 and the
+    ratios to the reference; a bad flag is a usage error before any timing; --roofline prints
+    the floors of the GPU suite's shapes (a GPU named twice: a usage error, nothing printed); the
+    step of each kind runs (what bench/test_bench_loss.py, the removed pytest-benchmark suite,
+    timed)."""
+    backends = "reference,cpu" if "cpu" in nac_fast.available_backends("cpu") else "reference"
+    path = str(tmp_path / "r" / "l.csv")
+    argv = LOSS[:-5] + ["--backends", backends, "--no-memory", "--reps", "3", "--csv", path]
+    assert bench_loss.main(argv) == 0
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == bench_loss.FIELDS and len(rows) == len(backends.split(","))
+    for row in rows:
+        assert row["status"] == "ok" and row["reps"] == "3" and row["timer"] == "perf_counter"
+        assert float(row["p20_s"]) <= float(row["median_s"]) <= float(row["p80_s"])
+        assert float(row["time_ratio_to_ref"]) > 0 and row["commit"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        bench_loss.main(LOSS + ["--reps", "0", "--csv", path])
+    assert e.value.code == 2 and "--reps" in capsys.readouterr().err
+    assert bench_loss.main(["--roofline", "H100", "--D", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "H100  inbatch    8192    8192 bfloat16" in out and "rates (measured" in out
+    with pytest.raises(SystemExit) as e:
+        bench_loss.main(["--roofline", "H100,NVIDIA H100 80GB HBM3"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and "--roofline" in err and "twice" in err and out == ""
+    for kind, n, N in (("inbatch", 8, 8), ("mq", 4, 16)):
+        step = bench_loss.make_step(kind, n, N, 8, torch.float32, "cpu", "reference")
+        step()
+
+
+# ---- bench/host_overhead.py ---------------------------------------------------------------------
+
+@pytest.mark.skipif("triton" not in nac_fast.available_backends("cpu"),
+                    reason="the stubbed run needs triton (TRITON_INTERPRET=1)")
+def test_probe_runs_and_reports_no_rebuild():
+    """bench/host_overhead.py's stub mode (no GPU): every row, the launches of the cached plans
+    against the op path's, no plan rebuilt by a second call."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "host_overhead.py"),
+                          "--calls", "3", "--repeats", "1"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.loads(res.stdout.strip().splitlines()[-1])["rows"]
+    tri = [r for r in rows if r["backend"] == "triton"]
+    assert len(tri) == 2
+    # Triton launches a fwd+bwd: prologue, forward (the finish folded in), keys' backward (the
+    # rows' folded in) in-batch; forward and rows' backward with the queue (NAC_FAST_FOLD=0:
+    # the finish and, in-batch, the rows' backward are launches of their own)
+    fold = os.environ.get("NAC_FAST_FOLD", "1") == "1"
+    want = {"inbatch": 3, "mq": 2} if fold else {"inbatch": 5, "mq": 3}
+    for r in tri:
+        assert r["plans_recorded"] == 0 and r["launches"] == want[r["kind"]] and r["host_s"] > 0
+        # backward()'s own ones_like alone: no noise kernel, no MeanBackward division
+        # (nac.py _FusedNAC), no seed drawn on the device (noise.host_seed, as on a GPU), no
+        # mean (the finish reduces)
+        assert r["aten_ops"] == "ones_like", r
+        old = next(o for o in rows if o["backend"] == "triton-op-path" and o["kind"] == r["kind"])
+        assert r["launches"] + r["aten_launches"] == old["launches"] + old["aten_launches"] - 4
+        # the split partials kept by the plans (kernels/launch.py): fewer allocations than the op
+        # path's, which allocates every buffer and the seed per call
+        assert r["allocations"] <= old["allocations"] - 3, (r, old)
+    assert {r["backend"] for r in rows} >= {"triton-op-path", "cpu", "cpu-op-path", "reference"}
+    # NACMQLoss: the inference term runs inside the fused loss (none of its ATen ops is left)
+    # and the momentum keys go into the queue in one launch (kernels/queue_triton.py): the
+    # views' concatenations and backward()'s ones_like are all that launch ATen kernels
+    (crit,) = [r for r in rows if r["backend"] == "triton-criterion" and r["kind"] == "mq"]
+    # (Triton: the enqueue, the forward with its finish, the rows' backward)
+    assert crit["aten_ops"] == "cat cat cat ones_like" and crit["launches"] == 1 + want["mq"], crit
+
+
+@pytest.mark.skipif("cpu" not in nac_fast.available_backends("cpu"), reason="needs nac_fast._C")
+def test_the_gpu_rows_code_runs(monkeypatch):
+    """bench/host_overhead.py --gpu's measurement loop, run on CPU tensors with the CUDA calls
+    stood in (the GPU run is one shot: a slip in this code would lose it), and its goal and
+    fold lines."""
+    import host_overhead as H
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
+    monkeypatch.setattr(H, "_graph_time", lambda step: (step(), 1e-4)[1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
+    monkeypatch.setattr(H, "_bound", lambda *a: 5e-5)
+    monkeypatch.setattr(H, "HOST_CALLS", 2)
+    monkeypatch.setattr(H, "CALLS", 3)
+    monkeypatch.setattr(H, "REPEATS", 1)
+    backends = ["reference", "compiled-reference", "cpu", "auto"]  # no triton needed
+    rows = H.gpu_rows([("inbatch", 8, 8, "float32"), ("mq", 4, 16, "float32")], backends,
+                      compile_backend="aot_eager", device="cpu")
+    assert len(rows) == 8 and all(r["status"] == "ok" for r in rows), rows
+    for r in rows:
+        assert r["host_s"] > 0 and r["back_to_back_s"] > 0 and r["graph_s"] == 1e-4
+        assert r["pct_of_bound"] == pytest.approx(50.0)
+        assert r["x_eager"] > 0 and r["x_compile"] > 0
+    crit = H.criterion_rows(device="cpu", cases=(("inbatch", 8, 8), ("mq", 4, 16)),
+                            dname="float32")
+    assert [r["backend"] for r in crit] == ["criterion-reference", "criterion-auto"] * 2
+    assert all(r["status"] == "ok" and r["host_s"] > 0 and r["back_to_back_s"] > 0
+               for r in crit), crit
+    assert all(r["x_eager"] > 0 for r in crit[1::2])
+    floor = H.floor_rows(device="cpu", n=8, D=4)
+    assert [r["backend"] for r in floor] == ["floor-launch", "floor-autograd"]
+    assert all(r["status"] == "ok" and r["kind"] == "floor" and r["host_s"] > 0 for r in floor)
+    lines = H.goals(floor + [dict(r, mode="gpu", dtype="bfloat16", n=8192, N=8192,
+                                  backend="cuda" if r["backend"] == "cpu" else r["backend"])
+                             for r in rows[:4]])
+    assert any("host time" in x for x in lines) and any("x eager" in x for x in lines)
+    assert any(x.startswith("floor of this host: floor-launch") for x in lines), lines
+    # the fold's A/B per case (H.fold_lines): the triton row against triton-unfolded, folded
+    # minus unfolded in us; cases without both rows print nothing
+    base = dict(mode="gpu", kind="inbatch", n=512, N=512, dtype="bfloat16", status="ok")
+    fold = [dict(base, backend="triton", host_s=300e-6, back_to_back_s=310e-6, graph_s=30e-6),
+            dict(base, backend="triton-unfolded", host_s=340e-6, back_to_back_s=350e-6,
+                 graph_s=34e-6),
+            dict(base, kind="mq", N=65536, backend="triton", host_s=1e-4, back_to_back_s=1e-4)]
+    (line,) = H.fold_lines(fold)
+    assert line.startswith("fold inbatch 512x512 bfloat16: host -40.0 us (300.0 vs 340.0)")
+    assert "back_to_back -40.0 us" in line and "graph -4.0 us (30.0 vs 34.0)" in line
+    assert line in H.goals(fold)
+
+
+# ---- bench/plot_bench.py ------------------------------------------------------------------------
+
+def test_plot_bench_smoke(tmp_path, capsys):
+    """The time and memory PNGs of a bench_loss CSV; devices and D values kept apart (a D = 16
+    run does not replace the D = 8 one), a row without a finite time left out, a missing column
+    named."""
+    pytest.importorskip("matplotlib")
+    import plot_bench
+    src = _loss_csv(tmp_path / "l.csv", [
+        _row(device="cpu A", N=8), _row(device="cpu A", N=16), _row(device="cpu B", N=8),
+        _row(device="cpu A", N=8, D=16), _row(device="cpu A", N=32, med="nan")])
+    assert len(plot_bench.load(src)) == 4
+    plot_bench.main([src, "--out", str(tmp_path / "png")])
+    assert sorted(os.listdir(tmp_path / "png")) == ["l_memory.png", "l_time.png"]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("device,backend\ncpu,reference\n")
+    with pytest.raises(SystemExit) as e:
+        plot_bench.main([str(bad), "--out", str(tmp_path / "png")])
+    assert "kind" in str(e.value)
+
+
+# ---- bench/gpu_summary.py -----------------------------------------------------------------------
+
+def test_gpu_summary_smoke(tmp_path, capsys):
+    """summary.json (no NaN: a row without a finite time is left out), the markdown snippet and
+    the goal lines of a results folder; a bad train.json is an input error (exit 2, nothing
+    written); --check-junit's verdict."""
+    res = tmp_path / "res"
+    res.mkdir()
+    _loss_csv(res / "loss_gpu.csv", [_row(device="GPU X"), _row(device="GPU X", backend="cpu",
+                                                              med="0.0005"),
+                                      _row(device="GPU X", backend="triton", med="nan")])
+    out, md = tmp_path / "new" / "s.json", tmp_path / "s.md"
+    assert gpu_summary.main([str(res), "--out", str(out), "--markdown", str(md)]) == 0
+
+    def refuse(x):
+        raise ValueError(f"not JSON: {x}")
+    summary = json.loads(out.read_text(), parse_constant=refuse)
+    assert summary["gpu"] == "GPU X" and [e["backend"] for e in summary["loss"]] == ["cpu"]
+    assert summary["loss"][0]["eager_ms"] == 1.0 and "| in-batch 8 |" in md.read_text()
+    assert "MISS training throughput: no train.json" in capsys.readouterr().out
+    (res / "train.json").write_text("")
+    assert gpu_summary.main([str(res), "--out", str(tmp_path / "t.json")]) == 2
+    assert "train.json" in capsys.readouterr().err and not (tmp_path / "t.json").exists()
+    xml = tmp_path / "j.xml"
+    xml.write_text('<testsuite><testcase classname="t" name="test_x[triton]"/></testsuite>')
+    assert gpu_summary.main(["--check-junit", str(xml), "--require-passed", "triton"]) == 0
+    assert gpu_summary.main(["--check-junit", str(xml), "--require-passed", "cuda"]) == 1
