@@ -1,6 +1,10 @@
 """python -m nac_fast.index on a real (tiny) train.py checkpoint: the README's "Use your codes"
 commands run as written on image folders this test writes, the codes equal the evaluation
-pipeline's, and every bad input is one clear error with nothing written."""
+pipeline's, and every bad input is one clear error with nothing written.
+
+Also one regression test per bug an audit of the command line fixed: symlinked class folders,
+the search's own --checkpoint, help texts, usage errors, outputs that name an input, a contact
+sheet too large to hold; and `search`'s JSON against a popcount oracle (tests/test_index.py)."""
 import json
 import os
 import re
@@ -19,7 +23,10 @@ import train  # noqa: E402
 from export_images import export  # noqa: E402
 
 import nac_fast  # noqa: E402
+from nac_fast import HashIndex  # noqa: E402
 from nac_fast.index import cli  # noqa: E402
+from nac_fast.index.encode import scan_images  # noqa: E402
+from test_index import _popcount_topk  # noqa: E402
 
 D = 32
 
@@ -427,3 +434,200 @@ def test_device_and_code_length_errors_name_their_flag(ckpt, folders, tmp_path, 
     assert code == 2 and f"--index {str(tmp_path / 'wide.nacidx')!r} holds {D + 32}-bit codes" \
         in err and "--bits" not in err, err
     assert sorted(os.listdir(tmp_path)) == ["wide.nacidx"]
+
+
+# ------------------------------------------------------------------------------------------
+# Regression tests of an audit of the command line as a FAISS user would use it: symlinked
+# class folders, the search's own --checkpoint, help texts, usage errors, outputs that name
+# an input, contact sheets too large to hold
+# ------------------------------------------------------------------------------------------
+
+def test_scan_follows_a_symlinked_class_folder(tmp_path):
+    """Bug: scan_images walked without following links, so a class folder that is a symlink
+    (photos/bag -> /data/bag) was silently left out of the index (training's ImageFolder reads
+    it).  Now its images are indexed with its label; a link back to an ancestor is not looped."""
+    data = tmp_path / "data" / "bag"
+    data.mkdir(parents=True)
+    for i in range(3):
+        (data / f"{i}.png").write_bytes(b"x")
+    root = tmp_path / "photos"
+    (root / "coat").mkdir(parents=True)
+    (root / "coat" / "c.png").write_bytes(b"x")
+    os.symlink(data, root / "bag")
+    os.symlink(root, root / "coat" / "loop")     # a loop: not followed
+    os.symlink(data, root / "coat" / "again")    # a second link to a folder read: not again
+    files, labels, ignored = scan_images(str(root))
+    assert [os.path.relpath(f, root) for f in files] == [
+        "bag/0.png", "bag/1.png", "bag/2.png", "coat/c.png"]
+    assert labels == ["bag", "bag", "bag", "coat"] and ignored == []
+
+
+def test_search_names_a_missing_checkpoint_of_its_own(tmp_path, capsys):
+    """Bug: `search --checkpoint nope.pt` said "the checkpoint 'nope.pt' the index was built
+    with is not there; pass --checkpoint with a copy of it", though the user had passed it.  Now
+    the error names --checkpoint (a missing file, a folder)."""
+    index = HashIndex(8, meta={"checkpoint": str(tmp_path / "recorded.pt")})
+    index.add(np.ones((2, 8)))
+    index.save(tmp_path / "i.nacidx")
+    (tmp_path / "q.png").write_bytes(b"x")
+    code, out, err = _run(["search", "--index", str(tmp_path / "i.nacidx"), "--checkpoint",
+                           str(tmp_path / "nope.pt"), "--no-progress", str(tmp_path / "q.png")],
+                          capsys)
+    assert code == 2 and "error: --checkpoint" in err and "no such file" in err, err
+    assert "the index was built with" not in err
+    code, out, err = _run(["search", "--index", str(tmp_path / "i.nacidx"), "--checkpoint",
+                           str(tmp_path), "--no-progress", str(tmp_path / "q.png")], capsys)
+    assert code == 2 and "error: --checkpoint" in err and "folder" in err, err
+    # without --checkpoint: the recorded one is blamed, as before
+    code, out, err = _run(["search", "--index", str(tmp_path / "i.nacidx"), "--no-progress",
+                           str(tmp_path / "q.png")], capsys)
+    assert code == 2 and "the index was built with is not there" in err, err
+
+
+def test_every_option_has_a_help_text():
+    """Bug: `search --help` showed --batch-size and --no-progress without a word."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+    text = sub.choices["search"].format_help()
+    assert "query images per forward pass" in text and "no tqdm bar" in text
+
+
+def test_usage_errors_exit_2_naming_the_argument(tmp_path, capsys):
+    (tmp_path / "f.pt").write_bytes(b"x")
+    cases = [
+        (["build", "--checkpoint", "f.pt", "--images", "x", "--out", "o", "--bits", "abc"],
+         "--bits"),
+        (["search", "--index", "i", "--k", "x", "q"], "--k"),
+        (["encode", "--checkpoint", "c", "--images", "x"], "--out"),
+        (["search", "--k", "3", "q"], "--index"),
+    ]
+    for argv, flag in cases:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and flag in err, (argv, err)
+    code, out, err = _run(["build", "--checkpoint", str(tmp_path / "f.pt"), "--images",
+                           str(tmp_path / "nowhere"), "--out", str(tmp_path / "o.nacidx")],
+                          capsys)
+    assert code == 2 and "--images" in err and "no such folder" in err
+    code, out, err = _run(["search", "--index", str(tmp_path / "none.nacidx"), "--k", "0",
+                           str(tmp_path)], capsys)
+    assert code == 2 and "--k must be >= 1" in err
+    code, out, err = _run(["search", "--index", str(tmp_path / "f.pt"), str(tmp_path)], capsys)
+    assert code == 2 and "--index" in err and "not a complete nac_fast HashIndex" in err
+
+
+# the bugs below need a real checkpoint: the inputs are lost only when the run gets to its end
+
+SMALL_D = 16
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A 2-step train.py checkpoint, a folder of 2 images per class and an index of it."""
+    root = tmp_path_factory.mktemp("small_index")
+    assert train.main(["--max-steps", "2", "--batch-size", "32", "--code-dim", str(SMALL_D),
+                       "--out", str(root / "run"), "--no-progress", "--device", "cpu"]) == 0
+    export("fashion-mnist", "train", 2, str(root / "photos"))
+    assert cli.main(["build", "--checkpoint", str(root / "run" / "last.pt"), "--images",
+                     str(root / "photos"), "--out", str(root / "photos.nacidx"),
+                     "--no-progress"]) == 0
+    return root
+
+
+def test_overwrite_never_replaces_an_input(small, tmp_path, capsys):
+    """Bug: --overwrite let an output name an input, and the run replaced it after reading it:
+    `encode --out last.pt --overwrite` turned the trained checkpoint into an .npz, `search
+    --json photos.nacidx --overwrite` the index into JSON, `--png q.png` the query image.  Now
+    each is refused (exit 2, the flag named) with every input intact."""
+    import shutil
+    ck = tmp_path / "last.pt"
+    shutil.copy(small / "run" / "last.pt", ck)
+    idx = tmp_path / "photos.nacidx"
+    shutil.copy(small / "photos.nacidx", idx)
+    bag = small / "photos" / "bag"
+    q = tmp_path / "q.png"
+    shutil.copy(bag / sorted(os.listdir(bag))[0], q)
+    keep = {p: p.read_bytes() for p in (ck, idx, q)}
+    photos = str(small / "photos")
+    for argv, flag in [
+        (["encode", "--checkpoint", str(ck), "--images", photos, "--out", str(ck)], "--out"),
+        (["encode", "--checkpoint", str(ck), "--images", photos, "--out",
+          str(tmp_path / "c.npz"), "--npy", str(ck)], "--npy"),
+        (["build", "--checkpoint", str(ck), "--images", photos, "--out", str(ck)], "--out"),
+        (["search", "--index", str(idx), "--checkpoint", str(ck), "--json", str(idx), str(q)],
+         "--json"),
+        (["search", "--index", str(idx), "--checkpoint", str(ck), "--png", str(ck), str(q)],
+         "--png"),
+        (["search", "--index", str(idx), "--checkpoint", str(ck), "--png", str(q), str(q)],
+         "--png"),
+    ]:
+        code, out, err = _run(argv + ["--overwrite", "--no-progress"], capsys)
+        assert code == 2 and f"error: {flag}" in err and "name another output file" in err, \
+            (argv, err)
+        for p, data in keep.items():
+            assert p.read_bytes() == data, (argv, p)
+    assert not (tmp_path / "c.npz").exists()
+    # an ordinary --overwrite of an earlier output still works
+    (tmp_path / "hits.json").write_text("old")
+    code, out, err = _run(["search", "--index", str(idx), "--checkpoint", str(ck), "--json",
+                           str(tmp_path / "hits.json"), "--overwrite", "--no-progress", str(q)],
+                          capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "hits.json").read_text())
+    assert report["queries"][0]["results"][0]["distance"] == 0
+
+
+def test_cli_search_equals_the_oracle_on_the_index_codes(small, capsys):
+    """The JSON of `search` against the index's own codes searched by the popcount oracle (the
+    queries are indexed images, so the first hit is at distance 0 and ties keep index order)."""
+    index = HashIndex.load(small / "photos.nacidx")
+    queries = index.paths[:3] + index.paths[-2:]
+    code, out, err = _run(["search", "--index", str(small / "photos.nacidx"), "--k", "7",
+                           "--no-progress"] + queries, capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    g = nac_fast.unpack_codes(index.codes).numpy() > 0
+    qi = [index.paths.index(p) for p in queries]
+    Do, Io = _popcount_topk(g, g[qi], 7)
+    for r, drow, irow in zip(report["queries"], Do, Io):
+        assert [x["distance"] for x in r["results"]] == drow.tolist()
+        assert [x["path"] for x in r["results"]] == [index.paths[i] for i in irow]
+        assert [x["id"] for x in r["results"]] == irow.tolist()
+
+
+def test_a_contact_sheet_too_large_to_hold_is_refused_before_the_search(small, tmp_path, capsys,
+                                                                        monkeypatch):
+    """--png draws the whole sheet in memory (1000 queries x top 100: 4.5 GB).  Past
+    sheet.MAX_PIXELS it is refused with exit 2 naming --png, before any query is encoded;
+    contact_sheet refuses it too; a sheet within the limit is drawn as before."""
+    from nac_fast.index import sheet
+    w, h = sheet.sheet_size(1000, 100)
+    assert w * h * 3 > 4e9
+    with pytest.raises(ValueError, match="1000 queries x 100 neighbours"):
+        sheet.check_sheet_size(1000, 100)
+    sheet.check_sheet_size(100, 10)
+    monkeypatch.setattr(sheet, "MAX_PIXELS", sheet.sheet_size(2, 5)[0] * sheet.sheet_size(2, 5)[1])
+    index = HashIndex.load(small / "photos.nacidx")
+    queries = index.paths[:3]
+    real_encoder = cli._encoder
+
+    def no_encoder(*a, **kw):
+        raise AssertionError("the queries were encoded before the sheet's size was checked")
+    monkeypatch.setattr(cli, "_encoder", no_encoder)
+    code, out, err = _run(["search", "--index", str(small / "photos.nacidx"), "--k", "5",
+                           "--png", str(tmp_path / "s.png"), "--no-progress"] + queries, capsys)
+    assert code == 2 and "error: --png" in err and "3 queries x 5 neighbours" in err, err
+    assert not (tmp_path / "s.png").exists()
+    monkeypatch.setattr(cli, "_encoder", real_encoder)
+    code, out, err = _run(["search", "--index", str(small / "photos.nacidx"), "--k", "5",
+                           "--png", str(tmp_path / "s.png"), "--no-progress"] + queries[:2],
+                          capsys)
+    assert code == 0 and (tmp_path / "s.png").exists(), err
+    rows = [{"query": q, "label": None, "results": [{"path": q, "distance": 0}] * 5}
+            for q in queries]
+    with pytest.raises(ValueError, match="3 queries x 5 neighbours"):
+        sheet.contact_sheet(rows)
