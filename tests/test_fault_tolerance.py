@@ -15,7 +15,8 @@
 7. bad data (--on-bad-file, a data set smaller than one global batch, DALI sharding by global
    rank) is tested in tests/test_data_bad.py;
 8. `srun python train.py`: SLURM's variables form one run (SLURM's host lists parsed), and a
-   partial or contradictory set stops with status 2 in one line;
+   partial or contradictory set stops with status 2 in one line; init_distributed checks the
+   process group's environment (WORLD_SIZE, RANK, LOCAL_RANK) and its timeout;
 9. the elastic resize: a checkpoint of 4 processes resumed on 2 continues the global sample
    order, schedule and queue; torchrun --nnodes=1:2 with a lost node goes on by itself on the
    survivor from the last checkpoint;
@@ -326,6 +327,26 @@ def test_slurm_bad_launch_is_status_2_in_one_line_and_writes_nothing(tmp_path, m
         assert len(err) == 2 and err[0].startswith("train.py: error: SLURM launch") \
             and why in err[0] and err[1].startswith("train.py: exit status 2"), err
         assert not out.exists() and "RANK" not in os.environ
+
+
+@pytest.mark.parametrize("env, match", [({"WORLD_SIZE": "0"}, "WORLD_SIZE"),
+                                        ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK"),
+                                        ({"LOCAL_RANK": "-1"}, "LOCAL_RANK")])
+def test_init_distributed_checks_the_environment(monkeypatch, env, match):
+    from nac_fast.train.distributed import init_distributed
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=match):
+        init_distributed("cpu", timeout_s=5.0)
+
+
+def test_init_distributed_checks_timeout(monkeypatch):
+    from nac_fast.train.distributed import init_distributed
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="timeout_s"):
+        init_distributed("cpu", timeout_s=-1)
 
 
 def test_each_process_takes_its_gpu_or_the_only_one_it_sees(monkeypatch, tmp_path, capsys):

@@ -1,4 +1,10 @@
-"""train.py flag checks (clear errors before any work), models, and the per-method losses."""
+"""train.py flag checks (clear errors before any work), models, and the per-method losses.
+
+Recipes and flags as a user drives them (an audit): a recipe that cannot be read, a recipe queue
+that is not a multiple of the batch, a recipe switch undone by its opposite flag, --seed out of
+range, a DALI loader on synthetic data: each a usage error naming the file or the option (exit
+status 2, one line, --out left as it was); the steps refuse an x that is not two views."""
+import errno
 import math
 import os
 import sys
@@ -10,8 +16,11 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py lives at the repository root
 import train  # noqa: E402
-from nac_fast.train.methods import code_stats, nac_step, simclr_step
-from nac_fast.train.models import build_model, swap_halves
+from nac_fast.train.config import UsageError, parse  # noqa: E402
+from nac_fast.train.methods import code_stats, nac_mq_step, nac_step, simclr_step  # noqa: E402
+from nac_fast.train.models import build_model, swap_halves  # noqa: E402
+
+from _train_main import SMALL, main_captured as _main, refused as _refused  # noqa: E402
 
 
 def _fails(argv, capsys, match, monkeypatch=None, world=None):
@@ -246,3 +255,124 @@ def test_images_below_8_px_exit_2_naming_image_size(capsys, tmp_path):
     _fails(["--data", str(root), "--batch-size", "4", "--max-steps", "1", "--loader",
             "torchvision", "--no-progress", "--out", str(tmp_path / "o")], capsys,
            "--image-size must be >= 8, got 5 (read from --data")
+
+
+# ---- recipes that cannot be read -----------------------------------------------------------------
+
+def test_a_recipe_that_is_not_utf8_is_a_usage_error(tmp_path):
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b"batch_size = 32\n# caf\xe9\n")
+    with pytest.raises(UsageError, match=r"--config '.*latin1\.toml': not valid TOML"):
+        parse(["--config", str(bad)])
+
+
+def test_an_unreadable_recipe_is_a_usage_error(tmp_path, monkeypatch):
+    recipe = tmp_path / "locked.toml"
+    recipe.write_text("batch_size = 32\nepochs = 1\n")
+    real_open = open
+
+    def deny(f, *a, **k):  # tests run as root here, where chmod does not stop reads
+        if str(f) == str(recipe):
+            raise PermissionError(errno.EACCES, "Permission denied", str(f))
+        return real_open(f, *a, **k)
+
+    monkeypatch.setattr("builtins.open", deny)
+    with pytest.raises(UsageError, match=r"--config '.*locked\.toml' cannot be read: "
+                                         r".*Permission denied"):
+        parse(["--config", str(recipe)])
+
+
+# ---- what the recipes say of their numeric queue ------------------------------------------------
+
+@pytest.mark.parametrize("name", ["cifar10.toml", "imagenet.toml", "imagenet_nac_mq.toml"])
+def test_a_recipe_queue_is_a_multiple_of_the_batch_as_its_comment_says(name):
+    """A recipe's queue_size of a number is held to the rule of a typed --queue-size (a
+    multiple of the global batch, error naming the recipe key), not rounded down to one: the
+    recipe's own comment must not promise the rounding."""
+    path = os.path.join(ROOT, "configs", name)
+    with open(path) as f:
+        line = next(ln for ln in f if ln.startswith("queue_size"))
+    assert "rounded down" not in line, line
+    with pytest.raises(UsageError, match=rf"queue_size \(recipe .*{name}\) \d+ must be a "
+                                         "multiple of the global batch 768"):
+        parse(["--config", path, "--method", "nac-mq", "--data", "synthetic:4096",
+               "--batch-size", "768"])
+
+
+# ---- every switch a recipe sets can be undone on the command line --------------------------------
+
+def test_a_recipe_switch_is_undone_by_its_opposite_flag(tmp_path):
+    """Bug: --sync-bn, --tensorboard, --no-shuffle-bn, --no-scale-codes and --no-progress had no
+    opposite, so a recipe that set them could not be overridden although "any flag given
+    wins"."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("sync_bn = true\ntensorboard = true\nshuffle_bn = false\n"
+                      "scale_codes = false\nprogress = false\n")
+    base = ["--config", str(recipe), "--data", "synthetic:64", "--batch-size", "16",
+            "--max-steps", "2"]
+    cfg = parse(base + ["--no-sync-bn", "--no-tensorboard", "--shuffle-bn", "--scale-codes",
+                        "--progress"])
+    assert (cfg.sync_bn, cfg.tensorboard, cfg.shuffle_bn, cfg.scale_codes, cfg.progress) == (
+        False, False, True, True, True)
+    cfg = parse(base + ["--no-sync-bn", "--no-tensorboard"])   # the recipe's values otherwise
+    assert (cfg.shuffle_bn, cfg.scale_codes, cfg.progress) == (False, False, False)
+    with pytest.raises(UsageError, match=r"sync_bn \(recipe .*r\.toml\) needs several"):
+        parse(base + ["--no-tensorboard"])
+    cfg = parse(["--data", "synthetic:64", "--batch-size", "16", "--max-steps", "2",
+                 "--no-shuffle-bn", "--no-scale-codes", "--no-progress"])  # the old spellings
+    assert (cfg.shuffle_bn, cfg.scale_codes, cfg.progress) == (False, False, False)
+
+
+# ---- --seed: its range, and the synthetic loader at a large one ----------------------------------
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**62])
+def test_a_seed_out_of_range_is_a_usage_error(tmp_path, seed):
+    """Bug: --seed 2**62 died in torch.manual_seed(seed * 1000 + rank) with "Overflow when
+    unpacking long long" (a traceback), after the start line."""
+    out = str(tmp_path / "run")
+    _refused(SMALL + ["--max-steps", "1", "--seed", str(seed), "--out", out], out, "--seed",
+             "[0, 4294967295]")
+    assert not os.path.exists(out)
+
+
+def test_the_largest_seed_trains_on_synthetic_data(tmp_path):
+    """Bug: from --seed ~1.2e9 the synthetic loader's derived seeds ((seed * 7919 + epoch) *
+    1000003 + i) * 2 + v overflowed torch's 64 bits, and the error blamed --data.  They are
+    reduced mod 2**64 beyond that range; smaller ones are unchanged (the same images)."""
+    from nac_fast.data.sources.synthetic_pairs import SyntheticPairLoader, _fit
+    status, _, err = _main(SMALL + ["--max-steps", "1", "--seed", str(2**32 - 1),
+                                    "--out", str(tmp_path / "run")])
+    assert status == 0, err
+    assert _fit(12345) == 12345 and _fit(-5) == -5 and _fit(2**64 + 7) == 7
+    small = SyntheticPairLoader(num_images=16, batch_size=8, seed=3, image_size=8)
+    first = next(iter(small))
+    ref = torch.Generator().manual_seed(3 * 31 + 0)   # the formula as it was
+    order = torch.randperm(16, generator=ref)
+    assert torch.equal(first[0][0], small._view(small._image(int(order[0])), int(order[0]), 0))
+
+
+# ---- a loader the data cannot use ----------------------------------------------------------------
+
+@pytest.mark.parametrize("loader", ["dali-cpu", "dali-gpu"])
+def test_a_dali_loader_on_synthetic_data_is_refused(tmp_path, loader):
+    """--loader dali-gpu on synthetic data was silently ignored (the in-memory pairs were used),
+    while an in-memory data set refuses a DALI loader by name."""
+    out = str(tmp_path / "run")
+    _refused(SMALL + ["--max-steps", "1", "--loader", loader, "--out", out], out, "--loader",
+             loader, "in memory")
+
+
+# ---- the steps' x: the two views, concatenated ---------------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_steps_refuse_an_x_that_is_not_two_views(rows):
+    x = torch.randn(rows, 1, 8, 8)
+    torch.manual_seed(0)
+    simclr = build_model("resnet-tiny", 1, 8, code_dim=8, inference_net=False)
+    nac = build_model("resnet-tiny", 1, 8, code_dim=8, inference_net=True)
+    with pytest.raises(ValueError, match="x must be cat"):
+        simclr_step(simclr, x)   # before: a loss with the wrong positives
+    with pytest.raises(ValueError, match="x must be cat"):
+        nac_step(nac, x, 0.1)
+    with pytest.raises(ValueError, match="x must be cat"):
+        nac_mq_step(None, x)

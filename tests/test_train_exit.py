@@ -2,10 +2,10 @@
 "Reading a run", "Fault tolerance"): a run is never replaced by another, --resume with nothing
 to resume says so, an unwritable --out gives status 4 in one line, the status survives torchrun,
 --help shows the values a run uses, config.json is the one resolved configuration, and the last
-lines say what the loss means and what to run next.  Subprocess runs of train.py (and torchrun),
+lines say what the loss means and what to run next; --overwrite takes the replaced run's
+TensorBoard events and nothing else of the user's.  Subprocess runs of train.py (and torchrun),
 as a user types them, where that is what is tested."""
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -25,8 +25,8 @@ from nac_fast.train.checkpoint import load_checkpoint, load_model, save_atomic  
 from nac_fast.train.config import TrainConfig, parse  # noqa: E402
 from nac_fast.train.monitor import reference_line  # noqa: E402
 
-SMALL = ["--data", "synthetic:64", "--image-size", "8", "--batch-size", "16", "--code-dim", "16",
-         "--log-every", "1", "--no-progress"]
+from _train_main import SMALL, main_captured as _main, snapshot as _snapshot  # noqa: E402
+
 STATUS_LINE = re.compile(r"^train\.py: exit status (\d+) \(")
 
 
@@ -43,16 +43,6 @@ def _env():
 def _train(args, timeout=300):
     return subprocess.run([sys.executable, os.path.join(ROOT, "train.py")] + args, env=_env(),
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def _snapshot(d):
-    out = {}
-    for name in sorted(os.listdir(d)):
-        p = os.path.join(d, name)
-        if os.path.isfile(p):
-            with open(p, "rb") as f:
-                out[name] = (hashlib.sha256(f.read()).hexdigest(), os.stat(p).st_mtime_ns)
-    return out
 
 
 def _last_line(text):
@@ -117,6 +107,26 @@ def test_resume_with_nothing_to_resume_stops(tmp_path, capsys):
 def test_resume_and_overwrite_contradict(tmp_path, capsys):
     assert train.main(SMALL + ["--out", str(tmp_path), "--resume", "--overwrite"]) == 2
     assert "--resume and --overwrite contradict" in capsys.readouterr().err
+
+
+def test_overwrite_deletes_the_other_runs_tensorboard_events_only(tmp_path):
+    """Bug: --overwrite kept OUT/tensorboard/, so the new run's curves were drawn on top of the
+    replaced run's.  Its event files go; anything else of the user's there stays."""
+    out = tmp_path / "run"
+    status, _, err = _main(SMALL + ["--max-steps", "2", "--out", str(out)])
+    assert status == 0, err
+    tb = out / "tensorboard"
+    tb.mkdir()
+    (tb / "events.out.tfevents.1.host.1.0").write_bytes(b"old curves")
+    status, _, err = _main(SMALL + ["--max-steps", "2", "--out", str(out), "--overwrite"])
+    assert status == 0, err
+    assert not tb.exists()
+    tb.mkdir()
+    (tb / "events.out.tfevents.2.host.1.0").write_bytes(b"old curves")
+    (tb / "notes.txt").write_text("mine")
+    status, _, err = _main(SMALL + ["--max-steps", "2", "--out", str(out), "--overwrite"])
+    assert status == 0, err
+    assert sorted(os.listdir(tb)) == ["notes.txt"]
 
 
 # ---- two runs at once into one --out: exactly one runs (the lock) ----------------------------------

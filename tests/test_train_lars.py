@@ -1,4 +1,8 @@
-"""LARS: BN/bias exclusions, zero-norm parameters move, a hand-computed update, validation."""
+"""LARS: BN/bias exclusions, zero-norm parameters move, a hand-computed update, validation.
+
+Its edges (an audit): against a float64 reference over several steps with a changing lr, zero
+weights, zero and missing gradients and three groups; each group's own settings checked like
+the constructor's; param_groups_for_lars's weight_decay and model checked."""
 import math
 
 import pytest
@@ -6,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from nac_fast.train.lars import LARS, param_groups_for_lars
+from nac_fast.train.schedule import get_lr
 
 
 def _hand_lars(w, g, buf, lr, mom, wd, tc, exclude):
@@ -111,3 +116,75 @@ def test_params_without_grad_are_skipped_and_state_round_trips():
 def test_bad_hyperparameters(kw):
     with pytest.raises(ValueError):
         LARS([nn.Parameter(torch.ones(1))], **kw)
+
+
+def _ref_step(p, g, buf, group):
+    """docs/math.md [M:lars] for one parameter, float64 tensors."""
+    if g is None:
+        return p, buf
+    if group["lars_exclude"]:
+        u = g
+    else:
+        u = g + group["weight_decay"] * p
+        pn, un = p.norm(), u.norm()
+        u = (group["trust_coefficient"] * pn / un if pn > 0 and un > 0 else 1.0) * u
+    buf = group["momentum"] * buf + u
+    return p - group["lr"] * buf, buf
+
+
+def test_lars_matches_float64_reference_over_steps_with_groups_and_zero_norms():
+    torch.manual_seed(0)
+    shapes = [(4, 3), (5,), (2, 2, 3), (6, 1), (3, 3)]
+    params = [nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
+    with torch.no_grad():
+        params[3].zero_()  # a zero-norm weight: trust ratio 1, it moves
+    groups = [{"params": params[:2], "weight_decay": 0.1, "lars_exclude": False},
+              {"params": params[2:4], "weight_decay": 0.0, "lars_exclude": False,
+               "trust_coefficient": 0.02, "momentum": 0.5},
+              {"params": params[4:], "weight_decay": 0.3, "lars_exclude": True}]
+    opt = LARS(groups, lr=0.5, momentum=0.9, weight_decay=1e-3, trust_coefficient=0.001)
+    of = [0, 0, 1, 1, 2]
+    ref = [p.detach().clone() for p in params]
+    bufs = [torch.zeros_like(p) for p in ref]
+    for step in range(6):
+        lr = get_lr(step, 0.5, 3, 6)
+        grads = []
+        for i, p in enumerate(params):
+            g = torch.randn_like(p)
+            if (step, i) in ((1, 2), (2, 3)):
+                g = torch.zeros_like(p)  # zero gradient (and zero update where wd = 0)
+            if (step, i) == (3, 1):
+                g = None                 # no gradient: skipped, buffer kept
+            p.grad = None if g is None else g.clone()
+            grads.append(g)
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        opt.step()
+        for i in range(5):
+            ref[i], bufs[i] = _ref_step(ref[i], grads[i], bufs[i], opt.param_groups[of[i]])
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p.detach(), r, rtol=1e-13, atol=1e-15)
+    assert params[3].detach().abs().sum() > 0
+
+
+@pytest.mark.parametrize("setting, value, exc", [
+    ("weight_decay", -1.0, ValueError), ("momentum", 1.0, ValueError),
+    ("momentum", float("nan"), ValueError), ("lr", -0.1, ValueError),
+    ("lr", float("inf"), ValueError), ("trust_coefficient", -1e-3, ValueError),
+    ("lars_exclude", "yes", TypeError)])
+def test_lars_checks_each_groups_own_settings(setting, value, exc):
+    p = nn.Parameter(torch.ones(2, 2))
+    with pytest.raises(exc, match=rf"param_groups\[1\]\['{setting}'\]"):
+        LARS([{"params": [nn.Parameter(torch.ones(2))]}, {"params": [p], setting: value}],
+             lr=0.1)
+    opt = LARS([nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(exc, match=setting):
+        opt.add_param_group({"params": [p], setting: value})
+    assert len(opt.param_groups) == 1
+
+
+def test_lars_param_groups_checks_weight_decay_and_model():
+    with pytest.raises(ValueError, match="weight_decay"):
+        param_groups_for_lars(nn.Linear(2, 2), weight_decay=-1e-6)
+    with pytest.raises(TypeError, match="model"):
+        param_groups_for_lars([nn.Parameter(torch.ones(2))])

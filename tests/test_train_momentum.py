@@ -1,4 +1,9 @@
-"""EMA of the momentum model, the code queue's wrap-around, and the lr schedule."""
+"""EMA of the momentum model, the code queue's wrap-around, and the lr schedule.
+
+The optimisation side's edges (an audit): the EMA's wrapper detection (a submodule that happens
+to be named `module`, torch.compile's wrapper) and its parameter matching (shapes, dtypes); the
+queue's wrap-around at a size that is not a multiple of the batch and its state-dict round trip;
+the schedule's step and base_lr checked."""
 import json
 import math
 
@@ -8,7 +13,7 @@ import torch.nn as nn
 
 from nac_fast.ops.momentum import ema_update_, make_momentum_copy, unwrap
 from nac_fast.ops.queue import CodeQueue
-from nac_fast.train.schedule import WarmupCosine
+from nac_fast.train.schedule import WarmupCosine, get_lr
 
 
 def test_ema_update_all_parameters_not_buffers():
@@ -50,6 +55,40 @@ def test_ema_through_wrappers_and_bad_decay():
         ema_update_(mom, nn.Linear(3, 3, bias=False), 0.5)
 
 
+class _Net(nn.Module):
+    """A model with a submodule that happens to be named `module`, and parameters of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 2)
+
+
+def test_ema_of_a_model_with_a_submodule_named_module():
+    online = _Net()
+    mom = make_momentum_copy(online)
+    before = [p.detach().clone() for p in mom.parameters()]
+    with torch.no_grad():
+        for p in online.parameters():
+            p.add_(1.0)
+    ema_update_(mom, online, 0.75)   # before: ValueError "momentum model has 4 parameters, ..."
+    for b, m, o in zip(before, mom.parameters(), online.parameters()):
+        torch.testing.assert_close(m, 0.75 * b + 0.25 * o.detach())
+    assert unwrap(online) is online
+    assert unwrap(torch.compile(online)) is online   # before: online.module (its Linear)
+    ema_update_(mom, torch.compile(online), 0.5)
+
+
+def test_ema_refuses_parameters_of_other_shapes():
+    mom, online = nn.Linear(3, 3), nn.Linear(3, 3)
+    online.weight = nn.Parameter(torch.ones(3, 1))   # broadcastable: lerp took it silently
+    with pytest.raises(ValueError, match="parameter 0"):
+        ema_update_(mom, online, 0.5)
+    online = nn.Linear(3, 3).double()
+    with pytest.raises(ValueError, match="float64"):
+        ema_update_(nn.Linear(3, 3), online, 0.5)
+
+
 def test_queue_enqueue_and_wrap_around():
     q = CodeQueue(6, 2)
     assert torch.equal(q.codes, torch.zeros(6, 2)) and q.ptr == 0
@@ -75,6 +114,27 @@ def test_queue_enqueue_and_wrap_around():
         CodeQueue(0, 2)
 
 
+def test_queue_wraps_at_a_size_that_is_not_a_multiple_and_round_trips():
+    q = CodeQueue(7, 2, dtype=torch.float64)
+    rows = []
+    for i in range(5):
+        k = torch.arange(6, dtype=torch.float64).view(3, 2) + 10 * i
+        q.enqueue(k)
+        rows.extend(k.unbind(0))
+    assert int(q.ptr) == 15 % 7
+    want = torch.stack(rows[-7:])        # the 7 newest, at their ring positions
+    order = [(15 - 7 + j) % 7 for j in range(7)]
+    assert torch.equal(q.codes[order], want)
+    q2 = CodeQueue(7, 2, dtype=torch.float64)
+    q2.load_state_dict(q.state_dict())
+    assert torch.equal(q2.codes, q.codes) and int(q2.ptr) == int(q.ptr)
+    q.enqueue(torch.ones(3, 2, dtype=torch.float64))
+    q2.enqueue(torch.ones(3, 2, dtype=torch.float64))
+    assert torch.equal(q2.codes, q.codes) and int(q2.ptr) == int(q.ptr) == 4
+    with pytest.raises(ValueError, match="queue-size"):
+        CodeQueue(8, 2).load_state_dict(q.state_dict())
+
+
 def test_warmup_cosine():
     f = WarmupCosine(4, 14)
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -86,6 +146,24 @@ def test_warmup_cosine():
         WarmupCosine(11, 10)
     with pytest.raises(ValueError):
         WarmupCosine(0, 0)
+
+
+def test_schedule_edges_and_bad_step():
+    f = WarmupCosine(3, 10)
+    assert f(0) == pytest.approx(1 / 3) and f(2) == 1.0 and f(3) == 1.0
+    assert 0 < f(9) < 0.05 and f(10) == 0.0 and f(10**6) == 0.0
+    assert WarmupCosine(0, 5)(0) == 1.0 and WarmupCosine(5, 5)(4) == 1.0
+    assert all(get_lr(s, 2.0, 3, 10) == 2.0 * f(s) for s in range(12))  # a function of the step
+    for bad in (-1, 2.5, True, float("nan")):
+        with pytest.raises(ValueError, match="step"):
+            f(bad)
+        with pytest.raises(ValueError, match="step"):
+            get_lr(bad, 1.0, 3, 10)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="base_lr"):
+            get_lr(0, bad, 3, 10)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        WarmupCosine(4, 3)
 
 
 def test_flip_prob_schedule():

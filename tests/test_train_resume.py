@@ -1,10 +1,16 @@
 """Checkpoints: atomic writes, exact resume (same logged losses as an uninterrupted run),
 SIGKILL loses at most one save interval, and the end-to-end `torchrun --nproc_per_node=2
 train.py` run.  (The non-finite stop: tests/test_fault_tolerance.py and tests/test_sync_free.py;
-resume under torchrun: tests/test_fault_tolerance.py's elastic restart.)"""
+resume under torchrun: tests/test_fault_tolerance.py's elastic restart.)
+
+--resume refused (an audit of train.py as a user drives it): a checkpoint whose model is not the
+one the flags build, whose contents are malformed, or whose data changed since is exit status 2
+with one message naming the file or the option, never a traceback, and --out is left as it was;
+a resumed run with nothing to do says why, and its log's time goes on from the checkpoint."""
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # train.py lives at the repository root
 import train  # noqa: E402
 from nac_fast.train.checkpoint import load_checkpoint, load_model, save_atomic  # noqa: E402
+
+from _train_main import SMALL, main_captured as _main, refused as _refused  # noqa: E402
 
 
 def _log(out):
@@ -396,3 +404,148 @@ def test_sigkill_during_background_write_resumes_previous_checkpoint(tmp_path):
     after = _losses(out)[len(killed):]
     assert after == killed[4:]                               # steps 5..12, bit for bit
     assert load_checkpoint(last)["step"] == 12
+
+
+# ---- --resume with flags that build another model ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fixed_gains(tmp_path_factory):
+    """A finished 3-step run of the small recipe's heads with fixed gains (--no-learn-gain)."""
+    out = str(tmp_path_factory.mktemp("fixed") / "run")
+    status, _, err = _main(SMALL + ["--no-learn-gain", "--max-steps", "3", "--out", out])
+    assert status == 0, err
+    return out
+
+
+@pytest.mark.parametrize("extra,key", [
+    (["--learn-gain"], "learn_gain"),          # the gains become parameters: other state keys
+    (["--no-head-bn"], "head_bn"),             # the code head's BatchNorm buffers go
+    (["--no-infer-bn"], "infer_bn"),
+    (["--config", os.path.join(ROOT, "configs", "fashion_mnist_paper.toml")], "head_bn"),
+    (["--no-scale-codes"], "scale_codes"),     # same state keys, codes sqrt(D) times larger
+    (["--a-gain", "3"], "a_gain"),             # a fixed gain is part of the model
+])
+def test_resume_with_flags_that_build_another_model_is_refused(fixed_gains, tmp_path, extra,
+                                                               key):
+    out = str(tmp_path / "run")
+    shutil.copytree(fixed_gains, out)
+    _refused(SMALL + ["--no-learn-gain", "--max-steps", "3", "--out", out, "--resume"] + extra,
+             out, "--resume", "last.pt", f"{key}=")
+
+
+def test_resume_with_an_image_size_across_the_small_stem_is_refused(fixed_gains, tmp_path):
+    """--image-size is an augmentation flag a resumed run may change, but a ResNet's stem
+    follows it (3x3 stride 1 up to 64 px, else 7x7/2): the weights no longer fit."""
+    out = str(tmp_path / "run")
+    shutil.copytree(fixed_gains, out)
+    msg = _refused([a if a != "8" else "72" for a in SMALL]
+                   + ["--no-learn-gain", "--max-steps", "3", "--out", out, "--resume"],
+                   out, "--resume", "last.pt", "do not fit")
+    assert "conv1" in msg
+
+
+def test_resume_may_change_what_is_not_the_model(fixed_gains, tmp_path):
+    """The positive control: the inference net's initialisation (used once, at a fresh start)
+    and the lr are not the checkpoint's model."""
+    out = str(tmp_path / "run")
+    shutil.copytree(fixed_gains, out)
+    status, stdout, err = _main(SMALL + ["--no-learn-gain", "--max-steps", "3", "--out", out,
+                                         "--resume", "--infer-init", "independent",
+                                         "--lr", "0.2"])
+    assert status == 0, err
+    assert "nothing to train" in stdout
+
+
+# ---- --resume of a checkpoint with malformed contents --------------------------------------------
+
+def _drop_first_weight(ck):
+    ck["model"] = dict(ck["model"])
+    ck["model"].pop(next(iter(ck["model"])))
+
+
+MALFORMED = {
+    "no_total_steps": (lambda ck: ck["config"].pop("total_steps"), "total_steps"),
+    "no_run_id": (lambda ck: ck["config"].pop("run_id"), "run_id"),
+    "config_list": (lambda ck: ck.__setitem__("config", [1, 2]), "config"),
+    "step_str": (lambda ck: ck.__setitem__("step", "3"), "step"),
+    "rng_empty": (lambda ck: ck.__setitem__("rng", []), "rng"),
+    "model_short": (_drop_first_weight, "do not fit"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+@pytest.mark.parametrize("how", ["path", "auto"])
+def test_resume_of_a_malformed_checkpoint_is_status_2(fixed_gains, tmp_path, case, how):
+    edit, part = MALFORMED[case]
+    ck = load_checkpoint(os.path.join(fixed_gains, "last.pt"), require=())
+    ck["config"] = dict(ck["config"])
+    edit(ck)
+    if how == "path":       # --resume PATH into a new --out: the folder is not made
+        path = str(tmp_path / "odd.pt")
+        torch.save(ck, path)
+        out = str(tmp_path / "new")
+        _refused(SMALL + ["--no-learn-gain", "--max-steps", "3", "--out", out, "--resume", path],
+                 out, repr(path) if case == "config_list" else path, part)
+        assert not os.path.exists(out)
+    else:                   # --resume: the one checkpoint in --out
+        out = str(tmp_path / "run")
+        os.makedirs(out)
+        torch.save(ck, os.path.join(out, "last.pt"))
+        _refused(SMALL + ["--no-learn-gain", "--max-steps", "3", "--out", out, "--resume"],
+                 out, "last.pt", part)
+
+
+# ---- --resume on data that changed since the checkpoint ------------------------------------------
+
+def test_resume_on_a_data_folder_that_grew_is_refused(tmp_path):
+    """The same --data name, more images (a folder added to between the launches): the epoch,
+    the batch position and the data order of the checkpoint's step are no longer the ones it
+    saved, so the run cannot continue exactly, and (--max-steps fixed) nothing else says so."""
+    import glob
+    from nac_fast.data.sources.synthetic import write_jpeg_folder
+    root = tmp_path / "folder"
+    write_jpeg_folder(str(root / "train"), num_classes=2, per_class=8, size_range=(24, 28))
+    out = str(tmp_path / "run")
+    argv = ["--data", str(root), "--image-size", "8", "--batch-size", "8", "--code-dim", "16",
+            "--max-steps", "6", "--loader", "torchvision", "--workers", "0", "--no-progress",
+            "--out", out]
+    status, _, err = _main(argv + ["--stop-at-step", "2"])
+    assert status == 0, err
+    write_jpeg_folder(str(tmp_path / "more"), num_classes=2, per_class=8, size_range=(24, 28))
+    for cls in os.listdir(root / "train"):
+        for i, f in enumerate(sorted(glob.glob(str(tmp_path / "more" / cls / "*")))):
+            shutil.copy(f, root / "train" / cls / f"extra{i}.jpg")
+    _refused(argv + ["--resume"], out, "--resume", "num_images=16", "32")
+
+
+# ---- what a resumed run says and logs ------------------------------------------------------------
+
+def test_resume_at_stop_at_step_says_so_not_end_of_schedule(tmp_path):
+    out = str(tmp_path / "run")
+    argv = SMALL + ["--max-steps", "4", "--stop-at-step", "2", "--out", out]
+    status, _, err = _main(argv)
+    assert status == 0, err
+    status, stdout, err = _main(argv + ["--resume"])     # the same command again
+    assert status == 0, err
+    assert "end of the schedule" not in stdout, stdout
+    assert "step 2/4: nothing to train" in stdout and "--stop-at-step 2" in stdout, stdout
+    assert "same command plus --resume" not in stdout, stdout   # that is what was just run
+
+
+def test_a_resumed_runs_log_time_goes_on_from_its_checkpoint(tmp_path):
+    """A resumed run's log.jsonl started elapsed_s at 0 again, so its time axis jumped back at
+    every resume.  The checkpoint keeps the run's elapsed_s; the resumed log goes on from it."""
+    out = tmp_path / "run"
+    argv = SMALL + ["--max-steps", "4", "--save-every", "2", "--out", str(out)]
+    status, _, err = _main(argv + ["--stop-at-step", "2"])
+    assert status == 0, err
+    ck = load_checkpoint(str(out / "last.pt"))
+    recs = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+    before = ck["elapsed_s"]
+    assert before >= recs[-1]["elapsed_s"] > 0
+    status, _, err = _main(argv + ["--resume"])
+    assert status == 0, err
+    recs = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+    resumed = [r for r in recs if r["step"] > 2]
+    assert resumed and all(r["elapsed_s"] > before for r in resumed), (before, resumed)
+    assert load_checkpoint(str(out / "last.pt"))["elapsed_s"] > before
