@@ -1,11 +1,17 @@
-"""The recipe's parameters, crop windows and batched ops against torchvision's definitions."""
+"""The recipe's parameters, crop windows and batched ops against torchvision's definitions; the
+evaluation's centre crop (pil_center_crop) against its definition, with no huge intermediate
+image for a very elongated one."""
 import numpy as np
 import pytest
 import torch
 import torchvision.transforms.functional as TF
+from PIL import Image
 
 from nac_fast.data import augment as A
+from nac_fast.data.augment import pil_center_crop, to_uint8_chw
 from nac_fast.data.order import ShardedOrder, uniform
+
+from _images import random_image as _img
 
 
 def test_uniforms_are_counter_based():
@@ -109,3 +115,34 @@ def test_sharded_order_arguments():
     o = ShardedOrder(1000, 10, 1, 4, 0)
     assert o.num_batches == 25 and o.rank_indices(0).shape == (25, 10)
     assert o.rank_indices(0, start_batch=25).shape == (0, 10)
+
+
+def test_center_crop_of_a_very_elongated_image_makes_no_huge_intermediate(monkeypatch):
+    """A 2 x 4000 strip was resized whole to 256 x 512000 pixels before the crop (a 2 x 60000
+    one took 8.7 GB and 42 s); the crop is now resized from the source in one step."""
+    real = Image.Image.resize
+    made = []
+
+    def resize(self, size, *a, **kw):
+        made.append(size[0] * size[1])
+        if size[0] * size[1] > 4 * 224 * 224:
+            raise AssertionError(f"an intermediate image of {size} pixels")
+        return real(self, size, *a, **kw)
+
+    monkeypatch.setattr(Image.Image, "resize", resize)
+    x = pil_center_crop(Image.new("RGB", (2, 4000), (10, 20, 30)), 224)
+    assert x.shape == (3, 224, 224) and x.dtype == torch.uint8
+    assert (x[:, 100, 100].tolist() == [10, 20, 30]) and max(made) == 224 * 224
+    monkeypatch.setattr(Image.Image, "resize", real)
+    # the same view as resizing the short side to size / 0.875 and cropping the centre
+    # (an ordinary image exactly; one elongated past 16 crops, from the source, within a level)
+    for w, h, size, tol in ((90, 60, 48, 0), (61, 97, 32, 0), (300, 41, 24, 0),
+                            (700, 20, 24, 1), (13, 900, 32, 1)):
+        im = _img(w, h)
+        short = round(size / 0.875)
+        s = short / min(w, h)
+        W, H = max(size, round(w * s)), max(size, round(h * s))
+        big = im.resize((W, H), Image.BILINEAR)
+        left, top = (W - size) // 2, (H - size) // 2
+        want = to_uint8_chw(big.crop((left, top, left + size, top + size))).int()
+        assert (pil_center_crop(im, size).int() - want).abs().max() <= tol, (w, h, size)
