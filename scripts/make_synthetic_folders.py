@@ -7,18 +7,23 @@ image (issue 58: folders no recipe was tuned on, a check that a method's lead tr
     python scripts/make_synthetic_folders.py --kind shapes   --out runs/folders/shapes   --seed 0
 
 glyphs    classes = 10 characters; source = a font file of this machine (`fc-list`); each image
-          a random size, rotation, stroke, position, ink and paper colour and pixel noise.
-          The val fonts draw no train image.
+          a random size, rotation, stroke, position, ink and paper grey (faintly tinted) and
+          pixel noise.  The val fonts draw no train image.
 textures  classes = 10 texture families (stripes, checks, dots, blobs, waves, rings, grid,
           zigzag, speckle, sectors); source = one draw of the generator's hidden parameters
-          (a palette, a frequency range, an edge sharpness, a noise level); each image a random
-          orientation, phase, frequency within its source's range and two of its palette's
-          colours.
+          (a palette of 4 tinted greys, a frequency range, an edge sharpness, a noise level);
+          each image a random orientation, phase, frequency within its source's range and two
+          of its palette's greys.
 shapes    classes = 10 shapes (disc, triangle, square, pentagon, hexagon, star, cross, arrow,
           crescent, heart); source = a drawing style (filled / outlined / filled with an
-          outline of another colour, the stroke width, the ink palette, the background: flat,
-          a gradient, stripes or noise, its palette, the size range, the noise level); each
-          image a random shape size, position and rotation.
+          outline of another grey, the stroke width, the ink palette, the background: flat,
+          a gradient, stripes or noise, its palette, the size range, the noise level; palettes
+          of tinted greys); each image a random shape size, position and rotation.
+
+Colours are faintly tinted greys, not free colours: a random colour per image is shared by the
+two augmented views of it and tells the images apart better than their class does, so both
+NAC and SimCLR learned the colours and stayed near chance (a first version of these folders,
+docs/results.md "Folders of our own"; make_image_folder.py's shapes showed the same).
 
 Every class gets --train-per-class images in train/ (spread evenly over the train sources) and
 --val-per-class in val/ (over the val sources); a share --val-sources of the sources (at least
@@ -38,6 +43,7 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,16 +97,23 @@ def usable_fonts(files, chars=GLYPHS) -> list[str]:
     return good
 
 
-def _colour(rng, lo=0, hi=256):
-    return tuple(int(v) for v in rng.integers(lo, hi, 3))
+def _tinted_grey(rng, tint=25):
+    """A grey level tinted by up to +-`tint` per channel."""
+    g = int(rng.integers(0, 256))
+    return tuple(int(v) for v in np.clip(g + rng.integers(-tint, tint + 1, 3), 0, 255))
 
 
-def _far_colour(rng, other, dist=150):
-    """A colour at least `dist` (L1 over RGB) from `other`."""
+def _tinted_greys(rng, contrast=100, tint=25):
+    """(paper, ink): two grey levels at least `contrast` apart, each tinted by up to +-`tint`
+    per channel.  Fully random colours would give the two views of an image a shared colour
+    that tells the images apart better than their class does (the shortcut of the
+    make_image_folder.py shapes, docs/results.md): kept faint here."""
     while True:
-        c = _colour(rng)
-        if sum(abs(a - b) for a, b in zip(c, other)) > dist:
-            return c
+        g = rng.integers(0, 256, 2)
+        if abs(int(g[0]) - int(g[1])) >= contrast:
+            break
+    return tuple(tuple(int(v) for v in np.clip(int(x) + rng.integers(-tint, tint + 1, 3), 0, 255))
+                 for x in g)
 
 
 def texture_source(seed: int, k: int) -> dict:
@@ -108,7 +121,7 @@ def texture_source(seed: int, k: int) -> dict:
     an image), an edge sharpness and a noise level."""
     rng = np.random.default_rng([seed, 101, k])
     f_lo = float(rng.uniform(1.5, 3.5))
-    return {"palette": [_colour(rng) for _ in range(4)], "freq": [f_lo, f_lo * float(
+    return {"palette": [_tinted_grey(rng) for _ in range(4)], "freq": [f_lo, f_lo * float(
         rng.uniform(1.3, 2.0))], "sharp": float(rng.uniform(2.0, 12.0)),
         "noise": float(rng.uniform(0.0, 18.0))}
 
@@ -118,9 +131,9 @@ def shape_source(seed: int, k: int) -> dict:
     the size range and the noise level."""
     rng = np.random.default_rng([seed, 202, k])
     return {"mode": str(rng.choice(["fill", "outline", "fill+outline"])),
-            "width": int(rng.integers(2, 6)), "ink": [_colour(rng) for _ in range(3)],
+            "width": int(rng.integers(2, 6)), "ink": [_tinted_grey(rng) for _ in range(3)],
             "background": str(rng.choice(["flat", "gradient", "stripes", "noise"])),
-            "paper": [_colour(rng) for _ in range(3)],
+            "paper": [_tinted_grey(rng) for _ in range(3)],
             "radius": [float(rng.uniform(0.22, 0.3)), float(rng.uniform(0.32, 0.42))],
             "noise": float(rng.uniform(0.0, 15.0))}
 
@@ -153,8 +166,7 @@ def _noise(im: Image.Image, sigma: float, rng) -> Image.Image:
 
 def draw_glyph(c: str, font_file: str, size: int, rng) -> Image.Image:
     big = 2 * size
-    paper = _colour(rng)
-    ink = _far_colour(rng, paper)
+    paper, ink = _tinted_greys(rng)
     font = ImageFont.truetype(font_file, int(rng.uniform(0.5, 0.8) * big))
     layer = Image.new("L", (big, big), 0)
     stroke = int(rng.integers(0, 3))
@@ -429,8 +441,13 @@ def main(argv=None) -> int:
              fonts)
     command = " ".join(["python", "scripts/make_synthetic_folders.py"] +
                        [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
-    counts = write_folder(p, args.size, out, args.overwrite, command,
-                          progress=not args.no_progress)
+    # a kill (SIGTERM) unwinds like an error, so the temporary folder goes with it
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        counts = write_folder(p, args.size, out, args.overwrite, command,
+                              progress=not args.no_progress)
+    finally:
+        signal.signal(signal.SIGTERM, before)
     n_tr, n_va = sum(counts["train"].values()), sum(counts["val"].values())
     print(f"{out}: {n_tr} train / {n_va} val images, {len(p['classes'])} classes, {args.size} "
           f"px; sources {len(p['train_sources'])} train / {len(p['val_sources'])} val")

@@ -145,3 +145,26 @@ def test_every_class_draws_something(tmp_path):
         x = np.asarray(msf.draw_shape(kind, style, 32, np.random.default_rng(1)), dtype=np.float32)
         assert x.reshape(-1, 3).std(0).max() > 10, kind
     assert len(seen) == len(msf.SHAPES)
+
+
+def test_a_kill_leaves_nothing(tmp_path):
+    """SIGTERM while writing: the temporary folder goes, OUT is not made."""
+    import signal
+    import subprocess
+    import time
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts",
+                                                          "make_synthetic_folders.py"),
+                             "--out", str(tmp_path / "f"), "--kind", "textures", "--size", "8",
+                             "--train-per-class", "100000", "--no-progress"])
+    try:
+        deadline = time.time() + 60
+        while not any(n.startswith(".tmp-") for n in os.listdir(tmp_path)):
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert os.listdir(tmp_path) == []
