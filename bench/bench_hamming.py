@@ -1,61 +1,28 @@
-"""Benchmark of the Hamming engine (nac_fast's ops/search.py, ops/retrieval.py) against FAISS and the torch fallback.
+"""Benchmark of the Hamming engine (nac_fast's ops/search.py, ops/retrieval.py, HashIndex): the C++
+engine against FAISS and the torch fallback, the index's top-k, the GPU engines and their goals.
 
-    python bench/bench_hamming.py                      # paper-size protocol: 10,000 x 50,000 x 128
+    python bench/bench_hamming.py                      # CPU protocol: 10,000 x 50,000 x 128 bits
     python bench/bench_hamming.py --queries 1000 --gallery 5000 --repeats 1   # a quick look
+    python bench/bench_hamming.py --index              # HashIndex top-10 and mAP@all over 1M codes
+    python bench/bench_hamming.py --index --isa avx2 --threads 1 --map-queries 0   # a level forced
+    python bench/bench_hamming.py --gpu --csv RESULTS/hamming_gpu.csv   # GPU beside C++ (< 75 s)
+    python bench/bench_hamming.py --tc --csv RESULTS/hamming_tc.csv     # issue 56's goals (2-4 min)
+    TRITON_INTERPRET=1 python bench/bench_hamming.py --gpu --device cpu --tiny --csv X.csv  # CI
 
-Synthetic CIFAR-10-like codes: 10 class prototypes (random +-1), each code is its class
-prototype with every bit flipped with probability --flip, labels uniform.  Rows measured:
-
-  nac_fast cpu   mAP@all         nac_fast.mean_average_precision(backend="cpu") from +-1 float codes
-                                 (packing and argument checks included)
-  nac_fast cpu   full ranking    nac_fast.rank in query chunks: the same output as FAISS's search
-  faiss          full ranking    IndexBinaryFlat.search(k=G) in query chunks, use_heap=False (its
-                                 counting-sort path; the default heap path is the next row)
-  faiss heap     full ranking    the default use_heap=True path, on --faiss-heap-queries queries
-  faiss + numpy  mAP@all         FAISS ranking plus AP computed from it with numpy (FAISS has no mAP)
-  torch ref      mAP@all         backend="reference" on --torch-queries queries
-
-Times are wall seconds (median, 20th and 80th percentile over --repeats / --slow-repeats runs); peak memory is the
-largest resident-set growth over the run, sampled every millisecond.  Prints a table, appends one
-CSV row per method to bench/results/hamming_cpu.csv, and prints one JSON line last.
-
---gpu: the GPU engine (issue 39) beside the C++ engine, in one command on one machine:
-
-    python bench/bench_hamming.py --gpu --csv RESULTS/hamming_gpu.csv        # an H100: < 75 s
-    TRITON_INTERPRET=1 python bench/bench_hamming.py --gpu --device cpu --tiny --csv X.csv
-                                                       # CI: the same code on toy sizes, CPU tensors
-
-  map_all (gpu)      mAP@all, engine (column "engine") "triton", then "cuda" on a GPU where the
-                     extension has its CUDA kernels (csrc/hamming_cuda.cu): --map-queries queries x
-                     each of --map-sizes codes
-                     (bench's class-prototype codes and labels, made on the device); the codes are
-                     on the GPU before the clock starts, the score comes back to the host in it
-  map_all (gpu)      the same on the CPU row's queries: the like-for-like pair of the ratio
-  map_all (cpu)      the C++ engine on --cpu-map-queries queries (all of them up to 50k codes):
-                     measured rows with their own query count, never scaled
-  topk (gpu)         HashIndex(device="cuda").search(queries, k): --index-queries queries, each a
-                     code of the index with 10% of its bits flipped, over --index-sizes uniformly
-                     random codes (made on the GPU); the index is on the GPU before the clock
-  topk (cpu)         the same search with a CPU index, on --cpu-topk-queries queries (a subset at
-                     100M codes)
-  topk-variant       the GPU search at the first index size with other block configurations and
-                     sample ratios (--topk-variants): data for choosing the shipped setting
-  topk (gpu, cuda)   the same index searched by the "cuda" engine (HashIndex backend "cuda"),
-                     checked against the C++ engine and equal to the triton engine's answer
-
-Every GPU row is checked against the C++ engine on --check-queries queries (per-query AP to
-1e-12 and equal counts of relevant items; top-k distances and indices equal), column "check"; a
-failed check fails the command.  Peak GPU memory: torch's allocator, above what was allocated
-before the call.  Rows whose start would pass --budget-s seconds are skipped, said so.  Appends
-to --csv, prints a table and one JSON line last.  --device cpu (with TRITON_INTERPRET=1): the
-Triton engine under the interpreter, which proves the plumbing and nothing about speed (the
-"cuda" engine runs on CUDA tensors only: no rows).
+Four runs, one CSV each (rows, columns and goals: docs/evaluation.md "The Hamming benchmark"):
+the CPU protocol (bench/results/hamming_cpu.csv), --index (bench/results/index_cpu.csv), --gpu
+(hamming_gpu.csv) and --tc (the hamming-tc stage of bench/gpu_suite.sh; --csv only).  Codes are
+synthetic and CIFAR-10-like: class prototypes with every bit flipped with probability --flip; the
+top-k rows search uniformly random codes with queries that are index codes with 10% of their
+bits flipped.  Every GPU row is checked against the C++ engine in the same run (a failed check
+fails the command, exit 1).  Each run prints a table and one JSON line last.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import socket
@@ -74,36 +41,97 @@ except ImportError:  # running from a checkout that is not installed
     import nac_fast as H
 from nac_fast.ops import dispatch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_loss import commit  # noqa: E402  (the bench scripts' one git-commit helper)
-from common import append_rows, check_flip, check_least, check_output_file  # noqa: E402
+from common import append_rows, check_flip, check_least, check_output_file, commit  # noqa: E402
 
-CSV_PATH = os.path.join(ROOT, "bench", "results", "hamming_cpu.csv")
+RESULTS = os.path.join(ROOT, "bench", "results")
+CSV_PATH = os.path.join(RESULTS, "hamming_cpu.csv")
+INDEX_CSV_PATH = os.path.join(RESULTS, "index_cpu.csv")
+GPU_CSV_PATH = os.path.join(RESULTS, "hamming_gpu.csv")
 CSV_FIELDS = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method",
               "queries", "gallery", "bits", "repeats", "median_s", "p20_s", "p80_s",
               "peak_rss_mb", "map", "isa", "note"]
+INDEX_FIELDS = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method",
+                "queries", "gallery", "bits", "k", "repeats", "median_s", "p20_s", "p80_s",
+                "gpairs_per_s", "peak_rss_mb", "bytes_per_code", "load1_before", "load1_after",
+                "goal_s", "meets_goal", "isa", "note"]
+GPU_FIELDS = ["timestamp", "host", "cpu", "gpu", "threads", "torch", "triton", "git_commit",
+              "method", "engine", "device", "queries", "gallery", "bits", "k", "repeats",
+              "median_s", "p20_s", "p80_s", "peak_gpu_mib", "peak_rss_mb", "map",
+              "speedup_vs_cpu", "goal_s", "meets_goal", "check", "note"]
+TC_FIELDS = ["timestamp", "host", "cpu", "gpu", "torch", "triton", "git_commit", "method", "engine",
+             "device", "queries", "gallery", "bits", "k", "repeats", "median_s", "p20_s", "p80_s",
+             "peak_gpu_mib", "map", "bound_s", "of_bound", "goal_s", "meets_goal", "check", "note"]
+# (method, gallery, queries) -> seconds, on an H100 at 128 bits: issue 39 (--gpu), issue 56 (--tc)
+GOALS = {("map_all", 1_000_000, 10000): 0.1, ("topk", 1_000_000, 1000): 0.002,
+         ("topk", 100_000_000, 1000): 0.2}
+TC_GOALS = {("topk", 1_000_000, 1000): 0.001, ("topk", 100_000_000, 1000): 0.05,
+            ("map_all", 1_000_000, 10000): 0.05}
+INT8_OPS = 1979e12            # H100 SXM dense int8 tensor-core operations a second (--tc bound_s)
+TINY = dict(map_sizes="200,600", map_queries=33, cpu_map_queries="33,16",
+            index_sizes="4200,9000", index_queries=9, cpu_topk_queries="9,4",
+            check_queries=4, gpu_repeats=1, k=10, topk_variants="32x64x1/8")
+TC_TINY = dict(sizes="4200,9000", queries=9, map_queries=33, map_gallery=600, check_queries=4,
+               repeats=1)
 
-
-def add_isa_flag(ap) -> None:
-    """--isa: the C++ engine's instruction-set level for every row (NAC_FAST_HAMMING_ISA,
-    nac_fast/ops/search.py), shared with bench_index.py."""
-    from nac_fast.ops.search import ISA_LEVELS
-    ap.add_argument("--isa", default="auto", choices=("auto",) + ISA_LEVELS,
-                    help="force the C++ engine's instruction-set level (NAC_FAST_HAMMING_ISA); "
-                    "auto = the best this CPU has")
-
-
-def apply_isa(ap, isa: str) -> str:
-    """Set NAC_FAST_HAMMING_ISA for --isa (a level the CPU lacks: the flag's error, exit status 2)
-    and return the level the C++ rows run: its name, with "(forced)" when not auto."""
-    from nac_fast.ops import search
-    runs = search.cpu_isa_levels()
-    if isa == "auto":
-        os.environ.pop(search.HAMMING_ISA_ENV, None)
-        return runs[-1]
-    if isa not in runs:
-        ap.error(f"--isa {isa}: this CPU runs only {', '.join(runs)}")
-    os.environ[search.HAMMING_ISA_ENV] = isa
-    return f"{isa} (forced; best here: {runs[-1]})"
+# every option once: (flags, argparse keywords, {run: default}); a run's options are those with
+# a default for it (None: no default), and an option of another run is a usage error
+C, I, G_, T = "cpu", "index", "gpu", "tc"
+OPTIONS = [
+    ("--queries", dict(type=int, help="queries (cpu); of the top-k rows (index, tc)"),
+     {C: 10000, I: 1000, T: 1000}),
+    ("--gallery", dict(type=int), {C: 50000, I: 1_000_000}),
+    ("--bits", dict(type=int), {C: 128, I: 128, G_: 128, T: 128}),
+    ("--classes", dict(type=int), {C: 10, G_: 10, T: 10}),
+    ("--flip", dict(type=float, help="bit-flip probability around the class prototype, in "
+                    "[0, 0.5] (0.3 gives mAP ~0.5 at 128 bits)"), {C: 0.3, I: 0.3, G_: 0.3}),
+    ("--repeats", dict(type=int, help="runs of the nac_fast mAP row (cpu), of each top-k row "
+                       "(index), of each row (tc)"), {C: 3, I: 5, T: 5}),
+    ("--slow-repeats", dict(type=int, help="runs of the full-ranking and FAISS rows"), {C: 1}),
+    ("--chunk", dict(type=int, help="queries per ranking call (12 bytes per pair)"), {C: 500}),
+    ("--torch-queries", dict(type=int, help="queries of the torch reference row; 0 = skip"),
+     {C: 1000}),
+    ("--faiss-heap-queries", dict(type=int, help="queries of FAISS's default heap path at k=G; "
+                                  "0 = skip"), {C: 500}),
+    ("--no-rank", dict(action="store_true", help="skip the nac_fast full-ranking row"),
+     {C: False}),
+    ("--no-faiss", dict(action="store_true"), {C: False, I: False}),
+    ("--map-queries", dict(type=int, help="queries of the mAP@all rows (index: 0 = skip)"),
+     {I: 10000, G_: 10000, T: 10000}),
+    ("--map-repeats", dict(type=int), {I: 3}),
+    ("--k", dict(type=int), {I: 10, G_: 10, T: 10}),
+    ("--device", dict(choices=("cuda", "cpu"), help="cpu: the Triton engine under "
+                      "TRITON_INTERPRET=1 (plumbing only)"), {G_: "cuda", T: "cuda"}),
+    ("--tiny", dict(action="store_true", help="toy sizes (CI), one run each"),
+     {G_: False, T: False}),
+    ("--check-queries", dict(type=int, help="queries of every GPU row checked against the C++ "
+                             "engine"), {G_: 256, T: 64}),
+    ("--map-sizes", dict(help="gallery sizes of the mAP rows"), {G_: "50000,1000000"}),
+    ("--cpu-map-queries", dict(help="queries of the C++ mAP row at each --map-sizes size "
+                               "(0: no row)"), {G_: "10000,2000"}),
+    ("--index-sizes", dict(help="codes of the top-k rows"), {G_: "1000000,100000000"}),
+    ("--index-queries", dict(type=int), {G_: 1000}),
+    ("--cpu-topk-queries", dict(help="queries of the CPU index row at each --index-sizes size "
+                                "(0: no row)"), {G_: "1000,16"}),
+    ("--gpu-repeats", dict(type=int), {G_: 5}),
+    ("--budget-s", dict(type=float, help="skip rows that would start after this many seconds"),
+     {G_: 70.0}),
+    ("--only", dict(choices=("all", "map", "topk")), {G_: "all"}),
+    ("--profile-out", dict(help="append torch.profiler's kernel table of one search at the first "
+                           "--index-sizes size and one mAP at the last --map-sizes size"),
+     {G_: ""}),
+    ("--topk-variants", dict(help="other top-k settings BQxBGxWARPS/SAMPLE_RATIO timed at the "
+                             "first --index-sizes size, rows 'topk-variant' ('' = none)"),
+     {G_: "16x64x2/16,32x32x2/16,32x32x4/8"}),
+    ("--sizes", dict(help="top-k gallery sizes"), {T: "1000000,100000000"}),
+    ("--map-gallery", dict(type=int), {T: 1_000_000}),
+    ("--profile-run", dict(action="store_true", help="one tensor-core search of the largest "
+                           "size and nothing else (for Nsight Compute)"), {T: False}),
+    ("--threads", dict(type=int), {C: None, I: None, G_: None, T: None}),
+    ("--seed", dict(type=int), {C: 0, I: 0, G_: 0, T: 0}),
+    ("--csv", dict(help="CSV to append to ('' = none)"),
+     {C: CSV_PATH, I: INDEX_CSV_PATH, G_: GPU_CSV_PATH, T: ""}),
+    ("--note", dict(help="free text stored in the CSV rows"), {C: "", I: "", G_: "", T: ""}),
+]
 
 
 class PeakRSS:
@@ -136,6 +164,7 @@ def _rss() -> int:
 
 
 def make_data(q: int, g: int, bits: int, classes: int, flip: float, seed: int):
+    """(query codes, labels, gallery codes, labels), +-1 floats around random class prototypes."""
     gen = torch.Generator().manual_seed(seed)
     protos = torch.randint(0, 2, (classes, bits), generator=gen).float() * 2 - 1
 
@@ -159,17 +188,28 @@ def np_ap_from_ranking(idx: np.ndarray, ql: np.ndarray, gl: np.ndarray) -> np.nd
         return np.where(nrel > 0, (hits / ranks * rel).sum(1) / nrel, np.nan)
 
 
-def timed(fn, repeats: int):
+def timed(fn, repeats: int, device=None):
+    """Wall seconds (median, p20, p80) of `repeats` runs, the peak RSS growth (MB) and, on a CUDA
+    device (synchronised around each run), the allocator's peak above what was allocated before."""
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
     times, out, peak = [], None, 0.0
     for _ in range(repeats):
         with PeakRSS() as mem:
             t0 = time.perf_counter()
             out = fn()
+            if cuda:
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
         peak = max(peak, mem.mb)
     t = np.array(times)
     return {"median_s": float(np.median(t)), "p20_s": float(np.percentile(t, 20)),
-            "p80_s": float(np.percentile(t, 80)), "peak_rss_mb": peak, "repeats": repeats}, out
+            "p80_s": float(np.percentile(t, 80)), "peak_rss_mb": peak, "repeats": repeats,
+            "peak_gpu_mib": ((torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+                             if cuda else 0.0)}, out
 
 
 def cpu_name() -> str:
@@ -183,36 +223,211 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-# ------------------------------------------------------------------------------------------------
-# --gpu: the GPU engine beside the C++ engine (issue 39)
-# ------------------------------------------------------------------------------------------------
-
-GPU_CSV_PATH = os.path.join(ROOT, "bench", "results", "hamming_gpu.csv")
-GPU_FIELDS = ["timestamp", "host", "cpu", "gpu", "threads", "torch", "triton", "git_commit",
-              "method", "engine", "device", "queries", "gallery", "bits", "k", "repeats",
-              "median_s", "p20_s", "p80_s", "peak_gpu_mib", "peak_rss_mb", "map",
-              "speedup_vs_cpu", "goal_s", "meets_goal", "check", "note"]
-GOALS = {("map_all", 1_000_000, 10000): 0.1, ("topk", 1_000_000, 1000): 0.002,
-         ("topk", 100_000_000, 1000): 0.2}  # issue 39, H100, 128 bits
-TINY = dict(map_sizes="200,600", map_queries=33, cpu_map_queries="33,16",
-            index_sizes="4200,9000", index_queries=9, cpu_topk_queries="9,4",
-            check_queries=4, gpu_repeats=1, k=10, topk_variants="32x64x1/8")
+def apply_isa(ap, isa: str) -> str:
+    """Set NAC_FAST_HAMMING_ISA for --isa (a level the CPU lacks: the flag's error, exit status 2)
+    and return the level the C++ rows run: its name, with "(forced)" when not auto."""
+    from nac_fast.ops import search
+    runs = search.cpu_isa_levels()
+    if isa == "auto":
+        os.environ.pop(search.HAMMING_ISA_ENV, None)
+        return runs[-1]
+    if isa not in runs:
+        ap.error(f"--isa {isa}: this CPU runs only {', '.join(runs)}")
+    os.environ[search.HAMMING_ISA_ENV] = isa
+    return f"{isa} (forced; best here: {runs[-1]})"
 
 
-def _ints(text: str, name: str) -> list:
+def cpu_engine_and_faiss(ap, args):
+    """(the --isa level the C++ rows run, faiss or None); exits when the C++ engine is missing."""
+    why = dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
+    if why is not None:
+        sys.exit(f"the nac_fast hamming C++ kernel is not available: {why}")
+    isa = apply_isa(ap, args.isa)
+    if args.no_faiss:
+        return isa, None
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"{name}: a comma list of integers, got {text!r}") from None
+        import faiss
+        faiss.omp_set_num_threads(args.threads)
+        return isa, faiss
+    except ImportError:
+        print("faiss not installed (pip install faiss-cpu): FAISS rows skipped", file=sys.stderr)
+        return isa, None
 
+
+def meta(args, **extra) -> dict:
+    return {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": socket.gethostname(), "cpu": cpu_name(), "threads": args.threads,
+            "torch": torch.__version__, "git_commit": commit(), **extra}
+
+
+def write_csv(args, rows, fields, base):
+    """Append rows (with `base`, the run's columns; --note joined to each row's note) to --csv;
+    a CSV with another header is rewritten with `fields` first (common.append_rows)."""
+    if args.csv:
+        full = [{**base, **r, "note": "; ".join(x for x in (r.get("note", ""), args.note) if x)}
+                for r in rows]
+        append_rows(args.csv, [{f: r.get(f, "") for f in fields} for r in full], fields)
+        print(f"  appended {len(rows)} rows to {args.csv}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The CPU protocol: mAP@all and full rankings against FAISS and the torch reference
+# ------------------------------------------------------------------------------------------------
+
+def run_cpu(args, ap):
+    isa, faiss = cpu_engine_and_faiss(ap, args)
+    Q, G, D = args.queries, args.gallery, args.bits
+    qc, ql, gc, gl = make_data(Q, G, D, args.classes, args.flip, args.seed)
+    ql_np, gl_np = ql.numpy(), gl.numpy()
+    rows = []
+
+    def add(method, queries, stats, m, note=""):
+        rows.append({"method": method, "queries": queries, **stats, "map": m, "note": note})
+        print(f"  {method:<34} {queries:>6} q  median {stats['median_s']:8.3f} s  "
+              f"[p20 {stats['p20_s']:.3f}, p80 {stats['p80_s']:.3f}]  "
+              f"peak +{stats['peak_rss_mb']:7.1f} MB  mAP {m if m is None else f'{m:.6f}'}",
+              flush=True)
+
+    print(f"Hamming engine, {Q} queries x {G} gallery x {D} bits, {args.classes} classes, "
+          f"flip {args.flip}, {args.threads} threads, C++ engine level {isa}", flush=True)
+    nac_stats, (nac_map, used) = timed(lambda: H.mean_average_precision(
+        qc, ql, gc, gl, backend="cpu", return_num_queries=True), args.repeats)
+    add("nac_fast cpu mAP@all", Q, nac_stats, nac_map, f"{used} queries with relevant items")
+    qp, gp = H.pack_codes(qc), H.pack_codes(gc)
+    if not args.no_rank:  # the output FAISS produces
+        stats, _ = timed(lambda: [H.rank(H.PackedCodes(qp.words[s:s + args.chunk], D), gp,
+                                         backend="cpu") for s in range(0, Q, args.chunk)],
+                         args.slow_repeats)
+        add("nac_fast cpu full ranking", Q, stats, None,
+            f"packed codes, chunks of {args.chunk} queries")
+    faiss_rank = faiss_map_stats = faiss_map = None
+    if faiss is not None:
+        index = faiss.IndexBinaryFlat(gp.words.shape[1] * 64)  # zero padding bits on both sides
+        index.add(gp.words.numpy().view(np.uint8))
+        qbytes = qp.words.numpy().view(np.uint8)
+        index.use_heap = False  # its counting-sort path; the heap path is the last FAISS row
+        faiss_rank, _ = timed(lambda: [index.search(qbytes[s:s + args.chunk], G)
+                                       for s in range(0, Q, args.chunk)], args.slow_repeats)
+        add("faiss IndexBinaryFlat ranking", Q, faiss_rank, None, "use_heap=False")
+
+        def faiss_map_fn():
+            aps = [np_ap_from_ranking(index.search(qbytes[s:s + args.chunk], G)[1],
+                                      ql_np[s:s + args.chunk], gl_np)
+                   for s in range(0, Q, args.chunk)]
+            return float(np.nanmean(np.concatenate(aps)))
+        faiss_map_stats, faiss_map = timed(faiss_map_fn, args.slow_repeats)
+        add("faiss ranking + numpy AP", Q, faiss_map_stats, faiss_map, "use_heap=False")
+        if args.faiss_heap_queries:
+            nq = min(args.faiss_heap_queries, Q)
+            index.use_heap = True
+            stats, _ = timed(lambda: [index.search(qbytes[s:min(s + args.chunk, nq)], G)
+                                      for s in range(0, nq, args.chunk)], 1)
+            add("faiss IndexBinaryFlat ranking (heap)", nq, stats, None,
+                "default use_heap=True; subset of the queries")
+    torch_stats = None
+    if args.torch_queries:
+        nq = min(args.torch_queries, Q)
+        torch_stats, m = timed(lambda: H.mean_average_precision(qc[:nq], ql[:nq], gc, gl,
+                                                                backend="reference"), 1)
+        m_cpu = H.mean_average_precision(qc[:nq], ql[:nq], gc, gl, backend="cpu")
+        add("torch reference mAP@all", nq, torch_stats, m,
+            f"subset of the queries; cpu backend on the same queries: {m_cpu:.12f}")
+        if abs(m - m_cpu) > 1e-9:
+            sys.exit(f"reference and cpu backends disagree: {m} vs {m_cpu}")
+    if faiss_map is not None and abs(faiss_map - nac_map) > 1e-9:
+        print(f"  note: mAP from the FAISS ranking differs by {faiss_map - nac_map:.3g} "
+              "(its tie order is not by gallery index)")
+    write_csv(args, rows, CSV_FIELDS, meta(args, faiss=getattr(faiss, "__version__", ""),
+                                           gallery=G, bits=D, isa=isa))
+    summary = {"bench": "hamming_cpu", "isa": isa, "queries": Q, "gallery": G, "bits": D,
+               "threads": args.threads, "map": nac_map, "nac_map_median_s": nac_stats["median_s"],
+               "nac_map_peak_rss_mb": round(nac_stats["peak_rss_mb"], 1),
+               "target_s": 5.0, "meets_target": nac_stats["median_s"] <= 5.0}
+    if faiss_rank:
+        summary.update(faiss_rank_median_s=faiss_rank["median_s"],
+                       faiss_map_median_s=faiss_map_stats["median_s"],
+                       speedup_vs_faiss_rank=faiss_rank["median_s"] / nac_stats["median_s"])
+    if torch_stats:
+        summary.update(torch_ref_queries=min(args.torch_queries, Q),
+                       torch_ref_s=torch_stats["median_s"])
+    print(json.dumps(summary))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# --index: HashIndex.search against FAISS's IndexBinaryFlat, and mAP@all at 1M codes (issue 25)
+# ------------------------------------------------------------------------------------------------
+
+def run_index(args, ap):
+    isa, faiss = cpu_engine_and_faiss(ap, args)
+    G, D = args.gallery, args.bits
+    qc, ql, gc, gl = make_data(max(args.queries, args.map_queries), G, D, 10, args.flip, args.seed)
+    qb, gb = qc > 0, gc > 0
+    del qc, gc
+    index = H.HashIndex(D)
+    index.add(gb)
+    bytes_per_code = index.codes.words.element_size() * index.codes.words.shape[1]
+    qp = H.pack_codes(qb[:args.queries])
+    rows = []
+
+    def run(method, queries, k, fn, repeats, goal=None, note=""):
+        l0 = os.getloadavg()[0]  # the machine is shared: a figure under load is slower than code
+        stats, out = timed(fn, repeats)
+        row = {"method": method, "queries": queries, "k": k, **stats, "load1_before": l0,
+               "load1_after": os.getloadavg()[0], "gpairs_per_s": queries * G / stats[
+                   "median_s"] / 1e9, "goal_s": goal,
+               "meets_goal": (stats["median_s"] <= goal) if goal else None, "note": note}
+        rows.append(row)
+        print(f"  {method:<28} {queries:>6} q x {G} k={k}: median {stats['median_s']:.3f} s "
+              f"[p20 {stats['p20_s']:.3f}, p80 {stats['p80_s']:.3f}]  "
+              f"{row['gpairs_per_s']:.2f} G pairs/s  load {l0:.1f} -> {row['load1_after']:.1f}"
+              + (f"  goal {goal} s" if goal else ""), flush=True)
+        return row, out
+
+    print(f"HashIndex benchmark: {G} codes of {D} bits ({bytes_per_code} bytes each), "
+          f"{args.threads} threads, C++ engine level {isa}, load {os.getloadavg()[0]:.1f}",
+          flush=True)
+    index.search(qp, args.k)  # warm-up (page faults of the output, thread pool start)
+    top, (Dn, _) = run("HashIndex.search", args.queries, args.k,
+                       lambda: index.search(qp, args.k), args.repeats, goal=0.3)
+    summary = {"bench": "index_cpu", "isa": isa, "gallery": G, "bits": D, "threads": args.threads,
+               "topk_median_s": top["median_s"], "topk_goal_s": 0.3, "map_median_s": None,
+               "map_goal_s": 5.0}
+    if faiss is not None:
+        fx = faiss.IndexBinaryFlat(index.codes.words.shape[1] * 64)
+        fx.add(index.codes.words.numpy().view(np.uint8))
+        qbytes = qp.words.numpy().view(np.uint8)
+        fx.search(qbytes[:10], args.k)
+        row, (fD, _) = run("faiss IndexBinaryFlat.search", args.queries, args.k,
+                           lambda: fx.search(qbytes, args.k), args.repeats)
+        same = bool(np.array_equal(fD, Dn.numpy()))
+        row["note"] = f"faiss {faiss.__version__}; same distances as HashIndex: {same}"
+        if not same:
+            sys.exit("FAISS and HashIndex disagree on the distances")
+        summary["faiss_topk_median_s"] = row["median_s"]
+    if args.map_queries:
+        Qm = args.map_queries
+        row, m = run("nac_fast mAP@all", Qm, G, lambda: H.mean_average_precision(
+            qb[:Qm], ql[:Qm], gb, gl, backend="cpu"), args.map_repeats, goal=5.0)
+        row["note"] = f"mAP {m:.6f}"
+        summary["map_median_s"] = row["median_s"]
+    write_csv(args, rows, INDEX_FIELDS, meta(args, faiss=getattr(faiss, "__version__", ""),
+                                             gallery=G, bits=D, bytes_per_code=bytes_per_code,
+                                             isa=isa))
+    print(json.dumps({**summary, "load1": os.getloadavg()[0]}))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# --gpu (issue 39) and --tc (issue 56): the GPU engines, each row checked against the C++ engine
+# ------------------------------------------------------------------------------------------------
 
 def packed_class_codes(n, bits, protos, classes, flip, gen, device, chunk=1 << 18):
     """(words (n, W) int64, labels (n,)) made on `device`: each code its class prototype with
     every bit flipped with probability `flip` (make_data's codes, packed without a +-1 copy)."""
     from nac_fast.ops.codes import pack_bits_torch
-    W = protos.shape[1]
     labels = torch.randint(0, classes, (n,), generator=gen, device=device)
-    words = torch.empty((n, W), dtype=torch.int64, device=device)
+    words = torch.empty((n, protos.shape[1]), dtype=torch.int64, device=device)
     for s in range(0, n, chunk):
         m = min(chunk, n - s)
         flips = torch.rand((m, bits), generator=gen, device=device) < flip
@@ -239,49 +454,28 @@ def flip_bits(words, bits, p, gen):
     return words ^ pack_bits_torch(flips)
 
 
-def gpu_timed(fn, repeats: int, device):
-    """timed() with the device synchronised around each run and the allocator's peak above the
-    memory allocated before (MiB; 0 on the CPU)."""
-    cuda = device.type == "cuda"
-
-    def run():
-        out = fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-        return out
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    stats, out = timed(run, repeats)
-    stats["peak_gpu_mib"] = ((torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
-                             if cuda else 0.0)
-    return stats, out
-
-
 def profile_kernels(fn, device, path: str, what: str, top: int = 15) -> None:
-    """Append to `path` where one call of `fn` spends its time: torch.profiler's table of the
-    call's kernels and ops (device time first; on a GPU, the sorting of the filter pass against
-    the sample levels, the candidate top-k and the fills), and the wall time of the call."""
+    """Append to `path` torch.profiler's table of one call of `fn` (device time first on a GPU)
+    and the call's wall time."""
     from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    with profile(activities=acts) as prof:
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) \
+            as prof:
         t0 = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         wall = time.perf_counter() - t0
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=top)
+    table = prof.key_averages().table(
+        sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top)
     with open(path, "a") as f:
         f.write(f"== {what}: {wall * 1e3:.3f} ms wall (profiled)\n{table}\n")
     print(f"  profile of {what} appended to {path}", flush=True)
 
 
-def _ap_check(H, qw, ql, gw, gl, bits, n, device, engine="triton"):
+def _ap_check(qw, ql, gw, gl, bits, n, engine="triton"):
     """Per-query AP of a GPU engine against the C++ engine on the first n queries."""
     P = H.PackedCodes
     ap, nrel = H.average_precision(P(qw[:n], bits), ql[:n], P(gw, bits), gl, backend=engine)
@@ -297,7 +491,17 @@ def _ap_check(H, qw, ql, gw, gl, bits, n, device, engine="triton"):
                  f"diff {rel:.1e}" + ("" if same_nan else ", NaN pattern differs")
 
 
-def _ints_variants(text: str) -> list:
+def _ints(ap, text: str, name: str, positive=False) -> list:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"{name}: a comma list of integers, got {text!r}")
+    if positive and (not out or min(out) < 1):
+        ap.error(f"{name}: positive gallery sizes, got {text!r}")
+    return out
+
+
+def _variants(ap, text: str) -> list:
     """'BQxBGxWARPS/RATIO,...' -> [(bq, bg, warps, ratio), ...]."""
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
@@ -306,78 +510,93 @@ def _ints_variants(text: str) -> list:
             bq, bg, warps = (int(x) for x in blocks.split("x"))
             out.append((bq, bg, warps, int(ratio)))
         except ValueError:
-            raise SystemExit(f"--topk-variants: BQxBGxWARPS/RATIO items, got {item!r}") from None
+            ap.error(f"--topk-variants: BQxBGxWARPS/RATIO items, got {item!r}")
     return out
-
-
-def _variant_name(v=None, kind="gpu") -> str:
-    from nac_fast.kernels import hamming_triton as HT
-    if v is None:
-        bq, bg, warps = HT.TOPK_CONFIG[kind]
-        v = (bq, bg, warps, HT.SAMPLE_RATIO)
-    return f"top-k setting {v[0]}x{v[1]}x{v[2]}/{v[3]} (BQxBGxwarps/sample ratio)"
 
 
 class _variant:
     """The GPU top-k's block configuration and sample ratio set to `v` inside the block."""
 
-    def __init__(self, v, device):
+    def __init__(self, v, kind):
         from nac_fast.kernels import hamming_triton as HT
-        self.HT, self.v = HT, v
-        self.kind = "gpu" if device.type == "cuda" else "interpreter"
+        self.HT, self.v, self.kind = HT, v, kind
 
     def __enter__(self):
         self.saved = (self.HT.TOPK_CONFIG[self.kind], self.HT.SAMPLE_RATIO)
-        self.HT.TOPK_CONFIG[self.kind] = self.v[:3]
-        self.HT.SAMPLE_RATIO = self.v[3]
+        self.HT.TOPK_CONFIG[self.kind], self.HT.SAMPLE_RATIO = self.v[:3], self.v[3]
 
     def __exit__(self, *exc):
         self.HT.TOPK_CONFIG[self.kind], self.HT.SAMPLE_RATIO = self.saved
         return False
 
 
-def run_gpu(args, ap):
-    """--gpu (module docstring)."""
+def run_gpu(args, ap, tc: bool):
+    """--gpu: mAP@all at --map-sizes and top-k at --index-sizes by the triton (and cuda) engines,
+    the C++ engine's rows beside them, the top-k's variants.  --tc: the Triton top-k's two filters
+    (popc, mma) and the cuda engine at --sizes, mAP@all at --map-gallery, with the int8 floor."""
+    from nac_fast.kernels import hamming_triton as HT
     if args.tiny:
-        for key, val in TINY.items():
+        for key, val in (TC_TINY if tc else TINY).items():
             setattr(args, key, val)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        ap.error("--gpu: no CUDA device visible (--device cpu runs the interpreter)")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        ap.error("--gpu --device cpu: set TRITON_INTERPRET=1 (the Triton engine runs under the "
-                 "interpreter on CPU tensors)")
-    for name, why in (("triton", dispatch.available_backends(args.device, op="hamming",
-                                                             reasons=True)["triton"]),
-                      ("cpu", dispatch.available_backends("cpu", op="hamming",
-                                                          reasons=True)["cpu"])):
-        if why is not None:
-            sys.exit(f"the {name} Hamming engine is not available: {why}")
-    # the CUDA kernels' engine (csrc/hamming_cuda.cu) beside Triton's, on CUDA tensors
-    engines = ["triton"]
-    if device.type == "cuda":
-        why = dispatch.available_backends(args.device, op="hamming", reasons=True)["cuda"]
-        if why is None:
-            engines.append("cuda")
-        else:
-            print(f"  no 'cuda' engine rows: {why}", flush=True)
-    import triton
-    from nac_fast.index import HashIndex
-    t_start = time.perf_counter()
-    D, k = args.bits, args.k
-    map_sizes, cpu_map_q = _ints(args.map_sizes, "--map-sizes"), _ints(args.cpu_map_queries,
-                                                                      "--cpu-map-queries")
-    idx_sizes, cpu_topk_q = _ints(args.index_sizes, "--index-sizes"), _ints(
-        args.cpu_topk_queries, "--cpu-topk-queries")
+    if tc:  # the --tc run in the --gpu run's terms: no C++ rows, no variants, no budget
+        args.index_sizes, args.index_queries, args.gpu_repeats = args.sizes, args.queries, \
+            args.repeats
+        args.map_sizes, args.cpu_map_queries = str(args.map_gallery), "0"
+        args.cpu_topk_queries = ",".join("0" for _ in args.sizes.split(","))
+        args.flip, args.topk_variants, args.budget_s, args.only = 0.3, "", math.inf, "all"
+        args.profile_out = ""
+    map_sizes, cpu_map_q = _ints(ap, args.map_sizes, "--map-sizes"), _ints(
+        ap, args.cpu_map_queries, "--cpu-map-queries")
+    idx_sizes = _ints(ap, args.index_sizes, "--sizes" if tc else "--index-sizes", positive=tc)
+    cpu_topk_q = _ints(ap, args.cpu_topk_queries, "--cpu-topk-queries")
     if len(cpu_map_q) != len(map_sizes) or len(cpu_topk_q) != len(idx_sizes):
         ap.error("--cpu-map-queries / --cpu-topk-queries: one value per --map-sizes / "
                  "--index-sizes size")
-    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreter"
-    print(f"GPU Hamming engine vs the C++ engine ({args.threads} threads): {gpu_name}, {D} bits, "
-          f"triton {triton.__version__}, torch {torch.__version__}", flush=True)
+    if tc and args.k > min(idx_sizes):
+        ap.error(f"--k: at most the smallest gallery ({min(idx_sizes)}), got {args.k}")
+    variants = _variants(ap, args.topk_variants)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device visible (--device cpu runs the interpreter)")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--device cpu: set TRITON_INTERPRET=1 (the Triton engine runs under the "
+                 "interpreter on CPU tensors)")
+    reasons = dispatch.available_backends(args.device, op="hamming", reasons=True)
+    for name, why in (("triton", reasons["triton"]),
+                      ("C++", dispatch.available_backends("cpu", op="hamming",
+                                                          reasons=True)["cpu"])):
+        if why is not None:
+            sys.exit(f"the {name} Hamming engine is not available: {why}")
+    cuda_engine = device.type == "cuda" and reasons["cuda"] is None
+    if device.type == "cuda" and not cuda_engine:
+        print(f"  no 'cuda' engine rows: {reasons['cuda']}", flush=True)
+    map_engines = ["triton"] + (["cuda"] if cuda_engine else [])
+    # top-k engines: (row name, HashIndex backend, topk_method); the first is the others' check
+    topk_engines = ([("triton-popc", "triton", "popc"), ("triton-mma", "triton", "mma")] if tc
+                    else [("triton", "triton", None)]) + \
+        ([("cuda", "cuda", "auto")] if cuda_engine else [])
+    import triton
+    P, D, k, W = H.PackedCodes, args.bits, args.k, -(-args.bits // 64)
+    kind = "gpu" if device.type == "cuda" else "interpreter"
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    rows, failures, skipped = [], [], []
-    cpu_times = {}
+    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreter"
+    if tc and args.profile_run:  # the stage's Nsight Compute target: nothing but the filter
+        G = idx_sizes[-1]
+        gw = random_codes(G, D, gen, device)
+        qw = flip_bits(gw[torch.randint(0, G, (args.queries,), generator=gen, device=device)],
+                       D, 0.1, gen)
+        index = H.HashIndex(D, device=device, backend="triton", topk_method="mma")
+        index.add(P(gw, D))
+        index.search(P(qw, D), k)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"profile run: {args.queries} queries, top-{k} of {G:,} codes (method mma)")
+        return 0
+    print(f"{'GPU goals (issue 56)' if tc else 'GPU Hamming engine vs the C++ engine'} "
+          f"({args.threads} threads): {gpu_name}, {D} bits, triton {triton.__version__}, "
+          f"torch {torch.__version__}", flush=True)
+    t_start = time.perf_counter()
+    rows, failures, skipped, cpu_times = [], [], [], {}
 
     def over_budget(what) -> bool:
         if time.perf_counter() - t_start > args.budget_s:
@@ -386,31 +605,31 @@ def run_gpu(args, ap):
             return True
         return False
 
-    def add(method, engine, dev, queries, G, stats, m=None, check="", note="", kk=""):
-        goal = GOALS.get((method, G, queries)) if dev != "cpu" and device.type == "cuda" else None
-        key = (method, G, queries)
-        speed = ""
+    def add(method, engine, dev, queries, G, stats, m=None, check="", note=""):
+        goal = (TC_GOALS if tc else GOALS).get((method, G, queries)) \
+            if dev != "cpu" and device.type == "cuda" and D == 128 else None
+        key, speed = (method, G, queries), ""
         if engine == "cpu":
             cpu_times[key] = stats["median_s"]
         elif key in cpu_times:
             speed = cpu_times[key] / stats["median_s"]
+        bound = queries * G * 64 * W * 2 / INT8_OPS
         row = dict(method=method, engine=engine, device=dev, queries=queries, gallery=G, bits=D,
-                   k=kk, repeats=stats["repeats"], median_s=stats["median_s"],
-                   p20_s=stats["p20_s"], p80_s=stats["p80_s"],
-                   peak_gpu_mib=round(stats.get("peak_gpu_mib", 0.0), 1),
+                   k=k if method.startswith("topk") else "", repeats=stats["repeats"],
+                   median_s=stats["median_s"], p20_s=stats["p20_s"], p80_s=stats["p80_s"],
+                   peak_gpu_mib=round(stats["peak_gpu_mib"], 1),
                    peak_rss_mb=round(stats["peak_rss_mb"], 1), map=m, speedup_vs_cpu=speed,
-                   goal_s=goal, meets_goal=(stats["median_s"] <= goal) if goal else "",
-                   check=check, note=note)
+                   bound_s=bound, of_bound=bound / stats["median_s"], goal_s=goal,
+                   meets_goal=(stats["median_s"] <= goal) if goal else "", check=check, note=note)
         rows.append(row)
-        print(f"  {method:<8} {engine:<6} {queries:>6} q x {G:>11,}: median {stats['median_s']:9.5f} s "
-              f"[{stats['p20_s']:.5f}, {stats['p80_s']:.5f}]  GPU peak {row['peak_gpu_mib']:8.1f} MiB"
-              + (f"  x{speed:.3g} vs cpu" if speed else "") + (f"  goal {goal} s" if goal else "")
-              + (f"  {check}" if check else ""), flush=True)
+        print(f"  {method:<8} {engine:<11} {queries:>6} q x {G:>11,}: median "
+              f"{stats['median_s']:9.6f} s [{stats['p20_s']:.6f}, {stats['p80_s']:.6f}]  GPU peak "
+              f"{row['peak_gpu_mib']:8.1f} MiB" + (f"  x{speed:.3g} vs cpu" if speed else "")
+              + (f"  int8 floor {bound:.2e} s" if tc else "")
+              + (f"  goal {goal} s" if goal else "") + (f"  {check}" if check else ""), flush=True)
 
-    P = H.PackedCodes
-    # ---- mAP@all ----
-    if args.only in ("all", "map"):
-        W = -(-D // 64)
+    dev, cpu = str(device), torch.device("cpu")
+    if args.only in ("all", "map"):  # ---- mAP@all ----
         protos = random_codes(args.classes, D, gen, device)
         Q = args.map_queries
         qw, ql = packed_class_codes(Q, D, protos, args.classes, args.flip, gen, device)
@@ -418,350 +637,173 @@ def run_gpu(args, ap):
             if over_budget(f"map_all x {G}"):
                 continue
             gw, gl = packed_class_codes(G, D, protos, args.classes, args.flip, gen, device)
-            nc = min(args.check_queries, Q)
             checks = {}
-            for eng in engines:
-                good, checks[eng] = _ap_check(H, qw, ql, gw, gl, D, nc, device, eng)  # compiles
+            for eng in map_engines:  # compiles too
+                good, checks[eng] = _ap_check(qw, ql, gw, gl, D, min(args.check_queries, Q), eng)
                 if not good:
                     failures.append(f"map_all {eng} x {G}: {checks[eng]}")
-            runs = [(Q, args.gpu_repeats)]
-            if nq_cpu and min(nq_cpu, Q) != Q:
-                runs.append((min(nq_cpu, Q), args.gpu_repeats))
-            qc, qlc, gc, glc = qw.cpu(), ql.cpu(), gw.cpu(), gl.cpu()
+            ns = [Q] + ([min(nq_cpu, Q)] if nq_cpu and min(nq_cpu, Q) != Q else [])
             if nq_cpu:
-                n = min(nq_cpu, Q)
-                stats, m = gpu_timed(lambda: H.mean_average_precision(
-                    P(qc[:n], D), qlc[:n], P(gc, D), glc, backend="cpu"),
-                    3 if G <= 100_000 else 2, torch.device("cpu"))
+                n = ns[-1]
+                qc, qlc, gc, glc = qw[:n].cpu(), ql[:n].cpu(), gw.cpu(), gl.cpu()
+                stats, m = timed(lambda: H.mean_average_precision(
+                    P(qc, D), qlc, P(gc, D), glc, backend="cpu"), 3 if G <= 100_000 else 2, cpu)
                 add("map_all", "cpu", "cpu", n, G, stats, m, note=f"{args.threads} threads")
-            for eng in engines:
-                for n, reps in runs:
-                    stats, m = gpu_timed(lambda: H.mean_average_precision(
-                        P(qw[:n], D), ql[:n], P(gw, D), gl, backend=eng), reps, device)
-                    add("map_all", eng, str(device), n, G, stats, m, check=checks[eng])
+                del qc, gc
+            for eng in map_engines:
+                for n in ns:  # the CPU row's query count too: the like-for-like pair
+                    stats, m = timed(lambda: H.mean_average_precision(
+                        P(qw[:n], D), ql[:n], P(gw, D), gl, backend=eng), args.gpu_repeats, device)
+                    add("map_all", eng, dev, n, G, stats, m, check=checks[eng])
                 if args.profile_out and G == map_sizes[-1]:
                     profile_kernels(lambda: H.mean_average_precision(
                         P(qw, D), ql, P(gw, D), gl, backend=eng), device, args.profile_out,
                         f"mAP@all, {Q} x {G:,} codes of {D} bits (backend {eng})")
-            del gw, gl, gc, glc
-    # ---- top-k ----
-    if args.only in ("all", "topk"):
+            del gw, gl
+    if args.only in ("all", "topk"):  # ---- top-k: one index on the device, each engine ----
         for G, nq_cpu in zip(idx_sizes, cpu_topk_q):
             if over_budget(f"topk x {G}"):
                 continue
             Q = args.index_queries
             gw = random_codes(G, D, gen, device)
-            pick = torch.randint(0, G, (Q,), generator=gen, device=device)
-            qw = flip_bits(gw[pick], D, 0.1, gen)
-            gpu = HashIndex(D, device=device, backend="triton")
-            gpu.add(P(gw, D))
-            del gw
-            gpu.search(P(qw[:2], D), k)  # compiles, outside the clock
-            stats, (Dg, Ig) = gpu_timed(lambda: gpu.search(P(qw, D), k), args.gpu_repeats, device)
-            if args.profile_out and G == idx_sizes[0]:
-                profile_kernels(lambda: gpu.search(P(qw, D), k), device, args.profile_out,
-                                f"HashIndex.search, {Q} queries, top-{k} of {G:,} codes")
-            nc = min(args.check_queries, Q, nq_cpu if nq_cpu else args.check_queries)
-            cpu_index = HashIndex(D)
-            cpu_index.add(P(gpu.codes.words.cpu(), D))
+            qw = flip_bits(gw[torch.randint(0, G, (Q,), generator=gen, device=device)], D, 0.1,
+                           gen)
+            nc = min(args.check_queries, Q, nq_cpu or args.check_queries)
+            cpu_index = H.HashIndex(D)
+            cpu_index.add(P(gw.cpu(), D))
             qc = qw.cpu()
             Dc, Ic = cpu_index.search(P(qc[:nc], D), k)
-            good = bool(torch.equal(Dg[:nc].cpu(), Dc) and torch.equal(Ig[:nc].cpu(), Ic))
-            check = (f"{'ok' if good else 'FAIL'}: distances and indices of {nc} queries equal "
-                     "to the C++ engine's" if good else
-                     f"FAIL: {nc} queries' top-{k} differ from the C++ engine's")
-            if not good:
-                failures.append(f"topk x {G}: {check}")
+            index = H.HashIndex(D, device=device, backend="triton")
+            index.add(P(gw, D))
+            del gw
             if nq_cpu:
                 n = min(nq_cpu, Q)
                 cpu_index.search(P(qc[:2], D), k)
-                cstats, _ = gpu_timed(lambda: cpu_index.search(P(qc[:n], D), k),
-                                      3 if G <= 10_000_000 else 1, torch.device("cpu"))
-                add("topk", "cpu", "cpu", n, G, cstats, kk=k,
+                stats, _ = timed(lambda: cpu_index.search(P(qc[:n], D), k),
+                                 3 if G <= 10_000_000 else 1, cpu)
+                add("topk", "cpu", "cpu", n, G, stats,
                     note=f"HashIndex on the CPU, {args.threads} threads")
-                if n != Q:  # the GPU on the CPU row's queries too: a like-for-like pair
-                    s2, _ = gpu_timed(lambda: gpu.search(P(qw[:n], D), k), args.gpu_repeats,
-                                      device)
-                    add("topk", "triton", str(device), n, G, s2, kk=k, check=check)
-            add("topk", "triton", str(device), Q, G, stats, kk=k, check=check,
-                note="HashIndex(device=...) search, queries = index codes with 10% of bits "
-                     "flipped; " + _variant_name(
-                         kind="gpu" if device.type == "cuda" else "interpreter"))
-            if G == idx_sizes[0]:
-                for v in _ints_variants(args.topk_variants):
-                    if over_budget(f"topk-variant {v} x {G}"):
-                        break
-                    with _variant(v, device):
-                        gpu.search(P(qw[:2], D), k)
-                        vs, (Dv, Iv) = gpu_timed(lambda: gpu.search(P(qw, D), k),
-                                                 args.gpu_repeats, device)
-                    same = bool(torch.equal(Dv, Dg) and torch.equal(Iv, Ig))
-                    if not same:
-                        failures.append(f"topk-variant {v} x {G}: results differ")
-                    add("topk-variant", "triton", str(device), Q, G, vs, kk=k,
-                        check=f"{'ok' if same else 'FAIL'}: all {Q} queries equal to the "
-                              "shipped setting's results", note=_variant_name(v))
-            for eng in engines[1:]:  # the same index, searched by another engine
-                gpu.backend = eng
-                gpu.search(P(qw[:2], D), k)
-                es, (De, Ie) = gpu_timed(lambda: gpu.search(P(qw, D), k), args.gpu_repeats,
-                                         device)
-                good = bool(torch.equal(De[:nc].cpu(), Dc) and torch.equal(Ie[:nc].cpu(), Ic)
-                            and torch.equal(De, Dg) and torch.equal(Ie, Ig))
-                echeck = (f"ok: distances and indices of {nc} queries equal to the C++ "
-                          f"engine's, all {Q} to the triton engine's" if good else
-                          f"FAIL: top-{k} differs from the C++ or the triton engine's")
+            del cpu_index
+            first = None
+            for name, backend, method in topk_engines:
+                index.backend = backend
+                if method:
+                    index.topk_method = method
+                index.search(P(qw[:2], D), k)  # compiles, outside the clock
+                stats, (Dg, Ig) = timed(lambda: index.search(P(qw, D), k), args.gpu_repeats,
+                                        device)
+                good = bool(torch.equal(Dg[:nc].cpu(), Dc) and torch.equal(Ig[:nc].cpu(), Ic))
+                if first is None:
+                    first = (name, Dg, Ig)
+                good = good and bool(torch.equal(Dg, first[1]) and torch.equal(Ig, first[2]))
+                check = (f"ok: distances and indices of {nc} queries equal to the C++ engine's"
+                         + ("" if name == first[0] else f", all {Q} to {first[0]}'s") if good
+                         else f"FAIL: top-{k} differs from the C++ engine's ({nc} queries) or "
+                              f"{first[0]}'s")
                 if not good:
-                    failures.append(f"topk {eng} x {G}: {echeck}")
-                if nq_cpu and min(nq_cpu, Q) != Q:
+                    failures.append(f"topk {name} x {G}: {check}")
+                if nq_cpu and min(nq_cpu, Q) != Q:  # the CPU row's queries: like for like
                     n = min(nq_cpu, Q)
-                    s2, _ = gpu_timed(lambda: gpu.search(P(qw[:n], D), k), args.gpu_repeats,
-                                      device)
-                    add("topk", eng, str(device), n, G, s2, kk=k, check=echeck)
-                add("topk", eng, str(device), Q, G, es, kk=k, check=echeck,
-                    note="HashIndex(device=..., backend=" + repr(eng) + ") search, queries = "
-                         "index codes with 10% of bits flipped")
+                    s2, _ = timed(lambda: index.search(P(qw[:n], D), k), args.gpu_repeats, device)
+                    add("topk", name, dev, n, G, s2, check=check)
+                add("topk", name, dev, Q, G, stats, check=check,
+                    note=("HashIndex search, queries = index codes with 10% of bits flipped"
+                          + ("" if tc or name != "triton" else "; top-k setting {}x{}x{}/{} "
+                             "(BQxBGxwarps/sample ratio)".format(*HT.TOPK_CONFIG[kind],
+                                                                 HT.SAMPLE_RATIO))))
                 if args.profile_out and G == idx_sizes[0]:
-                    profile_kernels(lambda: gpu.search(P(qw, D), k), device, args.profile_out,
-                                    f"HashIndex.search ({eng}), {Q} queries, top-{k} of {G:,} "
+                    profile_kernels(lambda: index.search(P(qw, D), k), device, args.profile_out,
+                                    f"HashIndex.search ({name}), {Q} queries, top-{k} of {G:,} "
                                     "codes")
-                del De, Ie
-            gpu.backend = "triton"
-            del gpu, cpu_index, qc, Dg, Ig
+                if name == "triton" and G == idx_sizes[0]:
+                    for v in variants:
+                        if over_budget(f"topk-variant {v} x {G}"):
+                            break
+                        with _variant(v, kind):
+                            index.search(P(qw[:2], D), k)
+                            vs, (Dv, Iv) = timed(lambda: index.search(P(qw, D), k),
+                                                 args.gpu_repeats, device)
+                        same = bool(torch.equal(Dv, Dg) and torch.equal(Iv, Ig))
+                        if not same:
+                            failures.append(f"topk-variant {v} x {G}: results differ")
+                        add("topk-variant", "triton", dev, Q, G, vs,
+                            check=f"{'ok' if same else 'FAIL'}: all {Q} queries equal to the "
+                                  "shipped setting's results", note="top-k setting {}x{}x{}/{} "
+                                  "(BQxBGxwarps/sample ratio)".format(*v))
+            del index, first, Dg, Ig, qc
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-
-    meta = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": socket.gethostname(), "cpu": cpu_name(), "gpu": gpu_name,
-            "threads": args.threads, "torch": torch.__version__, "triton": triton.__version__,
-            "git_commit": commit()}
-    csv_path = args.csv if args.csv != CSV_PATH else GPU_CSV_PATH
-    if csv_path:  # a CSV with another header is rewritten with GPU_FIELDS first (common)
-        append_rows(csv_path, [{**meta, **r, "note": "; ".join(x for x in (r["note"], args.note)
-                                                                if x)} for r in rows], GPU_FIELDS)
-        print(f"  appended {len(rows)} rows to {csv_path}")
-    elapsed = time.perf_counter() - t_start
-    print(f"\n{'row':<34} {'median s':>10} {'p20-p80 s':>19} {'GPU MiB':>8} {'vs cpu':>7} "
-          f"{'goal':>6}  check")
+    write_csv(args, rows, TC_FIELDS if tc else GPU_FIELDS,
+              meta(args, gpu=gpu_name, triton=triton.__version__))
+    print(f"\n{'row':<40} {'median s':>10} {'p20-p80 s':>19} {'GPU MiB':>8} "
+          f"{'of int8 floor' if tc else 'vs cpu':>13} {'goal':>6}  check")
     for r in rows:
+        ratio = f"{r['of_bound']:.3f}" if tc else (f"x{r['speedup_vs_cpu']:.3g}"
+                                                   if r["speedup_vs_cpu"] else "")
+        goal = "" if not r["goal_s"] else ("MET" if r["meets_goal"] else "MISSED")
         what = f"{r['method']} {r['engine']} {r['queries']}x{r['gallery']:,}"
-        sp = f"x{r['speedup_vs_cpu']:.3g}" if r["speedup_vs_cpu"] else ""
-        goal = ("" if not r["goal_s"] else ("MET" if r["meets_goal"] else "MISSED"))
-        print(f"{what:<34} {r['median_s']:>10.5f} {r['p20_s']:>9.5f}-{r['p80_s']:<9.5f} "
-              f"{r['peak_gpu_mib']:>8.1f} {sp:>7} {goal:>6}  {r['check'].split(':')[0]}")
-    summary = {"bench": "hamming_gpu", "device": str(device), "gpu": gpu_name, "bits": D,
-               "rows": len(rows), "skipped": skipped, "failures": failures,
-               "elapsed_s": round(elapsed, 1),
-               "goals": {f"{r['method']} {r['engine']} {r['queries']}x{r['gallery']}":
-                         bool(r["meets_goal"]) for r in rows if r["goal_s"]}}
-    print(json.dumps(summary))
+        print(f"{what:<40} {r['median_s']:>10.6f} {r['p20_s']:>9.6f}-{r['p80_s']:<9.6f} "
+              f"{r['peak_gpu_mib']:>8.1f} {ratio:>13} {goal:>6}  {r['check'].split(':')[0]}")
+    print(json.dumps({"bench": "hamming_tc" if tc else "hamming_gpu", "device": dev,
+                      "gpu": gpu_name, "bits": D, "rows": len(rows), "skipped": skipped,
+                      "failures": failures, "elapsed_s": round(time.perf_counter() - t_start, 1),
+                      "goals": {f"{r['method']} {r['engine']} {r['queries']}x{r['gallery']}":
+                                bool(r["meets_goal"]) for r in rows if r["goal_s"]}}))
     return 1 if failures else 0
 
 
-def gpu_options(ap):
-    """The actions of the parser's "--gpu" argument group."""
-    return next(g for g in ap._action_groups if g.title == "--gpu")._group_actions
-
-
-def check_args(ap, args) -> None:
-    """Usage errors (ap.error, exit status 2) before any measurement: counts below their least
-    value, a bit-flip probability outside [0, 0.5] (0.5: codes unrelated to their class), an
-    option of the --gpu run given without --gpu, an output file that could not be written."""
-    check_least(ap, args, {"--queries": 1, "--gallery": 1, "--bits": 1, "--classes": 1,
-                           "--repeats": 1, "--slow-repeats": 1, "--chunk": 1,
-                           "--torch-queries": 0, "--faiss-heap-queries": 0, "--threads": 1,
-                           "--map-queries": 1, "--index-queries": 1, "--k": 1,
-                           "--check-queries": 0, "--gpu-repeats": 1})
-    check_flip(ap, args)
-    if not args.gpu:  # the "--gpu" group's options would be silently ignored
-        given = [a.option_strings[0] for a in gpu_options(ap)
-                 if getattr(args, a.dest) != a.default]
-        if given:
-            ap.error(f"{', '.join(given)}: options of the --gpu run (add --gpu)")
+def parse_args(argv=None):
+    """(parser, args): the run's options filled with its defaults; usage errors (exit status 2)
+    before any measurement: an option of another run, counts below their least value, a bit-flip
+    probability outside [0, 0.5], an output file that could not be written."""
+    from nac_fast.ops.search import ISA_LEVELS
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    runs = ap.add_mutually_exclusive_group()
+    runs.add_argument("--index", action="store_true", help="HashIndex top-k and mAP@all at 1M")
+    runs.add_argument("--gpu", action="store_true", help="the GPU engines beside the C++ engine")
+    runs.add_argument("--tc", action="store_true", help="the GPU goals of issue 56")
+    ap.add_argument("--isa", choices=("auto",) + ISA_LEVELS, help="force the C++ engine's "
+                    "instruction-set level (NAC_FAST_HAMMING_ISA); auto = the best this CPU has")
+    for flag, kw, _ in OPTIONS:
+        ap.add_argument(flag, default=None, **kw)
+    args = ap.parse_args(argv)
+    run = "index" if args.index else "gpu" if args.gpu else "tc" if args.tc else "cpu"
+    owners = {flag: modes for flag, _, modes in OPTIONS}
+    owners["--isa"] = {C: "auto", I: "auto"}
+    given = [f for f, modes in owners.items()
+             if run not in modes and getattr(args, f[2:].replace("-", "_")) not in (None, False)]
+    if given:  # they would be silently ignored
+        names = {C: "CPU protocol (no run flag)", I: "--index", G_: "--gpu", T: "--tc"}
+        ap.error(f"{', '.join(given)}: options of the " + " / ".join(
+            names[m] for m in names if any(m in owners[f] for f in given))
+            + f" run, not of the {names[run]} run")
+    for flag, modes in owners.items():
+        dest = flag[2:].replace("-", "_")
+        if run in modes and getattr(args, dest) is None:
+            setattr(args, dest, modes[run])
+    if args.threads is None:
+        args.threads = torch.get_num_threads()
+    least = {"--queries": 1, "--gallery": 1, "--bits": 1, "--classes": 1, "--repeats": 1,
+             "--slow-repeats": 1, "--chunk": 1, "--torch-queries": 0, "--faiss-heap-queries": 0,
+             "--threads": 1, "--map-queries": 0 if run == "index" else 1, "--map-repeats": 1,
+             "--index-queries": 1, "--k": 1, "--map-gallery": 1,
+             "--check-queries": 1 if run == "tc" else 0, "--gpu-repeats": 1}
+    check_least(ap, args, {f: v for f, v in least.items() if run in owners[f]})
+    if args.flip is not None:
+        check_flip(ap, args)
     if args.csv:
-        check_output_file(ap, "--csv", args.csv if not args.gpu or args.csv != CSV_PATH
-                          else GPU_CSV_PATH)
-    if args.gpu and args.profile_out:
+        check_output_file(ap, "--csv", args.csv)
+    if args.profile_out:
         check_output_file(ap, "--profile-out", args.profile_out, csv_file=False)
+    return ap, args, run
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--queries", type=int, default=10000)
-    ap.add_argument("--gallery", type=int, default=50000)
-    ap.add_argument("--bits", type=int, default=128)
-    ap.add_argument("--classes", type=int, default=10)
-    ap.add_argument("--flip", type=float, default=0.3, help="bit-flip probability around the "
-                    "class prototype, in [0, 0.5] (0.3 gives mAP ~0.5 at 128 bits)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of the nac_fast mAP row")
-    ap.add_argument("--slow-repeats", type=int, default=1,
-                    help="runs of the full-ranking and FAISS rows (the slow rows at paper size; "
-                    "bench/results/notes.md)")
-    ap.add_argument("--chunk", type=int, default=500, help="queries per ranking call (bounds the "
-                    "Q x G ranking memory: 12 bytes per pair)")
-    ap.add_argument("--torch-queries", type=int, default=1000,
-                    help="queries for the torch reference row (much slower than the cpu "
-                    "rows); 0 = skip")
-    ap.add_argument("--faiss-heap-queries", type=int, default=500,
-                    help="queries for FAISS's default heap path (slow at k=G); 0 = skip")
-    ap.add_argument("--gpu", action="store_true", help="the GPU engine beside the C++ engine "
-                    "(module docstring); the CPU-protocol flags are then ignored")
-    g = ap.add_argument_group("--gpu")
-    g.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                   help="cpu: the Triton engine under TRITON_INTERPRET=1 (plumbing only)")
-    g.add_argument("--tiny", action="store_true", help="toy sizes (CI): maps of 200 and 600 codes x "
-                   "33 queries, indexes of 4200 and 9000 codes x 9 queries, one run each")
-    g.add_argument("--map-sizes", default="50000,1000000", help="gallery sizes of the mAP rows")
-    g.add_argument("--map-queries", type=int, default=10000)
-    g.add_argument("--cpu-map-queries", default="10000,2000", help="queries of the C++ mAP row "
-                   "at each --map-sizes size (0: no row)")
-    g.add_argument("--index-sizes", default="1000000,100000000", help="codes of the top-k rows")
-    g.add_argument("--index-queries", type=int, default=1000)
-    g.add_argument("--cpu-topk-queries", default="1000,16", help="queries of the CPU index row "
-                   "at each --index-sizes size (0: no row)")
-    g.add_argument("--k", type=int, default=10)
-    g.add_argument("--check-queries", type=int, default=256, help="queries checked against the "
-                   "C++ engine in every GPU row")
-    g.add_argument("--gpu-repeats", type=int, default=5)
-    g.add_argument("--budget-s", type=float, default=70.0, help="skip rows that would start "
-                   "after this many seconds")
-    g.add_argument("--only", choices=("all", "map", "topk"), default="all")
-    g.add_argument("--profile-out", default="", help="append torch.profiler's kernel table of "
-                   "one search at the first --index-sizes size and one mAP at the last "
-                   "--map-sizes size to this text file")
-    g.add_argument("--topk-variants", default="16x64x2/16,32x32x2/16,32x32x4/8",
-                   help="other settings of the top-k (BQxBGxWARPS/SAMPLE_RATIO) timed at the "
-                   "first --index-sizes size beside the shipped one, rows 'topk-variant' ('' = "
-                   "none)")
-    ap.add_argument("--no-faiss", action="store_true")
-    add_isa_flag(ap)
-    ap.add_argument("--no-rank", action="store_true", help="skip the nac_fast full-ranking row")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--csv", default=CSV_PATH, help="CSV to append to ('' = none)")
-    ap.add_argument("--note", default="", help="free text stored in the CSV rows")
-    args = ap.parse_args(argv)
-    check_args(ap, args)
-
+    ap, args, run = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.gpu:
-        return run_gpu(args, ap)
-    why = dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
-    if why is not None:
-        sys.exit(f"the nac_fast hamming C++ kernel is not available: {why}")
-    isa = apply_isa(ap, args.isa)
-    faiss = None
-    if not args.no_faiss:
-        try:
-            import faiss  # noqa: F811
-            faiss.omp_set_num_threads(args.threads)
-        except ImportError:
-            print("faiss not installed (pip install faiss-cpu): FAISS rows skipped", file=sys.stderr)
-
-    Q, G, D = args.queries, args.gallery, args.bits
-    qc, ql, gc, gl = make_data(Q, G, D, args.classes, args.flip, args.seed)
-    ql_np, gl_np = ql.numpy(), gl.numpy()
-    rows = []
-
-    def add(method, queries, stats, m, note=""):
-        rows.append({"method": method, "queries": queries, **stats, "map": m, "note": note})
-        print(f"  {method:<34} {queries:>6} q  median {stats['median_s']:8.3f} s  "
-              f"[p20 {stats['p20_s']:.3f}, p80 {stats['p80_s']:.3f}]  "
-              f"peak +{stats['peak_rss_mb']:7.1f} MB  mAP {m if m is None else f'{m:.6f}'}",
-              flush=True)
-
-    print(f"Hamming engine, {Q} queries x {G} gallery x {D} bits, {args.classes} classes, "
-          f"flip {args.flip}, {args.threads} threads, C++ engine level {isa}", flush=True)
-
-    # 1. nac_fast C++ mAP@all
-    stats, res = timed(lambda: H.mean_average_precision(qc, ql, gc, gl, backend="cpu",
-                                                        return_num_queries=True), args.repeats)
-    nac_map, used = res
-    add("nac_fast cpu mAP@all", Q, stats, nac_map, f"{used} queries with relevant items")
-    nac_stats = stats
-
-    qp, gp = H.pack_codes(qc), H.pack_codes(gc)
-
-    # 2. nac_fast C++ full ranking, the output FAISS produces
-    if not args.no_rank:
-        def nac_rank():
-            for s in range(0, Q, args.chunk):
-                H.rank(H.PackedCodes(qp.words[s:s + args.chunk], D), gp, backend="cpu")
-        stats, _ = timed(nac_rank, args.slow_repeats)
-        add("nac_fast cpu full ranking", Q, stats, None, "packed codes, chunks of "
-            f"{args.chunk} queries")
-
-    faiss_rank_stats = faiss_map_stats = None
-    faiss_map = None
-    if faiss is not None:
-        index = faiss.IndexBinaryFlat(gp.words.shape[1] * 64)  # zero padding bits on both sides
-        index.add(gp.words.numpy().view(np.uint8))
-        qbytes = qp.words.numpy().view(np.uint8)
-
-        # 3. FAISS full ranking (counting-sort path) and 4. + numpy AP
-        index.use_heap = False
-
-        def faiss_rank():
-            for s in range(0, Q, args.chunk):
-                index.search(qbytes[s:s + args.chunk], G)
-        faiss_rank_stats, _ = timed(faiss_rank, args.slow_repeats)
-        add("faiss IndexBinaryFlat ranking", Q, faiss_rank_stats, None, "use_heap=False")
-
-        def faiss_map_fn():
-            aps = []
-            for s in range(0, Q, args.chunk):
-                _, idx = index.search(qbytes[s:s + args.chunk], G)
-                aps.append(np_ap_from_ranking(idx, ql_np[s:s + args.chunk], gl_np))
-            a = np.concatenate(aps)
-            return float(np.nanmean(a))
-        faiss_map_stats, faiss_map = timed(faiss_map_fn, args.slow_repeats)
-        add("faiss ranking + numpy AP", Q, faiss_map_stats, faiss_map, "use_heap=False")
-
-        if args.faiss_heap_queries:
-            nq = min(args.faiss_heap_queries, Q)
-            index.use_heap = True
-            stats, _ = timed(lambda: [index.search(qbytes[s:min(s + args.chunk, nq)], G)
-                                      for s in range(0, nq, args.chunk)], 1)
-            add("faiss IndexBinaryFlat ranking (heap)", nq, stats, None,
-                "default use_heap=True; subset of the queries")
-
-    torch_stats = None
-    if args.torch_queries:
-        nq = min(args.torch_queries, Q)
-        torch_stats, m = timed(lambda: H.mean_average_precision(qc[:nq], ql[:nq], gc, gl,
-                                                                backend="reference"), 1)
-        # the same queries through the C++ kernel, to check the two backends agree
-        m_cpu = H.mean_average_precision(qc[:nq], ql[:nq], gc, gl, backend="cpu")
-        add("torch reference mAP@all", nq, torch_stats, m,
-            f"subset of the queries; cpu backend on the same queries: {m_cpu:.12f}")
-        if abs(m - m_cpu) > 1e-9:
-            sys.exit(f"reference and cpu backends disagree: {m} vs {m_cpu}")
-
-    if faiss_map is not None and abs(faiss_map - nac_map) > 1e-9:
-        print(f"  note: mAP from the FAISS ranking differs by {faiss_map - nac_map:.3g} "
-              "(its tie order is not by gallery index)")
-
-    meta = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": socket.gethostname(), "cpu": cpu_name(), "threads": args.threads,
-            "torch": torch.__version__, "faiss": getattr(faiss, "__version__", "") if faiss else "",
-            "git_commit": commit(), "gallery": G, "bits": D, "isa": isa}
-    if args.csv:  # a CSV with another header is rewritten with CSV_FIELDS first (common)
-        append_rows(args.csv, [{**meta, **r, "note": "; ".join(x for x in (r["note"], args.note)
-                                                                if x)} for r in rows], CSV_FIELDS)
-        print(f"  appended {len(rows)} rows to {os.path.relpath(args.csv, ROOT)}")
-
-    summary = {"bench": "hamming_cpu", "isa": isa, "queries": Q, "gallery": G, "bits": D,
-               "threads": args.threads, "map": nac_map, "nac_map_median_s": nac_stats["median_s"],
-               "nac_map_peak_rss_mb": round(nac_stats["peak_rss_mb"], 1),
-               "target_s": 5.0, "meets_target": nac_stats["median_s"] <= 5.0}
-    if faiss_rank_stats:
-        summary.update(faiss_rank_median_s=faiss_rank_stats["median_s"],
-                       faiss_map_median_s=faiss_map_stats["median_s"],
-                       speedup_vs_faiss_rank=faiss_rank_stats["median_s"] / nac_stats["median_s"])
-    if torch_stats:
-        summary.update(torch_ref_queries=min(args.torch_queries, Q),
-                       torch_ref_s=torch_stats["median_s"])
-    print(json.dumps(summary))
+    if run in ("gpu", "tc"):
+        return run_gpu(args, ap, tc=run == "tc")
+    return (run_index if run == "index" else run_cpu)(args, ap)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,15 @@
-"""Throughput of the two-view pretraining pipeline alone (no model).
+"""Throughput of the two-view pretraining pipeline alone (no model): images/s after --warmup
+batches and the CPU time burnt per image (docs/training.md "The training throughput benchmark").
 
     python bench/data_throughput.py --data DIR --loader dali-cpu|dali-gpu|torchvision \
         --size 224 --batch 64 --batches 20
     python bench/data_throughput.py --data /tmp/jpegs --make-jpegs 640 ...   # synthesise first
-
-Counts images (each with its two views) delivered per second on the requested device, after
---warmup batches (pipeline build, worker start-up and the first epoch's file-cache misses are not
-measured).  Also reports the CPU time the pipeline burnt per image (this process, its threads and
-its worker processes): on a shared machine the wall-clock rate depends on the neighbours' load,
-the CPU time much less.  The last line printed is one JSON object with `images_per_s`; with
---csv PATH the same figures, and the median / p20 / p80 of the measured batches' times, are
-appended as one row (bench/common.py: atomic, a damaged CSV refused before any work).
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt_mod
+import itertools
 import json
 import os
 import platform
@@ -23,18 +17,13 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from nac_fast.data import (LOADERS, MIN_IMAGE_SIZE, build_pretrain_loader,  # noqa: E402
-                           dali_available)
-from nac_fast.data.sources.synthetic import write_jpeg_folder  # noqa: E402
+import numpy as np
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_rows, check_output_file  # noqa: E402
-from bench_loss import commit  # noqa: E402  (the bench scripts' shared labels)
+from common import append_rows, check_output_file, commit  # noqa: E402  (puts ROOT on sys.path)
+from nac_fast.data import LOADERS, MIN_IMAGE_SIZE, build_pretrain_loader, dali_available  # noqa
+from nac_fast.data.sources.synthetic import write_jpeg_folder  # noqa: E402
 
 CSV_FIELDS = ["timestamp", "host", "device", "torch", "dali", "commit", "data", "loader",
               "num_images", "size", "batch", "batches", "workers", "dtype", "recipe",
@@ -46,34 +35,32 @@ def _tree_cpu_seconds() -> float:
     """user+sys seconds of this process, its reaped children, and its live descendants (the
     DataLoader workers, read from /proc) so far."""
     import resource
-    tick = os.sysconf("SC_CLK_TCK")
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    own, reaped = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                   resource.RUSAGE_CHILDREN))
     total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
     todo, seen = [os.getpid()], set()
     while todo:
         pid = todo.pop()
         try:
             with open(f"/proc/{pid}/task/{pid}/children") as f:
-                kids = [int(k) for k in f.read().split()]
+                kids = [int(k) for k in f.read().split() if int(k) not in seen]
         except OSError:
             kids = []
+        seen.update(kids)
+        todo += kids
         for k in kids:
-            if k in seen:
-                continue
-            seen.add(k)
-            todo.append(k)
             try:
                 with open(f"/proc/{k}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / tick     # utime, stime
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
             except (OSError, IndexError, ValueError):
                 pass
     return total
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="ImageFolder root, CIFAR dir or 'fashion-mnist'")
     ap.add_argument("--loader", default="auto", choices=LOADERS)
     ap.add_argument("--size", type=int, default=None, help="view size (default: natural size)")
@@ -86,20 +73,16 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--channels-last", action="store_true")
     ap.add_argument("--recipe", default="auto", choices=["auto", "small", "imagenet"])
-    ap.add_argument("--make-jpegs", type=int, default=0, metavar="N",
-                    help="first write N synthetic 256-500 px JPEGs (8 classes) to DATA/train if "
-                         "DATA is missing (a train/ split: every image is read)")
-    ap.add_argument("--csv", default="", help="append the figures as a row to this CSV "
-                    "(e.g. bench/results/data_cpu.csv; '' = none)")
+    ap.add_argument("--make-jpegs", type=int, default=0, metavar="N", help="first write N "
+                    "synthetic 256-500 px JPEGs (8 classes) to DATA/train if DATA is missing")
+    ap.add_argument("--csv", default="", help="append the figures as a row to this CSV ('' = none)")
     a = ap.parse_args(argv)
     if a.csv:  # a folder, a path under a file, a damaged CSV: before any work
         check_output_file(ap, "--csv", a.csv)
-    for name in ("batch", "batches"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name} must be >= 1")
-    for name in ("warmup", "workers", "make_jpegs"):
-        if getattr(a, name) < 0:
-            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
+    for name, least in (("batch", 1), ("batches", 1), ("warmup", 0), ("workers", 0),
+                        ("make_jpegs", 0)):
+        if getattr(a, name) < least:
+            ap.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(a, name)}")
     try:
         device = torch.device(a.device)
     except RuntimeError:
@@ -112,9 +95,7 @@ def main(argv=None):
         ap.error(f"--size must be >= {MIN_IMAGE_SIZE}, got {a.size}")
     if a.make_jpegs and os.path.lexists(a.data) and not os.path.isdir(a.data):
         ap.error(f"--make-jpegs: --data {a.data!r} exists and is not a folder")
-
-    if a.make_jpegs and not os.path.isdir(a.data):
-        # under train/: a folder of class folders alone would hold 20% of each class out
+    if a.make_jpegs and not os.path.isdir(a.data):  # under train/: every image is read
         write_jpeg_folder(os.path.join(a.data, "train"), num_classes=8,
                           per_class=-(-a.make_jpegs // 8))
     warnings.simplefilter("once")
@@ -125,43 +106,35 @@ def main(argv=None):
                                        dtype=getattr(torch, a.dtype), recipe=a.recipe)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:  # bad --data, --size, --batch
         ap.error(str(exc))
-    sync = torch.cuda.synchronize if torch.device(a.device).type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def batches():
-        epoch = 0
-        while True:
+        for epoch in itertools.count():
             loader.set_epoch(epoch)
             yield from loader
-            epoch += 1
 
     it = batches()
     for _ in range(a.warmup):
-        v1, v2 = next(it)
+        next(it)
     sync()
     c0, t0 = _tree_cpu_seconds(), time.perf_counter()
-    times, last = [], t0
+    times = []
     for _ in range(a.batches):
         v1, v2 = next(it)
         sync()  # per batch: the batch times' spread (a GPU pipeline's own queue still overlaps)
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-    dt = time.perf_counter() - t0
-    cpu = _tree_cpu_seconds() - c0
-    n = a.batches * a.batch
+        times.append(time.perf_counter() - t0 - sum(times))
+    dt, cpu, n = time.perf_counter() - t0, _tree_cpu_seconds() - c0, a.batches * a.batch
     q = np.quantile(np.asarray(times), [0.5, 0.2, 0.8])
     result = {
-        "loader": getattr(loader, "kind", a.loader), "data": a.data, "num_images": loader.num_images,
-        "size": loader.image_size, "batch": a.batch, "batches": a.batches, "workers": a.workers,
-        "device": a.device, "dtype": a.dtype, "recipe": loader.recipe.name,
-        "view_shape": list(v1.shape), "seconds": round(dt, 3),
-        "median_batch_s": round(float(q[0]), 6), "p20_batch_s": round(float(q[1]), 6),
-        "p80_batch_s": round(float(q[2]), 6),
+        "loader": getattr(loader, "kind", a.loader), "data": a.data,
+        "num_images": loader.num_images, "size": loader.image_size, "batch": a.batch,
+        "batches": a.batches, "workers": a.workers, "device": a.device, "dtype": a.dtype,
+        "recipe": loader.recipe.name, "view_shape": list(v1.shape), "seconds": round(dt, 3),
+        **{f"{k}_batch_s": round(float(v), 6) for k, v in zip(("median", "p20", "p80"), q)},
         "images_per_s": round(n / dt, 1), "views_per_s": round(2 * n / dt, 1),
         "cpu_ms_per_image": round(1e3 * cpu / n, 2), "load_avg_1m": os.getloadavg()[0],
         "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-        "dali": dali_available(), "host": platform.node(),
-    }
+        "dali": dali_available(), "host": platform.node()}
     if a.csv:
         row = {k: v for k, v in result.items() if k in CSV_FIELDS}
         row.update(timestamp=dt_mod.datetime.now(dt_mod.timezone.utc).isoformat(

@@ -1,102 +1,14 @@
 #!/usr/bin/env bash
-# The GPU suite, in stages, for a lent H100/H200 reached one shell command at a time:
+# The GPU suite, in stages, for a lent H100/H200 reached one shell command at a time.
 #
 #   bash bench/gpu_suite.sh STAGE...   STAGE: build test autotune host bench-quick bench train
 #                                             hamming hamming-tc train-jpeg | all
+#   all = test autotune host train hamming (what matters most first).  NAC_FAST_SUITE_CPU=1: the
+#   same stages at toy sizes on a machine without a GPU (CI, the plumbing).  Last lines, one per
+#   stage: SUITE <stage> PASS|FAIL|SKIPPED <seconds>s <detail>; exit 0 only if every stage passed.
+#   What each stage runs, time limits, results and environment: docs/gpu.md "The suite's stages".
 #
-#   build        python setup.py build_ext --inplace with the CUDA kernels (NAC_FAST_FORCE_CUDA=1,
-#                TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16), then from the source tree (PYTHONPATH =
-#                repo root): nac_fast.kernels.nac_triton imports and available_backends('cuda')
-#                holds 'triton' and 'cuda'.  A build failure is fatal: no later stage runs.  Every
-#                other stage builds first only when no loadable extension is there: an extension
-#                built beforehand for the device's Python and torch (bench/prebuild_gpu_ext.sh)
-#                and carried with the tree saves the 1-2 minutes of a build on the device.
-#   test         pytest with NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1 (8 xdist workers) of
-#                the loss, noise, input, cached-plan (host_overhead), device-guard, queue
-#                (the fused enqueue), fp32-in-bf16x6, fp32-in-fp16x3, folded-tails and host-seed
-#                (the Philox noise of int64 seeds at the edges of their range) tests, JUnit
-#                XML pytest_gpu.xml (the Hamming engine's tests run in the hamming stage); fails
-#                on any failure or error, on a skipped triton/cuda test, and unless tests of both
-#                backends passed (gpu_summary.py --check-junit); then tools/compile_check.py
-#                under the device's own Triton (sm_80/sm_90, D = 128, the built-in and tuned
-#                configurations: compile_check_device.csv), failing on a problem of a 16-bit path
-#                (a spill, shared memory, no tensor-core instruction) and reporting fp32's.
-#   autotune     tools/autotune.py: every candidate configuration of the fwd / bwd_keys kernels
-#                timed (graph replays) per case, the winners checked and written to
-#                autotune.csv and sm<arch>.json, and installed in kernels/tuned/ so the later
-#                stages use them (NAC_FAST_AUTOTUNE_BUDGET_S, default 120); then the row-tile
-#                sweep of the row-wise kernels, rows_sweep.csv (NAC_FAST_ROWS_BUDGET_S, 30).
-#   host         bench/host_overhead.py --gpu: host time per fused fwd+bwd as users call it,
-#                back-to-back and CUDA-graph time per backend (reference, torch.compile, triton,
-#                cuda, auto) at in-batch 512/8192 and queue 256/8192 x 65536 (bf16) and two
-#                fp32 cases; host_gpu.csv, host_profile.txt (cProfile of the triton call).
-#   bench-quick  bench_loss.py, bf16 fwd+bwd, in-batch 8192 and 16384, queue 8192 x 65536 and
-#                8192 x 262144 (D = 128: issue 38's four shapes), every
-#                backend + per-shape torch.compile of the reference; fp32 at in-batch 8192 and
-#                queue 8192 x 65536, Triton in tf32x3, in bf16x6 and (in-batch) in fp16x3
-#                (NAC_FAST_FP32_DOT) beside eager; then gpu_summary.py.
-#   bench        bench_loss.py, bf16 and fp32, in-batch n in {1024, 4096, 8192, 16384}, queue
-#                n = 8192 with N in {65536, 262144}; eager / torch.compile / triton / cuda, median
-#                and p20/p80, peak memory, % of the roofline bound (bench/common.py); then
-#                bench_hamming.py --gpu, plot_bench.py and gpu_summary.py.
-#   train        train_throughput.py: ResNet-50, NAC-MQ, bf16 autocast, channels-last, batch 256
-#                (one GPU), synthetic images made on the GPU, train.py's defaults (compiled on a
-#                GPU); img/s and data-wait after warm-up, the compile's one-time cost, the
-#                top-15 CUDA kernels of one step, the step under torch.cuda.set_sync_debug_mode
-#                (PASS/FAIL naming the offending op), then while NAC_FAST_TRAIN_BUDGET_S (default
-#                150) lasts the --no-compile rate and the supervised anchors.
-#   hamming      the Hamming engine's tests on CUDA tensors (JUnit pytest_hamming.xml; its
-#                triton and cuda engines; its Triton grids at 100M codes and its kernels under
-#                red zones, tests/test_redzone.py; the paths users reach on a GPU: the eval's
-#                hash scores, every engine the reference included, index search --device
-#                cuda; a gallery of 2^31 - 1 codes, the engines' row limit), then bench_hamming.py --gpu: mAP@all and
-#                HashIndex.search of both engines beside the C++ engine, and hamming_kernels.txt:
-#                the kernels of one 1M search and one mAP per engine (torch.profiler).
-#   hamming-tc   bench/bench_hamming_tc.py: the Hamming engine's GPU goals (issue 56), 128 bits:
-#                top-10 of 1,000 queries over 1M and over 100M codes by the Triton engine's
-#                popcount and tensor-core filters and the CUDA engine, mAP@all 10,000 x 1M by the
-#                Triton and CUDA engines, each checked against the C++ engine in the same run
-#                (hamming_tc.csv, with each row's int8 tensor-core floor); then Nsight Compute
-#                (ncu) on one tensor-core search of the 100M codes: hamming_tc_ncu.txt (speed of
-#                light, compute workload) and hamming_tc_ncu.csv (the filter kernel's time and
-#                tensor-pipe activity per launch; the longest is the full pass).  2-4 min.
-#   train-jpeg   train.py from JPEG files (issue 54): a tree of scripts/make_ilsvrc_tree.py on the
-#                machine's local disk (NAC_FAST_JPEG_TREE, default /tmp/nac_fast_jpeg_tree: 100
-#                classes of 500 px JPEGs, grey/CMYK/PNG/EXIF quirks at ImageNet-like rates, no
-#                truncated files in it; enough files that the run stays in one epoch; made once
-#                per machine, ~1-2 min, kept on a warm one), then a check of the quirks on a small
-#                tree (dali-gpu against the torchvision loader: each quirk's views, the truncated
-#                files skipped; train_jpeg_quirks.csv), then ResNet-50 NAC-MQ, --loader dali-gpu,
-#                bf16, channels-last, batch 256, compiled (train.py's defaults) for
-#                NAC_FAST_JPEG_STEPS (240) steps: the median img/s and data wait of train.py's
-#                log windows (20 steps) after NAC_FAST_JPEG_WARMUP (60), beside the train stage's
-#                synthetic-data 2,181 img/s: train_jpeg.csv, train_jpeg/log.jsonl.  Needs DALI,
-#                which the image lacks: carry it first (tools/carry_wheel.sh, docs/gpu.md).
-#                Not part of `all`.
-#   all          test autotune host train hamming (the order of what matters most when time
-#                runs out)
-#
-# Every stage is sized for < 8 min on one H100 and runs under a time limit (NAC_FAST_STAGE_TIMEOUT,
-# default 540 s; NAC_FAST_STAGE_LIMITS="test=90,host=100" sets a stage's own), and no stage runs past NAC_FAST_SUITE_DEADLINE seconds after the command started
-# (0 = none; default 560 when $OUT is set, i.e. under the device tool, so the command ends with
-# its results packed inside the tool's 600 s: lower it with a lower timeout_s; else none).  A stage that needs
-# the extension and finds it unbuilt (a fresh machine) runs the build first, inside its own time.
-# Exit status: 0 only if every stage asked for passed.  Last lines: one per stage,
-#   SUITE <stage> PASS|FAIL|SKIPPED <seconds>s <detail>
-#
-# Results: bench/results/<gpu>_<date>[_$NAC_FAST_SUITE_TAG]/ (NAC_FAST_SUITE_RESULTS overrides; a tag
-# keeps the folders of several device calls apart when they are unpacked), and when $OUT is set
-# (device tool) up to 8 files there: suite_results.tar.gz (the whole folder) plus
-# suite_summary.txt, summary.md, host_gpu.csv, loss_gpu.csv, hamming_gpu.csv, train.json,
-# train_kernels_top15.txt when they exist.  Uses the machine's own python3 (PYTHON overrides) and
-# packages: nothing is installed, nothing downloaded.  NAC_FAST_COMMIT=<sha> records the commit
-# when the tree has no .git (the device machine's copy).
-#
-# NAC_FAST_SUITE_CPU=1: the same stages on a machine without a GPU, for CI and for checking the
-# plumbing: build builds no extension (NAC_FAST_SKIP_EXT=1: seconds; the CPU kernels are CI's own
-# `pip install -e .`) and checks, under TRITON_INTERPRET=1, that nac_fast.kernels.nac_triton
-# imports from the source tree and 'triton' is in available_backends('cpu'); the other stages run
-# toy sizes on the CPU (aot_eager for torch.compile, resnet-tiny) and prove nothing about speed.
+# Every stage is sized for < 8 min on one H100 (NAC_FAST_STAGE_TIMEOUT, NAC_FAST_SUITE_DEADLINE).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -223,8 +135,6 @@ run_tests() {  # NAME REQUIRE FILES...
 }
 
 stage_test() {
-  BUILT_FIRST=""
-  ensure_built || { detail "build failed"; return 1; }
   local rc=0
   if [ "$CPU_MODE" = 1 ]; then
     export NAC_FAST_TEST_DEVICE=cpu  # plumbing only: one quick file, no backend required
@@ -267,8 +177,6 @@ stage_test() {
 }
 
 stage_bench_quick() {
-  BUILT_FIRST=""
-  ensure_built || { detail "build failed"; return 1; }
   local rc=0
   if [ "$CPU_MODE" = 1 ]; then
     $PY bench/bench_loss.py --device cpu --inbatch 64 --queue 256 --mq-n 32 --dtypes bfloat16 \
@@ -303,8 +211,6 @@ stage_bench_quick() {
 }
 
 stage_bench() {
-  BUILT_FIRST=""
-  ensure_built || { detail "build failed"; return 1; }
   local rc=0 hrc=0 prc=0
   # Sized to fit one stage's time limit on an H100 (the estimate: bench/results/notes.md).
   if [ "$CPU_MODE" = 1 ]; then
@@ -331,8 +237,6 @@ stage_bench() {
 }
 
 stage_host() {
-  BUILT_FIRST=""
-  ensure_built || { detail "build failed"; return 1; }
   local rc=0
   if [ "$CPU_MODE" = 1 ]; then
     $PY bench/host_overhead.py --calls 5 --repeats 1 --csv "$RES/host_gpu.csv" || rc=$?
@@ -358,8 +262,6 @@ EOF
 }
 
 stage_hamming() {
-  BUILT_FIRST=""
-  ensure_built || { detail "build failed"; return 1; }
   local rc=0
   local trc=0 junit="no tests run"
   if [ "$CPU_MODE" = 1 ]; then
@@ -387,18 +289,16 @@ stage_hamming() {
   return $rc
 }
 
-# The GPU goals of issue 56 (bench/bench_hamming_tc.py), then Nsight Compute on the tensor-core
+# The GPU goals of issue 56 (bench/bench_hamming.py --tc), then Nsight Compute on the tensor-core
 # filter.  A missing ncu, or one refused the GPU's counters, is said in the detail line and in
 # hamming_tc_ncu.txt; the stage's verdict is the bench's (its checks against the C++ engine).
 stage_hamming_tc() {
-  BUILT_FIRST=""
-  ensure_built || { detail "build failed"; return 1; }
   local rc=0 nrc=0 ncu="" note
   if [ "$CPU_MODE" = 1 ]; then
-    $PY bench/bench_hamming_tc.py --device cpu --tiny --csv "$RES/hamming_tc.csv" || rc=$?
+    $PY bench/bench_hamming.py --tc --device cpu --tiny --csv "$RES/hamming_tc.csv" || rc=$?
     note="ncu: not run in CPU mode"
   else
-    $PY bench/bench_hamming_tc.py --csv "$RES/hamming_tc.csv" || rc=$?
+    $PY bench/bench_hamming.py --tc --csv "$RES/hamming_tc.csv" || rc=$?
     ncu=$(command -v ncu || { [ -x /usr/local/cuda/bin/ncu ] && echo /usr/local/cuda/bin/ncu; } || true)
     if [ -z "$ncu" ]; then
       note="ncu: not found"
@@ -408,10 +308,10 @@ stage_hamming_tc() {
       # ncu versions: a refused name fails that call alone)
       timeout 150 "$ncu" --target-processes all --kernel-name regex:_topk_mma_kernel \
           --launch-count 8 --section SpeedOfLight --section ComputeWorkloadAnalysis \
-          $PY bench/bench_hamming_tc.py --profile-run > "$RES/hamming_tc_ncu.txt" 2>&1 || nrc=$?
+          $PY bench/bench_hamming.py --tc --profile-run > "$RES/hamming_tc_ncu.txt" 2>&1 || nrc=$?
       timeout 120 "$ncu" --target-processes all --kernel-name regex:_topk_mma_kernel \
           --launch-count 8 --csv --print-units base --metrics gpu__time_duration.sum,sm__inst_executed_pipe_tensor_op_gmma.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active \
-          $PY bench/bench_hamming_tc.py --profile-run > "$RES/hamming_tc_ncu.csv" 2>&1 || nrc=$?
+          $PY bench/bench_hamming.py --tc --profile-run > "$RES/hamming_tc_ncu.csv" 2>&1 || nrc=$?
       note=$($PY - "$RES/hamming_tc_ncu.csv" <<'EOF' 2>/dev/null || echo "ncu: no readable metrics"
 import csv, io, sys
 text = open(sys.argv[1]).read()
@@ -443,14 +343,12 @@ for r in (r for r in rows if r["timestamp"] == last):
 print("; ".join(out))
 EOF
 )
-  [ $rc = 0 ] || d="bench_hamming_tc exit status $rc; $d"
+  [ $rc = 0 ] || d="bench_hamming --tc exit status $rc; $d"
   detail "${BUILT_FIRST}$d; $note"
   return $rc
 }
 
 stage_autotune() {
-  BUILT_FIRST=""
-  ensure_built || { detail "build failed"; return 1; }
   local rc=0
   if [ "$CPU_MODE" = 1 ]; then
     $PY tools/autotune.py --cpu --out-dir "$RES" --overwrite --rows-sweep || rc=$?
@@ -467,8 +365,6 @@ stage_autotune() {
 }
 
 stage_train() {
-  BUILT_FIRST=""
-  ensure_built || { detail "build failed"; return 1; }
   local rc=0
   rm -f "$RES/train.json" "$RES/train_kernels_top15.txt"  # this run's (train_throughput refuses
   # to replace a file without --overwrite)
@@ -517,8 +413,6 @@ EOF
 # the device image: carry it first (tools/carry_wheel.sh, docs/gpu.md).
 JPEG_SYNTHETIC_IMG_S=2181   # train stage, synthetic images (NVIDIA-H100-80GB-HBM3_2026-11-27_run2)
 stage_train_jpeg() {
-  BUILT_FIRST=""
-  ensure_built || { detail "build failed"; return 1; }
   local tree=${NAC_FAST_JPEG_TREE:-/tmp/nac_fast_jpeg_tree} run=${NAC_FAST_JPEG_RUN:-/tmp/nac_fast_jpeg_run}
   local steps=${NAC_FAST_JPEG_STEPS:-240} warm=${NAC_FAST_JPEG_WARMUP:-60} every=20
   local classes=100 size=500 batch=256 quirks="grey=0.01,cmyk=0.001,png=0.001,exif=0.001"
@@ -645,6 +539,8 @@ if [ "${1:-}" = "--run-stage" ]; then  # internal: one stage, in this child proc
   STAGE=$2
   set -e
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  BUILT_FIRST=""  # every stage but build builds first when no loadable extension is there
+  [ "$STAGE" = build ] || ensure_built || { detail "build failed"; exit 1; }
   "stage_${STAGE//-/_}"
   exit $?
 fi

@@ -2,63 +2,16 @@
 the one-time compile cost, the eager rate and the supervised anchors beside it.
 
     python bench/train_throughput.py --arch resnet-tiny --method nac --batch-size 256
-    python bench/train_throughput.py --data fashion-mnist --arch resnet18-small --method nac-mq
     torchrun --nproc_per_node=8 bench/train_throughput.py --data /path/imagenet --arch resnet50 \
         --method nac-mq --batch-size 2048 --amp bf16 --channels-last --loader dali-gpu
-    # the GPU suite's train stage (bench/gpu_suite.sh train): data made on the GPU, train.py's
-    # defaults (torch.compile on a GPU), the eager rate, the supervised anchors, one kernel
-    # profile and the host-sync check of a whole step, all inside 150 s
-    python bench/train_throughput.py --data synthetic-device:1281167 --arch resnet50 \
-        --method nac-mq --batch-size 256 --image-size 224 --amp bf16 --channels-last \
-        --queue-size 65536 --warmup 10 --steps 30 --budget-s 150 --profile-out kernels.txt \
-        --sync-check --json-out train.json --csv-out train_throughput.csv
 
-What it measures, in this order (each later part only while --budget-s leaves time for it):
-
- 1. train.py itself (same model, loss, optimizer, DDP, loader) with the configuration's DEFAULTS
-    (--compile / --no-compile only when given: train.py compiles on a GPU, not on a CPU) for
-    --warmup + --steps steps, checkpoints off.  The figures come from train.py's log: its first
-    window (the --warmup steps: compilation, first allocations) is dropped, the others give img/s
-    (all ranks), ms per step (median and p20/p80 over the windows) and data wait (time blocked
-    on the loader / wall time, rank 0).  With compile: first_step_s, the first step's wall time
-    as train.py measured it (compilation included), and compile_s = first_step_s - one steady
-    step: the one-time cost, apart from the steady rate.
- 2. --profile-out FILE: torch.profiler of one more step of that same run (train.py's train_step
-    on its state: the compiled encoders, loss, LARS, EMA, queue): the top 15 CUDA kernels (name,
-    calls, total and mean time, share of all kernel time), then the top operators; on a CPU run
-    the top operators by CPU time.  No CUDA kernel event on a GPU run fails the run.
-    --sync-check: one more step under nac_fast.train.sync_check.check_step (train_step and the
-    loop's per-step loss bookkeeping): on a GPU torch.cuda.set_sync_debug_mode, where only
-    torch's "called a synchronizing CUDA operation" is an offender (its "prototype feature"
-    notice is listed in sync_ignored); on a CPU the NoHostReads dispatch mode (ops that read
-    tensor data on the host).  JSON: sync_check PASS / FAIL, sync_offender (op or file:line),
-    sync_offender_frames.  A FAIL makes the exit status 1.
- 3. the eager rate: train.py again with --no-compile (--eager-baseline; by default when part 1
-    compiled, one process), the same windows.
- 4. the supervised anchors (--anchors, by default on a GPU, one process): a supervised step of
-    the same encoder (ResNetEncoder + Linear(d, 1000) + cross-entropy, SGD momentum:
-    torchvision's ResNet-50 at 224 px) at the same batch, precision and memory format on random
-    device data, eager and torch.compile'd (the same backend), each in a subprocess killed at
-    the budget's end.  A
-    NAC-MQ step does 8/3 of a supervised step's work (two views' forward and backward, two
-    momentum forwards), NAC and SimCLR 2x (two views' forward and backward): the ceiling is
-    the supervised rate over that ratio, and pct_of_ceiling = img/s / ceiling.
-
-The last line printed is one JSON object: {"arch", "method", "batch_size", "world_size",
-"device", "img_per_s", "data_wait", "step_ms", "compile", "first_step_s", "compile_s", ...,
-"eager": {...}, "supervised_eager": {...}, "supervised_compiled": {...}, "ceiling_img_per_s",
-"pct_of_ceiling"}; a part left out holds {"skipped": why}.  A short table comes before it.
---csv-out appends one row per configuration measured (host, versions, commit, shape, img/s,
-ms per step median and p20/p80, peak memory, compile seconds, % of the ceiling).
-
---data synthetic-device[:N]: train.py's loader is replaced by DeviceSyntheticPairLoader (below):
-a pool of random images drawn once ON the training device, batches taken from it with device ops
-only, so the loader costs no host work and no copies (DALI-free stand-in for a GPU data pipeline;
-the data wait then measures the loader's launches only).  "synthetic[:N]" is train.py's own
-loader, which makes each image on the CPU.
-
---supervised eager|compiled: measure that supervised anchor alone and print its JSON (what part 4
-runs in its subprocesses; also a way to measure the anchors in a call of their own).
+Parts, in order, each later one only while --budget-s leaves time: 1. train.py itself with the
+configuration's defaults (figures from its log, the warm-up window dropped); 2. --profile-out
+(the top CUDA kernels of one step) and --sync-check (host syncs of one step: FAIL exits 1);
+3. the eager rate (--eager-baseline); 4. the supervised anchors (--anchors) and the ceiling.
+--data synthetic-device[:N]: images made on the training device (DeviceSyntheticPairLoader).
+The last line printed is one JSON object.  Details, the GPU suite's command and the JSON's keys:
+docs/training.md "The training throughput benchmark".
 """
 from __future__ import annotations
 
@@ -69,7 +22,6 @@ import gc
 import json
 import math
 import os
-import random
 import shutil
 import signal
 import socket
@@ -84,10 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from common import append_rows, check_output_file  # noqa: E402
-from bench_loss import commit  # noqa: E402  (NAC_FAST_COMMIT, else git: the benches' one)
+from common import append_rows, check_output_file, commit  # noqa: E402
 from nac_fast._files import atomic_write  # noqa: E402
-from nac_fast.data.sources.synthetic_pairs import SyntheticPairLoader  # noqa: E402
+from nac_fast.data.sources.synthetic_pairs import DeviceSyntheticPairLoader  # noqa: E402,F401
 
 # a step's work in units of one supervised step (forward + backward of one view of the batch)
 WORK_RATIO = {"nac-mq": 8.0 / 3.0, "nac": 2.0, "simclr": 2.0}
@@ -99,47 +50,6 @@ CSV_FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "threa
               "pct_of_ceiling", "status"]
 
 
-class DeviceSyntheticPairLoader(SyntheticPairLoader):
-    """SyntheticPairLoader's interface with the images made and kept on `device`.
-
-    `pool` smooth random images (a 4 x 4 random pattern upsampled, like SyntheticPairLoader's) are
-    drawn once, on the device.  Batch b of an epoch takes pool images by a seeded random index
-    (device generator), view 1 flips each image horizontally with probability 1/2 and view 2 is
-    one random roll (host RNG, per batch) of the images plus its own flips.  Every per-batch op
-    runs on the device; nothing waits for the host.  Deterministic in (seed, epoch, batch)."""
-
-    def __init__(self, num_images=4096, batch_size=64, rank=0, world_size=1, seed=0,
-                 image_size=32, in_channels=3, device="cpu", channels_last=False,
-                 dtype=torch.float32, pool=256):
-        super().__init__(num_images, batch_size, rank, world_size, seed, image_size, in_channels,
-                         device, channels_last, dtype)
-        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
-            raise ValueError(f"pool must be a positive int, got {pool!r}")
-        g = torch.Generator().manual_seed(seed * 1_000_003 + 17)
-        low = torch.randn(pool, in_channels, 4, 4, generator=g).to(self.device)
-        self.pool = torch.nn.functional.interpolate(
-            low, size=(image_size, image_size), mode="bilinear", align_corners=False).to(dtype)
-
-    def __iter__(self):
-        g = torch.Generator(device=self.device)
-        g.manual_seed((self.seed * 7919 + self.epoch) * 31 + self.rank)
-        host = random.Random((self.seed * 7919 + self.epoch) * 31 + self.rank)
-        B, P = self.batch_size, self.pool.shape[0]
-        for b in range(len(self)):
-            idx = torch.randint(0, P, (B,), device=self.device, generator=g)
-            flip1 = torch.rand(B, 1, 1, 1, device=self.device, generator=g) < 0.5
-            flip2 = torch.rand(B, 1, 1, 1, device=self.device, generator=g) < 0.5
-            dy, dx = host.randint(-2, 2), host.randint(-2, 2)
-            if b < self.start_batch:  # resume: same draws as an uninterrupted epoch
-                continue
-            x = self.pool[idx]
-            v1 = torch.where(flip1, x.flip(3), x)
-            x2 = torch.roll(x, shifts=(dy, dx), dims=(2, 3))
-            v2 = torch.where(flip2, x2.flip(3), x2)
-            yield self._out(v1), self._out(v2)
-        self.start_batch = 0
-
-
 def _device_loader_factory(num_images):
     def build_loader(args, dist_info, channels_last, listing=None):  # no folder to list
         per_rank = args.batch_size // dist_info.world_size
@@ -148,7 +58,6 @@ def _device_loader_factory(num_images):
                                          image_size=args.image_size or 32,
                                          device=dist_info.device, channels_last=channels_last)
     return build_loader
-
 
 
 # ---- part 2: the profile -------------------------------------------------------------------------

@@ -279,3 +279,130 @@ def test_gpu_summary_smoke(tmp_path, capsys):
     xml.write_text('<testsuite><testcase classname="t" name="test_x[triton]"/></testsuite>')
     assert gpu_summary.main(["--check-junit", str(xml), "--require-passed", "triton"]) == 0
     assert gpu_summary.main(["--check-junit", str(xml), "--require-passed", "cuda"]) == 1
+
+
+# ---- bench/bench_hamming.py, train_throughput.py, data_throughput.py (one smoke test each) --
+
+def _refused(capsys, fn, argv, *words):
+    """fn(argv) exits with status 2, no traceback, a message naming each of `words`."""
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and all(w in err for w in words), err
+
+
+def test_bench_hamming_smoke(tmp_path, capsys):
+    """The CPU protocol and the --index run at toy sizes: one CSV row per method under each
+    run's own columns, the C++ engine's mAP equal to the torch reference's, one JSON line last;
+    an option of another run is a usage error naming it (bench_index.py and bench_hamming_tc.py
+    are its --index and --tc runs; the --gpu / --tc rows: tests/test_hamming_gpu.py)."""
+    import bench_hamming
+    cpu, idx = str(tmp_path / "h.csv"), str(tmp_path / "i.csv")
+    assert bench_hamming.main(["--queries", "20", "--gallery", "300", "--bits", "64",
+                               "--repeats", "1", "--torch-queries", "5", "--no-faiss",
+                               "--csv", cpu]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["bench"] == "hamming_cpu" and 0 < last["map"] <= 1
+    with open(cpu, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == bench_hamming.CSV_FIELDS
+    assert [r["method"] for r in rows] == ["nac_fast cpu mAP@all", "nac_fast cpu full ranking",
+                                           "torch reference mAP@all"]
+    assert bench_hamming.main(["--index", "--gallery", "400", "--queries", "7", "--k", "5",
+                               "--map-queries", "9", "--repeats", "1", "--map-repeats", "1",
+                               "--no-faiss", "--csv", idx]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["bench"] == "index_cpu" and last["map_median_s"] > 0
+    with open(idx, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == bench_hamming.INDEX_FIELDS
+    assert [(r["method"], r["queries"], r["k"]) for r in rows] == [
+        ("HashIndex.search", "7", "5"), ("nac_fast mAP@all", "9", "400")]
+    _refused(capsys, bench_hamming.main, ["--map-sizes", "100", "--csv", ""], "--map-sizes",
+             "--gpu")
+    _refused(capsys, bench_hamming.main, ["--index", "--chunk", "3", "--csv", ""], "--chunk")
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+CPU_STAGE = ["--data", "synthetic-device:256", "--arch", "resnet-tiny", "--method", "nac-mq",
+             "--batch-size", "32", "--image-size", "16", "--amp", "off", "--queue-size", "128",
+             "--warmup", "1", "--steps", "2", "--compile", "--compile-backend", "aot_eager",
+             "--anchors", "--budget-s", "150", "--sync-check"]
+
+
+@pytest.mark.slow
+def test_train_throughput_cpu_stage(tmp_path):
+    """The GPU suite's train stage at toy size on the CPU: train.py compiled (aot_eager) with
+    its first step's cost apart, the eager baseline, both supervised anchors (subprocesses) and
+    the ceiling, the one-step profile (operators on a CPU run), the host-read check of a whole
+    compiled step (PASS), the CSV rows and the table before the JSON."""
+    prof, out, rows = tmp_path / "kernels.txt", tmp_path / "train.json", tmp_path / "t.csv"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_throughput.py"),
+                        *CPU_STAGE, "--profile-out", str(prof), "--json-out", str(out),
+                        "--csv-out", str(rows)], env=_env(), capture_output=True, text=True,
+                       timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    res = json.loads(lines[-1])
+    assert res == json.loads(out.read_text())
+    assert res["data"] == "synthetic-device:256" and res["measured_steps"] == 2
+    assert res["img_per_s"] * res["step_ms"] / 1e3 == pytest.approx(32, rel=0.02)
+    assert res["compile"] is True and res["compile_backend"] == "aot_eager"
+    assert res["compiled"] == "aot_eager: online encoder fwd+bwd, momentum encoder fwd (no grad)"
+    assert res["eager"]["compiled"] is None
+    assert res["first_step_s"] > 0
+    # compile_s is rounded to 0.01 s from the unrounded times (first_step_s to 1 ms, step_ms to
+    # 0.1 ms in the JSON): within half a unit of what the rounded fields give
+    assert abs(res["compile_s"] - (res["first_step_s"] - res["step_ms"] / 1000)) <= 0.0056
+    assert res["profile"] == "ok"
+    assert res["sync_check"] == "PASS" and res["sync_offender_count"] == 0
+    assert res["sync_detector"].startswith("NoHostReads") and res["sync_ops_seen"] > 100
+    e, se, sc = res["eager"], res["supervised_eager"], res["supervised_compiled"]
+    assert e["compile"] is False and e["measured_steps"] == 2 and "first_step_s" not in e
+    assert se["compile"] is False and sc["compile"] is True and sc["compile_backend"] == "aot_eager"
+    assert abs(sc["compile_s"] - (sc["first_step_s"] - sc["step_ms"] / 1000)) <= 0.0056
+    # the ceiling is the rounded supervised figure / (8/3), rounded to 0.1: half a unit either way
+    # (x / (8/3) and x * 3 / 8 can round a .x5 tie differently in binary floating point)
+    assert abs(res["ceiling_img_per_s"] - sc["img_per_s"] * 3 / 8) <= 0.05 + 1e-9
+    assert res["pct_of_ceiling"] == round(100 * res["img_per_s"] / res["ceiling_img_per_s"], 1)
+    assert 0 < res["elapsed_s"] < 400
+    text = prof.read_text()
+    assert "top operators by self CPU time" in text and "aten::" in text
+    assert any(line.startswith("ceiling = supervised compiled / 2.67") for line in lines)
+    import csv
+    with open(rows) as f:
+        got = list(csv.DictReader(f))
+    assert [g["config"] for g in got] == ["nac-mq-defaults", "nac-mq-eager", "supervised-eager",
+                                          "supervised-compiled"]
+    assert all(g["status"] == "ok" and float(g["img_per_s"]) > 0 for g in got)
+    assert float(got[0]["pct_of_ceiling"]) == res["pct_of_ceiling"]
+
+
+def test_data_throughput_appends_a_csv_row_with_its_spread(tmp_path, capsys):
+    """The data benchmark printed its JSON line only: no CSV row, no spread.  --csv appends one
+    row per run (the JSON's figures, the commit, median / p20 / p80 of the batch times), under
+    the same header; a damaged CSV is refused before the data is read."""
+    import data_throughput
+    data, path = str(tmp_path / "jpegs"), str(tmp_path / "d" / "data.csv")
+    argv = ["--data", data, "--size", "16", "--batch", "4", "--batches", "3", "--workers", "0",
+            "--loader", "torchvision", "--csv", path]
+    data_throughput.main(argv + ["--make-jpegs", "16"])
+    data_throughput.main(argv)
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and list(rows[0]) == data_throughput.CSV_FIELDS
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for r in rows:
+        p20, med, p80 = (float(r[k]) for k in ("p20_batch_s", "median_batch_s", "p80_batch_s"))
+        assert 0 < p20 <= med <= p80
+        assert r["num_images"] == "16" and r["view_shape"] == "4x3x16x16" and r["commit"]
+    assert float(rows[1]["images_per_s"]) == last["images_per_s"]
+    with open(path, "a") as f:
+        f.write("1,2,3," * 20 + "\n")   # a row wider than the header
+    _refused(capsys, data_throughput.main, argv, "--csv")

@@ -600,7 +600,7 @@ def _tc_bench(args, tmp_path, env=None):
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, os.path.join(root, "bench", "bench_hamming_tc.py"),
+    return subprocess.run([sys.executable, os.path.join(root, "bench", "bench_hamming.py"), "--tc",
                            *args], capture_output=True, text=True, cwd=root, timeout=600,
                           env=dict(os.environ, **(env or {})))
 
@@ -612,13 +612,13 @@ def _tc_bench(args, tmp_path, env=None):
     (["--repeats", "0"], "--repeats must be >= 1"),
 ])
 def test_tc_bench_refuses_bad_arguments(args, msg, capsys, monkeypatch):
-    """bench/bench_hamming_tc.py (the hamming-tc stage): a usage error (exit status 2) naming
+    """bench/bench_hamming.py --tc (the hamming-tc stage): a usage error (exit status 2) naming
     the flag, before any measurement."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.syspath_prepend(os.path.join(root, "bench"))
-    import bench_hamming_tc
+    import bench_hamming
     with pytest.raises(SystemExit) as exc:
-        bench_hamming_tc.main(args)
+        bench_hamming.main(["--tc"] + args)
     assert exc.value.code == 2 and msg in capsys.readouterr().err
 
 

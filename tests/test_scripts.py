@@ -379,3 +379,240 @@ def test_make_ilsvrc_tree_shape_labels_and_quirks(tmp_path, capsys):
                                   "--val-per-class", "0", "--overwrite", "--workers", "1"]) == 0
     assert len(os.listdir(out / "train")) == 2 and os.listdir(out / "val") == []
     assert [p.name for p in tmp_path.iterdir()] == ["tree"]           # no temporary left
+
+
+# ---- moved from tests/test_audit_scripts.py, test_train_bench.py, test_data_bench.py (issue 57) ----
+# The scripts run as a demanding user would: damaged inputs, bad options and bad output paths
+# are usage errors (exit status 2, the argument named, no traceback) before any work.
+
+import csv  # noqa: E402
+import subprocess  # noqa: E402
+
+import export_images  # noqa: E402
+import probe_rates  # noqa: E402
+
+
+def _boom(*a, **k):
+    raise AssertionError("worked before the arguments were checked")
+
+
+def _usage_error_naming(capsys, fn, argv, *words):
+    """fn(argv) exits with status 2, no traceback, a message naming each of `words`."""
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def test_plot_train_log_draws_a_log_of_one_record(tmp_path, capsys):
+    """A short train.py run logs one record: each quantity is one point, which a plain line
+    does not draw (every panel came out empty).  A log that is not text names the log."""
+    pytest.importorskip("matplotlib")
+    import plot_train_log
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.jsonl").write_text(json.dumps({"step": 2, "loss": 14.1, "loss_excess": 3.0,
+                                               "r_slope": 0.3, "flip_prob": 0.25,
+                                               "lr": 0.15}) + "\n")
+    (run / "config.json").write_text(json.dumps({"method": "nac", "flip_prob": 0.25,
+                                                 "flip_prob_final": 0.4}))
+    fig = plot_train_log.main([str(run / "log.jsonl"), "--out", str(tmp_path / "c.png")])
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    for key in ("loss", "loss_excess", "lr", "r_slope"):
+        line = axes[key].get_lines()[0]
+        assert list(line.get_ydata()) and line.get_marker() not in (None, "None", "", " "), key
+    sched = {ln.get_label(): ln for ln in axes["r_slope"].get_lines()}["2(1-2p) at each step's p"]
+    assert sched.get_marker() not in (None, "None", "", " ")
+    (tmp_path / "bin.jsonl").write_bytes(b'{"step": 1}\n\x80\x81\xff\n')
+    _usage_error_naming(capsys, plot_train_log.main, [str(tmp_path / "bin.jsonl"), "--out",
+                                               str(tmp_path / "b.png")], "bin.jsonl")
+    assert not (tmp_path / "b.png").exists()
+
+
+def _eval_dir(path, n=40, d=4):
+    """An nac_fast.eval output folder with a linear result and tiny cached features."""
+    path.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "test"):
+        torch.save({"h": torch.randn(n, d, generator=g), "labels": torch.arange(n) % 2},
+                   path / f"features_{split}.pt")
+    rep = {"seed": 0, "results": {"linear": {"test_top1": 0.5, "best_lr": 0.1, "epochs": 1,
+                                             "batch_size": 16, "lrs": [0.1]}}}
+    (path / "report.json").write_text(json.dumps(rep))
+    return path
+
+
+def test_probe_rates_damaged_eval_dirs_are_usage_errors_before_any_fit(tmp_path, capsys,
+                                                                        monkeypatch):
+    """A report.json that is not an object, a linear result without its settings, a damaged or
+    foreign feature cache gave tracebacks (AttributeError, KeyError), and a bad directory after
+    a good one was found only after the good one's fits."""
+    good = _eval_dir(tmp_path / "good")
+    bad = {name: _eval_dir(tmp_path / name) for name in ("list", "noepochs", "junk", "foreign")}
+    (bad["list"] / "report.json").write_text("[1, 2]")
+    rep = json.loads((good / "report.json").read_text())
+    del rep["results"]["linear"]["epochs"]
+    (bad["noepochs"] / "report.json").write_text(json.dumps(rep))
+    (bad["junk"] / "features_train.pt").write_bytes(b"junk")
+    torch.save({"x": 1}, bad["foreign"] / "features_test.pt")
+    monkeypatch.setattr(probe_rates, "train_linear_probe", _boom)
+    for name, d in bad.items():
+        _usage_error_naming(capsys, probe_rates.main, [str(good), str(d), "--no-progress"], name)
+
+
+def test_probe_rates_csv_path_checked_before_the_fits_and_written_whole(tmp_path, capsys,
+                                                                         monkeypatch):
+    """--csv under a file gave a traceback after every fit; in a missing folder it failed too
+    (the folder is made now)."""
+    good = _eval_dir(tmp_path / "good")
+    (tmp_path / "afile").write_text("x")
+    real = probe_rates.train_linear_probe
+    monkeypatch.setattr(probe_rates, "train_linear_probe", _boom)
+    _usage_error_naming(capsys, probe_rates.main, [str(good), "--no-progress", "--csv",
+                                            str(tmp_path / "afile" / "r.csv")], "--csv")
+    monkeypatch.setattr(probe_rates, "train_linear_probe", real)
+    out = tmp_path / "new" / "sub" / "r.csv"
+    assert probe_rates.main([str(good), str(good), "--no-progress", "--csv", str(out)]) == 0
+    with open(out, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["eval_dir", "protocol_lr", "protocol_top1", "lr_0.1"]
+    assert len(rows) == 2  # a directory named twice is one row
+    assert sorted(os.listdir(out.parent)) == ["r.csv"]
+
+
+def test_code_shape_retrieval_beyond_the_test_split_is_refused(tmp_path, capsys, monkeypatch):
+    """--retrieval Q larger than the test split ran fewer queries than the header's "(Q q)"."""
+    import code_shape
+    import make_image_folder
+    import train
+    ck = tmp_path / "run"
+    assert train.main(["--data", "synthetic:32", "--image-size", "8", "--batch-size", "16",
+                       "--code-dim", "8", "--max-steps", "1", "--no-progress", "--out",
+                       str(ck)]) == 0
+    data = tmp_path / "shapes"
+    assert make_image_folder.main(["shapes", str(data), "--per-class", "5", "--size", "8"]) == 0
+    capsys.readouterr()
+    sizes = code_shape.check_input(str(ck / "last.pt"), str(data), ["test", "train"])
+    assert sizes == {"test": 10, "train": 40}
+    monkeypatch.setattr(code_shape, "features_of", _boom)
+    _usage_error_naming(capsys, code_shape.main, [str(ck / "last.pt"), "--data", str(data),
+                                           "--retrieval", "11"], "--retrieval", "10 test images")
+    assert capsys.readouterr().out == ""
+
+
+def test_export_images_empty_out_and_a_class_folder_taken_by_a_file(tmp_path, capsys):
+    """--out '' wrote the export, then failed renaming it (traceback); --overwrite where a class's
+    folder is a file of the user's deleted the old export's files, then failed half-way."""
+    _usage_error_naming(capsys, export_images.main, ["--out", "", "--per-class", "1"], "--out")
+    out = tmp_path / "ex"
+    assert export_images.main(["--out", str(out), "--per-class", "1"]) == 0
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.png"))
+    for p in (out / "trouser").iterdir():
+        p.unlink()
+    (out / "trouser").rmdir()
+    (out / "trouser").write_text("mine")
+    _usage_error_naming(capsys, export_images.main, ["--out", str(out), "--per-class", "2",
+                                              "--overwrite"], "--out", "trouser")
+    after = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.png"))
+    assert after == [p for p in before if not p.startswith("trouser/")]
+    assert (out / "trouser").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ex"]  # no temporary folder left
+
+
+def test_plot_train_log_tells_runs_apart_and_draws_a_log_once(tmp_path, monkeypatch):
+    """Two logs in folders of one name (runs/a/seed0, runs/b/seed0) had the same legend label,
+    and a log named twice was drawn twice."""
+    import plot_train_log
+    assert plot_train_log.run_names(["/r/a/seed0/log.jsonl", "/r/b/seed0/log.jsonl"]) == [
+        "a/seed0", "b/seed0"]
+    assert plot_train_log.run_names(["/r/a/log.jsonl", "/r/b/log.jsonl"]) == ["a", "b"]
+    logs = []
+    for parent in ("a", "b"):
+        d = tmp_path / parent / "seed0"
+        d.mkdir(parents=True)
+        (d / "log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n"
+                                             for s in (1, 2)))
+        logs.append(str(d / "log.jsonl"))
+    seen = {}
+
+    class Drawn(Exception):
+        pass
+
+    def draw(runs):   # the runs drawn are what matters: stop there
+        seen["names"] = [n for n, _, _ in runs]
+        raise Drawn
+
+    monkeypatch.setattr(plot_train_log, "draw", draw)
+    with pytest.raises(Drawn):
+        plot_train_log.main(logs + [logs[0], "--out", str(tmp_path / "c.png")])
+    assert seen["names"] == ["a/seed0", "b/seed0"]
+
+
+def test_nac_loss_floor_refuses_more_images_than_memory_holds(capsys, monkeypatch):
+    """--images had no upper bound: the reference's n x n float64 logits (n = 2 x images) of
+    --images 100000 ask for ~1 TiB, and the machine ran out of memory instead of an error."""
+    import nac_loss_floor
+    monkeypatch.setattr(nac_loss_floor, "available_bytes", lambda: 2**30)
+    monkeypatch.setattr(nac_loss_floor, "loss_at", _boom)
+    err = _usage_error_naming(capsys, nac_loss_floor.main, ["--images", "10000"], "--images 10000",
+                       "GiB")
+    most = int(err.split("at most --images ")[1].split(")")[0])
+    assert nac_loss_floor.MATRICES * 8 * (2 * most) ** 2 <= 2**30 < \
+        nac_loss_floor.MATRICES * 8 * (2 * (most + 1)) ** 2
+
+
+def test_make_image_folder_size_has_an_upper_bound(tmp_path, capsys):
+    """--size had no upper bound: --size 100000 would draw 30 GB images."""
+    import make_image_folder
+    _usage_error_naming(capsys, make_image_folder.main, ["shapes", str(tmp_path / "f"), "--size",
+                                                  "100000"], "--size", "[8, 4096]")
+    assert not (tmp_path / "f").exists()
+
+
+def test_plot_train_log(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": s, "epoch": 0, "loss": 88.7 - 0.01 * s, "lr": 0.1 * s, "img_per_s": 100.0,
+             "data_wait": 0.01, "distinct_frac": 1.0, "mean_hamming": 60.0 + s,
+             "balance_score": 0.9, "code_sat": 0.05} for s in (1, 2, 3)]
+    recs.append(dict(recs[-1], loss=1.0))  # a resumed run repeats step 3: the last one counts
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    import plot_train_log  # scripts/ is on sys.path (above)
+    assert [r["loss"] for r in plot_train_log.read_log(str(run / "log.jsonl"))][-1] == 1.0
+    out = tmp_path / "c.png"
+    plot_train_log.main([str(run / "log.jsonl"), "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (run / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(ValueError, match="not a JSON line"):
+        plot_train_log.read_log(str(run / "bad.jsonl"))
+
+
+def _run_script(*args):
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("nac_fast.data.sources.fashion_mnist", fromlist=["x"]).find_dir()
+                    is None, reason="Fashion-MNIST not installed")
+def test_show_augmentations_writes_a_grid(tmp_path):
+    from PIL import Image
+    png = str(tmp_path / "grid.png")
+    out = _run_script("scripts/show_augmentations.py", "--num", "3", "--out", png)
+    assert "3 rows" in out
+    w, h = Image.open(png).size
+    assert (w, h) == (3 * 28 + 4 * 2, 3 * 28 + 4 * 2)      # 3x3 tiles of 28 px, 2 px padding
+    # an existing --out is refused (naming the flag) and kept; --overwrite replaces it
+    before = open(png, "rb").read()
+    r = subprocess.run([sys.executable, "scripts/show_augmentations.py", "--num", "2", "--out",
+                        png], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--out" in r.stderr and "--overwrite" in r.stderr, r.stderr
+    assert open(png, "rb").read() == before
+    _run_script("scripts/show_augmentations.py", "--num", "2", "--out", png, "--overwrite")
+    assert Image.open(png).size == (3 * 28 + 4 * 2, 2 * 28 + 3 * 2)

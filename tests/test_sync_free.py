@@ -367,3 +367,116 @@ def test_non_finite_loss_names_first_step_and_no_checkpoint_after(bad, log_every
         assert load_checkpoint(str(out / "last.pt"))["step"] == ckpt < bad
     steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert steps == logged
+
+
+# ---- moved from tests/test_train_bench.py (issue 57): the sync-check detector of
+# nac_fast/train/sync_check.py and the device synthetic loader of bench/train_throughput.py ----
+
+@pytest.mark.parametrize("syncs", [False, True])
+def test_cuda_sync_check_verdict_and_offender(monkeypatch, syncs):
+    """check_step's CUDA path with torch.cuda's sync-debug switch simulated (no GPU here), as
+    torch behaves: setting the mode warns that it "is a prototype feature" (never an offender),
+    and in "warn" / "error" mode a synchronising call warns / raises "called a synchronizing
+    CUDA operation" from the line that made it.  A step with such a call: FAIL naming that line
+    and, from the "error" run, its frames; else PASS with the notice listed as ignored."""
+    import warnings
+    import torch
+    from nac_fast.train import sync_check
+    mode = {"m": "default"}
+
+    def set_mode(m):
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet "
+                      "detect all synchronizing operations", UserWarning)
+        mode.update(m=m)
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def synchronising_op():
+        if mode["m"] == "warn":
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        elif mode["m"] == "error":
+            raise RuntimeError("called a synchronizing CUDA operation")
+
+    def step():
+        if syncs:
+            synchronising_op()
+
+    res = sync_check.check_step(step, torch.device("cuda"))
+    assert mode["m"] == "default"  # switched back
+    assert any("prototype feature" in w for w in res["sync_ignored"])
+    if syncs:
+        assert res["sync_check"] == "FAIL" and res["sync_offender_count"] == 1
+        assert "test_sync_free.py" in res["sync_offender"]
+        assert res["sync_offender"].endswith("called a synchronizing CUDA operation")
+        assert any("in synchronising_op" in f for f in res["sync_offender_frames"])
+    else:
+        assert res["sync_check"] == "PASS" and res["sync_offender_count"] == 0
+        assert res["sync_offenders"] == [] and "sync_offender" not in res
+
+
+def test_device_synthetic_loader_is_deterministic_and_resumes():
+    from nac_fast.data.sources.synthetic_pairs import DeviceSyntheticPairLoader
+    import torch
+    ld = DeviceSyntheticPairLoader(64, 8, image_size=6, pool=5, channels_last=True)
+    assert len(ld) == 8 and ld.num_images == 64 and ld.in_channels == 3
+    ld.set_epoch(1)
+    full = list(ld)
+    assert len(full) == 8
+    v1, v2 = full[0]
+    assert v1.shape == (8, 3, 6, 6) and v1.is_contiguous(memory_format=torch.channels_last)
+    assert not torch.equal(v1, v2)
+    ld.set_epoch(1, start_batch=5)
+    resumed = list(ld)
+    assert len(resumed) == 3
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(resumed, full[5:]))
+    ld.set_epoch(2)
+    assert not torch.equal(next(iter(ld))[0], full[0][0])
+    with pytest.raises(ValueError, match="pool"):
+        DeviceSyntheticPairLoader(64, 8, pool=0)
+
+
+# the GPU suite's train stage in its CPU mode (bench/gpu_suite.sh stage_train)
+CPU_STAGE = ["--data", "synthetic-device:256", "--arch", "resnet-tiny", "--method", "nac-mq",
+             "--batch-size", "32", "--image-size", "16", "--amp", "off", "--queue-size", "128",
+             "--warmup", "1", "--steps", "2", "--compile", "--compile-backend", "aot_eager",
+             "--anchors", "--budget-s", "150", "--sync-check"]
+
+
+@pytest.mark.slow
+def test_train_throughput_sync_check_names_a_planted_host_read(monkeypatch, tmp_path, capsys):
+    """A real .item() planted in the step (inside LARS) fails the check on the CPU: exit status
+    1, the offending op and the planted line named."""
+    from nac_fast.train import lars
+    real = lars.trust_ratios
+
+    def reads_the_host(params, updates, tc):
+        out = real(params, updates, tc)
+        if out:
+            out[0].item()  # the planted host read
+        return out
+
+    monkeypatch.setattr(lars, "trust_ratios", reads_the_host)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "train.json"
+    args = [a for a in CPU_STAGE if a != "--anchors"] + ["--no-anchors", "--no-eager-baseline",
+                                                          "--json-out", str(out)]
+    with pytest.raises(SystemExit) as exc:
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        try:
+            import train_throughput
+        finally:
+            sys.path.pop(0)
+        train_throughput.main(args)
+    assert exc.value.code == 1
+    res = json.loads(out.read_text())
+    assert res["sync_check"] == "FAIL"
+    assert res["sync_offender"] == "host sync: aten._local_scalar_dense.default"
+    assert any("test_sync_free.py" in f and "out[0].item()" in f
+               for f in res["sync_offender_frames"]), res["sync_offender_frames"]
+    assert "eager" not in res and "supervised_eager" not in res
+    # train.py's own loader is back: the benchmark's device-data stand-in does not leak
+    from nac_fast.train import run as run_mod
+    assert run_mod.build_loader.__module__ == "nac_fast.train.run"

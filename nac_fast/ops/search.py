@@ -23,7 +23,7 @@ nac_fast/ops/hamming_cuda.py: a query per thread, its counters in shared memory)
 tensors when the extension is built with CUDA (CI tests its kernels' lane functions in emulation on
 CPU tensors).  ``"auto"`` picks ``"cpu"`` for CPU tensors when the extension is built, ``"triton"``
 for CUDA tensors when Triton imports, then ``"cuda"``, else ``"reference"``.
-Timings: ``python bench/bench_index.py`` (top-k over 1M codes) and ``python bench/bench_hamming.py``
+Timings: ``python bench/bench_hamming.py --index`` (top-k over 1M codes) and ``python bench/bench_hamming.py``
 (mAP@all), results in bench/results/.
 
 The C++ engine's instruction-set level (every level returns the same integers; what differs is

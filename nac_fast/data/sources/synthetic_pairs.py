@@ -76,3 +76,46 @@ class SyntheticPairLoader:
     def _out(self, t):
         t = t.to(self.device, self.dtype)
         return t.contiguous(memory_format=torch.channels_last) if self.channels_last else t
+
+
+class DeviceSyntheticPairLoader(SyntheticPairLoader):
+    """SyntheticPairLoader's interface with the images made and kept on `device` (bench/
+    train_throughput.py's --data synthetic-device: a loader that costs no host work, no copies).
+
+    `pool` smooth random images (a 4 x 4 random pattern upsampled, like SyntheticPairLoader's) are
+    drawn once, on the device.  Batch b of an epoch takes pool images by a seeded random index
+    (device generator), view 1 flips each image horizontally with probability 1/2 and view 2 is
+    one random roll (host RNG, per batch) of the images plus its own flips.  Every per-batch op
+    runs on the device; nothing waits for the host.  Deterministic in (seed, epoch, batch)."""
+
+    def __init__(self, num_images=4096, batch_size=64, rank=0, world_size=1, seed=0,
+                 image_size=32, in_channels=3, device="cpu", channels_last=False,
+                 dtype=torch.float32, pool=256):
+        super().__init__(num_images, batch_size, rank, world_size, seed, image_size, in_channels,
+                         device, channels_last, dtype)
+        _checks.positive_int("pool", pool)
+        g = torch.Generator().manual_seed(_fit(seed * 1_000_003 + 17))
+        low = torch.randn(pool, in_channels, 4, 4, generator=g).to(self.device)
+        self.pool = torch.nn.functional.interpolate(
+            low, size=(image_size, image_size), mode="bilinear", align_corners=False).to(dtype)
+
+    def __iter__(self):
+        import random
+        seed = _fit((self.seed * 7919 + self.epoch) * 31 + self.rank)
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        host = random.Random(seed)
+        B, P = self.batch_size, self.pool.shape[0]
+        for b in range(len(self)):
+            idx = torch.randint(0, P, (B,), device=self.device, generator=g)
+            flip1 = torch.rand(B, 1, 1, 1, device=self.device, generator=g) < 0.5
+            flip2 = torch.rand(B, 1, 1, 1, device=self.device, generator=g) < 0.5
+            dy, dx = host.randint(-2, 2), host.randint(-2, 2)
+            if b < self.start_batch:  # resume: same draws as an uninterrupted epoch
+                continue
+            x = self.pool[idx]
+            v1 = torch.where(flip1, x.flip(3), x)
+            x2 = torch.roll(x, shifts=(dy, dx), dims=(2, 3))
+            v2 = torch.where(flip2, x2.flip(3), x2)
+            yield self._out(v1), self._out(v2)
+        self.start_batch = 0
