@@ -1,5 +1,5 @@
 """A kernel's own bound statements, run apart (tests/test_audit_limits.py,
-tests/test_audit_topk_exact.py): the ``start = ...`` / ``end = ...`` lines of a Triton kernel's
+tests/test_hamming_gpu.py): the ``start = ...`` / ``end = ...`` lines of a Triton kernel's
 source, compiled into a small probe kernel with the same argument types, so that their int32
 arithmetic can be run at sizes no test could allocate (under TRITON_INTERPRET=1)."""
 from __future__ import annotations

@@ -8,8 +8,14 @@ as on the GPU: CI checks everything of the kernels but the lines that map blockI
 tensors, through the real kernels.
 
 The engine's size constants are shrunk in most top-k tests (as in tests/test_hamming_gpu.py) so
-small cases walk every level of the sampled bound, the filter pass and its rerun."""
+small cases walk every level of the sampled bound, the filter pass and its rerun.
+
+Adversarial top-k inputs (staircases of reruns, k around the filter's limit, the real constants
+at the outright size, code lengths, seeded random cases with every constant shrunk) are checked
+against the C++ engine exactly; the cases both GPU engines share: tests/test_hamming_gpu.py."""
 from __future__ import annotations
+
+import random
 
 import numpy as np
 import pytest
@@ -19,6 +25,7 @@ import nac_fast as H
 from nac_fast.ops import dispatch, hamming_cuda as HC
 from nac_fast.ops.codes import pack_bits_torch
 from test_hamming_gpu import assert_same_retrieval, check_topk_peak_memory, labels, words
+from test_hamming_gpu import SMALL, Reruns, assert_topk, constants, cpu_words, staircase
 
 pytestmark = pytest.mark.skipif(dispatch.extension() is None, reason="no compiled extension")
 
@@ -144,6 +151,80 @@ def test_filter_strided_view_and_lanes(dev):
                 assert torch.equal(slot[4:4 + want_a.numel()], want_a)
                 assert (slot[want_b.numel():4] == HC.hamming_topk.EMPTY_KEY).all()
                 assert (slot[4 + want_a.numel():] == HC.hamming_topk.EMPTY_KEY).all()
+
+
+# ------------------------------------------------------------------------------------------
+# Top-k: adversarial inputs at the branch points of nac_fast/ops/hamming_topk.py, against the
+# C++ engine (the cases the Triton engine shares: tests/test_hamming_gpu.py)
+# ------------------------------------------------------------------------------------------
+
+def test_staircase_reruns_cuda(monkeypatch):
+    """The real constants, one slice (every overflow in it): k = 1 takes a rerun per distance
+    (64), the capacity doubling up to its cap; several slices, and k past a slot count."""
+    spy = Reruns(monkeypatch, HC)
+    qw, gw = staircase(64, 100, HC.SAMPLE_RATIO)
+    for k in (1, 2, 9, 101, 250):
+        assert_topk(HC, qw, gw, k)
+    with constants(HC, MIN_SLICE_ROWS=10 ** 6):
+        spy.capacities.clear()
+        assert_topk(HC, qw, gw, 1)
+        assert spy.reruns == 64
+        assert_topk(HC, qw, gw, 8)
+
+
+def test_k_around_the_filter_limit_cuda():
+    """The real constants at k = 1023, 1024 (the filter pass, G > 16 k) and 1025 (the direct
+    path), with three distinct codes (ties across every slice) and random codes."""
+    for qw, gw in ((cpu_words(5, 5, 64, 3), cpu_words(6, 16_385, 64, 3)),
+                   (cpu_words(7, 3, 64), cpu_words(8, 17_000, 64))):
+        for k in (1023, 1024, 1025):
+            assert_topk(HC, qw, gw, k)
+
+
+def test_real_constants_at_the_outright_size_cuda():
+    """G = BASE_ROWS (outright) and BASE_ROWS + 1 (a sampled bound of 257 rows), k up to
+    G / SAMPLE_RATIO, the queries equal to gallery rows."""
+    for G in (4096, 4097, 8193):
+        gw = cpu_words(G, G, 128, distinct=50)
+        qw = torch.cat([gw[G // 2:G // 2 + 2], gw[-1:], cpu_words(9, 130, 128)])
+        for k in (1, 7, 256, 257, G - 1, G):
+            assert_topk(HC, qw, gw, k)
+
+
+@pytest.mark.parametrize("bits", [1, 63, 64, 65, 127, 129, 1024])
+def test_code_lengths_cuda(bits):
+    qw = cpu_words(bits, 9, bits)
+    gw = cpu_words(bits + 1, 700, bits, distinct=None if bits < 8 else 20)
+    qw[0] = gw[699]
+    for k in (1, 6, 700):
+        assert_topk(HC, qw, gw, k, **SMALL)
+
+
+def test_random_adversarial_cuda():
+    """Seeded random cases: sizes, code lengths, tied codes, queries copied from the gallery or
+    planted off the sample's stride, constants shrunk to make every path small (slices of 1 row
+    up, outright steps of one query, the direct path's chunks)."""
+    rng = random.Random(0)
+    for _ in range(60):
+        bits = rng.choice([1, 7, 63, 64, 65, 128, 200, 1024])
+        G = rng.choice([rng.randint(1, 60), rng.randint(60, 700), rng.randint(700, 2000)])
+        Q = rng.choice([1, 2, rng.randint(1, 40), 129])
+        distinct = None if bits < 8 else rng.choice([None, 1, 2, 10])
+        gw = cpu_words(rng.randrange(1 << 30), G, bits, distinct)
+        qw = cpu_words(rng.randrange(1 << 30), Q, bits, distinct)
+        ratio = rng.choice([2, 3, 16])
+        if rng.random() < 0.4:
+            qw = gw[torch.randint(0, G, (Q,))].clone()
+        elif G > 20:
+            lo = rng.randint(0, G - 1)
+            near = torch.arange(lo, rng.randint(lo + 1, G))
+            near = near[near % ratio != 0]
+            gw[near] = qw[0]
+        kw = dict(BASE_ROWS=rng.choice([2, 5, 24]), SAMPLE_RATIO=ratio,
+                  BASE_PAIRS=rng.choice([1, 256]), TOPK_MAX_K=rng.choice([1024, 3]),
+                  MIN_SLICE_ROWS=rng.choice([1, 5, 64]), DIRECT_PAIRS=rng.choice([1, 1 << 24]))
+        for k in sorted({1, min(2, G), G, max(1, G - 1), rng.randint(1, G)}):
+            assert_topk(HC, qw, gw, k, **kw)
 
 
 # ------------------------------------------------------------------------------------------

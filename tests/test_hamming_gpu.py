@@ -9,21 +9,32 @@ the filter) are shrunk in most tests so that small, fast cases walk every level 
 and every path; a few tests keep the real constants.  On CUDA, a search of 1,000 queries over
 2M codes must stay within the workspace the engine reports, far below Q x G.
 
+Also: the distance kernel's launch grids at the sizes users reach (within CUDA's grid limits,
+from meta tensors); the top-k of non-contiguous packed words; both GPU engines ("cuda" in
+emulation on CPU tensors, "triton" interpreted) against the C++ engine on adversarial inputs
+(slice bounds near 2^31 rows, ties, staircases of reruns, code lengths, heavy-tie retrieval).
+
 Also the helper the other hashing test files use to run backend="triton" on that device:
 ``moved(backend)`` returns nac_fast with tensor arguments moved there and results back on the
 CPU."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import random
 
 import numpy as np
 import pytest
 import torch
 
 import nac_fast as H
+import nac_fast.ops.retrieval as R
 from nac_fast.kernels import hamming_triton as HT
+from nac_fast.ops import dispatch, hamming_cuda as HC
+from nac_fast.ops.codes import pack_bits_torch
 from nac_fast.ops.retrieval import _ref_pass
+from _probes import bounds_probe
 
 # Triton runs on CUDA tensors on a GPU machine, on CPU tensors under the interpreter (conftest.py
 # sets TRITON_INTERPRET=1 where there is no GPU).
@@ -232,6 +243,39 @@ def test_topk_bound_is_an_upper_bound_and_tight_on_the_sample(dev, small_engine)
     sample = gw[::HT.SAMPLE_RATIO]
     ts = HT.kth_bound(qw, sample, k)
     assert (ts.cpu() >= wd[:, -1]).all()
+
+
+def test_triton_topk_of_non_contiguous_packed_words(dev, small_engine):
+    """The Triton top-k read non-contiguous packed words (a PackedCodes whose words are a
+    transposed or column-sliced view) as if they were contiguous, and returned wrong neighbours
+    without an error.  Before the fix: kernels/hamming_triton.py topk passed the words on as
+    they were, and the filter kernel reads query word w of row i at i * W + w and gallery word w at
+    row * stride(0) + w: with column-major words (stride (1, n)) every query and gallery word
+    was read from the wrong place (5 queries x 200 codes of 100 bits: all three layouts wrong)."""
+    rng = np.random.default_rng(0)
+    D = 100
+    q = torch.from_numpy(rng.random((5, D)) < 0.5)
+    g = torch.from_numpy(rng.random((200, D)) < 0.5)
+    pq, pg = H.pack_codes(q), H.pack_codes(g)
+    want_d, want_i = H.topk(pq, pg, 3, backend="reference")
+
+    def col_major(p):  # the same words, stored column-major
+        return H.PackedCodes(p.words.t().contiguous().t().to(dev), p.nbits)
+
+    def col_slice(p):  # the same words, the first half of a wider row
+        return H.PackedCodes(torch.cat([p.words, p.words], 1).to(dev)[:, :p.words.shape[1]],
+                             p.nbits)
+
+    on = lambda p: H.PackedCodes(p.words.to(dev), p.nbits)  # noqa: E731
+    for a, b in [(col_major(pq), on(pg)), (on(pq), col_major(pg)), (col_major(pq), col_major(pg)),
+                 (col_slice(pq), col_slice(pg))]:
+        assert not (a.words.is_contiguous() and b.words.is_contiguous())
+        d, i = H.topk(a, b, 3, backend="triton")
+        assert torch.equal(d.cpu(), want_d) and torch.equal(i.cpu(), want_i)
+    # the bound alone (hamming_triton.kth_bound) on the same views
+    t = HT.kth_bound(col_major(pq).words, col_major(pg).words, 3)
+    assert torch.equal(t.cpu(), HT.kth_bound(on(pq).words, on(pg).words, 3).cpu())
+    assert bool((t.cpu() >= want_d[:, -1]).all())
 
 
 def test_topk_workspace_does_not_grow_with_the_gallery():
@@ -548,6 +592,437 @@ def test_retrieval_refuses_long_codes(dev):
     lab = torch.zeros(2, dtype=torch.int64, device=dev)
     with pytest.raises(ValueError, match="at most 1023 bits"):
         HT.retrieval(qw, qw, lab, lab, 1024)
+
+
+# ------------------------------------------------------------------------------------------
+# Launch grids at the sizes users reach (Hamming: G up to 100M codes on one GPU, Q up to 1e6,
+# k up to 10000, 1..1024 bits).  The distance kernel (`_cdist_kernel`: hamming_distance and
+# the top-k's chunked path for k > TOPK_MAX_K, topk_direct) was launched on the grid (Q tiles,
+# G tiles): CUDA caps a grid's second and third dimensions at 65535 blocks, so a gallery past
+# 65535 x 64 = 4,194,240 codes failed to launch on a GPU (the interpreter has no such limit).
+# The plans are built from meta tensors: nothing is allocated.
+# ------------------------------------------------------------------------------------------
+
+GRID_X_MAX = (1 << 31) - 1  # CUDA: gridDim.x
+
+
+GRID_YZ_MAX = 65535         # CUDA: gridDim.y, gridDim.z
+
+
+def _cuda_grid_ok(grid) -> bool:
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    return 1 <= g[0] <= GRID_X_MAX and 1 <= g[1] <= GRID_YZ_MAX and 1 <= g[2] <= GRID_YZ_MAX
+
+
+def _meta(*shape, dtype=torch.int64):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("Q,G,bits", [
+    (1, 100_000_000, 64),       # topk_direct's chunk at k > 1024 over 100M codes (step = 1)
+    (1, 4_194_241, 1024),       # one code past the old limit, the longest codes
+    (16, 6_000_000, 128),
+    (1_000_000, 16, 64),        # a million queries against a small gallery
+    (2_100_000, 1_000, 64),     # Q tiles past 65535 (hamming_distance, 8.4 GB of output)
+])
+def test_cdist_grid_fits_cuda_limits(Q, G, bits):
+    W = -(-bits // 64)
+    launches = HT.cdist_plan(_meta(Q, W), _meta(G, W), _meta(Q, G, dtype=torch.int32))
+    for L in launches:
+        assert _cuda_grid_ok(L.grid), L.grid
+        # every (query tile, gallery tile) pair has a program
+        BQ, BG = HT.CDIST_BLOCKS
+        assert L.grid[0] * (L.grid[1] if len(L.grid) > 1 else 1) >= \
+            -(-Q // BQ) * -(-G // BG)
+
+
+def test_topk_direct_chunk_grid_at_100m_codes():
+    """k = 10000 > TOPK_MAX_K over 100M codes: topk_direct computes one query's distances to
+    the whole gallery per step (DIRECT_PAIRS // G = 0 -> 1 query): its cdist launch must fit."""
+    G = 100_000_000
+    step = max(1, HT.DIRECT_PAIRS // G)
+    launches = HT.cdist_plan(_meta(step, 2), _meta(G, 2), _meta(step, G, dtype=torch.int32))
+    assert all(_cuda_grid_ok(L.grid) for L in launches), [L.grid for L in launches]
+
+
+@pytest.mark.parametrize("Q,G", [(1, 1), (33, 65), (70, 129), (5, 300), (64, 64)])
+def test_cdist_flattened_grid_values(Q, G):
+    """The distances (interpreter on CPU tensors, or the GPU) are those of the reference at
+    shapes with partial tiles on both axes: every (query, gallery) pair is covered once."""
+    from nac_fast.ops.search import ref_cdist
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(Q * 1000 + G)
+    for W in (1, 3):
+        qw = torch.randint(-(1 << 62), 1 << 62, (Q, W), generator=gen, dtype=torch.int64)
+        gw = torch.randint(-(1 << 62), 1 << 62, (G, W), generator=gen, dtype=torch.int64)
+        got = HT.cdist(qw.to(dev), gw.to(dev)).cpu()
+        assert torch.equal(got, ref_cdist(qw, gw))
+
+
+# ------------------------------------------------------------------------------------------
+# The GPU engines ("cuda" in emulation, "triton" interpreted) against the C++ engine on inputs
+# aimed at the branch points of nac_fast/ops/hamming_topk.py (the bound from a strided sample,
+# the filter pass's CA + k slots per (query, slice), the overflow rerun, the k > TOPK_MAX_K
+# and small-gallery paths) and of the kernels (slices, partial query blocks and tiles, code
+# lengths at word boundaries).  Every case equals the C++ engine exactly; the CUDA-only
+# cases: tests/test_hamming_cuda.py.
+# ------------------------------------------------------------------------------------------
+
+needs_ext = pytest.mark.skipif(dispatch.extension() is None, reason="no compiled extension")
+
+MAX_ROWS = (1 << 31) - 1  # int32's largest row count (each engine's own: E.MAX_ROWS)
+
+
+def cpu_words(seed, n, bits, distinct=None):
+    """words() on CPU tensors (the C++ engine is the oracle)."""
+    return words(seed, n, bits, "cpu", distinct)
+
+
+@contextlib.contextmanager
+def constants(E, **kw):
+    """The engine's size constants set (those it has) for the block."""
+    old = {n: getattr(E, n) for n in kw if hasattr(E, n)}
+    for n in old:
+        setattr(E, n, kw[n])
+    try:
+        yield
+    finally:
+        for n, v in old.items():
+            setattr(E, n, v)
+
+
+def engines():
+    """The GPU engines that run on CPU tensors here: "cuda" in emulation (csrc/hamming_lanes.h),
+    "triton" under TRITON_INTERPRET=1."""
+    out = [HC]
+    if triton_runs() and TRITON_DEVICE == "cpu":
+        out.append(HT)
+    return out
+
+
+def assert_topk(E, qw, gw, k, **kw):
+    wd, wi = torch.ops.nac_fast.hamming_topk(qw, gw, k)
+    with constants(E, **kw):
+        d, i = E.topk(qw, gw, k)
+    assert torch.equal(d, wd) and torch.equal(i, wi), (E.__name__, k, d, wd, i, wi)
+
+
+class Reruns:
+    """Counts an engine's filter passes that are reruns of overflowing queries."""
+
+    def __init__(self, monkeypatch, E):
+        self.capacities = []
+        real = E._filter
+
+        def spy(qw, gview, t, k, expect, capacity=None):
+            self.capacities.append(capacity)
+            return real(qw, gview, t, k, expect, capacity=capacity)
+        monkeypatch.setattr(E, "_filter", spy)
+
+    @property
+    def reruns(self):
+        return sum(c is not None for c in self.capacities)
+
+
+SMALL = dict(BASE_ROWS=24, SAMPLE_RATIO=4, BASE_PAIRS=256, MIN_SLICE_ROWS=8, TOPK_MIN_TILES=1,
+             TOPK_CONFIG={"gpu": HT.TOPK_CONFIG["gpu"], "interpreter": (4, 32, 1)})
+
+
+# ------------------------------------------------------------------------------------------
+# Slice bounds near MAX_ROWS (the defect the audit found)
+# ------------------------------------------------------------------------------------------
+
+def slice_bounds_probe(kernel, tmp_path):
+    """A Triton function of (G, L) running a kernel's own `start = ...` / `end = ...` statements
+    for slices s = 0, 1 (typed as in the kernel: program id and scalars in int32)."""
+    return bounds_probe(kernel, tmp_path, pid="s", ints=("G", "L"), stores=("start", "end"))
+
+
+@needs_ext
+@pytest.mark.parametrize("kernel", ["_topk_filter_kernel", "_topk_mma_kernel", "_ap_hist_kernel",
+                                    "_ap_rank_kernel"])
+def test_triton_last_slice_ends_at_the_gallery_end_near_max_rows(tmp_path, kernel):
+    """G = 2^31 - 1 in two slices of L = 2^30 + 32 rows (a multiple of the tiles, as the plans
+    make them): the second slice is [L, G).  In int32, s L + L = 2^31 + 64 wrapped to a negative
+    end and the slice was skipped.
+
+    Found by the audit of the GPU engines' exactness: the Triton kernels' slice bounds,
+    ``end = min(s L + L, G)`` in int32, wrapped past 2^31 - 1 for the last slice of a gallery
+    within a few slices' rounding of MAX_ROWS (G = 2^31 - 1 always): that slice ended at a
+    negative row and was skipped, so the top-k missed its rows and the retrieval passes did not
+    count them (the filter's tile loop, g0 + BG, wrapped there too).  The kernels compute
+    ``s L + min(L, G - s L)``, and the Triton engine takes at most 2^31 - 2^16 rows
+    (hamming_triton.MAX_ROWS), so the filter's int32 tiles past the last row stay below 2^31
+    (int64 rows would cost it a block per SM under Triton 3.6).  A gallery that large needs a
+    GPU (test_max_rows_gallery_on_a_gpu); here the kernels' own bound statements run in the
+    interpreter (tests/_probes.py)."""
+    if not (triton_runs() and TRITON_DEVICE == "cpu"):
+        pytest.skip("the probe runs under TRITON_INTERPRET=1")
+    probe = slice_bounds_probe(getattr(HT, kernel), tmp_path)
+    L = (1 << 30) + 32
+    out = torch.zeros(4, dtype=torch.int64)
+    probe[(2,)](out, MAX_ROWS, L)
+    assert out.tolist() == [0, L, L, MAX_ROWS]
+    out.zero_()
+    probe[(2,)](out, 1000, 600)  # an ordinary split
+    assert out.tolist() == [0, 600, 600, 1000]
+
+
+def check_last_rows_found(E, dev, G, bits=3):
+    """A gallery of zeros whose last 3 rows are the query (distance 0) and class 0 (the only
+    relevant ones): the top 5 are those 3 rows then rows 0, 1; the AP is 1 over 3 relevant."""
+    q = (1 << bits) - 1
+    gw = torch.zeros(G, 1, dtype=torch.int64, device=dev)
+    gw[G - 3:] = q
+    qw = torch.full((1, 1), q, dtype=torch.int64, device=dev)
+    d, i = E.topk(qw, gw, 5)
+    assert d.cpu().tolist() == [[0, 0, 0, bits, bits]]
+    assert i.cpu().tolist() == [[G - 3, G - 2, G - 1, 0, 1]]
+    del d, i
+    gl = torch.ones(G, dtype=torch.int64, device=dev)
+    gl[G - 3:] = 0
+    ql = torch.zeros(1, dtype=torch.int64, device=dev)
+    ap, nrel, hits, _, hist, _ = E.retrieval(qw, gw, ql, gl, bits, (3, 4), hist=True)
+    assert nrel.cpu().tolist() == [3] and ap.cpu().tolist() == [1.0]
+    assert hits.cpu().tolist() == [[3, 3]]
+    assert hist.cpu().tolist() == [[3] + [0] * (bits - 1) + [G - 3]]
+
+
+@needs_ext
+def test_last_rows_found_small_gallery():
+    """check_last_rows_found (the GPU test's oracle) on the CPU engines, small constants so the
+    filter pass runs in several slices."""
+    for E in engines():
+        with constants(E, **SMALL):
+            check_last_rows_found(E, torch.device("cpu"), 3001)
+
+
+@needs_ext
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a gallery of 2^31 - 1 codes: a GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_max_rows_gallery_on_a_gpu(backend):
+    """G = the engine's MAX_ROWS one-word codes (16 GiB, labels 16 GiB more): the last slice's
+    rows are found by the top-k and counted by the retrieval passes."""
+    if backend == "triton" and not ("triton" in H.available_backends("cuda", op="hamming")):
+        pytest.skip("no Triton on CUDA tensors")
+    if backend == "cuda" and not dispatch.cuda_extension_built():
+        pytest.skip("the CUDA kernels are not built")
+    free, _ = torch.cuda.mem_get_info()
+    if free < 40 * 2 ** 30:
+        pytest.skip("needs 40 GiB of free GPU memory")
+    E = HT if backend == "triton" else HC
+    check_last_rows_found(E, torch.device("cuda"), E.MAX_ROWS)
+
+
+@needs_ext
+def test_triton_row_limit_leaves_room_for_a_tile():
+    """The filter walks int32 rows in tiles of BG (kernels/hamming_triton.py): at the largest
+    gallery the engine accepts, the tile after its last row still indexes below 2^31, and one
+    row more is refused before any launch."""
+    bg = max(cfg[1] for table in (HT.TOPK_CONFIG, HT.MMA_CONFIG) for cfg in table.values())
+    assert HT.MAX_ROWS + bg <= MAX_ROWS
+    with pytest.raises(ValueError, match="galleries of at most 2,147,418,112 codes"):
+        HT._check_rows(HT.MAX_ROWS + 1)
+    HT._check_rows(HT.MAX_ROWS)
+
+
+# ------------------------------------------------------------------------------------------
+# Top-k: adversarial inputs, against the C++ engine
+# ------------------------------------------------------------------------------------------
+
+@needs_ext
+@pytest.mark.parametrize("E", engines(), ids=lambda e: e.__name__.rsplit(".", 1)[-1])
+def test_all_gallery_codes_equal(E):
+    """Every distance tied: the first k rows, every k from 1 to G (the sampled bound, the filter
+    pass in slices of ties, the direct path at k > G / ratio)."""
+    G = 301
+    gw = cpu_words(1, 1, 65).expand(G, 2).contiguous()
+    qw = torch.cat([gw[:1], cpu_words(2, 4, 65)])
+    for k in (1, 2, 5, 74, 75, 76, G - 1, G):
+        assert_topk(E, qw, gw, k, **SMALL)
+
+
+def staircase(bits, block, ratio, Q=3):
+    """Query 0 is the zero code; the sample's rows (multiples of ratio) are at distance `bits`,
+    the others in blocks of `block` rows at distances bits - 1, bits - 2, ..., 0 in gallery
+    order: the sample's bound is as loose as it gets and each slice's first CA rows below it sit
+    one step lower only, so the reruns lower the bound step by step."""
+    dists = [d for d in range(bits - 1, -1, -1) for _ in range(block)]
+    G = len(dists) * ratio // (ratio - 1) + ratio
+    dist = torch.full((G,), bits)
+    rows = torch.arange(G)
+    rows = rows[rows % ratio != 0][:len(dists)]
+    dist[rows] = torch.tensor(dists)
+    gw = H.pack_codes(torch.arange(bits)[None, :] < dist[:, None]).words
+    qw = H.pack_codes(torch.zeros(Q, bits, dtype=torch.bool)).words
+    qw[1], qw[2] = gw[5], gw[-1]
+    return qw, gw
+
+
+@needs_ext
+@pytest.mark.skipif(not (triton_runs() and TRITON_DEVICE == "cpu"), reason=SKIP_REASON)
+def test_staircase_reruns_triton(monkeypatch):
+    spy = Reruns(monkeypatch, HT)
+    qw, gw = staircase(64, 12, SMALL["SAMPLE_RATIO"])
+    for k in (1, 13):
+        assert_topk(HT, qw, gw, k, **SMALL)
+    one = dict(SMALL, TOPK_CONFIG={"gpu": HT.TOPK_CONFIG["gpu"], "interpreter": (4, 1024, 1)})
+    spy.capacities.clear()
+    assert_topk(HT, qw, gw, 1, **one)
+    assert spy.reruns >= 10
+
+
+@needs_ext
+@pytest.mark.skipif(not (triton_runs() and TRITON_DEVICE == "cpu"), reason=SKIP_REASON)
+def test_tensor_core_filter_on_ties_and_staircases():
+    """The Triton engine's tensor-core filter (topk_with, method "mma") on this file's inputs:
+    every gallery code equal (k from 1 to G: its tie pools overflow, the ordered filter takes
+    over) and three distinct codes (ties at the k-th distance).  Its reruns: test_hamming_gpu.py
+    (the staircase's dozens of reruns take minutes in the interpreter)."""
+    def check(qw, gw, k):
+        wd, wi = torch.ops.nac_fast.hamming_topk(qw, gw, k)
+        with constants(HT, **SMALL):
+            d, i = HT.topk_with(qw, gw, k, "mma")
+        assert torch.equal(d, wd) and torch.equal(i, wi), (k, d, wd, i, wi)
+    G = 301
+    gw = cpu_words(1, 1, 65).expand(G, 2).contiguous()
+    qw = torch.cat([gw[:1], cpu_words(2, 4, 65)])
+    for k in (1, 5, 75, G):
+        check(qw, gw, k)
+    qw, gw = cpu_words(3, 7, 129, distinct=3), cpu_words(3, 900, 129, distinct=3)
+    for k in (1, 9):
+        check(qw, gw, k)
+
+
+@needs_ext
+@pytest.mark.parametrize("E", engines(), ids=lambda e: e.__name__.rsplit(".", 1)[-1])
+def test_ties_at_the_kth_distance_in_every_slice(E):
+    """Three distinct codes, the queries among them: hundreds of rows tie at the k-th distance in
+    every slice (more than the k slots at the bound of each); Q not a multiple of the block."""
+    qw, gw = cpu_words(3, 7, 129, distinct=3), cpu_words(3, 900, 129, distinct=3)
+    for k in (1, 3, 8, 9, 33):
+        assert_topk(E, qw, gw, k, **SMALL)
+
+
+@needs_ext
+@pytest.mark.skipif(not (triton_runs() and TRITON_DEVICE == "cpu"), reason=SKIP_REASON)
+@pytest.mark.parametrize("bits", [1, 64, 129, 320])
+def test_code_lengths_triton(bits):
+    qw = cpu_words(bits, 5, bits)
+    gw = cpu_words(bits + 1, 200, bits, distinct=None if bits < 8 else 7)
+    qw[0] = gw[199]
+    for k in (1, 6, 200):
+        assert_topk(HT, qw, gw, k, **SMALL)
+
+
+@needs_ext
+@pytest.mark.skipif(not (triton_runs() and TRITON_DEVICE == "cpu"), reason=SKIP_REASON)
+def test_public_api_zero_one_and_pm1_triton():
+    """nac_fast.topk / rank / HashIndex with backend="triton" on +-1 floats, 0/1 ints and bools,
+    three distinct codes: equal to backend="cpu"."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 2, (3, 65), generator=gen)
+    gb = base[torch.randint(0, 3, (300,), generator=gen)]
+    qb = torch.cat([gb[:3], torch.randint(0, 2, (2, 65), generator=gen)])
+    for k in (1, 9, 299, 300):
+        want = H.topk(qb, gb, k, zero_one=True, backend="cpu")
+        for args, kw in (((qb, gb), dict(zero_one=True)), ((qb * 2.0 - 1, gb * 2.0 - 1), {}),
+                         ((qb.bool(), gb.bool()), {})):
+            got = H.topk(*args, k, backend="triton", **kw)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    index, ref = H.HashIndex(65, backend="triton"), H.HashIndex(65, backend="cpu")
+    for ix in (index, ref):
+        ix.add(gb[:100], zero_one=True)
+        ix.add(gb[100:], zero_one=True)
+    for k in (1, 5, 1000):
+        a, b = index.search(qb, k, zero_one=True), ref.search(qb, k, zero_one=True)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ------------------------------------------------------------------------------------------
+# Retrieval on heavy ties, against the C++ engine
+# ------------------------------------------------------------------------------------------
+
+def assert_retrieval(got, want):
+    ap, nrel, hits, psum, hh, rh = got
+    wap, wnrel, whits, wpsum, whh, wrh = want
+    assert torch.equal(nrel, wnrel) and torch.equal(hits, whits)
+    assert torch.equal(hh, whh) and torch.equal(rh, wrh)
+    np.testing.assert_allclose(ap.numpy(), wap.numpy(), rtol=1e-12, atol=0, equal_nan=True)
+    np.testing.assert_allclose(psum.numpy(), wpsum.numpy(), rtol=1e-12, atol=0)
+
+
+@needs_ext
+@pytest.mark.parametrize("E", engines(), ids=lambda e: e.__name__.rsplit(".", 1)[-1])
+def test_retrieval_passes_on_ties(E):
+    """1 to 3 distinct codes (every rank decided by gallery index), queries copied from the
+    gallery, single and multi-hot labels (none relevant, all relevant), cut-offs 1, G - 1, G
+    repeated: hits, precision sums, AP and histograms of the C++ engine."""
+    rng = random.Random(1)
+    for it in range(12 if E is HT else 60):
+        bits = rng.choice([1, 3, 64, 65, 129, 1023])
+        G, Q = rng.choice([1, 2, 37, 300]), rng.choice([1, 5, 33])
+        distinct = None if bits < 4 else rng.choice([1, 2, 3])
+        gw, qw = cpu_words(2 * it, G, bits, distinct), cpu_words(2 * it + 1, Q, bits, distinct)
+        if it % 3 == 0:
+            qw = gw[torch.randint(0, G, (Q,))].clone()
+        if it % 2:
+            p = rng.choice([0.0, 0.05, 1.0])
+            ql, gl = torch.rand(Q, 70) < p, torch.rand(G, 70) < p
+            qk, gk = pack_bits_torch(ql), pack_bits_torch(gl)
+        else:
+            ql, gl = torch.randint(0, 2, (Q,)), torch.randint(0, 2, (G,))
+            qk, gk = ql, gl
+        cuts = (1, G, max(1, G - 1), G, rng.randint(1, G))
+        want = torch.ops.nac_fast.hamming_retrieval(qw, gw, qk, gk, list(cuts), True)
+        want = (*want[:4], want[4][:, :bits + 1], want[5][:, :bits + 1])
+        assert_retrieval(E.retrieval(qw, gw, qk, gk, bits, cuts, hist=True), want)
+
+
+def close(a, b, path="metrics"):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            close(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, list):
+        np.testing.assert_allclose(np.array(a, float), np.array(b, float), rtol=1e-12, atol=1e-15,
+                                   equal_nan=True, err_msg=path)
+    elif isinstance(a, float):
+        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-12 * abs(b), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+@needs_ext
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_retrieval_metrics_on_ties(monkeypatch, backend):
+    """mAP@all, mAP@K, P@N, P@H<=r and the PR curve through retrieval_metrics with three distinct
+    codes, equal to backend="cpu" to 1e-12 ("cuda": the emulation on CPU tensors, reached by
+    making the dispatcher pick it)."""
+    if backend == "triton" and not (triton_runs() and TRITON_DEVICE == "cpu"):
+        pytest.skip(SKIP_REASON)
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randint(0, 2, (3, 65), generator=gen)
+    gb = base[torch.randint(0, 3, (700,), generator=gen)]
+    qb = torch.cat([gb[:3], torch.randint(0, 2, (3, 65), generator=gen)])
+    labels = [(torch.randint(0, 2, (6,), generator=gen),
+               torch.randint(0, 2, (700,), generator=gen)),
+              (torch.full((6,), 5), torch.full((700,), 6)),
+              (torch.rand(6, 70, generator=gen) < 0.05, torch.rand(700, 70, generator=gen) < 0.05)]
+
+    def metrics(be, ql, gl):
+        return R.retrieval_metrics(qb, ql, gb, gl, topk=(1, 5, 700, 10 ** 6), at_n=(1, 7, 700),
+                                   radius=(0, 1, 65), pr=True, zero_one=True, backend=be)
+    for ql, gl in labels:
+        want = metrics("cpu", ql, gl)
+        m_want = R.mean_average_precision(qb, ql, gb, gl, zero_one=True, backend="cpu")
+        with monkeypatch.context() as m:
+            if backend == "cuda":
+                m.setattr(R, "resolve_backend", lambda *a, **k: "cuda")
+            got = metrics(backend, ql, gl)
+            m_got = R.mean_average_precision(qb, ql, gb, gl, zero_one=True, backend=backend)
+        close(got, want)
+        close(m_got, m_want)
 
 
 # ------------------------------------------------------------------------------------------

@@ -2,7 +2,11 @@
 C++ kernel, Triton and torch reference) against brute-force numpy oracles written from the
 definitions, plus the code statistics (nac_fast/codestats.py).  The newer retrieval metrics
 (mAP@K, P@H<=r, PR curve, P@N) and HashIndex: tests/test_retrieval_metrics.py,
-tests/test_index.py."""
+tests/test_index.py.
+
+Also: every engine's distances, top-k and metrics at once against a second oracle on odd code
+lengths, multi-hot labels and all-equal codes; the C++ engine at the limits of its counters
+(the longest code's largest distance, 2^16 items at one distance); k as a numpy integer."""
 from __future__ import annotations
 
 import itertools
@@ -16,7 +20,8 @@ import torch
 import nac_fast as H
 from nac_fast.ops import dispatch
 from test_hamming_gpu import SKIP_REASON, TRITON_DEVICE, moved, triton_runs
-from nac_fast.ops.codes import pack_bits_torch
+from nac_fast.eval.metrics import knn_predict
+from nac_fast.ops.codes import MAX_BITS, pack_bits_torch
 from nac_fast.ops.search import _ref_popcount64
 
 BIT_COUNTS = [1, 7, 64, 65, 128, 200]
@@ -535,6 +540,194 @@ def test_kernel_names_a_missing_level(cpu_kernel):
 
 
 # ------------------------------------------------------------------------------------------
+# Every engine against a brute-force numpy oracle written here: distances by counting differing
+# bits, rankings by np.lexsort on (distance, gallery index), AP / mAP@K / P@N / P@H<=r from
+# their definitions in docs/math.md [M:rank], [M:ap], [M:ap-at-k], [M:radius],
+# [M:precision-at-n]; code lengths that are not multiples of 8 / 32 / 64 bits, tiny
+# galleries, K > G, massive ties and multi-hot labels
+# ------------------------------------------------------------------------------------------
+
+def _engine_device(backend):
+    if backend == "triton":
+        if not triton_runs():
+            pytest.skip(SKIP_REASON)
+        return TRITON_DEVICE
+    if backend == "cpu" and "cpu" not in H.available_backends("cpu", op="hamming"):
+        pytest.skip("the compiled hamming kernel is not built")
+    return "cpu"
+
+
+def _np_dist(q, g):
+    return (q[:, None, :] != g[None, :, :]).sum(-1)
+
+
+def _np_rel(ql, gl):
+    if ql.ndim == 1:
+        return ql[:, None] == gl[None, :]
+    return (ql.astype(np.int64) @ gl.astype(np.int64).T) > 0
+
+
+def _np_topk(d, k):
+    idx = np.stack([np.lexsort((np.arange(d.shape[1]), row))[:k] for row in d])
+    return np.take_along_axis(d, idx, 1), idx
+
+
+def _np_scores(q, ql, g, gl, ks, ns, radii):
+    d, rel = _np_dist(q, g), _np_rel(ql, gl)
+    Q, G = d.shape
+    aps, map_at, p_at, p_r = [], dict.fromkeys(ks, 0.0), dict.fromkeys(ns, 0.0), dict.fromkeys(radii, 0.0)
+    for i in range(Q):
+        r = rel[i][np.lexsort((np.arange(G), d[i]))].astype(np.float64)
+        prec = np.cumsum(r) / np.arange(1, G + 1) * r
+        if r.sum() > 0:
+            aps.append(prec.sum() / r.sum())
+        for k in ks:
+            h = r[:min(k, G)].sum()
+            map_at[k] += prec[:min(k, G)].sum() / h / Q if h else 0.0
+        for n in ns:
+            p_at[n] += r[:n].sum() / n / Q
+        for rr in radii:
+            m = d[i] <= rr
+            p_r[rr] += (rel[i][m].sum() / m.sum()) / Q if m.any() else 0.0
+    return (np.mean(aps) if aps else math.nan), map_at, p_at, p_r
+
+
+def _pm1(b):
+    return torch.from_numpy(b.astype(np.float32) * 2 - 1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("D", [1, 7, 31, 33, 63, 65, 127, 129, 257])
+def test_engines_match_the_oracle_on_odd_code_lengths(backend, D):
+    """Distances, top-k (k = 1, 5, G) and every retrieval metric (K past G) of each engine
+    equal the oracle's: 4 distinct gallery codes (ties everywhere), a query equal to a gallery
+    item, negative class ids, a query with no relevant item."""
+    dev = _engine_device(backend)
+    rng = np.random.default_rng(D)
+    Q, G = 3, 97
+    q = rng.random((Q, D)) < 0.5
+    g = (rng.random((4, D)) < 0.5)[rng.integers(0, 4, G)]  # 4 distinct codes: ties everywhere
+    g[5] = q[0]                                            # a query equal to a gallery item
+    ql, gl = rng.integers(-3, 1, Q), rng.integers(-3, 1, G)  # negative class ids
+    ql[2] = 7                                              # a query with no relevant item
+    d = _np_dist(q, g)
+    got = H.hamming_distance(_pm1(q).to(dev), _pm1(g).to(dev), backend=backend).cpu()
+    assert got.dtype == torch.int32 and np.array_equal(got.numpy(), d)
+    for k in (1, 5, G):
+        td, ti = H.topk(_pm1(q).to(dev), _pm1(g).to(dev), k, backend=backend)
+        ed, ei = _np_topk(d, k)
+        assert td.dtype == torch.int32 and ti.dtype == torch.int64
+        assert np.array_equal(td.cpu().numpy(), ed) and np.array_equal(ti.cpu().numpy(), ei)
+    ks, ns, radii = (1, 10, G, G + 5), (1, G), tuple(sorted({0, min(2, D), D}))
+    want = _np_scores(q, ql, g, gl, ks, ns, radii)
+    r = H.retrieval_metrics(_pm1(q).to(dev), torch.from_numpy(ql).to(dev), _pm1(g).to(dev),
+                            torch.from_numpy(gl).to(dev), topk=ks, at_n=ns, radius=radii,
+                            backend=backend)
+    assert r["queries_with_relevant"] == 2
+    assert r["map_all"] == pytest.approx(want[0], abs=1e-12)
+    for k in ks:
+        assert r["map_at"][k] == pytest.approx(want[1][k], abs=1e-12)
+    for n in ns:
+        assert r["precision_at_n"][n] == pytest.approx(want[2][n], abs=1e-12)
+    for rr in radii:
+        assert r["precision_within_radius"][rr] == pytest.approx(want[3][rr], abs=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("L", [63, 65, 130])
+def test_engines_match_the_oracle_with_multi_hot_labels(backend, L):
+    """Multi-hot labels of 63, 65 and 130 classes (around the label words' boundaries) as
+    bools, int64 and float32, a query with no label: the metrics equal the oracle's."""
+    dev = _engine_device(backend)
+    rng = np.random.default_rng(L)
+    Q, G, D = 6, 80, 70
+    q, g = rng.random((Q, D)) < 0.5, rng.random((G, D)) < 0.5
+    ql, gl = rng.random((Q, L)) < 3 / L, rng.random((G, L)) < 3 / L
+    ql[0] = False
+    want = _np_scores(q, ql, g, gl, (5,), (5,), (30,))
+    for cast in (lambda t: t, lambda t: t.long(), lambda t: t.float()):
+        r = H.retrieval_metrics(torch.from_numpy(q).to(dev), cast(torch.from_numpy(ql)).to(dev),
+                                torch.from_numpy(g).to(dev), cast(torch.from_numpy(gl)).to(dev),
+                                topk=(5,), at_n=(5,), radius=(30,), backend=backend)
+        assert r["map_all"] == pytest.approx(want[0], abs=1e-12)
+        assert r["map_at"][5] == pytest.approx(want[1][5], abs=1e-12)
+        assert r["precision_at_n"][5] == pytest.approx(want[2][5], abs=1e-12)
+        assert r["precision_within_radius"][30] == pytest.approx(want[3][30], abs=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_all_equal_codes_rank_by_gallery_index(backend):
+    """300 equal gallery codes: every engine ranks them by gallery index, for k on both sides of
+    the C++ engine's tile scan / counting-sort switch (128)."""
+    dev = _engine_device(backend)
+    g = torch.ones(300, 13)
+    q = torch.ones(2, 13)
+    q[1, 0] = -1
+    for k in (1, 128, 129, 300):
+        d, i = H.topk(q.to(dev), g.to(dev), k, backend=backend)
+        assert torch.equal(i.cpu(), torch.arange(k).expand(2, k))
+        assert torch.equal(d.cpu(), torch.tensor([[0], [1]], dtype=torch.int32).expand(2, k))
+
+
+# ------------------------------------------------------------------------------------------
+# The C++ engine at the limits the small-size tests do not reach (csrc/hamming.cpp): the
+# largest distance of the longest accepted code (65472 bits, stored as uint16), per-distance
+# counts above 2^16 (uint32 counters, ranks and record positions)
+# ------------------------------------------------------------------------------------------
+
+SIMD_LEVELS = (range(torch.ops.nac_fast.hamming_simd_level() + 1)
+               if dispatch.extension() is not None else [0])
+
+
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+def test_longest_code_largest_distance(cpu_kernel, simd):
+    """1023 words (MAX_BITS): the distance 65472 of complementary codes is exact in every path
+    (cdist, top-k small and counting, the retrieval histogram's last bin); 1024 words refused."""
+    W = MAX_BITS // 64
+    q = torch.zeros(2, W, dtype=torch.int64)
+    q[1] = -1
+    g = torch.full((300, W), -1, dtype=torch.int64)
+    g[::2] = 0
+    d = cpu_kernel.hamming_cdist(q, g, simd)
+    assert d[0, 1].item() == MAX_BITS and d[0, 0].item() == 0 and d[1, 0].item() == MAX_BITS
+    for k in (3, 200):  # k <= 128: tile scan; k > 128: counting sort
+        dk, ik = cpu_kernel.hamming_topk(q, g, k, simd)
+        assert ik[0, :3].tolist() == [0, 2, 4]
+        assert dk[0, -1].item() == (MAX_BITS if k > 150 else 0)
+    out = cpu_kernel.hamming_retrieval(q, g, torch.zeros(2, dtype=torch.int64),
+                                       torch.zeros(300, dtype=torch.int64), [1, 151], True, simd)
+    assert out[4].shape == (2, MAX_BITS + 1)
+    assert out[4][0, MAX_BITS].item() == 150 and out[4][0, 0].item() == 150
+    with pytest.raises(RuntimeError, match="at most 1023 words"):
+        cpu_kernel.hamming_cdist(torch.zeros(1, W + 1, dtype=torch.int64),
+                          torch.zeros(1, W + 1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+def test_per_distance_counts_above_2_16(cpu_kernel, simd):
+    """70,000 gallery items at one distance: per-distance counts, ranks and the relevant items'
+    positions pass 2^16 (uint32 in the kernel); AP, hits and histograms stay exact."""
+    G = 70_000
+    g = torch.zeros(G, 1, dtype=torch.int64)
+    g[G // 2:] = 1  # distance 0 for the first half, 1 for the second
+    q = torch.zeros(1, 1, dtype=torch.int64)
+    gl = (torch.arange(G) % 3 == 0).to(torch.int64)  # relevant: every third item
+    ql = torch.ones(1, dtype=torch.int64)
+    ap, nrel, hits, psum, h, rh = cpu_kernel.hamming_retrieval(q, g, ql, gl, [G // 2, G], True,
+                                                               simd)
+    rel = gl == 1
+    ranks = torch.arange(1, G + 1, dtype=torch.float64)
+    want = (rel.double().cumsum(0) / ranks)[rel].mean().item()
+    assert nrel.item() == int(rel.sum())
+    assert ap.item() == pytest.approx(want, rel=1e-12)
+    assert hits[0].tolist() == [int(rel[:G // 2].sum()), int(rel.sum())]
+    assert h[0, :2].tolist() == [G // 2, G // 2]
+    assert rh[0, :2].tolist() == [int(rel[:G // 2].sum()), int(rel[G // 2:].sum())]
+    dk, ik = cpu_kernel.hamming_topk(q, g, G, simd)
+    assert torch.equal(ik[0], torch.arange(G))
+
+
+# ------------------------------------------------------------------------------------------
 # Bad inputs
 # ------------------------------------------------------------------------------------------
 
@@ -597,6 +790,23 @@ def test_kernel_rejects_bad_simd_and_words(cpu_kernel):
         cpu_kernel.hamming_cdist(qw, H.pack_codes(torch.ones(2, 65)).words)
     with pytest.raises(RuntimeError, match="int64"):
         cpu_kernel.hamming_cdist(qw.int(), qw)
+
+
+def test_numpy_integers_count_as_ints_where_the_index_takes_them():
+    """topk's and knn_predict's k take a numpy int as HashIndex.search's does, with the same
+    result as the int; a float or a bool is still a TypeError naming k."""
+    g = torch.randint(0, 2, (40, 24)).float() * 2 - 1
+    q = g[:5]
+    d, i = H.topk(q, g, np.int64(3))
+    d2, i2 = H.topk(q, g, 3)
+    assert torch.equal(d, d2) and torch.equal(i, i2)
+    x, y = torch.randn(30, 4, dtype=torch.float64), torch.arange(30) % 3
+    assert torch.equal(knn_predict(x, y, x[:7], k=np.int32(5)), knn_predict(x, y, x[:7], k=5))
+    for bad in (3.0, True):
+        with pytest.raises(TypeError, match="k must be an int"):
+            H.topk(q, g, bad)
+        with pytest.raises(TypeError, match="k must be an int"):
+            knn_predict(x, y, x[:7], k=bad)
 
 
 # ------------------------------------------------------------------------------------------

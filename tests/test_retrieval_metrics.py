@@ -1,7 +1,10 @@
 """The hashing metrics as the literature reports them (nac_fast/ops/retrieval.py, docs/math.md
 [M:ap-at-k], [M:radius], [M:pr-curve], [M:precision-at-n]) against numpy oracles written from the
 definitions: awkward sizes (1, 3, 97, 1031, 4099), few bits (heavy ties), single- and multi-label
-relevance, every backend that runs here."""
+relevance, every backend that runs here.
+
+Also: the default query chunk of the histogram passes (pr / radius), sized by the code length so
+that its histograms stay within 64 MiB at MAX_BITS; radius=None named in its error."""
 from __future__ import annotations
 
 import math
@@ -11,7 +14,8 @@ import pytest
 import torch
 
 import nac_fast
-from nac_fast.ops import dispatch
+from nac_fast.ops import dispatch, retrieval
+from nac_fast.ops.codes import MAX_BITS, PackedCodes
 from test_hamming_gpu import SKIP_REASON, moved, triton_runs
 
 
@@ -144,6 +148,58 @@ def test_query_chunks_do_not_change_the_result():
             assert x == y
 
 
+def _codes(n, words, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**62, 2**62, (n, words), generator=g, dtype=torch.int64)
+
+
+def test_hist_chunk_bounds_histogram_memory_at_max_bits(monkeypatch):
+    """The default query chunk of retrieval_metrics with histograms (pr / radius) is sized by
+    the code length: a fixed 4096 queries made the two (chunk, 64 W + 1) int64 histograms 4.3 GB
+    at MAX_BITS (about 14 GB peak with the same-shaped temporaries after them).
+
+    retrieval_metrics(pr=True) on MAX_BITS codes: each call of the retrieval pass gets few
+    enough queries that its two int64 histograms stay within 64 MiB (retrieval._HIST_BYTES);
+    before, all of up to 4096 queries went in one call (130 here: 136 MB).  Results equal the
+    one-call ones."""
+    W = MAX_BITS // 64
+    Q, G = 130, 64
+    q, g = PackedCodes(_codes(Q, W, 0), MAX_BITS), PackedCodes(_codes(G, W, 1), MAX_BITS)
+    gen = torch.Generator().manual_seed(2)
+    ql, gl = torch.randint(0, 3, (Q,), generator=gen), torch.randint(0, 3, (G,), generator=gen)
+    calls = []
+    real = retrieval._pass
+
+    def spy(qc, *args, **kw):
+        calls.append(qc.words.shape[0])
+        return real(qc, *args, **kw)
+
+    monkeypatch.setattr(retrieval, "_pass", spy)
+    kw = dict(topk=(5,), at_n=(10,), radius=(MAX_BITS // 2,), pr=True, backend="cpu")
+    got = nac_fast.retrieval_metrics(q, ql, g, gl, **kw)
+    assert sum(calls) == Q
+    bins = 64 * W + 1
+    assert max(calls) * bins * 16 <= 4096 * 1025 * 16, calls  # 64 MiB
+    calls.clear()
+    want = nac_fast.retrieval_metrics(q, ql, g, gl, query_chunk=Q, **kw)
+    assert calls == [Q]
+    for key in ("map_all", "queries_with_relevant", "map_at", "precision_at_n",
+                "precision_within_radius", "empty_ball_fraction"):
+        x, y = got[key], want[key]
+        for k in (x if isinstance(x, dict) else [None]):
+            a, b = (x[k], y[k]) if k is not None else (x, y)
+            assert a == pytest.approx(b, rel=1e-12, nan_ok=True), key
+    for key, x in got["pr_curve"].items():
+        y = want["pr_curve"][key]
+        assert all((math.isnan(u) and math.isnan(v)) or u == pytest.approx(v, rel=1e-12)
+                   for u, v in zip(x, y)), key
+
+
+def test_hist_chunk_unchanged_up_to_1024_bits():
+    assert [retrieval.hist_query_chunk(w) for w in (1, 2, 16)] == [4096] * 3
+    assert retrieval.hist_query_chunk(MAX_BITS // 64) >= 1
+
+
 def test_map_at_k_hand_example():
     """Ties by gallery index decide the top K; a query with nothing relevant in its top K adds 0
     and still counts in the mean (DeepHash-pytorch), unlike mAP@all, which skips R = 0."""
@@ -190,6 +246,16 @@ def test_precision_at_n_and_bad_arguments():
         nac_fast.precision_within_radius(q, ql, g, gl, radius=9)
     with pytest.raises(ValueError, match="query_labels"):
         nac_fast.pr_curve(q, ql[:2], g, gl)
+
+
+def test_retrieval_metrics_radius_none_names_the_argument():
+    """Before the fix: radius=None raised "'NoneType' object is not iterable"."""
+    q = torch.ones(2, 8)
+    g = torch.ones(3, 8)
+    with pytest.raises(TypeError, match="radius must be an int or a sequence"):
+        nac_fast.retrieval_metrics(q, torch.zeros(2, dtype=torch.long), g,
+                                   torch.zeros(3, dtype=torch.long), radius=None,
+                                   backend="reference")
 
 
 def test_map_topk_is_one_int_and_flags_are_bools():
