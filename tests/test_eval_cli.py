@@ -1,11 +1,16 @@
 """python -m nac_fast.eval on a real (tiny) train.py checkpoint: report contents, feature cache,
-prefix-bit mAP, expressivity recomputation, and clear errors for bad arguments.  CPU only."""
+prefix-bit mAP, expressivity recomputation, and clear errors for bad arguments.  CPU only.
+
+As a demanding user runs it (an audit; each test failed before its fix): awkward sizes, broken
+checkpoints, NaN features, folders that hold another program's files, failures half-way; on a
+1-step train.py checkpoint of a tiny JPEG folder (tests/_eval_run.py, a few seconds)."""
 import json
 import os
 import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +19,11 @@ sys.path.insert(0, ROOT)  # train.py lives at the repository root
 import train  # noqa: E402
 from nac_fast.eval import cli as nac_eval  # noqa: E402
 from nac_fast import code_statistics, mean_average_precision  # noqa: E402
+
+from _eval_run import edited_checkpoint as _edited_checkpoint  # noqa: E402
+from _eval_run import inf_in_encoder as _inf_in_encoder  # noqa: E402
+from _eval_run import run  # noqa: E402,F401  (the fixture)
+from _eval_run import usage_error as _usage_error  # noqa: E402
 
 D = 32  # a small code so that --bits can name prefixes and an out-of-range value
 
@@ -810,3 +820,170 @@ def test_split_features_store_h_in_float16_a_in_float32_once():
     st.write(torch.tensor([[float("nan")]]), torch.zeros(1, 1))
     with pytest.raises(ValueError, match="1 of 2 rows written"):
         st.commit()
+
+
+# --------------------------------------------------------------------------------------------
+# Awkward sizes, broken checkpoints, other programs' folders, failures half-way
+# --------------------------------------------------------------------------------------------
+
+def _eval(run, out, *extra):
+    ckpt, data = run
+    return nac_eval.main(["--checkpoint", ckpt, "--data", data, "--device", "cpu",
+                          "--no-progress", "--out", str(out)] + list(extra))
+
+
+def test_itq_with_a_gallery_of_one_image_is_a_usage_error(run, tmp_path, capsys):
+    """--itq standardises the gallery's a: a gallery of 1 image cannot be (it was a traceback,
+    "a must have at least 2 rows to standardise", after the hash CSVs had been written)."""
+    out = tmp_path / "e"
+    err = _usage_error(capsys, _eval, run, out, "--tasks", "hash", "--itq", "--limit-train", "1")
+    assert "--itq" in err and "gallery" in err, err
+    assert not out.exists()  # before any work
+    # without --itq the same gallery of 1 is scored
+    assert _eval(run, out, "--tasks", "hash", "--limit-train", "1") == 0
+    h = json.loads((out / "report.json").read_text())["results"]["hash"]
+    assert h["num_gallery"] == 1
+
+
+def _nan_in_head(ck):
+    """NaN in the projection head's last linear layer: bit 0 of every a is NaN."""
+    m = ck["model"]
+    key = [k for k in m if k.startswith("head.") and k.endswith("weight") and m[k].dim() == 2][-1]
+    m[key] = m[key].clone()
+    m[key][0] = float("nan")
+
+
+def test_nan_features_of_a_diverged_checkpoint_are_refused(run, tmp_path, capsys):
+    """A checkpoint whose model gives NaN: the hash task read NaN as sgn = -1 and reported an mAP
+    (and code statistics) of garbage without a word; the linear probe and kNN died with a
+    traceback ("train_features contains NaN or inf").  Now a usage error naming --checkpoint
+    and the features, and no report."""
+    bad_a = _edited_checkpoint(run[0], tmp_path / "nan_a.pt", _nan_in_head)
+    out = tmp_path / "a"
+    err = _usage_error(capsys, nac_eval.main, ["--checkpoint", bad_a, "--data", run[1],
+                                               "--device", "cpu", "--no-progress", "--out",
+                                               str(out), "--tasks", "hash,expressivity"])
+    assert f"--checkpoint {bad_a!r}" in err and "NaN or inf" in err and "a (" in err, err
+    assert not (out / "report.json").exists()
+    # the tasks on h alone still run: its features are finite
+    assert nac_eval.main(["--checkpoint", bad_a, "--data", run[1], "--device", "cpu",
+                          "--no-progress", "--out", str(out), "--tasks", "knn"]) == 0
+    bad_h = _edited_checkpoint(run[0], tmp_path / "inf_h.pt", _inf_in_encoder)
+    out = tmp_path / "h"
+    err = _usage_error(capsys, nac_eval.main, ["--checkpoint", bad_h, "--data", run[1],
+                                               "--device", "cpu", "--no-progress", "--out",
+                                               str(out), "--tasks", "knn"])
+    assert f"--checkpoint {bad_h!r}" in err and "NaN or inf" in err and "h (" in err, err
+    assert not (out / "report.json").exists()
+
+
+@pytest.mark.parametrize("edit", ["code_dim", "method"])
+def test_weights_that_do_not_fit_the_checkpoints_config_are_a_usage_error(run, tmp_path, capsys,
+                                                                          edit):
+    """A checkpoint whose config names another code length or method than its weights (a
+    RuntimeError traceback from load_state_dict): a usage error naming --checkpoint."""
+    def change(ck):
+        ck["config"].update(code_dim=32) if edit == "code_dim" else \
+            ck["config"].update(method="simclr")
+    bad = _edited_checkpoint(run[0], tmp_path / "bad.pt", change)
+    out = tmp_path / "e"
+    err = _usage_error(capsys, nac_eval.main, ["--checkpoint", bad, "--data", run[1],
+                                               "--device", "cpu", "--no-progress", "--out",
+                                               str(out), "--tasks", "knn"])
+    assert f"--checkpoint {bad!r}" in err and "do not fit" in err, err
+    assert not (out / "report.json").exists() and not (out / "features_train.pt").exists()
+
+
+def test_overwrite_refuses_a_report_that_is_not_an_evaluations(run, tmp_path, capsys):
+    """--out a finished python -m nac_fast.vae run: its report.json marks the run finished.
+    --overwrite replaced it with an evaluation's report (the VAE then said "finished run,
+    nothing to do" over a report of another program) and the refusal without --overwrite
+    called it "the report of an earlier evaluation"."""
+    out = tmp_path / "vae_run"
+    out.mkdir()
+    vae_report = {"test": {"elbo": -1.0, "iwae": -1.0, "iwae_k": 2, "kl": 0.0, "recon": -1.0},
+                  "init": "random", "epochs": 1}
+    (out / "report.json").write_text(json.dumps(vae_report))
+    (out / "config.json").write_text(json.dumps({"kind": "vae"}))
+    before = (out / "report.json").read_bytes()
+    for extra in ([], ["--overwrite"]):
+        err = _usage_error(capsys, _eval, run, out, "--tasks", "knn", *extra)
+        assert "not the report of an evaluation" in err, err
+        assert (out / "report.json").read_bytes() == before
+    assert sorted(os.listdir(out)) == ["config.json", "report.json"]
+
+
+def test_overwrite_that_fails_half_way_leaves_no_stale_report(run, tmp_path, monkeypatch):
+    """--overwrite, then a task fails after the hash task wrote its files: the earlier report
+    (other tasks, another run) stayed beside the new hash files as if it described them.  Once
+    every check has passed, the earlier evaluation's report and hash files are removed first."""
+    out = tmp_path / "e"
+    assert _eval(run, out, "--tasks", "knn") == 0
+    assert (out / "report.json").exists()
+
+    def boom(*a, **k):
+        raise RuntimeError("interrupted")
+    monkeypatch.setattr(nac_eval, "run_expressivity", boom)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _eval(run, out, "--tasks", "hash,expressivity", "--overwrite")
+    assert (out / "hash_pr_curve.csv").exists()  # the new run's hash files ...
+    assert not (out / "report.json").exists()    # ... and no earlier report beside them
+    assert not (out / "report.md").exists()
+    monkeypatch.undo()
+    # a usage error with --overwrite still deletes nothing
+    assert _eval(run, out, "--tasks", "hash") == 0
+    before = (out / "report.json").read_bytes()
+    with pytest.raises(SystemExit):
+        _eval(run, out, "--tasks", "hash", "--overwrite", "--bits", "99")
+    assert (out / "report.json").read_bytes() == before
+
+
+# ---- --limit-train / --limit-test N > n / 2 of a class-sorted folder: every class --------------
+
+def test_a_limit_over_half_the_split_keeps_every_class(tmp_path):
+    """Bug: N images of n were "every (n // N)-th, the first N": for N > n / 2 the stride is 1,
+    so the first N images, and a class-sorted folder lost its last classes (600 of 10 x 100:
+    classes 0-5 only, the probe capped at 60%).  They are now floor(i n / N), i < N: the same
+    images where N divides n (every limit of the docs), spread over all of it otherwise."""
+    from nac_fast.data import build_eval_loader
+    from nac_fast.data.order import evenly_spaced
+    from nac_fast.data.sources.synthetic import write_jpeg_folder
+    from nac_fast.vae import data as vae_data
+    for n in (1, 3, 97, 1031):
+        for k in {k for k in (1, 2, n // 3, n // 2, n // 2 + 1, n - 1, n) if 1 <= k <= n}:
+            idx = evenly_spaced(n, k)
+            assert len(idx) == k and idx[0] == 0 and np.all(np.diff(idx) >= 1) and idx[-1] < n
+            if n % k == 0:
+                assert np.array_equal(idx, np.arange(0, n, n // k))
+            # an even spread: gaps of floor(n / k) or ceil(n / k) only
+            assert set(np.diff(idx).tolist()) <= {n // k, -(-n // k)}
+    data = write_jpeg_folder(str(tmp_path / "photos"), num_classes=5, per_class=4,
+                             size_range=(24, 28))
+    full = build_eval_loader(data, split="train", batch_size=64, image_size=8)
+    labels = np.asarray(full.source.labels)[full.indices]
+    assert list(labels) == sorted(labels)   # class-sorted, as ImageFolder lists it
+    n = full.num_images
+    limit = n // 2 + 2
+    for ld, used, total in (nac_eval._subset_loader(data, "train", limit, 64, 8, "cpu"),
+                            vae_data._loader(data, "train", 8, limit)):
+        assert (used, total) == (limit, n)
+        got = torch.cat([y for _, y in ld])
+        assert got.tolist() == labels[evenly_spaced(n, limit)].tolist()
+        assert set(got.tolist()) == set(labels.tolist()), got
+    with pytest.raises(ValueError, match="limit"):
+        build_eval_loader(data, split="train", batch_size=64, image_size=8, limit=n + 1)
+
+
+def test_map_at_k_beyond_the_gallery_says_it_is_capped(run, tmp_path):
+    """mAP@K for K above the gallery's size is mAP over the whole gallery (K capped, as --help
+    says); report.md labelled it mAP@1000 on an 8-image gallery without a word."""
+    out = tmp_path / "e"
+    assert _eval(run, out, "--tasks", "hash", "--map-at", "2,1000") == 0
+    table = (out / "report.md").read_text()
+    rep = json.loads((out / "report.json").read_text())["results"]["hash"]
+    g = rep["num_gallery"]
+    assert g < 1000
+    line = next(ln for ln in table.splitlines() if "mAP@1000" in ln)
+    assert f"K capped at the gallery's {g}" in line, line
+    line = next(ln for ln in table.splitlines() if "mAP@2 " in ln or "mAP@2|" in ln)
+    assert "capped" not in line, line

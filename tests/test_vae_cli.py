@@ -1,7 +1,8 @@
 """python -m nac_fast.vae end to end on tiny budgets: the encoder of every train.py checkpoint
 kind (nac, nac-mq online and momentum, simclr), report.json's exact fields, the PNGs, exact
 resume, the folder policy, and clear errors for bad input.  CPU; the session fixtures train
-three 1-step checkpoints (a few seconds each)."""
+three 1-step checkpoints (a few seconds each); --init a checkpoint whose encoder holds inf or NaN
+is a usage error before anything is written (tests/_eval_run.py's checkpoint, damaged)."""
 import json
 import os
 import re
@@ -16,6 +17,9 @@ import train  # noqa: E402
 from nac_fast.train.checkpoint import load_checkpoint  # noqa: E402
 from nac_fast.vae import cli  # noqa: E402
 from nac_fast.vae.encoder import load_pretrained_encoder  # noqa: E402
+
+from _eval_run import edited_checkpoint, inf_in_encoder, usage_error  # noqa: E402
+from _eval_run import run  # noqa: E402,F401  (the fixture)
 
 TINY = ["--limit-train", "64", "--limit-test", "12", "--batch-size", "16", "--latent-dim", "4",
         "--iwae-k", "6", "--iwae-images", "3", "--iwae-chunk", "3", "--eval-batch-size", "12",
@@ -371,3 +375,16 @@ def test_resume_with_a_stop_step_already_passed(tmp_path, capsys):
     msg = _error(capsys, base + ["--stop-at-step", "1", "--resume"])
     assert "--stop-at-step 1" in msg and "step 2" in msg, msg
     assert load_checkpoint(str(out / "last.pt"), require=cli.STATE_KEYS)["step"] == 2
+
+
+def test_vae_init_from_a_diverged_checkpoint_is_a_usage_error(run, tmp_path, capsys):
+    """--init a checkpoint whose encoder holds inf / NaN: the run started, wrote config.json and
+    log.jsonl and stopped at step 1 with "non-finite loss ... (try a lower --lr)", advice that
+    does not help.  Now a usage error naming --init, before anything is written."""
+    bad = edited_checkpoint(run[0], tmp_path / "inf.pt", inf_in_encoder)
+    out = tmp_path / "v"
+    err = usage_error(capsys, cli.main, ["--init", bad, "--data", run[1], "--out", str(out),
+                                         "--epochs", "1", "--batch-size", "4",
+                                         "--no-progress", "--device", "cpu"])
+    assert f"--init {bad!r}" in err and "NaN or inf" in err and "conv1" in err, err
+    assert not out.exists()

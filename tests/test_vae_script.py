@@ -1,9 +1,13 @@
 """scripts/reproduce_vae.py: the plan (commands, skipping finished runs) and the markdown
-section generated from the reports (mean +- std, paired differences, the paper beside)."""
+section generated from the reports (mean +- std, paired differences, the paper beside).
+Duplicated seeds and variants run once, the paired t-test is exact beyond ten seeds, and
+output paths in a missing folder fail before any work (an audit's regressions)."""
 import json
+import math
 import os
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,3 +81,61 @@ def test_dry_run_skips_finished(tmp_path, capsys):
 def test_bad_flags(tmp_path, argv):
     with pytest.raises(SystemExit):
         rv.main(["--runs", str(tmp_path)] + argv)
+
+
+def test_duplicated_seeds_and_variants_run_once(tmp_path, capsys):
+    """--seeds 0,0 or --variants random,random: every run was planned twice, and run_all launched
+    both copies at once with the same --out (two processes training into one folder); the doc
+    counted the seed twice (its mean +- std over 3 "seeds" of 2)."""
+    runs = str(tmp_path)
+    assert rv.main(["--runs", runs, "--dry-run", "--variants", "random,simclr,random",
+                    "--seeds", "1,1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(set(lines)) == 3, lines  # simclr pretraining, 2 VAE runs
+    _fake_run(runs, "random", 0, -1000, 10.0)
+    _fake_run(runs, "random", 1, -1010, 12.0)
+    doc = str(tmp_path / "doc.md")
+    assert rv.main(["--runs", runs, "--doc-only", "--doc", doc, "--variants", "random",
+                    "--seeds", "0,1,0"]) == 0
+    assert "| random init | 2 | -1005.0 ± 7.1 | 11.0 ± 1.4 |" in open(doc).read()
+
+
+def _t_test_p(d):
+    from scipy import stats
+    return stats.ttest_1samp(d, 0.0).pvalue
+
+
+def test_paired_t_test_is_exact_beyond_ten_seeds():
+    """_sig took 2.0 as the 5% critical value for every df > 9 (the true ones: 2.228 at df 10,
+    2.086 at df 20, 2.042 at df 30), calling p up to 0.07 significant.  Checked against
+    scipy's t-test at df 1..40."""
+    pytest.importorskip("scipy")
+    # 11 seeds, t = 2.1 (p = 0.062): not significant
+    d = np.array([1.0] * 6 + [-1.0] * 5)
+    d = d - d.mean()
+    d = list(d + 2.1 * d.std(ddof=1) / math.sqrt(len(d)))
+    assert _t_test_p(d) > 0.05
+    assert rv._sig(d) == (pytest.approx(np.mean(d)), False)
+    rng = np.random.default_rng(0)
+    for n in list(range(2, 42)):
+        for shift in (0.3, 0.6, 1.0):
+            d = list(rng.normal(shift, 1.0, n))
+            p = _t_test_p(d)
+            if abs(p - 0.05) > 1e-3:  # (the table's rounded values may differ at the edge)
+                assert rv._sig(d)[1] == (p < 0.05), (n, shift, p)
+
+
+def test_doc_paths_in_a_missing_folder_fail_before_any_work(tmp_path):
+    """--doc (or --figure, --curves) in a folder that does not exist: a FileNotFoundError
+    traceback once every run had finished; now an error naming the flag at the start."""
+    runs = str(tmp_path)
+    _fake_run(runs, "random", 0, -1000, 10.0)
+    for flag in ("--doc", "--figure", "--curves"):
+        argv = ["--runs", runs, "--doc-only", "--variants", "random", "--seeds", "0",
+                flag, str(tmp_path / "nodir" / "x")]
+        if flag != "--doc":
+            argv += ["--doc", str(tmp_path / "doc.md")]
+        with pytest.raises(SystemExit) as e:
+            rv.main(argv)
+        assert flag in str(e.value) and "no such folder" in str(e.value), e.value
+    assert not (tmp_path / "doc.md").exists()
