@@ -355,3 +355,140 @@ def test_topk_peak_gpu_memory_is_not_q_by_g():
 def test_map_equals_on_a_larger_gallery(dev):
     """10 classes, 128 bits, 64 queries x 30,000 codes: the mAP of the C++ engine to 1e-12."""
     check_retrieval(dev, 128, 64, 30_000, classes=10, cuts=(100, 1000), seed=70)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch limits of csrc/hamming_cuda.cu: block sizes and grids, read out of the source (no GPU
+# here: the kernels cannot run).  _src / _body / INT32_MAX are the CUDA loss tests' readers.
+# ---------------------------------------------------------------------------------------------
+import re  # noqa: E402
+
+from test_loss_cuda import HAMMING_CU, INT32_MAX, _body, _src, res  # noqa: E402
+
+
+def _strip_comments(src: str) -> str:
+    src = re.sub(r"/\*.*?\*/", " ", src, flags=re.S)
+    return re.sub(r"//[^\n]*", "", src)
+
+
+def _function_bodies(src: str) -> dict:
+    """{name: body} of the functions defined at namespace level (braces at depth 1 inside the
+    anonymous namespace, or depth 0), found by brace matching on comment-free source."""
+    out, depth, i = {}, 0, 0
+    ns_depths = []
+    while i < len(src):
+        ch = src[i]
+        if ch == "{":
+            head = src[max(src.rfind(";", 0, i), src.rfind("}", 0, i)) + 1:i]
+            if re.search(r"\bnamespace\b[^()]*$", head):
+                ns_depths.append(depth)
+                depth += 1
+                i += 1
+                continue
+            m = re.search(r"\b(\w+)\s*\([^{}]*\)\s*(?:const\s*)?$", head)
+            if m and depth == len(ns_depths):
+                # a function body: match its braces
+                d, j = 0, i
+                while True:
+                    if src[j] == "{":
+                        d += 1
+                    elif src[j] == "}":
+                        d -= 1
+                        if d == 0:
+                            break
+                    j += 1
+                out[m.group(1)] = src[i:j + 1]
+                i = j + 1
+                continue
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if ns_depths and ns_depths[-1] == depth:
+                ns_depths.pop()
+        i += 1
+    return out
+
+
+_LAUNCH = re.compile(r"([\w:<>]+)\s*<<<\s*(.*?)>>>", re.S)
+
+
+def unchecked_lane_launches(src: str) -> list:
+    """The launches of `src` whose block size is `lanes` with no check_block(<that kernel>, ...)
+    before them in their function, as 'function: kernel'."""
+    bodies = _function_bodies(_strip_comments(src))
+    bad = []
+    for fname, body in bodies.items():
+        for m in _LAUNCH.finditer(body):
+            kernel, cfg = m.group(1), res._split_top(m.group(2))
+            if len(cfg) < 2 or not re.search(r"\blanes\b", cfg[1]):
+                continue
+            before = body[:m.start()]
+            if not re.search(r"\bcheck_block\s*\(\s*" + re.escape(kernel) + r"\s*,\s*lanes\b",
+                             before):
+                bad.append(f"{fname}: {kernel}")
+    return bad
+
+
+def test_lane_launches_are_found():
+    """The parser sees the launches it must check (a parser that found none would pass)."""
+    src = _strip_comments(open(HAMMING_CU).read())
+    bodies = _function_bodies(src)
+    launched = {m.group(1) for b in bodies.values() for m in _LAUNCH.finditer(b)}
+    assert {"kernel", "filter_kernel<M>", "cdist_kernel<M>"} <= launched, launched
+    assert unchecked_lane_launches(
+        "namespace {\nvoid f(int64_t lanes) {\n  k<M><<<g, lanes, 0, s>>>(a);\n}\n}\n") == ["f: k<M>"]
+
+
+def test_every_lanes_sized_launch_checks_the_compiled_block_limit():
+    """Block size vs the kernel as compiled (csrc/hamming_cuda.cu): the ops hamming_lanes_filter /
+    _ap_hist / _ap_rank accept 1 to 1024 lanes (check_lanes, and the CPU emulation runs any of
+    them), but the kernels keep a query's code in registers: ptxas gives filter_kernel<16> 72
+    registers per thread and the retrieval kernels up to 128 (sm_90, `python
+    tools/cuda_resources.py`), so a block of more than 896 (512) threads cannot launch and the op
+    died with CUDA's "too many resources requested for launch".  Every launch whose block size is
+    `lanes` must first check `lanes` against the compiled kernel's
+    cudaFuncAttributes::maxThreadsPerBlock (check_block), which turns that into an error naming
+    the limit.  No GPU here: the test reads the launches out of the source."""
+    src = open(HAMMING_CU).read()
+    assert unchecked_lane_launches(src) == []
+    body = _function_bodies(_strip_comments(src)).get("check_block", "")
+    assert "cudaFuncGetAttributes" in body and "maxThreadsPerBlock" in body, (
+        "check_block must compare lanes with the compiled kernel's maxThreadsPerBlock")
+
+
+def test_lane_grid_checks_the_query_blocks_against_grid_x_limit():
+    """csrc/hamming_cuda.cu lane_grid: gridDim.x = ceil(Q / lanes) queries' blocks, cast to
+    unsigned with no bound on Q.  The ops hamming_lanes_filter / _ap_hist / _ap_rank accept
+    lanes = 1 and any number of queries; the filter needs ~24 bytes per query (codes, bound, one
+    slot, count), so 2^32 + 1 one-word queries fit in ~96 GiB of an H200, and the launch ran one
+    block: the other queries kept their EMPTY keys, no error.  (2^31 .. 2^32 - 1 blocks failed to
+    launch with CUDA's "invalid configuration argument".)  Now a TORCH_CHECK names the limit."""
+    body = _body(_src(HAMMING_CU), "lane_grid")
+    check = re.search(r"TORCH_CHECK\(\s*(\w+)\s*<=\s*" + INT32_MAX, body)
+    assert check, ("lane_grid must check the query blocks (ceil(Q / lanes), gridDim.x) against "
+                   "2^31 - 1 before the unsigned cast: lanes = 1 with 2^32 + 1 queries (96 GiB) "
+                   "wrapped to one block")
+    var = check.group(1)
+    assert re.search(r"\b" + var + r"\s*=\s*\(\s*Q\s*\+\s*lanes\s*-\s*1\s*\)\s*/\s*lanes", body), \
+        f"the checked {var} must be the block count ceil(Q / lanes)"
+    grid = re.search(r"dim3\(\s*static_cast<unsigned>\((.*?)\)\s*,", body, re.S)
+    assert grid and grid.group(1).strip() == var, "gridDim.x must be the checked block count"
+    assert check.start() < grid.start(), "the check must come before the cast"
+
+
+def test_every_launch_over_queries_goes_through_lane_grid_and_cdist_caps_grid_y():
+    """No other grid is built from the (unbounded) query count: the lane kernels take
+    lane_grid(...); cdist's x is the gallery (< 2^31 rows: <= 2^23 blocks of 256) and its y
+    min(Q, 65535), a grid-stride loop over the queries."""
+    src = _src(HAMMING_CU)
+    launches = re.findall(r"<<<\s*(.*?)\s*,", src, re.S)
+    assert launches, "no launch found"
+    for grid in launches:
+        assert grid.startswith("lane_grid(") or grid == "grid", grid
+    cdist = _body(src, "lanes_cdist_cuda")
+    assert re.search(r"std::min<int64_t>\(\s*Q\s*,\s*65535\s*\)", cdist)
+    assert re.search(r"\(\s*G\s*\+\s*kCdistThreads\s*-\s*1\s*\)\s*/\s*kCdistThreads", cdist)
+    calls = re.findall(r"<<<\s*lane_grid\(([^()]*)\)", src)
+    assert len(calls) == 2, calls  # the retrieval passes' launch and the filter's
+    for call in calls:  # (Q, S, lanes, op): the error names the op
+        assert len([a for a in call.split(",") if a.strip()]) == 4, call

@@ -924,3 +924,37 @@ def test_triton_backend_limits(triton_device):
 def test_available_backends_bad_device():
     with pytest.raises(TypeError, match="device"):
         H.available_backends(3, op="hamming")
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference engine's memory (the GPU's fallback), tested on the CPU
+# ---------------------------------------------------------------------------------------------
+from nac_fast.ops import search as S  # noqa: E402
+
+
+def _words(seed, n, W):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2 ** 62, 2 ** 62, (n, W), generator=g, dtype=torch.int64)
+
+
+def test_reference_topk_keeps_no_chunk_matrix(monkeypatch):
+    """_ref_topk (the reference engine, the GPU's fallback) must hold only the k columns of each
+    query chunk until the final cat, not a view into the chunk's whole (rows, G) sort: those views
+    kept a Q x G matrix alive (12 bytes a pair), an OOM on a GPU for a large gallery."""
+    q, g, k = _words(1, 300, 2), _words(2, 5000, 2), 10
+    held = []
+    cat = torch.cat
+
+    def spy(ts, *a, **kw):
+        held.extend(t.untyped_storage().nbytes() for t in ts)
+        return cat(ts, *a, **kw)
+
+    monkeypatch.setattr(torch, "cat", spy)
+    D, I = S._ref_topk(q, g, k)
+    monkeypatch.setattr(torch, "cat", cat)
+    assert D.shape == (300, k) and I.shape == (300, k)
+    # the outputs' own bytes (int32 + int64), not 300 x 5000 x 12
+    assert sum(held) == 300 * k * (4 + 8)
+    d = S.ref_cdist(q, g)
+    sd, si = torch.sort(d, dim=1, stable=True)
+    assert torch.equal(D, sd[:, :k]) and torch.equal(I, si[:, :k])

@@ -710,3 +710,38 @@ def test_gpu_index_search_add_save_and_move(tmp_path):
     if torch.cuda.device_count() > 1:
         with pytest.raises(ValueError, match="query codes are on cuda:1 but the index is on"):
             gpu.search(q.to("cuda:1"), 10)
+
+
+# ---------------------------------------------------------------------------------------------
+# A GPU index's workspace check, tested on the CPU
+# ---------------------------------------------------------------------------------------------
+from nac_fast.ops import search as S  # noqa: E402
+
+
+def _words(seed, n, W):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2 ** 62, 2 ** 62, (n, W), generator=g, dtype=torch.int64)
+
+
+def test_gpu_index_reference_search_checks_its_workspace(monkeypatch):
+    """A GPU index searched by the reference engine: its chunks' temporaries count in the free
+    memory check (a ValueError before any copy), as the Triton and CUDA engines' workspace does;
+    before, only the queries and results were counted and the search ran into a CUDA OOM.  The GPU
+    is pretended: the check raises before anything touches it."""
+    index = HashIndex(128, backend="reference")
+    index.add(_words(3, 1 << 16, 2).ne(0).repeat_interleave(64, 1)[:, :128])
+    index._device = torch.device("cuda", 0)   # a GPU index (its codes are never read here)
+    monkeypatch.setattr(HI, "resolve_backend", lambda backend, words, nbits=None: "reference")
+    monkeypatch.setattr(HI, "gpu_free_bytes", lambda device: 1 << 20)
+    empty = torch.empty
+
+    def meta_empty(*a, device=None, **kw):  # the engine's probe tensor, on no real GPU
+        cuda = device is not None and torch.device(device).type == "cuda"
+        return empty(*a, device="meta" if cuda else device, **kw)
+
+    monkeypatch.setattr(torch, "empty", meta_empty)
+    q = torch.ones(4, 128, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"searching 4 queries \(top 10\) in 65,536 codes needs "
+                                         r"\d+ MiB on cuda:0, which has 1 MiB free"):
+        index.search(q, 10)
+    assert S.ref_topk_workspace_bytes(4, 1 << 16, 10, 2) > 1 << 25
