@@ -9,9 +9,8 @@ Interpreter vs GPU: where the Triton interpreter (CI: CPU tensors, TRITON_INTERP
 compiled GPU code would compute different things for the same call, the guards that keep the
 kernels' inputs out of those ranges (host seeds; CUDA tensors are not the interpreter's).  Runs
 on CUDA tensors on a GPU machine, else on CPU tensors under the interpreter.
-
-GPU Python paths: Python that runs only with CUDA tensors, or matters most there (the Hamming
-reference engine, the GPU's fallback, and a GPU index's memory check), tested on the CPU.
+(The Hamming reference engine's chunk memory and a GPU index's workspace check, tested on the
+CPU: tests/test_hashing.py, tests/test_index.py.)
 """
 from __future__ import annotations
 
@@ -21,9 +20,6 @@ import pytest
 import torch
 
 import nac_fast
-from nac_fast.index import hash_index as HI
-from nac_fast.index.hash_index import HashIndex
-from nac_fast.ops import search as S
 
 from _loss_helpers import rel_err, run_loss
 
