@@ -88,12 +88,10 @@ OPTIONS = [
                        "(index), of each row (tc)"), {C: 3, I: 5, T: 5}),
     ("--slow-repeats", dict(type=int, help="runs of the full-ranking and FAISS rows"), {C: 1}),
     ("--chunk", dict(type=int, help="queries per ranking call (12 bytes per pair)"), {C: 500}),
-    ("--torch-queries", dict(type=int, help="queries of the torch reference row; 0 = skip"),
-     {C: 1000}),
+    ("--torch-queries", dict(type=int, help="torch reference row queries; 0: none"), {C: 1000}),
     ("--faiss-heap-queries", dict(type=int, help="queries of FAISS's default heap path at k=G; "
                                   "0 = skip"), {C: 500}),
-    ("--no-rank", dict(action="store_true", help="skip the nac_fast full-ranking row"),
-     {C: False}),
+    ("--no-rank", dict(action="store_true", help="skip the nac_fast full-ranking row"), {C: False}),
     ("--no-faiss", dict(action="store_true"), {C: False, I: False}),
     ("--map-queries", dict(type=int, help="queries of the mAP@all rows (index: 0 = skip)"),
      {I: 10000, G_: 10000, T: 10000}),
@@ -101,8 +99,7 @@ OPTIONS = [
     ("--k", dict(type=int), {I: 10, G_: 10, T: 10}),
     ("--device", dict(choices=("cuda", "cpu"), help="cpu: the Triton engine under "
                       "TRITON_INTERPRET=1 (plumbing only)"), {G_: "cuda", T: "cuda"}),
-    ("--tiny", dict(action="store_true", help="toy sizes (CI), one run each"),
-     {G_: False, T: False}),
+    ("--tiny", dict(action="store_true", help="toy sizes (CI)"), {G_: False, T: False}),
     ("--check-queries", dict(type=int, help="queries of every GPU row checked against the C++ "
                              "engine"), {G_: 256, T: 64}),
     ("--map-sizes", dict(help="gallery sizes of the mAP rows"), {G_: "50000,1000000"}),
@@ -113,8 +110,7 @@ OPTIONS = [
     ("--cpu-topk-queries", dict(help="queries of the CPU index row at each --index-sizes size "
                                 "(0: no row)"), {G_: "1000,16"}),
     ("--gpu-repeats", dict(type=int), {G_: 5}),
-    ("--budget-s", dict(type=float, help="skip rows that would start after this many seconds"),
-     {G_: 70.0}),
+    ("--budget-s", dict(type=float, help="skip rows starting after this many seconds"), {G_: 70.0}),
     ("--only", dict(choices=("all", "map", "topk")), {G_: "all"}),
     ("--profile-out", dict(help="append torch.profiler's kernel table of one search at the first "
                            "--index-sizes size and one mAP at the last --map-sizes size"),
@@ -151,11 +147,7 @@ class PeakRSS:
     def __exit__(self, *exc):
         self._stop.set()
         self._t.join()
-        self.peak = max(self.peak, _rss())
-
-    @property
-    def mb(self) -> float:
-        return (self.peak - self.base) / 2 ** 20
+        self.mb = (max(self.peak, _rss()) - self.base) / 2 ** 20
 
 
 def _rss() -> int:
@@ -173,9 +165,7 @@ def make_data(q: int, g: int, bits: int, classes: int, flip: float, seed: int):
         sign = torch.where(torch.rand(n, bits, generator=gen) < flip, -1.0, 1.0)
         return protos[lab] * sign, lab
 
-    qc, ql = draw(q)
-    gc, gl = draw(g)
-    return qc, ql, gc, gl
+    return (*draw(q), *draw(g))
 
 
 def np_ap_from_ranking(idx: np.ndarray, ql: np.ndarray, gl: np.ndarray) -> np.ndarray:
@@ -215,12 +205,9 @@ def timed(fn, repeats: int, device=None):
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+            return next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
 
 
 def apply_isa(ap, isa: str) -> str:
@@ -270,9 +257,7 @@ def write_csv(args, rows, fields, base):
         print(f"  appended {len(rows)} rows to {args.csv}")
 
 
-# ------------------------------------------------------------------------------------------------
-# The CPU protocol: mAP@all and full rankings against FAISS and the torch reference
-# ------------------------------------------------------------------------------------------------
+# ---- The CPU protocol: mAP@all and full rankings against FAISS and the torch reference
 
 def run_cpu(args, ap):
     isa, faiss = cpu_engine_and_faiss(ap, args)
@@ -354,9 +339,7 @@ def run_cpu(args, ap):
     return 0
 
 
-# ------------------------------------------------------------------------------------------------
-# --index: HashIndex.search against FAISS's IndexBinaryFlat, and mAP@all at 1M codes (issue 25)
-# ------------------------------------------------------------------------------------------------
+# ---- --index: HashIndex.search against FAISS's IndexBinaryFlat, and mAP@all at 1M codes (issue 25)
 
 def run_index(args, ap):
     isa, faiss = cpu_engine_and_faiss(ap, args)
@@ -418,9 +401,7 @@ def run_index(args, ap):
     return 0
 
 
-# ------------------------------------------------------------------------------------------------
-# --gpu (issue 39) and --tc (issue 56): the GPU engines, each row checked against the C++ engine
-# ------------------------------------------------------------------------------------------------
+# ---- --gpu (issue 39) and --tc (issue 56): the GPU engines, checked against the C++ engine
 
 def packed_class_codes(n, bits, protos, classes, flip, gen, device, chunk=1 << 18):
     """(words (n, W) int64, labels (n,)) made on `device`: each code its class prototype with
@@ -629,110 +610,114 @@ def run_gpu(args, ap, tc: bool):
               + (f"  goal {goal} s" if goal else "") + (f"  {check}" if check else ""), flush=True)
 
     dev, cpu = str(device), torch.device("cpu")
-    if args.only in ("all", "map"):  # ---- mAP@all ----
-        protos = random_codes(args.classes, D, gen, device)
-        Q = args.map_queries
-        qw, ql = packed_class_codes(Q, D, protos, args.classes, args.flip, gen, device)
-        for G, nq_cpu in zip(map_sizes, cpu_map_q):
-            if over_budget(f"map_all x {G}"):
-                continue
-            gw, gl = packed_class_codes(G, D, protos, args.classes, args.flip, gen, device)
-            checks = {}
-            for eng in map_engines:  # compiles too
-                good, checks[eng] = _ap_check(qw, ql, gw, gl, D, min(args.check_queries, Q), eng)
-                if not good:
-                    failures.append(f"map_all {eng} x {G}: {checks[eng]}")
-            ns = [Q] + ([min(nq_cpu, Q)] if nq_cpu and min(nq_cpu, Q) != Q else [])
-            if nq_cpu:
-                n = ns[-1]
-                qc, qlc, gc, glc = qw[:n].cpu(), ql[:n].cpu(), gw.cpu(), gl.cpu()
-                stats, m = timed(lambda: H.mean_average_precision(
-                    P(qc, D), qlc, P(gc, D), glc, backend="cpu"), 3 if G <= 100_000 else 2, cpu)
-                add("map_all", "cpu", "cpu", n, G, stats, m, note=f"{args.threads} threads")
-                del qc, gc
-            for eng in map_engines:
-                for n in ns:  # the CPU row's query count too: the like-for-like pair
+    for part in ("topk", "map") if tc else ("map", "topk"):  # the --tc run: top-k first
+        if part == "map" and args.only in ("all", "map"):  # ---- mAP@all ----
+            protos = random_codes(args.classes, D, gen, device)
+            Q = args.map_queries
+            qw, ql = packed_class_codes(Q, D, protos, args.classes, args.flip, gen, device)
+            for G, nq_cpu in zip(map_sizes, cpu_map_q):
+                if over_budget(f"map_all x {G}"):
+                    continue
+                gw, gl = packed_class_codes(G, D, protos, args.classes, args.flip, gen, device)
+                checks = {}
+                for eng in map_engines:  # compiles too
+                    good, checks[eng] = _ap_check(qw, ql, gw, gl, D,
+                                                  min(args.check_queries, Q), eng)
+                    if not good:
+                        failures.append(f"map_all {eng} x {G}: {checks[eng]}")
+                ns = [Q] + ([min(nq_cpu, Q)] if nq_cpu and min(nq_cpu, Q) != Q else [])
+                if nq_cpu:
+                    n = ns[-1]
+                    qc, qlc, gc, glc = qw[:n].cpu(), ql[:n].cpu(), gw.cpu(), gl.cpu()
                     stats, m = timed(lambda: H.mean_average_precision(
-                        P(qw[:n], D), ql[:n], P(gw, D), gl, backend=eng), args.gpu_repeats, device)
-                    add("map_all", eng, dev, n, G, stats, m, check=checks[eng])
-                if args.profile_out and G == map_sizes[-1]:
-                    profile_kernels(lambda: H.mean_average_precision(
-                        P(qw, D), ql, P(gw, D), gl, backend=eng), device, args.profile_out,
-                        f"mAP@all, {Q} x {G:,} codes of {D} bits (backend {eng})")
-            del gw, gl
-    if args.only in ("all", "topk"):  # ---- top-k: one index on the device, each engine ----
-        for G, nq_cpu in zip(idx_sizes, cpu_topk_q):
-            if over_budget(f"topk x {G}"):
-                continue
-            Q = args.index_queries
-            gw = random_codes(G, D, gen, device)
-            qw = flip_bits(gw[torch.randint(0, G, (Q,), generator=gen, device=device)], D, 0.1,
-                           gen)
-            nc = min(args.check_queries, Q, nq_cpu or args.check_queries)
-            cpu_index = H.HashIndex(D)
-            cpu_index.add(P(gw.cpu(), D))
-            qc = qw.cpu()
-            Dc, Ic = cpu_index.search(P(qc[:nc], D), k)
-            index = H.HashIndex(D, device=device, backend="triton")
-            index.add(P(gw, D))
-            del gw
-            if nq_cpu:
-                n = min(nq_cpu, Q)
-                cpu_index.search(P(qc[:2], D), k)
-                stats, _ = timed(lambda: cpu_index.search(P(qc[:n], D), k),
-                                 3 if G <= 10_000_000 else 1, cpu)
-                add("topk", "cpu", "cpu", n, G, stats,
-                    note=f"HashIndex on the CPU, {args.threads} threads")
-            del cpu_index
-            first = None
-            for name, backend, method in topk_engines:
-                index.backend = backend
-                if method:
-                    index.topk_method = method
-                index.search(P(qw[:2], D), k)  # compiles, outside the clock
-                stats, (Dg, Ig) = timed(lambda: index.search(P(qw, D), k), args.gpu_repeats,
-                                        device)
-                good = bool(torch.equal(Dg[:nc].cpu(), Dc) and torch.equal(Ig[:nc].cpu(), Ic))
-                if first is None:
-                    first = (name, Dg, Ig)
-                good = good and bool(torch.equal(Dg, first[1]) and torch.equal(Ig, first[2]))
-                check = (f"ok: distances and indices of {nc} queries equal to the C++ engine's"
-                         + ("" if name == first[0] else f", all {Q} to {first[0]}'s") if good
-                         else f"FAIL: top-{k} differs from the C++ engine's ({nc} queries) or "
-                              f"{first[0]}'s")
-                if not good:
-                    failures.append(f"topk {name} x {G}: {check}")
-                if nq_cpu and min(nq_cpu, Q) != Q:  # the CPU row's queries: like for like
+                        P(qc, D), qlc, P(gc, D), glc, backend="cpu"), 3 if G <= 100_000 else 2, cpu)
+                    add("map_all", "cpu", "cpu", n, G, stats, m, note=f"{args.threads} threads")
+                    del qc, gc
+                for eng in map_engines:
+                    for n in ns:  # the CPU row's query count too: the like-for-like pair
+                        stats, m = timed(lambda: H.mean_average_precision(
+                            P(qw[:n], D), ql[:n], P(gw, D), gl, backend=eng), args.gpu_repeats,
+                            device)
+                        add("map_all", eng, dev, n, G, stats, m, check=checks[eng])
+                    if args.profile_out and G == map_sizes[-1]:
+                        profile_kernels(lambda: H.mean_average_precision(
+                            P(qw, D), ql, P(gw, D), gl, backend=eng), device, args.profile_out,
+                            f"mAP@all, {Q} x {G:,} codes of {D} bits (backend {eng})")
+                del gw, gl
+        if part == "topk" and args.only in ("all", "topk"):  # ---- top-k: one index, each engine
+            for G, nq_cpu in zip(idx_sizes, cpu_topk_q):
+                if over_budget(f"topk x {G}"):
+                    continue
+                Q = args.index_queries
+                gw = random_codes(G, D, gen, device)
+                qw = flip_bits(gw[torch.randint(0, G, (Q,), generator=gen, device=device)], D, 0.1,
+                               gen)
+                nc = min(args.check_queries, Q, nq_cpu or args.check_queries)
+                cpu_index = H.HashIndex(D)
+                cpu_index.add(P(gw.cpu(), D))
+                qc = qw.cpu()
+                Dc, Ic = cpu_index.search(P(qc[:nc], D), k)
+                index = H.HashIndex(D, device=device, backend="triton")
+                index.add(P(gw, D))
+                del gw
+                if nq_cpu:
                     n = min(nq_cpu, Q)
-                    s2, _ = timed(lambda: index.search(P(qw[:n], D), k), args.gpu_repeats, device)
-                    add("topk", name, dev, n, G, s2, check=check)
-                add("topk", name, dev, Q, G, stats, check=check,
-                    note=("HashIndex search, queries = index codes with 10% of bits flipped"
-                          + ("" if tc or name != "triton" else "; top-k setting {}x{}x{}/{} "
-                             "(BQxBGxwarps/sample ratio)".format(*HT.TOPK_CONFIG[kind],
-                                                                 HT.SAMPLE_RATIO))))
-                if args.profile_out and G == idx_sizes[0]:
-                    profile_kernels(lambda: index.search(P(qw, D), k), device, args.profile_out,
-                                    f"HashIndex.search ({name}), {Q} queries, top-{k} of {G:,} "
-                                    "codes")
-                if name == "triton" and G == idx_sizes[0]:
-                    for v in variants:
-                        if over_budget(f"topk-variant {v} x {G}"):
-                            break
-                        with _variant(v, kind):
-                            index.search(P(qw[:2], D), k)
-                            vs, (Dv, Iv) = timed(lambda: index.search(P(qw, D), k),
-                                                 args.gpu_repeats, device)
-                        same = bool(torch.equal(Dv, Dg) and torch.equal(Iv, Ig))
-                        if not same:
-                            failures.append(f"topk-variant {v} x {G}: results differ")
-                        add("topk-variant", "triton", dev, Q, G, vs,
-                            check=f"{'ok' if same else 'FAIL'}: all {Q} queries equal to the "
-                                  "shipped setting's results", note="top-k setting {}x{}x{}/{} "
-                                  "(BQxBGxwarps/sample ratio)".format(*v))
-            del index, first, Dg, Ig, qc
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+                    cpu_index.search(P(qc[:2], D), k)
+                    stats, _ = timed(lambda: cpu_index.search(P(qc[:n], D), k),
+                                     3 if G <= 10_000_000 else 1, cpu)
+                    add("topk", "cpu", "cpu", n, G, stats,
+                        note=f"HashIndex on the CPU, {args.threads} threads")
+                del cpu_index
+                first = None
+                for name, backend, method in topk_engines:
+                    index.backend = backend
+                    if method:
+                        index.topk_method = method
+                    index.search(P(qw[:2], D), k)  # compiles, outside the clock
+                    stats, (Dg, Ig) = timed(lambda: index.search(P(qw, D), k), args.gpu_repeats,
+                                            device)
+                    good = bool(torch.equal(Dg[:nc].cpu(), Dc) and torch.equal(Ig[:nc].cpu(), Ic))
+                    if first is None:
+                        first = (name, Dg, Ig)
+                    good = good and bool(torch.equal(Dg, first[1]) and torch.equal(Ig, first[2]))
+                    check = (f"ok: distances and indices of {nc} queries equal to the C++ engine's"
+                             + ("" if name == first[0] else f", all {Q} to {first[0]}'s") if good
+                             else f"FAIL: top-{k} differs from the C++ engine's ({nc} queries) or "
+                                  f"{first[0]}'s")
+                    if not good:
+                        failures.append(f"topk {name} x {G}: {check}")
+                    if nq_cpu and min(nq_cpu, Q) != Q:  # the CPU row's queries: like for like
+                        n = min(nq_cpu, Q)
+                        s2, _ = timed(lambda: index.search(P(qw[:n], D), k), args.gpu_repeats,
+                                      device)
+                        add("topk", name, dev, n, G, s2, check=check)
+                    add("topk", name, dev, Q, G, stats, check=check,
+                        note=("HashIndex search, queries = index codes with 10% of bits flipped"
+                              + ("" if tc or name != "triton" else "; top-k setting {}x{}x{}/{} "
+                                 "(BQxBGxwarps/sample ratio)".format(*HT.TOPK_CONFIG[kind],
+                                                                     HT.SAMPLE_RATIO))))
+                    if args.profile_out and G == idx_sizes[0]:
+                        profile_kernels(lambda: index.search(P(qw, D), k), device, args.profile_out,
+                                        f"HashIndex.search ({name}), {Q} queries, top-{k} of {G:,} "
+                                        "codes")
+                    if name == "triton" and G == idx_sizes[0]:
+                        for v in variants:
+                            if over_budget(f"topk-variant {v} x {G}"):
+                                break
+                            with _variant(v, kind):
+                                index.search(P(qw[:2], D), k)
+                                vs, (Dv, Iv) = timed(lambda: index.search(P(qw, D), k),
+                                                     args.gpu_repeats, device)
+                            same = bool(torch.equal(Dv, Dg) and torch.equal(Iv, Ig))
+                            if not same:
+                                failures.append(f"topk-variant {v} x {G}: results differ")
+                            add("topk-variant", "triton", dev, Q, G, vs,
+                                check=f"{'ok' if same else 'FAIL'}: all {Q} queries equal to the "
+                                      "shipped setting's results", note="top-k setting {}x{}x{}/{} "
+                                      "(BQxBGxwarps/sample ratio)".format(*v))
+                del index, first, Dg, Ig, qc
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     write_csv(args, rows, TC_FIELDS if tc else GPU_FIELDS,
               meta(args, gpu=gpu_name, triton=triton.__version__))
     print(f"\n{'row':<40} {'median s':>10} {'p20-p80 s':>19} {'GPU MiB':>8} "
