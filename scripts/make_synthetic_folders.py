@@ -6,24 +6,25 @@ image (issue 58: folders no recipe was tuned on, a check that a method's lead tr
     python scripts/make_synthetic_folders.py --kind textures --out runs/folders/textures --seed 0
     python scripts/make_synthetic_folders.py --kind shapes   --out runs/folders/shapes   --seed 0
 
-glyphs    classes = 10 characters; source = a font file of this machine (`fc-list`); each image
-          a random size, rotation, stroke, position, ink and paper grey (faintly tinted) and
-          pixel noise.  The val fonts draw no train image.
+glyphs    classes = 10 characters; source = a font file of this machine (`fc-list`) with its
+          own paper and ink grey; each image a random size, rotation, stroke, position, a
+          jitter of +-12 on the source's greys and pixel noise.  The val fonts draw no train
+          image.
 textures  classes = 10 texture families (stripes, checks, dots, blobs, waves, rings, grid,
           zigzag, speckle, sectors); source = one draw of the generator's hidden parameters
-          (a palette of 4 tinted greys, a frequency range, an edge sharpness, a noise level);
-          each image a random orientation, phase, frequency within its source's range and two
-          of its palette's greys.
+          (two tinted greys, a frequency range, an edge sharpness, a noise level); each image a
+          random orientation, phase, frequency within its source's range, its greys in a
+          random order.
 shapes    classes = 10 shapes (disc, triangle, square, pentagon, hexagon, star, cross, arrow,
           crescent, heart); source = a drawing style (filled / outlined / filled with an
-          outline of another grey, the stroke width, the ink palette, the background: flat,
-          a gradient, stripes or noise, its palette, the size range, the noise level; palettes
-          of tinted greys); each image a random shape size, position and rotation.
+          outline of the inverse grey, the stroke width, an ink grey, the background: flat, a
+          gradient, stripes or noise, between two greys of the style); each image a random
+          shape size, position and rotation.
 
-Colours are faintly tinted greys, not free colours: a random colour per image is shared by the
+The greys belong to the source, not to the image: a random colour per image is shared by the
 two augmented views of it and tells the images apart better than their class does, so both
-NAC and SimCLR learned the colours and stayed near chance (a first version of these folders,
-docs/results.md "Folders of our own"; make_image_folder.py's shapes showed the same).
+NAC and SimCLR learned the colours and stayed near chance (the first two versions of these
+folders, docs/results.md "Folders of our own"; make_image_folder.py's shapes showed the same).
 
 Every class gets --train-per-class images in train/ (spread evenly over the train sources) and
 --val-per-class in val/ (over the val sources); a share --val-sources of the sources (at least
@@ -117,11 +118,11 @@ def _tinted_greys(rng, contrast=100, tint=25):
 
 
 def texture_source(seed: int, k: int) -> dict:
-    """The hidden parameters of texture source k: a 4-colour palette, a frequency range (cycles
-    an image), an edge sharpness and a noise level."""
+    """The hidden parameters of texture source k: a palette of two tinted greys, a frequency
+    range (cycles an image), an edge sharpness and a noise level."""
     rng = np.random.default_rng([seed, 101, k])
     f_lo = float(rng.uniform(1.5, 3.5))
-    return {"palette": [_tinted_grey(rng) for _ in range(4)], "freq": [f_lo, f_lo * float(
+    return {"palette": list(_tinted_greys(rng)), "freq": [f_lo, f_lo * float(
         rng.uniform(1.3, 2.0))], "sharp": float(rng.uniform(2.0, 12.0)),
         "noise": float(rng.uniform(0.0, 18.0))}
 
@@ -131,17 +132,31 @@ def shape_source(seed: int, k: int) -> dict:
     the size range and the noise level."""
     rng = np.random.default_rng([seed, 202, k])
     return {"mode": str(rng.choice(["fill", "outline", "fill+outline"])),
-            "width": int(rng.integers(2, 6)), "ink": [_tinted_grey(rng) for _ in range(3)],
+            "width": int(rng.integers(2, 6)), "ink": [], "paper": [],
             "background": str(rng.choice(["flat", "gradient", "stripes", "noise"])),
-            "paper": [_tinted_grey(rng) for _ in range(3)],
             "radius": [float(rng.uniform(0.22, 0.3)), float(rng.uniform(0.32, 0.42))],
-            "noise": float(rng.uniform(0.0, 15.0))}
+            "noise": float(rng.uniform(0.0, 15.0))} | _style_greys(rng)
+
+
+def _style_greys(rng) -> dict:
+    """A style's ink and its paper's two greys (the second 40 levels from the first)."""
+    paper, ink = _tinted_greys(rng)
+    shift = 40 if sum(paper) < 3 * 128 else -40
+    return {"ink": [ink], "paper": [paper, tuple(int(min(255, max(0, v + shift)))
+                                                 for v in paper)]}
+
+
+def glyph_source(seed: int, k: int, font_file: str) -> dict:
+    """Font k's file and its paper and ink greys."""
+    paper, ink = _tinted_greys(np.random.default_rng([seed, 303, k]))
+    return {"font": font_file, "paper": paper, "ink": ink}
 
 
 def sources_of(kind: str, seed: int, fonts=None) -> list:
     """[(name, parameters)] of the kind's sources."""
     if kind == "glyphs":
-        return [(os.path.splitext(os.path.basename(f))[0], f) for f in fonts]
+        return [(os.path.splitext(os.path.basename(f))[0], glyph_source(seed, k, f))
+                for k, f in enumerate(fonts)]
     make = texture_source if kind == "textures" else shape_source
     return [(f"{kind[:-1]}-style-{k:02d}", make(seed, k)) for k in range(N_SOURCES[kind])]
 
@@ -164,10 +179,15 @@ def _noise(im: Image.Image, sigma: float, rng) -> Image.Image:
     return Image.fromarray(np.uint8(np.clip(x + 0.5, 0, 255)))
 
 
-def draw_glyph(c: str, font_file: str, size: int, rng) -> Image.Image:
+def _jitter(colour, rng, amount=12):
+    return tuple(int(v) for v in np.clip(np.asarray(colour) + rng.integers(-amount, amount + 1, 3),
+                                         0, 255))
+
+
+def draw_glyph(c: str, src: dict, size: int, rng) -> Image.Image:
     big = 2 * size
-    paper, ink = _tinted_greys(rng)
-    font = ImageFont.truetype(font_file, int(rng.uniform(0.5, 0.8) * big))
+    paper, ink = _jitter(src["paper"], rng), _jitter(src["ink"], rng)
+    font = ImageFont.truetype(src["font"], int(rng.uniform(0.5, 0.8) * big))
     layer = Image.new("L", (big, big), 0)
     stroke = int(rng.integers(0, 3))
     ImageDraw.Draw(layer).text((big / 2, big / 2), c, font=font, fill=255, anchor="mm",
@@ -374,9 +394,9 @@ def write_folder(p: dict, size: int, out: str, overwrite: bool, command: str,
                 "sources": {"train": {f"s{k:02d}": names[k] for k in p["train_sources"]},
                             "val": {f"s{k:02d}": names[k] for k in p["val_sources"]}},
                 "counts": counts, "command": command}
-        if p["kind"] != "glyphs":  # the hidden parameters of each source (a font is its file)
-            meta["source_parameters"] = {f"s{k:02d}": p["sources"][k][1]
-                                         for k in range(len(p["sources"]))}
+        meta["source_parameters"] = {  # the hidden parameters of each source
+            f"s{k:02d}": {n: (os.path.basename(v) if n == "font" else v) for n, v in src.items()}
+            for k, (_, src) in enumerate(p["sources"])}
         with open(os.path.join(tmp, "sources.json"), "w") as f:
             json.dump(meta, f, indent=1)
             f.write("\n")
