@@ -14,6 +14,7 @@ how it is timed: docs/kernels.md "Benchmarks".
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -65,17 +66,15 @@ def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None):
     of `compiled_ref` (a compiled reference_fn) when given."""
     a, r, noise, queue = _inputs(kind, n, N, D, dtype, device)
     if compiled_ref is not None:
-        def step():
-            a.grad = r.grad = None
-            compiled_ref(a, r, noise, queue).backward()
+        loss = lambda: compiled_ref(a, r, noise, queue)  # noqa: E731
     elif kind == "mq":
-        def step():
-            a.grad = r.grad = None
-            nac_fast.nac_mq_loss(a, r, queue, 0.1, noise=noise, backend=backend).backward()
+        loss = lambda: nac_fast.nac_mq_loss(a, r, queue, 0.1, noise=noise, backend=backend)  # noqa: E731
     else:
-        def step():
-            a.grad = r.grad = None
-            nac_fast.nac_loss(a, r, 0.1, noise=noise, backend=backend).backward()
+        loss = lambda: nac_fast.nac_loss(a, r, 0.1, noise=noise, backend=backend)  # noqa: E731
+
+    def step():
+        a.grad = r.grad = None
+        loss().backward()
     return step
 
 
@@ -97,8 +96,7 @@ class CountingBackend:
         from torch._dynamo.backends.registry import lookup_backend
         self.name = name
         self.inner = lookup_backend(name)
-        self.graphs = 0
-        self.calls = 0
+        self.graphs = self.calls = 0
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
@@ -132,11 +130,7 @@ def peak_extra_bytes(step, device) -> int:
         step()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
+    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))
 
 
 def time_step(step, device, reps: int, min_time: float):
@@ -153,8 +147,7 @@ def time_step(step, device, reps: int, min_time: float):
         try:
             from triton.testing import do_bench
         except ImportError:
-            med, p20, p80, n = _cuda_event_times(step, reps, min_time)
-            return med, p20, p80, n, first, "cuda-events"
+            return (*_loop_times(step, reps, min_time, _event_time), first, "cuda-events")
         rep_ms = max(1000.0 * min_time, 1.0)
         med, p20, p80 = do_bench(step, warmup=25, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
         est = max(med, 1e-6)
@@ -162,26 +155,30 @@ def time_step(step, device, reps: int, min_time: float):
     t0 = time.perf_counter()
     step()
     first = time.perf_counter() - t0
-    times = []
-    t_start = time.perf_counter()
-    while len(times) < reps or (time.perf_counter() - t_start < min_time and len(times) < 10 * reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    med, p20, p80 = _quantiles(times)
-    return med, p20, p80, len(times), first, "perf_counter"
+    return (*_loop_times(step, reps, min_time, _host_time), first, "perf_counter")
 
 
-def _cuda_event_times(step, reps: int, min_time: float):
-    """(median, p20, p80, reps) in seconds from CUDA events around each call."""
+def _host_time(step) -> float:
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def _event_time(step) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _loop_times(step, reps: int, min_time: float, timer=_host_time):
+    """(median, p20, p80, calls) of at least `reps` timed calls, more up to 10 x reps while
+    under min_time seconds."""
     times, t_start = [], time.perf_counter()
     while len(times) < reps or (time.perf_counter() - t_start < min_time and len(times) < 10 * reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(timer(step))
     return (*_quantiles(times), len(times))
 
 
@@ -203,14 +200,9 @@ def graph_step(step, warmup: int = 3):
 def variants(backends, compile_reference: bool, graphs: bool):
     """The rows of one (case, dtype): the backends, the compiled reference after the reference,
     and a "<backend>+graph" row after each fused backend when `graphs`."""
-    out = []
-    for b in backends:
-        out.append(b)
-        if b == "reference" and compile_reference:
-            out.append("compiled-reference")
-        if graphs and b != "reference":
-            out.append(f"{b}+graph")
-    return out
+    return [v for b in backends for v in [b] + (["compiled-reference"] if b == "reference" and
+                                                compile_reference else [])
+            + ([f"{b}+graph"] if graphs and b != "reference" else [])]
 
 
 def append_rows(path, rows, fields=FIELDS):
@@ -261,7 +253,8 @@ def print_bounds(gpus, which: str = "measured", fp32_mode: str = "tf32x3", D: in
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=["cpu", "cuda"])
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -323,18 +316,16 @@ def main(argv=None):
     if not any(x.strip() for x in f"{args.inbatch},{args.queue}".split(",")):
         ap.error("--inbatch and --queue are both empty: no case to measure")
     dtypes = []
-    for d in args.dtypes.split(","):
-        if not isinstance(getattr(torch, d, None), torch.dtype) or \
-                not getattr(torch, d).is_floating_point:
+    for d, t in ((d, getattr(torch, d, None)) for d in args.dtypes.split(",")):
+        if not isinstance(t, torch.dtype) or not t.is_floating_point:
             ap.error(f"--dtypes: {d!r} is not a floating-point torch dtype")
-        if getattr(torch, d) in dtypes:
+        if t in dtypes:
             ap.error(f"--dtypes: {d!r} is given twice (or under two names)")
-        dtypes.append(getattr(torch, d))
+        dtypes.append(t)
     avail = nac_fast.available_backends(args.device)
     backends = args.backends.split(",") if args.backends else avail
-    for b in backends:
-        if b not in avail:
-            ap.error(f"backend {b!r} is not available on {args.device}: {avail}")
+    if bad := [b for b in backends if b not in avail]:
+        ap.error(f"backend {bad[0]!r} is not available on {args.device}: {avail}")
     if len(set(backends)) != len(backends):
         ap.error(f"--backends: a backend is given twice in {args.backends!r}")
     # the reference first: every other row's ratios are to its figures of the same case
@@ -398,10 +389,10 @@ def main(argv=None):
                                 f"{counter.calls} of {calls_wanted} steps ran the compiled graph")
                 except Exception as exc:  # OOM, compile error, not compiled: a failed row
                     failed += 1
-                    msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
-                    print(f"{kind:8s} {n:6d} {N:7d} {str(dtype)[6:]:9s} {b:18s} FAILED {msg}",
-                          flush=True)
-                    rows.append(dict(base, status=f"failed: {msg}"))
+                    msg = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                    print(f"{kind:8s} {n:6d} {N:7d} {str(dtype)[6:]:9s} {b:18s} FAILED "
+                          f"{msg[:300]}", flush=True)
+                    rows.append(dict(base, status=f"failed: {msg[:300]}"))
                     step = None
                     if args.device == "cuda":
                         torch.cuda.empty_cache()
@@ -431,8 +422,7 @@ def main(argv=None):
     print(json.dumps({"rows": rows}))
     if failed:
         print(f"{failed} row(s) FAILED", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,7 @@
 """The bench scripts' one helper module: the CSV appender and output-path checks, quantiles, the
 row fields every CSV carries (commit, device, versions), the benchmark shapes, and the roofline
-bound of the NAC losses on an H100 SXM / H200 (the model: docs/kernels.md "Roofline bound").
-
-    from common import append_rows, check_output_file, quantiles, commit, bound, pct_of_bound
-
-(Not named _csv.py: bench/ is first on sys.path when a bench script runs, and a bench/_csv.py
-would shadow the standard library's _csv module that `import csv` loads.)
+bound of the NAC losses on an H100 SXM / H200 (docs/kernels.md "The benchmark scripts in detail").
+Not named _csv.py: bench/ is first on sys.path, and it would shadow the standard library's _csv.
 """
 from __future__ import annotations
 
@@ -39,9 +35,8 @@ def read_csv_rows(path):
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return [], []
     with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        rows = list(reader)
-        return list(reader.fieldnames or []), rows
+        rows = list(reader := csv.DictReader(f))
+    return list(reader.fieldnames or []), rows
 
 
 def csv_problem(path):
@@ -74,8 +69,7 @@ def append_rows(path, rows, fields):
     All or nothing (nac_fast._files.atomic_write): an error (a damaged CSV: ValueError naming it,
     a row with a column not in the header, a full disk) leaves the old file as it was; a last
     line without its newline (a cut row) keeps its own line."""
-    why = csv_problem(path)
-    if why:
+    if why := csv_problem(path):
         raise ValueError(f"CSV {path!r} {why}: not appending to it (repair it or give another "
                          "--csv)")
     header, old = read_csv_rows(path)
@@ -118,8 +112,7 @@ def output_file_problem(flag: str, path: str, csv_file: bool = True):
 def check_output_file(ap, flag: str, path: str, csv_file: bool = True) -> None:
     """ap.error (exit status 2) naming `flag` when `path` could not be written; call it right
     after parse_args, before any measurement."""
-    why = output_file_problem(flag, path, csv_file)
-    if why:
+    if why := output_file_problem(flag, path, csv_file):
         ap.error(why)
 
 
@@ -181,10 +174,7 @@ def device_name(device: str) -> str:
     name = platform.processor() or "cpu"
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
+            name = next((x.split(":", 1)[1].strip() for x in f if x.startswith("model name")), name)
     except OSError:
         pass
     return f"{name} x{os.cpu_count()}"
@@ -193,9 +183,9 @@ def device_name(device: str) -> str:
 def triton_version() -> str:
     try:
         import triton
-        return triton.__version__
     except Exception:
         return ""
+    return triton.__version__
 
 
 def run_fields(device: str) -> dict:
@@ -206,19 +196,16 @@ def run_fields(device: str) -> dict:
                 triton=triton_version(), commit=commit())
 
 
-# ---- roofline bound (docs/kernels.md "Roofline bound") ------------------------------------------
+# ---- roofline bound (docs/kernels.md "The benchmark scripts in detail") ------------------------------------------
 # Datasheet values: NVIDIA H100 / H200 SXM datasheets (dense, no sparsity).  Measured values:
 # docs/gpu.md "Rates" (the device tool's H100 and H200 machines).
-GPUS = {
-    "H100": {"label": "H100 SXM5 80GB", "sms": 132, "clock_ghz": 1.98,
-             "datasheet": {"bf16_tflops": 989.4, "tf32_tflops": 494.7, "fp32_tflops": 66.9,
-                           "hbm_tbs": 3.35},
-             "measured": {"bf16_tflops": 798.0, "hbm_tbs": 3.0}},
-    "H200": {"label": "H200 SXM 141GB", "sms": 132, "clock_ghz": 1.98,
-             "datasheet": {"bf16_tflops": 989.4, "tf32_tflops": 494.7, "fp32_tflops": 66.9,
-                           "hbm_tbs": 4.8},
-             "measured": {"bf16_tflops": 788.0, "hbm_tbs": 4.3}},
-}
+_SHEET = {"bf16_tflops": 989.4, "tf32_tflops": 494.7, "fp32_tflops": 66.9}  # dense, H100 = H200
+GPUS = {"H100": {"label": "H100 SXM5 80GB", "sms": 132, "clock_ghz": 1.98,
+                 "datasheet": dict(_SHEET, hbm_tbs=3.35),
+                 "measured": {"bf16_tflops": 798.0, "hbm_tbs": 3.0}},
+        "H200": {"label": "H200 SXM 141GB", "sms": 132, "clock_ghz": 1.98,
+                 "datasheet": dict(_SHEET, hbm_tbs=4.8),
+                 "measured": {"bf16_tflops": 788.0, "hbm_tbs": 4.3}}}
 EX2_PER_CLK_PER_SM = 16
 FMA_LANES_PER_SM = 128  # fp32 lanes; one FMA = 2 FLOPs
 KINDS = ("inbatch", "queue")
@@ -232,9 +219,9 @@ def resolve_gpu(gpu_name: str) -> str:
     if not isinstance(gpu_name, str):
         raise TypeError(f"gpu_name must be a str, got {type(gpu_name).__name__}")
     name = gpu_name.upper()
-    if re.search(r"H200", name):
+    if "H200" in name:
         return "H200"
-    if re.search(r"H100", name):
+    if "H100" in name:
         if re.search(r"PCIE|NVL", name):
             raise ValueError(f"gpu_name {gpu_name!r}: only the H100 SXM (HBM3) and the H200 have "
                              "ceilings here (the PCIe/NVL parts have fewer SMs and clocks)")
@@ -244,8 +231,7 @@ def resolve_gpu(gpu_name: str) -> str:
 
 def known_gpu(gpu_name: str) -> bool:
     try:
-        resolve_gpu(gpu_name)
-        return True
+        return bool(resolve_gpu(gpu_name))
     except (TypeError, ValueError):
         return False
 

@@ -4,34 +4,8 @@
         [--out summary.json] [--markdown summary.md] [--require-goals]
     python bench/gpu_summary.py --check-junit pytest_gpu.xml --require-passed triton,cuda
 
-Inputs: result folders (their loss_gpu.csv, train.json, versions.json) or those files themselves;
-later inputs win over earlier ones, and within a CSV the newest row of a case wins.
-
-summary.json (exactly these keys):
-  {"gpu", "date", "commit", "torch", "triton",
-   "loss": [{"kind": "inbatch"|"queue", "n", "N", "D", "dtype", "backend", "fused_ms", "eager_ms",
-             "compile_ms", "fused_peak_mb", "eager_peak_mb", "pct_of_bound"}],
-   "train": {"arch", "method", "batch_per_gpu", "img_per_s", "data_wait_frac"} or null}
-One loss entry per fused backend (triton, cuda, cpu; fp32 Triton rows of another product mode
-than tf32x3 as their own backend, "triton[bf16x6]") and case; eager = the "reference" row and
-compile = the "compiled-reference" row of the same case (null when that row is missing or
-failed).  *_peak_mb are MiB of peak extra memory of one forward+backward (bench_loss.py's
-peak_extra_mib); img_per_s is per GPU (the run's img/s over its world size).
-
-Goal checks (printed as PASS/MISS lines; --require-goals makes a MISS exit with status 3):
-  at in-batch n = N = 8192 and queue 8192 x 65536, D = 128, bf16, fwd+bwd, the fastest fused
-  backend: >= 5x eager, >= 2x torch.compile, >= 50% of the roofline bound, peak memory <= 1/20
-  of eager's; training (ResNet-50, NAC-MQ) >= 2000 img/s per GPU (the goal is set for an H100);
-  where fp32 rows were measured at those shapes, the fastest fused fp32 fwd+bwd (any product
-  mode: a Triton row in another mode than tf32x3 is named e.g. "triton[bf16x6]") >= 2x eager;
-  where bf16 rows were measured at in-batch 16384 and queue 8192 x 262144 (issue 38's larger
-  shapes), the fastest fused one >= 50% of the bound.
-
---check-junit: counts of a pytest JUnit XML, and a verdict for the GPU suite's test stage: it
-fails on any failure or error, on no tests, on a skipped test of the triton or cuda backends (id
-or skip reason naming triton/cuda/GPU/the extension/a fused backend, or an empty parameter set)
-unless ALLOWED_SKIPS lists it as expected on a GPU machine, and when --require-passed names a
-backend for which no test with that backend among its parameters passed.
+summary.json's keys, the goals and the JUnit verdict: docs/kernels.md "The benchmark scripts in
+detail".
 """
 from __future__ import annotations
 
@@ -56,13 +30,8 @@ GOAL_FP32_X_EAGER = 2.0  # issue 38: fp32 fwd+bwd (any product mode) >= 2x eager
 # issue 38's two larger shapes: the roofline goal alone, judged where they were measured
 ROOFLINE_SHAPES = [("inbatch", 16384, 16384), ("queue", 8192, 262144)]
 
-# Skips that are expected on a GPU machine although they name triton: (test id regex, reason
-# regex).  test_hashing's `backend` fixture runs the triton Hamming backend on CPU tensors, which
-# needs TRITON_INTERPRET=1; on the GPU the same kernels run on CUDA tensors in
-# test_triton_backend_on_its_device, which must pass.
+# Skips expected on a GPU machine although they name triton/cuda: (test id regex, reason regex)
 ALLOWED_SKIPS: list = [
-    # (the Triton Hamming tests' "run on CPU tensors only" skip is gone: they run on CUDA
-    # tensors there, issue 39, and such a skip is now a violation)
     # fake cuda:1 / cuda:3 tensors on a machine with fewer GPUs (the logic is CI's, without CUDA)
     (r"test_loss\.TestDeviceGuard", r"fake cuda:\d+ tensors need \d+ GPUs"),
     # the Hamming GPU command's interpreter plumbing: CI's; the stage runs the real command
@@ -237,27 +206,32 @@ def _roofline_check(tag, pct):
                 f"(goal >= {GOAL_PCT_BOUND:g}%)")
 
 
+def _best(summary, kind, n, N, dtype, with_eager=False):
+    """The fastest fused entry at the case (with an eager figure, if asked), or None."""
+    ents = [e for e in summary["loss"] if (e["kind"], e["n"], e["N"], e["D"], e["dtype"]) ==
+            (kind, n, N, GOAL_D, dtype) and (e["eager_ms"] is not None or not with_eager)]
+    return min(ents, key=lambda e: e["fused_ms"]) if ents else None
+
+
 def goal_checks(summary):
-    """[(ok: bool, line)] for the goals in the module docstring."""
+    """[(ok: bool, line)] for the goals (docs/kernels.md "The benchmark scripts in detail")."""
     lines = []
     for kind, n, N in GOAL_SHAPES:
         label = f"{kind} {n}x{N} D={GOAL_D} {GOAL_DTYPE} fwd+bwd"
-        ents = [e for e in summary["loss"] if (e["kind"], e["n"], e["N"], e["D"], e["dtype"]) ==
-                (kind, n, N, GOAL_D, GOAL_DTYPE)]
-        if not ents:
+        best = _best(summary, kind, n, N, GOAL_DTYPE)
+        if best is None:
             for what in ("speed vs eager", "speed vs torch.compile", "roofline", "memory"):
                 lines.append((False, f"MISS {label} {what}: no fused row measured"))
             continue
-        best = min(ents, key=lambda e: e["fused_ms"])
         tag = f"{label} [{best['backend']}, fastest fused, {best['fused_ms']:.3f} ms]"
-
-        def ratio_line(what, num, goal):
+        for what, num, goal in (("speed vs eager", best["eager_ms"], GOAL_X_EAGER),
+                                ("speed vs torch.compile", best["compile_ms"], GOAL_X_COMPILE)):
             if num is None:
-                return False, f"MISS {tag} {what}: no baseline row"
-            x = num / best["fused_ms"]
-            return x >= goal, f"{'PASS' if x >= goal else 'MISS'} {tag} {what}: {x:.2f}x (goal >= {goal:g}x)"
-        lines.append(ratio_line("speed vs eager", best["eager_ms"], GOAL_X_EAGER))
-        lines.append(ratio_line("speed vs torch.compile", best["compile_ms"], GOAL_X_COMPILE))
+                lines.append((False, f"MISS {tag} {what}: no baseline row"))
+            else:
+                x = num / best["fused_ms"]
+                lines.append((x >= goal, f"{'PASS' if x >= goal else 'MISS'} {tag} {what}: "
+                                         f"{x:.2f}x (goal >= {goal:g}x)"))
         lines.append(_roofline_check(tag, best["pct_of_bound"]))
         fm, em = best["fused_peak_mb"], best["eager_peak_mb"]
         if fm is None or em is None:
@@ -268,18 +242,14 @@ def goal_checks(summary):
             lines.append((ok, f"{'PASS' if ok else 'MISS'} {tag} memory: {fm:.1f} MiB vs eager "
                               f"{em:.1f} MiB = {frac} (goal <= 1/20)"))
     for kind, n, N in ROOFLINE_SHAPES:  # judged where measured
-        ents = [e for e in summary["loss"] if (e["kind"], e["n"], e["N"], e["D"], e["dtype"]) ==
-                (kind, n, N, GOAL_D, GOAL_DTYPE)]
-        if ents:
-            best = min(ents, key=lambda e: e["fused_ms"])
-            tag = (f"{kind} {n}x{N} D={GOAL_D} {GOAL_DTYPE} fwd+bwd [{best['backend']}, fastest "
-                   f"fused, {best['fused_ms']:.3f} ms]")
-            lines.append(_roofline_check(tag, best["pct_of_bound"]))
+        best = _best(summary, kind, n, N, GOAL_DTYPE)
+        if best:
+            lines.append(_roofline_check(
+                f"{kind} {n}x{N} D={GOAL_D} {GOAL_DTYPE} fwd+bwd [{best['backend']}, fastest "
+                f"fused, {best['fused_ms']:.3f} ms]", best["pct_of_bound"]))
     for kind, n, N in GOAL_SHAPES:  # fp32: judged where fp32 rows were measured
-        ents = [e for e in summary["loss"] if (e["kind"], e["n"], e["N"], e["D"], e["dtype"]) ==
-                (kind, n, N, GOAL_D, "float32") and e["eager_ms"] is not None]
-        if ents:
-            best = min(ents, key=lambda e: e["fused_ms"])
+        best = _best(summary, kind, n, N, "float32", with_eager=True)
+        if best:
             x = best["eager_ms"] / best["fused_ms"]
             ok = x >= GOAL_FP32_X_EAGER
             lines.append((ok, f"{'PASS' if ok else 'MISS'} {kind} {n}x{N} D={GOAL_D} float32 "

@@ -1,11 +1,6 @@
-"""Draw PNG plots of a bench_loss.py CSV: time and peak extra memory against size, one line per
-backend, one panel per (kind, dtype).  Uses each (device, backend, kind, dtype, n, N, D)'s newest
-row that succeeded (rows with a "status" other than "ok", i.e. failed cases, and rows without a
-finite positive median time are left out; CSVs from before the status column count every row).
-A CSV with rows of several devices or D values gets one line per (backend, device, D), labelled
-with what differs.
-
-    python bench/plot_bench.py bench/results/loss_cpu.csv [--out bench/results]
+"""PNG plots of a bench_loss.py CSV (`python bench/plot_bench.py bench/results/loss_cpu.csv
+[--out DIR]`): time (p20-p80 band) and peak extra memory against size, a line per backend (per
+device, D, queue n where several), a panel per (kind, dtype), each case's newest successful row.
 """
 from __future__ import annotations
 
@@ -14,11 +9,8 @@ import csv
 import math
 import os
 import sys
-from collections import OrderedDict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
 NEEDED = ("device", "backend", "kind", "dtype", "n", "N", "D", "median_s", "p20_s", "p80_s",
           "peak_extra_mib", "torch")
 
@@ -28,20 +20,19 @@ def _num(x):
     try:
         v = float(x)
     except (TypeError, ValueError):
-        return None
+        v = math.nan
     return v if math.isfinite(v) and v > 0 else None
 
 
 def load(path):
     with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        rows = list(reader)
+        rows = list(reader := csv.DictReader(f))
     if not rows:
         raise SystemExit(f"{path} has no rows")
     missing = [c for c in NEEDED if c not in (reader.fieldnames or [])]
     if missing:
         raise SystemExit(f"{path} has no column {', '.join(missing)}: not a bench_loss.py CSV")
-    latest = OrderedDict()
+    latest = {}
     for row in rows:  # rows are appended in time order: the last one of a key wins
         if (row.get("status") or "ok") != "ok" or _num(row["median_s"]) is None:
             continue
@@ -92,19 +83,16 @@ def main(argv=None):
             for key in sorted({series(r, ns) for r in sel}):
                 pts = sorted(((int(r["N"]), _num(r[metric]), r) for r in sel
                               if series(r, ns) == key), key=lambda p: p[:2])
-                xs = [p[0] for p in pts]
-                ys = [p[1] for p in pts]
+                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
                 line, = ax.plot(xs, ys, marker="o", label=", ".join(key))
                 if metric == "median_s":  # p20-p80 band (the median where a bound is missing)
                     ax.fill_between(xs, [_num(p[2]["p20_s"]) or p[1] for p in pts],
                                     [_num(p[2]["p80_s"]) or p[1] for p in pts], alpha=0.2,
                                     color=line.get_color())
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            ax.set_xscale("log", base=2), ax.set_yscale("log")
             n_desc = "n = N" if kind == "inbatch" else f"n = {','.join(sorted(ns, key=int)) or '?'}"
             ax.set_title(f"{kind} ({n_desc}), {dtype}")
-            ax.set_xlabel("keys N" if kind == "inbatch" else "queue size M")
-            ax.set_ylabel(label)
+            ax.set_xlabel("keys N" if kind == "inbatch" else "queue size M"), ax.set_ylabel(label)
             ax.grid(True, which="both", alpha=0.3)
             if sel:  # (no memory figures: --no-memory rows)
                 ax.legend()
@@ -112,12 +100,9 @@ def main(argv=None):
         d_desc = f"D={Ds[0]}" if len(Ds) == 1 else "D=" + ",".join(Ds)
         fig.suptitle(f"NAC loss, {d_desc}, {device}, torch {rows[-1]['torch']}")
         fig.tight_layout()
-        path = os.path.join(out, f"{stem}_{fname}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    for p in written:
-        print(p)
+        written.append(os.path.join(out, f"{stem}_{fname}.png"))
+        fig.savefig(written[-1], dpi=110), plt.close(fig)
+    print("\n".join(written))
 
 
 if __name__ == "__main__":
