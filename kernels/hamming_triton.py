@@ -348,7 +348,7 @@ def _ap_rank_kernel(q_ptr, g_ptr, ql_ptr, gl_ptr, c_ptr, psum_ptr, cut_ptr, cps_
 
 
 # --------------------------------------------------------------------------------------------
-# Configurations and plans (kernels/launch.py: the op runs its plan; bench/compile_check.py
+# Configurations and plans (kernels/launch.py: the op runs its plan; tools/compile_check.py
 # compiles the same plans for sm_80 / sm_90 from meta tensors)
 # --------------------------------------------------------------------------------------------
 

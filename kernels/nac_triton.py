@@ -185,7 +185,7 @@ def _dot6(x0, x1, x2, y0, y1, y2, acc, UPCAST: tl.constexpr):
     # i + j <= 2 of the parts of _parts3, smallest first; the three dropped are each <= 2^-27
     # |x| |y| (x1 y2, x2 y1; x2 y2 less).  Six bf16 tensor-core products cost what tf32x3's
     # three TF32 ones do at the H100's rates, but the operands are 16-bit tiles: the 16-bit
-    # kernels' HGMMA tilings instead of tf32x3's 32-row HMMA ones (bench/gpu_notes.md "fp32 in
+    # kernels' HGMMA tilings instead of tf32x3's 32-row HMMA ones (docs/gpu.md "fp32 in
     # bf16x6").
     acc = _dot16(x2, y0, acc, UPCAST)
     acc = _dot16(x0, y2, acc, UPCAST)
@@ -199,8 +199,8 @@ def _dot6(x0, x1, x2, y0, y1, y2, acc, UPCAST: tl.constexpr):
 # s log2 e < 74 for any fp32 p) times 2^9, of the keys z = tanh(a) (|z| <= 1) and of P (<= 1)
 # times 2^14: at most 2^15 < fp16's 65504, and the residual parts stay normal (full precision)
 # down to |Q| >= 2^-12, |z|, P >= 2^-17; below, their absolute error is under 2^-34.  The logits
-# come out times 2^23, P K times 2^28: undone exactly in fp32 (bench/split_emulation.py: the
-# same error as tf32x3 on each of the kernels' products).  The keys' backward's P^T g is lifted by
+# come out times 2^23, P K times 2^28: undone exactly in fp32 (split_emulation.py, since removed,
+# docs/kernels.md: the same error as tf32x3 on each of the kernels' products).  The keys' backward's P^T g is lifted by
 # the fp16 path's per-split power of two (_pow2_scale, GSCALE).
 H_Q = tl.constexpr(512.0)
 H_K = tl.constexpr(16384.0)
@@ -237,7 +237,7 @@ def _dot(x, y, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # is a "tf32" dot of values that TF32 holds exactly: x y ~ xb yb + xb ys + xs yb (tf32x3, the
     # dropped xs ys is ~2^-22 relative), or xb yb alone (tf32).  Triton's own tf32x3 splits inside
     # the dot-operand layout, which holds whole split tiles in registers and spilled at every D
-    # (bench/compile_check.py); and written out like this the interpreter computes exactly what
+    # (tools/compile_check.py); and written out like this the interpreter computes exactly what
     # the tensor cores do, so CI measures the GPU's fp32 error, not an exact product.
     if UPCAST:
         return tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision="ieee")
@@ -263,7 +263,7 @@ def _grad_r(r, zt):
     # d loss / d r = sig(r) - (1 + zt) / 2 written as (tanh(r / 2) - zt) / 2 (docs/math.md
     # [M:grad-r], [M:stable]): sig(r) - 1/2 cancels for small |r|, and with the GPU's ex2.approx
     # (2 ulp) the difference lost 2.6e-4 of its relative precision at |r| ~ 1e-3 (measured,
-    # tests/test_loss_approx_math.py); _tanh's polynomial keeps it.
+    # tests/test_loss_numerics.py); _tanh's polynomial keeps it.
     return 0.5 * (_tanh(0.5 * r) - zt)
 
 
@@ -489,7 +489,7 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, R, RV, LOSS, LSE, 
     elif BLOCK_D == 128 and (q.dtype == tl.bfloat16 or q.dtype == tl.float16):
         # the tuned 16-bit paths (CANDIDATES): pointers advanced by the loop, the key mask's
         # select only in a tile that crosses the split's end (_fwd_tile).  Elsewhere this cost
-        # registers or spilled (fp32 tf32x3, fp64, other D; bench/compile_check.py, 2026-11-27):
+        # registers or spilled (fp32 tf32x3, fp64, other D; tools/compile_check.py, 2026-11-27):
         # there the loop stays as it was.
         offs = tl.arange(0, BLOCK_N)[:, None] * stride_k + cols[None, :]
         kp = K + start.to(tl.int64) * stride_k
@@ -681,7 +681,7 @@ def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, g_scale, gscale, dk
     st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
     # g loaded after the product: loaded before it, its (BLOCK_M,) vector was live across the
     # product and Triton 3.6 spilled 32 B at 128 x 64, 4 warps (the tuned in-batch winner;
-    # bench/compile_check.py under the device's Triton, bench/gpu_notes.md)
+    # tools/compile_check.py under the device's Triton, docs/gpu.md)
     g = tl.load(gp + r * stride_g, mask=rmask, other=0.0).to(ACC) * g_scale * gscale
     pt = tl.exp2(st - lse2[None, :]) * g[None, :]
     return dk + _dot(_rn(pt, q.dtype, UPCAST), q, PRECISION, UPCAST)  # P^T Q (log2 units)
@@ -920,7 +920,7 @@ MAX_D = 512
 # (program ids, tile loops, a split's end sp T B + T B clamped to N), and those run past the last
 # row by up to (64 splits + 1) blocks of <= 128 (split_count's cap; CONFIGS, CANDIDATES): 2^16
 # rows of room below 2^31.  At N = 2^31 - 1 the last split's end wrapped negative and its keys were
-# skipped (tests/test_audit_limits.py).  Byte and element offsets are int64 throughout.
+# skipped (tests/test_loss_numerics.py).  Byte and element offsets are int64 throughout.
 MAX_ROWS = INT32_ROWS_MAX
 # The widest row stride (elements) of the operands the kernels step through with 32-bit offsets
 # in a tile (given keys in the 16-bit forward's loop, _fwd_tile; g in the keys' backward,
@@ -1080,7 +1080,7 @@ def saved_parts(a: torch.Tensor, keys: Optional[torch.Tensor]) -> tuple:
 def fp32_dot(mode: Optional[str]):
     """NAC_FAST_FP32_DOT = mode inside the block (None: the environment as it is), restored on the
     way out: plans, candidates and estimates made inside follow that fp32 product mode (the
-    benches that sweep it: tools/autotune.py, tools/compile_check.py, bench/precision_table.py)."""
+    tools that sweep it: tools/autotune.py, tools/compile_check.py)."""
     if mode is None:
         yield
         return
@@ -1478,7 +1478,7 @@ BWD_PLANS = PlanCache("nac_bwd_triton")
 
 
 def _launcher(launches):
-    run(launches)  # the module's `run`, looked up at each call (bench/launch_traffic.py swaps it)
+    run(launches)  # the module's `run`, looked up at each call (a caller may swap it)
 
 
 def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: float = 0.0,

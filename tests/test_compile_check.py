@@ -532,6 +532,55 @@ def test_a_blank_line_in_a_kernel_file_leaves_the_table_current(tmp_path):
     assert "STALE prologue" not in out  # only the changed kernel's launches
 
 
+def _jit_bodies(text):
+    """The (start, end) line indices of every @triton.jit function's body in a module's text."""
+    import ast
+    tree = ast.parse(text)
+    return [(f.body[0].lineno - 1, f.end_lineno) for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef)
+            and any("jit" in ast.unparse(d) for d in f.decorator_list)]
+
+
+def test_a_comment_in_a_kernel_body_leaves_the_table_current(tmp_path):
+    """The keys hold no comment (`code_text`): a comment added inside every @triton.jit body of
+    every kernel file and every existing comment changed keeps each launch's key in the committed
+    table; a changed statement (the control) does not."""
+    def commented(name, text):
+        lines = text.split("\n")
+        for start, end in sorted(_jit_bodies(text), reverse=True):
+            indent = lines[start][:len(lines[start]) - len(lines[start].lstrip())]
+            lines.insert(start, f"{indent}# an added comment  ")
+        lines = [x + "  # and one more" if x.lstrip().startswith("#") else x for x in lines]
+        return "\n".join(lines)
+    text = open(os.path.join(ROOT, "kernels", "nac_triton.py")).read()
+    assert len(_jit_bodies(text)) > 10 and commented("x", text) != text
+    assert CC.code_text(commented("x", "def f(x):\n    # c\n    return x  # d\n")) == \
+        "def f(x):\n    return x"
+    rc, out, _ = _check_kernel_copy(tmp_path / "comment", commented)
+    assert rc == 0 and "compile check: 0 launches without a row" in out, out[-4000:]
+
+    def changed(name, text):
+        text = commented(name, text)
+        if name != "nac_triton.py":
+            return text
+        head, tail = text.split("def _fwd_kernel(")
+        return head + "def _fwd_kernel(" + tail.replace("\n    pid", "\n    pid_unused = 0\n    pid", 1)
+    rc, out, _ = _check_kernel_copy(tmp_path / "changed", changed)
+    assert rc == 1 and "STALE fwd sm_90" in out, out[-4000:]
+    assert "STALE prologue" not in out  # only the changed kernel's launches
+
+
+def test_code_text_cuts_comments_only():
+    """Comments go by their tokenize positions, strings that hold a # stay, the lines are the
+    source's own (no token re-rendered); a source that does not tokenize is refused."""
+    src = ('def f(x,  # a\n      y):\n    # whole line \u2248\n\n    s = "# no"  # b\n'
+           '    t = """\n# in a string\n"""\n    return s  \n')
+    assert CC.code_text(src) == ('def f(x,\n      y):\n    s = "# no"\n    t = """\n'
+                                 '# in a string\n"""\n    return s')
+    with pytest.raises(ValueError, match="src: does not tokenize"):
+        CC.code_text("def f(:\n    return (1,\n")
+
+
 def test_the_committed_tables_keys_are_current():
     """Every launch of the full grid has its key in bench/results/compile_check.csv (seconds:
     nothing compiled); test_the_committed_table_is_current (slow) compiles a sample to verify."""

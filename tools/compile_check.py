@@ -21,8 +21,8 @@ metadata the shared memory, and ``cuobjdump -sass`` the matrix instructions (HGM
 
 Each row carries its launch's `key` (`launch_key`): the sha256 of what decides the compiled code
 -- the kernel's source text and that of everything it calls, with the values of the globals they
-read, but no line number (`source_digest`; Triton's own cache key holds the starting line, so an
-edit that only moves a kernel changed it), the specialised signature, constexprs, warps, stages,
+read, but no line number, comment or blank line (`source_digest`, `code_text`; Triton's own cache
+key holds the starting line, so an edit that only moves a kernel changed it), the specialised signature, constexprs, warps, stages,
 the arch, the Triton version and its compile-changing environment -- and of this file's measuring
 code.  ``--reuse CSV`` takes the compiled figures (registers, spills,
 shared memory, MMA count, compile seconds) of every launch whose key is in CSV instead of
@@ -471,7 +471,33 @@ def _int_mma_digest() -> str:
     return hashlib.sha256(inspect.getsource(_compile_int_mma).encode()).hexdigest()
 
 
-KEY_FORMAT = 2  # 1: the sha256 of Triton's compile-cache key (which holds source line numbers)
+# 1: the sha256 of Triton's compile-cache key (which holds source line numbers); 2: source_digest
+# of the source text with its comments and blank lines; 3: without them (code_text)
+KEY_FORMAT = 3
+
+
+def code_text(src: str) -> str:
+    """`src` without its comments, trailing whitespace and blank lines: what of a function's text
+    reaches the compiler.  The COMMENT tokens are cut out of the raw text where tokenize finds them
+    (a comment runs to the end of its line, so it is cut by its length from the line's end, not by
+    a column offset); no token is re-rendered, so the text is the same under every Python version
+    whose tokenizer finds the same comments.  ValueError when `src` does not tokenize."""
+    import io
+    import tokenize
+
+    lines = io.StringIO(src).readlines()  # the lines tokenize reads, numbered as it numbers them
+    try:
+        comments = [t for t in tokenize.generate_tokens(io.StringIO(src).readline)
+                    if t.type == tokenize.COMMENT]
+    except (tokenize.TokenError, SyntaxError) as exc:
+        raise ValueError(f"src: does not tokenize: {exc}") from exc
+    for t in comments:
+        row = t.start[0] - 1
+        line, text = lines[row].rstrip(), t.string.rstrip()
+        if not line.endswith(text):
+            raise ValueError(f"src: line {row + 1}'s comment {text!r} does not end the line")
+        lines[row] = line[:len(line) - len(text)]
+    return "\n".join(x.rstrip() for x in lines if x.strip())
 
 
 def _is_jit(v) -> bool:
@@ -490,11 +516,11 @@ def _jit_source(fn) -> str:
 @functools.lru_cache(maxsize=None)
 def source_digest(fn) -> str:
     """The sha256 of what a kernel's compiled code follows from in this repository: its source
-    text and that of every Triton function it calls (transitively, by name through its module's
+    text without comments and blank lines (`code_text`) and that of every Triton function it calls (transitively, by name through its module's
     globals, or `module.name`), and the values of the globals they read (tl.constexpr and plain
     numbers), each under its qualified name.  Unlike Triton's own cache key it holds no line
     number (those reach the binary only as debug line info, none of the figures), so an edit that
-    moves a kernel without changing it keeps its key; Triton's own functions (tl.*) are covered
+    moves a kernel, or only edits its comments, keeps its key; Triton's own functions (tl.*) are covered
     by the Triton version in `launch_key`."""
     import ast
     import types
@@ -508,7 +534,7 @@ def source_digest(fn) -> str:
             continue
         seen.add(name)
         src = _jit_source(f)
-        parts.append(f"fn {name}\n{src}")
+        parts.append(f"fn {name}\n{code_text(src)}")
         glob = f.fn.__globals__
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, ast.Name):
