@@ -3,10 +3,6 @@
     python bench/host_overhead.py                      # no GPU: the Python side, launches stubbed
     python bench/host_overhead.py --gpu --csv bench/results/<gpu>_<date>/host_gpu.csv
 
---stub (the default without a GPU): the Triton backend's real call path on CPU tensors, planned
-for sm_90, its kernel launches no-ops; per call the microseconds, Triton launches, ATen launches
-and allocations.  --gpu: per shape and backend the host time, the back-to-back time and the
-CUDA-graph time, against eager and torch.compile, with the host's floor and issue 37's goals.
 Rows, columns and method: docs/kernels.md "The benchmark scripts in detail".
 """
 from __future__ import annotations
@@ -21,6 +17,7 @@ import pstats
 import statistics
 import sys
 import time
+import types
 
 if "--gpu" not in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors reach the op
@@ -36,17 +33,15 @@ from nac_fast.ops import dispatch, loss as loss_mod, nac, reference  # noqa: E40
 FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "mode", "kind", "n", "N",
           "D", "dtype", "backend", "resolved", "host_s", "back_to_back_s", "graph_s",
           "launches", "plans_recorded", "x_eager", "x_compile", "status",
-          # --stub: the kernel-launching ATen ops of one call, the tensors it allocates
-          "aten_launches", "aten_ops", "allocations",
-          "bound_s", "pct_of_bound"]  # the case's floor on this GPU and graph_s against it
+          "aten_launches", "aten_ops", "allocations", "bound_s", "pct_of_bound"]
 GPU_CASES = [("inbatch", 512, 512, "bfloat16"), ("inbatch", 8192, 8192, "bfloat16"),
              ("mq", 256, 65536, "bfloat16"), ("mq", 8192, 65536, "bfloat16"),
-             # fp32 (the loss's default precision) at a large and a training step's shape
              ("inbatch", 8192, 8192, "float32"), ("mq", 256, 65536, "float32")]
 GPU_BACKENDS = "reference,compiled-reference,triton,triton-unfolded,cuda,auto"
 CRITERION_CASES = (("inbatch", 512, 512), ("mq", 256, 65536))  # a training step's sizes, bf16
 CALLS, REPEATS, P = 200, 3, 0.1
 HOST_CALLS = 48  # under the GPU's launch queue (about 1,000 launches) at ~10 launches a call
+nullctx = contextlib.nullcontext
 
 
 def _inputs(kind, n, N, D, dtype, device, seed=0):
@@ -58,33 +53,32 @@ def _inputs(kind, n, N, D, dtype, device, seed=0):
     return a, r.requires_grad_(), None
 
 
+def _noise(n, D, dtype, device):
+    return nac_fast.draw_noise((n, D), P, device=device, dtype=dtype)
+
+
 def user_step(kind, n, N, D, dtype, device, backend, noise_inside: bool = True):
-    """One forward+backward as users call it (noise drawn inside, the loss's own checks), on
-    fresh inputs; noise_inside=False: the noise drawn once, outside (no RNG in a graph capture)."""
+    """One forward+backward as users call it, on fresh inputs; noise_inside=False: the noise
+    drawn once, outside (no RNG in a graph capture)."""
     a, r, queue = _inputs(kind, n, N, D, dtype, device)
-    noise = None if noise_inside else nac_fast.draw_noise((n, D), P, device=device, dtype=dtype)
+    noise = None if noise_inside else _noise(n, D, dtype, device)
 
     def step():
         a.grad = r.grad = None
-        if kind == "mq":
-            nac_fast.nac_mq_loss(a, r, queue, P, l2=0.1, noise=noise, backend=backend).backward()
-        else:
-            nac_fast.nac_loss(a, r, P, noise=noise, backend=backend).backward()
+        (nac_fast.nac_mq_loss(a, r, queue, P, l2=0.1, noise=noise, backend=backend) if queue
+         is not None else nac_fast.nac_loss(a, r, P, noise=noise, backend=backend)).backward()
     return step
 
 
 def criterion_step(kind, n, N, D, dtype, device, backend):
-    """One forward+backward of the nn.Module criterion as a training loop calls it: NACLoss on two
-    views of n/2 rows, or NACMQLoss with the momentum outputs and a CodeQueue of N codes (its VI
-    term included)."""
-    half = max(1, n // 2)
-    g = torch.Generator(device="cpu").manual_seed(n + N)
-    leaf = lambda: torch.randn(half, D, generator=g).to(device, dtype).requires_grad_()  # noqa: E731
-    outs = [(leaf(), leaf()), (leaf(), leaf())]
+    """NACLoss on two views of n/2 rows, or NACMQLoss with momentum outputs and a CodeQueue of N
+    codes (its VI term included): one forward+backward as a training loop calls it."""
+    half, g = max(1, n // 2), torch.Generator(device="cpu").manual_seed(n + N)
+    rand = lambda: torch.randn(half, D, generator=g).to(device, dtype)  # noqa: E731
+    outs = [(rand().requires_grad_(), rand().requires_grad_()) for _ in range(2)]
     if kind == "mq":
         crit = nac_fast.NACMQLoss(P, l2=0.1, backend=backend)
-        mom = [(torch.randn(half, D, generator=g).to(device, dtype),
-                torch.randn(half, D, generator=g).to(device, dtype)) for _ in range(2)]
+        mom = [(rand(), rand()) for _ in range(2)]
         queue = nac_fast.CodeQueue(N, D, device=device, dtype=dtype)
         call = lambda: crit(outs[0], outs[1], mom[0], mom[1], queue)  # noqa: E731
     else:
@@ -113,89 +107,78 @@ def compiled_step(kind, n, N, D, dtype, device, backend_name="inductor", fn=None
         torch._dynamo.reset()
         fn = torch.compile(_reference_fn, backend=backend_name, fullgraph=True, dynamic=False)
     a, r, queue = _inputs(kind, n, N, D, dtype, device)
-    fixed = None if noise_inside else nac_fast.draw_noise((n, D), P, device=device, dtype=dtype)
+    fixed = None if noise_inside else _noise(n, D, dtype, device)
 
     def step():
         a.grad = r.grad = None
-        noise = fixed if fixed is not None else nac_fast.draw_noise((n, D), P, device=a.device,
-                                                                    dtype=dtype)
-        fn(a, r, noise, queue).backward()
+        fn(a, r, fixed if fixed is not None else _noise(n, D, dtype, a.device), queue).backward()
     return step, fn
 
 
 @contextlib.contextmanager
+def patched(patches):
+    """setattr(module, name, value) for each of `patches`, undone on exit."""
+    saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
+    for m, name, val in patches:
+        setattr(m, name, val)
+    try:
+        yield
+    finally:
+        for m, name, val in saved:
+            setattr(m, name, val)
+
+
 def op_path():
     """The path of every eager call before the plan cache: the registered ops (torch.library
     dispatch and autograd) with each call's plan built afresh and launched through `run`."""
     from nac_fast.kernels import nac_noise_triton, nac_triton
     from nac_fast.ops import noise
-    mods = (nac, nac_triton, nac_noise_triton, noise)
-    names = ("_eager_real", "eager_real", "eager_real", "eager_real")
-    saved = [getattr(m, nm) for m, nm in zip(mods, names)]
-    for m, nm in zip(mods, names):
-        setattr(m, nm, lambda t: False)
-    try:
-        yield
-    finally:
-        for m, nm, v in zip(mods, names, saved):
-            setattr(m, nm, v)
+    off = lambda t: False  # noqa: E731
+    return patched([(nac, "_eager_real", off), (nac_triton, "eager_real", off),
+                    (nac_noise_triton, "eager_real", off), (noise, "eager_real", off)])
 
 
 # ---- --stub: no GPU ------------------------------------------------------------------------------
 
-class StubLaunches:
-    """Kernel launches replaced by no-ops at the compiled kernel's launcher (counted), the plans
-    made for sm_90 and their scratch kept, the noise's seed drawn on the host as on a GPU (from a
-    counter, through host_seed's mix), backend="auto" resolving as on a GPU, value checks off."""
+@contextlib.contextmanager
+def stub_launches():
+    """Kernel launches replaced by no-ops at the compiled kernel's launcher (counted: .launches),
+    the plans made for sm_90 and their scratch kept, the noise's seed drawn on the host as on a
+    GPU (a counter through host_seed's mix), backend="auto" resolving as on a GPU, value checks
+    off (as on GPU tensors)."""
+    from nac_fast.kernels import launch, nac_noise_triton, nac_triton
+    from nac_fast.ops.noise import mix_seed
+    stub, offset = types.SimpleNamespace(launches=0), [0]
 
-    def __init__(self):
-        self.launches = 0
+    def noop(*args):
+        stub.launches += 1
 
-    def __enter__(self):
-        from nac_fast.kernels import launch, nac_noise_triton, nac_triton
-        from nac_fast.ops.noise import mix_seed
+    def run_stub(launches):  # the uncached path's launcher (wrap_triton -> JITFunction.run)
+        stub.launches += sum(1 for L in launches if all(g > 0 for g in L.grid))
 
-        def noop(*args):
-            self.launches += 1
-
-        def run_stub(launches):  # the uncached path's launcher (wrap_triton -> JITFunction.run)
-            self.launches += sum(1 for L in launches if all(g > 0 for g in L.grid))
-        offset = [0]
-
-        def host_seed(device, generator=None):
-            offset[0] += 4
-            return mix_seed(12345, offset[0])
-        patches = [(launch, "direct_launches", lambda device: True),
-                   (launch, "_first_launch", lambda L: (noop(), (noop, 0, None))[1]),
-                   (launch, "_stream", lambda index: 0),
-                   (launch, "_keeps_scratch", lambda device: launch.KEEP_SCRATCH),
-                   (loss_mod, "host_seed", host_seed), (launch, "run", run_stub),
-                   (nac_triton, "run", run_stub), (nac_noise_triton, "run", run_stub),
-                   (nac_triton, "target_of", lambda device: launch.SM90),
-                   (dispatch, "_auto", lambda t, op, keys, avail: ("triton", "probe: as on a GPU"))]
-        self._saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
-        for m, name, val in patches:
-            setattr(m, name, val)
+    def host_seed(device, generator=None):
+        offset[0] += 4
+        return mix_seed(12345, offset[0])
+    with patched([(launch, "direct_launches", lambda device: True),
+                  (launch, "_first_launch", lambda L: (noop(), (noop, 0, None))[1]),
+                  (launch, "_stream", lambda index: 0),
+                  (launch, "_keeps_scratch", lambda device: launch.KEEP_SCRATCH),
+                  (loss_mod, "host_seed", host_seed), (launch, "run", run_stub),
+                  (nac_triton, "run", run_stub), (nac_noise_triton, "run", run_stub),
+                  (nac_triton, "target_of", lambda device: launch.SM90),
+                  (dispatch, "_auto", lambda t, op, keys, avail: ("triton", "probe: as on a GPU"))]):
         # plans cached under another stub would launch that stub's counter: start afresh
         for cache in (nac_triton.FWD_PLANS, nac_triton.BWD_PLANS, nac_noise_triton.PLANS):
             cache.clear()
-        self._checks = loss_mod.value_checks(False)  # as on GPU tensors: no data-reading checks
-        self._checks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._checks.__exit__(*exc)
-        for mod, name, val in self._saved:
-            setattr(mod, name, val)
-        return False
+        with loss_mod.value_checks(False):
+            yield stub
 
 
-_NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select",
-              "narrow", "as_strided", "detach", "alias", "empty", "empty_like", "empty_strided",
-              "new_empty", "new_empty_strided", "unsqueeze", "squeeze", "reshape", "_to_copy_noop",
-              "lift_fresh", "is_same_size", "_reshape_alias", "sym_size", "sym_stride",
-              "sym_numel", "sym_storage_offset", "_local_scalar_dense", "set_", "resize_",
-              "split", "unbind", "clone_noop", "_has_compatible_shallow_copy_type"}
+_NO_KERNEL = set("""view _unsafe_view t transpose permute expand slice select narrow as_strided
+    detach alias empty empty_like empty_strided new_empty new_empty_strided unsqueeze squeeze
+    reshape _to_copy_noop lift_fresh is_same_size _reshape_alias sym_size sym_stride sym_numel
+    sym_storage_offset _local_scalar_dense set_ resize_ split unbind clone_noop
+    _has_compatible_shallow_copy_type""".split())
 
 
 def _tensors(x):
@@ -206,43 +189,27 @@ def _tensors(x):
             yield from _tensors(y)
 
 
-class AtenLaunches:
-    """Counts the ATen ops of a call that would launch a kernel on a GPU (views, allocations and
-    metadata ops launch none: _NO_KERNEL), the call still taking its eager path:
-    a dispatch mode records them, and the eager-path test (dispatch.eager_real: no mode on the
-    stack) is told the stack is empty while it does."""
+@contextlib.contextmanager
+def aten_launches():
+    """Counts the ATen ops of a call that would launch a kernel on a GPU (.ops: not _NO_KERNEL's)
+    and the tensors with memory of their own they make (.allocs); the eager-path test (no
+    dispatch mode on the stack) is told the stack is empty meanwhile."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    counter = types.SimpleNamespace(ops=[], allocs=0)
 
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-        self.ops: list = []
-        self.allocs = 0  # tensors with memory of their own made by the call's ATen ops
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func.overloadpacket.__name__
-                if func.namespace == "aten" and name not in _NO_KERNEL:
-                    counter.ops.append(name)
-                out = func(*args, **(kwargs or {}))
-                seen = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))
-                        if t.device.type != "meta"}
-                counter.allocs += sum(1 for t in _tensors(out) if t.numel() and
-                                      t.untyped_storage().data_ptr() not in seen)
-                return out
-
-        self._mode = Mode()
-
-    def __enter__(self):
-        self._saved = torch._C._len_torch_dispatch_stack
-        torch._C._len_torch_dispatch_stack = lambda: 0
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
-        torch._C._len_torch_dispatch_stack = self._saved
-        return False
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if func.namespace == "aten" and name not in _NO_KERNEL:
+                counter.ops.append(name)
+            out = func(*args, **(kwargs or {}))
+            seen = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))
+                    if t.device.type != "meta"}
+            counter.allocs += sum(1 for t in _tensors(out) if t.numel() and
+                                  t.untyped_storage().data_ptr() not in seen)
+            return out
+    with patched([(torch._C, "_len_torch_dispatch_stack", lambda: 0)]), Mode():
+        yield counter
 
 
 def _per_call(step, calls: int, repeats: int = 5) -> float:
@@ -259,10 +226,9 @@ def _per_call(step, calls: int, repeats: int = 5) -> float:
 
 
 def _folding(backend: str):
-    """"triton-unfolded": the Triton backend with the row-wise tails as launches of their own
-    (NAC_FAST_FOLD=0), the A/B of kernels/nac_triton.py `folding`."""
+    """"triton-unfolded": Triton with the row-wise tails as launches of their own (NAC_FAST_FOLD=0)."""
     from nac_fast.kernels import nac_triton
-    return nac_triton.fold(False) if backend == "triton-unfolded" else contextlib.nullcontext()
+    return nac_triton.fold(False) if backend == "triton-unfolded" else nullctx()
 
 
 def _call_backend(backend: str) -> str:
@@ -274,15 +240,14 @@ def _stub_row(make, kind, n, N, D, dtype, backend, calls, repeats, context):
     plans a further call records (none when cached)."""
     from nac_fast.kernels import nac_triton
     plans = lambda: nac_triton.FWD_PLANS.recorded + nac_triton.BWD_PLANS.recorded  # noqa: E731
-    with StubLaunches() as stub, context, _folding(backend):
+    with stub_launches() as stub, context, _folding(backend):
         step = make()
         step()  # records the plans
         step()  # their first call: the kept scratch is made
         before, stub.launches = plans(), 0
-        with AtenLaunches() as aten:
+        with aten_launches() as aten:
             step()
-        launches = stub.launches
-        t = _per_call(step, calls, repeats)
+        launches, t = stub.launches, _per_call(step, calls, repeats)
         rebuilt = plans() - before
     return dict(mode="stub-sm90", kind=kind, n=n, N=N, D=D, dtype=str(dtype)[6:],
                 backend=backend, resolved="triton", host_s=t, launches=launches,
@@ -293,24 +258,21 @@ def _stub_row(make, kind, n, N, D, dtype, backend, calls, repeats, context):
 
 def stub_rows(calls: int = 200, repeats: int = 5):
     """The --stub measurement: rows of seconds per call."""
-    rows = []
-    cases = [("inbatch", 512, 512, 128, torch.bfloat16), ("mq", 256, 4096, 128, torch.bfloat16)]
-    for kind, n, N, D, dtype in cases:
+    rows, bf16 = [], torch.bfloat16
+    cases = [("inbatch", 512, 512, 128), ("mq", 256, 4096, 128)]
+    for kind, n, N, D in cases:
         for backend in ("triton", "triton-unfolded", "triton-op-path"):
-            rows.append(_stub_row(lambda: user_step(kind, n, N, D, dtype, "cpu", "triton"),
-                                  kind, n, N, D, dtype, backend, calls, repeats,
-                                  op_path() if backend.endswith("op-path")
-                                  else contextlib.nullcontext()))
-    for kind, n, N, D, dtype in cases:  # the criteria (nn.Module) around the same fused loss
-        rows.append(_stub_row(lambda: criterion_step(kind, n, N, D, dtype, "cpu", "triton"),
-                              kind, n, N, D, dtype, "triton-criterion", calls, repeats,
-                              contextlib.nullcontext()))
-    # the CPU backend's own overhead: a tiny shape, its kernel's work negligible
-    with loss_mod.value_checks(False):
+            rows.append(_stub_row(lambda: user_step(kind, n, N, D, bf16, "cpu", "triton"),
+                                  kind, n, N, D, bf16, backend, calls, repeats,
+                                  op_path() if backend.endswith("op-path") else nullctx()))
+    for kind, n, N, D in cases:  # the criteria (nn.Module) around the same fused loss
+        rows.append(_stub_row(lambda: criterion_step(kind, n, N, D, bf16, "cpu", "triton"),
+                              kind, n, N, D, bf16, "triton-criterion", calls, repeats, nullctx()))
+    with loss_mod.value_checks(False):  # the CPU backend's own overhead: a tiny shape
         for kind, n, N, D in (("inbatch", 4, 4, 8), ("mq", 4, 16, 8)):
             for backend in ("cpu", "cpu-op-path", "reference"):
                 call = backend.replace("-op-path", "")
-                with (op_path() if backend.endswith("op-path") else contextlib.nullcontext()):
+                with (op_path() if backend.endswith("op-path") else nullctx()):
                     t = _per_call(user_step(kind, n, N, D, torch.float32, "cpu", call), calls,
                                   repeats)
                 rows.append(dict(mode="cpu", kind=kind, n=n, N=N, D=D, dtype="float32",
@@ -324,11 +286,9 @@ def _host_and_back_to_back(step, calls: int | None = None, repeats: int | None =
     """(host_s, back_to_back_s) per call, medians over `repeats` runs.  host_s: HOST_CALLS calls
     issued from an idle GPU, host clock only (the launch queue never fills); back_to_back_s:
     `calls` calls and the sync after them, per call."""
-    calls = CALLS if calls is None else calls
-    repeats = REPEATS if repeats is None else repeats
+    calls, repeats = calls or CALLS, repeats or REPEATS
     for _ in range(5):
         step()
-    torch.cuda.synchronize()
     host, total = [], []
     for _ in range(repeats):
         for out, k in ((host, min(calls, HOST_CALLS)), (total, calls)):
@@ -352,6 +312,22 @@ def _failed(exc, width=200) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:width] if str(exc) else ''}"
 
 
+def _steps(kind, n, N, D, dtype, device, backend, compile_backend):
+    """(step, the graph rows' step maker, resolved) of a --gpu row."""
+    if backend == "compiled-reference":
+        step, cfn = compiled_step(kind, n, N, D, dtype, device, compile_backend)
+        return step, lambda: compiled_step(kind, n, N, D, dtype, device, fn=cfn,
+                                           noise_inside=False)[0], \
+            f"torch.compile({compile_backend})"
+    call = _call_backend(backend)
+    resolved = dispatch.resolve_backend(
+        "auto", torch.empty(1, device=device, dtype=dtype),
+        keys=None if kind == "inbatch" else torch.empty(1, 1, device=device)) \
+        if backend == "auto" else call
+    return user_step(kind, n, N, D, dtype, device, call), \
+        lambda: user_step(kind, n, N, D, dtype, device, call, noise_inside=False), resolved
+
+
 def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = True,
              device: str = "cuda"):
     """The --gpu rows (`device` other than cuda: the tests' CPU run of this code, with the CUDA
@@ -364,20 +340,8 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
                 continue  # the fold's A/B at the bf16 shapes (the host stage's time)
             row = dict(mode="gpu", kind=kind, n=n, N=N, D=D, dtype=dname, backend=backend)
             try:
-                if backend == "compiled-reference":
-                    step, cfn = compiled_step(kind, n, N, D, dtype, device, compile_backend)
-                    graph_step_fn = lambda: compiled_step(  # noqa: E731
-                        kind, n, N, D, dtype, device, fn=cfn, noise_inside=False)[0]
-                    row["resolved"] = f"torch.compile({compile_backend})"
-                else:
-                    call = _call_backend(backend)
-                    step = user_step(kind, n, N, D, dtype, device, call)
-                    graph_step_fn = lambda: user_step(  # noqa: E731
-                        kind, n, N, D, dtype, device, call, noise_inside=False)
-                    row["resolved"] = (dispatch.resolve_backend(
-                        "auto", torch.empty(1, device=device, dtype=dtype),
-                        keys=None if kind == "inbatch" else torch.empty(1, 1, device=device))
-                        if backend == "auto" else call)
+                step, graph_step_fn, row["resolved"] = _steps(kind, n, N, D, dtype, device,
+                                                              backend, compile_backend)
                 with _folding(backend):
                     host, total = _host_and_back_to_back(step)
                 row.update(host_s=host, back_to_back_s=total, status="ok")
@@ -389,8 +353,7 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
                         row["status"] = f"ok (no graph: {_failed(exc, 120)})"
                         torch.cuda.synchronize()
                     else:
-                        bnd = _bound(kind, n, N, D, dname)
-                        if bnd is not None:
+                        if (bnd := _bound(kind, n, N, D, dname)) is not None:
                             row.update(bound_s=bnd, pct_of_bound=100.0 * bnd / row["graph_s"])
             except Exception as exc:  # a failed row is recorded and fails the run
                 row["status"] = "failed: " + _failed(exc)
@@ -400,13 +363,12 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
             rows.append(row)
             print(_fmt(row), flush=True)
             torch.cuda.empty_cache()
-    for row in rows:  # per call as a loop sees it (back_to_back_s)
+    for row in filter(_ok, rows):  # per call as a loop sees it (back_to_back_s)
         base = {r["backend"]: r["back_to_back_s"] for r in rows if _ok(r) and
                 all(r[k] == row[k] for k in ("kind", "n", "N", "dtype"))}
-        if _ok(row):
-            for col, b in (("x_eager", "reference"), ("x_compile", "compiled-reference")):
-                if b in base:
-                    row[col] = base[b] / row["back_to_back_s"]
+        for col, b in (("x_eager", "reference"), ("x_compile", "compiled-reference")):
+            if b in base:
+                row[col] = base[b] / row["back_to_back_s"]
     return rows
 
 
@@ -423,9 +385,9 @@ def _measured(row, step):
 
 
 def criterion_rows(device: str = "cuda", cases=CRITERION_CASES, dname: str = "bfloat16"):
-    """--gpu: the nn.Module criteria as a training loop calls them (criterion_step), host and
-    back-to-back time per step, "reference" (torch ops throughout) against "auto" (the fused
-    loss and enqueue).  No graph row: the criterion draws its noise and writes the queue."""
+    """--gpu: the criteria's host and back-to-back time per step (criterion_step), "reference"
+    (torch ops) against "auto" (the fused loss and enqueue).  No graph row: the criterion draws
+    its noise and writes the queue."""
     rows = []
     for kind, n, N in cases:
         ref, auto = (_measured(dict(mode="gpu", kind=kind, n=n, N=N, D=128, dtype=dname,
@@ -440,8 +402,7 @@ def criterion_rows(device: str = "cuda", cases=CRITERION_CASES, dname: str = "bf
 
 
 class _OneEachWay(torch.autograd.Function):
-    """The least a fused loss can launch: one kernel forward (a sum), one backward (the expanded
-    gradient, materialised)."""
+    """The least a fused loss can launch: a sum forward, the expanded gradient backward."""
 
     @staticmethod
     def forward(ctx, a):
@@ -454,9 +415,8 @@ class _OneEachWay(torch.autograd.Function):
 
 
 def floor_rows(device: str = "cuda", n: int = 512, D: int = 128):
-    """The host floor of this machine (kind "floor"), timed as the loss rows are: floor-launch,
-    one ATen launch (x.add_(1)); floor-autograd, _OneEachWay on a fresh (n, D) bf16 leaf and
-    backward(): the least any fused loss called through autograd costs the host here."""
+    """The host floor (kind "floor"), timed as the loss rows are: floor-launch, one ATen launch;
+    floor-autograd, _OneEachWay on a fresh (n, D) bf16 leaf and backward()."""
     x = torch.zeros(4, device=device)
     a = torch.randn(n, D, device=device).to(torch.bfloat16)
     steps = (("floor-launch", lambda: x.add_(1.0)),
@@ -471,8 +431,8 @@ def _ok(row) -> bool:
 
 
 def _bound(kind, n, N, D, dname):
-    """The case's time floor on this GPU (common.bound, the kernels' fp32 mode), or None on a
-    GPU it does not know (the queue rows' r_hat bytes counted all the same: a few percent)."""
+    """The case's floor on this GPU (common.bound, the kernels' fp32 mode), or None on a GPU it
+    does not know."""
     name = torch.cuda.get_device_name()
     if not common.known_gpu(name):
         return None
@@ -493,8 +453,8 @@ def profile_triton(path: str) -> None:
     torch.cuda.synchronize()
     pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
     with open(path, "w") as f:
-        f.write("cProfile of 100 triton fwd+bwd, in-batch 8192 x 128 bf16 (as users call it)\n")
-        f.write(out.getvalue())
+        f.write("cProfile of 100 triton fwd+bwd, in-batch 8192 x 128 bf16 (as users call it)\n"
+                + out.getvalue())
 
 
 # ---- output --------------------------------------------------------------------------------------
@@ -520,25 +480,24 @@ def goals(rows) -> list[str]:
             ("inbatch", 512): (2.0, None)}  # x eager, x torch.compile
     verdict = lambda x, goal: "PASS" if x is not None and x >= goal else "MISS"  # noqa: E731
     out = []
-    floor = {r["backend"]: r["host_s"] for r in rows if r.get("kind") == "floor" and _ok(r)}
-    if floor:
+    if floor := {r["backend"]: r["host_s"] for r in rows if r.get("kind") == "floor" and _ok(r)}:
         out.append("floor of this host: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in
                                                       floor.items())
                    + " (floor-autograd: the least a loss called through autograd costs it; the "
                    "60 us goal is " + ("below" if floor.get("floor-autograd", 0) > 60e-6 else
                                        "above") + " it)")
     for row in rows:
-        if row.get("kind") == "floor" or row.get("mode") != "gpu" or not _ok(row):
+        if row.get("kind") == "floor" or row.get("mode") != "gpu" or not _ok(row) \
+                or row["dtype"] != "bfloat16":
             continue
         case, tag = (row["kind"], row["n"]), f"{row['kind']} {row['n']}x{row['N']} {row['backend']}"
-        if row["backend"] in ("triton", "cuda", "auto") and row["dtype"] == "bfloat16" \
-                and case in want:
+        if row["backend"] in ("triton", "cuda", "auto") and case in want:
             (ge, gc), xe, xc = want[case], row.get("x_eager"), row.get("x_compile")
             line = f"{verdict(xe, ge)} {tag}: {xe or 0:.2f}x eager (goal >= {ge}x)"
             if gc is not None:
                 line += f"; {verdict(xc, gc)} {xc or 0:.2f}x torch.compile (goal >= {gc}x)"
             out.append(line)
-        if row["backend"] in ("triton", "cuda") and row["dtype"] == "bfloat16":
+        if row["backend"] in ("triton", "cuda"):
             host = row["host_s"] * 1e6
             out.append(f"{'PASS' if host <= 60 else 'MISS'} host time {tag}: {host:.1f} us per "
                        "fwd+bwd (goal <= 60 us)")
@@ -546,15 +505,13 @@ def goals(rows) -> list[str]:
 
 
 def fold_lines(rows) -> list[str]:
-    """The fold's A/B (docs/gpu.md "The row-wise tails folded"): per case, the triton row
-    (tails folded) against triton-unfolded (NAC_FAST_FOLD=0) in host, back-to-back and graph
-    time, folded minus unfolded in us (negative: the fold is faster)."""
+    """The fold's A/B (docs/gpu.md "The row-wise tails folded"): per case, triton against
+    triton-unfolded, folded minus unfolded in us (negative: the fold is faster)."""
     out = []
     by = {(r["kind"], r["n"], r["N"], r["dtype"], r["backend"]): r for r in rows
           if r.get("mode") == "gpu" and _ok(r)}
     for (kind, n, N, dname, backend), f in by.items():
-        u = by.get((kind, n, N, dname, "triton-unfolded"))
-        if backend != "triton" or u is None:
+        if backend != "triton" or (u := by.get((kind, n, N, dname, "triton-unfolded"))) is None:
             continue
         parts = [f"{k[:-2]} {(f[k] - u[k]) * 1e6:+.1f} us ({f[k] * 1e6:.1f} vs {u[k] * 1e6:.1f})"
                  for k in ("host_s", "back_to_back_s", "graph_s")
@@ -564,8 +521,7 @@ def fold_lines(rows) -> list[str]:
 
 
 def write_csv(path: str, rows) -> None:
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    run = common.run_fields(dev)
+    run = common.run_fields(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     fmt = lambda k, v: (f"{v:.3f}" if k in ("x_eager", "x_compile", "pct_of_bound")  # noqa: E731
                         else f"{v:.9f}") if isinstance(v, float) else v
     common.append_rows(path, [{k: fmt(k, v) for k, v in dict(run, **row).items()} for row in rows],
@@ -579,13 +535,19 @@ def _cases(ap, text):
     except ValueError:
         ap.error(f"--cases must be kind:n:N:dtype,..., got {text!r}")
     for k, n, N, d in cases:
-        if k not in ("inbatch", "mq"):
-            ap.error(f"--cases: kind must be inbatch or mq, got {k!r}")
-        if d not in ("bfloat16", "float16", "float32", "float64"):
-            ap.error(f"--cases: dtype must be bfloat16, float16, float32 or float64, got {d!r}")
-        if n < 1 or N < 1:
-            ap.error("--cases: n and N must be >= 1")
+        if k not in ("inbatch", "mq") or n < 1 or N < 1 or d not in (
+                "bfloat16", "float16", "float32", "float64"):
+            ap.error(f"--cases: kind inbatch or mq, n and N >= 1, dtype bfloat16, float16, "
+                     f"float32 or float64; got {k}:{n}:{N}:{d}")
     return cases
+
+
+GPU_FLAGS = {"--backends": dict(help="comma list (default: " + GPU_BACKENDS + "; triton-unfolded: "
+                                "triton with NAC_FAST_FOLD=0)"),
+             "--cases": dict(help="kind:n:N:dtype,... (default: GPU_CASES)"),
+             "--no-graphs": dict(action="store_true", help="skip the CUDA-graph rows"),
+             "--compile-backend": dict(help="torch.compile backend of compiled-reference (inductor)"),
+             "--profile-out": dict(help="cProfile of 100 triton calls to this file")}
 
 
 def main(argv=None):
@@ -597,21 +559,13 @@ def main(argv=None):
     ap.add_argument("--csv", default=None, help="append the rows to this CSV")
     ap.add_argument("--calls", type=int, default=CALLS, help="calls per timing (default 200)")
     ap.add_argument("--repeats", type=int, default=5, help="--stub: timings per row (median)")
-    ap.add_argument("--backends", default=None,
-                    help="--gpu: comma list (default: " + GPU_BACKENDS + "; triton-unfolded: "
-                    "triton with NAC_FAST_FOLD=0)")
-    ap.add_argument("--cases", default=None,
-                    help="--gpu: kind:n:N:dtype,... (default: bf16 in-batch 512 and 8192, queue "
-                    "256 and 8192 x 65536; fp32 in-batch 8192 and queue 256 x 65536)")
-    ap.add_argument("--no-graphs", action="store_true", help="--gpu: skip the CUDA-graph rows")
-    ap.add_argument("--compile-backend", default=None,
-                    help="--gpu: torch.compile backend of the compiled-reference rows (inductor)")
-    ap.add_argument("--profile-out", default=None, help="--gpu: cProfile of 100 triton calls")
+    for flag, kw in GPU_FLAGS.items():
+        ap.add_argument(flag, **dict(kw, help="--gpu: " + kw["help"]))
     args = ap.parse_args(argv)
     if args.calls < 1 or args.repeats < 1:
         ap.error("--calls and --repeats must be >= 1")
     if not args.gpu:  # the --gpu options are not silently ignored
-        for flag in ("--backends", "--cases", "--no-graphs", "--compile-backend", "--profile-out"):
+        for flag in GPU_FLAGS:
             if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
                 ap.error(f"{flag} is an option of --gpu (the stubbed run has no such choice)")
     elif not torch.cuda.is_available():
@@ -624,12 +578,9 @@ def main(argv=None):
     print(HEADER)
     if args.gpu:
         avail = nac_fast.available_backends("cuda")
-        backends = []
-        for b in (args.backends or GPU_BACKENDS).split(","):
-            if b not in ("compiled-reference", "auto") and _call_backend(b) not in avail:
-                print(f"skipping backend {b!r}: not available ({avail})")
-                continue
-            backends.append(b)
+        backends = [b for b in (args.backends or GPU_BACKENDS).split(",")
+                    if b in ("compiled-reference", "auto") or _call_backend(b) in avail
+                    or print(f"skipping backend {b!r}: not available ({avail})")]
         rows = floor_rows() + gpu_rows(cases, backends, args.compile_backend or "inductor",
                                        not args.no_graphs) + criterion_rows()
         if args.profile_out and "triton" in avail:
