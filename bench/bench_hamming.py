@@ -1,30 +1,20 @@
 """Benchmark of the Hamming engine (nac_fast's ops/search.py, ops/retrieval.py, HashIndex): the C++
 engine against FAISS and the torch fallback, the index's top-k, the GPU engines and their goals.
 
-    python bench/bench_hamming.py                      # CPU protocol: 10,000 x 50,000 x 128 bits
-    python bench/bench_hamming.py --queries 1000 --gallery 5000 --repeats 1   # a quick look
-    python bench/bench_hamming.py --index              # HashIndex top-10 and mAP@all over 1M codes
-    python bench/bench_hamming.py --index --isa avx2 --threads 1 --map-queries 0   # a level forced
-    python bench/bench_hamming.py --gpu --csv RESULTS/hamming_gpu.csv   # GPU beside C++ (< 75 s)
-    python bench/bench_hamming.py --tc --csv RESULTS/hamming_tc.csv     # issue 56's goals (2-4 min)
-    TRITON_INTERPRET=1 python bench/bench_hamming.py --gpu --device cpu --tiny --csv X.csv  # CI
+    python bench/bench_hamming.py [--index | --gpu | --tc] [options]
 
-Four runs, one CSV each (rows, columns and goals: docs/evaluation.md "The Hamming benchmark"):
-the CPU protocol (bench/results/hamming_cpu.csv), --index (bench/results/index_cpu.csv), --gpu
-(hamming_gpu.csv) and --tc (the hamming-tc stage of bench/gpu_suite.sh; --csv only).  Codes are
-synthetic and CIFAR-10-like: class prototypes with every bit flipped with probability --flip; the
-top-k rows search uniformly random codes with queries that are index codes with 10% of their
-bits flipped.  Every GPU row is checked against the C++ engine in the same run (a failed check
-fails the command, exit 1).  Each run prints a table and one JSON line last.
+Four runs, one CSV each: the CPU protocol (hamming_cpu.csv), --index (index_cpu.csv), --gpu
+(hamming_gpu.csv), --tc (the hamming-tc stage; --csv only). Rows, columns, goals and commands:
+docs/evaluation.md "The Hamming benchmark".  A failed GPU check exits 1; the last line is JSON.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
 import os
-import platform
 import socket
 import sys
 import threading
@@ -41,26 +31,22 @@ except ImportError:  # running from a checkout that is not installed
     import nac_fast as H
 from nac_fast.ops import dispatch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_rows, check_flip, check_least, check_output_file, commit  # noqa: E402
+from common import (append_rows, check_flip, check_least, check_output_file, commit,  # noqa: E402
+                    device_name)
 
 RESULTS = os.path.join(ROOT, "bench", "results")
-CSV_PATH = os.path.join(RESULTS, "hamming_cpu.csv")
-INDEX_CSV_PATH = os.path.join(RESULTS, "index_cpu.csv")
-GPU_CSV_PATH = os.path.join(RESULTS, "hamming_gpu.csv")
-CSV_FIELDS = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method",
-              "queries", "gallery", "bits", "repeats", "median_s", "p20_s", "p80_s",
-              "peak_rss_mb", "map", "isa", "note"]
-INDEX_FIELDS = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method",
-                "queries", "gallery", "bits", "k", "repeats", "median_s", "p20_s", "p80_s",
-                "gpairs_per_s", "peak_rss_mb", "bytes_per_code", "load1_before", "load1_after",
-                "goal_s", "meets_goal", "isa", "note"]
-GPU_FIELDS = ["timestamp", "host", "cpu", "gpu", "threads", "torch", "triton", "git_commit",
-              "method", "engine", "device", "queries", "gallery", "bits", "k", "repeats",
-              "median_s", "p20_s", "p80_s", "peak_gpu_mib", "peak_rss_mb", "map",
-              "speedup_vs_cpu", "goal_s", "meets_goal", "check", "note"]
-TC_FIELDS = ["timestamp", "host", "cpu", "gpu", "torch", "triton", "git_commit", "method", "engine",
-             "device", "queries", "gallery", "bits", "k", "repeats", "median_s", "p20_s", "p80_s",
-             "peak_gpu_mib", "map", "bound_s", "of_bound", "goal_s", "meets_goal", "check", "note"]
+_RUN = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method", "queries",
+        "gallery", "bits"]
+CSV_FIELDS = _RUN + ["repeats", "median_s", "p20_s", "p80_s", "peak_rss_mb", "map", "isa", "note"]
+INDEX_FIELDS = _RUN + ["k", "repeats", "median_s", "p20_s", "p80_s", "gpairs_per_s", "peak_rss_mb",
+                       "bytes_per_code", "load1_before", "load1_after", "goal_s", "meets_goal",
+                       "isa", "note"]
+_GPU = ["method", "engine", "device", "queries", "gallery", "bits", "k", "repeats", "median_s",
+        "p20_s", "p80_s", "peak_gpu_mib"]
+GPU_FIELDS = ["timestamp", "host", "cpu", "gpu", "threads", "torch", "triton", "git_commit"] + \
+    _GPU + ["peak_rss_mb", "map", "speedup_vs_cpu", "goal_s", "meets_goal", "check", "note"]
+TC_FIELDS = ["timestamp", "host", "cpu", "gpu", "torch", "triton", "git_commit"] + _GPU + \
+    ["map", "bound_s", "of_bound", "goal_s", "meets_goal", "check", "note"]
 # (method, gallery, queries) -> seconds, on an H100 at 128 bits: issue 39 (--gpu), issue 56 (--tc)
 GOALS = {("map_all", 1_000_000, 10000): 0.1, ("topk", 1_000_000, 1000): 0.002,
          ("topk", 100_000_000, 1000): 0.2}
@@ -73,24 +59,25 @@ TINY = dict(map_sizes="200,600", map_queries=33, cpu_map_queries="33,16",
 TC_TINY = dict(sizes="4200,9000", queries=9, map_queries=33, map_gallery=600, check_queries=4,
                repeats=1)
 
-# every option once: (flags, argparse keywords, {run: default}); a run's options are those with
-# a default for it (None: no default), and an option of another run is a usage error
+# every option once: (flag, argparse keywords, {run: default}); a run's options are those with a
+# default for it (None: no default), and an option of another run is a usage error
 C, I, G_, T = "cpu", "index", "gpu", "tc"
+ALL = (C, I, G_, T)
 OPTIONS = [
-    ("--queries", dict(type=int, help="queries (cpu); of the top-k rows (index, tc)"),
+    ("--queries", dict(type=int, help="queries (cpu; top-k rows: index, tc)"),
      {C: 10000, I: 1000, T: 1000}),
     ("--gallery", dict(type=int), {C: 50000, I: 1_000_000}),
-    ("--bits", dict(type=int), {C: 128, I: 128, G_: 128, T: 128}),
+    ("--bits", dict(type=int), dict.fromkeys(ALL, 128)),
     ("--classes", dict(type=int), {C: 10, G_: 10, T: 10}),
     ("--flip", dict(type=float, help="bit-flip probability around the class prototype, in "
-                    "[0, 0.5] (0.3 gives mAP ~0.5 at 128 bits)"), {C: 0.3, I: 0.3, G_: 0.3}),
-    ("--repeats", dict(type=int, help="runs of the nac_fast mAP row (cpu), of each top-k row "
-                       "(index), of each row (tc)"), {C: 3, I: 5, T: 5}),
+                    "[0, 0.5] (0.3: mAP ~0.5 at 128 bits)"), {C: 0.3, I: 0.3, G_: 0.3}),
+    ("--repeats", dict(type=int, help="runs of the mAP row (cpu), each top-k row (index), each "
+                       "row (tc)"), {C: 3, I: 5, T: 5}),
     ("--slow-repeats", dict(type=int, help="runs of the full-ranking and FAISS rows"), {C: 1}),
     ("--chunk", dict(type=int, help="queries per ranking call (12 bytes per pair)"), {C: 500}),
     ("--torch-queries", dict(type=int, help="torch reference row queries; 0: none"), {C: 1000}),
-    ("--faiss-heap-queries", dict(type=int, help="queries of FAISS's default heap path at k=G; "
-                                  "0 = skip"), {C: 500}),
+    ("--faiss-heap-queries", dict(type=int, help="FAISS heap path (k=G) queries; 0: none"),
+     {C: 500}),
     ("--no-rank", dict(action="store_true", help="skip the nac_fast full-ranking row"), {C: False}),
     ("--no-faiss", dict(action="store_true"), {C: False, I: False}),
     ("--map-queries", dict(type=int, help="queries of the mAP@all rows (index: 0 = skip)"),
@@ -100,59 +87,73 @@ OPTIONS = [
     ("--device", dict(choices=("cuda", "cpu"), help="cpu: the Triton engine under "
                       "TRITON_INTERPRET=1 (plumbing only)"), {G_: "cuda", T: "cuda"}),
     ("--tiny", dict(action="store_true", help="toy sizes (CI)"), {G_: False, T: False}),
-    ("--check-queries", dict(type=int, help="queries of every GPU row checked against the C++ "
-                             "engine"), {G_: 256, T: 64}),
+    ("--check-queries", dict(type=int, help="queries of each GPU row checked against C++"),
+     {G_: 256, T: 64}),
     ("--map-sizes", dict(help="gallery sizes of the mAP rows"), {G_: "50000,1000000"}),
-    ("--cpu-map-queries", dict(help="queries of the C++ mAP row at each --map-sizes size "
-                               "(0: no row)"), {G_: "10000,2000"}),
+    ("--cpu-map-queries", dict(help="C++ mAP row queries per --map-sizes size (0: no row)"),
+     {G_: "10000,2000"}),
     ("--index-sizes", dict(help="codes of the top-k rows"), {G_: "1000000,100000000"}),
     ("--index-queries", dict(type=int), {G_: 1000}),
-    ("--cpu-topk-queries", dict(help="queries of the CPU index row at each --index-sizes size "
-                                "(0: no row)"), {G_: "1000,16"}),
+    ("--cpu-topk-queries", dict(help="CPU index row queries per --index-sizes size (0: no row)"),
+     {G_: "1000,16"}),
     ("--gpu-repeats", dict(type=int), {G_: 5}),
     ("--budget-s", dict(type=float, help="skip rows starting after this many seconds"), {G_: 70.0}),
     ("--only", dict(choices=("all", "map", "topk")), {G_: "all"}),
-    ("--profile-out", dict(help="append torch.profiler's kernel table of one search at the first "
+    ("--profile-out", dict(help="append torch.profiler's table of one search at the first "
                            "--index-sizes size and one mAP at the last --map-sizes size"),
      {G_: ""}),
-    ("--topk-variants", dict(help="other top-k settings BQxBGxWARPS/SAMPLE_RATIO timed at the "
-                             "first --index-sizes size, rows 'topk-variant' ('' = none)"),
+    ("--topk-variants", dict(help="top-k settings BQxBGxWARPS/SAMPLE_RATIO,... timed at the first "
+                             "--index-sizes size ('' = none)"),
      {G_: "16x64x2/16,32x32x2/16,32x32x4/8"}),
     ("--sizes", dict(help="top-k gallery sizes"), {T: "1000000,100000000"}),
     ("--map-gallery", dict(type=int), {T: 1_000_000}),
-    ("--profile-run", dict(action="store_true", help="one tensor-core search of the largest "
-                           "size and nothing else (for Nsight Compute)"), {T: False}),
-    ("--threads", dict(type=int), {C: None, I: None, G_: None, T: None}),
-    ("--seed", dict(type=int), {C: 0, I: 0, G_: 0, T: 0}),
-    ("--csv", dict(help="CSV to append to ('' = none)"),
-     {C: CSV_PATH, I: INDEX_CSV_PATH, G_: GPU_CSV_PATH, T: ""}),
-    ("--note", dict(help="free text stored in the CSV rows"), {C: "", I: "", G_: "", T: ""}),
+    ("--profile-run", dict(action="store_true", help="one tensor-core search of the largest size "
+                           "and nothing else (Nsight Compute)"), {T: False}),
+    ("--threads", dict(type=int), dict.fromkeys(ALL)),
+    ("--seed", dict(type=int), dict.fromkeys(ALL, 0)),
+    ("--csv", dict(help="CSV to append to ('' = none)"), {T: "", **{
+        r: os.path.join(RESULTS, f) for r, f in ((C, "hamming_cpu.csv"), (I, "index_cpu.csv"),
+                                                 (G_, "hamming_gpu.csv"))}}),
+    ("--note", dict(help="free text stored in the CSV rows"), dict.fromkeys(ALL, "")),
 ]
-
-
-class PeakRSS:
-    """Largest growth of this process's resident set while the block runs (1 ms sampling)."""
-
-    def __enter__(self):
-        self.base = self.peak = _rss()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, _rss())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.mb = (max(self.peak, _rss()) - self.base) / 2 ** 20
 
 
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def timed(fn, repeats: int, device=None):
+    """Wall seconds (median, p20, p80) of `repeats` runs, the largest resident-set growth (MB, 1 ms
+    sampling) and, on a CUDA device (synchronised around each run), the allocator's peak above
+    what was allocated before."""
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    times, out, peak = [], None, 0.0
+    for _ in range(repeats):
+        stop, box = threading.Event(), [_rss()] * 2  # [base, peak]
+
+        def sample():
+            while not stop.wait(0.001):
+                box[1] = max(box[1], _rss())
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        t0 = time.perf_counter()
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        stop.set()
+        sampler.join()
+        peak = max(peak, (max(box[1], _rss()) - box[0]) / 2 ** 20)
+    t = np.array(times)
+    return {"median_s": float(np.median(t)), "p20_s": float(np.percentile(t, 20)),
+            "p80_s": float(np.percentile(t, 80)), "peak_rss_mb": peak, "repeats": repeats,
+            "peak_gpu_mib": ((torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+                             if cuda else 0.0)}, out
 
 
 def make_data(q: int, g: int, bits: int, classes: int, flip: float, seed: int):
@@ -162,74 +163,35 @@ def make_data(q: int, g: int, bits: int, classes: int, flip: float, seed: int):
 
     def draw(n):
         lab = torch.randint(0, classes, (n,), generator=gen)
-        sign = torch.where(torch.rand(n, bits, generator=gen) < flip, -1.0, 1.0)
-        return protos[lab] * sign, lab
-
+        return protos[lab] * torch.where(torch.rand(n, bits, generator=gen) < flip, -1.0, 1.0), lab
     return (*draw(q), *draw(g))
 
 
 def np_ap_from_ranking(idx: np.ndarray, ql: np.ndarray, gl: np.ndarray) -> np.ndarray:
     """AP of each row of a ranking (Q, G) of gallery indices; NaN without relevant items."""
     rel = gl[idx] == ql[:, None]
-    hits = np.cumsum(rel, axis=1)
-    ranks = np.arange(1, idx.shape[1] + 1)
     nrel = rel.sum(1)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(nrel > 0, (hits / ranks * rel).sum(1) / nrel, np.nan)
-
-
-def timed(fn, repeats: int, device=None):
-    """Wall seconds (median, p20, p80) of `repeats` runs, the peak RSS growth (MB) and, on a CUDA
-    device (synchronised around each run), the allocator's peak above what was allocated before."""
-    cuda = device is not None and device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    times, out, peak = [], None, 0.0
-    for _ in range(repeats):
-        with PeakRSS() as mem:
-            t0 = time.perf_counter()
-            out = fn()
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        peak = max(peak, mem.mb)
-    t = np.array(times)
-    return {"median_s": float(np.median(t)), "p20_s": float(np.percentile(t, 20)),
-            "p80_s": float(np.percentile(t, 80)), "peak_rss_mb": peak, "repeats": repeats,
-            "peak_gpu_mib": ((torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
-                             if cuda else 0.0)}, out
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
-
-
-def apply_isa(ap, isa: str) -> str:
-    """Set NAC_FAST_HAMMING_ISA for --isa (a level the CPU lacks: the flag's error, exit status 2)
-    and return the level the C++ rows run: its name, with "(forced)" when not auto."""
-    from nac_fast.ops import search
-    runs = search.cpu_isa_levels()
-    if isa == "auto":
-        os.environ.pop(search.HAMMING_ISA_ENV, None)
-        return runs[-1]
-    if isa not in runs:
-        ap.error(f"--isa {isa}: this CPU runs only {', '.join(runs)}")
-    os.environ[search.HAMMING_ISA_ENV] = isa
-    return f"{isa} (forced; best here: {runs[-1]})"
+        return np.where(nrel > 0, (np.cumsum(rel, axis=1) / np.arange(1, idx.shape[1] + 1) * rel
+                                   ).sum(1) / nrel, np.nan)
 
 
 def cpu_engine_and_faiss(ap, args):
-    """(the --isa level the C++ rows run, faiss or None); exits when the C++ engine is missing."""
+    """(the --isa level the C++ rows run, with "(forced)" when not auto; faiss or None); exits when
+    the C++ engine is missing; a level this CPU lacks is --isa's usage error."""
+    from nac_fast.ops import search
     why = dispatch.available_backends("cpu", op="hamming", reasons=True)["cpu"]
     if why is not None:
         sys.exit(f"the nac_fast hamming C++ kernel is not available: {why}")
-    isa = apply_isa(ap, args.isa)
+    runs = search.cpu_isa_levels()
+    if args.isa == "auto":
+        os.environ.pop(search.HAMMING_ISA_ENV, None)
+        isa = runs[-1]
+    elif args.isa not in runs:
+        ap.error(f"--isa {args.isa}: this CPU runs only {', '.join(runs)}")
+    else:
+        os.environ[search.HAMMING_ISA_ENV] = args.isa
+        isa = f"{args.isa} (forced; best here: {runs[-1]})"
     if args.no_faiss:
         return isa, None
     try:
@@ -241,29 +203,30 @@ def cpu_engine_and_faiss(ap, args):
         return isa, None
 
 
-def meta(args, **extra) -> dict:
-    return {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": socket.gethostname(), "cpu": cpu_name(), "threads": args.threads,
-            "torch": torch.__version__, "git_commit": commit(), **extra}
-
-
-def write_csv(args, rows, fields, base):
-    """Append rows (with `base`, the run's columns; --note joined to each row's note) to --csv;
-    a CSV with another header is rewritten with `fields` first (common.append_rows)."""
+def write_csv(args, rows, fields, **base):
+    """Append rows (with the run's columns `base`; --note joined to each row's note) to --csv; a
+    CSV with another header is rewritten with `fields` first (common.append_rows)."""
     if args.csv:
+        base = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"), "host": socket.gethostname(),
+            "cpu": device_name("cpu").rsplit(" x", 1)[0], "threads": args.threads,
+            "torch": torch.__version__, "git_commit": commit(), **base}
         full = [{**base, **r, "note": "; ".join(x for x in (r.get("note", ""), args.note) if x)}
                 for r in rows]
         append_rows(args.csv, [{f: r.get(f, "") for f in fields} for r in full], fields)
         print(f"  appended {len(rows)} rows to {args.csv}")
 
 
+def _chunks(n, chunk):
+    return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+
 # ---- The CPU protocol: mAP@all and full rankings against FAISS and the torch reference
 
 def run_cpu(args, ap):
     isa, faiss = cpu_engine_and_faiss(ap, args)
-    Q, G, D = args.queries, args.gallery, args.bits
+    Q, G, D, ch = args.queries, args.gallery, args.bits, _chunks(args.queries, args.chunk)
     qc, ql, gc, gl = make_data(Q, G, D, args.classes, args.flip, args.seed)
-    ql_np, gl_np = ql.numpy(), gl.numpy()
     rows = []
 
     def add(method, queries, stats, m, note=""):
@@ -280,36 +243,36 @@ def run_cpu(args, ap):
     add("nac_fast cpu mAP@all", Q, nac_stats, nac_map, f"{used} queries with relevant items")
     qp, gp = H.pack_codes(qc), H.pack_codes(gc)
     if not args.no_rank:  # the output FAISS produces
-        stats, _ = timed(lambda: [H.rank(H.PackedCodes(qp.words[s:s + args.chunk], D), gp,
-                                         backend="cpu") for s in range(0, Q, args.chunk)],
-                         args.slow_repeats)
+        stats, _ = timed(lambda: [H.rank(H.PackedCodes(qp.words[s:e], D), gp, backend="cpu")
+                                  for s, e in ch], args.slow_repeats)
         add("nac_fast cpu full ranking", Q, stats, None,
             f"packed codes, chunks of {args.chunk} queries")
-    faiss_rank = faiss_map_stats = faiss_map = None
+    summary = {"bench": "hamming_cpu", "isa": isa, "queries": Q, "gallery": G, "bits": D,
+               "threads": args.threads, "map": nac_map, "nac_map_median_s": nac_stats["median_s"],
+               "nac_map_peak_rss_mb": round(nac_stats["peak_rss_mb"], 1),
+               "target_s": 5.0, "meets_target": nac_stats["median_s"] <= 5.0}
     if faiss is not None:
         index = faiss.IndexBinaryFlat(gp.words.shape[1] * 64)  # zero padding bits on both sides
         index.add(gp.words.numpy().view(np.uint8))
-        qbytes = qp.words.numpy().view(np.uint8)
+        qbytes, ql_np, gl_np = qp.words.numpy().view(np.uint8), ql.numpy(), gl.numpy()
         index.use_heap = False  # its counting-sort path; the heap path is the last FAISS row
-        faiss_rank, _ = timed(lambda: [index.search(qbytes[s:s + args.chunk], G)
-                                       for s in range(0, Q, args.chunk)], args.slow_repeats)
+        faiss_rank, _ = timed(lambda: [index.search(qbytes[s:e], G) for s, e in ch],
+                              args.slow_repeats)
         add("faiss IndexBinaryFlat ranking", Q, faiss_rank, None, "use_heap=False")
-
-        def faiss_map_fn():
-            aps = [np_ap_from_ranking(index.search(qbytes[s:s + args.chunk], G)[1],
-                                      ql_np[s:s + args.chunk], gl_np)
-                   for s in range(0, Q, args.chunk)]
-            return float(np.nanmean(np.concatenate(aps)))
-        faiss_map_stats, faiss_map = timed(faiss_map_fn, args.slow_repeats)
+        faiss_map_stats, faiss_map = timed(lambda: float(np.nanmean(np.concatenate([
+            np_ap_from_ranking(index.search(qbytes[s:e], G)[1], ql_np[s:e], gl_np)
+            for s, e in ch]))), args.slow_repeats)
         add("faiss ranking + numpy AP", Q, faiss_map_stats, faiss_map, "use_heap=False")
         if args.faiss_heap_queries:
             nq = min(args.faiss_heap_queries, Q)
             index.use_heap = True
-            stats, _ = timed(lambda: [index.search(qbytes[s:min(s + args.chunk, nq)], G)
-                                      for s in range(0, nq, args.chunk)], 1)
+            stats, _ = timed(lambda: [index.search(qbytes[s:e], G)
+                                      for s, e in _chunks(nq, args.chunk)], 1)
             add("faiss IndexBinaryFlat ranking (heap)", nq, stats, None,
                 "default use_heap=True; subset of the queries")
-    torch_stats = None
+        summary.update(faiss_rank_median_s=faiss_rank["median_s"],
+                       faiss_map_median_s=faiss_map_stats["median_s"],
+                       speedup_vs_faiss_rank=faiss_rank["median_s"] / nac_stats["median_s"])
     if args.torch_queries:
         nq = min(args.torch_queries, Q)
         torch_stats, m = timed(lambda: H.mean_average_precision(qc[:nq], ql[:nq], gc, gl,
@@ -319,22 +282,12 @@ def run_cpu(args, ap):
             f"subset of the queries; cpu backend on the same queries: {m_cpu:.12f}")
         if abs(m - m_cpu) > 1e-9:
             sys.exit(f"reference and cpu backends disagree: {m} vs {m_cpu}")
-    if faiss_map is not None and abs(faiss_map - nac_map) > 1e-9:
+        summary.update(torch_ref_queries=nq, torch_ref_s=torch_stats["median_s"])
+    if faiss is not None and abs(faiss_map - nac_map) > 1e-9:
         print(f"  note: mAP from the FAISS ranking differs by {faiss_map - nac_map:.3g} "
               "(its tie order is not by gallery index)")
-    write_csv(args, rows, CSV_FIELDS, meta(args, faiss=getattr(faiss, "__version__", ""),
-                                           gallery=G, bits=D, isa=isa))
-    summary = {"bench": "hamming_cpu", "isa": isa, "queries": Q, "gallery": G, "bits": D,
-               "threads": args.threads, "map": nac_map, "nac_map_median_s": nac_stats["median_s"],
-               "nac_map_peak_rss_mb": round(nac_stats["peak_rss_mb"], 1),
-               "target_s": 5.0, "meets_target": nac_stats["median_s"] <= 5.0}
-    if faiss_rank:
-        summary.update(faiss_rank_median_s=faiss_rank["median_s"],
-                       faiss_map_median_s=faiss_map_stats["median_s"],
-                       speedup_vs_faiss_rank=faiss_rank["median_s"] / nac_stats["median_s"])
-    if torch_stats:
-        summary.update(torch_ref_queries=min(args.torch_queries, Q),
-                       torch_ref_s=torch_stats["median_s"])
+    write_csv(args, rows, CSV_FIELDS, faiss=getattr(faiss, "__version__", ""), gallery=G, bits=D,
+              isa=isa)
     print(json.dumps(summary))
     return 0
 
@@ -343,7 +296,7 @@ def run_cpu(args, ap):
 
 def run_index(args, ap):
     isa, faiss = cpu_engine_and_faiss(ap, args)
-    G, D = args.gallery, args.bits
+    G, D, k = args.gallery, args.bits, args.k
     qc, ql, gc, gl = make_data(max(args.queries, args.map_queries), G, D, 10, args.flip, args.seed)
     qb, gb = qc > 0, gc > 0
     del qc, gc
@@ -370,9 +323,9 @@ def run_index(args, ap):
     print(f"HashIndex benchmark: {G} codes of {D} bits ({bytes_per_code} bytes each), "
           f"{args.threads} threads, C++ engine level {isa}, load {os.getloadavg()[0]:.1f}",
           flush=True)
-    index.search(qp, args.k)  # warm-up (page faults of the output, thread pool start)
-    top, (Dn, _) = run("HashIndex.search", args.queries, args.k,
-                       lambda: index.search(qp, args.k), args.repeats, goal=0.3)
+    index.search(qp, k)  # warm-up (page faults of the output, thread pool start)
+    top, (Dn, _) = run("HashIndex.search", args.queries, k, lambda: index.search(qp, k),
+                       args.repeats, goal=0.3)
     summary = {"bench": "index_cpu", "isa": isa, "gallery": G, "bits": D, "threads": args.threads,
                "topk_median_s": top["median_s"], "topk_goal_s": 0.3, "map_median_s": None,
                "map_goal_s": 5.0}
@@ -380,9 +333,9 @@ def run_index(args, ap):
         fx = faiss.IndexBinaryFlat(index.codes.words.shape[1] * 64)
         fx.add(index.codes.words.numpy().view(np.uint8))
         qbytes = qp.words.numpy().view(np.uint8)
-        fx.search(qbytes[:10], args.k)
-        row, (fD, _) = run("faiss IndexBinaryFlat.search", args.queries, args.k,
-                           lambda: fx.search(qbytes, args.k), args.repeats)
+        fx.search(qbytes[:10], k)
+        row, (fD, _) = run("faiss IndexBinaryFlat.search", args.queries, k,
+                           lambda: fx.search(qbytes, k), args.repeats)
         same = bool(np.array_equal(fD, Dn.numpy()))
         row["note"] = f"faiss {faiss.__version__}; same distances as HashIndex: {same}"
         if not same:
@@ -394,25 +347,26 @@ def run_index(args, ap):
             qb[:Qm], ql[:Qm], gb, gl, backend="cpu"), args.map_repeats, goal=5.0)
         row["note"] = f"mAP {m:.6f}"
         summary["map_median_s"] = row["median_s"]
-    write_csv(args, rows, INDEX_FIELDS, meta(args, faiss=getattr(faiss, "__version__", ""),
-                                             gallery=G, bits=D, bytes_per_code=bytes_per_code,
-                                             isa=isa))
+    write_csv(args, rows, INDEX_FIELDS, faiss=getattr(faiss, "__version__", ""), gallery=G, bits=D,
+              bytes_per_code=bytes_per_code, isa=isa)
     print(json.dumps({**summary, "load1": os.getloadavg()[0]}))
     return 0
 
 
 # ---- --gpu (issue 39) and --tc (issue 56): the GPU engines, checked against the C++ engine
 
+def _flips(m, bits, p, gen, device):
+    from nac_fast.ops.codes import pack_bits_torch
+    return pack_bits_torch(torch.rand((m, bits), generator=gen, device=device) < p)
+
+
 def packed_class_codes(n, bits, protos, classes, flip, gen, device, chunk=1 << 18):
     """(words (n, W) int64, labels (n,)) made on `device`: each code its class prototype with
     every bit flipped with probability `flip` (make_data's codes, packed without a +-1 copy)."""
-    from nac_fast.ops.codes import pack_bits_torch
     labels = torch.randint(0, classes, (n,), generator=gen, device=device)
     words = torch.empty((n, protos.shape[1]), dtype=torch.int64, device=device)
-    for s in range(0, n, chunk):
-        m = min(chunk, n - s)
-        flips = torch.rand((m, bits), generator=gen, device=device) < flip
-        words[s:s + m] = protos[labels[s:s + m]] ^ pack_bits_torch(flips)
+    for s, e in _chunks(n, chunk):
+        words[s:e] = protos[labels[s:e]] ^ _flips(e - s, bits, flip, gen, device)
     return words, labels
 
 
@@ -420,19 +374,12 @@ def random_codes(n, bits, gen, device, chunk=1 << 24):
     """(n, W) uniformly random codes, padding bits 0, made on `device` in chunks."""
     W = -(-bits // 64)
     out = torch.empty((n, W), dtype=torch.int64, device=device)
-    for s in range(0, n, chunk):
-        m = min(chunk, n - s)
-        out[s:s + m] = torch.randint(-2 ** 63, 2 ** 63 - 1, (m, W), dtype=torch.int64,
-                                     generator=gen, device=device)
+    for s, e in _chunks(n, chunk):
+        out[s:e] = torch.randint(-2 ** 63, 2 ** 63 - 1, (e - s, W), dtype=torch.int64,
+                                 generator=gen, device=device)
     if bits % 64:
         out[:, -1] &= (1 << (bits % 64)) - 1
     return out
-
-
-def flip_bits(words, bits, p, gen):
-    from nac_fast.ops.codes import pack_bits_torch
-    flips = torch.rand((words.shape[0], bits), generator=gen, device=words.device) < p
-    return words ^ pack_bits_torch(flips)
 
 
 def profile_kernels(fn, device, path: str, what: str, top: int = 15) -> None:
@@ -443,8 +390,7 @@ def profile_kernels(fn, device, path: str, what: str, top: int = 15) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
     sync()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) \
-            as prof:
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         t0 = time.perf_counter()
         fn()
         sync()
@@ -462,9 +408,8 @@ def _ap_check(qw, ql, gw, gl, bits, n, engine="triton"):
     ap, nrel = H.average_precision(P(qw[:n], bits), ql[:n], P(gw, bits), gl, backend=engine)
     wap, wnrel = H.average_precision(P(qw[:n].cpu(), bits), ql[:n].cpu(), P(gw.cpu(), bits),
                                      gl.cpu(), backend="cpu")
-    ap, nrel = ap.cpu(), nrel.cpu()
+    ap, nrel, ok = ap.cpu(), nrel.cpu(), ~torch.isnan(wap)
     same_nan = bool(torch.equal(torch.isnan(ap), torch.isnan(wap)))
-    ok = ~torch.isnan(wap)
     rel = float(((ap[ok] - wap[ok]).abs() / wap[ok].abs().clamp(min=1e-300)).max()) if ok.any() \
         else 0.0
     good = same_nan and bool(torch.equal(nrel, wnrel)) and rel <= 1e-12
@@ -495,20 +440,15 @@ def _variants(ap, text: str) -> list:
     return out
 
 
-class _variant:
+@contextlib.contextmanager
+def _variant(HT, v, kind):
     """The GPU top-k's block configuration and sample ratio set to `v` inside the block."""
-
-    def __init__(self, v, kind):
-        from nac_fast.kernels import hamming_triton as HT
-        self.HT, self.v, self.kind = HT, v, kind
-
-    def __enter__(self):
-        self.saved = (self.HT.TOPK_CONFIG[self.kind], self.HT.SAMPLE_RATIO)
-        self.HT.TOPK_CONFIG[self.kind], self.HT.SAMPLE_RATIO = self.v[:3], self.v[3]
-
-    def __exit__(self, *exc):
-        self.HT.TOPK_CONFIG[self.kind], self.HT.SAMPLE_RATIO = self.saved
-        return False
+    saved = HT.TOPK_CONFIG[kind], HT.SAMPLE_RATIO
+    HT.TOPK_CONFIG[kind], HT.SAMPLE_RATIO = v[:3], v[3]
+    try:
+        yield
+    finally:
+        HT.TOPK_CONFIG[kind], HT.SAMPLE_RATIO = saved
 
 
 def run_gpu(args, ap, tc: bool):
@@ -516,6 +456,7 @@ def run_gpu(args, ap, tc: bool):
     the C++ engine's rows beside them, the top-k's variants.  --tc: the Triton top-k's two filters
     (popc, mma) and the cuda engine at --sizes, mAP@all at --map-gallery, with the int8 floor."""
     from nac_fast.kernels import hamming_triton as HT
+    import triton
     if args.tiny:
         for key, val in (TC_TINY if tc else TINY).items():
             setattr(args, key, val)
@@ -556,7 +497,6 @@ def run_gpu(args, ap, tc: bool):
     topk_engines = ([("triton-popc", "triton", "popc"), ("triton-mma", "triton", "mma")] if tc
                     else [("triton", "triton", None)]) + \
         ([("cuda", "cuda", "auto")] if cuda_engine else [])
-    import triton
     P, D, k, W = H.PackedCodes, args.bits, args.k, -(-args.bits // 64)
     kind = "gpu" if device.type == "cuda" else "interpreter"
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -564,8 +504,8 @@ def run_gpu(args, ap, tc: bool):
     if tc and args.profile_run:  # the stage's Nsight Compute target: nothing but the filter
         G = idx_sizes[-1]
         gw = random_codes(G, D, gen, device)
-        qw = flip_bits(gw[torch.randint(0, G, (args.queries,), generator=gen, device=device)],
-                       D, 0.1, gen)
+        qw = gw[torch.randint(0, G, (args.queries,), generator=gen, device=device)] ^ \
+            _flips(args.queries, D, 0.1, gen, device)
         index = H.HashIndex(D, device=device, backend="triton", topk_method="mma")
         index.add(P(gw, D))
         index.search(P(qw, D), k)
@@ -650,8 +590,8 @@ def run_gpu(args, ap, tc: bool):
                     continue
                 Q = args.index_queries
                 gw = random_codes(G, D, gen, device)
-                qw = flip_bits(gw[torch.randint(0, G, (Q,), generator=gen, device=device)], D, 0.1,
-                               gen)
+                qw = gw[torch.randint(0, G, (Q,), generator=gen, device=device)] ^ \
+                    _flips(Q, D, 0.1, gen, device)
                 nc = min(args.check_queries, Q, nq_cpu or args.check_queries)
                 cpu_index = H.HashIndex(D)
                 cpu_index.add(P(gw.cpu(), D))
@@ -704,7 +644,7 @@ def run_gpu(args, ap, tc: bool):
                         for v in variants:
                             if over_budget(f"topk-variant {v} x {G}"):
                                 break
-                            with _variant(v, kind):
+                            with _variant(HT, v, kind):
                                 index.search(P(qw[:2], D), k)
                                 vs, (Dv, Iv) = timed(lambda: index.search(P(qw, D), k),
                                                      args.gpu_repeats, device)
@@ -718,8 +658,7 @@ def run_gpu(args, ap, tc: bool):
                 del index, first, Dg, Ig, qc
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    write_csv(args, rows, TC_FIELDS if tc else GPU_FIELDS,
-              meta(args, gpu=gpu_name, triton=triton.__version__))
+    write_csv(args, rows, TC_FIELDS if tc else GPU_FIELDS, gpu=gpu_name, triton=triton.__version__)
     print(f"\n{'row':<40} {'median s':>10} {'p20-p80 s':>19} {'GPU MiB':>8} "
           f"{'of int8 floor' if tc else 'vs cpu':>13} {'goal':>6}  check")
     for r in rows:
