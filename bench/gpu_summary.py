@@ -12,14 +12,15 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import math
+import os
 import re
 import sys
 import xml.etree.ElementTree as ET
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (puts the source tree on sys.path)
+from nac_fast._files import atomic_write  # noqa: E402
 
 REFERENCE, COMPILED = "reference", "compiled-reference"
 GOAL_SHAPES = [("inbatch", 8192, 8192), ("queue", 8192, 65536)]
@@ -44,43 +45,34 @@ _SUSPECT_REASON = re.compile(r"triton|cuda|gpu|fused backend|empty parameter set
 
 # ---- inputs -----------------------------------------------------------------------------------
 
-def _classify(path):
-    base = os.path.basename(path)
-    if base.endswith(".csv"):
-        return "loss"
-    if base == "versions.json":
-        return "versions"
-    if base.endswith(".json") and base.startswith("train"):
-        return "train"
-    raise ValueError(f"input {path!r}: expected a results folder, a bench_loss CSV, "
-                     "train*.json or versions.json")
-
-
 def collect(inputs):
     """{'loss': [csv paths], 'train': [json paths], 'versions': [json paths]} in input order."""
     found = {"loss": [], "train": [], "versions": []}
     for p in inputs:
-        if os.path.isdir(p):
-            for name in ("versions.json", "loss_gpu.csv", "train.json"):
-                f = os.path.join(p, name)
-                if os.path.exists(f):
-                    found[_classify(f)].append(f)
-        elif os.path.exists(p):
-            found[_classify(p)].append(p)
-        else:
+        if not os.path.exists(p):
             raise ValueError(f"input {p!r} does not exist")
+        for f in ([os.path.join(p, x) for x in ("versions.json", "loss_gpu.csv", "train.json")]
+                  if os.path.isdir(p) else [p]):
+            base = os.path.basename(f)
+            if not os.path.exists(f):
+                continue
+            if base.endswith(".csv"):
+                found["loss"].append(f)
+            elif base == "versions.json" or (base.endswith(".json") and base.startswith("train")):
+                found["versions" if base == "versions.json" else "train"].append(f)
+            else:
+                raise ValueError(f"input {f!r}: expected a results folder, a bench_loss CSV, "
+                                 "train*.json or versions.json")
     return found
 
 
 def _ok(row) -> bool:
-    """A row that succeeded and has a finite positive median time (a NaN would be no figure,
-    and no JSON either)."""
-    status = (row.get("status") or "").strip()
+    """A row that succeeded with a finite positive median time (NaN: no figure, no JSON)."""
     try:
         med = float(row.get("median_s") or "nan")
     except ValueError:
         return False
-    return math.isfinite(med) and med > 0 and status in ("", "ok")
+    return math.isfinite(med) and med > 0 and (row.get("status") or "").strip() in ("", "ok")
 
 
 def load_loss_rows(paths, device=None):
@@ -95,58 +87,50 @@ def load_loss_rows(paths, device=None):
                     continue
                 key = (row["kind"], int(row["n"]), int(row["N"]), int(row["D"]), row["dtype"],
                        _backend_label(row))
-                if _ok(row):
-                    latest[key] = row
-                else:
-                    latest.pop(key, None)  # the case's newest run failed: its old figure is stale
-    devices = {r.get("device", "") for r in latest.values()}
-    if len(devices) > 1:
+                latest[key] = row
+                if not _ok(row):
+                    del latest[key]  # the case's newest run failed: its old figure is stale
+    if len(devices := {r.get("device", "") for r in latest.values()}) > 1:
         raise ValueError(f"the loss CSVs hold rows of several devices {sorted(devices)}: pick one "
                          "with --device")
     return latest
 
 
 def _backend_label(row) -> str:
-    """The row's backend, with the fp32 product mode of a Triton row that is not the default
-    tf32x3 (bench_loss.py's fp32_dot column): "triton[bf16x6]+graph"."""
+    """The backend, with a Triton fp32 row's product mode other than tf32x3: "triton[bf16x6]"."""
     b, mode = row["backend"], (row.get("fp32_dot") or "").strip()
     if row.get("dtype") == "float32" and mode and mode != "tf32x3" and b.startswith("triton"):
         return b.replace("triton", f"triton[{mode}]", 1)
     return b
 
 
-def _f(x, nd=4):
-    """x rounded to nd places; None for an empty or non-finite figure (JSON has no NaN)."""
+def _f(x, nd=4, scale=1.0):
+    """x (times scale) rounded to nd places; None for an empty or non-finite figure."""
     if x in (None, ""):
         return None
-    v = float(x)
+    v = float(x) * scale
     return round(v, nd) if math.isfinite(v) else None
 
 
 def loss_entries(latest, gpu_name=""):
     out = []
-    for key in sorted(latest, key=lambda k: (k[0], k[1], k[2], k[3], k[4], k[5])):
+    for key in sorted(latest):
         kind, n, N, D, dtype, backend = key
         if backend in (REFERENCE, COMPILED):
             continue
-        row = latest[key]
-        ref = latest.get(key[:5] + (REFERENCE,))
-        comp = latest.get(key[:5] + (COMPILED,))
+        row, ref, comp = latest[key], latest.get(key[:5] + (REFERENCE,)), \
+            latest.get(key[:5] + (COMPILED,))
         pct = _f(row.get("pct_of_bound"), 2)
-        if pct is None and common.known_gpu(row.get("device", "") or gpu_name):
-            b = common.bound("queue" if kind == "mq" else "inbatch", n, N, D, dtype,
-                               row.get("device", "") or gpu_name)
+        if pct is None and common.known_gpu(dev := row.get("device", "") or gpu_name):
+            b = common.bound("queue" if kind == "mq" else "inbatch", n, N, D, dtype, dev)
             pct = round(common.pct_of_bound(b["bound_s"], float(row["median_s"])), 2)
-        out.append({
-            "kind": "queue" if kind == "mq" else kind, "n": n, "N": N, "D": D, "dtype": dtype,
-            "backend": backend,
-            "fused_ms": _f(float(row["median_s"]) * 1e3),
-            "eager_ms": None if ref is None else _f(float(ref["median_s"]) * 1e3),
-            "compile_ms": None if comp is None else _f(float(comp["median_s"]) * 1e3),
-            "fused_peak_mb": _f(row.get("peak_extra_mib"), 2),
-            "eager_peak_mb": None if ref is None else _f(ref.get("peak_extra_mib"), 2),
-            "pct_of_bound": pct,
-        })
+        out.append({"kind": "queue" if kind == "mq" else kind, "n": n, "N": N, "D": D,
+                    "dtype": dtype, "backend": backend, "fused_ms": _f(row["median_s"], 4, 1e3),
+                    "eager_ms": ref and _f(ref["median_s"], 4, 1e3),
+                    "compile_ms": comp and _f(comp["median_s"], 4, 1e3),
+                    "fused_peak_mb": _f(row.get("peak_extra_mib"), 2),
+                    "eager_peak_mb": ref and _f(ref.get("peak_extra_mib"), 2),
+                    "pct_of_bound": pct})
     return out
 
 
@@ -160,14 +144,12 @@ def load_train(paths):
     res = json.loads(text.splitlines()[-1])  # train_throughput.py prints one JSON line last
     if not isinstance(res, dict):
         raise ValueError(f"{paths[-1]}: the last line is not a JSON object")
-    world = int(res.get("world_size", 1))
-    if world < 1:
+    if (world := int(res.get("world_size", 1))) < 1:
         raise ValueError(f"{paths[-1]}: world_size must be >= 1, got {world}")
-    train = {"arch": res["arch"], "method": res["method"],
-             "batch_per_gpu": int(res["batch_size"]) // world,
-             "img_per_s": round(float(res["img_per_s"]) / world, 1),
-             "data_wait_frac": round(float(res["data_wait"]), 4)}
-    return train, res
+    return {"arch": res["arch"], "method": res["method"],
+            "batch_per_gpu": int(res["batch_size"]) // world,
+            "img_per_s": round(float(res["img_per_s"]) / world, 1),
+            "data_wait_frac": round(float(res["data_wait"]), 4)}, res
 
 
 def build_summary(inputs, device=None, commit=None):
@@ -180,99 +162,81 @@ def build_summary(inputs, device=None, commit=None):
             versions.update(json.load(f))
     latest = load_loss_rows(found["loss"], device)
     train, train_raw = load_train(found["train"])
-    rows = list(latest.values())
-    newest = max(rows, key=lambda r: r.get("timestamp", "")) if rows else {}
+    newest = max(latest.values(), key=lambda r: r.get("timestamp", ""), default={})
     gpu = versions.get("gpu") or newest.get("device") or train_raw.get("device", "")
-    summary = {
-        "gpu": gpu,
-        "date": versions.get("date") or (newest.get("timestamp", "")[:10]),
-        "commit": commit or versions.get("commit") or newest.get("commit", "unknown"),
-        "torch": versions.get("torch") or newest.get("torch", ""),
-        "triton": versions.get("triton") or newest.get("triton", ""),
-        "loss": loss_entries(latest, gpu),
-        "train": train,
-    }
-    return summary, train_raw
+    return {"gpu": gpu, "date": versions.get("date") or (newest.get("timestamp", "")[:10]),
+            "commit": commit or versions.get("commit") or newest.get("commit", "unknown"),
+            "torch": versions.get("torch") or newest.get("torch", ""),
+            "triton": versions.get("triton") or newest.get("triton", ""),
+            "loss": loss_entries(latest, gpu), "train": train}, train_raw
 
 
 # ---- goals --------------------------------------------------------------------------------------
+
+def _check(ok, text):
+    return ok, f"{'PASS' if ok else 'MISS'} {text}"
+
 
 def _roofline_check(tag, pct):
     """(ok, line) of the >= GOAL_PCT_BOUND% roofline goal for the fused row `tag` describes."""
     if pct is None:
         return False, f"MISS {tag} roofline: no bound for this GPU"
-    ok = pct >= GOAL_PCT_BOUND
-    return ok, (f"{'PASS' if ok else 'MISS'} {tag} roofline: {pct:.1f}% of bound "
-                f"(goal >= {GOAL_PCT_BOUND:g}%)")
+    return _check(pct >= GOAL_PCT_BOUND, f"{tag} roofline: {pct:.1f}% of bound "
+                                         f"(goal >= {GOAL_PCT_BOUND:g}%)")
 
 
 def _best(summary, kind, n, N, dtype, with_eager=False):
-    """The fastest fused entry at the case (with an eager figure, if asked), or None."""
+    """(the fastest fused entry at the case, with an eager figure if asked, or None; its tag)."""
     ents = [e for e in summary["loss"] if (e["kind"], e["n"], e["N"], e["D"], e["dtype"]) ==
             (kind, n, N, GOAL_D, dtype) and (e["eager_ms"] is not None or not with_eager)]
-    return min(ents, key=lambda e: e["fused_ms"]) if ents else None
+    best = min(ents, key=lambda e: e["fused_ms"], default=None)
+    return best, best and (f"{kind} {n}x{N} D={GOAL_D} {dtype} fwd+bwd [{best['backend']}, "
+                           f"fastest fused, {best['fused_ms']:.3f} ms]")
 
 
 def goal_checks(summary):
     """[(ok: bool, line)] for the goals (docs/kernels.md "The benchmark scripts in detail")."""
     lines = []
     for kind, n, N in GOAL_SHAPES:
-        label = f"{kind} {n}x{N} D={GOAL_D} {GOAL_DTYPE} fwd+bwd"
-        best = _best(summary, kind, n, N, GOAL_DTYPE)
+        best, tag = _best(summary, kind, n, N, GOAL_DTYPE)
         if best is None:
-            for what in ("speed vs eager", "speed vs torch.compile", "roofline", "memory"):
-                lines.append((False, f"MISS {label} {what}: no fused row measured"))
+            lines += [(False, f"MISS {kind} {n}x{N} D={GOAL_D} {GOAL_DTYPE} fwd+bwd {what}: no "
+                              "fused row measured")
+                      for what in ("speed vs eager", "speed vs torch.compile", "roofline", "memory")]
             continue
-        tag = f"{label} [{best['backend']}, fastest fused, {best['fused_ms']:.3f} ms]"
         for what, num, goal in (("speed vs eager", best["eager_ms"], GOAL_X_EAGER),
                                 ("speed vs torch.compile", best["compile_ms"], GOAL_X_COMPILE)):
-            if num is None:
-                lines.append((False, f"MISS {tag} {what}: no baseline row"))
-            else:
-                x = num / best["fused_ms"]
-                lines.append((x >= goal, f"{'PASS' if x >= goal else 'MISS'} {tag} {what}: "
-                                         f"{x:.2f}x (goal >= {goal:g}x)"))
+            x = num and num / best["fused_ms"]
+            lines.append((False, f"MISS {tag} {what}: no baseline row") if num is None else
+                         _check(x >= goal, f"{tag} {what}: {x:.2f}x (goal >= {goal:g}x)"))
         lines.append(_roofline_check(tag, best["pct_of_bound"]))
         fm, em = best["fused_peak_mb"], best["eager_peak_mb"]
-        if fm is None or em is None:
-            lines.append((False, f"MISS {tag} memory: peak memory not measured"))
-        else:
-            ok = fm <= em * GOAL_MEM_FRACTION
-            frac = f"1/{em / fm:.0f}" if fm > 0 else "0"
-            lines.append((ok, f"{'PASS' if ok else 'MISS'} {tag} memory: {fm:.1f} MiB vs eager "
-                              f"{em:.1f} MiB = {frac} (goal <= 1/20)"))
+        lines.append((False, f"MISS {tag} memory: peak memory not measured")
+                     if fm is None or em is None else
+                     _check(fm <= em * GOAL_MEM_FRACTION, f"{tag} memory: {fm:.1f} MiB vs eager "
+                            f"{em:.1f} MiB = {f'1/{em / fm:.0f}' if fm > 0 else '0'} "
+                            "(goal <= 1/20)"))
     for kind, n, N in ROOFLINE_SHAPES:  # judged where measured
-        best = _best(summary, kind, n, N, GOAL_DTYPE)
-        if best:
-            lines.append(_roofline_check(
-                f"{kind} {n}x{N} D={GOAL_D} {GOAL_DTYPE} fwd+bwd [{best['backend']}, fastest "
-                f"fused, {best['fused_ms']:.3f} ms]", best["pct_of_bound"]))
+        if (b := _best(summary, kind, n, N, GOAL_DTYPE))[0]:
+            lines.append(_roofline_check(b[1], b[0]["pct_of_bound"]))
     for kind, n, N in GOAL_SHAPES:  # fp32: judged where fp32 rows were measured
-        best = _best(summary, kind, n, N, "float32", with_eager=True)
+        best, tag = _best(summary, kind, n, N, "float32", with_eager=True)
         if best:
             x = best["eager_ms"] / best["fused_ms"]
-            ok = x >= GOAL_FP32_X_EAGER
-            lines.append((ok, f"{'PASS' if ok else 'MISS'} {kind} {n}x{N} D={GOAL_D} float32 "
-                              f"fwd+bwd [{best['backend']}, fastest fused, "
-                              f"{best['fused_ms']:.3f} ms] speed vs eager: {x:.2f}x "
-                              f"(goal >= {GOAL_FP32_X_EAGER:g}x)"))
-    t = summary["train"]
-    if t is None:
-        lines.append((False, "MISS training throughput: no train.json"))
-    else:
-        goal_cfg = (t["arch"], t["method"]) == ("resnet50", "nac-mq")
-        ok = goal_cfg and t["img_per_s"] >= GOAL_TRAIN_IMG_S
-        lines.append((ok, f"{'PASS' if ok else 'MISS'} training {t['arch']} {t['method']} batch "
-                          f"{t['batch_per_gpu']}/GPU: {t['img_per_s']:.0f} img/s per GPU, data "
-                          f"wait {100 * t['data_wait_frac']:.1f}% (goal >= {GOAL_TRAIN_IMG_S:g} "
-                          "img/s per H100"
-                          f"{'' if goal_cfg else ', for resnet50 nac-mq: not this config'})"))
-    return lines
+            lines.append(_check(x >= GOAL_FP32_X_EAGER, f"{tag} speed vs eager: {x:.2f}x "
+                                                        f"(goal >= {GOAL_FP32_X_EAGER:g}x)"))
+    if (t := summary["train"]) is None:
+        return lines + [(False, "MISS training throughput: no train.json")]
+    goal_cfg = (t["arch"], t["method"]) == ("resnet50", "nac-mq")
+    return lines + [_check(goal_cfg and t["img_per_s"] >= GOAL_TRAIN_IMG_S,
+                           f"training {t['arch']} {t['method']} batch {t['batch_per_gpu']}/GPU: "
+                           f"{t['img_per_s']:.0f} img/s per GPU, data wait "
+                           f"{100 * t['data_wait_frac']:.1f}% (goal >= {GOAL_TRAIN_IMG_S:g} img/s "
+                           f"per H100{'' if goal_cfg else ', for resnet50 nac-mq: not this config'})")]
 
 
 def markdown(summary, checks, train_raw=None):
-    def cell(x, fmt):
-        return "n/a" if x is None else format(x, fmt)
+    cell = lambda x, fmt: "n/a" if x is None else format(x, fmt)  # noqa: E731
     out = [f"GPU suite on {summary['gpu']} ({summary['date']}, commit {summary['commit']}, "
            f"torch {summary['torch']}, triton {summary['triton']}); `bench/gpu_suite.sh`, "
            "forward+backward, D = 128, median of the timed steps.", "",
@@ -281,14 +245,12 @@ def markdown(summary, checks, train_raw=None):
            "|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary["loss"]:
         case = f"in-batch {e['n']}" if e["kind"] == "inbatch" else f"queue {e['n']} x {e['N']}"
-        xe = None if e["eager_ms"] is None else e["eager_ms"] / e["fused_ms"]
-        xc = None if e["compile_ms"] is None else e["compile_ms"] / e["fused_ms"]
+        xe, xc = (None if e[k] is None else e[k] / e["fused_ms"] for k in ("eager_ms", "compile_ms"))
         out.append(f"| {case} | {e['dtype']} | {e['backend']} | {e['fused_ms']:.3f} | "
                    f"{cell(e['eager_ms'], '.3f')} | {cell(e['compile_ms'], '.3f')} | "
                    f"{cell(xe, '.1f')} | {cell(xc, '.1f')} | {cell(e['pct_of_bound'], '.1f')} | "
                    f"{cell(e['fused_peak_mb'], '.1f')} / {cell(e['eager_peak_mb'], '.1f')} |")
-    t = summary["train"]
-    if t is not None:
+    if (t := summary["train"]) is not None:
         raw = train_raw or {}
         how = ", ".join(x for x in (
             f"{raw['amp']} autocast" if raw.get("amp") not in (None, "off") else "fp32",
@@ -298,32 +260,28 @@ def markdown(summary, checks, train_raw=None):
         out += ["", f"Training throughput ({t['arch']}, {t['method']}, {how}, batch "
                     f"{t['batch_per_gpu']} per GPU): {t['img_per_s']:.0f} img/s per GPU, data "
                     f"wait {100 * t['data_wait_frac']:.1f}%."]
-    out += ["", "Goals:", ""] + [f"- {line}" for _, line in checks]
-    return "\n".join(out) + "\n"
+    return "\n".join(out + ["", "Goals:", ""] + [f"- {line}" for _, line in checks]) + "\n"
 
 
 # ---- JUnit ---------------------------------------------------------------------------------------
 
 def check_junit(path, require_passed=()):
-    """Counts and the verdict of a pytest JUnit XML (module docstring)."""
+    """Counts and the verdict of a pytest JUnit XML (docs/kernels.md)."""
+    count = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError) as exc:
-        return {"ok": False, "passed": 0, "failed": 0, "errors": 0, "skipped": 0,
-                "violations": [f"cannot read {path}: {exc}"], "allowed_skips": []}
-    passed, failed, errors, skipped = [], [], [], []
-    violations, allowed = [], []
+        return {"ok": False, **count, "violations": [f"cannot read {path}: {exc}"],
+                "allowed_skips": []}
+    passed, bad, violations, allowed = [], {"failed": [], "error": []}, [], []
     for tc in root.iter("testcase"):
-        tid = f"{tc.get('classname', '')}::{tc.get('name', '')}"
-        kids = {c.tag for c in tc}
-        if "failure" in kids:
-            failed.append(tid)
-        elif "error" in kids:
-            errors.append(tid)
+        tid, kids = f"{tc.get('classname', '')}::{tc.get('name', '')}", {c.tag for c in tc}
+        if "failure" in kids or "error" in kids:
+            bad["failed" if "failure" in kids else "error"].append(tid)
         elif "skipped" in kids:
             sk = tc.find("skipped")
             reason = " ".join(x for x in (sk.get("message", ""), sk.text or "") if x)
-            skipped.append(tid)
+            count["skipped"] += 1
             if _SUSPECT_ID.search(tid) or _SUSPECT_REASON.search(reason):
                 if any(re.search(i, tid) and re.search(r, reason) for i, r in ALLOWED_SKIPS):
                     allowed.append(f"{tid}: {reason.strip()[:160]}")
@@ -331,19 +289,13 @@ def check_junit(path, require_passed=()):
                     violations.append(f"skipped on the GPU: {tid}: {reason.strip()[:200]}")
         else:
             passed.append(tc.get("name", ""))
-    for tid in failed:
-        violations.append(f"failed: {tid}")
-    for tid in errors:
-        violations.append(f"error: {tid}")
-    total = len(passed) + len(failed) + len(errors) + len(skipped)
-    if total == 0:
+    violations += [f"{what}: {tid}" for what in ("failed", "error") for tid in bad[what]]
+    count.update(passed=len(passed), failed=len(bad["failed"]), errors=len(bad["error"]))
+    if sum(count.values()) == 0:
         violations.append("no tests ran")
-    for b in require_passed:
-        if not any(b in _params(name) for name in passed):
-            violations.append(f"no passed test has the backend {b!r} among its parameters")
-    return {"ok": not violations, "passed": len(passed), "failed": len(failed),
-            "errors": len(errors), "skipped": len(skipped), "violations": violations,
-            "allowed_skips": allowed}
+    violations += [f"no passed test has the backend {b!r} among its parameters"
+                   for b in require_passed if not any(b in _params(name) for name in passed)]
+    return {"ok": not violations, **count, "violations": violations, "allowed_skips": allowed}
 
 
 def _params(name: str) -> list[str]:
@@ -361,43 +313,36 @@ def junit_line(res) -> str:
 
 def _write(path, text) -> None:
     """`text` to `path` whole or not at all (its folder made)."""
-    from nac_fast._files import atomic_write  # (common put the source tree on sys.path)
     atomic_write(path, lambda f: f.write(text), mode="w")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("inputs", nargs="*", help="result folders or loss CSV / train.json / versions.json")
-    ap.add_argument("--out", default=None, help="summary.json path (default: in the first folder "
-                    "given, else ./summary.json)")
-    ap.add_argument("--markdown", default=None, help="also write the README snippet here")
-    ap.add_argument("--device", default=None, help="use only loss rows whose device contains this")
-    ap.add_argument("--commit", default=None, help="commit to record (default: versions.json / CSV)")
-    ap.add_argument("--require-goals", action="store_true", help="exit 3 if a goal is missed")
-    ap.add_argument("--check-junit", default=None, metavar="XML")
-    ap.add_argument("--require-passed", default="", help="with --check-junit: comma list of "
-                    "backends that must appear in a passed test's parameters")
-    ap.add_argument("--status-file", default=None, help="write the one-line verdict here too")
+    add = ap.add_argument
+    add("inputs", nargs="*", help="result folders or loss CSV / train.json / versions.json")
+    add("--out", help="summary.json path (default: in the first folder given, else ./summary.json)")
+    add("--markdown", help="also write the README snippet here")
+    add("--device", help="use only loss rows whose device contains this")
+    add("--commit", help="commit to record (default: versions.json / CSV)")
+    add("--require-goals", action="store_true", help="exit 3 if a goal is missed")
+    add("--check-junit", metavar="XML")
+    add("--require-passed", default="", help="with --check-junit: comma list of backends that "
+        "must appear in a passed test's parameters")
+    add("--status-file", help="write the one-line verdict here too")
     args = ap.parse_args(argv)
-    from common import check_output_file  # a folder, a path under a file: before any work
-    for flag in ("--out", "--markdown", "--status-file"):
-        path = getattr(args, flag[2:].replace("-", "_"))
-        if path:
-            check_output_file(ap, flag, path, csv_file=False)
-
+    for flag in ("--out", "--markdown", "--status-file"):  # before any work
+        if path := getattr(args, flag[2:].replace("-", "_")):
+            common.check_output_file(ap, flag, path, csv_file=False)
     if args.check_junit:
         res = check_junit(args.check_junit, [b for b in args.require_passed.split(",") if b])
         line = junit_line(res)
-        for a in res["allowed_skips"]:
-            print(f"  expected skip on a GPU machine: {a}")
-        for v in res["violations"]:
-            print(f"  {v}")
-        print(f"junit {args.check_junit}: {line}: {'OK' if res['ok'] else 'FAIL'}")
+        print("\n".join([f"  expected skip on a GPU machine: {a}" for a in res["allowed_skips"]]
+                        + [f"  {v}" for v in res["violations"]]
+                        + [f"junit {args.check_junit}: {line}: {'OK' if res['ok'] else 'FAIL'}"]))
         if args.status_file:
             _write(args.status_file, line + ("" if res["ok"] else
                                              f"; {len(res['violations'])} problem(s)") + "\n")
         return 0 if res["ok"] else 1
-
     if not args.inputs:
         ap.error("give result folders or files (or --check-junit XML)")
     try:
@@ -407,12 +352,10 @@ def main(argv=None):
         return 2
     out = args.out or (os.path.join(args.inputs[0], "summary.json") if os.path.isdir(args.inputs[0])
                        else "summary.json")
-    check_output_file(ap, "--out", out, csv_file=False)  # (the default: in the first folder)
+    common.check_output_file(ap, "--out", out, csv_file=False)  # (the default: in the first folder)
     _write(out, json.dumps(summary, indent=1, allow_nan=False) + "\n")
     checks = goal_checks(summary)
-    print(f"wrote {out}")
-    for _, line in checks:
-        print(line)
+    print("\n".join([f"wrote {out}"] + [line for _, line in checks]))
     md = markdown(summary, checks, train_raw)
     if args.markdown:
         _write(args.markdown, md)
