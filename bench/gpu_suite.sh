@@ -142,11 +142,12 @@ stage_test() {
   else
     # (the Hamming engine's tests run in the hamming stage)
     export NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1
-    run_tests gpu triton,cuda tests/test_loss_backends.py tests/test_loss_reference.py \
-        tests/test_noise.py tests/test_loss_inputs.py tests/test_cuda_mma_gpu.py \
-        tests/test_loss_host.py tests/test_loss_device_guard.py tests/test_queue_triton.py \
-        tests/test_loss_bf16x6.py tests/test_loss_fp16x3.py tests/test_loss_fold.py \
-        tests/test_loss_contracts.py tests/test_audit_gpu_semantics.py || rc=1
+    run_tests gpu triton,cuda tests/test_loss_numerics.py::TestBackends \
+        tests/test_loss_numerics.py::TestReference tests/test_noise.py \
+        tests/test_loss.py::TestInputs tests/test_loss_gpu.py tests/test_loss_host.py \
+        tests/test_loss.py::TestDeviceGuard tests/test_queue.py \
+        tests/test_loss_numerics.py::TestBf16x6 tests/test_loss_numerics.py::TestFp16x3 \
+        tests/test_loss_numerics.py::TestFold tests/test_loss.py::TestContracts || rc=1
     # resources under the device's own Triton (CI's compile check runs CI's): the configurations
     # the launchers pick here (built-in and tuned) at D = 128, no spill on a 16-bit/tf32 path,
     # within shared memory, with tensor-core instructions

@@ -1,6 +1,6 @@
 """The training steps as nac_fast 0.1.0 wrote them out by hand (nac_fast/train/methods.py before the
 trainer used its own public criteria), frozen here as the oracle the new path must equal bit for
-bit: tests/test_loss_api.py (one process, several optimizer steps) and tests/test_train_ddp.py
+bit: tests/test_loss.py (one process, several optimizer steps) and tests/test_train_ddp.py
 (two processes).  The momentum branch's batch shuffle is the old all-gather one as well
 (old_batch_shuffle; the new one is an all-to-all that must give the same rows for the same
 permutation).  Only the functional losses, the collectives and the queue are shared with the

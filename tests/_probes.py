@@ -1,4 +1,4 @@
-"""A kernel's own bound statements, run apart (tests/test_audit_limits.py,
+"""A kernel's own bound statements, run apart (tests/test_loss_numerics.py,
 tests/test_hamming_gpu.py): the ``start = ...`` / ``end = ...`` lines of a Triton kernel's
 source, compiled into a small probe kernel with the same argument types, so that their int32
 arithmetic can be run at sizes no test could allocate (under TRITON_INTERPRET=1)."""

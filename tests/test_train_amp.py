@@ -2,7 +2,7 @@
 copy of a, r, r_hat or the queue), the losses still compute in float32, and the queue is stored in
 the loss dtype with checkpoints loading across dtypes.
 
-Tolerance (the loss tests' rule, tests/test_loss_backends.py): on the bf16 inputs the step handed
+Tolerance (the loss tests' rule, tests/test_loss_numerics.py): on the bf16 inputs the step handed
 over, the step's loss must be within 2x the error of the reference backend computed in bf16, both
 against float64 of the same inputs.  And against the float32 run (no autocast) the step may not
 move further than the pre-AMP code did (float32 loss of the same bf16 model outputs) plus that

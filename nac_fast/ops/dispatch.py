@@ -53,7 +53,7 @@ _TRITON_MODULES = ("nac_triton", "nac_noise_triton", "hamming_triton", "autotune
 # where Triton is missing.
 EXPERIMENTAL: tuple = ()
 # The widest codes (D) each fused GPU backend of op "nac" computes: kernels/nac_triton.py MAX_D,
-# csrc/nac_cuda.cu check_cuda_limits (tests/test_loss_contracts.py holds them equal).  Wider codes
+# csrc/nac_cuda.cu check_cuda_limits (tests/test_loss.py holds them equal).  Wider codes
 # on CUDA tensors: backend="auto" runs the next backend that takes them, else the reference.
 FUSED_MAX_D = {"triton": 512, "cuda": 256}
 
