@@ -2,9 +2,10 @@
 launchers can choose, compiled for sm_80 and sm_90 on this CPU, fits shared memory, does not spill
 on the 16-bit and TF32 paths and uses tensor cores there; the CUDA kernels likewise (nvcc).  It
 runs once per test session, in a child process without TRITON_INTERPRET.  It reuses the committed
-table's figures of every launch whose content key (Triton's compile-cache key) is unchanged, and
-compiles 64 of those again to verify them (a few minutes); a launch whose kernel changed is
-compiled, and test_the_committed_table_is_current then asks for the table to be regenerated."""
+table's figures of every launch whose content key (`launch_key`: no line number or comment) is
+unchanged, and compiles 64 of those again to verify them (a few minutes); a launch whose kernel
+changed is compiled, and test_the_committed_table_is_current then asks for the table to be
+regenerated."""
 import csv
 import os
 import subprocess
