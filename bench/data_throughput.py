@@ -1,9 +1,7 @@
 """Throughput of the two-view pretraining pipeline alone (no model): images/s after --warmup
 batches and the CPU time burnt per image (docs/training.md "The training throughput benchmark").
 
-    python bench/data_throughput.py --data DIR --loader dali-cpu|dali-gpu|torchvision \
-        --size 224 --batch 64 --batches 20
-    python bench/data_throughput.py --data /tmp/jpegs --make-jpegs 640 ...   # synthesise first
+    python bench/data_throughput.py --data DIR --loader dali-cpu|dali-gpu|torchvision --size 224
 """
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_rows, check_output_file, commit  # noqa: E402  (puts ROOT on sys.path)
+from common import append_rows, check_least, check_output_file, commit  # noqa: E402  (puts ROOT on sys.path)
 from nac_fast.data import LOADERS, MIN_IMAGE_SIZE, build_pretrain_loader, dali_available  # noqa
 from nac_fast.data.sources.synthetic import write_jpeg_folder  # noqa: E402
 
@@ -44,10 +42,10 @@ def _tree_cpu_seconds() -> float:
         try:
             with open(f"/proc/{pid}/task/{pid}/children") as f:
                 kids = [int(k) for k in f.read().split() if int(k) not in seen]
+            seen.update(kids)
+            todo += kids
         except OSError:
-            kids = []
-        seen.update(kids)
-        todo += kids
+            continue
         for k in kids:
             try:
                 with open(f"/proc/{k}/stat") as f:
@@ -61,28 +59,27 @@ def _tree_cpu_seconds() -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="ImageFolder root, CIFAR dir or 'fashion-mnist'")
-    ap.add_argument("--loader", default="auto", choices=LOADERS)
-    ap.add_argument("--size", type=int, default=None, help="view size (default: natural size)")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--batches", type=int, default=20, help="measured batches")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
-                    help="DataLoader workers (torchvision) / DALI threads")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    ap.add_argument("--channels-last", action="store_true")
-    ap.add_argument("--recipe", default="auto", choices=["auto", "small", "imagenet"])
-    ap.add_argument("--make-jpegs", type=int, default=0, metavar="N", help="first write N "
-                    "synthetic 256-500 px JPEGs (8 classes) to DATA/train if DATA is missing")
-    ap.add_argument("--csv", default="", help="append the figures as a row to this CSV ('' = none)")
+    add = ap.add_argument
+    add("--data", required=True, help="ImageFolder root, CIFAR dir or 'fashion-mnist'")
+    add("--loader", default="auto", choices=LOADERS)
+    add("--size", type=int, default=None, help="view size (default: natural size)")
+    add("--batch", type=int, default=64)
+    add("--batches", type=int, default=20, help="measured batches")
+    add("--warmup", type=int, default=2)
+    add("--workers", type=int, default=len(os.sched_getaffinity(0)),
+        help="DataLoader workers (torchvision) / DALI threads")
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    add("--channels-last", action="store_true")
+    add("--recipe", default="auto", choices=["auto", "small", "imagenet"])
+    add("--make-jpegs", type=int, default=0, metavar="N", help="first write N synthetic 256-500 "
+        "px JPEGs (8 classes) to DATA/train if DATA is missing")
+    add("--csv", default="", help="append the figures as a row to this CSV ('' = none)")
     a = ap.parse_args(argv)
     if a.csv:  # a folder, a path under a file, a damaged CSV: before any work
         check_output_file(ap, "--csv", a.csv)
-    for name, least in (("batch", 1), ("batches", 1), ("warmup", 0), ("workers", 0),
-                        ("make_jpegs", 0)):
-        if getattr(a, name) < least:
-            ap.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(a, name)}")
+    check_least(ap, a, {"--batch": 1, "--batches": 1, "--warmup": 0, "--workers": 0,
+                        "--make-jpegs": 0})
     try:
         device = torch.device(a.device)
     except RuntimeError:
