@@ -5,12 +5,9 @@
     python bench/bench_loss.py --device cuda --compile-reference   # GPU: also torch.compile(ref)
     python bench/bench_loss.py --quick --compile-reference --compile-backend aot_eager   # CPU check
     python bench/bench_loss.py --roofline H100,H200 [--ceilings datasheet] [--fp32 bf16x6]
-    python bench/plot_bench.py bench/results/loss_cpu.csv          # PNG plots of the CSV
 
-Rows (median, p20/p80, peak extra memory, GFLOP/s, ratios to the reference, % of the roofline
-bound) are appended to a CSV; a failed row makes the exit status 1.  What each column means and
-how it is timed: docs/kernels.md "Benchmarks".
-"""
+Rows are appended to a CSV (a failed row: exit status 1); columns and timing: docs/kernels.md
+"The benchmark scripts in detail"."""
 from __future__ import annotations
 
 import argparse
@@ -24,10 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (puts the source tree on sys.path)
-from common import INBATCH, QUEUE, ROOT, check_least, check_output_file  # noqa: E402,F401
-# re-exported: the other bench scripts and tests take them from here
-from common import commit, device_name, read_csv_rows  # noqa: E402,F401
-from common import quantiles as _quantiles  # noqa: E402
+from common import INBATCH, QUEUE, ROOT, check_least, check_output_file  # noqa: E402
 
 import nac_fast  # noqa: E402
 
@@ -79,8 +73,7 @@ def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None):
 
 
 def _counted(step):
-    """`step` counting its own calls (attribute `calls`): what the compiled graph's call count is
-    held against."""
+    """`step` counting its own calls (`calls`), against the compiled graph's call count."""
     def counted():
         counted.calls += 1
         step()
@@ -111,7 +104,7 @@ class CountingBackend:
 
 
 def compile_reference(backend_name: str):
-    """A fresh torch.compile of reference_fn for one case (dynamo state reset first)."""
+    """A fresh torch.compile of reference_fn (dynamo reset first) and its CountingBackend."""
     torch._dynamo.reset()
     counter = CountingBackend(backend_name)
     return torch.compile(reference_fn, backend=counter, dynamic=False, fullgraph=True), counter
@@ -138,23 +131,21 @@ def time_step(step, device, reps: int, min_time: float):
     (it compiles).  CPU: at least `reps` host-timed calls, more up to 10 x reps while under
     min_time seconds.  GPU: triton.testing.do_bench over about min_time seconds (CUDA events, L2
     flushed between calls), or a CUDA-event loop without Triton."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    step()
+    sync()
+    first = time.perf_counter() - t0
     if device == "cuda":
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        first = time.perf_counter() - t0
         try:
             from triton.testing import do_bench
         except ImportError:
             return (*_loop_times(step, reps, min_time, _event_time), first, "cuda-events")
         rep_ms = max(1000.0 * min_time, 1.0)
         med, p20, p80 = do_bench(step, warmup=25, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
-        est = max(med, 1e-6)
-        return med / 1e3, p20 / 1e3, p80 / 1e3, max(1, int(rep_ms / est)), first, "do_bench"
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
+        return med / 1e3, p20 / 1e3, p80 / 1e3, max(1, int(rep_ms / max(med, 1e-6))), first, \
+            "do_bench"
     return (*_loop_times(step, reps, min_time, _host_time), first, "perf_counter")
 
 
@@ -179,7 +170,7 @@ def _loop_times(step, reps: int, min_time: float, timer=_host_time):
     times, t_start = [], time.perf_counter()
     while len(times) < reps or (time.perf_counter() - t_start < min_time and len(times) < 10 * reps):
         times.append(timer(step))
-    return (*_quantiles(times), len(times))
+    return (*common.quantiles(times), len(times))
 
 
 def graph_step(step, warmup: int = 3):
@@ -206,8 +197,7 @@ def variants(backends, compile_reference: bool, graphs: bool):
 
 
 def append_rows(path, rows, fields=FIELDS):
-    """common.append_rows with this script's FIELDS by default (a CSV with another header is
-    rewritten first, its old rows keeping their values)."""
+    """common.append_rows with this script's FIELDS by default."""
     common.append_rows(path, rows, fields)
 
 
@@ -255,37 +245,34 @@ def print_bounds(gpus, which: str = "measured", fp32_mode: str = "tf32x3", D: in
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    choices=["cpu", "cuda"])
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--backends", default=None, help="comma list; default: all available")
-    ap.add_argument("--inbatch", default=",".join(map(str, INBATCH)))
-    ap.add_argument("--queue", default=",".join(map(str, QUEUE)), help="queue sizes M (n=--mq-n)")
-    ap.add_argument("--mq-n", type=int, default=512)
-    ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--min-time", type=float, default=1.0, help="seconds of timing per case")
-    ap.add_argument("--compile-reference", action="store_true", help="also torch.compile(reference)")
-    ap.add_argument("--compile-backend", default="inductor",
-                    help="torch.compile backend of the compiled-reference rows (default inductor; "
-                    "aot_eager is cheap, for CPU checks of the per-case compilation)")
-    ap.add_argument("--quick", action="store_true", help="one small shape per kind, fp32 only")
-    ap.add_argument("--csv", default=None, help="CSV to append to (default bench/results/loss_<device>.csv)")
-    ap.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
-    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
-                    help="add a CUDA-graph replay row per fused backend (default: on a GPU)")
-    ap.add_argument("--roofline", nargs="?", const="H100,H200", default=None, metavar="GPUS",
-                    help="print the time floors of the GPU suite's shapes on these GPUs (comma "
-                    "list, default H100,H200) and exit; nothing is measured")
-    ap.add_argument("--ceilings", default="measured", choices=("measured", "datasheet"),
-                    help="--roofline: the chips' measured or datasheet rates")
-    ap.add_argument("--fp32", default="tf32x3", choices=common.FP32_MODES,
-                    help="--roofline: the fp32 rows' matrix mode")
+    add = ap.add_argument
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    add("--dtypes", default="float32,bfloat16")
+    add("--backends", help="comma list; default: all available")
+    add("--inbatch", default=",".join(map(str, INBATCH)))
+    add("--queue", default=",".join(map(str, QUEUE)), help="queue sizes M (n=--mq-n)")
+    add("--mq-n", type=int, default=512)
+    add("--D", type=int, default=128)
+    add("--reps", type=int, default=7)
+    add("--min-time", type=float, default=1.0, help="seconds of timing per case")
+    add("--compile-reference", action="store_true", help="also torch.compile(reference)")
+    add("--compile-backend", default="inductor", help="torch.compile backend of the "
+        "compiled-reference rows (default inductor; aot_eager is cheap, for CPU checks)")
+    add("--quick", action="store_true", help="one small shape per kind, fp32 only")
+    add("--csv", help="CSV to append to (default bench/results/loss_<device>.csv)")
+    add("--no-memory", action="store_true", help="skip the memory measurement")
+    add("--graphs", action=argparse.BooleanOptionalAction, default=None,
+        help="add a CUDA-graph replay row per fused backend (default: on a GPU)")
+    add("--roofline", nargs="?", const="H100,H200", metavar="GPUS", help="print the time floors "
+        "of the GPU suite's shapes on these GPUs (default H100,H200) and exit")
+    add("--ceilings", default="measured", choices=("measured", "datasheet"),
+        help="--roofline: the chips' measured or datasheet rates")
+    add("--fp32", default="tf32x3", choices=common.FP32_MODES,
+        help="--roofline: the fp32 rows' matrix mode")
     args = ap.parse_args(argv)
     if args.roofline is not None:
         gpus = args.roofline.split(",")
-        bad = [g for g in gpus if not common.known_gpu(g)]
-        if bad:  # before any table line
+        if bad := [g for g in gpus if not common.known_gpu(g)]:  # before any table line
             ap.error(f"--roofline: no ceilings known for {', '.join(repr(g) for g in bad)} "
                      f"(known: {', '.join(common.GPUS)}; the H100 is the SXM part, not PCIe/NVL)")
         if len({common.resolve_gpu(g) for g in gpus}) != len(gpus):  # a table printed twice
@@ -304,16 +291,17 @@ def main(argv=None):
     check_least(ap, args, {"--reps": 1, "--mq-n": 1, "--D": 1})
     if not args.min_time >= 0:
         ap.error(f"--min-time must be >= 0, got {args.min_time}")
+    sizes = {}  # "" means none of that kind
     for flag, text in (("--inbatch", args.inbatch), ("--queue", args.queue)):
         try:
-            vals = [int(x) for x in text.split(",") if x.strip()]
+            sizes[flag] = vals = [int(x) for x in text.split(",") if x.strip()]
         except ValueError:
             ap.error(f"{flag}: a comma list of integers, got {text!r}")
         if any(v < 1 for v in vals):
             ap.error(f"{flag}: sizes must be >= 1, got {','.join(str(v) for v in vals if v < 1)}")
         if len(set(vals)) != len(vals):
             ap.error(f"{flag}: a size is given twice in {text!r}")
-    if not any(x.strip() for x in f"{args.inbatch},{args.queue}".split(",")):
+    if not sizes["--inbatch"] + sizes["--queue"]:
         ap.error("--inbatch and --queue are both empty: no case to measure")
     dtypes = []
     for d, t in ((d, getattr(torch, d, None)) for d in args.dtypes.split(",")):
@@ -337,15 +325,12 @@ def main(argv=None):
             ap.error(f"--compile-backend {args.compile_backend!r}: {exc}")
     csv_path = args.csv or os.path.join(ROOT, "bench", "results", f"loss_{args.device}.csv")
     check_output_file(ap, "--csv", csv_path)  # before any timing: a bad path costs nothing
-    dev_name = device_name(args.device)
+    dev_name = common.device_name(args.device)
     from nac_fast.ops import loss as _loss_mod
     run = dict(common.run_fields(dev_name), threads=torch.get_num_threads(),
                check_inputs=int(bool(_loss_mod.CHECK_VALUES)))
-
-    def sizes(text):  # "" means none of that kind
-        return [int(x) for x in text.split(",") if x.strip()]
-    cases = [("inbatch", n, n) for n in sizes(args.inbatch)] + \
-            [("mq", args.mq_n, m) for m in sizes(args.queue)]
+    cases = [("inbatch", n, n) for n in sizes["--inbatch"]] + \
+            [("mq", args.mq_n, m) for m in sizes["--queue"]]
 
     rows, failed = [], 0
     print(f"{'kind':8s} {'n':>6s} {'N':>7s} {'dtype':9s} {'backend':18s} {'median ms':>10s} "
@@ -378,28 +363,25 @@ def main(argv=None):
                                                                   args.min_time)
                     base.update(timer=timer, loadavg="%.2f" % os.getloadavg()[0])
                     mem = None if args.no_memory else peak_extra_bytes(step, args.device)
-                    if counter is not None:
-                        # every step taken (the timer's own count of its calls is an estimate:
-                        # do_bench's repetitions are not what rep_ms / median gives)
-                        calls_wanted = step.calls
+                    if counter is not None:  # every step taken ran the one compiled graph
                         base.update(compiled_graphs=counter.graphs, compile_s=f"{first:.3f}")
-                        if counter.graphs != 1 or counter.calls != calls_wanted:
+                        if counter.graphs != 1 or counter.calls != step.calls:
                             raise RuntimeError(
                                 f"not compiled: {counter.graphs} graphs compiled (want 1), "
-                                f"{counter.calls} of {calls_wanted} steps ran the compiled graph")
+                                f"{counter.calls} of {step.calls} steps ran the compiled graph")
                 except Exception as exc:  # OOM, compile error, not compiled: a failed row
                     failed += 1
                     msg = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
                     print(f"{kind:8s} {n:6d} {N:7d} {str(dtype)[6:]:9s} {b:18s} FAILED "
                           f"{msg[:300]}", flush=True)
                     rows.append(dict(base, status=f"failed: {msg[:300]}"))
-                    step = None
-                    if args.device == "cuda":
-                        torch.cuda.empty_cache()
                     continue
                 finally:
+                    step = None
                     if b == "compiled-reference":
                         torch._dynamo.reset()
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
                 if b == "reference":
                     ref_t, ref_mem = med, mem
                 pct = "" if bnd is None else f"{common.pct_of_bound(bnd['bound_s'], med):.2f}"
@@ -414,9 +396,6 @@ def main(argv=None):
                       f"{p20 * 1e3:8.3f} {p80 * 1e3:8.3f} {row['peak_extra_mib']:>9s} "
                       f"{row['gflops']:>8s} {row['time_ratio_to_ref']:>6s} "
                       f"{row['mem_ratio_to_ref']:>8s} {pct:>7s}", flush=True)
-                del step
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
     append_rows(csv_path, rows)
     print(f"appended {len(rows)} rows to {csv_path}")
     print(json.dumps({"rows": rows}))
