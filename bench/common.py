@@ -1,8 +1,6 @@
-"""The bench scripts' one helper module: the CSV appender and output-path checks, quantiles, the
-row fields every CSV carries (commit, device, versions), the benchmark shapes, and the roofline
-bound of the NAC losses on an H100 SXM / H200 (docs/kernels.md "The benchmark scripts in detail").
-Not named _csv.py: bench/ is first on sys.path, and it would shadow the standard library's _csv.
-"""
+"""The bench scripts' one helper module: the CSV appender and output checks, quantiles, the row
+fields every CSV carries, the benchmark shapes, and the roofline bound of the NAC losses on an H100
+SXM / H200 (docs/kernels.md "The benchmark scripts in detail")."""
 from __future__ import annotations
 
 import csv
@@ -30,15 +28,6 @@ BENCH_SHAPES = [("inbatch", n, n) for n in (1024, 4096, 8192, 16384)] + \
 
 # ---- CSV ----------------------------------------------------------------------------------------
 
-def read_csv_rows(path):
-    """(header, rows) of an existing CSV, ([], []) if there is none."""
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
-        return [], []
-    with open(path, newline="") as f:
-        rows = list(reader := csv.DictReader(f))
-    return list(reader.fieldnames or []), rows
-
-
 def csv_problem(path):
     """Why the existing CSV `path` could not be appended to without damaging it, or None (no
     file, an empty one, a readable CSV): not text, no header line, a row with more values than
@@ -63,16 +52,18 @@ def csv_problem(path):
 
 
 def append_rows(path, rows, fields):
-    """Append rows (dicts; missing keys are written empty) to the CSV `path` with columns
-    `fields`; a CSV with another header is rewritten first with fields (+ its own extra columns),
-    so its old rows keep their values and the columns stay aligned.  The folder is made.
-    All or nothing (nac_fast._files.atomic_write): an error (a damaged CSV: ValueError naming it,
-    a row with a column not in the header, a full disk) leaves the old file as it was; a last
-    line without its newline (a cut row) keeps its own line."""
+    """Append rows (dicts; missing keys written empty) to the CSV `path` with columns `fields`,
+    all or nothing (a damaged CSV: ValueError); a CSV with another header is rewritten first with
+    fields (+ its own extra columns), its old rows keeping their values; a cut last line keeps
+    its own line.  The folder is made."""
     if why := csv_problem(path):
         raise ValueError(f"CSV {path!r} {why}: not appending to it (repair it or give another "
                          "--csv)")
-    header, old = read_csv_rows(path)
+    header, old = [], []
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+        with open(path, newline="") as f:
+            old = list(reader := csv.DictReader(f))
+        header = list(reader.fieldnames or [])
     buf = io.StringIO(newline="")
     keep = b""  # the old file's bytes, when its header is the one written
     if header and header != list(fields):
@@ -94,9 +85,8 @@ def append_rows(path, rows, fields):
 
 
 def output_file_problem(flag: str, path: str, csv_file: bool = True):
-    """Why the output file `path` (option `flag`) could not be written, or None: empty, a folder,
-    a path under a file, a place where no file can be created, and for a CSV to append to
-    (`csv_file`) an existing one that is damaged (csv_problem)."""
+    """Why the output file `path` (option `flag`) could not be written (empty, a folder, not
+    writable; a damaged CSV to append to, when `csv_file`), or None."""
     if not path:
         return f"{flag} is empty; give a file path"
     if os.path.isdir(path):
@@ -110,15 +100,13 @@ def output_file_problem(flag: str, path: str, csv_file: bool = True):
 
 
 def check_output_file(ap, flag: str, path: str, csv_file: bool = True) -> None:
-    """ap.error (exit status 2) naming `flag` when `path` could not be written; call it right
-    after parse_args, before any measurement."""
+    """ap.error (exit status 2) naming `flag` when `path` could not be written."""
     if why := output_file_problem(flag, path, csv_file):
         ap.error(why)
 
 
 def check_output_folder(ap, flag: str, path: str) -> None:
-    """ap.error naming `flag` when files could not be written in the folder `path` (existing or
-    to be made): a file there, a path under a file, an unwritable place."""
+    """ap.error naming `flag` when no file could be written in the folder `path`."""
     if os.path.lexists(path) and not os.path.isdir(path):
         ap.error(f"{flag} {path!r} is not a folder")
     try:
@@ -144,9 +132,8 @@ def check_flip(ap, args) -> None:
 # ---- timing and row fields ----------------------------------------------------------------------
 
 def quantiles(times):
-    """(median, p20, p80) of the samples, interpolated, so min <= p20 <= median <= p80 <= max for
-    any number of samples >= 1: statistics.quantiles' "exclusive" method from 5 samples on, its
-    "inclusive" one (numpy's default) below 5; one sample is all three."""
+    """(median, p20, p80), min <= p20 <= median <= p80 <= max for any number of samples >= 1:
+    statistics.quantiles' "exclusive" method from 5 samples on, "inclusive" below."""
     if not times:
         raise ValueError("no timing samples")
     if len(times) == 1:
@@ -183,9 +170,9 @@ def device_name(device: str) -> str:
 def triton_version() -> str:
     try:
         import triton
+        return triton.__version__
     except Exception:
         return ""
-    return triton.__version__
 
 
 def run_fields(device: str) -> dict:
@@ -196,9 +183,8 @@ def run_fields(device: str) -> dict:
                 triton=triton_version(), commit=commit())
 
 
-# ---- roofline bound (docs/kernels.md "The benchmark scripts in detail") ------------------------------------------
-# Datasheet values: NVIDIA H100 / H200 SXM datasheets (dense, no sparsity).  Measured values:
-# docs/gpu.md "Rates" (the device tool's H100 and H200 machines).
+# ---- roofline bound: datasheet values (H100 / H200 SXM, dense) and the measured ones of
+# docs/gpu.md "Rates" ---------------------------------------------------------------------------
 _SHEET = {"bf16_tflops": 989.4, "tf32_tflops": 494.7, "fp32_tflops": 66.9}  # dense, H100 = H200
 GPUS = {"H100": {"label": "H100 SXM5 80GB", "sms": 132, "clock_ghz": 1.98,
                  "datasheet": dict(_SHEET, hbm_tbs=3.35),
@@ -242,13 +228,9 @@ def ceilings(gpu_name: str, which: str = "measured") -> dict:
         raise ValueError(f"ceilings must be 'measured' or 'datasheet', got {which!r}")
     g = GPUS[resolve_gpu(gpu_name)]
     clock = g["clock_ghz"] * 1e9
-
-    def pick(key):
-        if which == "measured" and key in g["measured"]:
-            return g["measured"][key], "measured"
-        return g["datasheet"][key], "datasheet"
-    (bf16, bf16_src), (hbm, hbm_src), (tf32, tf32_src) = map(pick, ("bf16_tflops", "hbm_tbs",
-                                                                    "tf32_tflops"))
+    src = {k: "measured" if which == "measured" and k in g["measured"] else "datasheet"
+           for k in ("bf16_tflops", "hbm_tbs", "tf32_tflops")}
+    (bf16, bf16_src), (hbm, hbm_src), (tf32, tf32_src) = ((g[src[k]][k], src[k]) for k in src)
     return {"gpu": resolve_gpu(gpu_name), "label": g["label"], "sms": g["sms"],
             "clock_ghz": g["clock_ghz"], "bf16_flops": bf16 * 1e12, "bf16_source": bf16_src,
             "tf32_flops": tf32 * 1e12, "tf32_source": tf32_src,
@@ -261,8 +243,7 @@ def ceilings(gpu_name: str, which: str = "measured") -> dict:
 
 def work(kind: str, n: int, N: int, D: int, dtype: str, *, keys_grad: bool | None = None) -> dict:
     """Matrix FLOPs, exps and bytes of one forward+backward of our algorithm."""
-    if kind == "mq":
-        kind = "queue"
+    kind = "queue" if kind == "mq" else kind
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS} (or 'mq'), got {kind!r}")
     for name, v in (("n", n), ("N", N), ("D", D)):
