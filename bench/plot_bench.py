@@ -1,9 +1,6 @@
 """PNG plots of a bench_loss.py CSV (`python bench/plot_bench.py bench/results/loss_cpu.csv
 [--out DIR]`): time (p20-p80 band) and peak extra memory against size, a line per backend (per
-device, D, queue n where several), a panel per (kind, dtype), each case's newest successful row.
-"""
-from __future__ import annotations
-
+device, D, queue n where several), a panel per (kind, dtype), each case's newest successful row."""
 import argparse
 import csv
 import math
@@ -11,6 +8,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import check_output_folder  # noqa: E402  (the bench scripts' output-path check)
 NEEDED = ("device", "backend", "kind", "dtype", "n", "N", "D", "median_s", "p20_s", "p80_s",
           "peak_extra_mib", "torch")
 
@@ -29,8 +27,7 @@ def load(path):
         rows = list(reader := csv.DictReader(f))
     if not rows:
         raise SystemExit(f"{path} has no rows")
-    missing = [c for c in NEEDED if c not in (reader.fieldnames or [])]
-    if missing:
+    if missing := [c for c in NEEDED if c not in (reader.fieldnames or [])]:
         raise SystemExit(f"{path} has no column {', '.join(missing)}: not a bench_loss.py CSV")
     latest = {}
     for row in rows:  # rows are appended in time order: the last one of a key wins
@@ -50,9 +47,8 @@ def load(path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("csv")
-    ap.add_argument("--out", default=None, help="folder for the PNGs (default: beside the CSV)")
+    ap.add_argument("--out", help="folder for the PNGs (default: beside the CSV)")
     args = ap.parse_args(argv)
-    from common import check_output_folder  # the bench scripts' output-path check
     if not os.path.isfile(args.csv):
         ap.error(f"csv {args.csv!r}: " + ("is a folder; give a bench_loss.py CSV"
                                           if os.path.isdir(args.csv) else "no such file"))
@@ -61,7 +57,6 @@ def main(argv=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     rows = load(args.csv)
     os.makedirs(out, exist_ok=True)
     stem = os.path.splitext(os.path.basename(args.csv))[0]
@@ -79,29 +74,25 @@ def main(argv=None):
         for ax, (kind, dtype) in zip(axes[0], panels):
             sel = [r for r in rows if r["kind"] == kind and r["dtype"] == dtype
                    and _num(r[metric]) is not None]
-            ns = {r["n"] for r in sel}
+            ns = sorted({r["n"] for r in sel}, key=int)
             for key in sorted({series(r, ns) for r in sel}):
                 pts = sorted(((int(r["N"]), _num(r[metric]), r) for r in sel
                               if series(r, ns) == key), key=lambda p: p[:2])
-                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-                line, = ax.plot(xs, ys, marker="o", label=", ".join(key))
+                line, = ax.plot(xs := [p[0] for p in pts], [p[1] for p in pts], marker="o",
+                                label=", ".join(key))
                 if metric == "median_s":  # p20-p80 band (the median where a bound is missing)
                     ax.fill_between(xs, [_num(p[2]["p20_s"]) or p[1] for p in pts],
                                     [_num(p[2]["p80_s"]) or p[1] for p in pts], alpha=0.2,
                                     color=line.get_color())
             ax.set_xscale("log", base=2), ax.set_yscale("log")
-            n_desc = "n = N" if kind == "inbatch" else f"n = {','.join(sorted(ns, key=int)) or '?'}"
-            ax.set_title(f"{kind} ({n_desc}), {dtype}")
+            ax.set_title(f"{kind} (n = {'N' if kind == 'inbatch' else ','.join(ns) or '?'}), {dtype}")
             ax.set_xlabel("keys N" if kind == "inbatch" else "queue size M"), ax.set_ylabel(label)
             ax.grid(True, which="both", alpha=0.3)
-            if sel:  # (no memory figures: --no-memory rows)
-                ax.legend()
+            ax.legend() if sel else None  # (no memory figures: --no-memory rows)
         device = devices[0] if len(devices) == 1 else f"{len(devices)} devices"
-        d_desc = f"D={Ds[0]}" if len(Ds) == 1 else "D=" + ",".join(Ds)
-        fig.suptitle(f"NAC loss, {d_desc}, {device}, torch {rows[-1]['torch']}")
-        fig.tight_layout()
+        fig.suptitle(f"NAC loss, D={','.join(Ds)}, {device}, torch {rows[-1]['torch']}")
         written.append(os.path.join(out, f"{stem}_{fname}.png"))
-        fig.savefig(written[-1], dpi=110), plt.close(fig)
+        fig.tight_layout(), fig.savefig(written[-1], dpi=110), plt.close(fig)
     print("\n".join(written))
 
 
