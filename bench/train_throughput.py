@@ -2,16 +2,10 @@
 the one-time compile cost, the eager rate and the supervised anchors beside it.
 
     python bench/train_throughput.py --arch resnet-tiny --method nac --batch-size 256
-    torchrun --nproc_per_node=8 bench/train_throughput.py --data /path/imagenet --arch resnet50 \
-        --method nac-mq --batch-size 2048 --amp bf16 --channels-last --loader dali-gpu
 
-Parts, in order, each later one only while --budget-s leaves time: 1. train.py itself with the
-configuration's defaults (figures from its log, the warm-up window dropped); 2. --profile-out
-(the top CUDA kernels of one step) and --sync-check (host syncs of one step: FAIL exits 1);
-3. the eager rate (--eager-baseline); 4. the supervised anchors (--anchors) and the ceiling.
---data synthetic-device[:N]: images made on the training device (DeviceSyntheticPairLoader).
-The last line printed is one JSON object.  Details, the GPU suite's command and the JSON's keys:
-docs/training.md "The training throughput benchmark".
+Parts, each later one only while --budget-s leaves time: 1. train.py itself; 2. --profile-out and
+--sync-check (FAIL exits 1); 3. --eager-baseline; 4. --anchors and the ceiling.  The last line is
+one JSON object.  Details: docs/training.md "The training throughput benchmark".
 """
 from __future__ import annotations
 
@@ -36,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from common import append_rows, check_output_file, commit  # noqa: E402
+from common import append_rows, check_output_file, commit, triton_version  # noqa: E402
 from nac_fast._files import atomic_write  # noqa: E402
 from nac_fast.data.sources.synthetic_pairs import DeviceSyntheticPairLoader  # noqa: E402,F401
 
@@ -174,10 +168,18 @@ class Budget:
     def skip(self, need: float) -> str | None:
         """Why a part that needs about `need` seconds is skipped, or None."""
         left = self.left()
-        if left >= need:
-            return None
-        return (f"skipped: --budget-s {self.seconds:g} leaves {max(left, 0):.0f} s after "
-                f"{self.elapsed():.0f} s, this part needs about {need:.0f} s")
+        return None if left >= need else (
+            f"skipped: --budget-s {self.seconds:g} leaves {max(left, 0):.0f} s after "
+            f"{self.elapsed():.0f} s, this part needs about {need:.0f} s")
+
+
+def _shared_flags(args, pairs) -> list:
+    """The flags train.py and the anchors share: each (flag, value) that is set, and
+    --[no-]channels-last when given."""
+    out = [x for flag, v in pairs if v is not None for x in (flag, str(v))]
+    if args.channels_last is not None:
+        out.append("--channels-last" if args.channels_last else "--no-channels-last")
+    return out
 
 
 # ---- parts 1-3: train.py itself ------------------------------------------------------------------
@@ -188,13 +190,9 @@ def _train_argv(args, out, compile_flag) -> tuple[list, int]:
              "--batch-size", str(args.batch_size), "--max-steps", str(total),
              "--log-every", str(args.warmup), "--save-every", str(10 ** 9), "--no-progress",
              "--amp", args.amp, "--loader", args.loader, "--out", out,
-             "--warmup-epochs", "0"]
-    for flag, v in (("--image-size", args.image_size), ("--workers", args.workers),
-                    ("--queue-size", args.queue_size), ("--compile-backend", args.compile_backend)):
-        if v is not None:
-            targv += [flag, str(v)]
-    if args.channels_last is not None:
-        targv.append("--channels-last" if args.channels_last else "--no-channels-last")
+             "--warmup-epochs", "0"] + _shared_flags(args, (
+                 ("--image-size", args.image_size), ("--workers", args.workers),
+                 ("--queue-size", args.queue_size), ("--compile-backend", args.compile_backend)))
     if compile_flag is not None:
         targv.append("--compile" if compile_flag else "--no-compile")
     # log-every = warmup: the log's first record covers the warm-up steps (compilation, first
@@ -330,13 +328,8 @@ def run_supervised(args, kind: str, budget: Budget) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--supervised", kind, "--arch", args.arch,
            "--batch-size", str(args.batch_size), "--amp", args.amp, "--warmup",
            str(args.warmup), "--steps", str(args.steps), "--json-out", path,
-           "--overwrite"]   # (path: mkstemp's own empty file)
-    for flag, v in (("--image-size", args.image_size), ("--compile-backend",
-                                                         args.compile_backend)):
-        if v is not None:
-            cmd += [flag, str(v)]
-    if args.channels_last is not None:
-        cmd.append("--channels-last" if args.channels_last else "--no-channels-last")
+           "--overwrite"] + _shared_flags(args, (  # (path: mkstemp's own empty file)
+               ("--image-size", args.image_size), ("--compile-backend", args.compile_backend)))
     timeout = None if math.isinf(budget.left()) else max(budget.left(), 1.0)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -366,14 +359,18 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _parts(res) -> list:
+    """(key, table name, CSV config, result) of each configuration measured (key None: part 1)."""
+    m = res["method"]
+    named = ((None, f"{m} train.py defaults ({'compiled' if res['compile'] else 'eager'})",
+              f"{m}-defaults"), ("eager", f"{m} --no-compile", f"{m}-eager"),
+             ("supervised_eager", "supervised eager", "supervised-eager"),
+             ("supervised_compiled", "supervised compiled", "supervised-compiled"))
+    return [(k, n, c, res if k is None else res[k]) for k, n, c in named if k is None or k in res]
+
+
 def table(res) -> str:
-    rows = [(f"{res['method']} train.py defaults ({'compiled' if res['compile'] else 'eager'})",
-             res)]
-    for key, name in (("eager", f"{res['method']} --no-compile"),
-                      ("supervised_eager", "supervised eager"),
-                      ("supervised_compiled", "supervised compiled")):
-        if key in res:
-            rows.append((name, res[key]))
+    rows = [(name, r) for _, name, _, r in _parts(res)]
     lines = [f"{'configuration':34s} {'img/s':>8s} {'ms/step':>8s} {'p20-p80':>13s} "
              f"{'1st step s':>10s} {'compile s':>9s} {'peak MiB':>9s}"]
     for name, r in rows:
@@ -393,26 +390,16 @@ def table(res) -> str:
 
 
 def csv_rows(res) -> list:
-    host = socket.gethostname()
-    try:
-        import triton
-        triton_v = triton.__version__
-    except ImportError:
-        triton_v = ""
-    common = {"timestamp": datetime.datetime.now().isoformat(timespec="seconds"), "host": host,
-              "device": res["device"], "torch": torch.__version__, "triton": triton_v,
+    common = {"timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
+              "host": socket.gethostname(), "device": res["device"], "torch": torch.__version__,
+              "triton": triton_version(),
               "commit": res["commit"], "threads": res["threads"], "arch": res["arch"],
               "method": res["method"], "batch_size": res["batch_size"],
               "world_size": res["world_size"], "image_size": res["image_size"],
               "amp": res["amp"], "channels_last": res["channels_last"],
               "ceiling_img_per_s": res.get("ceiling_img_per_s")}
     rows = []
-    for key, config in ((None, f"{res['method']}-defaults"), ("eager", f"{res['method']}-eager"),
-                        ("supervised_eager", "supervised-eager"),
-                        ("supervised_compiled", "supervised-compiled")):
-        r = res if key is None else res.get(key)
-        if r is None:
-            continue
+    for key, _, config, r in _parts(res):
         row = dict(common, config=config)
         if "img_per_s" not in r:
             row["status"] = r.get("skipped") or r.get("failed")
@@ -447,43 +434,38 @@ def write_json(path, res) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    ap.add_argument("--data", default="synthetic:65536",
-                    help="synthetic[:N] (default, train.py's loader, images made on the CPU), "
-                    "synthetic-device[:N] (images made on the training device), or a train.py --data")
-    ap.add_argument("--arch", default="resnet-tiny")
-    ap.add_argument("--method", default="nac", choices=sorted(WORK_RATIO))
-    ap.add_argument("--batch-size", type=int, default=256, help="global batch")
-    ap.add_argument("--image-size", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=20, help="measured steps")
-    ap.add_argument("--warmup", type=int, default=5,
-                    help="unmeasured first steps; also the steps of each timed window")
-    ap.add_argument("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"))
-    ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="train.py's --compile / --no-compile (default: neither, train.py's own "
-                    "default: compiled on a GPU, eager on a CPU)")
-    ap.add_argument("--compile-backend", default=None, choices=("inductor", "aot_eager"),
-                    help="train.py's --compile-backend, also the compiled anchor's")
-    ap.add_argument("--loader", default="auto")
-    ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--queue-size", type=int, default=None)
-    ap.add_argument("--eager-baseline", action=argparse.BooleanOptionalAction, default=None,
-                    help="also measure train.py --no-compile (default: when the run compiled; "
-                    "one process only)")
-    ap.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=None,
-                    help="also measure the supervised anchors, eager and compiled (default: on "
-                    "a GPU; one process only)")
-    ap.add_argument("--budget-s", type=float, default=0.0,
-                    help="seconds for the whole benchmark: the parts after the first run only "
-                    "while they fit (0: no limit)")
-    ap.add_argument("--profile-out", default=None, help="write the kernel profile of one step here")
-    ap.add_argument("--sync-check", action="store_true", help="host-sync check of one step")
-    ap.add_argument("--json-out", default=None, help="also write the result JSON here")
-    ap.add_argument("--csv-out", default=None, help="append one CSV row per configuration here")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing --json-out or "
-                    "--profile-out (without it they are refused)")
-    ap.add_argument("--supervised", choices=("eager", "compiled"), default=None,
-                    help="measure only this supervised anchor (part 4) and print its JSON")
+    add = ap.add_argument
+    add("--data", default="synthetic:65536", help="synthetic[:N] (train.py's loader, images made "
+        "on the CPU), synthetic-device[:N] (made on the training device), or a train.py --data")
+    add("--arch", default="resnet-tiny")
+    add("--method", default="nac", choices=sorted(WORK_RATIO))
+    add("--batch-size", type=int, default=256, help="global batch")
+    add("--image-size", type=int, default=None)
+    add("--steps", type=int, default=20, help="measured steps")
+    add("--warmup", type=int, default=5, help="unmeasured first steps; the steps of each window")
+    add("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"))
+    add("--channels-last", action=argparse.BooleanOptionalAction, default=None)
+    add("--compile", action=argparse.BooleanOptionalAction, default=None, help="train.py's "
+        "--compile / --no-compile (default: train.py's: compiled on a GPU, eager on a CPU)")
+    add("--compile-backend", default=None, choices=("inductor", "aot_eager"),
+        help="train.py's --compile-backend, also the compiled anchor's")
+    add("--loader", default="auto")
+    add("--workers", type=int, default=None)
+    add("--queue-size", type=int, default=None)
+    add("--eager-baseline", action=argparse.BooleanOptionalAction, default=None, help="also "
+        "measure train.py --no-compile (default: when the run compiled; one process only)")
+    add("--anchors", action=argparse.BooleanOptionalAction, default=None, help="also measure "
+        "the supervised anchors, eager and compiled (default: on a GPU; one process only)")
+    add("--budget-s", type=float, default=0.0, help="seconds for the whole benchmark: the parts "
+        "after the first run only while they fit (0: no limit)")
+    add("--profile-out", default=None, help="write the kernel profile of one step here")
+    add("--sync-check", action="store_true", help="host-sync check of one step")
+    add("--json-out", default=None, help="also write the result JSON here")
+    add("--csv-out", default=None, help="append one CSV row per configuration here")
+    add("--overwrite", action="store_true", help="replace an existing --json-out or "
+        "--profile-out (without it they are refused)")
+    add("--supervised", choices=("eager", "compiled"), default=None,
+        help="measure only this supervised anchor (part 4) and print its JSON")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         ap.error("--steps and --warmup must be >= 1")
