@@ -157,10 +157,7 @@ def _host_time(step) -> float:
 
 def _event_time(step) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    step()
-    end.record()
-    end.synchronize()
+    start.record(), step(), end.record(), end.synchronize()
     return start.elapsed_time(end) / 1e3
 
 
@@ -199,15 +196,6 @@ def variants(backends, compile_reference: bool, graphs: bool):
 def append_rows(path, rows, fields=FIELDS):
     """common.append_rows with this script's FIELDS by default."""
     common.append_rows(path, rows, fields)
-
-
-def roofline_bound(device, dev_name, kind, n, N, D, dtype, fp32_mode=""):
-    """common.bound(...) for this case, or None off a GPU it knows; fp32_mode: the fp32 rows'
-    product mode (`_fp32_dot`; "" for the 16-bit ones)."""
-    if device != "cuda" or not common.known_gpu(dev_name):
-        return None
-    return common.bound("queue" if kind == "mq" else "inbatch", n, N, D, str(dtype)[6:],
-                          dev_name, fp32_mode=fp32_mode or "tf32x3")
 
 
 def _fp32_dot(dtype, D, kind, n, N, device) -> str:
@@ -341,7 +329,9 @@ def main(argv=None):
         for dtype in dtypes:
             ref_t = ref_mem = None
             fp32_dot = _fp32_dot(dtype, args.D, kind, n, N, args.device)
-            bnd = roofline_bound(args.device, dev_name, kind, n, N, args.D, dtype, fp32_dot)
+            bnd = common.bound("queue" if kind == "mq" else "inbatch", n, N, args.D,  # the floor
+                               str(dtype)[6:], dev_name, fp32_mode=fp32_dot or "tf32x3") \
+                if args.device == "cuda" and common.known_gpu(dev_name) else None
             for b in variants(backends, args.compile_reference, args.graphs):
                 base = dict(run, kind=kind, n=n, N=N, D=args.D, dtype=str(dtype)[6:], backend=b,
                             bound_s="" if bnd is None else f"{bnd['bound_s']:.9f}",

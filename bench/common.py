@@ -255,8 +255,7 @@ def work(kind: str, n: int, N: int, D: int, dtype: str, *, keys_grad: bool | Non
         raise ValueError(f"in-batch keys are the batch's own codes: N must equal n, got n={n}, "
                          f"N={N}")
     dname, b = _DTYPES[dtype]
-    if keys_grad is None:
-        keys_grad = kind == "inbatch"
+    keys_grad = kind == "inbatch" if keys_grad is None else keys_grad
     if kind == "inbatch" and not keys_grad:
         raise ValueError("in-batch keys always get a gradient (keys_grad must be True or None)")
     products = 4 if keys_grad else 2
