@@ -20,7 +20,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # train.py's tools (tensorboard: train.py --tensorboard; scikit-learn: the digits of
 # scripts/make_image_folder.py).  The [dev] extra lists the same tools (tests/test_packaging.py
 # checks that each of them is here).
-PY_DEPS    ?= "setuptools>=64" wheel ninja numpy Pillow tqdm pytest pytest-benchmark matplotlib \
+PY_DEPS    ?= "setuptools>=64" wheel ninja numpy Pillow tqdm pytest pytest-xdist matplotlib \
               faiss-cpu tensorboard scikit-learn nvidia-dali-cuda130
 # pyproject.toml's extras installed with the package: dev (the tools above), dali (the dali-cpu
 # loader runs in CI).
@@ -29,6 +29,10 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 STAMP      := $(VENV)/.nac_fast_setup
 ARGS       ?=
 NPROC      ?= 2
+# pytest worker processes (pytest-xdist), one per core; each test file runs whole on one worker
+# (--dist loadfile: a file's module fixtures are built once) with one torch thread (conftest.py).
+TEST_JOBS  ?= 2
+PYTEST     := NAC_FAST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests -n $(TEST_JOBS) --dist loadfile
 OUT        ?= runs/default
 export MAX_JOBS ?= 2
 
@@ -51,10 +55,10 @@ data:
 	fi
 
 test: setup data
-	NAC_FAST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests --durations=15
+	$(PYTEST) --durations=15
 
 test-fast: setup data
-	NAC_FAST_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests -m "not slow" --durations=15
+	$(PYTEST) -m "not slow" --durations=15
 
 train: setup data
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --out $(OUT) $(ARGS)

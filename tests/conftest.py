@@ -10,6 +10,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (make test: one worker per core) each worker computes on one thread, and the
+# processes a test starts inherit it: two workers of two threads each on two cores ran slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 
 import pytest  # noqa: E402
 

@@ -95,21 +95,23 @@ def test_make_targets_parse(cmd):
     # the dry run shows the command the README promises (Makefile header, README "Two commands")
     want = {"make train": ".venv/bin/torchrun --standalone --nproc_per_node=2 train.py --out "
                           "runs/default",
-            "make test": ".venv/bin/python -m pytest -q tests"}[cmd]
+            "make test": ".venv/bin/python -m pytest -q tests -n 2 --dist loadfile"}[cmd]
     assert want in out.stdout.splitlines()[-1], out.stdout
 
 
 def test_make_test_fast_is_the_suite_less_the_slow_tests():
     """README "Two commands": `make test-fast` is pytest -m "not slow" (the marker registered in
-    tests/conftest.py); `make test` (CI) runs every test and lists the 15 slowest."""
+    tests/conftest.py); `make test` (CI) runs every test and lists the 15 slowest; both on two
+    pytest-xdist workers, a test file whole on one."""
     assert "`make test-fast`" in _section("Two commands on a fresh machine")
     env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     run = {t: subprocess.run(["make", t, "-n", "--no-print-directory"], cwd=ROOT, env=env,
                              capture_output=True, text=True) for t in ("test-fast", "test")}
     assert all(r.returncode == 0 for r in run.values()), {t: r.stderr for t, r in run.items()}
     fast, full = (run[t].stdout.splitlines()[-1] for t in ("test-fast", "test"))
-    assert ".venv/bin/python -m pytest -q tests -m \"not slow\"" in fast, fast
-    assert full.endswith("-m pytest -q tests --durations=15") and "slow" not in full, full
+    assert ".venv/bin/python -m pytest -q tests -n 2 --dist loadfile -m \"not slow\"" in fast, fast
+    assert full.endswith("-m pytest -q tests -n 2 --dist loadfile --durations=15"), full
+    assert "slow" not in full, full
 
 
 def _subsection(title: str) -> str:

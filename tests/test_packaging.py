@@ -134,7 +134,7 @@ def _name(req):
 
 
 IMPORT_NAMES = {"pillow": "PIL", "scikit-learn": "sklearn", "faiss-cpu": "faiss",
-                "nvidia-dali-cuda130": "nvidia.dali", "pytest-benchmark": "pytest_benchmark"}
+                "nvidia-dali-cuda130": "nvidia.dali", "pytest-xdist": "xdist"}
 
 
 def _third_party_imports():
