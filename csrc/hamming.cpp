@@ -25,9 +25,10 @@
 // sum; the byte sums are widened to 16 bits every kPlaneChunk planes (codes wider than 192 bits).
 // Every level returns the same integers (tests/test_hashing.py forces each one).
 // For AP, one pass per query in gallery-index order keeps
-// a per-distance count and records (d, running count) for the relevant items only; the counts
-// become prefix sums after the pass [M:ap-count].  AP is exact, in O(G) time per query and memory
-// for the relevant items' records, with no sort and no float Q x G matrix.
+// a per-distance count and records (d, running count) for the relevant items only (4 bytes each
+// when they fit: put_record), and the x86 levels count the relevant items per distance in the
+// same pass; the counts become prefix sums after the pass [M:ap-count].  AP is exact, in O(G) time
+// per query and memory for the relevant items' records, with no sort and no float Q x G matrix.
 //
 // Timings per simd level and of the paper-size protocol: bench/results/cpu_micro.md ("Hamming
 // engine"), bench/results/hamming_cpu.csv (python bench/bench_hamming.py) and
@@ -216,14 +217,40 @@ struct SingleLabel {  // class ids: relevant = same class
   // The gallery's ids as int32 when every id fits (hamming_retrieval_cpu), else null: the AVX2
   // mask then compares 8 ids per instruction instead of 4.
   const int32_t* gl32 = nullptr;
+  // The gallery's ids minus gl8_lo as bytes when they span at most 255 values (class ids), else
+  // null: the masks then compare 32 (AVX2) or 64 (AVX-512BW) ids per instruction.  A query id
+  // outside [gl8_lo, gl8_lo + 254] has no relevant item.
+  const uint8_t* gl8 = nullptr;
+  int64_t gl8_lo = 0;
+  // The query's id as a gl8 byte, or -1 when no gallery id can equal it.
+  int query_byte(int64_t i) const {
+    const uint64_t v = static_cast<uint64_t>(ql[i]) - static_cast<uint64_t>(gl8_lo);  // exact when >= 0
+    return ql[i] >= gl8_lo && v <= 254 ? static_cast<int>(v) : -1;
+  }
   void bytes(int64_t i, int64_t j0, int64_t n, uint8_t* out) const {
     const int64_t c = ql[i];
     const int64_t* g = gl + j0;
     for (int64_t j = 0; j < n; ++j) out[j] = static_cast<uint8_t>(g[j] == c);
   }
 #if NAC_HAMMING_X86
-  __attribute__((target("avx512f"))) void mask_avx512(int64_t i, int64_t j0, int64_t n,
-                                                      u64* out) const {
+  __attribute__((target("avx512f,avx512bw"))) void mask_avx512(int64_t i, int64_t j0, int64_t n,
+                                                                u64* out) const {
+    if (gl8) {
+      const int qb = query_byte(i);
+      if (qb < 0) {
+        std::memset(out, 0, static_cast<size_t>((n + 63) / 64) * sizeof(u64));
+        return;
+      }
+      const __m512i c8 = _mm512_set1_epi8(static_cast<char>(qb));
+      const uint8_t* g = gl8 + j0;
+      for (int64_t w = 0; w * 64 < n; ++w) {
+        const int64_t left = n - w * 64;
+        const __mmask64 valid = left >= 64 ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+        const __m512i v = _mm512_maskz_loadu_epi8(valid, g + w * 64);
+        out[w] = _mm512_mask_cmpeq_epi8_mask(valid, v, c8);
+      }
+      return;
+    }
     const __m512i c = _mm512_set1_epi64(ql[i]);
     const int64_t* g = gl + j0;
     for (int64_t w = 0; w * 64 < n; ++w) {
@@ -239,6 +266,29 @@ struct SingleLabel {  // class ids: relevant = same class
     }
   }
   __attribute__((target("avx2"))) void mask_avx2(int64_t i, int64_t j0, int64_t n, u64* out) const {
+    if (gl8) {
+      const int qb = query_byte(i);
+      if (qb < 0) {
+        std::memset(out, 0, static_cast<size_t>((n + 63) / 64) * sizeof(u64));
+        return;
+      }
+      const __m256i c8 = _mm256_set1_epi8(static_cast<char>(qb));
+      const uint8_t* g = gl8 + j0;
+      int64_t j = 0;
+      for (; j + 64 <= n; j += 64) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + j));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + j + 32));
+        const u64 lo = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(a, c8)));
+        const u64 hi = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(b, c8)));
+        out[j >> 6] = lo | (hi << 32);
+      }
+      if (j < n) {
+        u64 bits = 0;
+        for (int64_t u = j; u < n; ++u) bits |= static_cast<u64>(g[u] == qb) << (u - j);
+        out[j >> 6] = bits;
+      }
+      return;
+    }
     if (gl32 && ql[i] >= INT32_MIN && ql[i] <= INT32_MAX) {
       const __m256i c32 = _mm256_set1_epi32(static_cast<int32_t>(ql[i]));
       const int32_t* g = gl32 + j0;
@@ -344,14 +394,30 @@ struct MultiLabel {  // packed multi-hot words: relevant = shares at least one l
 //
 // Portable version.  Branch-free: the record is always written and kept only when the item is
 // relevant (a branch mispredicts on ~10%-relevant CIFAR-10-like data; bench/results/cpu_micro.md).
+//
+// Records (put_record): packed, one uint32 (position << xb | distance) in rec_p, when every
+// distance fits in xb bits and every position in 32 - xb (4 bytes per relevant item instead of
+// 6: the records of a 64-query block are tens of MB at 1M items, written in the pass and read
+// back once in finalize_query); else the distance in rec_d and the position in rec_p.
+template <bool kPacked>
+inline void put_record(uint16_t* rec_d, uint32_t* rec_p, int64_t r, uint32_t x, uint32_t pos,
+                       int xb) {
+  if constexpr (kPacked) {
+    rec_p[r] = (pos << xb) | x;
+  } else {
+    rec_d[r] = static_cast<uint16_t>(x);
+    rec_p[r] = pos;
+  }
+}
+
+template <bool kPacked>
 int64_t accumulate_scalar(const uint16_t* d, const uint8_t* r, int64_t n, uint32_t* cnt,
-                          uint16_t* rec_d, uint32_t* rec_p, int64_t nrel) {
+                          uint16_t* rec_d, uint32_t* rec_p, int64_t nrel, int xb) {
   for (int64_t j = 0; j < n; ++j) {
     const uint16_t x = d[j];
     const uint32_t p = cnt[x];
     cnt[x] = p + 1;
-    rec_d[nrel] = x;
-    rec_p[nrel] = p;
+    put_record<kPacked>(rec_d, rec_p, nrel, x, p, xb);
     nrel += r[j];
   }
   return nrel;
@@ -365,12 +431,15 @@ int64_t accumulate_scalar(const uint16_t* d, const uint8_t* r, int64_t n, uint32
 // the items of that distance before it in the chunk (two 32-lane compares and a popcount).  d must
 // be readable for 64 items from every multiple of 64 below n (the tile buffer's length is a
 // multiple of 64; lanes at or past n are masked out of the count).  finalize sums the copies.
+// The fifth block of nbp counters (cnt + 4 nbp) counts the relevant items per distance.
+template <bool kPacked>
 __attribute__((target("avx512f,avx512bw,popcnt"))) int64_t accumulate_avx512(
     const uint16_t* d, const u64* m, int64_t n, uint32_t* cnt, int64_t nbp, uint16_t* rec_d,
-    uint32_t* rec_p, int64_t nrel) {
+    uint32_t* rec_p, int64_t nrel, int xb) {
   uint32_t* c1 = cnt + nbp;
   uint32_t* c2 = cnt + 2 * nbp;
   uint32_t* c3 = cnt + 3 * nbp;
+  uint32_t* rl = cnt + 4 * nbp;
   for (int64_t c0 = 0; c0 < n; c0 += 64) {
     const int64_t cn = std::min<int64_t>(64, n - c0);
     u64 bits = m[c0 >> 6];
@@ -384,9 +453,11 @@ __attribute__((target("avx512f,avx512bw,popcnt"))) int64_t accumulate_avx512(
         const __m512i xv = _mm512_set1_epi16(static_cast<short>(x));
         const u64 eq = static_cast<u64>(_mm512_cmpeq_epi16_mask(lo, xv)) |
                        (static_cast<u64>(_mm512_cmpeq_epi16_mask(hi, xv)) << 32);
-        rec_d[nrel] = x;
-        rec_p[nrel] = cnt[x] + c1[x] + c2[x] + c3[x] +
-                      static_cast<uint32_t>(__builtin_popcountll(eq & ((u64{1} << k) - 1)));
+        put_record<kPacked>(rec_d, rec_p, nrel, x,
+                            cnt[x] + c1[x] + c2[x] + c3[x] +
+                                static_cast<uint32_t>(__builtin_popcountll(eq & ((u64{1} << k) - 1))),
+                            xb);
+        ++rl[x];
         ++nrel;
       }
     }
@@ -405,12 +476,14 @@ __attribute__((target("avx512f,avx512bw,popcnt"))) int64_t accumulate_avx512(
 // AVX2 version of accumulate_avx512: the same four histogram copies, in steps of 16 items; a
 // relevant item's position among the step's items of its distance from one 16-lane compare
 // (VPMOVMSKB gives two bits per lane).
+template <bool kPacked>
 __attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2(
     const uint16_t* d, const u64* m, int64_t n, uint32_t* cnt, int64_t nbp, uint16_t* rec_d,
-    uint32_t* rec_p, int64_t nrel) {
+    uint32_t* rec_p, int64_t nrel, int xb) {
   uint32_t* c1 = cnt + nbp;
   uint32_t* c2 = cnt + 2 * nbp;
   uint32_t* c3 = cnt + 3 * nbp;
+  uint32_t* rl = cnt + 4 * nbp;
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t cn = std::min<int64_t>(16, n - c0);
     uint32_t bits = static_cast<uint32_t>(m[c0 >> 6] >> (c0 & 63)) & 0xFFFFu;
@@ -423,9 +496,11 @@ __attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2(
         const uint16_t x = dc[k];
         const uint32_t eq = static_cast<uint32_t>(
             _mm256_movemask_epi8(_mm256_cmpeq_epi16(v, _mm256_set1_epi16(static_cast<short>(x)))));
-        rec_d[nrel] = x;
-        rec_p[nrel] = cnt[x] + c1[x] + c2[x] + c3[x] +
-                      static_cast<uint32_t>(__builtin_popcount(eq & ((1u << (2 * k)) - 1u))) / 2;
+        put_record<kPacked>(rec_d, rec_p, nrel, x,
+                            cnt[x] + c1[x] + c2[x] + c3[x] +
+                                static_cast<uint32_t>(__builtin_popcount(eq & ((1u << (2 * k)) - 1u))) / 2,
+                            xb);
+        ++rl[x];
         ++nrel;
       } while (bits);
     }
@@ -442,9 +517,67 @@ __attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2(
   }
   return nrel;
 }
+
+// accumulate_avx2 for distances below 256 (codes of at most 192 bits: 64 W <= 255), in groups of
+// 64 items like accumulate_avx512: the group's distances packed to bytes once (two vectors),
+// and a relevant item's position among the group's items of its distance from two 32-lane byte
+// compares.  One loop over a group's relevant items instead of one per 16 items: a quarter of the
+// loop exits, which the branch predictor misses on ~10%-relevant data.  d must be readable for
+// 64 items from every multiple of 64 below n (lanes at or past n come after every relevant item
+// of the group, so they never count).
+template <bool kPacked>
+__attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2_bytes(
+    const uint16_t* d, const u64* m, int64_t n, uint32_t* cnt, int64_t nbp, uint16_t* rec_d,
+    uint32_t* rec_p, int64_t nrel, int xb) {
+  uint32_t* c1 = cnt + nbp;
+  uint32_t* c2 = cnt + 2 * nbp;
+  uint32_t* c3 = cnt + 3 * nbp;
+  uint32_t* rl = cnt + 4 * nbp;
+  for (int64_t c0 = 0; c0 < n; c0 += 64) {
+    const int64_t cn = std::min<int64_t>(64, n - c0);
+    u64 bits = m[c0 >> 6];
+    const uint16_t* dc = d + c0;
+    if (bits) {
+      const __m256i* dv = reinterpret_cast<const __m256i*>(dc);
+      // packus works per 128-bit lane: items 0-7, 16-23, 8-15, 24-31 -> 0xD8 puts them in order
+      const __m256i lo = _mm256_permute4x64_epi64(
+          _mm256_packus_epi16(_mm256_loadu_si256(dv), _mm256_loadu_si256(dv + 1)), 0xD8);
+      const __m256i hi = _mm256_permute4x64_epi64(
+          _mm256_packus_epi16(_mm256_loadu_si256(dv + 2), _mm256_loadu_si256(dv + 3)), 0xD8);
+      do {
+        const int k = __builtin_ctzll(bits);
+        bits &= bits - 1;
+        const uint32_t x = dc[k];
+        const __m256i xv = _mm256_set1_epi8(static_cast<char>(x));
+        const u64 eq =
+            static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(lo, xv))) |
+            (static_cast<u64>(static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(hi, xv))))
+             << 32);
+        put_record<kPacked>(rec_d, rec_p, nrel, x,
+                            cnt[x] + c1[x] + c2[x] + c3[x] +
+                                static_cast<uint32_t>(__builtin_popcountll(eq & ((u64{1} << k) - 1))),
+                            xb);
+        ++rl[x];
+        ++nrel;
+      } while (bits);
+    }
+    if (cn == 64) {
+      for (int u = 0; u < 64; u += 4) {
+        ++cnt[dc[u]];
+        ++c1[dc[u + 1]];
+        ++c2[dc[u + 2]];
+        ++c3[dc[u + 3]];
+      }
+    } else {
+      for (int64_t u = 0; u < cn; ++u) ++cnt[dc[u]];
+    }
+  }
+  return nrel;
+}
 #endif
 
-// Histogram copies per query in the retrieval pass (see accumulate_avx512).
+// Histogram copies per query in the retrieval pass (see accumulate_avx512), and the relevant
+// items' histogram after them.
 constexpr int64_t kSubMax = 4;
 
 // ---------------------------------------------------------------------------------------------
@@ -1238,19 +1371,25 @@ void topk_small(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t W, i
 // ---------------------------------------------------------------------------------------------
 
 // Growable record buffers without initialisation (the accumulate loops write one slot past the
-// last record on every item, so the capacity stays >= nrel + tile items).
+// last record on every item, so the capacity stays >= nrel + tile items).  Packed records
+// (put_record) use p alone.
 struct Records {
   uint16_t* d = nullptr;
   uint32_t* p = nullptr;
   int64_t cap = 0;
+  bool packed = false;
   void reserve(int64_t need) {
     if (need <= cap) return;
     const int64_t nc = std::max<int64_t>(need, 2 * cap);
-    auto* nd = static_cast<uint16_t*>(std::realloc(d, static_cast<size_t>(nc) * sizeof(uint16_t)));
-    if (nd) d = nd;
+    uint16_t* nd = nullptr;
+    if (!packed) {
+      nd = static_cast<uint16_t*>(std::realloc(d, static_cast<size_t>(nc) * sizeof(uint16_t)));
+      if (nd) d = nd;
+    }
     auto* np = static_cast<uint32_t*>(std::realloc(p, static_cast<size_t>(nc) * sizeof(uint32_t)));
     if (np) p = np;
-    TORCH_CHECK(nd && np, "hamming_retrieval: out of memory for ", nc, " relevance records");
+    TORCH_CHECK((packed || nd) && np, "hamming_retrieval: out of memory for ", nc,
+                " relevance records");
     cap = nc;
   }
   Records() = default;
@@ -1273,16 +1412,31 @@ struct RetrievalOut {
   int64_t* relhist;     // (Q, nb) or null
 };
 
-// Everything after a query's pass: cnt[x] items and the relevant items' records (distance,
-// position among the items of that distance, in gallery order).
-void finalize_query(int64_t i, int64_t G, int64_t nb, const uint32_t* cnt, const Records& rec,
-                    int64_t nrel, const RetrievalOut& o, std::vector<uint32_t>& relcnt,
-                    std::vector<uint64_t>& before, std::vector<uint64_t>& relbefore,
-                    std::vector<double>& bucket_sum, std::vector<int64_t>& cut_x,
-                    std::vector<int64_t>& cut_m, std::vector<uint8_t>& is_cut) {
+// Everything after a query's pass: cnt[x] items, relin[x] relevant items (null: counted here
+// from the records) and the relevant items' records (distance, position among the items of
+// that distance, in gallery order; put_record's layout).  The AP sums the precisions in gallery
+// order, as [M:ap] lists them.
+template <bool kPacked>
+void finalize_query(int64_t i, int64_t G, int64_t nb, const uint32_t* cnt, const uint32_t* relin,
+                    const Records& rec, int xb, int64_t nrel, const RetrievalOut& o,
+                    std::vector<uint32_t>& relcnt, std::vector<uint64_t>& before,
+                    std::vector<uint64_t>& relbefore, std::vector<double>& bucket_sum,
+                    std::vector<int64_t>& cut_x, std::vector<int64_t>& cut_m,
+                    std::vector<uint8_t>& is_cut) {
+  const uint32_t xmask = (uint32_t{1} << xb) - 1;
+  const auto rec_x = [&](int64_t r) -> uint32_t {
+    if constexpr (kPacked) return rec.p[r] & xmask; else return rec.d[r];
+  };
+  const auto rec_pos = [&](int64_t r) -> uint32_t {
+    if constexpr (kPacked) return rec.p[r] >> xb; else return rec.p[r];
+  };
   o.nrel[i] = nrel;
-  std::fill(relcnt.begin(), relcnt.end(), 0u);
-  for (int64_t r = 0; r < nrel; ++r) ++relcnt[rec.d[r]];
+  if (relin) {
+    std::copy(relin, relin + nb, relcnt.begin());
+  } else {
+    std::fill(relcnt.begin(), relcnt.end(), 0u);
+    for (int64_t r = 0; r < nrel; ++r) ++relcnt[rec_x(r)];
+  }
   uint64_t s = 0, rs = 0;
   for (int64_t x = 0; x < nb; ++x) {
     before[x] = s;
@@ -1309,20 +1463,30 @@ void finalize_query(int64_t i, int64_t G, int64_t nb, const uint32_t* cnt, const
   }
   if (nrel == 0) {
     o.ap[i] = std::numeric_limits<double>::quiet_NaN();
+  } else if (o.C == 0) {  // AP alone: no per-bucket sums
+    std::fill(relcnt.begin(), relcnt.end(), 0u);  // now: relevant items of distance x seen so far
+    double sum = 0.0;
+    for (int64_t r = 0; r < nrel; ++r) {
+      const uint32_t x = rec_x(r);
+      const uint32_t seen = ++relcnt[x];
+      sum += static_cast<double>(relbefore[x] + seen) /
+             static_cast<double>(before[x] + rec_pos(r) + 1);
+    }
+    o.ap[i] = sum / static_cast<double>(nrel);
   } else {
     std::fill(relcnt.begin(), relcnt.end(), 0u);  // now: relevant items of distance x seen so far
     std::fill(bucket_sum.begin(), bucket_sum.end(), 0.0);
     double sum = 0.0;
     for (int64_t r = 0; r < nrel; ++r) {
-      const uint16_t x = rec.d[r];
+      const uint32_t x = rec_x(r), pos = rec_pos(r);
       const uint32_t seen = ++relcnt[x];
       const double v = static_cast<double>(relbefore[x] + seen) /
-                       static_cast<double>(before[x] + rec.p[r] + 1);
+                       static_cast<double>(before[x] + pos + 1);
       sum += v;
       bucket_sum[x] += v;
       if (is_cut[x]) {
         for (int64_t c = 0; c < o.C; ++c) {
-          if (cut_x[c] == x && static_cast<int64_t>(rec.p[r]) < cut_m[c]) {
+          if (cut_x[c] == static_cast<int64_t>(x) && static_cast<int64_t>(pos) < cut_m[c]) {
             ++o.hits[i * o.C + c];
             o.psum[i * o.C + c] += v;
           }
@@ -1339,12 +1503,13 @@ void finalize_query(int64_t i, int64_t G, int64_t nb, const uint32_t* cnt, const
   for (int64_t c = 0; c < o.C; ++c) is_cut[cut_x[c]] = 0;
 }
 
-template <class Rel>
-void retrieval_loop(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t W,
-                    const Engine& eng, const Rel& rel, const RetrievalOut& o, int64_t maxrel) {
+template <bool kPacked, class Rel>
+void retrieval_loop_impl(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t W,
+                         const Engine& eng, const Rel& rel, const RetrievalOut& o, int64_t maxrel,
+                         int xb) {
   const int64_t T = eng.tile_items(W), qbytes = eng.query_bytes(W);
   const int64_t nb = W * 64 + 1;
-  // Queries per block: each holds up to 6 bytes of records per relevant gallery item, at most
+  // Queries per block: each holds up to 6 bytes (packed: 4) of records per relevant item, at most
   // maxrel of them (the most any query has: G for multi-hot labels), so the block shrinks as
   // that grows (<= 2^24 item slots, ~96 MiB per thread).  A block reads the whole gallery once.
   const int64_t threads = at::get_num_threads();
@@ -1364,12 +1529,15 @@ void retrieval_loop(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t 
     std::vector<uint16_t> dbuf(static_cast<size_t>(T));
     std::vector<u64> mbuf(static_cast<size_t>(T / 64));
     std::vector<uint8_t> rbuf(static_cast<size_t>(T));
-    // per query: kSubMax interleaved histogram copies of nbp counters (accumulate_avx512); the
-    // portable path uses the first copy only
-    const int64_t nbp = (nb + 15) / 16 * 16, per_q = kSubMax * nbp;
+    // per query: kSubMax interleaved histogram copies of nbp counters and the relevant items'
+    // counts (accumulate_avx512); the portable path uses the first copy only
+    const int64_t nbp = (nb + 15) / 16 * 16, per_q = (kSubMax + 1) * nbp;
     std::vector<uint32_t> cnt(static_cast<size_t>(qb * per_q));
     std::vector<uint32_t> total(static_cast<size_t>(nb));
     std::vector<Records> recs(static_cast<size_t>(qb));
+    for (Records& r : recs) r.packed = kPacked;
+    // the x86 accumulate loops count the relevant items (cnt + 4 nbp); the portable one does not
+    const bool rel_counted = NAC_HAMMING_X86 && eng.level >= kAvx2;
     std::vector<int64_t> nrel(static_cast<size_t>(qb));
     std::vector<uint32_t> relcnt(nb);
     std::vector<uint64_t> before(nb), relbefore(nb);
@@ -1397,19 +1565,23 @@ void retrieval_loop(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t 
 #if NAC_HAMMING_X86
           if (eng.level >= kAvx512bw) {
             rel.mask_avx512(i, j0, n, mbuf.data());
-            nrel[li] = accumulate_avx512(dbuf.data(), mbuf.data(), n, c, nbp, rc.d, rc.p,
-                                         nrel[li]);
+            nrel[li] = accumulate_avx512<kPacked>(dbuf.data(), mbuf.data(), n, c, nbp, rc.d, rc.p,
+                                                  nrel[li], xb);
             continue;
           }
           if (eng.level == kAvx2) {
             rel.mask_avx2(i, j0, n, mbuf.data());
-            nrel[li] = accumulate_avx2(dbuf.data(), mbuf.data(), n, c, nbp, rc.d, rc.p,
-                                       nrel[li]);
+            nrel[li] = 64 * W <= 255
+                           ? accumulate_avx2_bytes<kPacked>(dbuf.data(), mbuf.data(), n, c, nbp,
+                                                            rc.d, rc.p, nrel[li], xb)
+                           : accumulate_avx2<kPacked>(dbuf.data(), mbuf.data(), n, c, nbp, rc.d,
+                                                      rc.p, nrel[li], xb);
             continue;
           }
 #endif
           rel.bytes(i, j0, n, rbuf.data());
-          nrel[li] = accumulate_scalar(dbuf.data(), rbuf.data(), n, c, rc.d, rc.p, nrel[li]);
+          nrel[li] = accumulate_scalar<kPacked>(dbuf.data(), rbuf.data(), n, c, rc.d, rc.p,
+                                                nrel[li], xb);
         }
       }
       for (int64_t i = i0; i < i1; ++i) {
@@ -1419,11 +1591,25 @@ void retrieval_loop(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t 
           for (int64_t s = 0; s < kSubMax; ++s) t += c[s * nbp + x];
           total[x] = t;
         }
-        finalize_query(i, G, nb, total.data(), recs[i - i0], nrel[i - i0], o, relcnt, before,
-                       relbefore, bucket_sum, cut_x, cut_m, is_cut);
+        finalize_query<kPacked>(i, G, nb, total.data(), rel_counted ? c + kSubMax * nbp : nullptr,
+                                recs[i - i0], xb, nrel[i - i0], o, relcnt, before, relbefore,
+                                bucket_sum, cut_x, cut_m, is_cut);
       }
     }
   });
+}
+
+// Packed records (put_record) when every distance (at most 64 W) fits in xb bits and every
+// position (below G) in the other 32 - xb: up to 2^24 items at 128 bits, 2^21 at 1,024.
+template <class Rel>
+void retrieval_loop(const u64* qp, const u64* gp, int64_t Q, int64_t G, int64_t W,
+                    const Engine& eng, const Rel& rel, const RetrievalOut& o, int64_t maxrel) {
+  int xb = 1;
+  while ((int64_t{1} << xb) <= 64 * W) ++xb;
+  if (xb <= 16 && G <= (int64_t{1} << (32 - xb)))
+    retrieval_loop_impl<true>(qp, gp, Q, G, W, eng, rel, o, maxrel, xb);
+  else
+    retrieval_loop_impl<false>(qp, gp, Q, G, W, eng, rel, o, maxrel, 16);
 }
 
 // The most gallery items of one class any query asks for (class ids): the records a query of the
@@ -1482,10 +1668,15 @@ hamming_retrieval_cpu(const at::Tensor& query_in, const at::Tensor& gallery_in,
   if (qlab_in.dim() == 1) {
     const at::Tensor ql = qlab_in.contiguous(), gl = glab_in.contiguous();
     SingleLabel rel{gl.data_ptr<int64_t>(), ql.data_ptr<int64_t>()};
-    at::Tensor gl32;
-    if (eng.level == kAvx2 && G > 0) {
+    at::Tensor gl32, gl8;
+    if (eng.level >= kAvx2 && G > 0) {
       const auto mm = at::aminmax(gl);
-      if (std::get<0>(mm).item<int64_t>() >= INT32_MIN && std::get<1>(mm).item<int64_t>() <= INT32_MAX) {
+      const int64_t lo = std::get<0>(mm).item<int64_t>(), hi = std::get<1>(mm).item<int64_t>();
+      if (static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) <= 254) {  // hi >= lo: exact
+        gl8 = (gl - lo).to(at::kByte);
+        rel.gl8 = gl8.data_ptr<uint8_t>();
+        rel.gl8_lo = lo;
+      } else if (eng.level == kAvx2 && lo >= INT32_MIN && hi <= INT32_MAX) {
         gl32 = gl.to(at::kInt);
         rel.gl32 = gl32.data_ptr<int32_t>();
       }

@@ -958,3 +958,64 @@ def test_reference_topk_keeps_no_chunk_matrix(monkeypatch):
     d = S.ref_cdist(q, g)
     sd, si = torch.sort(d, dim=1, stable=True)
     assert torch.equal(D, sd[:, :k]) and torch.equal(I, si[:, :k])
+
+
+def _tied_words(rng, G, W, nshared):
+    """(G, W) int64 words: random codes, of which nshared rows at scattered indices are copies of
+    one code (more than 2^16 items at one distance from every query)."""
+    words = torch.from_numpy(rng.integers(-2 ** 63, 2 ** 63 - 1, size=(G, W), dtype=np.int64))
+    rows = torch.from_numpy(np.sort(rng.choice(G, nshared, replace=False)))
+    words[rows] = words[0].clone()
+    return words
+
+
+@pytest.mark.parametrize("bits", [64, 128])
+def test_isa_levels_same_ap_bits_on_large_ties(cpu_kernel, bits):
+    """The retrieval pass of every level gives the scalar level's AP, cut-off sums and histograms
+    bit for bit on a gallery with more than 2^16 items at one distance (the records' positions past
+    16 bits) and many ties elsewhere; class ids within a byte's range (the byte masks, with query
+    ids absent from the gallery, below and above its range), ids spanning more than 255 values
+    (the int32 and int64 masks), against the reference AP."""
+    rng = np.random.default_rng(56 + bits)
+    base = min(1, int(cpu_kernel.hamming_simd_level()))  # scalar POPCNT, else portable
+    G, nq, W = 70_001, 7, bits // 64
+    gw = _tied_words(rng, G, W, 66_000)
+    qw = torch.cat([gw[:1], torch.from_numpy(rng.integers(-2 ** 63, 2 ** 63 - 1, size=(nq - 1, W),
+                                                          dtype=np.int64))])
+    cls = rng.integers(0, 10, G)
+    for gl, ql in [(cls, np.array([0, 3, 9, 5, -1, 10, 7])),           # bytes; -1, 10 absent
+                   (cls * 1000 - 4000, np.array([0, 3, 9, 5, -1, 10, 7]) * 1000 - 4000),
+                   (cls * 1000 + 2 ** 40, np.array([0, 3, 9, 5, 11, 10, 7]) * 1000 + 2 ** 40)]:
+        gl, ql = torch.from_numpy(gl), torch.from_numpy(ql)
+        want = cpu_kernel.hamming_retrieval(qw, gw, ql, gl, [1, 5000, 66_000, G], True, base)
+        assert (want[1][:4] > 0).all() and (want[1][4:6] == 0).all()
+        ref, _ = H.average_precision(H.ops.codes.PackedCodes(qw, bits), ql,
+                                     H.ops.codes.PackedCodes(gw, bits), gl, backend="reference")
+        np.testing.assert_allclose(want[0].numpy(), ref.numpy(), rtol=1e-12)
+        for simd in simd_levels(cpu_kernel):
+            got = cpu_kernel.hamming_retrieval(qw, gw, ql, gl, [1, 5000, 66_000, G], True, simd)
+            for a, b in zip(got, want):
+                assert torch.equal(a.nan_to_num(-1.0), b.nan_to_num(-1.0)), f"simd={simd} ids={gl[:3]}"
+
+
+@pytest.mark.slow  # ~270 MB of 4096-bit codes, ~12 s of CPU (most in the reference AP)
+def test_isa_levels_same_ap_bits_past_packed_records(cpu_kernel):
+    """Past the 4-byte records' range (4096 bits: 13 bits of distance, positions below 2^19) the
+    pass keeps 6-byte records: more than 2^19 items at one distance, every level the scalar
+    level's bits and the reference AP."""
+    rng = np.random.default_rng(5619)
+    base = min(1, int(cpu_kernel.hamming_simd_level()))
+    G, W = 2 ** 19 + 5000, 64
+    gw = _tied_words(rng, G, W, 2 ** 19 + 1000)
+    qw = torch.cat([gw[:1], torch.from_numpy(rng.integers(-2 ** 63, 2 ** 63 - 1, size=(1, W),
+                                                          dtype=np.int64))])
+    gl = torch.from_numpy(rng.integers(0, 3, G))
+    ql = torch.tensor([0, 2])
+    want = cpu_kernel.hamming_retrieval(qw, gw, ql, gl, [7, 2 ** 19 + 10], True, base)
+    ref, _ = H.average_precision(H.ops.codes.PackedCodes(qw, 64 * W), ql,
+                                 H.ops.codes.PackedCodes(gw, 64 * W), gl, backend="reference")
+    np.testing.assert_allclose(want[0].numpy(), ref.numpy(), rtol=1e-12)
+    for simd in simd_levels(cpu_kernel):
+        got = cpu_kernel.hamming_retrieval(qw, gw, ql, gl, [7, 2 ** 19 + 10], True, simd)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), f"simd={simd}"
