@@ -58,8 +58,7 @@ def _noise(n, D, dtype, device):
 
 
 def user_step(kind, n, N, D, dtype, device, backend, noise_inside: bool = True):
-    """One forward+backward as users call it, on fresh inputs; noise_inside=False: the noise
-    drawn once, outside (no RNG in a graph capture)."""
+    """One forward+backward as users call it (noise_inside=False: the noise drawn once before)."""
     a, r, queue = _inputs(kind, n, N, D, dtype, device)
     noise = None if noise_inside else _noise(n, D, dtype, device)
 
@@ -71,8 +70,7 @@ def user_step(kind, n, N, D, dtype, device, backend, noise_inside: bool = True):
 
 
 def criterion_step(kind, n, N, D, dtype, device, backend):
-    """NACLoss on two views of n/2 rows, or NACMQLoss with momentum outputs and a CodeQueue of N
-    codes (its VI term included): one forward+backward as a training loop calls it."""
+    """NACLoss on two views of n/2 rows, or NACMQLoss with its CodeQueue of N codes: one step."""
     half, g = max(1, n // 2), torch.Generator(device="cpu").manual_seed(n + N)
     rand = lambda: torch.randn(half, D, generator=g).to(device, dtype)  # noqa: E731
     outs = [(rand().requires_grad_(), rand().requires_grad_()) for _ in range(2)]
@@ -101,8 +99,8 @@ def _reference_fn(a, r, noise, queue):
 
 def compiled_step(kind, n, N, D, dtype, device, backend_name="inductor", fn=None,
                   noise_inside: bool = True):
-    """torch.compile of the reference (`fn`: one compiled already), the noise drawn outside it by
-    the call (noise_inside=False: once, for the graph rows).  Returns (step, fn)."""
+    """(step, fn): torch.compile of the reference (`fn`: one compiled already), the noise drawn
+    outside it (noise_inside=False: once, for the graph rows)."""
     if fn is None:
         torch._dynamo.reset()
         fn = torch.compile(_reference_fn, backend=backend_name, fullgraph=True, dynamic=False)
@@ -212,17 +210,21 @@ def aten_launches():
         yield counter
 
 
+def _mean(step, k: int, sync=None, after: bool = False) -> float:
+    """Mean seconds per call of `k` calls (`sync`: called before them, and after when `after`)."""
+    sync and sync()
+    t0 = time.perf_counter()
+    for _ in range(k):
+        step()
+    after and sync()
+    return (time.perf_counter() - t0) / k
+
+
 def _per_call(step, calls: int, repeats: int = 5) -> float:
     """Median over `repeats` of the mean seconds per call of `calls` calls (after 3 warm-ups)."""
     for _ in range(3):
         step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            step()
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times)
+    return statistics.median(_mean(step, calls) for _ in range(repeats))
 
 
 def _folding(backend: str):
@@ -236,8 +238,7 @@ def _call_backend(backend: str) -> str:
 
 
 def _stub_row(make, kind, n, N, D, dtype, backend, calls, repeats, context):
-    """One --stub row: the call's Triton and ATen launches and allocations, its time, and the
-    plans a further call records (none when cached)."""
+    """One --stub row: launches, allocations, time, plans a further call records (none: cached)."""
     from nac_fast.kernels import nac_triton
     plans = lambda: nac_triton.FWD_PLANS.recorded + nac_triton.BWD_PLANS.recorded  # noqa: E731
     with stub_launches() as stub, context, _folding(backend):
@@ -257,7 +258,6 @@ def _stub_row(make, kind, n, N, D, dtype, backend, calls, repeats, context):
 
 
 def stub_rows(calls: int = 200, repeats: int = 5):
-    """The --stub measurement: rows of seconds per call."""
     rows, bf16 = [], torch.bfloat16
     cases = [("inbatch", 512, 512, 128), ("mq", 256, 4096, 128)]
     for kind, n, N, D in cases:
@@ -283,22 +283,13 @@ def stub_rows(calls: int = 200, repeats: int = 5):
 # ---- --gpu ---------------------------------------------------------------------------------------
 
 def _host_and_back_to_back(step, calls: int | None = None, repeats: int | None = None):
-    """(host_s, back_to_back_s) per call, medians over `repeats` runs.  host_s: HOST_CALLS calls
-    issued from an idle GPU, host clock only (the launch queue never fills); back_to_back_s:
-    `calls` calls and the sync after them, per call."""
-    calls, repeats = calls or CALLS, repeats or REPEATS
+    """(host_s, back_to_back_s): medians over `repeats` of HOST_CALLS calls from an idle GPU, host
+    clock only, and of `calls` calls and the sync after them."""
+    calls, repeats, sync = calls or CALLS, repeats or REPEATS, torch.cuda.synchronize
     for _ in range(5):
         step()
-    host, total = [], []
-    for _ in range(repeats):
-        for out, k in ((host, min(calls, HOST_CALLS)), (total, calls)):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(k):
-                step()
-            if out is total:
-                torch.cuda.synchronize()
-            out.append((time.perf_counter() - t0) / k)
+    host, total = zip(*[(_mean(step, min(calls, HOST_CALLS), sync), _mean(step, calls, sync, True))
+                        for _ in range(repeats)])
     return statistics.median(host), statistics.median(total)
 
 
@@ -385,9 +376,8 @@ def _measured(row, step):
 
 
 def criterion_rows(device: str = "cuda", cases=CRITERION_CASES, dname: str = "bfloat16"):
-    """--gpu: the criteria's host and back-to-back time per step (criterion_step), "reference"
-    (torch ops) against "auto" (the fused loss and enqueue).  No graph row: the criterion draws
-    its noise and writes the queue."""
+    """--gpu: the criteria (criterion_step), "reference" against "auto"; no graph row (the
+    criterion draws its noise and writes the queue)."""
     rows = []
     for kind, n, N in cases:
         ref, auto = (_measured(dict(mode="gpu", kind=kind, n=n, N=N, D=128, dtype=dname,
@@ -544,7 +534,8 @@ def _cases(ap, text):
 
 GPU_FLAGS = {"--backends": dict(help="comma list (default: " + GPU_BACKENDS + "; triton-unfolded: "
                                 "triton with NAC_FAST_FOLD=0)"),
-             "--cases": dict(help="kind:n:N:dtype,... (default: GPU_CASES)"),
+             "--cases": dict(help="kind:n:N:dtype,... (default: bf16 in-batch 512 and 8192, "
+                             "queue 256 and 8192 x 65536; fp32 in-batch 8192, queue 256 x 65536)"),
              "--no-graphs": dict(action="store_true", help="skip the CUDA-graph rows"),
              "--compile-backend": dict(help="torch.compile backend of compiled-reference (inductor)"),
              "--profile-out": dict(help="cProfile of 100 triton calls to this file")}
