@@ -78,18 +78,12 @@ stage_build() {
   fi
   local tb=$((SECONDS - t0))
   echo "build_ext took $tb s (log: build_ext.log)"
-  if ! import_check; then
-    detail "build_ext ${tb}s, but the import check failed"
-    return 1
-  fi
+  import_check || { detail "build_ext ${tb}s, but the import check failed"; return 1; }
   detail "build_ext ${tb}s; import check ok"
 }
 
 ensure_built() {
-  if [ "$CPU_MODE" = 1 ]; then
-    export TRITON_INTERPRET=1
-    return 0
-  fi
+  if [ "$CPU_MODE" = 1 ]; then export TRITON_INTERPRET=1; return 0; fi
   if $PY -c "import sys, nac_fast; sys.exit(0 if nac_fast.ops.dispatch.cuda_extension_built() and \
 'triton' in nac_fast.available_backends('cuda') else 1)" 2>/dev/null; then
     return 0
@@ -110,11 +104,8 @@ run_summary() {
 bench_detail() {  # $1 = bench_loss rc
   local goals
   goals=$(cat "$RES/.goals" 2>/dev/null || echo "no summary")
-  if [ "$1" != 0 ]; then
-    echo "bench_loss FAILED (rows failed or crashed: see $STAGE.log); $goals"
-  else
-    echo "$goals"
-  fi
+  [ "$1" = 0 ] || goals="bench_loss FAILED (rows failed or crashed: see $STAGE.log); $goals"
+  echo "$goals"
 }
 
 # pytest FILES with JUnit XML to $RES/pytest_NAME.xml (8 xdist workers on a GPU machine: its 16
@@ -148,9 +139,7 @@ stage_test() {
         tests/test_loss.py::TestDeviceGuard tests/test_queue.py \
         tests/test_loss_numerics.py::TestBf16x6 tests/test_loss_numerics.py::TestFp16x3 \
         tests/test_loss_numerics.py::TestFold tests/test_loss.py::TestContracts || rc=1
-    # resources under the device's own Triton (CI's compile check runs CI's): the configurations
-    # the launchers pick here (built-in and tuned) at D = 128, no spill on a 16-bit/tf32 path,
-    # within shared memory, with tensor-core instructions
+    # resources under the device's own Triton (docs/gpu.md "The suite's stages")
     local arch crc=0
     arch=$($PY -c "import torch; M, m = torch.cuda.get_device_capability(); print(10 * M + m)")
     if [ "$arch" = 90 ] || [ "$arch" = 80 ]; then
@@ -158,8 +147,7 @@ stage_test() {
           --dtypes bfloat16,float16,float32 --D 128 --no-cuda --no-candidates --jobs 8 \
           --csv "$RES/compile_check_device.csv" > "$RES/compile_check_device.log" 2>&1 || crc=$?
       grep -E "^(compile check:|PROBLEM)" "$RES/compile_check_device.log" || true
-      # a problem on a 16-bit path fails the stage; fp32's (tf32x3) are reported: Triton 3.6
-      # spills 4-24 B in its keys' backward at every configuration (docs/gpu.md)
+      # a problem on a 16-bit path fails the stage; fp32's (tf32x3: Triton 3.6 spills) reported
       local p16 p32
       p16=$(grep -cE '^PROBLEM .* (bfloat16|float16) ' "$RES/compile_check_device.log" || true)
       p32=$(grep -cE '^PROBLEM .* float32 ' "$RES/compile_check_device.log" || true)
@@ -194,9 +182,7 @@ stage_bench_quick() {
     $PY bench/bench_loss.py --device cuda --inbatch 8192,16384 --queue 65536,262144 --mq-n 8192 \
         --dtypes bfloat16 --compile-reference --reps 20 --min-time 0.5 \
         --csv "$RES/loss_gpu.csv" || rc=$?
-    # issue 38's fp32 goal (>= 2x eager at in-batch 8192 and queue 8192 x 65536): the Triton
-    # kernels in their default tf32x3, in bf16x6 and (in-batch: given keys run bf16x6) in
-    # fp16x3, beside eager fp32
+    # issue 38's fp32 goal (>= 2x eager): Triton in tf32x3, bf16x6 and (in-batch) fp16x3
     for mode in tf32x3 bf16x6 fp16x3; do
       queue=65536
       [ $mode = fp16x3 ] && queue=""
@@ -228,11 +214,9 @@ stage_bench() {
   local brc=$rc
   [ -f "$RES/loss_gpu.csv" ] && { $PY bench/plot_bench.py "$RES/loss_gpu.csv" --out "$RES" || prc=$?; }
   run_summary || rc=1
-  [ $hrc = 0 ] || rc=1
-  [ $prc = 0 ] || rc=1
   local extra=""
-  [ $hrc = 0 ] || extra="; bench_hamming FAILED"
-  [ $prc = 0 ] || extra="$extra; plot_bench FAILED"
+  [ $hrc = 0 ] || { rc=1; extra="; bench_hamming FAILED"; }
+  [ $prc = 0 ] || { rc=1; extra="$extra; plot_bench FAILED"; }
   detail "${BUILT_FIRST}$(bench_detail $brc)$extra"
   return $rc
 }
@@ -263,14 +247,12 @@ EOF
 }
 
 stage_hamming() {
-  local rc=0
-  local trc=0 junit="no tests run"
+  local rc=0 trc=0 junit="no tests run"
   if [ "$CPU_MODE" = 1 ]; then
     $PY bench/bench_hamming.py --gpu --device cpu --tiny --csv "$RES/hamming_gpu.csv" \
         --profile-out "$RES/hamming_kernels.txt" || rc=$?
   else
-    # the engine's tests on CUDA tensors first (against the C++ engine and the reference), then
-    # its figures beside the C++ engine's
+    # the engine's tests on CUDA tensors first, then its figures beside the C++ engine's
     export NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1
     run_tests hamming triton,cuda tests/test_hashing.py tests/test_hamming_gpu.py \
         tests/test_hamming_cuda.py tests/test_retrieval_metrics.py tests/test_index.py \
@@ -282,17 +264,15 @@ stage_hamming() {
     $PY bench/bench_hamming.py --gpu --csv "$RES/hamming_gpu.csv" \
         --profile-out "$RES/hamming_kernels.txt" || rc=$?
   fi
-  local d="tests: $junit; "
-  if [ $rc = 0 ]; then d="${d}bench_hamming --gpu ok (hamming_gpu.csv)"
-  else d="${d}bench_hamming exit status $rc"; fi
-  detail "${BUILT_FIRST}$d"
+  local d="bench_hamming exit status $rc"
+  [ $rc = 0 ] && d="bench_hamming --gpu ok (hamming_gpu.csv)"
+  detail "${BUILT_FIRST}tests: $junit; $d"
   [ $trc = 0 ] || rc=1
   return $rc
 }
 
-# The GPU goals of issue 56 (bench/bench_hamming.py --tc), then Nsight Compute on the tensor-core
-# filter.  A missing ncu, or one refused the GPU's counters, is said in the detail line and in
-# hamming_tc_ncu.txt; the stage's verdict is the bench's (its checks against the C++ engine).
+# bench_hamming.py --tc, then Nsight Compute on the tensor-core filter (a missing or refused ncu:
+# said, not failed); the verdict is the bench's (docs/gpu.md "The suite's stages")
 stage_hamming_tc() {
   local rc=0 nrc=0 ncu="" note
   if [ "$CPU_MODE" = 1 ]; then
@@ -305,8 +285,7 @@ stage_hamming_tc() {
       note="ncu: not found"
       echo "$note" > "$RES/hamming_tc_ncu.txt"
     else
-      # sections every ncu knows; then the tensor pipes' counters (their names differ between
-      # ncu versions: a refused name fails that call alone)
+      # sections every ncu knows; then the tensor pipes' counters (names differ between versions)
       timeout 150 "$ncu" --target-processes all --kernel-name regex:_topk_mma_kernel \
           --launch-count 8 --section SpeedOfLight --section ComputeWorkloadAnalysis \
           $PY bench/bench_hamming.py --tc --profile-run > "$RES/hamming_tc_ncu.txt" 2>&1 || nrc=$?
@@ -354,21 +333,20 @@ stage_autotune() {
   if [ "$CPU_MODE" = 1 ]; then
     $PY tools/autotune.py --cpu --out-dir "$RES" --overwrite --rows-sweep || rc=$?
   else
-    # the table goes to kernels/tuned/ on this machine, so the stages after this one use it;
-    # it comes back in $RES (sm90.json) to be reviewed and committed
+    # installed in kernels/tuned/ for the later stages; back in $RES (sm90.json) for review
     $PY tools/autotune.py --out-dir "$RES" --install --overwrite \
         --budget-s "${NAC_FAST_AUTOTUNE_BUDGET_S:-120}" \
         --rows-sweep --rows-budget-s "${NAC_FAST_ROWS_BUDGET_S:-30}" || rc=$?
   fi
-  if [ $rc = 0 ]; then detail "${BUILT_FIRST}autotune ok (autotune.csv, table in $(basename "$RES"))"
-  else detail "${BUILT_FIRST}autotune exit status $rc"; fi
+  local d="autotune exit status $rc"
+  [ $rc = 0 ] && d="autotune ok (autotune.csv, table in $(basename "$RES"))"
+  detail "${BUILT_FIRST}$d"
   return $rc
 }
 
 stage_train() {
   local rc=0
-  rm -f "$RES/train.json" "$RES/train_kernels_top15.txt"  # this run's (train_throughput refuses
-  # to replace a file without --overwrite)
+  rm -f "$RES/train.json" "$RES/train_kernels_top15.txt"  # train_throughput does not replace
   if [ "$CPU_MODE" = 1 ]; then
     $PY bench/train_throughput.py --data synthetic-device:256 --arch resnet-tiny --method nac-mq \
         --batch-size 32 --image-size 16 --amp off --queue-size 128 --warmup 1 --steps 2 \
@@ -376,8 +354,7 @@ stage_train() {
         --profile-out "$RES/train_kernels_top15.txt" --sync-check --json-out "$RES/train.json" \
         --csv-out "$RES/train_throughput.csv" || rc=$?
   else
-    # train.py's defaults (compiled on a GPU), then the eager rate and the supervised anchors
-    # while NAC_FAST_TRAIN_BUDGET_S (default 150) lasts
+    # train.py's defaults, then the eager rate and the anchors while NAC_FAST_TRAIN_BUDGET_S lasts
     $PY bench/train_throughput.py --data synthetic-device:1281167 --arch resnet50 \
         --method nac-mq --batch-size 256 --image-size 224 --amp bf16 --channels-last \
         --queue-size 65536 --warmup 10 --steps 30 --budget-s "${NAC_FAST_TRAIN_BUDGET_S:-150}" \
@@ -612,10 +589,8 @@ if torch.cuda.is_available():
 else:
     info["gpu"] = "none (CPU mode)"
 def run(cmd):
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
-    except Exception:
-        return ""
+    try: return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception: return ""
 smi = run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.max.sm,power.limit",
            "--format=csv,noheader"]) if shutil.which("nvidia-smi") else ""
 info["driver"] = smi.split(",")[0].strip() if smi else "unknown"
@@ -650,13 +625,12 @@ package_out() {
 }
 
 SUMMARY=("$VERSIONS_LINE")
-{ echo "$VERSIONS_LINE"; } > "$RES/suite_summary.txt"
+echo "$VERSIONS_LINE" > "$RES/suite_summary.txt"
 STAGE_TIMEOUT=${NAC_FAST_STAGE_TIMEOUT:-540}
 # NAC_FAST_STAGE_LIMITS="test=90,host=120": a stage's own limit in seconds (else STAGE_TIMEOUT),
 # so that one slow stage cannot eat the time of those after it
 stage_limit() {
-  local item
-  local lims=${NAC_FAST_STAGE_LIMITS:-}
+  local item lims=${NAC_FAST_STAGE_LIMITS:-}
   for item in ${lims//,/ }; do
     if [ "${item%%=*}" = "$1" ] && [[ "${item#*=}" =~ ^[0-9]+$ ]]; then echo "${item#*=}"; return; fi
   done
@@ -664,8 +638,7 @@ stage_limit() {
 }
 if [ -n "${OUT:-}" ]; then DEADLINE=${NAC_FAST_SUITE_DEADLINE:-560}; else DEADLINE=${NAC_FAST_SUITE_DEADLINE:-0}; fi
 START=0  # the deadline counts from the command's start (bash's SECONDS)
-fail=0
-build_failed=0
+fail=0 build_failed=0
 for stage in "${REQ[@]}"; do
   left=$((DEADLINE - (SECONDS - START)))
   if [ "$build_failed" = 1 ]; then
