@@ -6,7 +6,6 @@ batches and the CPU time burnt per image (docs/training.md "The training through
 from __future__ import annotations
 
 import argparse
-import datetime as dt_mod
 import itertools
 import json
 import os
@@ -19,7 +18,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_rows, check_least, check_output_file, commit  # noqa: E402  (puts ROOT on sys.path)
+# common puts ROOT on sys.path
+from common import append_rows, check_least, check_output_file, run_fields  # noqa: E402
 from nac_fast.data import LOADERS, MIN_IMAGE_SIZE, build_pretrain_loader, dali_available  # noqa
 from nac_fast.data.sources.synthetic import write_jpeg_folder  # noqa: E402
 
@@ -37,22 +37,19 @@ def _tree_cpu_seconds() -> float:
                                                    resource.RUSAGE_CHILDREN))
     total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
     todo, seen = [os.getpid()], set()
-    while todo:
+    while todo:  # descendants: utime + stime of /proc/PID/stat
         pid = todo.pop()
         try:
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                kids = [int(k) for k in f.read().split() if int(k) not in seen]
-            seen.update(kids)
-            todo += kids
-        except OSError:
-            continue
-        for k in kids:
-            try:
-                with open(f"/proc/{k}/stat") as f:
+            if pid != os.getpid():
+                with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
                 total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            except (OSError, IndexError, ValueError):
-                pass
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                kids = [int(k) for k in f.read().split() if int(k) not in seen]
+        except (OSError, IndexError, ValueError):
+            continue
+        seen.update(kids)
+        todo += kids
     return total
 
 
@@ -66,8 +63,7 @@ def main(argv=None):
     add("--batch", type=int, default=64)
     add("--batches", type=int, default=20, help="measured batches")
     add("--warmup", type=int, default=2)
-    add("--workers", type=int, default=len(os.sched_getaffinity(0)),
-        help="DataLoader workers (torchvision) / DALI threads")
+    add("--workers", type=int, default=len(os.sched_getaffinity(0)), help="loader workers/threads")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     add("--channels-last", action="store_true")
@@ -134,8 +130,9 @@ def main(argv=None):
         "dali": dali_available(), "host": platform.node()}
     if a.csv:
         row = {k: v for k, v in result.items() if k in CSV_FIELDS}
-        row.update(timestamp=dt_mod.datetime.now(dt_mod.timezone.utc).isoformat(
-            timespec="seconds"), commit=commit(), view_shape="x".join(map(str, v1.shape)))
+        fields = run_fields(a.device)
+        row.update(timestamp=fields["timestamp"], commit=fields["commit"],
+                   view_shape="x".join(map(str, v1.shape)))
         append_rows(a.csv, [row], CSV_FIELDS)
     print(json.dumps(result))
 
