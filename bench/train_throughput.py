@@ -56,22 +56,17 @@ def _device_loader_factory(num_images):
 
 # ---- part 2: the profile -------------------------------------------------------------------------
 
-def _time_us(e) -> float:
-    return float(e.time_range.elapsed_us())
-
-
 def kernel_table(prof, cuda: bool, top: int = 15) -> tuple[str, int]:
     """(text, number of CUDA kernel events): the top kernels of a profile (CPU: top operators)."""
     from torch.autograd import DeviceType
-    lines = []
-    n_kernels = 0
+    lines, n_kernels = [], 0
     if cuda:
         agg = {}
         for e in prof.events():
             if e.device_type == DeviceType.CUDA:
                 n_kernels += 1
                 t, c = agg.get(e.name, (0.0, 0))
-                agg[e.name] = (t + _time_us(e), c + 1)
+                agg[e.name] = (t + float(e.time_range.elapsed_us()), c + 1)
         total = sum(t for t, _ in agg.values())
         lines.append(f"top {top} CUDA kernels of one training step: {n_kernels} kernel launches, "
                      f"{len(agg)} distinct kernels, {total / 1e3:.3f} ms of kernel time")
@@ -390,6 +385,7 @@ def table(res) -> str:
 
 
 def csv_rows(res) -> list:
+    """One row per configuration, CSV_FIELDS' columns (None as blank)."""
     common = {"timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
               "host": socket.gethostname(), "device": res["device"], "torch": torch.__version__,
               "triton": triton_version(),
@@ -401,9 +397,9 @@ def csv_rows(res) -> list:
     rows = []
     for key, _, config, r in _parts(res):
         row = dict(common, config=config)
+        rows.append(row)
         if "img_per_s" not in r:
             row["status"] = r.get("skipped") or r.get("failed")
-            rows.append(row)
             continue
         row.update({k: r.get(k) for k in ("compile", "compile_backend", "img_per_s",
                                           "step_ms_median", "step_ms_p20", "step_ms_p80",
@@ -415,15 +411,7 @@ def csv_rows(res) -> list:
         elif res.get("ceiling_img_per_s"):
             row["pct_of_ceiling"] = round(100 * r["img_per_s"] / res["ceiling_img_per_s"], 1)
         row["status"] = "ok"
-        rows.append(row)
-    return rows
-
-
-def append_csv(path, rows) -> None:
-    """The benches' appender (common.append_rows: all or nothing, a damaged CSV refused, a CSV
-    with another header rewritten with these columns first)."""
-    append_rows(path, [{k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS}
-                       for r in rows], CSV_FIELDS)
+    return [{k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS} for r in rows]
 
 
 def write_json(path, res) -> None:
@@ -508,7 +496,7 @@ def main(argv=None):
     if res is None:  # ranks > 0: the parts after the first run are rank 0's alone
         return
     if args.csv_out:
-        append_csv(args.csv_out, csv_rows(res))
+        append_rows(args.csv_out, csv_rows(res), CSV_FIELDS)  # all or nothing
     if args.json_out:
         write_json(args.json_out, res)
     print(table(res))
