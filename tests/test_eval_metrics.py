@@ -831,3 +831,27 @@ def test_linear_probe_refuses_bad_arguments(kw, exc, match):
     x, y = torch.randn(20, 3), torch.randint(0, 2, (20,))
     with pytest.raises(exc, match=match):
         linear_probe(x, y, x, y, epochs=1, **kw)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_knn_ties_of_codes_are_ties_at_any_thread_count(threads):
+    """Codes of +-1 tie in their cosine similarities, and [M:knn] sends a tie at the k-th
+    similarity to the lower training index.  Similarities taken as products of L2-normalised rows
+    came out one ulp apart for equal codes' dot products, depending on the GEMM's summation
+    order: on one thread (make test's pytest-xdist workers) query 47 below lost its tie rule and
+    voted 1 where the float64 oracle says 2; on two threads it passed.  Now (q . t) / (|q| |t|):
+    an integer dot product over equal norms, the same bits whatever the order."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = np.random.default_rng(0)
+        tr = np.where(rng.random((400, 12)) < 0.5, -1.0, 1.0).astype(np.float32)
+        te = np.where(rng.random((50, 12)) < 0.5, -1.0, 1.0).astype(np.float32)
+        ytr = rng.integers(0, 6, 400)
+        for k in (1, 5, 37):
+            got = knn_predict(torch.from_numpy(tr), torch.from_numpy(ytr), torch.from_numpy(te),
+                              k=k, temperature=0.1, chunk_size=7)
+            want = _np_knn(tr.astype(np.float64), ytr, te.astype(np.float64), k, 0.1, 6)
+            assert (got.numpy() == want).all(), (k, np.nonzero(got.numpy() != want)[0])
+    finally:
+        torch.set_num_threads(before)

@@ -21,7 +21,6 @@ import math
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from .. import _checks
 from ..data.sources.subset import class_split
@@ -146,17 +145,21 @@ def knn_predict(train_features, train_labels, test_features, *, k: int = 200,
                     device_mem=device_mem)["train_chunk"]
     ytr = ytr.to(dev)
     from tqdm.auto import tqdm
-    trn = F.normalize(tr.to(dev).float(), dim=1) if step >= n else None  # resident: once
+    # Cosine similarity as (q . t) / (|q| |t|), not as a product of normalised rows: equal
+    # similarities then come out equal (codes of +-1: the dot product is an exact integer,
+    # every norm the same), so the tie rule below sees the ties; normalised rows gave them one
+    # ulp apart, depending on the GEMM's summation order (one thread against two) ([M:knn]).
+    trn = _rows(tr.to(dev)) if step >= n else None  # resident: once
     out = []
     for s in tqdm(range(0, te.shape[0], chunk_size), desc=f"kNN (k={k})", unit="chunk",
                   disable=not progress, leave=False, file=sys.stderr):
-        q = F.normalize(te[s:s + chunk_size].to(dev).float(), dim=1)
+        q = _rows(te[s:s + chunk_size].to(dev))
         if trn is not None:
-            top_sim, top_idx = _topk_lowest_index(q @ trn.T, k)
+            top_sim, top_idx = _topk_lowest_index(_cosine(q, trn), k)
         else:
             top_sim = top_idx = None
             for t in range(0, n, step):
-                sim = q @ F.normalize(tr[t:t + step].to(dev).float(), dim=1).T
+                sim = _cosine(q, _rows(tr[t:t + step].to(dev)))
                 if top_sim is not None:
                     # the running top-k first, in ascending train index: a position's order is
                     # then its index's, which _topk_lowest_index's tie rule goes by
@@ -173,7 +176,7 @@ def knn_predict(train_features, train_labels, test_features, *, k: int = 200,
             # summed in the same order as the unbounded run's (equal weights may swap)
             order = top_sim.argsort(dim=1, descending=True, stable=True)
             top_sim, top_idx = top_sim.gather(1, order), top_idx.gather(1, order)
-        votes = torch.zeros(q.shape[0], C, dtype=torch.float64, device=dev)
+        votes = torch.zeros(q[0].shape[0], C, dtype=torch.float64, device=dev)
         # Weights in float64: exp(1/0.1) ~ 2e4 per vote, summed over 200 votes, stays exact
         # enough that near-ties are decided by the weights, not by rounding.  They are taken
         # relative to the row's largest similarity, exp((s - s_max) / T) (the same vote up to a
@@ -184,6 +187,17 @@ def knn_predict(train_features, train_labels, test_features, *, k: int = 200,
                            torch.exp((sd - sd.amax(1, keepdim=True)) / temperature))
         out.append(votes.argmax(1))  # first maximum: ties go to the lower class index
     return torch.cat(out)
+
+
+def _rows(x: torch.Tensor):
+    """(x as float32, its rows' L2 norms clamped at 1e-12, F.normalize's eps)."""
+    x = x.float()
+    return x, torch.linalg.vector_norm(x, dim=1).clamp_min(1e-12)
+
+
+def _cosine(q, t) -> torch.Tensor:
+    """Cosine similarities of _rows q and t: (q . t) / (|q| |t|)."""
+    return (q[0] @ t[0].T).div_(q[1][:, None] * t[1][None, :])
 
 
 def _topk_lowest_index(sim: torch.Tensor, k: int):
