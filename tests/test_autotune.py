@@ -454,6 +454,7 @@ def rel(x, ref):
 
 # ---- tools/autotune.py's CPU mode ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_autotune_stage_cpu_mode(tmp_path):
     out = tmp_path / "tune"
     cmd = [sys.executable, os.path.join(ROOT, "tools", "autotune.py"), "--cpu", "--out-dir",
@@ -487,6 +488,7 @@ def test_autotune_stage_cpu_mode(tmp_path):
     assert again.returncode == 2 and "--overwrite" in again.stderr
 
 
+@pytest.mark.slow
 def test_autotune_tunes_fp32_in_each_product_mode_with_candidates(tmp_path):
     """An fp32 case is tuned once per product mode with candidates of its own (tf32x3, bf16x6,
     in-batch fp16x3): the table holds an entry of each precision, each naming its own mode's

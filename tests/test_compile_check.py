@@ -462,6 +462,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_launch_keys_follow_what_the_compiler_sees():
     """A launch's key (no compile) is the same for the same launch, and differs when the arch,
     the warps, the stages, a constexpr, the Triton version or the measuring code differ.  In
@@ -511,6 +512,7 @@ def _check_kernel_copy(tmp_path, edit):
     return proc.returncode, proc.stdout + proc.stderr, int(line.split()[2])
 
 
+@pytest.mark.slow
 def test_a_blank_line_in_a_kernel_file_leaves_the_table_current(tmp_path):
     """Issue 57: the table's keys hold no source line.  A blank line at the top of every kernel
     file (every kernel's starting line moves) keeps each launch's key in the committed table; a
@@ -542,6 +544,7 @@ def _jit_bodies(text):
             and any("jit" in ast.unparse(d) for d in f.decorator_list)]
 
 
+@pytest.mark.slow
 def test_a_comment_in_a_kernel_body_leaves_the_table_current(tmp_path):
     """The keys hold no comment (`code_text`): a comment added inside every @triton.jit body of
     every kernel file and every existing comment changed keeps each launch's key in the committed

@@ -111,6 +111,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.slow
 def test_cpu_inbatch_extra_rss_at_most_a_twentieth_of_reference():
     n, D, threads = 4096, 128, 2
     warmup = default_warmup_n(threads)

@@ -588,6 +588,7 @@ sys.exit(rc)
 """
 
 
+@pytest.mark.slow
 def test_a_run_lists_the_tree_once_and_a_restart_not_at_all(tmp_path):
     """Files (and folders) opened under the data root by 3 gloo ranks of train.py, all ranks
     together, besides the images decoded: at most 1.2 N + 1,000 on a first start (rank 0 checks
@@ -746,6 +747,7 @@ def _gloo_listing_worker(rank, port, trees, out):
         json.dump(got, f)
 
 
+@pytest.mark.slow
 def test_rank_0s_list_or_its_error_reaches_every_rank_over_gloo(tmp_path):
     """Over torch.distributed (2 gloo ranks, no launcher to stop the others): every rank gets
     rank 0's file list, or, when no file of the tree is an image (only rank 0 checks the

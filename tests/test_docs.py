@@ -176,6 +176,7 @@ def test_readme_training_loop_example_runs():
 
 @pytest.mark.skipif(not os.path.exists(STAMP),
                     reason="runs inside `make test` (the set-up venv); not from a bare checkout")
+@pytest.mark.slow
 def test_readme_main_job_runs(tmp_path):
     """`make train` as the README writes it, into OUT, with ARGS for a 3-step run: same target,
     same set-up stamp, same torchrun line.  A second `make train` into the same OUT stops (the

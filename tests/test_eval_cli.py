@@ -628,6 +628,7 @@ DIST = ["--tasks", "expressivity", "--limit-train", "650", "--limit-test", "50",
         "64", "--device", "cpu", "--no-progress"]
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_extract_what_one_process_does(ckpt, tmp_path):
     """Two ranks (gloo) shard the extraction by whole batches (650 train images: 6 and 5 batches
     of 64; 50 test images: one batch, rank 1 gets none), gather to rank 0 in the split's order:
@@ -667,6 +668,7 @@ def test_torchrun_ranks_extract_what_one_process_does(ckpt, tmp_path):
                    "injected failure"),
     ("args", 2, "--data: injected usage error"),
 ])
+@pytest.mark.slow
 def test_torchrun_a_failing_rank_stops_every_rank(ckpt, tmp_path, where, status, message):
     """A failure that one rank alone meets (an exception in its extraction, a usage error in its
     checks) stops every rank, none hangs: each exits with the same status and message, and
@@ -689,6 +691,7 @@ AUG = ["--tasks", "linear", "--probe", "augmented", "--linear-epochs", "2", "--l
        "--linear-batch-size", "64", "--device", "cpu", "--no-progress"]
 
 
+@pytest.mark.slow
 def test_torchrun_augmented_probe_fits_on_every_rank(ckpt, tmp_path):
     """--probe augmented under torchrun: both ranks encode their share of every batch's crops
     and sum the gradients (augprobe's process-group path), rank 0 scores and writes: the rate

@@ -338,6 +338,7 @@ def _bench_argv(csv_path):
             "--csv", str(csv_path)]
 
 
+@pytest.mark.slow
 def test_bench_loss_compiles_every_shape(tmp_path):
     path = tmp_path / "loss.csv"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_loss.py"),
@@ -419,6 +420,7 @@ def test_graphs_need_a_gpu(capsys):
     assert "--graphs needs --device cuda" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_every_test_the_suite_names_exists_and_collects():
     """Each tests/... file and ::test node bench/gpu_suite.sh hands to pytest exists and collects
     (a renamed test would otherwise cost a GPU run's stage: the device is lent for minutes)."""
@@ -454,6 +456,7 @@ def test_train_jpeg_is_a_stage_and_not_part_of_all():
     assert "all) REQ+=(test autotune host train hamming) ;;" in text   # DALI must be carried first
 
 
+@pytest.mark.slow
 def test_train_jpeg_refuses_a_folder_it_did_not_make(tmp_path):
     """NAC_FAST_JPEG_TREE naming a folder of the user's (no make_ilsvrc_tree.json): the stage
     fails naming it and leaves it as it was."""

@@ -555,6 +555,7 @@ def test_retrieval_equals_the_reference(dev, bits, Q, G, classes, L):
     check_retrieval(dev, bits, Q, G, classes, L, cuts, seed=bits + G)
 
 
+@pytest.mark.slow
 def test_retrieval_gpu_step_of_one_row(dev, monkeypatch):
     """The GPU's configuration walks one row per step (U = 1); the interpreter normally takes
     64: run the GPU's under the interpreter too, so CI checks the path a GPU takes."""

@@ -62,6 +62,7 @@ needs_ext = pytest.mark.skipif(extension() is None, reason="no compiled extensio
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not cuda_extension_built(), reason="extension built without CUDA kernels")
+@pytest.mark.slow
 def test_built_sass_has_no_fast_math_tanh():
     tool = res.find_cuobjdump()
     if tool is None:
@@ -93,6 +94,7 @@ def _built_archs() -> set:
 
 
 @pytest.mark.skipif(not cuda_extension_built(), reason="extension built without CUDA kernels")
+@pytest.mark.slow
 def test_built_library_runs_tensor_cores_on_the_16bit_paths():
     """Every bf16/fp16 matrix kernel (fwd/bwd_keys, 4 code widths) of every built arch has
     HMMA/HGMMA instructions, and every targeted arch (sm_80, sm_90 by default) is in the

@@ -294,7 +294,8 @@ def test_the_seeded_forward_returns_its_noise(kernels):
 
 
 @pytest.mark.parametrize("n,dtype", [(1, torch.float32), (37, torch.bfloat16),
-                                     (4099, torch.float32), (300, torch.float64)])
+                                     pytest.param(4099, torch.float32, marks=pytest.mark.slow),
+                                     (300, torch.float64)])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_the_finish_reduces_the_rows(kernels, n, dtype, reduction):
     """The Triton finish's own reduction (reduction "mean"/"sum"): the rows' float64 sum within
@@ -637,6 +638,7 @@ def test_the_registered_ops_still_serve_tracing(kernels):
     assert not nac_triton.FWD_PLANS.plans
 
 
+@pytest.mark.slow
 def test_eager_calls_take_the_fast_path_from_the_source_tree():
     """As on the GPU machine: nac_fast imported from the checkout with no install (its kernels
     mapped by nac_fast/__init__.py), an eager call's autograd node is _FusedNAC's, not the

@@ -491,6 +491,14 @@ def _same(x, y):
 
 
 # The interpreter: every dtype at the awkward sizes, with 1, 4 and 64 "SMs" (one split or many).
+def sweep(cases, slow, ids):
+    """Parametrisation of an exhaustive size sweep: the cases `slow(case)` picks (the interpreter's
+    large shapes, tens of seconds each on the CPU) are marked slow, out of `make test-fast`;
+    `make test` and the GPU suite run them all."""
+    return [pytest.param(*c, id=i, marks=pytest.mark.slow if slow(c) else ()) for c, i in
+            zip(cases, ids)]
+
+
 # A GPU (the suite's test stage, where each new specialisation compiles for seconds): bf16 and
 # fp32 at D = 128, where in-batch 97 runs the keys' backward in many splits and 8192 the forward
 # in two; its own SMs.
@@ -543,7 +551,8 @@ class TestFold:
     pytestmark = pytest.mark.skipif("triton" not in fused_backends(DEVICE),
                                     reason="the Triton backend does not run here")
 
-    @pytest.mark.parametrize("n,D,programs", IN_BATCH, ids=[f"{n}-{D}-{p}" for n, D, p in IN_BATCH])
+    @pytest.mark.parametrize("n,D,programs", sweep(IN_BATCH, lambda c: not GPU and c[0] > 1000,
+                                                    [f"{n}-{D}-{p}" for n, D, p in IN_BATCH]))
     @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
     def test_in_batch_gives_the_separate_launches_bits(self, monkeypatch, dtype, n, D, programs):
         _programs(monkeypatch, programs)
@@ -554,7 +563,8 @@ class TestFold:
                                             for u, v in zip(got, want)])
 
     @pytest.mark.parametrize("programs", PROGRAMS)
-    @pytest.mark.parametrize("n,N,D", KEYS)
+    @pytest.mark.parametrize("n,N,D", sweep(KEYS, lambda c: not GPU and c[1] > 1000,
+                                            ["-".join(map(str, c)) for c in KEYS]))
     @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
     def test_given_keys_give_the_separate_launches_bits(self, monkeypatch, dtype, n, N, D,
                                                          programs):
@@ -707,7 +717,8 @@ class TestBf16x6:
     def bf16x6(self, monkeypatch):
         monkeypatch.setenv("NAC_FAST_FP32_DOT", "bf16x6")
 
-    @pytest.mark.parametrize("kind,n,N,D", CASES, ids=[f"{k}-{n}-{N}-{D}" for k, n, N, D in CASES])
+    @pytest.mark.parametrize("kind,n,N,D", sweep(CASES, lambda c: not GPU and c[2] > 4000,
+                                                 [f"{k}-{n}-{N}-{D}" for k, n, N, D in CASES]))
     @pytest.mark.parametrize("reduction", ["mean", "none"])
     def test_against_float64(self, kind, n, N, D, reduction):
         t, noise = _bf16x6_inputs(n, N, D, n * 7 + N + D, kind)

@@ -147,6 +147,7 @@ def test_every_class_draws_something(tmp_path):
     assert len(seen) == len(msf.SHAPES)
 
 
+@pytest.mark.slow
 def test_a_kill_leaves_nothing(tmp_path):
     """SIGTERM while writing: the temporary folder goes, OUT is not made."""
     import signal

@@ -153,6 +153,7 @@ def _codes(n, words, seed):
     return torch.randint(-2**62, 2**62, (n, words), generator=g, dtype=torch.int64)
 
 
+@pytest.mark.slow
 def test_hist_chunk_bounds_histogram_memory_at_max_bits(monkeypatch):
     """The default query chunk of retrieval_metrics with histograms (pr / radius) is sized by
     the code length: a fixed 4096 queries made the two (chunk, 64 W + 1) int64 histograms 4.3 GB

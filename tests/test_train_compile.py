@@ -160,6 +160,7 @@ def test_compiled_nac_mq_equals_eager_and_saves_plain_keys(tmp_path, capsys):
     assert not torch.equal(got, before) and torch.equal(got, want)
 
 
+@pytest.mark.slow
 def test_resume_across_compile(tmp_path):
     """An eager checkpoint continued compiled, and a compiled one continued eager, equal the
     uninterrupted eager run."""

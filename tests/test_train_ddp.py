@@ -347,6 +347,7 @@ def shuffle_results(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_batch_shuffle_all_to_all_equals_the_all_gather_version(shuffle_results):
     for world, ranks in shuffle_results.items():
         for r, res in enumerate(ranks):
@@ -511,6 +512,7 @@ def collectives_results(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
+@pytest.mark.slow
 def test_gathered_gradient_equals_one_process_over_the_global_batch(collectives_results):
     results = collectives_results
     x, w0 = _coll_data()
