@@ -5,7 +5,9 @@ temporary file behind (the same protocol as nac_fast/train/checkpoint.py's save_
 files that are not torch pickles)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 
 
@@ -84,3 +86,36 @@ def atomic_write(path: str, write, *, mode: str = "wb") -> None:
     """Call ``write(f)`` on a temporary file opened with ``mode`` ("wb" or "w"), then rename it
     to ``path`` (replacing what is there: callers decide whether they may)."""
     atomic_write_all([(path, write, mode)])
+
+
+@contextlib.contextmanager
+def atomic_folder(out: str):
+    """Yield a new empty temporary folder beside ``out`` to fill. On a normal exit it takes the
+    place of ``out`` whole: an empty folder at ``out`` is removed first; anything else there is
+    moved aside, and deleted only once the new folder is in place (put back if that rename
+    fails), so callers decide beforehand whether they may replace it (--overwrite). On an
+    exception the temporary folder is deleted and ``out`` is left as it was."""
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out) + "-", dir=parent)
+    try:
+        yield tmp
+        old = None
+        if os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out):
+            os.rmdir(out)
+        elif os.path.lexists(out):
+            old = tempfile.mkdtemp(prefix=".old-" + os.path.basename(out) + "-", dir=parent)
+            os.rename(out, os.path.join(old, "x"))
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            if old is not None:
+                os.rename(os.path.join(old, "x"), out)
+                os.rmdir(old)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -42,17 +42,15 @@ import argparse
 import io
 import json
 import os
-import shutil
 import struct
 import sys
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nac_fast._files import check_writable  # noqa: E402
+from nac_fast._files import atomic_folder, check_writable  # noqa: E402
 from nac_fast.data.sources.synthetic import synth_image  # noqa: E402
 
 QUIRKS = ("grey", "cmyk", "png", "exif", "truncated")
@@ -259,11 +257,8 @@ def main(argv=None) -> int:
             args.classes, args.train_per_class, args.val_per_class, args.size, args.seed, quirks)
     except ValueError as exc:
         ap.error(str(exc))
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out) + "-", dir=parent)
     total = sum(len(v) for v in files.values())
-    try:
+    with atomic_folder(out) as tmp:  # --overwrite checked above: a non-empty out is replaced
         os.makedirs(os.path.join(tmp, "val"))
         for w in wnids:
             os.makedirs(os.path.join(tmp, "train", w))
@@ -286,20 +281,6 @@ def main(argv=None) -> int:
                        "val_per_class": args.val_per_class, "size": args.size,
                        "seed": args.seed, "quirks": quirks, "devkit": args.devkit,
                        "wnids": wnids, "quirk_files": chosen}, f, indent=1)
-        old = None
-        if os.path.isdir(out):
-            if os.listdir(out):        # --overwrite (checked above): moved away, then deleted
-                old = tempfile.mkdtemp(prefix=".tmp-old-" + os.path.basename(out) + "-",
-                                       dir=parent)
-                os.rename(out, os.path.join(old, "tree"))
-            else:
-                os.rmdir(out)
-        os.rename(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     n_val = len(val_labels)
     print(f"{out}: {total - n_val} train images in {args.classes} class folders, {n_val} val "
           f"images (flat, LOC_val_solution.csv), {args.size} px"

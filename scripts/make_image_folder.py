@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import sys
-import tempfile
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nac_fast._files import check_writable  # noqa: E402
+from nac_fast._files import atomic_folder, check_writable  # noqa: E402
 
 MAX_SIZE = 4096  # --size: a small labelled folder, 3 x size^2 bytes an image
 SHAPES = ("disc", "square", "triangle", "cross", "ring", "star", "hbars", "vbars", "diagonal",
@@ -173,20 +171,11 @@ def main(argv=None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     val = split(labels, args.val_frac, args.seed)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out) + "-", dir=parent)
-    try:
+    with atomic_folder(out) as tmp:  # an empty out (checked above) is replaced
         for i, (im, lab, v) in enumerate(zip(imgs, labels, val)):
             d = os.path.join(tmp, "val" if v else "train", lab)
             os.makedirs(d, exist_ok=True)
             im.save(os.path.join(d, f"{i:05d}.png"))
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty (checked above)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"{out}: {int((~val).sum())} train / {int(val.sum())} val images, "
           f"{len(set(labels))} classes, {args.size} px")
     return 0

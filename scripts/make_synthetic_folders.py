@@ -43,17 +43,15 @@ import json
 import math
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nac_fast._files import check_writable  # noqa: E402
+from nac_fast._files import atomic_folder, check_writable  # noqa: E402
 
 KINDS = ("glyphs", "textures", "shapes")
 GLYPHS = tuple("ABEGKMRSWZ")
@@ -374,13 +372,9 @@ def write_folder(p: dict, size: int, out: str, overwrite: bool, command: str,
     (an `out` already there is replaced only with `overwrite`, once the new one is complete).
     Returns the counts."""
     from tqdm import tqdm
-    out = os.path.abspath(out)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out) + "-", dir=parent)
     counts = {"train": {}, "val": {}}
     total = len(p["classes"]) * (p["per_class"]["train"] + p["per_class"]["val"])
-    try:
+    with atomic_folder(out) as tmp:
         for split, c, k, i, im in tqdm(images(p, size), total=total, disable=not progress,
                                        desc=f"{p['kind']} -> {os.path.basename(out)}",
                                        unit="img"):
@@ -400,19 +394,6 @@ def write_folder(p: dict, size: int, out: str, overwrite: bool, command: str,
         with open(os.path.join(tmp, "sources.json"), "w") as f:
             json.dump(meta, f, indent=1)
             f.write("\n")
-        old = None
-        if os.path.lexists(out):
-            if os.path.isdir(out) and not os.listdir(out):
-                os.rmdir(out)
-            else:  # --overwrite (checked by main): the old folder goes only once the new is whole
-                old = tempfile.mkdtemp(prefix=".old-" + os.path.basename(out) + "-", dir=parent)
-                os.rename(out, os.path.join(old, "x"))
-        os.rename(tmp, out)
-        if old:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return counts
 
 
