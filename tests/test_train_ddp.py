@@ -285,66 +285,84 @@ def _mq_step(shuffle, unshuffle, x, **mq_kw):
     return loss.detach(), mq.queue.codes.clone(), bc
 
 
-def _shuffle_worker(rank, world, port, out_dir):
+def _shuffle_part(rank, world):
     from _old_steps import old_batch_shuffle, old_batch_unshuffle
+    res = {"cases": {}}
+    base = torch.arange(3 * 3 * 8 * 8, dtype=torch.float32).view(3, 3, 8, 8) / 7 + rank * 1000
+    cases = {"fp32 odd n": base, "bf16": base[:2].bfloat16(),
+             "uint8": (base[:2] % 251).to(torch.uint8),
+             "channels-last": base[:2].contiguous(memory_format=torch.channels_last),
+             "codes fp64": torch.randn(5, 7, dtype=torch.float64) + rank}
+    f = lambda t: t * 2 + 1  # a per-row function: what the momentum encoder stands for
+    for name, x in cases.items():
+        torch.manual_seed(11)  # only rank 0 draws: the same permutation both times
+        new, plan = nd.batch_shuffle(x)
+        torch.manual_seed(11)
+        old, idx = old_batch_shuffle(x)
+        g = lambda s: torch.Generator().manual_seed(s)
+        new_g, _ = nd.batch_shuffle(x, generator=g(5))
+        old_g, _ = old_batch_shuffle(x, generator=g(5))
+        y = f(new.double()).to(x.dtype) if x.dtype != torch.uint8 else new + 1
+        y_old = f(old.double()).to(x.dtype) if x.dtype != torch.uint8 else old + 1
+        back, back_old = nd.batch_unshuffle(y, plan), old_batch_unshuffle(y_old, idx)
+        res["cases"][name] = {
+            "equal": torch.equal(new, old) and torch.equal(new_g, old_g),
+            "dtype": new.dtype == x.dtype and back.dtype == x.dtype,
+            "cl": new.is_contiguous(memory_format=torch.channels_last),
+            "idx": torch.equal(plan.idx_unshuffle, idx),
+            "back": torch.equal(back, back_old),
+            "ident": torch.equal(nd.batch_unshuffle(new, plan), x),
+            "moved": not torch.equal(new, x)}
+    x = torch.randn(2 * SH_K, 3, SH_PX, SH_PX, generator=torch.Generator().manual_seed(rank))
+    res["own_fp32"] = x.numel() * 4
+    loss, codes, bc = _mq_step(nd.batch_shuffle, nd.batch_unshuffle, x)
+    loss_o, codes_o, bc_o = _mq_step(old_batch_shuffle, old_batch_unshuffle, x)
+    res["step_equal"] = torch.equal(loss, loss_o) and torch.equal(codes, codes_o)
+    res["new_calls"], res["old_calls"] = bc.calls, bc_o.calls
+    # momentum_bn="sync" never shuffles (a model without BN: gloo's CPU has no SyncBN), and
+    # its step equals the unshuffled one
+    loss_s, codes_s, bc_s = _mq_step(nd.batch_shuffle, nd.batch_unshuffle, x, no_bn=True,
+                                     momentum_bn="sync")
+    loss_u, codes_u, _ = _mq_step(nd.batch_shuffle, nd.batch_unshuffle, x, no_bn=True,
+                                  shuffle_bn=False)
+    res["sync_calls"] = bc_s.calls
+    res["sync_equal"] = torch.equal(loss_s, loss_u) and torch.equal(codes_s, codes_u)
+    return res
+
+
+def _in_group(rank, world, port, out_dir, parts):
+    """One gloo group of `world` ranks on loopback running each of `parts` (names of the *_part
+    functions below) in turn: a spawn and a group per fixture, not per subject."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        res = {"cases": {}}
-        base = torch.arange(3 * 3 * 8 * 8, dtype=torch.float32).view(3, 3, 8, 8) / 7 + rank * 1000
-        cases = {"fp32 odd n": base, "bf16": base[:2].bfloat16(),
-                 "uint8": (base[:2] % 251).to(torch.uint8),
-                 "channels-last": base[:2].contiguous(memory_format=torch.channels_last),
-                 "codes fp64": torch.randn(5, 7, dtype=torch.float64) + rank}
-        f = lambda t: t * 2 + 1  # a per-row function: what the momentum encoder stands for
-        for name, x in cases.items():
-            torch.manual_seed(11)  # only rank 0 draws: the same permutation both times
-            new, plan = nd.batch_shuffle(x)
-            torch.manual_seed(11)
-            old, idx = old_batch_shuffle(x)
-            g = lambda s: torch.Generator().manual_seed(s)
-            new_g, _ = nd.batch_shuffle(x, generator=g(5))
-            old_g, _ = old_batch_shuffle(x, generator=g(5))
-            y = f(new.double()).to(x.dtype) if x.dtype != torch.uint8 else new + 1
-            y_old = f(old.double()).to(x.dtype) if x.dtype != torch.uint8 else old + 1
-            back, back_old = nd.batch_unshuffle(y, plan), old_batch_unshuffle(y_old, idx)
-            res["cases"][name] = {
-                "equal": torch.equal(new, old) and torch.equal(new_g, old_g),
-                "dtype": new.dtype == x.dtype and back.dtype == x.dtype,
-                "cl": new.is_contiguous(memory_format=torch.channels_last),
-                "idx": torch.equal(plan.idx_unshuffle, idx),
-                "back": torch.equal(back, back_old),
-                "ident": torch.equal(nd.batch_unshuffle(new, plan), x),
-                "moved": not torch.equal(new, x)}
-        x = torch.randn(2 * SH_K, 3, SH_PX, SH_PX, generator=torch.Generator().manual_seed(rank))
-        res["own_fp32"] = x.numel() * 4
-        loss, codes, bc = _mq_step(nd.batch_shuffle, nd.batch_unshuffle, x)
-        loss_o, codes_o, bc_o = _mq_step(old_batch_shuffle, old_batch_unshuffle, x)
-        res["step_equal"] = torch.equal(loss, loss_o) and torch.equal(codes, codes_o)
-        res["new_calls"], res["old_calls"] = bc.calls, bc_o.calls
-        # momentum_bn="sync" never shuffles (a model without BN: gloo's CPU has no SyncBN), and
-        # its step equals the unshuffled one
-        loss_s, codes_s, bc_s = _mq_step(nd.batch_shuffle, nd.batch_unshuffle, x, no_bn=True,
-                                         momentum_bn="sync")
-        loss_u, codes_u, _ = _mq_step(nd.batch_shuffle, nd.batch_unshuffle, x, no_bn=True,
-                                      shuffle_bn=False)
-        res["sync_calls"] = bc_s.calls
-        res["sync_equal"] = torch.equal(loss_s, loss_u) and torch.equal(codes_s, codes_u)
+        res = {}
+        for part in parts:
+            res[part] = (_shuffle_part(rank, world) if part == "shuffle"
+                         else _collectives_part(rank))
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
+def _spawn(tmp_path_factory, world, parts):
+    d = tmp_path_factory.mktemp("gloo" + str(world))
+    mp.spawn(_in_group, args=(world, _free_port(), str(d), parts), nprocs=world, join=True)
+    return [torch.load(d / f"rank{r}.pt") for r in range(world)]
+
+
 @pytest.fixture(scope="module")
-def shuffle_results(tmp_path_factory):
+def gloo2(tmp_path_factory):
+    """The shuffle's and the collectives' checks at WORLD = 2 ranks, in one group."""
+    return _spawn(tmp_path_factory, WORLD, ("shuffle", "collectives"))
+
+
+@pytest.fixture(scope="module")
+def shuffle_results(tmp_path_factory, gloo2):
     """{world size: [rank 0's results, ...]} at 2 and 4 gloo ranks."""
-    out = {}
-    for world in (2, 4):
-        d = tmp_path_factory.mktemp(f"shuffle{world}")
-        mp.spawn(_shuffle_worker, args=(world, _free_port(), str(d)), nprocs=world, join=True)
-        out[world] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
-    return out
+    return {2: [r["shuffle"] for r in gloo2],
+            4: [r["shuffle"] for r in _spawn(tmp_path_factory, 4, ("shuffle",))]}
 
 
 @pytest.mark.slow
@@ -462,54 +480,46 @@ def _expect_value_error(fn):
     return None
 
 
-def _collectives_worker(rank, port, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
+def _collectives_part(rank):
     res = {}
-    try:
-        x, w0 = _coll_data()
-        # gradient of a rank's weights through the gathered keys, DDP-style averaged
-        w = w0.clone().requires_grad_()
-        q = x[rank * CN:(rank + 1) * CN]
-        _coll_loss(q, nd.all_gather_with_grad(q @ torch.eye(CD, dtype=torch.float64)),
-                   w).backward()
-        g = w.grad.clone()
-        dist.all_reduce(g)
-        res["grad"] = g / WORLD
-        # gradient reaching the rows themselves (each rank's slice gets every rank's part)
-        xr = x[rank * CN:(rank + 1) * CN].clone().requires_grad_()
-        _coll_loss(xr, nd.all_gather_with_grad(xr), w0).backward()
-        res["xgrad"] = xr.grad / WORLD  # DDP's average
-        # uneven rows: every rank refuses, naming the argument
-        n = CN if rank == 0 else CN - 1
-        t = torch.randn(n, CD, dtype=torch.float64, requires_grad=True)
-        res["uneven_grad"] = _expect_value_error(lambda: nd.all_gather_with_grad(t))
-        res["uneven_nograd"] = _expect_value_error(lambda: nd.all_gather_nograd(t.detach()))
-        res["uneven_shuffle"] = _expect_value_error(lambda: nd.batch_shuffle(t.detach()))
-        tt = torch.randn(CN, CD, dtype=torch.float32 if rank else torch.float64)
-        res["dtype"] = _expect_value_error(lambda: nd.all_gather_nograd(tt))
-        # still usable after the refusals: the group is not broken
-        y = nd.all_gather_nograd(torch.full((CN, 2), float(rank)))
-        res["after"] = y[:, 0].tolist()
-        # batch shuffle of an odd batch: one permutation, exact inverse
-        torch.manual_seed(100 + rank)  # only rank 0 draws: the ranks' RNGs differ on purpose
-        xb = torch.arange(CN * 2, dtype=torch.float64).view(CN, 2) + 100 * rank
-        xs, plan = nd.batch_shuffle(xb)
-        res["idx"] = plan.idx_unshuffle.clone()
-        res["xs"] = xs.clone()
-        res["back"] = torch.equal(nd.batch_unshuffle(xs, plan), xb)
-        res["bad_idx"] = _expect_value_error(lambda: nd.batch_unshuffle(xs[:2], plan))
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    x, w0 = _coll_data()
+    # gradient of a rank's weights through the gathered keys, DDP-style averaged
+    w = w0.clone().requires_grad_()
+    q = x[rank * CN:(rank + 1) * CN]
+    _coll_loss(q, nd.all_gather_with_grad(q @ torch.eye(CD, dtype=torch.float64)),
+               w).backward()
+    g = w.grad.clone()
+    dist.all_reduce(g)
+    res["grad"] = g / WORLD
+    # gradient reaching the rows themselves (each rank's slice gets every rank's part)
+    xr = x[rank * CN:(rank + 1) * CN].clone().requires_grad_()
+    _coll_loss(xr, nd.all_gather_with_grad(xr), w0).backward()
+    res["xgrad"] = xr.grad / WORLD  # DDP's average
+    # uneven rows: every rank refuses, naming the argument
+    n = CN if rank == 0 else CN - 1
+    t = torch.randn(n, CD, dtype=torch.float64, requires_grad=True)
+    res["uneven_grad"] = _expect_value_error(lambda: nd.all_gather_with_grad(t))
+    res["uneven_nograd"] = _expect_value_error(lambda: nd.all_gather_nograd(t.detach()))
+    res["uneven_shuffle"] = _expect_value_error(lambda: nd.batch_shuffle(t.detach()))
+    tt = torch.randn(CN, CD, dtype=torch.float32 if rank else torch.float64)
+    res["dtype"] = _expect_value_error(lambda: nd.all_gather_nograd(tt))
+    # still usable after the refusals: the group is not broken
+    y = nd.all_gather_nograd(torch.full((CN, 2), float(rank)))
+    res["after"] = y[:, 0].tolist()
+    # batch shuffle of an odd batch: one permutation, exact inverse
+    torch.manual_seed(100 + rank)  # only rank 0 draws: the ranks' RNGs differ on purpose
+    xb = torch.arange(CN * 2, dtype=torch.float64).view(CN, 2) + 100 * rank
+    xs, plan = nd.batch_shuffle(xb)
+    res["idx"] = plan.idx_unshuffle.clone()
+    res["xs"] = xs.clone()
+    res["back"] = torch.equal(nd.batch_unshuffle(xs, plan), xb)
+    res["bad_idx"] = _expect_value_error(lambda: nd.batch_unshuffle(xs[:2], plan))
+    return res
 
 
 @pytest.fixture(scope="module")
-def collectives_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("audit_coll")
-    mp.spawn(_collectives_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+def collectives_results(gloo2):
+    return [r["collectives"] for r in gloo2]
 
 
 @pytest.mark.slow
