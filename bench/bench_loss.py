@@ -7,7 +7,7 @@
     python bench/bench_loss.py --roofline H100,H200 [--ceilings datasheet] [--fp32 bf16x6]
 
 Rows are appended to a CSV (a failed row: exit status 1); columns and timing: docs/kernels.md
-"The benchmark scripts in detail"."""
+"The benchmark scripts in detail".  host_overhead.py takes its cases' steps and timers from here."""
 from __future__ import annotations
 
 import argparse
@@ -28,20 +28,20 @@ import nac_fast  # noqa: E402
 FIELDS = ["timestamp", "host", "device", "torch", "commit", "threads", "kind", "n", "N", "D",
           "dtype", "backend", "median_s", "p20_s", "p80_s", "peak_extra_mib", "gflops",
           "time_ratio_to_ref", "mem_ratio_to_ref", "reps",
-          # added for the GPU suite (kept at the end: older CSVs stay readable)
+          # added later, at the end (older CSVs stay readable): the GPU suite's, issue 23's (how
+          # the time was taken, the machine's load), the fp32 rows' Triton product mode
           "triton", "pct_of_bound", "bound_s", "bound_limiter", "compile_backend",
-          "compiled_graphs", "compile_s", "check_inputs", "status",
-          # issue 23: how the time was taken, and the machine's load while it was
-          "timer", "loadavg",
-          # fp32 rows: the Triton kernels' product mode (NAC_FAST_FP32_DOT: tf32x3, bf16x6, ...)
-          "fp32_dot"]
+          "compiled_graphs", "compile_s", "check_inputs", "status", "timer", "loadavg", "fp32_dot"]
+P = 0.1  # the channel's bit-flip probability of every case
 
 
-def _inputs(kind, n, N, D, dtype, device):
+def inputs(kind, n, N, D, dtype, device, r_grad: bool = True):
+    """a, r, noise, queue (None in-batch) of a case, seeded by its size; with the queue r takes a
+    gradient only when r_grad (a training step's r_hat takes none)."""
     g = torch.Generator(device="cpu").manual_seed(n + N)
     a = (torch.randn(n, D, generator=g) * 1.5).to(device, dtype).requires_grad_()
-    r = torch.randn(n, D, generator=g).to(device, dtype).requires_grad_()
-    noise = nac_fast.draw_noise((n, D), 0.1, generator=g).to(device, dtype)
+    r = torch.randn(n, D, generator=g).to(device, dtype).requires_grad_(r_grad or kind != "mq")
+    noise = nac_fast.draw_noise((n, D), P, generator=g).to(device, dtype)
     queue = torch.tanh(torch.randn(N, D, generator=g)).to(device, dtype) if kind == "mq" else None
     return a, r, noise, queue
 
@@ -49,22 +49,31 @@ def _inputs(kind, n, N, D, dtype, device):
 def reference_fn(a, r, noise, queue):
     """The function torch.compile compiles: the plain reference (no argument checks)."""
     from nac_fast.ops import reference
-    s = nac_fast.channel_scale(0.1)
+    s = nac_fast.channel_scale(P)
     if queue is None:
         return reference.nac_loss_reference(a, r, noise, s)
     return reference.nac_mq_loss_reference(a, r, queue, noise, s)
 
 
-def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None):
-    """One forward+backward of `backend` ("reference", "cpu", "triton", "cuda") at the shape, or
-    of `compiled_ref` (a compiled reference_fn) when given."""
-    a, r, noise, queue = _inputs(kind, n, N, D, dtype, device)
+def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None, *,
+              noise_inside: bool = False, r_grad: bool = True):
+    """One forward+backward of `backend` ("reference", "cpu", "triton", "cuda", "auto") at the
+    shape, or of `compiled_ref` (a compiled reference_fn) when given.  The noise is drawn once
+    before, or by each call when noise_inside (as users call it; the compiled reference's outside
+    its graph)."""
+    a, r, fixed, queue = inputs(kind, n, N, D, dtype, device, r_grad)
+
+    def noise():
+        if not noise_inside:
+            return fixed
+        return None if compiled_ref is None else nac_fast.draw_noise((n, D), P, device=device,
+                                                                     dtype=dtype)
     if compiled_ref is not None:
-        loss = lambda: compiled_ref(a, r, noise, queue)  # noqa: E731
+        loss = lambda: compiled_ref(a, r, noise(), queue)  # noqa: E731
     elif kind == "mq":
-        loss = lambda: nac_fast.nac_mq_loss(a, r, queue, 0.1, noise=noise, backend=backend)  # noqa: E731
+        loss = lambda: nac_fast.nac_mq_loss(a, r, queue, P, noise=noise(), backend=backend)  # noqa: E731
     else:
-        loss = lambda: nac_fast.nac_loss(a, r, 0.1, noise=noise, backend=backend)  # noqa: E731
+        loss = lambda: nac_fast.nac_loss(a, r, P, noise=noise(), backend=backend)  # noqa: E731
 
     def step():
         a.grad = r.grad = None
@@ -126,33 +135,15 @@ def peak_extra_bytes(step, device) -> int:
     return max(itertools.accumulate((e.nbytes() for e in events), initial=0))
 
 
-def time_step(step, device, reps: int, min_time: float):
-    """(median, p20, p80, timed reps, first call's seconds, timer).  The first call is the warm-up
-    (it compiles).  CPU: at least `reps` host-timed calls, more up to 10 x reps while under
-    min_time seconds.  GPU: triton.testing.do_bench over about min_time seconds (CUDA events, L2
-    flushed between calls), or a CUDA-event loop without Triton."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
+def mean_time(step, calls: int = 1, sync=None, after: bool = False) -> float:
+    """Mean host seconds per call of `calls` calls (`sync`: called before them, and after them
+    when `after`)."""
+    sync and sync()
     t0 = time.perf_counter()
-    step()
-    sync()
-    first = time.perf_counter() - t0
-    if device == "cuda":
-        try:
-            from triton.testing import do_bench
-        except ImportError:
-            return (*_loop_times(step, reps, min_time, _event_time), first, "cuda-events")
-        rep_ms = max(1000.0 * min_time, 1.0)
-        med, p20, p80 = do_bench(step, warmup=25, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
-        return med / 1e3, p20 / 1e3, p80 / 1e3, max(1, int(rep_ms / max(med, 1e-6))), first, \
-            "do_bench"
-    return (*_loop_times(step, reps, min_time, _host_time), first, "perf_counter")
-
-
-def _host_time(step) -> float:
-    t0 = time.perf_counter()
-    step()
-    return time.perf_counter() - t0
+    for _ in range(calls):
+        step()
+    after and sync()
+    return (time.perf_counter() - t0) / calls
 
 
 def _event_time(step) -> float:
@@ -161,13 +152,28 @@ def _event_time(step) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def _loop_times(step, reps: int, min_time: float, timer=_host_time):
-    """(median, p20, p80, calls) of at least `reps` timed calls, more up to 10 x reps while
-    under min_time seconds."""
+def time_step(step, device, reps: int, min_time: float):
+    """(median, p20, p80, timed reps, first call's seconds, timer).  The first call is the warm-up
+    (it compiles).  CPU: at least `reps` host-timed calls, more up to 10 x reps while under
+    min_time seconds.  GPU: triton.testing.do_bench over about min_time seconds (CUDA events, L2
+    flushed between calls), or that loop of CUDA-event times without Triton."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    timer, name = mean_time, "perf_counter"
+    first = mean_time(step, 1, sync, True)
+    if device == "cuda":
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            timer, name = _event_time, "cuda-events"
+        else:
+            rep_ms = max(1000.0 * min_time, 1.0)
+            med, p20, p80 = do_bench(step, warmup=25, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+            reps = max(1, int(rep_ms / max(med, 1e-6)))
+            return med / 1e3, p20 / 1e3, p80 / 1e3, reps, first, "do_bench"
     times, t_start = [], time.perf_counter()
     while len(times) < reps or (time.perf_counter() - t_start < min_time and len(times) < 10 * reps):
         times.append(timer(step))
-    return (*common.quantiles(times), len(times))
+    return (*common.quantiles(times), len(times), first, name)
 
 
 def graph_step(step, warmup: int = 3):
@@ -198,16 +204,22 @@ def append_rows(path, rows, fields=FIELDS):
     common.append_rows(path, rows, fields)
 
 
-def _fp32_dot(dtype, D, kind, n, N, device) -> str:
-    """The fp32 product mode of the Triton kernels for an fp32 row ("" for other dtypes): the
-    environment's NAC_FAST_FP32_DOT, or the tuned table's choice for the call's shape."""
-    if dtype != torch.float32:
-        return ""
-    try:
-        from nac_fast.kernels.nac_triton import fp32_mode_of
-    except Exception:  # noqa: BLE001 - no triton: no Triton rows either
-        return ""
-    return fp32_mode_of(D, "queue" if kind == "mq" else "inbatch", n, N, device)
+def case_bound(kind, n, N, D, dtype, device, dev_name):
+    """(fp32_dot, bound): the Triton kernels' product mode of an fp32 case (NAC_FAST_FP32_DOT or
+    the tuned table's choice for the shape; "" for other dtypes or without triton), and the case's
+    floor (common.bound) on a GPU that common knows, else None."""
+    kname, fp32_dot = "queue" if kind == "mq" else "inbatch", ""
+    if dtype == torch.float32:
+        try:
+            from nac_fast.kernels.nac_triton import fp32_mode_of
+        except Exception:  # noqa: BLE001 - no triton: no Triton rows either
+            pass
+        else:
+            fp32_dot = fp32_mode_of(D, kname, n, N, device)
+    if device != "cuda" or not common.known_gpu(dev_name):
+        return fp32_dot, None
+    return fp32_dot, common.bound(kname, n, N, D, str(dtype)[6:], dev_name,
+                                  fp32_mode=fp32_dot or "tf32x3")
 
 
 def print_bounds(gpus, which: str = "measured", fp32_mode: str = "tf32x3", D: int = 128) -> None:
@@ -228,6 +240,42 @@ def print_bounds(gpus, which: str = "measured", fp32_mode: str = "tf32x3", D: in
           f"({c['fp32_fma_source']}), tf32 {c['tf32_flops'] / 1e12:.0f} TFLOP/s "
           f"({c['tf32_source']}), exp {c['exp_per_s'] / 1e12:.2f} T/s ({c['exp_source']}), "
           f"HBM {c['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({c['hbm_source']})")
+
+
+def _measure(b, case, args, base):
+    """(median, p20, p80, reps, peak extra bytes or None) of the row `b` of `case` (kind, n, N, D,
+    dtype), `base` told how it was timed; a compiled row that did not run its one graph fails."""
+    counter = None
+    if b == "compiled-reference":
+        cref, counter = compile_reference(args.compile_backend)
+        step = _counted(make_step(*case, args.device, "reference", cref))
+        base.update(compile_backend=args.compile_backend)
+    elif b.endswith("+graph"):
+        step = graph_step(make_step(*case, args.device, b[:-len("+graph")]))
+    else:
+        step = make_step(*case, args.device, b)
+    med, p20, p80, reps, first, timer = time_step(step, args.device, args.reps, args.min_time)
+    base.update(timer=timer, loadavg="%.2f" % os.getloadavg()[0])
+    mem = None if args.no_memory else peak_extra_bytes(step, args.device)
+    if counter is not None:  # every step taken ran the one compiled graph
+        base.update(compiled_graphs=counter.graphs, compile_s=f"{first:.3f}")
+        if counter.graphs != 1 or counter.calls != step.calls:
+            raise RuntimeError(f"not compiled: {counter.graphs} graphs compiled (want 1), "
+                               f"{counter.calls} of {step.calls} steps ran the compiled graph")
+    return med, p20, p80, reps, mem
+
+
+def _sizes(ap, flag, text):
+    """The comma list of sizes `text` of `flag` ("": none), checked."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"{flag}: a comma list of integers, got {text!r}")
+    if any(v < 1 for v in vals):
+        ap.error(f"{flag}: sizes must be >= 1, got {','.join(str(v) for v in vals if v < 1)}")
+    if len(set(vals)) != len(vals):
+        ap.error(f"{flag}: a size is given twice in {text!r}")
+    return vals
 
 
 def main(argv=None):
@@ -279,17 +327,9 @@ def main(argv=None):
     check_least(ap, args, {"--reps": 1, "--mq-n": 1, "--D": 1})
     if not args.min_time >= 0:
         ap.error(f"--min-time must be >= 0, got {args.min_time}")
-    sizes = {}  # "" means none of that kind
-    for flag, text in (("--inbatch", args.inbatch), ("--queue", args.queue)):
-        try:
-            sizes[flag] = vals = [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            ap.error(f"{flag}: a comma list of integers, got {text!r}")
-        if any(v < 1 for v in vals):
-            ap.error(f"{flag}: sizes must be >= 1, got {','.join(str(v) for v in vals if v < 1)}")
-        if len(set(vals)) != len(vals):
-            ap.error(f"{flag}: a size is given twice in {text!r}")
-    if not sizes["--inbatch"] + sizes["--queue"]:
+    cases = [("inbatch", n, n) for n in _sizes(ap, "--inbatch", args.inbatch)] + \
+            [("mq", args.mq_n, m) for m in _sizes(ap, "--queue", args.queue)]
+    if not cases:
         ap.error("--inbatch and --queue are both empty: no case to measure")
     dtypes = []
     for d, t in ((d, getattr(torch, d, None)) for d in args.dtypes.split(",")):
@@ -317,75 +357,46 @@ def main(argv=None):
     from nac_fast.ops import loss as _loss_mod
     run = dict(common.run_fields(dev_name), threads=torch.get_num_threads(),
                check_inputs=int(bool(_loss_mod.CHECK_VALUES)))
-    cases = [("inbatch", n, n) for n in sizes["--inbatch"]] + \
-            [("mq", args.mq_n, m) for m in sizes["--queue"]]
 
     rows, failed = [], 0
     print(f"{'kind':8s} {'n':>6s} {'N':>7s} {'dtype':9s} {'backend':18s} {'median ms':>10s} "
           f"{'p20':>8s} {'p80':>8s} {'peak MiB':>9s} {'GFLOP/s':>8s} {'x ref':>6s} {'mem/ref':>8s} "
           f"{'%bound':>7s}")
-    for kind, n, N in cases:
-        flops = (6 if kind == "inbatch" else 4) * n * N * args.D
-        for dtype in dtypes:
-            ref_t = ref_mem = None
-            fp32_dot = _fp32_dot(dtype, args.D, kind, n, N, args.device)
-            bnd = common.bound("queue" if kind == "mq" else "inbatch", n, N, args.D,  # the floor
-                               str(dtype)[6:], dev_name, fp32_mode=fp32_dot or "tf32x3") \
-                if args.device == "cuda" and common.known_gpu(dev_name) else None
-            for b in variants(backends, args.compile_reference, args.graphs):
-                base = dict(run, kind=kind, n=n, N=N, D=args.D, dtype=str(dtype)[6:], backend=b,
-                            bound_s="" if bnd is None else f"{bnd['bound_s']:.9f}",
-                            bound_limiter="" if bnd is None else bnd["limiter"],
-                            fp32_dot=fp32_dot)
-                counter = None
-                try:
-                    if b == "compiled-reference":
-                        cref, counter = compile_reference(args.compile_backend)
-                        step = _counted(make_step(kind, n, N, args.D, dtype, args.device,
-                                                  "reference", cref))
-                        base.update(compile_backend=args.compile_backend)
-                    elif b.endswith("+graph"):
-                        step = graph_step(make_step(kind, n, N, args.D, dtype, args.device,
-                                                    b[:-len("+graph")]))
-                    else:
-                        step = make_step(kind, n, N, args.D, dtype, args.device, b)
-                    med, p20, p80, reps, first, timer = time_step(step, args.device, args.reps,
-                                                                  args.min_time)
-                    base.update(timer=timer, loadavg="%.2f" % os.getloadavg()[0])
-                    mem = None if args.no_memory else peak_extra_bytes(step, args.device)
-                    if counter is not None:  # every step taken ran the one compiled graph
-                        base.update(compiled_graphs=counter.graphs, compile_s=f"{first:.3f}")
-                        if counter.graphs != 1 or counter.calls != step.calls:
-                            raise RuntimeError(
-                                f"not compiled: {counter.graphs} graphs compiled (want 1), "
-                                f"{counter.calls} of {step.calls} steps ran the compiled graph")
-                except Exception as exc:  # OOM, compile error, not compiled: a failed row
-                    failed += 1
-                    msg = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-                    print(f"{kind:8s} {n:6d} {N:7d} {str(dtype)[6:]:9s} {b:18s} FAILED "
-                          f"{msg[:300]}", flush=True)
-                    rows.append(dict(base, status=f"failed: {msg[:300]}"))
-                    continue
-                finally:
-                    step = None
-                    if b == "compiled-reference":
-                        torch._dynamo.reset()
-                    if args.device == "cuda":
-                        torch.cuda.empty_cache()
-                if b == "reference":
-                    ref_t, ref_mem = med, mem
-                pct = "" if bnd is None else f"{common.pct_of_bound(bnd['bound_s'], med):.2f}"
-                row = dict(base, median_s=f"{med:.6f}", p20_s=f"{p20:.6f}", p80_s=f"{p80:.6f}",
-                           peak_extra_mib="" if mem is None else f"{mem / 2**20:.2f}",
-                           gflops=f"{flops / med / 1e9:.1f}",
-                           time_ratio_to_ref="" if ref_t is None else f"{med / ref_t:.3f}",
-                           mem_ratio_to_ref="" if not ref_mem or mem is None else f"{mem / ref_mem:.4f}",
-                           reps=reps, pct_of_bound=pct, status="ok")
-                rows.append(row)
-                print(f"{kind:8s} {n:6d} {N:7d} {row['dtype']:9s} {b:18s} {med * 1e3:10.3f} "
-                      f"{p20 * 1e3:8.3f} {p80 * 1e3:8.3f} {row['peak_extra_mib']:>9s} "
-                      f"{row['gflops']:>8s} {row['time_ratio_to_ref']:>6s} "
-                      f"{row['mem_ratio_to_ref']:>8s} {pct:>7s}", flush=True)
+    for (kind, n, N), dtype in itertools.product(cases, dtypes):
+        flops, ref_t, ref_mem = (6 if kind == "inbatch" else 4) * n * N * args.D, None, None
+        fp32_dot, bnd = case_bound(kind, n, N, args.D, dtype, args.device, dev_name)
+        for b in variants(backends, args.compile_reference, args.graphs):
+            base = dict(run, kind=kind, n=n, N=N, D=args.D, dtype=str(dtype)[6:], backend=b,
+                        bound_s="" if bnd is None else f"{bnd['bound_s']:.9f}",
+                        bound_limiter="" if bnd is None else bnd["limiter"], fp32_dot=fp32_dot)
+            try:
+                med, p20, p80, reps, mem = _measure(b, (kind, n, N, args.D, dtype), args, base)
+            except Exception as exc:  # OOM, compile error, not compiled: a failed row
+                failed += 1
+                msg = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                print(f"{kind:8s} {n:6d} {N:7d} {str(dtype)[6:]:9s} {b:18s} FAILED "
+                      f"{msg[:300]}", flush=True)
+                rows.append(dict(base, status=f"failed: {msg[:300]}"))
+                continue
+            finally:
+                if b == "compiled-reference":
+                    torch._dynamo.reset()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+            if b == "reference":
+                ref_t, ref_mem = med, mem
+            pct = "" if bnd is None else f"{common.pct_of_bound(bnd['bound_s'], med):.2f}"
+            row = dict(base, median_s=f"{med:.6f}", p20_s=f"{p20:.6f}", p80_s=f"{p80:.6f}",
+                       peak_extra_mib="" if mem is None else f"{mem / 2**20:.2f}",
+                       gflops=f"{flops / med / 1e9:.1f}",
+                       time_ratio_to_ref="" if ref_t is None else f"{med / ref_t:.3f}",
+                       mem_ratio_to_ref="" if not ref_mem or mem is None else f"{mem / ref_mem:.4f}",
+                       reps=reps, pct_of_bound=pct, status="ok")
+            rows.append(row)
+            print(f"{kind:8s} {n:6d} {N:7d} {row['dtype']:9s} {b:18s} {med * 1e3:10.3f} "
+                  f"{p20 * 1e3:8.3f} {p80 * 1e3:8.3f} {row['peak_extra_mib']:>9s} "
+                  f"{row['gflops']:>8s} {row['time_ratio_to_ref']:>6s} "
+                  f"{row['mem_ratio_to_ref']:>8s} {pct:>7s}", flush=True)
     append_rows(csv_path, rows)
     print(f"appended {len(rows)} rows to {csv_path}")
     print(json.dumps({"rows": rows}))

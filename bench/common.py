@@ -84,35 +84,28 @@ def append_rows(path, rows, fields):
     atomic_write(os.path.realpath(path), lambda f: (f.write(keep), f.write(text.encode())))
 
 
-def output_file_problem(flag: str, path: str, csv_file: bool = True):
-    """Why the output file `path` (option `flag`) could not be written (empty, a folder, not
-    writable; a damaged CSV to append to, when `csv_file`), or None."""
-    if not path:
-        return f"{flag} is empty; give a file path"
-    if os.path.isdir(path):
-        return f"{flag} {path!r} is a folder; give a file path"
-    try:
-        check_writable(flag, path)
-    except ValueError as exc:
-        return str(exc)
-    why = csv_problem(path) if csv_file else None
-    return f"{flag} {path!r} {why}" if why else None
-
-
 def check_output_file(ap, flag: str, path: str, csv_file: bool = True) -> None:
-    """ap.error (exit status 2) naming `flag` when `path` could not be written."""
-    if why := output_file_problem(flag, path, csv_file):
-        ap.error(why)
+    """ap.error (exit status 2) naming `flag` when the output file `path` could not be written
+    (empty, a folder, not writable; a damaged CSV to append to, when `csv_file`)."""
+    if not path:
+        ap.error(f"{flag} is empty; give a file path")
+    if os.path.isdir(path):
+        ap.error(f"{flag} {path!r} is a folder; give a file path")
+    check_writable(flag, path, error=ap.error)
+    if csv_file and (why := csv_problem(path)):
+        ap.error(f"{flag} {path!r} {why}")
 
 
 def check_output_folder(ap, flag: str, path: str) -> None:
     """ap.error naming `flag` when no file could be written in the folder `path`."""
     if os.path.lexists(path) and not os.path.isdir(path):
         ap.error(f"{flag} {path!r} is not a folder")
-    try:
-        check_writable(flag, os.path.join(path, "x"))
-    except ValueError as exc:
-        ap.error(str(exc))
+    check_writable(flag, os.path.join(path, "x"), error=ap.error)
+
+
+def write_text(path: str, text: str) -> None:
+    """`text` to `path` whole or not at all (its folder made)."""
+    atomic_write(path, lambda f: f.write(text), mode="w")
 
 
 def check_least(ap, args, least: dict) -> None:

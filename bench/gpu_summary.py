@@ -20,7 +20,6 @@ import xml.etree.ElementTree as ET
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (puts the source tree on sys.path)
-from nac_fast._files import atomic_write  # noqa: E402
 
 REFERENCE, COMPILED = "reference", "compiled-reference"
 GOAL_SHAPES = [("inbatch", 8192, 8192), ("queue", 8192, 65536)]
@@ -51,18 +50,15 @@ def collect(inputs):
     for p in inputs:
         if not os.path.exists(p):
             raise ValueError(f"input {p!r} does not exist")
-        for f in ([os.path.join(p, x) for x in ("versions.json", "loss_gpu.csv", "train.json")]
-                  if os.path.isdir(p) else [p]):
+        for f in filter(os.path.exists, [os.path.join(p, x) for x in ("versions.json",
+                        "loss_gpu.csv", "train.json")] if os.path.isdir(p) else [p]):
             base = os.path.basename(f)
-            if not os.path.exists(f):
-                continue
-            if base.endswith(".csv"):
-                found["loss"].append(f)
-            elif base == "versions.json" or (base.endswith(".json") and base.startswith("train")):
-                found["versions" if base == "versions.json" else "train"].append(f)
-            else:
+            what = "loss" if base.endswith(".csv") else "versions" if base == "versions.json" \
+                else "train" if base.startswith("train") and base.endswith(".json") else None
+            if what is None:
                 raise ValueError(f"input {f!r}: expected a results folder, a bench_loss CSV, "
                                  "train*.json or versions.json")
+            found[what].append(f)
     return found
 
 
@@ -173,16 +169,16 @@ def build_summary(inputs, device=None, commit=None):
 
 # ---- goals --------------------------------------------------------------------------------------
 
-def _check(ok, text):
+def _line(ok, text):
     return ok, f"{'PASS' if ok else 'MISS'} {text}"
 
 
 def _roofline_check(tag, pct):
     """(ok, line) of the >= GOAL_PCT_BOUND% roofline goal for the fused row `tag` describes."""
     if pct is None:
-        return False, f"MISS {tag} roofline: no bound for this GPU"
-    return _check(pct >= GOAL_PCT_BOUND, f"{tag} roofline: {pct:.1f}% of bound "
-                                         f"(goal >= {GOAL_PCT_BOUND:g}%)")
+        return _line(False, f"{tag} roofline: no bound for this GPU")
+    return _line(pct >= GOAL_PCT_BOUND, f"{tag} roofline: {pct:.1f}% of bound "
+                                        f"(goal >= {GOAL_PCT_BOUND:g}%)")
 
 
 def _best(summary, kind, n, N, dtype, with_eager=False):
@@ -200,22 +196,22 @@ def goal_checks(summary):
     for kind, n, N in GOAL_SHAPES:
         best, tag = _best(summary, kind, n, N, GOAL_DTYPE)
         if best is None:
-            lines += [(False, f"MISS {kind} {n}x{N} D={GOAL_D} {GOAL_DTYPE} fwd+bwd {what}: no "
-                              "fused row measured")
+            lines += [_line(False, f"{kind} {n}x{N} D={GOAL_D} {GOAL_DTYPE} fwd+bwd {what}: no "
+                                   "fused row measured")
                       for what in ("speed vs eager", "speed vs torch.compile", "roofline", "memory")]
             continue
         for what, num, goal in (("speed vs eager", best["eager_ms"], GOAL_X_EAGER),
                                 ("speed vs torch.compile", best["compile_ms"], GOAL_X_COMPILE)):
             x = num and num / best["fused_ms"]
-            lines.append((False, f"MISS {tag} {what}: no baseline row") if num is None else
-                         _check(x >= goal, f"{tag} {what}: {x:.2f}x (goal >= {goal:g}x)"))
+            lines.append(_line(False, f"{tag} {what}: no baseline row") if num is None else
+                         _line(x >= goal, f"{tag} {what}: {x:.2f}x (goal >= {goal:g}x)"))
         lines.append(_roofline_check(tag, best["pct_of_bound"]))
         fm, em = best["fused_peak_mb"], best["eager_peak_mb"]
-        lines.append((False, f"MISS {tag} memory: peak memory not measured")
+        lines.append(_line(False, f"{tag} memory: peak memory not measured")
                      if fm is None or em is None else
-                     _check(fm <= em * GOAL_MEM_FRACTION, f"{tag} memory: {fm:.1f} MiB vs eager "
-                            f"{em:.1f} MiB = {f'1/{em / fm:.0f}' if fm > 0 else '0'} "
-                            "(goal <= 1/20)"))
+                     _line(fm <= em * GOAL_MEM_FRACTION, f"{tag} memory: {fm:.1f} MiB vs eager "
+                           f"{em:.1f} MiB = {f'1/{em / fm:.0f}' if fm > 0 else '0'} "
+                           "(goal <= 1/20)"))
     for kind, n, N in ROOFLINE_SHAPES:  # judged where measured
         if (b := _best(summary, kind, n, N, GOAL_DTYPE))[0]:
             lines.append(_roofline_check(b[1], b[0]["pct_of_bound"]))
@@ -223,16 +219,16 @@ def goal_checks(summary):
         best, tag = _best(summary, kind, n, N, "float32", with_eager=True)
         if best:
             x = best["eager_ms"] / best["fused_ms"]
-            lines.append(_check(x >= GOAL_FP32_X_EAGER, f"{tag} speed vs eager: {x:.2f}x "
-                                                        f"(goal >= {GOAL_FP32_X_EAGER:g}x)"))
+            lines.append(_line(x >= GOAL_FP32_X_EAGER, f"{tag} speed vs eager: {x:.2f}x "
+                                                       f"(goal >= {GOAL_FP32_X_EAGER:g}x)"))
     if (t := summary["train"]) is None:
-        return lines + [(False, "MISS training throughput: no train.json")]
+        return lines + [_line(False, "training throughput: no train.json")]
     goal_cfg = (t["arch"], t["method"]) == ("resnet50", "nac-mq")
-    return lines + [_check(goal_cfg and t["img_per_s"] >= GOAL_TRAIN_IMG_S,
-                           f"training {t['arch']} {t['method']} batch {t['batch_per_gpu']}/GPU: "
-                           f"{t['img_per_s']:.0f} img/s per GPU, data wait "
-                           f"{100 * t['data_wait_frac']:.1f}% (goal >= {GOAL_TRAIN_IMG_S:g} img/s "
-                           f"per H100{'' if goal_cfg else ', for resnet50 nac-mq: not this config'})")]
+    return lines + [_line(goal_cfg and t["img_per_s"] >= GOAL_TRAIN_IMG_S,
+                          f"training {t['arch']} {t['method']} batch {t['batch_per_gpu']}/GPU: "
+                          f"{t['img_per_s']:.0f} img/s per GPU, data wait "
+                          f"{100 * t['data_wait_frac']:.1f}% (goal >= {GOAL_TRAIN_IMG_S:g} img/s "
+                          f"per H100{'' if goal_cfg else ', for resnet50 nac-mq: not this config'})")]
 
 
 def markdown(summary, checks, train_raw=None):
@@ -303,21 +299,11 @@ def _params(name: str) -> list[str]:
     return m.group(1).split("-") if m else []
 
 
-def junit_line(res) -> str:
-    bad = len([v for v in res["violations"] if v.startswith("skipped")])
-    return (f"{res['failed']} failed, {res['passed']} passed, {res['skipped']} skipped"
-            f"{f' ({bad} not allowed)' if bad else ''}, {res['errors']} errors")
-
-
 # ---- CLI -------------------------------------------------------------------------------------------
 
-def _write(path, text) -> None:
-    """`text` to `path` whole or not at all (its folder made)."""
-    atomic_write(path, lambda f: f.write(text), mode="w")
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("inputs", nargs="*", help="result folders or loss CSV / train.json / versions.json")
     add("--out", help="summary.json path (default: in the first folder given, else ./summary.json)")
@@ -335,12 +321,14 @@ def main(argv=None):
             common.check_output_file(ap, flag, path, csv_file=False)
     if args.check_junit:
         res = check_junit(args.check_junit, [b for b in args.require_passed.split(",") if b])
-        line = junit_line(res)
+        bad = len([v for v in res["violations"] if v.startswith("skipped")])
+        line = (f"{res['failed']} failed, {res['passed']} passed, {res['skipped']} skipped"
+                f"{f' ({bad} not allowed)' if bad else ''}, {res['errors']} errors")
         print("\n".join([f"  expected skip on a GPU machine: {a}" for a in res["allowed_skips"]]
                         + [f"  {v}" for v in res["violations"]]
                         + [f"junit {args.check_junit}: {line}: {'OK' if res['ok'] else 'FAIL'}"]))
         if args.status_file:
-            _write(args.status_file, line + ("" if res["ok"] else
+            common.write_text(args.status_file, line + ("" if res["ok"] else
                                              f"; {len(res['violations'])} problem(s)") + "\n")
         return 0 if res["ok"] else 1
     if not args.inputs:
@@ -353,17 +341,17 @@ def main(argv=None):
     out = args.out or (os.path.join(args.inputs[0], "summary.json") if os.path.isdir(args.inputs[0])
                        else "summary.json")
     common.check_output_file(ap, "--out", out, csv_file=False)  # (the default: in the first folder)
-    _write(out, json.dumps(summary, indent=1, allow_nan=False) + "\n")
+    common.write_text(out, json.dumps(summary, indent=1, allow_nan=False) + "\n")
     checks = goal_checks(summary)
     print("\n".join([f"wrote {out}"] + [line for _, line in checks]))
     md = markdown(summary, checks, train_raw)
     if args.markdown:
-        _write(args.markdown, md)
+        common.write_text(args.markdown, md)
         print(f"wrote {args.markdown}")
     print("\n--- README snippet ---\n" + md)
     missed = sum(not ok for ok, _ in checks)
     if args.status_file:
-        _write(args.status_file, f"goals: {len(checks) - missed} PASS, {missed} MISS\n")
+        common.write_text(args.status_file, f"goals: {len(checks) - missed} PASS, {missed} MISS\n")
     return 3 if args.require_goals and missed else 0
 
 

@@ -11,13 +11,14 @@ import argparse
 import contextlib
 import cProfile
 import io
+import itertools
 import json
 import os
 import pstats
 import statistics
 import sys
-import time
 import types
+from unittest import mock
 
 if "--gpu" not in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors reach the op
@@ -28,7 +29,9 @@ import common  # noqa: E402  (puts the source tree on sys.path)
 import torch  # noqa: E402
 
 import nac_fast  # noqa: E402
-from nac_fast.ops import dispatch, loss as loss_mod, nac, reference  # noqa: E402
+from bench_loss import (P, case_bound, compile_reference, graph_step, make_step,  # noqa: E402
+                        mean_time)
+from nac_fast.ops import dispatch, loss as loss_mod, nac  # noqa: E402
 
 FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "mode", "kind", "n", "N",
           "D", "dtype", "backend", "resolved", "host_s", "back_to_back_s", "graph_s",
@@ -39,34 +42,16 @@ GPU_CASES = [("inbatch", 512, 512, "bfloat16"), ("inbatch", 8192, 8192, "bfloat1
              ("inbatch", 8192, 8192, "float32"), ("mq", 256, 65536, "float32")]
 GPU_BACKENDS = "reference,compiled-reference,triton,triton-unfolded,cuda,auto"
 CRITERION_CASES = (("inbatch", 512, 512), ("mq", 256, 65536))  # a training step's sizes, bf16
-CALLS, REPEATS, P = 200, 3, 0.1
+CALLS, REPEATS = 200, 3
 HOST_CALLS = 48  # under the GPU's launch queue (about 1,000 launches) at ~10 launches a call
 nullctx = contextlib.nullcontext
 
 
-def _inputs(kind, n, N, D, dtype, device, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed + n + N)
-    a = (torch.randn(n, D, generator=g) * 1.5).to(device, dtype).requires_grad_()
-    r = torch.randn(n, D, generator=g).to(device, dtype)  # queue: r_hat takes no gradient
-    if kind == "mq":
-        return a, r, torch.tanh(torch.randn(N, D, generator=g)).to(device, dtype)
-    return a, r.requires_grad_(), None
-
-
-def _noise(n, D, dtype, device):
-    return nac_fast.draw_noise((n, D), P, device=device, dtype=dtype)
-
-
 def user_step(kind, n, N, D, dtype, device, backend, noise_inside: bool = True):
-    """One forward+backward as users call it (noise_inside=False: the noise drawn once before)."""
-    a, r, queue = _inputs(kind, n, N, D, dtype, device)
-    noise = None if noise_inside else _noise(n, D, dtype, device)
-
-    def step():
-        a.grad = r.grad = None
-        (nac_fast.nac_mq_loss(a, r, queue, P, l2=0.1, noise=noise, backend=backend) if queue
-         is not None else nac_fast.nac_loss(a, r, P, noise=noise, backend=backend)).backward()
-    return step
+    """One forward+backward as users call it: the noise drawn inside (noise_inside=False: once,
+    before), r_hat without a gradient with the queue (bench_loss.make_step)."""
+    return make_step(kind, n, N, D, dtype, device, _call_backend(backend),
+                     noise_inside=noise_inside, r_grad=False)
 
 
 def criterion_step(kind, n, N, D, dtype, device, backend):
@@ -90,40 +75,13 @@ def criterion_step(kind, n, N, D, dtype, device, backend):
     return step
 
 
-def _reference_fn(a, r, noise, queue):
-    s = nac_fast.channel_scale(P)
-    if queue is None:
-        return reference.nac_loss_reference(a, r, noise, s)
-    return reference.nac_mq_loss_reference(a, r, queue, noise, s, l2=0.1)
-
-
-def compiled_step(kind, n, N, D, dtype, device, backend_name="inductor", fn=None,
-                  noise_inside: bool = True):
-    """(step, fn): torch.compile of the reference (`fn`: one compiled already), the noise drawn
-    outside it (noise_inside=False: once, for the graph rows)."""
-    if fn is None:
-        torch._dynamo.reset()
-        fn = torch.compile(_reference_fn, backend=backend_name, fullgraph=True, dynamic=False)
-    a, r, queue = _inputs(kind, n, N, D, dtype, device)
-    fixed = None if noise_inside else _noise(n, D, dtype, device)
-
-    def step():
-        a.grad = r.grad = None
-        fn(a, r, fixed if fixed is not None else _noise(n, D, dtype, a.device), queue).backward()
-    return step, fn
-
-
 @contextlib.contextmanager
 def patched(patches):
     """setattr(module, name, value) for each of `patches`, undone on exit."""
-    saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
-    for m, name, val in patches:
-        setattr(m, name, val)
-    try:
+    with contextlib.ExitStack() as stack:
+        for m, name, val in patches:
+            stack.enter_context(mock.patch.object(m, name, val))
         yield
-    finally:
-        for m, name, val in saved:
-            setattr(m, name, val)
 
 
 def op_path():
@@ -179,20 +137,14 @@ _NO_KERNEL = set("""view _unsafe_view t transpose permute expand slice select na
     _has_compatible_shallow_copy_type""".split())
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple, dict)):
-        for y in (x.values() if isinstance(x, dict) else x):
-            yield from _tensors(y)
-
-
 @contextlib.contextmanager
 def aten_launches():
     """Counts the ATen ops of a call that would launch a kernel on a GPU (.ops: not _NO_KERNEL's)
     and the tensors with memory of their own they make (.allocs); the eager-path test (no
     dispatch mode on the stack) is told the stack is empty meanwhile."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    tensors = lambda x: [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]  # noqa: E731
     counter = types.SimpleNamespace(ops=[], allocs=0)
 
     class Mode(TorchDispatchMode):
@@ -201,30 +153,20 @@ def aten_launches():
             if func.namespace == "aten" and name not in _NO_KERNEL:
                 counter.ops.append(name)
             out = func(*args, **(kwargs or {}))
-            seen = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))
+            seen = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))
                     if t.device.type != "meta"}
-            counter.allocs += sum(1 for t in _tensors(out) if t.numel() and
+            counter.allocs += sum(1 for t in tensors(out) if t.numel() and
                                   t.untyped_storage().data_ptr() not in seen)
             return out
     with patched([(torch._C, "_len_torch_dispatch_stack", lambda: 0)]), Mode():
         yield counter
 
 
-def _mean(step, k: int, sync=None, after: bool = False) -> float:
-    """Mean seconds per call of `k` calls (`sync`: called before them, and after when `after`)."""
-    sync and sync()
-    t0 = time.perf_counter()
-    for _ in range(k):
-        step()
-    after and sync()
-    return (time.perf_counter() - t0) / k
-
-
 def _per_call(step, calls: int, repeats: int = 5) -> float:
     """Median over `repeats` of the mean seconds per call of `calls` calls (after 3 warm-ups)."""
     for _ in range(3):
         step()
-    return statistics.median(_mean(step, calls) for _ in range(repeats))
+    return statistics.median(mean_time(step, calls) for _ in range(repeats))
 
 
 def _folding(backend: str):
@@ -237,12 +179,15 @@ def _call_backend(backend: str) -> str:
     return "triton" if backend == "triton-unfolded" else backend
 
 
-def _stub_row(make, kind, n, N, D, dtype, backend, calls, repeats, context):
-    """One --stub row: launches, allocations, time, plans a further call records (none: cached)."""
+def _stub_row(kind, n, N, backend, calls, repeats):
+    """One --stub row (bf16, D = 128): the Triton launches, ATen launches and allocations of one
+    call, its host time, the plans a further call records (none: cached)."""
     from nac_fast.kernels import nac_triton
     plans = lambda: nac_triton.FWD_PLANS.recorded + nac_triton.BWD_PLANS.recorded  # noqa: E731
-    with stub_launches() as stub, context, _folding(backend):
-        step = make()
+    make = criterion_step if backend == "triton-criterion" else user_step
+    with stub_launches() as stub, (op_path() if backend == "triton-op-path" else nullctx()), \
+            _folding(backend):
+        step = make(kind, n, N, 128, torch.bfloat16, "cpu", "triton")
         step()  # records the plans
         step()  # their first call: the kept scratch is made
         before, stub.launches = plans(), 0
@@ -250,7 +195,7 @@ def _stub_row(make, kind, n, N, D, dtype, backend, calls, repeats, context):
             step()
         launches, t = stub.launches, _per_call(step, calls, repeats)
         rebuilt = plans() - before
-    return dict(mode="stub-sm90", kind=kind, n=n, N=N, D=D, dtype=str(dtype)[6:],
+    return dict(mode="stub-sm90", kind=kind, n=n, N=N, D=128, dtype="bfloat16",
                 backend=backend, resolved="triton", host_s=t, launches=launches,
                 aten_launches=len(aten.ops), allocations=aten.allocs, aten_ops=" ".join(aten.ops),
                 plans_recorded="" if backend in ("triton-op-path", "triton-criterion") else rebuilt,
@@ -258,16 +203,11 @@ def _stub_row(make, kind, n, N, D, dtype, backend, calls, repeats, context):
 
 
 def stub_rows(calls: int = 200, repeats: int = 5):
-    rows, bf16 = [], torch.bfloat16
-    cases = [("inbatch", 512, 512, 128), ("mq", 256, 4096, 128)]
-    for kind, n, N, D in cases:
-        for backend in ("triton", "triton-unfolded", "triton-op-path"):
-            rows.append(_stub_row(lambda: user_step(kind, n, N, D, bf16, "cpu", "triton"),
-                                  kind, n, N, D, bf16, backend, calls, repeats,
-                                  op_path() if backend.endswith("op-path") else nullctx()))
-    for kind, n, N, D in cases:  # the criteria (nn.Module) around the same fused loss
-        rows.append(_stub_row(lambda: criterion_step(kind, n, N, D, bf16, "cpu", "triton"),
-                              kind, n, N, D, bf16, "triton-criterion", calls, repeats, nullctx()))
+    cases = [("inbatch", 512, 512), ("mq", 256, 4096)]
+    rows = [_stub_row(*case, backend, calls, repeats) for case in cases
+            for backend in ("triton", "triton-unfolded", "triton-op-path")]
+    # the criteria (nn.Module) around the same fused loss
+    rows += [_stub_row(*case, "triton-criterion", calls, repeats) for case in cases]
     with loss_mod.value_checks(False):  # the CPU backend's own overhead: a tiny shape
         for kind, n, N, D in (("inbatch", 4, 4, 8), ("mq", 4, 16, 8)):
             for backend in ("cpu", "cpu-op-path", "reference"):
@@ -282,19 +222,18 @@ def stub_rows(calls: int = 200, repeats: int = 5):
 
 # ---- --gpu ---------------------------------------------------------------------------------------
 
-def _host_and_back_to_back(step, calls: int | None = None, repeats: int | None = None):
-    """(host_s, back_to_back_s): medians over `repeats` of HOST_CALLS calls from an idle GPU, host
-    clock only, and of `calls` calls and the sync after them."""
-    calls, repeats, sync = calls or CALLS, repeats or REPEATS, torch.cuda.synchronize
+def _host_and_back_to_back(step):
+    """(host_s, back_to_back_s): medians over REPEATS of HOST_CALLS calls from an idle GPU, host
+    clock only, and of CALLS calls and the sync after them."""
+    sync = torch.cuda.synchronize
     for _ in range(5):
         step()
-    host, total = zip(*[(_mean(step, min(calls, HOST_CALLS), sync), _mean(step, calls, sync, True))
-                        for _ in range(repeats)])
+    host, total = zip(*[(mean_time(step, min(CALLS, HOST_CALLS), sync),
+                         mean_time(step, CALLS, sync, True)) for _ in range(REPEATS)])
     return statistics.median(host), statistics.median(total)
 
 
 def _graph_time(step) -> float:
-    from bench_loss import graph_step
     from triton.testing import do_bench
     return do_bench(graph_step(step), warmup=25, rep=200, return_mode="median") / 1e3
 
@@ -303,20 +242,63 @@ def _failed(exc, width=200) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:width] if str(exc) else ''}"
 
 
-def _steps(kind, n, N, D, dtype, device, backend, compile_backend):
-    """(step, the graph rows' step maker, resolved) of a --gpu row."""
-    if backend == "compiled-reference":
-        step, cfn = compiled_step(kind, n, N, D, dtype, device, compile_backend)
-        return step, lambda: compiled_step(kind, n, N, D, dtype, device, fn=cfn,
-                                           noise_inside=False)[0], \
-            f"torch.compile({compile_backend})"
-    call = _call_backend(backend)
-    resolved = dispatch.resolve_backend(
-        "auto", torch.empty(1, device=device, dtype=dtype),
-        keys=None if kind == "inbatch" else torch.empty(1, 1, device=device)) \
-        if backend == "auto" else call
-    return user_step(kind, n, N, D, dtype, device, call), \
-        lambda: user_step(kind, n, N, D, dtype, device, call, noise_inside=False), resolved
+def _bound(kind, n, N, D, dname):
+    """The case's floor in seconds on this GPU (bench_loss.case_bound), or None."""
+    b = case_bound(kind, n, N, D, getattr(torch, dname), "cuda", torch.cuda.get_device_name())[1]
+    return None if b is None else b["bound_s"]
+
+
+def _measured(row, make, graph=None):
+    """`row` with host_s and back_to_back_s of the step make() returns and, given `graph` (a maker
+    of the step with fresh inputs and the noise given: no RNG inside the capture), graph_s and its
+    bound; status ok, "ok (no graph: ...)" or "failed: ..." (which fails the run)."""
+    try:
+        with _folding(row["backend"]):
+            host, total = _host_and_back_to_back(make())
+            row.update(host_s=host, back_to_back_s=total, status="ok")
+            if graph is not None:
+                try:
+                    row["graph_s"] = _graph_time(graph())
+                except Exception as exc:  # the row's other figures stand; the note says why
+                    row["status"] = f"ok (no graph: {_failed(exc, 120)})"
+                    torch.cuda.synchronize()
+                else:
+                    if (bnd := _bound(row["kind"], row["n"], row["N"], row["D"],
+                                      row["dtype"])) is not None:
+                        row.update(bound_s=bnd, pct_of_bound=100.0 * bnd / row["graph_s"])
+    except Exception as exc:  # a failed row is recorded and fails the run
+        row["status"] = "failed: " + _failed(exc)
+    finally:
+        if row["backend"] == "compiled-reference":
+            torch._dynamo.reset()
+    print(_fmt(row), flush=True)
+    torch.cuda.empty_cache()
+    return row
+
+
+def _loss_makers(row, device, compile_backend):
+    """(step maker, graph-row step maker) of a --gpu loss row, as users call it (the compiled
+    reference: compiled afresh per case); the step maker records what the backend resolved to."""
+    kind, n, N, D, backend = row["kind"], row["n"], row["N"], row["D"], row["backend"]
+    dtype, fn = getattr(torch, row["dtype"]), []
+
+    def make():
+        if backend == "compiled-reference":
+            fn.append(compile_reference(compile_backend)[0])
+            row["resolved"] = f"torch.compile({compile_backend})"
+            return make_step(kind, n, N, D, dtype, device, "reference", fn[0],
+                             noise_inside=True, r_grad=False)
+        row["resolved"] = _call_backend(backend) if backend != "auto" else \
+            dispatch.resolve_backend("auto", torch.empty(1, device=device, dtype=dtype),
+                                     keys=None if kind == "inbatch" else
+                                     torch.empty(1, 1, device=device))
+        return user_step(kind, n, N, D, dtype, device, backend)
+
+    def graph():
+        if fn:
+            return make_step(kind, n, N, D, dtype, device, "reference", fn[0], r_grad=False)
+        return user_step(kind, n, N, D, dtype, device, backend, noise_inside=False)
+    return make, graph
 
 
 def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = True,
@@ -324,71 +306,35 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
     """The --gpu rows (`device` other than cuda: the tests' CPU run of this code, with the CUDA
     calls stood in), with each row's ratios to eager and torch.compile at its case."""
     rows = []
-    for kind, n, N, dname in cases:
-        D, dtype = 128, getattr(torch, dname)
-        for backend in backends:
-            if backend == "triton-unfolded" and dname != "bfloat16":
-                continue  # the fold's A/B at the bf16 shapes (the host stage's time)
-            row = dict(mode="gpu", kind=kind, n=n, N=N, D=D, dtype=dname, backend=backend)
-            try:
-                step, graph_step_fn, row["resolved"] = _steps(kind, n, N, D, dtype, device,
-                                                              backend, compile_backend)
-                with _folding(backend):
-                    host, total = _host_and_back_to_back(step)
-                row.update(host_s=host, back_to_back_s=total, status="ok")
-                if graphs:
-                    try:  # fresh inputs, the noise given: no RNG inside the capture
-                        with _folding(backend):
-                            row["graph_s"] = _graph_time(graph_step_fn())
-                    except Exception as exc:  # the row's other figures stand; the note says why
-                        row["status"] = f"ok (no graph: {_failed(exc, 120)})"
-                        torch.cuda.synchronize()
-                    else:
-                        if (bnd := _bound(kind, n, N, D, dname)) is not None:
-                            row.update(bound_s=bnd, pct_of_bound=100.0 * bnd / row["graph_s"])
-            except Exception as exc:  # a failed row is recorded and fails the run
-                row["status"] = "failed: " + _failed(exc)
-            finally:
-                if backend == "compiled-reference":
-                    torch._dynamo.reset()
-            rows.append(row)
-            print(_fmt(row), flush=True)
-            torch.cuda.empty_cache()
-    for row in filter(_ok, rows):  # per call as a loop sees it (back_to_back_s)
-        base = {r["backend"]: r["back_to_back_s"] for r in rows if _ok(r) and
-                all(r[k] == row[k] for k in ("kind", "n", "N", "dtype"))}
-        for col, b in (("x_eager", "reference"), ("x_compile", "compiled-reference")):
-            if b in base:
-                row[col] = base[b] / row["back_to_back_s"]
+    for (kind, n, N, dname), backend in itertools.product(cases, backends):
+        if backend == "triton-unfolded" and dname != "bfloat16":
+            continue  # the fold's A/B at the bf16 shapes (the host stage's time)
+        row = dict(mode="gpu", kind=kind, n=n, N=N, D=128, dtype=dname, backend=backend)
+        make, graph = _loss_makers(row, device, compile_backend)
+        rows.append(_measured(row, make, graph if graphs else None))
+    return _ratios(rows)
+
+
+def _ratios(rows):
+    """x_eager, x_compile of each measured row: its case's reference and compiled-reference
+    back-to-back time (a criterion row's: criterion-reference's) over its own."""
+    for row in filter(_ok, rows):
+        pre = "criterion-" if row["backend"].startswith("criterion-") else ""
+        for col, b in (("x_eager", pre + "reference"), ("x_compile", pre + "compiled-reference")):
+            if base := [r["back_to_back_s"] for r in rows if _ok(r) and r["backend"] == b and
+                        all(r[k] == row[k] for k in ("kind", "n", "N", "dtype"))]:
+                row[col] = base[0] / row["back_to_back_s"]
     return rows
-
-
-def _measured(row, step):
-    """row with host_s, back_to_back_s and status ok, or "failed: ..." (which fails the run)."""
-    try:
-        host, total = _host_and_back_to_back(step() if row["backend"].startswith("criterion")
-                                             else step)
-        row.update(host_s=host, back_to_back_s=total, status="ok")
-    except Exception as exc:  # a failed row is recorded and fails the run
-        row["status"] = "failed: " + _failed(exc)
-    print(_fmt(row), flush=True)
-    return row
 
 
 def criterion_rows(device: str = "cuda", cases=CRITERION_CASES, dname: str = "bfloat16"):
     """--gpu: the criteria (criterion_step), "reference" against "auto"; no graph row (the
     criterion draws its noise and writes the queue)."""
-    rows = []
-    for kind, n, N in cases:
-        ref, auto = (_measured(dict(mode="gpu", kind=kind, n=n, N=N, D=128, dtype=dname,
-                                    backend=f"criterion-{b}", resolved=b),
-                               lambda b=b: criterion_step(kind, n, N, 128, getattr(torch, dname),
-                                                          device, b))
-                     for b in ("reference", "auto"))
-        if _ok(ref) and _ok(auto):
-            auto["x_eager"] = ref["back_to_back_s"] / auto["back_to_back_s"]
-        rows += [ref, auto]
-    return rows
+    return _ratios([_measured(dict(mode="gpu", kind=kind, n=n, N=N, D=128, dtype=dname,
+                                   backend=f"criterion-{b}", resolved=b),
+                              lambda: criterion_step(kind, n, N, 128, getattr(torch, dname),
+                                                     device, b))
+                    for kind, n, N in cases for b in ("reference", "auto")])
 
 
 class _OneEachWay(torch.autograd.Function):
@@ -412,24 +358,13 @@ def floor_rows(device: str = "cuda", n: int = 512, D: int = 128):
     steps = (("floor-launch", lambda: x.add_(1.0)),
              ("floor-autograd", lambda: _OneEachWay.apply(a.detach().requires_grad_()).backward()))
     return [_measured(dict(mode="gpu", kind="floor", n=n, N=0, D=D, dtype="bfloat16",
-                           backend=name, resolved=name), step) for name, step in steps]
+                           backend=name, resolved=name), lambda step=step: step)
+            for name, step in steps]
 
 
 def _ok(row) -> bool:
     """A measured row (its graph replay may have failed: "ok (no graph: ...)")."""
     return str(row.get("status", "ok")).startswith("ok")
-
-
-def _bound(kind, n, N, D, dname):
-    """The case's floor on this GPU (common.bound, the kernels' fp32 mode), or None on a GPU it
-    does not know."""
-    name = torch.cuda.get_device_name()
-    if not common.known_gpu(name):
-        return None
-    from nac_fast.kernels.nac_triton import fp32_mode_of
-    kname = "queue" if kind == "mq" else "inbatch"
-    return common.bound(kname, n, N, D, dname, name,
-                        fp32_mode=fp32_mode_of(D, kname, n, N, "cuda"))["bound_s"]
 
 
 def profile_triton(path: str) -> None:
@@ -442,9 +377,8 @@ def profile_triton(path: str) -> None:
     pr.runcall(lambda: [step() for _ in range(100)])
     torch.cuda.synchronize()
     pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
-    with open(path, "w") as f:
-        f.write("cProfile of 100 triton fwd+bwd, in-batch 8192 x 128 bf16 (as users call it)\n"
-                + out.getvalue())
+    common.write_text(path, "cProfile of 100 triton fwd+bwd, in-batch 8192 x 128 bf16 (as users "
+                      "call it)\n" + out.getvalue())
 
 
 # ---- output --------------------------------------------------------------------------------------

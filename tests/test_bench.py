@@ -3,6 +3,7 @@ the shared helper module's own correctness (bench/common.py: the CSV appender re
 CSV and leaves it as it was, rows under another header stay aligned, quantiles of few samples).
 The host path of the fused loss that bench/host_overhead.py measures is tested in
 tests/test_loss_host.py."""
+import argparse
 import csv
 import json
 import os
@@ -87,9 +88,12 @@ def test_one_appender_for_every_bench_script(tmp_path):
     assert (old["a"], old["b"], old["c"]) == ("1", "2", "3") and new["kind"] == "mq"
 
 
-def test_an_empty_output_path_is_a_problem():
-    assert "--csv is empty" in common.output_file_problem("--csv", "")
-    assert common.output_file_problem("--csv", "x.csv") is None
+def test_an_empty_output_path_is_a_usage_error(capsys):
+    ap = argparse.ArgumentParser()
+    with pytest.raises(SystemExit) as e:
+        common.check_output_file(ap, "--csv", "")
+    assert e.value.code == 2 and "--csv is empty" in capsys.readouterr().err
+    common.check_output_file(ap, "--csv", "x.csv")
 
 
 @pytest.mark.parametrize("times", [[3.0], [2.0, 1.0], [1.0, 2.0, 4.0], [4.0, 1.0, 2.0, 8.0]])
