@@ -181,9 +181,21 @@ def _grid_mq() -> dict:
             "nac-mq:l2-0+m0.999": ("nac-mq", ["--l2", "0", "--momentum", "0.999"], "default")}
 
 
+def _grid_folders() -> dict:
+    """Candidates for issue 58 (NAC's hash codes on folders no recipe was tuned on), each one
+    change over the default recipe: the heads' gain G ([M:heads]: 3, 9), code bits D = 64 (a
+    channel of half the capacity, [M:recipe-small]), the p ramp at any budget ([M:p-schedule]).
+    NAC-MQ is the mq grid's nac-mq:l2-0; the default itself is the budgets grid's nac:default."""
+    return {"nac:again3": ("nac", ["--a-gain", "3"], "default"),
+            "nac:again9": ("nac", ["--a-gain", "9"], "default"),
+            "nac:dim64": ("nac", ["--code-dim", "64"], "default"),
+            "nac:ramp": ("nac", ["--flip-prob-final-min-images", "none"], "default")}
+
+
 GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,
          "psweep": _grid_psweep, "long": _grid_long, "budgets": _grid_budgets,
-         "pschedule": _grid_pschedule, "likelihood": _grid_likelihood, "mq": _grid_mq}
+         "pschedule": _grid_pschedule, "likelihood": _grid_likelihood, "mq": _grid_mq,
+         "folders": _grid_folders}
 ALL = ("main", "ablation", "psweep")  # --grid all: the grids of the issue, one budget, in order
 
 
@@ -311,9 +323,21 @@ def train_cmd(args, method, flags, recipe, seed, out, extra=()) -> list:
             f"--nproc_per_node={args.nproc}"] + cmd
 
 
+def eval_bits(ckpt) -> tuple:
+    """BITS, cut to the run's code bits D (train.py's config.json beside the checkpoint; a
+    variant with --code-dim 64 is scored at 16, 32 and 64 bits, D itself always among them)."""
+    try:
+        with open(os.path.join(os.path.dirname(ckpt), "config.json")) as f:
+            d = int(json.load(f)["code_dim"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return BITS  # not trained yet (--dry-run): the default code
+    return tuple(b for b in BITS if b < d) + (d,)
+
+
 def eval_cmd(args, ckpt, out, seed, tasks="linear,knn,hash,expressivity", limits=None) -> list:
     cmd = [sys.executable, "-m", "nac_fast.eval", "--checkpoint", ckpt, "--data", args.data,
-           "--out", out, "--no-progress", "--tasks", tasks, "--bits", ",".join(map(str, BITS)),
+           "--out", out, "--no-progress", "--tasks", tasks,
+           "--bits", ",".join(map(str, eval_bits(ckpt))),
            "--linear-epochs", str(args.linear_epochs), "--seed", str(seed)]
     lt, ls = limits if limits else (args.limit_train, args.limit_test)
     if lt:
@@ -399,7 +423,8 @@ def eval_figures(eval_dir: str) -> dict:
     if "hash" in res:
         out["map"] = {str(b): v for b, v in res["hash"]["map"].items()}
     if "expressivity" in res:
-        st = res["expressivity"]["stats"][str(BITS[-1])]
+        stats = res["expressivity"]["stats"]  # the full code's (128 bits but for --code-dim)
+        st = stats[str(max(int(b) for b in stats))]
         out["distinct128"] = st["fraction_distinct"]
         out["hamming128"] = st["normalized_mean_pairwise_hamming"]
         # reports written before the rename call balance_dev balance_mean_abs_deviation

@@ -383,3 +383,18 @@ def test_seeds_named_twice_are_run_once_and_out_of_range_refused(tmp_path):
                                             flag, "0,-1"])
         with pytest.raises(ValueError, match=f"{flag} must lie in"):
             R.check_args(args)
+
+
+@pytest.mark.parametrize("code_dim, want", [(128, (16, 32, 64, 128)), (64, (16, 32, 64)),
+                                            (48, (16, 32, 48)), (8, (8,)), (None, R.BITS)])
+def test_a_variant_with_fewer_code_bits_is_scored_at_the_lengths_it_has(tmp_path, code_dim, want):
+    """A grid variant with --code-dim 64 trained, then its evaluation stopped at a usage error
+    (--bits 128 of a 64-bit code): the evaluation takes BITS cut to D, D itself included; before
+    training (no config.json: the dry run) it plans the default lengths."""
+    ckpt = tmp_path / "last.pt"
+    if code_dim is not None:
+        (tmp_path / "config.json").write_text(json.dumps({"code_dim": code_dim}))
+    assert R.eval_bits(str(ckpt)) == want
+    cmd = R.eval_cmd(R.build_parser().parse_args(["--grid", "budgets"]), str(ckpt),
+                     str(tmp_path / "eval"), 0)
+    assert cmd[cmd.index("--bits") + 1] == ",".join(map(str, want))
