@@ -36,8 +36,7 @@ P = 0.1  # the channel's bit-flip probability of every case
 
 
 def inputs(kind, n, N, D, dtype, device, r_grad: bool = True):
-    """a, r, noise, queue (None in-batch) of a case, seeded by its size; with the queue r takes a
-    gradient only when r_grad (a training step's r_hat takes none)."""
+    """a, r, noise, queue (None in-batch) of a case, seeded by its size (r_grad: r_hat's grad)."""
     g = torch.Generator(device="cpu").manual_seed(n + N)
     a = (torch.randn(n, D, generator=g) * 1.5).to(device, dtype).requires_grad_()
     r = torch.randn(n, D, generator=g).to(device, dtype).requires_grad_(r_grad or kind != "mq")
@@ -57,10 +56,8 @@ def reference_fn(a, r, noise, queue):
 
 def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None, *,
               noise_inside: bool = False, r_grad: bool = True):
-    """One forward+backward of `backend` ("reference", "cpu", "triton", "cuda", "auto") at the
-    shape, or of `compiled_ref` (a compiled reference_fn) when given.  The noise is drawn once
-    before, or by each call when noise_inside (as users call it; the compiled reference's outside
-    its graph)."""
+    """One forward+backward of `backend` at the shape, or of `compiled_ref` (a compiled
+    reference_fn); the noise drawn once before, or by each call when noise_inside."""
     a, r, fixed, queue = inputs(kind, n, N, D, dtype, device, r_grad)
 
     def noise():
@@ -136,8 +133,7 @@ def peak_extra_bytes(step, device) -> int:
 
 
 def mean_time(step, calls: int = 1, sync=None, after: bool = False) -> float:
-    """Mean host seconds per call of `calls` calls (`sync`: called before them, and after them
-    when `after`)."""
+    """Mean host seconds per call of `calls` calls (`sync` before them, and after when `after`)."""
     sync and sync()
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -153,10 +149,8 @@ def _event_time(step) -> float:
 
 
 def time_step(step, device, reps: int, min_time: float):
-    """(median, p20, p80, timed reps, first call's seconds, timer).  The first call is the warm-up
-    (it compiles).  CPU: at least `reps` host-timed calls, more up to 10 x reps while under
-    min_time seconds.  GPU: triton.testing.do_bench over about min_time seconds (CUDA events, L2
-    flushed between calls), or that loop of CUDA-event times without Triton."""
+    """(median, p20, p80, timed reps, first call's seconds, timer) after one warm-up call (it
+    compiles); how each device is timed: docs/kernels.md "The benchmark scripts in detail"."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     timer, name = mean_time, "perf_counter"
     first = mean_time(step, 1, sync, True)
@@ -205,9 +199,8 @@ def append_rows(path, rows, fields=FIELDS):
 
 
 def case_bound(kind, n, N, D, dtype, device, dev_name):
-    """(fp32_dot, bound): the Triton kernels' product mode of an fp32 case (NAC_FAST_FP32_DOT or
-    the tuned table's choice for the shape; "" for other dtypes or without triton), and the case's
-    floor (common.bound) on a GPU that common knows, else None."""
+    """(fp32_dot: the Triton kernels' fp32 product mode at the case, "" for other dtypes; the
+    case's floor, common.bound, on a GPU that common knows, else None)."""
     kname, fp32_dot = "queue" if kind == "mq" else "inbatch", ""
     if dtype == torch.float32:
         try:
@@ -243,8 +236,8 @@ def print_bounds(gpus, which: str = "measured", fp32_mode: str = "tf32x3", D: in
 
 
 def _measure(b, case, args, base):
-    """(median, p20, p80, reps, peak extra bytes or None) of the row `b` of `case` (kind, n, N, D,
-    dtype), `base` told how it was timed; a compiled row that did not run its one graph fails."""
+    """(median, p20, p80, reps, peak extra bytes or None) of the row `b` of `case`, `base` told
+    how it was timed; a compiled row that did not run its one graph fails."""
     counter = None
     if b == "compiled-reference":
         cref, counter = compile_reference(args.compile_backend)

@@ -29,9 +29,8 @@ BENCH_SHAPES = [("inbatch", n, n) for n in (1024, 4096, 8192, 16384)] + \
 # ---- CSV ----------------------------------------------------------------------------------------
 
 def csv_problem(path):
-    """Why the existing CSV `path` could not be appended to without damaging it, or None (no
-    file, an empty one, a readable CSV): not text, no header line, a row with more values than
-    the header (its extra values would have no column)."""
+    """Why the CSV `path` could not be appended to (not text, no header, a row wider than its
+    header), or None."""
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return None
     try:
@@ -52,10 +51,8 @@ def csv_problem(path):
 
 
 def append_rows(path, rows, fields):
-    """Append rows (dicts; missing keys written empty) to the CSV `path` with columns `fields`,
-    all or nothing (a damaged CSV: ValueError); a CSV with another header is rewritten first with
-    fields (+ its own extra columns), its old rows keeping their values; a cut last line keeps
-    its own line.  The folder is made."""
+    """Append rows (dicts) to the CSV `path` with columns `fields`, all or nothing (docs/kernels.md
+    "Benchmarks"; a damaged CSV: ValueError; another header: rewritten, old rows kept)."""
     if why := csv_problem(path):
         raise ValueError(f"CSV {path!r} {why}: not appending to it (repair it or give another "
                          "--csv)")
@@ -125,8 +122,7 @@ def check_flip(ap, args) -> None:
 # ---- timing and row fields ----------------------------------------------------------------------
 
 def quantiles(times):
-    """(median, p20, p80), min <= p20 <= median <= p80 <= max for any number of samples >= 1:
-    statistics.quantiles' "exclusive" method from 5 samples on, "inclusive" below."""
+    """(median, p20, p80) of >= 1 samples (statistics.quantiles: "exclusive" from 5 on)."""
     if not times:
         raise ValueError("no timing samples")
     if len(times) == 1:

@@ -48,8 +48,7 @@ nullctx = contextlib.nullcontext
 
 
 def user_step(kind, n, N, D, dtype, device, backend, noise_inside: bool = True):
-    """One forward+backward as users call it: the noise drawn inside (noise_inside=False: once,
-    before), r_hat without a gradient with the queue (bench_loss.make_step)."""
+    """One fwd+bwd as users call it: the noise drawn inside, r_hat without a gradient."""
     return make_step(kind, n, N, D, dtype, device, _call_backend(backend),
                      noise_inside=noise_inside, r_grad=False)
 
@@ -85,8 +84,7 @@ def patched(patches):
 
 
 def op_path():
-    """The path of every eager call before the plan cache: the registered ops (torch.library
-    dispatch and autograd) with each call's plan built afresh and launched through `run`."""
+    """Every eager call's path before the plan cache: the registered ops, a plan built per call."""
     from nac_fast.kernels import nac_noise_triton, nac_triton
     from nac_fast.ops import noise
     off = lambda t: False  # noqa: E731
@@ -98,10 +96,8 @@ def op_path():
 
 @contextlib.contextmanager
 def stub_launches():
-    """Kernel launches replaced by no-ops at the compiled kernel's launcher (counted: .launches),
-    the plans made for sm_90 and their scratch kept, the noise's seed drawn on the host as on a
-    GPU (a counter through host_seed's mix), backend="auto" resolving as on a GPU, value checks
-    off (as on GPU tensors)."""
+    """The --stub machine (docs/kernels.md "The benchmark scripts in detail"): launches counted
+    (.launches), not run; sm_90 plans; the seed, "auto" and value checks as on a GPU."""
     from nac_fast.kernels import launch, nac_noise_triton, nac_triton
     from nac_fast.ops.noise import mix_seed
     stub, offset = types.SimpleNamespace(launches=0), [0]
@@ -139,9 +135,8 @@ _NO_KERNEL = set("""view _unsafe_view t transpose permute expand slice select na
 
 @contextlib.contextmanager
 def aten_launches():
-    """Counts the ATen ops of a call that would launch a kernel on a GPU (.ops: not _NO_KERNEL's)
-    and the tensors with memory of their own they make (.allocs); the eager-path test (no
-    dispatch mode on the stack) is told the stack is empty meanwhile."""
+    """The ATen ops that would launch a GPU kernel (.ops) and the tensors they allocate (.allocs);
+    the eager-path test is told the dispatch stack is empty meanwhile."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
     tensors = lambda x: [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]  # noqa: E731
@@ -180,8 +175,7 @@ def _call_backend(backend: str) -> str:
 
 
 def _stub_row(kind, n, N, backend, calls, repeats):
-    """One --stub row (bf16, D = 128): the Triton launches, ATen launches and allocations of one
-    call, its host time, the plans a further call records (none: cached)."""
+    """One --stub row (bf16, D = 128): launches, allocations, time, plans a further call records."""
     from nac_fast.kernels import nac_triton
     plans = lambda: nac_triton.FWD_PLANS.recorded + nac_triton.BWD_PLANS.recorded  # noqa: E731
     make = criterion_step if backend == "triton-criterion" else user_step
@@ -249,9 +243,8 @@ def _bound(kind, n, N, D, dname):
 
 
 def _measured(row, make, graph=None):
-    """`row` with host_s and back_to_back_s of the step make() returns and, given `graph` (a maker
-    of the step with fresh inputs and the noise given: no RNG inside the capture), graph_s and its
-    bound; status ok, "ok (no graph: ...)" or "failed: ..." (which fails the run)."""
+    """`row` with host_s, back_to_back_s of make()'s step, graph_s of graph()'s (fresh inputs,
+    noise given) and its bound; status ok, "ok (no graph: ...)" or "failed: ..." (fails the run)."""
     try:
         with _folding(row["backend"]):
             host, total = _host_and_back_to_back(make())
@@ -277,8 +270,7 @@ def _measured(row, make, graph=None):
 
 
 def _loss_makers(row, device, compile_backend):
-    """(step maker, graph-row step maker) of a --gpu loss row, as users call it (the compiled
-    reference: compiled afresh per case); the step maker records what the backend resolved to."""
+    """(step maker, graph-row step maker) of a --gpu loss row; make() records row["resolved"]."""
     kind, n, N, D, backend = row["kind"], row["n"], row["N"], row["D"], row["backend"]
     dtype, fn = getattr(torch, row["dtype"]), []
 
@@ -303,8 +295,7 @@ def _loss_makers(row, device, compile_backend):
 
 def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = True,
              device: str = "cuda"):
-    """The --gpu rows (`device` other than cuda: the tests' CPU run of this code, with the CUDA
-    calls stood in), with each row's ratios to eager and torch.compile at its case."""
+    """The --gpu loss rows (`device` other than cuda: the tests' run, CUDA calls stood in)."""
     rows = []
     for (kind, n, N, dname), backend in itertools.product(cases, backends):
         if backend == "triton-unfolded" and dname != "bfloat16":
@@ -316,8 +307,7 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
 
 
 def _ratios(rows):
-    """x_eager, x_compile of each measured row: its case's reference and compiled-reference
-    back-to-back time (a criterion row's: criterion-reference's) over its own."""
+    """x_eager, x_compile: the case's (criterion-)reference, compiled-reference b2b / the row's."""
     for row in filter(_ok, rows):
         pre = "criterion-" if row["backend"].startswith("criterion-") else ""
         for col, b in (("x_eager", pre + "reference"), ("x_compile", pre + "compiled-reference")):
@@ -328,8 +318,7 @@ def _ratios(rows):
 
 
 def criterion_rows(device: str = "cuda", cases=CRITERION_CASES, dname: str = "bfloat16"):
-    """--gpu: the criteria (criterion_step), "reference" against "auto"; no graph row (the
-    criterion draws its noise and writes the queue)."""
+    """--gpu: the criteria, "reference" against "auto" (no graph row: they draw noise)."""
     return _ratios([_measured(dict(mode="gpu", kind=kind, n=n, N=N, D=128, dtype=dname,
                                    backend=f"criterion-{b}", resolved=b),
                               lambda: criterion_step(kind, n, N, 128, getattr(torch, dname),
@@ -351,8 +340,7 @@ class _OneEachWay(torch.autograd.Function):
 
 
 def floor_rows(device: str = "cuda", n: int = 512, D: int = 128):
-    """The host floor (kind "floor"), timed as the loss rows are: floor-launch, one ATen launch;
-    floor-autograd, _OneEachWay on a fresh (n, D) bf16 leaf and backward()."""
+    """The host floor (kind "floor"): one ATen launch; _OneEachWay on a bf16 leaf, backward."""
     x = torch.zeros(4, device=device)
     a = torch.randn(n, D, device=device).to(torch.bfloat16)
     steps = (("floor-launch", lambda: x.add_(1.0)),
@@ -429,8 +417,7 @@ def goals(rows) -> list[str]:
 
 
 def fold_lines(rows) -> list[str]:
-    """The fold's A/B (docs/gpu.md "The row-wise tails folded"): per case, triton against
-    triton-unfolded, folded minus unfolded in us (negative: the fold is faster)."""
+    """The fold's A/B per case (docs/gpu.md "The row-wise tails folded"): folded minus unfolded."""
     out = []
     by = {(r["kind"], r["n"], r["N"], r["dtype"], r["backend"]): r for r in rows
           if r.get("mode") == "gpu" and _ok(r)}
