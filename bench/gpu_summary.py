@@ -269,11 +269,11 @@ def check_junit(path, require_passed=()):
     except (OSError, ET.ParseError) as exc:
         return {"ok": False, **count, "violations": [f"cannot read {path}: {exc}"],
                 "allowed_skips": []}
-    passed, bad, violations, allowed = [], {"failed": [], "error": []}, [], []
+    passed, failed, errors, violations, allowed = [], [], [], [], []
     for tc in root.iter("testcase"):
         tid, kids = f"{tc.get('classname', '')}::{tc.get('name', '')}", {c.tag for c in tc}
         if "failure" in kids or "error" in kids:
-            bad["failed" if "failure" in kids else "error"].append(tid)
+            (failed if "failure" in kids else errors).append(tid)
         elif "skipped" in kids:
             sk = tc.find("skipped")
             reason = " ".join(x for x in (sk.get("message", ""), sk.text or "") if x)
@@ -285,8 +285,8 @@ def check_junit(path, require_passed=()):
                     violations.append(f"skipped on the GPU: {tid}: {reason.strip()[:200]}")
         else:
             passed.append(tc.get("name", ""))
-    violations += [f"{what}: {tid}" for what in ("failed", "error") for tid in bad[what]]
-    count.update(passed=len(passed), failed=len(bad["failed"]), errors=len(bad["error"]))
+    violations += [f"failed: {t}" for t in failed] + [f"error: {t}" for t in errors]
+    count.update(passed=len(passed), failed=len(failed), errors=len(errors))
     if sum(count.values()) == 0:
         violations.append("no tests ran")
     violations += [f"no passed test has the backend {b!r} among its parameters"
@@ -329,7 +329,8 @@ def main(argv=None):
                         + [f"junit {args.check_junit}: {line}: {'OK' if res['ok'] else 'FAIL'}"]))
         if args.status_file:
             common.write_text(args.status_file, line + ("" if res["ok"] else
-                                             f"; {len(res['violations'])} problem(s)") + "\n")
+                                                        f"; {len(res['violations'])} problem(s)")
+                              + "\n")
         return 0 if res["ok"] else 1
     if not args.inputs:
         ap.error("give result folders or files (or --check-junit XML)")
