@@ -10,7 +10,6 @@ docs/evaluation.md "The Hamming benchmark".  A failed GPU check exits 1; the las
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
@@ -19,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from unittest import mock
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ except ImportError:  # running from a checkout that is not installed
 from nac_fast.ops import dispatch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (append_rows, check_flip, check_least, check_output_file, commit,  # noqa: E402
-                    device_name)
+                    device_name, quantiles, write_text)
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 _RUN = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method", "queries",
@@ -109,6 +109,8 @@ OPTIONS = [
     ("--map-gallery", dict(type=int), {T: 1_000_000}),
     ("--profile-run", dict(action="store_true", help="one tensor-core search of the largest size "
                            "and nothing else (Nsight Compute)"), {T: False}),
+    ("--summary-out", dict(help="write the rows in one line here (the GPU suite's stage detail)"),
+     {G_: "", T: ""}),
     ("--threads", dict(type=int), dict.fromkeys(ALL)),
     ("--seed", dict(type=int), dict.fromkeys(ALL, 0)),
     ("--csv", dict(help="CSV to append to ('' = none)"), {T: "", **{
@@ -149,9 +151,8 @@ def timed(fn, repeats: int, device=None):
         stop.set()
         sampler.join()
         peak = max(peak, (max(box[1], _rss()) - box[0]) / 2 ** 20)
-    t = np.array(times)
-    return {"median_s": float(np.median(t)), "p20_s": float(np.percentile(t, 20)),
-            "p80_s": float(np.percentile(t, 80)), "peak_rss_mb": peak, "repeats": repeats,
+    med, p20, p80 = quantiles(times)
+    return {"median_s": med, "p20_s": p20, "p80_s": p80, "peak_rss_mb": peak, "repeats": repeats,
             "peak_gpu_mib": ((torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
                              if cuda else 0.0)}, out
 
@@ -217,6 +218,14 @@ def write_csv(args, rows, fields, **base):
         print(f"  appended {len(rows)} rows to {args.csv}")
 
 
+def report(rows, row, *extra) -> None:
+    """Append `row` to `rows` and print it: method, queries, median [p20, p80], the extra texts."""
+    rows.append(row)
+    print(f"  {row['method']:<28} {row['queries']:>6} q  median {row['median_s']:9.6f} s "
+          f"[{row['p20_s']:.6f}, {row['p80_s']:.6f}]  " + "  ".join(x for x in extra if x),
+          flush=True)
+
+
 def _chunks(n, chunk):
     return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
@@ -230,11 +239,8 @@ def run_cpu(args, ap):
     rows = []
 
     def add(method, queries, stats, m, note=""):
-        rows.append({"method": method, "queries": queries, **stats, "map": m, "note": note})
-        print(f"  {method:<34} {queries:>6} q  median {stats['median_s']:8.3f} s  "
-              f"[p20 {stats['p20_s']:.3f}, p80 {stats['p80_s']:.3f}]  "
-              f"peak +{stats['peak_rss_mb']:7.1f} MB  mAP {m if m is None else f'{m:.6f}'}",
-              flush=True)
+        report(rows, {"method": method, "queries": queries, **stats, "map": m, "note": note},
+               f"peak +{stats['peak_rss_mb']:.1f} MB", f"mAP {m if m is None else f'{m:.6f}'}")
 
     print(f"Hamming engine, {Q} queries x {G} gallery x {D} bits, {args.classes} classes, "
           f"flip {args.flip}, {args.threads} threads, C++ engine level {isa}", flush=True)
@@ -313,11 +319,8 @@ def run_index(args, ap):
                "load1_after": os.getloadavg()[0], "gpairs_per_s": queries * G / stats[
                    "median_s"] / 1e9, "goal_s": goal,
                "meets_goal": (stats["median_s"] <= goal) if goal else None, "note": note}
-        rows.append(row)
-        print(f"  {method:<28} {queries:>6} q x {G} k={k}: median {stats['median_s']:.3f} s "
-              f"[p20 {stats['p20_s']:.3f}, p80 {stats['p80_s']:.3f}]  "
-              f"{row['gpairs_per_s']:.2f} G pairs/s  load {l0:.1f} -> {row['load1_after']:.1f}"
-              + (f"  goal {goal} s" if goal else ""), flush=True)
+        report(rows, row, f"x {G} k={k}", f"{row['gpairs_per_s']:.2f} G pairs/s",
+               f"load {l0:.1f} -> {row['load1_after']:.1f}", f"goal {goal} s" if goal else "")
         return row, out
 
     print(f"HashIndex benchmark: {G} codes of {D} bits ({bytes_per_code} bytes each), "
@@ -382,6 +385,13 @@ def random_codes(n, bits, gen, device, chunk=1 << 24):
     return out
 
 
+def topk_codes(G, Q, bits, gen, device):
+    """(gallery, queries): G random codes, and Q of them with 10% of their bits flipped."""
+    gw = random_codes(G, bits, gen, device)
+    pick = torch.randint(0, G, (Q,), generator=gen, device=device)
+    return gw, gw[pick] ^ _flips(Q, bits, 0.1, gen, device)
+
+
 def profile_kernels(fn, device, path: str, what: str, top: int = 15) -> None:
     """Append to `path` torch.profiler's table of one call of `fn` (device time first on a GPU)
     and the call's wall time."""
@@ -440,17 +450,6 @@ def _variants(ap, text: str) -> list:
     return out
 
 
-@contextlib.contextmanager
-def _variant(HT, v, kind):
-    """The GPU top-k's block configuration and sample ratio set to `v` inside the block."""
-    saved = HT.TOPK_CONFIG[kind], HT.SAMPLE_RATIO
-    HT.TOPK_CONFIG[kind], HT.SAMPLE_RATIO = v[:3], v[3]
-    try:
-        yield
-    finally:
-        HT.TOPK_CONFIG[kind], HT.SAMPLE_RATIO = saved
-
-
 def run_gpu(args, ap, tc: bool):
     """--gpu: mAP@all at --map-sizes and top-k at --index-sizes by the triton (and cuda) engines,
     the C++ engine's rows beside them, the top-k's variants.  --tc: the Triton top-k's two filters
@@ -503,9 +502,7 @@ def run_gpu(args, ap, tc: bool):
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreter"
     if tc and args.profile_run:  # the stage's Nsight Compute target: nothing but the filter
         G = idx_sizes[-1]
-        gw = random_codes(G, D, gen, device)
-        qw = gw[torch.randint(0, G, (args.queries,), generator=gen, device=device)] ^ \
-            _flips(args.queries, D, 0.1, gen, device)
+        gw, qw = topk_codes(G, args.queries, D, gen, device)
         index = H.HashIndex(D, device=device, backend="triton", topk_method="mma")
         index.add(P(gw, D))
         index.search(P(qw, D), k)
@@ -542,12 +539,9 @@ def run_gpu(args, ap, tc: bool):
                    peak_rss_mb=round(stats["peak_rss_mb"], 1), map=m, speedup_vs_cpu=speed,
                    bound_s=bound, of_bound=bound / stats["median_s"], goal_s=goal,
                    meets_goal=(stats["median_s"] <= goal) if goal else "", check=check, note=note)
-        rows.append(row)
-        print(f"  {method:<8} {engine:<11} {queries:>6} q x {G:>11,}: median "
-              f"{stats['median_s']:9.6f} s [{stats['p20_s']:.6f}, {stats['p80_s']:.6f}]  GPU peak "
-              f"{row['peak_gpu_mib']:8.1f} MiB" + (f"  x{speed:.3g} vs cpu" if speed else "")
-              + (f"  int8 floor {bound:.2e} s" if tc else "")
-              + (f"  goal {goal} s" if goal else "") + (f"  {check}" if check else ""), flush=True)
+        report(rows, row, f"{engine} x {G:,}", f"GPU peak {row['peak_gpu_mib']:.1f} MiB",
+               f"x{speed:.3g} vs cpu" if speed else "", f"int8 floor {bound:.2e} s" if tc else "",
+               f"goal {goal} s" if goal else "", check)
 
     dev, cpu = str(device), torch.device("cpu")
     for part in ("topk", "map") if tc else ("map", "topk"):  # the --tc run: top-k first
@@ -589,9 +583,7 @@ def run_gpu(args, ap, tc: bool):
                 if over_budget(f"topk x {G}"):
                     continue
                 Q = args.index_queries
-                gw = random_codes(G, D, gen, device)
-                qw = gw[torch.randint(0, G, (Q,), generator=gen, device=device)] ^ \
-                    _flips(Q, D, 0.1, gen, device)
+                gw, qw = topk_codes(G, Q, D, gen, device)
                 nc = min(args.check_queries, Q, nq_cpu or args.check_queries)
                 cpu_index = H.HashIndex(D)
                 cpu_index.add(P(gw.cpu(), D))
@@ -644,7 +636,9 @@ def run_gpu(args, ap, tc: bool):
                         for v in variants:
                             if over_budget(f"topk-variant {v} x {G}"):
                                 break
-                            with _variant(HT, v, kind):
+                            # the top-k's block configuration and sample ratio set to v
+                            with mock.patch.dict(HT.TOPK_CONFIG, {kind: v[:3]}), \
+                                    mock.patch.object(HT, "SAMPLE_RATIO", v[3]):
                                 index.search(P(qw[:2], D), k)
                                 vs, (Dv, Iv) = timed(lambda: index.search(P(qw, D), k),
                                                      args.gpu_repeats, device)
@@ -659,20 +653,25 @@ def run_gpu(args, ap, tc: bool):
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     write_csv(args, rows, TC_FIELDS if tc else GPU_FIELDS, gpu=gpu_name, triton=triton.__version__)
+    for r in rows:  # each row named once, with its goal's verdict
+        r["what"] = f"{r['method']} {r['engine']} {r['queries']}x{r['gallery']}"
+        r["verdict"] = "" if not r["goal_s"] else ("MET" if r["meets_goal"] else "MISSED")
     print(f"\n{'row':<40} {'median s':>10} {'p20-p80 s':>19} {'GPU MiB':>8} "
           f"{'of int8 floor' if tc else 'vs cpu':>13} {'goal':>6}  check")
     for r in rows:
         ratio = f"{r['of_bound']:.3f}" if tc else (f"x{r['speedup_vs_cpu']:.3g}"
                                                    if r["speedup_vs_cpu"] else "")
-        goal = "" if not r["goal_s"] else ("MET" if r["meets_goal"] else "MISSED")
-        what = f"{r['method']} {r['engine']} {r['queries']}x{r['gallery']:,}"
-        print(f"{what:<40} {r['median_s']:>10.6f} {r['p20_s']:>9.6f}-{r['p80_s']:<9.6f} "
-              f"{r['peak_gpu_mib']:>8.1f} {ratio:>13} {goal:>6}  {r['check'].split(':')[0]}")
+        print(f"{r['what']:<40} {r['median_s']:>10.6f} {r['p20_s']:>9.6f}-{r['p80_s']:<9.6f} "
+              f"{r['peak_gpu_mib']:>8.1f} {ratio:>13} {r['verdict']:>6}  "
+              + r["check"].split(":")[0])
+    if args.summary_out:  # the rows in one line (the GPU suite's stage detail)
+        write_text(args.summary_out, "; ".join(
+            f"{r['what']} {r['median_s'] * 1e3:.3g} ms"
+            + (f" goal {r['goal_s']} {r['verdict']}" if r["goal_s"] else "") for r in rows) + "\n")
     print(json.dumps({"bench": "hamming_tc" if tc else "hamming_gpu", "device": dev,
                       "gpu": gpu_name, "bits": D, "rows": len(rows), "skipped": skipped,
                       "failures": failures, "elapsed_s": round(time.perf_counter() - t_start, 1),
-                      "goals": {f"{r['method']} {r['engine']} {r['queries']}x{r['gallery']}":
-                                bool(r["meets_goal"]) for r in rows if r["goal_s"]}}))
+                      "goals": {r["what"]: bool(r["meets_goal"]) for r in rows if r["goal_s"]}}))
     return 1 if failures else 0
 
 
@@ -717,8 +716,9 @@ def parse_args(argv=None):
         check_flip(ap, args)
     if args.csv:
         check_output_file(ap, "--csv", args.csv)
-    if args.profile_out:
-        check_output_file(ap, "--profile-out", args.profile_out, csv_file=False)
+    for flag in ("--profile-out", "--summary-out"):
+        if getattr(args, flag[2:].replace("-", "_")):
+            check_output_file(ap, flag, getattr(args, flag[2:].replace("-", "_")), csv_file=False)
     return ap, args, run
 
 

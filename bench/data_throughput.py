@@ -14,12 +14,11 @@ import sys
 import time
 import warnings
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # common puts ROOT on sys.path
-from common import append_rows, check_least, check_output_file, run_fields  # noqa: E402
+from common import append_rows, check_least, check_output_file, quantiles, run_fields  # noqa
 from nac_fast.data import LOADERS, MIN_IMAGE_SIZE, build_pretrain_loader, dali_available  # noqa
 from nac_fast.data.sources.synthetic import write_jpeg_folder  # noqa: E402
 
@@ -117,13 +116,12 @@ def main(argv=None):
         sync()  # per batch: the batch times' spread (a GPU pipeline's own queue still overlaps)
         times.append(time.perf_counter() - t0 - sum(times))
     dt, cpu, n = time.perf_counter() - t0, _tree_cpu_seconds() - c0, a.batches * a.batch
-    q = np.quantile(np.asarray(times), [0.5, 0.2, 0.8])
     result = {
         "loader": getattr(loader, "kind", a.loader), "data": a.data,
         "num_images": loader.num_images, "size": loader.image_size, "batch": a.batch,
         "batches": a.batches, "workers": a.workers, "device": a.device, "dtype": a.dtype,
         "recipe": loader.recipe.name, "view_shape": list(v1.shape), "seconds": round(dt, 3),
-        **{f"{k}_batch_s": round(float(v), 6) for k, v in zip(("median", "p20", "p80"), q)},
+        **{f"{k}_batch_s": round(v, 6) for k, v in zip(("median", "p20", "p80"), quantiles(times))},
         "images_per_s": round(n / dt, 1), "views_per_s": round(2 * n / dt, 1),
         "cpu_ms_per_image": round(1e3 * cpu / n, 2), "load_avg_1m": os.getloadavg()[0],
         "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,

@@ -84,10 +84,7 @@ stage_build() {
 
 ensure_built() {
   if [ "$CPU_MODE" = 1 ]; then export TRITON_INTERPRET=1; return 0; fi
-  if $PY -c "import sys, nac_fast; sys.exit(0 if nac_fast.ops.dispatch.cuda_extension_built() and \
-'triton' in nac_fast.available_backends('cuda') else 1)" 2>/dev/null; then
-    return 0
-  fi
+  import_check > /dev/null 2>&1 && return 0
   echo "== the CUDA extension is not built on this machine: running the build stage first"
   local t0=$SECONDS
   stage_build || { echo "build failed"; return 1; }
@@ -166,31 +163,24 @@ stage_test() {
 }
 
 stage_bench_quick() {
-  local rc=0
+  local rc=0 mode queue q=65536 modes="tf32x3 bf16x6 fp16x3"
+  # issue 38's four shapes (its goals are the +graph rows at each), then its fp32 goal (>= 2x
+  # eager): Triton in tf32x3, bf16x6 and (in-batch) fp16x3
+  local bf16=(--device cuda --inbatch 8192,16384 --queue 65536,262144 --mq-n 8192 --reps 20
+              --min-time 0.5) fp32=(--device cuda --inbatch 8192 --mq-n 8192 --reps 10 --min-time 0.25)
   if [ "$CPU_MODE" = 1 ]; then
-    $PY bench/bench_loss.py --device cpu --inbatch 64 --queue 256 --mq-n 32 --dtypes bfloat16 \
-        --compile-reference --compile-backend aot_eager --reps 3 --min-time 0 \
-        --csv "$RES/loss_gpu.csv" || rc=$?
-    NAC_FAST_FP32_DOT=bf16x6 $PY bench/bench_loss.py --device cpu --inbatch 64 --queue 256 \
-        --mq-n 32 --dtypes float32 --backends triton --reps 2 --min-time 0 \
-        --csv "$RES/loss_gpu.csv" || rc=$?
-    NAC_FAST_FP32_DOT=fp16x3 $PY bench/bench_loss.py --device cpu --inbatch 64 --queue "" \
-        --dtypes float32 --backends triton --reps 2 --min-time 0 \
-        --csv "$RES/loss_gpu.csv" || rc=$?
-  else
-    # issue 38's four shapes (its goals are the +graph rows at each)
-    $PY bench/bench_loss.py --device cuda --inbatch 8192,16384 --queue 65536,262144 --mq-n 8192 \
-        --dtypes bfloat16 --compile-reference --reps 20 --min-time 0.5 \
-        --csv "$RES/loss_gpu.csv" || rc=$?
-    # issue 38's fp32 goal (>= 2x eager): Triton in tf32x3, bf16x6 and (in-batch) fp16x3
-    for mode in tf32x3 bf16x6 fp16x3; do
-      queue=65536
-      [ $mode = fp16x3 ] && queue=""
-      NAC_FAST_FP32_DOT=$mode $PY bench/bench_loss.py --device cuda --inbatch 8192 \
-          --queue "$queue" --mq-n 8192 --dtypes float32 --backends triton --reps 10 \
-          --min-time 0.25 --csv "$RES/loss_gpu.csv" || rc=$?
-    done
+    bf16=(--device cpu --inbatch 64 --queue 256 --mq-n 32 --compile-backend aot_eager --reps 3
+          --min-time 0)
+    fp32=(--device cpu --inbatch 64 --mq-n 32 --reps 2 --min-time 0) q=256 modes="bf16x6 fp16x3"
   fi
+  $PY bench/bench_loss.py "${bf16[@]}" --dtypes bfloat16 --compile-reference \
+      --csv "$RES/loss_gpu.csv" || rc=$?
+  for mode in $modes; do
+    queue=$q
+    [ $mode = fp16x3 ] && queue=""
+    NAC_FAST_FP32_DOT=$mode $PY bench/bench_loss.py "${fp32[@]}" --queue "$queue" \
+        --dtypes float32 --backends triton --csv "$RES/loss_gpu.csv" || rc=$?
+  done
   local brc=$rc
   run_summary || rc=1
   detail "${BUILT_FIRST}$(bench_detail $brc)"
@@ -204,13 +194,12 @@ stage_bench() {
     $PY bench/bench_loss.py --device cpu --inbatch 64,128 --queue 256 --mq-n 32 \
         --dtypes bfloat16,float32 --compile-reference --compile-backend aot_eager --reps 2 \
         --min-time 0 --csv "$RES/loss_gpu.csv" || rc=$?
-    $PY bench/bench_hamming.py --gpu --device cpu --tiny --csv "$RES/hamming_gpu.csv" || hrc=$?
   else
     $PY bench/bench_loss.py --device cuda --inbatch 1024,4096,8192,16384 --queue 65536,262144 \
         --mq-n 8192 --dtypes bfloat16,float32 --compile-reference --reps 10 --min-time 0.25 \
         --csv "$RES/loss_gpu.csv" || rc=$?
-    $PY bench/bench_hamming.py --gpu --csv "$RES/hamming_gpu.csv" || hrc=$?
   fi
+  $PY bench/bench_hamming.py --gpu "${TOY[@]}" --csv "$RES/hamming_gpu.csv" || hrc=$?
   local brc=$rc
   [ -f "$RES/loss_gpu.csv" ] && { $PY bench/plot_bench.py "$RES/loss_gpu.csv" --out "$RES" || prc=$?; }
   run_summary || rc=1
@@ -248,10 +237,7 @@ EOF
 
 stage_hamming() {
   local rc=0 trc=0 junit="no tests run"
-  if [ "$CPU_MODE" = 1 ]; then
-    $PY bench/bench_hamming.py --gpu --device cpu --tiny --csv "$RES/hamming_gpu.csv" \
-        --profile-out "$RES/hamming_kernels.txt" || rc=$?
-  else
+  if [ "$CPU_MODE" != 1 ]; then
     # the engine's tests on CUDA tensors first, then its figures beside the C++ engine's
     export NAC_FAST_TEST_DEVICE=cuda NAC_FAST_REQUIRE_EXT=1
     run_tests hamming triton,cuda tests/test_hashing.py tests/test_hamming_gpu.py \
@@ -261,9 +247,9 @@ stage_hamming() {
         tests/test_hamming_gpu.py::test_max_rows_gallery_on_a_gpu \
         tests/test_redzone.py::test_hamming_kernels_stay_in_bounds || trc=1
     junit=$(cat "$RES/.junit_hamming" 2>/dev/null || echo "no JUnit verdict")
-    $PY bench/bench_hamming.py --gpu --csv "$RES/hamming_gpu.csv" \
-        --profile-out "$RES/hamming_kernels.txt" || rc=$?
   fi
+  $PY bench/bench_hamming.py --gpu "${TOY[@]}" --csv "$RES/hamming_gpu.csv" \
+      --profile-out "$RES/hamming_kernels.txt" || rc=$?
   local d="bench_hamming exit status $rc"
   [ $rc = 0 ] && d="bench_hamming --gpu ok (hamming_gpu.csv)"
   detail "${BUILT_FIRST}tests: $junit; $d"
@@ -274,12 +260,11 @@ stage_hamming() {
 # bench_hamming.py --tc, then Nsight Compute on the tensor-core filter (a missing or refused ncu:
 # said, not failed); the verdict is the bench's (docs/gpu.md "The suite's stages")
 stage_hamming_tc() {
-  local rc=0 nrc=0 ncu="" note
-  if [ "$CPU_MODE" = 1 ]; then
-    $PY bench/bench_hamming.py --tc --device cpu --tiny --csv "$RES/hamming_tc.csv" || rc=$?
-    note="ncu: not run in CPU mode"
-  else
-    $PY bench/bench_hamming.py --tc --csv "$RES/hamming_tc.csv" || rc=$?
+  local rc=0 nrc=0 ncu="" note="ncu: not run in CPU mode"
+  rm -f "$RES/.summary_hamming_tc"
+  $PY bench/bench_hamming.py --tc "${TOY[@]}" --csv "$RES/hamming_tc.csv" \
+      --summary-out "$RES/.summary_hamming_tc" || rc=$?
+  if [ "$CPU_MODE" != 1 ]; then
     ncu=$(command -v ncu || { [ -x /usr/local/cuda/bin/ncu ] && echo /usr/local/cuda/bin/ncu; } || true)
     if [ -z "$ncu" ]; then
       note="ncu: not found"
@@ -311,18 +296,7 @@ EOF
     fi
   fi
   local d
-  d=$($PY - "$RES/hamming_tc.csv" <<'EOF' 2>/dev/null || echo "no hamming_tc.csv"
-import csv, sys
-rows = list(csv.DictReader(open(sys.argv[1])))
-last = rows[-1]["timestamp"] if rows else ""
-out = []
-for r in (r for r in rows if r["timestamp"] == last):
-    g = f" goal {r['goal_s']} {'MET' if r['meets_goal'] == 'True' else 'MISSED'}" if r["goal_s"] else ""
-    out.append(f"{r['method']} {r['engine']} {r['queries']}x{r['gallery']} "
-               f"{float(r['median_s']) * 1e3:.3g} ms{g}")
-print("; ".join(out))
-EOF
-)
+  d=$(cat "$RES/.summary_hamming_tc" 2>/dev/null || echo "no hamming_tc.csv")
   [ $rc = 0 ] || d="bench_hamming --tc exit status $rc; $d"
   detail "${BUILT_FIRST}$d; $note"
   return $rc
@@ -347,40 +321,21 @@ stage_autotune() {
 stage_train() {
   local rc=0
   rm -f "$RES/train.json" "$RES/train_kernels_top15.txt"  # train_throughput does not replace
-  if [ "$CPU_MODE" = 1 ]; then
-    $PY bench/train_throughput.py --data synthetic-device:256 --arch resnet-tiny --method nac-mq \
-        --batch-size 32 --image-size 16 --amp off --queue-size 128 --warmup 1 --steps 2 \
-        --compile --compile-backend aot_eager --anchors --budget-s 150 \
-        --profile-out "$RES/train_kernels_top15.txt" --sync-check --json-out "$RES/train.json" \
-        --csv-out "$RES/train_throughput.csv" || rc=$?
-  else
-    # train.py's defaults, then the eager rate and the anchors while NAC_FAST_TRAIN_BUDGET_S lasts
-    $PY bench/train_throughput.py --data synthetic-device:1281167 --arch resnet50 \
-        --method nac-mq --batch-size 256 --image-size 224 --amp bf16 --channels-last \
-        --queue-size 65536 --warmup 10 --steps 30 --budget-s "${NAC_FAST_TRAIN_BUDGET_S:-150}" \
-        --profile-out "$RES/train_kernels_top15.txt" --sync-check --json-out "$RES/train.json" \
-        --csv-out "$RES/train_throughput.csv" || rc=$?
-  fi
+  # train.py's defaults, then the eager rate and the anchors while NAC_FAST_TRAIN_BUDGET_S lasts
+  local size=(--data synthetic-device:1281167 --arch resnet50 --batch-size 256 --image-size 224
+              --amp bf16 --channels-last --queue-size 65536 --warmup 10 --steps 30
+              --budget-s "${NAC_FAST_TRAIN_BUDGET_S:-150}")
+  [ "$CPU_MODE" = 1 ] && size=(--data synthetic-device:256 --arch resnet-tiny --batch-size 32
+                               --image-size 16 --amp off --queue-size 128 --warmup 1 --steps 2
+                               --compile --compile-backend aot_eager --anchors --budget-s 150)
+  $PY bench/train_throughput.py --method nac-mq "${size[@]}" --sync-check \
+      --profile-out "$RES/train_kernels_top15.txt" --json-out "$RES/train.json" \
+      --csv-out "$RES/train_throughput.csv" || rc=$?
   local trc=$rc
   run_summary || rc=1
   local d
-  d=$($PY - "$RES/train.json" <<'EOF' 2>/dev/null || echo "no train.json"
-import json, sys
-r = json.load(open(sys.argv[1]))
-s = f"{r['img_per_s']:.0f} img/s ({r['device']}), data wait {100 * r['data_wait']:.1f}%"
-s += f", profile {r.get('profile', 'not run')}, sync check {r.get('sync_check', 'not run')}"
-if r.get("sync_offenders"):
-    s += f" ({str(r['sync_offenders'])[:120]})"
-s += f", compiled: {r.get('compiled') or 'no'}, compile {r.get('compile_s')} s"
-for k in ("eager", "supervised_eager", "supervised_compiled"):
-    v = r.get(k)
-    if v:
-        s += f", {k} " + (f"{v['img_per_s']:.0f}" if "img_per_s" in v else "skipped")
-if r.get("pct_of_ceiling") is not None:
-    s += f", {r['pct_of_ceiling']:.0f}% of ceiling {r['ceiling_img_per_s']:.0f}"
-print(s)
-EOF
-)
+  d=$($PY -c 'import json, sys; print(json.load(open(sys.argv[1]))["summary"])' "$RES/train.json" \
+      2>/dev/null || echo "no train.json")
   [ $trc = 0 ] || d="train_throughput exit status $trc; $d"
   detail "${BUILT_FIRST}$d"
   return $rc
@@ -518,6 +473,8 @@ if [ "${1:-}" = "--run-stage" ]; then  # internal: one stage, in this child proc
   set -e
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   BUILT_FIRST=""  # every stage but build builds first when no loadable extension is there
+  TOY=()  # the bench scripts' toy sizes on the CPU (the Triton engine under the interpreter)
+  [ "$CPU_MODE" = 1 ] && TOY=(--device cpu --tiny)
   [ "$STAGE" = build ] || ensure_built || { detail "build failed"; exit 1; }
   "stage_${STAGE//-/_}"
   exit $?
@@ -653,11 +610,9 @@ for stage in "${REQ[@]}"; do
     rm -f "$RES/.detail_$stage"
     echo "== stage $stage (limit ${limit}s)"
     t0=$SECONDS
-    if command -v timeout > /dev/null; then
-      timeout -k 15 "$limit" bash "$ROOT/bench/gpu_suite.sh" --run-stage "$stage" 2>&1 | tee "$RES/$stage.log"
-    else
-      bash "$ROOT/bench/gpu_suite.sh" --run-stage "$stage" 2>&1 | tee "$RES/$stage.log"
-    fi
+    limiter=()
+    command -v timeout > /dev/null && limiter=(timeout -k 15 "$limit")
+    "${limiter[@]}" bash "$ROOT/bench/gpu_suite.sh" --run-stage "$stage" 2>&1 | tee "$RES/$stage.log"
     rc=${PIPESTATUS[0]}
     dt=$((SECONDS - t0))
     d=$(cat "$RES/.detail_$stage" 2>/dev/null || true)

@@ -1,17 +1,10 @@
 #!/usr/bin/env bash
 # Build nac_fast._C with its CUDA kernels HERE, for the GPU machine's Python and torch, so that a
-# device run loads it instead of building it (1-2 minutes of the device's time):
+# device run loads it instead of building it.  How (its venv, scratch build, stamp, carry):
+# docs/gpu.md "Device-tool calls".
 #
 #   bash bench/prebuild_gpu_ext.sh [PYTHON_VERSION] [TORCH_VERSION] [ARCH]
 #       defaults: 3.12 (pyenv's 3.12.x) 2.11.0 9.0 - the device image's Python 3.12 / torch 2.11
-#
-# It makes (once) a virtual environment .venv-gpu-ext/ (git-ignored) with that Python and torch,
-# builds the extension in a scratch copy of setup.py, csrc/ and nac_fast/ (the checkout's own
-# build, nac_fast/_build_info.py and .venv are left alone), and copies the result to
-# nac_fast/_C.cpython-<py>-x86_64-linux-gnu.so (ignored by git: *.so), with a stamp of the
-# sources it was built from (nac_fast/.gpu_ext_stamp).  Nothing is rebuilt when the stamp matches.
-# The device call then names that file in its `carry` list and runs bench/gpu_suite.sh, whose
-# stages find it loadable and skip the build.  Needs nvcc (/usr/local/cuda) and pyenv's Python.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import json
 import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from common import append_rows, check_output_file, commit, triton_version  # noqa: E402
-from nac_fast._files import atomic_write  # noqa: E402
+from common import (append_rows, check_output_file, commit, quantiles, run_fields,  # noqa: E402
+                    write_text)
 from nac_fast.data.sources.synthetic_pairs import DeviceSyntheticPairLoader  # noqa: E402,F401
 
 # a step's work in units of one supervised step (forward + backward of one view of the batch)
@@ -56,51 +54,39 @@ def _device_loader_factory(num_images):
 
 # ---- part 2: the profile -------------------------------------------------------------------------
 
-def kernel_table(prof, cuda: bool, top: int = 15) -> tuple[str, int]:
-    """(text, number of CUDA kernel events): the top kernels of a profile (CPU: top operators)."""
+def profile_step(step_fn, device, path, top: int = 15) -> dict:
+    """torch.profiler around one step_fn() after one warm step (module docstring, part 2): the top
+    CUDA kernels and operators to `path` (a CPU run: the top operators)."""
     from torch.autograd import DeviceType
-    lines, n_kernels = [], 0
-    if cuda:
-        agg = {}
-        for e in prof.events():
-            if e.device_type == DeviceType.CUDA:
-                n_kernels += 1
-                t, c = agg.get(e.name, (0.0, 0))
-                agg[e.name] = (t + float(e.time_range.elapsed_us()), c + 1)
-        total = sum(t for t, _ in agg.values())
-        lines.append(f"top {top} CUDA kernels of one training step: {n_kernels} kernel launches, "
-                     f"{len(agg)} distinct kernels, {total / 1e3:.3f} ms of kernel time")
-        lines.append(f"{'#':>3s} {'total ms':>9s} {'share':>6s} {'calls':>6s} {'mean us':>9s}  kernel")
-        for i, (name, (t, c)) in enumerate(sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]):
-            lines.append(f"{i + 1:3d} {t / 1e3:9.3f} {100 * t / max(total, 1e-9):5.1f}% {c:6d} "
-                         f"{t / c:9.1f}  {name[:160]}")
-    else:
-        lines.append("no CUDA device: top operators by self CPU time instead of kernels")
-    lines.append("")
-    for key in (("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)):
-        try:
-            lines.append(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=80))
-            break
-        except Exception:  # noqa: BLE001 - the sort key's name differs between torch versions
-            continue
-    return "\n".join(lines) + "\n", n_kernels
-
-
-def profile_step(step_fn, device, path) -> dict:
-    """torch.profiler around one step_fn() after one warm step (module docstring, part 2)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     step_fn()
     sync()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         step_fn()
         sync()
-    text, n_kernels = kernel_table(prof, cuda)
+    lines, agg = [], {}
+    for e in prof.events() if cuda else ():
+        if e.device_type == DeviceType.CUDA:
+            t, c = agg.get(e.name, (0.0, 0))
+            agg[e.name] = (t + float(e.time_range.elapsed_us()), c + 1)
+    n_kernels, total = sum(c for _, c in agg.values()), sum(t for t, _ in agg.values())
+    if cuda:
+        lines.append(f"top {top} CUDA kernels of one training step: {n_kernels} kernel launches, "
+                     f"{len(agg)} distinct kernels, {total / 1e3:.3f} ms of kernel time")
+        lines.append(f"{'#':>3s} {'total ms':>9s} {'share':>6s} {'calls':>6s} {'mean us':>9s}"
+                     "  kernel")
+        for i, (name, (t, c)) in enumerate(sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]):
+            lines.append(f"{i + 1:3d} {t / 1e3:9.3f} {100 * t / max(total, 1e-9):5.1f}% {c:6d} "
+                         f"{t / c:9.1f}  {name[:160]}")
+    else:
+        lines.append("no CUDA device: top operators by self CPU time instead of kernels")
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    lines += ["", prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=80)]
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    atomic_write(path, lambda f: f.write(f"device: {name}; torch {torch.__version__}\n{text}"),
-                 mode="w")
+    text = f"device: {name}; torch {torch.__version__}\n" + "\n".join(lines) + "\n"
+    write_text(path, text)
     if cuda and n_kernels == 0:
         return {"profile": "FAIL: no CUDA kernel events recorded (CUPTI unavailable?)",
                 "profile_file": path}
@@ -109,37 +95,25 @@ def profile_step(step_fn, device, path) -> dict:
 
 # ---- helpers -------------------------------------------------------------------------------------
 
-def _quantile(xs, q):
-    """Linear-interpolation quantile of a non-empty list (numpy's default)."""
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def window_stats(window_secs, steps_per_window, images_per_step) -> dict:
     """img/s (all images / all time: the harmonic mean of the windows' rates) and ms per step
     (median and p20/p80 over the windows) of equal-sized timed windows."""
     secs = sum(window_secs)
     n = len(window_secs) * steps_per_window
-    ms = [1000 * s / steps_per_window for s in window_secs]
-    return {"img_per_s": round(n * images_per_step / secs, 1),
-            "step_ms": round(1000 * secs / n, 1), "step_ms_median": round(_quantile(ms, 0.5), 2),
-            "step_ms_p20": round(_quantile(ms, 0.2), 2),
-            "step_ms_p80": round(_quantile(ms, 0.8), 2), "windows": len(window_secs),
+    med, p20, p80 = quantiles([1000 * s / steps_per_window for s in window_secs])
+    return {"img_per_s": round(n * images_per_step / secs, 1), "step_ms": round(1000 * secs / n, 1),
+            "step_ms_median": round(med, 2), "step_ms_p20": round(p20, 2),
+            "step_ms_p80": round(p80, 2), "windows": len(window_secs),
             "steps_per_window": steps_per_window, "measured_steps": n}
 
 
-def _peak_mib(device) -> float | None:
+def _peak_mib(device, reset: bool = False) -> float | None:
+    """The allocator's peak (MiB) on a CUDA device, None on a CPU; reset: start a new peak."""
     if device.type != "cuda":
         return None
-    return round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1)
-
-
-def _reset_peak(device) -> None:
-    if device.type == "cuda":
+    if reset:
         torch.cuda.reset_peak_memory_stats(device)
+    return round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1)
 
 
 def _free(device) -> None:
@@ -179,8 +153,10 @@ def _shared_flags(args, pairs) -> list:
 
 # ---- parts 1-3: train.py itself ------------------------------------------------------------------
 
-def _train_argv(args, out, compile_flag) -> tuple[list, int]:
-    total = args.warmup + args.steps
+def _train_argv(args, out, compile_flag) -> list:
+    # log-every = warmup: the log's first record covers the warm-up steps (compilation, first
+    # allocations), the later ones only measured steps.  --steps is rounded up to whole windows.
+    total = args.warmup * (1 + -(-args.steps // args.warmup))
     targv = ["--data", args.data, "--arch", args.arch, "--method", args.method,
              "--batch-size", str(args.batch_size), "--max-steps", str(total),
              "--log-every", str(args.warmup), "--save-every", str(10 ** 9), "--no-progress",
@@ -190,12 +166,7 @@ def _train_argv(args, out, compile_flag) -> tuple[list, int]:
                  ("--queue-size", args.queue_size), ("--compile-backend", args.compile_backend)))
     if compile_flag is not None:
         targv.append("--compile" if compile_flag else "--no-compile")
-    # log-every = warmup: the log's first record covers the warm-up steps (compilation, first
-    # allocations), the later ones only measured steps.  --steps is rounded up to whole windows.
-    if args.steps % args.warmup:
-        total = args.warmup * (1 + -(-args.steps // args.warmup))
-        targv[targv.index("--max-steps") + 1] = str(total)
-    return targv, total
+    return targv
 
 
 def run_train(args, compile_flag, keep_state: bool = False):
@@ -203,21 +174,18 @@ def run_train(args, compile_flag, keep_state: bool = False):
     with train.py's status when it fails."""
     import train
     out = tempfile.mkdtemp(prefix="nac_tp_")
-    targv, _ = _train_argv(args, out, compile_flag)
-    kept = {}
-    real_train = getattr(train, "train", None)
+    targv = _train_argv(args, out, compile_flag)
+    kept, real_train = {}, train.train
 
     def train_and_keep(st, flags):  # the run's state: what it compiled, the profile, the check
         kept["st"] = st
         return real_train(st, flags)
 
-    if real_train is not None:
-        train.train = train_and_keep
+    train.train = train_and_keep
     try:
         status = train.main(targv)
     finally:
-        if real_train is not None:
-            train.train = real_train
+        train.train = real_train
     if status:
         shutil.rmtree(out, ignore_errors=True)
         sys.exit(status)
@@ -285,7 +253,7 @@ def supervised_measure(args, kind: str) -> dict:
         scaler.step(opt)
         scaler.update()
 
-    _reset_peak(device)
+    _peak_mib(device, reset=True)
     t0 = time.perf_counter()
     step()
     sync()
@@ -386,14 +354,9 @@ def table(res) -> str:
 
 def csv_rows(res) -> list:
     """One row per configuration, CSV_FIELDS' columns (None as blank)."""
-    common = {"timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
-              "host": socket.gethostname(), "device": res["device"], "torch": torch.__version__,
-              "triton": triton_version(),
-              "commit": res["commit"], "threads": res["threads"], "arch": res["arch"],
-              "method": res["method"], "batch_size": res["batch_size"],
-              "world_size": res["world_size"], "image_size": res["image_size"],
-              "amp": res["amp"], "channels_last": res["channels_last"],
-              "ceiling_img_per_s": res.get("ceiling_img_per_s")}
+    common = {**run_fields(res["device"]), **{k: res[k] for k in (
+        "commit", "threads", "arch", "method", "batch_size", "world_size", "image_size", "amp",
+        "channels_last")}, "ceiling_img_per_s": res.get("ceiling_img_per_s")}
     rows = []
     for key, _, config, r in _parts(res):
         row = dict(common, config=config)
@@ -414,8 +377,19 @@ def csv_rows(res) -> list:
     return [{k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS} for r in rows]
 
 
-def write_json(path, res) -> None:
-    atomic_write(path, lambda f: (json.dump(res, f), f.write("\n")), mode="w")
+def summary_line(res) -> str:
+    """The run in one line: the GPU suite's train-stage detail (bench/gpu_suite.sh)."""
+    s = (f"{res['img_per_s']:.0f} img/s ({res['device']}), data wait {100 * res['data_wait']:.1f}%"
+         f", profile {res.get('profile', 'not run')}, "
+         f"sync check {res.get('sync_check', 'not run')}")
+    if res.get("sync_offenders"):
+        s += f" ({str(res['sync_offenders'])[:120]})"
+    s += f", compiled: {res.get('compiled') or 'no'}, compile {res.get('compile_s')} s"
+    for k, _, _, r in _parts(res)[1:]:
+        s += f", {k} " + (f"{r['img_per_s']:.0f}" if "img_per_s" in r else "skipped")
+    if res.get("pct_of_ceiling") is not None:
+        s += f", {res['pct_of_ceiling']:.0f}% of ceiling {res['ceiling_img_per_s']:.0f}"
+    return s
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -471,7 +445,7 @@ def main(argv=None):
     if args.supervised:
         res = supervised_measure(args, args.supervised)
         if args.json_out:
-            write_json(args.json_out, res)
+            write_text(args.json_out, json.dumps(res) + "\n")
         print(json.dumps(res))
         return
     budget = Budget(args.budget_s)
@@ -495,10 +469,11 @@ def main(argv=None):
         run_mod.build_loader = real_build_loader
     if res is None:  # ranks > 0: the parts after the first run are rank 0's alone
         return
+    res["summary"] = summary_line(res)
     if args.csv_out:
         append_rows(args.csv_out, csv_rows(res), CSV_FIELDS)  # all or nothing
     if args.json_out:
-        write_json(args.json_out, res)
+        write_text(args.json_out, json.dumps(res) + "\n")
     print(table(res))
     print(json.dumps(res))
     if failed:
@@ -513,7 +488,7 @@ def measure(args, budget: Budget, world: int):
     from nac_fast.train.sync_check import check_step
     want_state = bool(args.profile_out or args.sync_check)
     dev_guess = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    _reset_peak(dev_guess)
+    _peak_mib(dev_guess, reset=True)
     measured, st = run_train(args, args.compile, keep_state=want_state)
     if measured is None:
         return None, False
@@ -554,7 +529,7 @@ def measure(args, budget: Budget, world: int):
         if why:
             res["eager"] = {"skipped": why}
         else:
-            _reset_peak(device)
+            _peak_mib(device, reset=True)
             (e, _), _ = run_train(args, False)
             e["peak_mem_mib"] = _peak_mib(device)
             res["eager"] = e
