@@ -502,34 +502,14 @@ if [ -z "${NAC_FAST_COMMIT:-}" ]; then
 fi
 if [ "$CPU_MODE" = 1 ]; then export TRITON_INTERPRET=1; fi
 
-if ! NAME=$($PY - <<'EOF'
-import os, re, sys
+# ---- preflight: the device's name (the results folder's), the versions (versions.json, the
+# summary's first line), in one python start
+if ! PRE=$($PY - <<'EOF'
+import datetime, json, os, platform, re, shutil, subprocess, sys
 import torch
-if os.environ.get("NAC_FAST_SUITE_CPU", "0") == "1":
-    print("cpu")
-elif not torch.cuda.is_available():
+cpu = os.environ.get("NAC_FAST_SUITE_CPU", "0") == "1"
+if not cpu and not torch.cuda.is_available():
     sys.exit("no GPU visible to torch (NAC_FAST_SUITE_CPU=1 runs the suite's CPU mode)")
-else:
-    print(re.sub(r"[^A-Za-z0-9.-]+", "-", torch.cuda.get_device_name(0)).strip("-"))
-EOF
-); then
-  echo "SUITE preflight FAIL no usable python/torch/GPU ($PY)"
-  exit 2
-fi
-TAG=${NAC_FAST_SUITE_TAG:-}
-if [ -n "$TAG" ] && ! [[ "$TAG" =~ ^[A-Za-z0-9._-]+$ ]]; then
-  echo "NAC_FAST_SUITE_TAG must be letters, digits, '.', '_' or '-', got '$TAG'" >&2
-  exit 2
-fi
-RES=${NAC_FAST_SUITE_RESULTS:-$ROOT/bench/results/${NAME}_$(date -u +%Y-%m-%d)${TAG:+_$TAG}}
-mkdir -p "$RES" || exit 2
-RES=$(cd "$RES" && pwd)
-export RES PY CPU_MODE
-
-# ---- versions
-$PY - "$RES/versions.json" <<'EOF'
-import datetime, json, os, platform, shutil, subprocess, sys
-import torch
 info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "commit": os.environ.get("NAC_FAST_COMMIT") or "unknown",
         "python": platform.python_version(), "torch": torch.__version__,
@@ -555,10 +535,28 @@ info["nvidia_smi"] = smi
 nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 info["nvcc"] = (run([nvcc, "--version"]).splitlines() or [""])[-1] if nvcc else "not found"
 info["cpus"] = os.cpu_count()
-json.dump(info, open(sys.argv[1], "w"), indent=1)
-print("== versions: " + "; ".join(f"{k} {v}" for k, v in info.items()))
+print("== versions: " + "; ".join(f"{k} {v}" for k, v in info.items()), file=sys.stderr)
+print("cpu" if cpu else re.sub(r"[^A-Za-z0-9.-]+", "-", info["gpu"]).strip("-"))
+print("versions: gpu %s, driver %s, torch %s (CUDA %s), triton %s, %s, python %s, commit %s" % (
+    info["gpu"], info["driver"], info["torch"], info["cuda_runtime"], info["triton"], info["nvcc"],
+    info["python"], info["commit"]))
+print(json.dumps(info, indent=1))
 EOF
-VERSIONS_LINE=$($PY -c "import json,sys; d=json.load(open(sys.argv[1])); print('versions: gpu %s, driver %s, torch %s (CUDA %s), triton %s, %s, python %s, commit %s' % (d['gpu'], d['driver'], d['torch'], d['cuda_runtime'], d['triton'], d['nvcc'], d['python'], d['commit']))" "$RES/versions.json" 2>/dev/null || echo "versions: unknown")
+); then
+  echo "SUITE preflight FAIL no usable python/torch/GPU ($PY)"
+  exit 2
+fi
+{ read -r NAME; read -r VERSIONS_LINE; VERSIONS_JSON=$(cat); } <<< "$PRE"
+TAG=${NAC_FAST_SUITE_TAG:-}
+if [ -n "$TAG" ] && ! [[ "$TAG" =~ ^[A-Za-z0-9._-]+$ ]]; then
+  echo "NAC_FAST_SUITE_TAG must be letters, digits, '.', '_' or '-', got '$TAG'" >&2
+  exit 2
+fi
+RES=${NAC_FAST_SUITE_RESULTS:-$ROOT/bench/results/${NAME}_$(date -u +%Y-%m-%d)${TAG:+_$TAG}}
+mkdir -p "$RES" || exit 2
+RES=$(cd "$RES" && pwd)
+export RES PY CPU_MODE
+echo "$VERSIONS_JSON" > "$RES/versions.json"
 echo "== results: $RES"
 
 package_out() {
