@@ -108,7 +108,8 @@ def _f(x, nd=4, scale=1.0):
     return round(v, nd) if math.isfinite(v) else None
 
 
-def loss_entries(latest, gpu_name=""):
+def loss_entries(latest):
+    """One entry per fused row, beside its case's reference and compiled-reference rows."""
     out = []
     for key in sorted(latest):
         kind, n, N, D, dtype, backend = key
@@ -116,23 +117,19 @@ def loss_entries(latest, gpu_name=""):
             continue
         row, ref, comp = latest[key], latest.get(key[:5] + (REFERENCE,)), \
             latest.get(key[:5] + (COMPILED,))
-        pct = _f(row.get("pct_of_bound"), 2)
-        if pct is None and common.known_gpu(dev := row.get("device", "") or gpu_name):
-            b = common.bound("queue" if kind == "mq" else "inbatch", n, N, D, dtype, dev)
-            pct = round(common.pct_of_bound(b["bound_s"], float(row["median_s"])), 2)
         out.append({"kind": "queue" if kind == "mq" else kind, "n": n, "N": N, "D": D,
                     "dtype": dtype, "backend": backend, "fused_ms": _f(row["median_s"], 4, 1e3),
                     "eager_ms": ref and _f(ref["median_s"], 4, 1e3),
                     "compile_ms": comp and _f(comp["median_s"], 4, 1e3),
                     "fused_peak_mb": _f(row.get("peak_extra_mib"), 2),
                     "eager_peak_mb": ref and _f(ref.get("peak_extra_mib"), 2),
-                    "pct_of_bound": pct})
+                    "pct_of_bound": _f(row.get("pct_of_bound"), 2)})
     return out
 
 
 def load_train(paths):
     if not paths:
-        return None, {}
+        return None
     with open(paths[-1]) as f:
         text = f.read().strip()
     if not text:
@@ -145,7 +142,7 @@ def load_train(paths):
     return {"arch": res["arch"], "method": res["method"],
             "batch_per_gpu": int(res["batch_size"]) // world,
             "img_per_s": round(float(res["img_per_s"]) / world, 1),
-            "data_wait_frac": round(float(res["data_wait"]), 4)}, res
+            "data_wait_frac": round(float(res["data_wait"]), 4)}
 
 
 def build_summary(inputs, device=None, commit=None):
@@ -157,20 +154,27 @@ def build_summary(inputs, device=None, commit=None):
         with open(p) as f:
             versions.update(json.load(f))
     latest = load_loss_rows(found["loss"], device)
-    train, train_raw = load_train(found["train"])
     newest = max(latest.values(), key=lambda r: r.get("timestamp", ""), default={})
-    gpu = versions.get("gpu") or newest.get("device") or train_raw.get("device", "")
-    return {"gpu": gpu, "date": versions.get("date") or (newest.get("timestamp", "")[:10]),
+    return {"gpu": versions.get("gpu") or newest.get("device", ""),
+            "date": versions.get("date") or (newest.get("timestamp", "")[:10]),
             "commit": commit or versions.get("commit") or newest.get("commit", "unknown"),
             "torch": versions.get("torch") or newest.get("torch", ""),
             "triton": versions.get("triton") or newest.get("triton", ""),
-            "loss": loss_entries(latest, gpu), "train": train}, train_raw
+            "loss": loss_entries(latest), "train": load_train(found["train"])}
 
 
 # ---- goals --------------------------------------------------------------------------------------
 
 def _line(ok, text):
     return ok, f"{'PASS' if ok else 'MISS'} {text}"
+
+
+def _ratio_check(tag, what, baseline_ms, fused_ms, goal):
+    """(ok, line) of the goal baseline / fused >= `goal`."""
+    if baseline_ms is None:
+        return _line(False, f"{tag} {what}: no baseline row")
+    x = baseline_ms / fused_ms
+    return _line(x >= goal, f"{tag} {what}: {x:.2f}x (goal >= {goal:g}x)")
 
 
 def _roofline_check(tag, pct):
@@ -200,12 +204,11 @@ def goal_checks(summary):
                                    "fused row measured")
                       for what in ("speed vs eager", "speed vs torch.compile", "roofline", "memory")]
             continue
-        for what, num, goal in (("speed vs eager", best["eager_ms"], GOAL_X_EAGER),
-                                ("speed vs torch.compile", best["compile_ms"], GOAL_X_COMPILE)):
-            x = num and num / best["fused_ms"]
-            lines.append(_line(False, f"{tag} {what}: no baseline row") if num is None else
-                         _line(x >= goal, f"{tag} {what}: {x:.2f}x (goal >= {goal:g}x)"))
-        lines.append(_roofline_check(tag, best["pct_of_bound"]))
+        lines += [_ratio_check(tag, "speed vs eager", best["eager_ms"], best["fused_ms"],
+                               GOAL_X_EAGER),
+                  _ratio_check(tag, "speed vs torch.compile", best["compile_ms"],
+                               best["fused_ms"], GOAL_X_COMPILE),
+                  _roofline_check(tag, best["pct_of_bound"])]
         fm, em = best["fused_peak_mb"], best["eager_peak_mb"]
         lines.append(_line(False, f"{tag} memory: peak memory not measured")
                      if fm is None or em is None else
@@ -218,9 +221,8 @@ def goal_checks(summary):
     for kind, n, N in GOAL_SHAPES:  # fp32: judged where fp32 rows were measured
         best, tag = _best(summary, kind, n, N, "float32", with_eager=True)
         if best:
-            x = best["eager_ms"] / best["fused_ms"]
-            lines.append(_line(x >= GOAL_FP32_X_EAGER, f"{tag} speed vs eager: {x:.2f}x "
-                                                       f"(goal >= {GOAL_FP32_X_EAGER:g}x)"))
+            lines.append(_ratio_check(tag, "speed vs eager", best["eager_ms"], best["fused_ms"],
+                                      GOAL_FP32_X_EAGER))
     if (t := summary["train"]) is None:
         return lines + [_line(False, "training throughput: no train.json")]
     goal_cfg = (t["arch"], t["method"]) == ("resnet50", "nac-mq")
@@ -231,7 +233,7 @@ def goal_checks(summary):
                           f"per H100{'' if goal_cfg else ', for resnet50 nac-mq: not this config'})")]
 
 
-def markdown(summary, checks, train_raw=None):
+def markdown(summary, checks):
     cell = lambda x, fmt: "n/a" if x is None else format(x, fmt)  # noqa: E731
     out = [f"GPU suite on {summary['gpu']} ({summary['date']}, commit {summary['commit']}, "
            f"torch {summary['torch']}, triton {summary['triton']}); `bench/gpu_suite.sh`, "
@@ -247,13 +249,7 @@ def markdown(summary, checks, train_raw=None):
                    f"{cell(xe, '.1f')} | {cell(xc, '.1f')} | {cell(e['pct_of_bound'], '.1f')} | "
                    f"{cell(e['fused_peak_mb'], '.1f')} / {cell(e['eager_peak_mb'], '.1f')} |")
     if (t := summary["train"]) is not None:
-        raw = train_raw or {}
-        how = ", ".join(x for x in (
-            f"{raw['amp']} autocast" if raw.get("amp") not in (None, "off") else "fp32",
-            "channels-last" if raw.get("channels_last") else "",
-            f"{raw['image_size']} px" if raw.get("image_size") else "",
-            f"data {raw['data']}" if raw.get("data") else "") if x)
-        out += ["", f"Training throughput ({t['arch']}, {t['method']}, {how}, batch "
+        out += ["", f"Training throughput ({t['arch']}, {t['method']}, batch "
                     f"{t['batch_per_gpu']} per GPU): {t['img_per_s']:.0f} img/s per GPU, data "
                     f"wait {100 * t['data_wait_frac']:.1f}%."]
     return "\n".join(out + ["", "Goals:", ""] + [f"- {line}" for _, line in checks]) + "\n"
@@ -335,7 +331,7 @@ def main(argv=None):
     if not args.inputs:
         ap.error("give result folders or files (or --check-junit XML)")
     try:
-        summary, train_raw = build_summary(args.inputs, device=args.device, commit=args.commit)
+        summary = build_summary(args.inputs, device=args.device, commit=args.commit)
     except (ValueError, KeyError, json.JSONDecodeError) as exc:
         print(f"gpu_summary: {exc}", file=sys.stderr)
         return 2
@@ -345,7 +341,7 @@ def main(argv=None):
     common.write_text(out, json.dumps(summary, indent=1, allow_nan=False) + "\n")
     checks = goal_checks(summary)
     print("\n".join([f"wrote {out}"] + [line for _, line in checks]))
-    md = markdown(summary, checks, train_raw)
+    md = markdown(summary, checks)
     if args.markdown:
         common.write_text(args.markdown, md)
         print(f"wrote {args.markdown}")

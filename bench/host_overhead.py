@@ -40,7 +40,7 @@ FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "mode", "k
 GPU_CASES = [("inbatch", 512, 512, "bfloat16"), ("inbatch", 8192, 8192, "bfloat16"),
              ("mq", 256, 65536, "bfloat16"), ("mq", 8192, 65536, "bfloat16"),
              ("inbatch", 8192, 8192, "float32"), ("mq", 256, 65536, "float32")]
-GPU_BACKENDS = "reference,compiled-reference,triton,triton-unfolded,cuda,auto"
+GPU_BACKENDS = "reference,compiled-reference,triton,cuda,auto"
 CRITERION_CASES = (("inbatch", 512, 512), ("mq", 256, 65536))  # a training step's sizes, bf16
 CALLS, REPEATS = 200, 3
 HOST_CALLS = 48  # under the GPU's launch queue (about 1,000 launches) at ~10 launches a call
@@ -49,8 +49,8 @@ nullctx = contextlib.nullcontext
 
 def user_step(kind, n, N, D, dtype, device, backend, noise_inside: bool = True):
     """One fwd+bwd as users call it: the noise drawn inside, r_hat without a gradient."""
-    return make_step(kind, n, N, D, dtype, device, _call_backend(backend),
-                     noise_inside=noise_inside, r_grad=False)
+    return make_step(kind, n, N, D, dtype, device, backend, noise_inside=noise_inside,
+                     r_grad=False)
 
 
 def criterion_step(kind, n, N, D, dtype, device, backend):
@@ -164,23 +164,12 @@ def _per_call(step, calls: int, repeats: int = 5) -> float:
     return statistics.median(mean_time(step, calls) for _ in range(repeats))
 
 
-def _folding(backend: str):
-    """"triton-unfolded": Triton with the row-wise tails as launches of their own (NAC_FAST_FOLD=0)."""
-    from nac_fast.kernels import nac_triton
-    return nac_triton.fold(False) if backend == "triton-unfolded" else nullctx()
-
-
-def _call_backend(backend: str) -> str:
-    return "triton" if backend == "triton-unfolded" else backend
-
-
 def _stub_row(kind, n, N, backend, calls, repeats):
     """One --stub row (bf16, D = 128): launches, allocations, time, plans a further call records."""
     from nac_fast.kernels import nac_triton
     plans = lambda: nac_triton.FWD_PLANS.recorded + nac_triton.BWD_PLANS.recorded  # noqa: E731
     make = criterion_step if backend == "triton-criterion" else user_step
-    with stub_launches() as stub, (op_path() if backend == "triton-op-path" else nullctx()), \
-            _folding(backend):
+    with stub_launches() as stub, (op_path() if backend == "triton-op-path" else nullctx()):
         step = make(kind, n, N, 128, torch.bfloat16, "cpu", "triton")
         step()  # records the plans
         step()  # their first call: the kept scratch is made
@@ -199,7 +188,7 @@ def _stub_row(kind, n, N, backend, calls, repeats):
 def stub_rows(calls: int = 200, repeats: int = 5):
     cases = [("inbatch", 512, 512), ("mq", 256, 4096)]
     rows = [_stub_row(*case, backend, calls, repeats) for case in cases
-            for backend in ("triton", "triton-unfolded", "triton-op-path")]
+            for backend in ("triton", "triton-op-path")]
     # the criteria (nn.Module) around the same fused loss
     rows += [_stub_row(*case, "triton-criterion", calls, repeats) for case in cases]
     with loss_mod.value_checks(False):  # the CPU backend's own overhead: a tiny shape
@@ -246,19 +235,18 @@ def _measured(row, make, graph=None):
     """`row` with host_s, back_to_back_s of make()'s step, graph_s of graph()'s (fresh inputs,
     noise given) and its bound; status ok, "ok (no graph: ...)" or "failed: ..." (fails the run)."""
     try:
-        with _folding(row["backend"]):
-            host, total = _host_and_back_to_back(make())
-            row.update(host_s=host, back_to_back_s=total, status="ok")
-            if graph is not None:
-                try:
-                    row["graph_s"] = _graph_time(graph())
-                except Exception as exc:  # the row's other figures stand; the note says why
-                    row["status"] = f"ok (no graph: {_failed(exc, 120)})"
-                    torch.cuda.synchronize()
-                else:
-                    if (bnd := _bound(row["kind"], row["n"], row["N"], row["D"],
-                                      row["dtype"])) is not None:
-                        row.update(bound_s=bnd, pct_of_bound=100.0 * bnd / row["graph_s"])
+        host, total = _host_and_back_to_back(make())
+        row.update(host_s=host, back_to_back_s=total, status="ok")
+        if graph is not None:
+            try:
+                row["graph_s"] = _graph_time(graph())
+            except Exception as exc:  # the row's other figures stand; the note says why
+                row["status"] = f"ok (no graph: {_failed(exc, 120)})"
+                torch.cuda.synchronize()
+            else:
+                if (bnd := _bound(row["kind"], row["n"], row["N"], row["D"],
+                                  row["dtype"])) is not None:
+                    row.update(bound_s=bnd, pct_of_bound=100.0 * bnd / row["graph_s"])
     except Exception as exc:  # a failed row is recorded and fails the run
         row["status"] = "failed: " + _failed(exc)
     finally:
@@ -280,7 +268,7 @@ def _loss_makers(row, device, compile_backend):
             row["resolved"] = f"torch.compile({compile_backend})"
             return make_step(kind, n, N, D, dtype, device, "reference", fn[0],
                              noise_inside=True, r_grad=False)
-        row["resolved"] = _call_backend(backend) if backend != "auto" else \
+        row["resolved"] = backend if backend != "auto" else \
             dispatch.resolve_backend("auto", torch.empty(1, device=device, dtype=dtype),
                                      keys=None if kind == "inbatch" else
                                      torch.empty(1, 1, device=device))
@@ -298,8 +286,6 @@ def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = 
     """The --gpu loss rows (`device` other than cuda: the tests' run, CUDA calls stood in)."""
     rows = []
     for (kind, n, N, dname), backend in itertools.product(cases, backends):
-        if backend == "triton-unfolded" and dname != "bfloat16":
-            continue  # the fold's A/B at the bf16 shapes (the host stage's time)
         row = dict(mode="gpu", kind=kind, n=n, N=N, D=128, dtype=dname, backend=backend)
         make, graph = _loss_makers(row, device, compile_backend)
         rows.append(_measured(row, make, graph if graphs else None))
@@ -324,30 +310,6 @@ def criterion_rows(device: str = "cuda", cases=CRITERION_CASES, dname: str = "bf
                               lambda: criterion_step(kind, n, N, 128, getattr(torch, dname),
                                                      device, b))
                     for kind, n, N in cases for b in ("reference", "auto")])
-
-
-class _OneEachWay(torch.autograd.Function):
-    """The least a fused loss can launch: a sum forward, the expanded gradient backward."""
-
-    @staticmethod
-    def forward(ctx, a):
-        ctx.shape = a.shape
-        return a.sum()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.expand(ctx.shape).contiguous()
-
-
-def floor_rows(device: str = "cuda", n: int = 512, D: int = 128):
-    """The host floor (kind "floor"): one ATen launch; _OneEachWay on a bf16 leaf, backward."""
-    x = torch.zeros(4, device=device)
-    a = torch.randn(n, D, device=device).to(torch.bfloat16)
-    steps = (("floor-launch", lambda: x.add_(1.0)),
-             ("floor-autograd", lambda: _OneEachWay.apply(a.detach().requires_grad_()).backward()))
-    return [_measured(dict(mode="gpu", kind="floor", n=n, N=0, D=D, dtype="bfloat16",
-                           backend=name, resolved=name), lambda step=step: step)
-            for name, step in steps]
 
 
 def _ok(row) -> bool:
@@ -387,20 +349,13 @@ HEADER = (f"{'mode':9s} {'kind':8s} {'n':>6s} {'N':>6s} {'dtype':5s} {'backend':
 
 
 def goals(rows) -> list[str]:
-    """Issue 37's goals against the GPU rows (PASS/MISS lines), then the fold's A/B."""
+    """Issue 37's goals against the GPU rows (PASS/MISS lines)."""
     want = {("inbatch", 8192): (3.0, 1.5), ("mq", 8192): (5.0, 1.8), ("mq", 256): (2.0, None),
             ("inbatch", 512): (2.0, None)}  # x eager, x torch.compile
     verdict = lambda x, goal: "PASS" if x is not None and x >= goal else "MISS"  # noqa: E731
     out = []
-    if floor := {r["backend"]: r["host_s"] for r in rows if r.get("kind") == "floor" and _ok(r)}:
-        out.append("floor of this host: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in
-                                                      floor.items())
-                   + " (floor-autograd: the least a loss called through autograd costs it; the "
-                   "60 us goal is " + ("below" if floor.get("floor-autograd", 0) > 60e-6 else
-                                       "above") + " it)")
     for row in rows:
-        if row.get("kind") == "floor" or row.get("mode") != "gpu" or not _ok(row) \
-                or row["dtype"] != "bfloat16":
+        if row.get("mode") != "gpu" or not _ok(row) or row["dtype"] != "bfloat16":
             continue
         case, tag = (row["kind"], row["n"]), f"{row['kind']} {row['n']}x{row['N']} {row['backend']}"
         if row["backend"] in ("triton", "cuda", "auto") and case in want:
@@ -413,21 +368,6 @@ def goals(rows) -> list[str]:
             host = row["host_s"] * 1e6
             out.append(f"{'PASS' if host <= 60 else 'MISS'} host time {tag}: {host:.1f} us per "
                        "fwd+bwd (goal <= 60 us)")
-    return out + fold_lines(rows)
-
-
-def fold_lines(rows) -> list[str]:
-    """The fold's A/B per case (docs/gpu.md "The row-wise tails folded"): folded minus unfolded."""
-    out = []
-    by = {(r["kind"], r["n"], r["N"], r["dtype"], r["backend"]): r for r in rows
-          if r.get("mode") == "gpu" and _ok(r)}
-    for (kind, n, N, dname, backend), f in by.items():
-        if backend != "triton" or (u := by.get((kind, n, N, dname, "triton-unfolded"))) is None:
-            continue
-        parts = [f"{k[:-2]} {(f[k] - u[k]) * 1e6:+.1f} us ({f[k] * 1e6:.1f} vs {u[k] * 1e6:.1f})"
-                 for k in ("host_s", "back_to_back_s", "graph_s")
-                 if isinstance(f.get(k), float) and isinstance(u.get(k), float)]
-        out.append(f"fold {kind} {n}x{N} {dname}: " + "; ".join(parts))
     return out
 
 
@@ -453,8 +393,7 @@ def _cases(ap, text):
     return cases
 
 
-GPU_FLAGS = {"--backends": dict(help="comma list (default: " + GPU_BACKENDS + "; triton-unfolded: "
-                                "triton with NAC_FAST_FOLD=0)"),
+GPU_FLAGS = {"--backends": dict(help="comma list (default: " + GPU_BACKENDS + ")"),
              "--cases": dict(help="kind:n:N:dtype,... (default: bf16 in-batch 512 and 8192, "
                              "queue 256 and 8192 x 65536; fp32 in-batch 8192, queue 256 x 65536)"),
              "--no-graphs": dict(action="store_true", help="skip the CUDA-graph rows"),
@@ -491,10 +430,10 @@ def main(argv=None):
     if args.gpu:
         avail = nac_fast.available_backends("cuda")
         backends = [b for b in (args.backends or GPU_BACKENDS).split(",")
-                    if b in ("compiled-reference", "auto") or _call_backend(b) in avail
+                    if b in ("compiled-reference", "auto") or b in avail
                     or print(f"skipping backend {b!r}: not available ({avail})")]
-        rows = floor_rows() + gpu_rows(cases, backends, args.compile_backend or "inductor",
-                                       not args.no_graphs) + criterion_rows()
+        rows = gpu_rows(cases, backends, args.compile_backend or "inductor",
+                        not args.no_graphs) + criterion_rows()
         if args.profile_out and "triton" in avail:
             profile_triton(args.profile_out)
     else:

@@ -102,6 +102,7 @@ def _write_results(tmp_path):
     res = tmp_path / "NVIDIA-H100-80GB-HBM3_2026-11-23"
     res.mkdir()
     b_in = roofline.bound("inbatch", 8192, 8192, 128, "bfloat16", H100)["bound_s"] * 1e3
+    b_q = roofline.bound("queue", 8192, 65536, 128, "bfloat16", H100)["bound_s"] * 1e3
     rows = [
         # in-batch 8192 bf16: triton 0.15 ms (fastest; 5.1x / 2.2x / 57% of bound; memory 1/40)
         _row("inbatch", 8192, 8192, "bfloat16", "reference", 0.77, 800.0),
@@ -110,10 +111,11 @@ def _write_results(tmp_path):
              pct_of_bound=f"{100 * b_in / 0.15:.2f}"),
         _row("inbatch", 8192, 8192, "bfloat16", "cuda", 3.0, 20.0),
         # queue 8192 x 65536 bf16: triton 1.0 ms: 4x eager (MISS), compile row failed (MISS),
-        # pct_of_bound recomputed from the roofline (the column is empty)
+        # 34% of the bound (MISS)
         _row("mq", 8192, 65536, "bfloat16", "reference", 4.0, 3000.0),
         _row("mq", 8192, 65536, "bfloat16", "compiled-reference", 2.0, 1500.0),
-        _row("mq", 8192, 65536, "bfloat16", "triton", 1.0, 100.0),
+        _row("mq", 8192, 65536, "bfloat16", "triton", 1.0, 100.0,
+             pct_of_bound=f"{100 * b_q / 1.0:.2f}"),
         _row("mq", 8192, 65536, "bfloat16", "compiled-reference", 0.0, 0.0, median_s="",
              peak_extra_mib="", status="failed: RuntimeError: not compiled: 0 graphs"),
     ]
@@ -197,8 +199,9 @@ def test_summary_fp32_modes_are_their_own_rows_and_judged_against_eager(tmp_path
 
 
 def test_summary_judges_the_larger_shapes_against_the_bound_where_measured(tmp_path, capsys):
-    """Issue 38's in-batch 16384 and queue 8192 x 262144 (bf16): the fastest fused row against
-    50% of the bound, graph rows included; a folder without them prints no line for them."""
+    """Issue 38's in-batch 16384 and queue 8192 x 262144 (bf16): the fastest fused row's
+    pct_of_bound (bench_loss.py's column) against 50%, graph rows included; a folder without
+    them prints no line for them."""
     res, _ = _write_results(tmp_path)
     out = tmp_path / "summary.json"
     assert gpu_summary.main([str(res), "--out", str(out)]) == 0
@@ -208,10 +211,12 @@ def test_summary_judges_the_larger_shapes_against_the_bound_where_measured(tmp_p
     bq = roofline.bound("queue", 8192, 262144, 128, "bfloat16", H100)["bound_s"] * 1e3
     bench_loss.append_rows(str(res / "loss_gpu.csv"), [
         _row("inbatch", 16384, 16384, "bfloat16", "reference", 4.0, 3000.0),
-        _row("inbatch", 16384, 16384, "bfloat16", "triton", b16 / 0.45, 40.0),
-        _row("inbatch", 16384, 16384, "bfloat16", "triton+graph", b16 / 0.55, 40.0),
+        _row("inbatch", 16384, 16384, "bfloat16", "triton", b16 / 0.45, 40.0, pct_of_bound="45"),
+        _row("inbatch", 16384, 16384, "bfloat16", "triton+graph", b16 / 0.55, 40.0,
+             pct_of_bound="55"),
         _row("mq", 8192, 262144, "bfloat16", "reference", 30.0, 9000.0),
-        _row("mq", 8192, 262144, "bfloat16", "triton+graph", bq / 0.40, 60.0)])
+        _row("mq", 8192, 262144, "bfloat16", "triton+graph", bq / 0.40, 60.0,
+             pct_of_bound="40")])
     assert gpu_summary.main([str(res), "--out", str(out)]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines()
              if ("16384" in ln or "262144" in ln) and ln[:5] in ("PASS ", "MISS ")]
