@@ -22,13 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (puts the source tree on sys.path)
 
 REFERENCE, COMPILED = "reference", "compiled-reference"
-GOAL_SHAPES = [("inbatch", 8192, 8192), ("queue", 8192, 65536)]
-GOAL_D, GOAL_DTYPE = 128, "bfloat16"
-GOAL_X_EAGER, GOAL_X_COMPILE, GOAL_PCT_BOUND, GOAL_MEM_FRACTION = 5.0, 2.0, 50.0, 1 / 20
+GOAL_SHAPES, GOAL_D = [("inbatch", 8192, 8192), ("queue", 8192, 65536)], 128
 GOAL_TRAIN_IMG_S = 2000.0  # issue 40: per H100, train.py's defaults
-GOAL_FP32_X_EAGER = 2.0  # issue 38: fp32 fwd+bwd (any product mode) >= 2x eager, where measured
-# issue 38's two larger shapes: the roofline goal alone, judged where they were measured
-ROOFLINE_SHAPES = [("inbatch", 16384, 16384), ("queue", 8192, 262144)]
+# the loss's goals: (shapes, dtype, [(what, goal)], judged only where the figure was measured)
+LOSS_GOALS = [(GOAL_SHAPES, "bfloat16", [("speed vs eager", 5.0), ("speed vs torch.compile", 2.0),
+                                         ("roofline", 50.0), ("memory", 1 / 20)], False),
+              # issue 38: its two larger shapes' roofline; fp32 (any product mode) >= 2x eager
+              ([("inbatch", 16384, 16384), ("queue", 8192, 262144)], "bfloat16",
+               [("roofline", 50.0)], True),
+              (GOAL_SHAPES, "float32", [("speed vs eager", 2.0)], True)]
 
 # Skips expected on a GPU machine although they name triton/cuda: (test id regex, reason regex)
 ALLOWED_SKIPS: list = [
@@ -169,60 +171,45 @@ def _line(ok, text):
     return ok, f"{'PASS' if ok else 'MISS'} {text}"
 
 
-def _ratio_check(tag, what, baseline_ms, fused_ms, goal):
-    """(ok, line) of the goal baseline / fused >= `goal`."""
-    if baseline_ms is None:
-        return _line(False, f"{tag} {what}: no baseline row")
-    x = baseline_ms / fused_ms
-    return _line(x >= goal, f"{tag} {what}: {x:.2f}x (goal >= {goal:g}x)")
-
-
-def _roofline_check(tag, pct):
-    """(ok, line) of the >= GOAL_PCT_BOUND% roofline goal for the fused row `tag` describes."""
-    if pct is None:
-        return _line(False, f"{tag} roofline: no bound for this GPU")
-    return _line(pct >= GOAL_PCT_BOUND, f"{tag} roofline: {pct:.1f}% of bound "
-                                        f"(goal >= {GOAL_PCT_BOUND:g}%)")
-
-
-def _best(summary, kind, n, N, dtype, with_eager=False):
-    """(the fastest fused entry at the case, with an eager figure if asked, or None; its tag)."""
-    ents = [e for e in summary["loss"] if (e["kind"], e["n"], e["N"], e["D"], e["dtype"]) ==
-            (kind, n, N, GOAL_D, dtype) and (e["eager_ms"] is not None or not with_eager)]
-    best = min(ents, key=lambda e: e["fused_ms"], default=None)
-    return best, best and (f"{kind} {n}x{N} D={GOAL_D} {dtype} fwd+bwd [{best['backend']}, "
-                           f"fastest fused, {best['fused_ms']:.3f} ms]")
+def _figure(e, what):
+    """(the figure the goal `what` judges for the entry `e`, its text) or (None, why none)."""
+    base = e["eager_ms"] if what == "speed vs eager" else e["compile_ms"]
+    fm, em, pct = e["fused_peak_mb"], e["eager_peak_mb"], e["pct_of_bound"]
+    if what == "roofline":
+        return (None, "no bound for this GPU") if pct is None else (pct, f"{pct:.1f}% of bound")
+    if what == "memory":
+        if fm is None or em is None:
+            return None, "peak memory not measured"
+        return (fm / em if em else (math.inf if fm else 0.0), f"{fm:.1f} MiB vs eager {em:.1f} MiB = "
+                + (f"1/{em / fm:.0f}" if fm > 0 else "0"))
+    if base is None:
+        return None, "no baseline row"
+    return base / e["fused_ms"], f"{base / e['fused_ms']:.2f}x"
 
 
 def goal_checks(summary):
-    """[(ok: bool, line)] for the goals (docs/kernels.md "The benchmark scripts in detail")."""
+    """[(ok: bool, line)] for the goals (docs/kernels.md "The benchmark scripts in detail"): each
+    LOSS_GOALS check on the fastest fused entry of its case, then training's."""
     lines = []
-    for kind, n, N in GOAL_SHAPES:
-        best, tag = _best(summary, kind, n, N, GOAL_DTYPE)
-        if best is None:
-            lines += [_line(False, f"{kind} {n}x{N} D={GOAL_D} {GOAL_DTYPE} fwd+bwd {what}: no "
-                                   "fused row measured")
-                      for what in ("speed vs eager", "speed vs torch.compile", "roofline", "memory")]
-            continue
-        lines += [_ratio_check(tag, "speed vs eager", best["eager_ms"], best["fused_ms"],
-                               GOAL_X_EAGER),
-                  _ratio_check(tag, "speed vs torch.compile", best["compile_ms"],
-                               best["fused_ms"], GOAL_X_COMPILE),
-                  _roofline_check(tag, best["pct_of_bound"])]
-        fm, em = best["fused_peak_mb"], best["eager_peak_mb"]
-        lines.append(_line(False, f"{tag} memory: peak memory not measured")
-                     if fm is None or em is None else
-                     _line(fm <= em * GOAL_MEM_FRACTION, f"{tag} memory: {fm:.1f} MiB vs eager "
-                           f"{em:.1f} MiB = {f'1/{em / fm:.0f}' if fm > 0 else '0'} "
-                           "(goal <= 1/20)"))
-    for kind, n, N in ROOFLINE_SHAPES:  # judged where measured
-        if (b := _best(summary, kind, n, N, GOAL_DTYPE))[0]:
-            lines.append(_roofline_check(b[1], b[0]["pct_of_bound"]))
-    for kind, n, N in GOAL_SHAPES:  # fp32: judged where fp32 rows were measured
-        best, tag = _best(summary, kind, n, N, "float32", with_eager=True)
-        if best:
-            lines.append(_ratio_check(tag, "speed vs eager", best["eager_ms"], best["fused_ms"],
-                                      GOAL_FP32_X_EAGER))
+    for shapes, dtype, checks, where_measured in LOSS_GOALS:
+        for kind, n, N in shapes:
+            case = f"{kind} {n}x{N} D={GOAL_D} {dtype} fwd+bwd"
+            best = min((e for e in summary["loss"] if (e["kind"], e["n"], e["N"], e["D"],
+                                                       e["dtype"]) == (kind, n, N, GOAL_D, dtype)),
+                       key=lambda e: e["fused_ms"], default=None)
+            for what, goal in checks:
+                x, text = (None, "no fused row measured") if best is None else _figure(best, what)
+                if x is None and where_measured:
+                    continue
+                tag = case if best is None else \
+                    f"{case} [{best['backend']}, fastest fused, {best['fused_ms']:.3f} ms]"
+                if x is None:
+                    lines.append(_line(False, f"{tag} {what}: {text}"))
+                elif what == "memory":
+                    lines.append(_line(x <= goal, f"{tag} {what}: {text} (goal <= 1/{1 / goal:g})"))
+                else:
+                    unit = "%" if what == "roofline" else "x"
+                    lines.append(_line(x >= goal, f"{tag} {what}: {text} (goal >= {goal:g}{unit})"))
     if (t := summary["train"]) is None:
         return lines + [_line(False, "training throughput: no train.json")]
     goal_cfg = (t["arch"], t["method"]) == ("resnet50", "nac-mq")
