@@ -156,20 +156,17 @@ def device_name(device: str) -> str:
     return f"{name} x{os.cpu_count()}"
 
 
-def triton_version() -> str:
-    try:
-        import triton
-        return triton.__version__
-    except Exception:
-        return ""
-
-
 def run_fields(device: str) -> dict:
     """The columns every row of a run carries: timestamp, host, device, torch, triton, commit."""
     import torch
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = ""
     return dict(timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 host=socket.gethostname(), device=device, torch=torch.__version__,
-                triton=triton_version(), commit=commit())
+                triton=triton_version, commit=commit())
 
 
 # ---- roofline bound: datasheet values (H100 / H200 SXM, dense) and the measured ones of
@@ -281,10 +278,3 @@ def bound(kind: str, n: int, N: int, D: int, dtype: str, gpu_name: str, *,
             "matrix_unit": unit, "matrix_rate": rate, "matrix_flops_executed": flops,
             "exp_rate": c["exp_per_s"], "hbm_rate": c["hbm_bytes_per_s"], **times,
             "bound_s": max(times.values()), "limiter": max(times, key=times.get)[:-2]}
-
-
-def pct_of_bound(bound_s: float, measured_s: float) -> float:
-    """How close a measurement is to the floor: bound / measured x 100 (100 = at the floor)."""
-    if not measured_s > 0:
-        raise ValueError(f"measured_s must be > 0, got {measured_s!r}")
-    return 100.0 * bound_s / measured_s
