@@ -1,10 +1,10 @@
 """Benchmark of the Hamming engine (nac_fast's ops/search.py, ops/retrieval.py, HashIndex): the C++
 engine against FAISS and the torch fallback, the index's top-k, the GPU engines and their goals.
 
-    python bench/bench_hamming.py [--index | --gpu | --tc] [options]
+    python bench/bench_hamming.py [--index | --gpu] [options]
 
-Four runs, one CSV each: the CPU protocol (hamming_cpu.csv), --index (index_cpu.csv), --gpu
-(hamming_gpu.csv), --tc (the hamming-tc stage; --csv only). Rows, columns, goals and commands:
+Three runs, one CSV each: the CPU protocol (hamming_cpu.csv), --index (index_cpu.csv), --gpu
+(hamming_gpu.csv; the hamming-tc stage's hamming_tc.csv). Rows, columns, goals and commands:
 docs/evaluation.md "The Hamming benchmark".  A failed GPU check exits 1; the last line is JSON.
 """
 from __future__ import annotations
@@ -12,13 +12,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import socket
 import sys
 import threading
 import time
-from unittest import mock
 
 import numpy as np
 import torch
@@ -41,38 +39,31 @@ CSV_FIELDS = _RUN + ["repeats", "median_s", "p20_s", "p80_s", "peak_rss_mb", "ma
 INDEX_FIELDS = _RUN + ["k", "repeats", "median_s", "p20_s", "p80_s", "gpairs_per_s", "peak_rss_mb",
                        "bytes_per_code", "load1_before", "load1_after", "goal_s", "meets_goal",
                        "isa", "note"]
-_GPU = ["method", "engine", "device", "queries", "gallery", "bits", "k", "repeats", "median_s",
-        "p20_s", "p80_s", "peak_gpu_mib"]
-GPU_FIELDS = ["timestamp", "host", "cpu", "gpu", "threads", "torch", "triton", "git_commit"] + \
-    _GPU + ["peak_rss_mb", "map", "speedup_vs_cpu", "goal_s", "meets_goal", "check", "note"]
-TC_FIELDS = ["timestamp", "host", "cpu", "gpu", "torch", "triton", "git_commit"] + _GPU + \
-    ["map", "bound_s", "of_bound", "goal_s", "meets_goal", "check", "note"]
-# (method, gallery, queries) -> seconds, on an H100 at 128 bits: issue 39 (--gpu), issue 56 (--tc)
-GOALS = {("map_all", 1_000_000, 10000): 0.1, ("topk", 1_000_000, 1000): 0.002,
-         ("topk", 100_000_000, 1000): 0.2}
-TC_GOALS = {("topk", 1_000_000, 1000): 0.001, ("topk", 100_000_000, 1000): 0.05,
-            ("map_all", 1_000_000, 10000): 0.05}
-INT8_OPS = 1979e12            # H100 SXM dense int8 tensor-core operations a second (--tc bound_s)
+GPU_FIELDS = ["timestamp", "host", "cpu", "gpu", "threads", "torch", "triton", "git_commit",
+              "method", "engine", "device", "queries", "gallery", "bits", "k", "repeats",
+              "median_s", "p20_s", "p80_s", "peak_gpu_mib", "peak_rss_mb", "map",
+              "speedup_vs_cpu", "bound_s", "of_bound", "goal_s", "meets_goal", "check", "note"]
+# (method, gallery, queries) -> seconds, on an H100 at 128 bits: issue 56 (issue 39's, halved)
+GOALS = {("topk", 1_000_000, 1000): 0.001, ("topk", 100_000_000, 1000): 0.05,
+         ("map_all", 1_000_000, 10000): 0.05}
+INT8_OPS = 1979e12            # H100 SXM dense int8 tensor-core operations a second (bound_s)
 TINY = dict(map_sizes="200,600", map_queries=33, cpu_map_queries="33,16",
             index_sizes="4200,9000", index_queries=9, cpu_topk_queries="9,4",
-            check_queries=4, gpu_repeats=1, k=10, topk_variants="32x64x1/8")
-TC_TINY = dict(sizes="4200,9000", queries=9, map_queries=33, map_gallery=600, check_queries=4,
-               repeats=1)
+            check_queries=4, gpu_repeats=1, k=10)
 
 # every option once: (flag, argparse keywords, {run: default}); a run's options are those with a
 # default for it (None: no default), and an option of another run is a usage error
-C, I, G_, T = "cpu", "index", "gpu", "tc"
-ALL = (C, I, G_, T)
+C, I, G_ = "cpu", "index", "gpu"
+ALL = (C, I, G_)
 OPTIONS = [
-    ("--queries", dict(type=int, help="queries (cpu; top-k rows: index, tc)"),
-     {C: 10000, I: 1000, T: 1000}),
+    ("--queries", dict(type=int, help="queries (cpu; top-k rows: index)"), {C: 10000, I: 1000}),
     ("--gallery", dict(type=int), {C: 50000, I: 1_000_000}),
     ("--bits", dict(type=int), dict.fromkeys(ALL, 128)),
-    ("--classes", dict(type=int), {C: 10, G_: 10, T: 10}),
+    ("--classes", dict(type=int), {C: 10, G_: 10}),
     ("--flip", dict(type=float, help="bit-flip probability around the class prototype, in "
                     "[0, 0.5] (0.3: mAP ~0.5 at 128 bits)"), {C: 0.3, I: 0.3, G_: 0.3}),
-    ("--repeats", dict(type=int, help="runs of the mAP row (cpu), each top-k row (index), each "
-                       "row (tc)"), {C: 3, I: 5, T: 5}),
+    ("--repeats", dict(type=int, help="runs of the mAP row (cpu), each top-k row (index)"),
+     {C: 3, I: 5}),
     ("--slow-repeats", dict(type=int, help="runs of the full-ranking and FAISS rows"), {C: 1}),
     ("--chunk", dict(type=int, help="queries per ranking call (12 bytes per pair)"), {C: 500}),
     ("--torch-queries", dict(type=int, help="torch reference row queries; 0: none"), {C: 1000}),
@@ -81,14 +72,14 @@ OPTIONS = [
     ("--no-rank", dict(action="store_true", help="skip the nac_fast full-ranking row"), {C: False}),
     ("--no-faiss", dict(action="store_true"), {C: False, I: False}),
     ("--map-queries", dict(type=int, help="queries of the mAP@all rows (index: 0 = skip)"),
-     {I: 10000, G_: 10000, T: 10000}),
+     {I: 10000, G_: 10000}),
     ("--map-repeats", dict(type=int), {I: 3}),
-    ("--k", dict(type=int), {I: 10, G_: 10, T: 10}),
+    ("--k", dict(type=int), {I: 10, G_: 10}),
     ("--device", dict(choices=("cuda", "cpu"), help="cpu: the Triton engine under "
-                      "TRITON_INTERPRET=1 (plumbing only)"), {G_: "cuda", T: "cuda"}),
-    ("--tiny", dict(action="store_true", help="toy sizes (CI)"), {G_: False, T: False}),
+                      "TRITON_INTERPRET=1 (plumbing only)"), {G_: "cuda"}),
+    ("--tiny", dict(action="store_true", help="toy sizes (CI)"), {G_: False}),
     ("--check-queries", dict(type=int, help="queries of each GPU row checked against C++"),
-     {G_: 256, T: 64}),
+     {G_: 256}),
     ("--map-sizes", dict(help="gallery sizes of the mAP rows"), {G_: "50000,1000000"}),
     ("--cpu-map-queries", dict(help="C++ mAP row queries per --map-sizes size (0: no row)"),
      {G_: "10000,2000"}),
@@ -102,20 +93,15 @@ OPTIONS = [
     ("--profile-out", dict(help="append torch.profiler's table of one search at the first "
                            "--index-sizes size and one mAP at the last --map-sizes size"),
      {G_: ""}),
-    ("--topk-variants", dict(help="top-k settings BQxBGxWARPS/SAMPLE_RATIO,... timed at the first "
-                             "--index-sizes size ('' = none)"),
-     {G_: "16x64x2/16,32x32x2/16,32x32x4/8"}),
-    ("--sizes", dict(help="top-k gallery sizes"), {T: "1000000,100000000"}),
-    ("--map-gallery", dict(type=int), {T: 1_000_000}),
-    ("--profile-run", dict(action="store_true", help="one tensor-core search of the largest size "
-                           "and nothing else (Nsight Compute)"), {T: False}),
+    ("--profile-run", dict(action="store_true", help="one tensor-core search of the last "
+                           "--index-sizes size and nothing else (Nsight Compute)"), {G_: False}),
     ("--summary-out", dict(help="write the rows in one line here (the GPU suite's stage detail)"),
-     {G_: "", T: ""}),
+     {G_: ""}),
     ("--threads", dict(type=int), dict.fromkeys(ALL)),
     ("--seed", dict(type=int), dict.fromkeys(ALL, 0)),
-    ("--csv", dict(help="CSV to append to ('' = none)"), {T: "", **{
+    ("--csv", dict(help="CSV to append to ('' = none)"), {
         r: os.path.join(RESULTS, f) for r, f in ((C, "hamming_cpu.csv"), (I, "index_cpu.csv"),
-                                                 (G_, "hamming_gpu.csv"))}}),
+                                                 (G_, "hamming_gpu.csv"))}),
     ("--note", dict(help="free text stored in the CSV rows"), dict.fromkeys(ALL, "")),
 ]
 
@@ -356,7 +342,7 @@ def run_index(args, ap):
     return 0
 
 
-# ---- --gpu (issue 39) and --tc (issue 56): the GPU engines, checked against the C++ engine
+# ---- --gpu (issues 39 and 56): the GPU engines, checked against the C++ engine
 
 def _flips(m, bits, p, gen, device):
     from nac_fast.ops.codes import pack_bits_torch
@@ -437,45 +423,23 @@ def _ints(ap, text: str, name: str, positive=False) -> list:
     return out
 
 
-def _variants(ap, text: str) -> list:
-    """'BQxBGxWARPS/RATIO,...' -> [(bq, bg, warps, ratio), ...]."""
-    out = []
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        try:
-            blocks, ratio = item.split("/")
-            bq, bg, warps = (int(x) for x in blocks.split("x"))
-            out.append((bq, bg, warps, int(ratio)))
-        except ValueError:
-            ap.error(f"--topk-variants: BQxBGxWARPS/RATIO items, got {item!r}")
-    return out
-
-
-def run_gpu(args, ap, tc: bool):
-    """--gpu: mAP@all at --map-sizes and top-k at --index-sizes by the triton (and cuda) engines,
-    the C++ engine's rows beside them, the top-k's variants.  --tc: the Triton top-k's two filters
-    (popc, mma) and the cuda engine at --sizes, mAP@all at --map-gallery, with the int8 floor."""
-    from nac_fast.kernels import hamming_triton as HT
+def run_gpu(args, ap):
+    """mAP@all at --map-sizes and top-k at --index-sizes by every engine the device has (top-k:
+    the Triton engine's popcount and tensor-core filters, then cuda), the C++ engine's rows beside
+    them, each row's int8 floor and goal."""
     import triton
     if args.tiny:
-        for key, val in (TC_TINY if tc else TINY).items():
+        for key, val in TINY.items():
             setattr(args, key, val)
-    if tc:  # the --tc run in the --gpu run's terms: no C++ rows, no variants, no budget
-        args.index_sizes, args.index_queries, args.gpu_repeats = args.sizes, args.queries, \
-            args.repeats
-        args.map_sizes, args.cpu_map_queries = str(args.map_gallery), "0"
-        args.cpu_topk_queries = ",".join("0" for _ in args.sizes.split(","))
-        args.flip, args.topk_variants, args.budget_s, args.only = 0.3, "", math.inf, "all"
-        args.profile_out = ""
     map_sizes, cpu_map_q = _ints(ap, args.map_sizes, "--map-sizes"), _ints(
         ap, args.cpu_map_queries, "--cpu-map-queries")
-    idx_sizes = _ints(ap, args.index_sizes, "--sizes" if tc else "--index-sizes", positive=tc)
+    idx_sizes = _ints(ap, args.index_sizes, "--index-sizes", positive=True)
     cpu_topk_q = _ints(ap, args.cpu_topk_queries, "--cpu-topk-queries")
     if len(cpu_map_q) != len(map_sizes) or len(cpu_topk_q) != len(idx_sizes):
         ap.error("--cpu-map-queries / --cpu-topk-queries: one value per --map-sizes / "
                  "--index-sizes size")
-    if tc and args.k > min(idx_sizes):
+    if args.k > min(idx_sizes):
         ap.error(f"--k: at most the smallest gallery ({min(idx_sizes)}), got {args.k}")
-    variants = _variants(ap, args.topk_variants)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device visible (--device cpu runs the interpreter)")
@@ -493,26 +457,23 @@ def run_gpu(args, ap, tc: bool):
         print(f"  no 'cuda' engine rows: {reasons['cuda']}", flush=True)
     map_engines = ["triton"] + (["cuda"] if cuda_engine else [])
     # top-k engines: (row name, HashIndex backend, topk_method); the first is the others' check
-    topk_engines = ([("triton-popc", "triton", "popc"), ("triton-mma", "triton", "mma")] if tc
-                    else [("triton", "triton", None)]) + \
+    topk_engines = [("triton-popc", "triton", "popc"), ("triton-mma", "triton", "mma")] + \
         ([("cuda", "cuda", "auto")] if cuda_engine else [])
     P, D, k, W = H.PackedCodes, args.bits, args.k, -(-args.bits // 64)
-    kind = "gpu" if device.type == "cuda" else "interpreter"
     gen = torch.Generator(device=device).manual_seed(args.seed)
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreter"
-    if tc and args.profile_run:  # the stage's Nsight Compute target: nothing but the filter
-        G = idx_sizes[-1]
-        gw, qw = topk_codes(G, args.queries, D, gen, device)
+    if args.profile_run:  # the hamming-tc stage's Nsight Compute target: nothing but the filter
+        G, Q = idx_sizes[-1], args.index_queries
+        gw, qw = topk_codes(G, Q, D, gen, device)
         index = H.HashIndex(D, device=device, backend="triton", topk_method="mma")
         index.add(P(gw, D))
         index.search(P(qw, D), k)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        print(f"profile run: {args.queries} queries, top-{k} of {G:,} codes (method mma)")
+        print(f"profile run: {Q} queries, top-{k} of {G:,} codes (method mma)")
         return 0
-    print(f"{'GPU goals (issue 56)' if tc else 'GPU Hamming engine vs the C++ engine'} "
-          f"({args.threads} threads): {gpu_name}, {D} bits, triton {triton.__version__}, "
-          f"torch {torch.__version__}", flush=True)
+    print(f"GPU Hamming engines vs the C++ engine ({args.threads} threads): {gpu_name}, {D} bits, "
+          f"triton {triton.__version__}, torch {torch.__version__}", flush=True)
     t_start = time.perf_counter()
     rows, failures, skipped, cpu_times = [], [], [], {}
 
@@ -524,7 +485,7 @@ def run_gpu(args, ap, tc: bool):
         return False
 
     def add(method, engine, dev, queries, G, stats, m=None, check="", note=""):
-        goal = (TC_GOALS if tc else GOALS).get((method, G, queries)) \
+        goal = GOALS.get((method, G, queries)) \
             if dev != "cpu" and device.type == "cuda" and D == 128 else None
         key, speed = (method, G, queries), ""
         if engine == "cpu":
@@ -533,142 +494,111 @@ def run_gpu(args, ap, tc: bool):
             speed = cpu_times[key] / stats["median_s"]
         bound = queries * G * 64 * W * 2 / INT8_OPS
         row = dict(method=method, engine=engine, device=dev, queries=queries, gallery=G, bits=D,
-                   k=k if method.startswith("topk") else "", repeats=stats["repeats"],
+                   k=k if method == "topk" else "", repeats=stats["repeats"],
                    median_s=stats["median_s"], p20_s=stats["p20_s"], p80_s=stats["p80_s"],
                    peak_gpu_mib=round(stats["peak_gpu_mib"], 1),
                    peak_rss_mb=round(stats["peak_rss_mb"], 1), map=m, speedup_vs_cpu=speed,
                    bound_s=bound, of_bound=bound / stats["median_s"], goal_s=goal,
                    meets_goal=(stats["median_s"] <= goal) if goal else "", check=check, note=note)
         report(rows, row, f"{engine} x {G:,}", f"GPU peak {row['peak_gpu_mib']:.1f} MiB",
-               f"x{speed:.3g} vs cpu" if speed else "", f"int8 floor {bound:.2e} s" if tc else "",
+               f"x{speed:.3g} vs cpu" if speed else "", f"int8 floor {bound:.2e} s",
                f"goal {goal} s" if goal else "", check)
 
     dev, cpu = str(device), torch.device("cpu")
-    for part in ("topk", "map") if tc else ("map", "topk"):  # the --tc run: top-k first
-        if part == "map" and args.only in ("all", "map"):  # ---- mAP@all ----
-            protos = random_codes(args.classes, D, gen, device)
-            Q = args.map_queries
-            qw, ql = packed_class_codes(Q, D, protos, args.classes, args.flip, gen, device)
-            for G, nq_cpu in zip(map_sizes, cpu_map_q):
-                if over_budget(f"map_all x {G}"):
-                    continue
-                gw, gl = packed_class_codes(G, D, protos, args.classes, args.flip, gen, device)
-                checks = {}
-                for eng in map_engines:  # compiles too
-                    good, checks[eng] = _ap_check(qw, ql, gw, gl, D,
-                                                  min(args.check_queries, Q), eng)
-                    if not good:
-                        failures.append(f"map_all {eng} x {G}: {checks[eng]}")
-                ns = [Q] + ([min(nq_cpu, Q)] if nq_cpu and min(nq_cpu, Q) != Q else [])
-                if nq_cpu:
-                    n = ns[-1]
-                    qc, qlc, gc, glc = qw[:n].cpu(), ql[:n].cpu(), gw.cpu(), gl.cpu()
+    if args.only in ("all", "map"):  # ---- mAP@all ----
+        protos = random_codes(args.classes, D, gen, device)
+        Q = args.map_queries
+        qw, ql = packed_class_codes(Q, D, protos, args.classes, args.flip, gen, device)
+        for G, nq_cpu in zip(map_sizes, cpu_map_q):
+            if over_budget(f"map_all x {G}"):
+                continue
+            gw, gl = packed_class_codes(G, D, protos, args.classes, args.flip, gen, device)
+            checks = {}
+            for eng in map_engines:  # compiles too
+                good, checks[eng] = _ap_check(qw, ql, gw, gl, D,
+                                              min(args.check_queries, Q), eng)
+                if not good:
+                    failures.append(f"map_all {eng} x {G}: {checks[eng]}")
+            ns = [Q] + ([min(nq_cpu, Q)] if nq_cpu and min(nq_cpu, Q) != Q else [])
+            if nq_cpu:
+                n = ns[-1]
+                qc, qlc, gc, glc = qw[:n].cpu(), ql[:n].cpu(), gw.cpu(), gl.cpu()
+                stats, m = timed(lambda: H.mean_average_precision(
+                    P(qc, D), qlc, P(gc, D), glc, backend="cpu"), 3 if G <= 100_000 else 2, cpu)
+                add("map_all", "cpu", "cpu", n, G, stats, m, note=f"{args.threads} threads")
+                del qc, gc
+            for eng in map_engines:
+                for n in ns:  # the CPU row's query count too: the like-for-like pair
                     stats, m = timed(lambda: H.mean_average_precision(
-                        P(qc, D), qlc, P(gc, D), glc, backend="cpu"), 3 if G <= 100_000 else 2, cpu)
-                    add("map_all", "cpu", "cpu", n, G, stats, m, note=f"{args.threads} threads")
-                    del qc, gc
-                for eng in map_engines:
-                    for n in ns:  # the CPU row's query count too: the like-for-like pair
-                        stats, m = timed(lambda: H.mean_average_precision(
-                            P(qw[:n], D), ql[:n], P(gw, D), gl, backend=eng), args.gpu_repeats,
-                            device)
-                        add("map_all", eng, dev, n, G, stats, m, check=checks[eng])
-                    if args.profile_out and G == map_sizes[-1]:
-                        profile_kernels(lambda: H.mean_average_precision(
-                            P(qw, D), ql, P(gw, D), gl, backend=eng), device, args.profile_out,
-                            f"mAP@all, {Q} x {G:,} codes of {D} bits (backend {eng})")
-                del gw, gl
-        if part == "topk" and args.only in ("all", "topk"):  # ---- top-k: one index, each engine
-            for G, nq_cpu in zip(idx_sizes, cpu_topk_q):
-                if over_budget(f"topk x {G}"):
-                    continue
-                Q = args.index_queries
-                gw, qw = topk_codes(G, Q, D, gen, device)
-                nc = min(args.check_queries, Q, nq_cpu or args.check_queries)
-                cpu_index = H.HashIndex(D)
-                cpu_index.add(P(gw.cpu(), D))
-                qc = qw.cpu()
-                Dc, Ic = cpu_index.search(P(qc[:nc], D), k)
-                index = H.HashIndex(D, device=device, backend="triton")
-                index.add(P(gw, D))
-                del gw
-                if nq_cpu:
+                        P(qw[:n], D), ql[:n], P(gw, D), gl, backend=eng), args.gpu_repeats,
+                        device)
+                    add("map_all", eng, dev, n, G, stats, m, check=checks[eng])
+                if args.profile_out and G == map_sizes[-1]:
+                    profile_kernels(lambda: H.mean_average_precision(
+                        P(qw, D), ql, P(gw, D), gl, backend=eng), device, args.profile_out,
+                        f"mAP@all, {Q} x {G:,} codes of {D} bits (backend {eng})")
+            del gw, gl
+    if args.only in ("all", "topk"):  # ---- top-k: one index, each engine
+        for G, nq_cpu in zip(idx_sizes, cpu_topk_q):
+            if over_budget(f"topk x {G}"):
+                continue
+            Q = args.index_queries
+            gw, qw = topk_codes(G, Q, D, gen, device)
+            nc = min(args.check_queries, Q, nq_cpu or args.check_queries)
+            cpu_index = H.HashIndex(D)
+            cpu_index.add(P(gw.cpu(), D))
+            qc = qw.cpu()
+            Dc, Ic = cpu_index.search(P(qc[:nc], D), k)
+            index = H.HashIndex(D, device=device, backend="triton")
+            index.add(P(gw, D))
+            del gw
+            if nq_cpu:
+                n = min(nq_cpu, Q)
+                cpu_index.search(P(qc[:2], D), k)
+                stats, _ = timed(lambda: cpu_index.search(P(qc[:n], D), k),
+                                 3 if G <= 10_000_000 else 1, cpu)
+                add("topk", "cpu", "cpu", n, G, stats,
+                    note=f"HashIndex on the CPU, {args.threads} threads")
+            del cpu_index
+            first = None
+            for name, backend, method in topk_engines:
+                index.backend, index.topk_method = backend, method
+                index.search(P(qw[:2], D), k)  # compiles, outside the clock
+                stats, (Dg, Ig) = timed(lambda: index.search(P(qw, D), k), args.gpu_repeats,
+                                        device)
+                good = bool(torch.equal(Dg[:nc].cpu(), Dc) and torch.equal(Ig[:nc].cpu(), Ic))
+                if first is None:
+                    first = (name, Dg, Ig)
+                good = good and bool(torch.equal(Dg, first[1]) and torch.equal(Ig, first[2]))
+                check = (f"ok: distances and indices of {nc} queries equal to the C++ engine's"
+                         + ("" if name == first[0] else f", all {Q} to {first[0]}'s") if good
+                         else f"FAIL: top-{k} differs from the C++ engine's ({nc} queries) or "
+                              f"{first[0]}'s")
+                if not good:
+                    failures.append(f"topk {name} x {G}: {check}")
+                if nq_cpu and min(nq_cpu, Q) != Q:  # the CPU row's queries: like for like
                     n = min(nq_cpu, Q)
-                    cpu_index.search(P(qc[:2], D), k)
-                    stats, _ = timed(lambda: cpu_index.search(P(qc[:n], D), k),
-                                     3 if G <= 10_000_000 else 1, cpu)
-                    add("topk", "cpu", "cpu", n, G, stats,
-                        note=f"HashIndex on the CPU, {args.threads} threads")
-                del cpu_index
-                first = None
-                for name, backend, method in topk_engines:
-                    index.backend = backend
-                    if method:
-                        index.topk_method = method
-                    index.search(P(qw[:2], D), k)  # compiles, outside the clock
-                    stats, (Dg, Ig) = timed(lambda: index.search(P(qw, D), k), args.gpu_repeats,
-                                            device)
-                    good = bool(torch.equal(Dg[:nc].cpu(), Dc) and torch.equal(Ig[:nc].cpu(), Ic))
-                    if first is None:
-                        first = (name, Dg, Ig)
-                    good = good and bool(torch.equal(Dg, first[1]) and torch.equal(Ig, first[2]))
-                    check = (f"ok: distances and indices of {nc} queries equal to the C++ engine's"
-                             + ("" if name == first[0] else f", all {Q} to {first[0]}'s") if good
-                             else f"FAIL: top-{k} differs from the C++ engine's ({nc} queries) or "
-                                  f"{first[0]}'s")
-                    if not good:
-                        failures.append(f"topk {name} x {G}: {check}")
-                    if nq_cpu and min(nq_cpu, Q) != Q:  # the CPU row's queries: like for like
-                        n = min(nq_cpu, Q)
-                        s2, _ = timed(lambda: index.search(P(qw[:n], D), k), args.gpu_repeats,
-                                      device)
-                        add("topk", name, dev, n, G, s2, check=check)
-                    add("topk", name, dev, Q, G, stats, check=check,
-                        note=("HashIndex search, queries = index codes with 10% of bits flipped"
-                              + ("" if tc or name != "triton" else "; top-k setting {}x{}x{}/{} "
-                                 "(BQxBGxwarps/sample ratio)".format(*HT.TOPK_CONFIG[kind],
-                                                                     HT.SAMPLE_RATIO))))
-                    if args.profile_out and G == idx_sizes[0]:
-                        profile_kernels(lambda: index.search(P(qw, D), k), device, args.profile_out,
-                                        f"HashIndex.search ({name}), {Q} queries, top-{k} of {G:,} "
-                                        "codes")
-                    if name == "triton" and G == idx_sizes[0]:
-                        for v in variants:
-                            if over_budget(f"topk-variant {v} x {G}"):
-                                break
-                            # the top-k's block configuration and sample ratio set to v
-                            with mock.patch.dict(HT.TOPK_CONFIG, {kind: v[:3]}), \
-                                    mock.patch.object(HT, "SAMPLE_RATIO", v[3]):
-                                index.search(P(qw[:2], D), k)
-                                vs, (Dv, Iv) = timed(lambda: index.search(P(qw, D), k),
-                                                     args.gpu_repeats, device)
-                            same = bool(torch.equal(Dv, Dg) and torch.equal(Iv, Ig))
-                            if not same:
-                                failures.append(f"topk-variant {v} x {G}: results differ")
-                            add("topk-variant", "triton", dev, Q, G, vs,
-                                check=f"{'ok' if same else 'FAIL'}: all {Q} queries equal to the "
-                                      "shipped setting's results", note="top-k setting {}x{}x{}/{} "
-                                      "(BQxBGxwarps/sample ratio)".format(*v))
-                del index, first, Dg, Ig, qc
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-    write_csv(args, rows, TC_FIELDS if tc else GPU_FIELDS, gpu=gpu_name, triton=triton.__version__)
+                    s2, _ = timed(lambda: index.search(P(qw[:n], D), k), args.gpu_repeats,
+                                  device)
+                    add("topk", name, dev, n, G, s2, check=check)
+                add("topk", name, dev, Q, G, stats, check=check,
+                    note="HashIndex search, queries = index codes with 10% of bits flipped")
+                if args.profile_out and G == idx_sizes[0]:
+                    profile_kernels(lambda: index.search(P(qw, D), k), device, args.profile_out,
+                                    f"HashIndex.search ({name}), {Q} queries, top-{k} of {G:,} "
+                                    "codes")
+            del index, first, Dg, Ig, qc
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    write_csv(args, rows, GPU_FIELDS, gpu=gpu_name, triton=triton.__version__)
     for r in rows:  # each row named once, with its goal's verdict
         r["what"] = f"{r['method']} {r['engine']} {r['queries']}x{r['gallery']}"
         r["verdict"] = "" if not r["goal_s"] else ("MET" if r["meets_goal"] else "MISSED")
-    print(f"\n{'row':<40} {'median s':>10} {'p20-p80 s':>19} {'GPU MiB':>8} "
-          f"{'of int8 floor' if tc else 'vs cpu':>13} {'goal':>6}  check")
-    for r in rows:
-        ratio = f"{r['of_bound']:.3f}" if tc else (f"x{r['speedup_vs_cpu']:.3g}"
-                                                   if r["speedup_vs_cpu"] else "")
-        print(f"{r['what']:<40} {r['median_s']:>10.6f} {r['p20_s']:>9.6f}-{r['p80_s']:<9.6f} "
-              f"{r['peak_gpu_mib']:>8.1f} {ratio:>13} {r['verdict']:>6}  "
-              + r["check"].split(":")[0])
     if args.summary_out:  # the rows in one line (the GPU suite's stage detail)
         write_text(args.summary_out, "; ".join(
             f"{r['what']} {r['median_s'] * 1e3:.3g} ms"
             + (f" goal {r['goal_s']} {r['verdict']}" if r["goal_s"] else "") for r in rows) + "\n")
-    print(json.dumps({"bench": "hamming_tc" if tc else "hamming_gpu", "device": dev,
+    print(json.dumps({"bench": "hamming_gpu", "device": dev,
                       "gpu": gpu_name, "bits": D, "rows": len(rows), "skipped": skipped,
                       "failures": failures, "elapsed_s": round(time.perf_counter() - t_start, 1),
                       "goals": {r["what"]: bool(r["meets_goal"]) for r in rows if r["goal_s"]}}))
@@ -683,20 +613,20 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     runs = ap.add_mutually_exclusive_group()
     runs.add_argument("--index", action="store_true", help="HashIndex top-k and mAP@all at 1M")
-    runs.add_argument("--gpu", action="store_true", help="the GPU engines beside the C++ engine")
-    runs.add_argument("--tc", action="store_true", help="the GPU goals of issue 56")
+    runs.add_argument("--gpu", action="store_true", help="the GPU engines beside the C++ engine "
+                      "and their goals (issues 39, 56)")
     ap.add_argument("--isa", choices=("auto",) + ISA_LEVELS, help="force the C++ engine's "
                     "instruction-set level (NAC_FAST_HAMMING_ISA); auto = the best this CPU has")
     for flag, kw, _ in OPTIONS:
         ap.add_argument(flag, default=None, **kw)
     args = ap.parse_args(argv)
-    run = "index" if args.index else "gpu" if args.gpu else "tc" if args.tc else "cpu"
+    run = "index" if args.index else "gpu" if args.gpu else "cpu"
     owners = {flag: modes for flag, _, modes in OPTIONS}
     owners["--isa"] = {C: "auto", I: "auto"}
     given = [f for f, modes in owners.items()
              if run not in modes and getattr(args, f[2:].replace("-", "_")) not in (None, False)]
     if given:  # they would be silently ignored
-        names = {C: "CPU protocol (no run flag)", I: "--index", G_: "--gpu", T: "--tc"}
+        names = {C: "CPU protocol (no run flag)", I: "--index", G_: "--gpu"}
         ap.error(f"{', '.join(given)}: options of the " + " / ".join(
             names[m] for m in names if any(m in owners[f] for f in given))
             + f" run, not of the {names[run]} run")
@@ -709,8 +639,7 @@ def parse_args(argv=None):
     least = {"--queries": 1, "--gallery": 1, "--bits": 1, "--classes": 1, "--repeats": 1,
              "--slow-repeats": 1, "--chunk": 1, "--torch-queries": 0, "--faiss-heap-queries": 0,
              "--threads": 1, "--map-queries": 0 if run == "index" else 1, "--map-repeats": 1,
-             "--index-queries": 1, "--k": 1, "--map-gallery": 1,
-             "--check-queries": 1 if run == "tc" else 0, "--gpu-repeats": 1}
+             "--index-queries": 1, "--k": 1, "--check-queries": 0, "--gpu-repeats": 1}
     check_least(ap, args, {f: v for f, v in least.items() if run in owners[f]})
     if args.flip is not None:
         check_flip(ap, args)
@@ -725,8 +654,8 @@ def parse_args(argv=None):
 def main(argv=None):
     ap, args, run = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if run in ("gpu", "tc"):
-        return run_gpu(args, ap, tc=run == "tc")
+    if run == "gpu":
+        return run_gpu(args, ap)
     return (run_index if run == "index" else run_cpu)(args, ap)
 
 

@@ -257,12 +257,13 @@ stage_hamming() {
   return $rc
 }
 
-# bench_hamming.py --tc, then Nsight Compute on the tensor-core filter (a missing or refused ncu:
-# said, not failed); the verdict is the bench's (docs/gpu.md "The suite's stages")
+# bench_hamming.py --gpu at issue 56's sizes (no C++ rows), then Nsight Compute on the tensor-core
+# filter (a missing or refused ncu: said, not failed); the verdict is the bench's (docs/gpu.md)
 stage_hamming_tc() {
   local rc=0 nrc=0 ncu="" note="ncu: not run in CPU mode"
   rm -f "$RES/.summary_hamming_tc"
-  $PY bench/bench_hamming.py --tc "${TOY[@]}" --csv "$RES/hamming_tc.csv" \
+  $PY bench/bench_hamming.py --gpu "${TOY[@]}" --map-sizes 1000000 --cpu-map-queries 0 \
+      --cpu-topk-queries 0,0 --check-queries 64 --budget-s 1000 --csv "$RES/hamming_tc.csv" \
       --summary-out "$RES/.summary_hamming_tc" || rc=$?
   if [ "$CPU_MODE" != 1 ]; then
     ncu=$(command -v ncu || { [ -x /usr/local/cuda/bin/ncu ] && echo /usr/local/cuda/bin/ncu; } || true)
@@ -273,10 +274,10 @@ stage_hamming_tc() {
       # sections every ncu knows; then the tensor pipes' counters (names differ between versions)
       timeout 150 "$ncu" --target-processes all --kernel-name regex:_topk_mma_kernel \
           --launch-count 8 --section SpeedOfLight --section ComputeWorkloadAnalysis \
-          $PY bench/bench_hamming.py --tc --profile-run > "$RES/hamming_tc_ncu.txt" 2>&1 || nrc=$?
+          $PY bench/bench_hamming.py --gpu --profile-run > "$RES/hamming_tc_ncu.txt" 2>&1 || nrc=$?
       timeout 120 "$ncu" --target-processes all --kernel-name regex:_topk_mma_kernel \
           --launch-count 8 --csv --print-units base --metrics gpu__time_duration.sum,sm__inst_executed_pipe_tensor_op_gmma.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active \
-          $PY bench/bench_hamming.py --tc --profile-run > "$RES/hamming_tc_ncu.csv" 2>&1 || nrc=$?
+          $PY bench/bench_hamming.py --gpu --profile-run > "$RES/hamming_tc_ncu.csv" 2>&1 || nrc=$?
       note=$($PY - "$RES/hamming_tc_ncu.csv" <<'EOF' 2>/dev/null || echo "ncu: no readable metrics"
 import csv, io, sys
 text = open(sys.argv[1]).read()
@@ -297,7 +298,7 @@ EOF
   fi
   local d
   d=$(cat "$RES/.summary_hamming_tc" 2>/dev/null || echo "no hamming_tc.csv")
-  [ $rc = 0 ] || d="bench_hamming --tc exit status $rc; $d"
+  [ $rc = 0 ] || d="bench_hamming --gpu exit status $rc; $d"
   detail "${BUILT_FIRST}$d; $note"
   return $rc
 }
@@ -351,14 +352,14 @@ stage_train_jpeg() {
   local classes=100 size=500 batch=256 quirks="grey=0.01,cmyk=0.001,png=0.001,exif=0.001"
   local train_args=(--loader dali-gpu --arch resnet50 --method nac-mq --image-size 224
                     --amp bf16 --channels-last --queue-size 65536 --workers 0)
-  local qsize=128 qloader=dali-gpu qdevice=cuda
+  local qloader=dali-gpu qdevice=cuda
   if [ "$CPU_MODE" = 1 ]; then   # the plumbing only: a tiny tree and model, dali-cpu
     tree=${NAC_FAST_JPEG_TREE:-/tmp/nac_fast_jpeg_tree_cpu}; run=${NAC_FAST_JPEG_RUN:-/tmp/nac_fast_jpeg_run_cpu}
     steps=${NAC_FAST_JPEG_STEPS:-6}; warm=${NAC_FAST_JPEG_WARMUP:-2}; every=2
     classes=4; size=64; batch=8
     train_args=(--loader dali-cpu --arch resnet-tiny --method nac-mq --image-size 32 --amp off
                 --queue-size 64 --no-compile --workers 2)
-    qsize=48; qloader=dali-cpu; qdevice=cpu
+    qloader=dali-cpu; qdevice=cpu
   fi
   [[ "$steps" =~ ^[0-9]+$ && "$warm" =~ ^[0-9]+$ && $warm -lt $steps && $((warm % every)) = 0 ]] || {
     detail "NAC_FAST_JPEG_STEPS ($steps) must exceed NAC_FAST_JPEG_WARMUP ($warm), a multiple of $every"; return 2; }
@@ -382,49 +383,12 @@ stage_train_jpeg() {
         --val-per-class 1 --size "$size" --quirks "$quirks" --workers "$(nproc)" "${over[@]}"
     gen_s=$((SECONDS - t0))
   fi
-  # 2. the bad-file and quirk behaviour of this loader, on a small tree with every quirk, against
-  # the torchvision loader (the CPU tests' check, here on the GPU decoder)
-  rm -rf "$tree.quirks"
-  $PY scripts/make_ilsvrc_tree.py --out "$tree.quirks" --classes 3 --train-per-class 16 \
-      --val-per-class 1 --size "$qsize" --quirks grey=0.15,cmyk=0.15,png=0.15,exif=0.15,truncated=0.05 \
-      --workers 1 --no-progress > /dev/null
+  # 2. the bad-file and quirk behaviour of this loader against the torchvision loader: the CPU
+  # tests' check, here on the GPU decoder (JUnit pytest_train_jpeg.xml)
   local qrc=0
-  $PY - "$tree.quirks" "$qloader" "$qdevice" "$RES/train_jpeg_quirks.csv" <<'EOF' || qrc=$?
-import csv, json, os, sys, warnings
-import torch
-from nac_fast.data import Recipe, build_pretrain_loader
-root, loader, device, out = sys.argv[1:]
-meta = json.load(open(os.path.join(root, "make_ilsvrc_tree.json")))["quirk_files"]
-kind_of = {os.path.join(root, f): k for k, fs in meta.items() for f in fs}
-rec = Recipe("nohue", hue=0.0, blur_p=0.5)
-kw = dict(batch_size=8, image_size=64, seed=7, recipe=rec, num_workers=2)
-d = build_pretrain_loader(root, loader=loader, device=device, **kw)
-t = build_pretrain_loader(root, loader="torchvision", **kw)
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    bd, bt = list(d), list(t)
-worst = {}
-for k, ((d1, d2), (t1, t2)) in enumerate(zip(bd, bt)):
-    for a, b in ((d1, t1), (d2, t2)):
-        diff = (a.float().cpu() - b.float()).abs().flatten(1).mean(1)
-        for j, i in enumerate(d.batch_indices()[k]):
-            kind = kind_of.get(d.source.files[i], "plain")
-            worst[kind] = max(worst.get(kind, 0.0), float(diff[j]))
-same_skips = sorted(d.skipped_files) == sorted(t.skipped_files)
-truncated = sorted(os.path.join(root, f) for f in meta["truncated"] if f.startswith("train"))
-rows = [{"loader": loader, "kind": k, "max_image_mean_abs_diff": f"{v:.4f}"} for k, v in sorted(worst.items())]
-rows.append({"loader": loader, "kind": "skipped_files",
-             "max_image_mean_abs_diff": f"{len(d.skipped_files)} vs torchvision {len(t.skipped_files)}"
-                                        f" (truncated: {len(truncated)})"})
-with open(out, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
-bad = [k for k, v in worst.items() if v > 0.1]   # an unrotated or miscoloured image: ~1
-print(f"quirks vs torchvision: {', '.join(f'{k} {v:.3f}' for k, v in sorted(worst.items()))}; "
-      f"skipped {len(d.skipped_files)} (torchvision {len(t.skipped_files)})")
-sys.exit(1 if bad or not same_skips or sorted(d.skipped_files) != truncated else 0)
-EOF
+  export NAC_FAST_TEST_DEVICE=$qdevice
+  run_tests train_jpeg "" "tests/test_data_dali.py::test_dali_matches_torchvision_on_every_quirk[$qloader]" \
+      || qrc=1
   # 3. the timed run (train.py's defaults: compiled on a GPU); its log's windows after warm-up
   rm -rf "$run"
   local rc=0

@@ -318,38 +318,13 @@ def run_supervised(args, kind: str, budget: Budget) -> dict:
 
 # ---- the report ----------------------------------------------------------------------------------
 
-def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
-
-
 def _parts(res) -> list:
-    """(key, table name, CSV config, result) of each configuration measured (key None: part 1)."""
+    """(key, CSV config, result) of each configuration measured (key None: part 1)."""
     m = res["method"]
-    named = ((None, f"{m} train.py defaults ({'compiled' if res['compile'] else 'eager'})",
-              f"{m}-defaults"), ("eager", f"{m} --no-compile", f"{m}-eager"),
-             ("supervised_eager", "supervised eager", "supervised-eager"),
-             ("supervised_compiled", "supervised compiled", "supervised-compiled"))
-    return [(k, n, c, res if k is None else res[k]) for k, n, c in named if k is None or k in res]
-
-
-def table(res) -> str:
-    rows = [(name, r) for _, name, _, r in _parts(res)]
-    lines = [f"{'configuration':34s} {'img/s':>8s} {'ms/step':>8s} {'p20-p80':>13s} "
-             f"{'1st step s':>10s} {'compile s':>9s} {'peak MiB':>9s}"]
-    for name, r in rows:
-        if "img_per_s" not in r:
-            lines.append(f"{name:34s} {r.get('skipped') or r.get('failed')}")
-            continue
-        p = f"{r['step_ms_p20']:.1f}-{r['step_ms_p80']:.1f}"
-        lines.append(f"{name:34s} {r['img_per_s']:8.1f} {r['step_ms']:8.1f} {p:>13s} "
-                     f"{_fmt(r.get('first_step_s'), '10.1f'):>10s} "
-                     f"{_fmt(r.get('compile_s'), '9.1f'):>9s} "
-                     f"{_fmt(r.get('peak_mem_mib'), '9.0f'):>9s}")
-    if res.get("ceiling_img_per_s"):
-        lines.append(f"ceiling = supervised compiled / {WORK_RATIO[res['method']]:.3g} = "
-                     f"{res['ceiling_img_per_s']:.0f} img/s; train.py's defaults reach "
-                     f"{res['pct_of_ceiling']:.1f}% of it")
-    return "\n".join(lines)
+    named = ((None, f"{m}-defaults"), ("eager", f"{m}-eager"),
+             ("supervised_eager", "supervised-eager"),
+             ("supervised_compiled", "supervised-compiled"))
+    return [(k, c, res if k is None else res[k]) for k, c in named if k is None or k in res]
 
 
 def csv_rows(res) -> list:
@@ -358,7 +333,7 @@ def csv_rows(res) -> list:
         "commit", "threads", "arch", "method", "batch_size", "world_size", "image_size", "amp",
         "channels_last")}, "ceiling_img_per_s": res.get("ceiling_img_per_s")}
     rows = []
-    for key, _, config, r in _parts(res):
+    for key, config, r in _parts(res):
         row = dict(common, config=config)
         rows.append(row)
         if "img_per_s" not in r:
@@ -385,7 +360,7 @@ def summary_line(res) -> str:
     if res.get("sync_offenders"):
         s += f" ({str(res['sync_offenders'])[:120]})"
     s += f", compiled: {res.get('compiled') or 'no'}, compile {res.get('compile_s')} s"
-    for k, _, _, r in _parts(res)[1:]:
+    for k, _, r in _parts(res)[1:]:
         s += f", {k} " + (f"{r['img_per_s']:.0f}" if "img_per_s" in r else "skipped")
     if res.get("pct_of_ceiling") is not None:
         s += f", {res['pct_of_ceiling']:.0f}% of ceiling {res['ceiling_img_per_s']:.0f}"
@@ -474,7 +449,7 @@ def main(argv=None):
         append_rows(args.csv_out, csv_rows(res), CSV_FIELDS)  # all or nothing
     if args.json_out:
         write_text(args.json_out, json.dumps(res) + "\n")
-    print(table(res))
+    print(res["summary"])
     print(json.dumps(res))
     if failed:
         sys.exit(1)

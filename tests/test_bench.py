@@ -282,8 +282,9 @@ def _refused(capsys, fn, argv, *words):
 def test_bench_hamming_smoke(tmp_path, capsys):
     """The CPU protocol and the --index run at toy sizes: one CSV row per method under each
     run's own columns, the C++ engine's mAP equal to the torch reference's, one JSON line last;
-    an option of another run is a usage error naming it (bench_index.py and bench_hamming_tc.py
-    are its --index and --tc runs; the --gpu / --tc rows: tests/test_hamming_gpu.py)."""
+    an option of another run is a usage error naming it (bench_index.py is its --index run,
+    bench_hamming_tc.py its --gpu run at the hamming-tc stage's sizes; the --gpu rows:
+    tests/test_hamming_gpu.py)."""
     import bench_hamming
     cpu, idx = str(tmp_path / "h.csv"), str(tmp_path / "i.csv")
     assert bench_hamming.main(["--queries", "20", "--gallery", "300", "--bits", "64",
@@ -329,7 +330,7 @@ def test_train_throughput_cpu_stage(tmp_path):
     """The GPU suite's train stage at toy size on the CPU: train.py compiled (aot_eager) with
     its first step's cost apart, the eager baseline, both supervised anchors (subprocesses) and
     the ceiling, the one-step profile (operators on a CPU run), the host-read check of a whole
-    compiled step (PASS), the CSV rows and the table before the JSON."""
+    compiled step (PASS), the CSV rows and the summary line before the JSON."""
     prof, out, rows = tmp_path / "kernels.txt", tmp_path / "train.json", tmp_path / "t.csv"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_throughput.py"),
                         *CPU_STAGE, "--profile-out", str(prof), "--json-out", str(out),
@@ -362,7 +363,8 @@ def test_train_throughput_cpu_stage(tmp_path):
     assert 0 < res["elapsed_s"] < 400
     text = prof.read_text()
     assert "top operators by self CPU time" in text and "aten::" in text
-    assert any(line.startswith("ceiling = supervised compiled / 2.67") for line in lines)
+    assert lines[-2] == res["summary"]
+    assert f"% of ceiling {res['ceiling_img_per_s']:.0f}" in res["summary"]
     import csv
     with open(rows) as f:
         got = list(csv.DictReader(f))

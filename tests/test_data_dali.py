@@ -216,14 +216,20 @@ def test_dali_decoder_reads_every_ilsvrc_quirk_as_the_torchvision_loader_does(qu
             assert a.shape[1] > a.shape[0], (f, a.shape)     # upright: wider than high
 
 
-def test_dali_and_torchvision_agree_on_an_ilsvrc_tree_with_every_quirk(quirky):
+@pytest.mark.parametrize("loader", ["dali-cpu", "dali-gpu"])
+def test_dali_matches_torchvision_on_every_quirk(quirky, loader):
     """Both loaders on the quirky tree: the same files skipped (the truncated ones, under
     on_bad_file='warn', the same substitution), and image by image the same views up to
     rounding (no hue: DALI's differs by design), the EXIF-rotated, CMYK, grey and PNG ones
-    included.  A loader that did not apply the EXIF orientation would crop another window."""
+    included.  A loader that did not apply the EXIF orientation would crop another window.
+    dali-gpu (the GPU suite's train-jpeg stage runs it): nvJPEG, whose chroma upsampling moves
+    the views further from PIL's, within 0.1 a view (an unrotated or miscoloured one: ~1)."""
+    if loader == "dali-gpu" and not torch.cuda.is_available():
+        pytest.skip("dali-gpu decodes on a CUDA device; none here")
     root, quirks = quirky
     rec = Recipe("nohue", hue=0.0, blur_p=0.5)
-    d = _ld(root, recipe=rec, seed=7, batch_size=6)
+    dev = {"device": "cuda"} if loader == "dali-gpu" else {}
+    d = _ld(root, loader=loader, recipe=rec, seed=7, batch_size=6, **dev)
     t = _ld(root, loader="torchvision", recipe=rec, seed=7, batch_size=6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -232,13 +238,13 @@ def test_dali_and_torchvision_agree_on_an_ilsvrc_tree_with_every_quirk(quirky):
     assert sorted(d.skipped_files) == sorted(t.skipped_files) == sorted(quirks["truncated"])
     files = d.source.files
     rows = d.batch_indices()
-    seen = set()
+    seen, most = set(), 0.03 if loader == "dali-cpu" else 0.1
     for k, ((d1, d2), (t1, t2)) in enumerate(zip(bd, bt)):
         for a, b in ((d1, t1), (d2, t2)):
-            per_image = (a - b).abs().flatten(1).mean(1)
+            per_image = (a.float().cpu() - b.float()).abs().flatten(1).mean(1)
             for j, i in enumerate(rows[k]):
                 seen.add(files[i])
-                assert per_image[j] < 0.03, (files[i], float(per_image[j]))
+                assert per_image[j] < most, (files[i], float(per_image[j]))
     for kind in ("grey", "cmyk", "png", "exif"):
         assert set(quirks[kind]) <= seen, kind
 

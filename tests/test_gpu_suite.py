@@ -474,7 +474,7 @@ def test_train_jpeg_refuses_a_folder_it_did_not_make(tmp_path):
 @pytest.mark.slow
 def test_train_jpeg_stage_runs_in_cpu_mode(tmp_path):
     """The whole stage on the CPU (dali-cpu, a tiny tree and model): the tree made, the quirk
-    check PASS, train.py run, one train_jpeg.csv row with img/s and data wait beside the
+    test (tests/test_data_dali.py, JUnit) PASS, train.py run, one train_jpeg.csv row with img/s and data wait beside the
     synthetic figure; a second run reuses the tree."""
     pytest.importorskip("nvidia.dali")
     env = dict(NAC_FAST_JPEG_TREE=str(tmp_path / "tree"), NAC_FAST_JPEG_RUN=str(tmp_path / "run"),
@@ -492,9 +492,9 @@ def test_train_jpeg_stage_runs_in_cpu_mode(tmp_path):
     # (4 + 10) x 8 / 4 classes = 28 files a class: one epoch covers the run
     assert row["tree"].startswith("112 JPEGs of 64 px") and row["tree_gen_s"] != "reused"
     assert "--loader dali-cpu" in row["args"]
-    with open(tmp_path / "res" / "train_jpeg_quirks.csv", newline="") as f:
-        kinds = {x["kind"] for x in csv.DictReader(f)}
-    assert {"grey", "cmyk", "png", "exif", "truncated", "skipped_files"} <= kinds
+    junit = (tmp_path / "res" / "pytest_train_jpeg.xml").read_text()  # the quirk test, dali-cpu
+    assert 'name="test_dali_matches_torchvision_on_every_quirk[dali-cpu]"' in junit
+    assert (tmp_path / "res" / ".junit_train_jpeg").read_text().startswith("0 failed, 1 passed")
     r = _suite(tmp_path, "train-jpeg", **env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     with open(tmp_path / "res" / "train_jpeg.csv", newline="") as f:

@@ -1030,94 +1030,70 @@ def test_retrieval_metrics_on_ties(monkeypatch, backend):
 # The GPU measurement's CPU mode (bench/bench_hamming.py --gpu --device cpu --tiny)
 # ------------------------------------------------------------------------------------------
 
-@pytest.mark.slow  # ~10 s on the 2-core machine: the interpreter runs every row
+def _gpu_bench(args, env=None):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, os.path.join(root, "bench", "bench_hamming.py"),
+                           "--gpu", *args], capture_output=True, text=True, cwd=root,
+                          timeout=600, env=dict(os.environ, **(env or {})))
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--index-sizes", "0", "--cpu-topk-queries", "0"], "--index-sizes: positive gallery sizes"),
+    (["--index-sizes", "10,x"], "--index-sizes: a comma list of integers"),
+    (["--index-sizes", "50", "--cpu-topk-queries", "0", "--k", "51"],
+     "--k: at most the smallest gallery (50), got 51"),
+    (["--gpu-repeats", "0"], "--gpu-repeats must be >= 1"),
+])
+def test_gpu_bench_refuses_bad_arguments(args, msg, capsys, monkeypatch):
+    """bench/bench_hamming.py --gpu (the hamming and hamming-tc stages): a usage error (exit
+    status 2) naming the flag, before any measurement."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "bench"))
+    import bench_hamming
+    with pytest.raises(SystemExit) as exc:
+        bench_hamming.main(["--gpu"] + args)
+    assert exc.value.code == 2 and msg in capsys.readouterr().err
+
+
+@pytest.mark.slow  # ~40 s on the 2-core machine: the interpreter runs every row
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="interpreter plumbing, CI's: on a GPU machine the stage runs the real "
                     "command (and torch 2.11's wrap_triton refuses interpreted kernels)")
 def test_gpu_bench_cpu_mode_runs_every_row(tmp_path):
-    """The GPU command's plumbing on toy sizes (the Triton engine under the interpreter): every
-    row timed, checked against the C++ engine, appended to --csv; a table, then one JSON line."""
+    """The GPU command's plumbing on toy sizes (the Triton engine under the interpreter; the
+    hamming and hamming-tc stages' command): every row timed, both top-k filters at two gallery
+    sizes and the mAP, each checked against the C++ engine, appended to --csv with the int8
+    floor; the profile tables, the one-line summary, then one JSON line."""
     import csv
     import json
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "hamming_gpu.csv"
-    prof = tmp_path / "hamming_kernels.txt"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_hamming.py"),
-                           "--gpu", "--device", "cpu", "--tiny", "--csv", str(out),
-                           "--profile-out", str(prof)],
-                          capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    prof, summ = tmp_path / "hamming_kernels.txt", tmp_path / "summary.txt"
+    proc = _gpu_bench(["--device", "cpu", "--tiny", "--csv", str(out), "--profile-out", str(prof),
+                       "--summary-out", str(summ)], dict(TRITON_INTERPRET="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    summary = json.loads(lines[-1])
-    assert summary["failures"] == [] and summary["skipped"] == [] and summary["rows"] == 11
-    assert any(line.startswith("row ") and "check" in line for line in lines)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["failures"] == [] and summary["skipped"] == [] and summary["rows"] == 13
+    assert summary["goals"] == {}
     with open(out) as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 11
-    text = prof.read_text()  # one table per profiled call: the search, then the mAP
-    assert text.count("== ") == 2 and "HashIndex.search" in text and "mAP@all" in text
-    assert "ms wall" in text and "Self CPU" in text
-    gpu_rows = [r for r in rows if r["engine"] == "triton"]
-    assert len(gpu_rows) == 7 and all(r["check"].startswith("ok") for r in gpu_rows)
-    assert {(r["method"], r["gallery"]) for r in rows} == {
-        ("map_all", "200"), ("map_all", "600"), ("topk", "4200"), ("topk", "9000"),
-        ("topk-variant", "4200")}
+    assert len(rows) == 13 and "of_bound" in rows[0] and "speedup_vs_cpu" in rows[0]
+    text = prof.read_text()  # one table per profiled call: the mAP, then each filter's search
+    assert text.count("== ") == 3 and "HashIndex.search (triton-mma)" in text
+    assert "mAP@all" in text and "ms wall" in text and "Self CPU" in text
+    gpu_rows = [r for r in rows if r["engine"] != "cpu"]
+    assert all(r["check"].startswith("ok") and float(r["bound_s"]) > 0 for r in gpu_rows)
+    assert [(r["method"], r["engine"], r["gallery"], r["queries"]) for r in gpu_rows] == [
+        ("map_all", "triton", "200", "33"), ("map_all", "triton", "600", "33"),
+        ("map_all", "triton", "600", "16"), ("topk", "triton-popc", "4200", "9"),
+        ("topk", "triton-mma", "4200", "9"), ("topk", "triton-popc", "9000", "4"),
+        ("topk", "triton-popc", "9000", "9"), ("topk", "triton-mma", "9000", "4"),
+        ("topk", "triton-mma", "9000", "9")]
     # like-for-like pairs carry the ratio; rows with another query count do not
     for r in gpu_rows:
         twin = [c for c in rows if c["engine"] == "cpu" and c["method"] == r["method"]
                 and c["gallery"] == r["gallery"] and c["queries"] == r["queries"]]
         assert bool(r["speedup_vs_cpu"]) == bool(twin)
-
-
-def _tc_bench(args, tmp_path, env=None):
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, os.path.join(root, "bench", "bench_hamming.py"), "--tc",
-                           *args], capture_output=True, text=True, cwd=root, timeout=600,
-                          env=dict(os.environ, **(env or {})))
-
-
-@pytest.mark.parametrize("args,msg", [
-    (["--sizes", "0"], "--sizes: positive gallery sizes"),
-    (["--sizes", "10,x"], "--sizes: a comma list of integers"),
-    (["--sizes", "50", "--k", "51"], "--k: at most the smallest gallery (50), got 51"),
-    (["--repeats", "0"], "--repeats must be >= 1"),
-])
-def test_tc_bench_refuses_bad_arguments(args, msg, capsys, monkeypatch):
-    """bench/bench_hamming.py --tc (the hamming-tc stage): a usage error (exit status 2) naming
-    the flag, before any measurement."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.syspath_prepend(os.path.join(root, "bench"))
-    import bench_hamming
-    with pytest.raises(SystemExit) as exc:
-        bench_hamming.main(["--tc"] + args)
-    assert exc.value.code == 2 and msg in capsys.readouterr().err
-
-
-@pytest.mark.slow  # ~45 s on the 2-core machine: the interpreter runs every row
-@pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="interpreter plumbing, CI's: on a GPU machine the stage runs the real "
-                    "command")
-def test_tc_bench_cpu_mode_checks_every_row(tmp_path):
-    """The hamming-tc stage's command on toy sizes (the Triton engine under the interpreter):
-    both top-k filters at two gallery sizes and the mAP, each checked against the C++ engine,
-    appended to --csv with the int8 floor; a table, then one JSON line."""
-    import csv
-    import json
-    out = tmp_path / "hamming_tc.csv"
-    proc = _tc_bench(["--device", "cpu", "--tiny", "--csv", str(out)], tmp_path,
-                     dict(TRITON_INTERPRET="1"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["failures"] == [] and summary["rows"] == 5 and summary["goals"] == {}
-    with open(out) as f:
-        rows = list(csv.DictReader(f))
-    assert [(r["method"], r["engine"], r["gallery"]) for r in rows] == [
-        ("topk", "triton-popc", "4200"), ("topk", "triton-mma", "4200"),
-        ("topk", "triton-popc", "9000"), ("topk", "triton-mma", "9000"),
-        ("map_all", "triton", "600")]
-    assert all(r["check"].startswith("ok") and float(r["bound_s"]) > 0 for r in rows)
+    line = summ.read_text()
+    assert line.count("; ") == 12 and "topk triton-mma 9x9000" in line
