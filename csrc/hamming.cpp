@@ -473,60 +473,30 @@ __attribute__((target("avx512f,avx512bw,popcnt"))) int64_t accumulate_avx512(
   return nrel;
 }
 
-// AVX2 version of accumulate_avx512: the same four histogram copies, in steps of 16 items; a
-// relevant item's position among the step's items of its distance from one 16-lane compare
-// (VPMOVMSKB gives two bits per lane).
-template <bool kPacked>
-__attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2(
-    const uint16_t* d, const u64* m, int64_t n, uint32_t* cnt, int64_t nbp, uint16_t* rec_d,
-    uint32_t* rec_p, int64_t nrel, int xb) {
-  uint32_t* c1 = cnt + nbp;
-  uint32_t* c2 = cnt + 2 * nbp;
-  uint32_t* c3 = cnt + 3 * nbp;
-  uint32_t* rl = cnt + 4 * nbp;
-  for (int64_t c0 = 0; c0 < n; c0 += 16) {
-    const int64_t cn = std::min<int64_t>(16, n - c0);
-    uint32_t bits = static_cast<uint32_t>(m[c0 >> 6] >> (c0 & 63)) & 0xFFFFu;
-    const uint16_t* dc = d + c0;
-    if (bits) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dc));
-      do {
-        const int k = __builtin_ctz(bits);
-        bits &= bits - 1;
-        const uint16_t x = dc[k];
-        const uint32_t eq = static_cast<uint32_t>(
-            _mm256_movemask_epi8(_mm256_cmpeq_epi16(v, _mm256_set1_epi16(static_cast<short>(x)))));
-        put_record<kPacked>(rec_d, rec_p, nrel, x,
-                            cnt[x] + c1[x] + c2[x] + c3[x] +
-                                static_cast<uint32_t>(__builtin_popcount(eq & ((1u << (2 * k)) - 1u))) / 2,
-                            xb);
-        ++rl[x];
-        ++nrel;
-      } while (bits);
-    }
-    if (cn == 16) {
-      for (int u = 0; u < 16; u += 4) {
-        ++cnt[dc[u]];
-        ++c1[dc[u + 1]];
-        ++c2[dc[u + 2]];
-        ++c3[dc[u + 3]];
-      }
-    } else {
-      for (int64_t u = 0; u < cn; ++u) ++cnt[dc[u]];
-    }
-  }
-  return nrel;
+// AVX2 version of accumulate_avx512, in the same groups of 64 items and the same four histogram
+// copies: one loop over a group's relevant items (per 16 items it was four loops, and their exits
+// are what the branch predictor misses on ~10%-relevant data).  A relevant item's position among
+// the group's items of its distance comes from a 64-lane equality mask (eq_bytes / eq_words).
+// kBytes, distances below 256 (codes of at most 192 bits: 64 W <= 255): the group's distances
+// packed to bytes once (two vectors), two 32-lane byte compares per relevant item; otherwise four
+// 16-lane word compares packed to bytes.  d must be readable for 64 items from every multiple of
+// 64 below n (lanes at or past n come after every relevant item of the group, so they never count).
+__attribute__((target("avx2"))) inline u64 movemask64(__m256i lo, __m256i hi) {
+  return static_cast<uint32_t>(_mm256_movemask_epi8(lo)) |
+         (static_cast<u64>(static_cast<uint32_t>(_mm256_movemask_epi8(hi))) << 32);
 }
 
-// accumulate_avx2 for distances below 256 (codes of at most 192 bits: 64 W <= 255), in groups of
-// 64 items like accumulate_avx512: the group's distances packed to bytes once (two vectors),
-// and a relevant item's position among the group's items of its distance from two 32-lane byte
-// compares.  One loop over a group's relevant items instead of one per 16 items: a quarter of the
-// loop exits, which the branch predictor misses on ~10%-relevant data.  d must be readable for
-// 64 items from every multiple of 64 below n (lanes at or past n come after every relevant item
-// of the group, so they never count).
-template <bool kPacked>
-__attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2_bytes(
+// 32 uint16 lanes (a, b) -> 32 bytes in item order (packs works per 128-bit lane: items 0-7,
+// 16-23, 8-15, 24-31 -> 0xD8 puts them in order); unsigned saturation for distances, signed for
+// the 0 / -1 compare results.
+template <bool kSigned>
+__attribute__((target("avx2"))) inline __m256i pack_words(__m256i a, __m256i b) {
+  return _mm256_permute4x64_epi64(kSigned ? _mm256_packs_epi16(a, b) : _mm256_packus_epi16(a, b),
+                                  0xD8);
+}
+
+template <bool kPacked, bool kBytes>
+__attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2(
     const uint16_t* d, const u64* m, int64_t n, uint32_t* cnt, int64_t nbp, uint16_t* rec_d,
     uint32_t* rec_p, int64_t nrel, int xb) {
   uint32_t* c1 = cnt + nbp;
@@ -539,20 +509,24 @@ __attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2_bytes(
     const uint16_t* dc = d + c0;
     if (bits) {
       const __m256i* dv = reinterpret_cast<const __m256i*>(dc);
-      // packus works per 128-bit lane: items 0-7, 16-23, 8-15, 24-31 -> 0xD8 puts them in order
-      const __m256i lo = _mm256_permute4x64_epi64(
-          _mm256_packus_epi16(_mm256_loadu_si256(dv), _mm256_loadu_si256(dv + 1)), 0xD8);
-      const __m256i hi = _mm256_permute4x64_epi64(
-          _mm256_packus_epi16(_mm256_loadu_si256(dv + 2), _mm256_loadu_si256(dv + 3)), 0xD8);
+      const __m256i v0 = _mm256_loadu_si256(dv), v1 = _mm256_loadu_si256(dv + 1);
+      const __m256i v2 = _mm256_loadu_si256(dv + 2), v3 = _mm256_loadu_si256(dv + 3);
+      // kBytes: the group's distances as bytes (unused lanes of the word path: compiled away)
+      const __m256i lo = kBytes ? pack_words<false>(v0, v1) : v0;
+      const __m256i hi = kBytes ? pack_words<false>(v2, v3) : v2;
       do {
         const int k = __builtin_ctzll(bits);
         bits &= bits - 1;
         const uint32_t x = dc[k];
-        const __m256i xv = _mm256_set1_epi8(static_cast<char>(x));
-        const u64 eq =
-            static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(lo, xv))) |
-            (static_cast<u64>(static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(hi, xv))))
-             << 32);
+        u64 eq;
+        if constexpr (kBytes) {
+          const __m256i xv = _mm256_set1_epi8(static_cast<char>(x));
+          eq = movemask64(_mm256_cmpeq_epi8(lo, xv), _mm256_cmpeq_epi8(hi, xv));
+        } else {
+          const __m256i xv = _mm256_set1_epi16(static_cast<short>(x));
+          eq = movemask64(pack_words<true>(_mm256_cmpeq_epi16(v0, xv), _mm256_cmpeq_epi16(v1, xv)),
+                          pack_words<true>(_mm256_cmpeq_epi16(v2, xv), _mm256_cmpeq_epi16(v3, xv)));
+        }
         put_record<kPacked>(rec_d, rec_p, nrel, x,
                             cnt[x] + c1[x] + c2[x] + c3[x] +
                                 static_cast<uint32_t>(__builtin_popcountll(eq & ((u64{1} << k) - 1))),
@@ -1412,17 +1386,70 @@ struct RetrievalOut {
   int64_t* relhist;     // (Q, nb) or null
 };
 
+// The AP's sum for one query without cut-offs: the precision (relbefore[x] + seen) /
+// (before[x] + pos + 1) of each relevant item, added in gallery order ([M:ap]); relcnt (zeroed)
+// counts the relevant items of each distance seen so far.  One division per relevant item bounds
+// the scalar loop (DIVSD: one per ~5 cycles); the AVX2 version divides 4 at a time (one VDIVPD,
+// correctly rounded like DIVSD: the same quotients) and adds them one by one in the same order.
+template <bool kPacked>
+inline double ap_sum_scalar(const Records& rec, int xb, int64_t nrel, uint32_t* relcnt,
+                            const uint64_t* before, const uint64_t* relbefore, int64_t r = 0,
+                            double sum = 0.0) {
+  const uint32_t xmask = (uint32_t{1} << xb) - 1;
+  for (; r < nrel; ++r) {
+    const uint32_t x = kPacked ? rec.p[r] & xmask : rec.d[r];
+    const uint32_t pos = kPacked ? rec.p[r] >> xb : rec.p[r];
+    const uint32_t seen = ++relcnt[x];
+    sum += static_cast<double>(relbefore[x] + seen) / static_cast<double>(before[x] + pos + 1);
+  }
+  return sum;
+}
+
+#if NAC_HAMMING_X86
+template <bool kPacked>
+__attribute__((target("avx2"))) double ap_sum_avx2(const Records& rec, int xb, int64_t nrel,
+                                                   uint32_t* relcnt, const uint64_t* before,
+                                                   const uint64_t* relbefore) {
+  const uint32_t xmask = (uint32_t{1} << xb) - 1;
+  // numerator and denominator of record r as doubles (exact: both below 2^33), in registers: a
+  // round trip through a stack array stalls on store-to-load forwarding (scalar stores, vector load)
+  const auto frac = [&](int64_t r, double& num, double& den) {
+    const uint32_t x = kPacked ? rec.p[r] & xmask : rec.d[r];
+    const uint32_t pos = kPacked ? rec.p[r] >> xb : rec.p[r];
+    const uint32_t seen = ++relcnt[x];
+    num = static_cast<double>(static_cast<int64_t>(relbefore[x] + seen));
+    den = static_cast<double>(static_cast<int64_t>(before[x] + pos + 1));
+  };
+  double sum = 0.0;
+  int64_t r = 0;
+  for (; r + 4 <= nrel; r += 4) {
+    double n0, n1, n2, n3, d0, d1, d2, d3;
+    frac(r, n0, d0);
+    frac(r + 1, n1, d1);
+    frac(r + 2, n2, d2);
+    frac(r + 3, n3, d3);
+    const __m256d v = _mm256_div_pd(_mm256_set_pd(n3, n2, n1, n0), _mm256_set_pd(d3, d2, d1, d0));
+    const __m128d lo = _mm256_castpd256_pd128(v), hi = _mm256_extractf128_pd(v, 1);
+    sum += _mm_cvtsd_f64(lo);
+    sum += _mm_cvtsd_f64(_mm_unpackhi_pd(lo, lo));
+    sum += _mm_cvtsd_f64(hi);
+    sum += _mm_cvtsd_f64(_mm_unpackhi_pd(hi, hi));
+  }
+  return ap_sum_scalar<kPacked>(rec, xb, nrel, relcnt, before, relbefore, r, sum);
+}
+#endif
+
 // Everything after a query's pass: cnt[x] items, relin[x] relevant items (null: counted here
 // from the records) and the relevant items' records (distance, position among the items of
 // that distance, in gallery order; put_record's layout).  The AP sums the precisions in gallery
-// order, as [M:ap] lists them.
+// order, as [M:ap] lists them (vec_div: ap_sum_avx2, the x86 levels from AVX2 on).
 template <bool kPacked>
 void finalize_query(int64_t i, int64_t G, int64_t nb, const uint32_t* cnt, const uint32_t* relin,
                     const Records& rec, int xb, int64_t nrel, const RetrievalOut& o,
                     std::vector<uint32_t>& relcnt, std::vector<uint64_t>& before,
                     std::vector<uint64_t>& relbefore, std::vector<double>& bucket_sum,
                     std::vector<int64_t>& cut_x, std::vector<int64_t>& cut_m,
-                    std::vector<uint8_t>& is_cut) {
+                    std::vector<uint8_t>& is_cut, bool vec_div) {
   const uint32_t xmask = (uint32_t{1} << xb) - 1;
   const auto rec_x = [&](int64_t r) -> uint32_t {
     if constexpr (kPacked) return rec.p[r] & xmask; else return rec.d[r];
@@ -1465,13 +1492,13 @@ void finalize_query(int64_t i, int64_t G, int64_t nb, const uint32_t* cnt, const
     o.ap[i] = std::numeric_limits<double>::quiet_NaN();
   } else if (o.C == 0) {  // AP alone: no per-bucket sums
     std::fill(relcnt.begin(), relcnt.end(), 0u);  // now: relevant items of distance x seen so far
-    double sum = 0.0;
-    for (int64_t r = 0; r < nrel; ++r) {
-      const uint32_t x = rec_x(r);
-      const uint32_t seen = ++relcnt[x];
-      sum += static_cast<double>(relbefore[x] + seen) /
-             static_cast<double>(before[x] + rec_pos(r) + 1);
-    }
+    double sum;
+#if NAC_HAMMING_X86
+    if (vec_div)
+      sum = ap_sum_avx2<kPacked>(rec, xb, nrel, relcnt.data(), before.data(), relbefore.data());
+    else
+#endif
+      sum = ap_sum_scalar<kPacked>(rec, xb, nrel, relcnt.data(), before.data(), relbefore.data());
     o.ap[i] = sum / static_cast<double>(nrel);
   } else {
     std::fill(relcnt.begin(), relcnt.end(), 0u);  // now: relevant items of distance x seen so far
@@ -1572,10 +1599,10 @@ void retrieval_loop_impl(const u64* qp, const u64* gp, int64_t Q, int64_t G, int
           if (eng.level == kAvx2) {
             rel.mask_avx2(i, j0, n, mbuf.data());
             nrel[li] = 64 * W <= 255
-                           ? accumulate_avx2_bytes<kPacked>(dbuf.data(), mbuf.data(), n, c, nbp,
+                           ? accumulate_avx2<kPacked, true>(dbuf.data(), mbuf.data(), n, c, nbp,
                                                             rc.d, rc.p, nrel[li], xb)
-                           : accumulate_avx2<kPacked>(dbuf.data(), mbuf.data(), n, c, nbp, rc.d,
-                                                      rc.p, nrel[li], xb);
+                           : accumulate_avx2<kPacked, false>(dbuf.data(), mbuf.data(), n, c, nbp,
+                                                             rc.d, rc.p, nrel[li], xb);
             continue;
           }
 #endif
@@ -1593,7 +1620,7 @@ void retrieval_loop_impl(const u64* qp, const u64* gp, int64_t Q, int64_t G, int
         }
         finalize_query<kPacked>(i, G, nb, total.data(), rel_counted ? c + kSubMax * nbp : nullptr,
                                 recs[i - i0], xb, nrel[i - i0], o, relcnt, before, relbefore,
-                                bucket_sum, cut_x, cut_m, is_cut);
+                                bucket_sum, cut_x, cut_m, is_cut, rel_counted);
       }
     }
   });
