@@ -1386,70 +1386,17 @@ struct RetrievalOut {
   int64_t* relhist;     // (Q, nb) or null
 };
 
-// The AP's sum for one query without cut-offs: the precision (relbefore[x] + seen) /
-// (before[x] + pos + 1) of each relevant item, added in gallery order ([M:ap]); relcnt (zeroed)
-// counts the relevant items of each distance seen so far.  One division per relevant item bounds
-// the scalar loop (DIVSD: one per ~5 cycles); the AVX2 version divides 4 at a time (one VDIVPD,
-// correctly rounded like DIVSD: the same quotients) and adds them one by one in the same order.
-template <bool kPacked>
-inline double ap_sum_scalar(const Records& rec, int xb, int64_t nrel, uint32_t* relcnt,
-                            const uint64_t* before, const uint64_t* relbefore, int64_t r = 0,
-                            double sum = 0.0) {
-  const uint32_t xmask = (uint32_t{1} << xb) - 1;
-  for (; r < nrel; ++r) {
-    const uint32_t x = kPacked ? rec.p[r] & xmask : rec.d[r];
-    const uint32_t pos = kPacked ? rec.p[r] >> xb : rec.p[r];
-    const uint32_t seen = ++relcnt[x];
-    sum += static_cast<double>(relbefore[x] + seen) / static_cast<double>(before[x] + pos + 1);
-  }
-  return sum;
-}
-
-#if NAC_HAMMING_X86
-template <bool kPacked>
-__attribute__((target("avx2"))) double ap_sum_avx2(const Records& rec, int xb, int64_t nrel,
-                                                   uint32_t* relcnt, const uint64_t* before,
-                                                   const uint64_t* relbefore) {
-  const uint32_t xmask = (uint32_t{1} << xb) - 1;
-  // numerator and denominator of record r as doubles (exact: both below 2^33), in registers: a
-  // round trip through a stack array stalls on store-to-load forwarding (scalar stores, vector load)
-  const auto frac = [&](int64_t r, double& num, double& den) {
-    const uint32_t x = kPacked ? rec.p[r] & xmask : rec.d[r];
-    const uint32_t pos = kPacked ? rec.p[r] >> xb : rec.p[r];
-    const uint32_t seen = ++relcnt[x];
-    num = static_cast<double>(static_cast<int64_t>(relbefore[x] + seen));
-    den = static_cast<double>(static_cast<int64_t>(before[x] + pos + 1));
-  };
-  double sum = 0.0;
-  int64_t r = 0;
-  for (; r + 4 <= nrel; r += 4) {
-    double n0, n1, n2, n3, d0, d1, d2, d3;
-    frac(r, n0, d0);
-    frac(r + 1, n1, d1);
-    frac(r + 2, n2, d2);
-    frac(r + 3, n3, d3);
-    const __m256d v = _mm256_div_pd(_mm256_set_pd(n3, n2, n1, n0), _mm256_set_pd(d3, d2, d1, d0));
-    const __m128d lo = _mm256_castpd256_pd128(v), hi = _mm256_extractf128_pd(v, 1);
-    sum += _mm_cvtsd_f64(lo);
-    sum += _mm_cvtsd_f64(_mm_unpackhi_pd(lo, lo));
-    sum += _mm_cvtsd_f64(hi);
-    sum += _mm_cvtsd_f64(_mm_unpackhi_pd(hi, hi));
-  }
-  return ap_sum_scalar<kPacked>(rec, xb, nrel, relcnt, before, relbefore, r, sum);
-}
-#endif
-
 // Everything after a query's pass: cnt[x] items, relin[x] relevant items (null: counted here
 // from the records) and the relevant items' records (distance, position among the items of
 // that distance, in gallery order; put_record's layout).  The AP sums the precisions in gallery
-// order, as [M:ap] lists them (vec_div: ap_sum_avx2, the x86 levels from AVX2 on).
+// order, as [M:ap] lists them.
 template <bool kPacked>
 void finalize_query(int64_t i, int64_t G, int64_t nb, const uint32_t* cnt, const uint32_t* relin,
                     const Records& rec, int xb, int64_t nrel, const RetrievalOut& o,
                     std::vector<uint32_t>& relcnt, std::vector<uint64_t>& before,
                     std::vector<uint64_t>& relbefore, std::vector<double>& bucket_sum,
                     std::vector<int64_t>& cut_x, std::vector<int64_t>& cut_m,
-                    std::vector<uint8_t>& is_cut, bool vec_div) {
+                    std::vector<uint8_t>& is_cut) {
   const uint32_t xmask = (uint32_t{1} << xb) - 1;
   const auto rec_x = [&](int64_t r) -> uint32_t {
     if constexpr (kPacked) return rec.p[r] & xmask; else return rec.d[r];
@@ -1492,13 +1439,13 @@ void finalize_query(int64_t i, int64_t G, int64_t nb, const uint32_t* cnt, const
     o.ap[i] = std::numeric_limits<double>::quiet_NaN();
   } else if (o.C == 0) {  // AP alone: no per-bucket sums
     std::fill(relcnt.begin(), relcnt.end(), 0u);  // now: relevant items of distance x seen so far
-    double sum;
-#if NAC_HAMMING_X86
-    if (vec_div)
-      sum = ap_sum_avx2<kPacked>(rec, xb, nrel, relcnt.data(), before.data(), relbefore.data());
-    else
-#endif
-      sum = ap_sum_scalar<kPacked>(rec, xb, nrel, relcnt.data(), before.data(), relbefore.data());
+    double sum = 0.0;
+    for (int64_t r = 0; r < nrel; ++r) {
+      const uint32_t x = rec_x(r);
+      const uint32_t seen = ++relcnt[x];
+      sum += static_cast<double>(relbefore[x] + seen) /
+             static_cast<double>(before[x] + rec_pos(r) + 1);
+    }
     o.ap[i] = sum / static_cast<double>(nrel);
   } else {
     std::fill(relcnt.begin(), relcnt.end(), 0u);  // now: relevant items of distance x seen so far
@@ -1620,7 +1567,7 @@ void retrieval_loop_impl(const u64* qp, const u64* gp, int64_t Q, int64_t G, int
         }
         finalize_query<kPacked>(i, G, nb, total.data(), rel_counted ? c + kSubMax * nbp : nullptr,
                                 recs[i - i0], xb, nrel[i - i0], o, relcnt, before, relbefore,
-                                bucket_sum, cut_x, cut_m, is_cut, rel_counted);
+                                bucket_sum, cut_x, cut_m, is_cut);
       }
     }
   });
