@@ -473,60 +473,30 @@ __attribute__((target("avx512f,avx512bw,popcnt"))) int64_t accumulate_avx512(
   return nrel;
 }
 
-// AVX2 version of accumulate_avx512: the same four histogram copies, in steps of 16 items; a
-// relevant item's position among the step's items of its distance from one 16-lane compare
-// (VPMOVMSKB gives two bits per lane).
-template <bool kPacked>
-__attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2(
-    const uint16_t* d, const u64* m, int64_t n, uint32_t* cnt, int64_t nbp, uint16_t* rec_d,
-    uint32_t* rec_p, int64_t nrel, int xb) {
-  uint32_t* c1 = cnt + nbp;
-  uint32_t* c2 = cnt + 2 * nbp;
-  uint32_t* c3 = cnt + 3 * nbp;
-  uint32_t* rl = cnt + 4 * nbp;
-  for (int64_t c0 = 0; c0 < n; c0 += 16) {
-    const int64_t cn = std::min<int64_t>(16, n - c0);
-    uint32_t bits = static_cast<uint32_t>(m[c0 >> 6] >> (c0 & 63)) & 0xFFFFu;
-    const uint16_t* dc = d + c0;
-    if (bits) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dc));
-      do {
-        const int k = __builtin_ctz(bits);
-        bits &= bits - 1;
-        const uint16_t x = dc[k];
-        const uint32_t eq = static_cast<uint32_t>(
-            _mm256_movemask_epi8(_mm256_cmpeq_epi16(v, _mm256_set1_epi16(static_cast<short>(x)))));
-        put_record<kPacked>(rec_d, rec_p, nrel, x,
-                            cnt[x] + c1[x] + c2[x] + c3[x] +
-                                static_cast<uint32_t>(__builtin_popcount(eq & ((1u << (2 * k)) - 1u))) / 2,
-                            xb);
-        ++rl[x];
-        ++nrel;
-      } while (bits);
-    }
-    if (cn == 16) {
-      for (int u = 0; u < 16; u += 4) {
-        ++cnt[dc[u]];
-        ++c1[dc[u + 1]];
-        ++c2[dc[u + 2]];
-        ++c3[dc[u + 3]];
-      }
-    } else {
-      for (int64_t u = 0; u < cn; ++u) ++cnt[dc[u]];
-    }
-  }
-  return nrel;
+// AVX2 version of accumulate_avx512, in the same groups of 64 items and the same four histogram
+// copies: one loop over a group's relevant items (per 16 items it was four loops, and their exits
+// are what the branch predictor misses on ~10%-relevant data).  A relevant item's position among
+// the group's items of its distance comes from a 64-lane equality mask (eq_bytes / eq_words).
+// kBytes, distances below 256 (codes of at most 192 bits: 64 W <= 255): the group's distances
+// packed to bytes once (two vectors), two 32-lane byte compares per relevant item; otherwise four
+// 16-lane word compares packed to bytes.  d must be readable for 64 items from every multiple of
+// 64 below n (lanes at or past n come after every relevant item of the group, so they never count).
+__attribute__((target("avx2"))) inline u64 movemask64(__m256i lo, __m256i hi) {
+  return static_cast<uint32_t>(_mm256_movemask_epi8(lo)) |
+         (static_cast<u64>(static_cast<uint32_t>(_mm256_movemask_epi8(hi))) << 32);
 }
 
-// accumulate_avx2 for distances below 256 (codes of at most 192 bits: 64 W <= 255), in groups of
-// 64 items like accumulate_avx512: the group's distances packed to bytes once (two vectors),
-// and a relevant item's position among the group's items of its distance from two 32-lane byte
-// compares.  One loop over a group's relevant items instead of one per 16 items: a quarter of the
-// loop exits, which the branch predictor misses on ~10%-relevant data.  d must be readable for
-// 64 items from every multiple of 64 below n (lanes at or past n come after every relevant item
-// of the group, so they never count).
-template <bool kPacked>
-__attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2_bytes(
+// 32 uint16 lanes (a, b) -> 32 bytes in item order (packs works per 128-bit lane: items 0-7,
+// 16-23, 8-15, 24-31 -> 0xD8 puts them in order); unsigned saturation for distances, signed for
+// the 0 / -1 compare results.
+template <bool kSigned>
+__attribute__((target("avx2"))) inline __m256i pack_words(__m256i a, __m256i b) {
+  return _mm256_permute4x64_epi64(kSigned ? _mm256_packs_epi16(a, b) : _mm256_packus_epi16(a, b),
+                                  0xD8);
+}
+
+template <bool kPacked, bool kBytes>
+__attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2(
     const uint16_t* d, const u64* m, int64_t n, uint32_t* cnt, int64_t nbp, uint16_t* rec_d,
     uint32_t* rec_p, int64_t nrel, int xb) {
   uint32_t* c1 = cnt + nbp;
@@ -539,20 +509,24 @@ __attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2_bytes(
     const uint16_t* dc = d + c0;
     if (bits) {
       const __m256i* dv = reinterpret_cast<const __m256i*>(dc);
-      // packus works per 128-bit lane: items 0-7, 16-23, 8-15, 24-31 -> 0xD8 puts them in order
-      const __m256i lo = _mm256_permute4x64_epi64(
-          _mm256_packus_epi16(_mm256_loadu_si256(dv), _mm256_loadu_si256(dv + 1)), 0xD8);
-      const __m256i hi = _mm256_permute4x64_epi64(
-          _mm256_packus_epi16(_mm256_loadu_si256(dv + 2), _mm256_loadu_si256(dv + 3)), 0xD8);
+      const __m256i v0 = _mm256_loadu_si256(dv), v1 = _mm256_loadu_si256(dv + 1);
+      const __m256i v2 = _mm256_loadu_si256(dv + 2), v3 = _mm256_loadu_si256(dv + 3);
+      // kBytes: the group's distances as bytes (unused lanes of the word path: compiled away)
+      const __m256i lo = kBytes ? pack_words<false>(v0, v1) : v0;
+      const __m256i hi = kBytes ? pack_words<false>(v2, v3) : v2;
       do {
         const int k = __builtin_ctzll(bits);
         bits &= bits - 1;
         const uint32_t x = dc[k];
-        const __m256i xv = _mm256_set1_epi8(static_cast<char>(x));
-        const u64 eq =
-            static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(lo, xv))) |
-            (static_cast<u64>(static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(hi, xv))))
-             << 32);
+        u64 eq;
+        if constexpr (kBytes) {
+          const __m256i xv = _mm256_set1_epi8(static_cast<char>(x));
+          eq = movemask64(_mm256_cmpeq_epi8(lo, xv), _mm256_cmpeq_epi8(hi, xv));
+        } else {
+          const __m256i xv = _mm256_set1_epi16(static_cast<short>(x));
+          eq = movemask64(pack_words<true>(_mm256_cmpeq_epi16(v0, xv), _mm256_cmpeq_epi16(v1, xv)),
+                          pack_words<true>(_mm256_cmpeq_epi16(v2, xv), _mm256_cmpeq_epi16(v3, xv)));
+        }
         put_record<kPacked>(rec_d, rec_p, nrel, x,
                             cnt[x] + c1[x] + c2[x] + c3[x] +
                                 static_cast<uint32_t>(__builtin_popcountll(eq & ((u64{1} << k) - 1))),
@@ -1572,10 +1546,10 @@ void retrieval_loop_impl(const u64* qp, const u64* gp, int64_t Q, int64_t G, int
           if (eng.level == kAvx2) {
             rel.mask_avx2(i, j0, n, mbuf.data());
             nrel[li] = 64 * W <= 255
-                           ? accumulate_avx2_bytes<kPacked>(dbuf.data(), mbuf.data(), n, c, nbp,
+                           ? accumulate_avx2<kPacked, true>(dbuf.data(), mbuf.data(), n, c, nbp,
                                                             rc.d, rc.p, nrel[li], xb)
-                           : accumulate_avx2<kPacked>(dbuf.data(), mbuf.data(), n, c, nbp, rc.d,
-                                                      rc.p, nrel[li], xb);
+                           : accumulate_avx2<kPacked, false>(dbuf.data(), mbuf.data(), n, c, nbp,
+                                                             rc.d, rc.p, nrel[li], xb);
             continue;
           }
 #endif
