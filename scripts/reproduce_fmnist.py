@@ -183,13 +183,22 @@ def _grid_mq() -> dict:
 
 def _grid_folders() -> dict:
     """Candidates for issue 58 (NAC's hash codes on folders no recipe was tuned on), each one
-    change over the default recipe: the heads' gain G ([M:heads]: 3, 9), code bits D = 64 (a
-    channel of half the capacity, [M:recipe-small]), the p ramp at any budget ([M:p-schedule]).
+    change over the default recipe, or two: the heads' gain G ([M:heads]: 2, 3, 4, 9), code bits
+    D = 64 (a channel of half the capacity, [M:recipe-small]), the p ramp at any budget
+    ([M:p-schedule]), NAC-MQ, and G = 3 with each of the others and with p = 0.2, 0.3.
     NAC-MQ is the mq grid's nac-mq:l2-0; the default itself is the budgets grid's nac:default."""
     return {"nac:again3": ("nac", ["--a-gain", "3"], "default"),
             "nac:again9": ("nac", ["--a-gain", "9"], "default"),
             "nac:dim64": ("nac", ["--code-dim", "64"], "default"),
-            "nac:ramp": ("nac", ["--flip-prob-final-min-images", "none"], "default")}
+            "nac:ramp": ("nac", ["--flip-prob-final-min-images", "none"], "default"),
+            "nac:again2": ("nac", ["--a-gain", "2"], "default"),
+            "nac:again4": ("nac", ["--a-gain", "4"], "default"),
+            "nac:again3+dim64": ("nac", ["--a-gain", "3", "--code-dim", "64"], "default"),
+            "nac:again3+ramp": ("nac", ["--a-gain", "3", "--flip-prob-final-min-images", "none"],
+                                "default"),
+            "nac-mq:again3": ("nac-mq", ["--a-gain", "3", "--l2", "0"], "default"),
+            "nac:again3+p0.2": ("nac", ["--a-gain", "3", "--flip-prob", "0.2"], "default"),
+            "nac:again3+p0.3": ("nac", ["--a-gain", "3", "--flip-prob", "0.3"], "default")}
 
 
 GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,
