@@ -208,6 +208,14 @@ int64_t grain_for(int64_t G) {
 // Average precision over the whole ranking
 // ---------------------------------------------------------------------------------------------
 
+#if NAC_HAMMING_X86
+// The byte masks of two 32-byte compares as one 64-bit mask (lo's bytes first).
+__attribute__((target("avx2"))) inline u64 movemask64(__m256i lo, __m256i hi) {
+  return static_cast<uint32_t>(_mm256_movemask_epi8(lo)) |
+         (static_cast<u64>(static_cast<uint32_t>(_mm256_movemask_epi8(hi))) << 32);
+}
+#endif
+
 // Relevance of gallery items [j0, j0+n) to one query [M:relevance]: portable, as 0/1 bytes (the
 // scalar path was slower with relevance bits: bench/results/cpu_micro.md); AVX-512, as a bit mask
 // (bit j % 64 of word j / 64, bits past n are 0), 8 items per compare.
@@ -222,6 +230,10 @@ struct SingleLabel {  // class ids: relevant = same class
   // outside [gl8_lo, gl8_lo + 254] has no relevant item.
   const uint8_t* gl8 = nullptr;
   int64_t gl8_lo = 0;
+  // The mask of n items none of which is relevant.
+  static void no_relevant(int64_t n, u64* out) {
+    std::memset(out, 0, static_cast<size_t>((n + 63) / 64) * sizeof(u64));
+  }
   // The query's id as a gl8 byte, or -1 when no gallery id can equal it.
   int query_byte(int64_t i) const {
     const uint64_t v = static_cast<uint64_t>(ql[i]) - static_cast<uint64_t>(gl8_lo);  // exact when >= 0
@@ -237,10 +249,7 @@ struct SingleLabel {  // class ids: relevant = same class
                                                                 u64* out) const {
     if (gl8) {
       const int qb = query_byte(i);
-      if (qb < 0) {
-        std::memset(out, 0, static_cast<size_t>((n + 63) / 64) * sizeof(u64));
-        return;
-      }
+      if (qb < 0) return no_relevant(n, out);
       const __m512i c8 = _mm512_set1_epi8(static_cast<char>(qb));
       const uint8_t* g = gl8 + j0;
       for (int64_t w = 0; w * 64 < n; ++w) {
@@ -268,19 +277,14 @@ struct SingleLabel {  // class ids: relevant = same class
   __attribute__((target("avx2"))) void mask_avx2(int64_t i, int64_t j0, int64_t n, u64* out) const {
     if (gl8) {
       const int qb = query_byte(i);
-      if (qb < 0) {
-        std::memset(out, 0, static_cast<size_t>((n + 63) / 64) * sizeof(u64));
-        return;
-      }
+      if (qb < 0) return no_relevant(n, out);
       const __m256i c8 = _mm256_set1_epi8(static_cast<char>(qb));
       const uint8_t* g = gl8 + j0;
       int64_t j = 0;
       for (; j + 64 <= n; j += 64) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + j));
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + j + 32));
-        const u64 lo = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(a, c8)));
-        const u64 hi = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(b, c8)));
-        out[j >> 6] = lo | (hi << 32);
+        out[j >> 6] = movemask64(_mm256_cmpeq_epi8(a, c8), _mm256_cmpeq_epi8(b, c8));
       }
       if (j < n) {
         u64 bits = 0;
@@ -473,19 +477,6 @@ __attribute__((target("avx512f,avx512bw,popcnt"))) int64_t accumulate_avx512(
   return nrel;
 }
 
-// AVX2 version of accumulate_avx512, in the same groups of 64 items and the same four histogram
-// copies: one loop over a group's relevant items (per 16 items it was four loops, and their exits
-// are what the branch predictor misses on ~10%-relevant data).  A relevant item's position among
-// the group's items of its distance comes from a 64-lane equality mask (eq_bytes / eq_words).
-// kBytes, distances below 256 (codes of at most 192 bits: 64 W <= 255): the group's distances
-// packed to bytes once (two vectors), two 32-lane byte compares per relevant item; otherwise four
-// 16-lane word compares packed to bytes.  d must be readable for 64 items from every multiple of
-// 64 below n (lanes at or past n come after every relevant item of the group, so they never count).
-__attribute__((target("avx2"))) inline u64 movemask64(__m256i lo, __m256i hi) {
-  return static_cast<uint32_t>(_mm256_movemask_epi8(lo)) |
-         (static_cast<u64>(static_cast<uint32_t>(_mm256_movemask_epi8(hi))) << 32);
-}
-
 // 32 uint16 lanes (a, b) -> 32 bytes in item order (packs works per 128-bit lane: items 0-7,
 // 16-23, 8-15, 24-31 -> 0xD8 puts them in order); unsigned saturation for distances, signed for
 // the 0 / -1 compare results.
@@ -495,6 +486,14 @@ __attribute__((target("avx2"))) inline __m256i pack_words(__m256i a, __m256i b) 
                                   0xD8);
 }
 
+// AVX2 version of accumulate_avx512, in the same groups of 64 items and the same four histogram
+// copies: one loop over a group's relevant items (per 16 items it was four loops, and their exits
+// are what the branch predictor misses on ~10%-relevant data).  A relevant item's position among
+// the group's items of its distance comes from a 64-lane equality mask (movemask64).
+// kBytes, distances below 256 (codes of at most 192 bits: 64 W <= 255): the group's distances
+// packed to bytes once (two vectors), two 32-lane byte compares per relevant item; otherwise four
+// 16-lane word compares packed to bytes.  d must be readable for 64 items from every multiple of
+// 64 below n (lanes at or past n come after every relevant item of the group, so they never count).
 template <bool kPacked, bool kBytes>
 __attribute__((target("avx2,popcnt"))) int64_t accumulate_avx2(
     const uint16_t* d, const u64* m, int64_t n, uint32_t* cnt, int64_t nbp, uint16_t* rec_d,
