@@ -338,9 +338,10 @@ def _in_group(rank, world, port, out_dir, parts):
                             world_size=world)
     try:
         res = {}
+        run = {"shuffle": lambda: _shuffle_part(rank, world),
+               "collectives": lambda: _collectives_part(rank)}
         for part in parts:
-            res[part] = (_shuffle_part(rank, world) if part == "shuffle"
-                         else _collectives_part(rank))
+            res[part] = run[part]()
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
