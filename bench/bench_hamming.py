@@ -10,10 +10,8 @@ docs/evaluation.md "The Hamming benchmark".  A failed GPU check exits 1; the las
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -29,8 +27,8 @@ except ImportError:  # running from a checkout that is not installed
     import nac_fast as H
 from nac_fast.ops import dispatch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (append_rows, check_flip, check_least, check_output_file, commit,  # noqa: E402
-                    device_name, quantiles, write_text)
+from common import (append_rows, check_least, check_output_file, device_name,  # noqa: E402
+                    int_list, quantiles, run_fields, write_text)
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 _RUN = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method", "queries",
@@ -194,10 +192,9 @@ def write_csv(args, rows, fields, **base):
     """Append rows (with the run's columns `base`; --note joined to each row's note) to --csv; a
     CSV with another header is rewritten with `fields` first (common.append_rows)."""
     if args.csv:
-        base = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec="seconds"), "host": socket.gethostname(),
-            "cpu": device_name("cpu").rsplit(" x", 1)[0], "threads": args.threads,
-            "torch": torch.__version__, "git_commit": commit(), **base}
+        run = run_fields(device_name("cpu").rsplit(" x", 1)[0])
+        base = {**run, "cpu": run["device"], "git_commit": run["commit"], "threads": args.threads,
+                **base}
         full = [{**base, **r, "note": "; ".join(x for x in (r.get("note", ""), args.note) if x)}
                 for r in rows]
         append_rows(args.csv, [{f: r.get(f, "") for f in fields} for r in full], fields)
@@ -413,16 +410,6 @@ def _ap_check(qw, ql, gw, gl, bits, n, engine="triton"):
                  f"diff {rel:.1e}" + ("" if same_nan else ", NaN pattern differs")
 
 
-def _ints(ap, text: str, name: str, positive=False) -> list:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"{name}: a comma list of integers, got {text!r}")
-    if positive and (not out or min(out) < 1):
-        ap.error(f"{name}: positive gallery sizes, got {text!r}")
-    return out
-
-
 def run_gpu(args, ap):
     """mAP@all at --map-sizes and top-k at --index-sizes by every engine the device has (top-k:
     the Triton engine's popcount and tensor-core filters, then cuda), the C++ engine's rows beside
@@ -431,10 +418,11 @@ def run_gpu(args, ap):
     if args.tiny:
         for key, val in TINY.items():
             setattr(args, key, val)
-    map_sizes, cpu_map_q = _ints(ap, args.map_sizes, "--map-sizes"), _ints(
-        ap, args.cpu_map_queries, "--cpu-map-queries")
-    idx_sizes = _ints(ap, args.index_sizes, "--index-sizes", positive=True)
-    cpu_topk_q = _ints(ap, args.cpu_topk_queries, "--cpu-topk-queries")
+    map_sizes, cpu_map_q, idx_sizes, cpu_topk_q = (int_list(ap, f, getattr(args, f[2:].replace(
+        "-", "_")), least) for f, least in (("--map-sizes", 1), ("--cpu-map-queries", 0),
+                                            ("--index-sizes", 1), ("--cpu-topk-queries", 0)))
+    if not idx_sizes:
+        ap.error("--index-sizes: give at least one gallery size")
     if len(cpu_map_q) != len(map_sizes) or len(cpu_topk_q) != len(idx_sizes):
         ap.error("--cpu-map-queries / --cpu-topk-queries: one value per --map-sizes / "
                  "--index-sizes size")
@@ -641,8 +629,8 @@ def parse_args(argv=None):
              "--threads": 1, "--map-queries": 0 if run == "index" else 1, "--map-repeats": 1,
              "--index-queries": 1, "--k": 1, "--check-queries": 0, "--gpu-repeats": 1}
     check_least(ap, args, {f: v for f, v in least.items() if run in owners[f]})
-    if args.flip is not None:
-        check_flip(ap, args)
+    if args.flip is not None and not 0.0 <= args.flip <= 0.5:  # 0.5: codes unrelated to the class
+        ap.error(f"--flip: a bit-flip probability in [0, 0.5], got {args.flip}")
     if args.csv:
         check_output_file(ap, "--csv", args.csv)
     for flag in ("--profile-out", "--summary-out"):

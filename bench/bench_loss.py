@@ -59,18 +59,15 @@ def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None, *,
     """One forward+backward of `backend` at the shape, or of `compiled_ref` (a compiled
     reference_fn); the noise drawn once before, or by each call when noise_inside."""
     a, r, fixed, queue = inputs(kind, n, N, D, dtype, device, r_grad)
-
-    def noise():
-        if not noise_inside:
-            return fixed
-        return None if compiled_ref is None else nac_fast.draw_noise((n, D), P, device=device,
-                                                                     dtype=dtype)
-    if compiled_ref is not None:
-        loss = lambda: compiled_ref(a, r, noise(), queue)  # noqa: E731
+    noise = None if noise_inside else fixed  # None: the fused loss draws it
+    if compiled_ref is not None:  # the reference takes the noise: drawn here when inside
+        draw = lambda: fixed if noise is not None else nac_fast.draw_noise(  # noqa: E731
+            (n, D), P, device=device, dtype=dtype)
+        loss = lambda: compiled_ref(a, r, draw(), queue)  # noqa: E731
     elif kind == "mq":
-        loss = lambda: nac_fast.nac_mq_loss(a, r, queue, P, noise=noise(), backend=backend)  # noqa: E731
+        loss = lambda: nac_fast.nac_mq_loss(a, r, queue, P, noise=noise, backend=backend)  # noqa: E731
     else:
-        loss = lambda: nac_fast.nac_loss(a, r, P, noise=noise(), backend=backend)  # noqa: E731
+        loss = lambda: nac_fast.nac_loss(a, r, P, noise=noise, backend=backend)  # noqa: E731
 
     def step():
         a.grad = r.grad = None
@@ -78,35 +75,18 @@ def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None, *,
     return step
 
 
-def _counted(step):
-    """`step` counting its own calls (`calls`), against the compiled graph's call count."""
-    def counted():
-        counted.calls += 1
-        step()
-    counted.calls = 0
-    return counted
-
-
 class CountingBackend:
     """A torch.compile backend that compiles with `name` (inductor, aot_eager, ...) and counts the
-    graphs it compiles and the calls into them, so a caller can tell compiled runs from eager."""
+    graphs it compiles: one graph after a dynamo reset means every call ran it (a failed guard
+    recompiles, and dynamo falls back to eager only past its recompile limit)."""
 
     def __init__(self, name: str):
         from torch._dynamo.backends.registry import lookup_backend
-        self.name = name
-        self.inner = lookup_backend(name)
-        self.graphs = self.calls = 0
+        self.inner, self.graphs = lookup_backend(name), 0
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
-        compiled = self.inner(gm, example_inputs)
-
-        def run(*args, **kwargs):
-            self.calls += 1
-            return compiled(*args, **kwargs)
-        if getattr(compiled, "_boxed_call", False):  # keep the calling convention dynamo expects
-            run._boxed_call = True
-        return run
+        return self.inner(gm, example_inputs)
 
 
 def compile_reference(backend_name: str):
@@ -142,32 +122,21 @@ def mean_time(step, calls: int = 1, sync=None, after: bool = False) -> float:
     return (time.perf_counter() - t0) / calls
 
 
-def _event_time(step) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(), step(), end.record(), end.synchronize()
-    return start.elapsed_time(end) / 1e3
-
-
 def time_step(step, device, reps: int, min_time: float):
     """(median, p20, p80, timed reps, first call's seconds, timer) after one warm-up call (it
     compiles); how each device is timed: docs/kernels.md "The benchmark scripts in detail"."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    timer, name = mean_time, "perf_counter"
     first = mean_time(step, 1, sync, True)
     if device == "cuda":
-        try:
-            from triton.testing import do_bench
-        except ImportError:
-            timer, name = _event_time, "cuda-events"
-        else:
-            rep_ms = max(1000.0 * min_time, 1.0)
-            med, p20, p80 = do_bench(step, warmup=25, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
-            reps = max(1, int(rep_ms / max(med, 1e-6)))
-            return med / 1e3, p20 / 1e3, p80 / 1e3, reps, first, "do_bench"
+        from triton.testing import do_bench
+        rep_ms = max(1000.0 * min_time, 1.0)
+        med, p20, p80 = do_bench(step, warmup=25, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+        reps = max(1, int(rep_ms / max(med, 1e-6)))
+        return med / 1e3, p20 / 1e3, p80 / 1e3, reps, first, "do_bench"
     times, t_start = [], time.perf_counter()
     while len(times) < reps or (time.perf_counter() - t_start < min_time and len(times) < 10 * reps):
-        times.append(timer(step))
-    return (*common.quantiles(times), len(times), first, name)
+        times.append(mean_time(step))
+    return (*common.quantiles(times), len(times), first, "perf_counter")
 
 
 def graph_step(step, warmup: int = 3):
@@ -228,11 +197,10 @@ def print_bounds(gpus, which: str = "measured", fp32_mode: str = "tf32x3", D: in
                       f"{b['bytes'] / 1e6:6.1f} {b['matrix_s'] * 1e6:10.1f} {b['exp_s'] * 1e6:8.1f} "
                       f"{b['memory_s'] * 1e6:8.1f} {b['bound_s'] * 1e6:9.1f} {b['limiter']}")
     c = common.ceilings(gpus[0], which)
-    print(f"\nrates ({which}; {c['label']}): bf16 {c['bf16_flops'] / 1e12:.0f} TFLOP/s "
-          f"({c['bf16_source']}), fp32 FMA {c['fp32_fma_flops'] / 1e12:.1f} TFLOP/s "
-          f"({c['fp32_fma_source']}), tf32 {c['tf32_flops'] / 1e12:.0f} TFLOP/s "
-          f"({c['tf32_source']}), exp {c['exp_per_s'] / 1e12:.2f} T/s ({c['exp_source']}), "
-          f"HBM {c['hbm_bytes_per_s'] / 1e12:.2f} TB/s ({c['hbm_source']})")
+    print(f"\nrates ({which}; {c['label']}): " + ", ".join(
+        f"{name} {c[k] / 1e12:.{nd}f} {unit} ({c[k + '_source']})" for name, k, nd, unit in (
+            ("bf16", "bf16", 0, "TFLOP/s"), ("fp32 FMA", "fp32_fma", 1, "TFLOP/s"),
+            ("tf32", "tf32", 0, "TFLOP/s"), ("exp", "exp", 2, "T/s"), ("HBM", "hbm", 2, "TB/s"))))
 
 
 def _measure(b, case, args, base):
@@ -241,7 +209,7 @@ def _measure(b, case, args, base):
     counter = None
     if b == "compiled-reference":
         cref, counter = compile_reference(args.compile_backend)
-        step = _counted(make_step(*case, args.device, "reference", cref))
+        step = make_step(*case, args.device, "reference", cref)
         base.update(compile_backend=args.compile_backend)
     elif b.endswith("+graph"):
         step = graph_step(make_step(*case, args.device, b[:-len("+graph")]))
@@ -252,23 +220,9 @@ def _measure(b, case, args, base):
     mem = None if args.no_memory else peak_extra_bytes(step, args.device)
     if counter is not None:  # every step taken ran the one compiled graph
         base.update(compiled_graphs=counter.graphs, compile_s=f"{first:.3f}")
-        if counter.graphs != 1 or counter.calls != step.calls:
-            raise RuntimeError(f"not compiled: {counter.graphs} graphs compiled (want 1), "
-                               f"{counter.calls} of {step.calls} steps ran the compiled graph")
+        if counter.graphs != 1:
+            raise RuntimeError(f"not compiled: {counter.graphs} graphs compiled (want 1)")
     return med, p20, p80, reps, mem
-
-
-def _sizes(ap, flag, text):
-    """The comma list of sizes `text` of `flag` ("": none), checked."""
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"{flag}: a comma list of integers, got {text!r}")
-    if any(v < 1 for v in vals):
-        ap.error(f"{flag}: sizes must be >= 1, got {','.join(str(v) for v in vals if v < 1)}")
-    if len(set(vals)) != len(vals):
-        ap.error(f"{flag}: a size is given twice in {text!r}")
-    return vals
 
 
 def main(argv=None):
@@ -320,8 +274,8 @@ def main(argv=None):
     check_least(ap, args, {"--reps": 1, "--mq-n": 1, "--D": 1})
     if not args.min_time >= 0:
         ap.error(f"--min-time must be >= 0, got {args.min_time}")
-    cases = [("inbatch", n, n) for n in _sizes(ap, "--inbatch", args.inbatch)] + \
-            [("mq", args.mq_n, m) for m in _sizes(ap, "--queue", args.queue)]
+    cases = [("inbatch", n, n) for n in common.int_list(ap, "--inbatch", args.inbatch, 1, True)] \
+        + [("mq", args.mq_n, m) for m in common.int_list(ap, "--queue", args.queue, 1, True)]
     if not cases:
         ap.error("--inbatch and --queue are both empty: no case to measure")
     dtypes = []

@@ -113,10 +113,18 @@ def check_least(ap, args, least: dict) -> None:
             ap.error(f"{flag} must be >= {lo}, got {val}")
 
 
-def check_flip(ap, args) -> None:
-    """--flip: a bit-flip probability in [0, 0.5] (0.5: codes unrelated to their class)."""
-    if not 0.0 <= args.flip <= 0.5:
-        ap.error(f"--flip: a bit-flip probability in [0, 0.5], got {args.flip}")
+def int_list(ap, flag: str, text: str, least: int = 0, unique: bool = False) -> list:
+    """The comma list of integers `text` of `flag` ("": none); a usage error (exit status 2)
+    naming the flag for a value below `least`, or given twice when `unique`."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"{flag}: a comma list of integers, got {text!r}")
+    if any(v < least for v in vals):
+        ap.error(f"{flag}: values must be >= {least}, got {text!r}")
+    if unique and len(set(vals)) != len(vals):
+        ap.error(f"{flag}: a value is given twice in {text!r}")
+    return vals
 
 
 # ---- timing and row fields ----------------------------------------------------------------------
@@ -169,19 +177,25 @@ def run_fields(device: str) -> dict:
                 triton=triton_version, commit=commit())
 
 
-# ---- roofline bound: datasheet values (H100 / H200 SXM, dense) and the measured ones of
-# docs/gpu.md "Rates" ---------------------------------------------------------------------------
-_SHEET = {"bf16_tflops": 989.4, "tf32_tflops": 494.7, "fp32_tflops": 66.9}  # dense, H100 = H200
-GPUS = {"H100": {"label": "H100 SXM5 80GB", "sms": 132, "clock_ghz": 1.98,
-                 "datasheet": dict(_SHEET, hbm_tbs=3.35),
-                 "measured": {"bf16_tflops": 798.0, "hbm_tbs": 3.0}},
-        "H200": {"label": "H200 SXM 141GB", "sms": 132, "clock_ghz": 1.98,
-                 "datasheet": dict(_SHEET, hbm_tbs=4.8),
-                 "measured": {"bf16_tflops": 788.0, "hbm_tbs": 4.3}}}
-EX2_PER_CLK_PER_SM = 16
-FMA_LANES_PER_SM = 128  # fp32 lanes; one FMA = 2 FLOPs
+# ---- roofline bound ----------------------------------------------------------------------------
+# per GPU (SXM parts): each rate as (datasheet, measured or None). Dense bf16 / tf32 tensor-core
+# TFLOP/s and HBM TB/s; "measured" is the device tool's (docs/gpu.md "Rates": bf16 matmul 8192^3,
+# device-to-device copy). fp32 FMA and exp rates are computed peaks (_COMPUTED).
+GPUS = {"H100": dict(label="H100 SXM5 80GB", sms=132, clock_ghz=1.98, bf16=(989.4, 798.0),
+                     tf32=(494.7, None), hbm=(3.35, 3.0)),
+        "H200": dict(label="H200 SXM 141GB", sms=132, clock_ghz=1.98, bf16=(989.4, 788.0),
+                     tf32=(494.7, None), hbm=(4.8, 4.3))}
+_COMPUTED = {"fp32_fma": (128 * 2, "computed peak (128 lanes x 2 x SMs x clock)"),  # one FMA: 2
+             "exp": (16, "computed peak (MUFU ex2 16/clk/SM x SMs x clock)")}
 KINDS = ("inbatch", "queue")
-FP32_MODES = ("ieee", "tf32", "tf32x3", "bf16x6", "fp16x3")
+# fp32 mode (or "bfloat16") -> (matrix unit, its rate, products run per product); fp16's
+# tensor-core rate is bf16's
+_MATRIX_UNITS = {"bfloat16": ("bf16 tensor cores", "bf16", 1), "ieee": ("fp32 FMA", "fp32_fma", 1),
+                 "tf32": ("tf32 tensor cores", "tf32", 1),
+                 "tf32x3": ("tf32x3 tensor cores", "tf32", 3),
+                 "bf16x6": ("bf16x6 tensor cores", "bf16", 6),
+                 "fp16x3": ("fp16x3 tensor cores", "bf16", 3)}
+FP32_MODES = tuple(_MATRIX_UNITS)[1:]
 _DTYPES = {"bfloat16": ("bfloat16", 2), "bf16": ("bfloat16", 2),
            "float32": ("float32", 4), "fp32": ("float32", 4)}
 
@@ -209,22 +223,18 @@ def known_gpu(gpu_name: str) -> bool:
 
 
 def ceilings(gpu_name: str, which: str = "measured") -> dict:
-    """Rates in units per second and where each comes from."""
+    """Each rate per second (bf16, tf32, fp32_fma FLOP/s; exp; hbm bytes) and its source."""
     if which not in ("measured", "datasheet"):
         raise ValueError(f"ceilings must be 'measured' or 'datasheet', got {which!r}")
-    g = GPUS[resolve_gpu(gpu_name)]
-    clock = g["clock_ghz"] * 1e9
-    src = {k: "measured" if which == "measured" and k in g["measured"] else "datasheet"
-           for k in ("bf16_tflops", "hbm_tbs", "tf32_tflops")}
-    (bf16, bf16_src), (hbm, hbm_src), (tf32, tf32_src) = ((g[src[k]][k], src[k]) for k in src)
-    return {"gpu": resolve_gpu(gpu_name), "label": g["label"], "sms": g["sms"],
-            "clock_ghz": g["clock_ghz"], "bf16_flops": bf16 * 1e12, "bf16_source": bf16_src,
-            "tf32_flops": tf32 * 1e12, "tf32_source": tf32_src,
-            "fp32_fma_flops": FMA_LANES_PER_SM * 2 * g["sms"] * clock,
-            "fp32_fma_source": "computed peak (128 lanes x 2 x SMs x clock)",
-            "exp_per_s": EX2_PER_CLK_PER_SM * g["sms"] * clock,
-            "exp_source": "computed peak (MUFU ex2 16/clk/SM x SMs x clock)",
-            "hbm_bytes_per_s": hbm * 1e12, "hbm_source": hbm_src}
+    g = GPUS[gpu := resolve_gpu(gpu_name)]
+    out = {"gpu": gpu, "label": g["label"]}
+    for key in ("bf16", "tf32", "hbm"):
+        sheet, got = g[key]
+        src = "measured" if which == "measured" and got is not None else "datasheet"
+        out[key], out[key + "_source"] = (got if src == "measured" else sheet) * 1e12, src
+    for key, (per_clock_sm, source) in _COMPUTED.items():
+        out[key], out[key + "_source"] = per_clock_sm * g["sms"] * g["clock_ghz"] * 1e9, source
+    return out
 
 
 def work(kind: str, n: int, N: int, D: int, dtype: str, *, keys_grad: bool | None = None) -> dict:
@@ -252,13 +262,6 @@ def work(kind: str, n: int, N: int, D: int, dtype: str, *, keys_grad: bool | Non
             "exps": (2 if keys_grad else 1) * n * N, "bytes": (in_elems + out_elems) * b + 4}
 
 
-_MATRIX_UNITS = {  # fp32 mode -> (unit, rate key, products run per product)
-    "ieee": ("fp32 FMA", "fp32_fma_flops", 1), "tf32": ("tf32 tensor cores", "tf32_flops", 1),
-    "tf32x3": ("tf32x3 tensor cores", "tf32_flops", 3),
-    "bf16x6": ("bf16x6 tensor cores", "bf16_flops", 6),
-    "fp16x3": ("fp16x3 tensor cores", "bf16_flops", 3)}  # fp16's tensor-core rate is bf16's
-
-
 def bound(kind: str, n: int, N: int, D: int, dtype: str, gpu_name: str, *,
           fp32_mode: str = "tf32x3", ceilings_from: str = "measured",
           keys_grad: bool | None = None) -> dict:
@@ -268,13 +271,12 @@ def bound(kind: str, n: int, N: int, D: int, dtype: str, gpu_name: str, *,
         raise ValueError(f"fp32_mode must be one of {FP32_MODES}, got {fp32_mode!r}")
     w = work(kind, n, N, D, dtype, keys_grad=keys_grad)
     c = ceilings(gpu_name, ceilings_from)
-    unit, key, times_run = (("bf16 tensor cores", "bf16_flops", 1) if w["dtype"] == "bfloat16"
-                            else _MATRIX_UNITS[fp32_mode])
+    unit, key, times_run = _MATRIX_UNITS["bfloat16" if w["dtype"] == "bfloat16" else fp32_mode]
     rate, flops = c[key], times_run * w["matrix_flops"]
-    times = {"matrix_s": flops / rate, "exp_s": w["exps"] / c["exp_per_s"],
-             "memory_s": w["bytes"] / c["hbm_bytes_per_s"]}
+    times = {"matrix_s": flops / rate, "exp_s": w["exps"] / c["exp"],
+             "memory_s": w["bytes"] / c["hbm"]}
     return {**w, "gpu": c["gpu"], "gpu_label": c["label"], "ceilings": ceilings_from,
             "fp32_mode": fp32_mode if w["dtype"] == "float32" else None,
             "matrix_unit": unit, "matrix_rate": rate, "matrix_flops_executed": flops,
-            "exp_rate": c["exp_per_s"], "hbm_rate": c["hbm_bytes_per_s"], **times,
+            "exp_rate": c["exp"], "hbm_rate": c["hbm"], **times,
             "bound_s": max(times.values()), "limiter": max(times, key=times.get)[:-2]}

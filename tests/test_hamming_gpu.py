@@ -1040,7 +1040,7 @@ def _gpu_bench(args, env=None):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--index-sizes", "0", "--cpu-topk-queries", "0"], "--index-sizes: positive gallery sizes"),
+    (["--index-sizes", "0", "--cpu-topk-queries", "0"], "--index-sizes: values must be >= 1"),
     (["--index-sizes", "10,x"], "--index-sizes: a comma list of integers"),
     (["--index-sizes", "50", "--cpu-topk-queries", "0", "--k", "51"],
      "--k: at most the smallest gallery (50), got 51"),
