@@ -88,9 +88,6 @@ OPTIONS = [
     ("--gpu-repeats", dict(type=int), {G_: 5}),
     ("--budget-s", dict(type=float, help="skip rows starting after this many seconds"), {G_: 70.0}),
     ("--only", dict(choices=("all", "map", "topk")), {G_: "all"}),
-    ("--profile-out", dict(help="append torch.profiler's table of one search at the first "
-                           "--index-sizes size and one mAP at the last --map-sizes size"),
-     {G_: ""}),
     ("--profile-run", dict(action="store_true", help="one tensor-core search of the last "
                            "--index-sizes size and nothing else (Nsight Compute)"), {G_: False}),
     ("--summary-out", dict(help="write the rows in one line here (the GPU suite's stage detail)"),
@@ -375,26 +372,6 @@ def topk_codes(G, Q, bits, gen, device):
     return gw, gw[pick] ^ _flips(Q, bits, 0.1, gen, device)
 
 
-def profile_kernels(fn, device, path: str, what: str, top: int = 15) -> None:
-    """Append to `path` torch.profiler's table of one call of `fn` (device time first on a GPU)
-    and the call's wall time."""
-    from torch.profiler import ProfilerActivity, profile
-    cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    fn()
-    sync()
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        wall = time.perf_counter() - t0
-    table = prof.key_averages().table(
-        sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top)
-    with open(path, "a") as f:
-        f.write(f"== {what}: {wall * 1e3:.3f} ms wall (profiled)\n{table}\n")
-    print(f"  profile of {what} appended to {path}", flush=True)
-
-
 def _ap_check(qw, ql, gw, gl, bits, n, engine="triton"):
     """Per-query AP of a GPU engine against the C++ engine on the first n queries."""
     P = H.PackedCodes
@@ -521,10 +498,6 @@ def run_gpu(args, ap):
                         P(qw[:n], D), ql[:n], P(gw, D), gl, backend=eng), args.gpu_repeats,
                         device)
                     add("map_all", eng, dev, n, G, stats, m, check=checks[eng])
-                if args.profile_out and G == map_sizes[-1]:
-                    profile_kernels(lambda: H.mean_average_precision(
-                        P(qw, D), ql, P(gw, D), gl, backend=eng), device, args.profile_out,
-                        f"mAP@all, {Q} x {G:,} codes of {D} bits (backend {eng})")
             del gw, gl
     if args.only in ("all", "topk"):  # ---- top-k: one index, each engine
         for G, nq_cpu in zip(idx_sizes, cpu_topk_q):
@@ -571,10 +544,6 @@ def run_gpu(args, ap):
                     add("topk", name, dev, n, G, s2, check=check)
                 add("topk", name, dev, Q, G, stats, check=check,
                     note="HashIndex search, queries = index codes with 10% of bits flipped")
-                if args.profile_out and G == idx_sizes[0]:
-                    profile_kernels(lambda: index.search(P(qw, D), k), device, args.profile_out,
-                                    f"HashIndex.search ({name}), {Q} queries, top-{k} of {G:,} "
-                                    "codes")
             del index, first, Dg, Ig, qc
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -633,9 +602,8 @@ def parse_args(argv=None):
         ap.error(f"--flip: a bit-flip probability in [0, 0.5], got {args.flip}")
     if args.csv:
         check_output_file(ap, "--csv", args.csv)
-    for flag in ("--profile-out", "--summary-out"):
-        if getattr(args, flag[2:].replace("-", "_")):
-            check_output_file(ap, flag, getattr(args, flag[2:].replace("-", "_")), csv_file=False)
+    if args.summary_out:
+        check_output_file(ap, "--summary-out", args.summary_out, csv_file=False)
     return ap, args, run
 
 

@@ -248,8 +248,7 @@ stage_hamming() {
         tests/test_redzone.py::test_hamming_kernels_stay_in_bounds || trc=1
     junit=$(cat "$RES/.junit_hamming" 2>/dev/null || echo "no JUnit verdict")
   fi
-  $PY bench/bench_hamming.py --gpu "${TOY[@]}" --csv "$RES/hamming_gpu.csv" \
-      --profile-out "$RES/hamming_kernels.txt" || rc=$?
+  $PY bench/bench_hamming.py --gpu "${TOY[@]}" --csv "$RES/hamming_gpu.csv" || rc=$?
   local d="bench_hamming exit status $rc"
   [ $rc = 0 ] && d="bench_hamming --gpu ok (hamming_gpu.csv)"
   detail "${BUILT_FIRST}tests: $junit; $d"

@@ -1065,13 +1065,13 @@ def test_gpu_bench_cpu_mode_runs_every_row(tmp_path):
     """The GPU command's plumbing on toy sizes (the Triton engine under the interpreter; the
     hamming and hamming-tc stages' command): every row timed, both top-k filters at two gallery
     sizes and the mAP, each checked against the C++ engine, appended to --csv with the int8
-    floor; the profile tables, the one-line summary, then one JSON line."""
+    floor; the one-line summary, then one JSON line."""
     import csv
     import json
     out = tmp_path / "hamming_gpu.csv"
-    prof, summ = tmp_path / "hamming_kernels.txt", tmp_path / "summary.txt"
-    proc = _gpu_bench(["--device", "cpu", "--tiny", "--csv", str(out), "--profile-out", str(prof),
-                       "--summary-out", str(summ)], dict(TRITON_INTERPRET="1"))
+    summ = tmp_path / "summary.txt"
+    proc = _gpu_bench(["--device", "cpu", "--tiny", "--csv", str(out), "--summary-out", str(summ)],
+                      dict(TRITON_INTERPRET="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["failures"] == [] and summary["skipped"] == [] and summary["rows"] == 13
@@ -1079,9 +1079,6 @@ def test_gpu_bench_cpu_mode_runs_every_row(tmp_path):
     with open(out) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 13 and "of_bound" in rows[0] and "speedup_vs_cpu" in rows[0]
-    text = prof.read_text()  # one table per profiled call: the mAP, then each filter's search
-    assert text.count("== ") == 3 and "HashIndex.search (triton-mma)" in text
-    assert "mAP@all" in text and "ms wall" in text and "Self CPU" in text
     gpu_rows = [r for r in rows if r["engine"] != "cpu"]
     assert all(r["check"].startswith("ok") and float(r["bound_s"]) > 0 for r in gpu_rows)
     assert [(r["method"], r["engine"], r["gallery"], r["queries"]) for r in gpu_rows] == [
