@@ -318,57 +318,61 @@ stage_autotune() {
   return $rc
 }
 
+json_summary() {  # FILE: the 'summary' of train_throughput.py's JSON
+  $PY -c 'import json, sys; print(json.load(open(sys.argv[1]))["summary"])' "$1" 2>/dev/null \
+      || echo "no $(basename "$1")"
+}
+
 stage_train() {
   local rc=0
   rm -f "$RES/train.json" "$RES/train_kernels_top15.txt"  # train_throughput does not replace
-  # train.py's defaults, then the eager rate and the anchors while NAC_FAST_TRAIN_BUDGET_S lasts
+  # train.py's defaults, then the eager rate while NAC_FAST_TRAIN_BUDGET_S lasts
   local size=(--data synthetic-device:1281167 --arch resnet50 --batch-size 256 --image-size 224
               --amp bf16 --channels-last --queue-size 65536 --warmup 10 --steps 30
               --budget-s "${NAC_FAST_TRAIN_BUDGET_S:-150}")
   [ "$CPU_MODE" = 1 ] && size=(--data synthetic-device:256 --arch resnet-tiny --batch-size 32
                                --image-size 16 --amp off --queue-size 128 --warmup 1 --steps 2
-                               --compile --compile-backend aot_eager --anchors --budget-s 150)
+                               --compile --compile-backend aot_eager --budget-s 150)
   $PY bench/train_throughput.py --method nac-mq "${size[@]}" --sync-check \
       --profile-out "$RES/train_kernels_top15.txt" --json-out "$RES/train.json" \
       --csv-out "$RES/train_throughput.csv" || rc=$?
   local trc=$rc
   run_summary || rc=1
   local d
-  d=$($PY -c 'import json, sys; print(json.load(open(sys.argv[1]))["summary"])' "$RES/train.json" \
-      2>/dev/null || echo "no train.json")
+  d=$(json_summary "$RES/train.json")
   [ $trc = 0 ] || d="train_throughput exit status $trc; $d"
   detail "${BUILT_FIRST}$d"
   return $rc
 }
 
-# train-jpeg (issue 54): train.py on a JPEG tree on the machine's local disk, ResNet-50 NAC-MQ
-# with --loader dali-gpu, beside the synthetic-data figure of the train stage.  DALI is not in
-# the device image: carry it first (tools/carry_wheel.sh, docs/gpu.md).
+# train-jpeg (issue 54): train_throughput.py on a JPEG tree on the machine's local disk, ResNet-50
+# NAC-MQ with --loader dali-gpu, beside the synthetic-data figure of the train stage.  DALI is not
+# in the device image: carry it first (tools/carry_wheel.sh, docs/gpu.md).
 JPEG_SYNTHETIC_IMG_S=2181   # train stage, synthetic images (NVIDIA-H100-80GB-HBM3_2026-11-27_run2)
 stage_train_jpeg() {
-  local tree=${NAC_FAST_JPEG_TREE:-/tmp/nac_fast_jpeg_tree} run=${NAC_FAST_JPEG_RUN:-/tmp/nac_fast_jpeg_run}
-  local steps=${NAC_FAST_JPEG_STEPS:-240} warm=${NAC_FAST_JPEG_WARMUP:-60} every=20
+  local tree=${NAC_FAST_JPEG_TREE:-/tmp/nac_fast_jpeg_tree}
+  local steps=${NAC_FAST_JPEG_STEPS:-240} warm=${NAC_FAST_JPEG_WARMUP:-60}
   local classes=100 size=500 batch=256 quirks="grey=0.01,cmyk=0.001,png=0.001,exif=0.001"
-  local train_args=(--loader dali-gpu --arch resnet50 --method nac-mq --image-size 224
-                    --amp bf16 --channels-last --queue-size 65536 --workers 0)
+  local train_args=(--loader dali-gpu --arch resnet50 --image-size 224 --amp bf16
+                    --channels-last --queue-size 65536 --workers 0 --no-eager-baseline)
   local qloader=dali-gpu qdevice=cuda
   if [ "$CPU_MODE" = 1 ]; then   # the plumbing only: a tiny tree and model, dali-cpu
-    tree=${NAC_FAST_JPEG_TREE:-/tmp/nac_fast_jpeg_tree_cpu}; run=${NAC_FAST_JPEG_RUN:-/tmp/nac_fast_jpeg_run_cpu}
-    steps=${NAC_FAST_JPEG_STEPS:-6}; warm=${NAC_FAST_JPEG_WARMUP:-2}; every=2
-    classes=4; size=64; batch=8
-    train_args=(--loader dali-cpu --arch resnet-tiny --method nac-mq --image-size 32 --amp off
-                --queue-size 64 --no-compile --workers 2)
-    qloader=dali-cpu; qdevice=cpu
+    tree=${NAC_FAST_JPEG_TREE:-/tmp/nac_fast_jpeg_tree_cpu}
+    steps=${NAC_FAST_JPEG_STEPS:-6} warm=${NAC_FAST_JPEG_WARMUP:-2} classes=4 size=64 batch=8
+    train_args=(--loader dali-cpu --arch resnet-tiny --image-size 32 --amp off --queue-size 64
+                --no-compile --workers 2)
+    qloader=dali-cpu qdevice=cpu
   fi
-  [[ "$steps" =~ ^[0-9]+$ && "$warm" =~ ^[0-9]+$ && $warm -lt $steps && $((warm % every)) = 0 ]] || {
-    detail "NAC_FAST_JPEG_STEPS ($steps) must exceed NAC_FAST_JPEG_WARMUP ($warm), a multiple of $every"; return 2; }
+  # the timed windows are train_throughput's: --warmup steps each, the first one not timed
+  [[ "$steps" =~ ^[0-9]+$ && "$warm" =~ ^[1-9][0-9]*$ && $warm -lt $steps && $((steps % warm)) = 0 ]] || {
+    detail "NAC_FAST_JPEG_STEPS ($steps) must be a multiple of NAC_FAST_JPEG_WARMUP ($warm), above it"; return 2; }
   $PY -c "import nvidia.dali" 2>/dev/null || {
     detail "NVIDIA DALI is not importable ($PY): carry it first (tools/carry_wheel.sh, docs/gpu.md)"; return 1; }
   # one epoch covers the run (no epoch boundary, whose pipeline rebuild would enter the figure)
   local per_class=$(( ((steps + 10) * batch + classes - 1) / classes ))
   local want="$classes $per_class $size $quirks"
   # 1. the tree: made once per machine (kept on a warm one), remade when its arguments differ
-  local t0=$SECONDS gen_s=reused
+  local t0=$SECONDS made=reused
   local have
   have=$($PY -c "import json,sys; d=json.load(open(sys.argv[1])); q=','.join(f'{k}={v}' for k, v in d['quirks'].items()); print(d['classes'], d['train_per_class'], d['size'], q)" \
          "$tree/make_ilsvrc_tree.json" 2>/dev/null || true)
@@ -380,53 +384,30 @@ stage_train_jpeg() {
     fi
     $PY scripts/make_ilsvrc_tree.py --out "$tree" --classes "$classes" --train-per-class "$per_class" \
         --val-per-class 1 --size "$size" --quirks "$quirks" --workers "$(nproc)" "${over[@]}"
-    gen_s=$((SECONDS - t0))
+    made="made in $((SECONDS - t0)) s"
   fi
+  cp "$tree/make_ilsvrc_tree.json" "$RES/train_jpeg_tree.json"
   # 2. the bad-file and quirk behaviour of this loader against the torchvision loader: the CPU
   # tests' check, here on the GPU decoder (JUnit pytest_train_jpeg.xml)
-  local qrc=0
+  local qrc=0 quirk=PASS
   export NAC_FAST_TEST_DEVICE=$qdevice
   run_tests train_jpeg "" "tests/test_data_dali.py::test_dali_matches_torchvision_on_every_quirk[$qloader]" \
-      || qrc=1
-  # 3. the timed run (train.py's defaults: compiled on a GPU); its log's windows after warm-up
-  rm -rf "$run"
+      || { qrc=1; quirk=FAIL; }
+  # 3. the timed run: train.py's own step (its defaults: compiled on a GPU) by train_throughput.py
   local rc=0
-  $PY train.py --data "$tree" "${train_args[@]}" --batch-size "$batch" --max-steps "$steps" \
-      --log-every "$every" --save-every 100000 --no-progress --out "$run" || rc=$?
-  mkdir -p "$RES/train_jpeg"
-  cp "$run/log.jsonl" "$run/status.json" "$RES/train_jpeg/" 2>/dev/null || true
-  local d
-  d=$($PY - "$run/log.jsonl" "$RES/train_jpeg.csv" "$warm" "$tree" "$gen_s" "$qrc" "$rc" \
-        "$JPEG_SYNTHETIC_IMG_S" "$batch" "${train_args[*]}" <<'EOF' || echo "no log.jsonl"
-import json, os, statistics, sys
-sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
-from common import append_rows
-log, out, warm, tree, gen_s, qrc, rc, synth, batch, args = sys.argv[1:]
-recs = [json.loads(l) for l in open(log) if l.strip()]
-timed = [r for r in recs if r["step"] > int(warm)]
-first = next((r["first_step_s"] for r in recs if "first_step_s" in r), "")
-ips = [r["img_per_s"] for r in timed]
-wait = [r["data_wait"] for r in timed]
-meta = json.load(open(os.path.join(tree, "make_ilsvrc_tree.json")))
-n = meta["classes"] * meta["train_per_class"]
-row = {"commit": os.environ.get("NAC_FAST_COMMIT", "unknown"), "args": args, "batch": batch,
-       "tree": f"{n} JPEGs of {meta['size']} px, quirks "
-               + ",".join(f"{k}={v}" for k, v in meta["quirks"].items()), "tree_gen_s": gen_s,
-       "steps_timed": timed[-1]["step"] - int(warm) if timed else 0,
-       "windows": len(timed), "img_per_s": f"{statistics.median(ips):.1f}" if ips else "",
-       "img_per_s_min": f"{min(ips):.1f}" if ips else "", "img_per_s_max": f"{max(ips):.1f}" if ips else "",
-       "data_wait": f"{statistics.median(wait):.4f}" if wait else "",
-       "synthetic_img_per_s": synth,
-       "vs_synthetic": f"{statistics.median(ips) / float(synth):.3f}" if ips else "",
-       "first_step_s": first, "quirk_check": "PASS" if qrc == "0" else "FAIL",
-       "train_status": rc}
-append_rows(out, [row], list(row))
-print(f"{row['img_per_s'] or 'no'} img/s (median of {len(timed)} windows after step {warm}), "
-      f"data wait {100 * float(row['data_wait'] or 0):.1f}%, {row['vs_synthetic']} of synthetic "
-      f"{synth}; tree {n} files, made in {gen_s} s; quirk check {row['quirk_check']}")
-EOF
-)
-  [ $rc = 0 ] || d="train.py exit status $rc; $d"
+  rm -f "$RES/train_jpeg.json"
+  $PY bench/train_throughput.py --data "$tree" --method nac-mq "${train_args[@]}" \
+      --batch-size "$batch" --warmup "$warm" --steps $((steps - warm)) \
+      --json-out "$RES/train_jpeg.json" --csv-out "$RES/train_jpeg.csv" || rc=$?
+  local d ips
+  d=$(json_summary "$RES/train_jpeg.json")
+  ips=${d%% img/s*}
+  if [[ "$ips" =~ ^[0-9]+$ ]]; then
+    d="$d, $(awk -v a="$ips" -v b=$JPEG_SYNTHETIC_IMG_S 'BEGIN { printf "%.3f", a / b }') of"
+    d="$d synthetic $JPEG_SYNTHETIC_IMG_S"
+  fi
+  [ $rc = 0 ] || d="train_throughput exit status $rc; $d"
+  d="$d; tree $((classes * per_class)) files ($made); quirk check $quirk"
   detail "${BUILT_FIRST}$d"
   [ $rc = 0 ] && [ $qrc = 0 ]
 }

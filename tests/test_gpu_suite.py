@@ -474,32 +474,36 @@ def test_train_jpeg_refuses_a_folder_it_did_not_make(tmp_path):
 @pytest.mark.slow
 def test_train_jpeg_stage_runs_in_cpu_mode(tmp_path):
     """The whole stage on the CPU (dali-cpu, a tiny tree and model): the tree made, the quirk
-    test (tests/test_data_dali.py, JUnit) PASS, train.py run, one train_jpeg.csv row with img/s and data wait beside the
-    synthetic figure; a second run reuses the tree."""
+    test (tests/test_data_dali.py, JUnit) PASS, train_throughput.py's run of train.py on the tree,
+    one train_jpeg.csv row with img/s and data wait, the detail beside the synthetic figure; a
+    second run reuses the tree."""
     pytest.importorskip("nvidia.dali")
-    env = dict(NAC_FAST_JPEG_TREE=str(tmp_path / "tree"), NAC_FAST_JPEG_RUN=str(tmp_path / "run"),
-               NAC_FAST_JPEG_STEPS="4")
+    tree = tmp_path / "tree"
+    env = dict(NAC_FAST_JPEG_TREE=str(tree), NAC_FAST_JPEG_STEPS="4")
     r = _suite(tmp_path, "train-jpeg", **env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     line = [x for x in r.stdout.splitlines() if x.startswith("SUITE train-jpeg")][-1]
     assert line.startswith("SUITE train-jpeg PASS") and "quirk check PASS" in line, line
+    # (4 + 10) x 8 / 4 classes = 28 files a class: one epoch covers the run
+    assert " of synthetic 2181; tree 112 files (made in " in line, line
     with open(tmp_path / "res" / "train_jpeg.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 1 and rows[0]["synthetic_img_per_s"] == "2181", rows
+    assert len(rows) == 1, rows
     row = rows[0]
     assert float(row["img_per_s"]) > 0 and 0 <= float(row["data_wait"]) < 1
-    assert row["windows"] == "1" and row["steps_timed"] == "2" and row["train_status"] == "0"
-    # (4 + 10) x 8 / 4 classes = 28 files a class: one epoch covers the run
-    assert row["tree"].startswith("112 JPEGs of 64 px") and row["tree_gen_s"] != "reused"
-    assert "--loader dali-cpu" in row["args"]
+    # warm-up 2 (the CPU mode's), then 4 - 2 steps: one timed window of 2
+    assert row["windows"] == "1" and row["steps_per_window"] == "2" and row["status"] == "ok"
+    assert row["data"] == str(tree) and row["loader"] == "dali-cpu"
+    made = json.loads((tmp_path / "res" / "train_jpeg_tree.json").read_text())
+    assert made["classes"] == 4 and made["train_per_class"] == 28 and made["size"] == 64
     junit = (tmp_path / "res" / "pytest_train_jpeg.xml").read_text()  # the quirk test, dali-cpu
     assert 'name="test_dali_matches_torchvision_on_every_quirk[dali-cpu]"' in junit
     assert (tmp_path / "res" / ".junit_train_jpeg").read_text().startswith("0 failed, 1 passed")
     r = _suite(tmp_path, "train-jpeg", **env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "tree 112 files (reused)" in r.stdout
     with open(tmp_path / "res" / "train_jpeg.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert len(rows) == 2 and rows[1]["tree_gen_s"] == "reused", rows
+        assert len(list(csv.DictReader(f))) == 2
 
 
 # ---- tools/carry_wheel.sh: DALI's wheels in pieces to the device ------------------------------

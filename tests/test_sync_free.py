@@ -441,7 +441,7 @@ def test_device_synthetic_loader_is_deterministic_and_resumes():
 CPU_STAGE = ["--data", "synthetic-device:256", "--arch", "resnet-tiny", "--method", "nac-mq",
              "--batch-size", "32", "--image-size", "16", "--amp", "off", "--queue-size", "128",
              "--warmup", "1", "--steps", "2", "--compile", "--compile-backend", "aot_eager",
-             "--anchors", "--budget-s", "150", "--sync-check"]
+             "--budget-s", "150", "--sync-check"]
 
 
 @pytest.mark.slow
@@ -461,8 +461,7 @@ def test_train_throughput_sync_check_names_a_planted_host_read(monkeypatch, tmp_
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = tmp_path / "train.json"
-    args = [a for a in CPU_STAGE if a != "--anchors"] + ["--no-anchors", "--no-eager-baseline",
-                                                          "--json-out", str(out)]
+    args = CPU_STAGE + ["--no-eager-baseline", "--json-out", str(out)]
     with pytest.raises(SystemExit) as exc:
         sys.path.insert(0, os.path.join(ROOT, "bench"))
         try:
@@ -476,7 +475,7 @@ def test_train_throughput_sync_check_names_a_planted_host_read(monkeypatch, tmp_
     assert res["sync_offender"] == "host sync: aten._local_scalar_dense.default"
     assert any("test_sync_free.py" in f and "out[0].item()" in f
                for f in res["sync_offender_frames"]), res["sync_offender_frames"]
-    assert "eager" not in res and "supervised_eager" not in res
+    assert "eager" not in res
     # train.py's own loader is back: the benchmark's device-data stand-in does not leak
     from nac_fast.train import run as run_mod
     assert run_mod.build_loader.__module__ == "nac_fast.train.run"
