@@ -449,25 +449,28 @@ def run_gpu(args, ap):
             return True
         return False
 
-    def add(method, engine, dev, queries, G, stats, m=None, check="", note=""):
+    def add(method, engine, queries, G, fn, repeats, check="", note=""):
+        """Time fn (on the CPU for the C++ engine), add its row; fn's output."""
+        stats, out = timed(fn, repeats, cpu if engine == "cpu" else device)
         goal = GOALS.get((method, G, queries)) \
-            if dev != "cpu" and device.type == "cuda" and D == 128 else None
+            if engine != "cpu" and device.type == "cuda" and D == 128 else None
         key, speed = (method, G, queries), ""
         if engine == "cpu":
             cpu_times[key] = stats["median_s"]
         elif key in cpu_times:
             speed = cpu_times[key] / stats["median_s"]
         bound = queries * G * 64 * W * 2 / INT8_OPS
-        row = dict(method=method, engine=engine, device=dev, queries=queries, gallery=G, bits=D,
-                   k=k if method == "topk" else "", repeats=stats["repeats"],
-                   median_s=stats["median_s"], p20_s=stats["p20_s"], p80_s=stats["p80_s"],
+        row = dict(stats, method=method, engine=engine, queries=queries, gallery=G, bits=D,
+                   device="cpu" if engine == "cpu" else dev, k=k if method == "topk" else "",
                    peak_gpu_mib=round(stats["peak_gpu_mib"], 1),
-                   peak_rss_mb=round(stats["peak_rss_mb"], 1), map=m, speedup_vs_cpu=speed,
+                   peak_rss_mb=round(stats["peak_rss_mb"], 1),
+                   map=out if method == "map_all" else None, speedup_vs_cpu=speed,
                    bound_s=bound, of_bound=bound / stats["median_s"], goal_s=goal,
                    meets_goal=(stats["median_s"] <= goal) if goal else "", check=check, note=note)
         report(rows, row, f"{engine} x {G:,}", f"GPU peak {row['peak_gpu_mib']:.1f} MiB",
                f"x{speed:.3g} vs cpu" if speed else "", f"int8 floor {bound:.2e} s",
                f"goal {goal} s" if goal else "", check)
+        return out
 
     dev, cpu = str(device), torch.device("cpu")
     if args.only in ("all", "map"):  # ---- mAP@all ----
@@ -488,16 +491,15 @@ def run_gpu(args, ap):
             if nq_cpu:
                 n = ns[-1]
                 qc, qlc, gc, glc = qw[:n].cpu(), ql[:n].cpu(), gw.cpu(), gl.cpu()
-                stats, m = timed(lambda: H.mean_average_precision(
-                    P(qc, D), qlc, P(gc, D), glc, backend="cpu"), 3 if G <= 100_000 else 2, cpu)
-                add("map_all", "cpu", "cpu", n, G, stats, m, note=f"{args.threads} threads")
+                add("map_all", "cpu", n, G, lambda: H.mean_average_precision(
+                    P(qc, D), qlc, P(gc, D), glc, backend="cpu"), 3 if G <= 100_000 else 2,
+                    note=f"{args.threads} threads")
                 del qc, gc
             for eng in map_engines:
                 for n in ns:  # the CPU row's query count too: the like-for-like pair
-                    stats, m = timed(lambda: H.mean_average_precision(
+                    add("map_all", eng, n, G, lambda: H.mean_average_precision(
                         P(qw[:n], D), ql[:n], P(gw, D), gl, backend=eng), args.gpu_repeats,
-                        device)
-                    add("map_all", eng, dev, n, G, stats, m, check=checks[eng])
+                        check=checks[eng])
             del gw, gl
     if args.only in ("all", "topk"):  # ---- top-k: one index, each engine
         for G, nq_cpu in zip(idx_sizes, cpu_topk_q):
@@ -516,17 +518,14 @@ def run_gpu(args, ap):
             if nq_cpu:
                 n = min(nq_cpu, Q)
                 cpu_index.search(P(qc[:2], D), k)
-                stats, _ = timed(lambda: cpu_index.search(P(qc[:n], D), k),
-                                 3 if G <= 10_000_000 else 1, cpu)
-                add("topk", "cpu", "cpu", n, G, stats,
+                add("topk", "cpu", n, G, lambda: cpu_index.search(P(qc[:n], D), k),
+                    3 if G <= 10_000_000 else 1,
                     note=f"HashIndex on the CPU, {args.threads} threads")
             del cpu_index
             first = None
             for name, backend, method in topk_engines:
                 index.backend, index.topk_method = backend, method
-                index.search(P(qw[:2], D), k)  # compiles, outside the clock
-                stats, (Dg, Ig) = timed(lambda: index.search(P(qw, D), k), args.gpu_repeats,
-                                        device)
+                Dg, Ig = index.search(P(qw, D), k)  # compiles, outside the clock
                 good = bool(torch.equal(Dg[:nc].cpu(), Dc) and torch.equal(Ig[:nc].cpu(), Ic))
                 if first is None:
                     first = (name, Dg, Ig)
@@ -537,13 +536,12 @@ def run_gpu(args, ap):
                               f"{first[0]}'s")
                 if not good:
                     failures.append(f"topk {name} x {G}: {check}")
-                if nq_cpu and min(nq_cpu, Q) != Q:  # the CPU row's queries: like for like
-                    n = min(nq_cpu, Q)
-                    s2, _ = timed(lambda: index.search(P(qw[:n], D), k), args.gpu_repeats,
-                                  device)
-                    add("topk", name, dev, n, G, s2, check=check)
-                add("topk", name, dev, Q, G, stats, check=check,
-                    note="HashIndex search, queries = index codes with 10% of bits flipped")
+                if nq_cpu and (n := min(nq_cpu, Q)) != Q:  # the CPU row's queries: like for like
+                    add("topk", name, n, G, lambda: index.search(P(qw[:n], D), k),
+                        args.gpu_repeats, check=check)
+                add("topk", name, Q, G, lambda: index.search(P(qw, D), k), args.gpu_repeats,
+                    check=check, note="HashIndex search, queries = index codes with 10% of bits "
+                    "flipped")
             del index, first, Dg, Ig, qc
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import io
 import itertools
 import json
@@ -47,10 +48,8 @@ HOST_CALLS = 48  # under the GPU's launch queue (about 1,000 launches) at ~10 la
 nullctx = contextlib.nullcontext
 
 
-def user_step(kind, n, N, D, dtype, device, backend, noise_inside: bool = True):
-    """One fwd+bwd as users call it: the noise drawn inside, r_hat without a gradient."""
-    return make_step(kind, n, N, D, dtype, device, backend, noise_inside=noise_inside,
-                     r_grad=False)
+# one fwd+bwd as users call it: the noise drawn inside, r_hat without a gradient
+user_step = functools.partial(make_step, noise_inside=True, r_grad=False)
 
 
 def criterion_step(kind, n, N, D, dtype, device, backend):
@@ -74,13 +73,12 @@ def criterion_step(kind, n, N, D, dtype, device, backend):
     return step
 
 
-@contextlib.contextmanager
-def patched(patches):
-    """setattr(module, name, value) for each of `patches`, undone on exit."""
-    with contextlib.ExitStack() as stack:
-        for m, name, val in patches:
-            stack.enter_context(mock.patch.object(m, name, val))
-        yield
+def patched(patches) -> contextlib.ExitStack:
+    """setattr(module, name, value) for each of `patches` now, undone when the stack closes."""
+    stack = contextlib.ExitStack()
+    for m, name, val in patches:
+        stack.enter_context(mock.patch.object(m, name, val))
+    return stack
 
 
 def op_path():
@@ -259,25 +257,21 @@ def _measured(row, make, graph=None):
 
 def _loss_makers(row, device, compile_backend):
     """(step maker, graph-row step maker) of a --gpu loss row; make() records row["resolved"]."""
-    kind, n, N, D, backend = row["kind"], row["n"], row["N"], row["D"], row["backend"]
-    dtype, fn = getattr(torch, row["dtype"]), []
+    kind, backend, dtype = row["kind"], row["backend"], getattr(torch, row["dtype"])
+    case, fn = (kind, row["n"], row["N"], row["D"], dtype, device), []
 
     def make():
         if backend == "compiled-reference":
             fn.append(compile_reference(compile_backend)[0])
             row["resolved"] = f"torch.compile({compile_backend})"
-            return make_step(kind, n, N, D, dtype, device, "reference", fn[0],
-                             noise_inside=True, r_grad=False)
-        row["resolved"] = backend if backend != "auto" else \
-            dispatch.resolve_backend("auto", torch.empty(1, device=device, dtype=dtype),
-                                     keys=None if kind == "inbatch" else
-                                     torch.empty(1, 1, device=device))
-        return user_step(kind, n, N, D, dtype, device, backend)
+            return user_step(*case, "reference", fn[0])
+        row["resolved"] = backend if backend != "auto" else dispatch.resolve_backend(
+            "auto", torch.empty(1, device=device, dtype=dtype),
+            keys=None if kind == "inbatch" else torch.empty(1, 1, device=device))
+        return user_step(*case, backend)
 
-    def graph():
-        if fn:
-            return make_step(kind, n, N, D, dtype, device, "reference", fn[0], r_grad=False)
-        return user_step(kind, n, N, D, dtype, device, backend, noise_inside=False)
+    def graph():  # the noise drawn once, before the capture
+        return user_step(*case, "reference" if fn else backend, *fn[:1], noise_inside=False)
     return make, graph
 
 
@@ -421,10 +415,9 @@ def main(argv=None):
                 ap.error(f"{flag} is an option of --gpu (the stubbed run has no such choice)")
     elif not torch.cuda.is_available():
         ap.error("--gpu but no GPU is visible")
-    if args.csv:  # a folder, a path under a file, an unwritable place: before any timing
-        common.check_output_file(ap, "--csv", args.csv)
-    if args.profile_out:
-        common.check_output_file(ap, "--profile-out", args.profile_out, csv_file=False)
+    for flag, path in (("--csv", args.csv), ("--profile-out", args.profile_out)):
+        if path:  # a folder, a path under a file, an unwritable place: before any timing
+            common.check_output_file(ap, flag, path, csv_file=flag == "--csv")
     cases = _cases(ap, args.cases) if args.cases else GPU_CASES
     print(HEADER)
     if args.gpu:
