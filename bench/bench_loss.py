@@ -305,7 +305,7 @@ def main(argv=None):
     run = dict(common.run_fields(dev_name), threads=torch.get_num_threads(),
                check_inputs=int(bool(_loss_mod.CHECK_VALUES)))
 
-    rows, failed = [], 0
+    rows = []
     print(f"{'kind':8s} {'n':>6s} {'N':>7s} {'dtype':9s} {'backend':18s} {'median ms':>10s} "
           f"{'p20':>8s} {'p80':>8s} {'peak MiB':>9s} {'GFLOP/s':>8s} {'x ref':>6s} {'mem/ref':>8s} "
           f"{'%bound':>7s}")
@@ -319,7 +319,6 @@ def main(argv=None):
             try:
                 med, p20, p80, reps, mem = _measure(b, (kind, n, N, args.D, dtype), args, base)
             except Exception as exc:  # OOM, compile error, not compiled: a failed row
-                failed += 1
                 msg = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
                 print(f"{kind:8s} {n:6d} {N:7d} {str(dtype)[6:]:9s} {b:18s} FAILED "
                       f"{msg[:300]}", flush=True)
@@ -347,7 +346,7 @@ def main(argv=None):
     append_rows(csv_path, rows)
     print(f"appended {len(rows)} rows to {csv_path}")
     print(json.dumps({"rows": rows}))
-    if failed:
+    if failed := sum(r["status"] != "ok" for r in rows):
         print(f"{failed} row(s) FAILED", file=sys.stderr)
     return 1 if failed else 0
 

@@ -184,11 +184,10 @@ def _stub_row(kind, n, N, backend, calls, repeats):
 
 
 def stub_rows(calls: int = 200, repeats: int = 5):
-    cases = [("inbatch", 512, 512), ("mq", 256, 4096)]
-    rows = [_stub_row(*case, backend, calls, repeats) for case in cases
-            for backend in ("triton", "triton-op-path")]
-    # the criteria (nn.Module) around the same fused loss
-    rows += [_stub_row(*case, "triton-criterion", calls, repeats) for case in cases]
+    # the fused loss as users call it, on the op path, and in its criterion (nn.Module)
+    rows = [_stub_row(*case, backend, calls, repeats)
+            for case in (("inbatch", 512, 512), ("mq", 256, 4096))
+            for backend in ("triton", "triton-op-path", "triton-criterion")]
     with loss_mod.value_checks(False):  # the CPU backend's own overhead: a tiny shape
         for kind, n, N, D in (("inbatch", 4, 4, 8), ("mq", 4, 16, 8)):
             for backend in ("cpu", "cpu-op-path", "reference"):
