@@ -185,21 +185,15 @@ def run_train(args, compile_flag, keep_state: bool = False):
 
 # ---- the report ----------------------------------------------------------------------------------
 
-def _parts(res) -> list:
-    """(key, CSV config, result) of each configuration measured (key None: part 1)."""
-    m = res["method"]
-    named = ((None, f"{m}-defaults"), ("eager", f"{m}-eager"))
-    return [(k, c, res if k is None else res[k]) for k, c in named if k is None or k in res]
-
-
 def csv_rows(res) -> list:
-    """One row per configuration, CSV_FIELDS' columns (None as blank)."""
+    """One row per configuration measured (part 1, the eager baseline), CSV_FIELDS' columns
+    (None as blank)."""
     common = {**run_fields(res["device"]), **{k: res[k] for k in (
         "commit", "threads", "arch", "method", "data", "loader", "batch_size", "world_size",
         "image_size", "amp", "channels_last")}}
     rows = []
-    for _, config, r in _parts(res):
-        row = dict(common, config=config)
+    for config, r in [("defaults", res)] + ([("eager", res["eager"])] if "eager" in res else []):
+        row = dict(common, config=f"{res['method']}-{config}")
         rows.append(row)
         if "img_per_s" not in r:
             row["status"] = r["skipped"]
@@ -219,9 +213,11 @@ def summary_line(res) -> str:
          f"sync check {res.get('sync_check', 'not run')}")
     if res.get("sync_offenders"):
         s += f" ({str(res['sync_offenders'])[:120]})"
-    s += f", compiled: {res.get('compiled') or 'no'}, compile {res.get('compile_s')} s"
-    for k, _, r in _parts(res)[1:]:
-        s += f", {k} " + (f"{r['img_per_s']:.0f}" if "img_per_s" in r else "skipped")
+    s += f", compiled: {res.get('compiled') or 'no'}"
+    s += f", compile {res['compile_s']} s" if "compile_s" in res else ""
+    if "eager" in res:
+        e = res["eager"]
+        s += ", eager " + (f"{e['img_per_s']:.0f}" if "img_per_s" in e else "skipped")
     return s
 
 
