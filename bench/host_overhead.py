@@ -155,11 +155,12 @@ def aten_launches():
         yield counter
 
 
-def _per_call(step, calls: int, repeats: int = 5) -> float:
-    """Median over `repeats` of the mean seconds per call of `calls` calls (after 3 warm-ups)."""
+def _per_call(step, calls: int, repeats: int = 5, sync=None, after: bool = False) -> float:
+    """Median over `repeats` of the mean seconds per call of `calls` calls (after 3 warm-ups;
+    bench_loss.mean_time's `sync` before them, and after when `after`)."""
     for _ in range(3):
         step()
-    return statistics.median(mean_time(step, calls) for _ in range(repeats))
+    return statistics.median(mean_time(step, calls, sync, after) for _ in range(repeats))
 
 
 def _stub_row(kind, n, N, backend, calls, repeats):
@@ -206,11 +207,8 @@ def _host_and_back_to_back(step):
     """(host_s, back_to_back_s): medians over REPEATS of HOST_CALLS calls from an idle GPU, host
     clock only, and of CALLS calls and the sync after them."""
     sync = torch.cuda.synchronize
-    for _ in range(5):
-        step()
-    host, total = zip(*[(mean_time(step, min(CALLS, HOST_CALLS), sync),
-                         mean_time(step, CALLS, sync, True)) for _ in range(REPEATS)])
-    return statistics.median(host), statistics.median(total)
+    return (_per_call(step, min(CALLS, HOST_CALLS), REPEATS, sync),
+            _per_call(step, CALLS, REPEATS, sync, True))
 
 
 def _graph_time(step) -> float:
@@ -240,10 +238,8 @@ def _measured(row, make, graph=None):
             except Exception as exc:  # the row's other figures stand; the note says why
                 row["status"] = f"ok (no graph: {_failed(exc, 120)})"
                 torch.cuda.synchronize()
-            else:
-                if (bnd := _bound(row["kind"], row["n"], row["N"], row["D"],
-                                  row["dtype"])) is not None:
-                    row.update(bound_s=bnd, pct_of_bound=100.0 * bnd / row["graph_s"])
+        if "graph_s" in row and (bnd := _bound(*map(row.get, ("kind", "n", "N", "D", "dtype")))):
+            row.update(bound_s=bnd, pct_of_bound=100.0 * bnd / row["graph_s"])
     except Exception as exc:  # a failed row is recorded and fails the run
         row["status"] = "failed: " + _failed(exc)
     finally:
