@@ -19,16 +19,12 @@ import time
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    import nac_fast as H
-except ImportError:  # running from a checkout that is not installed
-    sys.path.insert(0, ROOT)
-    import nac_fast as H
-from nac_fast.ops import dispatch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (append_rows, check_least, check_output_file, device_name,  # noqa: E402
-                    int_list, quantiles, run_fields, write_text)
+from common import (ROOT, append_rows, check_least, check_output_file,  # noqa: E402
+                    device_name, int_list, quantiles, run_fields, write_text)
+
+import nac_fast as H  # noqa: E402  (common put the source tree on sys.path)
+from nac_fast.ops import dispatch  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 _RUN = ["timestamp", "host", "cpu", "threads", "torch", "faiss", "git_commit", "method", "queries",
