@@ -604,9 +604,7 @@ def parse_args(argv=None):
 def main(argv=None):
     ap, args, run = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if run == "gpu":
-        return run_gpu(args, ap)
-    return (run_index if run == "index" else run_cpu)(args, ap)
+    return {"cpu": run_cpu, "index": run_index, "gpu": run_gpu}[run](args, ap)
 
 
 if __name__ == "__main__":
