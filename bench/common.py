@@ -237,8 +237,12 @@ def ceilings(gpu_name: str, which: str = "measured") -> dict:
     return out
 
 
-def work(kind: str, n: int, N: int, D: int, dtype: str, *, keys_grad: bool | None = None) -> dict:
-    """Matrix FLOPs, exps and bytes of one forward+backward of our algorithm."""
+def bound(kind: str, n: int, N: int, D: int, dtype: str, gpu_name: str, *,
+          fp32_mode: str = "tf32x3", ceilings_from: str = "measured",
+          keys_grad: bool | None = None) -> dict:
+    """The time floor of one forward+backward of our algorithm: max(matrix, exp, memory) time,
+    with the work (matrix FLOPs, exps, bytes) and the rates used.  fp32_mode applies to float32
+    inputs only (FP32_MODES)."""
     kind = "queue" if kind == "mq" else kind
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS} (or 'mq'), got {kind!r}")
@@ -250,6 +254,8 @@ def work(kind: str, n: int, N: int, D: int, dtype: str, *, keys_grad: bool | Non
     if kind == "inbatch" and N != n:
         raise ValueError(f"in-batch keys are the batch's own codes: N must equal n, got n={n}, "
                          f"N={N}")
+    if fp32_mode not in FP32_MODES:
+        raise ValueError(f"fp32_mode must be one of {FP32_MODES}, got {fp32_mode!r}")
     dname, b = _DTYPES[dtype]
     keys_grad = kind == "inbatch" if keys_grad is None else keys_grad
     if kind == "inbatch" and not keys_grad:
@@ -257,26 +263,16 @@ def work(kind: str, n: int, N: int, D: int, dtype: str, *, keys_grad: bool | Non
     products = 4 if keys_grad else 2
     in_elems = 3 * n * D + (N * D if kind == "queue" else 0)            # a, r, noise (+ keys)
     out_elems = 2 * n * D + (N * D if kind == "queue" and keys_grad else 0)  # grads a, r (+ keys)
-    return {"kind": kind, "n": n, "N": N, "D": D, "dtype": dname, "keys_grad": keys_grad,
-            "products": products, "matrix_flops": products * 2 * n * N * D,
-            "exps": (2 if keys_grad else 1) * n * N, "bytes": (in_elems + out_elems) * b + 4}
-
-
-def bound(kind: str, n: int, N: int, D: int, dtype: str, gpu_name: str, *,
-          fp32_mode: str = "tf32x3", ceilings_from: str = "measured",
-          keys_grad: bool | None = None) -> dict:
-    """The time floor of one forward+backward: max(matrix, exp, memory) time, with the work and
-    the rates used.  fp32_mode applies to float32 inputs only (FP32_MODES)."""
-    if fp32_mode not in FP32_MODES:
-        raise ValueError(f"fp32_mode must be one of {FP32_MODES}, got {fp32_mode!r}")
-    w = work(kind, n, N, D, dtype, keys_grad=keys_grad)
+    w = {"kind": kind, "n": n, "N": N, "D": D, "dtype": dname, "keys_grad": keys_grad,
+         "products": products, "matrix_flops": products * 2 * n * N * D,
+         "exps": (2 if keys_grad else 1) * n * N, "bytes": (in_elems + out_elems) * b + 4}
     c = ceilings(gpu_name, ceilings_from)
-    unit, key, times_run = _MATRIX_UNITS["bfloat16" if w["dtype"] == "bfloat16" else fp32_mode]
+    unit, key, times_run = _MATRIX_UNITS["bfloat16" if dname == "bfloat16" else fp32_mode]
     rate, flops = c[key], times_run * w["matrix_flops"]
     times = {"matrix_s": flops / rate, "exp_s": w["exps"] / c["exp"],
              "memory_s": w["bytes"] / c["hbm"]}
     return {**w, "gpu": c["gpu"], "gpu_label": c["label"], "ceilings": ceilings_from,
-            "fp32_mode": fp32_mode if w["dtype"] == "float32" else None,
+            "fp32_mode": fp32_mode if dname == "float32" else None,
             "matrix_unit": unit, "matrix_rate": rate, "matrix_flops_executed": flops,
             "exp_rate": c["exp"], "hbm_rate": c["hbm"], **times,
             "bound_s": max(times.values()), "limiter": max(times, key=times.get)[:-2]}
