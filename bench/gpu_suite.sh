@@ -270,29 +270,12 @@ stage_hamming_tc() {
       note="ncu: not found"
       echo "$note" > "$RES/hamming_tc_ncu.txt"
     else
-      # sections every ncu knows; then the tensor pipes' counters (names differ between versions)
+      # sections every ncu knows (each launch's time; the tensor-pipe counters: docs/gpu.md)
       timeout 150 "$ncu" --target-processes all --kernel-name regex:_topk_mma_kernel \
           --launch-count 8 --section SpeedOfLight --section ComputeWorkloadAnalysis \
           $PY bench/bench_hamming.py --gpu --profile-run > "$RES/hamming_tc_ncu.txt" 2>&1 || nrc=$?
-      timeout 120 "$ncu" --target-processes all --kernel-name regex:_topk_mma_kernel \
-          --launch-count 8 --csv --print-units base --metrics gpu__time_duration.sum,sm__inst_executed_pipe_tensor_op_gmma.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_imma_cycles_active.avg.pct_of_peak_sustained_active \
-          $PY bench/bench_hamming.py --gpu --profile-run > "$RES/hamming_tc_ncu.csv" 2>&1 || nrc=$?
-      note=$($PY - "$RES/hamming_tc_ncu.csv" <<'EOF' 2>/dev/null || echo "ncu: no readable metrics"
-import csv, io, sys
-text = open(sys.argv[1]).read()
-rows = list(csv.DictReader(io.StringIO(text[text.find('"ID"'):]))) if '"ID"' in text else []
-by = {}
-for r in rows:
-    by.setdefault(r["ID"], {})[r["Metric Name"]] = r["Metric Value"].replace(",", "")
-if not by:
-    sys.exit(1)
-big = max(by.values(), key=lambda m: float(m.get("gpu__time_duration.sum", 0) or 0))
-pipe = [f"{k.split('_cycles')[0].split('op_')[1]} pipe {float(v):.1f}% of peak"
-        for k, v in big.items() if k.endswith("pct_of_peak_sustained_active")]
-print(f"ncu: full pass {float(big['gpu__time_duration.sum']):.0f} ns, " + ", ".join(pipe))
-EOF
-)
-      [ $nrc = 0 ] || note="$note (ncu exit status $nrc: see hamming_tc_ncu.*)"
+      note="ncu: profile in hamming_tc_ncu.txt"
+      [ $nrc = 0 ] || note="ncu exit status $nrc: see hamming_tc_ncu.txt"
     fi
   fi
   local d
