@@ -122,6 +122,11 @@ def mean_time(step, calls: int = 1, sync=None, after: bool = False) -> float:
     return (time.perf_counter() - t0) / calls
 
 
+def failure(exc, width: int = 300) -> str:
+    """"<type>: <first line of the message>" of an exception, cut at `width` characters."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:width]
+
+
 def time_step(step, device, reps: int, min_time: float):
     """(median, p20, p80, timed reps, first call's seconds, timer) after one warm-up call (it
     compiles); how each device is timed: docs/kernels.md "The benchmark scripts in detail"."""
@@ -319,10 +324,9 @@ def main(argv=None):
             try:
                 med, p20, p80, reps, mem = _measure(b, (kind, n, N, args.D, dtype), args, base)
             except Exception as exc:  # OOM, compile error, not compiled: a failed row
-                msg = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
                 print(f"{kind:8s} {n:6d} {N:7d} {str(dtype)[6:]:9s} {b:18s} FAILED "
-                      f"{msg[:300]}", flush=True)
-                rows.append(dict(base, status=f"failed: {msg[:300]}"))
+                      f"{failure(exc)}", flush=True)
+                rows.append(dict(base, status=f"failed: {failure(exc)}"))
                 continue
             finally:
                 if b == "compiled-reference":

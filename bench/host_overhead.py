@@ -30,8 +30,8 @@ import common  # noqa: E402  (puts the source tree on sys.path)
 import torch  # noqa: E402
 
 import nac_fast  # noqa: E402
-from bench_loss import (P, case_bound, compile_reference, graph_step, make_step,  # noqa: E402
-                        mean_time)
+from bench_loss import (P, case_bound, compile_reference, failure, graph_step,  # noqa: E402
+                        make_step, mean_time)
 from nac_fast.ops import dispatch, loss as loss_mod, nac  # noqa: E402
 
 FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "mode", "kind", "n", "N",
@@ -216,10 +216,6 @@ def _graph_time(step) -> float:
     return do_bench(graph_step(step), warmup=25, rep=200, return_mode="median") / 1e3
 
 
-def _failed(exc, width=200) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:width] if str(exc) else ''}"
-
-
 def _bound(kind, n, N, D, dname):
     """The case's floor in seconds on this GPU (bench_loss.case_bound), or None."""
     b = case_bound(kind, n, N, D, getattr(torch, dname), "cuda", torch.cuda.get_device_name())[1]
@@ -236,12 +232,12 @@ def _measured(row, make, graph=None):
             try:
                 row["graph_s"] = _graph_time(graph())
             except Exception as exc:  # the row's other figures stand; the note says why
-                row["status"] = f"ok (no graph: {_failed(exc, 120)})"
+                row["status"] = f"ok (no graph: {failure(exc, 120)})"
                 torch.cuda.synchronize()
         if "graph_s" in row and (bnd := _bound(*map(row.get, ("kind", "n", "N", "D", "dtype")))):
             row.update(bound_s=bnd, pct_of_bound=100.0 * bnd / row["graph_s"])
     except Exception as exc:  # a failed row is recorded and fails the run
-        row["status"] = "failed: " + _failed(exc)
+        row["status"] = "failed: " + failure(exc, 200)
     finally:
         if row["backend"] == "compiled-reference":
             torch._dynamo.reset()
