@@ -28,44 +28,13 @@ detail() { echo "$*" > "$RES/.detail_$STAGE"; }
 # stages (run in a child bash: bash gpu_suite.sh --run-stage NAME, with set -e)
 # ---------------------------------------------------------------------------------------------
 
-import_check() {
-  SUITE_ROOT="$ROOT" $PY - <<'EOF'
-import importlib, os, sys
-root = os.path.realpath(os.environ["SUITE_ROOT"])
-cpu = os.environ.get("NAC_FAST_SUITE_CPU", "0") == "1"
-# Import from the source tree alone, as on the GPU machine (nothing installed there): drop the
-# finders of a setuptools editable install (pip install -e .), which map nac_fast.kernels to
-# kernels/ through setup.py's package_dir and would hide a tree that cannot import it.
-sys.meta_path = [f for f in sys.meta_path
-                 if "__editable__" not in (getattr(f, "__module__", "") or "")
-                 and "__editable__" not in (getattr(type(f), "__module__", "") or "")]
-import nac_fast
-where = os.path.dirname(os.path.realpath(nac_fast.__file__))
-if where != os.path.join(root, "nac_fast"):
-    sys.exit(f"import check: nac_fast was imported from {where}, not from this tree {root}")
-importlib.import_module("nac_fast.kernels.nac_triton")
-dev = "cpu" if cpu else "cuda"
-got = nac_fast.available_backends(dev)
-want = ["triton"] if cpu else ["triton", "cuda"]
-missing = [b for b in want if b not in got]
-print(f"import check: nac_fast from {where}; nac_fast.kernels.nac_triton imports; "
-      f"available_backends({dev!r}) = {got}")
-if missing:
-    sys.exit(f"import check: available_backends({dev!r}) lacks {missing}")
-if not cpu:
-    ext = nac_fast.ops.dispatch.extension()
-    if ext is None or not ext.built_with_cuda():
-        sys.exit("import check: nac_fast._C is missing or was built without CUDA")
-EOF
-}
-
 stage_build() {
   local log="$RES/build_ext.log"
   if [ "$CPU_MODE" = 1 ]; then
-    export NAC_FAST_SKIP_EXT=1 TRITON_INTERPRET=1
+    export NAC_FAST_SKIP_EXT=1 TRITON_INTERPRET=1 NAC_FAST_TEST_DEVICE=cpu
     unset NAC_FAST_FORCE_CUDA
   else
-    export NAC_FAST_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+    export NAC_FAST_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 NAC_FAST_TEST_DEVICE=cuda
     unset NAC_FAST_SKIP_CUDA NAC_FAST_SKIP_EXT
   fi
   echo "== build: NAC_FAST_FORCE_CUDA=${NAC_FAST_FORCE_CUDA:-} NAC_FAST_SKIP_EXT=${NAC_FAST_SKIP_EXT:-}" \
@@ -78,13 +47,17 @@ stage_build() {
   fi
   local tb=$((SECONDS - t0))
   echo "build_ext took $tb s (log: build_ext.log)"
-  import_check || { detail "build_ext ${tb}s, but the import check failed"; return 1; }
-  detail "build_ext ${tb}s; import check ok"
+  # the source tree imports with its device's backends (JUnit pytest_build.xml)
+  local rc=0
+  run_tests build "" tests/test_install_modes.py::test_source_tree_has_its_devices_backends || rc=1
+  detail "build_ext ${tb}s; import test: $(cat "$RES/.junit_build" 2>/dev/null || echo 'none')"
+  return $rc
 }
 
 ensure_built() {
   if [ "$CPU_MODE" = 1 ]; then export TRITON_INTERPRET=1; return 0; fi
-  import_check > /dev/null 2>&1 && return 0
+  $PY -c "import nac_fast, sys; sys.exit(not nac_fast.ops.dispatch.cuda_extension_built())" \
+      2> /dev/null && return 0
   echo "== the CUDA extension is not built on this machine: running the build stage first"
   local t0=$SECONDS
   stage_build || { echo "build failed"; return 1; }
@@ -105,14 +78,16 @@ bench_detail() {  # $1 = bench_loss rc
   echo "$goals"
 }
 
-# pytest FILES with JUnit XML to $RES/pytest_NAME.xml (8 xdist workers on a GPU machine: its 16
-# cores share the GPU), then gpu_summary.py's verdict on it (REQUIRE: the backends that must have
-# passed tests), written to $RES/.junit_NAME.  Exit status 0 only if both passed.
+# pytest FILES with JUnit XML to $RES/pytest_NAME.xml (8 xdist workers for several FILES on a GPU
+# machine: 16 cores share the GPU), then gpu_summary.py's verdict on it (REQUIRE: the backends that
+# must have passed tests), written to $RES/.junit_NAME.  Exit status 0 only if both passed.
 run_tests() {  # NAME REQUIRE FILES...
   local name=$1 require=$2 rc=0
   shift 2
   local xml="$RES/pytest_$name.xml" xdist=()
-  if [ "$CPU_MODE" != 1 ] && $PY -c "import xdist" 2>/dev/null; then xdist=(-n 8); fi
+  if [ "$CPU_MODE" != 1 ] && [ $# -gt 1 ] && $PY -c "import xdist" 2>/dev/null; then
+    xdist=(-n 8)
+  fi
   rm -f "$xml"
   echo "== NAC_FAST_TEST_DEVICE=$NAC_FAST_TEST_DEVICE pytest $*"
   $PY -m pytest -q -rfEs -p no:cacheprovider "${xdist[@]}" --junitxml="$xml" "$@" || rc=$?

@@ -140,10 +140,48 @@ def test_triton_backend_present_where_triton_is_installed():
     assert why is None, why
 
 
+SOURCE_TREE_CHECK = r"""
+import importlib, os, sys
+root, dev = os.path.realpath(sys.argv[1]), sys.argv[2]
+# the source tree alone, as on the GPU machine (nothing installed there): drop the finders of a
+# setuptools editable install, which map nac_fast.kernels to kernels/ through setup.py's
+# package_dir and would hide a tree that cannot import it
+sys.meta_path = [f for f in sys.meta_path
+                 if "__editable__" not in (getattr(f, "__module__", "") or "")
+                 and "__editable__" not in (getattr(type(f), "__module__", "") or "")]
+import nac_fast
+where = os.path.dirname(os.path.realpath(nac_fast.__file__))
+assert where == os.path.join(root, "nac_fast"), f"nac_fast imported from {where}, not from {root}"
+importlib.import_module("nac_fast.kernels.nac_triton")
+why = nac_fast.available_backends(dev, reasons=True)
+missing = {b: why[b] for b in (["triton", "cuda"] if dev == "cuda" else ["triton"]) if why[b]}
+assert not missing, f"available_backends({dev!r}) lacks {missing}"
+if dev == "cuda":
+    assert nac_fast.ops.dispatch.cuda_extension_built(), "nac_fast._C missing or built without CUDA"
+print(f"nac_fast from {where}; nac_fast.kernels.nac_triton imports; available_backends({dev!r}) "
+      f"= {nac_fast.available_backends(dev)}")
+"""
+
+
+def test_source_tree_has_its_devices_backends():
+    """The GPU suite's build stage runs this after `setup.py build_ext --inplace` (JUnit
+    pytest_build.xml): from this source tree alone (PYTHONPATH, an editable install's finders
+    dropped), nac_fast and nac_fast.kernels.nac_triton import, and available_backends of
+    NAC_FAST_TEST_DEVICE has 'triton' and, on 'cuda', 'cuda' with nac_fast._C built with CUDA.
+    A missing backend or extension fails it, with the dispatcher's reason."""
+    dev = os.environ.get("NAC_FAST_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    out = subprocess.run([sys.executable, "-c", SOURCE_TREE_CHECK, ROOT, dev], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    print(out.stdout)
+
+
 @pytest.mark.slow
 def test_gpu_suite_build_stage_import_path(tmp_path):
     """The GPU suite's build stage, in its CPU mode (NAC_FAST_SUITE_CPU=1), on a copy of the tree:
-    the same source-tree import check the GPU machine runs after `build_ext --inplace`."""
+    the import test above, as the GPU machine runs it after `build_ext --inplace`."""
     tree = copy_tree(str(tmp_path / "src"))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
     env.update(NAC_FAST_SUITE_CPU="1", NAC_FAST_SUITE_RESULTS=str(tmp_path / "res"),
