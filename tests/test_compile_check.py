@@ -596,6 +596,57 @@ def test_the_committed_tables_keys_are_current():
                                   + f"\nregenerate it: {REGENERATE}")
 
 
+def test_fail_on_fails_only_its_dtypes_and_writes_the_verdict(tmp_path):
+    """--fail-on (the GPU suite's test stage: bfloat16,float16 fail, fp32's are reported): a
+    problem of another dtype is counted in the verdict line, exit 0; --verdict-out holds the
+    line.  A reuse run of a slice whose reused table has a spilling tf32x3 row (nothing
+    compiled)."""
+    args = ["--archs", "90", "--dtypes", "float64,float32", "--D", "16", "--modes", "inbatch",
+            "--no-candidates", "--no-cuda", "--jobs", "2"]
+    probe = _run_check(args + ["--reuse", COMMITTED, "--csv", str(tmp_path / "a.csv")], 600)
+    assert probe.returncode == 0, probe.stdout[-4000:] + probe.stderr[-4000:]
+    with open(tmp_path / "a.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    victim = next(r for r in rows if r["precision"] == "tf32x3" and r["folded"] == "0")
+    victim["spill_store_bytes"] = "32"
+    with open(tmp_path / "t.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    out = tmp_path / "v" / "verdict.txt"
+    proc = _run_check(args + ["--reuse", str(tmp_path / "t.csv"), "--fail-on", "float64",
+                              "--verdict-out", str(out)], 600)
+    line = "0 problems on float64 paths, 1 on the others' (counted, not failed)"
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1].endswith(line), proc.stdout[-3000:]
+    assert out.read_text() == proc.stdout.splitlines()[-1] + "\n"
+    assert out.read_text().startswith("compile check sm_90 (triton ")
+
+
+def test_verdict_counts_and_fails():
+    rows = [dict(dtype="bfloat16", problems=""), dict(dtype="float32", problems="spills"),
+            dict(dtype="", problems="no block fits")]
+    line, failed = CC.verdict(rows, [90], ["bfloat16", "float16"])
+    assert not failed and line.endswith("0 problems on bfloat16/float16 paths, 2 on the others' "
+                                        "(counted, not failed)")
+    rows[0]["problems"] = "spills"
+    line, failed = CC.verdict(rows, [90], ["bfloat16", "float16"])
+    assert failed and "1 problems on bfloat16/float16 paths, 2 on the others'" in line
+    line, failed = CC.verdict(rows, [80, 90])
+    assert failed and line.startswith("compile check sm_80/90 (") and line.endswith(": 3 problems")
+    assert CC.verdict([dict(dtype="float32", problems="")], [90])[1] is False
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--dtypes", "bfloat16,float32", "--fail-on", "float16"], "--fail-on: dtypes among"),
+    (["--check-keys", COMMITTED, "--fail-on", "float32"], "--check-keys compiles and writes"),
+    (["--verdict-out", "/proc/nac_fast_verdict.txt"], "--verdict-out"),
+])
+def test_fail_on_and_verdict_out_arguments_are_checked(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        CC.main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
 def test_check_keys_arguments_are_checked(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         CC.main(["--check-keys", COMMITTED, "--csv", str(tmp_path / "x.csv")])

@@ -48,6 +48,8 @@ It fails (exit 1, a line per problem) when
   - one kernel takes more than --max-compile-s (20 s) to compile;
   - a CUDA kernel of a 16-bit path spills, any CUDA kernel's shared memory exceeds the limit, or
     a bf16/fp16 CUDA matrix kernel has no HMMA/HGMMA (tools/cuda_resources.py's problems()).
+``--fail-on DTYPES`` fails on those dtypes' problems only and counts the others'; the last line
+is the verdict (``--verdict-out FILE`` writes it there too: the GPU suite's test stage).
 """
 from __future__ import annotations
 
@@ -887,6 +889,11 @@ def main(argv=None) -> int:
                          "and exit 1 if there are any (whether CSV is current)")
     ap.add_argument("--keep-cache", action="store_true",
                     help="reuse Triton's cache (default: a fresh one, so compile times are real)")
+    ap.add_argument("--fail-on", default=None, metavar="DTYPES",
+                    help="exit 1 only for a problem of these dtypes (some of --dtypes; default: "
+                         "any row's); the other rows' problems are counted in the verdict line")
+    ap.add_argument("--verdict-out", default=None, metavar="FILE",
+                    help="write the verdict line (the output's last) to FILE too")
     args = ap.parse_args(argv)
     if args.verify < 0:
         ap.error(f"--verify: a count >= 0, got {args.verify}")
@@ -895,8 +902,15 @@ def main(argv=None) -> int:
     if args.csv and args.reuse and os.path.abspath(args.csv) == os.path.abspath(args.reuse):
         ap.error("--csv: the table --reuse reads would be overwritten by a table of reused rows; "
                  "write it elsewhere")
-    if args.check_keys and (args.reuse or args.csv):
-        ap.error("--check-keys compiles and writes nothing: leave out --reuse and --csv")
+    if args.check_keys and (args.reuse or args.csv or args.fail_on or args.verdict_out):
+        ap.error("--check-keys compiles and writes nothing: leave out --reuse, --csv, --fail-on "
+                 "and --verdict-out")
+    fail_on = args.fail_on.split(",") if args.fail_on is not None else None
+    if fail_on is not None and not set(fail_on) <= set(args.dtypes.split(",")):
+        ap.error(f"--fail-on: dtypes among --dtypes ({args.dtypes}), got {args.fail_on}")
+    if args.verdict_out:
+        from nac_fast._files import check_writable
+        check_writable("--verdict-out", args.verdict_out, error=ap.error)
     try:
         reuse = read_reusable(args.reuse) if args.reuse else None
         if args.check_keys:
@@ -949,7 +963,26 @@ def main(argv=None) -> int:
     for r in bad:
         print(f"PROBLEM {r['kernel']} sm_{r['arch']} {r['dtype']} D={r['D']} {r['blocks']} "
               f"w{r['warps']} s{r['stages']}: {r['problems']}")
-    return 1 if bad else 0
+    line, failed = verdict(rows, archs, fail_on)
+    print(line)
+    if args.verdict_out:
+        from nac_fast._files import atomic_write
+        atomic_write(args.verdict_out, lambda f: f.write(line + "\n"), mode="w")
+    return 1 if failed else 0
+
+
+def verdict(rows, archs, fail_on=None):
+    """(the run's one-line verdict, whether it fails): a problem fails on a dtype of `fail_on`
+    (None: on any row); the other rows' problems are counted only (the GPU suite's test stage
+    fails on the 16-bit paths and reports fp32's)."""
+    import triton
+    bad = [r for r in rows if r["problems"]]
+    failing = [r for r in bad if fail_on is None or str(r["dtype"]) in fail_on]
+    head = f"compile check sm_{'/'.join(map(str, archs))} (triton {triton.__version__}): "
+    if fail_on is None:
+        return f"{head}{len(bad)} problems", bool(bad)
+    return (f"{head}{len(failing)} problems on {'/'.join(fail_on)} paths, "
+            f"{len(bad) - len(failing)} on the others' (counted, not failed)", bool(failing))
 
 
 def _print_table(rows):
