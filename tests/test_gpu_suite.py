@@ -331,6 +331,27 @@ def test_gpu_suite_rejects_unknown_stage_with_usage():
         assert "SUITE" not in r.stdout  # nothing ran
 
 
+def test_suite_preflight_names_the_device_and_its_versions():
+    """tools/suite_preflight.py (the suite's first step): the results folder's name, the versions
+    line and versions.json; without a GPU outside CPU mode, exit 1 saying so."""
+    import torch
+    env = dict(os.environ, NAC_FAST_SUITE_CPU="1", NAC_FAST_COMMIT="abc1234")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "suite_preflight.py")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    name, line, blob = r.stdout.split("\n", 2)
+    info = json.loads(blob)
+    assert name == "cpu" and line.startswith("versions: gpu none (CPU mode), driver ")
+    assert line.endswith(f"python {info['python']}, commit abc1234") and info["commit"] == "abc1234"
+    assert {"torch", "triton", "nvcc", "cpus", "date"} <= set(info)
+    assert r.stderr.startswith("== versions: date ")
+    if not torch.cuda.is_available():
+        env["NAC_FAST_SUITE_CPU"] = "0"
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "suite_preflight.py")],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 1 and "no GPU visible to torch" in r.stderr, r.stderr[-3000:]
+
+
 # ---- bench_loss: torch.compile per shape --------------------------------------------------------
 
 def _bench_argv(csv_path):
