@@ -4,7 +4,6 @@
     python bench/bench_loss.py --quick                  # one small shape per kind (smoke run)
     python bench/bench_loss.py --device cuda --compile-reference   # GPU: also torch.compile(ref)
     python bench/bench_loss.py --quick --compile-reference --compile-backend aot_eager   # CPU check
-    python bench/bench_loss.py --roofline H100,H200 [--ceilings datasheet] [--fp32 bf16x6]
 
 Rows are appended to a CSV (a failed row: exit status 1); columns and timing: docs/kernels.md
 "The benchmark scripts in detail".  host_overhead.py takes its cases' steps and timers from here."""
@@ -167,11 +166,6 @@ def variants(backends, compile_reference: bool, graphs: bool):
             + ([f"{b}+graph"] if graphs and b != "reference" else [])]
 
 
-def append_rows(path, rows, fields=FIELDS):
-    """common.append_rows with this script's FIELDS by default."""
-    common.append_rows(path, rows, fields)
-
-
 def case_bound(kind, n, N, D, dtype, device, dev_name):
     """(fp32_dot: the Triton kernels' fp32 product mode at the case, "" for other dtypes; the
     case's floor, common.bound, on a GPU that common knows, else None)."""
@@ -187,25 +181,6 @@ def case_bound(kind, n, N, D, dtype, device, dev_name):
         return fp32_dot, None
     return fp32_dot, common.bound(kname, n, N, D, str(dtype)[6:], dev_name,
                                   fp32_mode=fp32_dot or "tf32x3")
-
-
-def print_bounds(gpus, which: str = "measured", fp32_mode: str = "tf32x3", D: int = 128) -> None:
-    """The floors of BENCH_SHAPES in bf16 and fp32 on each of `gpus`, and the rates used."""
-    print(f"{'gpu':5s} {'kind':8s} {'n':>6s} {'N':>7s} {'dtype':9s} {'GFLOP':>8s} {'Mexp':>7s} "
-          f"{'MB':>6s} {'matrix us':>10s} {'exp us':>8s} {'mem us':>8s} {'bound us':>9s} limiter")
-    for gpu in gpus:
-        for kind, n, N in common.BENCH_SHAPES:
-            for dtype in ("bfloat16", "float32"):
-                b = common.bound(kind, n, N, D, dtype, gpu, fp32_mode=fp32_mode, ceilings_from=which)
-                print(f"{b['gpu']:5s} {kind:8s} {n:6d} {N:7d} {dtype:9s} "
-                      f"{b['matrix_flops_executed'] / 1e9:8.1f} {b['exps'] / 1e6:7.0f} "
-                      f"{b['bytes'] / 1e6:6.1f} {b['matrix_s'] * 1e6:10.1f} {b['exp_s'] * 1e6:8.1f} "
-                      f"{b['memory_s'] * 1e6:8.1f} {b['bound_s'] * 1e6:9.1f} {b['limiter']}")
-    c = common.ceilings(gpus[0], which)
-    print(f"\nrates ({which}; {c['label']}): " + ", ".join(
-        f"{name} {c[k] / 1e12:.{nd}f} {unit} ({c[k + '_source']})" for name, k, nd, unit in (
-            ("bf16", "bf16", 0, "TFLOP/s"), ("fp32 FMA", "fp32_fma", 1, "TFLOP/s"),
-            ("tf32", "tf32", 0, "TFLOP/s"), ("exp", "exp", 2, "T/s"), ("HBM", "hbm", 2, "TB/s"))))
 
 
 def _measure(b, case, args, base):
@@ -251,23 +226,7 @@ def main(argv=None):
     add("--no-memory", action="store_true", help="skip the memory measurement")
     add("--graphs", action=argparse.BooleanOptionalAction, default=None,
         help="add a CUDA-graph replay row per fused backend (default: on a GPU)")
-    add("--roofline", nargs="?", const="H100,H200", metavar="GPUS", help="print the time floors "
-        "of the GPU suite's shapes on these GPUs (default H100,H200) and exit")
-    add("--ceilings", default="measured", choices=("measured", "datasheet"),
-        help="--roofline: the chips' measured or datasheet rates")
-    add("--fp32", default="tf32x3", choices=common.FP32_MODES,
-        help="--roofline: the fp32 rows' matrix mode")
     args = ap.parse_args(argv)
-    if args.roofline is not None:
-        gpus = args.roofline.split(",")
-        if bad := [g for g in gpus if not common.known_gpu(g)]:  # before any table line
-            ap.error(f"--roofline: no ceilings known for {', '.join(repr(g) for g in bad)} "
-                     f"(known: {', '.join(common.GPUS)}; the H100 is the SXM part, not PCIe/NVL)")
-        if len({common.resolve_gpu(g) for g in gpus}) != len(gpus):  # a table printed twice
-            ap.error(f"--roofline: a GPU is named twice in {args.roofline!r}")
-        check_least(ap, args, {"--D": 1})
-        print_bounds(gpus, args.ceilings, args.fp32, args.D)
-        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but no GPU is visible")
     if args.graphs is None:
@@ -347,7 +306,7 @@ def main(argv=None):
                   f"{p20 * 1e3:8.3f} {p80 * 1e3:8.3f} {row['peak_extra_mib']:>9s} "
                   f"{row['gflops']:>8s} {row['time_ratio_to_ref']:>6s} "
                   f"{row['mem_ratio_to_ref']:>8s} {pct:>7s}", flush=True)
-    append_rows(csv_path, rows)
+    common.append_rows(csv_path, rows, FIELDS)
     print(f"appended {len(rows)} rows to {csv_path}")
     print(json.dumps({"rows": rows}))
     if failed := sum(r["status"] != "ok" for r in rows):

@@ -21,9 +21,6 @@ from nac_fast._files import atomic_write, check_writable  # noqa: E402
 # ---- shapes -------------------------------------------------------------------------------------
 INBATCH = [1000, 2048, 4096]      # bench_loss.py's default in-batch n = N (issue #2)
 QUEUE = [16384, 65536, 262144]    # its default queue sizes M (n = --mq-n)
-# the shapes of bench/gpu_suite.sh's bench stage: (kind, n, N)
-BENCH_SHAPES = [("inbatch", n, n) for n in (1024, 4096, 8192, 16384)] + \
-               [("queue", 8192, N) for N in (65536, 262144)]
 
 
 # ---- CSV ----------------------------------------------------------------------------------------

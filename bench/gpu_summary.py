@@ -1,7 +1,7 @@
-"""Summary of a GPU suite run (bench/gpu_suite.sh): summary.json, the goal checks, a README snippet.
+"""Summary of a GPU suite run (bench/gpu_suite.sh): summary.json with the goal checks.
 
     python bench/gpu_summary.py bench/results/NVIDIA-H100-80GB-HBM3_2026-11-23 [MORE_DIRS_OR_FILES]
-        [--out summary.json] [--markdown summary.md] [--require-goals]
+        [--out summary.json] [--require-goals]
     python bench/gpu_summary.py --check-junit pytest_gpu.xml --require-passed triton,cuda
 
 summary.json's keys, the goals and the JUnit verdict: docs/kernels.md "The benchmark scripts in
@@ -220,28 +220,6 @@ def goal_checks(summary):
                           f"per H100{'' if goal_cfg else ', for resnet50 nac-mq: not this config'})")]
 
 
-def markdown(summary, checks):
-    cell = lambda x, fmt: "n/a" if x is None else format(x, fmt)  # noqa: E731
-    out = [f"GPU suite on {summary['gpu']} ({summary['date']}, commit {summary['commit']}, "
-           f"torch {summary['torch']}, triton {summary['triton']}); `bench/gpu_suite.sh`, "
-           "forward+backward, D = 128, median of the timed steps.", "",
-           "| case | dtype | backend | fused ms | eager ms | torch.compile ms | x eager | "
-           "x compile | % of bound | peak MiB fused / eager |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for e in summary["loss"]:
-        case = f"in-batch {e['n']}" if e["kind"] == "inbatch" else f"queue {e['n']} x {e['N']}"
-        xe, xc = (None if e[k] is None else e[k] / e["fused_ms"] for k in ("eager_ms", "compile_ms"))
-        out.append(f"| {case} | {e['dtype']} | {e['backend']} | {e['fused_ms']:.3f} | "
-                   f"{cell(e['eager_ms'], '.3f')} | {cell(e['compile_ms'], '.3f')} | "
-                   f"{cell(xe, '.1f')} | {cell(xc, '.1f')} | {cell(e['pct_of_bound'], '.1f')} | "
-                   f"{cell(e['fused_peak_mb'], '.1f')} / {cell(e['eager_peak_mb'], '.1f')} |")
-    if (t := summary["train"]) is not None:
-        out += ["", f"Training throughput ({t['arch']}, {t['method']}, batch "
-                    f"{t['batch_per_gpu']} per GPU): {t['img_per_s']:.0f} img/s per GPU, data "
-                    f"wait {100 * t['data_wait_frac']:.1f}%."]
-    return "\n".join(out + ["", "Goals:", ""] + [f"- {line}" for _, line in checks]) + "\n"
-
-
 # ---- JUnit ---------------------------------------------------------------------------------------
 
 def check_junit(path, require_passed=()):
@@ -286,7 +264,6 @@ def main(argv=None):
     add = ap.add_argument
     add("inputs", nargs="*", help="result folders or loss CSV / train.json / versions.json")
     add("--out", help="summary.json path (default: in the first folder given, else ./summary.json)")
-    add("--markdown", help="also write the README snippet here")
     add("--device", help="use only loss rows whose device contains this")
     add("--commit", help="commit to record (default: versions.json / CSV)")
     add("--require-goals", action="store_true", help="exit 3 if a goal is missed")
@@ -295,7 +272,7 @@ def main(argv=None):
         "must appear in a passed test's parameters")
     add("--status-file", help="write the one-line verdict here too")
     args = ap.parse_args(argv)
-    for flag in ("--out", "--markdown", "--status-file"):  # before any work
+    for flag in ("--out", "--status-file"):  # before any work
         if path := getattr(args, flag[2:].replace("-", "_")):
             common.check_output_file(ap, flag, path, csv_file=False)
     if args.check_junit:
@@ -321,14 +298,10 @@ def main(argv=None):
     out = args.out or (os.path.join(args.inputs[0], "summary.json") if os.path.isdir(args.inputs[0])
                        else "summary.json")
     common.check_output_file(ap, "--out", out, csv_file=False)  # (the default: in the first folder)
-    common.write_text(out, json.dumps(summary, indent=1, allow_nan=False) + "\n")
     checks = goal_checks(summary)
-    print("\n".join([f"wrote {out}"] + [line for _, line in checks]))
-    md = markdown(summary, checks)
-    if args.markdown:
-        common.write_text(args.markdown, md)
-        print(f"wrote {args.markdown}")
-    print("\n--- README snippet ---\n" + md)
+    summary["goals"] = [line for _, line in checks]  # "PASS ..." / "MISS ..."
+    common.write_text(out, json.dumps(summary, indent=1, allow_nan=False) + "\n")
+    print("\n".join([f"wrote {out}"] + summary["goals"]))
     missed = sum(not ok for ok, _ in checks)
     if args.status_file:
         common.write_text(args.status_file, f"goals: {len(checks) - missed} PASS, {missed} MISS\n")

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
 import functools
-import io
 import itertools
 import json
 import os
-import pstats
 import statistics
 import sys
 import types
@@ -32,7 +29,7 @@ import torch  # noqa: E402
 import nac_fast  # noqa: E402
 from bench_loss import (P, case_bound, compile_reference, failure, graph_step,  # noqa: E402
                         make_step, mean_time)
-from nac_fast.ops import dispatch, loss as loss_mod, nac  # noqa: E402
+from nac_fast.ops import dispatch, loss as loss_mod  # noqa: E402
 
 FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "mode", "kind", "n", "N",
           "D", "dtype", "backend", "resolved", "host_s", "back_to_back_s", "graph_s",
@@ -42,10 +39,8 @@ GPU_CASES = [("inbatch", 512, 512, "bfloat16"), ("inbatch", 8192, 8192, "bfloat1
              ("mq", 256, 65536, "bfloat16"), ("mq", 8192, 65536, "bfloat16"),
              ("inbatch", 8192, 8192, "float32"), ("mq", 256, 65536, "float32")]
 GPU_BACKENDS = "reference,compiled-reference,triton,cuda,auto"
-CRITERION_CASES = (("inbatch", 512, 512), ("mq", 256, 65536))  # a training step's sizes, bf16
 CALLS, REPEATS = 200, 3
 HOST_CALLS = 48  # under the GPU's launch queue (about 1,000 launches) at ~10 launches a call
-nullctx = contextlib.nullcontext
 
 
 # one fwd+bwd as users call it: the noise drawn inside, r_hat without a gradient
@@ -79,15 +74,6 @@ def patched(patches) -> contextlib.ExitStack:
     for m, name, val in patches:
         stack.enter_context(mock.patch.object(m, name, val))
     return stack
-
-
-def op_path():
-    """Every eager call's path before the plan cache: the registered ops, a plan built per call."""
-    from nac_fast.kernels import nac_noise_triton, nac_triton
-    from nac_fast.ops import noise
-    off = lambda t: False  # noqa: E731
-    return patched([(nac, "_eager_real", off), (nac_triton, "eager_real", off),
-                    (nac_noise_triton, "eager_real", off), (noise, "eager_real", off)])
 
 
 # ---- --stub: no GPU ------------------------------------------------------------------------------
@@ -168,7 +154,7 @@ def _stub_row(kind, n, N, backend, calls, repeats):
     from nac_fast.kernels import nac_triton
     plans = lambda: nac_triton.FWD_PLANS.recorded + nac_triton.BWD_PLANS.recorded  # noqa: E731
     make = criterion_step if backend == "triton-criterion" else user_step
-    with stub_launches() as stub, (op_path() if backend == "triton-op-path" else nullctx()):
+    with stub_launches() as stub:
         step = make(kind, n, N, 128, torch.bfloat16, "cpu", "triton")
         step()  # records the plans
         step()  # their first call: the kept scratch is made
@@ -180,24 +166,21 @@ def _stub_row(kind, n, N, backend, calls, repeats):
     return dict(mode="stub-sm90", kind=kind, n=n, N=N, D=128, dtype="bfloat16",
                 backend=backend, resolved="triton", host_s=t, launches=launches,
                 aten_launches=len(aten.ops), allocations=aten.allocs, aten_ops=" ".join(aten.ops),
-                plans_recorded="" if backend in ("triton-op-path", "triton-criterion") else rebuilt,
+                plans_recorded="" if backend == "triton-criterion" else rebuilt,
                 status="ok")
 
 
 def stub_rows(calls: int = 200, repeats: int = 5):
-    # the fused loss as users call it, on the op path, and in its criterion (nn.Module)
+    # the fused loss as users call it and in its criterion (nn.Module)
     rows = [_stub_row(*case, backend, calls, repeats)
             for case in (("inbatch", 512, 512), ("mq", 256, 4096))
-            for backend in ("triton", "triton-op-path", "triton-criterion")]
+            for backend in ("triton", "triton-criterion")]
     with loss_mod.value_checks(False):  # the CPU backend's own overhead: a tiny shape
-        for kind, n, N, D in (("inbatch", 4, 4, 8), ("mq", 4, 16, 8)):
-            for backend in ("cpu", "cpu-op-path", "reference"):
-                call = backend.replace("-op-path", "")
-                with (op_path() if backend.endswith("op-path") else nullctx()):
-                    t = _per_call(user_step(kind, n, N, D, torch.float32, "cpu", call), calls,
-                                  repeats)
-                rows.append(dict(mode="cpu", kind=kind, n=n, N=N, D=D, dtype="float32",
-                                 backend=backend, resolved=call, host_s=t, status="ok"))
+        for (kind, n, N), b in itertools.product((("inbatch", 4, 4), ("mq", 4, 16)),
+                                                 ("cpu", "reference")):
+            t = _per_call(user_step(kind, n, N, 8, torch.float32, "cpu", b), calls, repeats)
+            rows.append(dict(mode="cpu", kind=kind, n=n, N=N, D=8, dtype="float32", backend=b,
+                             resolved=b, host_s=t, status="ok"))
     return rows
 
 
@@ -268,52 +251,24 @@ def _loss_makers(row, device, compile_backend):
 
 def gpu_rows(cases, backends, compile_backend: str = "inductor", graphs: bool = True,
              device: str = "cuda"):
-    """The --gpu loss rows (`device` other than cuda: the tests' run, CUDA calls stood in)."""
+    """The --gpu loss rows (`device` other than cuda: the tests' run, CUDA calls stood in), with
+    x_eager, x_compile: the case's reference, compiled-reference back-to-back time / the row's."""
     rows = []
     for (kind, n, N, dname), backend in itertools.product(cases, backends):
         row = dict(mode="gpu", kind=kind, n=n, N=N, D=128, dtype=dname, backend=backend)
         make, graph = _loss_makers(row, device, compile_backend)
         rows.append(_measured(row, make, graph if graphs else None))
-    return _ratios(rows)
-
-
-def _ratios(rows):
-    """x_eager, x_compile: the case's (criterion-)reference, compiled-reference b2b / the row's."""
     for row in filter(_ok, rows):
-        pre = "criterion-" if row["backend"].startswith("criterion-") else ""
-        for col, b in (("x_eager", pre + "reference"), ("x_compile", pre + "compiled-reference")):
+        for col, b in (("x_eager", "reference"), ("x_compile", "compiled-reference")):
             if base := [r["back_to_back_s"] for r in rows if _ok(r) and r["backend"] == b and
                         all(r[k] == row[k] for k in ("kind", "n", "N", "dtype"))]:
                 row[col] = base[0] / row["back_to_back_s"]
     return rows
 
 
-def criterion_rows(device: str = "cuda", cases=CRITERION_CASES, dname: str = "bfloat16"):
-    """--gpu: the criteria, "reference" against "auto" (no graph row: they draw noise)."""
-    return _ratios([_measured(dict(mode="gpu", kind=kind, n=n, N=N, D=128, dtype=dname,
-                                   backend=f"criterion-{b}", resolved=b),
-                              lambda: criterion_step(kind, n, N, 128, getattr(torch, dname),
-                                                     device, b))
-                    for kind, n, N in cases for b in ("reference", "auto")])
-
-
 def _ok(row) -> bool:
     """A measured row (its graph replay may have failed: "ok (no graph: ...)")."""
     return str(row.get("status", "ok")).startswith("ok")
-
-
-def profile_triton(path: str) -> None:
-    """cProfile's top 25 functions of 100 triton fwd+bwd at in-batch 8192 x 128 bf16."""
-    step = user_step("inbatch", 8192, 8192, 128, torch.bfloat16, "cuda", "triton")
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    pr, out = cProfile.Profile(), io.StringIO()
-    pr.runcall(lambda: [step() for _ in range(100)])
-    torch.cuda.synchronize()
-    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
-    common.write_text(path, "cProfile of 100 triton fwd+bwd, in-batch 8192 x 128 bf16 (as users "
-                      "call it)\n" + out.getvalue())
 
 
 # ---- output --------------------------------------------------------------------------------------
@@ -382,8 +337,7 @@ GPU_FLAGS = {"--backends": dict(help="comma list (default: " + GPU_BACKENDS + ")
              "--cases": dict(help="kind:n:N:dtype,... (default: bf16 in-batch 512 and 8192, "
                              "queue 256 and 8192 x 65536; fp32 in-batch 8192, queue 256 x 65536)"),
              "--no-graphs": dict(action="store_true", help="skip the CUDA-graph rows"),
-             "--compile-backend": dict(help="torch.compile backend of compiled-reference (inductor)"),
-             "--profile-out": dict(help="cProfile of 100 triton calls to this file")}
+             "--compile-backend": dict(help="torch.compile backend of compiled-reference (inductor)")}
 
 
 def main(argv=None):
@@ -406,9 +360,8 @@ def main(argv=None):
                 ap.error(f"{flag} is an option of --gpu (the stubbed run has no such choice)")
     elif not torch.cuda.is_available():
         ap.error("--gpu but no GPU is visible")
-    for flag, path in (("--csv", args.csv), ("--profile-out", args.profile_out)):
-        if path:  # a folder, a path under a file, an unwritable place: before any timing
-            common.check_output_file(ap, flag, path, csv_file=flag == "--csv")
+    if args.csv:  # a folder, a path under a file, an unwritable place: before any timing
+        common.check_output_file(ap, "--csv", args.csv)
     cases = _cases(ap, args.cases) if args.cases else GPU_CASES
     print(HEADER)
     if args.gpu:
@@ -416,10 +369,7 @@ def main(argv=None):
         backends = [b for b in (args.backends or GPU_BACKENDS).split(",")
                     if b in ("compiled-reference", "auto") or b in avail
                     or print(f"skipping backend {b!r}: not available ({avail})")]
-        rows = gpu_rows(cases, backends, args.compile_backend or "inductor",
-                        not args.no_graphs) + criterion_rows()
-        if args.profile_out and "triton" in avail:
-            profile_triton(args.profile_out)
+        rows = gpu_rows(cases, backends, args.compile_backend or "inductor", not args.no_graphs)
     else:
         # one thread: a tiny op's OpenMP region waits for a second core that other processes may
         # hold (12 ms per log_sigmoid of 4 x 8 on a loaded 2-core machine, against 1.5 us)
