@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (puts the source tree on sys.path)
-from common import INBATCH, QUEUE, ROOT, check_least, check_output_file  # noqa: E402
+from common import ROOT, check_least, check_output_file  # noqa: E402
 
 import nac_fast  # noqa: E402
 
@@ -74,25 +74,19 @@ def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None, *,
     return step
 
 
-class CountingBackend:
-    """A torch.compile backend that compiles with `name` (inductor, aot_eager, ...) and counts the
-    graphs it compiles: one graph after a dynamo reset means every call ran it (a failed guard
-    recompiles, and dynamo falls back to eager only past its recompile limit)."""
-
-    def __init__(self, name: str):
-        from torch._dynamo.backends.registry import lookup_backend
-        self.inner, self.graphs = lookup_backend(name), 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self.inner(gm, example_inputs)
-
-
 def compile_reference(backend_name: str):
-    """A fresh torch.compile of reference_fn (dynamo reset first) and its CountingBackend."""
+    """A fresh torch.compile of reference_fn with the backend `backend_name` (inductor, aot_eager,
+    ...; dynamo reset first), and the list of the graphs it compiled: one graph after the reset
+    means every call ran it (a failed guard recompiles, and dynamo falls back to eager only past
+    its recompile limit)."""
+    from torch._dynamo.backends.registry import lookup_backend
     torch._dynamo.reset()
-    counter = CountingBackend(backend_name)
-    return torch.compile(reference_fn, backend=counter, dynamic=False, fullgraph=True), counter
+    inner, graphs = lookup_backend(backend_name), []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return inner(gm, example_inputs)
+    return torch.compile(reference_fn, backend=counting, dynamic=False, fullgraph=True), graphs
 
 
 def peak_extra_bytes(step, device) -> int:
@@ -186,9 +180,9 @@ def case_bound(kind, n, N, D, dtype, device, dev_name):
 def _measure(b, case, args, base):
     """(median, p20, p80, reps, peak extra bytes or None) of the row `b` of `case`, `base` told
     how it was timed; a compiled row that did not run its one graph fails."""
-    counter = None
+    graphs = None
     if b == "compiled-reference":
-        cref, counter = compile_reference(args.compile_backend)
+        cref, graphs = compile_reference(args.compile_backend)
         step = make_step(*case, args.device, "reference", cref)
         base.update(compile_backend=args.compile_backend)
     elif b.endswith("+graph"):
@@ -198,10 +192,10 @@ def _measure(b, case, args, base):
     med, p20, p80, reps, first, timer = time_step(step, args.device, args.reps, args.min_time)
     base.update(timer=timer, loadavg="%.2f" % os.getloadavg()[0])
     mem = None if args.no_memory else peak_extra_bytes(step, args.device)
-    if counter is not None:  # every step taken ran the one compiled graph
-        base.update(compiled_graphs=counter.graphs, compile_s=f"{first:.3f}")
-        if counter.graphs != 1:
-            raise RuntimeError(f"not compiled: {counter.graphs} graphs compiled (want 1)")
+    if graphs is not None:  # every step taken ran the one compiled graph
+        base.update(compiled_graphs=len(graphs), compile_s=f"{first:.3f}")
+        if len(graphs) != 1:
+            raise RuntimeError(f"not compiled: {len(graphs)} graphs compiled (want 1)")
     return med, p20, p80, reps, mem
 
 
@@ -212,8 +206,8 @@ def main(argv=None):
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     add("--dtypes", default="float32,bfloat16")
     add("--backends", help="comma list; default: all available")
-    add("--inbatch", default=",".join(map(str, INBATCH)))
-    add("--queue", default=",".join(map(str, QUEUE)), help="queue sizes M (n=--mq-n)")
+    add("--inbatch", default="1000,2048,4096", help="in-batch sizes n = N (issue #2)")
+    add("--queue", default="16384,65536,262144", help="queue sizes M (n=--mq-n)")
     add("--mq-n", type=int, default=512)
     add("--D", type=int, default=128)
     add("--reps", type=int, default=7)
@@ -258,8 +252,9 @@ def main(argv=None):
     # the reference first: every other row's ratios are to its figures of the same case
     backends = ["reference"] + [b for b in backends if b != "reference"]
     if args.compile_reference:
+        from torch._dynamo.backends.registry import lookup_backend
         try:
-            CountingBackend(args.compile_backend)
+            lookup_backend(args.compile_backend)
         except Exception as exc:
             ap.error(f"--compile-backend {args.compile_backend!r}: {exc}")
     csv_path = args.csv or os.path.join(ROOT, "bench", "results", f"loss_{args.device}.csv")

@@ -1,6 +1,6 @@
 """The bench scripts' one helper module: the CSV appender and output checks, quantiles, the row
-fields every CSV carries, the benchmark shapes, and the roofline bound of the NAC losses on an H100
-SXM / H200 (docs/kernels.md "The benchmark scripts in detail")."""
+fields every CSV carries, and the roofline bound of the NAC losses on an H100 SXM / H200
+(docs/kernels.md "The benchmark scripts in detail")."""
 from __future__ import annotations
 
 import csv
@@ -17,11 +17,6 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from nac_fast._files import atomic_write, check_writable  # noqa: E402
-
-# ---- shapes -------------------------------------------------------------------------------------
-INBATCH = [1000, 2048, 4096]      # bench_loss.py's default in-batch n = N (issue #2)
-QUEUE = [16384, 65536, 262144]    # its default queue sizes M (n = --mq-n)
-
 
 # ---- CSV ----------------------------------------------------------------------------------------
 

@@ -186,14 +186,6 @@ def stub_rows(calls: int = 200, repeats: int = 5):
 
 # ---- --gpu ---------------------------------------------------------------------------------------
 
-def _host_and_back_to_back(step):
-    """(host_s, back_to_back_s): medians over REPEATS of HOST_CALLS calls from an idle GPU, host
-    clock only, and of CALLS calls and the sync after them."""
-    sync = torch.cuda.synchronize
-    return (_per_call(step, min(CALLS, HOST_CALLS), REPEATS, sync),
-            _per_call(step, CALLS, REPEATS, sync, True))
-
-
 def _graph_time(step) -> float:
     from triton.testing import do_bench
     return do_bench(graph_step(step), warmup=25, rep=200, return_mode="median") / 1e3
@@ -206,11 +198,14 @@ def _bound(kind, n, N, D, dname):
 
 
 def _measured(row, make, graph=None):
-    """`row` with host_s, back_to_back_s of make()'s step, graph_s of graph()'s (fresh inputs,
-    noise given) and its bound; status ok, "ok (no graph: ...)" or "failed: ..." (fails the run)."""
+    """`row` with host_s, back_to_back_s of make()'s step (medians over REPEATS of HOST_CALLS
+    calls from an idle GPU, host clock only, and of CALLS calls and the sync after them), graph_s
+    of graph()'s (fresh inputs, noise given) and its bound; status ok, "ok (no graph: ...)" or
+    "failed: ..." (fails the run)."""
     try:
-        host, total = _host_and_back_to_back(make())
-        row.update(host_s=host, back_to_back_s=total, status="ok")
+        step, sync = make(), torch.cuda.synchronize
+        row.update(host_s=_per_call(step, min(CALLS, HOST_CALLS), REPEATS, sync),
+                   back_to_back_s=_per_call(step, CALLS, REPEATS, sync, True), status="ok")
         if graph is not None:
             try:
                 row["graph_s"] = _graph_time(graph())

@@ -383,14 +383,11 @@ def test_bench_loss_compiles_every_shape(tmp_path):
 def test_bench_loss_fails_a_row_that_is_not_compiled(tmp_path, monkeypatch):
     """The old behaviour (one compiled function for every case) is caught: the second case's
     counter sees a second graph, its row is written as failed and the exit status is 1."""
-    shared = {}
+    shared, fresh = {}, bench_loss.compile_reference
 
     def one_for_all(name):
         if "fn" not in shared:
-            import torch
-            counter = bench_loss.CountingBackend(name)
-            shared["fn"] = (torch.compile(bench_loss.reference_fn, backend=counter,
-                                          dynamic=False, fullgraph=True), counter)
+            shared["fn"] = fresh(name)
         return shared["fn"]
 
     monkeypatch.setattr(bench_loss, "compile_reference", one_for_all)
