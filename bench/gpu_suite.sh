@@ -67,8 +67,8 @@ ensure_built() {
 run_summary() {
   local commit_arg=()
   [ -n "${NAC_FAST_COMMIT:-}" ] && commit_arg=(--commit "$NAC_FAST_COMMIT")
-  $PY bench/gpu_summary.py "$RES" --out "$RES/summary.json" --markdown "$RES/summary.md" \
-      --status-file "$RES/.goals" "${commit_arg[@]}"
+  $PY bench/gpu_summary.py "$RES" --out "$RES/summary.json" --status-file "$RES/.goals" \
+      "${commit_arg[@]}"
 }
 
 bench_detail() {  # $1 = bench_loss rc
@@ -181,27 +181,13 @@ stage_bench() {
 }
 
 stage_host() {
-  local rc=0
-  if [ "$CPU_MODE" = 1 ]; then
-    $PY bench/host_overhead.py --calls 5 --repeats 1 --csv "$RES/host_gpu.csv" || rc=$?
-  else
-    $PY bench/host_overhead.py --gpu --csv "$RES/host_gpu.csv" \
-        --profile-out "$RES/host_profile.txt" || rc=$?
-  fi
-  local d
-  d=$($PY - "$RES/host_gpu.csv" <<'EOF' 2>/dev/null || echo "no host_gpu.csv"
-import csv, sys
-rows = [r for r in csv.DictReader(open(sys.argv[1])) if r["backend"] in ("triton", "cuda")]
-best = {}
-for r in rows:
-    if r.get("status", "").startswith("ok") and r["host_s"]:
-        best.setdefault(r["backend"], []).append(float(r["host_s"]) * 1e6)
-print("; ".join(f"{b} host {min(v):.0f}-{max(v):.0f} us per fwd+bwd" for b, v in best.items())
-      or "no fused rows")
-EOF
-)
-  [ $rc = 0 ] || d="host_overhead exit status $rc; $d"
-  detail "${BUILT_FIRST}$d"
+  local rc args=(--gpu) d
+  [ "$CPU_MODE" = 1 ] && args=(--calls 5 --repeats 1)
+  $PY bench/host_overhead.py "${args[@]}" --csv "$RES/host_gpu.csv" | tee "$RES/host.log"
+  rc=${PIPESTATUS[0]}
+  d=$(sed -n 's/^fused host: //p' "$RES/host.log" | tail -1)
+  [ $rc = 0 ] || d="host_overhead exit status $rc; ${d:-no host_gpu.csv}"
+  detail "${BUILT_FIRST}${d:-no fused rows}"
   return $rc
 }
 
@@ -429,7 +415,7 @@ package_out() {
     tar -czf "$OUT/suite_results.tar.gz" -C "$parent" --exclude='*.png' --exclude=build_ext.log "$base"
   fi
   local f
-  for f in suite_summary.txt summary.md host_gpu.csv loss_gpu.csv hamming_gpu.csv train.json \
+  for f in suite_summary.txt host_gpu.csv loss_gpu.csv hamming_gpu.csv train.json \
            train_kernels_top15.txt train_jpeg.csv; do
     [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/$f"
   done

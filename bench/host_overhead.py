@@ -335,6 +335,17 @@ GPU_FLAGS = {"--backends": dict(help="comma list (default: " + GPU_BACKENDS + ")
              "--compile-backend": dict(help="torch.compile backend of compiled-reference (inductor)")}
 
 
+def fused_summary(rows) -> str:
+    """The fused backends' host time per forward + backward, the range over the ok rows."""
+    best = {}
+    for r in rows:
+        if r["backend"] in ("triton", "cuda") and str(r.get("status", "")).startswith("ok") \
+                and r.get("host_s"):
+            best.setdefault(r["backend"], []).append(float(r["host_s"]) * 1e6)
+    return "; ".join(f"{b} host {min(v):.0f}-{max(v):.0f} us per fwd+bwd"
+                     for b, v in best.items()) or "no fused rows"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -377,6 +388,7 @@ def main(argv=None):
         print(f"appended {len(rows)} rows to {args.csv}")
     for line in goals(rows):
         print(line)
+    print("fused host: " + fused_summary(rows))  # the suite's host stage detail
     print(json.dumps({"rows": rows}, default=str))
     return 0 if all(_ok(r) for r in rows) else 1
 

@@ -152,6 +152,9 @@ def test_probe_runs_and_reports_no_rebuild():
     rows = json.loads(res.stdout.strip().splitlines()[-1])["rows"]
     tri = [r for r in rows if r["backend"] == "triton"]
     assert len(tri) == 2
+    # the GPU suite's host stage detail: the fused rows' host time range
+    lo, hi = (round(f(r["host_s"] for r in tri) * 1e6) for f in (min, max))
+    assert f"fused host: triton host {lo}-{hi} us per fwd+bwd" in res.stdout.splitlines()
     # Triton launches a fwd+bwd: prologue, forward (the finish folded in), keys' backward (the
     # rows' folded in) in-batch; forward and rows' backward with the queue (NAC_FAST_FOLD=0:
     # the finish and, in-batch, the rows' backward are launches of their own)
