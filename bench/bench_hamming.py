@@ -61,8 +61,6 @@ OPTIONS = [
     ("--slow-repeats", dict(type=int, help="runs of the full-ranking and FAISS rows"), {C: 1}),
     ("--chunk", dict(type=int, help="queries per ranking call (12 bytes per pair)"), {C: 500}),
     ("--torch-queries", dict(type=int, help="torch reference row queries; 0: none"), {C: 1000}),
-    ("--faiss-heap-queries", dict(type=int, help="FAISS heap path (k=G) queries; 0: none"),
-     {C: 500}),
     ("--no-rank", dict(action="store_true", help="skip the nac_fast full-ranking row"), {C: False}),
     ("--no-faiss", dict(action="store_true"), {C: False, I: False}),
     ("--map-queries", dict(type=int, help="queries of the mAP@all rows (index: 0 = skip)"),
@@ -237,7 +235,7 @@ def run_cpu(args, ap):
         index = faiss.IndexBinaryFlat(gp.words.shape[1] * 64)  # zero padding bits on both sides
         index.add(gp.words.numpy().view(np.uint8))
         qbytes, ql_np, gl_np = qp.words.numpy().view(np.uint8), ql.numpy(), gl.numpy()
-        index.use_heap = False  # its counting-sort path; the heap path is the last FAISS row
+        index.use_heap = False  # its counting-sort path: its faster full ranking
         faiss_rank, _ = timed(lambda: [index.search(qbytes[s:e], G) for s, e in ch],
                               args.slow_repeats)
         add("faiss IndexBinaryFlat ranking", Q, faiss_rank, None, "use_heap=False")
@@ -245,13 +243,6 @@ def run_cpu(args, ap):
             np_ap_from_ranking(index.search(qbytes[s:e], G)[1], ql_np[s:e], gl_np)
             for s, e in ch]))), args.slow_repeats)
         add("faiss ranking + numpy AP", Q, faiss_map_stats, faiss_map, "use_heap=False")
-        if args.faiss_heap_queries:
-            nq = min(args.faiss_heap_queries, Q)
-            index.use_heap = True
-            stats, _ = timed(lambda: [index.search(qbytes[s:e], G)
-                                      for s, e in _chunks(nq, args.chunk)], 1)
-            add("faiss IndexBinaryFlat ranking (heap)", nq, stats, None,
-                "default use_heap=True; subset of the queries")
         summary.update(faiss_rank_median_s=faiss_rank["median_s"],
                        faiss_map_median_s=faiss_map_stats["median_s"],
                        speedup_vs_faiss_rank=faiss_rank["median_s"] / nac_stats["median_s"])
@@ -588,7 +579,7 @@ def parse_args(argv=None):
     if args.threads is None:
         args.threads = torch.get_num_threads()
     least = {"--queries": 1, "--gallery": 1, "--bits": 1, "--classes": 1, "--repeats": 1,
-             "--slow-repeats": 1, "--chunk": 1, "--torch-queries": 0, "--faiss-heap-queries": 0,
+             "--slow-repeats": 1, "--chunk": 1, "--torch-queries": 0,
              "--threads": 1, "--map-queries": 0 if run == "index" else 1, "--map-repeats": 1,
              "--index-queries": 1, "--k": 1, "--check-queries": 0, "--gpu-repeats": 1}
     check_least(ap, args, {f: v for f, v in least.items() if run in owners[f]})
