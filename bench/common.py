@@ -172,13 +172,14 @@ def run_fields(device: str) -> dict:
 # ---- roofline bound ----------------------------------------------------------------------------
 # per GPU (SXM parts): each rate as (datasheet, measured or None). Dense bf16 / tf32 tensor-core
 # TFLOP/s and HBM TB/s; "measured" is the device tool's (docs/gpu.md "Rates": bf16 matmul 8192^3,
-# device-to-device copy). fp32 FMA and exp rates are computed peaks (_COMPUTED).
+# device-to-device copy); bound() takes the measured one where there is one, else the datasheet's.
 GPUS = {"H100": dict(label="H100 SXM5 80GB", sms=132, clock_ghz=1.98, bf16=(989.4, 798.0),
                      tf32=(494.7, None), hbm=(3.35, 3.0)),
         "H200": dict(label="H200 SXM 141GB", sms=132, clock_ghz=1.98, bf16=(989.4, 788.0),
                      tf32=(494.7, None), hbm=(4.8, 4.3))}
-_COMPUTED = {"fp32_fma": (128 * 2, "computed peak (128 lanes x 2 x SMs x clock)"),  # one FMA: 2
-             "exp": (16, "computed peak (MUFU ex2 16/clk/SM x SMs x clock)")}
+# fp32 FMA and exp rates: computed peaks, per clock per SM 128 lanes x 2 (one FMA: 2 FLOPs) and
+# MUFU ex2's 16 exps
+_PER_CLOCK_SM = {"fp32_fma": 128 * 2, "exp": 16}
 KINDS = ("inbatch", "queue")
 # fp32 mode (or "bfloat16") -> (matrix unit, its rate, products run per product); fp16's
 # tensor-core rate is bf16's
@@ -214,24 +215,8 @@ def known_gpu(gpu_name: str) -> bool:
         return False
 
 
-def ceilings(gpu_name: str, which: str = "measured") -> dict:
-    """Each rate per second (bf16, tf32, fp32_fma FLOP/s; exp; hbm bytes) and its source."""
-    if which not in ("measured", "datasheet"):
-        raise ValueError(f"ceilings must be 'measured' or 'datasheet', got {which!r}")
-    g = GPUS[gpu := resolve_gpu(gpu_name)]
-    out = {"gpu": gpu, "label": g["label"]}
-    for key in ("bf16", "tf32", "hbm"):
-        sheet, got = g[key]
-        src = "measured" if which == "measured" and got is not None else "datasheet"
-        out[key], out[key + "_source"] = (got if src == "measured" else sheet) * 1e12, src
-    for key, (per_clock_sm, source) in _COMPUTED.items():
-        out[key], out[key + "_source"] = per_clock_sm * g["sms"] * g["clock_ghz"] * 1e9, source
-    return out
-
-
 def bound(kind: str, n: int, N: int, D: int, dtype: str, gpu_name: str, *,
-          fp32_mode: str = "tf32x3", ceilings_from: str = "measured",
-          keys_grad: bool | None = None) -> dict:
+          fp32_mode: str = "tf32x3", keys_grad: bool | None = None) -> dict:
     """The time floor of one forward+backward of our algorithm: max(matrix, exp, memory) time,
     with the work (matrix FLOPs, exps, bytes) and the rates used.  fp32_mode applies to float32
     inputs only (FP32_MODES)."""
@@ -258,12 +243,14 @@ def bound(kind: str, n: int, N: int, D: int, dtype: str, gpu_name: str, *,
     w = {"kind": kind, "n": n, "N": N, "D": D, "dtype": dname, "keys_grad": keys_grad,
          "products": products, "matrix_flops": products * 2 * n * N * D,
          "exps": (2 if keys_grad else 1) * n * N, "bytes": (in_elems + out_elems) * b + 4}
-    c = ceilings(gpu_name, ceilings_from)
+    g = GPUS[gpu := resolve_gpu(gpu_name)]  # rates per second: measured, else the datasheet's
+    c = {key: (g[key][1] or g[key][0]) * 1e12 for key in ("bf16", "tf32", "hbm")}
+    c.update({key: per * g["sms"] * g["clock_ghz"] * 1e9 for key, per in _PER_CLOCK_SM.items()})
     unit, key, times_run = _MATRIX_UNITS["bfloat16" if dname == "bfloat16" else fp32_mode]
     rate, flops = c[key], times_run * w["matrix_flops"]
     times = {"matrix_s": flops / rate, "exp_s": w["exps"] / c["exp"],
              "memory_s": w["bytes"] / c["hbm"]}
-    return {**w, "gpu": c["gpu"], "gpu_label": c["label"], "ceilings": ceilings_from,
+    return {**w, "gpu": gpu, "gpu_label": g["label"],
             "fp32_mode": fp32_mode if dname == "float32" else None,
             "matrix_unit": unit, "matrix_rate": rate, "matrix_flops_executed": flops,
             "exp_rate": c["exp"], "hbm_rate": c["hbm"], **times,

@@ -309,22 +309,16 @@ stage_train_jpeg() {
     detail "NVIDIA DALI is not importable ($PY): carry it first (tools/carry_wheel.sh, docs/gpu.md)"; return 1; }
   # one epoch covers the run (no epoch boundary, whose pipeline rebuild would enter the figure)
   local per_class=$(( ((steps + 10) * batch + classes - 1) / classes ))
-  local want="$classes $per_class $size $quirks"
-  # 1. the tree: made once per machine (kept on a warm one), remade when its arguments differ
-  local t0=$SECONDS made=reused
-  local have
-  have=$($PY -c "import json,sys; d=json.load(open(sys.argv[1])); q=','.join(f'{k}={v}' for k, v in d['quirks'].items()); print(d['classes'], d['train_per_class'], d['size'], q)" \
-         "$tree/make_ilsvrc_tree.json" 2>/dev/null || true)
-  if [ "$have" != "$want" ]; then
-    local over=()
-    if [ -e "$tree" ]; then
-      [ -f "$tree/make_ilsvrc_tree.json" ] || { detail "$tree exists and is not a make_ilsvrc_tree.py tree: not replaced (NAC_FAST_JPEG_TREE names another)"; return 2; }
-      over=(--overwrite)
-    fi
-    $PY scripts/make_ilsvrc_tree.py --out "$tree" --classes "$classes" --train-per-class "$per_class" \
-        --val-per-class 1 --size "$size" --quirks "$quirks" --workers "$(nproc)" "${over[@]}"
-    made="made in $((SECONDS - t0)) s"
-  fi
+  # 1. the tree: made once per machine (kept on a warm one: --reuse), remade when its arguments
+  # differ; a folder that is not such a tree is refused
+  local t0=$SECONDS made mrc=0
+  made=$($PY scripts/make_ilsvrc_tree.py --out "$tree" --reuse --overwrite --classes "$classes" \
+         --train-per-class "$per_class" --val-per-class 1 --size "$size" --quirks "$quirks" \
+         --workers "$(nproc)") || mrc=$?
+  echo "$made"
+  [ $mrc = 0 ] || {
+    detail "make_ilsvrc_tree.py exit status $mrc, NAC_FAST_JPEG_TREE=$tree (its error above)"; return 2; }
+  [[ "$made" = *": reused, "* ]] && made=reused || made="made in $((SECONDS - t0)) s"
   cp "$tree/make_ilsvrc_tree.json" "$RES/train_jpeg_tree.json"
   # 2. the bad-file and quirk behaviour of this loader against the torchvision loader: the CPU
   # tests' check, here on the GPU decoder (JUnit pytest_train_jpeg.xml)

@@ -35,6 +35,9 @@ the fraction is > 0) carries the quirk, as ImageNet's files do at lower rates:
              fails (their --on-bad-file policy)
 Refuses a non-empty --out unless --overwrite; writes into a temporary folder beside it and renames
 it into place at the end (no half-written tree; --overwrite replaces the old tree only then).
+--reuse keeps an --out whose make_ilsvrc_tree.json records the same arguments (one line says so),
+replaces a tree made with other arguments only with --overwrite, and refuses a non-empty --out
+that is not such a tree (even with --overwrite).
 """
 from __future__ import annotations
 
@@ -60,6 +63,8 @@ TEMPLATES = 4            # JPEG templates per class (each file: a template + its
 TRUNCATE_AT = 0.6        # a truncated file keeps this part of its bytes
 QUALITY = 90
 DEVKIT = os.path.join("ILSVRC2012_devkit_t12", "data")
+# what make_ilsvrc_tree.json records of the arguments (a tree with the same ones is --reuse'd)
+ARGUMENTS = ("classes", "train_per_class", "val_per_class", "size", "seed", "quirks", "devkit")
 
 
 def parse_quirks(text: str) -> dict:
@@ -183,6 +188,16 @@ def plan(classes, train_per_class, val_per_class, size, seed, quirks):
                                                                  chosen.items()}
 
 
+def recorded_arguments(out: str):
+    """The ARGUMENTS that out/make_ilsvrc_tree.json records, or None when it records none."""
+    try:
+        with open(os.path.join(out, "make_ilsvrc_tree.json")) as f:
+            made = json.load(f)
+        return {k: made[k] for k in ARGUMENTS}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def write_labels(tmp, wnids, val_labels, devkit_order, boxes, nbox, devkit, rng):
     rows = []
     for i, c in enumerate(val_labels):
@@ -225,6 +240,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="processes that encode and write (one class at a time)")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep an --out made with the same arguments (its make_ilsvrc_tree.json); "
+                    "refuse a non-empty --out that is not such a tree")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     args = ap.parse_args(argv)
     if not 1 <= args.classes <= MAX_CLASSES:
@@ -246,6 +264,19 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out)
     if os.path.lexists(out) and not os.path.isdir(out):
         ap.error(f"--out {out!r} is a file; name a folder")
+    wanted = dict(zip(ARGUMENTS, (args.classes, args.train_per_class, args.val_per_class,
+                                  args.size, args.seed, quirks, args.devkit)))
+    if args.reuse and os.path.isdir(out) and os.listdir(out):
+        made = recorded_arguments(out)
+        if made is None:
+            ap.error(f"--out {out!r} is not a make_ilsvrc_tree.py tree (no readable "
+                     "make_ilsvrc_tree.json): not replaced")
+        if made == wanted:
+            print(f"{out}: reused, its make_ilsvrc_tree.json records the same arguments")
+            return 0
+        if not args.overwrite:
+            ap.error(f"--out {out!r} is a make_ilsvrc_tree.py tree of other arguments; pass "
+                     "--overwrite to replace it")
     if os.path.isdir(out) and os.listdir(out) and not args.overwrite:
         ap.error(f"--out {out!r} is not empty; pass --overwrite to replace it")
     try:
@@ -277,10 +308,7 @@ def main(argv=None) -> int:
         write_labels(tmp, wnids, val_labels, devkit_order, boxes, nbox, args.devkit,
                      np.random.default_rng([args.seed, 4]))
         with open(os.path.join(tmp, "make_ilsvrc_tree.json"), "w") as f:
-            json.dump({"classes": args.classes, "train_per_class": args.train_per_class,
-                       "val_per_class": args.val_per_class, "size": args.size,
-                       "seed": args.seed, "quirks": quirks, "devkit": args.devkit,
-                       "wnids": wnids, "quirk_files": chosen}, f, indent=1)
+            json.dump({**wanted, "wnids": wnids, "quirk_files": chosen}, f, indent=1)
     n_val = len(val_labels)
     print(f"{out}: {total - n_val} train images in {args.classes} class folders, {n_val} val "
           f"images (flat, LOC_val_solution.csv), {args.size} px"

@@ -381,6 +381,38 @@ def test_make_ilsvrc_tree_shape_labels_and_quirks(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["tree"]           # no temporary left
 
 
+def test_make_ilsvrc_tree_reuse(tmp_path, capsys):
+    """--reuse keeps a tree made with the same arguments (one line says so, nothing rewritten),
+    replaces one made with other arguments only with --overwrite, and refuses a folder that is
+    not such a tree even with --overwrite (exit 2 naming --out, the folder left as it was)."""
+    import make_ilsvrc_tree
+    out = tmp_path / "tree"
+    same = ["--out", str(out), "--classes", "2", "--train-per-class", "2", "--val-per-class", "1",
+            "--quirks", "grey=0.2", "--workers", "1", "--no-progress", "--reuse"]
+    assert make_ilsvrc_tree.main(same) == 0
+    assert "4 train images in 2 class folders" in capsys.readouterr().out
+    (out / "mine.txt").write_text("x")
+    assert make_ilsvrc_tree.main(same + ["--overwrite"]) == 0
+    assert capsys.readouterr().out == (f"{out}: reused, its make_ilsvrc_tree.json records the "
+                                       "same arguments\n")
+    other = same + ["--size", "16"]
+    assert "--overwrite" in _usage_error(capsys, make_ilsvrc_tree.main, other)
+    assert (out / "mine.txt").exists()
+    assert make_ilsvrc_tree.main(other + ["--overwrite"]) == 0
+    capsys.readouterr()
+    assert json.loads((out / "make_ilsvrc_tree.json").read_text())["size"] == 16
+    assert not (out / "mine.txt").exists()
+    (out / "make_ilsvrc_tree.json").write_text("{")                   # no longer such a tree
+    mine = tmp_path / "photos"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("x")
+    for folder in (out, mine):
+        err = _usage_error(capsys, make_ilsvrc_tree.main,
+                           ["--out", str(folder), "--reuse", "--overwrite", "--no-progress"])
+        assert "--out" in err and "is not a make_ilsvrc_tree.py tree" in err, err
+    assert os.listdir(mine) == ["keep.txt"] and (out / "make_ilsvrc_tree.json").read_text() == "{"
+
+
 # ---- moved from tests/test_audit_scripts.py, test_train_bench.py, test_data_bench.py (issue 57) ----
 # The scripts run as a demanding user would: damaged inputs, bad options and bad output paths
 # are usage errors (exit status 2, the argument named, no traceback) before any work.
