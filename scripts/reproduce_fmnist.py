@@ -185,7 +185,8 @@ def _grid_folders() -> dict:
     """Candidates for issue 58 (NAC's hash codes on folders no recipe was tuned on), each one
     change over the default recipe, or two: the heads' gain G ([M:heads]: 2, 3, 4, 9), code bits
     D = 64 (a channel of half the capacity, [M:recipe-small]), the p ramp at any budget
-    ([M:p-schedule]), NAC-MQ, and G = 3 with each of the others and with p = 0.2, 0.3.
+    ([M:p-schedule]), NAC-MQ, G = 3 with each of the others and with p = 0.2, 0.3, and the
+    inference network trained alone for the first 100 steps (`--infer-warmup-steps`).
     NAC-MQ is the mq grid's nac-mq:l2-0; the default itself is the budgets grid's nac:default."""
     return {"nac:again3": ("nac", ["--a-gain", "3"], "default"),
             "nac:again9": ("nac", ["--a-gain", "9"], "default"),
@@ -198,7 +199,8 @@ def _grid_folders() -> dict:
                                 "default"),
             "nac-mq:again3": ("nac-mq", ["--a-gain", "3", "--l2", "0"], "default"),
             "nac:again3+p0.2": ("nac", ["--a-gain", "3", "--flip-prob", "0.2"], "default"),
-            "nac:again3+p0.3": ("nac", ["--a-gain", "3", "--flip-prob", "0.3"], "default")}
+            "nac:again3+p0.3": ("nac", ["--a-gain", "3", "--flip-prob", "0.3"], "default"),
+            "nac:infer-warm100": ("nac", ["--infer-warmup-steps", "100"], "default")}
 
 
 GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,
