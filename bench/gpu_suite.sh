@@ -64,11 +64,8 @@ ensure_built() {
   BUILT_FIRST="built first in $((SECONDS - t0))s; "
 }
 
-run_summary() {
-  local commit_arg=()
-  [ -n "${NAC_FAST_COMMIT:-}" ] && commit_arg=(--commit "$NAC_FAST_COMMIT")
-  $PY bench/gpu_summary.py "$RES" --out "$RES/summary.json" --status-file "$RES/.goals" \
-      "${commit_arg[@]}"
+run_summary() {  # (the commit: versions.json's, NAC_FAST_COMMIT)
+  $PY bench/gpu_summary.py "$RES" --out "$RES/summary.json" --status-file "$RES/.goals"
 }
 
 bench_detail() {  # $1 = bench_loss rc
@@ -158,7 +155,7 @@ stage_bench_quick() {
 }
 
 stage_bench() {
-  local rc=0 hrc=0 prc=0
+  local rc=0 prc=0 extra=""
   # Sized to fit one stage's time limit on an H100 (the estimate: bench/results/notes.md).
   if [ "$CPU_MODE" = 1 ]; then
     $PY bench/bench_loss.py --device cpu --inbatch 64,128 --queue 256 --mq-n 32 \
@@ -169,13 +166,10 @@ stage_bench() {
         --mq-n 8192 --dtypes bfloat16,float32 --compile-reference --reps 10 --min-time 0.25 \
         --csv "$RES/loss_gpu.csv" || rc=$?
   fi
-  $PY bench/bench_hamming.py --gpu "${TOY[@]}" --csv "$RES/hamming_gpu.csv" || hrc=$?
   local brc=$rc
   [ -f "$RES/loss_gpu.csv" ] && { $PY bench/plot_bench.py "$RES/loss_gpu.csv" --out "$RES" || prc=$?; }
   run_summary || rc=1
-  local extra=""
-  [ $hrc = 0 ] || { rc=1; extra="; bench_hamming FAILED"; }
-  [ $prc = 0 ] || { rc=1; extra="$extra; plot_bench FAILED"; }
+  [ $prc = 0 ] || { rc=1; extra="; plot_bench FAILED"; }
   detail "${BUILT_FIRST}$(bench_detail $brc)$extra"
   return $rc
 }

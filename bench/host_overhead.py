@@ -339,8 +339,7 @@ def fused_summary(rows) -> str:
     """The fused backends' host time per forward + backward, the range over the ok rows."""
     best = {}
     for r in rows:
-        if r["backend"] in ("triton", "cuda") and str(r.get("status", "")).startswith("ok") \
-                and r.get("host_s"):
+        if r["backend"] in ("triton", "cuda") and _ok(r) and r.get("host_s"):
             best.setdefault(r["backend"], []).append(float(r["host_s"]) * 1e6)
     return "; ".join(f"{b} host {min(v):.0f}-{max(v):.0f} us per fwd+bwd"
                      for b, v in best.items()) or "no fused rows"
@@ -358,8 +357,7 @@ def main(argv=None):
     for flag, kw in GPU_FLAGS.items():
         ap.add_argument(flag, **dict(kw, help="--gpu: " + kw["help"]))
     args = ap.parse_args(argv)
-    if args.calls < 1 or args.repeats < 1:
-        ap.error("--calls and --repeats must be >= 1")
+    common.check_least(ap, args, {"--calls": 1, "--repeats": 1})
     if not args.gpu:  # the --gpu options are not silently ignored
         for flag in GPU_FLAGS:
             if getattr(args, flag[2:].replace("-", "_")) not in (None, False):

@@ -18,14 +18,12 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from common import (append_rows, check_output_file, commit, quantiles, run_fields,  # noqa: E402
-                    write_text)
+from common import (append_rows, check_least, check_output_file, commit,  # noqa: E402
+                    quantiles, run_fields, write_text)  # (common puts the source tree on sys.path)
 from nac_fast.data.sources.synthetic_pairs import DeviceSyntheticPairLoader  # noqa: E402,F401
 
 CSV_FIELDS = ["timestamp", "host", "device", "torch", "triton", "commit", "threads", "config",
@@ -254,8 +252,7 @@ def main(argv=None):
     add("--overwrite", action="store_true", help="replace an existing --json-out or "
         "--profile-out (without it they are refused)")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1:
-        ap.error("--steps and --warmup must be >= 1")
+    check_least(ap, args, {"--steps": 1, "--warmup": 1})
     if not args.budget_s >= 0:  # (NaN too: it would skip every later part)
         ap.error(f"--budget-s must be >= 0, got {args.budget_s}")
     # the output paths, before any measurement: a folder, a path under a file, an unwritable
