@@ -86,7 +86,7 @@ OPTIONS = [
                            "--index-sizes size and nothing else (Nsight Compute)"), {G_: False}),
     ("--summary-out", dict(help="write the rows in one line here (the GPU suite's stage detail)"),
      {G_: ""}),
-    ("--threads", dict(type=int), dict.fromkeys(ALL)),
+    ("--threads", dict(type=int), dict.fromkeys(ALL, torch.get_num_threads())),
     ("--seed", dict(type=int), dict.fromkeys(ALL, 0)),
     ("--csv", dict(help="CSV to append to ('' = none)"), {
         r: os.path.join(RESULTS, f) for r, f in ((C, "hamming_cpu.csv"), (I, "index_cpu.csv"),
@@ -380,8 +380,7 @@ def run_gpu(args, ap):
     them, each row's int8 floor and goal."""
     import triton
     if args.tiny:
-        for key, val in TINY.items():
-            setattr(args, key, val)
+        vars(args).update(TINY)
     map_sizes, cpu_map_q, idx_sizes, cpu_topk_q = (int_list(ap, f, getattr(args, f[2:].replace(
         "-", "_")), least) for f, least in (("--map-sizes", 1), ("--cpu-map-queries", 0),
                                             ("--index-sizes", 1), ("--cpu-topk-queries", 0)))
@@ -576,8 +575,6 @@ def parse_args(argv=None):
         dest = flag[2:].replace("-", "_")
         if run in modes and getattr(args, dest) is None:
             setattr(args, dest, modes[run])
-    if args.threads is None:
-        args.threads = torch.get_num_threads()
     least = {"--queries": 1, "--gallery": 1, "--bits": 1, "--classes": 1, "--repeats": 1,
              "--slow-repeats": 1, "--chunk": 1, "--torch-queries": 0,
              "--threads": 1, "--map-queries": 0 if run == "index" else 1, "--map-repeats": 1,
