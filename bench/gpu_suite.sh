@@ -175,10 +175,11 @@ stage_bench() {
 }
 
 stage_host() {
-  local rc args=(--gpu) d
+  local rc=0 args=(--gpu) d
   [ "$CPU_MODE" = 1 ] && args=(--calls 5 --repeats 1)
-  $PY bench/host_overhead.py "${args[@]}" --csv "$RES/host_gpu.csv" | tee "$RES/host.log"
-  rc=${PIPESTATUS[0]}
+  # (under the stage's set -e a failing pipeline would end the stage before its detail)
+  $PY bench/host_overhead.py "${args[@]}" --csv "$RES/host_gpu.csv" | tee "$RES/host.log" \
+      || rc=${PIPESTATUS[0]}
   d=$(sed -n 's/^fused host: //p' "$RES/host.log" | tail -1)
   [ $rc = 0 ] || d="host_overhead exit status $rc; ${d:-no host_gpu.csv}"
   detail "${BUILT_FIRST}${d:-no fused rows}"
