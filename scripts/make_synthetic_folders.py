@@ -6,10 +6,16 @@ image (issue 58: folders no recipe was tuned on, a check that a method's lead tr
     python scripts/make_synthetic_folders.py --kind textures --out runs/folders/textures --seed 0
     python scripts/make_synthetic_folders.py --kind shapes   --out runs/folders/shapes   --seed 0
 
-glyphs    classes = 10 characters; source = a font file of this machine (`fc-list`) with its
-          own paper and ink grey; each image a random size, rotation, stroke, position, a
-          jitter of +-12 on the source's greys and pixel noise.  The val fonts draw no train
-          image.
+glyphs    classes = 10 characters.  v4 (the default, --glyph-version 4): source = a font
+          file of this machine (`fc-list`) drawn one of 4 ways (plain, heavier strokes, slanted,
+          both); the letter large and near the centre (its ink's longer side 60 to 80% of the
+          frame, shifted by at most 6%, turned by at most 10 degrees), dark ink on light paper
+          in one of 4 palettes drawn per image and shared by every source, light noise; split
+          by font (no variant of a val font draws a train image).  v3 (--glyph-version 3, the
+          runs/sf3 folder, pixel for pixel): source = a font with its own paper and ink grey;
+          each image a random size (50 to 80% of the frame's side for the font's size, so the
+          ink covers ~13% of the frame), rotation, stroke, position, a jitter of +-12 on the
+          source's greys and pixel noise.  Why v4: docs/results.md "Folders of our own".
 textures  classes = 10 texture families (stripes, checks, dots, blobs, waves, rings, grid,
           zigzag, speckle, sectors); source = one draw of the generator's hidden parameters
           (two tinted greys, a frequency range, an edge sharpness, a noise level); each image a
@@ -25,6 +31,8 @@ The greys belong to the source, not to the image: a random colour per image is s
 two augmented views of it and tells the images apart better than their class does, so both
 NAC and SimCLR learned the colours and stayed near chance (the first two versions of these
 folders, docs/results.md "Folders of our own"; make_image_folder.py's shapes showed the same).
+Glyphs v4 draws its greys from 4 palettes common to all sources instead: v3's source greys
+named the font (and half the fonts were light on dark).
 
 Every class gets --train-per-class images in train/ (spread evenly over the train sources) and
 --val-per-class in val/ (over the val sources); a share --val-sources of the sources (at least
@@ -60,6 +68,19 @@ TEXTURES = ("stripes", "checks", "dots", "blobs", "waves", "rings", "grid", "zig
 SHAPES = ("disc", "triangle", "square", "pentagon", "hexagon", "star", "cross", "arrow",
           "crescent", "heart")
 N_SOURCES = {"textures": 40, "shapes": 40}  # glyphs: the fonts found
+GLYPH_VERSIONS = (3, 4)
+# Glyphs v4 (docs/results.md "Folders of our own"): each font is drawn 4 ways, 4 sources of it;
+# stroke = a thickening of the outline (share of the font size), shear = the italic slant.
+GLYPH_VARIANTS = {"plain": {"stroke": 0.0, "shear": 0.0}, "heavy": {"stroke": 0.04, "shear": 0.0},
+                  "slanted": {"stroke": 0.0, "shear": 0.25},
+                  "heavy-slanted": {"stroke": 0.04, "shear": 0.25}}
+# (paper, ink): dark ink on light paper, one drawn per image from the same 4 for every source,
+# so the greys say neither the source (v3's greys named it) nor the image (v1's and v2's did)
+GLYPH_PALETTES = (((236, 236, 236), (20, 20, 20)), ((214, 204, 184), (62, 42, 36)),
+                  ((186, 198, 212), (26, 34, 72)), ((170, 170, 170), (60, 60, 60)))
+GLYPH_FILL = (0.6, 0.8)      # the ink's longer side, a share of the frame's side
+GLYPH_OFFSET = 0.06          # the letter's shift, at most this share of the frame each way
+GLYPH_ROTATE = 10.0          # degrees each way
 FONT_EXTENSIONS = (".ttf", ".otf")
 MAX_SIZE = 256
 
@@ -150,13 +171,32 @@ def glyph_source(seed: int, k: int, font_file: str) -> dict:
     return {"font": font_file, "paper": paper, "ink": ink}
 
 
-def sources_of(kind: str, seed: int, fonts=None) -> list:
-    """[(name, parameters)] of the kind's sources."""
+def glyph_source_v4(font_file: str, variant: str) -> dict:
+    """Glyphs v4: a font file drawn one of GLYPH_VARIANTS' ways.  No greys: v4's paper and ink
+    come from GLYPH_PALETTES, drawn per image, shared by every source."""
+    return {"font": font_file, "variant": variant} | dict(GLYPH_VARIANTS[variant])
+
+
+def sources_of(kind: str, seed: int, fonts=None, glyph_version: int = 4) -> list:
+    """[(name, parameters)] of the kind's sources (glyphs v4: font-major, font f's variant v is
+    source f * len(GLYPH_VARIANTS) + v)."""
+    if kind == "glyphs" and glyph_version == 4:
+        return [(f"{os.path.splitext(os.path.basename(f))[0]}-{v}", glyph_source_v4(f, v))
+                for f in fonts for v in GLYPH_VARIANTS]
     if kind == "glyphs":
         return [(os.path.splitext(os.path.basename(f))[0], glyph_source(seed, k, f))
                 for k, f in enumerate(fonts)]
     make = texture_source if kind == "textures" else shape_source
     return [(f"{kind[:-1]}-style-{k:02d}", make(seed, k)) for k in range(N_SOURCES[kind])]
+
+
+def split_fonts(n_fonts: int, n_variants: int, frac: float, seed: int) -> tuple[list[int],
+                                                                              list[int]]:
+    """(train, val) source indices of glyphs v4: split_sources over the fonts, every variant of a
+    font on its font's side, so no val image is drawn with a font (in any variant) of train."""
+    tr, va = split_sources(n_fonts, frac, seed)
+    return ([f * n_variants + v for f in tr for v in range(n_variants)],
+            [f * n_variants + v for f in va for v in range(n_variants)])
 
 
 def split_sources(n: int, frac: float, seed: int) -> tuple[list[int], list[int]]:
@@ -195,6 +235,43 @@ def draw_glyph(c: str, src: dict, size: int, rng) -> Image.Image:
     im = Image.composite(Image.new("RGB", (big, big), ink), Image.new("RGB", (big, big), paper),
                          layer)
     return _noise(im.resize((size, size), Image.LANCZOS), float(rng.uniform(0, 10)), rng)
+
+
+def glyph_layer(c: str, src: dict, px: int = 96) -> Image.Image:
+    """Glyphs v4: the character alone, white on black ("L"), drawn at `px` px in the source's
+    variant (its stroke thickening, then its shear), cropped to its ink."""
+    font = ImageFont.truetype(src["font"], px)
+    n = 3 * px
+    layer = Image.new("L", (n, n), 0)
+    ImageDraw.Draw(layer).text((n / 2, n / 2), c, font=font, fill=255, anchor="mm",
+                               stroke_width=int(round(src["stroke"] * px)), stroke_fill=255)
+    if src["shear"]:  # x' = x + shear (n/2 - y): the top leans right, the centre stays
+        k = float(src["shear"])
+        layer = layer.transform((n, n), Image.AFFINE, (1, k, -k * n / 2, 0, 1, 0),
+                                resample=Image.BILINEAR)
+    return layer.crop(layer.getbbox())
+
+
+def draw_glyph_v4(c: str, src: dict, size: int, rng) -> Image.Image:
+    """Glyphs v4: the letter large and near the centre (its ink's longer side GLYPH_FILL of the
+    frame, offset by at most GLYPH_OFFSET of it, turned by at most GLYPH_ROTATE degrees), dark
+    on light in a palette of GLYPH_PALETTES drawn per image (shared by every source), light
+    noise."""
+    big = 2 * size
+    letter = glyph_layer(c, src)
+    scale = float(rng.uniform(*GLYPH_FILL)) * big / max(letter.size)
+    w, h = (max(1, int(round(v * scale))) for v in letter.size)
+    letter = letter.resize((w, h), Image.LANCZOS)
+    layer = Image.new("L", (big, big), 0)
+    layer.paste(letter, ((big - w) // 2, (big - h) // 2))
+    layer = layer.rotate(float(rng.uniform(-GLYPH_ROTATE, GLYPH_ROTATE)), resample=Image.BILINEAR,
+                         translate=tuple(float(v) for v in
+                                         rng.uniform(-GLYPH_OFFSET, GLYPH_OFFSET, 2) * big))
+    paper, ink = GLYPH_PALETTES[int(rng.integers(len(GLYPH_PALETTES)))]
+    paper, ink = _jitter(paper, rng, 6), _jitter(ink, rng, 6)
+    im = Image.composite(Image.new("RGB", (big, big), ink), Image.new("RGB", (big, big), paper),
+                         layer)
+    return _noise(im.resize((size, size), Image.LANCZOS), float(rng.uniform(0, 6)), rng)
 
 
 def texture_field(family: str, n: int, f: float, rng) -> np.ndarray:
@@ -340,21 +417,31 @@ def draw_shape(kind: str, src: dict, size: int, rng) -> Image.Image:
 
 # ----------------------------------------------------------------------------------- the folder
 def plan(kind: str, seed: int, train_per_class: int, val_per_class: int, val_frac: float,
-         fonts=None) -> dict:
-    """What the folder holds: classes, sources, the split of the sources, the counts."""
+         fonts=None, glyph_version: int = 4) -> dict:
+    """What the folder holds: classes, sources, the split of the sources, the counts.  Glyphs
+    v4 splits the fonts (split_fonts); v3 and the other kinds split the sources."""
+    if glyph_version not in GLYPH_VERSIONS:
+        raise ValueError(f"glyph_version must be one of {GLYPH_VERSIONS}, got {glyph_version!r}")
     classes = {"glyphs": GLYPHS, "textures": TEXTURES, "shapes": SHAPES}[kind]
-    srcs = sources_of(kind, seed, fonts)
-    train_idx, val_idx = split_sources(len(srcs), val_frac, seed)
-    return {"kind": kind, "seed": seed, "classes": list(classes), "sources": srcs,
-            "train_sources": train_idx, "val_sources": val_idx,
-            "per_class": {"train": train_per_class, "val": val_per_class}}
+    srcs = sources_of(kind, seed, fonts, glyph_version)
+    if kind == "glyphs" and glyph_version == 4:
+        train_idx, val_idx = split_fonts(len(fonts), len(GLYPH_VARIANTS), val_frac, seed)
+    else:
+        train_idx, val_idx = split_sources(len(srcs), val_frac, seed)
+    p = {"kind": kind, "seed": seed, "classes": list(classes), "sources": srcs,
+         "train_sources": train_idx, "val_sources": val_idx,
+         "per_class": {"train": train_per_class, "val": val_per_class}}
+    if kind == "glyphs":
+        p["glyph_version"] = glyph_version
+    return p
 
 
 def images(p: dict, size: int):
     """(split, class, source index, i, image) for every image of plan p, in a fixed order; the
     image's random draws come from its own seed (seed, split, class, i), so one image does not
     depend on how many others are drawn."""
-    draw = {"glyphs": lambda c, s, r: draw_glyph(c, s, size, r),
+    glyph = draw_glyph_v4 if p.get("glyph_version") == 4 else draw_glyph
+    draw = {"glyphs": lambda c, s, r: glyph(c, s, size, r),
             "textures": lambda c, s, r: draw_texture(c, s, size, r),
             "shapes": lambda c, s, r: draw_shape(c, s, size, r)}[p["kind"]]
     for si, split in enumerate(("train", "val")):
@@ -383,8 +470,13 @@ def write_folder(p: dict, size: int, out: str, overwrite: bool, command: str,
             im.save(os.path.join(d, f"s{k:02d}-{i:05d}.png"))
             counts[split][c] = counts[split].get(c, 0) + 1
         names = [n for n, _ in p["sources"]]
-        meta = {"kind": p["kind"], "seed": p["seed"], "size": size, "classes": p["classes"],
-                "split_by": "source: no source of a val image made any train image",
+        split_by = "source: no source of a val image made any train image"
+        if p.get("glyph_version") == 4:
+            split_by += " (nor any variant of its font)"
+        meta = {"kind": p["kind"]}
+        if "glyph_version" in p:
+            meta["glyph_version"] = p["glyph_version"]
+        meta |= {"seed": p["seed"], "size": size, "classes": p["classes"], "split_by": split_by,
                 "sources": {"train": {f"s{k:02d}": names[k] for k in p["train_sources"]},
                             "val": {f"s{k:02d}": names[k] for k in p["val_sources"]}},
                 "counts": counts, "command": command}
@@ -407,7 +499,12 @@ def main(argv=None) -> int:
     ap.add_argument("--train-per-class", type=int, default=1400, help="train images per class")
     ap.add_argument("--val-per-class", type=int, default=250, help="val images per class")
     ap.add_argument("--val-sources", type=float, default=0.25,
-                    help="share of the sources whose images go to val/ (and none to train/)")
+                    help="share of the sources (glyphs v4: of the fonts) whose images go to "
+                    "val/ (and none to train/)")
+    ap.add_argument("--glyph-version", type=int, choices=GLYPH_VERSIONS, default=None,
+                    help="--kind glyphs only: 4 (the default) draws the letter large and centred "
+                    "in palettes shared by every source, 4 variants of each font as sources, "
+                    "split by font; 3 gives the v3 folder (runs/sf3/glyphs) pixel for pixel")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace OUT if it exists (once the new folder is complete)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -421,6 +518,8 @@ def main(argv=None) -> int:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not 0 < args.val_sources < 1:
         ap.error(f"--val-sources must lie in (0, 1), got {args.val_sources}")
+    if args.glyph_version is not None and args.kind != "glyphs":
+        ap.error(f"--glyph-version: only for --kind glyphs, not --kind {args.kind}")
     out = os.path.abspath(args.out)
     if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         if not args.overwrite:
@@ -439,7 +538,7 @@ def main(argv=None) -> int:
             ap.error(f"--kind glyphs: needs at least 2 fonts that draw {''.join(GLYPHS)} "
                      f"(`fc-list` lists the fonts), found {len(fonts)}")
     p = plan(args.kind, args.seed, args.train_per_class, args.val_per_class, args.val_sources,
-             fonts)
+             fonts, 4 if args.glyph_version is None else args.glyph_version)
     command = " ".join(["python", "scripts/make_synthetic_folders.py"] +
                        [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
     # a kill (SIGTERM) unwinds like an error, so the temporary folder goes with it

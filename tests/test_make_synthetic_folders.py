@@ -122,7 +122,8 @@ def test_a_failure_leaves_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("flag,value", [("--val-sources", "1"), ("--val-sources", "0"),
                                         ("--size", "4"), ("--train-per-class", "0"),
-                                        ("--val-per-class", "0"), ("--seed", "-1")])
+                                        ("--val-per-class", "0"), ("--seed", "-1"),
+                                        ("--glyph-version", "4"), ("--glyph-version", "5")])
 def test_bad_flags_name_the_flag(tmp_path, capsys, flag, value):
     err = _usage_error(capsys, ["--out", str(tmp_path / "f"), "--kind", "shapes"] + SMALL
                        + [flag, value])
@@ -145,6 +146,90 @@ def test_every_class_draws_something(tmp_path):
         x = np.asarray(msf.draw_shape(kind, style, 32, np.random.default_rng(1)), dtype=np.float32)
         assert x.reshape(-1, 3).std(0).max() > 10, kind
     assert len(seen) == len(msf.SHAPES)
+
+
+def _fonts_or_skip():
+    fonts = msf.usable_fonts(msf.find_fonts())
+    if len(fonts) < 2:
+        pytest.skip("this machine has fewer than 2 fonts that draw the glyph classes")
+    return fonts
+
+
+def test_glyphs_v4_splits_by_font_and_v3_by_source():
+    """v4: every font's 4 variants are 4 sources, all on the font's side of the split; v3: one
+    source a font, split as before (the runs/sf3 folder)."""
+    fonts = _fonts_or_skip()
+    nv = len(msf.GLYPH_VARIANTS)
+    p = msf.plan("glyphs", 0, 6, 3, 0.25, fonts, glyph_version=4)
+    assert len(p["sources"]) == nv * len(fonts)
+    tr, va = set(p["train_sources"]), set(p["val_sources"])
+    assert tr and va and not tr & va and tr | va == set(range(nv * len(fonts)))
+    font_of = [src["font"] for _, src in p["sources"]]
+    assert not {font_of[k] for k in tr} & {font_of[k] for k in va}
+    assert len({font_of[k] for k in va}) == len(va) // nv
+    # the v4 split keeps v3's val fonts
+    p3 = msf.plan("glyphs", 0, 6, 3, 0.25, fonts, glyph_version=3)
+    assert [src["font"] for _, src in p3["sources"]] == fonts
+    assert {font_of[k] for k in va} == {fonts[k] for k in p3["val_sources"]}
+    with pytest.raises(ValueError, match="glyph_version"):
+        msf.plan("glyphs", 0, 6, 3, 0.25, fonts, glyph_version=2)
+
+
+def _ink_box(x):
+    """(share of the frame that is ink, bounding box of the ink) of an RGB image drawn dark on
+    light: ink = darker than halfway between the border's grey and the darkest pixel."""
+    g = x.mean(2)
+    border = np.concatenate([g[0], g[-1], g[:, 0], g[:, -1]]).mean()
+    ink = g < (border + g.min()) / 2
+    ys, xs = np.nonzero(ink)
+    return ink.mean(), (xs.min(), ys.min(), xs.max() + 1, ys.max() + 1)
+
+
+def test_glyphs_v4_letter_large_centred_dark_on_light():
+    """v4's letter: its ink's longer side 0.5 to 0.9 of the frame, its box's centre within 0.15
+    of the frame's centre, ink darker than the paper, whatever the font's variant; v3's letters
+    were smaller (their ink a smaller share of the frame)."""
+    fonts = _fonts_or_skip()
+    n = 32
+    shares = {3: [], 4: []}
+    for k, font in enumerate(fonts[:4]):
+        for variant in msf.GLYPH_VARIANTS:
+            src = msf.glyph_source_v4(font, variant)
+            for ci, c in enumerate(msf.GLYPHS):
+                rng = np.random.default_rng([k, ci])
+                x = np.asarray(msf.draw_glyph_v4(c, src, n, rng), dtype=np.float32)
+                share, (x0, y0, x1, y1) = _ink_box(x)
+                assert 0.5 <= max(x1 - x0, y1 - y0) / n <= 0.9, (font, variant, c)
+                assert abs((x0 + x1) / 2 - n / 2) <= 0.15 * n, (font, variant, c)
+                assert abs((y0 + y1) / 2 - n / 2) <= 0.15 * n, (font, variant, c)
+                assert x[0].mean() > x[n // 2 - 4:n // 2 + 4, n // 2 - 4:n // 2 + 4].min() + 60
+                shares[4].append(share)
+        v3 = msf.glyph_source(0, k, font)
+        for ci, c in enumerate(msf.GLYPHS):
+            x = np.asarray(msf.draw_glyph(c, v3, n, np.random.default_rng([k, ci])),
+                           dtype=np.float32)
+            if x[0].mean() < x.mean():  # v3's light-on-dark sources: make the ink dark
+                x = 255 - x
+            shares[3].append(_ink_box(x)[0])
+    assert np.mean(shares[4]) > 1.2 * np.mean(shares[3])
+
+
+def test_glyphs_v4_palettes_are_the_sources_common_ones():
+    """v4's greys come from GLYPH_PALETTES for every source (they name neither the source nor
+    the image): two sources draw from the same greys."""
+    fonts = _fonts_or_skip()
+    seen = []
+    for font in fonts[:2]:
+        src = msf.glyph_source_v4(font, "plain")
+        corners = set()
+        for i in range(40):
+            x = np.asarray(msf.draw_glyph_v4("E", dict(src), 32, np.random.default_rng(i)),
+                           dtype=np.float32)
+            paper = x[:3, :3].reshape(-1, 3).mean(0)
+            corners.add(int(np.argmin([np.abs(paper - np.asarray(pp)).sum()
+                                       for pp, _ in msf.GLYPH_PALETTES])))
+        seen.append(corners)
+    assert seen[0] == seen[1] == set(range(len(msf.GLYPH_PALETTES)))
 
 
 @pytest.mark.slow
