@@ -36,7 +36,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from nac_fast.train import distributed as nd
 from nac_fast.train.config import UsageError, parse
-from nac_fast.train.methods import code_stats, collapse_warning, learning_stats, zero_code_loss
+from nac_fast.train.methods import (code_stats, collapse_warning, gain_stats, learning_stats,
+                                    zero_code_loss)
 from nac_fast.train.monitor import LossWatch, RunLog, summary_lines
 from nac_fast.train.run import (EXIT_USAGE, RunStopped, build, describe_l2, describe_p,
                                 finish, flip_prob_of, lr_at, plan_start, prepare_batch,
@@ -178,6 +179,7 @@ def train(st, flags) -> None:
                         rec.update(code_stats(a[:k]))
                         rec.update(learning_stats(a[:k], None if st.last_r is None
                                                   else st.last_r[:k], loss_now, zero_loss))
+                        rec.update(gain_stats(st.model))
                     log.write(rec)
                     last = rec
                     warning = None if warned else collapse_warning(step, cfg.warmup_steps, rec,

@@ -25,8 +25,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nac_fast._files import atomic_write, check_new_file  # noqa: E402
 
-KEYS = ("loss", "loss_excess", "code_mag", "r_mag", "r_slope", "balance_score", "distinct_frac",
-        "mean_hamming", "lr", "flip_prob", "img_per_s", "data_wait")
+KEYS = ("loss", "loss_excess", "code_mag", "r_mag", "r_slope", "a_gain", "r_gain", "balance_score",
+        "distinct_frac", "mean_hamming", "lr", "flip_prob", "img_per_s", "data_wait")
 ZERO_NAME = {"nac": "D ln 2", "nac-mq": "2 D ln 2", "simclr": "ln(2B - 1)"}
 
 

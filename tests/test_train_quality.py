@@ -158,6 +158,20 @@ def test_learning_stats_on_a_known_case():
     assert set(learning_stats(a, None)) == {"code_mag"}
 
 
+def test_gain_stats_are_the_learnable_gains_means():
+    from nac_fast.train.methods import gain_stats
+    from nac_fast.train.models import build_model
+    m = build_model("resnet-tiny", 1, 28, code_dim=16, head_bn=True, infer_bn=True, a_gain=6.0,
+                    r_gain=3.0, learn_gain=True)
+    assert gain_stats(m) == {"a_gain": pytest.approx(6.0), "r_gain": pytest.approx(3.0)}
+    with torch.no_grad():
+        m.a_gain.weight.copy_(torch.linspace(1.0, 3.0, 16))
+    assert gain_stats(m)["a_gain"] == pytest.approx(2.0)
+    # fixed gains and the paper's heads log none
+    assert gain_stats(build_model("resnet-tiny", 1, 28, code_dim=16, a_gain=6.0)) == {}
+    assert gain_stats(build_model("resnet-tiny", 1, 28, code_dim=16)) == {}
+
+
 def test_r_slope_is_the_least_squares_fit_with_one_intercept_per_bit():
     g = torch.Generator().manual_seed(1)
     a = 0.3 * torch.randn(200, D, generator=g, dtype=torch.float64)
@@ -232,6 +246,7 @@ def test_log_records_the_statistics_and_warns_once_on_collapse(tmp_path, capsys,
         assert rec["r_mag"] == pytest.approx(float(r.abs().mean()), rel=1e-9)
         assert rec["r_slope"] == pytest.approx(_lstsq_slope(torch.tanh(a), r), rel=1e-6)
         assert 0.0 <= rec["balance_score"] <= 1.0
+        assert "a_gain" not in rec and "r_gain" not in rec  # the paper's heads: fixed gains
 
 
 def test_learning_recipe_does_not_warn(tmp_path, capsys):
@@ -270,6 +285,23 @@ def test_nac_mq_log_excess_is_over_two_d_ln2(tmp_path, capsys):
     for rec in _log(out):
         assert rec["loss_excess"] == pytest.approx(rec["loss"] - 2 * D * math.log(2), abs=1e-9)
         assert {"code_mag", "r_mag", "r_slope"} <= set(rec)
+
+
+@pytest.mark.parametrize("method", ["nac", "nac-mq"])
+def test_log_records_the_learnable_gains_of_the_online_model(tmp_path, method):
+    """The default small recipe's learnable gains are logged as their means (a_gain, r_gain),
+    those of the model the checkpoint saves (NAC-MQ: not its momentum copy's); the paper's heads
+    log none (test_log_records_the_statistics_and_warns_once_on_collapse)."""
+    out = str(tmp_path / method)
+    assert train.main(SMALL + ["--method", method, "--max-steps", "2", "--out", out]) == 0
+    recs = _log(out)
+    assert all({"a_gain", "r_gain"} <= set(r) for r in recs)
+    model = torch.load(os.path.join(out, "last.pt"), map_location="cpu", weights_only=False)["model"]
+    gains = {k.split(".")[-2]: float(v.double().mean()) for k, v in model.items()
+             if k.endswith("_gain.weight")}
+    assert recs[-1]["a_gain"] == pytest.approx(gains["a_gain"], rel=1e-12)
+    assert recs[-1]["r_gain"] == pytest.approx(gains["r_gain"], rel=1e-12)
+    assert recs[0]["a_gain"] != 6.0 and abs(recs[0]["a_gain"] - 6.0) < 0.5  # moved from its start
 
 
 def test_tensorboard_gets_the_learning_statistics(tmp_path, monkeypatch):

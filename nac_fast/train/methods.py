@@ -6,6 +6,7 @@
     code_stats(a) -> {"distinct_frac", "mean_hamming", "balance_score", "code_sat"}
     learning_stats(a, r, loss, zero_code_loss(method, D, batch)) -> {"code_mag", "r_mag",
                                                                      "r_slope", "loss_excess"}
+    gain_stats(model) -> {"a_gain", "r_gain"}        # the learnable gains' means, if any
     collapse_warning(...)                            # the one-line warning
 
 `x` is this rank's batch of both views, cat([view1, view2]) (2K rows; row i and row i+K are two
@@ -192,6 +193,22 @@ def learning_stats(a: torch.Tensor, r, loss: float | None = None,
         out["r_slope"] = float((zc * rc).sum()) / szz if szz > 0 else None
     if loss is not None and zero_loss is not None:
         out["loss_excess"] = float(loss) - float(zero_loss)
+    return out
+
+
+@torch.no_grad()
+def gain_stats(model) -> dict:
+    """The learnable output gains' means over the bits (the learning heads' per-bit parameters,
+    docs/math.md [M:heads]): {"a_gain": ..., "r_gain": ...}, each key only where that gain is
+    learnable ({} for the paper's heads and fixed gains).  `model` is the online network
+    (unwrapped); the first module of each name counts.  The gains start at --a-gain and
+    --r-gain and are what the start of a run changes ([M:recipe-small])."""
+    from .models import Gain  # (models imports this module's neighbours, not this one)
+    out = {}
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(mod, Gain) and mod.learnable and leaf not in out:
+            out[leaf] = float(mod.weight.detach().double().mean())
     return out
 
 
