@@ -41,6 +41,7 @@ from ..ops import collectives
 from ..codestats import code_statistics
 from ..ops import loss as _loss
 from ..ops.loss import NACLoss
+from .models import Gain
 
 METHODS = ("nac", "nac-mq", "simclr")
 
@@ -200,15 +201,14 @@ def learning_stats(a: torch.Tensor, r, loss: float | None = None,
 def gain_stats(model) -> dict:
     """The learnable output gains' means over the bits (the learning heads' per-bit parameters,
     docs/math.md [M:heads]): {"a_gain": ..., "r_gain": ...}, each key only where that gain is
-    learnable ({} for the paper's heads and fixed gains).  `model` is the online network
-    (unwrapped); the first module of each name counts.  The gains start at --a-gain and
-    --r-gain and are what the start of a run changes ([M:recipe-small])."""
-    from .models import Gain  # (models imports this module's neighbours, not this one)
+    learnable ({} for the paper's heads and fixed gains).  `model` is the online NACModel
+    (unwrapped).  The gains start at --a-gain and --r-gain and are what the start of a run
+    changes ([M:recipe-small])."""
     out = {}
-    for name, mod in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(mod, Gain) and mod.learnable and leaf not in out:
-            out[leaf] = float(mod.weight.detach().double().mean())
+    for name in ("a_gain", "r_gain"):
+        g = getattr(model, name, None)
+        if isinstance(g, Gain) and g.learnable:
+            out[name] = float(g.weight.detach().double().mean())
     return out
 
 
