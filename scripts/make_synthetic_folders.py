@@ -47,6 +47,7 @@ half-written folder); refuses an OUT that exists and is not an empty folder unle
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -239,14 +240,20 @@ def draw_glyph(c: str, src: dict, size: int, rng) -> Image.Image:
 
 def glyph_layer(c: str, src: dict, px: int = 96) -> Image.Image:
     """Glyphs v4: the character alone, white on black ("L"), drawn at `px` px in the source's
-    variant (its stroke thickening, then its shear), cropped to its ink."""
-    font = ImageFont.truetype(src["font"], px)
+    variant (its stroke thickening, then its shear), cropped to its ink.  The same for every
+    image of a (character, source): drawn once (the callers do not modify it)."""
+    return _glyph_layer(c, src["font"], float(src["stroke"]), float(src["shear"]), px)
+
+
+@functools.lru_cache(maxsize=None)
+def _glyph_layer(c: str, font_file: str, stroke: float, shear: float, px: int) -> Image.Image:
+    font = ImageFont.truetype(font_file, px)
     n = 3 * px
     layer = Image.new("L", (n, n), 0)
     ImageDraw.Draw(layer).text((n / 2, n / 2), c, font=font, fill=255, anchor="mm",
-                               stroke_width=int(round(src["stroke"] * px)), stroke_fill=255)
-    if src["shear"]:  # x' = x + shear (n/2 - y): the top leans right, the centre stays
-        k = float(src["shear"])
+                               stroke_width=int(round(stroke * px)), stroke_fill=255)
+    if shear:  # x' = x + shear (n/2 - y): the top leans right, the centre stays
+        k = shear
         layer = layer.transform((n, n), Image.AFFINE, (1, k, -k * n / 2, 0, 1, 0),
                                 resample=Image.BILINEAR)
     return layer.crop(layer.getbbox())
