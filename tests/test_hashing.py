@@ -12,6 +12,9 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import shutil
+import subprocess
+import sysconfig
 
 import numpy as np
 import pytest
@@ -1025,15 +1028,13 @@ AARCH64_CXX = "aarch64-linux-gnu-g++"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(__import__("shutil").which(AARCH64_CXX) is None,
+@pytest.mark.skipif(shutil.which(AARCH64_CXX) is None,
                     reason=f"no {AARCH64_CXX} (Debian's g++-aarch64-linux-gnu)")
 def test_engine_compiles_for_aarch64_with_neon_popcount(tmp_path):
     """What ARM CPUs run (issue 56): csrc/hamming.cpp cross-compiled for AArch64 against this
     torch's headers builds the portable level alone (no x86 level leaks out of its guard), and
     its popcounts are NEON CNT instructions.  Compiled, not run: no AArch64 machine or emulator
     here (docs/evaluation.md says so)."""
-    import subprocess
-    import sysconfig
     from torch.utils import cpp_extension
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     obj = tmp_path / "hamming_aarch64.o"
