@@ -183,12 +183,14 @@ def _grid_mq() -> dict:
 
 def _grid_folders() -> dict:
     """Candidates for issue 58 (NAC's hash codes on folders no recipe was tuned on), each one
-    change over the default recipe, or two: the heads' gain G ([M:heads]: 2, 3, 4, 9), code bits
+    change over the default recipe, or two: each image's own code left out of its keys
+    ([M:self-key]), the heads' gain G ([M:heads]: 2, 3, 4, 9), code bits
     D = 64 (a channel of half the capacity, [M:recipe-small]), the p ramp at any budget
     ([M:p-schedule]), NAC-MQ, G = 3 with each of the others and with p = 0.2, 0.3, and the
     inference network trained alone for the first 100 steps (`--infer-warmup-steps`).
     NAC-MQ is the mq grid's nac-mq:l2-0; the default itself is the budgets grid's nac:default."""
-    return {"nac:again3": ("nac", ["--a-gain", "3"], "default"),
+    return {"nac:exclude-self": ("nac", ["--self-key", "exclude"], "default"),
+            "nac:again3": ("nac", ["--a-gain", "3"], "default"),
             "nac:again9": ("nac", ["--a-gain", "9"], "default"),
             "nac:dim64": ("nac", ["--code-dim", "64"], "default"),
             "nac:ramp": ("nac", ["--flip-prob-final-min-images", "none"], "default"),

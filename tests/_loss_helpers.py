@@ -21,10 +21,13 @@ def fused_backends(device: str = "cpu") -> list[str]:
     return [b for b in nac_fast.available_backends(device) if b != "reference"]
 
 
-def oracle_rows(a, r, noise, p, keys=None, l2=0.0, likelihood="dot") -> np.ndarray:
+def oracle_rows(a, r, noise, p, keys=None, l2=0.0, likelihood="dot",
+                self_offset=None) -> np.ndarray:
     """docs/math.md [M:rows] in float64 numpy, written independently of nac_fast.ops.reference;
     likelihood "multilinear": the logits of [M:multilinear] from their definition, log1p element
-    by element over an (n, N, D) array (small sizes only)."""
+    by element over an (n, N, D) array (small sizes only).  self_offset (an int): row i's
+    logsumexp runs over the keys other than key self_offset + i, by deleting that column, and
+    the constant is log(N - 1) ([M:self-key])."""
     a = a.detach().double().cpu().numpy()
     r = r.detach().double().cpu().numpy()
     m = noise.detach().double().cpu().numpy()
@@ -36,12 +39,20 @@ def oracle_rows(a, r, noise, p, keys=None, l2=0.0, likelihood="dot") -> np.ndarr
         logits = np.log1p((1.0 - 2.0 * p) * zt[:, None, :] * k[None, :, :]).sum(-1)
     else:
         logits = s * zt @ k.T
-    mx = logits.max(1, keepdims=True)
-    lse = (mx + np.log(np.exp(logits - mx).sum(1, keepdims=True)))[:, 0]
+    count = k.shape[0]
+    if self_offset is None:
+        mx = logits.max(1, keepdims=True)
+        lse = (mx + np.log(np.exp(logits - mx).sum(1, keepdims=True)))[:, 0]
+    else:
+        count -= 1
+        lse = np.empty(logits.shape[0])
+        for i, row in enumerate(logits):
+            rest = np.delete(row, self_offset + i)
+            lse[i] = rest.max() + np.log(np.exp(rest - rest.max()).sum())
     log_sig = -np.logaddexp(0.0, -r)       # log sigma(r)
     log_sig_neg = -np.logaddexp(0.0, r)    # log sigma(-r)
     bern = 0.5 * (zt * r + log_sig + log_sig_neg).sum(1)
-    return lse - math.log(k.shape[0]) - bern + l2 * (z * z).sum(1)
+    return lse - math.log(count) - bern + l2 * (z * z).sum(1)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1204,6 +1204,136 @@ class TestMultilinear:
         assert "likelihood=multilinear" in capsys.readouterr().out
 
 
+class TestSelfKey:
+    """The row's own clean code left out of its keys (docs/math.md [M:self-key], --self-key
+    exclude): the rows against the float64 numpy oracle at awkward sizes, with the batch's own
+    codes as keys and with gathered keys at an offset, its gradient by gradcheck, the zero-code
+    value it keeps, the criterion's pairing, and the API's refusals."""
+
+    @pytest.mark.parametrize("n,N,D,offset", [(2, None, 1, 0), (3, None, 7, 0),
+                                              (97, None, 128, 0), (1, 2, 5, 1), (3, 97, 7, 41),
+                                              (97, 1031, 16, 934), (64, 1031, 16, 0)])
+    @pytest.mark.parametrize("p", [0.05, 0.25, 0.4])
+    def test_rows_match_the_float64_definition(self, n, N, D, offset, p):
+        a, r, keys, noise = _multilinear_inputs(n, N, D, p, seed=n + D + offset)
+        if keys is not None:  # row i's own code sits at keys[offset + i], as gathering puts it
+            keys[offset:offset + n] = torch.tanh(a)
+        want = oracle_rows(a, r, noise, p, keys, self_offset=offset)
+        got = nac_fast.nac_loss(a, r, p, keys=keys, noise=noise, reduction="none",
+                                self_key="exclude", self_offset=offset)  # auto: the reference
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-11)
+        paper = nac_fast.nac_loss(a, r, p, keys=keys, noise=noise, reduction="none")
+        np.testing.assert_allclose(paper.numpy(), oracle_rows(a, r, noise, p, keys), rtol=1e-12,
+                                   atol=1e-11)
+        assert not np.allclose(got.numpy(), paper.numpy())  # the own key counted in the paper's
+
+    def test_float32_is_within_its_rounding_of_float64(self):
+        a, r, keys, noise = _multilinear_inputs(97, 1031, 128, 0.25, seed=3)
+        keys[5:102] = torch.tanh(a)
+        want = nac_fast.nac_loss(a, r, 0.25, keys=keys, noise=noise, reduction="none",
+                                 self_key="exclude", self_offset=5)
+        got = nac_fast.nac_loss(a.float(), r.float(), 0.25, keys=keys.float(), noise=noise.float(),
+                                reduction="none", self_key="exclude", self_offset=5)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+    def test_gradient_by_gradcheck(self):
+        a, r, keys, noise = _multilinear_inputs(5, 9, 4, 0.3, seed=1)
+        keys[2:7] = torch.tanh(a)
+        a.requires_grad_()
+        keys.requires_grad_()
+        r.requires_grad_()
+        assert torch.autograd.gradcheck(
+            lambda a, r, k: nac_fast.nac_loss(a, r, 0.3, keys=k, noise=noise, reduction="none",
+                                              self_key="exclude", self_offset=2), (a, r, keys))
+        assert torch.autograd.gradcheck(
+            lambda a, r: nac_fast.nac_loss(a, r, 0.3, noise=noise, self_key="exclude"), (a, r))
+
+    def test_zero_codes_keep_the_zero_code_value(self):
+        """At z = 0 and r = 0 every logit is 0 and the row is D ln 2 with either key set
+        ([M:z0]): log(N - 1) is the constant that keeps it (the training log's loss_excess is
+        measured against the same value)."""
+        n, D = 7, 12
+        zero = torch.zeros(n, D, dtype=torch.float64)
+        noise = nac_fast.draw_noise((n, D), 0.25, dtype=torch.float64,
+                                    generator=torch.Generator().manual_seed(0))
+        for key in ("include", "exclude"):
+            rows = nac_fast.nac_loss(zero, zero, 0.25, noise=noise, reduction="none",
+                                     self_key=key)
+            torch.testing.assert_close(rows, torch.full((n,), D * math.log(2.0),
+                                                        dtype=torch.float64), rtol=0, atol=1e-12)
+
+    def test_criterion_takes_it_and_refuses_a_fused_backend(self):
+        g = torch.Generator().manual_seed(0)
+        a0, r0, a1, r1 = (torch.randn(4, 8, generator=g, dtype=torch.float64) for _ in range(4))
+        noise = nac_fast.draw_noise((8, 8), 0.25, dtype=torch.float64, generator=g)
+        crit = nac_fast.NACLoss(0.25, self_key="exclude", gather_distributed=True)
+        assert "self_key='exclude'" in repr(crit)
+        got = crit((a0, r0), (a1, r1), noise=noise)  # one process: the batch's own codes
+        want = nac_fast.nac_loss(torch.cat([a0, a1]), torch.cat([r1, r0]), 0.25, noise=noise,
+                                 self_key="exclude")
+        assert got.item() == want.item()
+        assert got.item() != nac_fast.NACLoss(0.25)((a0, r0), (a1, r1), noise=noise).item()
+        for backend in ("cpu", "triton", "cuda"):
+            with pytest.raises(ValueError, match=f"backend '{backend}' cannot leave the row's own"):
+                nac_fast.NACLoss(0.25, backend=backend, self_key="exclude")
+            with pytest.raises(ValueError, match=f"backend '{backend}' cannot leave the row's own"):
+                nac_fast.nac_loss(a0, r0, 0.25, backend=backend, self_key="exclude")
+        for bad in ("none", None, True):
+            with pytest.raises(ValueError, match="self_key must be one of"):
+                nac_fast.NACLoss(0.25, self_key=bad)
+            with pytest.raises(ValueError, match="self_key must be one of"):
+                nac_fast.nac_loss(a0, r0, 0.25, self_key=bad)
+
+    @pytest.mark.parametrize("kw,err,match", [
+        (dict(self_offset=1), ValueError, "self_offset=1 is used with self_key='exclude' only"),
+        (dict(self_key="exclude", self_offset=1), ValueError, "self_offset must be 0 without keys"),
+        (dict(self_key="exclude", self_offset=True), TypeError, "self_offset must be an int"),
+        (dict(self_key="exclude", self_offset=2.0), TypeError, "self_offset must be an int"),
+        (dict(self_key="exclude", keys=True, self_offset=6), ValueError,
+         r"self_offset must lie in \[0, N - n\] = \[0, 5\]"),
+        (dict(self_key="exclude", keys=True, self_offset=-1), ValueError,
+         r"self_offset must lie in \[0, N - n\]"),
+    ])
+    def test_bad_offsets_are_named(self, kw, err, match):
+        a = torch.randn(4, 8, dtype=torch.float64)
+        if kw.pop("keys", None):
+            kw["keys"] = torch.tanh(torch.randn(9, 8, dtype=torch.float64))
+        with pytest.raises(err, match=match):
+            nac_fast.nac_loss(a, a, 0.25, **kw)
+
+    def test_a_single_key_is_refused(self):
+        a = torch.randn(1, 8, dtype=torch.float64)
+        with pytest.raises(ValueError, match="self_key='exclude' needs at least 2 keys"):
+            nac_fast.nac_loss(a, a, 0.25, self_key="exclude")
+
+    def test_train_flag(self, tmp_path, capsys):
+        sys.path.insert(0, ROOT)
+        import train
+        base = ["--data", "synthetic:64", "--batch-size", "32", "--max-steps", "2", "--no-progress",
+                "--device", "cpu", "--self-key", "exclude"]
+        assert train.main(base + ["--out", str(tmp_path / "ok")]) == 0
+        assert "self_key=exclude (reference loss: no fused kernel)" in capsys.readouterr().out
+        assert train.main(base + ["--out", str(tmp_path / "bad"), "--loss-backend", "cpu"]) == 2
+        assert "--loss-backend cpu: the fused kernels keep every key" in capsys.readouterr().err
+        assert train.main(base + ["--out", str(tmp_path / "mq"), "--method", "nac-mq"]) == 2
+        assert "--self-key exclude is an option of in-batch NAC" in capsys.readouterr().err
+        assert train.main(base[:-1] + ["some", "--out", str(tmp_path / "bad2")]) == 2
+        assert "invalid choice: 'some'" in capsys.readouterr().err
+        # a resumed run keeps the key set it was trained with
+        assert train.main(base[:-2] + ["--out", str(tmp_path / "ok"), "--max-steps", "3",
+                                       "--resume"]) == 2
+        assert "checkpoint has self_key='exclude', this run 'include'" in capsys.readouterr().err
+        assert train.main(base + ["--out", str(tmp_path / "ok"), "--max-steps", "3",
+                                  "--resume"]) == 0
+        # the recipe key
+        rec = tmp_path / "r.toml"
+        rec.write_text('self_key = "exclude"\nflip_prob = 0.25\nepochs = 1\nbatch_size = 32\n')
+        assert train.main(["--config", str(rec), "--data", "synthetic:64", "--max-steps", "1",
+                           "--no-progress", "--device", "cpu", "--out", str(tmp_path / "rec")]) == 0
+        assert "self_key=exclude" in capsys.readouterr().out
+
+
 # ==== approximate exp/log =========================================================================
 
 ULP = 2.0 ** -23  # fp32 unit in the last place, relative to a value in [1, 2)

@@ -1,5 +1,6 @@
 """2-process gloo DDP equals 1 process over the global batch (loss and gradients), for nac,
-nac-mq and simclr; under DDP the trainer's steps on the public criteria (NACLoss with
+nac-mq and simclr, and for nac with each row's own code left out of its keys (NACLoss finds it
+at this rank's place in the gathered keys, [M:self-key]); under DDP the trainer's steps on the public criteria (NACLoss with
 gather_distributed, NACMQ) equal 0.1.0's hand-written formula bit for bit; MoCo's batch
 shuffle/unshuffle is exact.  The shuffle's all-to-all (issue 54) gives the old all-gather's rows
 bit for bit at 2 and 4 ranks, in the input's dtype, and a byte-counting wrapper of
@@ -67,9 +68,12 @@ def _mq(model):
 
 
 def _run(method, model, x, noise):
-    """model: the NAC or SimCLR model, or (nac-mq) the NACMQ; any of them under DDP."""
+    """model: the NAC or SimCLR model, or (nac-mq) the NACMQ; any of them under DDP.
+    "nac-exclude": in-batch NAC with each row's own code left out of its keys ([M:self-key])."""
     if method == "nac":
         return nac_step(model, x, P, noise=noise)[0]
+    if method == "nac-exclude":
+        return nac_step(model, x, P, noise=noise, self_key="exclude")[0]
     if method == "nac-mq":
         return nac_mq_step(model, x, noise=noise)[0]
     return simclr_step(model, x, 0.5)[0]
@@ -107,7 +111,7 @@ def _worker(rank, port, out_dir):
         x = torch.cat([v1[sl], v2[sl]])
         noise = torch.cat([n1[sl], n2[sl]])
         res = {}
-        for method in ("nac", "nac-mq", "simclr"):
+        for method in ("nac", "nac-mq", "simclr", "nac-exclude"):
             model = _model(method)
             mq = _mq(model) if method == "nac-mq" else None
             queue = mq.queue if mq is not None else None
@@ -118,7 +122,7 @@ def _worker(rank, port, out_dir):
                            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
                            "queue": None if queue is None else queue.codes.clone(),
                            "ptr": None if queue is None else queue.ptr}
-            if method != "simclr":  # the same step by 0.1.0's formula, noise drawn inside
+            if method in ("nac", "nac-mq"):  # the same step by 0.1.0's formula, noise inside
                 res[method]["new"] = _new_vs_old(method, x, "new")
                 res[method]["old"] = _new_vs_old(method, x, "old")
 
@@ -144,7 +148,7 @@ def ddp_results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["nac", "nac-mq", "simclr"])
+@pytest.mark.parametrize("method", ["nac", "nac-mq", "simclr", "nac-exclude"])
 def test_ddp_loss_and_grads_equal_one_process(ddp_results, method):
     v1, v2, n1, n2 = _global_data()
     model = _model(method)

@@ -1,7 +1,7 @@
 """Public NAC loss API: argument checking, noise, backend choice.
 
     nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto",
-             likelihood="dot")
+             likelihood="dot", self_key="include", self_offset=0)
     nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto",
                 likelihood="dot")
     nac_vi_loss(a, r, p, *, noise=None, reduction="mean")
@@ -11,7 +11,8 @@
 Every backend computes the same function, docs/math.md [M:rows]; `nac_fast.ops.reference` is the
 oracle.  likelihood="multilinear" (the channel's own relaxed likelihood, [M:multilinear]; a change
 of the method, not the paper's) has no fused kernel: it runs on the reference, and a fused
-backend asked for by name is refused.
+backend asked for by name is refused; so does self_key="exclude" (each row's own code left out of
+its keys, [M:self-key]; also not the paper's).
 
 Host syncs: p, s and l2 stay Python numbers (pass p as a float: a tensor p is read with .item()),
 the noise seed is drawn on the inputs' device, and the data-reading value checks follow the policy
@@ -31,7 +32,7 @@ from .. import _checks
 from . import dispatch as _dispatch
 from . import nac as _nac
 from . import reference
-from .collectives import all_gather_nograd, all_gather_with_grad, is_dist
+from .collectives import all_gather_nograd, all_gather_with_grad, is_dist, rank as _rank
 from .dispatch import BACKENDS, resolve_backend
 from .noise import _draw, _scale, _seed, draw_noise, host_seed
 from .queue import CodeQueue
@@ -175,16 +176,54 @@ def _channel(impl, a, p, noise):
     return _draw(tuple(a.shape), p, device=a.device, dtype=a.dtype), None
 
 
-def _backend_for(backend, a, keys, likelihood) -> str:
-    """The implementation that runs (likelihood checked against backend by _check_likelihood):
-    resolve_backend's, the reference for the multilinear likelihood."""
-    if likelihood == "multilinear":
+def _backend_for(backend, a, keys, likelihood, self_key="include") -> str:
+    """The implementation that runs (likelihood and self_key checked against backend by
+    _check_likelihood and _check_self_key): resolve_backend's, the reference for the
+    multilinear likelihood and for self_key="exclude"."""
+    if likelihood == "multilinear" or self_key == "exclude":
         return "reference"
     return resolve_backend(backend, a, keys=keys)  # auto: the faster path per dtype
 
 
+def _check_self_key(self_key, backend) -> str:
+    """A self_key name that `backend` computes: the fused kernels keep every key, so "exclude"
+    is refused with a fused backend named (ValueError)."""
+    if not isinstance(self_key, str) or self_key not in reference.SELF_KEYS:
+        raise ValueError(f"self_key must be one of {reference.SELF_KEYS}, got {self_key!r}")
+    if self_key == "exclude" and \
+            _check_backend_name(backend) not in reference.EXCLUDE_SELF_BACKENDS:
+        raise ValueError(f"backend {backend!r} cannot leave the row's own code out (the fused "
+                         "kernels keep every key, docs/math.md [M:self-key]); use "
+                         "backend='reference' or 'auto' with self_key='exclude'")
+    return self_key
+
+
+def _self_offset(self_key, self_offset, n, keys) -> int | None:
+    """The index in the keys of row 0's own code when self_key is "exclude" (None: every key
+    counts).  keys=None: the rows' own codes are the keys, the offset is 0.  ValueError naming
+    self_offset unless the n own codes lie inside the N keys and one other key is left."""
+    if isinstance(self_offset, bool) or not isinstance(self_offset, int):
+        raise TypeError(f"self_offset must be an int, got {type(self_offset).__name__}")
+    if self_key == "include":
+        if self_offset != 0:
+            raise ValueError(f"self_offset={self_offset} is used with self_key='exclude' only")
+        return None
+    count = n if keys is None else keys.shape[0]
+    if keys is None and self_offset != 0:
+        raise ValueError(f"self_offset must be 0 without keys (the rows' own codes are the "
+                         f"keys), got {self_offset}")
+    if not 0 <= self_offset <= count - n:
+        raise ValueError(f"self_offset must lie in [0, N - n] = [0, {count - n}] (row i's own "
+                         f"code is keys[self_offset + i]; n = {n}, N = {count}), got "
+                         f"{self_offset}")
+    if count < 2:
+        raise ValueError("self_key='exclude' needs at least 2 keys (the row's own and one "
+                         f"other), got N = {count}")
+    return self_offset
+
+
 def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto",
-             likelihood="dot"):
+             likelihood="dot", self_key="include", self_offset=0):
     """In-batch NAC loss to minimise (docs/math.md [M:inbatch]).
 
     a: (n, D) projection-head pre-activations (tanh is applied inside).
@@ -197,14 +236,21 @@ def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"
     backend: "reference" | "cpu" | "triton" | "cuda" | "auto".
     likelihood: "dot" (the paper's: logits s z~ . k) | "multilinear" (sum_d log(1 + (1-2p) z~_d
         k_d), docs/math.md [M:multilinear]: reference backend only; "auto" picks it).
+    self_key: "include" (the paper's: row i's own clean code is one of its keys) | "exclude"
+        (left out, and log(N - 1) for log N: docs/math.md [M:self-key]; reference backend only,
+        "auto" picks it).
+    self_offset: with "exclude", row i's own code is keys[self_offset + i] (0 without keys; with
+        keys all-gathered from every rank, this rank's index times n).
     """
     _check_likelihood(likelihood, backend)
+    _check_self_key(self_key, backend)
     p, s, noise = _prepare(a, r, p, keys, noise, reduction, draw=False)
-    impl = _backend_for(backend, a, keys, likelihood)
+    offset = _self_offset(self_key, self_offset, a.shape[0], keys)
+    impl = _backend_for(backend, a, keys, likelihood, self_key)
     noise, seed = _channel(impl, a, p, noise)
     if impl == "reference":
         return reference.nac_loss_reference(a, r, noise, s, keys=keys, reduction=reduction,
-                                            likelihood=likelihood)
+                                            likelihood=likelihood, self_offset=offset)
     return _nac.nac_fused(impl, a, r, noise, keys, s, 0.0, reduction, seed, p)
 
 
@@ -392,6 +438,9 @@ class NACLoss(nn.Module):
     backend: "auto" | "reference" | "cpu" | "triton" | "cuda" (nac_fast.available_backends()).
     likelihood: "dot" (the paper's) | "multilinear" (docs/math.md [M:multilinear]; reference
         backend only): nac_loss's.
+    self_key: "include" (the paper's: each row's own clean code is one of its keys) | "exclude"
+        (left out, docs/math.md [M:self-key]; reference backend only): nac_loss's.  With
+        gather_distributed, row i's own code is found at this rank's place in the gathered keys.
     forward(out0, out1, noise=None): noise None = drawn from torch's RNG, or an explicit
         (2K, D) tensor of +-1 for the rows [view 0; view 1].
     Under autocast, a and r go to the loss in the autocast dtype (loss_dtype; the loss still
@@ -399,13 +448,15 @@ class NACLoss(nn.Module):
     """
 
     def __init__(self, p: float = 0.1, *, gather_distributed: bool = False,
-                 reduction: str = "mean", backend: str = "auto", likelihood: str = "dot"):
+                 reduction: str = "mean", backend: str = "auto", likelihood: str = "dot",
+                 self_key: str = "include"):
         super().__init__()
         self.p = _checks.flip_prob("p", p)
         self.gather_distributed = _checks.flag("gather_distributed", gather_distributed)
         self.reduction = _check_reduction(reduction)
         self.backend = _check_backend_name(backend)
         self.likelihood = _check_likelihood(likelihood, backend)
+        self.self_key = _check_self_key(self_key, backend)
 
     def forward(self, out0, out1, noise: torch.Tensor | None = None) -> torch.Tensor:
         a0, r0 = _view_pair("out0", out0)
@@ -414,16 +465,19 @@ class NACLoss(nn.Module):
         if _autocast_on(a):
             dt = loss_dtype(a)
             a, r = a.to(dt), r.to(dt)
-        keys = None
+        keys, offset = None, 0
         if self.gather_distributed and is_dist():
             keys = all_gather_with_grad(torch.tanh(a))
+            if self.self_key == "exclude":  # every rank gathers the same number of rows
+                offset = _rank() * a.shape[0]
         return nac_loss(a, r, self.p, keys=keys, noise=noise, reduction=self.reduction,
-                        backend=self.backend, likelihood=self.likelihood)
+                        backend=self.backend, likelihood=self.likelihood,
+                        self_key=self.self_key, self_offset=offset)
 
     def extra_repr(self) -> str:
         return (f"p={self.p}, gather_distributed={self.gather_distributed}, "
                 f"reduction={self.reduction!r}, backend={self.backend!r}, "
-                f"likelihood={self.likelihood!r}")
+                f"likelihood={self.likelihood!r}, self_key={self.self_key!r}")
 
 
 class NACMQLoss(nn.Module):

@@ -37,6 +37,10 @@ def reduce_rows(rows: torch.Tensor, reduction: str) -> torch.Tensor:
 
 LIKELIHOODS = ("dot", "multilinear")  # the relaxed likelihood: [M:channel], [M:multilinear]
 MULTILINEAR_BACKENDS = ("auto", "reference")  # no fused kernel computes it; "auto" picks this one
+# The row's own clean code among its keys ([M:self-key]): "include" (the paper's) or "exclude"
+# (a leave-one-out denominator, not the paper's); no fused kernel excludes it
+SELF_KEYS = ("include", "exclude")
+EXCLUDE_SELF_BACKENDS = ("auto", "reference")
 MULTILINEAR_MAX_TERMS = 1024
 
 
@@ -78,16 +82,18 @@ def multilinear_logits_exact(q: torch.Tensor, k: torch.Tensor, t: float) -> torc
 
 def nac_rows_reference(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor, s: float,
                        keys: torch.Tensor | None = None, l2: float = 0.0,
-                       likelihood: str = "dot") -> torch.Tensor:
+                       likelihood: str = "dot", self_offset: int | None = None) -> torch.Tensor:
     """Per-row loss (n,) in the input dtype; keys=None means the batch's own clean codes.
     likelihood "dot": the logits s z~ . k ([M:channel]); "multilinear": sum_d log(1 + (1-2p)
     z~_d k_d) ([M:multilinear], 1 - 2p = tanh(s); float32 logits for 16-bit inputs).
+    self_offset: None = every key in row i's logsumexp (the paper's); an int o = row i's own
+    clean code, key o + i, is left out and the constant is log(N - 1) ([M:self-key]).
     Autocast is off inside (as in the fused losses and nac_vi_loss): under it the logits' matmul
     ran in the autocast dtype, so fp32 inputs got bf16-precision rows (7.6e-4 off float64 at
     n = 64, D = 128, where the fused kernels are 1e-7 off) and the multilinear series' float32
     matmul ran in bf16 (4.2e-4)."""
     with _autocast_off(a.device.type):
-        return _rows(a, r, noise, s, keys, l2, likelihood)
+        return _rows(a, r, noise, s, keys, l2, likelihood, self_offset)
 
 
 def _autocast_off(device_type: str):
@@ -97,7 +103,7 @@ def _autocast_off(device_type: str):
     return contextlib.nullcontext()
 
 
-def _rows(a, r, noise, s, keys, l2, likelihood):
+def _rows(a, r, noise, s, keys, l2, likelihood, self_offset=None):
     z = torch.tanh(a)
     zt = noise.to(a.dtype) * z
     k = z if keys is None else keys
@@ -105,15 +111,24 @@ def _rows(a, r, noise, s, keys, l2, likelihood):
         logits = multilinear_logits(zt, k, math.tanh(s))
     else:
         logits = (zt * s) @ k.t()
+    count = k.shape[0]
+    if self_offset is not None:  # [M:self-key]: row i's own code, key self_offset + i, left out
+        own = torch.arange(a.shape[0], device=a.device) + self_offset
+        mask = torch.zeros(logits.shape, dtype=torch.bool, device=a.device)
+        mask[torch.arange(a.shape[0], device=a.device), own] = True
+        logits = logits.masked_fill(mask, float("-inf"))
+        count -= 1
     lse = torch.logsumexp(logits, dim=1)
-    rows = lse - math.log(k.shape[0]) - bernoulli_term(zt, r)
+    rows = lse - math.log(count) - bernoulli_term(zt, r)
     if l2:
         rows = rows + l2 * (z * z).sum(1)
     return rows
 
 
-def nac_loss_reference(a, r, noise, s, keys=None, reduction="mean", likelihood="dot"):
-    rows = nac_rows_reference(a, r, noise, s, keys=keys, likelihood=likelihood)
+def nac_loss_reference(a, r, noise, s, keys=None, reduction="mean", likelihood="dot",
+                       self_offset=None):
+    rows = nac_rows_reference(a, r, noise, s, keys=keys, likelihood=likelihood,
+                              self_offset=self_offset)
     return reduce_rows(rows.to(acc_dtype(a.dtype)), reduction)
 
 

@@ -39,7 +39,7 @@ import torch
 from .. import _checks
 from ..ops.loss import mq_l2
 from ..ops.momentum import MOMENTUM_BN
-from ..ops.reference import LIKELIHOODS, MULTILINEAR_BACKENDS
+from ..ops.reference import EXCLUDE_SELF_BACKENDS, LIKELIHOODS, MULTILINEAR_BACKENDS, SELF_KEYS
 from ..data.sources.subset import TRAIN_SUBSETS, HashSubset
 from .methods import METHODS
 from .models import ARCHS, INFER_INITS, resolve_r_gain
@@ -83,6 +83,7 @@ class TrainConfig:
     flip_prob_final_min_steps: int | None = None
     flip_prob_final_min_images: int | None = None
     channel_likelihood: str = "dot"
+    self_key: str = "include"
     epochs: int | None = None
     max_steps: int | None = None
     min_steps: int | None = None
@@ -302,6 +303,10 @@ def build_parser() -> _Parser:
     a("--channel-likelihood", choices=LIKELIHOODS, help="the channel's relaxed likelihood: dot = "
       "exp(s z~.z), the paper's; multilinear = prod_d (1 + (1-2p) z~_d z_d) / 2, the channel's "
       "own (docs/math.md [M:multilinear]; not the paper's; the reference loss, no fused kernel)")
+    a("--self-key", choices=SELF_KEYS, help="in-batch NAC (--method nac): include = each "
+      "image's own clean code is one of its keys, the paper's; exclude = left out, a "
+      "leave-one-out denominator (docs/math.md [M:self-key]; not the paper's; the reference "
+      "loss, no fused kernel)")
     a("--epochs", type=int, help="epochs")
     a("--min-steps", type=int, help="with --epochs: at least this many optimizer steps (small "
       "data sets train longer than --epochs; the small-data recipe sets it)")
@@ -719,6 +724,13 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
         raise UsageError(f"{name('loss_backend')} {cfg.loss_backend}: the fused kernels compute "
                          f"the dot likelihood only; {name('channel_likelihood')} multilinear runs "
                          "on the reference loss (give --loss-backend auto or reference)")
+    if cfg.self_key == "exclude" and cfg.method != "nac":
+        raise UsageError(f"{name('self_key')} exclude is an option of in-batch NAC (--method "
+                         f"nac), not of {cfg.method} (docs/math.md [M:self-key])")
+    if cfg.self_key == "exclude" and cfg.loss_backend not in EXCLUDE_SELF_BACKENDS:
+        raise UsageError(f"{name('loss_backend')} {cfg.loss_backend}: the fused kernels keep "
+                         f"every key; {name('self_key')} exclude runs on the reference loss (give "
+                         "--loss-backend auto or reference)")
     for d in FINITE_FLOATS:   # nan/inf pass "< 0" tests and train to NaN weights
         v = getattr(cfg, d)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v):

@@ -75,12 +75,13 @@ def view_outputs(a: torch.Tensor, r: torch.Tensor):
 
 
 def nac_step(model, x, p, noise=None, backend="auto", *, out=None, freeze_codes=False,
-             likelihood="dot"):
+             likelihood="dot", self_key="include"):
     """In-batch NAC (docs/math.md [M:inbatch]), cross-pathway r: nac_fast.NACLoss with
     gather_distributed=True (the keys are the clean codes of the GLOBAL batch, all-gathered with
     gradient, so every rank's rows receive the gradient they get in one big process).
     noise: None = drawn from torch's RNG; or an explicit (2K, D) +-1 tensor.
-    backend, likelihood: the loss's (nac_fast.nac_loss's `backend` and `likelihood`).
+    backend, likelihood, self_key: the loss's (nac_fast.NACLoss's `backend`, `likelihood` and
+    `self_key`).
     out: a dict that receives "r", the inference logits (detached), for the log's statistics.
     freeze_codes: the loss's gradient reaches only the inference network (a and phi's input h
     detached): the inference network's warm-up (train.py --infer-warmup-steps).
@@ -90,7 +91,8 @@ def nac_step(model, x, p, noise=None, backend="auto", *, out=None, freeze_codes=
     _, a, r = model(x, detach_r_input=freeze_codes)
     if out is not None:
         out["r"] = r.detach()
-    criterion = NACLoss(p, gather_distributed=True, backend=backend, likelihood=likelihood)
+    criterion = NACLoss(p, gather_distributed=True, backend=backend, likelihood=likelihood,
+                        self_key=self_key)
     return criterion(*view_outputs(a.detach() if freeze_codes else a, r), noise=noise), a
 
 
