@@ -320,8 +320,8 @@ def test_every_recipe_key_is_an_option_of_the_loader(path):
 # The paper's Experimental Details (docs/math.md [M:recipe]); lr None = 0.075 sqrt(batch).
 AUTHORS_HEADS = dict(head_bn=False, infer_bn=False, a_gain=1.0, r_gain=1.0, learn_gain=False,
                      infer_init="independent", scale_codes=True, code_dim=128)
-PAPER_LOSS = dict(flip_prob=0.1, flip_prob_final=None, channel_likelihood="dot", l2=0.1,
-                  wd=1e-6, warmup_epochs=None)
+PAPER_LOSS = dict(flip_prob=0.1, flip_prob_final=None, channel_likelihood="dot",
+                  self_key="include", l2=0.1, wd=1e-6, warmup_epochs=None)
 PAPER = {
     "cifar10.toml": dict(arch="resnet50", method="nac", batch_size=1000, epochs=1000, lr=3.0,
                          queue_size=50000, momentum=0.99, image=32, want_lr=3.0),
