@@ -149,17 +149,24 @@ def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys", d
     return p, _scale(p), noise
 
 
+def _reference_only(name, value, choices, unfused, backend, refusal) -> str:
+    """`value` of the option `name` if it is one of `choices` that `backend` computes: no fused
+    kernel computes the choice `unfused`, so with it a fused backend named is refused
+    (ValueError "backend '<backend>' <refusal>"); reference.REFERENCE_BACKENDS run it."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    if value == unfused and _check_backend_name(backend) not in reference.REFERENCE_BACKENDS:
+        raise ValueError(f"backend {backend!r} {refusal}")
+    return value
+
+
 def _check_likelihood(likelihood, backend) -> str:
     """A likelihood name that `backend` computes: the fused kernels compute the dot form only,
     so the multilinear one is refused with a fused backend named (ValueError)."""
-    if not isinstance(likelihood, str) or likelihood not in reference.LIKELIHOODS:
-        raise ValueError(f"likelihood must be one of {reference.LIKELIHOODS}, got {likelihood!r}")
-    if likelihood == "multilinear" and \
-            _check_backend_name(backend) not in reference.MULTILINEAR_BACKENDS:
-        raise ValueError(f"backend {backend!r} has no multilinear likelihood (the fused "
-                         "kernels compute the dot form, docs/math.md [M:multilinear]); use "
-                         "backend='reference' or 'auto'")
-    return likelihood
+    return _reference_only("likelihood", likelihood, reference.LIKELIHOODS, "multilinear",
+                           backend, "has no multilinear likelihood (the fused kernels compute "
+                           "the dot form, docs/math.md [M:multilinear]); use "
+                           "backend='reference' or 'auto'")
 
 
 def _channel(impl, a, p, noise):
@@ -188,14 +195,10 @@ def _backend_for(backend, a, keys, likelihood, self_key="include") -> str:
 def _check_self_key(self_key, backend) -> str:
     """A self_key name that `backend` computes: the fused kernels keep every key, so "exclude"
     is refused with a fused backend named (ValueError)."""
-    if not isinstance(self_key, str) or self_key not in reference.SELF_KEYS:
-        raise ValueError(f"self_key must be one of {reference.SELF_KEYS}, got {self_key!r}")
-    if self_key == "exclude" and \
-            _check_backend_name(backend) not in reference.EXCLUDE_SELF_BACKENDS:
-        raise ValueError(f"backend {backend!r} cannot leave the row's own code out (the fused "
-                         "kernels keep every key, docs/math.md [M:self-key]); use "
-                         "backend='reference' or 'auto' with self_key='exclude'")
-    return self_key
+    return _reference_only("self_key", self_key, reference.SELF_KEYS, "exclude", backend,
+                           "cannot leave the row's own code out (the fused kernels keep every "
+                           "key, docs/math.md [M:self-key]); use backend='reference' or 'auto' "
+                           "with self_key='exclude'")
 
 
 def _self_offset(self_key, self_offset, n, keys) -> int | None:

@@ -36,11 +36,12 @@ def reduce_rows(rows: torch.Tensor, reduction: str) -> torch.Tensor:
 
 
 LIKELIHOODS = ("dot", "multilinear")  # the relaxed likelihood: [M:channel], [M:multilinear]
-MULTILINEAR_BACKENDS = ("auto", "reference")  # no fused kernel computes it; "auto" picks this one
 # The row's own clean code among its keys ([M:self-key]): "include" (the paper's) or "exclude"
-# (a leave-one-out denominator, not the paper's); no fused kernel excludes it
+# (a leave-one-out denominator, not the paper's)
 SELF_KEYS = ("include", "exclude")
-EXCLUDE_SELF_BACKENDS = ("auto", "reference")
+# The backends that run what no fused kernel computes (likelihood "multilinear", self_key
+# "exclude"): this reference, which "auto" picks for them
+REFERENCE_BACKENDS = ("auto", "reference")
 MULTILINEAR_MAX_TERMS = 1024
 
 
@@ -113,9 +114,9 @@ def _rows(a, r, noise, s, keys, l2, likelihood, self_offset=None):
         logits = (zt * s) @ k.t()
     count = k.shape[0]
     if self_offset is not None:  # [M:self-key]: row i's own code, key self_offset + i, left out
-        own = torch.arange(a.shape[0], device=a.device) + self_offset
+        idx = torch.arange(a.shape[0], device=a.device)
         mask = torch.zeros(logits.shape, dtype=torch.bool, device=a.device)
-        mask[torch.arange(a.shape[0], device=a.device), own] = True
+        mask[idx, idx + self_offset] = True
         logits = logits.masked_fill(mask, float("-inf"))
         count -= 1
     lse = torch.logsumexp(logits, dim=1)

@@ -39,7 +39,7 @@ import torch
 from .. import _checks
 from ..ops.loss import mq_l2
 from ..ops.momentum import MOMENTUM_BN
-from ..ops.reference import EXCLUDE_SELF_BACKENDS, LIKELIHOODS, MULTILINEAR_BACKENDS, SELF_KEYS
+from ..ops.reference import LIKELIHOODS, REFERENCE_BACKENDS, SELF_KEYS
 from ..data.sources.subset import TRAIN_SUBSETS, HashSubset
 from .methods import METHODS
 from .models import ARCHS, INFER_INITS, resolve_r_gain
@@ -720,14 +720,14 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
     if cfg.flip_prob_final is not None and not 0.0 < cfg.flip_prob_final < 0.5:
         raise UsageError(f"{name('flip_prob_final')} must lie in (0, 0.5), got "
                          f"{cfg.flip_prob_final}")
-    if cfg.channel_likelihood == "multilinear" and cfg.loss_backend not in MULTILINEAR_BACKENDS:
+    if cfg.channel_likelihood == "multilinear" and cfg.loss_backend not in REFERENCE_BACKENDS:
         raise UsageError(f"{name('loss_backend')} {cfg.loss_backend}: the fused kernels compute "
                          f"the dot likelihood only; {name('channel_likelihood')} multilinear runs "
                          "on the reference loss (give --loss-backend auto or reference)")
     if cfg.self_key == "exclude" and cfg.method != "nac":
         raise UsageError(f"{name('self_key')} exclude is an option of in-batch NAC (--method "
                          f"nac), not of {cfg.method} (docs/math.md [M:self-key])")
-    if cfg.self_key == "exclude" and cfg.loss_backend not in EXCLUDE_SELF_BACKENDS:
+    if cfg.self_key == "exclude" and cfg.loss_backend not in REFERENCE_BACKENDS:
         raise UsageError(f"{name('loss_backend')} {cfg.loss_backend}: the fused kernels keep "
                          f"every key; {name('self_key')} exclude runs on the reference loss (give "
                          "--loss-backend auto or reference)")
