@@ -187,7 +187,9 @@ def _grid_folders() -> dict:
     ([M:self-key]), the heads' gain G ([M:heads]: 2, 3, 4, 9), code bits
     D = 64 (a channel of half the capacity, [M:recipe-small]), the p ramp at any budget
     ([M:p-schedule]), NAC-MQ, G = 3 with each of the others and with p = 0.2, 0.3, and the
-    inference network trained alone for the first 100 steps (`--infer-warmup-steps`).
+    inference network trained alone for the first 100 steps (`--infer-warmup-steps`), and
+    the own key left out with G = 3, with D = 64, with the p ramp, with fixed gains and
+    with p = 0.2.
     NAC-MQ is the mq grid's nac-mq:l2-0; the default itself is the budgets grid's nac:default."""
     return {"nac:exclude-self": ("nac", ["--self-key", "exclude"], "default"),
             "nac:again3": ("nac", ["--a-gain", "3"], "default"),
@@ -202,7 +204,17 @@ def _grid_folders() -> dict:
             "nac-mq:again3": ("nac-mq", ["--a-gain", "3", "--l2", "0"], "default"),
             "nac:again3+p0.2": ("nac", ["--a-gain", "3", "--flip-prob", "0.2"], "default"),
             "nac:again3+p0.3": ("nac", ["--a-gain", "3", "--flip-prob", "0.3"], "default"),
-            "nac:infer-warm100": ("nac", ["--infer-warmup-steps", "100"], "default")}
+            "nac:infer-warm100": ("nac", ["--infer-warmup-steps", "100"], "default"),
+            "nac:exclude-self+again3": ("nac", ["--self-key", "exclude", "--a-gain", "3"],
+                                        "default"),
+            "nac:exclude-self+dim64": ("nac", ["--self-key", "exclude", "--code-dim", "64"],
+                                       "default"),
+            "nac:exclude-self+ramp": ("nac", ["--self-key", "exclude",
+                                              "--flip-prob-final-min-images", "none"], "default"),
+            "nac:exclude-self+fixedgain": ("nac", ["--self-key", "exclude", "--no-learn-gain"],
+                                           "default"),
+            "nac:exclude-self+p0.2": ("nac", ["--self-key", "exclude", "--flip-prob", "0.2"],
+                                      "default")}
 
 
 GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,
