@@ -80,6 +80,7 @@ LEARN = ["--learn-gain"]                        # the gains are learnable (per b
 FULL = HB + IB + COPY                           # all three: the 'learning' recipe's heads
 WARM = ["--infer-warmup-steps", "50"]           # 50 steps that train only the inference net
 PERVIEW = ["--bn-per-view"]                     # one BatchNorm pass per view (the authors')
+EXCL = ["--self-key", "exclude"]                # each row's own key left out ([M:self-key])
 
 
 def _grid_main() -> dict:
@@ -191,7 +192,7 @@ def _grid_folders() -> dict:
     the own key left out with G = 3, with D = 64, with the p ramp, with fixed gains and
     with p = 0.2.
     NAC-MQ is the mq grid's nac-mq:l2-0; the default itself is the budgets grid's nac:default."""
-    return {"nac:exclude-self": ("nac", ["--self-key", "exclude"], "default"),
+    return {"nac:exclude-self": ("nac", EXCL, "default"),
             "nac:again3": ("nac", ["--a-gain", "3"], "default"),
             "nac:again9": ("nac", ["--a-gain", "9"], "default"),
             "nac:dim64": ("nac", ["--code-dim", "64"], "default"),
@@ -205,16 +206,12 @@ def _grid_folders() -> dict:
             "nac:again3+p0.2": ("nac", ["--a-gain", "3", "--flip-prob", "0.2"], "default"),
             "nac:again3+p0.3": ("nac", ["--a-gain", "3", "--flip-prob", "0.3"], "default"),
             "nac:infer-warm100": ("nac", ["--infer-warmup-steps", "100"], "default"),
-            "nac:exclude-self+again3": ("nac", ["--self-key", "exclude", "--a-gain", "3"],
-                                        "default"),
-            "nac:exclude-self+dim64": ("nac", ["--self-key", "exclude", "--code-dim", "64"],
-                                       "default"),
-            "nac:exclude-self+ramp": ("nac", ["--self-key", "exclude",
-                                              "--flip-prob-final-min-images", "none"], "default"),
-            "nac:exclude-self+fixedgain": ("nac", ["--self-key", "exclude", "--no-learn-gain"],
-                                           "default"),
-            "nac:exclude-self+p0.2": ("nac", ["--self-key", "exclude", "--flip-prob", "0.2"],
-                                      "default")}
+            "nac:exclude-self+again3": ("nac", EXCL + ["--a-gain", "3"], "default"),
+            "nac:exclude-self+dim64": ("nac", EXCL + ["--code-dim", "64"], "default"),
+            "nac:exclude-self+ramp": ("nac", EXCL + ["--flip-prob-final-min-images", "none"],
+                                      "default"),
+            "nac:exclude-self+fixedgain": ("nac", EXCL + ["--no-learn-gain"], "default"),
+            "nac:exclude-self+p0.2": ("nac", EXCL + ["--flip-prob", "0.2"], "default")}
 
 
 GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,

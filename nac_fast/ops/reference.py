@@ -115,9 +115,7 @@ def _rows(a, r, noise, s, keys, l2, likelihood, self_offset=None):
     count = k.shape[0]
     if self_offset is not None:  # [M:self-key]: row i's own code, key self_offset + i, left out
         idx = torch.arange(a.shape[0], device=a.device)
-        mask = torch.zeros(logits.shape, dtype=torch.bool, device=a.device)
-        mask[idx, idx + self_offset] = True
-        logits = logits.masked_fill(mask, float("-inf"))
+        logits = logits.index_put((idx, idx + self_offset), logits.new_tensor(float("-inf")))
         count -= 1
     lse = torch.logsumexp(logits, dim=1)
     rows = lse - math.log(count) - bernoulli_term(zt, r)
