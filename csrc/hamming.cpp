@@ -805,8 +805,8 @@ __attribute__((target("avx2"))) void prep_nibbles_x86(const u64* gp, int64_t W, 
 template <int R>
 __attribute__((target("avx2"), always_inline)) inline void nib_sums_avx2(
     const uint8_t* tabs, const uint8_t* g, int64_t S, int64_t p0, int64_t p1, __m256i (&a)[R]) {
-  static_assert(R == 1 || R == 2 || R == 4, "R");
-  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  static_assert(R == 1 || R == 2 || R == 4 || R == 8, "R");
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   const uint8_t* row = g + p0 * S;
   const uint8_t* tp = tabs + 16 * p0;
 #pragma GCC unroll 2
@@ -819,12 +819,24 @@ __attribute__((target("avx2"), always_inline)) inline void nib_sums_avx2(
       a2 = _mm256_add_epi8(a2, _mm256_shuffle_epi8(t, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64))));
       a3 = _mm256_add_epi8(a3, _mm256_shuffle_epi8(t, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 96))));
     }
+    if (R > 4) {
+      a4 = _mm256_add_epi8(a4, _mm256_shuffle_epi8(t, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 128))));
+      a5 = _mm256_add_epi8(a5, _mm256_shuffle_epi8(t, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 160))));
+      a6 = _mm256_add_epi8(a6, _mm256_shuffle_epi8(t, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 192))));
+      a7 = _mm256_add_epi8(a7, _mm256_shuffle_epi8(t, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 224))));
+    }
   }
   a[0] = a0;
   if (R > 1) a[1] = a1;
   if (R > 2) {
     a[2] = a2;
     a[3] = a3;
+  }
+  if (R > 4) {
+    a[4] = a4;
+    a[5] = a5;
+    a[6] = a6;
+    a[7] = a7;
   }
 }
 
@@ -898,14 +910,18 @@ inline u64 first_bits(int64_t c) {
 }
 
 // One step of the AVX2 top-k scan: the 32 R items at g (c of them valid, c > 0, gallery index
-// base + lane).  Codes up to 192 bits compare their byte sums with one VPMINUB + VPCMPEQB per 32
-// items; wider codes go through 16-bit distances.
+// base + lane).  Codes up to 192 bits (three words: P <= kPlaneChunk) compare their byte sums with one
+// VPMINUB + VPCMPEQB per 32 items, 256 items a step (R = 8: each plane's table is loaded once
+// for eight vectors; on Zen 1, whose 256-bit loads take both load ports for a cycle, the scan is
+// bound by its loads, and R = 8 against 4 was 7% faster at one thread, 1k x 1M 128-bit codes:
+// bench/results/hamming_isa_cpu.md); wider codes go through 16-bit distances, R <= 4.
 template <int R>
 __attribute__((target("avx2"), always_inline)) inline void scan_nib_avx2_step(
     const uint8_t* tabs, const uint8_t* g, int64_t T, int64_t P, int64_t c, int64_t base,
     TopList& s, uint8_t* lanes8, uint16_t* lanes16) {
-  u64 m[2] = {0, 0};
-  if (P <= kPlaneChunk) {
+  constexpr int M = R > 2 ? R / 2 : 1;  // 64-item masks
+  u64 m[M > 2 ? M : 2] = {};
+  if (R > 4 || P <= kPlaneChunk) {  // R = 8 only with byte sums (the caller's choice)
     const __m256i lim = _mm256_set1_epi8(static_cast<char>(bound_minus_one(s.thr, 256)));
     __m256i a[R];
     nib_sums_avx2<R>(tabs, g, T, 0, P, a);
@@ -915,32 +931,34 @@ __attribute__((target("avx2"), always_inline)) inline void scan_nib_avx2_step(
           _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_min_epu8(a[r], lim), a[r])));
       m[r / 2] |= mr << (32 * (r % 2));
     }
-    m[0] &= first_bits(c);
-    m[1] &= first_bits(c - 64);
-    if (__builtin_expect((m[0] | m[1]) == 0, 1)) return;
+    u64 any = 0;
+#pragma GCC unroll 4
+    for (int h = 0; h < M; ++h) any |= (m[h] &= first_bits(c - 64 * h));
+    if (__builtin_expect(any == 0, 1)) return;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
       _mm256_store_si256(reinterpret_cast<__m256i*>(lanes8 + 32 * r), a[r]);
-    insert_lanes(m[0], lanes8, base, s);
-    insert_lanes(m[1], lanes8 + 64, base + 64, s);
+    for (int h = 0; h < M; ++h) insert_lanes(m[h], lanes8 + 64 * h, base + 64 * h, s);
     return;
   }
-  nib_dist_avx2<R>(tabs, g, T, P, lanes16);
-  const __m256i lim = _mm256_set1_epi16(static_cast<short>(bound_minus_one(s.thr, 65536)));
+  if constexpr (R <= 4) {
+    nib_dist_avx2<R>(tabs, g, T, P, lanes16);
+    const __m256i lim = _mm256_set1_epi16(static_cast<short>(bound_minus_one(s.thr, 65536)));
 #pragma GCC unroll 8
-  for (int v = 0; v < 2 * R; v += 2) {  // 32 items: two 16-bit compares packed to bytes in order
-    const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes16 + 16 * v));
-    const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes16 + 16 * v + 16));
-    const __m256i e0 = _mm256_cmpeq_epi16(_mm256_min_epu16(x0, lim), x0);
-    const __m256i e1 = _mm256_cmpeq_epi16(_mm256_min_epu16(x1, lim), x1);
-    const u64 mm = static_cast<uint32_t>(_mm256_movemask_epi8(
-        _mm256_permute4x64_epi64(_mm256_packs_epi16(e0, e1), 0xD8)));
-    m[v / 4] |= mm << (16 * (v % 4));
+    for (int v = 0; v < 2 * R; v += 2) {  // 32 items: two 16-bit compares packed to bytes in order
+      const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes16 + 16 * v));
+      const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes16 + 16 * v + 16));
+      const __m256i e0 = _mm256_cmpeq_epi16(_mm256_min_epu16(x0, lim), x0);
+      const __m256i e1 = _mm256_cmpeq_epi16(_mm256_min_epu16(x1, lim), x1);
+      const u64 mm = static_cast<uint32_t>(_mm256_movemask_epi8(
+          _mm256_permute4x64_epi64(_mm256_packs_epi16(e0, e1), 0xD8)));
+      m[v / 4] |= mm << (16 * (v % 4));
+    }
+    m[0] &= first_bits(c);
+    m[1] &= first_bits(c - 64);
+    insert_lanes(m[0], lanes16, base, s);
+    insert_lanes(m[1], lanes16 + 64, base + 64, s);
   }
-  m[0] &= first_bits(c);
-  m[1] &= first_bits(c - 64);
-  insert_lanes(m[0], lanes16, base, s);
-  insert_lanes(m[1], lanes16 + 64, base + 64, s);
 }
 
 template <int WC>
@@ -950,9 +968,14 @@ __attribute__((target("avx2"), always_inline)) inline void scan_nib_avx2_body(
   const uint8_t* tabs = static_cast<const uint8_t*>(qv);
   const uint8_t* g = static_cast<const uint8_t*>(tv);
   const int64_t nr = (n + 63) / 64 * 64;
-  alignas(32) uint8_t lanes8[128];
+  alignas(32) uint8_t lanes8[256];
   alignas(32) uint16_t lanes16[128];
   int64_t j = 0;
+  if (P <= kPlaneChunk)  // byte sums: 256 items a step, each plane's table loaded once for all
+    for (; j + 256 <= nr; j += 256) {
+      if (s.thr == 0) return;  // k items at distance 0: nothing can enter
+      scan_nib_avx2_step<8>(tabs, g + j, T, P, n - j, j0 + j, s, lanes8, lanes16);
+    }
   for (; j + 128 <= nr; j += 128) {
     if (s.thr == 0) return;  // k items at distance 0: nothing can enter
     scan_nib_avx2_step<4>(tabs, g + j, T, P, n - j, j0 + j, s, lanes8, lanes16);
