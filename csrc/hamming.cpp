@@ -913,7 +913,7 @@ inline u64 first_bits(int64_t c) {
 // base + lane).  Codes up to 192 bits (three words: P <= kPlaneChunk) compare their byte sums with one
 // VPMINUB + VPCMPEQB per 32 items, 256 items a step (R = 8: each plane's table is loaded once
 // for eight vectors; on Zen 1, whose 256-bit loads take both load ports for a cycle, the scan is
-// bound by its loads, and R = 8 against 4 was 7% faster at one thread, 1k x 1M 128-bit codes:
+// bound by its loads, and R = 8 against 4 was 5-8% faster at one thread, 1k x 1M 128-bit codes:
 // bench/results/hamming_isa_cpu.md); wider codes go through 16-bit distances, R <= 4.
 template <int R>
 __attribute__((target("avx2"), always_inline)) inline void scan_nib_avx2_step(
