@@ -111,8 +111,7 @@ def train(st, flags) -> None:
                    ("likelihood=multilinear (reference loss: no fused kernel) "
                     if cfg.method != "simclr" and cfg.channel_likelihood == "multilinear"
                     else "") +
-                   ("self_key=exclude (reference loss: no fused kernel) "
-                    if cfg.self_key == "exclude" else "") +
+                   ("self_key=exclude " if cfg.self_key == "exclude" else "") +
                    f"steps={cfg.total_steps} ({cfg.steps_per_epoch}/epoch, warm-up "
                    f"{cfg.warmup_steps}) amp={cfg.amp} compile="
                    + ("off " if st.compiled is None else f"{st.compiled}, at the first step ")

@@ -4,6 +4,11 @@
     python bench/bench_loss.py --quick                  # one small shape per kind (smoke run)
     python bench/bench_loss.py --device cuda --compile-reference   # GPU: also torch.compile(ref)
     python bench/bench_loss.py --quick --compile-reference --compile-backend aot_eager   # CPU check
+    python bench/bench_loss.py --inbatch 128 --queue "" --inbatch-self 128   # own key left out
+
+Kinds: `inbatch` (n = N, the paper's), `mq` (n = --mq-n rows against an M-key queue) and
+`inbatch-self` (n = N with each row's own key left out, self_key="exclude", docs/math.md
+[M:self-key]: the fused ops' self_offset).
 
 Rows are appended to a CSV (a failed row: exit status 1); columns and timing: docs/kernels.md
 "The benchmark scripts in detail".  host_overhead.py takes its cases' steps and timers from here."""
@@ -44,12 +49,13 @@ def inputs(kind, n, N, D, dtype, device, r_grad: bool = True):
     return a, r, noise, queue
 
 
-def reference_fn(a, r, noise, queue):
-    """The function torch.compile compiles: the plain reference (no argument checks)."""
+def reference_fn(a, r, noise, queue, self_offset=None):
+    """The function torch.compile compiles: the plain reference (no argument checks);
+    self_offset 0: each row's own key left out (kind inbatch-self)."""
     from nac_fast.ops import reference
     s = nac_fast.channel_scale(P)
     if queue is None:
-        return reference.nac_loss_reference(a, r, noise, s)
+        return reference.nac_loss_reference(a, r, noise, s, self_offset=self_offset)
     return reference.nac_mq_loss_reference(a, r, queue, noise, s)
 
 
@@ -62,9 +68,13 @@ def make_step(kind, n, N, D, dtype, device, backend, compiled_ref=None, *,
     if compiled_ref is not None:  # the reference takes the noise: drawn here when inside
         draw = lambda: fixed if noise is not None else nac_fast.draw_noise(  # noqa: E731
             (n, D), P, device=device, dtype=dtype)
-        loss = lambda: compiled_ref(a, r, draw(), queue)  # noqa: E731
+        own = 0 if kind == "inbatch-self" else None
+        loss = lambda: compiled_ref(a, r, draw(), queue, own)  # noqa: E731
     elif kind == "mq":
         loss = lambda: nac_fast.nac_mq_loss(a, r, queue, P, noise=noise, backend=backend)  # noqa: E731
+    elif kind == "inbatch-self":
+        loss = lambda: nac_fast.nac_loss(a, r, P, noise=noise, backend=backend,  # noqa: E731
+                                         self_key="exclude")
     else:
         loss = lambda: nac_fast.nac_loss(a, r, P, noise=noise, backend=backend)  # noqa: E731
 
@@ -209,6 +219,8 @@ def main(argv=None):
     add("--inbatch", default="1000,2048,4096", help="in-batch sizes n = N (issue #2)")
     add("--queue", default="16384,65536,262144", help="queue sizes M (n=--mq-n)")
     add("--mq-n", type=int, default=512)
+    add("--inbatch-self", default="", help="in-batch sizes n = N with each row's own key left "
+        "out (kind inbatch-self: self_key='exclude', docs/math.md [M:self-key]); default none")
     add("--D", type=int, default=128)
     add("--reps", type=int, default=7)
     add("--min-time", type=float, default=1.0, help="seconds of timing per case")
@@ -233,9 +245,11 @@ def main(argv=None):
     if not args.min_time >= 0:
         ap.error(f"--min-time must be >= 0, got {args.min_time}")
     cases = [("inbatch", n, n) for n in common.int_list(ap, "--inbatch", args.inbatch, 1, True)] \
-        + [("mq", args.mq_n, m) for m in common.int_list(ap, "--queue", args.queue, 1, True)]
+        + [("mq", args.mq_n, m) for m in common.int_list(ap, "--queue", args.queue, 1, True)] \
+        + [("inbatch-self", n, n)
+           for n in common.int_list(ap, "--inbatch-self", args.inbatch_self, 2, True)]
     if not cases:
-        ap.error("--inbatch and --queue are both empty: no case to measure")
+        ap.error("--inbatch, --queue and --inbatch-self are all empty: no case to measure")
     dtypes = []
     for d, t in ((d, getattr(torch, d, None)) for d in args.dtypes.split(",")):
         if not isinstance(t, torch.dtype) or not t.is_floating_point:
@@ -265,11 +279,11 @@ def main(argv=None):
                check_inputs=int(bool(_loss_mod.CHECK_VALUES)))
 
     rows = []
-    print(f"{'kind':8s} {'n':>6s} {'N':>7s} {'dtype':9s} {'backend':18s} {'median ms':>10s} "
+    print(f"{'kind':12s} {'n':>6s} {'N':>7s} {'dtype':9s} {'backend':18s} {'median ms':>10s} "
           f"{'p20':>8s} {'p80':>8s} {'peak MiB':>9s} {'GFLOP/s':>8s} {'x ref':>6s} {'mem/ref':>8s} "
           f"{'%bound':>7s}")
     for (kind, n, N), dtype in itertools.product(cases, dtypes):
-        flops, ref_t, ref_mem = (6 if kind == "inbatch" else 4) * n * N * args.D, None, None
+        flops, ref_t, ref_mem = (4 if kind == "mq" else 6) * n * N * args.D, None, None
         fp32_dot, bnd = case_bound(kind, n, N, args.D, dtype, args.device, dev_name)
         for b in variants(backends, args.compile_reference, args.graphs):
             base = dict(run, kind=kind, n=n, N=N, D=args.D, dtype=str(dtype)[6:], backend=b,
@@ -278,7 +292,7 @@ def main(argv=None):
             try:
                 med, p20, p80, reps, mem = _measure(b, (kind, n, N, args.D, dtype), args, base)
             except Exception as exc:  # OOM, compile error, not compiled: a failed row
-                print(f"{kind:8s} {n:6d} {N:7d} {str(dtype)[6:]:9s} {b:18s} FAILED "
+                print(f"{kind:12s} {n:6d} {N:7d} {str(dtype)[6:]:9s} {b:18s} FAILED "
                       f"{failure(exc)}", flush=True)
                 rows.append(dict(base, status=f"failed: {failure(exc)}"))
                 continue
@@ -297,7 +311,7 @@ def main(argv=None):
                        mem_ratio_to_ref="" if not ref_mem or mem is None else f"{mem / ref_mem:.4f}",
                        reps=reps, pct_of_bound=pct, status="ok")
             rows.append(row)
-            print(f"{kind:8s} {n:6d} {N:7d} {row['dtype']:9s} {b:18s} {med * 1e3:10.3f} "
+            print(f"{kind:12s} {n:6d} {N:7d} {row['dtype']:9s} {b:18s} {med * 1e3:10.3f} "
                   f"{p20 * 1e3:8.3f} {p80 * 1e3:8.3f} {row['peak_extra_mib']:>9s} "
                   f"{row['gflops']:>8s} {row['time_ratio_to_ref']:>6s} "
                   f"{row['mem_ratio_to_ref']:>8s} {pct:>7s}", flush=True)

@@ -158,12 +158,12 @@ stage_bench() {
   local rc=0 prc=0 extra=""
   # Sized to fit one stage's time limit on an H100 (the estimate: bench/results/notes.md).
   if [ "$CPU_MODE" = 1 ]; then
-    $PY bench/bench_loss.py --device cpu --inbatch 64,128 --queue 256 --mq-n 32 \
+    $PY bench/bench_loss.py --device cpu --inbatch 64,128 --queue 256 --mq-n 32 --inbatch-self 64 \
         --dtypes bfloat16,float32 --compile-reference --compile-backend aot_eager --reps 2 \
         --min-time 0 --csv "$RES/loss_gpu.csv" || rc=$?
   else
     $PY bench/bench_loss.py --device cuda --inbatch 1024,4096,8192,16384 --queue 65536,262144 \
-        --mq-n 8192 --dtypes bfloat16,float32 --compile-reference --reps 10 --min-time 0.25 \
+        --mq-n 8192 --inbatch-self 8192 --dtypes bfloat16,float32 --compile-reference --reps 10 --min-time 0.25 \
         --csv "$RES/loss_gpu.csv" || rc=$?
   fi
   local brc=$rc

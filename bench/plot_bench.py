@@ -66,7 +66,7 @@ def main(argv=None):
     def series(r, ns):  # one line per backend, and per device, D and queue n where several
         return (r["backend"],) + ((r["device"],) if len(devices) > 1 else ()) + \
             ((f"D={r['D']}",) if len(Ds) > 1 else ()) + \
-            ((f"n={r['n']}",) if len(ns) > 1 and r["kind"] != "inbatch" else ())
+            ((f"n={r['n']}",) if len(ns) > 1 and r["kind"] == "mq" else ())
     written = []
     for metric, label, fname in (("median_s", "fwd+bwd time, median (s)", "time"),
                                  ("peak_extra_mib", "peak extra memory (MiB)", "memory")):
@@ -85,8 +85,8 @@ def main(argv=None):
                                     [_num(p[2]["p80_s"]) or p[1] for p in pts], alpha=0.2,
                                     color=line.get_color())
             ax.set_xscale("log", base=2), ax.set_yscale("log")
-            ax.set_title(f"{kind} (n = {'N' if kind == 'inbatch' else ','.join(ns) or '?'}), {dtype}")
-            ax.set_xlabel("keys N" if kind == "inbatch" else "queue size M"), ax.set_ylabel(label)
+            ax.set_title(f"{kind} (n = {(','.join(ns) or '?') if kind == 'mq' else 'N'}), {dtype}")
+            ax.set_xlabel("queue size M" if kind == "mq" else "keys N"), ax.set_ylabel(label)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend() if sel else None  # (no memory figures: --no-memory rows)
         device = devices[0] if len(devices) == 1 else f"{len(devices)} devices"

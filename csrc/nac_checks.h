@@ -15,6 +15,9 @@
 //   shape       a (n, D) with n, D > 0; r and noise (n, D); keys (N, D) with N > 0; lse and g
 //               (n,); ga (n, D) when need_a, else (n, D) or the empty (0,) that
 //               nac_fwd(grad_rows=False) returns.
+//   self_offset -1 (every key: the paper's) or o in [0, N - n] with N >= 2 (N = n without keys):
+//               row i's own key, key o + i, is left out of its logsumexp (docs/math.md
+//               [M:self-key]), so every row keeps at least one key (check_self_offset).
 //   contiguity  NOT required: every kernel makes its operands contiguous explicitly (.contiguous()
 //               after the dtype conversion; a no-op for contiguous inputs), so strided views are
 //               read correctly.  These checks therefore say nothing about strides.
@@ -43,8 +46,23 @@ inline void check_same_device(const char* name, const at::Tensor& t, const at::T
               a.device(), "), got ", t.device());
 }
 
+// self_offset of nac_fwd / nac_bwd for n rows and N keys: -1, every key in each row's logsumexp;
+// o >= 0, row i's own key (key o + i) left out, [M:self-key].  The n own keys must lie inside the
+// N keys (o <= N - n, written so that no sum can overflow) and one other key must remain (N >= 2).
+inline void check_self_offset(int64_t self_offset, int64_t n, int64_t N) {
+  TORCH_CHECK(self_offset >= -1,
+              "nac_fast: self_offset must be -1 (every key) or >= 0 (row i's own key is key "
+              "self_offset + i, left out), got ", self_offset);
+  if (self_offset < 0) return;
+  TORCH_CHECK(self_offset <= N - n, "nac_fast: self_offset must lie in [0, N - n] = [0, ", N - n,
+              "] (row i's own key is key self_offset + i; n = ", n, ", N = ", N, "), got ",
+              self_offset);
+  TORCH_CHECK(N >= 2, "nac_fast: self_offset >= 0 needs at least 2 keys (the row's own and one "
+              "other), got N = ", N);
+}
+
 inline void check_fwd_args(const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
-                           const c10::optional<at::Tensor>& keys) {
+                           const c10::optional<at::Tensor>& keys, int64_t self_offset) {
   TORCH_CHECK(a.dim() == 2 && a.size(0) > 0 && a.size(1) > 0,
               "nac_fast: a must be a non-empty (n, D) matrix, got shape ", a.sizes());
   check_float_input("a", a);
@@ -63,12 +81,14 @@ inline void check_fwd_args(const at::Tensor& a, const at::Tensor& r, const at::T
     check_float_input("keys", *keys);
     check_same_device("keys", *keys, a);
   }
+  check_self_offset(self_offset, a.size(0), keys.has_value() ? keys->size(0) : a.size(0));
 }
 
 inline void check_bwd_args(const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
                            const c10::optional<at::Tensor>& keys, const at::Tensor& lse,
-                           const at::Tensor& ga, const at::Tensor& g, bool need_a) {
-  check_fwd_args(a, r, noise, keys);
+                           const at::Tensor& ga, const at::Tensor& g, bool need_a,
+                           int64_t self_offset) {
+  check_fwd_args(a, r, noise, keys, self_offset);
   const int64_t n = a.size(0), D = a.size(1);
   const at::ScalarType acc = acc_scalar_type(a.scalar_type());
   TORCH_CHECK(lse.dim() == 1 && lse.size(0) == n, "nac_fast: lse must be (n,) = (", n,

@@ -1,7 +1,10 @@
 // Fused CPU kernels of the NAC losses (docs/math.md [M:rows], [M:passes]): nac_fwd (loss rows,
 // lse and, when asked, ga [M:ga], by the online logsumexp [M:lse-online]) and nac_bwd (d/dr
 // [M:grad-r], the keys' tile pass [M:grad-keys], [M:grad-self-keys], and d/da [M:grad-a]).
-// Per-element helpers: nac_math.h.
+// Per-element helpers: nac_math.h.  self_offset >= 0 leaves row i's own key (key self_offset + i)
+// out of its logsumexp, [M:self-key]: the tiles that hold it skip it in the max and the exps
+// (own_column, row_max_but, exp_shift_but below), so its probability is exactly 0 in the
+// forward's sums and in the keys' backward, and the constant is log(N - 1).
 //
 // Never materialises the n x N logits: each worker holds one (BQ x BK) tile of them.  Tiles are
 // sized to stay in a core's L2 cache (a 128 x 512 fp32 tile is 256 KiB), where MKL's sgemm runs
@@ -166,6 +169,35 @@ static float exp_shift(float* x, int64_t n, float shift, float mult) {
   if (kHaveAvx512) return exp_shift_avx512(x, n, shift, mult);
 #endif
   return exp_shift_f(x, n, shift, mult);
+}
+
+// The row's own key, docs/math.md [M:self-key]: its column in a tile of bk keys from key j0, for
+// row `row` (of a) with self_offset o >= 0 (its own key is key o + row), or -1 when that key is
+// not in the tile or every key counts (o = -1).
+static inline int64_t own_column(int64_t self_offset, int64_t row, int64_t j0, int64_t bk) {
+  if (self_offset < 0) return -1;
+  const int64_t c = self_offset + row - j0;
+  return c >= 0 && c < bk ? c : -1;
+}
+
+// One tile row's max with column `own` left out (own = -1: every column).
+template <typename T>
+static inline T row_max_but(const T* x, int64_t n, int64_t own) {
+  if (own < 0) return row_max(x, n);
+  return std::max(row_max(x, own), row_max(x + own + 1, n - own - 1));
+}
+
+// exp_shift over the row with column `own` left out: that entry is set to exactly 0 and adds
+// nothing to the returned sum (own = -1: exp_shift itself).  The two segments are the row's keys
+// before and after its own; no -inf is written (the vectorised exps clamp their argument at
+// -87, so exp(-inf) would be 1.6e-38, not 0).
+template <typename T>
+static inline T exp_shift_but(T* x, int64_t n, T shift, T mult, int64_t own) {
+  if (own < 0) return exp_shift(x, n, shift, mult);
+  const T left = exp_shift(x, own, shift, mult);
+  const T right = exp_shift(x + own + 1, n - own - 1, shift, mult);
+  x[own] = T(0);
+  return left + right;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -339,7 +371,7 @@ static inline std::pair<int64_t, int64_t> tile_range(int64_t ntiles, int64_t par
 template <typename acc_t>
 std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
                                      const at::Tensor& noise, const c10::optional<at::Tensor>& keys,
-                                     double s, double l2, bool grad_rows) {
+                                     double s, double l2, bool grad_rows, int64_t self_offset) {
   const int64_t n = a.size(0), D = a.size(1);
   const auto acc = c10::CppTypeToScalarType<acc_t>::value;
   const Operands op =
@@ -394,7 +426,14 @@ std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
         at::mm_out(St, qI, kJ.t());
         for (int64_t i = 0; i < bq; ++i) {
           acc_t* Si = S + i * ld;
-          const acc_t mnew = std::max(mrun[i], row_max(Si, bk));
+          const int64_t own = own_column(self_offset, i0 + i, j0, bk);  // -1: none here
+          const acc_t tmax = row_max_but(Si, bk, own);
+          if (own >= 0 && tmax == -std::numeric_limits<acc_t>::infinity()) {
+            // the row's own key the only one of the tile (its last key): nothing to add
+            std::fill(Si, Si + bk, acc_t(0));
+            continue;
+          }
+          const acc_t mnew = std::max(mrun[i], tmax);
           if (mnew > mrun[i] && lrun[i] > 0) {  // rescale the running state to the new max
             const acc_t f = std::exp(mrun[i] - mnew);
             lrun[i] *= f;
@@ -402,7 +441,7 @@ std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
               for (int64_t d = 0; d < D; ++d) accp[i * D + d] *= f;
           }
           mrun[i] = mnew;
-          lrun[i] += exp_shift(Si, bk, mnew, acc_t(1));
+          lrun[i] += exp_shift_but(Si, bk, mnew, acc_t(1), own);
         }
         if (grad_rows) acc.addmm_(St, kJ);
       }
@@ -421,7 +460,8 @@ std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
   acc_t* ploss = loss.data_ptr<acc_t>();
   acc_t* plse = lse.data_ptr<acc_t>();
   acc_t* pga = grad_rows ? ga.data_ptr<acc_t>() : nullptr;
-  const acc_t logN = std::log(static_cast<acc_t>(N));
+  // log N, or log(N - 1) with the row's own key left out ([M:self-key])
+  const acc_t logN = std::log(static_cast<acc_t>(self_offset >= 0 ? N - 1 : N));
   at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
     std::vector<acc_t> w(nsplit), arow(grad_rows ? D : 0);
     for (int64_t i = b; i < e; ++i) {
@@ -456,7 +496,7 @@ std::vector<at::Tensor> nac_fwd_impl(const at::Tensor& a, const at::Tensor& r,
 
 template <typename acc_t>
 at::Tensor keys_backward(const Operands& op, const c10::optional<at::Tensor>& keys,
-                         const acc_t* plse, const acc_t* pg, double s) {
+                         const acc_t* plse, const acc_t* pg, double s, int64_t self_offset) {
   const int64_t n = op.z.size(0), D = op.z.size(1);
   const int64_t N = op.keys.size(0);
   const auto opts = op.z.options();
@@ -485,7 +525,9 @@ at::Tensor keys_backward(const Operands& op, const c10::optional<at::Tensor>& ke
         fill_queries<acc_t>(op, i0, bq, sc, qbuf.data_ptr<acc_t>());
         const at::Tensor qI = qbuf.narrow(0, 0, bq);
         at::mm_out(St, qI, kJ.t());
-        for (int64_t i = 0; i < bq; ++i) exp_shift(S + i * ld, bk, plse[i0 + i], pg[i0 + i]);
+        for (int64_t i = 0; i < bq; ++i)  // P g, the row's own key's entry 0 ([M:self-key])
+          exp_shift_but(S + i * ld, bk, plse[i0 + i], pg[i0 + i],
+                        own_column(self_offset, i0 + i, j0, bk));
         dK.addmm_(St.t(), qI);
       }
     }
@@ -509,7 +551,7 @@ std::vector<at::Tensor> nac_bwd_impl(const at::Tensor& a, const at::Tensor& r,
                                      const at::Tensor& noise, const c10::optional<at::Tensor>& keys,
                                      const at::Tensor& lse_in, const at::Tensor& ga,
                                      const at::Tensor& g_in, double s, bool need_a, bool need_r,
-                                     bool need_keys) {
+                                     bool need_keys, int64_t self_offset) {
   const int64_t n = a.size(0), D = a.size(1);
   const auto acc = c10::CppTypeToScalarType<acc_t>::value;
   // z = tanh(a) lives in the d/dr output until d/dr is due (last), so the backward's memory is
@@ -526,7 +568,7 @@ std::vector<at::Tensor> nac_bwd_impl(const at::Tensor& a, const at::Tensor& r,
   at::Tensor dk;
   if ((need_a && self_keys) || (need_keys && !self_keys)) {
     const at::Tensor lse = lse_in.detach().to(op.z.scalar_type()).contiguous();
-    dk = keys_backward<acc_t>(op, keys, lse.data_ptr<acc_t>(), pg, s);
+    dk = keys_backward<acc_t>(op, keys, lse.data_ptr<acc_t>(), pg, s, self_offset);
   }
   if (need_a) {
     TORCH_CHECK(ga.dim() == 2 && ga.size(0) == n && ga.size(1) == D,
@@ -560,24 +602,28 @@ std::vector<at::Tensor> nac_bwd_impl(const at::Tensor& a, const at::Tensor& r,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_fwd_cpu(
     const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
-    const c10::optional<at::Tensor>& keys, double s, double l2, bool grad_rows) {
+    const c10::optional<at::Tensor>& keys, double s, double l2, bool grad_rows,
+    int64_t self_offset) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal mm/add must not record graphs
-  nac::check_fwd_args(a, r, noise, keys);
+  nac::check_fwd_args(a, r, noise, keys, self_offset);
   std::vector<at::Tensor> out = a.scalar_type() == at::kDouble
-      ? nac_fwd_impl<double>(a, r, noise, keys, s, l2, grad_rows)
-      : nac_fwd_impl<float>(a, r, noise, keys, s, l2, grad_rows);
+      ? nac_fwd_impl<double>(a, r, noise, keys, s, l2, grad_rows, self_offset)
+      : nac_fwd_impl<float>(a, r, noise, keys, s, l2, grad_rows, self_offset);
   return {out[0], out[1], out[2]};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_bwd_cpu(
     const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
     const c10::optional<at::Tensor>& keys, const at::Tensor& lse, const at::Tensor& ga,
-    const at::Tensor& g, double s, bool need_a, bool need_r, bool need_keys) {
+    const at::Tensor& g, double s, bool need_a, bool need_r, bool need_keys,
+    int64_t self_offset) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  nac::check_bwd_args(a, r, noise, keys, lse, ga, g, need_a);
+  nac::check_bwd_args(a, r, noise, keys, lse, ga, g, need_a, self_offset);
   std::vector<at::Tensor> out = a.scalar_type() == at::kDouble
-      ? nac_bwd_impl<double>(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys)
-      : nac_bwd_impl<float>(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys);
+      ? nac_bwd_impl<double>(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys,
+                             self_offset)
+      : nac_bwd_impl<float>(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys,
+                            self_offset);
   return {out[0], out[1], out[2]};
 }
 
@@ -586,13 +632,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_bwd_cpu(
 TORCH_LIBRARY_FRAGMENT(nac_fast, m) {
   // The fwd/bwd contract of docs/math.md [M:passes].  fwd: (loss_rows (n,), lse (n,), ga (n, D)
   // [M:ga], empty (0,) unless grad_rows), in the accumulation dtype (float32; float64 for float64
-  // inputs).
-  m.def("nac_fwd(Tensor a, Tensor r, Tensor noise, Tensor? keys, float s, float l2, bool grad_rows)"
-        " -> (Tensor, Tensor, Tensor)");
+  // inputs).  self_offset: -1, every key in each row's logsumexp (the paper's); o >= 0, row i's
+  // own key (key o + i; keys=None: o = 0, key i = tanh(a_i)) left out and log(N - 1) for log N
+  // ([M:self-key]); nac_bwd must be given the forward's.
+  m.def("nac_fwd(Tensor a, Tensor r, Tensor noise, Tensor? keys, float s, float l2, bool grad_rows,"
+        " int self_offset=-1) -> (Tensor, Tensor, Tensor)");
   // Gradients of sum_i g_i loss_i: (d/da, d/dr, d/dkeys), each empty (0,) unless asked for; with
   // keys=None, d/da includes the path through the self keys tanh(a).
   m.def("nac_bwd(Tensor a, Tensor r, Tensor noise, Tensor? keys, Tensor lse, Tensor ga, Tensor g, "
-        "float s, bool need_a, bool need_r, bool need_keys) -> (Tensor, Tensor, Tensor)");
+        "float s, bool need_a, bool need_r, bool need_keys, int self_offset=-1) -> (Tensor, Tensor, "
+        "Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(nac_fast, CPU, m) {

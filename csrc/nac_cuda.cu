@@ -4,7 +4,10 @@
 // docs/math.md [M:rows]; the passes and what is saved between them [M:passes]; the forward's
 // online logsumexp and split merge [M:lse-online]; ga [M:ga]; the keys' gradient [M:grad-keys];
 // d/dr [M:grad-r] and d/da [M:grad-a].  lse is saved in natural log (the op's contract, shared
-// with the CPU kernel).
+// with the CPU kernel).  self_offset >= 0 leaves row i's own key (key self_offset + i) out of its
+// logsumexp [M:self-key]: the matrix kernels skip that entry before the max and the exps (its
+// probability is exactly 0 in the forward and in the keys' backward) and the finish subtracts
+// log(N - 1); -1 (every key) leaves every kernel's arithmetic as it was.
 //
 // Two paths, one plan (grid (resident tiles, splits) so small batches still fill the GPU; key
 // splits merged by finish_kernel; keys' gradient column-parallel, no atomics, query splits summed
@@ -90,6 +93,18 @@ __global__ void prologue_kernel(const scalar_t* __restrict__ a, const scalar_t* 
   }
 }
 
+// docs/math.md [M:self-key] in a SIMT tile: thread (ty, tx) holds rows i0 + ty + 16 u and columns
+// (keys) j0 + tx + 16 v; row i's own key, key self_offset + i, is its column v exactly when
+// 16 (v - u) == self_offset + i0 + ty - (j0 + tx).  Returns that difference, or 1 (never a multiple
+// of 16: no own key here) for self_offset -1 or a difference beyond +-256 (no u, v < R = 4 reach
+// it): one int per tile, which each of the R x R tests compares with a constant (an int64 own
+// key per row cost the fp32 DPAD 256 keys' backward a 16-byte stack frame on sm_80).
+__device__ __forceinline__ int own_delta(int64_t self_offset, int64_t i0_ty_minus_j0_tx) {
+  if (self_offset < 0) return 1;
+  const int64_t d = self_offset + i0_ty_minus_j0_tx;
+  return d >= -256 && d <= 256 ? static_cast<int>(d) : 1;
+}
+
 // S tile (T x T) = Q[rows] . K[cols]^T, accumulated over D in chunks through shared memory.
 // Thread (ty, tx) holds rows ty + 16 u and columns tx + 16 v, u, v < T/16.
 template <typename key_t, typename acc_t, int T>
@@ -142,7 +157,7 @@ template <typename key_t, typename acc_t, int DPAD>
 __global__ void __launch_bounds__(kThreads, fwd_min_blocks<DPAD>())
 fwd_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K, acc_t* __restrict__ pm,
            acc_t* __restrict__ pl, acc_t* __restrict__ pacc, int64_t n, int64_t N, int D,
-           int64_t tiles_per_split, bool grad) {
+           int64_t tiles_per_split, bool grad, int64_t self_offset) {
   constexpr int T = Tile<acc_t>::kT, R = T / 16, C = DPAD / 16;
   __shared__ acc_t Qs[T][kDChunk + 1];
   __shared__ acc_t Ks[T][kDChunk + 1];
@@ -163,19 +178,23 @@ fwd_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K, acc_t* __re
   acc_t S[R][R];
   for (int64_t j0 = jstart; j0 < jend; j0 += T) {
     score_tile<key_t, acc_t, T>(Q, K, i0, n, j0, jend, D, Qs, Ks, S);
+    // the rows' own keys [M:self-key] (own_delta), skipped like keys past jend: out of the max,
+    // probability 0
+    const int own_d = own_delta(self_offset, i0 + ty - j0 - tx);
 #pragma unroll
     for (int u = 0; u < R; ++u) {
       acc_t mx = neg_inf<acc_t>();
 #pragma unroll
       for (int v = 0; v < R; ++v)
-        if (j0 + tx + 16 * v < jend) mx = max(mx, S[u][v]);
+        if (j0 + tx + 16 * v < jend && 16 * (v - u) != own_d) mx = max(mx, S[u][v]);
       mx = half_warp_max(mx);
       const acc_t m_new = max(m_run[u], mx);
       const acc_t alpha = l_run[u] > 0 ? nac::exp_(m_run[u] - m_new) : acc_t(0);
       acc_t sum = 0;
 #pragma unroll
       for (int v = 0; v < R; ++v) {
-        const acc_t p = (j0 + tx + 16 * v < jend) ? nac::exp_(S[u][v] - m_new) : acc_t(0);
+        const acc_t p = (j0 + tx + 16 * v < jend && 16 * (v - u) != own_d)
+                            ? nac::exp_(S[u][v] - m_new) : acc_t(0);
         Ps[ty + 16 * u][tx + 16 * v] = p;
         sum += p;
       }
@@ -290,7 +309,8 @@ template <typename key_t, typename acc_t, int DPAD>
 __global__ void __launch_bounds__(kThreads)
 bwd_keys_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K,
                 const acc_t* __restrict__ lse, const acc_t* __restrict__ g,
-                acc_t* __restrict__ pdk, int64_t n, int64_t N, int D, int64_t blocks_per_split) {
+                acc_t* __restrict__ pdk, int64_t n, int64_t N, int D, int64_t blocks_per_split,
+                int64_t self_offset) {
   constexpr int T = Tile<acc_t>::kT, R = T / 16, C = DPAD / 16;
   __shared__ acc_t Qs[T][kDChunk + 1];
   __shared__ acc_t Ks[T][kDChunk + 1];
@@ -308,13 +328,14 @@ bwd_keys_kernel(const acc_t* __restrict__ Q, const key_t* __restrict__ K,
   acc_t S[R][R];
   for (int64_t i0 = istart; i0 < iend; i0 += T) {
     score_tile<key_t, acc_t, T>(Q, K, i0, iend, j0, jend, D, Qs, Ks, S);  // rows: queries
+    const int own_d = own_delta(self_offset, i0 + ty - j0 - tx);  // [M:self-key]: P_i,own = 0
 #pragma unroll
     for (int u = 0; u < R; ++u) {
       const int64_t i = i0 + ty + 16 * u;
       const acc_t li = i < iend ? lse[i] : acc_t(0), gi = i < iend ? g[i] : acc_t(0);
 #pragma unroll
       for (int v = 0; v < R; ++v) {
-        const bool ok = i < iend && j0 + tx + 16 * v < jend;
+        const bool ok = i < iend && j0 + tx + 16 * v < jend && 16 * (v - u) != own_d;
         Ps[ty + 16 * u][tx + 16 * v] = ok ? nac::exp_(S[u][v] - li) * gi : acc_t(0);
       }
     }
@@ -429,7 +450,8 @@ struct Partials {
 
 template <typename scalar_t, typename acc_t>
 Partials fwd_partials_simt(const at::Tensor& a, const at::Tensor& noise,
-                           const c10::optional<at::Tensor>& keys, double s, bool grad) {
+                           const c10::optional<at::Tensor>& keys, double s, bool grad,
+                           int64_t self_offset) {
   const int64_t n = a.size(0);
   const int D = static_cast<int>(a.size(1));
   const Prep p = prologue<scalar_t, acc_t>(a, noise, keys, s);
@@ -451,7 +473,7 @@ Partials fwd_partials_simt(const at::Tensor& a, const at::Tensor& noise,
     const acc_t* kp = self_keys ? p.z.data_ptr<acc_t>() : p.keys.data_ptr<acc_t>();
     fwd_kernel<acc_t, acc_t, DPAD><<<grid, kThreads, 0, stream>>>(
         p.q.data_ptr<acc_t>(), kp, out.pm.data_ptr<acc_t>(), out.pl.data_ptr<acc_t>(),
-        out.pacc.data_ptr<acc_t>(), n, N, D, tiles_per_split, grad);
+        out.pacc.data_ptr<acc_t>(), n, N, D, tiles_per_split, grad, self_offset);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
@@ -461,7 +483,7 @@ Partials fwd_partials_simt(const at::Tensor& a, const at::Tensor& noise,
 template <typename scalar_t, typename acc_t>
 at::Tensor keys_grad_simt(const at::Tensor& a, const at::Tensor& noise,
                           const c10::optional<at::Tensor>& keys, const at::Tensor& lse,
-                          const at::Tensor& g, double s) {
+                          const at::Tensor& g, double s, int64_t self_offset) {
   const int64_t n = a.size(0);
   const int D = static_cast<int>(a.size(1));
   const Prep p = prologue<scalar_t, acc_t>(a, noise, keys, s);
@@ -482,7 +504,7 @@ at::Tensor keys_grad_simt(const at::Tensor& a, const at::Tensor& noise,
     const acc_t* kp = self_keys ? p.z.data_ptr<acc_t>() : p.keys.data_ptr<acc_t>();
     bwd_keys_kernel<acc_t, acc_t, DPAD><<<grid, kThreads, 0, stream>>>(
         p.q.data_ptr<acc_t>(), kp, lse.data_ptr<acc_t>(), g.data_ptr<acc_t>(),
-        pdk.data_ptr<acc_t>(), n, N, D, per);
+        pdk.data_ptr<acc_t>(), n, N, D, per, self_offset);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return nsplit == 1 ? pdk[0] : pdk.sum(0);  // fixed-order sum of the splits: deterministic
@@ -546,7 +568,8 @@ MmaPrep mma_prologue(const at::Tensor& a, const at::Tensor& noise,
 
 template <typename scalar_t>
 Partials fwd_partials_mma(const at::Tensor& a, const at::Tensor& noise,
-                          const c10::optional<at::Tensor>& keys, double s, bool grad) {
+                          const c10::optional<at::Tensor>& keys, double s, bool grad,
+                          int64_t self_offset) {
   const int64_t n = a.size(0);
   const int D = static_cast<int>(a.size(1));
   const MmaPrep p = mma_prologue<scalar_t>(a, noise, keys, s);
@@ -560,7 +583,7 @@ Partials fwd_partials_mma(const at::Tensor& a, const at::Tensor& noise,
                grad ? at::empty({nsplit, n, D}, opts) : at::empty({1}, opts), N, nsplit};
   nac_mma::fwd(p.dt, p.dpad, p.qop, p.kop, out.pm.data_ptr<float>(), out.pl.data_ptr<float>(),
                out.pacc.data_ptr<float>(), D, tiles_per_split, static_cast<int>(nsplit), grad,
-               at::cuda::getCurrentCUDAStream());
+               self_offset, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
@@ -568,7 +591,7 @@ Partials fwd_partials_mma(const at::Tensor& a, const at::Tensor& noise,
 template <typename scalar_t>
 at::Tensor keys_grad_mma(const at::Tensor& a, const at::Tensor& noise,
                          const c10::optional<at::Tensor>& keys, const at::Tensor& lse,
-                         const at::Tensor& g, double s) {
+                         const at::Tensor& g, double s, int64_t self_offset) {
   const int64_t n = a.size(0);
   const int D = static_cast<int>(a.size(1));
   const MmaPrep p = mma_prologue<scalar_t>(a, noise, keys, s);
@@ -579,7 +602,7 @@ at::Tensor keys_grad_mma(const at::Tensor& a, const at::Tensor& noise,
   const int64_t per = (qtiles + nsplit - 1) / nsplit;
   at::Tensor pdk = at::empty({nsplit, N, D}, a.options().dtype(at::kFloat));
   nac_mma::bwd_keys(p.dt, p.dpad, p.qop, p.kop, lse.data_ptr<float>(), g.data_ptr<float>(),
-                    pdk.data_ptr<float>(), D, per, static_cast<int>(nsplit),
+                    pdk.data_ptr<float>(), D, per, static_cast<int>(nsplit), self_offset,
                     at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return nsplit == 1 ? pdk[0] : pdk.sum(0);  // fixed-order sum of the splits: deterministic
@@ -590,13 +613,15 @@ at::Tensor keys_grad_mma(const at::Tensor& a, const at::Tensor& noise,
 template <typename scalar_t, typename acc_t>
 std::vector<at::Tensor> fwd_impl(const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
                                  const c10::optional<at::Tensor>& keys, double s, double l2,
-                                 bool grad) {
+                                 bool grad, int64_t self_offset) {
   constexpr bool kMma = is_16bit<scalar_t>();
   const int64_t n = a.size(0);
   const int D = static_cast<int>(a.size(1));
   Partials p;
-  if constexpr (kMma) p = fwd_partials_mma<scalar_t>(a, noise, keys, s, grad);
-  else p = fwd_partials_simt<scalar_t, acc_t>(a, noise, keys, s, grad);
+  if constexpr (kMma) p = fwd_partials_mma<scalar_t>(a, noise, keys, s, grad, self_offset);
+  else p = fwd_partials_simt<scalar_t, acc_t>(a, noise, keys, s, grad, self_offset);
+  // log N, or log(N - 1) with the row's own key left out ([M:self-key])
+  const int64_t n_keys = self_offset >= 0 ? p.N - 1 : p.N;
   const auto opts = a.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
   at::Tensor loss = at::empty({n}, opts), lse = at::empty({n}, opts);
   at::Tensor ga = grad ? at::empty({n, D}, opts) : at::empty({0}, opts);
@@ -606,7 +631,7 @@ std::vector<at::Tensor> fwd_impl(const at::Tensor& a, const at::Tensor& r, const
       p.pm.data_ptr<acc_t>(), p.pl.data_ptr<acc_t>(), p.pacc.data_ptr<acc_t>(),
       loss.data_ptr<acc_t>(), lse.data_ptr<acc_t>(), grad ? ga.data_ptr<acc_t>() : nullptr, n, D,
       static_cast<int>(p.nsplit), static_cast<acc_t>(s), static_cast<acc_t>(l2),
-      static_cast<acc_t>(std::log(static_cast<double>(p.N))), grad);
+      static_cast<acc_t>(std::log(static_cast<double>(n_keys))), grad);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {loss, lse, ga};
 }
@@ -615,7 +640,7 @@ template <typename scalar_t, typename acc_t>
 std::vector<at::Tensor> bwd_impl(const at::Tensor& a, const at::Tensor& r, const at::Tensor& noise,
                                  const c10::optional<at::Tensor>& keys, const at::Tensor& lse_in,
                                  const at::Tensor& ga_in, const at::Tensor& g_in, double s,
-                                 bool need_a, bool need_r, bool need_keys) {
+                                 bool need_a, bool need_r, bool need_keys, int64_t self_offset) {
   const int64_t n = a.size(0);
   const int D = static_cast<int>(a.size(1));
   const auto acc = c10::CppTypeToScalarType<acc_t>::value;
@@ -626,8 +651,10 @@ std::vector<at::Tensor> bwd_impl(const at::Tensor& a, const at::Tensor& r, const
   at::Tensor dk = at::empty({0}, opts);
   if ((need_a && self_keys) || (need_keys && !self_keys)) {
     const at::Tensor lse = lse_in.detach().to(acc).contiguous();
-    if constexpr (is_16bit<scalar_t>()) dk = keys_grad_mma<scalar_t>(a, noise, keys, lse, g, s);
-    else dk = keys_grad_simt<scalar_t, acc_t>(a, noise, keys, lse, g, s);
+    if constexpr (is_16bit<scalar_t>())
+      dk = keys_grad_mma<scalar_t>(a, noise, keys, lse, g, s, self_offset);
+    else
+      dk = keys_grad_simt<scalar_t, acc_t>(a, noise, keys, lse, g, s, self_offset);
   }
   at::Tensor grad_a = need_a ? at::empty({n, D}, opts) : at::empty({0}, opts);
   at::Tensor grad_r = need_r ? at::empty({n, D}, opts) : at::empty({0}, opts);
@@ -656,9 +683,10 @@ void check_cuda_limits(const at::Tensor& a) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_fwd_cuda(
     const at::Tensor& a_in, const at::Tensor& r_in, const at::Tensor& noise_in,
-    const c10::optional<at::Tensor>& keys, double s, double l2, bool grad_rows) {
+    const c10::optional<at::Tensor>& keys, double s, double l2, bool grad_rows,
+    int64_t self_offset) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  nac::check_fwd_args(a_in, r_in, noise_in, keys);
+  nac::check_fwd_args(a_in, r_in, noise_in, keys, self_offset);
   check_cuda_limits(a_in);
   const c10::cuda::CUDAGuard guard(a_in.device());
   // Strided inputs are made contiguous here (and lse, ga, g in bwd_impl), not rejected.
@@ -668,7 +696,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_fwd_cuda(
   std::vector<at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "nac_fwd", [&] {
     using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;  // double for double, else float
-    out = fwd_impl<scalar_t, acc_t>(a, r, noise, keys, s, l2, grad_rows);
+    out = fwd_impl<scalar_t, acc_t>(a, r, noise, keys, s, l2, grad_rows, self_offset);
   });
   return {out[0], out[1], out[2]};
 }
@@ -676,9 +704,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_fwd_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_bwd_cuda(
     const at::Tensor& a_in, const at::Tensor& r_in, const at::Tensor& noise_in,
     const c10::optional<at::Tensor>& keys, const at::Tensor& lse, const at::Tensor& ga,
-    const at::Tensor& g, double s, bool need_a, bool need_r, bool need_keys) {
+    const at::Tensor& g, double s, bool need_a, bool need_r, bool need_keys,
+    int64_t self_offset) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  nac::check_bwd_args(a_in, r_in, noise_in, keys, lse, ga, g, need_a);
+  nac::check_bwd_args(a_in, r_in, noise_in, keys, lse, ga, g, need_a, self_offset);
   check_cuda_limits(a_in);
   const c10::cuda::CUDAGuard guard(a_in.device());
   // Strided inputs are made contiguous here (and lse, ga, g in bwd_impl), not rejected.
@@ -688,7 +717,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nac_bwd_cuda(
   std::vector<at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.scalar_type(), "nac_bwd", [&] {
     using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
-    out = bwd_impl<scalar_t, acc_t>(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys);
+    out = bwd_impl<scalar_t, acc_t>(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys,
+                                    self_offset);
   });
   return {out[0], out[1], out[2]};
 }

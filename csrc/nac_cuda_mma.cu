@@ -6,11 +6,14 @@
 //   prologue_mma_kernel   Q2 = s log2(e) m tanh(a) and, for the in-batch keys, K = tanh(a), in
 //                         the input dtype, once per call (O(nD); tanh: nac_math.h).
 //   fwd_mma_kernel        grid (query tiles, key splits): S2 = Q2 K^T, online logsumexp in base 2
-//                         [M:lse-online], acc += P K when the rows' gradient is wanted [M:ga].
+//                         [M:lse-online], acc += P K when the rows' gradient is wanted [M:ga];
+//                         self_offset >= 0: row i's own key, key self_offset + i, set to -inf
+//                         before the max in a tile that holds it (probability 0) [M:self-key].
 //   bwd_keys_mma_kernel   grid (key tiles, query splits): S2^T = K Q2^T,
 //                         P^T = exp2(S2^T - log2(e) lse) g, dK += P^T Q2, times ln 2 at the store
 //                         [M:grad-keys]; no atomics, splits summed in a fixed order by the caller;
-//                         fp16: g times a power of two, undone at the store [M:grad-scale].
+//                         fp16: g times a power of two, undone at the store [M:grad-scale];
+//                         self_offset >= 0: P of a query's own key set to 0 [M:self-key].
 // The logits never leave registers: one 16 x kStream tile per warp.
 //
 // Layout of one block (kWarps = 8 warps, 256 threads):
@@ -367,13 +370,13 @@ template <typename T, int DPAD>
 __global__ void __launch_bounds__(kThreads, 1)
 fwd_mma_kernel(nac_mma::Operand q, nac_mma::Operand k, float* __restrict__ pm,
                float* __restrict__ pl, float* __restrict__ pacc, int D, int64_t tiles_per_split,
-               bool grad) {
+               bool grad, int64_t self_offset) {
 #ifdef NAC_MMA_TRAP_BELOW_SM80
   __trap();
 #else
   using C = Cfg<DPAD>;
   __shared__ __align__(128) uint16_t smem[2 * C::kTileElems];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t n = q.rows, N = k.rows;
   const int64_t row0 = int64_t(blockIdx.x) * kResident + 16 * warp;
   const int64_t sp = blockIdx.y;
@@ -413,6 +416,20 @@ fwd_mma_kernel(nac_mma::Operand q, nac_mma::Operand k, float* __restrict__ pm,
         for (int e = 0; e < 4; ++e)
           if (j0 + 8 * nt + 2 * t + (e & 1) >= jend) s[nt][e] = -INFINITY;
     }
+    if (self_offset >= 0) {
+      // [M:self-key]: row row0 + r's own key is key self_offset + row0 + r, tile column
+      // d + r (d: the warp's first row's); -inf where the tile holds it (a branch uniform over
+      // the warp, taken in the tiles of the diagonal band only)
+      const int64_t d = self_offset + row0 - j0;
+      if (d > -16 && d < C::kStream) {
+        const int dd = static_cast<int>(d);
+#pragma unroll
+        for (int nt = 0; nt < C::kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (8 * nt + 2 * t + (e & 1) == dd + g + 8 * (e >> 1)) s[nt][e] = -INFINITY;
+      }
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
@@ -422,12 +439,14 @@ fwd_mma_kernel(nac_mma::Operand q, nac_mma::Operand k, float* __restrict__ pm,
       const float m_new = fmaxf(m_run[h], quad_max(mx));
       // 0 on the first tile (l = 0, m = -inf): no exp2(-inf - -inf)
       const float alpha = m_run[h] == -INFINITY ? 0.f : exp2_approx(m_run[h] - m_new);
+      // a row whose keys so far are only its own (left out): m_new = -inf, its p are 0
+      const float m_sub = self_offset >= 0 && m_new == -INFINITY ? 0.f : m_new;
       float sum = 0.f;
 #pragma unroll
       for (int nt = 0; nt < C::kNTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float p = exp2_approx(s[nt][2 * h + e] - m_new);
+          const float p = exp2_approx(s[nt][2 * h + e] - m_sub);
           s[nt][2 * h + e] = p;
           sum += p;
         }
@@ -445,7 +464,6 @@ fwd_mma_kernel(nac_mma::Operand q, nac_mma::Operand k, float* __restrict__ pm,
     __syncthreads();  // every warp is done with buf before the next iteration refills it
   }
 
-  const int g = lane / 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float l = quad_sum(l_run[h]);
@@ -467,7 +485,7 @@ template <typename T, int DPAD>
 __global__ void __launch_bounds__(kThreads, 1)
 bwd_keys_mma_kernel(nac_mma::Operand q, nac_mma::Operand k, const float* __restrict__ lse,
                     const float* __restrict__ g, float* __restrict__ pdk, int D,
-                    int64_t tiles_per_split) {
+                    int64_t tiles_per_split, int64_t self_offset) {
 #ifdef NAC_MMA_TRAP_BELOW_SM80
   __trap();
 #else
@@ -541,6 +559,20 @@ bwd_keys_mma_kernel(nac_mma::Operand q, nac_mma::Operand k, const float* __restr
         const int i = 8 * nt + 2 * t + (e & 1);  // the query (column) of C element e
         s[nt][e] = exp2_approx(fmaf(s_lse[b][i], -kLog2e, s[nt][e])) * (s_g[b][i] * gscale);
       }
+    if (self_offset >= 0) {
+      // [M:self-key]: query i0 + c's own key is key self_offset + i0 + c, resident row
+      // c - d (d: the warp's first key's offset back from it); P = 0 there, in the tiles of the
+      // diagonal band only (a branch uniform over the warp)
+      const int64_t d = key0 - self_offset - (istart + it * C::kStream);
+      if (d > -16 && d < C::kStream) {
+        const int dd = static_cast<int>(d), g8 = lane / 4;
+#pragma unroll
+        for (int nt = 0; nt < C::kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (8 * nt + 2 * t + (e & 1) == dd + g8 + 8 * (e >> 1)) s[nt][e] = 0.f;
+      }
+    }
     accumulate_pt<T, DPAD>(dk, s, buf);
     __syncthreads();
   }
@@ -550,43 +582,45 @@ bwd_keys_mma_kernel(nac_mma::Operand q, nac_mma::Operand k, const float* __restr
 
 template <typename T, int DPAD>
 void launch_fwd(nac_mma::Operand q, nac_mma::Operand k, float* pm, float* pl, float* pacc, int D,
-                int64_t tiles_per_split, int nsplit, bool grad, cudaStream_t stream) {
+                int64_t tiles_per_split, int nsplit, bool grad, int64_t self_offset,
+                cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((q.rows + kResident - 1) / kResident),
                   static_cast<unsigned>(nsplit));
   fwd_mma_kernel<T, DPAD><<<grid, kThreads, 0, stream>>>(q, k, pm, pl, pacc, D,
-                                                         tiles_per_split, grad);
+                                                         tiles_per_split, grad, self_offset);
 }
 
 template <typename T, int DPAD>
 void launch_bwd(nac_mma::Operand q, nac_mma::Operand k, const float* lse, const float* g,
-                float* pdk, int D, int64_t tiles_per_split, int nsplit, cudaStream_t stream) {
+                float* pdk, int D, int64_t tiles_per_split, int nsplit, int64_t self_offset,
+                cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((k.rows + kResident - 1) / kResident),
                   static_cast<unsigned>(nsplit));
   bwd_keys_mma_kernel<T, DPAD><<<grid, kThreads, 0, stream>>>(q, k, lse, g, pdk, D,
-                                                              tiles_per_split);
+                                                              tiles_per_split, self_offset);
 }
 
 // dtype x DPAD -> the 2 x 4 instantiations of each kernel (plain switches: this file must also
 // build as C++17, torch < 2.12's default).
 template <typename T>
 void fwd_t(int dpad, nac_mma::Operand q, nac_mma::Operand k, float* pm, float* pl, float* pacc,
-           int D, int64_t tps, int nsplit, bool grad, cudaStream_t st) {
+           int D, int64_t tps, int nsplit, bool grad, int64_t so, cudaStream_t st) {
   switch (dpad) {
-    case 32: launch_fwd<T, 32>(q, k, pm, pl, pacc, D, tps, nsplit, grad, st); break;
-    case 64: launch_fwd<T, 64>(q, k, pm, pl, pacc, D, tps, nsplit, grad, st); break;
-    case 128: launch_fwd<T, 128>(q, k, pm, pl, pacc, D, tps, nsplit, grad, st); break;
-    default: launch_fwd<T, 256>(q, k, pm, pl, pacc, D, tps, nsplit, grad, st); break;
+    case 32: launch_fwd<T, 32>(q, k, pm, pl, pacc, D, tps, nsplit, grad, so, st); break;
+    case 64: launch_fwd<T, 64>(q, k, pm, pl, pacc, D, tps, nsplit, grad, so, st); break;
+    case 128: launch_fwd<T, 128>(q, k, pm, pl, pacc, D, tps, nsplit, grad, so, st); break;
+    default: launch_fwd<T, 256>(q, k, pm, pl, pacc, D, tps, nsplit, grad, so, st); break;
   }
 }
 
 template <typename T>
 void bwd_t(int dpad, nac_mma::Operand q, nac_mma::Operand k, const float* lse, const float* g,
-           float* pdk, int D, int64_t tps, int nsplit, cudaStream_t st) {
+           float* pdk, int D, int64_t tps, int nsplit, int64_t so, cudaStream_t st) {
   switch (dpad) {
-    case 32: launch_bwd<T, 32>(q, k, lse, g, pdk, D, tps, nsplit, st); break;
-    case 64: launch_bwd<T, 64>(q, k, lse, g, pdk, D, tps, nsplit, st); break;
-    case 128: launch_bwd<T, 128>(q, k, lse, g, pdk, D, tps, nsplit, st); break;
-    default: launch_bwd<T, 256>(q, k, lse, g, pdk, D, tps, nsplit, st); break;
+    case 32: launch_bwd<T, 32>(q, k, lse, g, pdk, D, tps, nsplit, so, st); break;
+    case 64: launch_bwd<T, 64>(q, k, lse, g, pdk, D, tps, nsplit, so, st); break;
+    case 128: launch_bwd<T, 128>(q, k, lse, g, pdk, D, tps, nsplit, so, st); break;
+    default: launch_bwd<T, 256>(q, k, lse, g, pdk, D, tps, nsplit, so, st); break;
   }
 }
 
@@ -656,19 +690,24 @@ void prologue(Dtype dt, const void* a, const void* noise, void* q, void* k, int6
 }
 
 void fwd(Dtype dt, int dpad, Operand q, Operand k, float* pm, float* pl, float* pacc, int D,
-         int64_t tiles_per_split, int nsplit, bool grad, cudaStream_t stream) {
+         int64_t tiles_per_split, int nsplit, bool grad, int64_t self_offset,
+         cudaStream_t stream) {
   if (dt == Dtype::kBF16)
-    fwd_t<__nv_bfloat16>(dpad, q, k, pm, pl, pacc, D, tiles_per_split, nsplit, grad, stream);
+    fwd_t<__nv_bfloat16>(dpad, q, k, pm, pl, pacc, D, tiles_per_split, nsplit, grad,
+                         self_offset, stream);
   else
-    fwd_t<__half>(dpad, q, k, pm, pl, pacc, D, tiles_per_split, nsplit, grad, stream);
+    fwd_t<__half>(dpad, q, k, pm, pl, pacc, D, tiles_per_split, nsplit, grad, self_offset,
+                  stream);
 }
 
 void bwd_keys(Dtype dt, int dpad, Operand q, Operand k, const float* lse, const float* g,
-              float* pdk, int D, int64_t tiles_per_split, int nsplit, cudaStream_t stream) {
+              float* pdk, int D, int64_t tiles_per_split, int nsplit, int64_t self_offset,
+              cudaStream_t stream) {
   if (dt == Dtype::kBF16)
-    bwd_t<__nv_bfloat16>(dpad, q, k, lse, g, pdk, D, tiles_per_split, nsplit, stream);
+    bwd_t<__nv_bfloat16>(dpad, q, k, lse, g, pdk, D, tiles_per_split, nsplit, self_offset,
+                         stream);
   else
-    bwd_t<__half>(dpad, q, k, lse, g, pdk, D, tiles_per_split, nsplit, stream);
+    bwd_t<__half>(dpad, q, k, lse, g, pdk, D, tiles_per_split, nsplit, self_offset, stream);
 }
 
 }  // namespace nac_mma

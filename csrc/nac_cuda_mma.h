@@ -33,8 +33,11 @@ void prologue(Dtype dt, const void* a, const void* noise, void* q, void* k, int6
 
 // Forward partials per (query tile, key split): pm (log2 units), pl, and when grad
 // pacc = sum_j exp2(S2_ij - pm) k_j, each at [split * n + row] (pacc: times D + column).
+// self_offset >= 0: row i's own key, key self_offset + i, is left out (probability 0,
+// docs/math.md [M:self-key]); -1: every key.
 void fwd(Dtype dt, int dpad, Operand q, Operand k, float* pm, float* pl, float* pacc, int D,
-         int64_t tiles_per_split, int nsplit, bool grad, cudaStream_t stream);
+         int64_t tiles_per_split, int nsplit, bool grad, int64_t self_offset,
+         cudaStream_t stream);
 
 // Resident blocks per SM of the forward / keys' backward kernel of (dtype, dpad) on the current
 // device (cudaOccupancyMaxActiveBlocksPerMultiprocessor): what the host's split plan fills.
@@ -42,8 +45,10 @@ int fwd_blocks_per_sm(Dtype dt, int dpad);
 int bwd_blocks_per_sm(Dtype dt, int dpad);
 
 // Keys' gradient per (key tile, query split): pdk[split, key, :] = ln 2 sum_i g_i P_ij Q2_i with
-// P_ij = exp2(S2_ij - log2(e) lse_i), lse natural log (the op's contract).
+// P_ij = exp2(S2_ij - log2(e) lse_i), lse natural log (the op's contract); P_ij = 0 for j =
+// self_offset + i when self_offset >= 0 (the forward's own key left out).
 void bwd_keys(Dtype dt, int dpad, Operand q, Operand k, const float* lse, const float* g,
-              float* pdk, int D, int64_t tiles_per_split, int nsplit, cudaStream_t stream);
+              float* pdk, int D, int64_t tiles_per_split, int nsplit, int64_t self_offset,
+              cudaStream_t stream);
 
 }  // namespace nac_mma

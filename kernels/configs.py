@@ -1,5 +1,5 @@
 """Launch configurations of the Triton NAC kernels (kernels/nac_triton.py): the built-in tables
-(CONFIGS, FUSED_CONFIGS), the autotune candidates (CANDIDATES), the code-width and fp32-mode
+(CONFIGS, FUSED_CONFIGS; SELF_CONFIGS, SELF_FUSED_CONFIGS for the own key left out), the autotune candidates (CANDIDATES), the code-width and fp32-mode
 helpers they are keyed by (block_d, fp32_precision, parts_of) and the shared-memory estimate.
 
 A leaf: it imports nothing of nac_triton (tests/test_layering.py), so the tuned-table lookup
@@ -110,6 +110,18 @@ FUSED_CONFIGS = {
     **{("32p", bd): _C(64, 32, 8, 2) for bd in (16, 32, 64, 128)},
     **{("32h", bd): _C(64, 32, 8, 2) for bd in (16, 32, 64, 128)},
 }
+# The kernels that leave each row's own key out (SELF, docs/math.md [M:self-key]) hold a few more
+# registers (the own key's compare and select, a max that may be -inf): where the tables above
+# spilled with SELF (tools/compile_check.py, modes `<mode>-self`: 4 to 36 B, the configurations
+# that ran at 246 to 255 registers without it), these take their place.  SELF launches read no
+# tuned table (the autotune stage times the paper's kernels): CONFIGS with these entries in place.
+SELF_CONFIGS = {
+    ("fwd", "16", 64): [_C(128, 64, 8, 3)],           # 128 x 64, 4 warps: 36 B on sm_80
+    ("fwd", "16", 256): [_C(64, 32, 8, 2)],           # 64 x 64, 8 warps: 12-20 B on sm_90
+    ("fwd", "32p", 128): [_C(64, 32, 4, 2, (90,)), _C(32, 32, 8, 2)],  # 32 x 64 w8: 4 B, sm_80
+    ("bwd_keys", "32p", 64): [_C(32, 64, 4, 2, (90,)), _C(32, 64, 8, 2)],  # 64 x 32 w8: 8 B
+}
+SELF_FUSED_CONFIGS = {("16", 64): _C(64, 64, 8, 2)}   # 64 x 64 x 3 stages: 16 B on sm_80
 _INTERP = {"fwd": _C(32, 128), "bwd_keys": _C(32, 128)}  # wide numpy steps under the interpreter
 
 

@@ -39,6 +39,11 @@ Kernels (one call's plan: `fwd_plan`, `bwd_plan`; launch configurations: `CONFIG
 Split counts fill one wave: the SMs times the resident blocks per SM of the kernel as compiled
 (kernels/launch.py `Target.programs`, `compiled_occupancy`).
 The logits never exist in memory: one (BLOCK_M x BLOCK_N) tile lives in registers.
+self_offset >= 0 (docs/math.md [M:self-key], the kernels' constexpr SELF): row i's own key, key
+self_offset + i, is left out of its logsumexp: _fwd_kernel and _bwd_keys_kernel set its logit to
+-inf before the max and the exp2 (`_own_key`: a compare and select in every tile, no branch), so
+its probability is exactly 0, and the finish subtracts log(N - 1); without SELF the kernels are
+the paper's, as compiled before it existed.
 
 Precision (docs/kernels.md "Precision"): bf16/fp16 inputs multiply on tensor cores with fp32 accumulation;
 max, logsumexp, the Bernoulli term and every reduction are fp32.  fp32 inputs use tf32x3 (three
@@ -72,6 +77,8 @@ from .configs import (  # noqa: F401  (CONFIGS, CANDIDATES, ... read from here t
     CONFIGS,
     FP32_PRECISIONS,
     FUSED_CONFIGS,
+    SELF_CONFIGS,
+    SELF_FUSED_CONFIGS,
     H,
     PART_MODES,
     TF32_MAX_D,
@@ -363,38 +370,68 @@ def _parts_kernel(X, OUT, N, D, stride_x, BLOCK_M: tl.constexpr, BLOCK_D: tl.con
 
 
 @triton.jit
-def _lse_step(s, kmask, j0, end, m_i, l_i, BLOCK_N: tl.constexpr):
+def _own_key(s, d, KEY_ROWS: tl.constexpr):
+    # docs/math.md [M:self-key]: the logits tile s with each query's own key set to -inf, its
+    # probability 0.  Query rows (KEY_ROWS False: s is queries x keys, the forward's) or query
+    # columns (KEY_ROWS: keys x queries, the keys' backward's): query c of the tile has its own
+    # key at key c + d of the tile, d = (the first query + self_offset) - the first key.  Every
+    # tile runs the compare and select, branch-free: a branch taken only by the tiles that hold
+    # an own key kept both versions of the tile live, and the fp32 (tf32x3) 32 x 32 x 128
+    # configurations spilled 300 to 600 B on sm_80 and sm_90 (tools/compile_check.py).
+    R: tl.constexpr = s.shape[0]
+    C: tl.constexpr = s.shape[1]
+    if KEY_ROWS:
+        own = tl.arange(0, R)[:, None] - d == tl.arange(0, C)[None, :]
+    else:
+        own = tl.arange(0, C)[None, :] - d == tl.arange(0, R)[:, None]
+    return tl.where(own, float("-inf"), s)
+
+
+@triton.jit
+def _lse_step(s, kmask, j0, end, m_i, l_i, BLOCK_N: tl.constexpr, SELF: tl.constexpr = False):
     # One key tile of the online base-2 logsumexp [M:lse-online]: the logits S of keys past `end`
     # set to -inf only in a tile that crosses it; returns (new max, alpha = exp2(old - new max),
-    # P = exp2(S - new max), the new running sum).
+    # P = exp2(S - new max), the new running sum).  SELF (the own key left out, [M:self-key]): a
+    # row whose keys so far are all -inf (its own the only one) has max -inf, and its exps are
+    # taken from 0 instead (exp2(-inf - 0) = 0, not NaN).
     if j0 + BLOCK_N > end:
         s = tl.where(kmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if SELF:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
     return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
-def _fwd_tile(q, kp, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N: tl.constexpr,
-              GRAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _fwd_tile(q, kp, j0, end, offs, dmask, m_i, l_i, acc, own0, BLOCK_N: tl.constexpr,
+              GRAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+              SELF: tl.constexpr = False):
     # One key tile of the forward's loop: S = Q K^T, online base-2 logsumexp, acc += P K.  kp:
     # the tile's first key row (a 64-bit pointer the loop advances), offs: 32-bit offsets within
     # the tile.  Keys past `end` are masked at the load, and their logits set to -inf only in a
     # tile that crosses `end` (a branch uniform over the program: no select per logit in the
-    # split's whole tiles).
+    # split's whole tiles).  SELF: the query rows' own keys left out (_own_key), own0 = the
+    # program's first row + self_offset.
     kmask = j0 + tl.arange(0, BLOCK_N) < end
     k = tl.load(kp + offs, mask=kmask[:, None] & dmask[None, :], other=0.0)
     s = _dot(q, tl.trans(k), PRECISION, UPCAST)
-    m_new, alpha, p, l_i = _lse_step(s, kmask, j0, end, m_i, l_i, BLOCK_N)
+    if SELF:
+        s = _own_key(s, own0 - j0, False)
+    m_new, alpha, p, l_i = _lse_step(s, kmask, j0, end, m_i, l_i, BLOCK_N, SELF)
     if GRAD:
         acc = acc * alpha[:, None] + _dot(_rn(p, k.dtype, UPCAST), k, PRECISION, UPCAST)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _fwd_tile3(q0, q1, q2, kp, part, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N: tl.constexpr,
-               GRAD: tl.constexpr, UPCAST: tl.constexpr, NP: tl.constexpr = 3):
+def _fwd_tile3(q0, q1, q2, kp, part, j0, end, offs, dmask, m_i, l_i, acc, own0,
+               BLOCK_N: tl.constexpr, GRAD: tl.constexpr, UPCAST: tl.constexpr,
+               NP: tl.constexpr = 3, SELF: tl.constexpr = False):
     # _fwd_tile in bf16x6 (fp32 inputs): the key tile's three parts at kp, kp + part, kp + 2 part;
     # S and P K in _dot6, P split in registers (_parts3).  NP = 2, fp16x3: two fp16 parts, S and
     # P K in _dot3h (acc in units of H_K^2: the kernel undoes it at the store)
@@ -406,7 +443,9 @@ def _fwd_tile3(q0, q1, q2, kp, part, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_
     else:
         s = _dot3h(q0, q1, tl.trans(k0), tl.trans(k1),
                    tl.zeros([q0.shape[0], BLOCK_N], tl.float32), UPCAST) * H_S
-    m_new, alpha, p, l_i = _lse_step(s, kmask, j0, end, m_i, l_i, BLOCK_N)
+    if SELF:  # the query rows' own keys left out (_fwd_tile's)
+        s = _own_key(s, own0 - j0, False)
+    m_new, alpha, p, l_i = _lse_step(s, kmask, j0, end, m_i, l_i, BLOCK_N, SELF)
     if GRAD:
         if NP == 3:
             p0, p1, p2 = _parts3(p, UPCAST)
@@ -417,15 +456,15 @@ def _fwd_tile3(q0, q1, q2, kp, part, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["n", "N", "tiles_per_split", "seed_val", "red_n"])
+@triton.jit(do_not_specialize=["n", "N", "tiles_per_split", "seed_val", "red_n", "self_offset"])
 def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, R, RV, LOSS, LSE, GA, PART, COUNT,
                 OUT, ROWCNT, n, N, D, stride_k, stride_a, stride_m, stride_r, stride_rv,
-                tiles_per_split, scale2, flip_p, s_fin, l2, log_n_keys, red_n,
+                tiles_per_split, scale2, flip_p, s_fin, l2, log_n_keys, red_n, self_offset,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 GRAD: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr, Q_FROM_A: tl.constexpr, SEEDED: tl.constexpr,
                 FINISH: tl.constexpr, VI: tl.constexpr, REDUCE: tl.constexpr,
-                FIN_M: tl.constexpr):
+                FIN_M: tl.constexpr, SELF: tl.constexpr):
     # Q_FROM_A (given keys: no prologue): the program makes its own Q tile from a and the noise
     # (_noise_and_tanh, the prologue's arithmetic: the same bits) and the first split's programs
     # write it (and a seeded noise) for the backward and the finish.  Else Q is the prologue's.
@@ -434,6 +473,9 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, R, RV, LOSS, LSE, 
     # _finish_rows over the block, FIN_M rows at a time (`_fin_rows`; REDUCE: a partial sum per
     # chunk, and the last block to finish adds them), with R, RV, LOSS, LSE, GA, PART, COUNT,
     # OUT, s_fin, l2, log_n_keys, red_n, VI and REDUCE as _finish_kernel's.
+    # SELF (self_offset >= 0, docs/math.md [M:self-key]): row i's own key, key self_offset + i,
+    # left out of its logsumexp (_own_key in the tiles that hold it; log_n_keys is then
+    # log(N - 1)); without it self_offset is not read and the kernel is the paper's.
     pid_m = tl.program_id(0)
     sp = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -474,6 +516,7 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, R, RV, LOSS, LSE, 
     acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     start = sp * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, N)
+    own0 = pid_m * BLOCK_M + self_offset  # the own key of the block's first row (SELF)
     if PRECISION == "bf16x6" or PRECISION == "fp16x3":
         # fp32 in 16-bit parts: three bf16 (bf16x6) or two fp16 (fp16x3) part tiles per key tile
         NP: tl.constexpr = 3 if PRECISION == "bf16x6" else 2
@@ -482,7 +525,7 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, R, RV, LOSS, LSE, 
         kp = K + start.to(tl.int64) * D
         for j0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _fwd_tile3(q0, q1, q2, kp, kpart, j0, end, offs, dmask, m_i, l_i, acc,
-                                       BLOCK_N, GRAD, UPCAST, NP)
+                                       own0, BLOCK_N, GRAD, UPCAST, NP, SELF)
             kp += BLOCK_N * D
         if NP == 2:
             acc = acc * H_PK  # fp16x3's P K came out in units of H_K^2
@@ -494,8 +537,8 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, R, RV, LOSS, LSE, 
         offs = tl.arange(0, BLOCK_N)[:, None] * stride_k + cols[None, :]
         kp = K + start.to(tl.int64) * stride_k
         for j0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _fwd_tile(q, kp, j0, end, offs, dmask, m_i, l_i, acc, BLOCK_N, GRAD,
-                                      PRECISION, UPCAST)
+            m_i, l_i, acc = _fwd_tile(q, kp, j0, end, offs, dmask, m_i, l_i, acc, own0, BLOCK_N,
+                                      GRAD, PRECISION, UPCAST, SELF)
             kp += BLOCK_N * stride_k
     else:
         for j0 in range(start, end, BLOCK_N):
@@ -505,9 +548,16 @@ def _fwd_kernel(Q, K, PM, PL, PACC, A, NOISE, SEED, seed_val, R, RV, LOSS, LSE, 
                         mask=kmask[:, None] & dmask[None, :], other=0.0)
             s = _dot(q, tl.trans(k), PRECISION, UPCAST)
             s = tl.where(kmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            if SELF:  # the own keys left out, and a row with none left here: _lse_step's
+                s = _own_key(s, own0 - j0, False)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_sub)
+                p = tl.exp2(s - m_sub[:, None])
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if GRAD:
                 acc = acc * alpha[:, None] + _dot(_rn(p, k.dtype, UPCAST), k, PRECISION,
@@ -668,17 +718,21 @@ def _pow2_scale(gmax):
 
 
 @triton.jit
-def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, g_scale, gscale, dk,
+def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, g_scale, gscale, dk, own0,
               BLOCK_M: tl.constexpr,
-              ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+              ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+              SELF: tl.constexpr = False):
     # One query tile of the keys' backward: S^T = K Q^T, P^T = exp2(S^T - lse) g, dK += P^T Q.
     # qp, lp, gp: the tile's first row of Q, LSE, G (pointers the loop advances); rows past `end`
-    # load lse = inf, so their P is 0.
+    # load lse = inf, so their P is 0.  SELF: each query's own key left out (_own_key: S^T = -inf,
+    # P = 0), own0 = self_offset - the program's first key.
     r = tl.arange(0, BLOCK_M)
     rmask = i0 + r < end
     q = tl.load(qp + offs, mask=rmask[:, None] & dmask[None, :], other=0.0)
     lse2 = tl.load(lp + r, mask=rmask, other=float("inf")).to(ACC)  # base 2
     st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
+    if SELF:
+        st = _own_key(st, i0 + own0, True)
     # g loaded after the product: loaded before it, its (BLOCK_M,) vector was live across the
     # product and Triton 3.6 spilled 32 B at 128 x 64, 4 warps (the tuned in-batch winner;
     # tools/compile_check.py under the device's Triton, docs/gpu.md)
@@ -688,8 +742,9 @@ def _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, g_scale, gscale, dk
 
 
 @triton.jit
-def _bwd_tile3(k0, k1, k2, qp, part, lp, gp, i0, end, offs, dmask, stride_g, g_scale, dk,
-               BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, NP: tl.constexpr, gscale):
+def _bwd_tile3(k0, k1, k2, qp, part, lp, gp, i0, end, offs, dmask, stride_g, g_scale, dk, own0,
+               BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, NP: tl.constexpr, gscale,
+               SELF: tl.constexpr = False):
     # _bwd_tile in bf16x6 (fp32 inputs): the query tile's three parts at qp, qp + part,
     # qp + 2 part; S^T and P^T Q in _dot6, P^T split in registers (_parts3).  NP = 2, fp16x3: two
     # fp16 parts, P^T g lifted by gscale (GSCALE), dK in units of gscale H_Q (undone at the end)
@@ -700,25 +755,31 @@ def _bwd_tile3(k0, k1, k2, qp, part, lp, gp, i0, end, offs, dmask, stride_g, g_s
     if NP == 3:
         st = _dot6(k0, k1, k2, tl.trans(q0), tl.trans(q1), tl.trans(q2),
                    tl.zeros([k0.shape[0], BLOCK_M], tl.float32), UPCAST)
+        if SELF:  # the queries' own keys left out (_bwd_tile's)
+            st = _own_key(st, i0 + own0, True)
         g = tl.load(gp + r * stride_g, mask=rmask, other=0.0) * g_scale
         p0, p1, p2 = _parts3(tl.exp2(st - lse2[None, :]) * g[None, :], UPCAST)
         dk = _dot6(p0, p1, p2, q0, q1, q2, dk, UPCAST)       # P^T Q (log2 units)
     else:
         st = _dot3h(k0, k1, tl.trans(q0), tl.trans(q1),
                     tl.zeros([k0.shape[0], BLOCK_M], tl.float32), UPCAST) * H_S
+        if SELF:
+            st = _own_key(st, i0 + own0, True)
         g = tl.load(gp + r * stride_g, mask=rmask, other=0.0) * g_scale * gscale
         p0, p1 = _parts2h(tl.exp2(st - lse2[None, :]) * g[None, :])
         dk = _dot3h(p0, p1, q0, q1, dk, UPCAST)
     return dk
 
 
-@triton.jit(do_not_specialize=["n", "N", "blocks_per_split", "need_r", "stride_g"])
+@triton.jit(do_not_specialize=["n", "N", "blocks_per_split", "need_r", "stride_g",
+                              "self_offset"])
 def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, GRAD_A, COUNT, n, N, D,
                      stride_k, stride_g, stride_a, stride_r, stride_m, blocks_per_split, need_r,
-                     g_scale,
+                     g_scale, self_offset,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                     GSCALE: tl.constexpr, OUT_MODE: tl.constexpr, FIN_M: tl.constexpr):
+                     GSCALE: tl.constexpr, OUT_MODE: tl.constexpr, FIN_M: tl.constexpr,
+                     SELF: tl.constexpr):
     # Row i's weight is g_i * g_scale (an fp32 number): 1, or fl32(1/n) for reduction="mean"
     # (nac_fast/ops/nac.py _FusedNAC: no MeanBackward launch; autograd's own g / n on a GPU is
     # g * fl32(1/n) too).  _bwd_rows_kernel's likewise.
@@ -733,6 +794,8 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, GRAD_A, COUNT, 
     #             COUNT[block] runs _bwd_rows_kernel's rows' backward (_rows_bwd) over the block,
     #             FIN_M rows at a time: GRAD_A = d/da, GRAD_R = d/dr when need_r, the same bits.
     #             (NAC_FAST_FOLD=0: mode 0 and a _bwd_rows_kernel launch.)
+    # SELF (self_offset >= 0, docs/math.md [M:self-key]): query i's own key, key self_offset + i,
+    # has P = 0 (_own_key in the tiles that hold one), as in the forward.
     pid_n = tl.program_id(0)
     sp = tl.program_id(1)
     kc = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -746,6 +809,7 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, GRAD_A, COUNT, 
     dk = tl.zeros([BLOCK_N, BLOCK_D], ACC)
     start = sp * blocks_per_split * BLOCK_M
     end = tl.minimum(start + blocks_per_split * BLOCK_M, n)
+    own0 = self_offset - pid_n * BLOCK_N  # (SELF) + a query's index: its own key in this block
     if GSCALE:  # fp16: g scaled by a power of two from this split's max |g| (one pass over g)
         gvec = tl.zeros([BLOCK_M], tl.float32)
         for i0 in range(start, end, BLOCK_M):
@@ -769,7 +833,7 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, GRAD_A, COUNT, 
         qpart = n.to(tl.int64) * D
         for i0 in range(start, end, BLOCK_M):
             dk = _bwd_tile3(k0, k1, k2, qp, qpart, lp, gp, i0, end, offs, dmask, stride_g,
-                            g_scale, dk, BLOCK_M, UPCAST, NP, gscale)
+                            g_scale, dk, own0, BLOCK_M, UPCAST, NP, gscale, SELF)
             qp += BLOCK_M * D
             lp += BLOCK_M
             gp += BLOCK_M * stride_g
@@ -785,8 +849,8 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, GRAD_A, COUNT, 
         gp = G + start64 * stride_g
         for i0 in range(start, end, BLOCK_M):
             dk = _bwd_tile(k, qp, lp, gp, i0, end, offs, dmask, stride_g, g_scale, gscale, dk,
-                           BLOCK_M,
-                           ACC, PRECISION, UPCAST)
+                           own0, BLOCK_M,
+                           ACC, PRECISION, UPCAST, SELF)
             qp += BLOCK_M * D
             lp += BLOCK_M
             gp += BLOCK_M * stride_g
@@ -800,6 +864,8 @@ def _bwd_keys_kernel(Q, K, LSE, G, OUT, A, R, NOISE, GA, GRAD_R, GRAD_A, COUNT, 
             lse2 = tl.load(LSE + rows64, mask=rmask, other=float("inf")).to(ACC)  # base 2
             g = tl.load(G + rows64 * stride_g, mask=rmask, other=0.0).to(ACC) * g_scale * gscale
             st = _dot(k, tl.trans(q), PRECISION, UPCAST)                   # S^T: keys x queries
+            if SELF:
+                st = _own_key(st, i0 + own0, True)
             pt = tl.exp2(st - lse2[None, :]) * g[None, :]
             dk += _dot(_rn(pt, q.dtype, UPCAST), q, PRECISION, UPCAST)     # P^T Q (log2 units)
     if GSCALE:
@@ -939,6 +1005,25 @@ def check_rows(n: int, N: int) -> None:
                              f"{MAX_ROWS:,} (2^31 - 2^16: their row indices are int32)")
 
 
+def check_self_offset(self_offset, n: int, N: int) -> int:
+    """self_offset of n rows against N keys (docs/math.md [M:self-key]), as the compiled ops'
+    nac_checks.h check_self_offset: -1 (every key) or o in [0, N - n] with N >= 2 (row i's own
+    key, key o + i, left out).  TypeError / ValueError naming self_offset."""
+    if isinstance(self_offset, bool) or not isinstance(self_offset, int):
+        raise TypeError(f"self_offset must be an int, got {type(self_offset).__name__}")
+    if self_offset < -1:
+        raise ValueError(f"self_offset must be -1 (every key) or >= 0 (row i's own key is key "
+                         f"self_offset + i, left out), got {self_offset}")
+    if self_offset >= 0:
+        if self_offset > N - n:
+            raise ValueError(f"self_offset must lie in [0, N - n] = [0, {N - n}] (row i's own "
+                             f"key is key self_offset + i; n = {n}, N = {N}), got {self_offset}")
+        if N < 2:
+            raise ValueError("self_offset >= 0 needs at least 2 keys (the row's own and one "
+                             f"other), got N = {N}")
+    return self_offset
+
+
 def _far_rows(t: torch.Tensor) -> bool:
     """Whether the rows of t lie more than MAX_ROW_STRIDE elements apart (two rows or more)."""
     return t.shape[0] > 1 and t.stride(0) > MAX_ROW_STRIDE
@@ -979,27 +1064,33 @@ def row_tile(elems: int):
 
 def config(kernel: str, dtype: torch.dtype, D: int, target: Target, kind: Optional[str] = None,
            n: Optional[int] = None, N: Optional[int] = None,
-           device: Optional[torch.device] = None) -> Config:
+           device: Optional[torch.device] = None, own: bool = False) -> Config:
     """The block configuration of `kernel` ("fwd", "bwd_keys") for a call: a configuration
     forced by kernels/tuning.py `forced` (the autotune stage, the compile check); else, on a GPU,
     the tuned table's entry for the call's kind ("inbatch" / "queue"), n query rows and N keys
-    (kernels/tuning.py `lookup`; not without them); else the first of CONFIGS that fits."""
+    (kernels/tuning.py `lookup`; not without them); else the first of CONFIGS that fits.  own:
+    the kernel leaves each row's own key out (SELF): no tuned table, SELF_CONFIGS in place."""
     if D > MAX_D:
         raise ValueError(f"a must have at most D = {MAX_D} columns (code bits) for the Triton NAC "
                          f"kernels, got D={D}; use backend='reference' or 'cpu'")
     cfg = tuning.forced_config(kernel)
     if cfg is not None:
         return cfg
-    cfg = tuning.lookup(kernel, dtype, D, target, kind, n, N, device)
-    if cfg is not None:
-        return cfg
-    return builtin_config(kernel, dtype, D, target)
+    if not own:
+        cfg = tuning.lookup(kernel, dtype, D, target, kind, n, N, device)
+        if cfg is not None:
+            return cfg
+    return builtin_config(kernel, dtype, D, target, own)
 
 
-def builtin_config(kernel: str, dtype: torch.dtype, D: int, target: Target) -> Config:
+def builtin_config(kernel: str, dtype: torch.dtype, D: int, target: Target,
+                   own: bool = False) -> Config:
     """The built-in configuration (the first of CONFIGS that fits the target; the interpreter's
-    _INTERP), whatever a tuned table says: the autotune stage's baseline."""
-    return pick(CONFIGS[(kernel, _family(dtype, D), block_d(D))], target,
+    _INTERP), whatever a tuned table says: the autotune stage's baseline.  own: SELF's
+    (SELF_CONFIGS where it has the key)."""
+    key = (kernel, _family(dtype, D), block_d(D))
+    table = SELF_CONFIGS.get(key) if own else None
+    return pick(table or CONFIGS[key], target,
                 lambda c: smem_estimate(kernel, c, dtype, D), _INTERP[kernel])
 
 
@@ -1209,7 +1300,7 @@ def _split(make, outer_blocks: int, inner_tiles: int, target: Target, waves: int
 
 def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Target,
              seed=None, p: float = 0.0, rv=None, reduction: str = "none",
-             fold: Optional[bool] = None):
+             fold: Optional[bool] = None, *, self_offset: int = -1):
     """(launches, (loss, lse, ga, q, k, noise)) of one forward call; loss: the (n,) rows, or with
     reduction "mean"/"sum" their mean/sum, a 0-dim tensor reduced by the finish.  a, r, noise:
     (n, D) with unit column stride, noise in a's dtype; keys: None or (N, D) in a's dtype with unit column
@@ -1221,15 +1312,18 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
     (n, D) logits of NAC-MQ's online inference network (a's dtype, unit column stride): each
     row's loss then includes the inference term [M:vi] (the finish's VI).  fold: the finish
     inside the forward (FINISH) or its own launch; None: `folding()`, and a folded forward that
-    spills on the target (`Target.clean`) is planned unfolded."""
+    spills on the target (`Target.clean`) is planned unfolded.  self_offset: -1, every key in
+    each row's logsumexp; o >= 0, row i's own key (key o + i) left out and log(N - 1) for log N
+    (docs/math.md [M:self-key]; the kernel's SELF)."""
     n, D = a.shape
     check_rows(n, n if keys is None else keys.shape[0])
+    check_self_offset(self_offset, n, n if keys is None else keys.shape[0])
     if keys is not None:
         _check_stride("keys", keys)
     if keys is not None and a.dtype == torch.float32 and fp32_precision(D) == "fp16x3":
         with _plan_fp32(_given_keys_mode("fp16x3"), over_env=True):
             return fwd_plan(a, r, noise, keys, s, l2, grad_rows, target, seed, p, rv, reduction,
-                            fold)
+                            fold, self_offset=self_offset)
     launches: list = []
     parts = parts_mode(a.dtype, D)  # fp32 in bf16x6: q, k are (3, rows, D) bf16 parts
     q_from_a = keys is not None  # given keys: the forward kernel makes its own Q, no prologue
@@ -1251,10 +1345,12 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
         N = n
     stride_k = D if parts else k.stride(0)
     acc = acc_dtype(a.dtype)
+    own = self_offset >= 0  # [M:self-key]: the own key left out, log(N - 1)
     cfg = config("fwd", a.dtype, D, target, kind="inbatch" if keys is None else "queue", n=n,
-                 N=N, device=a.device)
+                 N=N, device=a.device, own=own)
     q_blocks, k_tiles = cdiv(n, cfg.BLOCK_M), cdiv(N, cfg.BLOCK_N)
     bd = block_d(D)
+    log_n_keys = math.log(N - 1 if own else N)
 
     seeded, seed_t, seed_val, seed_scalar = _seed_args(seed if q_from_a else None)
 
@@ -1288,12 +1384,12 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
                        r, rv_, rows, lse, ga, part, count, out, rowcnt,
                        n, N, D, stride_k, a.stride(0), noise.stride(0), r.stride(0),
                        rv_.stride(0), cdiv(k_tiles, split), s * LOG2E, float(p), float(s),
-                       float(l2), math.log(N), red_n),
+                       float(l2), log_n_keys, red_n, int(self_offset)),
                       dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=bd,
                            GRAD=bool(grad_rows), ACC=_tl_acc(a.dtype),
                            **_dot_consts(a.dtype, D, a.device), Q_FROM_A=q_from_a,
                            SEEDED=seeded, FINISH=fold, VI=rv is not None, REDUCE=reduce,
-                           FIN_M=fin_m),
+                           FIN_M=fin_m, SELF=own),
                       cfg.num_warps, cfg.num_stages, "fwd",
                       (("scale2", _scale2), ("flip_p", _p), ("s_fin", _s), ("l2", _l2))
                       + seed_scalar)
@@ -1302,7 +1398,7 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
     fwd = make(split)
     if fold and not target.clean(fwd):
         return fwd_plan(a, r, noise, keys, s, l2, grad_rows, target, seed, p, rv, reduction,
-                        fold=False)
+                        fold=False, self_offset=self_offset)
     launches.append(fwd)
     if fold:
         return launches, (loss, lse, ga, q, k, noise)
@@ -1311,7 +1407,7 @@ def fwd_plan(a, r, noise, keys, s: float, l2: float, grad_rows: bool, target: Ta
                            (a, r, noise, pm, pl, pacc, rows, lse, ga, r if rv is None else rv,
                             part, count, out, n, D, a.stride(0), r.stride(0), noise.stride(0),
                             r.stride(0) if rv is None else rv.stride(0), split, int(grad_rows),
-                            float(s), float(l2), math.log(N), red_n),
+                            float(s), float(l2), log_n_keys, red_n),
                            dict(BLOCK_M=bm, BLOCK_D=bd, ACC=_tl_acc(a.dtype), VI=rv is not None,
                                 REDUCE=reduce),
                            4, 1, "finish", (("s", _s), ("l2", _l2))))
@@ -1327,7 +1423,7 @@ def _g_scale_arg(g_scale):  # the backward plan's one per-call scalar (kernels/l
 
 def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: bool,
              need_keys: bool, target: Target, g_scale: float = 1.0, rv=None,
-             need_rv: bool = False):
+             need_rv: bool = False, *, self_offset: int = -1):
     """(launches, (grad_a, grad_r, grad_k)) of one backward call, each gradient in its input's
     dtype (an empty (0,) tensor when not asked for; all inputs share a's dtype): the gradients
     of sum_i (g_i g_scale) loss_i (g_scale: an fp32 number; fl32(1/n) folds reduction="mean"
@@ -1343,9 +1439,11 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
         None); with given keys, the keys' gradient is written by the keys' kernel (OUT_MODE 1)
         and _bwd_rows_kernel gives d/da, d/dr;
       - several splits: fp32 shares per split, summed in a fixed order by _bwd_rows_kernel (self
-        keys) or _sum_splits_kernel (given keys)."""
+        keys) or _sum_splits_kernel (given keys).
+    self_offset: the forward's (fwd_plan): the keys' backward leaves each query's own key out."""
     n, D = a.shape
     check_rows(n, n if keys is None else keys.shape[0])
+    check_self_offset(self_offset, n, n if keys is None else keys.shape[0])
     _check_stride("g", g)
     if a.dtype == torch.float32:
         # the mode the forward saved its codes in: bf16x6's (3, rows, D) bf16 or fp16x3's (2,
@@ -1357,7 +1455,7 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
         if want is not None and now != want:
             with _plan_fp32(want, over_env=True):
                 return bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s, need_a, need_r,
-                                need_keys, target, g_scale, rv, need_rv)
+                                need_keys, target, g_scale, rv, need_rv, self_offset=self_offset)
     acc = acc_dtype(a.dtype)
     launches: list = []
     self_keys = keys is None
@@ -1372,13 +1470,16 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
     grad_k = buffer((N, D), a.dtype, a) if need_keys and not self_keys else empty()
     pdk, split = None, 0
     if (need_a and self_keys) or (need_keys and not self_keys):
+        own = self_offset >= 0
         cfg = config("bwd_keys", a.dtype, D, target, kind="inbatch" if self_keys else "queue",
-                     n=n, N=N, device=a.device)
+                     n=n, N=N, device=a.device, own=own)
         k_blocks, q_blocks = cdiv(N, cfg.BLOCK_N), cdiv(n, cfg.BLOCK_M)
 
         # the fused rows' epilogue holds more tiles: its own table where one is given (the
         # split is decided with OUT_MODE 0's: one split there is one with fewer keys per block)
-        fcfg = FUSED_CONFIGS.get((_family(a.dtype, D), bd), cfg) if target.arch else cfg
+        fkey = (_family(a.dtype, D), bd)
+        fcfg = ((SELF_FUSED_CONFIGS.get(fkey, FUSED_CONFIGS.get(fkey, cfg)) if own else
+                 FUSED_CONFIGS.get(fkey, cfg)) if target.arch else cfg)
         fuse = self_keys and fcfg is not None
         # several splits, self keys: the rows' backward folded in (OUT_MODE 3), its counters
         # (with self keys the keys' backward runs for d/da alone: need_a)
@@ -1398,14 +1499,14 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
                            kcount if mode == 3 else out, n, N, D, stride_k, g.stride(0),
                            a.stride(0), r.stride(0), noise.stride(0), cdiv(n, c.BLOCK_M * split)
                            if split == 1 else cdiv(q_blocks, split),
-                           int(need_r and mode in (2, 3)), float(g_scale)),
+                           int(need_r and mode in (2, 3)), float(g_scale), int(self_offset)),
                           dict(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, BLOCK_D=bd,
                                # fp16 operand tiles (fp16, fp32 in fp16x3): P^T g lifted
                                ACC=_tl_acc(a.dtype), GSCALE=torch.float16 in (
                                    a.dtype, parts_of(a.dtype, D)[1]),
                                OUT_MODE=mode, **_dot_consts(a.dtype, D, a.device),
                                FIN_M=_fin_rows(_rows_block(D, a.dtype), c.BLOCK_N,
-                                               c.num_warps, bd)),
+                                               c.num_warps, bd), SELF=self_offset >= 0),
                           c.num_warps, c.num_stages,
                           "bwd_keys" if mode == 0 else f"bwd_keys_out{mode}",
                           (("g_scale", _g_scale_arg),))
@@ -1482,14 +1583,16 @@ def _launcher(launches):
 
 
 def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: float = 0.0,
-        rv=None, reduction: str = "none"):
+        rv=None, reduction: str = "none", self_offset: int = -1):
     """The forward op's body (nac_fwd_triton): (loss, lse2, ga, q, k, noise) with k empty when
     keys are given (the backward reads the keys themselves; in bf16x6, k is their parts).  noise
     None: `seed` (a one-element int64 tensor on a's device, or an int drawn on the host: the
     kernel's argument) and `p` give
     it, drawn by the kernel that makes q; either way the noise used is returned last (the
     backward's).  rv: fwd_plan's (the rows then include NAC-MQ's inference term).  reduction
-    "mean"/"sum" (eager calls): loss is the rows' mean/sum, reduced by the finish."""
+    "mean"/"sum" (eager calls): loss is the rows' mean/sum, reduced by the finish.  self_offset:
+    fwd_plan's (-1: every key; o >= 0: row i's own key, key o + i, left out, [M:self-key])."""
+    check_self_offset(self_offset, a.shape[0], a.shape[0] if keys is None else keys.shape[0])
     dt = a.dtype
     a = _rows_operand(a, dt)
     r = _rows_operand(r, dt)
@@ -1513,7 +1616,7 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: f
         with _plan_fp32(mode):
             launches, (loss, lse, ga, q, k, m) = fwd_plan(a, r, noise, given, s, l2, grad_rows,
                                                           target_of(a.device), seed, p, rv,
-                                                          reduction)
+                                                          reduction, self_offset=self_offset)
         # given keys: the backward reads the keys themselves, or (in bf16x6) their parts, k
         keep_k = keys is None or k.dim() == 3
         return launches, (loss, lse, ga, q, k if keep_k else buffer((0,), dt, a), m)
@@ -1521,16 +1624,19 @@ def fwd(a, r, noise, keys, s: float, l2: float, grad_rows: bool, seed=None, p: f
     key = (a.shape, a.stride(0), r.stride(0), None if noise is None else noise.stride(0), dt,
            a.device, None if given is None else (given.shape[0], given.stride(0)),
            None if rv is None else rv.stride(0), bool(grad_rows), isinstance(seed, int),
-           reduction, tuning.plan_key()) if eager_real(a) else None
+           reduction, self_offset, tuning.plan_key()) if eager_real(a) else None
     host = isinstance(seed, int)
     return FWD_PLANS(key, build, (a, r, noise, given, None if host else seed, rv),
                      (s, l2, p, seed if host else 0), _launcher)
 
 
 def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: bool,
-        need_keys: bool, g_scale: float = 1.0, rv=None, need_rv: bool = False):
+        need_keys: bool, g_scale: float = 1.0, rv=None, need_rv: bool = False,
+        self_offset: int = -1):
     """The backward op's body (nac_bwd_triton): (d/da, d/dr, d/dkeys) of sum_i (g_i g_scale)
-    loss_i in the inputs' dtype (g_scale: `bwd_plan`'s); with rv (the forward's), d/drv too."""
+    loss_i in the inputs' dtype (g_scale: `bwd_plan`'s); with rv (the forward's), d/drv too.
+    self_offset: the forward's."""
+    check_self_offset(self_offset, a.shape[0], a.shape[0] if keys is None else keys.shape[0])
     dt = a.dtype
     acc = acc_dtype(dt)
     a = _rows_operand(a, dt)
@@ -1546,29 +1652,31 @@ def bwd(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r: boo
 
     def build():
         return bwd_plan(a, r, noise, given, lse, ga, g, q, k, s, need_a, need_r, need_keys,
-                        target_of(a.device), g_scale, rv, need_rv)
+                        target_of(a.device), g_scale, rv, need_rv, self_offset=self_offset)
 
     key = (a.shape, a.stride(0), r.stride(0), noise.stride(0), dt, a.device,
            None if given is None else (given.shape[0], given.stride(0)), g.shape, g.stride(),
            ga.shape, q.shape, q.stride(0), k.shape, k.stride(0) if k.dim() == 2 else 0,
            None if rv is None else rv.stride(0), bool(need_a), bool(need_r), bool(need_keys),
-           bool(need_rv), tuning.plan_key()) if eager_real(a) else None
+           bool(need_rv), self_offset, tuning.plan_key()) if eager_real(a) else None
     return BWD_PLANS(key, build, (a, r, noise, given, lse, ga, g, q, k, rv), (g_scale,),
                      _launcher)
 
 
 @triton_op("nac_fast::nac_fwd_triton", mutates_args=())
 def nac_fwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
-                   keys: Optional[torch.Tensor], s: float, l2: float, grad_rows: bool
+                   keys: Optional[torch.Tensor], s: float, l2: float, grad_rows: bool,
+                   self_offset: int = -1
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor]:
-    return fwd(a, r, noise, keys, s, l2, grad_rows)[:5]
+    return fwd(a, r, noise, keys, s, l2, grad_rows, self_offset=self_offset)[:5]
 
 
 @triton_op("nac_fast::nac_bwd_triton", mutates_args=())
 def nac_bwd_triton(a: torch.Tensor, r: torch.Tensor, noise: torch.Tensor,
                    keys: Optional[torch.Tensor], lse: torch.Tensor, ga: torch.Tensor,
                    g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, s: float, need_a: bool,
-                   need_r: bool, need_keys: bool) -> tuple[torch.Tensor, torch.Tensor,
-                                                           torch.Tensor]:
-    return bwd(a, r, noise, keys, lse, ga, g, q, k, s, need_a, need_r, need_keys)
+                   need_r: bool, need_keys: bool, self_offset: int = -1
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return bwd(a, r, noise, keys, lse, ga, g, q, k, s, need_a, need_r, need_keys,
+               self_offset=self_offset)

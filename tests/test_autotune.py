@@ -201,6 +201,35 @@ def test_config_reads_the_table_by_kind_and_nearest_size_class():
         cfg(kind="keys", n=8, N=8)
 
 
+def test_the_own_key_left_out_reads_no_table_and_takes_its_own_configurations():
+    """SELF launches (self_offset >= 0, docs/math.md [M:self-key]) skip the tuned table (the
+    autotune stage times the paper's kernels) and take SELF_CONFIGS where the paper's built-in
+    configuration spilled with SELF's mask; the plans pick them for SELF only."""
+    a8 = FWD16[4]
+    ship(table([entry(cfg=a8)]))
+    assert cfg(kind="inbatch", n=8192, N=8192) == a8
+    assert cfg(kind="inbatch", n=8192, N=8192, own=True) == NT.builtin_config(
+        "fwd", BF16, 128, KL.SM90, own=True) == NT.builtin_config("fwd", BF16, 128, KL.SM90)
+    with TU.forced(fwd=FWD16[2]):  # a forced configuration still wins (the autotune stage's)
+        assert cfg(own=True) == FWD16[2]
+    for (kernel, fam, bd), cands in NT.SELF_CONFIGS.items():
+        dtype = {"16": BF16, "32p": torch.float32}[fam]
+        for t in (KL.SM80, KL.SM90):
+            with NT.fp32_dot("bf16x6" if fam == "32p" else None):
+                own = NT.builtin_config(kernel, dtype, bd, t, own=True)
+                assert own in cands and own == NT.pick(
+                    cands, t, lambda c: NT.smem_estimate(kernel, c, dtype, bd), NT._INTERP[kernel])
+    # the plans: bf16 D = 64's forward is 128 x 64 with 4 warps, with SELF 8 warps (sm_80)
+    meta = dict(device="meta")
+    a = torch.empty((4096, 64), dtype=BF16, **meta)
+    paper = NT.fwd_plan(a, a, a, None, 1.1, 0.0, True, KL.SM80)[0]
+    own = NT.fwd_plan(a, a, a, None, 1.1, 0.0, True, KL.SM80, self_offset=0)[0]
+    fwd = [L for L in paper if L.tag == "fwd"][0]
+    fwd_own = [L for L in own if L.tag == "fwd"][0]
+    assert (fwd.num_warps, fwd_own.num_warps) == (4, 8)
+    assert fwd_own.constexprs["SELF"] and not fwd.constexprs["SELF"]
+
+
 def test_forced_configurations_win_and_nest():
     c1, c2 = FWD16[2], FWD16[5]
     with TU.forced(fwd=c1):

@@ -132,9 +132,35 @@ def test_bench_loss_smoke(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench_loss.main(LOSS + ["--reps", "0", "--csv", path])
     assert e.value.code == 2 and "--reps" in capsys.readouterr().err
-    for kind, n, N in (("inbatch", 8, 8), ("mq", 4, 16)):
+    for kind, n, N in (("inbatch", 8, 8), ("mq", 4, 16), ("inbatch-self", 8, 8)):
         step = bench_loss.make_step(kind, n, N, 8, torch.float32, "cpu", "reference")
         step()
+
+
+def test_bench_loss_times_the_own_key_left_out(tmp_path, capsys, monkeypatch):
+    """--inbatch-self: rows of kind inbatch-self, whose step is nac_loss with self_key="exclude"
+    (docs/math.md [M:self-key]) on the row's backend, its ratios to the reference of the same
+    kind; a size below 2 (one key, none left) is a usage error naming the flag."""
+    backends = "reference,cpu" if "cpu" in nac_fast.available_backends("cpu") else "reference"
+    path = str(tmp_path / "s.csv")
+    seen = []
+    real = nac_fast.nac_loss
+    monkeypatch.setattr(nac_fast, "nac_loss", lambda *a, **k: seen.append(k) or real(*a, **k))
+    assert bench_loss.main(["--device", "cpu", "--dtypes", "float32", "--inbatch", "",
+                            "--queue", "", "--inbatch-self", "16", "--D", "8", "--backends",
+                            backends, "--no-memory", "--reps", "2", "--min-time", "0",
+                            "--csv", path]) == 0
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["kind"], r["n"], r["N"], r["backend"]) for r in rows] == [
+        ("inbatch-self", "16", "16", b) for b in backends.split(",")]
+    assert all(r["status"] == "ok" for r in rows) and rows[0]["time_ratio_to_ref"] == "1.000"
+    assert seen and {k["self_key"] for k in seen} == {"exclude"}
+    assert {k["backend"] for k in seen} == set(backends.split(","))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        bench_loss.main(["--device", "cpu", "--inbatch-self", "1", "--csv", path])
+    assert e.value.code == 2 and "--inbatch-self" in capsys.readouterr().err
 
 
 # ---- bench/host_overhead.py ---------------------------------------------------------------------

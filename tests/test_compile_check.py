@@ -155,9 +155,21 @@ def test_the_grid_is_covered(check_rows):
             for D in map(str, CC.DS):
                 assert {(dtype, D, "1"), (dtype, D, "0")} <= folds, (arch, dtype, D)
         assert any(r["kernel"] == "sum_splits" and r["arch"] == arch for r in check_rows)
-        # both modes, and fp32's five product modes, were planned
+        # both modes, each with the rows' own keys left out too ([M:self-key]: the kernels'
+        # SELF), and fp32's five product modes, were planned
         fwd = [r for r in check_rows if r["kernel"] == "fwd" and r["arch"] == arch]
-        assert {m for r in fwd for m in r["modes"].split("+")} == {"inbatch", "queue"}
+        assert {m for r in fwd for m in r["modes"].split("+")} == {
+            "inbatch", "queue", "inbatch-self", "queue-self"}
+        own = {(r["kernel"], r["dtype"], r["D"], m) for r in check_rows if r["arch"] == arch
+               for m in r["modes"].split("+") if m.endswith("-self")}
+        for dtype in CC.DTYPES:
+            for D in map(str, CC.DS):
+                for mode in ("inbatch-self", "queue-self"):
+                    assert ("fwd", dtype, D, mode) in own, (arch, dtype, D, mode)
+                    assert any(k.startswith("bwd_keys") and tuple(x) == (dtype, D, mode)
+                               for k, *x in own), (arch, dtype, D, mode)
+        # only the matrix kernels take SELF: the row-wise ones are the paper's own launches
+        assert {k for k, *_ in own} <= set(CC.MATRIX_KERNELS)
         assert {r["precision"] for r in fwd if r["dtype"] == "float32"} == {
             "tf32x3", "tf32", "ieee", "bf16x6", "fp16x3"}
 

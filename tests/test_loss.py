@@ -808,6 +808,55 @@ class TestInputs:
         with pytest.raises(RuntimeError, match="keys must be a non-empty"):
             torch.ops.nac_fast.nac_fwd(a, r, torch.ones(4, 3), torch.ones(0, 3), 1.0, 0.0, False)
 
+    @pytest.mark.parametrize("op", ["compiled", "triton"])
+    def test_direct_op_calls_check_self_offset(self, op):
+        """The ops' self_offset (docs/math.md [M:self-key]): -1 or in [0, N - n] with N >= 2, else
+        an error naming self_offset (the compiled ops: RuntimeError from csrc/nac_checks.h; the
+        Triton ops: ValueError / TypeError), forward and backward alike, before any kernel runs;
+        the edges of the range pass."""
+        if op == "compiled" and "cpu" not in CPU_BACKENDS:
+            pytest.skip("no compiled extension")
+        if op == "triton" and "triton" not in CPU_BACKENDS:
+            pytest.skip("no Triton backend here")
+
+        def fwd(n, keys, off):
+            a, r, noise = torch.randn(n, 3), torch.randn(n, 3), torch.ones(n, 3)
+            if op == "compiled":
+                return torch.ops.nac_fast.nac_fwd(a, r, noise, keys, 1.0, 0.0, True, off)
+            from nac_fast.kernels import nac_triton
+            return nac_triton.fwd(a, r, noise, keys, 1.0, 0.0, True, self_offset=off)
+
+        def bwd(n, keys, off):
+            a, r, noise = torch.randn(n, 3), torch.randn(n, 3), torch.ones(n, 3)
+            lse, ga, g = torch.zeros(n), torch.zeros(n, 3), torch.ones(n)
+            if op == "compiled":
+                return torch.ops.nac_fast.nac_bwd(a, r, noise, keys, lse, ga, g, 1.0, True, True,
+                                                  keys is not None, off)
+            from nac_fast.kernels import nac_triton
+            q = torch.zeros(n, 3)
+            return nac_triton.bwd(a, r, noise, keys, lse, ga, g, q, q if keys is None else q[:0],
+                                  1.0, True, True, keys is not None, self_offset=off)
+
+        exc = RuntimeError if op == "compiled" else ValueError
+        keys = torch.tanh(torch.randn(9, 3))
+        for call in (fwd, bwd):
+            with pytest.raises(exc, match=r"self_offset must be -1 \(every key\) or >= 0"):
+                call(4, keys, -2)
+            with pytest.raises(exc, match=r"self_offset must lie in \[0, N - n\] = \[0, 5\]"):
+                call(4, keys, 6)
+            with pytest.raises(exc, match=r"self_offset must lie in \[0, N - n\] = \[0, 0\]"):
+                call(4, None, 1)  # without keys the rows' own codes are the keys: offset 0
+            with pytest.raises(exc, match="self_offset >= 0 needs at least 2 keys"):
+                call(1, None, 0)
+            with pytest.raises(exc, match="self_offset >= 0 needs at least 2 keys"):
+                call(1, keys[:1], 0)
+            for n, k, off in ((4, keys, 5), (4, keys, 0), (4, keys, -1), (1, None, -1),
+                              (1, keys[:2], 1), (4, None, 0)):
+                call(n, k, off)  # the edges pass
+        if op == "triton":
+            with pytest.raises(TypeError, match="self_offset must be an int"):
+                fwd(4, keys, 1.5)
+
     def test_vi_loss_checks_inputs(self):
         a, r, _ = _ok()
         with pytest.raises(ValueError, match="r must have 4 rows"):

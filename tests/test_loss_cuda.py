@@ -387,7 +387,8 @@ def _fwd_args(**over):
 
 def _fwd(args, grad_rows=True, cpu_kernel=False):
     op = torch.ops.nac_fast.nac_fwd.default
-    call = (args["a"], args["r"], args["noise"], args["keys"], 1.1, 0.1, grad_rows)
+    call = (args["a"], args["r"], args["noise"], args["keys"], 1.1, 0.1, grad_rows,
+            args.get("self_offset", -1))
     return op.redispatch(CPU_KEYS, *call) if cpu_kernel else op(*call)
 
 
@@ -402,7 +403,7 @@ def _bwd_args(**over):
 def _bwd(args, need_a=True, need_r=True, need_keys=False, cpu_kernel=False):
     op = torch.ops.nac_fast.nac_bwd.default
     call = (args["a"], args["r"], args["noise"], args["keys"], args["lse"], args["ga"], args["g"],
-            1.1, need_a, need_r, need_keys)
+            1.1, need_a, need_r, need_keys, args.get("self_offset", -1))
     return op.redispatch(CPU_KEYS, *call) if cpu_kernel else op(*call)
 
 
@@ -421,6 +422,13 @@ FWD_BAD = [
     ("keys", dict(keys=torch.randn(0, D_)), "keys must be a non-empty \\(N, D\\) matrix"),
     ("keys", dict(keys=torch.randn(5)), "keys must be a non-empty \\(N, D\\) matrix"),
     ("keys", dict(keys=torch.ones(5, D_, dtype=torch.int32)), "keys must be float16, bfloat16"),
+    # the row's own key left out (docs/math.md [M:self-key]): -1, or o in [0, N - n], N >= 2
+    ("self_offset", dict(self_offset=-2), "self_offset must be -1 \\(every key\\) or >= 0"),
+    ("self_offset", dict(self_offset=1), "self_offset must lie in \\[0, N - n\\] = \\[0, 0\\]"),
+    ("self_offset", dict(keys=torch.randn(5, D_), self_offset=2),
+     "self_offset must lie in \\[0, N - n\\] = \\[0, 1\\] .*n = 4, N = 5\\), got 2"),
+    ("self_offset", dict(a=torch.randn(1, D_), r=torch.randn(1, D_), noise=torch.ones(1, D_),
+                         self_offset=0), "self_offset >= 0 needs at least 2 keys"),
 ]
 
 
@@ -983,11 +991,18 @@ def test_accumulate_pt_reuses_the_accumulators_as_A(dpad, dtype):
         assert v == expect[r, c], (r, c)
 
 
-def _emu_forward_warp(Q2, K, row0, n, jstart, jend, C, dtype):
-    """fwd_mma_kernel for one warp: (m, l) per row (log2 units) and acc (16 x DPAD)."""
+def _emu_forward_warp(Q2, K, row0, n, jstart, jend, C, dtype, self_offset=-1):
+    """fwd_mma_kernel for one warp: (m, l) per row (log2 units) and acc (16 x DPAD).
+    self_offset >= 0: each row's own key (key self_offset + row) left out, by the kernel's own
+    band test and tile column ([M:self-key])."""
     mask = kernel_expr("fwd_mma_kernel", "j0 + 8 * nt + 2 * t + (e & 1) >= jend")
+    own_d = kernel_expr("fwd_mma_kernel", "self_offset + row0 - j0")
+    band = kernel_expr("fwd_mma_kernel", "d > -16 && d < C::kStream")
+    own = kernel_expr("fwd_mma_kernel", "8 * nt + 2 * t + (e & 1) == dd + g + 8 * (e >> 1)")
+    kernel_expr("fwd_mma_kernel",
+                "const float m_sub = self_offset >= 0 && m_new == -INFINITY ? 0.f : m_new;")
     kernel_expr("fwd_mma_kernel", "mx = fmaxf(mx, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));")
-    kernel_expr("fwd_mma_kernel", "exp2_approx(s[nt][2 * h + e] - m_new)")
+    kernel_expr("fwd_mma_kernel", "exp2_approx(s[nt][2 * h + e] - m_sub)")
     kernel_expr("fwd_mma_kernel", "acc[dt][2 * h] *= alpha;")
     kernel_expr("fwd_mma_kernel", "acc[dt][2 * h + 1] *= alpha;")
     kernel_expr("fwd_mma_kernel", "const int64_t row = row0 + g + 8 * h;")
@@ -1008,13 +1023,18 @@ def _emu_forward_warp(Q2, K, row0, n, jstart, jend, C, dtype):
                     for e in range(4):
                         if mask(j0=j0, nt=nt, t=t, e=e, jend=jend):
                             s[lane, nt, e] = -np.inf
+        if self_offset >= 0:
+            d = own_d(self_offset=self_offset, row0=row0, j0=j0)
+            if band(d=d, kStream=C["kStream"]):
+                _set_own(s, own, d, C, -np.inf, "g")
         for h in range(2):
             mx = np.max(s[:, :, 2 * h:2 * h + 2], axis=(1, 2))
             # quad_max: xor-shuffles 1 and 2 reduce over lanes 4g..4g+3
             mx = np.maximum.reduce([mx[LANES ^ x] for x in (0, 1, 2, 3)])
             m_new = np.maximum(m_run[:, h], mx)
             alpha = np.where(m_run[:, h] == -np.inf, 0.0, np.exp2(m_run[:, h] - m_new))
-            p = np.exp2(s[:, :, 2 * h:2 * h + 2] - m_new[:, None, None])
+            m_sub = np.where((self_offset >= 0) & (m_new == -np.inf), 0.0, m_new)
+            p = np.exp2(s[:, :, 2 * h:2 * h + 2] - m_sub[:, None, None])
             s[:, :, 2 * h:2 * h + 2] = p
             l_run[:, h] = l_run[:, h] * alpha + p.sum(axis=(1, 2))
             m_run[:, h] = m_new
@@ -1024,21 +1044,48 @@ def _emu_forward_warp(Q2, K, row0, n, jstart, jend, C, dtype):
     return m_run, l_tot, acc
 
 
+def _set_own(s, own, dd, C, value, g_name):
+    """s[lane, nt, e] = value where the kernel's own-key test `own` (its expression, over the
+    fragment's nt, t = lane % 4, e, the band offset dd and the lane's group lane // 4 under the
+    kernel's name g_name) holds: the warp's tile with its rows' own keys set."""
+    for lane in range(32):
+        for nt in range(C["kNTiles"]):
+            for e in range(4):
+                if own(nt=nt, t=lane % 4, e=e, dd=dd, **{g_name: lane // 4}):
+                    s[lane, nt, e] = value
+
+
+def _warp_rows(row0, n):
+    """(lane, h, row) of each row below n that one warp's accumulator fragments hold: lane's
+    group g = lane // 4 holds rows row0 + g (h = 0) and row0 + g + 8 (h = 1)."""
+    for lane in range(32):
+        for h in range(2):
+            r = row0 + lane // 4 + 8 * h
+            if r < n:
+                yield lane, h, r
+
+
+def _warp_operands(rng, n, N, D, dpad, scale, dtype):
+    """(Q2, K) of the warp emulations, padded to dpad columns and rounded to the 16-bit dtype:
+    Q2 = scale log2(e) m tanh(x) of n rows with random signs m, K = tanh(y) of N keys."""
+    z = np.tanh(rng.standard_normal((max(n, N), D)))
+    m = rng.choice([-1.0, 1.0], size=(n, D))
+    Q2 = np.zeros((n, dpad))
+    Q2[:, :D] = round16(scale * math.log2(math.e) * m * z[:n], dtype)
+    K = np.zeros((N, dpad))
+    K[:, :D] = round16(z[:N], dtype)
+    return Q2, K
+
+
 @pytest.mark.parametrize("dpad,D", [(32, 20), (64, 64), (128, 100), (256, 250)])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_forward_warp_online_logsumexp(dpad, D, dtype):
     """One warp's forward over a key split of 2+ tiles with a partial last tile: m + log2 l is the
     base-2 logsumexp of S2 = Q2 K^T over the split's keys, acc / l is softmax(S2) K."""
-    rng = np.random.default_rng(dpad + D)
     C = cfg(dpad)
     n, N = 21, 2 * C["kStream"] + 11
-    z = np.tanh(rng.standard_normal((max(n, N), D)))
-    m = rng.choice([-1.0, 1.0], size=(n, D))
-    Q2 = np.zeros((n, dpad))
     # a small scale keeps S2 near 0: an unmasked zero-filled key (S2 = 0) would move lse visibly
-    Q2[:, :D] = round16(0.1 * math.log2(math.e) * m * z[:n], dtype)
-    K = np.zeros((N, dpad))
-    K[:, :D] = round16(z[:N], dtype)
+    Q2, K = _warp_operands(np.random.default_rng(dpad + D), n, N, D, dpad, 0.1, dtype)
     row0, jstart, jend = 16, 4, N - 3  # rows 16..20 valid, 21..31 past n; keys [4, N-3)
     m_run, l_tot, acc = _emu_forward_warp(Q2, K, row0, n, jstart, jend, C, dtype)
     S2 = Q2[row0:n] @ K[jstart:jend].T
@@ -1046,28 +1093,73 @@ def test_forward_warp_online_logsumexp(dpad, D, dtype):
     P = np.exp2(S2 - lse2[:, None])
     ga = P @ K[jstart:jend, :D]
     got = emu_store_acc(acc, row0, n, D, C)
-    for lane in range(32):
-        g = lane // 4
-        for h in range(2):
-            r = row0 + g + 8 * h
-            if r >= n:
-                continue
-            i = r - row0
-            got_lse = m_run[lane, h] + math.log2(l_tot[lane, h])
-            assert abs(got_lse - lse2[i]) < 1e-9 * max(1, abs(lse2[i]))
-            for c in range(D):
-                # P rounded to 16 bits before P K: relative error <= 2^-8 (bf16) per term
-                unit = 2 ** -8 if dtype == "bf16" else 2 ** -11
-                tol = unit * (np.abs(P[i]) @ np.abs(K[jstart:jend, c]))
-                assert abs(got[(r, c)] / l_tot[lane, h] - ga[i, c]) <= tol + 1e-12, (r, c)
+    for lane, h, r in _warp_rows(row0, n):
+        i = r - row0
+        got_lse = m_run[lane, h] + math.log2(l_tot[lane, h])
+        assert abs(got_lse - lse2[i]) < 1e-9 * max(1, abs(lse2[i]))
+        for c in range(D):
+            # P rounded to 16 bits before P K: relative error <= 2^-8 (bf16) per term
+            unit = 2 ** -8 if dtype == "bf16" else 2 ** -11
+            tol = unit * (np.abs(P[i]) @ np.abs(K[jstart:jend, c]))
+            assert abs(got[(r, c)] / l_tot[lane, h] - ga[i, c]) <= tol + 1e-12, (r, c)
+
+
+@pytest.mark.parametrize("dpad,D", [(32, 20), (64, 64), (128, 100), (256, 250)])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("where", ["band", "last"])
+def test_forward_warp_leaves_the_own_key_out(dpad, D, dtype, where):
+    """fwd_mma_kernel with self_offset >= 0 (docs/math.md [M:self-key]), one warp, by the
+    kernel's own mask expressions: m + log2 l is the base-2 logsumexp over the split's keys but
+    each row's own, acc / l the softmax over them times K.  "band": the own keys cross tile
+    boundaries (a tile that holds some of the warp's own keys and one that holds the rest);
+    "last": a split of one key, the own key of one row (that row gets m = -inf, l = 0, acc = 0:
+    no NaN), the other rows' own keys outside it."""
+    C = cfg(dpad)
+    n, N = 29, 2 * C["kStream"] + 40
+    Q2, K = _warp_operands(np.random.default_rng(3 * dpad + D), n, N, D, dpad, 0.5, dtype)
+    row0 = 16  # rows 16..28 valid, 29..31 past n
+    if where == "band":  # rows 16..28's own keys: 8 before the second tile's start, 5 from it
+        jstart, jend = 9, N - 3
+        offset = jstart + C["kStream"] - 24
+    else:  # row 20's own key is key N - 1, the split [N - 1, N)
+        offset, jstart, jend = N - 1 - 20, N - 1, N
+    m_run, l_tot, acc = _emu_forward_warp(Q2, K, row0, n, jstart, jend, C, dtype, offset)
+    assert not np.isnan(m_run).any() and not np.isnan(l_tot).any() and not np.isnan(acc).any()
+    got = emu_store_acc(acc, row0, n, D, C)
+    for lane, h, r in _warp_rows(row0, n):
+        keys = [j for j in range(jstart, jend) if j != offset + r]
+        if not keys:  # its own key was the split's only one: nothing of it
+            assert m_run[lane, h] == -np.inf and l_tot[lane, h] == 0, r
+            assert all(got[(r, c)] == 0 for c in range(D)), r
+            continue
+        S2 = Q2[r] @ K[keys].T
+        lse2 = np.log2(np.exp2(S2 - S2.max()).sum()) + S2.max()
+        got_lse = m_run[lane, h] + math.log2(l_tot[lane, h])
+        assert abs(got_lse - lse2) < 1e-9 * max(1, abs(lse2)), r
+        P = np.exp2(S2 - lse2)
+        unit = 2 ** -8 if dtype == "bf16" else 2 ** -11
+        for c in range(D):
+            tol = unit * (np.abs(P) @ np.abs(K[keys, c]))
+            assert abs(got[(r, c)] / l_tot[lane, h] - P @ K[keys, c]) <= tol + 1e-12, (r, c)
+    if where == "band":  # the test's premise: the own keys cross a tile boundary
+        assert offset >= 0 and jstart + C["kStream"] - offset - row0 == 8
 
 
 @pytest.mark.parametrize("dpad,D", [(32, 32), (64, 57), (128, 128), (256, 193)])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_keys_backward_warp(dpad, D, dtype):
+@pytest.mark.parametrize("self_offset", [-1, 0, 3, 30], ids=["every-key", "own-0", "own-3",
+                                                              "own-none-here"])
+def test_keys_backward_warp(dpad, D, dtype, self_offset):
     """One warp of bwd_keys_mma_kernel: dK_j = ln 2 sum_i g_i 2^(S2_ij - log2(e) lse_i) Q2_i over
-    a query split with a partial last tile (zero-filled queries: lse = g = 0, contribute 0)."""
+    a query split with a partial last tile (zero-filled queries: lse = g = 0, contribute 0).
+    self_offset >= 0 ([M:self-key]): P of query i's own key, key self_offset + i, is 0, by the
+    kernel's own band test and resident row: the warp's keys 0..15 hold the own keys of the
+    split's queries 2..15 (offset 0) or 2..12 (offset 3), or none (30: every own key past them)."""
     qcol = kernel_expr("bwd_keys_mma_kernel", "8 * nt + 2 * t + (e & 1)")
+    own_d = kernel_expr("bwd_keys_mma_kernel", "key0 - self_offset - (istart + it * C::kStream)")
+    band = kernel_expr("bwd_keys_mma_kernel", "d > -16 && d < C::kStream")
+    own = kernel_expr("bwd_keys_mma_kernel", "8 * nt + 2 * t + (e & 1) == dd + g8 + 8 * (e >> 1)")
+    kernel_expr("bwd_keys_mma_kernel", "s[nt][e] = 0.f;")
     kernel_expr("bwd_keys_mma_kernel",
                 "s[nt][e] = exp2_approx(fmaf(s_lse[b][i], -kLog2e, s[nt][e])) * (s_g[b][i] * gscale);")
     kernel_expr("bwd_keys_mma_kernel",
@@ -1103,9 +1195,19 @@ def test_keys_backward_warp(dpad, D, dtype):
                     assert i == 8 * nt + c_layout(lane, e)[1]
                     s[lane, nt, e] = (np.exp2(s[lane, nt, e] - math.log2(math.e) * s_lse[i])
                                       * (s_g[i] * gscale))
+        if self_offset >= 0:
+            d = own_d(key0=key0, self_offset=self_offset, istart=istart, it=it,
+                      kStream=C["kStream"])
+            if band(d=d, kStream=C["kStream"]):
+                _set_own(s, own, d, C, 0.0, "g8")
         dk = emu_accumulate_pt(dk, s, buf, C, dtype)
     got = emu_store_acc(dk * (math.log(2) * ginv), key0, N, D, C)
     P = np.exp(S[istart:iend] - lse[istart:iend, None]) * g[istart:iend, None]  # (queries, keys)
+    if self_offset >= 0:  # query i's own key, key self_offset + i, takes nothing of it
+        for i in range(istart, iend):
+            if 0 <= self_offset + i < N:
+                P[i - istart, self_offset + i] = 0.0
+        assert (P == 0).sum() == sum(self_offset + i < N for i in range(istart, iend))
     expect = (P.T @ Q2[istart:iend, :D]) * math.log(2)
     bound = np.abs(P.T) @ np.abs(Q2[istart:iend, :D]) * math.log(2)
     tol = 2 ** -8 if dtype == "bf16" else 2 ** -11

@@ -2,8 +2,8 @@
 The same CUDA kernels checked without a GPU (build, layouts, numerics): tests/test_loss_cuda.py.
 
 The tensor-core kernels on a GPU (csrc/nac_cuda_mma.cu): both 16-bit dtypes, every loss and code
-width, against the float64 reference.  Skips without a GPU; bench/gpu_suite.sh's test stage runs
-it.
+width, against the float64 reference; each row's own key left out (self_offset, [M:self-key]) on
+the CUDA and Triton kernels.  Skips without a GPU; bench/gpu_suite.sh's test stage runs it.
 
 Interpreter vs GPU: where the Triton interpreter (CI: CPU tensors, TRITON_INTERPRET=1) and the
 compiled GPU code would compute different things for the same call, the guards that keep the
@@ -94,6 +94,59 @@ def test_tensor_core_path_against_float64(dtype, kind, n, N, D):
             assert g2[name] is None, name
             continue
         assert torch.equal(g[name], g2[name]), f"{name}: backward not deterministic"
+
+
+# (n, N, D, self_offset): N None = the batch's own codes (offset 0); the own codes inside the
+# given keys at the start, the middle and the end; DPAD 32 to 256; a row whose own key is alone
+# in the last key split (n = 1, N = 129)
+SELF_SHAPES = [(300, None, 20, 0), (129, 1031, 64, 900), (97, 517, 100, 3), (64, 300, 250, 236),
+               (1000, None, 128, 0), (33, 40, 7, 7), (2048, 8192, 256, 4096), (1, 129, 64, 128)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("n,N,D,offset", SELF_SHAPES,
+                         ids=["-".join(map(str, s)) for s in SELF_SHAPES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_self_key_against_float64(backend, dtype, n, N, D, offset):
+    """Each row's own key left out (self_key="exclude", the ops' self_offset, docs/math.md
+    [M:self-key]) on the GPU kernels: the tensor-core paths (bf16, fp16: within twice the error of
+    the reference computed in the same dtype) and fp32 (CUDA's SIMT kernels, Triton's tf32x3:
+    1e-5 on the value, 1e-4 on the gradients), value and every gradient against the float64
+    reference, the backward deterministic."""
+    if backend not in nac_fast.available_backends("cuda"):
+        pytest.skip(f"no {backend} backend on this GPU machine")
+    g = torch.Generator().manual_seed(n + D + offset)
+    t = {"a": torch.randn(n, D, generator=g, dtype=torch.float64) * 1.5,
+         "r": torch.randn(n, D, generator=g, dtype=torch.float64) * 2}
+    if N is not None:
+        t["keys"] = torch.tanh(torch.randn(N, D, generator=g, dtype=torch.float64) * 1.5)
+        t["keys"][offset:offset + n] = torch.tanh(t["a"])  # the rows' own codes, as gathered
+    noise = nac_fast.draw_noise((n, D), 0.1, generator=g).to("cuda", dtype)
+    t = {k: v.to("cuda", dtype).requires_grad_() for k, v in t.items()}
+    w = torch.randn(n, generator=torch.Generator().manual_seed(3)).to("cuda")
+
+    def fn(a, r, keys=None, **kw):
+        return nac_fast.nac_loss(a, r, 0.1, keys=keys, self_key="exclude", self_offset=offset,
+                                 reduction="none", **kw)
+    exact = {k: x.detach().double().requires_grad_() for k, x in t.items()}
+    v64, g64 = run_loss(fn, exact, w, backend="reference", noise=noise.double())
+    vref, gref = run_loss(fn, t, w, backend="reference", noise=noise)
+    v, gg = run_loss(fn, t, w, backend=backend, noise=noise)
+    assert torch.isfinite(v).all()
+    if dtype == torch.float32:
+        assert rel_err(v, v64) <= 1e-5, rel_err(v, v64)
+    else:
+        assert rel_err(v, v64) <= 2 * rel_err(vref, v64) + 1e-7, (rel_err(v, v64),
+                                                                   rel_err(vref, v64))
+    for name in g64:
+        assert gg[name].dtype == dtype and torch.isfinite(gg[name]).all(), name
+        e, eref = rel_err(gg[name], g64[name]), rel_err(gref[name], g64[name])
+        assert e <= (1e-4 if dtype == torch.float32 else 2 * eref + 1e-7), (name, e, eref)
+    _, g2 = run_loss(fn, t, w, backend=backend, noise=noise)
+    for name in gg:
+        assert torch.equal(gg[name], g2[name]), f"{name}: backward not deterministic"
 
 
 # ---------------------------------------------------------------------------------------------

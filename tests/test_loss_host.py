@@ -54,8 +54,11 @@ def op_path():
 
 
 def _run(kind, dtype, *, p=0.1, strided=False, keys_grad=False, need_r=True, seed=0,
-         reduction="mean"):
+         reduction="mean", own=None):
+    """own: None, every key; an int, each row's own key left out at that self_offset
+    (self_key="exclude", docs/math.md [M:self-key]; kinds inbatch and keys)."""
     g = torch.Generator().manual_seed(seed)
+    ex = {} if own is None else dict(self_key="exclude", self_offset=own)
     n, N, D = 37, 53, 24
     big = torch.randn(n, 2 * D, generator=g, dtype=torch.float64).to(DEVICE)
     a = (big[:, ::2] if strided else big[:, :D]).to(dtype).detach().requires_grad_()
@@ -63,12 +66,12 @@ def _run(kind, dtype, *, p=0.1, strided=False, keys_grad=False, need_r=True, see
     noise = nac_fast.draw_noise((n, D), p, generator=g, dtype=dtype).to(DEVICE)
     w = torch.randn(n, generator=g, dtype=torch.float64).to(DEVICE, reference.acc_dtype(dtype))
     if kind == "inbatch":
-        out = nac_fast.nac_loss(a, r, p, noise=noise, backend="triton", reduction="none")
+        out = nac_fast.nac_loss(a, r, p, noise=noise, backend="triton", reduction="none", **ex)
     else:
         keys = torch.tanh(torch.randn(N, D, generator=g, dtype=torch.float64)).to(DEVICE, dtype)
         keys.requires_grad_(keys_grad)
         out = nac_fast.nac_loss(a, r, p, keys=keys, noise=noise, backend="triton",
-                                reduction="none") if keys_grad else \
+                                reduction="none", **ex) if keys_grad or ex else \
             nac_fast.nac_mq_loss(a, r, keys, p, noise=noise, backend="triton", reduction="none")
     loss = (out * w).sum() if reduction == "none" else out.mean()
     leaves = [t for t in (a, r) if t.requires_grad]
@@ -80,7 +83,10 @@ def _run(kind, dtype, *, p=0.1, strided=False, keys_grad=False, need_r=True, see
 
 CASES = [("inbatch", torch.float32, {}), ("inbatch", torch.bfloat16, {}),
          ("inbatch", torch.float64, {"strided": True}), ("keys", torch.float32, {"keys_grad": True}),
-         ("mq", torch.bfloat16, {"need_r": False}), ("mq", torch.float32, {"reduction": "none"})]
+         ("mq", torch.bfloat16, {"need_r": False}), ("mq", torch.float32, {"reduction": "none"}),
+         # each row's own key left out ([M:self-key]): in-batch, and in given keys at an offset
+         ("inbatch", torch.float32, {"own": 0}),
+         ("keys", torch.bfloat16, {"keys_grad": True, "own": 16, "reduction": "none"})]
 
 
 @pytest.mark.parametrize("kind,dtype,kw", CASES)
@@ -107,6 +113,16 @@ def test_a_second_call_rebuilds_no_plan(kernels):
     assert (nac_triton.FWD_PLANS.recorded, nac_triton.BWD_PLANS.recorded) == rec[:2]
     _run("inbatch", torch.bfloat16)  # another dtype: another plan
     assert nac_triton.FWD_PLANS.recorded == 2
+
+
+def test_a_changed_self_offset_records_a_new_plan(kernels):
+    """self_offset is part of a plan's key (it is baked into the launches' arguments): each
+    offset its own plan, and a second call with one records none."""
+    _, nac_triton, _ = kernels
+    _run("keys", torch.float32, keys_grad=True)
+    for own in (0, 16, 0):
+        _run("keys", torch.float32, keys_grad=True, own=own)
+    assert (nac_triton.FWD_PLANS.recorded, nac_triton.BWD_PLANS.recorded) == (3, 3)
 
 
 def test_a_plan_allocates_only_the_buffers_its_launches_use(kernels):

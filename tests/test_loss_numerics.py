@@ -1204,11 +1204,60 @@ class TestMultilinear:
         assert "likelihood=multilinear" in capsys.readouterr().out
 
 
+def _self_key_inputs(n, N, D, offset, dtype, seed, p=0.25):
+    """(tensors requiring grad, noise) of a self-key case on DEVICE in `dtype`: a, r and (N not
+    None) keys whose rows offset .. offset + n - 1 are the rows' own codes tanh(a), as gathering
+    puts them."""
+    g = torch.Generator().manual_seed(seed)
+    t = {"a": torch.randn(n, D, generator=g, dtype=torch.float64) * 1.5,
+         "r": torch.randn(n, D, generator=g, dtype=torch.float64) * 2}
+    if N is not None:
+        keys = torch.tanh(torch.randn(N, D, generator=g, dtype=torch.float64) * 1.5)
+        keys[offset:offset + n] = torch.tanh(t["a"])
+        t["keys"] = keys
+    noise = nac_fast.draw_noise((n, D), p, dtype=torch.float64, generator=g)
+    return ({k: v.to(DEVICE, dtype).requires_grad_() for k, v in t.items()},
+            noise.to(DEVICE, dtype))
+
+
+def _self_key_fn(p, offset):
+    def fn(a, r, keys=None, **kw):
+        return nac_fast.nac_loss(a, r, p, keys=keys, self_key="exclude", self_offset=offset,
+                                 reduction="none", **kw)
+    return fn
+
+
+def _self_key_runs(backend, n, N, D, offset, dtype, seed, p=0.25):
+    """(value, grads) of the fused `backend` in `dtype`, of the reference in `dtype` and of the
+    reference in float64 (of the same rounded inputs), for the rows weighted by w."""
+    t, noise = _self_key_inputs(n, N, D, offset, dtype, seed, p)
+    w = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE)
+    fn = _self_key_fn(p, offset)
+    exact = {k: x.detach().double().requires_grad_() for k, x in t.items()}
+    r64 = run_loss(fn, exact, w, backend="reference", noise=noise.double())
+    rref = run_loss(fn, t, w, backend="reference", noise=noise)
+    got = run_loss(fn, t, w, backend=backend, noise=noise)
+    return got, rref, r64
+
+
+# (n, N, D, offset): N None = the batch's own codes (offset 0); n = 1 with 2 keys; a partial key
+# tile; the own codes at the start, in the middle and at the end of the keys; splits (the
+# interpreter's 4 "SMs": n = 1, N = 129 puts key 128 alone in its key split, the row's own there)
+SELF_SHAPES = [(3, None, 7, 0), (97, None, 128, 0), (1, 2, 5, 1), (1, 2, 5, 0), (3, 97, 7, 41),
+               (97, 1031, 16, 934), (64, 1031, 16, 0), (1, 129, 16, 128), (3, 129, 16, 126),
+               (40, 131, 32, 91), (3, 513, 9, 510)]
+
+
 class TestSelfKey:
     """The row's own clean code left out of its keys (docs/math.md [M:self-key], --self-key
     exclude): the rows against the float64 numpy oracle at awkward sizes, with the batch's own
     codes as keys and with gathered keys at an offset, its gradient by gradcheck, the zero-code
-    value it keeps, the criterion's pairing, and the API's refusals."""
+    value it keeps, the criterion's pairing, and the API's refusals.  Every fused backend
+    (self_offset of the ops) against the float64 reference: values and every gradient at awkward
+    sizes (the fp32 budgets of TestBackends; float64 to 1e-10; bf16/fp16 within twice the
+    same-dtype reference's error), gradcheck, the key splits and tile edges where a row's own key
+    is the only key of its tile or split, the Triton product modes and the folded and unfolded
+    tails, and the paper's loss of the same ops unchanged."""
 
     @pytest.mark.parametrize("n,N,D,offset", [(2, None, 1, 0), (3, None, 7, 0),
                                               (97, None, 128, 0), (1, 2, 5, 1), (3, 97, 7, 41),
@@ -1263,7 +1312,7 @@ class TestSelfKey:
             torch.testing.assert_close(rows, torch.full((n,), D * math.log(2.0),
                                                         dtype=torch.float64), rtol=0, atol=1e-12)
 
-    def test_criterion_takes_it_and_refuses_a_fused_backend(self):
+    def test_criterion_takes_it_on_every_backend(self):
         g = torch.Generator().manual_seed(0)
         a0, r0, a1, r1 = (torch.randn(4, 8, generator=g, dtype=torch.float64) for _ in range(4))
         noise = nac_fast.draw_noise((8, 8), 0.25, dtype=torch.float64, generator=g)
@@ -1274,11 +1323,18 @@ class TestSelfKey:
                                  self_key="exclude")
         assert got.item() == want.item()
         assert got.item() != nac_fast.NACLoss(0.25)((a0, r0), (a1, r1), noise=noise).item()
-        for backend in ("cpu", "triton", "cuda"):
-            with pytest.raises(ValueError, match=f"backend '{backend}' cannot leave the row's own"):
-                nac_fast.NACLoss(0.25, backend=backend, self_key="exclude")
-            with pytest.raises(ValueError, match=f"backend '{backend}' cannot leave the row's own"):
-                nac_fast.nac_loss(a0, r0, 0.25, backend=backend, self_key="exclude")
+        ref = nac_fast.NACLoss(0.25, backend="reference", self_key="exclude")(
+            (a0, r0), (a1, r1), noise=noise)
+        np.testing.assert_allclose(got.item(), ref.item(), rtol=1e-12)
+        for backend in BACKENDS:  # the fused kernels take it (a refusal until they did)
+            fused = nac_fast.NACLoss(0.25, backend=backend, self_key="exclude")(
+                (a0, r0), (a1, r1), noise=noise)
+            np.testing.assert_allclose(fused.item(), ref.item(), rtol=1e-12)
+            rows = nac_fast.nac_loss(a0, r0, 0.25, backend=backend, self_key="exclude",
+                                     noise=noise[:4], reduction="none")
+            np.testing.assert_allclose(rows.numpy(), oracle_rows(a0, r0, noise[:4], 0.25,
+                                                                 self_offset=0),
+                                       rtol=1e-12, atol=1e-12)
         for bad in ("none", None, True):
             with pytest.raises(ValueError, match="self_key must be one of"):
                 nac_fast.NACLoss(0.25, self_key=bad)
@@ -1306,6 +1362,161 @@ class TestSelfKey:
         a = torch.randn(1, 8, dtype=torch.float64)
         with pytest.raises(ValueError, match="self_key='exclude' needs at least 2 keys"):
             nac_fast.nac_loss(a, a, 0.25, self_key="exclude")
+        for backend in BACKENDS:
+            with pytest.raises(ValueError, match="self_key='exclude' needs at least 2 keys"):
+                nac_fast.nac_loss(a, a, 0.25, self_key="exclude", backend=backend)
+
+    # ---- the fused kernels ----------------------------------------------------------------
+
+    @pytest.mark.parametrize("backend,n,N,D,offset", [
+        pytest.param(b, *s, id=f"{b}-" + "-".join(map(str, s))) for b in BACKENDS
+        for s in SELF_SHAPES])
+    def test_fused_fp32_against_float64(self, backend, n, N, D, offset):
+        """The value and every gradient (a, r, and the keys where given) within the fp32
+        budgets of TestBackends (1e-5, 1e-4) of the float64 reference, and the rows at all."""
+        (v, g), _, (v64, g64) = _self_key_runs(backend, n, N, D, offset, torch.float32,
+                                               seed=n + D + offset)
+        assert v.dtype == torch.float32 and v.shape == (n,)
+        assert rel_err(v, v64) <= 1e-5, rel_err(v, v64)
+        assert set(g) == set(g64) == ({"a", "r"} if N is None else {"a", "r", "keys"})
+        for name in g64:
+            assert rel_err(g[name], g64[name]) <= 1e-4, (name, rel_err(g[name], g64[name]))
+
+    @pytest.mark.parametrize("backend,n,N,D,offset", [
+        pytest.param(b, *s, id=f"{b}-" + "-".join(map(str, s))) for b in BACKENDS
+        for s in [(3, None, 7, 0), (1, 2, 5, 1), (3, 97, 7, 41), (1, 129, 16, 128),
+                  (3, 513, 9, 510)]])
+    def test_fused_fp64_against_float64(self, backend, n, N, D, offset):
+        (v, g), _, (v64, g64) = _self_key_runs(backend, n, N, D, offset, torch.float64,
+                                               seed=3 * n + D)
+        assert v.dtype == torch.float64
+        torch.testing.assert_close(v, v64, rtol=1e-10, atol=1e-12)
+        for name in g64:
+            torch.testing.assert_close(g[name], g64[name], rtol=1e-9, atol=1e-12)
+
+    @pytest.mark.parametrize("backend,n,N,D,offset", [
+        pytest.param(b, *s, id=f"{b}-" + "-".join(map(str, s))) for b in BACKENDS
+        for s in [(33, None, 128, 0), (40, 131, 128, 91), (3, 97, 7, 41)]])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+    def test_fused_16bit_within_twice_the_same_dtype_reference(self, backend, n, N, D, offset,
+                                                               dtype):
+        """bf16/fp16 (Triton at D = 128: its tuned 16-bit loop) within budget_16 of the reference
+        computed in the same dtype, both against float64."""
+        (v, g), (vref, gref), (v64, g64) = _self_key_runs(backend, n, N, D, offset, dtype,
+                                                          seed=n + 5)
+        assert rel_err(v, v64) <= budget_16(rel_err(vref, v64), dtype)
+        for name in g64:
+            assert g[name].dtype == dtype
+            assert rel_err(g[name], g64[name]) <= budget_16(rel_err(gref[name], g64[name]),
+                                                            dtype), name
+
+    @pytest.mark.parametrize("backend", BACKENDS)
+    def test_fused_gradcheck_float64(self, backend):
+        a, r, keys, noise = _multilinear_inputs(5, 9, 4, 0.3, seed=1)
+        keys[2:7] = torch.tanh(a)
+        a, r, keys, noise = (x.to(DEVICE) for x in (a, r, keys, noise))
+        a.requires_grad_()
+        keys.requires_grad_()
+        r.requires_grad_()
+        kw = dict(noise=noise, self_key="exclude", backend=backend)
+        assert torch.autograd.gradcheck(
+            lambda a, r, k: nac_fast.nac_loss(a, r, 0.3, keys=k, reduction="none",
+                                              self_offset=2, **kw), (a, r, keys))
+        assert torch.autograd.gradcheck(lambda a, r: nac_fast.nac_loss(a, r, 0.3, **kw), (a, r))
+
+    @pytest.mark.parametrize("backend", BACKENDS)
+    @pytest.mark.parametrize("N,offset", [(2, 0), (2, 1), (131, 0), (131, 77), (1031, 1030)])
+    def test_one_row_is_the_papers_loss_without_its_key(self, backend, N, offset):
+        """One row: leaving its own key out is the paper's loss over the other N - 1 keys, on
+        the same fused backend (rows and gradients, fp32: the tile edges move by one key)."""
+        t, noise = _self_key_inputs(1, N, 24, offset, torch.float32, seed=N + offset)
+        kw = dict(noise=noise, backend=backend, reduction="none")
+        keep = torch.cat([torch.arange(offset), torch.arange(offset + 1, N)]).to(DEVICE)
+        one = torch.ones(1, device=DEVICE)
+        v, g = run_loss(lambda a, r, keys: nac_fast.nac_loss(
+            a, r, 0.25, keys=keys, self_key="exclude", self_offset=offset, **kw), t, one)
+        w, h = run_loss(lambda a, r, keys: nac_fast.nac_loss(
+            a, r, 0.25, keys=keys[keep], **kw), t, one)
+        torch.testing.assert_close(v, w, rtol=2e-6, atol=2e-6)
+        for name in ("a", "r", "keys"):
+            torch.testing.assert_close(g[name], h[name], rtol=1e-5, atol=1e-6)
+        assert torch.all(g["keys"][offset] == 0)  # the own key takes no gradient
+
+    @pytest.mark.parametrize("backend", BACKENDS)
+    def test_the_papers_loss_is_unchanged(self, backend):
+        """self_offset -1 (every key) is what the ops did before they took it: the same bits as
+        the ops called without it, and not the own-key loss."""
+        from nac_fast.ops import nac
+        t, noise = _self_key_inputs(37, 131, 16, 50, torch.float32, seed=4)
+        a, r, keys = (t[k].detach() for k in ("a", "r", "keys"))
+        s = nac_fast.channel_scale(0.25)
+        fwd, bwd = nac._eager_ops(backend)
+
+        def copies(outs):  # (a cached plan may hand its next call the same buffers)
+            return [x.clone() for x in outs]
+        for kk in (None, keys):
+            out = copies(fwd(a, r, noise, kk, s, 0.0, True))
+            same = copies(fwd(a, r, noise, kk, s, 0.0, True, self_offset=-1))
+            for x, y in zip(out, same):
+                assert torch.equal(x, y)
+            own = copies(fwd(a, r, noise, kk, s, 0.0, True, self_offset=0))
+            assert not torch.equal(out[0], own[0])
+            g = torch.ones(37, device=DEVICE)
+            lse, ga, *saved = out[1:-1]
+            args = (a, r, noise, kk, lse, ga, g, *saved, s, True, True, kk is not None)
+            for x, y in zip(copies(bwd(*args)), copies(bwd(*args, self_offset=-1))):
+                assert torch.equal(x, y)
+
+    def test_cpu_key_splits(self, monkeypatch):
+        """The CPU kernel with two threads splits a query block's keys (N = 513: key 512 alone
+        in the second split, and the only key of row 2's tile besides its own): the same rows and
+        gradients as the float64 reference."""
+        if "cpu" not in BACKENDS:
+            pytest.skip("no compiled extension")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            (v, g), _, (v64, g64) = _self_key_runs("cpu", 3, 513, 9, 510, torch.float32, seed=8)
+        finally:
+            torch.set_num_threads(threads)
+        assert rel_err(v, v64) <= 1e-5
+        for name in g64:
+            assert rel_err(g[name], g64[name]) <= 1e-4, name
+
+    @pytest.mark.parametrize("mode", ["bf16x6", "fp16x3", "ieee"])
+    @pytest.mark.parametrize("n,N,D,offset", [(37, None, 64, 0), (37, 131, 64, 94),
+                                              (1, 129, 16, 128)])
+    @pytest.mark.parametrize("fold", ["0", "1"])
+    def test_triton_product_modes_and_tails(self, monkeypatch, mode, n, N, D, offset, fold):
+        """The Triton kernels' fp32 product modes (the 16-bit part loops: _fwd_tile3 and
+        _bwd_tile3; fp16x3 is in-batch only, given keys run bf16x6) and the finish and rows'
+        backward folded in or not: fp32 budgets against float64."""
+        if "triton" not in BACKENDS:
+            pytest.skip("no Triton backend here")
+        monkeypatch.setenv("NAC_FAST_FP32_DOT", mode)
+        monkeypatch.setenv("NAC_FAST_FOLD", fold)
+        (v, g), _, (v64, g64) = _self_key_runs("triton", n, N, D, offset, torch.float32,
+                                               seed=n + D)
+        assert rel_err(v, v64) <= 1e-5, rel_err(v, v64)
+        for name in g64:
+            assert rel_err(g[name], g64[name]) <= 1e-4, (name, rel_err(g[name], g64[name]))
+
+    @pytest.mark.parametrize("backend", BACKENDS)
+    def test_reductions_and_no_grad(self, backend):
+        t, noise = _self_key_inputs(20, 45, 8, 13, torch.float32, seed=2)
+        kw = dict(keys=t["keys"], noise=noise, self_key="exclude", self_offset=13)
+        for reduction in ("mean", "sum"):
+            got = nac_fast.nac_loss(t["a"], t["r"], 0.25, backend=backend, reduction=reduction,
+                                    **kw)
+            want = nac_fast.nac_loss(t["a"], t["r"], 0.25, backend="reference",
+                                     reduction=reduction, **kw)
+            assert rel_err(got, want) <= 1e-5, reduction
+        with torch.no_grad():
+            rows = nac_fast.nac_loss(t["a"], t["r"], 0.25, backend=backend, reduction="none",
+                                     **kw)
+        assert not rows.requires_grad
+        assert rel_err(rows, nac_fast.nac_loss(t["a"], t["r"], 0.25, backend="reference",
+                                               reduction="none", **kw)) <= 1e-5
 
     def test_train_flag(self, tmp_path, capsys):
         sys.path.insert(0, ROOT)
@@ -1313,9 +1524,13 @@ class TestSelfKey:
         base = ["--data", "synthetic:64", "--batch-size", "32", "--max-steps", "2", "--no-progress",
                 "--device", "cpu", "--self-key", "exclude"]
         assert train.main(base + ["--out", str(tmp_path / "ok")]) == 0
-        assert "self_key=exclude (reference loss: no fused kernel)" in capsys.readouterr().out
-        assert train.main(base + ["--out", str(tmp_path / "bad"), "--loss-backend", "cpu"]) == 2
-        assert "--loss-backend cpu: the fused kernels keep every key" in capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert "self_key=exclude " in out and "reference loss" not in out
+        # a fused backend named: it runs (a usage error until the fused kernels took it)
+        for backend in BACKENDS:
+            assert train.main(base + ["--out", str(tmp_path / backend), "--loss-backend",
+                                      backend]) == 0, backend
+            assert "self_key=exclude " in capsys.readouterr().out
         assert train.main(base + ["--out", str(tmp_path / "mq"), "--method", "nac-mq"]) == 2
         assert "--self-key exclude is an option of in-batch NAC" in capsys.readouterr().err
         assert train.main(base[:-1] + ["some", "--out", str(tmp_path / "bad2")]) == 2
@@ -1771,10 +1986,12 @@ class TestIntegerLimits:
         _assert_covers(_run_bounds(probe, split, nt.MAX_ROWS, args[per_split], block), nt.MAX_ROWS)
         # the plan's largest block: the margin 2^16 = MAX_ROWS' room covers 64 splits + 1 blocks of
         # every configuration a plan may pick (CONFIGS, CANDIDATES, FUSED_CONFIGS, the
-        # interpreter's)
+        # interpreter's, SELF_CONFIGS, SELF_FUSED_CONFIGS)
         cfgs = [c for v in nt.CONFIGS.values() for c in v]
         cfgs += [c for v in nt.CANDIDATES.values() for c in v]
         cfgs += [c for c in nt.FUSED_CONFIGS.values() if c is not None] + list(nt._INTERP.values())
+        cfgs += [c for v in nt.SELF_CONFIGS.values() for c in v]
+        cfgs += list(nt.SELF_FUSED_CONFIGS.values())
         widest = max(max(c.BLOCK_M, c.BLOCK_N) for c in cfgs)
         assert 65 * widest <= INT32_MAX - nt.MAX_ROWS
         assert widest * nt.MAX_ROW_STRIDE + nt.MAX_D <= INT32_MAX

@@ -1,6 +1,8 @@
 """2-process gloo DDP equals 1 process over the global batch (loss and gradients), for nac,
 nac-mq and simclr, and for nac with each row's own code left out of its keys (NACLoss finds it
-at this rank's place in the gathered keys, [M:self-key]); under DDP the trainer's steps on the public criteria (NACLoss with
+at this rank's place in the gathered keys, [M:self-key]) on every backend here: "auto" (the fused
+CPU kernel, its self_offset the rank's place), the reference, and Triton where it runs (the
+interpreter); under DDP the trainer's steps on the public criteria (NACLoss with
 gather_distributed, NACMQ) equal 0.1.0's hand-written formula bit for bit; MoCo's batch
 shuffle/unshuffle is exact.  The shuffle's all-to-all (issue 54) gives the old all-gather's rows
 bit for bit at 2 and 4 ranks, in the input's dtype, and a byte-counting wrapper of
@@ -27,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from nac_fast import NACMQ, CodeQueue
+from nac_fast import NACMQ, CodeQueue, available_backends
 from nac_fast.ops import collectives as nd
 from nac_fast.ops.momentum import make_momentum_copy
 from nac_fast.train.distributed import all_reduce_mean
@@ -37,6 +39,12 @@ from nac_fast.train.models import build_model
 from _old_steps import old_nac_mq_step, old_nac_step
 
 WORLD, K, D, P = 2, 6, 16, 0.2   # K images per rank, 2K rows per rank
+# in-batch NAC with each row's own code left out ([M:self-key]), per loss backend: "auto" (the
+# fused CPU kernel where it is built), the reference, and Triton where it runs here
+EXCLUDE = {"nac-exclude": "auto", "nac-exclude-reference": "reference"}
+if "triton" in available_backends("cpu"):
+    EXCLUDE["nac-exclude-triton"] = "triton"
+METHODS = ("nac", "nac-mq", "simclr", *EXCLUDE)
 
 
 def _free_port():
@@ -69,11 +77,12 @@ def _mq(model):
 
 def _run(method, model, x, noise):
     """model: the NAC or SimCLR model, or (nac-mq) the NACMQ; any of them under DDP.
-    "nac-exclude": in-batch NAC with each row's own code left out of its keys ([M:self-key])."""
+    EXCLUDE's methods: in-batch NAC with each row's own code left out of its keys
+    ([M:self-key]) on that loss backend."""
     if method == "nac":
         return nac_step(model, x, P, noise=noise)[0]
-    if method == "nac-exclude":
-        return nac_step(model, x, P, noise=noise, self_key="exclude")[0]
+    if method in EXCLUDE:
+        return nac_step(model, x, P, noise=noise, backend=EXCLUDE[method], self_key="exclude")[0]
     if method == "nac-mq":
         return nac_mq_step(model, x, noise=noise)[0]
     return simclr_step(model, x, 0.5)[0]
@@ -111,7 +120,7 @@ def _worker(rank, port, out_dir):
         x = torch.cat([v1[sl], v2[sl]])
         noise = torch.cat([n1[sl], n2[sl]])
         res = {}
-        for method in ("nac", "nac-mq", "simclr", "nac-exclude"):
+        for method in METHODS:
             model = _model(method)
             mq = _mq(model) if method == "nac-mq" else None
             queue = mq.queue if mq is not None else None
@@ -148,7 +157,7 @@ def ddp_results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["nac", "nac-mq", "simclr", "nac-exclude"])
+@pytest.mark.parametrize("method", METHODS)
 def test_ddp_loss_and_grads_equal_one_process(ddp_results, method):
     v1, v2, n1, n2 = _global_data()
     model = _model(method)

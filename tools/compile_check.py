@@ -13,8 +13,11 @@ target, exactly as the op builds it for real tensors on that GPU, so the check c
 configurations the launchers pick and nothing else: the built-in tables (nac_triton.CONFIGS) and
 every autotune candidate (nac_triton.CANDIDATES, on the archs it applies to: the configurations a
 tuned table, kernels/tuning.py, may name), forced into the same plans; the CSV's `source` column
-says which (built-in, candidate or both).  Each distinct launch (kernel, specialised
-signature, constexprs, warps, stages, arch) is compiled once with ``triton.compile`` in a pool of
+says which (built-in, candidate or both).  The matrix kernels are planned with each row's own key
+left out too (self_key "exclude", docs/math.md [M:self-key], the kernels' constexpr SELF): column
+`modes` says `inbatch-self` / `queue-self` for those launches (built-in tables with
+nac_triton.SELF_CONFIGS in place: they read no tuned table, so no candidate runs with SELF).  Each distinct launch (kernel,
+specialised signature, constexprs, warps, stages, arch) is compiled once with ``triton.compile`` in a pool of
 processes; the ``ptxas -v`` that Triton runs to build the cubin (its log, so that Triton
 version's own flags) reports registers and spills, Triton's
 metadata the shared memory, and ``cuobjdump -sass`` the matrix instructions (HGMMA/HMMA).
@@ -222,6 +225,37 @@ def _loss_plans(target, dname, ds, modes, n, N, meta):
                                                   need_rv=True)
                 for L in launches:
                     yield case, L
+            yield from _self_key_plans(target, case, a, r, noise, keys, lse, ga, g)
+
+
+def _self_offset_of(n, keys):
+    """The self_offset of a self-key case: the own keys at the start (in-batch) or at the end of
+    the given keys (a gathering rank's place; any offset compiles alike: it is not specialised)."""
+    return 0 if keys is None else keys.shape[0] - n
+
+
+def _self_key_plans(target, case, a, r, noise, keys, lse, ga, g):
+    """(case, launch) of the matrix kernels that leave each row's own key out (self_key
+    "exclude", docs/math.md [M:self-key]: their constexpr SELF), case mode `<mode>-self`: the
+    training call's forward (the noise drawn from a host seed, the mean reduced by the finish),
+    the registered op's (the noise given, the rows), and the backward with the target's split,
+    one split and many.  The row-wise kernels of these plans are the paper's own (no SELF) and
+    are left to `_loss_plans`."""
+    from nac_fast.kernels import nac_triton
+
+    own = _self_offset_of(a.shape[0], keys)
+    case = dict(case, mode=case["mode"] + "-self")
+    plans = [nac_triton.fwd_plan(a, r, None, keys, 1.1, 0.0, True, target, seed=3 << 61, p=0.1,
+                                 reduction="mean", self_offset=own)[0],
+             nac_triton.fwd_plan(a, r, noise, keys, 1.1, 0.0, True, target, self_offset=own)[0]]
+    q, k = _saved_codes(a, r, noise, keys, target)
+    for t in _split_targets(target):
+        plans.append(nac_triton.bwd_plan(a, r, noise, keys, lse, ga, g, q, k, 1.1, True, True,
+                                         keys is not None, t, self_offset=own)[0])
+    for launches in plans:
+        for L in launches:
+            if L.constexprs.get("SELF"):
+                yield case, L
 
 
 def _plans(target, dtypes, ds, modes, fp32_modes=FP32_MODES):
@@ -326,6 +360,8 @@ def _candidate_plans(target, dtypes):
                                     if L.tag == "fwd":
                                         yield case, L
                             continue
+                        # (no SELF launches: the own key left out reads no tuned table,
+                        # nac_triton.config; _self_key_plans covers its configurations)
                         q, k = _saved_codes(a, a, a, keys, target)
                         for t in _split_targets(target):
                             launches, _ = nac_triton.bwd_plan(a, a, a, keys, lse, ga, g, q, k,

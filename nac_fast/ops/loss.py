@@ -11,8 +11,9 @@
 Every backend computes the same function, docs/math.md [M:rows]; `nac_fast.ops.reference` is the
 oracle.  likelihood="multilinear" (the channel's own relaxed likelihood, [M:multilinear]; a change
 of the method, not the paper's) has no fused kernel: it runs on the reference, and a fused
-backend asked for by name is refused; so does self_key="exclude" (each row's own code left out of
-its keys, [M:self-key]; also not the paper's).
+backend asked for by name is refused.  self_key="exclude" (each row's own code left out of its
+keys, [M:self-key]; also not the paper's) runs on every backend: the fused kernels take it as
+their ops' self_offset.
 
 Host syncs: p, s and l2 stay Python numbers (pass p as a float: a tensor p is read with .item()),
 the noise seed is drawn on the inputs' device, and the data-reading value checks follow the policy
@@ -183,22 +184,21 @@ def _channel(impl, a, p, noise):
     return _draw(tuple(a.shape), p, device=a.device, dtype=a.dtype), None
 
 
-def _backend_for(backend, a, keys, likelihood, self_key="include") -> str:
-    """The implementation that runs (likelihood and self_key checked against backend by
-    _check_likelihood and _check_self_key): resolve_backend's, the reference for the
-    multilinear likelihood and for self_key="exclude"."""
-    if likelihood == "multilinear" or self_key == "exclude":
+def _backend_for(backend, a, keys, likelihood) -> str:
+    """The implementation that runs (likelihood checked against backend by _check_likelihood):
+    resolve_backend's, the reference for the multilinear likelihood.  self_key does not enter:
+    every backend computes both key sets ([M:self-key])."""
+    if likelihood == "multilinear":
         return "reference"
     return resolve_backend(backend, a, keys=keys)  # auto: the faster path per dtype
 
 
-def _check_self_key(self_key, backend) -> str:
-    """A self_key name that `backend` computes: the fused kernels keep every key, so "exclude"
-    is refused with a fused backend named (ValueError)."""
-    return _reference_only("self_key", self_key, reference.SELF_KEYS, "exclude", backend,
-                           "cannot leave the row's own code out (the fused kernels keep every "
-                           "key, docs/math.md [M:self-key]); use backend='reference' or 'auto' "
-                           "with self_key='exclude'")
+def _check_self_key(self_key) -> str:
+    """A self_key name (ValueError naming self_key otherwise): "include" or "exclude", both
+    computed by every backend ([M:self-key])."""
+    if not isinstance(self_key, str) or self_key not in reference.SELF_KEYS:
+        raise ValueError(f"self_key must be one of {reference.SELF_KEYS}, got {self_key!r}")
+    return self_key
 
 
 def _self_offset(self_key, self_offset, n, keys) -> int | None:
@@ -240,21 +240,21 @@ def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"
     likelihood: "dot" (the paper's: logits s z~ . k) | "multilinear" (sum_d log(1 + (1-2p) z~_d
         k_d), docs/math.md [M:multilinear]: reference backend only; "auto" picks it).
     self_key: "include" (the paper's: row i's own clean code is one of its keys) | "exclude"
-        (left out, and log(N - 1) for log N: docs/math.md [M:self-key]; reference backend only,
-        "auto" picks it).
+        (left out, and log(N - 1) for log N: docs/math.md [M:self-key]; every backend).
     self_offset: with "exclude", row i's own code is keys[self_offset + i] (0 without keys; with
         keys all-gathered from every rank, this rank's index times n).
     """
     _check_likelihood(likelihood, backend)
-    _check_self_key(self_key, backend)
+    _check_self_key(self_key)
     p, s, noise = _prepare(a, r, p, keys, noise, reduction, draw=False)
     offset = _self_offset(self_key, self_offset, a.shape[0], keys)
-    impl = _backend_for(backend, a, keys, likelihood, self_key)
+    impl = _backend_for(backend, a, keys, likelihood)
     noise, seed = _channel(impl, a, p, noise)
     if impl == "reference":
         return reference.nac_loss_reference(a, r, noise, s, keys=keys, reduction=reduction,
                                             likelihood=likelihood, self_offset=offset)
-    return _nac.nac_fused(impl, a, r, noise, keys, s, 0.0, reduction, seed, p)
+    return _nac.nac_fused(impl, a, r, noise, keys, s, 0.0, reduction, seed, p,
+                          self_offset=-1 if offset is None else offset)
 
 
 def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto",
@@ -442,7 +442,7 @@ class NACLoss(nn.Module):
     likelihood: "dot" (the paper's) | "multilinear" (docs/math.md [M:multilinear]; reference
         backend only): nac_loss's.
     self_key: "include" (the paper's: each row's own clean code is one of its keys) | "exclude"
-        (left out, docs/math.md [M:self-key]; reference backend only): nac_loss's.  With
+        (left out, docs/math.md [M:self-key]; every backend): nac_loss's.  With
         gather_distributed, row i's own code is found at this rank's place in the gathered keys.
     forward(out0, out1, noise=None): noise None = drawn from torch's RNG, or an explicit
         (2K, D) tensor of +-1 for the rows [view 0; view 1].
@@ -459,7 +459,7 @@ class NACLoss(nn.Module):
         self.reduction = _check_reduction(reduction)
         self.backend = _check_backend_name(backend)
         self.likelihood = _check_likelihood(likelihood, backend)
-        self.self_key = _check_self_key(self_key, backend)
+        self.self_key = _check_self_key(self_key)
 
     def forward(self, out0, out1, noise: torch.Tensor | None = None) -> torch.Tensor:
         a0, r0 = _view_pair("out0", out0)

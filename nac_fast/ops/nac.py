@@ -12,6 +12,10 @@ in-batch keys), saved for its backward so that the backward does not recompute t
 backward returns the gradients in the inputs' dtype (the compiled ops: in the accumulation dtype,
 cast here).  g reaches every backward as autograd gives it (an expanded scalar for
 reduction="sum"): each op reads or copies it as it needs.
+
+self_offset (every op's last argument): -1, every key in each row's logsumexp (the paper's); o >= 0,
+row i's own key, key o + i, left out and log(N - 1) for log N (docs/math.md [M:self-key]); the
+backward is handed the forward's.
 """
 from __future__ import annotations
 
@@ -27,14 +31,14 @@ from .reference import acc_dtype, reduce_rows
 _OPS: dict[str, tuple] = {}
 
 
-def _fake_fwd(a, r, noise, keys, s, l2, grad_rows):
+def _fake_fwd(a, r, noise, keys, s, l2, grad_rows, self_offset=-1):
     n, d = a.shape
     acc = acc_dtype(a.dtype)
     return a.new_empty((n,), dtype=acc), a.new_empty((n,), dtype=acc), \
         a.new_empty((n, d) if grad_rows else (0,), dtype=acc)
 
 
-def _fake_bwd(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys):
+def _fake_bwd(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys, self_offset=-1):
     acc = acc_dtype(a.dtype)
     kshape = a.shape if keys is None else keys.shape
     return (a.new_empty(a.shape if need_a else (0,), dtype=acc),
@@ -42,7 +46,7 @@ def _fake_bwd(a, r, noise, keys, lse, ga, g, s, need_a, need_r, need_keys):
             a.new_empty(kshape if need_keys and keys is not None else (0,), dtype=acc))
 
 
-def _fake_fwd_triton(a, r, noise, keys, s, l2, grad_rows):
+def _fake_fwd_triton(a, r, noise, keys, s, l2, grad_rows, self_offset=-1):
     from ..kernels.nac_triton import saved_parts
     n, d = a.shape
     parts, pdt = saved_parts(a, keys)
@@ -54,7 +58,8 @@ def _fake_fwd_triton(a, r, noise, keys, s, l2, grad_rows):
             a.new_empty((n, d) if keys is None else (0,)))
 
 
-def _fake_bwd_triton(a, r, noise, keys, lse, ga, g, q, k, s, need_a, need_r, need_keys):
+def _fake_bwd_triton(a, r, noise, keys, lse, ga, g, q, k, s, need_a, need_r, need_keys,
+                     self_offset=-1):
     kshape = a.shape if keys is None else keys.shape
     return (a.new_empty(a.shape if need_a else (0,)), a.new_empty(a.shape if need_r else (0,)),
             a.new_empty(kshape if need_keys and keys is not None else (0,)))
@@ -64,13 +69,15 @@ def _backward(bwd, ctx, g_rows, tensors=None, **kw):
     """(d/da, d/dr, None, d/dkeys, *more) of both autograd layers (the registered ops' and
     _FusedNAC's): one call of the backend's backward with the forward's saved tensors (`tensors`,
     else ctx.saved_tensors), each gradient in its input's dtype, None where no gradient is asked
-    for; `kw` go to the backward, whose outputs past the third (_FusedNAC's d/drv) follow."""
+    for; `kw` go to the backward, whose outputs past the third (_FusedNAC's d/drv) follow.  The
+    forward's self_offset (ctx.self_offset) goes to the backward by name."""
     a, r, noise, keys, lse, ga, *saved = ctx.saved_tensors if tensors is None else tensors
     keys = None if ctx.self_keys else keys
     need_a, need_r, _, need_k = ctx.needs_input_grad[:4]
     need_k = bool(need_k and keys is not None)
     grad_a, grad_r, grad_k, *more = bwd(a, r, noise, keys, lse, ga, g_rows, *saved, ctx.s,
-                                        bool(need_a), bool(need_r), need_k, **kw)
+                                        bool(need_a), bool(need_r), need_k,
+                                        self_offset=ctx.self_offset, **kw)
     cast = lambda t, dtype: t if t.dtype == dtype else t.to(dtype)  # noqa: E731
     return (cast(grad_a, ctx.dtypes[0]) if need_a else None,
             cast(grad_r, ctx.dtypes[1]) if need_r else None, None,
@@ -88,9 +95,12 @@ def _register(name: str, fwd, bwd, fake_fwd=_fake_fwd, fake_bwd=_fake_bwd) -> No
     torch.library.register_fake(bwd)(fake_bwd)
 
     def setup_context(ctx, inputs, output):
-        a, r, noise, keys, s, l2, grad_rows = inputs
+        # (self_offset: given, or the schema's default -1 where a caller left it out)
+        a, r, noise, keys, s, l2, grad_rows, *self_offset = inputs
         _, lse, ga, *saved = output
         ctx.s = s
+        ctx.self_offset = self_offset[0] if self_offset else -1
+        ctx.n_inputs = len(inputs)
         ctx.self_keys = keys is None
         ctx.dtypes = (a.dtype, r.dtype, None if keys is None else keys.dtype)
         ctx.save_for_backward(a, r, noise, keys if keys is not None else a.new_empty(0), lse, ga,
@@ -102,8 +112,8 @@ def _register(name: str, fwd, bwd, fake_fwd=_fake_fwd, fake_bwd=_fake_bwd) -> No
 
     def backward(ctx, g_rows, *_g_others):
         if g_rows is None:  # only lse, ga or the codes were used downstream: no gradient flows
-            return (None,) * 7
-        return (*_backward(bwd, ctx, g_rows), None, None, None)
+            return (None,) * ctx.n_inputs
+        return (*_backward(bwd, ctx, g_rows), *(None,) * (ctx.n_inputs - 4))
 
     torch.library.register_autograd(fwd, backward, setup_context=setup_context)
     _OPS[name] = (fwd, bwd)
@@ -147,10 +157,10 @@ _EAGER: dict[str, tuple] = {}
 
 
 def _eager_ops(backend: str):
-    """(fwd, bwd) of `backend`'s eager path.  fwd(a, r, noise, keys, s, l2, grad_rows, seed, p)
-    -> (rows, lse, ga, *saved, noise): the Triton body draws the noise from `seed` when noise is
-    None (the compiled ops are always handed it); bwd(..., g_scale) -> the gradients of
-    sum_i g_i g_scale loss_i (the compiled ops: g_scale 1 only)."""
+    """(fwd, bwd) of `backend`'s eager path.  fwd(a, r, noise, keys, s, l2, grad_rows, seed, p,
+    self_offset=) -> (rows, lse, ga, *saved, noise): the Triton body draws the noise from `seed`
+    when noise is None (the compiled ops are always handed it); bwd(..., g_scale, self_offset=)
+    -> the gradients of sum_i g_i g_scale loss_i (the compiled ops: g_scale 1 only)."""
     ops = _EAGER.get(backend)
     if ops is None:
         if backend == "triton":
@@ -161,13 +171,13 @@ def _eager_ops(backend: str):
             fwd_op = _below_autograd(torch.ops.nac_fast.nac_fwd.default)
             bwd_op = _below_autograd(torch.ops.nac_fast.nac_bwd.default)
 
-            def fwd(a, r, noise, keys, s, l2, grad_rows, seed=None, p=0.0):
-                return (*fwd_op(a, r, noise, keys, s, l2, grad_rows), noise)
+            def fwd(a, r, noise, keys, s, l2, grad_rows, seed=None, p=0.0, self_offset=-1):
+                return (*fwd_op(a, r, noise, keys, s, l2, grad_rows, self_offset), noise)
 
-            def bwd(*args, g_scale=1.0):
+            def bwd(*args, g_scale=1.0, self_offset=-1):
                 if g_scale != 1.0:
                     raise ValueError(f"the {backend} backward takes g as it is (g_scale 1)")
-                return bwd_op(*args)
+                return bwd_op(*args, self_offset)
             ops = (fwd, bwd)
         _EAGER[backend] = ops
     return ops
@@ -201,17 +211,19 @@ class _FusedNAC(torch.autograd.Function):
     """The fused loss of `backend`, reduced; backward = the same formula as the registered ops'
     (`_register`'s backward): one fused backward call, the gradients cast to the inputs' dtypes.
     rv (Triton only): NAC-MQ's online inference logits, whose term [M:vi] each row then includes
-    and whose gradient the same backward call gives."""
+    and whose gradient the same backward call gives.  self_offset: the ops' (-1: every key)."""
 
     @staticmethod
-    def forward(ctx, a, r, noise, keys, backend, s, l2, grad_rows, reduction, seed, p, rv):
+    def forward(ctx, a, r, noise, keys, backend, s, l2, grad_rows, reduction, seed, p, rv,
+                self_offset):
         fwd, _ = _eager_ops(backend)
         extra = {} if rv is None else {"rv": rv}
         red = _reduced_by(backend, reduction)
         rows, lse, ga, *saved, noise = fwd(a, r, noise, keys, s, l2, grad_rows, seed, p, **extra,
-                                           **red)
+                                           **red, self_offset=self_offset)
         ctx.backend = backend
         ctx.s = s
+        ctx.self_offset = self_offset
         ctx.reduction = reduction
         ctx.n = a.shape[0]
         ctx.self_keys = keys is None
@@ -271,15 +283,18 @@ class _FusedNAC(torch.autograd.Function):
         grad_rv = None
         if need_rv:
             grad_rv = grads[4] if grads[4].dtype == ctx.rv_dtype else grads[4].to(ctx.rv_dtype)
-        return (*grads[:4], None, None, None, None, None, None, None, grad_rv)
+        return (*grads[:4], None, None, None, None, None, None, None, grad_rv, None)
 
 
-def nac_fused(backend, a, r, noise, keys, s, l2, reduction, seed=None, p=0.0, rv=None):
+def nac_fused(backend, a, r, noise, keys, s, l2, reduction, seed=None, p=0.0, rv=None,
+              self_offset=-1):
     """The fused loss rows of `backend`, reduced: eager calls through _FusedNAC, traced ones
     through the registered ops.  noise None: drawn from `seed` (a one-element int64 tensor, or an
     int drawn on the host: noise.host_seed) with flip probability p, where `takes_seed` says the
     backend does so.  rv: NAC-MQ's online inference logits, whose term [M:vi] the rows then
-    include (where `takes_seed` holds)."""
+    include (where `takes_seed` holds).  self_offset: -1, every key in each row's logsumexp; o >=
+    0, row i's own key (keys[o + i]; keys=None: o = 0) left out, [M:self-key] (the ops check it:
+    o in [0, N - n], N >= 2)."""
     if (noise is None or rv is not None) and not takes_seed(backend, a):
         raise ValueError(f"backend {backend!r} here needs the noise itself, not a seed, and "
                          "computes no inference term")
@@ -290,12 +305,13 @@ def nac_fused(backend, a, r, noise, keys, s, l2, reduction, seed=None, p=0.0, rv
     if _eager_real(a):
         if needs_grad:
             return _FusedNAC.apply(a, r, noise, keys, backend, float(s), float(l2),
-                                   bool(grad_rows), reduction, seed, float(p), rv)
+                                   bool(grad_rows), reduction, seed, float(p), rv,
+                                   int(self_offset))
         extra = {} if rv is None else {"rv": rv}
         red = _reduced_by(backend, reduction)
         rows = _eager_ops(backend)[0](a, r, noise, keys, float(s), float(l2), False, seed,
-                                      float(p), **extra, **red)[0]
+                                      float(p), **extra, **red, self_offset=int(self_offset))[0]
         return rows if red else reduce_rows(rows, reduction)
     fwd, _ = _ops(backend)
-    rows = fwd(a, r, noise, keys, float(s), float(l2), bool(grad_rows))[0]
+    rows = fwd(a, r, noise, keys, float(s), float(l2), bool(grad_rows), int(self_offset))[0]
     return reduce_rows(rows, reduction)

@@ -39,8 +39,8 @@ LIKELIHOODS = ("dot", "multilinear")  # the relaxed likelihood: [M:channel], [M:
 # The row's own clean code among its keys ([M:self-key]): "include" (the paper's) or "exclude"
 # (a leave-one-out denominator, not the paper's)
 SELF_KEYS = ("include", "exclude")
-# The backends that run what no fused kernel computes (likelihood "multilinear", self_key
-# "exclude"): this reference, which "auto" picks for them
+# The backends that run what no fused kernel computes (likelihood "multilinear"): this
+# reference, which "auto" picks for it (self_key "exclude" runs on every backend)
 REFERENCE_BACKENDS = ("auto", "reference")
 MULTILINEAR_MAX_TERMS = 1024
 

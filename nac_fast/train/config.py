@@ -305,8 +305,8 @@ def build_parser() -> _Parser:
       "own (docs/math.md [M:multilinear]; not the paper's; the reference loss, no fused kernel)")
     a("--self-key", choices=SELF_KEYS, help="in-batch NAC (--method nac): include = each "
       "image's own clean code is one of its keys, the paper's; exclude = left out, a "
-      "leave-one-out denominator (docs/math.md [M:self-key]; not the paper's; the reference "
-      "loss, no fused kernel)")
+      "leave-one-out denominator (docs/math.md [M:self-key]; not the paper's; every loss "
+      "backend)")
     a("--epochs", type=int, help="epochs")
     a("--min-steps", type=int, help="with --epochs: at least this many optimizer steps (small "
       "data sets train longer than --epochs; the small-data recipe sets it)")
@@ -727,10 +727,6 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
     if cfg.self_key == "exclude" and cfg.method != "nac":
         raise UsageError(f"{name('self_key')} exclude is an option of in-batch NAC (--method "
                          f"nac), not of {cfg.method} (docs/math.md [M:self-key])")
-    if cfg.self_key == "exclude" and cfg.loss_backend not in REFERENCE_BACKENDS:
-        raise UsageError(f"{name('loss_backend')} {cfg.loss_backend}: the fused kernels keep "
-                         f"every key; {name('self_key')} exclude runs on the reference loss (give "
-                         "--loss-backend auto or reference)")
     for d in FINITE_FLOATS:   # nan/inf pass "< 0" tests and train to NaN weights
         v = getattr(cfg, d)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v):
