@@ -1477,9 +1477,13 @@ def bwd_plan(a, r, noise, keys, lse, ga, g, q, k, s: float, need_a: bool, need_r
 
         # the fused rows' epilogue holds more tiles: its own table where one is given (the
         # split is decided with OUT_MODE 0's: one split there is one with fewer keys per block)
+        # (SELF: SELF_FUSED_CONFIGS' entry in place of FUSED_CONFIGS' where it has one)
         fkey = (_family(a.dtype, D), bd)
-        fcfg = ((SELF_FUSED_CONFIGS.get(fkey, FUSED_CONFIGS.get(fkey, cfg)) if own else
-                 FUSED_CONFIGS.get(fkey, cfg)) if target.arch else cfg)
+        fcfg = FUSED_CONFIGS.get(fkey, cfg)
+        if own:
+            fcfg = SELF_FUSED_CONFIGS.get(fkey, fcfg)
+        if not target.arch:
+            fcfg = cfg
         fuse = self_keys and fcfg is not None
         # several splits, self keys: the rows' backward folded in (OUT_MODE 3), its counters
         # (with self keys the keys' backward runs for d/da alone: need_a)

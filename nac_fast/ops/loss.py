@@ -150,12 +150,18 @@ def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys", d
     return p, _scale(p), noise
 
 
+def _choice(name, value, choices) -> str:
+    """`value` of the option `name` if it is one of the names `choices` (ValueError naming it)."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 def _reference_only(name, value, choices, unfused, backend, refusal) -> str:
     """`value` of the option `name` if it is one of `choices` that `backend` computes: no fused
     kernel computes the choice `unfused`, so with it a fused backend named is refused
     (ValueError "backend '<backend>' <refusal>"); reference.REFERENCE_BACKENDS run it."""
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    _choice(name, value, choices)
     if value == unfused and _check_backend_name(backend) not in reference.REFERENCE_BACKENDS:
         raise ValueError(f"backend {backend!r} {refusal}")
     return value
@@ -196,9 +202,7 @@ def _backend_for(backend, a, keys, likelihood) -> str:
 def _check_self_key(self_key) -> str:
     """A self_key name (ValueError naming self_key otherwise): "include" or "exclude", both
     computed by every backend ([M:self-key])."""
-    if not isinstance(self_key, str) or self_key not in reference.SELF_KEYS:
-        raise ValueError(f"self_key must be one of {reference.SELF_KEYS}, got {self_key!r}")
-    return self_key
+    return _choice("self_key", self_key, reference.SELF_KEYS)
 
 
 def _self_offset(self_key, self_offset, n, keys) -> int | None:
