@@ -23,9 +23,15 @@ textures  classes = 10 texture families (stripes, checks, dots, blobs, waves, ri
           random order.
 shapes    classes = 10 shapes (disc, triangle, square, pentagon, hexagon, star, cross, arrow,
           crescent, heart); source = a drawing style (filled / outlined / filled with an
-          outline of the inverse grey, the stroke width, an ink grey, the background: flat, a
-          gradient, stripes or noise, between two greys of the style); each image a random
-          shape size, position and rotation.
+          outline of the inverse grey, the stroke width, the background: flat, a gradient,
+          stripes or noise, the noise level).  v4 (the default, --shape-version 4): the shape
+          large and near the centre (its radius 30 to 40% of the frame's side, shifted by at
+          most 6%, any rotation), dark ink on light paper in one of glyphs v4's 4 palettes drawn
+          per image, the background's pattern faint (its second grey 20 levels from the
+          paper).  v3 (--shape-version 3, the runs/sf3 folder, pixel for pixel): the style's own
+          ink and two paper greys (the second 40 levels off), each image a random shape size
+          (radius 22 to 42% of the side), position and rotation.  Why v4: docs/results.md
+          "Folders of our own" (on v3 both methods stayed at chance).
 
 The greys belong to the source, not to the image: a random colour per image is shared by the
 two augmented views of it and tells the images apart better than their class does, so both
@@ -70,6 +76,7 @@ SHAPES = ("disc", "triangle", "square", "pentagon", "hexagon", "star", "cross", 
           "crescent", "heart")
 N_SOURCES = {"textures": 40, "shapes": 40}  # glyphs: the fonts found
 GLYPH_VERSIONS = (3, 4)
+SHAPE_VERSIONS = (3, 4)
 # Glyphs v4 (docs/results.md "Folders of our own"): each font is drawn 4 ways, 4 sources of it;
 # stroke = a thickening of the outline (share of the font size), shear = the italic slant.
 GLYPH_VARIANTS = {"plain": {"stroke": 0.0, "shear": 0.0}, "heavy": {"stroke": 0.04, "shear": 0.0},
@@ -83,6 +90,9 @@ GLYPH_FILL = (0.6, 0.8)      # the ink's longer side, a share of the frame's sid
 GLYPH_OFFSET = 0.06          # the letter's shift, at most this share of the frame each way
 GLYPH_ROTATE = 10.0          # degrees each way
 FONT_EXTENSIONS = (".ttf", ".otf")
+SHAPE_RADIUS = (0.3, 0.4)   # shapes v4: the shape's radius, a share of the frame's side
+SHAPE_OFFSET = 0.06         # shapes v4: its centre's shift, at most this share each way
+SHAPE_BG_SHIFT = 20         # shapes v4: the background pattern's second grey, off the paper's
 MAX_SIZE = 256
 
 
@@ -158,6 +168,16 @@ def shape_source(seed: int, k: int) -> dict:
             "noise": float(rng.uniform(0.0, 15.0))} | _style_greys(rng)
 
 
+def shape_source_v4(seed: int, k: int) -> dict:
+    """Shapes v4's drawing style k: how the shape is inked, the background's pattern and the
+    noise level.  No greys: the paper and ink come from GLYPH_PALETTES, drawn per image."""
+    rng = np.random.default_rng([seed, 404, k])
+    return {"mode": str(rng.choice(["fill", "outline", "fill+outline"])),
+            "width": int(rng.integers(2, 6)),
+            "background": str(rng.choice(["flat", "gradient", "stripes", "noise"])),
+            "noise": float(rng.uniform(0.0, 8.0))}
+
+
 def _style_greys(rng) -> dict:
     """A style's ink and its paper's two greys (the second 40 levels from the first)."""
     paper, ink = _tinted_greys(rng)
@@ -178,7 +198,8 @@ def glyph_source_v4(font_file: str, variant: str) -> dict:
     return {"font": font_file, "variant": variant} | dict(GLYPH_VARIANTS[variant])
 
 
-def sources_of(kind: str, seed: int, fonts=None, glyph_version: int = 4) -> list:
+def sources_of(kind: str, seed: int, fonts=None, glyph_version: int = 4,
+               shape_version: int = 4) -> list:
     """[(name, parameters)] of the kind's sources (glyphs v4: font-major, font f's variant v is
     source f * len(GLYPH_VARIANTS) + v)."""
     if kind == "glyphs" and glyph_version == 4:
@@ -187,7 +208,8 @@ def sources_of(kind: str, seed: int, fonts=None, glyph_version: int = 4) -> list
     if kind == "glyphs":
         return [(os.path.splitext(os.path.basename(f))[0], glyph_source(seed, k, f))
                 for k, f in enumerate(fonts)]
-    make = texture_source if kind == "textures" else shape_source
+    make = (texture_source if kind == "textures" else
+            shape_source_v4 if shape_version == 4 else shape_source)
     return [(f"{kind[:-1]}-style-{k:02d}", make(seed, k)) for k in range(N_SOURCES[kind])]
 
 
@@ -410,6 +432,31 @@ def draw_shape(kind: str, src: dict, size: int, rng) -> Image.Image:
         ink = tuple(255 - v for v in mean_bg)
     r = float(rng.uniform(*src["radius"])) * big
     cx, cy = rng.uniform(r, big - r, 2)
+    return _ink_shape(im, kind, src, ink, tuple(255 - v for v in ink), cx, cy, r, size, rng)
+
+
+def draw_shape_v4(kind: str, src: dict, size: int, rng) -> Image.Image:
+    """Shapes v4: the shape large and near the centre (radius SHAPE_RADIUS of the frame, centre
+    shifted by at most SHAPE_OFFSET of it, any rotation), dark on light in a palette of
+    GLYPH_PALETTES drawn per image (shared by every source), the style's background pattern
+    between the paper and a grey SHAPE_BG_SHIFT levels darker; "fill+outline" fills with the
+    grey halfway between ink and paper inside an outline of ink (v3's outline, the inverse of
+    a dark ink, would vanish into light paper)."""
+    big = 2 * size
+    paper, ink = GLYPH_PALETTES[int(rng.integers(len(GLYPH_PALETTES)))]
+    paper, ink = _jitter(paper, rng, 6), _jitter(ink, rng, 6)
+    second = tuple(max(0, v - SHAPE_BG_SHIFT) for v in paper)
+    im = _background(src | {"paper": [paper, second]}, big, rng)
+    r = float(rng.uniform(*SHAPE_RADIUS)) * big
+    cx, cy = big / 2 + rng.uniform(-SHAPE_OFFSET, SHAPE_OFFSET, 2) * big
+    mid = tuple((a + b) // 2 for a, b in zip(ink, paper))
+    return _ink_shape(im, kind, src, ink, ink, cx, cy, r, size, rng, fill=mid)
+
+
+def _ink_shape(im, kind, src, ink, edge, cx, cy, r, size, rng, fill=None) -> Image.Image:
+    """Draw shape `kind` of radius r about (cx, cy), at a random rotation, on the background im
+    (2 size px) in the style's mode (fill and outline: ink; "fill+outline": filled with `fill`,
+    default ink, inside an outline of `edge`); reduce to size px and add the style's noise."""
     pts = shape_points(kind, cx, cy, r, float(rng.uniform(0, 2 * math.pi)))
     draw = ImageDraw.Draw(im)
     w = 2 * src["width"]
@@ -418,19 +465,21 @@ def draw_shape(kind: str, src: dict, size: int, rng) -> Image.Image:
     elif src["mode"] == "outline":
         draw.polygon(pts, outline=ink, width=w)
     else:
-        draw.polygon(pts, fill=ink, outline=tuple(255 - v for v in ink), width=w)
+        draw.polygon(pts, fill=ink if fill is None else fill, outline=edge, width=w)
     return _noise(im.resize((size, size), Image.LANCZOS), src["noise"], rng)
 
 
 # ----------------------------------------------------------------------------------- the folder
 def plan(kind: str, seed: int, train_per_class: int, val_per_class: int, val_frac: float,
-         fonts=None, glyph_version: int = 4) -> dict:
+         fonts=None, glyph_version: int = 4, shape_version: int = 4) -> dict:
     """What the folder holds: classes, sources, the split of the sources, the counts.  Glyphs
     v4 splits the fonts (split_fonts); v3 and the other kinds split the sources."""
     if glyph_version not in GLYPH_VERSIONS:
         raise ValueError(f"glyph_version must be one of {GLYPH_VERSIONS}, got {glyph_version!r}")
+    if shape_version not in SHAPE_VERSIONS:
+        raise ValueError(f"shape_version must be one of {SHAPE_VERSIONS}, got {shape_version!r}")
     classes = {"glyphs": GLYPHS, "textures": TEXTURES, "shapes": SHAPES}[kind]
-    srcs = sources_of(kind, seed, fonts, glyph_version)
+    srcs = sources_of(kind, seed, fonts, glyph_version, shape_version)
     if kind == "glyphs" and glyph_version == 4:
         train_idx, val_idx = split_fonts(len(fonts), len(GLYPH_VARIANTS), val_frac, seed)
     else:
@@ -440,6 +489,8 @@ def plan(kind: str, seed: int, train_per_class: int, val_per_class: int, val_fra
          "per_class": {"train": train_per_class, "val": val_per_class}}
     if kind == "glyphs":
         p["glyph_version"] = glyph_version
+    if kind == "shapes":
+        p["shape_version"] = shape_version
     return p
 
 
@@ -448,9 +499,10 @@ def images(p: dict, size: int):
     image's random draws come from its own seed (seed, split, class, i), so one image does not
     depend on how many others are drawn."""
     glyph = draw_glyph_v4 if p.get("glyph_version") == 4 else draw_glyph
+    shape = draw_shape_v4 if p.get("shape_version") == 4 else draw_shape
     draw = {"glyphs": lambda c, s, r: glyph(c, s, size, r),
             "textures": lambda c, s, r: draw_texture(c, s, size, r),
-            "shapes": lambda c, s, r: draw_shape(c, s, size, r)}[p["kind"]]
+            "shapes": lambda c, s, r: shape(c, s, size, r)}[p["kind"]]
     for si, split in enumerate(("train", "val")):
         idx = p[f"{split}_sources"]
         for ci, c in enumerate(p["classes"]):
@@ -481,8 +533,9 @@ def write_folder(p: dict, size: int, out: str, overwrite: bool, command: str,
         if p.get("glyph_version") == 4:
             split_by += " (nor any variant of its font)"
         meta = {"kind": p["kind"]}
-        if "glyph_version" in p:
-            meta["glyph_version"] = p["glyph_version"]
+        for key in ("glyph_version", "shape_version"):
+            if key in p:
+                meta[key] = p[key]
         meta |= {"seed": p["seed"], "size": size, "classes": p["classes"], "split_by": split_by,
                 "sources": {"train": {f"s{k:02d}": names[k] for k in p["train_sources"]},
                             "val": {f"s{k:02d}": names[k] for k in p["val_sources"]}},
@@ -512,6 +565,10 @@ def main(argv=None) -> int:
                     help="--kind glyphs only: 4 (the default) draws the letter large and centred "
                     "in palettes shared by every source, 4 variants of each font as sources, "
                     "split by font; 3 gives the v3 folder (runs/sf3/glyphs) pixel for pixel")
+    ap.add_argument("--shape-version", type=int, choices=SHAPE_VERSIONS, default=None,
+                    help="--kind shapes only: 4 (the default) draws the shape large and centred "
+                    "in palettes shared by every source, its background faint; 3 gives the v3 "
+                    "folder (runs/sf3/shapes) pixel for pixel")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace OUT if it exists (once the new folder is complete)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -527,6 +584,8 @@ def main(argv=None) -> int:
         ap.error(f"--val-sources must lie in (0, 1), got {args.val_sources}")
     if args.glyph_version is not None and args.kind != "glyphs":
         ap.error(f"--glyph-version: only for --kind glyphs, not --kind {args.kind}")
+    if args.shape_version is not None and args.kind != "shapes":
+        ap.error(f"--shape-version: only for --kind shapes, not --kind {args.kind}")
     out = os.path.abspath(args.out)
     if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         if not args.overwrite:
@@ -545,7 +604,8 @@ def main(argv=None) -> int:
             ap.error(f"--kind glyphs: needs at least 2 fonts that draw {''.join(GLYPHS)} "
                      f"(`fc-list` lists the fonts), found {len(fonts)}")
     p = plan(args.kind, args.seed, args.train_per_class, args.val_per_class, args.val_sources,
-             fonts, 4 if args.glyph_version is None else args.glyph_version)
+             fonts, 4 if args.glyph_version is None else args.glyph_version,
+             4 if args.shape_version is None else args.shape_version)
     command = " ".join(["python", "scripts/make_synthetic_folders.py"] +
                        [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
     # a kill (SIGTERM) unwinds like an error, so the temporary folder goes with it

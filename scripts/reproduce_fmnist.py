@@ -190,7 +190,7 @@ def _grid_folders() -> dict:
     ([M:p-schedule]), NAC-MQ, G = 3 with each of the others and with p = 0.2, 0.3, and the
     inference network trained alone for the first 100 steps (`--infer-warmup-steps`), and
     the own key left out with G = 3, with D = 64 or 256, with the p ramp, with fixed gains,
-    with p = 0.2 and without the code head's BatchNorm.
+    with p = 0.2 or 0.3, without the code head's BatchNorm and with one BatchNorm pass per view.
     NAC-MQ is the mq grid's nac-mq:l2-0; the default itself is the budgets grid's nac:default."""
     return {"nac:exclude-self": ("nac", EXCL, "default"),
             "nac:again3": ("nac", ["--a-gain", "3"], "default"),
@@ -213,7 +213,9 @@ def _grid_folders() -> dict:
             "nac:exclude-self+fixedgain": ("nac", EXCL + ["--no-learn-gain"], "default"),
             "nac:exclude-self+p0.2": ("nac", EXCL + ["--flip-prob", "0.2"], "default"),
             "nac:exclude-self+dim256": ("nac", EXCL + ["--code-dim", "256"], "default"),
-            "nac:exclude-self+nohbn": ("nac", EXCL + ["--no-head-bn"], "default")}
+            "nac:exclude-self+nohbn": ("nac", EXCL + ["--no-head-bn"], "default"),
+            "nac:exclude-self+p0.3": ("nac", EXCL + ["--flip-prob", "0.3"], "default"),
+            "nac:exclude-self+perview": ("nac", EXCL + PERVIEW, "default")}
 
 
 GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,

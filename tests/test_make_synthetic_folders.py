@@ -123,7 +123,8 @@ def test_a_failure_leaves_nothing(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flag,value", [("--val-sources", "1"), ("--val-sources", "0"),
                                         ("--size", "4"), ("--train-per-class", "0"),
                                         ("--val-per-class", "0"), ("--seed", "-1"),
-                                        ("--glyph-version", "4"), ("--glyph-version", "5")])
+                                        ("--glyph-version", "4"), ("--glyph-version", "5"),
+                                        ("--shape-version", "5")])
 def test_bad_flags_name_the_flag(tmp_path, capsys, flag, value):
     err = _usage_error(capsys, ["--out", str(tmp_path / "f"), "--kind", "shapes"] + SMALL
                        + [flag, value])
@@ -228,6 +229,49 @@ def test_glyphs_v4_palettes_are_the_sources_common_ones():
             paper = x[:3, :3].reshape(-1, 3).mean(0)
             corners.add(int(np.argmin([np.abs(paper - np.asarray(pp)).sum()
                                        for pp, _ in msf.GLYPH_PALETTES])))
+        seen.append(corners)
+    assert seen[0] == seen[1] == set(range(len(msf.GLYPH_PALETTES)))
+
+
+def test_shape_version_only_for_shapes(tmp_path, capsys):
+    err = _usage_error(capsys, ["--out", str(tmp_path / "f"), "--kind", "textures"] + SMALL
+                       + ["--shape-version", "4"])
+    assert "--shape-version" in err and not (tmp_path / "f").exists()
+    with pytest.raises(ValueError, match="shape_version"):
+        msf.plan("shapes", 0, 6, 3, 0.25, shape_version=2)
+
+
+def test_shapes_v4_large_centred_dark_on_light():
+    """v4's shape: its ink's longer side 0.4 to 0.9 of the frame, its box within 0.1 of the
+    frame's centre, ink darker than the paper, in every style (mode, stroke, background) and for
+    every shape."""
+    n = 32
+    for k in range(8):
+        src = dict(msf.shape_source_v4(0, k), noise=0.0)
+        for ci, kind in enumerate(msf.SHAPES):
+            x = np.asarray(msf.draw_shape_v4(kind, src, n, np.random.default_rng([k, ci])),
+                           dtype=np.float32)
+            _, (x0, y0, x1, y1) = _ink_box(x)
+            assert 0.4 <= max(x1 - x0, y1 - y0) / n <= 0.9, (k, kind, src)
+            gap = max(x0 - n / 2, n / 2 - x1, y0 - n / 2, n / 2 - y1, 0)
+            assert gap <= 0.1 * n, (k, kind, src)
+            assert x[0].mean() > x.reshape(-1, 3).mean(1).min() + 60, (k, kind, src)
+
+
+def test_shapes_v4_palettes_are_the_sources_common_ones():
+    """v4's greys come from GLYPH_PALETTES for every style (paper, or the background pattern's
+    grey SHAPE_BG_SHIFT below it): two styles draw from the same 4 palettes."""
+    cands = [(i, np.asarray(pp) - d) for i, (pp, _) in enumerate(msf.GLYPH_PALETTES)
+             for d in (0, msf.SHAPE_BG_SHIFT)]
+    seen = []
+    for k in (0, 1):
+        src = dict(msf.shape_source_v4(0, k), background="flat", noise=0.0)
+        corners = set()
+        for i in range(40):
+            x = np.asarray(msf.draw_shape_v4("disc", src, 32, np.random.default_rng(i)),
+                           dtype=np.float32)
+            paper = x[:3, :3].reshape(-1, 3).mean(0)
+            corners.add(min(cands, key=lambda c: np.abs(paper - c[1]).sum())[0])
         seen.append(corners)
     assert seen[0] == seen[1] == set(range(len(msf.GLYPH_PALETTES)))
 
