@@ -90,6 +90,8 @@ GLYPH_FILL = (0.6, 0.8)      # the ink's longer side, a share of the frame's sid
 GLYPH_OFFSET = 0.06          # the letter's shift, at most this share of the frame each way
 GLYPH_ROTATE = 10.0          # degrees each way
 FONT_EXTENSIONS = (".ttf", ".otf")
+SHAPE_MODES = ("fill", "outline", "fill+outline")            # a style's ink (every version)
+SHAPE_BACKGROUNDS = ("flat", "gradient", "stripes", "noise")  # a style's background pattern
 SHAPE_RADIUS = (0.3, 0.4)   # shapes v4: the shape's radius, a share of the frame's side
 SHAPE_OFFSET = 0.06         # shapes v4: its centre's shift, at most this share each way
 SHAPE_BG_SHIFT = 20         # shapes v4: the background pattern's second grey, off the paper's
@@ -161,9 +163,9 @@ def shape_source(seed: int, k: int) -> dict:
     """Drawing style k: how the shape is inked, its palette, the background and its palette,
     the size range and the noise level."""
     rng = np.random.default_rng([seed, 202, k])
-    return {"mode": str(rng.choice(["fill", "outline", "fill+outline"])),
+    return {"mode": str(rng.choice(SHAPE_MODES)),
             "width": int(rng.integers(2, 6)), "ink": [], "paper": [],
-            "background": str(rng.choice(["flat", "gradient", "stripes", "noise"])),
+            "background": str(rng.choice(SHAPE_BACKGROUNDS)),
             "radius": [float(rng.uniform(0.22, 0.3)), float(rng.uniform(0.32, 0.42))],
             "noise": float(rng.uniform(0.0, 15.0))} | _style_greys(rng)
 
@@ -172,9 +174,9 @@ def shape_source_v4(seed: int, k: int) -> dict:
     """Shapes v4's drawing style k: how the shape is inked, the background's pattern and the
     noise level.  No greys: the paper and ink come from GLYPH_PALETTES, drawn per image."""
     rng = np.random.default_rng([seed, 404, k])
-    return {"mode": str(rng.choice(["fill", "outline", "fill+outline"])),
+    return {"mode": str(rng.choice(SHAPE_MODES)),
             "width": int(rng.integers(2, 6)),
-            "background": str(rng.choice(["flat", "gradient", "stripes", "noise"])),
+            "background": str(rng.choice(SHAPE_BACKGROUNDS)),
             "noise": float(rng.uniform(0.0, 8.0))}
 
 
@@ -432,7 +434,8 @@ def draw_shape(kind: str, src: dict, size: int, rng) -> Image.Image:
         ink = tuple(255 - v for v in mean_bg)
     r = float(rng.uniform(*src["radius"])) * big
     cx, cy = rng.uniform(r, big - r, 2)
-    return _ink_shape(im, kind, src, ink, tuple(255 - v for v in ink), cx, cy, r, size, rng)
+    return _ink_shape(im, kind, src, ink, (ink, tuple(255 - v for v in ink)), cx, cy, r, size,
+                      rng)
 
 
 def draw_shape_v4(kind: str, src: dict, size: int, rng) -> Image.Image:
@@ -450,13 +453,13 @@ def draw_shape_v4(kind: str, src: dict, size: int, rng) -> Image.Image:
     r = float(rng.uniform(*SHAPE_RADIUS)) * big
     cx, cy = big / 2 + rng.uniform(-SHAPE_OFFSET, SHAPE_OFFSET, 2) * big
     mid = tuple((a + b) // 2 for a, b in zip(ink, paper))
-    return _ink_shape(im, kind, src, ink, ink, cx, cy, r, size, rng, fill=mid)
+    return _ink_shape(im, kind, src, ink, (mid, ink), cx, cy, r, size, rng)
 
 
-def _ink_shape(im, kind, src, ink, edge, cx, cy, r, size, rng, fill=None) -> Image.Image:
+def _ink_shape(im, kind, src, ink, both, cx, cy, r, size, rng) -> Image.Image:
     """Draw shape `kind` of radius r about (cx, cy), at a random rotation, on the background im
-    (2 size px) in the style's mode (fill and outline: ink; "fill+outline": filled with `fill`,
-    default ink, inside an outline of `edge`); reduce to size px and add the style's noise."""
+    (2 size px) in the style's mode ("fill", "outline": ink; "fill+outline": both = (fill,
+    outline)); reduce to size px and add the style's noise."""
     pts = shape_points(kind, cx, cy, r, float(rng.uniform(0, 2 * math.pi)))
     draw = ImageDraw.Draw(im)
     w = 2 * src["width"]
@@ -465,7 +468,7 @@ def _ink_shape(im, kind, src, ink, edge, cx, cy, r, size, rng, fill=None) -> Ima
     elif src["mode"] == "outline":
         draw.polygon(pts, outline=ink, width=w)
     else:
-        draw.polygon(pts, fill=ink if fill is None else fill, outline=edge, width=w)
+        draw.polygon(pts, fill=both[0], outline=both[1], width=w)
     return _noise(im.resize((size, size), Image.LANCZOS), src["noise"], rng)
 
 
