@@ -112,6 +112,7 @@ def train(st, flags) -> None:
                     if cfg.method != "simclr" and cfg.channel_likelihood == "multilinear"
                     else "") +
                    ("self_key=exclude " if cfg.self_key == "exclude" else "") +
+                   (f"noise_draws={cfg.noise_draws} " if cfg.noise_draws != 1 else "") +
                    f"steps={cfg.total_steps} ({cfg.steps_per_epoch}/epoch, warm-up "
                    f"{cfg.warmup_steps}) amp={cfg.amp} compile="
                    + ("off " if st.compiled is None else f"{st.compiled}, at the first step ")

@@ -190,7 +190,8 @@ def _grid_folders() -> dict:
     ([M:p-schedule]), NAC-MQ, G = 3 with each of the others and with p = 0.2, 0.3, and the
     inference network trained alone for the first 100 steps (`--infer-warmup-steps`), and
     the own key left out with G = 3, with D = 64 or 256, with the p ramp, with fixed gains,
-    with p = 0.2 or 0.3, without the code head's BatchNorm and with one BatchNorm pass per view.
+    with p = 0.2 or 0.3, without the code head's BatchNorm, with one BatchNorm pass per view and
+    with the loss averaged over 4 or 8 channel draws ([M:draws]).
     NAC-MQ is the mq grid's nac-mq:l2-0; the default itself is the budgets grid's nac:default."""
     return {"nac:exclude-self": ("nac", EXCL, "default"),
             "nac:again3": ("nac", ["--a-gain", "3"], "default"),
@@ -215,7 +216,9 @@ def _grid_folders() -> dict:
             "nac:exclude-self+dim256": ("nac", EXCL + ["--code-dim", "256"], "default"),
             "nac:exclude-self+nohbn": ("nac", EXCL + ["--no-head-bn"], "default"),
             "nac:exclude-self+p0.3": ("nac", EXCL + ["--flip-prob", "0.3"], "default"),
-            "nac:exclude-self+perview": ("nac", EXCL + PERVIEW, "default")}
+            "nac:exclude-self+perview": ("nac", EXCL + PERVIEW, "default"),
+            "nac:exclude-self+draws4": ("nac", EXCL + ["--noise-draws", "4"], "default"),
+            "nac:exclude-self+draws8": ("nac", EXCL + ["--noise-draws", "8"], "default")}
 
 
 GRIDS = {"main": _grid_main, "ablation": _grid_ablation, "explore": _grid_explore,

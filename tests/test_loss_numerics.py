@@ -6,6 +6,8 @@
 - TestFold: the row-wise tails folded into the Triton matrix kernels, the same bits as apart.
 - TestBf16x6, TestFp16x3: the Triton backend's fp32 product modes (NAC_FAST_FP32_DOT).
 - TestMultilinear: the channel's own relaxed likelihood.
+- TestSelfKey: each row's own code left out of its keys.
+- TestNoiseDraws: the loss averaged over several channel samples.
 - TestApproxMath: the fp32 budgets with the GPU's approximate exp/log.
 - TestBf16Rounding: the kernels' bf16 down-casts round to nearest even under the interpreter.
 - TestReferenceAutocast: the reference under autocast keeps fp32 precision.
@@ -1204,6 +1206,43 @@ class TestMultilinear:
         assert "likelihood=multilinear" in capsys.readouterr().out
 
 
+def _train_option(tmp_path, capsys, option, shown, *, backends=(), mq_refusal=None,
+                  resume_refusal=None, recipe=None):
+    """train.py (in-batch NAC, 2 steps on synthetic data) with the flags `option`: it runs and its
+    start line shows `shown`, on each loss backend of `backends` too; --method nac-mq with them
+    exits 2 naming `mq_refusal`; a resume without them exits 2 naming `resume_refusal`, one with
+    them continues; the recipe text `recipe` trains and shows `shown`.  Returns train.main and
+    the base arguments, for the option's own refusals."""
+    sys.path.insert(0, ROOT)
+    import train
+    base = ["--data", "synthetic:64", "--batch-size", "32", "--max-steps", "2", "--no-progress",
+            "--device", "cpu"] + list(option)
+    assert train.main(base + ["--out", str(tmp_path / "ok")]) == 0
+    out = capsys.readouterr().out
+    assert shown in out
+    for backend in backends:
+        assert train.main(base + ["--out", str(tmp_path / backend), "--loss-backend",
+                                  backend]) == 0, backend
+        assert shown in capsys.readouterr().out
+    if mq_refusal is not None:
+        assert train.main(base + ["--out", str(tmp_path / "mq"), "--method", "nac-mq"]) == 2
+        assert mq_refusal in capsys.readouterr().err
+    if resume_refusal is not None:
+        without = base[:-len(option)]
+        assert train.main(without + ["--out", str(tmp_path / "ok"), "--max-steps", "3",
+                                     "--resume"]) == 2
+        assert resume_refusal in capsys.readouterr().err
+        assert train.main(base + ["--out", str(tmp_path / "ok"), "--max-steps", "3",
+                                  "--resume"]) == 0
+    if recipe is not None:
+        rec = tmp_path / "r.toml"
+        rec.write_text(recipe + "\nflip_prob = 0.25\nepochs = 1\nbatch_size = 32\n")
+        assert train.main(["--config", str(rec), "--data", "synthetic:64", "--max-steps", "1",
+                           "--no-progress", "--device", "cpu", "--out", str(tmp_path / "rec")]) == 0
+        assert shown in capsys.readouterr().out
+    return train.main, base, out
+
+
 def _self_key_inputs(n, N, D, offset, dtype, seed, p=0.25):
     """(tensors requiring grad, noise) of a self-key case on DEVICE in `dtype`: a, r and (N not
     None) keys whose rows offset .. offset + n - 1 are the rows' own codes tanh(a), as gathering
@@ -1519,34 +1558,153 @@ class TestSelfKey:
                                                reduction="none", **kw)) <= 1e-5
 
     def test_train_flag(self, tmp_path, capsys):
-        sys.path.insert(0, ROOT)
-        import train
-        base = ["--data", "synthetic:64", "--batch-size", "32", "--max-steps", "2", "--no-progress",
-                "--device", "cpu", "--self-key", "exclude"]
-        assert train.main(base + ["--out", str(tmp_path / "ok")]) == 0
-        out = capsys.readouterr().out
-        assert "self_key=exclude " in out and "reference loss" not in out
-        # a fused backend named: it runs (a usage error until the fused kernels took it)
-        for backend in BACKENDS:
-            assert train.main(base + ["--out", str(tmp_path / backend), "--loss-backend",
-                                      backend]) == 0, backend
-            assert "self_key=exclude " in capsys.readouterr().out
-        assert train.main(base + ["--out", str(tmp_path / "mq"), "--method", "nac-mq"]) == 2
-        assert "--self-key exclude is an option of in-batch NAC" in capsys.readouterr().err
-        assert train.main(base[:-1] + ["some", "--out", str(tmp_path / "bad2")]) == 2
+        # a fused backend named runs (a usage error until the fused kernels took it); a resumed
+        # run keeps the key set it was trained with
+        main, base, out = _train_option(
+            tmp_path, capsys, ["--self-key", "exclude"], "self_key=exclude ", backends=BACKENDS,
+            mq_refusal="--self-key exclude is an option of in-batch NAC",
+            resume_refusal="checkpoint has self_key='exclude', this run 'include'",
+            recipe='self_key = "exclude"')
+        assert "reference loss" not in out
+        assert main(base[:-1] + ["some", "--out", str(tmp_path / "bad2")]) == 2
         assert "invalid choice: 'some'" in capsys.readouterr().err
-        # a resumed run keeps the key set it was trained with
-        assert train.main(base[:-2] + ["--out", str(tmp_path / "ok"), "--max-steps", "3",
-                                       "--resume"]) == 2
-        assert "checkpoint has self_key='exclude', this run 'include'" in capsys.readouterr().err
-        assert train.main(base + ["--out", str(tmp_path / "ok"), "--max-steps", "3",
-                                  "--resume"]) == 0
-        # the recipe key
-        rec = tmp_path / "r.toml"
-        rec.write_text('self_key = "exclude"\nflip_prob = 0.25\nepochs = 1\nbatch_size = 32\n')
-        assert train.main(["--config", str(rec), "--data", "synthetic:64", "--max-steps", "1",
-                           "--no-progress", "--device", "cpu", "--out", str(tmp_path / "rec")]) == 0
-        assert "self_key=exclude" in capsys.readouterr().out
+
+
+class TestNoiseDraws:
+    """The loss averaged over K channel samples (docs/math.md [M:draws], noise_draws=K,
+    --noise-draws K): on every backend the mean of K one-sample losses, value and gradients,
+    against the float64 oracle at awkward sizes (with the paper's keys, gathered keys and the own
+    key left out); the draws are K successive samples of torch's RNG; independent samples (the
+    variance of the value over the channel shrinks by about K); the criterion and the training
+    flag; the refusals."""
+
+    @pytest.mark.parametrize("n,N,D,K", [(1, None, 1, 2), (3, None, 7, 3), (97, None, 16, 4),
+                                         (3, 97, 7, 2), (40, 1031, 9, 5)])
+    @pytest.mark.parametrize("self_key", ["include", "exclude"])
+    def test_the_mean_of_the_one_sample_losses(self, n, N, D, K, self_key):
+        if self_key == "exclude" and N is None and n == 1:
+            pytest.skip("a lone row without keys has no other key")
+        p = 0.25
+        g = torch.Generator().manual_seed(n + D + K)
+        a = torch.randn(n, D, generator=g, dtype=torch.float64) * 1.5
+        r = torch.randn(n, D, generator=g, dtype=torch.float64) * 2
+        keys = None if N is None else torch.tanh(torch.randn(N, D, generator=g,
+                                                             dtype=torch.float64))
+        offset = 0 if N is None else N - n
+        if keys is not None:
+            keys[offset:] = torch.tanh(a)
+        noise = nac_fast.draw_noise((K, n, D), p, dtype=torch.float64, generator=g)
+        kw = dict(keys=keys, self_key=self_key,
+                  self_offset=offset if self_key == "exclude" else 0)
+        want = np.mean([oracle_rows(a, r, noise[j], p, keys, self_offset=(
+            offset if self_key == "exclude" else None)) for j in range(K)], axis=0)
+        got = nac_fast.nac_loss(a, r, p, noise=noise, noise_draws=K, reduction="none", **kw)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-11)
+        w = torch.randn(n, generator=g, dtype=torch.float64)
+        t = {"a": a, "r": r} if keys is None else {"a": a, "r": r, "keys": keys}
+        t = {k: v.clone().requires_grad_() for k, v in t.items()}
+
+        def one(a, r, keys=None, **kw2):
+            return nac_fast.nac_loss(a, r, p, reduction="none", self_key=self_key,
+                                     self_offset=kw["self_offset"], keys=keys, **kw2)
+
+        # the K one-sample losses summed and divided: the exact gradient of the mean
+        v64, g64 = run_loss(lambda **x: sum(one(**x, noise=noise[j], backend="reference")
+                                            for j in range(K)) / K, t, w)
+        for backend in ["reference"] + BACKENDS:
+            for dtype, vtol, gtol in ((torch.float64, 1e-10, 1e-10), (torch.float32, 1e-5, 1e-4)):
+                tt = {k: v.detach().to(DEVICE, dtype).requires_grad_() for k, v in t.items()}
+                v, gr = run_loss(one, tt, w.to(DEVICE), noise=noise.to(DEVICE, dtype),
+                                 noise_draws=K, backend=backend)
+                assert rel_err(v, v64) <= vtol, (backend, dtype, rel_err(v, v64))
+                for name in g64:
+                    assert rel_err(gr[name], g64[name]) <= gtol, (backend, dtype, name)
+        for reduction, fold in (("mean", np.mean), ("sum", np.sum)):
+            got = nac_fast.nac_loss(a, r, p, noise=noise, noise_draws=K, reduction=reduction,
+                                    **kw)
+            np.testing.assert_allclose(float(got), fold(want), rtol=1e-12, atol=1e-11)
+
+    @pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+    def test_the_draws_are_successive_samples_of_torchs_rng(self, backend):
+        """Without noise, draw j is the j-th sample drawn after the call starts: K one-sample
+        calls after the same seed give the same mean (the CPU backends draw the noise with
+        torch's RNG; Triton on a GPU draws it in its kernel from a seed of that RNG)."""
+        if DEVICE != "cpu":
+            pytest.skip("on a GPU the Triton backend draws in its kernel")
+        g = torch.Generator().manual_seed(5)
+        a, r = torch.randn(33, 12, generator=g), torch.randn(33, 12, generator=g)
+        torch.manual_seed(11)
+        got = nac_fast.nac_loss(a, r, 0.2, noise_draws=3, backend=backend)
+        torch.manual_seed(11)
+        want = sum(nac_fast.nac_loss(a, r, 0.2, backend=backend) for _ in range(3)) / 3
+        assert float(got) == pytest.approx(float(want), rel=1e-6)
+        assert float(got) != pytest.approx(float(nac_fast.nac_loss(a, r, 0.2, backend=backend)),
+                                           rel=1e-6)
+
+    def test_the_samples_are_independent(self):
+        """The channel's variance of the loss falls by about K (exactly K for independent draws;
+        one draw repeated would keep it): over 400 seeds, K = 4 against K = 1."""
+        g = torch.Generator().manual_seed(2)
+        a, r = torch.randn(16, 32, generator=g) * 2, torch.randn(16, 32, generator=g) * 2
+
+        def var(k):
+            vals = []
+            for seed in range(400):
+                torch.manual_seed(seed)
+                vals.append(float(nac_fast.nac_loss(a.double(), r.double(), 0.1,
+                                                    noise_draws=k)))
+            return float(np.var(vals))
+        ratio = var(4) / var(1)
+        assert 0.17 < ratio < 0.35, ratio
+
+    def test_the_criterion_averages_over_the_draws(self):
+        g = torch.Generator().manual_seed(3)
+        out0 = (torch.randn(6, 8, generator=g, dtype=torch.float64),
+                torch.randn(6, 8, generator=g, dtype=torch.float64))
+        out1 = (torch.randn(6, 8, generator=g, dtype=torch.float64),
+                torch.randn(6, 8, generator=g, dtype=torch.float64))
+        noise = nac_fast.draw_noise((3, 12, 8), 0.1, dtype=torch.float64, generator=g)
+        crit = nac_fast.NACLoss(0.1, noise_draws=3, self_key="exclude")
+        want = sum(nac_fast.NACLoss(0.1, self_key="exclude")(out0, out1, noise=noise[j])
+                   for j in range(3)) / 3
+        assert float(crit(out0, out1, noise=noise)) == pytest.approx(float(want), rel=1e-12)
+        assert "noise_draws=3" in repr(crit)
+        assert "noise_draws=1" in repr(nac_fast.NACLoss(0.1))
+
+    def test_bad_noise_draws_and_noise_are_named(self):
+        a, r = torch.randn(4, 3), torch.randn(4, 3)
+        for bad in (0, -1, 1.5, True, "2", None):
+            with pytest.raises(ValueError, match="noise_draws must be a positive int"):
+                nac_fast.nac_loss(a, r, 0.1, noise_draws=bad)
+            with pytest.raises(ValueError, match="noise_draws must be a positive int"):
+                nac_fast.NACLoss(0.1, noise_draws=bad)
+        with pytest.raises(ValueError, match=r"noise must have the \(noise_draws, n, D\) shape "
+                                             r"\(2, 4, 3\), got \(4, 3\)"):
+            nac_fast.nac_loss(a, r, 0.1, noise=torch.ones(4, 3), noise_draws=2)
+        with pytest.raises(ValueError, match=r"noise must have a's shape \(4, 3\)"):
+            nac_fast.nac_loss(a, r, 0.1, noise=torch.ones(2, 4, 3))
+        bad = torch.ones(2, 4, 3)
+        bad[1, 2, 0] = 0
+        with pytest.raises(ValueError, match="noise must contain only -1 and \\+1"):
+            nac_fast.nac_loss(a, r, 0.1, noise=bad, noise_draws=2)
+
+    def test_train_flag(self, tmp_path, capsys):
+        # a run from before the flag had one draw: a resume without it is refused
+        main, base, _ = _train_option(
+            tmp_path, capsys, ["--noise-draws", "3"], "noise_draws=3 ", backends=BACKENDS,
+            mq_refusal="--noise-draws 3 is an option of in-batch NAC",
+            resume_refusal="checkpoint has noise_draws=3, this run 1", recipe="noise_draws = 3")
+        assert main(base + ["--self-key", "exclude", "--out", str(tmp_path / "excl")]) == 0
+        assert "self_key=exclude noise_draws=3 " in capsys.readouterr().out
+        for bad, msg in (("0", "--noise-draws must be >= 1, got 0"),
+                         ("1.5", "invalid int value: '1.5'")):
+            assert main(base[:-1] + [bad, "--out", str(tmp_path / "bad")]) == 2
+            assert msg in capsys.readouterr().err
+        rec = tmp_path / "r2.toml"
+        rec.write_text("noise_draws = 2.0\nepochs = 1\n")
+        assert main(["--config", str(rec), "--data", "synthetic:64", "--no-progress", "--device",
+                     "cpu", "--out", str(tmp_path / "rec2")]) == 2
+        assert "noise_draws = 2.0: must be an integer" in capsys.readouterr().err
 
 
 # ==== approximate exp/log =========================================================================

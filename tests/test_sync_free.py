@@ -101,16 +101,19 @@ def _loss_ops(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("method", ["nac", "nac-mq"])
+@pytest.mark.parametrize("method", ["nac", "nac-draws", "nac-mq"])
 def test_loss_forward_backward_of_a_step_is_sync_free(backend, method):
     """nac_step / nac_mq_step (+ its VI term) forward and backward under the step's checks: what
-    the GPU suite wraps in torch.cuda.set_sync_debug_mode("error")."""
+    the GPU suite wraps in torch.cuda.set_sync_debug_mode("error").  nac-draws: in-batch NAC
+    averaged over 3 channel draws with the own key left out (docs/math.md [M:draws])."""
     torch.manual_seed(0)
     model = build_model("resnet-tiny", 1, 8, 16)
     x = torch.randn(16, 1, 8, 8)
     with step_value_checks(), NoHostReads() as mode:
         if method == "nac":
             loss, _ = nac_step(model, x, 0.1, backend=backend)
+        elif method == "nac-draws":
+            loss, _ = nac_step(model, x, 0.1, backend=backend, noise_draws=3, self_key="exclude")
         else:
             mq = nac_fast.NACMQ(model, queue_size=48, p=0.1, l2=0.1, backend=backend)
             loss, _ = nac_mq_step(mq, x)

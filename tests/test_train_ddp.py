@@ -1,5 +1,6 @@
 """2-process gloo DDP equals 1 process over the global batch (loss and gradients), for nac,
-nac-mq and simclr, and for nac with each row's own code left out of its keys (NACLoss finds it
+nac-mq and simclr, for nac averaged over 3 channel draws (the keys gathered once, [M:draws]),
+and for nac with each row's own code left out of its keys (NACLoss finds it
 at this rank's place in the gathered keys, [M:self-key]) on every backend here: "auto" (the fused
 CPU kernel, its self_offset the rank's place), the reference, and Triton where it runs (the
 interpreter); under DDP the trainer's steps on the public criteria (NACLoss with
@@ -44,7 +45,7 @@ WORLD, K, D, P = 2, 6, 16, 0.2   # K images per rank, 2K rows per rank
 EXCLUDE = {"nac-exclude": "auto", "nac-exclude-reference": "reference"}
 if "triton" in available_backends("cpu"):
     EXCLUDE["nac-exclude-triton"] = "triton"
-METHODS = ("nac", "nac-mq", "simclr", *EXCLUDE)
+METHODS = ("nac", "nac-mq", "simclr", *EXCLUDE, "nac-draws")
 
 
 def _free_port():
@@ -83,6 +84,9 @@ def _run(method, model, x, noise):
         return nac_step(model, x, P, noise=noise)[0]
     if method in EXCLUDE:
         return nac_step(model, x, P, noise=noise, backend=EXCLUDE[method], self_key="exclude")[0]
+    if method == "nac-draws":  # 3 channel draws ([M:draws]), each row's own sign patterns
+        draws = torch.stack([noise, -noise, noise.roll(1, dims=1)])
+        return nac_step(model, x, P, noise=draws, self_key="exclude", noise_draws=3)[0]
     if method == "nac-mq":
         return nac_mq_step(model, x, noise=noise)[0]
     return simclr_step(model, x, 0.5)[0]

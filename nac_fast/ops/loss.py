@@ -1,7 +1,7 @@
 """Public NAC loss API: argument checking, noise, backend choice.
 
     nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto",
-             likelihood="dot", self_key="include", self_offset=0)
+             likelihood="dot", self_key="include", self_offset=0, noise_draws=1)
     nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto",
                 likelihood="dot")
     nac_vi_loss(a, r, p, *, noise=None, reduction="mean")
@@ -114,9 +114,10 @@ def _check_noise_values(noise) -> None:
         raise ValueError("noise must contain only -1 and +1")
 
 
-def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys", draw=True):
+def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys", draw=True,
+             draws=1):
     """Validate the common arguments; returns (p, s, noise in a's dtype: None when not given and
-    not `draw`n, for `_channel` to decide)."""
+    not `draw`n, for `_channel` to decide).  draws > 1: an explicit noise is (draws, n, D)."""
     p = _checks.flip_prob("p", p)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -132,7 +133,10 @@ def _prepare(a, r, p, keys, noise, reduction, *, r_name="r", keys_name="keys", d
             raise TypeError(f"{keys_name} must have a's dtype {a.dtype}, got {keys.dtype}")
         tensors.append((keys_name, keys))
     if noise is not None:
-        check_noise(noise, (n, d))
+        if draws == 1:
+            check_noise(noise, (n, d))
+        else:
+            check_noise(noise, (draws, n, d), "the (noise_draws, n, D)")
         tensors.append(("noise", noise))
     for name, t in tensors[1:]:
         if t.device != a.device:
@@ -229,8 +233,13 @@ def _self_offset(self_key, self_offset, n, keys) -> int | None:
     return self_offset
 
 
+def _check_draws(noise_draws) -> int:
+    """noise_draws, an int >= 1 (ValueError naming noise_draws)."""
+    return _checks.positive_int("noise_draws", noise_draws)
+
+
 def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto",
-             likelihood="dot", self_key="include", self_offset=0):
+             likelihood="dot", self_key="include", self_offset=0, noise_draws=1):
     """In-batch NAC loss to minimise (docs/math.md [M:inbatch]).
 
     a: (n, D) projection-head pre-activations (tanh is applied inside).
@@ -247,18 +256,28 @@ def nac_loss(a, r, p, *, keys=None, noise=None, reduction="mean", backend="auto"
         (left out, and log(N - 1) for log N: docs/math.md [M:self-key]; every backend).
     self_offset: with "exclude", row i's own code is keys[self_offset + i] (0 without keys; with
         keys all-gathered from every rank, this rank's index times n).
+    noise_draws: the loss averaged over this many independent channel samples of the same rows
+        (docs/math.md [M:draws]; 1, the paper's, one sample).  The same expected loss and
+        gradient, with less variance; each draw costs one loss call (forward and backward).
+        An explicit noise is then (noise_draws, n, D), draw j's sample at noise[j].
     """
     _check_likelihood(likelihood, backend)
     _check_self_key(self_key)
-    p, s, noise = _prepare(a, r, p, keys, noise, reduction, draw=False)
+    draws = _check_draws(noise_draws)
+    p, s, noise = _prepare(a, r, p, keys, noise, reduction, draw=False, draws=draws)
     offset = _self_offset(self_key, self_offset, a.shape[0], keys)
     impl = _backend_for(backend, a, keys, likelihood)
-    noise, seed = _channel(impl, a, p, noise)
-    if impl == "reference":
-        return reference.nac_loss_reference(a, r, noise, s, keys=keys, reduction=reduction,
-                                            likelihood=likelihood, self_offset=offset)
-    return _nac.nac_fused(impl, a, r, noise, keys, s, 0.0, reduction, seed, p,
-                          self_offset=-1 if offset is None else offset)
+    total = None
+    for j in range(draws):
+        nz, seed = _channel(impl, a, p, noise if noise is None or draws == 1 else noise[j])
+        if impl == "reference":
+            loss = reference.nac_loss_reference(a, r, nz, s, keys=keys, reduction=reduction,
+                                                likelihood=likelihood, self_offset=offset)
+        else:
+            loss = _nac.nac_fused(impl, a, r, nz, keys, s, 0.0, reduction, seed, p,
+                                  self_offset=-1 if offset is None else offset)
+        total = loss if total is None else total + loss
+    return total if draws == 1 else total / draws
 
 
 def nac_mq_loss(a, r_hat, queue, p, *, l2=0.1, noise=None, reduction="mean", backend="auto",
@@ -448,15 +467,18 @@ class NACLoss(nn.Module):
     self_key: "include" (the paper's: each row's own clean code is one of its keys) | "exclude"
         (left out, docs/math.md [M:self-key]; every backend): nac_loss's.  With
         gather_distributed, row i's own code is found at this rank's place in the gathered keys.
+    noise_draws: the loss averaged over this many channel samples (docs/math.md [M:draws]; 1,
+        the paper's): nac_loss's.  Under gather_distributed the keys are gathered once.
     forward(out0, out1, noise=None): noise None = drawn from torch's RNG, or an explicit
-        (2K, D) tensor of +-1 for the rows [view 0; view 1].
+        (2K, D) tensor of +-1 for the rows [view 0; view 1] ((noise_draws, 2K, D) with
+        noise_draws > 1).
     Under autocast, a and r go to the loss in the autocast dtype (loss_dtype; the loss still
     computes in float32).  Bad input: TypeError/ValueError naming the argument (out0[1] is r0).
     """
 
     def __init__(self, p: float = 0.1, *, gather_distributed: bool = False,
                  reduction: str = "mean", backend: str = "auto", likelihood: str = "dot",
-                 self_key: str = "include"):
+                 self_key: str = "include", noise_draws: int = 1):
         super().__init__()
         self.p = _checks.flip_prob("p", p)
         self.gather_distributed = _checks.flag("gather_distributed", gather_distributed)
@@ -464,6 +486,7 @@ class NACLoss(nn.Module):
         self.backend = _check_backend_name(backend)
         self.likelihood = _check_likelihood(likelihood, backend)
         self.self_key = _check_self_key(self_key)
+        self.noise_draws = _check_draws(noise_draws)
 
     def forward(self, out0, out1, noise: torch.Tensor | None = None) -> torch.Tensor:
         a0, r0 = _view_pair("out0", out0)
@@ -479,12 +502,14 @@ class NACLoss(nn.Module):
                 offset = _rank() * a.shape[0]
         return nac_loss(a, r, self.p, keys=keys, noise=noise, reduction=self.reduction,
                         backend=self.backend, likelihood=self.likelihood,
-                        self_key=self.self_key, self_offset=offset)
+                        self_key=self.self_key, self_offset=offset,
+                        noise_draws=self.noise_draws)
 
     def extra_repr(self) -> str:
         return (f"p={self.p}, gather_distributed={self.gather_distributed}, "
                 f"reduction={self.reduction!r}, backend={self.backend!r}, "
-                f"likelihood={self.likelihood!r}, self_key={self.self_key!r}")
+                f"likelihood={self.likelihood!r}, self_key={self.self_key!r}, "
+                f"noise_draws={self.noise_draws}")
 
 
 class NACMQLoss(nn.Module):

@@ -84,6 +84,7 @@ class TrainConfig:
     flip_prob_final_min_images: int | None = None
     channel_likelihood: str = "dot"
     self_key: str = "include"
+    noise_draws: int = 1
     epochs: int | None = None
     max_steps: int | None = None
     min_steps: int | None = None
@@ -307,6 +308,9 @@ def build_parser() -> _Parser:
       "image's own clean code is one of its keys, the paper's; exclude = left out, a "
       "leave-one-out denominator (docs/math.md [M:self-key]; not the paper's; every loss "
       "backend)")
+    a("--noise-draws", dest="noise_draws", type=int, metavar="K", help="in-batch NAC (--method "
+      "nac): the loss averaged over K channel samples of each step's codes (docs/math.md "
+      "[M:draws]; 1 = one sample, the paper's; each draw costs one loss call)")
     a("--epochs", type=int, help="epochs")
     a("--min-steps", type=int, help="with --epochs: at least this many optimizer steps (small "
       "data sets train longer than --epochs; the small-data recipe sets it)")
@@ -689,7 +693,7 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
     if cfg.val_labels is not None and not os.path.isfile(cfg.val_labels):
         raise UsageError(f"{name('val_labels')} {cfg.val_labels!r}: no such file")
     pos = {d: getattr(cfg, d) for d in ("batch_size", "epochs", "log_every", "save_every",
-                                         "code_dim")}
+                                         "code_dim", "noise_draws")}
     for d in ("max_steps", "min_steps", "image_size", "stop_at_step",
               "flip_prob_final_min_steps", "flip_prob_final_min_images"):
         if getattr(cfg, d) is not None:
@@ -727,6 +731,9 @@ def check(cfg: TrainConfig, world: int, name=_flag) -> None:
     if cfg.self_key == "exclude" and cfg.method != "nac":
         raise UsageError(f"{name('self_key')} exclude is an option of in-batch NAC (--method "
                          f"nac), not of {cfg.method} (docs/math.md [M:self-key])")
+    if cfg.noise_draws != 1 and cfg.method != "nac":
+        raise UsageError(f"{name('noise_draws')} {cfg.noise_draws} is an option of in-batch NAC "
+                         f"(--method nac), not of {cfg.method} (docs/math.md [M:draws])")
     for d in FINITE_FLOATS:   # nan/inf pass "< 0" tests and train to NaN weights
         v = getattr(cfg, d)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v):

@@ -75,13 +75,14 @@ def view_outputs(a: torch.Tensor, r: torch.Tensor):
 
 
 def nac_step(model, x, p, noise=None, backend="auto", *, out=None, freeze_codes=False,
-             likelihood="dot", self_key="include"):
+             likelihood="dot", self_key="include", noise_draws=1):
     """In-batch NAC (docs/math.md [M:inbatch]), cross-pathway r: nac_fast.NACLoss with
     gather_distributed=True (the keys are the clean codes of the GLOBAL batch, all-gathered with
     gradient, so every rank's rows receive the gradient they get in one big process).
-    noise: None = drawn from torch's RNG; or an explicit (2K, D) +-1 tensor.
-    backend, likelihood, self_key: the loss's (nac_fast.NACLoss's `backend`, `likelihood` and
-    `self_key`).
+    noise: None = drawn from torch's RNG; or an explicit (2K, D) +-1 tensor ((noise_draws, 2K,
+    D) with noise_draws > 1).
+    backend, likelihood, self_key, noise_draws: the loss's (nac_fast.NACLoss's `backend`,
+    `likelihood`, `self_key` and `noise_draws`).
     out: a dict that receives "r", the inference logits (detached), for the log's statistics.
     freeze_codes: the loss's gradient reaches only the inference network (a and phi's input h
     detached): the inference network's warm-up (train.py --infer-warmup-steps).
@@ -92,7 +93,7 @@ def nac_step(model, x, p, noise=None, backend="auto", *, out=None, freeze_codes=
     if out is not None:
         out["r"] = r.detach()
     criterion = NACLoss(p, gather_distributed=True, backend=backend, likelihood=likelihood,
-                        self_key=self_key)
+                        self_key=self_key, noise_draws=noise_draws)
     return criterion(*view_outputs(a.detach() if freeze_codes else a, r), noise=noise), a
 
 

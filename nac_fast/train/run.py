@@ -62,9 +62,10 @@ from .schedule import flip_prob_at, get_lr, p_schedule_applies, p_schedule_short
 # global batch divides by it (`resume`: the elastic resize).
 RESUME_KEYS = ("arch", "method", "batch_size", "code_dim", "data", "total_steps",
                "warmup_steps", "queue_size", "seed", "train_subset", "train_subset_sha256",
-               "num_images", "self_key")
+               "num_images", "self_key", "noise_draws")
 # What a checkpoint written before a key existed had (its value then)
-RESUME_DEFAULTS = {"train_subset": "all", "train_subset_sha256": None, "self_key": "include"}
+RESUME_DEFAULTS = {"train_subset": "all", "train_subset_sha256": None, "self_key": "include",
+                   "noise_draws": 1}
 # The model the checkpoint's weights are, beyond arch, method and code_dim: a run that builds
 # another fails to load them (other state keys) or, with the same keys, records them as a model
 # they are not (evaluation builds the model from the config).  The gains count while fixed
@@ -412,7 +413,7 @@ def train_step(st: TrainState, x: torch.Tensor):
         if a_.method == "nac":
             loss, a = nac_step(st.net, x, p, backend=a_.loss_backend, out=out,
                                freeze_codes=frozen, likelihood=a_.channel_likelihood,
-                               self_key=a_.self_key)
+                               self_key=a_.self_key, noise_draws=a_.noise_draws)
         elif a_.method == "nac-mq":
             st.mq_criterion.p = p
             loss, a = nac_mq_step(st.net, x, out=out, freeze_codes=frozen)
