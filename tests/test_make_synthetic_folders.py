@@ -215,21 +215,25 @@ def test_glyphs_v4_letter_large_centred_dark_on_light():
     assert np.mean(shares[4]) > 1.2 * np.mean(shares[3])
 
 
+def _corner_palettes(draw, shifts=(0,)) -> set:
+    """The GLYPH_PALETTES (their indices) whose paper, or a grey `shifts` levels below it, is
+    nearest the top-left corner of draw(rng) over 40 images of seeds 0 .. 39."""
+    cands = [(i, np.asarray(pp) - d) for i, (pp, _) in enumerate(msf.GLYPH_PALETTES)
+             for d in shifts]
+    corners = set()
+    for i in range(40):
+        x = np.asarray(draw(np.random.default_rng(i)), dtype=np.float32)
+        paper = x[:3, :3].reshape(-1, 3).mean(0)
+        corners.add(min(cands, key=lambda c: np.abs(paper - c[1]).sum())[0])
+    return corners
+
+
 def test_glyphs_v4_palettes_are_the_sources_common_ones():
     """v4's greys come from GLYPH_PALETTES for every source (they name neither the source nor
     the image): two sources draw from the same greys."""
     fonts = _fonts_or_skip()
-    seen = []
-    for font in fonts[:2]:
-        src = msf.glyph_source_v4(font, "plain")
-        corners = set()
-        for i in range(40):
-            x = np.asarray(msf.draw_glyph_v4("E", dict(src), 32, np.random.default_rng(i)),
-                           dtype=np.float32)
-            paper = x[:3, :3].reshape(-1, 3).mean(0)
-            corners.add(int(np.argmin([np.abs(paper - np.asarray(pp)).sum()
-                                       for pp, _ in msf.GLYPH_PALETTES])))
-        seen.append(corners)
+    seen = [_corner_palettes(lambda rng, src=msf.glyph_source_v4(font, "plain"):
+                             msf.draw_glyph_v4("E", dict(src), 32, rng)) for font in fonts[:2]]
     assert seen[0] == seen[1] == set(range(len(msf.GLYPH_PALETTES)))
 
 
@@ -261,18 +265,10 @@ def test_shapes_v4_large_centred_dark_on_light():
 def test_shapes_v4_palettes_are_the_sources_common_ones():
     """v4's greys come from GLYPH_PALETTES for every style (paper, or the background pattern's
     grey SHAPE_BG_SHIFT below it): two styles draw from the same 4 palettes."""
-    cands = [(i, np.asarray(pp) - d) for i, (pp, _) in enumerate(msf.GLYPH_PALETTES)
-             for d in (0, msf.SHAPE_BG_SHIFT)]
-    seen = []
-    for k in (0, 1):
-        src = dict(msf.shape_source_v4(0, k), background="flat", noise=0.0)
-        corners = set()
-        for i in range(40):
-            x = np.asarray(msf.draw_shape_v4("disc", src, 32, np.random.default_rng(i)),
-                           dtype=np.float32)
-            paper = x[:3, :3].reshape(-1, 3).mean(0)
-            corners.add(min(cands, key=lambda c: np.abs(paper - c[1]).sum())[0])
-        seen.append(corners)
+    seen = [_corner_palettes(lambda rng, src=dict(msf.shape_source_v4(0, k), background="flat",
+                                                  noise=0.0):
+                             msf.draw_shape_v4("disc", src, 32, rng),
+                             shifts=(0, msf.SHAPE_BG_SHIFT)) for k in (0, 1)]
     assert seen[0] == seen[1] == set(range(len(msf.GLYPH_PALETTES)))
 
 
